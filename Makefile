@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+# Both create .venv on first use; the stamp file keeps later calls from reinstalling.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# The CPU wheel of torch first: an unpinned torch would pull gigabytes of CUDA packages.
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m simulations.run $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m simulations.bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,0 +1,381 @@
+"""The relational spec: tables, keys, label, joins, shards and the test split.
+
+A spec is declared in Hydra YAML (conf/dataset/NAME.yaml) and parsed with :func:`parse_spec`.
+Validation runs before any training and names the table and column at fault:
+
+* :func:`validate_structure` needs only the spec (unknown tables, label, join graph).
+* :func:`validate_tables` checks the spec against the loaded tables (columns, key dtypes, NaN keys).
+
+The join graph must be a tree over the tables (TablePuppet Sec. 2: the query is a join tree, star, chain or
+snowflake); each edge may equate several column pairs (a composite key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+
+Task = Literal["regression", "binary", "multiclass"]
+TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
+
+
+class SpecError(ValueError):
+    """A relational spec or a table that does not fit it. The message names the table and column."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a table is split by rows into shards (the union scenario).
+
+    Either ``by`` (one shard per distinct value of that column, in sorted order) or ``parts``
+    (that many random parts of near-equal size, drawn with ``seed``).
+    """
+
+    by: str | None = None
+    parts: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One vertical table: where it comes from and which columns are features."""
+
+    name: str
+    source: str | None = None  # a .csv/.parquet path; None: the dataset loader's table of this name
+    numeric: tuple[str, ...] = ()
+    categorical: tuple[str, ...] = ()
+    shards: ShardSpec | None = None
+    region: str = "us-east"
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return self.numeric + self.categorical
+
+
+@dataclass(frozen=True)
+class LabelSpec:
+    column: str
+    table: str | None
+    task: Task
+
+
+@dataclass(frozen=True)
+class JoinSpec:
+    """An equi-join edge ``left.on[k][0] = right.on[k][1]`` for every k (composite keys have several)."""
+
+    left: str
+    right: str
+    on: tuple[tuple[str, str], ...]
+
+    def columns_of(self, table: str) -> tuple[str, ...]:
+        """The key columns this edge reads from ``table`` (one of its two ends)."""
+        if table == self.left:
+            return tuple(left for left, _ in self.on)
+        if table == self.right:
+            return tuple(right for _, right in self.on)
+        raise KeyError(f"join {self} does not involve table {table!r}")
+
+    def other(self, table: str) -> str:
+        return self.right if table == self.left else self.left
+
+    def __str__(self) -> str:
+        return " and ".join(f"{self.left}.{lc} = {self.right}.{rc}" for lc, rc in self.on)
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """The test split: a fraction of the label table's rows, drawn with ``seed``."""
+
+    test_fraction: float = 0.15
+    seed: int = 42
+
+
+@dataclass(frozen=True)
+class RelationalSpec:
+    name: str
+    tables: tuple[TableSpec, ...]
+    label: LabelSpec
+    joins: tuple[JoinSpec, ...]
+    split: SplitSpec = SplitSpec()
+    loader: Mapping[str, Any] = field(default_factory=dict)  # {"name": ..., **kwargs} of a bundled loader
+
+    @property
+    def table_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tables)
+
+    @property
+    def label_table(self) -> str:
+        assert self.label.table is not None, "label table is resolved by validate_tables"
+        return self.label.table
+
+    def table(self, name: str) -> TableSpec:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise SpecError(f"unknown table {name!r}; the spec declares {list(self.table_names)}")
+
+    def key_columns(self, table: str) -> tuple[str, ...]:
+        """All columns of ``table`` that take part in some join."""
+        cols: list[str] = []
+        for j in self.joins:
+            if table in (j.left, j.right):
+                cols += [c for c in j.columns_of(table) if c not in cols]
+        return tuple(cols)
+
+    def join_order(self) -> list[tuple[JoinSpec, str, str]]:
+        """Edges of the join tree in breadth-first order from the label table: (edge, known, new)."""
+        seen = {self.label_table}
+        order: list[tuple[JoinSpec, str, str]] = []
+        frontier = [self.label_table]
+        while frontier:
+            nxt: list[str] = []
+            for t in frontier:
+                for j in self.joins:
+                    if t in (j.left, j.right) and j.other(t) not in seen:
+                        seen.add(j.other(t))
+                        order.append((j, t, j.other(t)))
+                        nxt.append(j.other(t))
+            frontier = nxt
+        return order
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+
+def _on_pairs(on: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """``movieId`` | ``[origin, time_hour]`` | ``[[dest, faa], ...]`` -> ((left, right), ...)."""
+    if isinstance(on, str):
+        return ((on, on),)
+    if isinstance(on, Sequence) and len(on) > 0:
+        pairs = []
+        for item in on:
+            if isinstance(item, str):
+                pairs.append((item, item))
+            elif isinstance(item, Sequence) and len(item) == 2 and all(isinstance(c, str) for c in item):
+                pairs.append((str(item[0]), str(item[1])))
+            else:
+                raise SpecError(f"{where}: 'on' entries are column names or [left, right] pairs, got {item!r}")
+        return tuple(pairs)
+    raise SpecError(f"{where}: 'on' must name at least one column, got {on!r}")
+
+
+def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
+    """Build a :class:`RelationalSpec` from the dataset config (a dict or an OmegaConf node)."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra-core
+        pass
+    name = str(cfg.get("name", "dataset"))
+    raw_tables = cfg.get("tables")
+    if not isinstance(raw_tables, Mapping) or not raw_tables:
+        raise SpecError(f"dataset {name!r}: 'tables' must map table names to their specs")
+    tables = []
+    for tname, t in raw_tables.items():
+        t = dict(t or {})
+        unknown = set(t) - {"source", "numeric", "categorical", "shards", "region"}
+        if unknown:
+            raise SpecError(f"table {tname!r}: unknown settings {sorted(unknown)}")
+        shards = t.get("shards")
+        shard_spec = None
+        if shards:
+            shard_spec = ShardSpec(by=shards.get("by"), parts=shards.get("parts"), seed=int(shards.get("seed", 0)))
+            if (shard_spec.by is None) == (shard_spec.parts is None):
+                raise SpecError(f"table {tname!r}: shards take exactly one of 'by' (a column) or 'parts' (a count)")
+            if shard_spec.parts is not None and int(shard_spec.parts) < 1:
+                raise SpecError(f"table {tname!r}: shards.parts must be >= 1, got {shard_spec.parts}")
+        tables.append(
+            TableSpec(
+                name=str(tname),
+                source=t.get("source"),
+                numeric=tuple(t.get("numeric") or ()),
+                categorical=tuple(t.get("categorical") or ()),
+                shards=shard_spec,
+                region=str(t.get("region", "us-east")),
+            )
+        )
+    label = cfg.get("label") or {}
+    if not label.get("column"):
+        raise SpecError(f"dataset {name!r}: no label: set label.column (and label.table, label.task)")
+    task = label.get("task", "regression")
+    if task not in TASKS:
+        raise SpecError(f"dataset {name!r}: label.task must be one of {TASKS}, got {task!r}")
+    joins = []
+    for k, j in enumerate(cfg.get("joins") or []):
+        where = f"dataset {name!r}, join #{k}"
+        if not isinstance(j, Mapping) or "left" not in j or "right" not in j or "on" not in j:
+            raise SpecError(f"{where}: a join is {{left: TABLE, right: TABLE, on: COLUMNS}}, got {j!r}")
+        joins.append(JoinSpec(left=str(j["left"]), right=str(j["right"]), on=_on_pairs(j["on"], where)))
+    split = cfg.get("split") or {}
+    spec = RelationalSpec(
+        name=name,
+        tables=tuple(tables),
+        label=LabelSpec(column=str(label["column"]), table=label.get("table"), task=task),
+        joins=tuple(joins),
+        split=SplitSpec(test_fraction=float(split.get("test_fraction", 0.15)), seed=int(split.get("seed", 42))),
+        loader=dict(cfg.get("loader") or {}),
+    )
+    validate_structure(spec)
+    return spec
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def validate_structure(spec: RelationalSpec) -> None:
+    """Checks that need no data: table names, the label's table, and that the joins form a tree."""
+    names = spec.table_names
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise SpecError(f"table names must be unique; repeated: {sorted(dup)}")
+    if spec.label.table is not None and spec.label.table not in names:
+        raise SpecError(f"label table {spec.label.table!r} is not a declared table; tables: {list(names)}")
+    for j in spec.joins:
+        for t in (j.left, j.right):
+            if t not in names:
+                raise SpecError(f"join {j}: unknown table {t!r}; tables: {list(names)}")
+        if j.left == j.right:
+            raise SpecError(f"join {j}: a table cannot join itself")
+    if not 0.0 <= spec.split.test_fraction < 1.0:
+        raise SpecError(f"split.test_fraction must be in [0, 1), got {spec.split.test_fraction}")
+    # A tree: connected with exactly len(tables) - 1 edges; find a cycle or a stray component by union-find.
+    parent = {n: n for n in names}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for j in spec.joins:
+        a, b = root(j.left), root(j.right)
+        if a == b:
+            raise SpecError(
+                f"join graph has a cycle: join {j} connects tables {j.left!r} and {j.right!r} that other joins "
+                "already connect (put all columns of a composite key in one join)"
+            )
+        parent[a] = b
+    components: dict[str, list[str]] = {}
+    for n in names:
+        components.setdefault(root(n), []).append(n)
+    if len(components) > 1:
+        groups = sorted(components.values(), key=len, reverse=True)
+        raise SpecError(
+            f"join graph is disconnected: tables {groups[1:]} are not joined to {groups[0]}; add a join for each"
+        )
+
+
+def key_kind(dtype: Any) -> str:
+    """The kind a join key is compared as: 'integer', 'string', 'float', 'datetime' or 'bool'."""
+    if pd.api.types.is_bool_dtype(dtype):
+        return "bool"
+    if pd.api.types.is_integer_dtype(dtype):
+        return "integer"
+    if pd.api.types.is_float_dtype(dtype):
+        return "float"
+    if pd.api.types.is_datetime64_any_dtype(dtype):
+        return "datetime"
+    if pd.api.types.is_string_dtype(dtype) or pd.api.types.is_object_dtype(dtype):
+        return "string"
+    return str(dtype)
+
+
+def resolve_label_table(spec: RelationalSpec, columns: Mapping[str, Sequence[str]]) -> RelationalSpec:
+    """Fill in ``label.table`` from which tables hold the label column; error if none or several do."""
+    holders = [t for t, cols in columns.items() if spec.label.column in cols]
+    if spec.label.table is None:
+        if not holders:
+            raise SpecError(f"no label: no table has the label column {spec.label.column!r}")
+        if len(holders) > 1:
+            raise SpecError(
+                f"label column {spec.label.column!r} is in tables {holders}; set label.table to the one that owns it"
+            )
+        table = holders[0]
+    else:
+        table = spec.label.table
+        if spec.label.column not in columns[table]:
+            raise SpecError(f"no label: table {table!r} has no column {spec.label.column!r}")
+    for t in spec.tables:
+        if t.name != table and spec.label.column in t.features:
+            raise SpecError(
+                f"label in two tables: {spec.label.column!r} is the label of table {table!r} "
+                f"and a feature of table {t.name!r}"
+            )
+    if spec.label.column in spec.table(table).features:
+        raise SpecError(f"table {table!r}: the label column {spec.label.column!r} is also declared as a feature")
+    return RelationalSpec(
+        name=spec.name,
+        tables=spec.tables,
+        label=LabelSpec(column=spec.label.column, table=table, task=spec.label.task),
+        joins=spec.joins,
+        split=spec.split,
+        loader=spec.loader,
+    )
+
+
+def validate_table(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> None:
+    """Checks one table against the spec (what one client can check locally, before sending anything)."""
+    t = spec.table(name)
+    needed = list(spec.key_columns(name)) + list(t.features)
+    if spec.label.table == name:
+        needed.append(spec.label.column)
+    if t.shards is not None and t.shards.by is not None:
+        needed.append(t.shards.by)
+    for col in needed:
+        if col not in frame.columns:
+            raise SpecError(f"table {name!r} has no column {col!r}; its columns are {list(frame.columns)}")
+    for col in t.numeric:
+        if not (pd.api.types.is_numeric_dtype(frame[col]) or pd.api.types.is_bool_dtype(frame[col])):
+            raise SpecError(f"table {name!r}, column {col!r}: numeric feature has dtype {frame[col].dtype}")
+    for col in spec.key_columns(name):
+        missing = int(frame[col].isna().sum())
+        if missing:
+            raise SpecError(
+                f"table {name!r}, key column {col!r}: {missing} missing (NaN) key values; "
+                "drop or fill those rows before training"
+            )
+    if spec.label.table == name:
+        y = frame[spec.label.column]
+        missing = int(y.isna().sum())
+        if missing:
+            raise SpecError(f"table {name!r}, label column {spec.label.column!r}: {missing} missing labels")
+        if spec.label.task == "binary" and not set(np.unique(y.to_numpy())) <= {0, 1, False, True}:
+            raise SpecError(
+                f"table {name!r}, label column {spec.label.column!r}: binary labels must be 0/1, "
+                f"got values {sorted(map(str, np.unique(y.to_numpy())[:5]))}"
+            )
+        if spec.label.task == "regression" and not pd.api.types.is_numeric_dtype(y):
+            raise SpecError(f"table {name!r}, label column {spec.label.column!r}: regression label has dtype {y.dtype}")
+    if len(frame) == 0:
+        raise SpecError(f"table {name!r} is empty")
+
+
+def validate_key_kinds(spec: RelationalSpec, kinds: Mapping[str, Mapping[str, str]]) -> None:
+    """Joined columns must compare as the same kind (``kinds[table][column]`` from :func:`key_kind`)."""
+    for j in spec.joins:
+        for lc, rc in j.on:
+            lk, rk = kinds[j.left][lc], kinds[j.right][rc]
+            if lk != rk:
+                raise SpecError(
+                    f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}"
+                )
+
+
+def validate_tables(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> RelationalSpec:
+    """All checks against loaded tables; returns the spec with the label table resolved."""
+    missing = [n for n in spec.table_names if n not in frames]
+    if missing:
+        raise SpecError(f"tables {missing} were declared but not loaded")
+    spec = resolve_label_table(spec, {n: list(f.columns) for n, f in frames.items()})
+    for name in spec.table_names:
+        validate_table(spec, name, frames[name])
+    validate_key_kinds(
+        spec, {n: {c: key_kind(frames[n][c].dtype) for c in spec.key_columns(n)} for n in spec.table_names}
+    )
+    return spec
