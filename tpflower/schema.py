@@ -209,6 +209,8 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     joins = []
     for k, j in enumerate(cfg.get("joins") or []):
         where = f"dataset {name!r}, join #{k}"
+        if isinstance(j, Mapping) and True in j and "on" not in j:
+            j = {("on" if key is True else key): v for key, v in j.items()}  # YAML 1.1 reads a bare `on:` as True
         if not isinstance(j, Mapping) or "left" not in j or "right" not in j or "on" not in j:
             raise SpecError(f"{where}: a join is {{left: TABLE, right: TABLE, on: COLUMNS}}, got {j!r}")
         joins.append(JoinSpec(left=str(j["left"]), right=str(j["right"]), on=_on_pairs(j["on"], where)))

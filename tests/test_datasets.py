@@ -1,0 +1,331 @@
+"""Dataset loaders, dataset YAMLs, load_dataset and shard_rows (tpflower.datasets)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from tpflower.datasets import LOADERS, load_dataset, shard_rows
+from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
+from tpflower.schema import ShardSpec, SpecError, TableSpec
+
+CONF = Path(__file__).parents[1] / "conf" / "dataset"
+
+
+def conf(name: str):
+    return OmegaConf.load(CONF / f"{name}.yaml")
+
+
+def assert_range_index(frames: dict[str, pd.DataFrame]) -> None:
+    for name, frame in frames.items():
+        assert isinstance(frame.index, pd.RangeIndex) and frame.index.start == 0, name
+        assert frame.index.stop == len(frame), name
+
+
+def materialize(spec, frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The join with every table's columns prefixed by its name (for checks on small data only)."""
+    out = frames[spec.label_table].add_prefix(f"{spec.label_table}.")
+    for join, known, new in spec.join_order():
+        on = [(c, d) if known == join.left else (d, c) for c, d in join.on]
+        out = out.merge(
+            frames[new].add_prefix(f"{new}."),
+            left_on=[f"{known}.{k}" for k, _ in on],
+            right_on=[f"{new}.{n}" for _, n in on],
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- movielens
+
+
+@pytest.fixture(scope="module")
+def movielens_data():
+    return load_dataset(conf("movielens"))
+
+
+def test_movielens_tables(movielens_data):
+    spec, frames = movielens_data
+    assert set(frames) == {"ratings", "movies", "users"}
+    ratings, movies, users = frames["ratings"], frames["movies"], frames["users"]
+    assert len(ratings) == 100_004
+    assert {"userId", "movieId", "rating", "rating_year", "rating_month", "rating_hour", "rating_weekday"} <= set(
+        ratings.columns
+    )
+    assert ratings["rating_month"].between(1, 12).all() and ratings["rating_weekday"].between(0, 6).all()
+    assert list(movies.columns) == ["movieId", "genre", "year"]
+    assert len(movies) > movies["movieId"].nunique() == ratings["movieId"].nunique()
+    assert not movies.duplicated(["movieId", "genre"]).any()
+    assert users["userId"].is_unique and len(users) == ratings["userId"].nunique()
+    assert (users["user"] == users["userId"].astype(str)).all()
+    assert_range_index(frames)
+    assert spec.label.table == "ratings" and spec.label.task == "regression"
+    assert {t.name: t.region for t in spec.tables} == {"ratings": "us-east", "movies": "us-west", "users": "eu"}
+    # many-to-many: a rating joins once per genre of its movie
+    per_movie = movies.groupby("movieId").size()
+    assert int(per_movie.reindex(ratings["movieId"]).sum()) > len(ratings)
+
+
+def test_movielens_split_and_shards(movielens_data):
+    spec, frames = movielens_data
+    assert (spec.split.test_fraction, spec.split.seed) == (0.15, 42)
+    for name in ("ratings", "users"):
+        table = spec.table(name)
+        assert table.shards == ShardSpec(parts=2, seed=0)
+        parts = shard_rows(table, frames[name])
+        assert len(parts) == 2 and abs(len(parts[0]) - len(parts[1])) <= 1
+        assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(len(frames[name])))
+
+
+# ---------------------------------------------------------------------------------------- nycflights13
+
+
+@pytest.fixture(scope="module")
+def flights_frames():
+    return nycflights13.load()
+
+
+def test_nycflights13_loader(flights_frames):
+    frames = flights_frames
+    assert set(frames) == {"flights", "planes", "airports", "weather", "airlines"}
+    flights = frames["flights"]
+    assert flights["arr_delay"].notna().all() and flights["tailnum"].notna().all()
+    assert len(flights) == 327_346
+    assert flights["delayed"].dtype == np.int64
+    assert np.array_equal(flights["delayed"].to_numpy(), (flights["arr_delay"] > 15).to_numpy().astype(int))
+    assert all("rownames" not in f.columns for f in frames.values())
+    assert frames["planes"]["tailnum"].is_unique and frames["airports"]["faa"].is_unique
+    assert frames["airlines"]["carrier"].is_unique
+    assert_range_index(frames)
+
+
+@pytest.mark.parametrize("name, label, task", [("nycflights13", "arr_delay", "regression"),
+                                               ("nycflights13_delayed", "delayed", "binary")])
+def test_nycflights13_yaml(monkeypatch, flights_frames, name, label, task):
+    monkeypatch.setitem(LOADERS, "nycflights13", lambda: flights_frames)  # load the CSVs once per module
+    spec, frames = load_dataset(conf(name))
+    assert (spec.label.table, spec.label.column, spec.label.task) == ("flights", label, task)
+    leaks = {"arr_delay", "arr_time", "air_time", "delayed"}
+    assert not leaks & set(spec.table("flights").features)
+    assert set(spec.table("flights").numeric) >= {"dep_delay", "sched_dep_time", "distance", "month", "day", "hour"}
+    weather = [j for j in spec.joins if "weather" in (j.left, j.right)][0]
+    assert weather.on == (("origin", "origin"), ("time_hour", "time_hour"))
+    airports = [j for j in spec.joins if "airports" in (j.left, j.right)][0]
+    assert airports.on == (("dest", "faa"),)
+    if task == "binary":
+        assert set(np.unique(frames["flights"]["delayed"])) == {0, 1}
+    for table in ("flights", "weather"):
+        parts = shard_rows(spec.table(table), frames[table])
+        assert len(parts) == 3  # EWR, JFK, LGA in sorted order
+        assert (frames[table]["origin"].to_numpy()[parts[0]] == "EWR").all()
+        assert sum(map(len, parts)) == len(frames[table])
+
+
+# ------------------------------------------------------------------------------------------- synthetic
+
+
+def test_synthetic_yaml_is_a_many_to_many_snowflake():
+    spec, frames = load_dataset(conf("synthetic"))
+    assert spec.table_names == ("fact", "d1", "d2", "d3")
+    assert {(j.left, j.right) for j in spec.joins} == {("fact", "d1"), ("fact", "d2"), ("d1", "d3")}
+    assert len(frames["fact"]) == 2000 and len(frames["d1"]) == 2 * 200
+    assert frames["d1"].groupby("k1").size().eq(2).all()
+    assert len(materialize(spec, frames)) == 2000 * 2 * 2 * 2
+    assert_range_index(frames)
+
+
+@pytest.mark.parametrize(
+    "schema, joins",
+    [
+        ("star", {("fact", "d1"), ("fact", "d2"), ("fact", "d3")}),
+        ("chain", {("fact", "d1"), ("d1", "d2"), ("d2", "d3")}),
+        ("snowflake", {("fact", "d1"), ("fact", "d2"), ("d1", "d3")}),
+    ],
+)
+def test_synthetic_schemas_plant_a_linear_label(schema, joins):
+    kw = dict(schema=schema, n_fact=500, dim_rows=[20, 30, 40], widths=[2, 3, 4, 5], noise=0.0, seed=3)
+    cfg = {"name": "s", "loader": {"name": "synthetic", **kw}}
+    spec, frames = load_dataset(cfg)
+    assert {(j.left, j.right) for j in spec.joins} == joins
+    assert [len(frames[t]) for t in spec.table_names] == [500, 20, 30, 40]
+    assert [len(spec.table(t).numeric) for t in spec.table_names] == [2, 3, 4, 5]
+    assert all(frames[t][c].dtype == np.int64 for t in spec.table_names for c in spec.key_columns(t))
+    joined = materialize(spec, frames)
+    assert len(joined) == 500  # fanout 1: every fact row joins exactly one row per dimension
+    x = joined[[f"{t}.{c}" for t in spec.table_names for c in spec.table(t).numeric]].to_numpy()
+    y = joined["fact.y"].to_numpy()
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    assert np.allclose(x @ coef, y, atol=1e-9)  # y is a sum of per-table linear models of the joined row
+
+
+def test_synthetic_composite_and_many_to_many():
+    kw = dict(schema="star", n_fact=300, dim_rows=50, n_dims=2, widths=1, fanout=3, composite=True)
+    spec, frames = load_dataset({"name": "s", "loader": {"name": "synthetic", **kw}})
+    assert all(len(j.on) == 2 for j in spec.joins)
+    assert {"k1_a", "k1_b", "k2_a", "k2_b"} <= set(frames["fact"].columns)
+    assert len(frames["d1"]) == 150 and frames["d1"].groupby(["k1_a", "k1_b"]).size().eq(3).all()
+    assert len(materialize(spec, frames)) == 300 * 3 * 3
+
+
+def test_synthetic_tasks_and_determinism():
+    binary = synthetic.generate(n_fact=2000, task="binary", seed=1)["fact"]["y"]
+    assert set(np.unique(binary)) == {0, 1} and 0.2 < binary.mean() < 0.8
+    multi = synthetic.generate(n_fact=2000, task="multiclass", n_classes=4, label="nonlinear")["fact"]["y"]
+    assert set(np.unique(multi)) == {0, 1, 2, 3}
+    a, b = synthetic.generate(seed=5), synthetic.generate(seed=5)
+    assert all(a[t].equals(b[t]) for t in a)
+    assert not a["fact"].equals(synthetic.generate(seed=6)["fact"])
+    # dimensions do not depend on the fact size
+    assert a["d2"].equals(synthetic.generate(seed=5, n_fact=77)["d2"])
+    with pytest.raises(SpecError, match="schema"):
+        synthetic.generate(schema="galaxy")
+
+
+def test_synthetic_large_is_fast():
+    start = time.perf_counter()
+    frames = synthetic.generate(schema="star", n_fact=2_000_000, dim_rows=1000, n_dims=3, widths=2)
+    assert len(frames["fact"]) == 2_000_000
+    assert time.perf_counter() - start < 10.0  # 10M rows take a few seconds
+
+
+# ---------------------------------------------------------------------------- load_dataset and shards
+
+
+def write_user_tables(folder: Path) -> None:
+    pd.DataFrame({"id": [1, 2, 3, 4], "shop": ["a", "b", "a", "c"], "x": [0.5, 1.5, 2.0, 3.0],
+                  "target": [1.0, 2.0, 3.0, 4.0]}).to_csv(folder / "orders.csv", index=False)
+    (folder / "data").mkdir()
+    pd.DataFrame({"shop": ["a", "b", "c"], "size": [10, 20, 30], "kind": ["x", "y", "x"]}).to_parquet(
+        folder / "data" / "shops.parquet"
+    )
+
+
+def test_yaml_with_user_files(tmp_path):
+    write_user_tables(tmp_path)
+    (tmp_path / "mine.yaml").write_text(
+        "name: mine\n"
+        "tables:\n"
+        "  orders: {source: orders.csv, numeric: [x], shards: {by: shop}}\n"
+        "  shops: {source: data/shops.parquet, numeric: [size], categorical: [kind], region: eu}\n"
+        "label: {column: target, task: regression}\n"
+        "joins:\n"
+        "  - {left: orders, right: shops, on: shop}\n"  # unquoted `on` (YAML reads it as True) is accepted
+    )
+    spec, frames = load_dataset(OmegaConf.load(tmp_path / "mine.yaml"), base_dir=tmp_path)
+    assert spec.label.table == "orders" and spec.joins[0].on == (("shop", "shop"),)
+    assert len(frames["orders"]) == 4 and len(frames["shops"]) == 3
+    assert_range_index(frames)
+    parts = shard_rows(spec.table("orders"), frames["orders"])
+    assert [p.tolist() for p in parts] == [[0, 2], [1], [3]]
+
+
+def test_source_overrides_loader_table(tmp_path):
+    frames = synthetic.generate(n_fact=100, dim_rows=10, n_dims=1, widths=1)
+    frames["d1"].iloc[::-1].set_index(pd.Index(range(100, 110))).to_csv(tmp_path / "d1.csv")
+    cfg = {"name": "s", "loader": {"name": "synthetic", "n_fact": 100, "dim_rows": 10, "n_dims": 1, "widths": 1}}
+    cfg["tables"] = {"fact": {"numeric": ["x0"]}, "d1": {"source": str(tmp_path / "d1.csv"), "numeric": ["x0"]}}
+    spec, loaded = load_dataset(cfg)
+    assert loaded["d1"]["k1"].tolist() == frames["d1"]["k1"].tolist()[::-1]
+    assert "Unnamed: 0" in loaded["d1"].columns  # a source file's columns are kept as they are
+    assert_range_index(loaded)
+
+
+def test_missing_table_sources_name_the_table(tmp_path):
+    write_user_tables(tmp_path)
+    cfg = {
+        "name": "mine",
+        "tables": {"orders": {"source": "orders.csv", "numeric": ["x"]}, "shops": {"numeric": ["size"]}},
+        "label": {"column": "target"},
+        "joins": [{"left": "orders", "right": "shops", "on": "shop"}],
+    }
+    with pytest.raises(SpecError, match="'shops'"):
+        load_dataset(cfg, base_dir=tmp_path)
+    with pytest.raises(SpecError, match="'shops'.*movielens"):
+        load_dataset({**cfg, "loader": {"name": "movielens"}}, base_dir=tmp_path)
+    cfg["tables"]["shops"]["source"] = "nowhere.csv"
+    with pytest.raises(SpecError, match="'shops'.*does not exist"):
+        load_dataset(cfg, base_dir=tmp_path)
+    with pytest.raises(SpecError, match="unknown dataset loader"):
+        load_dataset({**cfg, "loader": {"name": "nope"}}, base_dir=tmp_path)
+
+
+def test_validation_runs(tmp_path):
+    write_user_tables(tmp_path)
+    cfg = {
+        "name": "mine",
+        "tables": {"orders": {"source": "orders.csv", "numeric": ["x", "missing_col"]},
+                   "shops": {"source": "data/shops.parquet"}},
+        "label": {"column": "target"},
+        "joins": [{"left": "orders", "right": "shops", "on": "shop"}],
+    }
+    with pytest.raises(SpecError, match="'orders'.*'missing_col'"):
+        load_dataset(cfg, base_dir=tmp_path)
+
+
+def test_shard_rows_partitions():
+    frame = pd.DataFrame({"c": ["b", "a", "c", "a", "b", "b", "c"]})
+    by = shard_rows(TableSpec("t", shards=ShardSpec(by="c")), frame)
+    assert [p.tolist() for p in by] == [[1, 3], [0, 4, 5], [2, 6]]
+    parts = shard_rows(TableSpec("t", shards=ShardSpec(parts=3, seed=7)), pd.DataFrame({"c": range(100)}))
+    assert sorted(map(len, parts)) == [33, 33, 34]
+    assert all(np.all(np.diff(p) > 0) for p in parts)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(100))
+    again = shard_rows(TableSpec("t", shards=ShardSpec(parts=3, seed=7)), pd.DataFrame({"c": range(100)}))
+    assert all(np.array_equal(p, q) for p, q in zip(parts, again))
+    assert [p.tolist() for p in shard_rows(TableSpec("t"), frame)] == [list(range(7))]
+    with pytest.raises(SpecError, match="'t'.*'c'.*missing"):
+        shard_rows(TableSpec("t", shards=ShardSpec(by="c")), pd.DataFrame({"c": ["a", None]}))
+    with pytest.raises(SpecError, match="'t'"):
+        shard_rows(TableSpec("t", shards=ShardSpec(parts=8)), frame)
+
+
+# ----------------------------------------------------------------------------------------- movielens1m
+
+
+def write_ml1m(folder: Path) -> None:
+    (folder / "ratings.dat").write_text(
+        "1::10::5::978300760\n1::20::3::978302109\n2::10::4::978301968\n3::30::1::978824291\n"
+    )
+    (folder / "movies.dat").write_bytes(
+        "10::Toy Story (1995)::Animation|Children's|Comedy\n"
+        "20::Star Wars: Episode IV - A New Hope (1977)::Action|Sci-Fi\n"
+        "30::Amélie (2001)::Comedy\n".encode("latin-1")
+    )
+    (folder / "users.dat").write_text("1::F::1::10::48067\n2::M::56::16::70072\n3::M::25::15::55117-1234\n")
+
+
+def test_movielens1m_from_files(tmp_path, monkeypatch):
+    write_ml1m(tmp_path)
+    frames = movielens1m.load(tmp_path)
+    assert len(frames["ratings"]) == 4 and frames["ratings"]["rating"].tolist() == [5.0, 3.0, 4.0, 1.0]
+    movies = frames["movies"]
+    assert len(movies) == 6 and movies["genre"].tolist()[:3] == ["Animation", "Children's", "Comedy"]
+    assert movies.loc[movies["movieId"] == 20, "title"].iloc[0] == "Star Wars: Episode IV - A New Hope (1977)"
+    assert movies.loc[movies["movieId"] == 30, "title"].iloc[0] == "Amélie (2001)"
+    assert movies.drop_duplicates("movieId")["year"].tolist() == [1995.0, 1977.0, 2001.0]
+    users = frames["users"]
+    assert users["age"].tolist() == [1, 56, 25] and users["zip"].tolist()[2] == "55117-1234"
+    assert frames["ratings"]["userId"].dtype == users["userId"].dtype == np.int64
+
+    monkeypatch.setenv("TPFLOWER_ML1M", str(tmp_path))
+    spec, loaded = load_dataset(conf("movielens1m"))
+    assert set(spec.table("users").categorical) == {"gender", "age", "occupation"}
+    assert len(materialize(spec, loaded)) == 3 + 2 + 3 + 1
+    with pytest.raises(SpecError, match="ratings.dat"):
+        movielens1m.load(tmp_path / "absent")
+
+
+def test_movielens_helpers():
+    feats = movielens.timestamp_features(pd.Series([0, 86400 * 3 + 3600 * 5]))
+    assert feats.iloc[1].tolist() == [1970, 1, 5, 6]  # 1970-01-04 05:00 UTC, a Sunday
+    split = movielens.split_genres(pd.DataFrame({"movieId": [1, 2], "genres": ["A|B", None]}))
+    assert split["genre"].tolist() == ["A", "B", "(no genres listed)"]
+
+
+def test_registry():
+    assert {"movielens", "movielens1m", "nycflights13", "synthetic"} <= set(LOADERS)
+    assert all(callable(f) for f in LOADERS.values())

@@ -1,0 +1,134 @@
+"""Dataset loading: a dataset config (conf/dataset/NAME.yaml) -> a validated spec and its tables.
+
+``load_dataset(cfg)`` parses the relational spec, takes each table from its ``source`` file or else from the
+bundled loader named in ``cfg.loader``, gives every frame a fresh RangeIndex (row id = position) and validates
+the tables against the spec. ``shard_rows`` splits a table's row ids into its horizontal shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
+from tpflower.datasets.files import read_table, resolve_path
+from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec, validate_tables
+
+Loader = Callable[..., dict[str, pd.DataFrame]]
+Describer = Callable[..., dict[str, Any]]
+
+#: name -> loader(**kwargs) -> {table name: frame}
+LOADERS: dict[str, Loader] = {
+    "movielens": movielens.load,
+    "movielens1m": movielens1m.load,
+    "nycflights13": nycflights13.load,
+    "synthetic": synthetic.generate,
+}
+#: name -> describe(**kwargs) -> spec parts (tables/label/joins/split) used where the config has none
+DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
+SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
+
+__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "load_dataset", "shard_rows", "to_dict"]
+
+
+def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
+    """Make ``load`` (and optionally ``describe``) available as ``loader: {name: NAME, ...}``."""
+    LOADERS[name] = load
+    if describe is not None:
+        DESCRIBERS[name] = describe
+
+
+def to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain dict of the config (OmegaConf nodes resolved, interpolations such as ${oc.env:...} included)."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra-core
+        pass
+    return dict(cfg)
+
+
+def _loader_call(cfg: Mapping[str, Any], base_dir: str | Path | None) -> tuple[str | None, dict[str, Any]]:
+    """(loader name, kwargs) of ``cfg.loader``; a relative ``path`` kwarg is resolved against ``base_dir``."""
+    raw = dict(cfg.get("loader") or {})
+    name = raw.pop("name", None)
+    if name is None:
+        if raw:
+            raise SpecError(f"dataset {cfg.get('name', 'dataset')!r}: loader settings {sorted(raw)} but no loader.name")
+        return None, {}
+    if name not in LOADERS:
+        raise SpecError(f"unknown dataset loader {name!r}; known loaders: {sorted(LOADERS)}")
+    if isinstance(raw.get("path"), (str, Path)):
+        raw["path"] = str(resolve_path(raw["path"], base_dir))
+    return str(name), raw
+
+
+def load_dataset(
+    cfg: Mapping[str, Any], base_dir: str | Path | None = None
+) -> tuple[RelationalSpec, dict[str, pd.DataFrame]]:
+    """Load and validate a dataset: returns the label-resolved spec and {table: frame with a RangeIndex}.
+
+    A table with ``source`` is read from that .csv/.parquet file (relative to ``base_dir``, default the cwd);
+    otherwise it is the loader's table of the same name. A loader with a ``describe`` supplies the spec parts
+    (tables/label/joins/split) the config leaves out. Raises SpecError naming the table or column at fault.
+    """
+    cfg = to_dict(cfg)
+    loader_name, kwargs = _loader_call(cfg, base_dir)
+    if loader_name in DESCRIBERS:
+        described = DESCRIBERS[loader_name](**kwargs)
+        cfg = {**cfg, **{k: v for k, v in described.items() if k in SPEC_PARTS and cfg.get(k) is None}}
+    spec = parse_spec(cfg)
+
+    loaded: dict[str, pd.DataFrame] | None = None
+    frames: dict[str, pd.DataFrame] = {}
+    for table in spec.tables:
+        if table.source is not None:
+            frames[table.name] = read_table(table.name, table.source, base_dir)
+            continue
+        if loader_name is None:
+            raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
+        if loaded is None:
+            loaded = LOADERS[loader_name](**kwargs)
+        if table.name not in loaded:
+            raise SpecError(
+                f"table {table.name!r} has no source file and loader {loader_name!r} gives no such table; "
+                f"it gives {sorted(loaded)}"
+            )
+        frames[table.name] = loaded[table.name].reset_index(drop=True)
+    spec = validate_tables(spec, frames)
+    return spec, frames
+
+
+def shard_rows(table: TableSpec, frame: pd.DataFrame) -> list[np.ndarray]:
+    """Row ids (int64, ascending) of each shard of ``table``; together they cover every row exactly once.
+
+    ``shards.by``: one shard per distinct value of that column, in sorted value order.
+    ``shards.parts``: q random near-equal parts drawn with ``numpy.random.default_rng(shards.seed)``.
+    No shards: a single shard with all rows.
+    """
+    n = len(frame)
+    spec = table.shards
+    if spec is None:
+        return [np.arange(n, dtype=np.int64)]
+    if spec.by is not None:
+        if spec.by not in frame.columns:
+            raise SpecError(f"table {table.name!r} has no shard column {spec.by!r}; its columns are {list(frame.columns)}")
+        codes, uniques = pd.factorize(frame[spec.by], sort=True)
+        if (codes < 0).any():
+            raise SpecError(
+                f"table {table.name!r}, shard column {spec.by!r}: {int((codes < 0).sum())} missing values"
+            )
+        order = np.argsort(codes, kind="stable").astype(np.int64)
+        bounds = np.cumsum(np.bincount(codes, minlength=len(uniques)))[:-1]
+        return np.split(order, bounds)
+    parts = int(spec.parts)  # type: ignore[arg-type]
+    if parts > n:
+        raise SpecError(f"table {table.name!r}: {parts} shards requested but the table has only {n} rows")
+    perm = np.random.default_rng(spec.seed).permutation(n)
+    return [np.sort(p).astype(np.int64) for p in np.array_split(perm, parts)]

@@ -1,0 +1,215 @@
+"""Synthetic relational data with a planted label: star, chain or snowflake joins of a fact table.
+
+Tables: ``fact`` (n_fact rows, the label ``y``) and dimensions ``d1``..``d{n_dims}``. Every table has numeric
+features x0..x{w-1} (standard normal, float64). Dimension ``di`` is keyed by ``ki`` (int64; with
+``composite=True`` by the pair ``ki_a``, ``ki_b`` and the join is on both columns); its parent table holds the
+same column(s) as a foreign key, drawn uniformly from the dimension's ``dim_rows`` key values.
+
+* star: fact -> d1, fact -> d2, ...;  chain: fact -> d1 -> d2 -> ...;
+* snowflake: the first ceil(n_dims/2) dims hang off the fact, the others off those in turn
+  (n_dims=3: fact -> d1, fact -> d2, d1 -> d3).
+
+``fanout`` = rows per key value in every dimension (>1: each parent row joins ``fanout`` rows: many-to-many).
+
+Label planting (vectorized, no join materialised): each table t has a score s_t(row) in R^{d_c}
+(``label='linear'``: x W_t; ``'nonlinear'``: tanh(x A_t) B_t, a random one-hidden-layer teacher), with
+d_c = n_classes for multiclass, else 1. A row's effective score is its own score plus, for each child
+dimension, the MEAN effective score of the child rows with the matching key. The fact rows' effective score S
+gives the label: regression y = S + noise N(0, 1); binary y = 1[S + noise Logistic > 0];
+multiclass y = argmax(S + noise Gumbel). With fanout 1 and a linear label, y is exactly a sum of per-table
+linear models of the joined row plus noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tpflower.schema import TASKS, SpecError
+
+SCHEMAS: tuple[str, ...] = ("star", "chain", "snowflake")
+LABELS: tuple[str, ...] = ("linear", "nonlinear")
+REGIONS: tuple[str, ...] = ("us-east", "us-west", "eu")
+FACT = "fact"
+HIDDEN = 8  # hidden units of the nonlinear teacher
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Table names, widths, key columns and the join tree implied by the generator's parameters."""
+
+    names: tuple[str, ...]  # fact first, then d1..dn
+    widths: tuple[int, ...]  # per table, same order
+    dim_rows: tuple[int, ...]  # distinct key values per dimension (d1..dn)
+    parents: tuple[int, ...]  # parents[i - 1] = index of the parent table of dimension i (0 = fact)
+    composite: bool
+
+    def key_columns(self, dim: int) -> tuple[str, ...]:
+        """The key column(s) of dimension ``dim`` (1-based), also its parent's foreign key."""
+        return (f"k{dim}_a", f"k{dim}_b") if self.composite else (f"k{dim}",)
+
+
+def _per_table(value: int | Sequence[int], count: int, what: str) -> tuple[int, ...]:
+    if isinstance(value, (int, np.integer)):
+        values = (int(value),) * count
+    else:
+        values = tuple(int(v) for v in value)
+        if len(values) != count:
+            raise SpecError(f"synthetic: {what} needs {count} values, got {len(values)}")
+    return values
+
+
+def _parents(schema: str, n_dims: int) -> tuple[int, ...]:
+    if schema == "star":
+        return (0,) * n_dims
+    if schema == "chain":
+        return tuple(range(n_dims))
+    first = max(1, math.ceil(n_dims / 2))  # snowflake: first-level dims, then dims of dims round-robin
+    return tuple(0 if i <= first else (i - first - 1) % first + 1 for i in range(1, n_dims + 1))
+
+
+def layout(
+    schema: str = "star",
+    n_dims: int = 3,
+    widths: int | Sequence[int] = 4,
+    dim_rows: int | Sequence[int] = 100,
+    composite: bool = False,
+) -> Layout:
+    """Check the structural parameters and return the :class:`Layout` (widths: fact first, then d1..dn)."""
+    if schema not in SCHEMAS:
+        raise SpecError(f"synthetic: schema must be one of {SCHEMAS}, got {schema!r}")
+    if int(n_dims) < 1:
+        raise SpecError(f"synthetic: n_dims must be >= 1, got {n_dims}")
+    n_dims = int(n_dims)
+    w = _per_table(widths, n_dims + 1, "widths (fact, d1, ...)")
+    m = _per_table(dim_rows, n_dims, "dim_rows (d1, ...)")
+    if min(w) < 0 or min(m) < 1:
+        raise SpecError(f"synthetic: widths must be >= 0 and dim_rows >= 1, got {w} and {m}")
+    names = (FACT,) + tuple(f"d{i}" for i in range(1, n_dims + 1))
+    return Layout(names, w, m, _parents(schema, n_dims), bool(composite))
+
+
+def describe(
+    schema: str = "star",
+    n_fact: int = 1000,
+    dim_rows: int | Sequence[int] = 100,
+    n_dims: int = 3,
+    widths: int | Sequence[int] = 4,
+    fanout: int = 1,
+    composite: bool = False,
+    label: str = "linear",
+    noise: float = 0.1,
+    task: str = "regression",
+    n_classes: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The spec parts (tables, label, joins) matching :func:`generate` called with the same arguments."""
+    lay = layout(schema, n_dims, widths, dim_rows, composite)
+    tables = {
+        name: {"numeric": [f"x{k}" for k in range(w)], "categorical": [], "region": REGIONS[t % len(REGIONS)]}
+        for t, (name, w) in enumerate(zip(lay.names, lay.widths))
+    }
+    joins = [
+        {"left": lay.names[p], "right": lay.names[i], "on": list(lay.key_columns(i))}
+        for i, p in enumerate(lay.parents, start=1)
+    ]
+    return {"tables": tables, "label": {"table": FACT, "column": "y", "task": task}, "joins": joins}
+
+
+def _key_frame(lay: Layout, dim: int, values: np.ndarray) -> dict[str, np.ndarray]:
+    """Key value(s) -> the key column(s) of dimension ``dim`` (composite: quotient and remainder)."""
+    if not lay.composite:
+        return {f"k{dim}": values}
+    base = max(2, math.isqrt(lay.dim_rows[dim - 1] - 1) + 1)
+    return {f"k{dim}_a": values // base, f"k{dim}_b": values % base}
+
+
+def _score(x: np.ndarray, kind: str, d_c: int, rng: np.random.Generator) -> np.ndarray:
+    """Per-row score (n x d_c) of one table under a random linear or one-hidden-layer tanh teacher."""
+    w = x.shape[1]
+    if w == 0:
+        return np.zeros((x.shape[0], d_c))
+    if kind == "linear":
+        return x @ (rng.standard_normal((w, d_c)) / math.sqrt(w))
+    a = rng.standard_normal((w, HIDDEN)) * (2.0 / math.sqrt(w))
+    b = rng.standard_normal((HIDDEN, d_c)) / math.sqrt(HIDDEN)
+    return np.tanh(x @ a) @ b
+
+
+def _key_mean(keys: np.ndarray, scores: np.ndarray, n_keys: int) -> np.ndarray:
+    """Mean of ``scores`` rows per key value 0..n_keys-1 (every key value has at least one row)."""
+    counts = np.bincount(keys, minlength=n_keys)
+    sums = np.stack([np.bincount(keys, weights=scores[:, c], minlength=n_keys) for c in range(scores.shape[1])], 1)
+    return sums / np.maximum(counts, 1)[:, None]
+
+
+def generate(
+    schema: str = "star",
+    n_fact: int = 1000,
+    dim_rows: int | Sequence[int] = 100,
+    n_dims: int = 3,
+    widths: int | Sequence[int] = 4,
+    fanout: int = 1,
+    composite: bool = False,
+    label: str = "linear",
+    noise: float = 0.1,
+    task: str = "regression",
+    n_classes: int = 3,
+    seed: int = 0,
+) -> dict[str, pd.DataFrame]:
+    """Generate the tables (see the module docstring); deterministic in ``seed``, vectorized throughout.
+
+    Each table draws from its own random stream, so the dimensions do not change with ``n_fact``.
+    """
+    lay = layout(schema, n_dims, widths, dim_rows, composite)
+    if int(n_fact) < 1 or int(fanout) < 1:
+        raise SpecError(f"synthetic: n_fact and fanout must be >= 1, got {n_fact} and {fanout}")
+    if label not in LABELS:
+        raise SpecError(f"synthetic: label must be one of {LABELS}, got {label!r}")
+    if task not in TASKS:
+        raise SpecError(f"synthetic: task must be one of {TASKS}, got {task!r}")
+    if task == "multiclass" and int(n_classes) < 2:
+        raise SpecError(f"synthetic: multiclass needs n_classes >= 2, got {n_classes}")
+    d_c = int(n_classes) if task == "multiclass" else 1
+    # one stream per table, then one for the teacher's weights and one for the label noise
+    streams = [np.random.default_rng(s) for s in np.random.SeedSequence(int(seed)).spawn(len(lay.names) + 2)]
+    weight_rng, noise_rng = streams[-2], streams[-1]
+
+    rows = [int(n_fact)] + [m * int(fanout) for m in lay.dim_rows]
+    own_keys: list[np.ndarray | None] = [None]  # the key value of each dimension row
+    for i in range(1, len(lay.names)):
+        own_keys.append(streams[i].permutation(np.repeat(np.arange(lay.dim_rows[i - 1], dtype=np.int64), int(fanout))))
+    features = [streams[t].standard_normal((rows[t], lay.widths[t])) for t in range(len(lay.names))]
+    foreign: list[dict[int, np.ndarray]] = [{} for _ in lay.names]  # foreign[parent][child] = key values
+    for i, p in enumerate(lay.parents, start=1):
+        foreign[p][i] = streams[p].integers(0, lay.dim_rows[i - 1], size=rows[p], dtype=np.int64)
+
+    effective = [_score(x, label, d_c, weight_rng) for x in features]
+    for i in range(len(lay.names) - 1, 0, -1):  # children have larger indices than their parents
+        p = lay.parents[i - 1]
+        effective[p] += _key_mean(own_keys[i], effective[i], lay.dim_rows[i - 1])[foreign[p][i]]
+    total = effective[0]
+    if task == "regression":
+        y = total[:, 0] + noise * noise_rng.standard_normal(rows[0])
+    elif task == "binary":
+        y = (total[:, 0] + noise * noise_rng.logistic(size=rows[0]) > 0).astype(np.int64)
+    else:
+        y = np.argmax(total + noise * noise_rng.gumbel(size=total.shape), axis=1).astype(np.int64)
+
+    frames: dict[str, pd.DataFrame] = {}
+    for t, name in enumerate(lay.names):
+        cols: dict[str, np.ndarray] = {}
+        if t > 0:
+            cols.update(_key_frame(lay, t, own_keys[t]))
+        for child, values in foreign[t].items():
+            cols.update(_key_frame(lay, child, values))
+        cols.update({f"x{k}": features[t][:, k] for k in range(lay.widths[t])})
+        if t == 0:
+            cols["y"] = y
+        frames[name] = pd.DataFrame(cols)
+    return frames
