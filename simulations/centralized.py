@@ -1,0 +1,168 @@
+"""Centralized baseline (TablePuppet Sec. 6): train the global model on the materialized join.
+
+The global model is the sum of the local models on the concatenated features (same parameters, same
+initialisation as the federated runs). Solvers: mini-batch SGD (Eq. 5-6 on the joined table), or for linear
+regression the exact ridge solution, the best any linear model can do on these features.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpflower.losses import loss_torch, metrics, primary_metric
+from tpflower.models import JoinedModel, l2_penalty, torch_dtype
+from tpflower.relation import Relation, build_local_model
+from tpflower.results import EpochRecord, RunResults, epoch_line
+
+EVAL_CHUNK = 65536  # rows of the join materialized at once when predicting
+
+
+def build_joined_model(rel: Relation, model_cfg: Any, seed: int, dtype: torch.dtype) -> JoinedModel:
+    local = {
+        t: build_local_model(model_cfg, rel.spec, t, rel.tables[t].width, rel.d_out, seed, dtype)
+        for t in rel.spec.table_names
+    }
+    return JoinedModel(local, {t: rel.tables[t].width for t in rel.spec.table_names})
+
+
+def predict(model: torch.nn.Module, rel: Relation, mapping, dtype: torch.dtype) -> np.ndarray:
+    """H for every joined row of ``mapping``, materializing the join chunk by chunk."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, mapping.N, EVAL_CHUNK):
+            rows = slice(start, min(start + EVAL_CHUNK, mapping.N))
+            out.append(model(torch.as_tensor(rel.joined_features(mapping, rows), dtype=dtype)).numpy())
+    return np.concatenate(out) if out else np.zeros((0, rel.d_out))
+
+
+def batch_size_of(value: Any, n: int) -> int:
+    """algorithm.batch_size: a positive integer or `full` (= n, full-batch gradient descent)."""
+    if value == "full":
+        return n
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}") from None
+    if size < 1:
+        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}")
+    return min(size, n)
+
+
+def evaluate(model, rel: Relation, dtype) -> dict[str, float]:
+    return metrics(rel.spec.label.task, predict(model, rel, rel.test, dtype), rel.labels(rel.test))
+
+
+def exact_ridge(rel: Relation, beta: float, intercept: bool = True) -> tuple[np.ndarray, float]:
+    """argmin_w (1/N) sum_j 1/2 (x_j w + b - y_j)^2 + beta/2 ||(w, b)||^2 on the training join (float64).
+
+    The normal equations (X1^T X1 / N + beta I) w1 = X1^T y / N are accumulated chunk by chunk, with
+    X1 = [X, 1] (X alone when ``intercept`` is False, and then b = 0). Returns (w of shape (d,), b).
+    """
+    train, N = rel.train, rel.train.N
+    y = rel.labels(train)
+    d = sum(rel.tables[t].width for t in rel.spec.table_names) + int(intercept)
+    A = np.zeros((d, d))
+    c = np.zeros(d)
+    for start in range(0, N, EVAL_CHUNK):
+        rows = slice(start, min(start + EVAL_CHUNK, N))
+        X1 = rel.joined_features(train, rows)
+        if intercept:
+            X1 = np.concatenate([X1, np.ones((len(X1), 1))], axis=1)
+        A += X1.T @ X1
+        c += X1.T @ y[rows]
+    w1 = np.linalg.solve(A / N + beta * np.eye(d), c / N)
+    return (w1[:-1], float(w1[-1])) if intercept else (w1, 0.0)
+
+
+def set_linear_weights(model: JoinedModel, rel: Relation, w: np.ndarray, b: float) -> None:
+    """Load a flat weight vector (concatenated-feature order) into the local models; the first local bias
+    gets the intercept ``b`` and any other local bias 0, so the sum of the local models is x w + b."""
+    offset = 0
+    placed = False
+    with torch.no_grad():
+        for t in rel.spec.table_names:
+            lin = model.local[t]
+            width = rel.tables[t].width
+            lin.weight.copy_(torch.as_tensor(w[offset : offset + width]).reshape(1, -1))
+            offset += width
+            if lin.bias is not None:
+                lin.bias.fill_(0.0 if placed else b)
+                placed = True
+
+
+def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -> JoinedModel:
+    """Mini-batch SGD (or the exact ridge solution) on the joined table; appends one record per epoch."""
+    dtype = torch_dtype(cfg.precision)
+    task = rel.spec.label.task
+    metric = primary_metric(task)
+    model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype)
+    beta = float(cfg.model.beta)
+    start = time.perf_counter()
+    solver = cfg.algorithm.get("solver", "sgd")
+    if solver == "exact":
+        if task != "regression" or cfg.model.kind != "linear":
+            raise ValueError("algorithm.solver=exact is the ridge solution: it needs task regression and model=linear")
+        intercept = any(m.bias is not None for m in model.local.values())
+        w, b = exact_ridge(rel, beta, intercept)
+        set_linear_weights(model, rel, w, b)
+        train_metrics = metrics(task, predict(model, rel, rel.train, dtype), rel.labels(rel.train))
+        test = evaluate(model, rel, dtype)
+        rec = EpochRecord(epoch=0, test_metric=test[metric], train_loss=train_metrics["loss"],
+                          wall_time_s=time.perf_counter() - start)
+        results.history.append(rec)
+        log(epoch_line(metric, rec))
+        return model
+    if solver != "sgd":
+        raise ValueError(f"algorithm.solver must be sgd or exact, got {solver!r}")
+    N = rel.train.N
+    B = batch_size_of(cfg.algorithm.batch_size, N)
+    y_all = torch.as_tensor(rel.labels(rel.train), dtype=torch.long if task == "multiclass" else dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=float(cfg.algorithm.lr))
+    gen = np.random.default_rng(int(cfg.seed))
+    for epoch in range(1, int(cfg.epochs) + 1):
+        order = gen.permutation(N) if B < N else np.arange(N)
+        total, count = 0.0, 0
+        for s in range(0, N, B):
+            rows = order[s : s + B]
+            X = torch.as_tensor(rel.joined_features(rel.train, rows), dtype=dtype)
+            loss = loss_torch(task, model(X), y_all[rows])
+            opt.zero_grad()
+            (loss + beta * l2_penalty(model)).backward()  # Eq. 5: batch mean of dl/dtheta + beta dR/dtheta
+            opt.step()  # Eq. 6
+            total += float(loss.detach()) * len(rows)
+            count += len(rows)
+        if not np.isfinite(total):
+            raise RuntimeError(
+                f"training diverged in epoch {epoch} (train loss {total / count}); lower algorithm.lr "
+                f"(now {cfg.algorithm.lr}) or raise algorithm.batch_size"
+            )
+        test = evaluate(model, rel, dtype)
+        rec = EpochRecord(
+            epoch=epoch,
+            test_metric=test[metric],
+            train_loss=total / count,
+            wall_time_s=time.perf_counter() - start,
+            extra={f"test_{k}": v for k, v in test.items() if k not in (metric, "loss")},
+        )
+        results.history.append(rec)
+        log(epoch_line(metric, rec))
+    return model
+
+
+def constant_predictor_metric(rel: Relation) -> dict[str, float]:
+    """Test metrics of the constant predictor fitted on the training join (mean, or class prior)."""
+    task = rel.spec.label.task
+    y_train, y_test = rel.labels(rel.train), rel.labels(rel.test)
+    if task == "regression":
+        H = np.full((len(y_test), 1), y_train.mean())
+    elif task == "binary":
+        p = np.clip(y_train.mean(), 1e-12, 1 - 1e-12)
+        H = np.full((len(y_test), 1), np.log(p / (1 - p)))
+    else:
+        prior = np.bincount(y_train.astype(int), minlength=rel.d_out) / len(y_train)
+        H = np.tile(np.log(np.clip(prior, 1e-12, None)), (len(y_test), 1))
+    return metrics(task, H, y_test)

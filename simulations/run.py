@@ -1,0 +1,60 @@
+"""Hydra entry point: ``python -m simulations.run algorithm=... dataset=... model=... epochs=K``.
+
+Writes results.json into the Hydra run dir (``hydra.run.dir=...`` moves it) and prints its path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_original_cwd
+from omegaconf import DictConfig, OmegaConf
+
+from simulations.centralized import constant_predictor_metric, train_centralized
+from tpflower.losses import primary_metric
+from tpflower.relation import load_relation
+from tpflower.results import RunResults, write_results
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def new_results(cfg: DictConfig, algorithm: str, spec, mapping) -> RunResults:
+    return RunResults(
+        algorithm=algorithm,
+        scenario=str(cfg.scenario.name),
+        dataset=spec.name,
+        model=str(cfg.model.kind),
+        task=spec.label.task,
+        metric=primary_metric(spec.label.task),
+        n_joined=mapping.N,
+        table_rows=dict(mapping.n_rows),
+        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+    )
+
+
+def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) -> RunResults:
+    """Run one configured job and write its results.json into ``run_dir``."""
+    algorithm = str(cfg.algorithm.name)
+    if algorithm != "centralized":
+        raise ValueError(f"algorithm {algorithm!r} is not available; choose one of: centralized")
+    rel = load_relation(cfg.dataset, str(cfg.mapping.secret).encode(), base_dir=base_dir)
+    results = new_results(cfg, algorithm, rel.spec, rel.mapping)
+    results.reference = {f"constant_{k}": v for k, v in constant_predictor_metric(rel).items()}
+    train_centralized(cfg, rel, results)
+    path = write_results(results, run_dir)
+    print(f"results: {path}", flush=True)
+    return results
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> Any:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    results = run_job(cfg, run_dir, base_dir=get_original_cwd())
+    return results.history[-1].test_metric if results.history else None
+
+
+if __name__ == "__main__":
+    main()

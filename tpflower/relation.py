@@ -1,0 +1,98 @@
+"""A whole relational dataset in one process: spec, tables, mapping and split.
+
+For the centralized baseline, tests and benchmarks. The federated algorithms never use this: each client
+builds only its own :class:`LocalTable` and the server builds the mapping from digests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from tpflower.datasets import load_dataset
+from tpflower.local_table import LocalTable, prepare_local_table
+from tpflower.losses import output_dim
+from tpflower.mapping import TableMapping, build_mapping, project_keys, split_mapping
+from tpflower.models import local_model, model_seed
+from tpflower.schema import RelationalSpec
+
+
+@dataclass
+class Relation:
+    spec: RelationalSpec
+    frames: dict[str, pd.DataFrame]
+    mapping: TableMapping
+    train: TableMapping
+    test: TableMapping
+    tables: dict[str, LocalTable]
+
+    @property
+    def label(self) -> LocalTable:
+        return self.tables[self.spec.label_table]
+
+    @property
+    def d_out(self) -> int:
+        return output_dim(self.spec.label.task, self.label.n_classes)
+
+    def labels(self, mapping: TableMapping) -> np.ndarray:
+        """y_j for the joined rows of ``mapping`` (the server's view after the label owner sent its labels)."""
+        assert self.label.y is not None
+        return self.label.y[mapping.p[self.spec.label_table]]
+
+    def joined_features(self, mapping: TableMapping, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """The materialized join's features for ``rows`` of ``mapping``: [X_1[p_1] | ... | X_M[p_M]].
+
+        Centralized baseline and reference checks only.
+        """
+        return np.concatenate([self.tables[t].X[mapping.p[t][rows]] for t in self.spec.table_names], axis=1)
+
+
+def summary_line(spec: RelationalSpec, mapping: TableMapping) -> str:
+    """Rows per table, joined rows N and the duplication factor N / rows of the label table."""
+    rows = ", ".join(f"{t}={mapping.n_rows[t]:,}" for t in spec.table_names)
+    dup = mapping.N / max(mapping.n_rows[spec.label_table], 1)
+    return f"[{spec.name}] tables: {rows} | joined rows N={mapping.N:,} | duplication N/n_{spec.label_table}={dup:.2f}"
+
+
+def load_relation(dataset_cfg: Any, secret: bytes, base_dir: str | Path | None = None, verbose: bool = True) -> Relation:
+    """Load, validate, map (through digests, as the federated path does) and preprocess a dataset."""
+    spec, frames = load_dataset(dataset_cfg, base_dir=base_dir)
+    projections = {
+        t: [project_keys(spec, t, frames[t], np.arange(len(frames[t])), secret)] for t in spec.table_names
+    }
+    mapping = build_mapping(spec, projections)
+    if verbose:
+        print(summary_line(spec, mapping), flush=True)
+    train, test = split_mapping(spec, mapping)
+    tables = {t: prepare_local_table(spec, t, frames[t]) for t in spec.table_names}
+    return Relation(spec=spec, frames=frames, mapping=mapping, train=train, test=test, tables=tables)
+
+
+def has_bias(model_cfg: Mapping[str, Any], table: str, label_table: str) -> bool:
+    """Which local models carry an output bias (model.bias: label | all | none)."""
+    choice = model_cfg.get("bias", "label")
+    if choice not in ("label", "all", "none"):
+        raise ValueError(f"model.bias must be label, all or none, got {choice!r}")
+    return choice == "all" or (choice == "label" and table == label_table)
+
+
+def build_local_model(
+    model_cfg: Mapping[str, Any], spec: RelationalSpec, table: str, d_in: int, d_out: int, seed: int, dtype: torch.dtype
+) -> torch.nn.Module:
+    """f_i for one table, identical wherever it is built (client, centralized baseline) for the same seed."""
+    return local_model(
+        d_in,
+        d_out,
+        kind=model_cfg.get("kind", "linear"),
+        hidden=tuple(model_cfg.get("hidden") or ()),
+        bias=has_bias(model_cfg, table, spec.label_table),
+        init=model_cfg.get("init", "default"),
+        dtype=dtype,
+        seed=model_seed(seed, table),
+    )

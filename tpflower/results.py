@@ -1,0 +1,86 @@
+"""The results.json record of one run (ARCHITECTURE.md, "Interfaces"), the per-epoch progress line, and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS_FILE = "results.json"
+
+
+@dataclass
+class EpochRecord:
+    """One epoch; rounds, bytes and times are cumulative since the start of training."""
+
+    epoch: int
+    test_metric: float
+    train_loss: float
+    rounds: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    comm_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)  # other test metrics (auc, ...), privacy spent
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(out.pop("extra"))
+        return out
+
+
+@dataclass
+class RunResults:
+    algorithm: str
+    scenario: str
+    dataset: str
+    model: str
+    task: str
+    metric: str
+    n_joined: int
+    table_rows: dict[str, int]
+    history: list[EpochRecord] = field(default_factory=list)
+    privacy: dict[str, float | None] = field(
+        default_factory=lambda: {"label_epsilon": None, "feature_epsilon": None, "delta": None}
+    )
+    config: dict[str, Any] = field(default_factory=dict)
+    reference: dict[str, float] = field(default_factory=dict)  # e.g. exact ridge / mean-predictor metrics
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["history"] = [h.to_json() for h in self.history]
+        if not out["reference"]:
+            out.pop("reference")
+        return out
+
+
+def write_results(results: RunResults, run_dir: str | Path) -> Path:
+    """Write results.json atomically (temp file + rename): a crash never leaves a half-written record."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RESULTS_FILE
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".results-", suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(results.to_json(), fh, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def read_results(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESULTS_FILE
+    return json.loads(path.read_text())
+
+
+def epoch_line(metric: str, rec: EpochRecord) -> str:
+    """The one-line progress report of an epoch."""
+    extra = "".join(f" {k}={v:.4g}" for k, v in rec.extra.items())
+    return (
+        f"epoch {rec.epoch:3d} | test {metric}={rec.test_metric:.4f}{extra} | train loss={rec.train_loss:.4f} | "
+        f"rounds={rec.rounds} | MB up/down={rec.bytes_up / 1e6:.2f}/{rec.bytes_down / 1e6:.2f} | "
+        f"comm={rec.comm_time_s:.1f}s | wall={rec.wall_time_s:.1f}s"
+    )
