@@ -5,6 +5,7 @@ Writes results.json into the Hydra run dir (``hydra.run.dir=...`` moves it) and 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,34 +15,31 @@ from hydra.utils import get_original_cwd
 from omegaconf import DictConfig, OmegaConf
 
 from simulations.centralized import constant_predictor_metric, train_centralized
-from tpflower.losses import primary_metric
 from tpflower.relation import load_relation
-from tpflower.results import RunResults, write_results
+from tpflower.results import RunResults, new_run_results, write_results
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-def new_results(cfg: DictConfig, algorithm: str, spec, mapping) -> RunResults:
-    return RunResults(
-        algorithm=algorithm,
-        scenario=str(cfg.scenario.name),
-        dataset=spec.name,
-        model=str(cfg.model.kind),
-        task=spec.label.task,
-        metric=primary_metric(spec.label.task),
-        n_joined=mapping.N,
-        table_rows=dict(mapping.n_rows),
-        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-    )
+QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
 
 
 def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) -> RunResults:
     """Run one configured job and write its results.json into ``run_dir``."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     algorithm = str(cfg.algorithm.name)
     if algorithm != "centralized":
-        raise ValueError(f"algorithm {algorithm!r} is not available; choose one of: centralized")
+        from simulations.federated import run_flower_simulation, run_in_process
+
+        if cfg.get("runtime", "flower") == "inprocess":
+            results = run_in_process(cfg, run_dir, base_dir).results
+        else:
+            results = run_flower_simulation(cfg, run_dir, base_dir)
+        assert results is not None
+        return results
     rel = load_relation(cfg.dataset, str(cfg.mapping.secret).encode(), base_dir=base_dir)
-    results = new_results(cfg, algorithm, rel.spec, rel.mapping)
+    results = new_run_results(cfg, algorithm, rel.spec, rel.mapping)
     results.reference = {f"constant_{k}": v for k, v in constant_predictor_metric(rel).items()}
     train_centralized(cfg, rel, results)
     path = write_results(results, run_dir)

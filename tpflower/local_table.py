@@ -25,6 +25,7 @@ class LocalTable:
     row_ids: np.ndarray
     X: np.ndarray
     feature_names: list[str]
+    keys: pd.DataFrame  # the join-key columns of these rows: digested before anything leaves the client
     y: np.ndarray | None = None
     is_test: np.ndarray | None = None
     n_classes: int | None = None
@@ -62,6 +63,7 @@ def prepare_local_table(
         row_ids=row_ids,
         X=pre.transform(local),
         feature_names=list(pre.feature_names),
+        keys=local[list(spec.key_columns(name))].reset_index(drop=True),
         y=y,
         is_test=is_test,
         n_classes=n_classes,

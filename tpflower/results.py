@@ -57,6 +57,25 @@ class RunResults:
         return out
 
 
+def new_run_results(cfg: Any, algorithm: str, spec: Any, mapping: Any) -> RunResults:
+    """An empty record for a run of ``algorithm`` on the dataset of ``spec`` (N and n_i from ``mapping``)."""
+    from omegaconf import OmegaConf
+
+    from tpflower.losses import primary_metric
+
+    return RunResults(
+        algorithm=algorithm,
+        scenario=str(cfg.scenario.name),
+        dataset=spec.name,
+        model=str(cfg.model.kind),
+        task=spec.label.task,
+        metric=primary_metric(spec.label.task),
+        n_joined=mapping.N,
+        table_rows=dict(mapping.n_rows),
+        config=OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
+    )
+
+
 def write_results(results: RunResults, run_dir: str | Path) -> Path:
     """Write results.json atomically (temp file + rename): a crash never leaves a half-written record."""
     run_dir = Path(run_dir)

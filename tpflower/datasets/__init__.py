@@ -16,7 +16,7 @@ import pandas as pd
 
 from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
 from tpflower.datasets.files import read_table, resolve_path
-from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec, validate_tables
+from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec, validate_table, validate_tables
 
 Loader = Callable[..., dict[str, pd.DataFrame]]
 Describer = Callable[..., dict[str, Any]]
@@ -32,7 +32,7 @@ LOADERS: dict[str, Loader] = {
 DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
 SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
 
-__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "load_dataset", "shard_rows", "to_dict"]
+__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "load_dataset", "load_spec", "load_table", "shard_rows", "to_dict"]
 
 
 def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
@@ -69,6 +69,35 @@ def _loader_call(cfg: Mapping[str, Any], base_dir: str | Path | None) -> tuple[s
     return str(name), raw
 
 
+def _spec_and_loader(cfg: Mapping[str, Any], base_dir: str | Path | None) -> tuple[RelationalSpec, str | None, dict[str, Any]]:
+    """The parsed spec (a loader's ``describe`` fills the parts the config leaves out) and the loader call."""
+    cfg = to_dict(cfg)
+    loader_name, kwargs = _loader_call(cfg, base_dir)
+    if loader_name in DESCRIBERS:
+        described = DESCRIBERS[loader_name](**kwargs)
+        cfg = {**cfg, **{k: v for k, v in described.items() if k in SPEC_PARTS and cfg.get(k) is None}}
+    return parse_spec(cfg), loader_name, kwargs
+
+
+def _frame(
+    table: TableSpec, loader_name: str | None, kwargs: dict[str, Any], base_dir: str | Path | None,
+    loaded: dict[str, pd.DataFrame] | None,
+) -> tuple[pd.DataFrame, dict[str, pd.DataFrame] | None]:
+    """One table's frame (RangeIndex) from its source file or the loader; returns the loader output for reuse."""
+    if table.source is not None:
+        return read_table(table.name, table.source, base_dir), loaded
+    if loader_name is None:
+        raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
+    if loaded is None:
+        loaded = LOADERS[loader_name](**kwargs)
+    if table.name not in loaded:
+        raise SpecError(
+            f"table {table.name!r} has no source file and loader {loader_name!r} gives no such table; "
+            f"it gives {sorted(loaded)}"
+        )
+    return loaded[table.name].reset_index(drop=True), loaded
+
+
 def load_dataset(
     cfg: Mapping[str, Any], base_dir: str | Path | None = None
 ) -> tuple[RelationalSpec, dict[str, pd.DataFrame]]:
@@ -78,31 +107,35 @@ def load_dataset(
     otherwise it is the loader's table of the same name. A loader with a ``describe`` supplies the spec parts
     (tables/label/joins/split) the config leaves out. Raises SpecError naming the table or column at fault.
     """
-    cfg = to_dict(cfg)
-    loader_name, kwargs = _loader_call(cfg, base_dir)
-    if loader_name in DESCRIBERS:
-        described = DESCRIBERS[loader_name](**kwargs)
-        cfg = {**cfg, **{k: v for k, v in described.items() if k in SPEC_PARTS and cfg.get(k) is None}}
-    spec = parse_spec(cfg)
-
+    spec, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
     loaded: dict[str, pd.DataFrame] | None = None
     frames: dict[str, pd.DataFrame] = {}
     for table in spec.tables:
-        if table.source is not None:
-            frames[table.name] = read_table(table.name, table.source, base_dir)
-            continue
-        if loader_name is None:
-            raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
-        if loaded is None:
-            loaded = LOADERS[loader_name](**kwargs)
-        if table.name not in loaded:
-            raise SpecError(
-                f"table {table.name!r} has no source file and loader {loader_name!r} gives no such table; "
-                f"it gives {sorted(loaded)}"
-            )
-        frames[table.name] = loaded[table.name].reset_index(drop=True)
+        frames[table.name], loaded = _frame(table, loader_name, kwargs, base_dir, loaded)
     spec = validate_tables(spec, frames)
     return spec, frames
+
+
+def load_spec(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> RelationalSpec:
+    """The server's view: the parsed spec only (it never loads a table). Federated runs need label.table."""
+    spec, _, _ = _spec_and_loader(cfg, base_dir)
+    if spec.label.table is None:
+        raise SpecError(f"dataset {spec.name!r}: federated runs need label.table (the table that owns the label)")
+    return spec
+
+
+def load_table(
+    cfg: Mapping[str, Any], name: str, base_dir: str | Path | None = None
+) -> tuple[RelationalSpec, pd.DataFrame]:
+    """What one client loads: the spec and its own table only, checked with the checks it can run alone.
+
+    The label table must be named in the config (``label.table``): a client cannot see the other tables.
+    """
+    spec = load_spec(cfg, base_dir)
+    _, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
+    frame, _ = _frame(spec.table(name), loader_name, kwargs, base_dir, None)
+    validate_table(spec, name, frame)
+    return spec, frame
 
 
 def shard_rows(table: TableSpec, frame: pd.DataFrame) -> list[np.ndarray]:

@@ -1,0 +1,106 @@
+"""The ClientApp: one client per table (shard), under the simulation engine or a flower-supernode.
+
+Which table a client holds comes from its node config: ``table`` (and ``shard``) on a flower-supernode
+(``--node-config "table='ratings'"``), else the simulation's ``partition-id`` (clients in spec order).
+``source`` in the node config overrides the table's data file. The run config's ``overrides`` string
+carries the Hydra overrides of the run, so every process composes the same configuration.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+from flwr.client import Client, ClientApp
+from flwr.common import Context
+from omegaconf import DictConfig, OmegaConf
+
+from tpflower.client import ClientSettings, TableClient, key_kinds_of
+from tpflower.datasets import load_spec, load_table
+from tpflower.local_table import LocalTable, prepare_local_table
+from tpflower.schema import RelationalSpec, SpecError
+
+
+def client_keys(spec: RelationalSpec) -> list[tuple[str, int]]:
+    """The clients of a join-only run, in partition-id order: one per table."""
+    return [(t, 0) for t in spec.table_names]
+
+
+@lru_cache(maxsize=32)
+def _load(dataset_json: str, table: str, shard: int, base_dir: str | None) -> tuple[RelationalSpec, LocalTable, dict]:
+    """Load and preprocess one client's table once per process (Flower may rebuild the client per message)."""
+    spec, frame = load_table(json.loads(dataset_json), table, base_dir=base_dir)
+    return spec, prepare_local_table(spec, table, frame), key_kinds_of(spec, table, frame)
+
+
+def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[str, int]:
+    """(table, shard) of this node, from its node config."""
+    if "table" in node_config:
+        key = (str(node_config["table"]), int(node_config.get("shard", 0)))
+        if key not in keys:
+            raise SpecError(f"node config names table {key[0]!r} shard {key[1]}, which the run does not have: {keys}")
+        return key
+    pid = int(node_config.get("partition-id", -1))
+    if not 0 <= pid < len(keys):
+        raise SpecError(f"partition-id {pid} out of range for {len(keys)} clients {keys}; set node config 'table'")
+    return keys[pid]
+
+
+def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None) -> TableClient:
+    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
+    assert isinstance(dataset, dict)
+    source = context.node_config.get("source")
+    root = str(base_dir) if base_dir else None
+    table, shard = identity(dict(context.node_config), client_keys(_spec(json.dumps(dataset, sort_keys=True), root)))
+    if source:
+        dataset["tables"][table] = {**dataset["tables"].get(table, {}), "source": str(source)}
+    spec, local, kinds = _load(json.dumps(dataset, sort_keys=True), table, shard, root)
+    settings = ClientSettings(
+        spec=spec,
+        table=table,
+        shard=shard,
+        region=spec.table(table).region,
+        model=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
+        algorithm=OmegaConf.to_container(cfg.algorithm, resolve=True),  # type: ignore[arg-type]
+        seed=int(cfg.seed),
+        precision=str(cfg.precision),
+        secret=str(cfg.mapping.secret).encode(),
+        key_kinds=kinds,
+    )
+    return TableClient(local, settings, context.state)
+
+
+@lru_cache(maxsize=8)
+def _spec(dataset_json: str, base_dir: str | None) -> RelationalSpec:
+    return load_spec(json.loads(dataset_json), base_dir=base_dir)
+
+
+def client_fn_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -> Callable[[Context], Client]:
+    """A client_fn for a fixed config (run_simulation), or composing it from the run config (flwr run)."""
+
+    def client_fn(context: Context) -> Client:
+        run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
+        root = base_dir if base_dir is not None else context.run_config.get("base-dir") or None
+        return make_client(run_cfg, context, root).to_client()
+
+    return client_fn
+
+
+@lru_cache(maxsize=8)
+def _compose(overrides: str) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+
+    from simulations.run import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=[o for o in overrides.split() if o])
+
+
+def config_from_run_config(run_config: dict[str, Any]) -> DictConfig:
+    """The Hydra config of a `flwr run` job: conf/ composed with the run config's `overrides` string."""
+    return _compose(str(run_config.get("overrides", "")))
+
+
+app = ClientApp(client_fn=client_fn_for(None))

@@ -1,0 +1,438 @@
+"""Paper figures from results.json records: test metric vs epoch and vs modelled communication time.
+
+    python -m simulations.reproduce RUN_DIRS... [--out FIGURE_PREFIX] [--title TEXT]
+
+Each RUN_DIR is a run directory holding results.json, the path of a results.json file, or a directory (a Hydra
+multirun dir) whose subdirectories hold results.json files; it expands to all of them. Every path is read and
+checked before anything is drawn. Writes FIGURE_PREFIX_epoch.png (test metric vs epoch) and
+FIGURE_PREFIX_comm.png (test metric vs cumulative modelled communication time, TablePuppet Figs. 5 and 7), one
+column of plots per dataset, and prints the table behind them.
+
+A run that never communicates (every history record has rounds = 0 and comm_time_s = 0: the centralized
+baseline) is drawn in the communication figure as a dashed horizontal line at its final test metric.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tpflower.results import RESULTS_FILE
+
+LOWER_IS_BETTER = {"rmse", "mse", "mae", "loss", "log_loss", "logloss", "error"}
+REQUIRED_KEYS = ("algorithm", "dataset", "metric", "history")
+# Config keys tried, in this order, to tell apart runs that share algorithm and dataset.
+LABEL_KEY_PREFERENCE = ("algorithm.", "privacy.", "model.", "epochs", "seed", "precision", "network.", "scenario.")
+IGNORED_CONFIG_PREFIXES = ("hydra", "mapping.secret")
+CENTRALIZED_LABEL = "centralized (no communication)"
+LOG_SPAN = 100.0  # use a log time axis when the positive times span more than 2 decades
+PATH_KEY = "_path"  # where load_runs records the file a run was read from
+
+
+class ResultsError(ValueError):
+    """A RUN_DIR that names no readable, valid results.json."""
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+def _natural_key(path: Path) -> list[Any]:
+    """Sort Hydra job dirs 0, 1, ..., 10 numerically rather than 0, 1, 10, 2."""
+    return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", str(path))]
+
+
+def find_results(paths: Sequence[str | Path]) -> list[Path]:
+    """The results.json files named by ``paths``, in the order given (multirun dirs expanded, duplicates dropped).
+
+    Raises ResultsError naming the path when it does not exist or holds no results.json.
+    """
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise ResultsError(f"{path}: no such file or directory")
+        if path.is_file():
+            files = [path]
+        elif (path / RESULTS_FILE).is_file():
+            files = [path / RESULTS_FILE]
+        else:
+            files = sorted((p for p in path.rglob(RESULTS_FILE) if p.is_file()), key=_natural_key)
+            if not files:
+                raise ResultsError(f"{path}: no {RESULTS_FILE} in this directory or its subdirectories")
+        for f in files:
+            if f.resolve() not in {g.resolve() for g in found}:
+                found.append(f)
+    return found
+
+
+def _validate(record: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (top level is {type(record).__name__}, not an object)")
+    missing = [k for k in REQUIRED_KEYS if k not in record]
+    if missing:
+        raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (missing keys {missing})")
+    history = record["history"]
+    if not isinstance(history, list):
+        raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (history is {type(history).__name__}, not a list)")
+    for i, rec in enumerate(history):
+        if not isinstance(rec, dict) or "epoch" not in rec or "test_metric" not in rec:
+            raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (history[{i}] lacks epoch/test_metric: {rec!r})")
+        for key in ("epoch", "test_metric", "rounds", "bytes_up", "bytes_down", "comm_time_s", "wall_time_s"):
+            value = rec.get(key, 0)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (history[{i}].{key} = {value!r} is not a number)")
+    return record
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Read and check every results.json named by ``paths`` (see find_results) before returning any.
+
+    Each returned dict is the record itself plus ``"_path"``: the file it came from.
+    """
+    runs = []
+    for f in find_results(paths):
+        try:
+            record = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ResultsError(f"{f}: cannot read ({exc})") from None
+        except json.JSONDecodeError as exc:
+            raise ResultsError(f"{f}: not a valid {RESULTS_FILE} (invalid JSON: {exc})") from None
+        record = dict(_validate(record, f))
+        record[PATH_KEY] = str(f)
+        runs.append(record)
+    return runs
+
+
+def _as_dict(run: Any) -> dict[str, Any]:
+    """Accept RunResults objects as well as loaded dicts."""
+    return run.to_json() if hasattr(run, "to_json") else run
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+
+
+def lower_is_better(metric: str) -> bool:
+    return metric.lower() in LOWER_IS_BETTER
+
+
+def _metric_values(run: dict[str, Any]) -> list[float]:
+    return [float("nan") if h["test_metric"] is None else float(h["test_metric"]) for h in run["history"]]
+
+
+def best_metric(run: dict[str, Any]) -> float | None:
+    """min of the test metric over epochs for error metrics (rmse, ...), max otherwise (accuracy, auc); NaNs skipped."""
+    values = [v for v in _metric_values(run) if not math.isnan(v)]
+    if not values:
+        return None
+    return min(values) if lower_is_better(run["metric"]) else max(values)
+
+
+def is_centralized(run: dict[str, Any]) -> bool:
+    """No communication at all: every record has rounds = 0 and comm_time_s = 0 (the centralized baseline)."""
+    hist = run["history"]
+    return bool(hist) and all((h.get("rounds") or 0) == 0 and (h.get("comm_time_s") or 0) == 0 for h in hist)
+
+
+def _flatten(cfg: Any, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    if isinstance(cfg, dict):
+        for k, v in cfg.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+        key = prefix[:-1]
+        out[key] = cfg if isinstance(cfg, str) else json.dumps(cfg, sort_keys=True)
+    return out
+
+
+def _key_rank(key: str) -> tuple[int, str]:
+    for i, p in enumerate(LABEL_KEY_PREFERENCE):
+        if key == p or key.startswith(p):
+            return i, key
+    return len(LABEL_KEY_PREFERENCE), key
+
+
+def _distinguishing(group: list[dict[str, Any]]) -> list[str]:
+    """Per run of ``group`` (same algorithm and dataset): a short 'key=value, ...' telling it apart from the rest."""
+    flats = [_flatten(r.get("config") or {}) for r in group]
+    keys = set().union(*flats)
+    differing = sorted(
+        (k for k in keys
+         if not k.startswith(IGNORED_CONFIG_PREFIXES) and len({f.get(k) for f in flats}) > 1),
+        key=_key_rank,
+    )
+    chosen: list[str] = []
+    n_distinct = 1
+    for k in differing:  # greedy: keep a key only if it separates more runs
+        n = len({tuple(f.get(c) for c in chosen + [k]) for f in flats})
+        if n > n_distinct:
+            chosen.append(k)
+            n_distinct = n
+        if n_distinct == len(group):
+            break
+    leaves = [k.rsplit(".", 1)[-1] for k in chosen]
+    names = leaves if len(set(leaves)) == len(leaves) else chosen  # "lr=0.1" rather than "algorithm.lr=0.1"
+    parts = [", ".join(f"{n}={f.get(k, '-')}" for n, k in zip(names, chosen)) for f in flats]
+    if n_distinct < len(group):  # identical configs: fall back to the run directory
+        parts = [
+            ", ".join(p for p in (part, Path(r.get(PATH_KEY, f"run{i}")).parent.name) if p)
+            for i, (part, r) in enumerate(zip(parts, group))
+        ]
+    return parts
+
+
+def run_labels(runs: Sequence[dict[str, Any]], with_dataset: bool | None = None) -> list[str]:
+    """Label of every run: algorithm, [dataset] when several datasets, (config values) when ambiguous.
+
+    ``with_dataset`` forces the [dataset] part on or off (the plots leave it off: each subplot is titled by its
+    dataset); by default it is there when the runs cover several datasets.
+    """
+    if with_dataset is None:
+        with_dataset = len({r["dataset"] for r in runs}) > 1
+    labels = [r["algorithm"] + (f" [{r['dataset']}]" if with_dataset else "") for r in runs]
+    return [lab + (f" ({v})" if v else "") for lab, v in zip(labels, run_variants(runs))]
+
+
+def run_variants(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Per run, the config values ('lr=0.1, ...') that tell it apart from runs of the same algorithm and dataset
+    ('' when it is the only one)."""
+    variants = [""] * len(runs)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, r in enumerate(runs):
+        groups.setdefault((r["algorithm"], r["dataset"]), []).append(i)
+    for idx in groups.values():
+        if len(idx) > 1:
+            for i, part in zip(idx, _distinguishing([runs[i] for i in idx])):
+                variants[i] = part
+    return variants
+
+
+def summary_rows(runs: Sequence[Any]) -> list[dict[str, Any]]:
+    """The table behind the plots, one dict per run (None where a run has no history)."""
+    runs = [_as_dict(r) for r in runs]
+    rows = []
+    for run, label, variant in zip(runs, run_labels(runs), run_variants(runs)):
+        hist = run["history"]
+        last = hist[-1] if hist else {}
+        values = _metric_values(run)
+        rows.append({
+            "label": label,
+            "variant": variant,
+            "algorithm": run["algorithm"],
+            "scenario": run.get("scenario"),
+            "dataset": run["dataset"],
+            "model": run.get("model"),
+            "metric": run["metric"],
+            "epochs": last.get("epoch"),
+            "final": values[-1] if values else None,
+            "best": best_metric(run),
+            "rounds": last.get("rounds"),
+            "mb_up": (last.get("bytes_up") or 0) / 1e6 if hist else None,
+            "mb_down": (last.get("bytes_down") or 0) / 1e6 if hist else None,
+            "comm_time_s": last.get("comm_time_s"),
+            "wall_time_s": last.get("wall_time_s"),
+            "n_joined": run.get("n_joined"),
+            "path": run.get(PATH_KEY),
+        })
+    return rows
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.{digits}g}"
+    return str(value)
+
+
+def summary_table(rows: Sequence[dict[str, Any]], title: str | None = None):
+    """The rich Table of summary_rows."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=title or "runs")
+    columns = [
+        ("algorithm", "algorithm", "left"), ("scenario", "scenario", "left"), ("dataset", "dataset", "left"),
+        ("model", "model", "left"), ("config", "variant", "left"), ("epochs", "epochs", "right"),
+        ("final test", "final", "right"), ("best test", "best", "right"), ("rounds", "rounds", "right"),
+        ("MB up", "mb_up", "right"), ("MB down", "mb_down", "right"), ("comm time (s)", "comm_time_s", "right"),
+        ("wall time (s)", "wall_time_s", "right"), ("N", "n_joined", "right"),
+    ]
+    for header, _, justify in columns:
+        table.add_column(header, justify=justify)
+    for row in rows:
+        cells = []
+        for _, key, _ in columns:
+            text = _fmt(row[key] or None if key == "variant" else row[key], 5 if key in ("final", "best") else 4)
+            if key in ("final", "best") and row[key] is not None:
+                text += f" {row['metric']}"
+            cells.append(escape(text))
+        table.add_row(*cells)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+
+
+def _colors(labels_wo_dataset: Sequence[str]) -> dict[str, Any]:
+    """One colour per run kind, the same in every subplot and both figures."""
+    from matplotlib import colormaps
+
+    kinds = list(dict.fromkeys(labels_wo_dataset))
+    cmap = colormaps["tab10" if len(kinds) <= 10 else "tab20"]
+    return {k: cmap(i % cmap.N) for i, k in enumerate(kinds)}
+
+
+def _ylabel(runs: Sequence[dict[str, Any]]) -> str:
+    return "test " + " / ".join(dict.fromkeys(r["metric"] for r in runs))
+
+
+def _new_figure(n_cols: int, legend_rows: int, title: str | None):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0 * n_cols, 4.2 + 0.22 * legend_rows + (0.3 if title else 0)), layout="constrained")
+    axes = fig.subplots(1, n_cols, squeeze=False)[0]
+    if title:
+        fig.suptitle(title)
+    return fig, axes
+
+
+def _set_ylim(ax, values: Sequence[float]) -> None:
+    """y limits from the data drawn (axhline alone does not autoscale y)."""
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return
+    lo, hi = min(values), max(values)
+    pad = 0.06 * (hi - lo) if hi > lo else 0.02 * (abs(hi) or 1.0)
+    ax.set_ylim(lo - pad, hi + pad)
+
+
+def _legend(ax, n_entries: int) -> None:
+    """Below the axes, outside the plotting area, so it never covers a line."""
+    if n_entries:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, fontsize="small", frameon=False)
+
+
+def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = None) -> list[Path]:
+    """Write OUT_PREFIX_epoch.png and OUT_PREFIX_comm.png; return their paths."""
+    from matplotlib.ticker import MaxNLocator
+
+    runs = [_as_dict(r) for r in runs]
+    if not runs:
+        raise ValueError("plot_runs: no runs to plot")
+    labels = run_labels(runs, with_dataset=False)  # each subplot is titled by its dataset
+    kinds = labels
+    colors = _colors(kinds)
+    datasets = list(dict.fromkeys(r["dataset"] for r in runs))
+    by_dataset = {d: [i for i, r in enumerate(runs) if r["dataset"] == d] for d in datasets}
+    legend_rows = max(len(v) for v in by_dataset.values())
+    out_prefix = Path(out_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+
+    def style(run: dict[str, Any]) -> dict[str, Any]:
+        n = len(run["history"])
+        return {"marker": "o", "markersize": 3} if n <= 40 else {}
+
+    # figure 1: test metric vs epoch
+    fig, axes = _new_figure(len(datasets), legend_rows, title)
+    for ax, d in zip(axes, datasets):
+        idx = by_dataset[d]
+        n = 0
+        for i in idx:
+            run = runs[i]
+            if not run["history"]:
+                continue
+            ax.plot([h["epoch"] for h in run["history"]], _metric_values(run), label=labels[i],
+                    color=colors[kinds[i]], **style(run))
+            n += 1
+        ax.set_title(d)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(_ylabel([runs[i] for i in idx]))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        _legend(ax, n)
+    epoch_path = out_prefix.with_name(out_prefix.name + "_epoch.png")
+    fig.savefig(epoch_path, dpi=150)
+
+    # figure 2: test metric vs cumulative modelled communication time
+    fig, axes = _new_figure(len(datasets), legend_rows, title)
+    for ax, d in zip(axes, datasets):
+        idx = by_dataset[d]
+        times = [h.get("comm_time_s") or 0.0 for i in idx if not is_centralized(runs[i]) for h in runs[i]["history"]]
+        positive = [t for t in times if t > 0]
+        log_x = bool(positive) and max(positive) / min(positive) > LOG_SPAN
+        n = 0
+        for i in idx:
+            run = runs[i]
+            if not run["history"] or is_centralized(run):
+                continue
+            pts = [(h.get("comm_time_s") or 0.0, v) for h, v in zip(run["history"], _metric_values(run))]
+            if log_x:
+                pts = [(t, v) for t, v in pts if t > 0]
+            ax.plot([t for t, _ in pts], [v for _, v in pts], label=labels[i], color=colors[kinds[i]], **style(run))
+            n += 1
+        central = [i for i in idx if is_centralized(runs[i])]
+        for i in central:
+            suffix = labels[i][len(runs[i]["algorithm"]):]  # keep [dataset] / (config) parts when present
+            label = CENTRALIZED_LABEL + suffix if runs[i]["algorithm"] == "centralized" else (
+                f"{labels[i]} (no communication)")
+            ax.axhline(_metric_values(runs[i])[-1], linestyle="--", linewidth=1.4, color=colors[kinds[i]], label=label)
+            n += 1
+        _set_ylim(ax, [v for i in idx for v in _metric_values(runs[i])[(-1 if i in central else 0):]])
+        if log_x:
+            ax.set_xscale("log")
+        elif positive:
+            ax.set_xlim(left=0)
+        else:
+            ax.set_xlim(0, 1)
+        ax.set_title(d)
+        ax.set_xlabel("modelled communication time (s)")
+        ax.set_ylabel(_ylabel([runs[i] for i in idx]))
+        ax.grid(True, alpha=0.3, which="both" if log_x else "major")
+        _legend(ax, n)
+    comm_path = out_prefix.with_name(out_prefix.name + "_comm.png")
+    fig.savefig(comm_path, dpi=150)
+    return [epoch_path, comm_path]
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulations.reproduce",
+        description="Plot test metric vs epoch and vs modelled communication time from results.json records.",
+    )
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="run dir with results.json, a results.json file, or a Hydra multirun dir")
+    parser.add_argument("--out", default="figure", metavar="FIGURE_PREFIX",
+                        help="writes FIGURE_PREFIX_epoch.png and FIGURE_PREFIX_comm.png (default: figure)")
+    parser.add_argument("--title", default=None, help="figure title")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rich.console import Console
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        runs = load_runs(args.run_dirs)
+    except ResultsError as exc:
+        parser.error(str(exc))  # exit code 2, before anything is drawn
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(summary_table(summary_rows(runs), args.title))
+    for path in plot_runs(runs, args.out, args.title):
+        console.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The LoJ operator's common part: the table-mapping setup round, test evaluation and the run record.
+
+Setup (TablePuppet Sec. 3.1.1): every client sends row ids and keyed digests of its join keys, the label
+owner also its labels and test-split flags; the server checks the key kinds agree, joins the digests into
+p_i, and splits the joined rows into train and test by the label-table row. VFL baselines then send each
+client its p_i once ("expand") and continue on the identity mapping over the N joined rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from strategies.phase import BROADCAST, ClientKey, PhaseStrategy, Protocol, Reply
+from tpflower.comm import CommMeter, WanModel
+from tpflower.losses import metrics, output_dim, primary_metric
+from tpflower.mapping import KeyProjection, TableMapping, build_mapping
+from tpflower.relation import summary_line
+from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
+from tpflower.schema import RelationalSpec, SpecError, validate_key_kinds
+
+
+class LoJStrategy(PhaseStrategy):
+    """Setup, evaluation and results shared by TP-Join-SGD/ADMM and the VFL baselines."""
+
+    algorithm = "loj"
+    expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
+
+    def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.spec = spec
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.log = log
+        self.clients: list[ClientKey] = [(t, 0) for t in spec.table_names]
+        super().__init__(num_clients=len(self.clients))
+        self.task = spec.label.task
+        self.metric = primary_metric(self.task)
+        self.results: RunResults | None = None
+        self.comm: CommMeter | None = None
+        self._t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def setup(self) -> Protocol:
+        """Round 1 (keys) builds the mapping; VFL adds round 2 (expand). Sets train/test mappings and labels."""
+        replies = yield {BROADCAST: ([], {"phase": "keys"})}
+        self._t0 = time.perf_counter()
+        missing = [k for k in self.clients if k not in replies]
+        if missing:
+            raise SpecError(f"no client holds table shard(s) {missing}; connected: {sorted(replies)}")
+        validate_key_kinds(self.spec, self._key_kinds(replies))
+        label_key = (self.spec.label_table, 0)
+        projections: dict[str, list[KeyProjection]] = {t: [] for t in self.spec.table_names}
+        for (table, shard), (arrays, _) in replies.items():
+            joins = [k for k, j in enumerate(self.spec.joins) if table in (j.left, j.right)]
+            projections[table].append(
+                KeyProjection(table, np.asarray(arrays[0], dtype=np.int64), dict(zip(joins, arrays[1 : 1 + len(joins)])))
+            )
+        mapping = build_mapping(self.spec, projections)
+        self.log(summary_line(self.spec, mapping))
+        label_arrays, label_metrics = replies[label_key]
+        y_rows, is_test_rows = label_arrays[-2], label_arrays[-1].astype(bool)
+        is_test = is_test_rows[mapping.p[self.spec.label_table]]
+        self.train, self.test = mapping.subset(~is_test), mapping.subset(is_test)
+        self.y_train = y_rows[self.train.p[self.spec.label_table]]
+        self.y_test = y_rows[self.test.p[self.spec.label_table]]
+        n_classes = int(label_metrics.get("n_classes", 0)) or None
+        self.d_out = output_dim(self.task, n_classes)
+        self.comm = CommMeter(WanModel.from_config(self.cfg.network, {k: str(r[1]["region"]) for k, r in replies.items()}))
+        self.results = new_run_results(self.cfg, self.algorithm, self.spec, mapping)
+        self.mapping = mapping
+        if self.expand:
+            yield from self._expand()
+        return None
+
+    def _key_kinds(self, replies: Mapping[ClientKey, Reply]) -> dict[str, dict[str, str]]:
+        kinds: dict[str, dict[str, str]] = {}
+        for (table, _), (_, m) in replies.items():
+            pairs = [kv.split("=", 1) for kv in str(m.get("key_kinds", "")).split(",") if kv]
+            kinds.setdefault(table, {}).update(dict(pairs))
+        return kinds
+
+    def _expand(self) -> Protocol:
+        """VFL: send p_i over all joined rows (train, then test); continue on the identity mapping."""
+        N_train, N_test = self.train.N, self.test.N
+        order = {t: np.concatenate([self.train.p[t], self.test.p[t]]) for t in self.spec.table_names}
+        yield {k: ([order[k[0]]], {"phase": "expand"}) for k in self.clients}
+        n_all = N_train + N_test
+        self.train = TableMapping({t: np.arange(N_train) for t in order}, {t: n_all for t in order})
+        self.test = TableMapping({t: N_train + np.arange(N_test) for t in order}, {t: n_all for t in order})
+
+    # ------------------------------------------------------------------------------------------ records
+
+    def on_round(self, down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]) -> None:
+        if self.comm is not None:  # the keys round happens before the meter exists: setup traffic is not
+            self.comm.record(down, up)  # counted as training traffic, except the VFL expansion
+
+    def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> None:
+        """Evaluate the test predictions, append the epoch to the record and print its line."""
+        assert self.results is not None and self.comm is not None
+        test = metrics(self.task, H_test, self.y_test)
+        if not np.isfinite(train_loss):
+            raise RuntimeError(f"{self.algorithm} diverged in epoch {epoch} (train loss {train_loss})")
+        rec = EpochRecord(
+            epoch=epoch,
+            test_metric=test[self.metric],
+            train_loss=train_loss,
+            wall_time_s=time.perf_counter() - self._t0,
+            extra={**{f"test_{k}": v for k, v in test.items() if k not in (self.metric, "loss")}, **(extra or {})},
+            **{k: v for k, v in self.comm.snapshot().items()},  # type: ignore[arg-type]
+        )
+        self.results.history.append(rec)
+        self.log(epoch_line(self.metric, rec))
+
+    def finish(self) -> None:
+        """Write results.json (atomically) once the protocol has run to its end."""
+        if self.run_dir is not None and self.results is not None:
+            path = write_results(self.results, self.run_dir)
+            self.log(f"results: {path}")
+
+    def messages(self, build: Callable[[str], tuple[list[np.ndarray], dict[str, Any]]]) -> dict[ClientKey, Any]:
+        """One message per client, built from its table name."""
+        return {k: build(k[0]) for k in self.clients}
+
+    @staticmethod
+    def outputs(replies: Mapping[ClientKey, Reply], index: int = 0) -> dict[str, np.ndarray]:
+        """Reply array ``index`` of every client, keyed by table."""
+        return {k[0]: r[0][index] for k, r in replies.items()}

@@ -1,0 +1,71 @@
+"""TP-Join-SGD (TablePuppet Eq. 10-13) and the VFL-SGD baseline (FDML/VAFL style).
+
+Per mini-batch B the server asks each table for f_i on U_i = unique(p_i[B]) only, aggregates dl/dH over the
+duplicates into Y_i (Eq. 10) and scatters it. Pipelining: the message with Y for batch b also carries the
+rows of batch b+1 (and, after an epoch's last batch, the test rows), so one round trip per batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strategies.loj import LoJStrategy
+from strategies.phase import Protocol
+from tpflower.loj import BatchPlan, epoch_batches, joined_predictions, sgd_aggregate
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def batch_size_of(value, n: int) -> int:
+    """algorithm.batch_size: a positive integer or `full` (= n, full-batch gradient descent)."""
+    if value == "full":
+        return n
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}") from None
+    if size < 1:
+        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}")
+    return min(size, n)
+
+
+class TPJoinSGD(LoJStrategy):
+    algorithm = "tp_join_sgd"
+
+    def protocol(self) -> Protocol:
+        yield from self.setup()
+        N, epochs = self.train.N, int(self.cfg.epochs)
+        B = batch_size_of(self.cfg.algorithm.batch_size, N)
+        rng = np.random.default_rng(int(self.cfg.seed))
+        evaluation = BatchPlan.of(self.test, np.arange(self.test.N))
+        batches = epoch_batches(N, B, rng)
+        plan = BatchPlan.of(self.train, batches[0])
+        replies = yield self.messages(lambda t: ([plan.U[t]], {"phase": "predict", "d_out": self.d_out}))
+        h = self.outputs(replies)
+        for epoch in range(1, epochs + 1):
+            loss_sum = 0.0
+            for b, rows in enumerate(batches):
+                Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
+                loss_sum += loss_b
+                last = b == len(batches) - 1
+                if last:
+                    batches = epoch_batches(N, B, rng) if epoch < epochs else []
+                nxt = BatchPlan.of(self.train, batches[0]) if last and batches else (None if last else BatchPlan.of(self.train, batches[b + 1]))
+                replies = yield self.messages(
+                    lambda t: (
+                        [Y[t], nxt.U[t] if nxt else EMPTY, evaluation.U[t] if last else EMPTY],
+                        {"phase": "sgd_step", "batch_size": len(rows)},
+                    )
+                )
+                h = self.outputs(replies, 0)
+                plan = nxt  # type: ignore[assignment]
+            H_test = joined_predictions(evaluation.inv, self.outputs(replies, 1))
+            self.record_epoch(epoch, H_test, loss_sum / N)
+        self.finish()
+
+
+class VFLSGD(TPJoinSGD):
+    """VFL-SGD: the same protocol on the expanded tables: |B| rows per client per batch, no duplicate reduction."""
+
+    algorithm = "vfl_sgd"
+    expand = True

@@ -1,0 +1,139 @@
+"""simulations.reproduce: results.json records -> table and the two paper figures (fake records, no training)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from matplotlib.image import imread
+
+from simulations import reproduce
+from tpflower.results import EpochRecord, RunResults, write_results
+
+DATASETS = {  # dataset -> (task, metric, start, end, N)
+    "movielens": ("regression", "rmse", 1.10, 0.93, 265_517),
+    "nycflights13_delayed": ("classification", "accuracy", 0.62, 0.81, 271_594),
+}
+# algorithm -> (rounds per epoch, bytes per round, modelled seconds per round)
+ALGORITHMS = {"tp_join_admm": (4, 2_000_000, 0.9), "tp_join_sgd": (260, 150_000, 0.25), "centralized": (0, 0, 0.0)}
+
+
+def fake_run(algorithm: str, dataset: str, epochs: int = 6, lr: float = 0.1, bump: int | None = None) -> RunResults:
+    """A plausible record: the metric moves from start to end; `bump` makes one epoch better than the last."""
+    task, metric, start, end, n = DATASETS[dataset]
+    per_epoch, bytes_round, secs_round = ALGORITHMS[algorithm]
+    history = []
+    for e in range(1, epochs + 1):
+        value = start + (end - start) * (1 - math.exp(-e / 2)) / (1 - math.exp(-epochs / 2))
+        if bump == e:
+            value = end + (-0.05 if metric == "rmse" else 0.05)  # best epoch, not the last
+        r = per_epoch * e
+        history.append(EpochRecord(
+            epoch=e, test_metric=value, train_loss=value ** 2, rounds=r, bytes_up=r * bytes_round,
+            bytes_down=r * bytes_round // 2, comm_time_s=r * secs_round, wall_time_s=1.5 * e,
+        ))
+    return RunResults(
+        algorithm=algorithm, scenario="join", dataset=dataset, model="linear", task=task, metric=metric,
+        n_joined=n, table_rows={"t0": n, "t1": 100}, history=history,
+        config={"algorithm": {"name": algorithm, "lr": lr, "batch_size": 256}, "dataset": {"name": dataset},
+                "seed": 0, "epochs": epochs},
+    )
+
+
+@pytest.fixture
+def run_dirs(tmp_path):
+    """Six single runs (3 algorithms x 2 datasets) and a Hydra-multirun-style sweep of tp_join_sgd over lr."""
+    dirs = []
+    for dataset in DATASETS:
+        for algorithm in ALGORITHMS:
+            bump = 3 if (algorithm, dataset) == ("tp_join_admm", "nycflights13_delayed") else None
+            bump = 4 if (algorithm, dataset) == ("tp_join_admm", "movielens") else bump
+            d = tmp_path / "outputs" / f"{algorithm}-{dataset}"
+            write_results(fake_run(algorithm, dataset, bump=bump), d)
+            dirs.append(d)
+    sweep = tmp_path / "multirun" / "2025-01-01" / "12-00-00"
+    for i, lr in enumerate([0.05, 0.2]):
+        write_results(fake_run("tp_join_sgd", "movielens", lr=lr), sweep / f"{i}-tp_join_sgd-movielens")
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    return dirs, sweep
+
+
+def test_main_writes_both_figures(run_dirs, tmp_path, capsys):
+    dirs, sweep = run_dirs
+    out = tmp_path / "figs" / "fig"
+    assert reproduce.main([*map(str, dirs), str(sweep), "--out", str(out), "--title", "fake runs"]) == 0
+    printed = capsys.readouterr().out
+    for suffix in ("_epoch.png", "_comm.png"):
+        png = out.with_name("fig" + suffix)
+        assert png.exists() and png.stat().st_size > 10_000, png
+        assert str(png) in printed
+        img = imread(png)
+        assert img.ndim == 3 and img.shape[0] > 400 and img.shape[1] > 1000  # two dataset columns
+    assert "tp_join_admm" in printed and "nycflights13_delayed" in printed  # the rich table
+
+
+def test_summary_rows_final_and_best(run_dirs):
+    dirs, _ = run_dirs
+    runs = reproduce.load_runs(dirs)
+    rows = reproduce.summary_rows(runs)
+    assert len(rows) == 6
+    by = {(r["algorithm"], r["dataset"]): r for r in rows}
+    for (algorithm, dataset), row in by.items():
+        record = json.loads((dirs[0].parent / f"{algorithm}-{dataset}" / "results.json").read_text())
+        values = [h["test_metric"] for h in record["history"]]
+        assert row["final"] == pytest.approx(values[-1])
+        expected_best = min(values) if record["metric"] == "rmse" else max(values)
+        assert row["best"] == pytest.approx(expected_best)
+        assert row["epochs"] == 6 and row["n_joined"] == record["n_joined"]
+        last = record["history"][-1]
+        assert row["rounds"] == last["rounds"] and row["comm_time_s"] == pytest.approx(last["comm_time_s"])
+        assert row["mb_up"] == pytest.approx(last["bytes_up"] / 1e6)
+    # the bumped runs: best is not the final value, in the metric's own direction
+    admm_ml, admm_fl = by["tp_join_admm", "movielens"], by["tp_join_admm", "nycflights13_delayed"]
+    assert admm_ml["best"] < admm_ml["final"] and admm_fl["best"] > admm_fl["final"]
+    assert by["centralized", "movielens"]["rounds"] == 0 and by["centralized", "movielens"]["mb_down"] == 0
+    # RunResults objects are accepted too
+    assert reproduce.summary_rows([fake_run("tp_join_sgd", "movielens")])[0]["best"] == pytest.approx(0.93)
+
+
+def test_multirun_dir_expands_and_labels_distinguish(run_dirs):
+    _, sweep = run_dirs
+    files = reproduce.find_results([sweep])
+    assert [f.parent.name for f in files] == ["0-tp_join_sgd-movielens", "1-tp_join_sgd-movielens"]
+    runs = reproduce.load_runs([sweep, files[0]])  # a results.json path named twice is read once
+    assert len(runs) == 2
+    labels = reproduce.run_labels(runs)
+    assert labels == ["tp_join_sgd (lr=0.05)", "tp_join_sgd (lr=0.2)"]
+
+
+def test_centralized_is_no_communication(run_dirs):
+    dirs, _ = run_dirs
+    runs = reproduce.load_runs(dirs)
+    assert [reproduce.is_centralized(r) for r in runs] == [False, False, True] * 2
+
+
+def test_missing_path_exits_with_its_name(run_dirs, tmp_path, capsys):
+    dirs, _ = run_dirs
+    missing = tmp_path / "no-such-run"
+    out = tmp_path / "fig"
+    with pytest.raises(SystemExit) as exc:
+        reproduce.main([str(dirs[0]), str(missing), "--out", str(out)])
+    assert exc.value.code == 2
+    assert str(missing) in capsys.readouterr().err
+    assert not out.with_name("fig_epoch.png").exists()  # nothing drawn
+
+
+def test_invalid_file_and_empty_dir(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "results.json").write_text("{not json")
+    with pytest.raises(reproduce.ResultsError, match=str(bad / "results.json")):
+        reproduce.load_runs([bad])
+    (bad / "results.json").write_text(json.dumps({"algorithm": "x", "dataset": "y"}))
+    with pytest.raises(reproduce.ResultsError, match="missing keys"):
+        reproduce.load_runs([bad])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(reproduce.ResultsError, match=str(empty)):
+        reproduce.find_results([empty])

@@ -1,0 +1,85 @@
+"""Communication accounting: bytes and round trips of the arrays that Flower messages carry, and the WAN
+time model of conf/network (TablePuppet Table 8: per-link latency and bandwidth, server in one region).
+
+A round is one gather/scatter: the server sends a message to some clients and waits for all replies.
+Modelled time of a round = max over its clients of (latency of the link + (bytes down + bytes up) / bandwidth):
+the slowest link decides, the links work in parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def payload_bytes(parameters: Any) -> int:
+    """Bytes of the serialized ndarrays of a Flower ``Parameters`` (the tensors a FitIns/FitRes carries)."""
+    return int(sum(len(t) for t in parameters.tensors))
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float
+    bandwidth_bytes_s: float
+
+    def time(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_s
+
+
+@dataclass
+class WanModel:
+    """Links from the server's region to each client's region."""
+
+    links: dict[Hashable, Link]
+
+    @classmethod
+    def from_config(cls, network_cfg: Mapping[str, Any], client_regions: Mapping[Hashable, str]) -> "WanModel":
+        server = network_cfg["server_region"]
+        table = network_cfg["links"][server]
+        links = {}
+        for client, region in client_regions.items():
+            if region not in table:
+                raise ValueError(
+                    f"client {client}: region {region!r} has no link from the server region {server!r} in "
+                    f"conf/network; known regions: {sorted(table)}"
+                )
+            link = table[region]
+            links[client] = Link(float(link["latency_ms"]) / 1e3, float(link["bandwidth_mb_s"]) * 1e6)
+        return cls(links)
+
+    def round_time(self, down: Mapping[Hashable, int], up: Mapping[Hashable, int]) -> float:
+        clients = set(down) | set(up)
+        return max((self.links[c].time(down.get(c, 0) + up.get(c, 0)) for c in clients), default=0.0)
+
+
+@dataclass
+class CommMeter:
+    """Cumulative rounds, bytes and modelled time; `inner` counts a separate class of rounds (LoU inner loop)."""
+
+    wan: WanModel
+    rounds: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    comm_time_s: float = 0.0
+    per_client_down: dict[Hashable, int] = field(default_factory=dict)
+    per_client_up: dict[Hashable, int] = field(default_factory=dict)
+
+    def record(self, down: Mapping[Hashable, int], up: Mapping[Hashable, int]) -> None:
+        """Account one round with the payload bytes sent to (down) and received from (up) each client."""
+        self.rounds += 1
+        self.bytes_down += sum(down.values())
+        self.bytes_up += sum(up.values())
+        self.comm_time_s += self.wan.round_time(down, up)
+        for c, b in down.items():
+            self.per_client_down[c] = self.per_client_down.get(c, 0) + b
+        for c, b in up.items():
+            self.per_client_up[c] = self.per_client_up.get(c, 0) + b
+
+    def snapshot(self) -> dict[str, float]:
+        return {
+            "rounds": self.rounds,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "comm_time_s": self.comm_time_s,
+        }
