@@ -6,7 +6,10 @@ overhead (simulations/bench.py) and for fast tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from flwr.common import Context, RecordDict
 from flwr.simulation import run_simulation
@@ -17,7 +20,7 @@ from omegaconf import DictConfig
 from simulations.client_app import client_fn_for, client_keys, make_client
 from simulations.server_app import make_strategy, server_fn_for
 from strategies.loj import LoJStrategy
-from strategies.phase import run_direct
+from strategies.phase import ClientKey, run_direct
 from tpflower.results import RunResults
 
 
@@ -41,7 +44,17 @@ def run_flower_simulation(cfg: DictConfig, run_dir: str | Path, base_dir: str | 
     return created[0].results
 
 
-def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None, log=print) -> LoJStrategy:
+@dataclass
+class InProcessRun:
+    strategy: LoJStrategy
+    contexts: dict[ClientKey, Context]  # each client's Flower context; its state holds the final theta
+
+    def theta(self, key: ClientKey) -> dict[str, np.ndarray]:
+        """The final local model parameters of one client."""
+        return {k: v.numpy() for k, v in self.contexts[key].state["theta"].to_torch_state_dict().items()}
+
+
+def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None, log=print) -> InProcessRun:
     """The same strategy and clients, called directly (no Flower transport, no Ray)."""
     strategy = make_strategy(cfg, run_dir, base_dir, log=log)
     contexts = {}
@@ -49,4 +62,4 @@ def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | 
         contexts[key] = Context(run_id=0, node_id=pid + 1, node_config={"table": key[0], "shard": key[1]},
                                 state=RecordDict(), run_config={})
     run_direct(strategy, {k: (lambda c=c: make_client(cfg, c, base_dir)) for k, c in contexts.items()})
-    return strategy
+    return InProcessRun(strategy, contexts)

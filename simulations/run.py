@@ -33,7 +33,7 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
         from simulations.federated import run_flower_simulation, run_in_process
 
         if cfg.get("runtime", "flower") == "inprocess":
-            results = run_in_process(cfg, run_dir, base_dir).results
+            results = run_in_process(cfg, run_dir, base_dir).strategy.results
         else:
             results = run_flower_simulation(cfg, run_dir, base_dir)
         assert results is not None

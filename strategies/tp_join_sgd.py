@@ -2,7 +2,7 @@
 
 Per mini-batch B the server asks each table for f_i on U_i = unique(p_i[B]) only, aggregates dl/dH over the
 duplicates into Y_i (Eq. 10) and scatters it. Pipelining: the message with Y for batch b also carries the
-rows of batch b+1 (and, after an epoch's last batch, the test rows), so one round trip per batch.
+rows of batch b+1 (and, with an epoch's last batch, the test rows), so one round trip per batch.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class TPJoinSGD(LoJStrategy):
                 nxt = BatchPlan.of(self.train, batches[0]) if last and batches else (None if last else BatchPlan.of(self.train, batches[b + 1]))
                 replies = yield self.messages(
                     lambda t: (
-                        [Y[t], nxt.U[t] if nxt else EMPTY, evaluation.U[t] if last else EMPTY],
+                        [Y[t], nxt.U[t] if nxt else EMPTY] + ([evaluation.U[t]] if last else []),
                         {"phase": "sgd_step", "batch_size": len(rows)},
                     )
                 )

@@ -9,7 +9,7 @@ Phases (server config["phase"] -> reply arrays):
   keys         -> [row_ids, digest per join of this table..., (label owner) y, is_test]
   expand       [p_i]              -> []            VFL: from now on the client's rows are the N joined rows
   predict      [rows]             -> [h(rows)]      rows: indices into the client's rows; remembered as pending
-  sgd_step     [Y, rows, eval]    -> [h(rows), h(eval)]   Eq. 12-13 on the pending rows, then predict
+  sgd_step     [Y, rows, (eval)]  -> [h(rows), (h(eval))]  Eq. 12-13 on the pending rows, then predict
   admm_setup   [G]                -> [h(all rows)]
   admm_update  [Y]                -> [h(all rows)]  Eq. 16 (closed form for linear models)
 """
@@ -79,7 +79,7 @@ class ClientState:
         return True
 
     def save_model(self, model: torch.nn.Module) -> None:
-        self.records["theta"] = ArrayRecord(torch_state_dict=model.state_dict())
+        self.records["theta"] = ArrayRecord(torch_state_dict={k: v.cpu() for k, v in model.state_dict().items()})
 
 
 class TableClient(NumPyClient):
@@ -90,6 +90,8 @@ class TableClient(NumPyClient):
         self.settings = settings
         self.state = ClientState(state)
         self.dtype = torch_dtype(settings.precision)
+        # a client given a GPU (conf/resources num_gpus > 0) computes on it; Ray sets CUDA_VISIBLE_DEVICES
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     # ---------------------------------------------------------------------------------------- Flower API
 
@@ -110,7 +112,7 @@ class TableClient(NumPyClient):
         s = self.settings
         model = build_local_model(s.model, s.spec, s.table, self.local.width, d_out, s.seed, self.dtype)
         self.state.load_model(model)
-        return model
+        return model.to(self.device)
 
     def _rows_X(self, rows: np.ndarray | None) -> np.ndarray:
         """Features of the client's rows ``rows`` (all when None); under VFL these are joined rows."""
@@ -119,9 +121,12 @@ class TableClient(NumPyClient):
             rows = expand if rows is None else expand[rows]
         return self.local.X if rows is None else self.local.X[rows]
 
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=self.dtype, device=self.device)
+
     def _predict(self, model: torch.nn.Module, rows: np.ndarray | None) -> np.ndarray:
         with torch.no_grad():
-            return model(torch.as_tensor(self._rows_X(rows), dtype=self.dtype)).numpy()
+            return model(self._tensor(self._rows_X(rows))).cpu().numpy()
 
     def _metrics(self, model: torch.nn.Module) -> dict[str, float]:
         with torch.no_grad():
@@ -162,19 +167,17 @@ class TableClient(NumPyClient):
 
     def phase_sgd_step(self, parameters, config):
         """Eq. 12-13 on the pending rows with their aggregated Y_i, then predict the next rows (pipelining)."""
-        Y, next_rows, eval_rows = parameters
+        Y, next_rows, *eval_rows = parameters
         model = self._model(config)
         pending = self.state.get("pending")
         if pending is None or len(pending) != len(Y):
             raise RuntimeError(f"table {self.settings.table!r}: sgd_step without a matching predict of its rows")
-        X = torch.as_tensor(self._rows_X(pending), dtype=self.dtype)
-        sgd_step(model, X, torch.as_tensor(Y, dtype=self.dtype), int(config["batch_size"]),
+        sgd_step(model, self._tensor(self._rows_X(pending)), self._tensor(Y), int(config["batch_size"]),
                  float(self.settings.algorithm["lr"]), float(self.settings.model["beta"]))
         self.state.save_model(model)
         self.state.put("pending", np.asarray(next_rows, dtype=np.int64))
-        h_next = self._predict(model, np.asarray(next_rows, dtype=np.int64))
-        h_eval = self._predict(model, np.asarray(eval_rows, dtype=np.int64))
-        return [h_next, h_eval], self._metrics(model)
+        out = [self._predict(model, np.asarray(rows, dtype=np.int64)) for rows in [next_rows, *eval_rows]]
+        return out, self._metrics(model)
 
     def phase_admm_setup(self, parameters, config):
         """Store G_i (Eq. 15, constant) and N; predict every row."""
@@ -193,13 +196,12 @@ class TableClient(NumPyClient):
         alg, beta = self.settings.algorithm, float(self.settings.model["beta"])
         rho = float(alg["rho"])
         X = self._rows_X(None)
-        if isinstance(model, torch.nn.Linear):
+        if isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
             admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, beta)
         else:
             gen = torch.Generator().manual_seed(int(self.settings.seed) * 7919 + int(config.get("epoch", 0)))
             admm_update_local_opt(
-                model, torch.as_tensor(X, dtype=self.dtype), torch.as_tensor(G, dtype=self.dtype),
-                torch.as_tensor(Y, dtype=self.dtype), N, rho, beta, int(alg["local_epochs"]),
+                model, self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, beta, int(alg["local_epochs"]),
                 float(alg["local_lr"]), int(alg["local_batch_size"]), gen,
             )
         self.state.save_model(model)
