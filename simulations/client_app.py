@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 from flwr.client import Client, ClientApp
 from flwr.common import Context
 from omegaconf import DictConfig, OmegaConf
@@ -29,10 +30,15 @@ def client_keys(spec: RelationalSpec) -> list[tuple[str, int]]:
 
 
 @lru_cache(maxsize=32)
-def _load(dataset_json: str, table: str, shard: int, base_dir: str | None) -> tuple[RelationalSpec, LocalTable, dict]:
-    """Load and preprocess one client's table once per process (Flower may rebuild the client per message)."""
+def _load(dataset_json: str, table: str, shard: int, base_dir: str | None, precision: str) -> tuple[RelationalSpec, LocalTable, dict]:
+    """Load and preprocess one client's table once per process (Flower may rebuild the client per message).
+
+    The features are stored in the run's precision, so tensors over them need no conversion per message.
+    """
     spec, frame = load_table(json.loads(dataset_json), table, base_dir=base_dir)
-    return spec, prepare_local_table(spec, table, frame), key_kinds_of(spec, table, frame)
+    local = prepare_local_table(spec, table, frame)
+    local.X = local.X.astype(np.float32 if precision == "float32" else np.float64, copy=False)
+    return spec, local, key_kinds_of(spec, table, frame)
 
 
 def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[str, int]:
@@ -48,15 +54,27 @@ def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[
     return keys[pid]
 
 
+_SETTINGS: dict[tuple, tuple[DictConfig, ClientSettings, LocalTable]] = {}
+
+
 def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None) -> TableClient:
+    """The client of this node for one message; table and settings are built once per process and node."""
+    node = tuple(sorted(context.node_config.items()))
+    cache_key = (id(cfg), node, str(base_dir))
+    if cache_key not in _SETTINGS:  # cfg is kept in the entry, so its id stays valid
+        _SETTINGS[cache_key] = (cfg, *_settings(cfg, dict(context.node_config), base_dir))
+    _, settings, local = _SETTINGS[cache_key]
+    return TableClient(local, settings, context.state)
+
+
+def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[ClientSettings, LocalTable]:
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     assert isinstance(dataset, dict)
-    source = context.node_config.get("source")
     root = str(base_dir) if base_dir else None
-    table, shard = identity(dict(context.node_config), client_keys(_spec(json.dumps(dataset, sort_keys=True), root)))
-    if source:
-        dataset["tables"][table] = {**dataset["tables"].get(table, {}), "source": str(source)}
-    spec, local, kinds = _load(json.dumps(dataset, sort_keys=True), table, shard, root)
+    table, shard = identity(node_config, client_keys(_spec(json.dumps(dataset, sort_keys=True), root)))
+    if node_config.get("source"):
+        dataset["tables"][table] = {**dataset["tables"].get(table, {}), "source": str(node_config["source"])}
+    spec, local, kinds = _load(json.dumps(dataset, sort_keys=True), table, shard, root, str(cfg.precision))
     settings = ClientSettings(
         spec=spec,
         table=table,
@@ -69,7 +87,7 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
         secret=str(cfg.mapping.secret).encode(),
         key_kinds=kinds,
     )
-    return TableClient(local, settings, context.state)
+    return settings, local
 
 
 @lru_cache(maxsize=8)

@@ -10,7 +10,7 @@ Phases (server config["phase"] -> reply arrays):
   expand       [p_i]              -> []            VFL: from now on the client's rows are the N joined rows
   predict      [rows]             -> [h(rows)]      rows: indices into the client's rows; remembered as pending
   sgd_step     [Y, rows, (eval)]  -> [h(rows), (h(eval))]  Eq. 12-13 on the pending rows, then predict
-  admm_setup   [G]                -> [h(all rows)]
+  admm_setup   [G]                -> [h(all rows)]  config: N, rho
   admm_update  [Y]                -> [h(all rows)]  Eq. 16 (closed form for linear models)
 """
 
@@ -183,6 +183,7 @@ class TableClient(NumPyClient):
         """Store G_i (Eq. 15, constant) and N; predict every row."""
         self.state.put("G", np.asarray(parameters[0], dtype=np.float64))
         self.state.set_scalar("N", int(config["N"]))
+        self.state.set_scalar("rho", float(config["rho"]))  # the server resolves algorithm.rho=auto
         model = self._model(config)
         self.state.save_model(model)
         return [self._predict(model, None)], self._metrics(model)
@@ -194,7 +195,7 @@ class TableClient(NumPyClient):
         G = self.state.get("G")
         N = int(self.state.scalar("N"))
         alg, beta = self.settings.algorithm, float(self.settings.model["beta"])
-        rho = float(alg["rho"])
+        rho = float(self.state.scalar("rho"))
         X = self._rows_X(None)
         if isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
             admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, beta)

@@ -7,7 +7,9 @@ the tables against the spec. ``shard_rows`` splits a table's row ids into its ho
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +91,19 @@ def _frame(
     if loader_name is None:
         raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
     if loaded is None:
-        loaded = LOADERS[loader_name](**kwargs)
+        loaded = _run_loader(loader_name, json.dumps(kwargs, sort_keys=True))
     if table.name not in loaded:
         raise SpecError(
             f"table {table.name!r} has no source file and loader {loader_name!r} gives no such table; "
             f"it gives {sorted(loaded)}"
         )
     return loaded[table.name].reset_index(drop=True), loaded
+
+
+@lru_cache(maxsize=2)
+def _run_loader(name: str, kwargs_json: str) -> dict[str, pd.DataFrame]:
+    """A bundled loader's tables, once per process (each client of a simulation asks for its own table)."""
+    return LOADERS[name](**json.loads(kwargs_json))
 
 
 def load_dataset(
