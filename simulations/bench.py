@@ -1,8 +1,10 @@
 """Benchmarks: speed and memory goals, measured and written to JSON (quoted in the README).
 
-    python -m simulations.bench mapping [--n-joined 10000000] [--out bench_results/mapping.json]
+    python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
+    python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
 
-Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own.
+Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
+invocation run one after the other on the same machine, so their ratios are measured side by side.
 """
 
 from __future__ import annotations
@@ -62,7 +64,68 @@ def mapping_case(n_joined: int, dim_rows: tuple[int, ...] = (1_000_000, 100_000,
     }
 
 
-CASES = {"mapping": mapping_case}
+def algorithm_case(algorithm: str, dataset: str, epochs: int, runtime: str = "inprocess", overrides: tuple = ()) -> dict[str, Any]:
+    """One training run; per-epoch wall time from the run's own history (setup excluded for federated runs)."""
+    import tempfile
+
+    from simulations.config import compose_config
+    from simulations.run import run_job
+
+    cfg = compose_config(f"algorithm={algorithm}", f"dataset={dataset}", f"epochs={epochs}", f"runtime={runtime}", *overrides)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_job(cfg, Path(tmp))
+    total = time.perf_counter() - t0
+    h = res.history
+    per_epoch = (h[-1].wall_time_s - h[0].wall_time_s) / (len(h) - 1) if len(h) > 1 else h[-1].wall_time_s
+    return {
+        "algorithm": res.algorithm,
+        "dataset": dataset,
+        "runtime": runtime if algorithm != "centralized" else "-",
+        "epochs": len(h),
+        "epoch_wall_s": round(per_epoch, 3),
+        "total_wall_s": round(total, 1),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "test_metric": h[-1].test_metric,
+        "rounds_per_epoch": (h[-1].rounds - h[0].rounds) / max(len(h) - 1, 1),
+        "bytes_per_epoch": (h[-1].bytes_up + h[-1].bytes_down - h[0].bytes_up - h[0].bytes_down) / max(len(h) - 1, 1),
+    }
+
+
+def loj_suite(epochs: int = 3) -> dict[str, Any]:
+    """Issue 3's benchmark: every LoJ algorithm and the centralized baseline on movielens and nycflights13,
+    and the same ADMM / SGD epochs under Flower's simulation engine vs called in-process."""
+    runs = []
+    for dataset in ("movielens", "nycflights13"):
+        for algorithm in ("centralized", "admm", "sgd", "vfl_admm", "vfl_sgd"):
+            runs.append(_run_isolated("algorithm", {"algorithm": algorithm, "dataset": dataset, "epochs": epochs}))
+            print(json.dumps(runs[-1]), flush=True)
+    overhead = []
+    for algorithm, dataset, ep in (("admm", "movielens", 6), ("admm", "nycflights13", 6), ("sgd", "movielens", 2)):
+        pair = {}
+        for runtime in ("inprocess", "flower"):
+            pair[runtime] = _run_isolated(
+                "algorithm", {"algorithm": algorithm, "dataset": dataset, "epochs": ep, "runtime": runtime}
+            )
+            print(json.dumps(pair[runtime]), flush=True)
+        overhead.append(
+            {
+                "algorithm": pair["flower"]["algorithm"],
+                "dataset": dataset,
+                "epoch_wall_s_inprocess": pair["inprocess"]["epoch_wall_s"],
+                "epoch_wall_s_flower": pair["flower"]["epoch_wall_s"],
+                "flower_over_inprocess": round(pair["flower"]["epoch_wall_s"] / pair["inprocess"]["epoch_wall_s"], 2),
+                "rounds_per_epoch": pair["flower"]["rounds_per_epoch"],
+                "flower_s_per_round": round(
+                    (pair["flower"]["epoch_wall_s"] - pair["inprocess"]["epoch_wall_s"]) / pair["flower"]["rounds_per_epoch"], 4
+                ),
+            }
+        )
+    return {"case": "loj", "epochs": epochs, "runs": runs, "flower_overhead": overhead}
+
+
+CASES = {"mapping": mapping_case, "algorithm": algorithm_case}
+SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}), "loj": lambda a: loj_suite(a.epochs)}
 
 
 def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -70,17 +133,20 @@ def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
         "import json,sys; from simulations.bench import CASES; "
         f"print(json.dumps(CASES[{case!r}](**json.loads(sys.argv[1]))))"
     )
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark case {case} {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("case", choices=sorted(CASES))
-    ap.add_argument("--n-joined", type=int, default=10_000_000)
+    ap.add_argument("case", choices=sorted(SUITES))
+    ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping: joined rows")
+    ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    result = _run_isolated(a.case, {"n_joined": a.n_joined})
+    result = SUITES[a.case](a)
     result["machine"] = {"cpus": __import__("os").cpu_count(), "python": platform.python_version()}
     out = a.out or Path("bench_results") / f"{a.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

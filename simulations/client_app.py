@@ -18,6 +18,7 @@ from flwr.client import Client, ClientApp
 from flwr.common import Context
 from omegaconf import DictConfig, OmegaConf
 
+from simulations.config import compose_config
 from tpflower.client import ClientSettings, TableClient, key_kinds_of
 from tpflower.datasets import load_spec, load_table
 from tpflower.local_table import LocalTable, prepare_local_table
@@ -108,12 +109,7 @@ def client_fn_for(cfg: DictConfig | None, base_dir: str | Path | None = None) ->
 
 @lru_cache(maxsize=8)
 def _compose(overrides: str) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-
-    from simulations.run import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose(config_name="config", overrides=[o for o in overrides.split() if o])
+    return compose_config(*overrides.split())
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> DictConfig:

@@ -14,11 +14,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
 from omegaconf import DictConfig, OmegaConf
 
+from simulations.config import CONF_DIR
 from simulations.centralized import constant_predictor_metric, train_centralized
 from tpflower.relation import load_relation
 from tpflower.results import RunResults, new_run_results, write_results
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
