@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpflower.loj import batch_size_of
 from tpflower.losses import loss_torch, metrics, primary_metric
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.relation import Relation, build_local_model
@@ -37,19 +38,6 @@ def predict(model: torch.nn.Module, rel: Relation, mapping, dtype: torch.dtype) 
             rows = slice(start, min(start + EVAL_CHUNK, mapping.N))
             out.append(model(torch.as_tensor(rel.joined_features(mapping, rows), dtype=dtype)).numpy())
     return np.concatenate(out) if out else np.zeros((0, rel.d_out))
-
-
-def batch_size_of(value: Any, n: int) -> int:
-    """algorithm.batch_size: a positive integer or `full` (= n, full-batch gradient descent)."""
-    if value == "full":
-        return n
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}") from None
-    if size < 1:
-        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}")
-    return min(size, n)
 
 
 def evaluate(model, rel: Relation, dtype) -> dict[str, float]:

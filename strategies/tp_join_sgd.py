@@ -11,22 +11,9 @@ import numpy as np
 
 from strategies.loj import LoJStrategy
 from strategies.phase import Protocol
-from tpflower.loj import BatchPlan, epoch_batches, joined_predictions, sgd_aggregate
+from tpflower.loj import BatchPlan, batch_size_of, epoch_batches, joined_predictions, sgd_aggregate
 
 EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def batch_size_of(value, n: int) -> int:
-    """algorithm.batch_size: a positive integer or `full` (= n, full-batch gradient descent)."""
-    if value == "full":
-        return n
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}") from None
-    if size < 1:
-        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}")
-    return min(size, n)
 
 
 class TPJoinSGD(LoJStrategy):

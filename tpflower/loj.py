@@ -26,6 +26,19 @@ def joined_predictions(p: Mapping[str, np.ndarray], h: Mapping[str, np.ndarray])
     return H
 
 
+def batch_size_of(value: object, n: int) -> int:
+    """algorithm.batch_size: a positive integer or `full` (= n, full-batch gradient descent)."""
+    if value == "full":
+        return n
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}") from None
+    if size < 1:
+        raise ValueError(f"algorithm.batch_size must be a positive integer or 'full', got {value!r}")
+    return min(size, n)
+
+
 def epoch_batches(N: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Joined-row indices of each mini-batch of one epoch: a fresh shuffle of [N] unless B = N."""
     order = rng.permutation(N) if batch_size < N else np.arange(N)
