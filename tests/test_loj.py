@@ -46,6 +46,7 @@ EXACT = ("model.init=zeros", "precision=float64", "epochs=3")
         ("vfl_sgd", "synthetic", "full"),
         ("sgd", "synthetic", "500"),  # mini-batches: the same shuffles, so the same trajectory
         ("sgd", "movielens", "full"),
+        ("vfl_sgd", "movielens", "full"),
     ],
 )
 def test_tp_join_sgd_equals_centralized_gradient_descent(algorithm, dataset, batch):
