@@ -14,6 +14,7 @@ from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.client_manager import SimpleClientManager
 from omegaconf import DictConfig
 
+from simulations.client_app import config_from_run_config  # at import time: see the note at server_fn_for
 from strategies.loj import LoJStrategy
 from strategies.phase import PhaseServer
 from strategies.tp_join_admm import TPJoinADMM, VFLADMM
@@ -40,9 +41,10 @@ def server_fn_for(cfg: DictConfig | None, run_dir: str | Path | None, base_dir: 
                   created: list | None = None) -> Callable[[Context], ServerAppComponents]:
     """A server_fn for a fixed config (run_simulation) or one composed from the run config (flwr run)."""
 
+    # Under `flwr run` on the simulation runtime the ServerApp thread and the ClientApp loader share a process:
+    # Flower's loader takes a module already in sys.modules as loaded, so importing simulations.client_app
+    # lazily here could hand it a half-initialised module (LoadClientAppError "no attribute 'app'").
     def server_fn(context: Context) -> ServerAppComponents:
-        from simulations.client_app import config_from_run_config
-
         run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
         out = run_dir or context.run_config.get("run-dir") or default_run_dir(run_cfg)
         root = base_dir if base_dir is not None else context.run_config.get("base-dir") or None

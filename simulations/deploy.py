@@ -1,0 +1,470 @@
+"""Run the federated algorithms on real Flower infrastructure on this machine (127.0.0.1 only).
+
+Deployment runtime: one ``flower-superlink`` and one ``flower-supernode`` per client (table) of the configured
+dataset; the SuperNode of table T gets ``--node-config 'table="T" shard=0'``, which the ClientApp reads.
+``flwr run`` builds a FAB from this directory and ships it to the SuperLink and the SuperNodes::
+
+    python -m simulations.deploy start --overrides "dataset=synthetic"      # SuperLink + 4 SuperNodes
+    flwr run . local-deployment --stream \
+        --run-config "overrides='algorithm=admm dataset=synthetic epochs=2' run-dir='/tmp/tp-run'"
+    python -m simulations.deploy stop
+
+or all three in one (stops everything on exit, also on failure or Ctrl-C)::
+
+    python -m simulations.deploy run --overrides "algorithm=admm dataset=synthetic epochs=2" --run-dir /tmp/tp-run
+
+``start`` writes the SuperLink connection ``local-deployment`` (address 127.0.0.1:PORT, insecure) into
+``$FLWR_HOME/config.toml`` (default ``~/.flwr``): Flower 1.41 reads connections from there, not from
+pyproject.toml. Every process is started in its own session (process group) and carries the environment
+variable ``TPFLOWER_DEPLOY_TAG``; ``stop`` kills the recorded groups and then any process still carrying the
+tag (the SuperLink starts its ``flower-superexec`` in a session of its own). The state of a deployment (ports,
+pids, logs) is in ``STATE_DIR/deployment.json`` (default outputs/deploy).
+
+Simulation runtime: ``flwr run .`` without a connection name uses the default connection ``local``, a
+simulation SuperLink that ``flwr`` starts in the background (and leaves running) with one virtual SuperNode
+per ``num-supernodes``, which must equal the number of tables (``python -m simulations.deploy clients``)::
+
+    export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1   # else the SuperLink `uv sync`s the app into a new env
+    flwr run . --stream --federation-config "num-supernodes=3 client-resources-num-cpus=1"
+    python -m simulations.deploy stop-local
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+import tomli_w
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]  # a dependency of flwr
+
+HOST = "127.0.0.1"
+TAG_VAR = "TPFLOWER_DEPLOY_TAG"
+CONNECTION = "local-deployment"
+APP_DIR = Path(__file__).resolve().parents[1]
+DEFAULT_STATE_DIR = Path("outputs") / "deploy"
+DEFAULT_FLOWER_CONFIG = {"superlink": {"default": "local", "local": {"address": ":local:"}}}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def flwr_home(explicit: str | Path | None = None) -> Path:
+    """Flower's home directory (config.toml, installed FABs, the local SuperLink's state): FLWR_HOME or ~/.flwr."""
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser().resolve()
+
+
+def flower_env(home: Path, tag: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the Flower processes: venv binaries first on PATH, FLWR_HOME, no runtime `uv sync`.
+
+    Flower 1.41's SuperLink (and the local simulation SuperLink that `flwr run` starts) installs the app's
+    dependencies into a fresh environment with `uv sync` unless FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1;
+    the dependencies are already in this venv.
+    """
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["FLWR_HOME"] = str(home)
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env[TAG_VAR] = tag
+    return env
+
+
+def clients_of(overrides: str, base_dir: str | Path | None = None) -> list[tuple[str, int]]:
+    """The (table, shard) clients of the run the Hydra overrides describe: one SuperNode each."""
+    from simulations.client_app import client_keys, config_from_run_config
+    from tpflower.datasets import load_spec
+
+    cfg = config_from_run_config({"overrides": overrides})
+    return client_keys(load_spec(cfg.dataset, base_dir=base_dir))
+
+
+def write_connection(home: Path, name: str, address: str, default: bool = False) -> Path:
+    """Add (or replace) the insecure SuperLink connection `name` in $FLWR_HOME/config.toml."""
+    path = home / "config.toml"
+    config: dict[str, Any] = tomllib.loads(path.read_text()) if path.is_file() else json.loads(json.dumps(DEFAULT_FLOWER_CONFIG))
+    superlinks = config.setdefault("superlink", {})
+    superlinks[name] = {"address": address, "insecure": True}
+    if default:
+        superlinks["default"] = name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(config))
+    return path
+
+
+def _log_tail(path: str | Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def _alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
+    except (OSError, ValueError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live processes whose environment carries TPFLOWER_DEPLOY_TAG=tag (Linux /proc; [] elsewhere)."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return found
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _signal(pid: int, pgid: int | None, sig: int) -> None:
+    try:
+        if pgid is not None:
+            os.killpg(pgid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tagged(tag: str, groups: Iterable[int] = (), timeout: float = 10.0,
+                children: Iterable[subprocess.Popen] = ()) -> list[int]:
+    """SIGTERM every process carrying `tag`, then SIGKILL what is left after `timeout`; returns the survivors.
+
+    A tagged process that leads its process group, or belongs to one of `groups` (the groups this module
+    started), gets its whole group signalled. Only tagged processes are ever looked at, so a recorded group id
+    that was reused by an unrelated process is left alone. `children` (our own Popen objects) are reaped.
+    """
+    groups = set(groups)
+    children = list(children)
+
+    def targets() -> list[tuple[int, int | None]]:
+        out = []
+        for pid in tagged_pids(tag):
+            try:
+                pgid = os.getpgid(pid)
+            except ProcessLookupError:
+                continue
+            out.append((pid, pgid if pgid == pid or pgid in groups else None))
+        return out
+
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        for pid, pgid in targets():
+            _signal(pid, pgid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            for child in children:
+                child.poll()  # reap our direct children
+            if not targets():
+                break
+            time.sleep(0.2)
+    for child in children:
+        try:
+            child.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+    return [pid for pid, _ in targets()]
+
+
+def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: str | Path | None = None) -> subprocess.Popen:
+    """Start `cmd` in a new session (its own process group), output to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=cwd, start_new_session=True)
+
+
+# ---------------------------------------------------------------------------------------------- deployment
+
+
+@dataclass
+class Deployment:
+    tag: str
+    flwr_home: str
+    state_dir: str
+    superlink_port: int
+    connection: str
+    processes: list[dict[str, Any]] = field(default_factory=list)  # name, pid, pgid, cmd, log
+    popens: list[subprocess.Popen] = field(default_factory=list, repr=False)  # only in the starting process
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.superlink_port}"
+
+    def env(self) -> dict[str, str]:
+        return flower_env(Path(self.flwr_home), self.tag)
+
+    def save(self) -> Path:
+        path = Path(self.state_dir) / "deployment.json"
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "popens"}
+        path.write_text(json.dumps(data, indent=2))
+        return path
+
+    @classmethod
+    def load(cls, state_dir: str | Path) -> "Deployment":
+        data = json.loads((Path(state_dir) / "deployment.json").read_text())
+        return cls(**data)
+
+
+def superlink_command(port: int) -> list[str]:
+    return ["flower-superlink", "--insecure", "--disable-runtime-dependency-installation",
+            "--host", HOST, "--port", str(port)]
+
+
+def supernode_command(superlink_port: int, port: int, table: str, shard: int = 0) -> list[str]:
+    return ["flower-supernode", "--insecure", "--superlink", f"{HOST}:{superlink_port}",
+            "--host", HOST, "--port", str(port), "--node-config", f'table="{table}" shard={shard}']
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode}; log {log}:\n{_log_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{proc.args[0]} not ready at {url} within {timeout:.0f} s; log {log}:\n{_log_tail(log)}")
+
+
+def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode}; log {log}:\n{_log_tail(log)}")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{proc.args[0]} not listening on {HOST}:{port} within {timeout:.0f} s; log {log}:\n{_log_tail(log)}")
+
+
+def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: int | None = None,
+          home: str | Path | None = None, base_dir: str | Path | None = None, connection: str = CONNECTION,
+          cwd: str | Path | None = None, timeout: float = 60.0) -> Deployment:
+    """Start a SuperLink on 127.0.0.1:`port` (a free one if None) and one SuperNode per client of the run
+    `overrides` describes, each on a free port; register connection `connection` in $FLWR_HOME/config.toml.
+
+    On any failure everything started so far is stopped before the error propagates.
+    """
+    state = Path(state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    if (state / "deployment.json").is_file():
+        old = Deployment.load(state)
+        if tagged_pids(old.tag):
+            raise RuntimeError(f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop` first")
+    clients = clients_of(overrides, base_dir)
+    dep = Deployment(tag=uuid.uuid4().hex, flwr_home=str(flwr_home(home)), state_dir=str(state),
+                     superlink_port=port or free_port(), connection=connection)
+    env = dep.env()
+    workdir = cwd or Path.cwd()
+    try:
+        log = state / "superlink.log"
+        proc = spawn(superlink_command(dep.superlink_port), log, env, workdir)
+        dep.popens.append(proc)
+        dep.processes.append({"name": "superlink", "pid": proc.pid, "pgid": proc.pid, "cmd": proc.args, "log": str(log)})
+        dep.save()
+        _wait_http(f"http://{dep.address}/health", proc, log, timeout)
+        nodes = []
+        for table, shard in clients:
+            node_port = free_port()
+            log = state / f"supernode-{table}-{shard}.log"
+            proc = spawn(supernode_command(dep.superlink_port, node_port, table, shard), log, env, workdir)
+            dep.popens.append(proc)
+            dep.processes.append({"name": f"supernode {table}/{shard}", "pid": proc.pid, "pgid": proc.pid,
+                                  "cmd": proc.args, "log": str(log), "port": node_port})
+            dep.save()
+            nodes.append((node_port, proc, log))
+        for node_port, proc, log in nodes:
+            _wait_port(node_port, proc, log, timeout)
+        write_connection(Path(dep.flwr_home), connection, dep.address)
+    except BaseException:
+        stop(dep)
+        raise
+    return dep
+
+
+def stop(dep: Deployment | str | Path = DEFAULT_STATE_DIR, timeout: float = 10.0) -> list[int]:
+    """Stop every process of a deployment (object or state dir); returns the pids that survived (none)."""
+    if not isinstance(dep, Deployment):
+        dep = Deployment.load(dep)
+    return kill_tagged(dep.tag, [int(p["pgid"]) for p in dep.processes], timeout, dep.popens)
+
+
+def flwr_run_command(connection: str | None, overrides: str, run_dir: str | Path | None = None,
+                     app_dir: str | Path = APP_DIR, federation_config: str | None = None,
+                     stream: bool = True) -> list[str]:
+    """The `flwr run` command line for a job (connection None = the default one, `local`)."""
+    run_config = [f"overrides={json.dumps(overrides)}"]
+    if run_dir is not None:
+        run_config.append(f"run-dir={json.dumps(str(run_dir))}")
+    cmd = ["flwr", "run", str(app_dir)] + ([connection] if connection else []) + ["--run-config", " ".join(run_config)]
+    if federation_config:
+        cmd += ["--federation-config", federation_config]
+    return cmd + (["--stream"] if stream else [])
+
+
+def run(overrides: str, run_dir: str | Path, state_dir: str | Path = DEFAULT_STATE_DIR, port: int | None = None,
+        home: str | Path | None = None, timeout: float = 3600.0) -> Path:
+    """start + `flwr run ... --stream` + stop (always); returns the results.json path."""
+    run_dir = Path(run_dir).resolve()
+    dep = start(overrides, state_dir, port, home)
+    try:
+        cmd = flwr_run_command(dep.connection, overrides, run_dir)
+        print("$", " ".join(cmd), flush=True)
+        subprocess.run(cmd, env=dep.env(), cwd=APP_DIR, timeout=timeout, check=True)
+        results = run_dir / "results.json"
+        if not results.is_file():
+            raise RuntimeError(f"the run ended without writing {results}; logs in {dep.state_dir}")
+        return results
+    finally:
+        left = stop(dep)
+        if left:
+            print(f"processes still alive: {left}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- local SuperLink
+
+
+def local_superlink_pids(home: str | Path | None = None) -> list[int]:
+    """The local simulation SuperLink `flwr run` started for this FLWR_HOME (its --log-file is under it)."""
+    log_file = str(flwr_home(home) / "local-superlink" / "superlink.log")
+    pids = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(a.endswith("flower-superlink") for a in argv[:2]) and log_file in argv and _alive(int(entry.name)):
+            pids.append(int(entry.name))
+    return pids
+
+
+def stop_local(home: str | Path | None = None, timeout: float = 10.0) -> list[int]:
+    """Stop the local simulation SuperLink of FLWR_HOME and the flower-superexec it started (--parent-pid);
+    returns the survivors. Each is signalled with its process group when it leads one (they do)."""
+    superlinks = local_superlink_pids(home)
+    targets = list(superlinks)
+    for entry in Path("/proc").iterdir() if superlinks else []:
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if "--parent-pid" in argv and argv[argv.index("--parent-pid") + 1:][:1] in ([str(p)] for p in superlinks):
+                targets.append(int(entry.name))
+
+    def signal_all(sig: int) -> None:
+        for pid in targets:
+            try:
+                pgid = os.getpgid(pid)
+            except ProcessLookupError:
+                continue
+            _signal(pid, pgid if pgid == pid else None, sig)
+
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        signal_all(sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(_alive(p) for p in targets):
+            time.sleep(0.2)
+    return [p for p in targets if _alive(p)]
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simulations.deploy", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_start = sub.add_parser("start", help="start a SuperLink and one SuperNode per table; returns at once")
+    p_stop = sub.add_parser("stop", help="stop the deployment recorded in --state-dir")
+    p_run = sub.add_parser("run", help="start, `flwr run` one job (waits for it), stop")
+    p_local = sub.add_parser("stop-local", help="stop the local simulation SuperLink `flwr run .` left running")
+    p_clients = sub.add_parser("clients", help="the tables (SuperNodes) of a run and its `flwr run .` command")
+    for p in (p_start, p_run, p_clients):
+        p.add_argument("--overrides", default="algorithm=admm", help="Hydra overrides (one string); selects the dataset, hence the tables")
+        p.add_argument("--port", type=int, default=None, help="SuperLink port on 127.0.0.1 (default: a free one)")
+    p_run.add_argument("--run-dir", required=True, help="directory for results.json")
+    for p in (p_start, p_stop, p_run):
+        p.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="deployment.json and the process logs")
+    for p in (p_start, p_run, p_local):
+        p.add_argument("--flwr-home", default=None, help="Flower home (default: $FLWR_HOME or ~/.flwr)")
+    args = parser.parse_args(argv)
+
+    if args.command == "start":
+        dep = start(args.overrides, args.state_dir, args.port, args.flwr_home)
+        print(f"SuperLink {dep.address} (connection {dep.connection!r} in {dep.flwr_home}/config.toml)")
+        for p in dep.processes[1:]:
+            print(f"  {p['name']}: pid {p['pid']}, log {p['log']}")
+        job = args.overrides if "algorithm=" in args.overrides else f"algorithm=admm {args.overrides}".strip()
+        print(f"run:  FLWR_HOME={dep.flwr_home} flwr run . {dep.connection} --stream "
+              f"--run-config \"overrides='{job}'\"")
+        print(f"stop: python -m simulations.deploy stop --state-dir {args.state_dir}")
+    elif args.command == "stop":
+        left = stop(args.state_dir)
+        print(f"still alive: {left}" if left else "stopped")
+        return 1 if left else 0
+    elif args.command == "run":
+        print(f"results: {run(args.overrides, args.run_dir, args.state_dir, args.port, args.flwr_home)}")
+    elif args.command == "clients":
+        clients = clients_of(args.overrides)
+        print(" ".join(t for t, _ in clients))
+        print(f"flwr run . --stream --run-config \"overrides='{args.overrides}'\" "
+              f"--federation-config \"num-supernodes={len(clients)} client-resources-num-cpus=1\"")
+    elif args.command == "stop-local":
+        left = stop_local(args.flwr_home)
+        print(f"still alive: {left}" if left else "stopped")
+        return 1 if left else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The algorithms on real Flower infrastructure: `flwr run` against a SuperLink with one SuperNode per table
+(deployment runtime), and `flwr run .` on the local simulation SuperLink.
+
+Every process a test starts gets its own session and the environment variable TPFLOWER_DEPLOY_TAG; the
+finally blocks stop them all (including the flower-superexec processes the SuperLinks and SuperNodes start)
+and the tests assert that no tagged process is left. FLWR_HOME is a temporary directory, so ~/.flwr is not
+touched, and all ports are free 127.0.0.1 ports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from simulations import deploy
+
+OVERRIDES = "algorithm=admm dataset=synthetic epochs=2"
+SYNTHETIC_TABLES = ["fact", "d1", "d2", "d3"]
+RUN_TIMEOUT_S = 150.0
+
+
+@pytest.fixture(autouse=True)
+def _no_legacy_federations():
+    # `flwr run .` (1.41) migrates a [tool.flwr.federations] table to $FLWR_HOME and comments it out in
+    # pyproject.toml: the tests must not rewrite the project's pyproject.toml.
+    text = (deploy.APP_DIR / "pyproject.toml").read_text()
+    assert not any(line.strip().startswith("[tool.flwr.federations") for line in text.splitlines()), \
+        "pyproject.toml declares [tool.flwr.federations]; `flwr run` would rewrite it"
+
+
+def _wait_for_run(proc, results: Path, logs: list[Path], timeout: float = RUN_TIMEOUT_S) -> dict:
+    """Wait for `flwr run --stream` to end (it streams the run's log until the run finishes); read results.json."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    tails = "\n".join(f"--- {log}\n{deploy._log_tail(log, 40)}" for log in logs)
+    if proc.poll() is None:
+        pytest.fail(f"`flwr run` did not finish within {timeout:.0f} s\n{tails}")
+    if not results.is_file():
+        pytest.fail(f"`flwr run` exited with {proc.returncode} without writing {results}\n{tails}")
+    return json.loads(results.read_text())
+
+
+def _check_results(data: dict) -> None:
+    assert data["algorithm"] == "tp_join_admm"
+    assert data["dataset"] == "synthetic"
+    assert len(data["history"]) == 2
+    assert [h["epoch"] for h in data["history"]] == [1, 2]
+    assert all(math.isfinite(h["test_metric"]) for h in data["history"])
+
+
+def test_clients_of_synthetic_are_its_four_tables():
+    assert deploy.clients_of(OVERRIDES) == [(t, 0) for t in SYNTHETIC_TABLES]
+
+
+def test_fab_holds_the_app_and_not_the_venv_or_outputs():
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    fab = build_fab_from_disk(deploy.APP_DIR)  # what `flwr run` ships
+    names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
+    for needed in ("pyproject.toml", "simulations/client_app.py", "simulations/server_app.py", "conf/config.yaml",
+                   "conf/dataset/synthetic.yaml", "strategies/phase.py", "tpflower/client.py"):
+        assert needed in names
+    assert not [n for n in names if n.startswith((".venv/", "outputs/", "multirun/", ".git/")) or "__pycache__" in n]
+    assert len(fab) < 2_000_000
+
+
+@pytest.mark.timeout(300)
+def test_flwr_run_on_superlink_and_one_supernode_per_table(tmp_path):
+    dep = None
+    left: list[int] = ["not stopped"]  # type: ignore[list-item]
+    try:
+        dep = deploy.start(OVERRIDES, state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home", cwd=tmp_path)
+        assert [p["name"] for p in dep.processes] == ["superlink"] + [f"supernode {t}/0" for t in SYNTHETIC_TABLES]
+        config = (tmp_path / "flwr-home" / "config.toml").read_text()
+        assert f'address = "127.0.0.1:{dep.superlink_port}"' in config
+
+        run_dir = tmp_path / "run"
+        log = tmp_path / "flwr-run.log"
+        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, OVERRIDES, run_dir), log, dep.env(),
+                            cwd=deploy.APP_DIR)
+        dep.popens.append(proc)
+        logs = [log] + [Path(p["log"]) for p in dep.processes]
+        data = _wait_for_run(proc, run_dir / "results.json", logs)
+        _check_results(data)
+        assert "Successfully installed tpflower" in log.read_text()  # the FAB was shipped to the SuperLink
+        # the SuperNodes' ClientApp processes import simulations.client_app from the installed FAB
+        assert list((tmp_path / "flwr-home" / "apps").glob("tpflower.tpflower.*/simulations/client_app.py"))
+    finally:
+        if dep is not None:
+            left = deploy.stop(dep)
+    assert dep is not None
+    assert left == []
+    assert deploy.tagged_pids(dep.tag) == []
+    assert all(p.poll() is not None for p in dep.popens)
+
+
+@pytest.mark.timeout(240)
+def test_flwr_run_local_simulation(tmp_path):
+    home = tmp_path / "flwr-home"
+    tag = uuid.uuid4().hex
+    env = deploy.flower_env(home, tag)
+    # the managed local SuperLink listens on fixed ports unless these are set
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(deploy.free_port())
+    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(deploy.free_port())
+    run_dir = tmp_path / "run"
+    log = tmp_path / "flwr-run.log"
+    cmd = deploy.flwr_run_command(None, OVERRIDES, run_dir,
+                                  federation_config="num-supernodes=4 client-resources-num-cpus=1")
+    proc = deploy.spawn(cmd, log, env, cwd=tmp_path)
+    running_after_run: list[int] = []
+    try:
+        data = _wait_for_run(proc, run_dir / "results.json", [log, home / "local-superlink" / "superlink.log"])
+        _check_results(data)
+        running_after_run = deploy.local_superlink_pids(home)
+        assert deploy.stop_local(home) == []
+    finally:
+        left = deploy.kill_tagged(tag, children=[proc])
+    assert len(running_after_run) == 1  # `flwr run .` leaves the local SuperLink running; stop_local stopped it
+    assert left == []
+    assert deploy.local_superlink_pids(home) == []
