@@ -6,6 +6,7 @@ overhead (simulations/bench.py) and for fast tests.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from tpflower.results import RunResults
 
 def run_flower_simulation(cfg: DictConfig, run_dir: str | Path, base_dir: str | Path | None = None) -> RunResults:
     """One virtual SuperNode per table; client resources from conf/resources."""
+    # Ray's future default (leave CUDA_VISIBLE_DEVICES alone when num_gpus=0) and no warning about it per run
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     created: list[LoJStrategy] = []
     server_app = ServerApp(server_fn=server_fn_for(cfg, run_dir, base_dir, created))
     client_app = ClientApp(client_fn=client_fn_for(cfg, base_dir))
