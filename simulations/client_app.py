@@ -13,33 +13,23 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
+import pandas as pd
 from flwr.client import Client, ClientApp
 from flwr.common import Context
 from omegaconf import DictConfig, OmegaConf
 
 from simulations.config import compose_config
 from tpflower.client import ClientSettings, TableClient, key_kinds_of
-from tpflower.datasets import load_spec, load_table
-from tpflower.local_table import LocalTable, prepare_local_table
+from tpflower.datasets import load_spec, load_table, shard_rows
+from tpflower.local_table import ShardData
 from tpflower.schema import RelationalSpec, SpecError
 
 
-def client_keys(spec: RelationalSpec) -> list[tuple[str, int]]:
-    """The clients of a join-only run, in partition-id order: one per table."""
-    return [(t, 0) for t in spec.table_names]
-
-
 @lru_cache(maxsize=32)
-def _load(dataset_json: str, table: str, shard: int, base_dir: str | None, precision: str) -> tuple[RelationalSpec, LocalTable, dict]:
-    """Load and preprocess one client's table once per process (Flower may rebuild the client per message).
-
-    The features are stored in the run's precision, so tensors over them need no conversion per message.
-    """
+def _load(dataset_json: str, table: str, base_dir: str | None) -> tuple[RelationalSpec, pd.DataFrame, dict]:
+    """Load one client's table once per process (Flower may rebuild the client per message)."""
     spec, frame = load_table(json.loads(dataset_json), table, base_dir=base_dir)
-    local = prepare_local_table(spec, table, frame)
-    local.X = local.X.astype(np.float32 if precision == "float32" else np.float64, copy=False)
-    return spec, local, key_kinds_of(spec, table, frame)
+    return spec, frame, key_kinds_of(spec, table, frame)
 
 
 def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[str, int]:
@@ -55,7 +45,7 @@ def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[
     return keys[pid]
 
 
-_SETTINGS: dict[tuple, tuple[DictConfig, ClientSettings, LocalTable]] = {}
+_SETTINGS: dict[tuple, tuple[DictConfig, ClientSettings, ShardData]] = {}
 
 
 def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None) -> TableClient:
@@ -64,18 +54,24 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     cache_key = (id(cfg), node, str(base_dir))
     if cache_key not in _SETTINGS:  # cfg is kept in the entry, so its id stays valid
         _SETTINGS[cache_key] = (cfg, *_settings(cfg, dict(context.node_config), base_dir))
-    _, settings, local = _SETTINGS[cache_key]
-    return TableClient(local, settings, context.state)
+    _, settings, data = _SETTINGS[cache_key]
+    return TableClient(data, settings, context.state)
 
 
-def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[ClientSettings, LocalTable]:
+def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[ClientSettings, ShardData]:
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     assert isinstance(dataset, dict)
     root = str(base_dir) if base_dir else None
-    table, shard = identity(node_config, client_keys(_spec(json.dumps(dataset, sort_keys=True), root)))
+    scenario = str(cfg.scenario.name)
+    table, shard = identity(node_config, _spec(json.dumps(dataset, sort_keys=True), root).clients(scenario))
     if node_config.get("source"):
+        if scenario == "ucq":
+            raise SpecError("node config 'source' (a per-node data file) is supported in the join scenario only")
         dataset["tables"][table] = {**dataset["tables"].get(table, {}), "source": str(node_config["source"])}
-    spec, local, kinds = _load(json.dumps(dataset, sort_keys=True), table, shard, root, str(cfg.precision))
+    spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root)
+    sharded = scenario == "ucq" and spec.table(table).shards is not None
+    rows = shard_rows(spec.table(table), frame)[shard] if sharded else None
+    data = ShardData(spec, table, frame, rows, precision=str(cfg.precision))
     settings = ClientSettings(
         spec=spec,
         table=table,
@@ -87,8 +83,9 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         precision=str(cfg.precision),
         secret=str(cfg.mapping.secret).encode(),
         key_kinds=kinds,
+        federated_prep=sum(1 for t, _ in spec.clients(scenario) if t == table) > 1,
     )
-    return settings, local
+    return settings, data
 
 
 @lru_cache(maxsize=8)

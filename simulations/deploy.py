@@ -95,11 +95,11 @@ def flower_env(home: Path, tag: str, base: dict[str, str] | None = None) -> dict
 
 def clients_of(overrides: str, base_dir: str | Path | None = None) -> list[tuple[str, int]]:
     """The (table, shard) clients of the run the Hydra overrides describe: one SuperNode each."""
-    from simulations.client_app import client_keys, config_from_run_config
+    from simulations.client_app import config_from_run_config
     from tpflower.datasets import load_spec
 
     cfg = config_from_run_config({"overrides": overrides})
-    return client_keys(load_spec(cfg.dataset, base_dir=base_dir))
+    return load_spec(cfg.dataset, base_dir=base_dir).clients(str(cfg.scenario.name))
 
 
 def write_connection(home: Path, name: str, address: str, default: bool = False) -> Path:

@@ -18,10 +18,11 @@ from flwr.client import ClientApp
 from flwr.server import ServerApp
 from omegaconf import DictConfig
 
-from simulations.client_app import client_fn_for, client_keys, make_client
+from simulations.client_app import client_fn_for, make_client
 from simulations.server_app import make_strategy, server_fn_for
 from strategies.loj import LoJStrategy
 from strategies.phase import ClientKey, run_direct
+from tpflower.datasets import load_spec
 from tpflower.results import RunResults
 
 
@@ -33,9 +34,7 @@ def run_flower_simulation(cfg: DictConfig, run_dir: str | Path, base_dir: str | 
     server_app = ServerApp(server_fn=server_fn_for(cfg, run_dir, base_dir, created))
     client_app = ClientApp(client_fn=client_fn_for(cfg, base_dir))
     resources = {"num_cpus": float(cfg.resources.num_cpus), "num_gpus": float(cfg.resources.num_gpus)}
-    from tpflower.datasets import load_spec
-
-    num = len(client_keys(load_spec(cfg.dataset, base_dir=base_dir)))
+    num = len(load_spec(cfg.dataset, base_dir=base_dir).clients(str(cfg.scenario.name)))
     run_simulation(
         server_app=server_app,
         client_app=client_app,

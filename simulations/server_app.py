@@ -19,6 +19,8 @@ from strategies.loj import LoJStrategy
 from strategies.phase import PhaseServer
 from strategies.tp_join_admm import TPJoinADMM, VFLADMM
 from strategies.tp_join_sgd import TPJoinSGD, VFLSGD
+from strategies.tp_ucq_admm import TPUCQADMM
+from strategies.tp_ucq_sgd import TPUCQSGD
 from tpflower.datasets import load_spec
 
 STRATEGIES: dict[str, type[LoJStrategy]] = {
@@ -26,11 +28,23 @@ STRATEGIES: dict[str, type[LoJStrategy]] = {
     "tp_join_admm": TPJoinADMM,
     "vfl_sgd": VFLSGD,
     "vfl_admm": VFLADMM,
+    "tp_ucq_sgd": TPUCQSGD,
+    "tp_ucq_admm": TPUCQADMM,
 }
 
 
+def strategy_name(cfg: DictConfig) -> str:
+    """The strategy of algorithm x scenario: algorithm=sgd|admm become tp_ucq_* under scenario=ucq."""
+    name, scenario = str(cfg.algorithm.name), str(cfg.scenario.name)
+    if scenario == "ucq":
+        if not name.startswith("tp_join_"):
+            raise ValueError(f"algorithm {name!r} has no union version; scenario=ucq takes algorithm=sgd or admm")
+        return name.replace("tp_join_", "tp_ucq_")
+    return name
+
+
 def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None, log=print) -> LoJStrategy:
-    name = str(cfg.algorithm.name)
+    name = strategy_name(cfg)
     if name not in STRATEGIES:
         raise ValueError(f"algorithm {name!r} is not a federated algorithm; choose one of {sorted(STRATEGIES)}")
     spec = load_spec(cfg.dataset, base_dir=base_dir)

@@ -8,6 +8,7 @@ client its p_i once ("expand") and continue on the identity mapping over the N j
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +16,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from strategies.lou import ShardRouter
 from strategies.phase import BROADCAST, ClientKey, PhaseStrategy, Protocol, Reply
+from tpflower.fedprep import ShardSummary, merge_summaries
 from tpflower.comm import CommMeter, WanModel
 from tpflower.losses import metrics, output_dim, primary_metric
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping
@@ -35,7 +38,8 @@ class LoJStrategy(PhaseStrategy):
         self.spec = spec
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.log = log
-        self.clients: list[ClientKey] = [(t, 0) for t in spec.table_names]
+        self.scenario = str(cfg.scenario.name)
+        self.clients: list[ClientKey] = spec.clients(self.scenario)
         super().__init__(num_clients=len(self.clients))
         self.task = spec.label.task
         self.metric = primary_metric(self.task)
@@ -53,7 +57,6 @@ class LoJStrategy(PhaseStrategy):
         if missing:
             raise SpecError(f"no client holds table shard(s) {missing}; connected: {sorted(replies)}")
         validate_key_kinds(self.spec, self._key_kinds(replies))
-        label_key = (self.spec.label_table, 0)
         projections: dict[str, list[KeyProjection]] = {t: [] for t in self.spec.table_names}
         for (table, shard), (arrays, _) in replies.items():
             joins = [k for k, j in enumerate(self.spec.joins) if table in (j.left, j.right)]
@@ -62,20 +65,57 @@ class LoJStrategy(PhaseStrategy):
             )
         mapping = build_mapping(self.spec, projections)
         self.log(summary_line(self.spec, mapping))
-        label_arrays, label_metrics = replies[label_key]
-        y_rows, is_test_rows = label_arrays[-2], label_arrays[-1].astype(bool)
+        self.routers = {
+            t: ShardRouter({q: np.asarray(r[0][0], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
+                           mapping.n_rows[t])
+            for t in self.spec.table_names
+        }
+        y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[self.spec.label_table])
         is_test = is_test_rows[mapping.p[self.spec.label_table]]
         self.train, self.test = mapping.subset(~is_test), mapping.subset(is_test)
         self.y_train = y_rows[self.train.p[self.spec.label_table]]
         self.y_test = y_rows[self.test.p[self.spec.label_table]]
-        n_classes = int(label_metrics.get("n_classes", 0)) or None
         self.d_out = output_dim(self.task, n_classes)
         self.comm = CommMeter(WanModel.from_config(self.cfg.network, {k: str(r[1]["region"]) for k, r in replies.items()}))
         self.results = new_run_results(self.cfg, self.algorithm, self.spec, mapping)
         self.mapping = mapping
+        yield from self._federated_preprocessing()
         if self.expand:
             yield from self._expand()
         return None
+
+    def _labels(self, replies: Mapping[ClientKey, Reply], n_label_rows: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+        """Labels and test flags over the label table's rows, from every shard of the label table."""
+        y_rows: np.ndarray | None = None
+        is_test = np.zeros(n_label_rows, dtype=bool)
+        n_classes = 0
+        for (t, _), (arrays, metrics) in replies.items():
+            if t != self.spec.label_table:
+                continue
+            ids, y, flags = np.asarray(arrays[0], dtype=np.int64), arrays[-2], arrays[-1].astype(bool)
+            if y_rows is None:
+                y_rows = np.zeros(n_label_rows, dtype=y.dtype)
+            y_rows[ids], is_test[ids] = y, flags
+            n_classes = max(n_classes, int(metrics.get("n_classes", 0)))
+        assert y_rows is not None
+        return y_rows, is_test, n_classes or None
+
+    def _federated_preprocessing(self) -> Protocol:
+        """Sec. 4.4: tables with several shards merge their shards' summaries into one global rule."""
+        sharded = [t for t in self.spec.table_names if len(self.routers[t].shards) > 1]
+        if not sharded:
+            return
+        replies = yield {k: ([], {"phase": "stats"}) for k in self.clients if k[0] in sharded}
+        messages = {}
+        for t in sharded:
+            spec_t = self.spec.table(t)
+            summaries = [
+                ShardSummary.from_arrays(r[0], spec_t.numeric, spec_t.categorical) for k, r in replies.items() if k[0] == t
+            ]
+            rule = merge_summaries(summaries).arrays(with_sketch=False)
+            rule_id = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in rule)).hexdigest()[:16]
+            messages.update({k: (rule, {"phase": "rule", "rule_id": rule_id}) for k in self.clients if k[0] == t})
+        yield messages
 
     def _key_kinds(self, replies: Mapping[ClientKey, Reply]) -> dict[str, dict[str, str]]:
         kinds: dict[str, dict[str, str]] = {}
@@ -96,8 +136,11 @@ class LoJStrategy(PhaseStrategy):
     # ------------------------------------------------------------------------------------------ records
 
     def on_round(self, down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]) -> None:
-        if self.comm is not None:  # the keys round happens before the meter exists: setup traffic is not
-            self.comm.record(down, up)  # counted as training traffic, except the VFL expansion
+        # setup rounds (mapping, preprocessing) come before the meter exists and are not training traffic;
+        # the VFL expansion is. Rounds whose messages say "lou" are the union's inner (coordinator) rounds.
+        if self.comm is not None:
+            inner = any(bool(config.get("lou")) for _, config in self._outbox.values())
+            self.comm.record(down, up, inner=inner)
 
     def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> None:
         """Evaluate the test predictions, append the epoch to the record and print its line."""
@@ -123,10 +166,21 @@ class LoJStrategy(PhaseStrategy):
             self.log(f"results: {path}")
 
     def messages(self, build: Callable[[str], tuple[list[np.ndarray], dict[str, Any]]]) -> dict[ClientKey, Any]:
-        """One message per client, built from its table name."""
+        """One message per client, built from its table name (join scenario: one client per table)."""
         return {k: build(k[0]) for k in self.clients}
 
     @staticmethod
     def outputs(replies: Mapping[ClientKey, Reply], index: int = 0) -> dict[str, np.ndarray]:
-        """Reply array ``index`` of every client, keyed by table."""
+        """Reply array ``index`` of every client, keyed by table (join scenario)."""
         return {k[0]: r[0][index] for k, r in replies.items()}
+
+    def shard_messages(self, build: Callable[[ClientKey], tuple[list[np.ndarray], dict[str, Any]]]) -> dict[ClientKey, Any]:
+        """One message per shard client (union scenario)."""
+        return {k: build(k) for k in self.clients}
+
+    def gather_rows(self, replies: Mapping[ClientKey, Reply], rows: Mapping[str, np.ndarray], index: int = 0) -> dict[str, np.ndarray]:
+        """Per table, the shards' reply array ``index`` for the table rows ``rows[t]``, in that order."""
+        return {
+            t: self.routers[t].gather(rows[t], {q: r[0][index] for (tt, q), r in replies.items() if tt == t})
+            for t in self.spec.table_names
+        }

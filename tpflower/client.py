@@ -7,11 +7,17 @@ the VFL expansion) lives in ``context.state``, because Flower may rebuild the cl
 
 Phases (server config["phase"] -> reply arrays):
   keys         -> [row_ids, digest per join of this table..., (label owner) y, is_test]
+  stats        -> preprocessing summary of its fit rows (union: a table with several shards, Sec. 4.4)
+  rule         [global rule]      -> []            the merged preprocessing rule replaces the local fit
   expand       [p_i]              -> []            VFL: from now on the client's rows are the N joined rows
   predict      [rows]             -> [h(rows)]      rows: indices into the client's rows; remembered as pending
   sgd_step     [Y, rows, (eval)]  -> [h(rows), (h(eval))]  Eq. 12-13 on the pending rows, then predict
-  admm_setup   [G]                -> [h(all rows)]  config: N, rho
+  sgd_partial  [Y]                -> [g]             union: unnormalised partial gradient of Eq. 18
+  sgd_apply    [g, rows, (eval)]  -> [h(rows), (h(eval))]  union: the coordinator's step (Eq. 19), then predict
+  admm_setup   [G]                -> [h(all rows), theta]  config: N, rho
   admm_update  [Y]                -> [h(all rows)]  Eq. 16 (closed form for linear models)
+  admm_shard   [(Y), v]           -> [theta^q]       union: consensus step of Eq. 22 with v = w - u^q
+  admm_consensus [w]              -> [h(all rows)]  union: theta = w (Eq. 20), then predict
 """
 
 from __future__ import annotations
@@ -25,8 +31,15 @@ import torch
 from flwr.client import NumPyClient
 from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from tpflower.local_table import LocalTable
-from tpflower.local_update import admm_update_linear, admm_update_local_opt, sgd_step
+from tpflower.fedprep import GlobalRule, apply_rule, local_summary
+from tpflower.local_table import LocalTable, ShardData
+from tpflower.local_update import (
+    admm_update_linear,
+    admm_update_local_opt,
+    apply_step,
+    sgd_partial_gradient,
+    sgd_step,
+)
 from tpflower.mapping import project_keys
 from tpflower.models import l2_penalty, torch_dtype
 from tpflower.relation import build_local_model
@@ -47,6 +60,7 @@ class ClientSettings:
     precision: str
     secret: bytes
     key_kinds: Mapping[str, str]
+    federated_prep: bool = False  # union scenario, table with several shards: preprocessing by global rule
 
 
 class ClientState:
@@ -78,6 +92,13 @@ class ClientState:
         model.load_state_dict(rec.to_torch_state_dict())
         return True
 
+    def put_list(self, name: str, values: list[np.ndarray]) -> None:
+        self.records[f"list.{name}"] = ArrayRecord(array_dict={str(k): Array(np.ascontiguousarray(v)) for k, v in enumerate(values)})
+
+    def get_list(self, name: str) -> list[np.ndarray] | None:
+        rec = self.records.get(f"list.{name}")
+        return None if rec is None else [rec[str(k)].numpy() for k in range(len(rec))]
+
     def save_model(self, model: torch.nn.Module) -> None:
         self.records["theta"] = ArrayRecord(torch_state_dict={k: v.cpu() for k, v in model.state_dict().items()})
 
@@ -85,8 +106,8 @@ class ClientState:
 class TableClient(NumPyClient):
     """One table's (or shard's) client operator."""
 
-    def __init__(self, local: LocalTable, settings: ClientSettings, state: RecordDict):
-        self.local = local
+    def __init__(self, data: ShardData, settings: ClientSettings, state: RecordDict):
+        self.data = data
         self.settings = settings
         self.state = ClientState(state)
         self.dtype = torch_dtype(settings.precision)
@@ -101,9 +122,24 @@ class TableClient(NumPyClient):
         if handler is None:
             raise ValueError(f"table {self.settings.table!r}: unknown phase {phase!r} in the server's message")
         arrays, metrics = handler(parameters, config)
-        return arrays, len(self.local.row_ids), metrics
+        return arrays, len(self.data.row_ids), metrics
 
     # ---------------------------------------------------------------------------------------- helpers
+
+    @property
+    def local(self) -> LocalTable:
+        """The preprocessed table: own fit, or (union, several shards) the global rule received in `rule`."""
+        if not self.settings.federated_prep:
+            return self.data.table()
+        rule = self.state.get_list("rule")
+        if rule is None:
+            raise RuntimeError(f"table {self.settings.table!r} shard {self.settings.shard}: no preprocessing rule received")
+        t = self.settings.spec.table(self.settings.table)
+        return self.data.table(
+            str(self.state.scalar("rule_id")),
+            lambda: apply_rule(GlobalRule.from_arrays(rule, t.numeric, t.categorical), self.data.rows,
+                               self.settings.secret, self.settings.table),
+        )
 
     def _model(self, config: Mapping[str, Any]) -> torch.nn.Module:
         """f_i with the stored theta, built identically to the centralized model's part on first use."""
@@ -136,21 +172,32 @@ class TableClient(NumPyClient):
 
     def phase_keys(self, parameters, config):
         """Row ids and keyed digests of the join keys (Sec. 3.1.1); the label owner adds its labels."""
-        s, local = self.settings, self.local
-        proj = project_keys(s.spec, s.table, local.keys, local.row_ids, s.secret)
+        s, data = self.settings, self.data
+        proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
         arrays = proj.arrays()
         metrics: dict[str, Any] = {
             "table": s.table,
             "shard": s.shard,
             "region": s.region,
-            "n_rows": len(local.row_ids),
-            "width": local.width,
+            "n_rows": len(data.row_ids),
             "key_kinds": ",".join(f"{c}={k}" for c, k in s.key_kinds.items()),
         }
-        if local.y is not None:
-            arrays += [local.y, local.is_test.astype(np.uint8)]
-            metrics["n_classes"] = int(local.n_classes or 0)
+        if data.y is not None:
+            arrays += [data.y, data.is_test.astype(np.uint8)]
+            metrics["n_classes"] = int(data.n_classes or 0)
         return arrays, metrics
+
+    def phase_stats(self, parameters, config):
+        """Federated preprocessing, step 1: a summary of this shard's fit rows (no raw values or strings)."""
+        s, t = self.settings, self.settings.spec.table(self.settings.table)
+        summary = local_summary(self.data.rows, t.numeric, t.categorical, s.secret, self.data.fit_positions, table=s.table)
+        return summary.arrays(), {}
+
+    def phase_rule(self, parameters, config):
+        """Federated preprocessing, step 3: keep the merged global rule; features are built from it."""
+        self.state.put_list("rule", list(parameters))
+        self.state.set_scalar("rule_id", str(config["rule_id"]))
+        return [], {}
 
     def phase_expand(self, parameters, config):
         """VFL baselines: the server sent p_i; the client's rows become the N joined rows X_i[p_i]."""
@@ -186,7 +233,8 @@ class TableClient(NumPyClient):
         self.state.set_scalar("rho", float(config["rho"]))  # the server resolves algorithm.rho=auto
         model = self._model(config)
         self.state.save_model(model)
-        return [self._predict(model, None)], self._metrics(model)
+        theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
+        return [self._predict(model, None), theta], self._metrics(model)  # theta: the consensus start (union)
 
     def phase_admm_update(self, parameters, config):
         """theta_i = argmin Eq. 16 given Y_i, G_i; then predict every row with the new theta."""
@@ -205,6 +253,60 @@ class TableClient(NumPyClient):
                 model, self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, beta, int(alg["local_epochs"]),
                 float(alg["local_lr"]), int(alg["local_batch_size"]), gen,
             )
+        self.state.save_model(model)
+        return [self._predict(model, None)], self._metrics(model)
+
+
+    # ---------------------------------------------------------------------------------------- union phases
+
+    def phase_sgd_partial(self, parameters, config):
+        """Eq. 18: this shard's unnormalised partial gradient over its pending rows, given their Y."""
+        (Y,) = parameters
+        model = self._model(config)
+        pending = self.state.get("pending")
+        if pending is None or len(pending) != len(Y):
+            raise RuntimeError(f"table {self.settings.table!r}: sgd_partial without a matching predict of its rows")
+        g = sgd_partial_gradient(model, self._tensor(self._rows_X(pending)), self._tensor(Y),
+                                 float(config["count"]), float(self.settings.model["beta"]))
+        return [g.detach().cpu().numpy()], {}
+
+    def phase_sgd_apply(self, parameters, config):
+        """Eq. 19: the coordinator's aggregate gradient, the same step on every shard; then predict."""
+        g, next_rows, *eval_rows = parameters
+        model = self._model(config)
+        apply_step(model, self._tensor(g), float(self.settings.algorithm["lr"]))
+        self.state.save_model(model)
+        self.state.put("pending", np.asarray(next_rows, dtype=np.int64))
+        out = [self._predict(model, np.asarray(rows, dtype=np.int64)) for rows in [next_rows, *eval_rows]]
+        return out, self._metrics(model)
+
+    def phase_admm_shard(self, parameters, config):
+        """Eq. 22: theta^q = argmin (1/N) sum_{u in shard} [Y_u^T f + rho G_u/2 ||f||^2] + rho'/2 ||theta - v||^2."""
+        if len(parameters) == 2:
+            self.state.put("Y", np.asarray(parameters[0]))  # the epoch's Y_i of this shard's rows
+        v = np.asarray(parameters[-1], dtype=np.float64)
+        Y, G = self.state.get("Y"), self.state.get("G")
+        model = self._model(config)
+        N, rho, rho_c = int(self.state.scalar("N")), float(self.state.scalar("rho")), float(config["rho_c"])
+        X = self._rows_X(None)
+        if isinstance(model, torch.nn.Linear):
+            admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, 0.0, prox=(v, rho_c))
+        else:
+            alg = self.settings.algorithm
+            gen = torch.Generator().manual_seed(int(self.settings.seed) * 7919 + int(config.get("epoch", 0)))
+            admm_update_local_opt(
+                model, self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, 0.0, int(alg["local_epochs"]),
+                float(alg["local_lr"]), int(alg["local_batch_size"]), gen, prox=(self._tensor(v), rho_c),
+            )
+        self.state.save_model(model)
+        return [torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy().astype(np.float64)], {}
+
+    def phase_admm_consensus(self, parameters, config):
+        """Eq. 20 done by the coordinator: every shard takes the consensus model w and predicts its rows."""
+        (w,) = parameters
+        model = self._model(config)
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(self._tensor(w), model.parameters())
         self.state.save_model(model)
         return [self._predict(model, None)], self._metrics(model)
 

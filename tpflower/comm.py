@@ -62,12 +62,18 @@ class CommMeter:
     bytes_up: int = 0
     bytes_down: int = 0
     comm_time_s: float = 0.0
+    rounds_inner: int = 0  # of the rounds above, the union's coordinator rounds (LoU, Table 6)
+    bytes_inner: int = 0
     per_client_down: dict[Hashable, int] = field(default_factory=dict)
     per_client_up: dict[Hashable, int] = field(default_factory=dict)
 
-    def record(self, down: Mapping[Hashable, int], up: Mapping[Hashable, int]) -> None:
-        """Account one round with the payload bytes sent to (down) and received from (up) each client."""
+    def record(self, down: Mapping[Hashable, int], up: Mapping[Hashable, int], inner: bool = False) -> None:
+        """Account one round with the payload bytes sent to (down) and received from (up) each client;
+        ``inner``: a coordinator round of learning over union, also counted in rounds_inner/bytes_inner."""
         self.rounds += 1
+        if inner:
+            self.rounds_inner += 1
+            self.bytes_inner += sum(down.values()) + sum(up.values())
         self.bytes_down += sum(down.values())
         self.bytes_up += sum(up.values())
         self.comm_time_s += self.wan.round_time(down, up)
@@ -82,4 +88,6 @@ class CommMeter:
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "comm_time_s": self.comm_time_s,
+            "rounds_inner": self.rounds_inner,
+            "bytes_inner": self.bytes_inner,
         }

@@ -3,6 +3,7 @@ owns them. Built locally from the raw frame; the raw frame never leaves the clie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,20 +44,31 @@ def encode_labels(spec: RelationalSpec, values: pd.Series) -> tuple[np.ndarray, 
     return values.to_numpy(dtype=np.float64), None
 
 
+def fit_rows(spec: RelationalSpec, name: str, n_table_rows: int, row_ids: np.ndarray) -> np.ndarray | None:
+    """Positions (within ``row_ids``) that preprocessing may fit on: the label table's rows outside the test
+    split; every row of the other tables (they hold no labels). None means all."""
+    if name != spec.label_table:
+        return None
+    return np.flatnonzero(~holdout_mask(spec, n_table_rows)[row_ids])
+
+
 def prepare_local_table(
-    spec: RelationalSpec, name: str, frame: pd.DataFrame, rows: np.ndarray | None = None
+    spec: RelationalSpec, name: str, frame: pd.DataFrame, rows: np.ndarray | None = None,
+    preprocessor: TablePreprocessor | None = None,
 ) -> LocalTable:
     """Preprocess one table (or the shard ``rows`` of it) with statistics from its training rows only.
 
     The label table fits on its rows outside the test split; other tables hold no labels and fit on all rows.
+    A fitted ``preprocessor`` (the global rule of federated preprocessing) replaces the local fit.
     """
     t = spec.table(name)
     row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
     local = frame.iloc[row_ids]
     is_label = name == spec.label_table
     is_test = holdout_mask(spec, len(frame))[row_ids] if is_label else None
-    fit_rows = np.flatnonzero(~is_test) if is_test is not None else None
-    pre = TablePreprocessor(t.numeric, t.categorical, table=name).fit(local, fit_rows)
+    pre = preprocessor or TablePreprocessor(t.numeric, t.categorical, table=name).fit(
+        local, fit_rows(spec, name, len(frame), row_ids)
+    )
     y, n_classes = encode_labels(spec, local[spec.label.column]) if is_label else (None, None)
     return LocalTable(
         name=name,
@@ -68,3 +80,32 @@ def prepare_local_table(
         is_test=is_test,
         n_classes=n_classes,
     )
+
+
+class ShardData:
+    """One client's rows of its table (all of it, or one shard): the raw frame never leaves the client.
+
+    What the client may send is derived here: global row ids, the key columns (digested before sending),
+    labels and test flags (label owner), a preprocessing summary (union scenario). The feature matrix is
+    built on demand, with a local fit or with a global preprocessing rule, and kept per rule.
+    """
+
+    def __init__(self, spec: RelationalSpec, name: str, frame: pd.DataFrame, rows: np.ndarray | None = None, precision: str = "float64"):
+        self.spec, self.name, self.frame = spec, name, frame
+        self.row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+        self.rows = self.frame.iloc[self.row_ids].reset_index(drop=True)
+        self.keys = self.rows[list(spec.key_columns(name))]
+        self.is_label = name == spec.label_table
+        self.y, self.n_classes = encode_labels(spec, self.rows[spec.label.column]) if self.is_label else (None, None)
+        self.is_test = holdout_mask(spec, len(frame))[self.row_ids] if self.is_label else None
+        self.fit_positions = fit_rows(spec, name, len(frame), self.row_ids)
+        self.dtype = np.float32 if precision == "float32" else np.float64
+        self._tables: dict[str, LocalTable] = {}
+
+    def table(self, rule_id: str = "local", preprocessor: "Callable[[], TablePreprocessor] | None" = None) -> LocalTable:
+        """The LocalTable under a preprocessing rule (``preprocessor()`` builds it once); "local": own fit."""
+        if rule_id not in self._tables:
+            local = prepare_local_table(self.spec, self.name, self.frame, self.row_ids, preprocessor() if preprocessor else None)
+            local.X = local.X.astype(self.dtype, copy=False)  # the run's precision: no conversion per message
+            self._tables[rule_id] = local
+        return self._tables[rule_id]

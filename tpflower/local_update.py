@@ -20,6 +20,22 @@ def sgd_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, batch_siz
     opt.step()
 
 
+def sgd_partial_gradient(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, count: float, beta: float) -> torch.Tensor:
+    """One shard's unnormalised partial gradient (Eq. 18): sum_u Y_iu^T dh_iu/dtheta + beta G_sum dR/dtheta,
+    with G_sum = sum over its rows u of G_iu (how many joined rows of the batch use them); flat vector."""
+    model.zero_grad()
+    loss = (Y * model(X)).sum() + beta * count * l2_penalty(model)
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in model.parameters()])
+
+
+def apply_step(model: torch.nn.Module, gradient: torch.Tensor, lr: float) -> None:
+    """theta -= lr * gradient (Eq. 19), the gradient given as one flat vector."""
+    with torch.no_grad():
+        theta = torch.nn.utils.parameters_to_vector(model.parameters())
+        torch.nn.utils.vector_to_parameters(theta - lr * gradient, model.parameters())
+
+
 def admm_objective(
     model: torch.nn.Module, X: torch.Tensor, G: torch.Tensor, Y: torch.Tensor, N: int, rho: float, beta: float
 ) -> torch.Tensor:
@@ -28,20 +44,38 @@ def admm_objective(
     return beta * l2_penalty(model) + ((Y * f).sum() + 0.5 * rho * (G[:, None] * f * f).sum()) / N
 
 
-def admm_update_linear(model: torch.nn.Linear, X: np.ndarray, G: np.ndarray, Y: np.ndarray, N: int, rho: float, beta: float) -> None:
+def admm_update_linear(
+    model: torch.nn.Linear, X: np.ndarray, G: np.ndarray, Y: np.ndarray, N: int, rho: float, beta: float,
+    prox: tuple[np.ndarray, float] | None = None,
+) -> None:
     """Exact minimiser of Eq. 16 for f(x) = x W^T + b with R = 1/2 ||(W, b)||^2:
 
     (rho X1^T diag(G) X1 / N + beta I) Theta = -X1^T Y / N, with X1 = [X, 1] when the model has a bias.
+    With ``prox = (v, rho')`` it solves one shard's consensus step instead (Eq. 22): the regulariser moves
+    to the coordinator and rho'/2 ||Theta - v||^2 takes its place, v = w - u^q in flat parameter order.
     Solved in float64; the rows with G = 0 only enter through X1^T Y (where Y is 0 too).
     """
     X1 = np.concatenate([X, np.ones((len(X), 1))], axis=1) if model.bias is not None else X
-    A = (rho / N) * (X1.T * G) @ X1 + beta * np.eye(X1.shape[1])
-    Theta = np.linalg.solve(A, -(X1.T @ Y) / N)  # (d [+1]) x d_c
+    d1, d_c = X1.shape[1], Y.shape[1]
+    rhs = -(X1.T @ Y) / N
+    if prox is None:
+        A = (rho / N) * (X1.T * G) @ X1 + beta * np.eye(d1)
+    else:
+        v, rho_c = prox
+        A = (rho / N) * (X1.T * G) @ X1 + rho_c * np.eye(d1)
+        rhs = rhs + rho_c * flat_to_theta(v, X.shape[1], d_c, model.bias is not None)
+    Theta = np.linalg.solve(A, rhs)  # (d [+1]) x d_c
     with torch.no_grad():
         d = X.shape[1]
         model.weight.copy_(torch.as_tensor(Theta[:d].T))
         if model.bias is not None:
             model.bias.copy_(torch.as_tensor(Theta[d]))
+
+
+def flat_to_theta(v: np.ndarray, d: int, d_c: int, bias: bool) -> np.ndarray:
+    """A flat parameter vector of nn.Linear(d, d_c) (weight (d_c, d) row-major, then bias) as Theta (d1 x d_c)."""
+    W = v[: d_c * d].reshape(d_c, d).T
+    return np.vstack([W, v[d_c * d :].reshape(1, d_c)]) if bias else W
 
 
 def admm_update_local_opt(
@@ -56,10 +90,12 @@ def admm_update_local_opt(
     lr: float,
     batch_size: int,
     generator: torch.Generator,
+    prox: tuple[torch.Tensor, float] | None = None,
 ) -> None:
     """Warm-started Adam on Eq. 16 (non-linear f_i), over mini-batches of the rows that occur in the join.
 
     A mini-batch b of the n_a active rows estimates the sum over rows without bias: (n_a / |b|) sum_{u in b}.
+    With ``prox = (v, rho')`` (a shard's consensus step, Eq. 22) rho'/2 ||theta - v||^2 replaces beta R.
     """
     active = torch.nonzero(G > 0).flatten()
     n_a = len(active)
@@ -72,7 +108,12 @@ def admm_update_local_opt(
             rows = perm[s : s + batch_size]
             f = model(X[rows])
             data = (Y[rows] * f).sum() + 0.5 * rho * (G[rows, None] * f * f).sum()
-            loss = beta * l2_penalty(model) + data * (n_a / len(rows)) / N
+            if prox is None:
+                penalty = beta * l2_penalty(model)
+            else:
+                theta = torch.nn.utils.parameters_to_vector(model.parameters())
+                penalty = 0.5 * prox[1] * ((theta - prox[0]) ** 2).sum()
+            loss = penalty + data * (n_a / len(rows)) / N
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -24,6 +24,8 @@ class EpochRecord:
     bytes_down: int = 0
     comm_time_s: float = 0.0
     wall_time_s: float = 0.0
+    rounds_inner: int = 0  # union scenario: coordinator rounds and their bytes, included in the totals above
+    bytes_inner: int = 0
     extra: dict[str, float] = field(default_factory=dict)  # other test metrics (auc, ...), privacy spent
 
     def to_json(self) -> dict[str, Any]:

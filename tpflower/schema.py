@@ -31,13 +31,20 @@ class SpecError(ValueError):
 class ShardSpec:
     """How a table is split by rows into shards (the union scenario).
 
-    Either ``by`` (one shard per distinct value of that column, in sorted order) or ``parts``
-    (that many random parts of near-equal size, drawn with ``seed``).
+    Either ``by`` (one shard per value of that column: the listed ``values`` in that order, else every
+    distinct value in sorted order) or ``parts`` (that many random parts of near-equal size, drawn with
+    ``seed``). A federated union run needs the count before any data is read: ``parts`` or ``values``.
     """
 
     by: str | None = None
     parts: int | None = None
     seed: int = 0
+    values: tuple[str, ...] | None = None
+
+    @property
+    def count(self) -> int | None:
+        """The number of shards, when the spec alone says it."""
+        return int(self.parts) if self.parts is not None else (len(self.values) if self.values else None)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,23 @@ class RelationalSpec:
     @property
     def table_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tables)
+
+    def clients(self, scenario: str) -> list[tuple[str, int]]:
+        """(table, shard) of every client: one per table (join), or one per shard of each table (ucq)."""
+        if scenario == "join":
+            return [(t.name, 0) for t in self.tables]
+        if scenario != "ucq":
+            raise SpecError(f"scenario must be join or ucq, got {scenario!r}")
+        keys = []
+        for t in self.tables:
+            count = 1 if t.shards is None else t.shards.count
+            if count is None:
+                raise SpecError(
+                    f"table {t.name!r}: shards by {t.shards.by!r} need their values listed "  # type: ignore[union-attr]
+                    "(shards: {by: COLUMN, values: [...]}) so every party knows the shard count"
+                )
+            keys += [(t.name, q) for q in range(count)]
+        return keys
 
     @property
     def label_table(self) -> str:
@@ -185,7 +209,11 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
         shards = t.get("shards")
         shard_spec = None
         if shards:
-            shard_spec = ShardSpec(by=shards.get("by"), parts=shards.get("parts"), seed=int(shards.get("seed", 0)))
+            values = shards.get("values")
+            shard_spec = ShardSpec(
+                by=shards.get("by"), parts=shards.get("parts"), seed=int(shards.get("seed", 0)),
+                values=tuple(str(v) for v in values) if values else None,
+            )
             if (shard_spec.by is None) == (shard_spec.parts is None):
                 raise SpecError(f"table {tname!r}: shards take exactly one of 'by' (a column) or 'parts' (a count)")
             if shard_spec.parts is not None and int(shard_spec.parts) < 1:

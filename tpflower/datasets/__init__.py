@@ -160,13 +160,25 @@ def shard_rows(table: TableSpec, frame: pd.DataFrame) -> list[np.ndarray]:
     if spec.by is not None:
         if spec.by not in frame.columns:
             raise SpecError(f"table {table.name!r} has no shard column {spec.by!r}; its columns are {list(frame.columns)}")
-        codes, uniques = pd.factorize(frame[spec.by], sort=True)
-        if (codes < 0).any():
-            raise SpecError(
-                f"table {table.name!r}, shard column {spec.by!r}: {int((codes < 0).sum())} missing values"
-            )
+        if spec.values is not None:
+            column = frame[spec.by].astype(str)
+            codes = pd.Categorical(column, categories=list(spec.values)).codes
+            if (codes < 0).any():
+                stray = sorted(set(column[codes < 0]))[:5]
+                raise SpecError(
+                    f"table {table.name!r}, shard column {spec.by!r}: values {stray} are not among the declared "
+                    f"shard values {list(spec.values)}"
+                )
+            n_shards = len(spec.values)
+        else:
+            codes, uniques = pd.factorize(frame[spec.by], sort=True)
+            if (codes < 0).any():
+                raise SpecError(
+                    f"table {table.name!r}, shard column {spec.by!r}: {int((codes < 0).sum())} missing values"
+                )
+            n_shards = len(uniques)
         order = np.argsort(codes, kind="stable").astype(np.int64)
-        bounds = np.cumsum(np.bincount(codes, minlength=len(uniques)))[:-1]
+        bounds = np.cumsum(np.bincount(codes, minlength=n_shards))[:-1]
         return np.split(order, bounds)
     parts = int(spec.parts)  # type: ignore[arg-type]
     if parts > n:

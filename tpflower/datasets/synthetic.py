@@ -23,7 +23,7 @@ linear models of the joined row plus noise.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +107,12 @@ def describe(
     task: str = "regression",
     n_classes: int = 3,
     seed: int = 0,
+    shards: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The spec parts (tables, label, joins) matching :func:`generate` called with the same arguments."""
+    """The spec parts (tables, label, joins) matching :func:`generate` called with the same arguments.
+
+    ``shards`` ({table: q}) splits those tables into q random shards for the union scenario.
+    """
     lay = layout(schema, n_dims, widths, dim_rows, composite)
     tables = {
         name: {"numeric": [f"x{k}" for k in range(w)], "categorical": [], "region": REGIONS[t % len(REGIONS)]}
@@ -118,6 +122,10 @@ def describe(
         {"left": lay.names[p], "right": lay.names[i], "on": list(lay.key_columns(i))}
         for i, p in enumerate(lay.parents, start=1)
     ]
+    for name, parts in (shards or {}).items():
+        if name not in tables:
+            raise SpecError(f"synthetic: shards names table {name!r}; tables are {list(tables)}")
+        tables[name]["shards"] = {"parts": int(parts), "seed": seed}
     return {"tables": tables, "label": {"table": FACT, "column": "y", "task": task}, "joins": joins}
 
 
@@ -161,6 +169,7 @@ def generate(
     task: str = "regression",
     n_classes: int = 3,
     seed: int = 0,
+    shards: Mapping[str, int] | None = None,  # describe() only: the tables do not depend on it
 ) -> dict[str, pd.DataFrame]:
     """Generate the tables (see the module docstring); deterministic in ``seed``, vectorized throughout.
 

@@ -1,0 +1,89 @@
+"""TP-UCQ-ADMM (TablePuppet Eq. 20-24): TP-Join-ADMM whose theta-update (Eq. 16) of a sharded table is
+solved by consensus ADMM over its shards.
+
+After the LoJ scatter of epoch t, a table with Q_i > 1 shards runs up to algorithm.inner_rounds rounds:
+every shard solves Eq. 22 against v^q = w - u^q; the coordinator (the server) sets
+w = Q_i rho' (mean theta^q + mean u^q) / (beta + Q_i rho') (Eq. 20, with Q_i where the paper prints M) and
+u^q += theta^q - w (Eq. 21); it stops early once max_q ||theta^q - w|| < algorithm.inner_tol. Then every shard
+takes w and predicts its rows. w is warm-started across epochs, u reset. Tables with one shard make the
+plain update of Eq. 16. The first inner round carries the epoch's Y_i (the LoJ scatter) and the closing round
+the predictions (the LoJ gather); the rounds between are the union's, counted in rounds_inner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strategies.phase import Protocol
+from strategies.tp_join_admm import TPJoinADMM, admm_rho
+from tpflower.loj import ADMMServer, joined_predictions
+from tpflower.losses import loss_np
+
+
+class TPUCQADMM(TPJoinADMM):
+    algorithm = "tp_ucq_admm"
+
+    def protocol(self) -> Protocol:
+        yield from self.setup()
+        alg, beta = self.cfg.algorithm, float(self.cfg.model.beta)
+        rho = admm_rho(alg.rho, self.task)
+        rho_c = float(alg.get("rho_inner") or rho)
+        inner_rounds, inner_tol = int(alg.inner_rounds), float(alg.inner_tol)
+        admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, str(alg.variant))
+        self.admm = admm
+        routers = self.routers
+        multi = [t for t in self.spec.table_names if len(routers[t].shards) > 1]
+        G = {t: routers[t].scatter_all(g) for t, g in admm.G().items()}
+        setup = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
+        replies = yield self.shard_messages(lambda k: ([G[k[0]][k[1]]], setup))
+        h = self._gather_all(replies)
+        # all shards of a table start from the same theta (same seed): the consensus model starts there too
+        w = {t: np.asarray(replies[(t, routers[t].shards[0])][0][1], dtype=np.float64) for t in multi}
+        self.inner_rounds_used: list[int] = []
+        for epoch in range(1, int(self.cfg.epochs) + 1):
+            Y = {t: routers[t].scatter_all(y) for t, y in admm.step(h).items()}
+            u = {k: np.zeros_like(w[k[0]]) for k in self.clients if k[0] in multi}
+            for r in range(inner_rounds):
+                messages = {}
+                for k in self.clients:
+                    t, q = k
+                    if t in multi:
+                        arrays = ([Y[t][q]] if r == 0 else []) + [w[t] - u[k]]
+                        messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c, "epoch": epoch, "lou": int(r > 0)})
+                    elif r == 0:
+                        messages[k] = ([Y[t][q]], {"phase": "admm_update", "epoch": epoch})
+                replies = yield messages
+                if r == 0:
+                    h.update({t: routers[t].gather_all({q: replies[(t, q)][0][0] for q in routers[t].shards})
+                              for t in self.spec.table_names if t not in multi})
+                residual = 0.0
+                for t in multi:
+                    theta = {q: np.asarray(replies[(t, q)][0][0], dtype=np.float64) for q in routers[t].shards}
+                    Q = len(theta)
+                    theta_bar = sum(theta.values()) / Q
+                    u_bar = sum(u[(t, q)] for q in theta) / Q
+                    w[t] = Q * rho_c * (theta_bar + u_bar) / (beta + Q * rho_c)  # Eq. 20
+                    for q in theta:
+                        u[(t, q)] += theta[q] - w[t]  # Eq. 21
+                        residual = max(residual, float(np.linalg.norm(theta[q] - w[t])))
+                if residual < inner_tol:
+                    break
+            self.inner_rounds_used.append(r + 1)
+            if multi:
+                replies = yield {k: ([w[k[0]]], {"phase": "admm_consensus"}) for k in self.clients if k[0] in multi}
+                h.update({t: routers[t].gather_all({q: replies[(t, q)][0][0] for q in routers[t].shards}) for t in multi})
+            H_train = joined_predictions(self.train.p, h)
+            train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
+            self.record_epoch(
+                epoch,
+                joined_predictions(self.test.p, h),
+                train_loss,
+                {"primal_residual": admm.primal_residual(), "inner_rounds": r + 1, "inner_residual": residual},
+            )
+        self.finish()
+
+    def _gather_all(self, replies) -> dict[str, np.ndarray]:
+        return {
+            t: self.routers[t].gather_all({q: replies[(t, q)][0][0] for q in self.routers[t].shards})
+            for t in self.spec.table_names
+        }

@@ -1,0 +1,67 @@
+"""TP-UCQ-SGD (TablePuppet Eq. 17-19): TP-Join-SGD pushed through the union to the shards of each table.
+
+All shards of table i hold the same theta_i. Per mini-batch: the shards predict their rows of U_i; the
+LoJ operator computes Y_i and scatters each shard its part; each shard returns its unnormalised partial
+gradient (Eq. 18); the coordinator (the server) sums them and divides by |B| (Eq. 17) and every shard
+applies the same step (Eq. 19), then predicts its rows of the next batch. Two round trips per batch; the
+first (partial gradients) is the union's coordinator round and is counted in rounds_inner. Without DP the
+trajectory equals TP-Join-SGD's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strategies.loj import LoJStrategy
+from strategies.phase import Protocol
+from tpflower.loj import BatchPlan, batch_size_of, epoch_batches, joined_predictions, sgd_aggregate
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class TPUCQSGD(LoJStrategy):
+    algorithm = "tp_ucq_sgd"
+
+    def protocol(self) -> Protocol:
+        yield from self.setup()
+        N, epochs = self.train.N, int(self.cfg.epochs)
+        B = batch_size_of(self.cfg.algorithm.batch_size, N)
+        rng = np.random.default_rng(int(self.cfg.seed))
+        evaluation = BatchPlan.of(self.test, np.arange(self.test.N))
+        eval_split = {t: self.routers[t].split(evaluation.U[t]) for t in self.spec.table_names}
+        batches = epoch_batches(N, B, rng)
+        plan = BatchPlan.of(self.train, batches[0])
+        split = {t: self.routers[t].split(plan.U[t]) for t in self.spec.table_names}
+        replies = yield self.shard_messages(lambda k: ([split[k[0]][k[1]]], {"phase": "predict", "d_out": self.d_out}))
+        h = self.gather_rows(replies, plan.U)
+        for epoch in range(1, epochs + 1):
+            loss_sum = 0.0
+            for b, rows in enumerate(batches):
+                Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
+                loss_sum += loss_b
+                counts = {t: np.bincount(plan.inv[t], minlength=len(plan.U[t])) for t in plan.U}  # G_iu in B
+                masks = {t: self.routers[t].masks(plan.U[t]) for t in plan.U}
+                replies = yield self.shard_messages(
+                    lambda k: (
+                        [Y[k[0]][masks[k[0]][k[1]]]],
+                        {"phase": "sgd_partial", "count": float(counts[k[0]][masks[k[0]][k[1]]].sum()), "lou": 1},
+                    )
+                )
+                g = {t: sum(r[0][0] for (tt, _), r in sorted(replies.items()) if tt == t) / len(rows) for t in plan.U}  # Eq. 17
+                last = b == len(batches) - 1
+                if last:
+                    batches = epoch_batches(N, B, rng) if epoch < epochs else []
+                nxt = BatchPlan.of(self.train, batches[0]) if last and batches else (None if last else BatchPlan.of(self.train, batches[b + 1]))
+                nsplit = {t: self.routers[t].split(nxt.U[t]) for t in nxt.U} if nxt else None
+                replies = yield self.shard_messages(
+                    lambda k: (
+                        [g[k[0]], nsplit[k[0]][k[1]] if nsplit else EMPTY] + ([eval_split[k[0]][k[1]]] if last else []),
+                        {"phase": "sgd_apply"},
+                    )
+                )
+                if nxt is not None:
+                    h = self.gather_rows(replies, nxt.U)
+                plan = nxt  # type: ignore[assignment]
+            H_test = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, index=1))
+            self.record_epoch(epoch, H_test, loss_sum / N)
+        self.finish()

@@ -1,0 +1,415 @@
+"""tpflower.privacy: label DP, DP-SGD steps against the non-private math, accounting, config validation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from opacus.accountants import RDPAccountant
+
+from tpflower import privacy as P
+from tpflower.local_update import admm_update_local_opt, sgd_step
+from tpflower.models import local_model
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------------------------------------- label DP
+
+
+def test_label_epsilon_matches_theorem_1():
+    assert P.label_epsilon(0.5) == 2 * math.sqrt(2) / 0.5
+    assert P.label_epsilon(0.5) == pytest.approx(5.657, abs=1e-3)
+    assert P.label_lambda(P.label_epsilon(0.7)) == pytest.approx(0.7)
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="label_lambda"):
+            P.label_epsilon(bad)
+
+
+def test_binary_keep_probability_closed_form_and_empirical():
+    lam, n = 0.5, 20_000
+    b = lam / math.sqrt(2)
+    closed = 1 - math.exp(-1 / b) * (2 + 1 / b) / 4
+    assert P.label_keep_probability(lam, 2) == pytest.approx(closed, abs=1e-12)
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, n).astype(np.float64)  # binary labels as float 0/1
+    y_hat = P.randomize_class_labels(y, 2, lam, rng)
+    assert y_hat.dtype == np.float64 and set(np.unique(y_hat)) <= {0.0, 1.0}
+    assert np.mean(y_hat == y) == pytest.approx(closed, abs=0.01)  # std of the mean ~ 0.002
+
+
+@pytest.mark.parametrize("lam, expected", [(1e-3, 1.0), (1e4, 0.2), (0.5, None), (2.0, None)])
+def test_multiclass_keep_fraction(lam, expected):
+    C, n = 5, 20_000
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, C, n)
+    y_hat = P.randomize_class_labels(y, C, lam, rng)
+    assert y_hat.dtype == y.dtype and y_hat.min() >= 0 and y_hat.max() < C
+    kept = np.mean(y_hat == y)
+    analytic = P.label_keep_probability(lam, C)
+    if expected is not None:  # limits: tiny noise keeps all, huge noise is uniform (1/C)
+        assert analytic == pytest.approx(expected, abs=0.01)
+    assert kept == pytest.approx(analytic, abs=0.015)
+    # a changed label is uniform over the other C - 1 classes
+    flipped = (y_hat - y)[y_hat != y] % C
+    if len(flipped) > 2000:
+        counts = np.bincount(flipped, minlength=C)[1:] / len(flipped)
+        assert np.allclose(counts, 1 / (C - 1), atol=0.03)
+
+
+def test_class_labels_reject_out_of_range():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="class ids"):
+        P.randomize_class_labels(np.array([0, 3]), 3, 0.5, rng)
+    with pytest.raises(ValueError, match="class ids"):
+        P.randomize_class_labels(np.array([0.5]), 2, 0.5, rng)
+
+
+def test_regression_label_dp_clips_and_has_laplace_scale():
+    lo, hi, eps, n = 1.0, 5.0, 2.0, 20_000
+    scale = (hi - lo) / eps
+    rng = np.random.default_rng(2)
+    y = rng.uniform(-2.0, 8.0, n)
+    y_hat = P.randomize_regression_labels(y, lo, hi, eps, rng)
+    assert y_hat.dtype == np.float64
+    noise = y_hat - np.clip(y, lo, hi)
+    assert np.std(noise) == pytest.approx(math.sqrt(2) * scale, rel=0.03)  # Laplace std = sqrt(2) b
+    assert np.mean(np.abs(noise)) == pytest.approx(scale, rel=0.03)  # E|L| = b
+    assert abs(np.mean(noise)) < 0.05
+    # the config dispatcher gives the same draw
+    cfg = {"name": "label", "label_range": [lo, hi], "label_epsilon": eps}
+    a = P.randomize_labels(y, "regression", cfg, np.random.default_rng(3))
+    b = P.randomize_regression_labels(y, lo, hi, eps, np.random.default_rng(3))
+    assert np.array_equal(a, b)
+
+
+def test_regression_label_dp_keeps_float32():
+    y = np.linspace(0, 1, 10, dtype=np.float32)
+    assert P.randomize_regression_labels(y, 0, 1, 1.0, np.random.default_rng(0)).dtype == np.float32
+
+
+# -------------------------------------------------------------------------------------------- accounting
+
+
+def test_epsilon_equals_independent_rdp_accountant():
+    sigma, q, k, delta = 1.1, 0.02, 37, 1e-5
+    trainer = P.DPLocalTrainer(
+        local_model(3, 1, dtype=F64), noise_multiplier=sigma, max_grad_norm=1.0, sample_rate=q, seed=0
+    )
+    X, Y = torch.randn(8, 3, dtype=F64), torch.randn(8, 1, dtype=F64)
+    for _ in range(k):
+        trainer.sgd_step(X, Y, batch_size=10, lr=0.01, beta=0.1)
+    ref = RDPAccountant()
+    for _ in range(k):
+        ref.step(noise_multiplier=sigma, sample_rate=q)
+    assert trainer.steps == k
+    assert trainer.epsilon(delta) == ref.get_epsilon(delta=delta)
+    assert trainer.accountant_state() == [[sigma, q, float(k)]]
+    assert P.rdp_epsilon(trainer.accountant_state(), delta) == ref.get_epsilon(delta=delta)
+
+
+def test_noise_multiplier_for_meets_target():
+    eps, delta, q, steps = 1.0, 1e-5, 0.01, 500
+    sigma = P.noise_multiplier_for(eps, delta, q, steps)
+    spent = P.rdp_epsilon([(sigma, q, steps)], delta)
+    assert spent <= eps
+    assert spent >= eps - 0.05  # the binary search stops within 0.01 of the target
+    assert P.rdp_epsilon([(sigma * 0.9, q, steps)], delta) > eps  # not wastefully large
+
+
+def test_table_row_sample_rate():
+    N, B = 10_000, 100
+    assert P.table_row_sample_rate(B, N, 1, "shuffle") == pytest.approx(B / N)
+    assert P.table_row_sample_rate(B, N, 1, "poisson") == pytest.approx(B / N)
+    q5 = P.table_row_sample_rate(B, N, 5, "shuffle")
+    assert q5 == pytest.approx(1 - math.prod((N - B - k) / (N - k) for k in range(5)))
+    assert q5 <= 5 * B / N and q5 > 4.8 * B / N
+    assert P.table_row_sample_rate(B, N, 5, "poisson") == pytest.approx(1 - (1 - B / N) ** 5)
+    assert P.table_row_sample_rate(N, N, 3) == 1.0
+    assert P.table_row_sample_rate(B, N, N) == 1.0
+    assert P.sgd_steps(10, 1000, 256) == 40 and P.admm_steps(10, 2, 1000, 256) == 80
+
+
+# ------------------------------------------------------------------------------------------- DP-SGD step
+
+
+def _batch(n_rows=9, d_in=4, d_out=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n_rows, d_in, generator=g, dtype=F64)
+    Y = torch.randn(n_rows, d_out, generator=g, dtype=F64) * 3.0
+    return X, Y
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_dp_step_without_noise_and_clipping_equals_sgd_step(kind):
+    X, Y = _batch()
+    ref = local_model(4, 2, kind=kind, hidden=(8,), dtype=F64, seed=3)
+    dp_model = local_model(4, 2, kind=kind, hidden=(8,), dtype=F64, seed=3)
+    trainer = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12, sample_rate=0.1, seed=0)
+    for _ in range(3):
+        sgd_step(ref, X, Y, batch_size=13, lr=0.3, beta=0.05)
+        trainer.sgd_step(X, Y, batch_size=13, lr=0.3, beta=0.05)
+    for (k, a), (k2, b) in zip(ref.state_dict().items(), trainer.state_dict().items()):
+        assert k == k2
+        assert torch.allclose(a, b, atol=1e-10, rtol=0), k
+
+
+def _per_row_grads(model, X, Y):
+    rows = []
+    for u in range(len(X)):
+        model.zero_grad()
+        (Y[u : u + 1] * model(X[u : u + 1])).sum().backward()
+        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_dp_step_clips_each_row_then_adds_unclipped_regulariser(kind):
+    X, Y = _batch(seed=1)
+    C, B, lr, beta = 0.5, 13, 0.2, 0.1
+    ref = local_model(4, 2, kind=kind, hidden=(8,), dtype=F64, seed=5)
+    dp_model = local_model(4, 2, kind=kind, hidden=(8,), dtype=F64, seed=5)
+    # by hand: per-row gradients by autograd, clipped as Opacus does (factor min(1, C / (norm + 1e-6)))
+    g = _per_row_grads(ref, X, Y)
+    norms = g.norm(dim=1)
+    assert (norms > C).all()  # the test clips every row
+    clipped = g * (C / (norms + 1e-6)).clamp(max=1.0)[:, None]
+    assert (clipped.norm(dim=1) <= C).all()
+    theta = torch.cat([p.detach().flatten() for p in ref.parameters()])
+    expected = theta - lr * (clipped.sum(0) / B + beta * theta)  # d/dtheta beta/2 ||theta||^2 = beta theta
+
+    trainer = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=C, sample_rate=0.1)
+    trainer.sgd_step(X, Y, batch_size=B, lr=lr, beta=beta)
+    got = torch.cat([p.detach().flatten() for p in dp_model.parameters()])
+    assert torch.allclose(got, expected, atol=1e-10, rtol=0)
+
+
+def test_dp_step_noise_has_std_sigma_c_over_batch():
+    d_in, sigma, C, B, lr = 300, 2.0, 0.7, 50, 1.0
+    model = local_model(d_in, 4, init="zeros", dtype=F64)
+    trainer = P.DPLocalTrainer(model, noise_multiplier=sigma, max_grad_norm=C, sample_rate=0.1, seed=11)
+    X, Y = torch.randn(5, d_in, dtype=F64), torch.zeros(5, 4, dtype=F64)  # no data gradient, beta = 0
+    trainer.sgd_step(X, Y, batch_size=B, lr=lr, beta=0.0)
+    delta = torch.cat([p.detach().flatten() for p in model.parameters()])  # = -lr * noise / B
+    assert delta.numel() == 1204
+    assert delta.std().item() == pytest.approx(lr * sigma * C / B, rel=0.08)
+    assert abs(delta.mean().item()) < 4 * lr * sigma * C / B / math.sqrt(1204)
+
+
+def test_seeded_noise_is_reproducible_and_not_replayed_after_restore():
+    X, Y = _batch()
+    kw = dict(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.1)
+
+    def run(seed, steps):
+        t = P.DPLocalTrainer(local_model(4, 2, dtype=F64, seed=1), seed=seed, **kw)
+        for _ in range(steps):
+            t.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.0)
+        return t
+
+    a, b = run(7, 2), run(7, 2)
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    # a trainer rebuilt after 2 steps draws different noise than a fresh one (seeded by (seed, steps))
+    fresh = P.DPLocalTrainer(local_model(4, 2, dtype=F64, seed=1), seed=7, **kw)
+    rebuilt = P.DPLocalTrainer.from_state(
+        local_model(4, 2, dtype=F64, seed=1), fresh.state_dict(), [[1.0, 0.1, 2]], seed=7, **kw
+    )
+    fresh.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.0)
+    rebuilt.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.0)
+    assert not torch.equal(fresh.state_dict()["weight"], rebuilt.state_dict()["weight"])
+
+
+def test_state_round_trip():
+    X, Y = _batch()
+    model = local_model(4, 2, kind="mlp", hidden=(8,), dtype=F64, seed=2)
+    t = P.DPLocalTrainer(model, noise_multiplier=1.3, max_grad_norm=1.0, sample_rate=0.05, seed=0)
+    for _ in range(4):
+        t.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.01)
+    sd, acc = t.state_dict(), t.accountant_state()
+    assert list(sd) == list(local_model(4, 2, kind="mlp", hidden=(8,)).state_dict())  # no "_module." prefix
+    assert any(k.startswith("_module.") for k in t._gsm.state_dict())  # (the GradSampleModule itself is prefixed)
+    acc = json.loads(json.dumps(acc))  # persistable as plain numbers
+    fresh = local_model(4, 2, kind="mlp", hidden=(8,), dtype=F64, seed=99)
+    t2 = P.DPLocalTrainer.from_state(fresh, sd, acc, noise_multiplier=1.3, max_grad_norm=1.0, sample_rate=0.05)
+    assert t2.steps == 4 and t2.epsilon(1e-5) == t.epsilon(1e-5)
+    assert all(torch.equal(fresh.state_dict()[k], sd[k]) for k in sd)
+    t2.load_state_dict({"_module." + k: v for k, v in sd.items()})  # a GradSampleModule state_dict loads too
+    assert torch.equal(t2.predict(X), t.predict(X))
+    t2.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.01)
+    assert t2.accountant_state() == [[1.3, 0.05, 5.0]]
+
+
+def test_feature_less_table_and_make_trainer():
+    cfg = {"name": "dpsgd", "epsilon": 1.0, "delta": 1e-5, "clip": 1.0}
+    t = P.make_trainer(local_model(0, 1, dtype=F64), cfg, sample_rate=0.01, steps=100, seed=0)
+    assert t.noise_multiplier > 0 and t.max_grad_norm == 1.0
+    for _ in range(100):
+        t.sgd_step(torch.zeros(3, 0, dtype=F64), torch.ones(3, 1, dtype=F64), batch_size=10, lr=0.1, beta=0.0)
+    assert 0.95 <= t.epsilon(1e-5) <= 1.0
+
+
+# ----------------------------------------------------------------------------------------------- DP ADMM
+
+
+def _admm_data(n=40, d_in=3, d_out=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d_in, generator=g, dtype=F64)
+    G = torch.randint(0, 4, (n,), generator=g).to(F64)
+    Y = torch.randn(n, d_out, generator=g, dtype=F64) * G[:, None]  # Y_u = 0 where G_u = 0
+    return X, G, Y
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_dp_admm_shuffle_without_noise_equals_non_private(kind):
+    X, G, Y = _admm_data()
+    kw = dict(N=70, rho=0.5, beta=0.01, epochs=3, lr=0.05, batch_size=8)
+    ref = local_model(3, 2, kind=kind, hidden=(8,), dtype=F64, seed=4)
+    admm_update_local_opt(ref, X, G, Y, generator=torch.Generator().manual_seed(0), **kw)
+    dp_model = local_model(3, 2, kind=kind, hidden=(8,), dtype=F64, seed=4)
+    t = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12)
+    n_steps = t.admm_update(X, G, Y, generator=torch.Generator().manual_seed(0), sampling="shuffle", **kw)
+    n_a = int((G > 0).sum())
+    assert n_steps == 3 * math.ceil(n_a / 8) == t.steps
+    assert t.accountant_state() == [[0.0, 8 / n_a, float(n_steps)]]
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(v, t.state_dict()[k], atol=1e-10, rtol=0), k
+
+
+def test_dp_admm_poisson_full_batch_equals_non_private_and_q_accounting():
+    X, G, Y = _admm_data(seed=1)
+    kw = dict(N=55, rho=1.0, beta=0.02, epochs=4, lr=0.05, batch_size=1000)  # batch >= n_a: q = 1
+    ref = local_model(3, 2, kind="mlp", hidden=(8,), dtype=F64, seed=6)
+    admm_update_local_opt(ref, X, G, Y, generator=torch.Generator().manual_seed(0), **kw)
+    dp_model = local_model(3, 2, kind="mlp", hidden=(8,), dtype=F64, seed=6)
+    t = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12)
+    assert t.admm_update(X, G, Y, generator=torch.Generator().manual_seed(0), **kw) == 4
+    assert t.accountant_state() == [[0.0, 1.0, 4.0]]
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(v, t.state_dict()[k], atol=1e-10, rtol=0), k
+    # Poisson with q < 1: ceil(n_a / b) steps per epoch, each recorded at q = b / n_a
+    t2 = P.DPLocalTrainer(local_model(3, 2, dtype=F64), noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    n_a = int((G > 0).sum())
+    gen = torch.Generator().manual_seed(1)
+    steps = t2.admm_update(X, G, Y, N=55, rho=1.0, beta=0.0, epochs=2, lr=0.01, batch_size=5, generator=gen)
+    assert steps == 2 * math.ceil(n_a / 5) == P.admm_steps(2, 1, n_a, 5)
+    assert t2.accountant_state() == [[1.0, 5 / n_a, float(steps)]]
+
+
+def test_dp_admm_clips_per_row_term():
+    # one SGD step, full batch, no noise: per-row gradient of Y_u^T f_u + rho G_u/2 ||f_u||^2 clipped to C
+    X, G, Y = _admm_data(n=12, seed=2)
+    N, rho, beta, lr, C = 30, 0.7, 0.1, 0.3, 0.2
+    ref = local_model(3, 2, kind="mlp", hidden=(5,), dtype=F64, seed=8)
+    rows = []
+    for u in torch.nonzero(G > 0).flatten():
+        ref.zero_grad()
+        f = ref(X[u : u + 1])
+        ((Y[u] * f).sum() + 0.5 * rho * G[u] * (f * f).sum()).backward()
+        rows.append(torch.cat([p.grad.flatten() for p in ref.parameters()]))
+    g = torch.stack(rows)
+    clipped = g * (C / (g.norm(dim=1) + 1e-6)).clamp(max=1.0)[:, None]
+    theta = torch.cat([p.detach().flatten() for p in ref.parameters()])
+    expected = theta - lr * (clipped.sum(0) / N + beta * theta)
+    dp_model = local_model(3, 2, kind="mlp", hidden=(5,), dtype=F64, seed=8)
+    t = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=C)
+    kw = dict(N=N, rho=rho, beta=beta, epochs=1, lr=lr, batch_size=100, optimizer="sgd")
+    t.admm_update(X, G, Y, generator=torch.Generator(), **kw)
+    got = torch.cat([p.detach().flatten() for p in t.module.parameters()])
+    assert torch.allclose(got, expected, atol=1e-10, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+BASE = {"epsilon": 1.0, "delta": 1e-5, "clip": 1.0, "label_lambda": 0.5, "label_range": [1, 5], "label_epsilon": 5.66}
+
+
+@pytest.mark.parametrize("name", P.PRIVACY_NAMES)
+@pytest.mark.parametrize("task", P.TASKS)
+def test_validate_accepts_paper_settings(name, task):
+    P.validate_privacy({**BASE, "name": name}, "tp_join_sgd", task)
+    P.validate_privacy({**BASE, "name": name}, "tp_join_admm", task)
+
+
+@pytest.mark.parametrize(
+    "override, task, algorithm, match",
+    [
+        ({"name": "dp"}, "regression", "tp_join_sgd", "privacy.name"),
+        ({"epsilon": 0}, "regression", "tp_join_sgd", "privacy.epsilon"),
+        ({"epsilon": -1.0}, "binary", "tp_join_admm", "privacy.epsilon"),
+        ({"epsilon": float("inf")}, "binary", "tp_join_admm", "privacy.epsilon"),
+        ({"delta": 0}, "regression", "tp_join_sgd", "privacy.delta"),
+        ({"delta": 1.0}, "regression", "tp_join_sgd", "privacy.delta"),
+        ({"delta": None}, "regression", "tp_join_sgd", "privacy.delta"),
+        ({"clip": 0.0}, "regression", "tp_join_sgd", "privacy.clip"),
+        ({"clip": "big"}, "regression", "tp_join_sgd", "privacy.clip"),
+        ({"name": "label", "label_lambda": 0}, "binary", "tp_join_sgd", "privacy.label_lambda"),
+        ({"name": "label_dpsgd", "label_lambda": -0.5}, "multiclass", "tp_join_sgd", "privacy.label_lambda"),
+        ({"name": "label", "label_range": None}, "regression", "tp_join_sgd", "label_range"),
+        ({"name": "label", "label_range": [5, 1]}, "regression", "tp_join_sgd", "label_range"),
+        ({"name": "label", "label_range": [1, 1]}, "regression", "tp_join_sgd", "label_range"),
+        ({"name": "label", "label_range": [0, float("inf")]}, "regression", "tp_join_sgd", "label_range"),
+        ({"name": "label", "label_range": [1]}, "regression", "tp_join_sgd", "label_range"),
+        ({"name": "label", "label_epsilon": 0}, "regression", "tp_join_sgd", "privacy.label_epsilon"),
+        ({"name": "dpsgd"}, "regression", "centralized", "'centralized'"),
+        ({"name": "label_dpsgd"}, "binary", "celu", "'celu'"),
+        ({"name": "label"}, "binary", "my_new_algo", "'my_new_algo'"),
+        ({"name": "label"}, "ordinal", "tp_join_sgd", "task"),
+    ],
+)
+def test_validate_refuses_impossible_settings(override, task, algorithm, match):
+    cfg = {**BASE, "name": "label_dpsgd", **override}
+    with pytest.raises(ValueError, match=match):
+        P.validate_privacy(cfg, algorithm, task)
+
+
+def test_validate_messages_name_algorithm_and_setting():
+    with pytest.raises(ValueError) as err:
+        P.validate_privacy({**BASE, "name": "dpsgd"}, "centralized", "regression")
+    assert "privacy=dpsgd" in str(err.value) and "centralized" in str(err.value)
+    P.validate_privacy({**BASE, "name": "label"}, "centralized", "regression")  # label DP is fine there
+    P.validate_privacy({"name": "none", "epsilon": -1}, "centralized", "regression")  # none ignores the rest
+
+
+def test_privacy_summary():
+    none = P.privacy_summary({"name": "none"}, "binary")
+    assert none == {"label_epsilon": None, "feature_epsilon": None, "delta": None}
+    s = P.privacy_summary({**BASE, "name": "label_dpsgd"}, "binary", feature_epsilon=0.93)
+    assert s == {"label_epsilon": pytest.approx(5.657, abs=1e-3), "feature_epsilon": 0.93, "delta": 1e-5}
+    assert P.privacy_summary({**BASE, "name": "label"}, "regression")["label_epsilon"] == 5.66
+
+
+def test_one_trainer_per_model_and_close():
+    model = local_model(3, 1, dtype=F64)
+    t = P.DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)
+    with pytest.raises(ValueError, match="already carries Opacus hooks"):
+        P.DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)
+    assert t.close() is model
+    P.DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)  # fine after close()
+    with pytest.raises(ValueError, match="sample_rate"):
+        P.DPLocalTrainer(local_model(3, 1), noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        P.DPLocalTrainer(local_model(3, 1), noise_multiplier=1.0, max_grad_norm=0.0)
+
+
+def test_admm_regularizer_override_is_added_unclipped():
+    # Eq. 22 style prox term instead of beta R: with huge C and no noise the step is the plain gradient step
+    X, G, Y = _admm_data(n=10, seed=3)
+    v = [torch.randn_like(p) for p in local_model(3, 1, dtype=F64).parameters()]
+
+    def prox(m):
+        return 0.5 * 2.0 * sum(((p - vp) ** 2).sum() for p, vp in zip(m.parameters(), v))
+
+    ref = local_model(3, 1, dtype=F64, seed=1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    act = G > 0
+    loss = ((Y[act, :1] * ref(X[act])).sum() + 0.5 * 0.3 * (G[act, None] * ref(X[act]) ** 2).sum()) / 20 + prox(ref)
+    loss.backward()
+    opt.step()
+    t = P.DPLocalTrainer(local_model(3, 1, dtype=F64, seed=1), noise_multiplier=0.0, max_grad_norm=1e12)
+    kw = dict(N=20, rho=0.3, beta=1.0, epochs=1, lr=0.1, batch_size=100, optimizer="sgd", regularizer=prox)
+    t.admm_update(X, G, Y[:, :1], generator=torch.Generator(), **kw)
+    for k, val in ref.state_dict().items():
+        assert torch.allclose(val, t.state_dict()[k], atol=1e-10, rtol=0), k
