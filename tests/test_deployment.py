@@ -21,6 +21,9 @@ from simulations import deploy
 
 OVERRIDES = "algorithm=admm dataset=synthetic epochs=2"
 SYNTHETIC_TABLES = ["fact", "d1", "d2", "d3"]
+# the union scenario: fact and d1 in two shards each (6 SuperNodes), federated preprocessing, consensus ADMM
+UCQ_OVERRIDES = "algorithm=admm dataset=synthetic scenario=ucq epochs=1 algorithm.inner_rounds=2"
+UCQ_CLIENTS = [("fact", 0), ("fact", 1), ("d1", 0), ("d1", 1), ("d2", 0), ("d3", 0)]
 RUN_TIMEOUT_S = 150.0
 
 
@@ -46,16 +49,16 @@ def _wait_for_run(proc, results: Path, logs: list[Path], timeout: float = RUN_TI
     return json.loads(results.read_text())
 
 
-def _check_results(data: dict) -> None:
-    assert data["algorithm"] == "tp_join_admm"
+def _check_results(data: dict, algorithm: str = "tp_join_admm", epochs: int = 2) -> None:
+    assert data["algorithm"] == algorithm
     assert data["dataset"] == "synthetic"
-    assert len(data["history"]) == 2
-    assert [h["epoch"] for h in data["history"]] == [1, 2]
+    assert [h["epoch"] for h in data["history"]] == list(range(1, epochs + 1))
     assert all(math.isfinite(h["test_metric"]) for h in data["history"])
 
 
 def test_clients_of_synthetic_are_its_four_tables():
     assert deploy.clients_of(OVERRIDES) == [(t, 0) for t in SYNTHETIC_TABLES]
+    assert deploy.clients_of(UCQ_OVERRIDES) == UCQ_CLIENTS
 
 
 def test_fab_holds_the_app_and_not_the_venv_or_outputs():
@@ -73,24 +76,33 @@ def test_fab_holds_the_app_and_not_the_venv_or_outputs():
     assert len(fab) < 2_000_000
 
 
-@pytest.mark.timeout(300)
-def test_flwr_run_on_superlink_and_one_supernode_per_table(tmp_path):
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(
+    "overrides,clients,algorithm,epochs",
+    [
+        (OVERRIDES, [(t, 0) for t in SYNTHETIC_TABLES], "tp_join_admm", 2),
+        # 7 rounds (keys, preprocessing stats and rule, ADMM setup, 2 consensus rounds, consensus) on 6 nodes
+        (UCQ_OVERRIDES, UCQ_CLIENTS, "tp_ucq_admm", 1),
+    ],
+    ids=["join", "ucq"],
+)
+def test_flwr_run_on_superlink_and_one_supernode_per_table(tmp_path, overrides, clients, algorithm, epochs):
     dep = None
     left: list[int] = ["not stopped"]  # type: ignore[list-item]
     try:
-        dep = deploy.start(OVERRIDES, state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home", cwd=tmp_path)
-        assert [p["name"] for p in dep.processes] == ["superlink"] + [f"supernode {t}/0" for t in SYNTHETIC_TABLES]
+        dep = deploy.start(overrides, state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home", cwd=tmp_path)
+        assert [p["name"] for p in dep.processes] == ["superlink"] + [f"supernode {t}/{q}" for t, q in clients]
         config = (tmp_path / "flwr-home" / "config.toml").read_text()
         assert f'address = "127.0.0.1:{dep.superlink_port}"' in config
 
         run_dir = tmp_path / "run"
         log = tmp_path / "flwr-run.log"
-        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, OVERRIDES, run_dir), log, dep.env(),
+        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, overrides, run_dir), log, dep.env(),
                             cwd=deploy.APP_DIR)
         dep.popens.append(proc)
         logs = [log] + [Path(p["log"]) for p in dep.processes]
-        data = _wait_for_run(proc, run_dir / "results.json", logs)
-        _check_results(data)
+        data = _wait_for_run(proc, run_dir / "results.json", logs, timeout=RUN_TIMEOUT_S * len(clients) / 4)
+        _check_results(data, algorithm, epochs)
         assert "Successfully installed tpflower" in log.read_text()  # the FAB was shipped to the SuperLink
         # the SuperNodes' ClientApp processes import simulations.client_app from the installed FAB
         assert list((tmp_path / "flwr-home" / "apps").glob("tpflower.tpflower.*/simulations/client_app.py"))

@@ -11,9 +11,12 @@ from simulations.federated import run_flower_simulation, run_in_process
 from tests.conftest import make_cfg
 
 
-@pytest.mark.parametrize("algorithm", ["admm", "sgd", "vfl_admm", "vfl_sgd"])
-def test_flower_simulation_smoke(algorithm, tmp_path):
-    overrides = (f"algorithm={algorithm}", "dataset=synthetic", "epochs=2")
+@pytest.mark.parametrize(
+    "algorithm,scenario",
+    [("admm", "join"), ("sgd", "join"), ("vfl_admm", "join"), ("vfl_sgd", "join"), ("admm", "ucq"), ("sgd", "ucq")],
+)
+def test_flower_simulation_smoke(algorithm, scenario, tmp_path):
+    overrides = (f"algorithm={algorithm}", f"scenario={scenario}", "dataset=synthetic", "epochs=2")
     if algorithm.endswith("sgd"):
         overrides += ("algorithm.batch_size=4000",)  # a few rounds per epoch: Flower costs ~0.1 s per round
     cfg = make_cfg(*overrides)
