@@ -9,6 +9,7 @@ carries the Hydra overrides of the run, so every process composes the same confi
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
@@ -45,16 +46,25 @@ def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[
     return keys[pid]
 
 
-_SETTINGS: dict[tuple, tuple[DictConfig, ClientSettings, ShardData]] = {}
+_SETTINGS: "OrderedDict[tuple, tuple[ClientSettings, ShardData]]" = OrderedDict()
+_SETTINGS_MAX = 16  # nodes x configs one process serves at once (Ray actors serve several virtual nodes)
 
 
 def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None) -> TableClient:
-    """The client of this node for one message; table and settings are built once per process and node."""
-    node = tuple(sorted(context.node_config.items()))
-    cache_key = (id(cfg), node, str(base_dir))
-    if cache_key not in _SETTINGS:  # cfg is kept in the entry, so its id stays valid
-        _SETTINGS[cache_key] = (cfg, *_settings(cfg, dict(context.node_config), base_dir))
-    _, settings, data = _SETTINGS[cache_key]
+    """The client of this node for one message; table and settings are built once per process and node.
+
+    The cache key is the config's content: under Ray the ClientApp, and with it ``cfg``, arrives
+    deserialized with every message, so object identity would miss every time (and grow without bound).
+    """
+    content = json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
+    cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir))
+    if cache_key in _SETTINGS:
+        _SETTINGS.move_to_end(cache_key)
+    else:
+        _SETTINGS[cache_key] = _settings(cfg, dict(context.node_config), base_dir)
+        while len(_SETTINGS) > _SETTINGS_MAX:
+            _SETTINGS.popitem(last=False)
+    settings, data = _SETTINGS[cache_key]
     return TableClient(data, settings, context.state)
 
 

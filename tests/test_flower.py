@@ -29,3 +29,21 @@ def test_flower_simulation_smoke(algorithm, scenario, tmp_path):
     direct = run_in_process(make_cfg(*overrides), None, log=lambda _: None).strategy.results
     np.testing.assert_allclose([h.test_metric for h in results.history], [h.test_metric for h in direct.history], rtol=1e-6)
     assert [h.bytes_up for h in results.history] == [h.bytes_up for h in direct.history]
+
+
+def test_client_cache_survives_configs_deserialized_per_message():
+    """Under Ray the ClientApp (and its config) is deserialized for every message: the per-process cache of
+    tables must hit on equal content, not on object identity, or it grows with every message."""
+    import pickle
+
+    from flwr.common import Context, RecordDict
+
+    from simulations import client_app
+
+    cfg = make_cfg("algorithm=sgd", "dataset=synthetic")
+    client_app._SETTINGS.clear()
+    context = Context(run_id=0, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    first = client_app.make_client(pickle.loads(pickle.dumps(cfg)), context)
+    for _ in range(20):
+        again = client_app.make_client(pickle.loads(pickle.dumps(cfg)), context)
+    assert len(client_app._SETTINGS) == 1 and again.data is first.data
