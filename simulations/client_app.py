@@ -94,6 +94,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         secret=str(cfg.mapping.secret).encode(),
         key_kinds=kinds,
         federated_prep=sum(1 for t, _ in spec.clients(scenario) if t == table) > 1,
+        privacy=OmegaConf.to_container(cfg.privacy, resolve=True),  # its own settings, not the server's word
     )
     return settings, data
 

@@ -1,6 +1,7 @@
 """Hydra entry point: ``python -m simulations.run algorithm=... dataset=... model=... epochs=K``.
 
 Writes results.json into the Hydra run dir (``hydra.run.dir=...`` moves it) and prints its path.
+Privacy settings (conf/privacy) are checked first, before any data is loaded (tpflower.privacy.validate_privacy).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from simulations.config import CONF_DIR
 from simulations.centralized import constant_predictor_metric, train_centralized
-from tpflower.relation import load_relation
+from tpflower import privacy as dp
+from tpflower.datasets import load_spec
+from tpflower.relation import Relation, load_relation
 from tpflower.results import RunResults, new_run_results, write_results
 
 
@@ -29,6 +32,7 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     algorithm = str(cfg.algorithm.name)
+    check_privacy(cfg, base_dir)
     if algorithm != "centralized":
         from simulations.federated import run_flower_simulation, run_in_process
 
@@ -39,12 +43,45 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
         assert results is not None
         return results
     rel = load_relation(cfg.dataset, str(cfg.mapping.secret).encode(), base_dir=base_dir)
+    privacy = cfg.get("privacy") or {"name": "none"}
+    if dp.uses_label_dp(privacy):
+        randomize_training_labels(rel, privacy, int(cfg.seed))
     results = new_run_results(cfg, algorithm, rel.spec, rel.mapping)
+    results.privacy = dp.privacy_summary(privacy, rel.spec.label.task)
     results.reference = {f"constant_{k}": v for k, v in constant_predictor_metric(rel).items()}
     train_centralized(cfg, rel, results)
     path = write_results(results, run_dir)
     print(f"results: {path}", flush=True)
     return results
+
+
+def check_privacy(cfg: DictConfig, base_dir: str | Path | None = None) -> None:
+    """Refuse impossible privacy settings before any data is loaded or any training starts (ValueError).
+
+    Needs the task, so it parses the dataset spec (never a table). The federated strategies repeat the check
+    in their constructor, so `flwr run` deployments get it too.
+    """
+    privacy = cfg.get("privacy") or {"name": "none"}
+    if str(privacy.get("name", "none")) == "none":
+        return
+    algorithm = str(cfg.algorithm.name)
+    if algorithm != "centralized":
+        from simulations.server_app import strategy_name
+
+        algorithm = strategy_name(cfg)
+    dp.validate_privacy(privacy, algorithm, load_spec(cfg.dataset, base_dir=base_dir).label.task)
+
+
+def randomize_training_labels(rel: Relation, privacy, seed: int) -> None:
+    """Label DP for the centralized baseline: the training labels randomized exactly as the federated label
+    owner does (the same generator as table shard 0 in the join scenario); test labels stay true."""
+    label = rel.label
+    assert label.y is not None and label.is_test is not None
+    train = ~label.is_test
+    rng = dp.label_rng(privacy, seed, rel.spec.label_table, 0)
+    y = label.y.copy()
+    y[train] = dp.randomize_labels(label.y[train], rel.spec.label.task, privacy, rng, label.n_classes)
+    label.y = y
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")

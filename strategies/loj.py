@@ -4,22 +4,31 @@ Setup (TablePuppet Sec. 3.1.1): every client sends row ids and keyed digests of 
 owner also its labels and test-split flags; the server checks the key kinds agree, joins the digests into
 p_i, and splits the joined rows into train and test by the label-table row. VFL baselines then send each
 client its p_i once ("expand") and continue on the identity mapping over the N joined rows.
+
+Privacy (tpflower.privacy; checked by validate_privacy in the constructor, before anything runs). The keys
+message carries the run's privacy settings. Label DP: the label owner (every shard of the label table) sends
+randomized TRAINING labels only; the server never holds test labels, so the test metric of each epoch is
+computed by the label owner in an extra ``evaluate`` round (not training traffic: not counted in the
+communication figures). Feature DP: the strategy plans each client's local DP steps and sample rate
+(:meth:`LoJStrategy.plan_feature_dp`), sent with the first training message; the clients report the epsilon
+they spent, shown as ``eps`` (max over clients) in the epoch line and kept in results.privacy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from strategies.lou import ShardRouter
-from strategies.phase import BROADCAST, ClientKey, PhaseStrategy, Protocol, Reply
+from strategies.phase import BROADCAST, ClientKey, Message, PhaseStrategy, Protocol, Reply
 from tpflower.fedprep import ShardSummary, merge_summaries
 from tpflower.comm import CommMeter, WanModel
+from tpflower import privacy as dp
 from tpflower.losses import metrics, output_dim, primary_metric
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping
 from tpflower.relation import summary_line
@@ -43,6 +52,13 @@ class LoJStrategy(PhaseStrategy):
         super().__init__(num_clients=len(self.clients))
         self.task = spec.label.task
         self.metric = primary_metric(self.task)
+        self.privacy = cfg.get("privacy") or {"name": "none"}
+        # impossible privacy settings fail here, before any client is asked for anything (also under flwr run)
+        dp.validate_privacy(self.privacy, self.algorithm, self.task)
+        self.label_dp = dp.uses_label_dp(self.privacy)
+        self.feature_dp = dp.uses_feature_dp(self.privacy)
+        self.dp_plan: dict[ClientKey, tuple[int, float]] = {}  # feature DP: (local DP steps of the run, q)
+        self.eps_spent: dict[ClientKey, float] = {}  # feature DP: the latest epsilon each client reported
         self.results: RunResults | None = None
         self.comm: CommMeter | None = None
         self._t0 = time.perf_counter()
@@ -51,7 +67,7 @@ class LoJStrategy(PhaseStrategy):
 
     def setup(self) -> Protocol:
         """Round 1 (keys) builds the mapping; VFL adds round 2 (expand). Sets train/test mappings and labels."""
-        replies = yield {BROADCAST: ([], {"phase": "keys"})}
+        replies = yield {BROADCAST: ([], {"phase": "keys", **dp.privacy_message(self.privacy)})}
         self._t0 = time.perf_counter()
         missing = [k for k in self.clients if k not in replies]
         if missing:
@@ -74,11 +90,16 @@ class LoJStrategy(PhaseStrategy):
         is_test = is_test_rows[mapping.p[self.spec.label_table]]
         self.train, self.test = mapping.subset(~is_test), mapping.subset(is_test)
         self.y_train = y_rows[self.train.p[self.spec.label_table]]
-        self.y_test = y_rows[self.test.p[self.spec.label_table]]
+        # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
+        self.y_test = None if self.label_dp else y_rows[self.test.p[self.spec.label_table]]
+        self._evaluation = self._evaluation_split() if self.label_dp else {}
         self.d_out = output_dim(self.task, n_classes)
         self.comm = CommMeter(WanModel.from_config(self.cfg.network, {k: str(r[1]["region"]) for k, r in replies.items()}))
         self.results = new_run_results(self.cfg, self.algorithm, self.spec, mapping)
+        self.results.privacy = dp.privacy_summary(self.privacy, self.task, 0.0 if self.feature_dp else None)
         self.mapping = mapping
+        if self.feature_dp:  # on the table-row mapping, before a VFL expansion
+            self.dp_plan = self.plan_feature_dp()
         yield from self._federated_preprocessing()
         if self.expand:
             yield from self._expand()
@@ -89,13 +110,23 @@ class LoJStrategy(PhaseStrategy):
         y_rows: np.ndarray | None = None
         is_test = np.zeros(n_label_rows, dtype=bool)
         n_classes = 0
-        for (t, _), (arrays, metrics) in replies.items():
+        for (t, q), (arrays, metrics) in replies.items():
             if t != self.spec.label_table:
                 continue
             ids, y, flags = np.asarray(arrays[0], dtype=np.int64), arrays[-2], arrays[-1].astype(bool)
+            randomized = metrics.get("labels") == "train_randomized"
+            if randomized != self.label_dp:
+                raise RuntimeError(
+                    f"label table {t!r} shard {q}: privacy={self.privacy.get('name')} but the label owner sent "
+                    f"{'randomized training labels' if randomized else 'its raw labels'}"
+                )
             if y_rows is None:
                 y_rows = np.zeros(n_label_rows, dtype=y.dtype)
-            y_rows[ids], is_test[ids] = y, flags
+            if randomized:  # training rows only, in the order of the shard's rows; test labels stay with it
+                y_rows[ids[~flags]] = y
+                is_test[ids] = flags
+            else:
+                y_rows[ids], is_test[ids] = y, flags
             n_classes = max(n_classes, int(metrics.get("n_classes", 0)))
         assert y_rows is not None
         return y_rows, is_test, n_classes or None
@@ -138,22 +169,110 @@ class LoJStrategy(PhaseStrategy):
     def on_round(self, down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]) -> None:
         # setup rounds (mapping, preprocessing) come before the meter exists and are not training traffic;
         # the VFL expansion is. Rounds whose messages say "lou" are the union's inner (coordinator) rounds.
+        # The label owner's evaluation rounds (label DP, "eval") are evaluation, not training: not counted.
         if self.comm is not None:
+            if any(bool(config.get("eval")) for _, config in self._outbox.values()):
+                return
             inner = any(bool(config.get("lou")) for _, config in self._outbox.values())
             self.comm.record(down, up, inner=inner)
 
-    def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> None:
-        """Evaluate the test predictions, append the epoch to the record and print its line."""
+    def deliver(self, replies: dict[ClientKey, Reply], down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]):
+        for key, (_, m) in replies.items():  # feature DP: every reply after a DP step says what was spent
+            if "eps" in m:
+                self.eps_spent[key] = float(m["eps"])
+        return super().deliver(replies, down, up)
+
+    # ------------------------------------------------------------------------------------------ privacy
+
+    def plan_feature_dp(self) -> dict[ClientKey, tuple[int, float]]:
+        """Feature DP: per client, (local DP steps over the whole run, per-step sample rate of a table row).
+
+        Called in setup on the training mapping of TABLE rows. The client calibrates sigma to these once."""
+        raise ValueError(f"privacy={self.privacy.get('name')}: {self.algorithm} has no feature-DP plan")
+
+    def client_G(self, key: ClientKey) -> np.ndarray:
+        """G_iu over the training join of the rows of client ``key`` (its shard of table i), in shard order."""
+        t, q = key
+        return self.train.G(t)[self.routers[t].ids[q]]
+
+    def dp_config(self, key: ClientKey) -> dict[str, Any]:
+        """The DP plan of client ``key`` for the config of its first training message ({} without feature DP)."""
+        if not self.feature_dp:
+            return {}
+        steps, q = self.dp_plan[key]
+        return {"dp_steps": int(steps), "dp_q": float(q)}
+
+    def feature_epsilon(self) -> float:
+        """The feature epsilon spent so far: the max over clients (each row belongs to one client's table)."""
+        return max(self.eps_spent.values(), default=0.0)
+
+    def _evaluation_split(self) -> dict[ClientKey, tuple[np.ndarray, np.ndarray]]:
+        """Label DP: per label-table shard, (indices into the test joined rows, positions of their label rows
+        in the shard), ordered by the shard's rows: what the label owner needs to score the test predictions."""
+        label = self.spec.label_table
+        rows = self.test.p[label]  # label-table row of every test joined row (before any VFL expansion)
+        router = self.routers[label]
+        split = {}
+        for q in router.shards:
+            idx = np.flatnonzero(router.shard_of[rows] == q)
+            pos = router.position[rows[idx]]
+            order = np.argsort(pos, kind="stable")
+            split[(label, q)] = (idx[order], pos[order])
+        return split
+
+    def test_metrics(self, H_test: np.ndarray) -> Generator[dict[Any, Message], dict[ClientKey, Reply], dict[str, float]]:
+        """Metrics of the test predictions (a generator: ``test = yield from self.test_metrics(H)``).
+
+        Without label DP the server holds the test labels and computes them. With label DP it sends each
+        label-table shard its part of H (one ``evaluate`` round) and combines the replies exactly: loss and
+        accuracy as row-weighted means, rmse from the summed squared errors. AUC needs all scores and labels
+        together: it is reported only when the label table has one shard (the join scenario).
+        """
+        if self.y_test is not None:
+            return metrics(self.task, H_test, self.y_test)
+        replies = yield {
+            k: ([H_test[idx], pos], {"phase": "evaluate", "eval": 1}) for k, (idx, pos) in self._evaluation.items()
+        }
+        parts = [(int(m["n"]), m) for _, m in (replies[k] for k in self._evaluation)]
+        n = sum(c for c, _ in parts)
+        if n == 0:
+            raise RuntimeError("evaluate: the label owner scored no test rows")
+        if len(parts) == 1:
+            return {k: float(v) for k, v in parts[0][1].items() if k != "n"}
+        live = [(c, m) for c, m in parts if c > 0]
+        out = {"loss": sum(c * float(m["loss"]) for c, m in live) / n}
+        if self.task == "regression":
+            out["rmse"] = float(np.sqrt(sum(c * float(m["rmse"]) ** 2 for c, m in live) / n))
+        else:
+            out["accuracy"] = sum(c * float(m["accuracy"]) for c, m in live) / n
+        return out
+
+    # ------------------------------------------------------------------------------------------ records
+
+    def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> Protocol:
+        """Evaluate the test predictions, append the epoch to the record and print its line.
+
+        A generator (``yield from self.record_epoch(...)``): with label DP the evaluation is a round with the
+        label owner. With feature DP the line shows ``eps``, the max over clients of the epsilon spent so far;
+        ``train_loss`` is against the labels the server holds (the randomized ones under label DP)."""
         assert self.results is not None and self.comm is not None
-        test = metrics(self.task, H_test, self.y_test)
+        test = yield from self.test_metrics(H_test)
         if not np.isfinite(train_loss):
             raise RuntimeError(f"{self.algorithm} diverged in epoch {epoch} (train loss {train_loss})")
+        privacy: dict[str, float] = {}
+        if self.feature_dp:
+            privacy["eps"] = self.feature_epsilon()
+        if self.label_dp:
+            privacy["label_eps"] = float(self.results.privacy["label_epsilon"])  # type: ignore[arg-type]
+        self.results.privacy = dp.privacy_summary(
+            self.privacy, self.task, self.feature_epsilon() if self.feature_dp else None
+        )
         rec = EpochRecord(
             epoch=epoch,
             test_metric=test[self.metric],
             train_loss=train_loss,
             wall_time_s=time.perf_counter() - self._t0,
-            extra={**{f"test_{k}": v for k, v in test.items() if k not in (self.metric, "loss")}, **(extra or {})},
+            extra={**{f"test_{k}": v for k, v in test.items() if k not in (self.metric, "loss")}, **(extra or {}), **privacy},
             **{k: v for k, v in self.comm.snapshot().items()},  # type: ignore[arg-type]
         )
         self.results.history.append(rec)

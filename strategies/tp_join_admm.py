@@ -3,14 +3,22 @@
 One round trip per epoch: clients send f_i(theta_i) on all their rows (n_i x d_c); the server updates z and
 lambda and scatters Y_i (Eq. 14); each client solves its theta-update (Eq. 16) and replies with its new
 predictions, which also give the test predictions of that epoch. G_i (Eq. 15) is constant and sent once.
+
+Feature DP (privacy=dpsgd): the theta-update is DP-SGD (DP-Adam, algorithm.local_*) over the table's active
+rows instead of the closed form, linear models included; the client samples its rows itself (Poisson,
+q = min(1, b / n_a)), ``admm_steps(epochs, local_epochs, n_a, b)`` steps in all. VFL-ADMM's client sums the
+terms of each table row's duplicates first, which gives exactly the TP-Join-ADMM per-row term.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from strategies.loj import LoJStrategy
 from strategies.phase import Protocol
 from tpflower.loj import ADMMServer, joined_predictions
 from tpflower.losses import loss_np
+from tpflower.privacy import admm_steps
 
 
 #: algorithm.rho=auto: the penalty that reached the exact solution fastest on the bundled data (README):
@@ -34,7 +42,7 @@ class TPJoinADMM(LoJStrategy):
         self.admm = admm
         G = admm.G()
         setup = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
-        replies = yield self.messages(lambda t: ([G[t]], setup))
+        replies = yield self.messages(lambda t: ([G[t]], {**setup, **self.dp_config((t, 0))}))
         h = self.outputs(replies)
         for epoch in range(1, int(self.cfg.epochs) + 1):
             Y = admm.step(h)
@@ -43,13 +51,27 @@ class TPJoinADMM(LoJStrategy):
             H_train = joined_predictions(self.train.p, h)
             train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
             reg = sum(float(r[1]["R"]) for r in replies.values())
-            self.record_epoch(
+            yield from self.record_epoch(
                 epoch,
                 joined_predictions(self.test.p, h),
                 train_loss,
                 {"objective": train_loss + float(self.cfg.model.beta) * reg, "primal_residual": admm.primal_residual()},
             )
         self.finish()
+
+    def plan_feature_dp(self) -> dict:
+        """Per client: epochs x local_epochs x ceil(n_a / b) local DP steps at q = min(1, b / n_a), n_a = its
+        rows that occur in the training join (the client's own Poisson sampling, DPLocalTrainer.admm_update)."""
+        return {k: admm_dp_plan(self, k, 1) for k in self.clients}
+
+
+def admm_dp_plan(strategy: LoJStrategy, key, calls_per_epoch: int) -> tuple[int, float]:
+    """(steps, q) of one client whose DP theta-update runs ``calls_per_epoch`` times per epoch."""
+    alg = strategy.cfg.algorithm
+    n_a = int(np.count_nonzero(strategy.client_G(key)))
+    b = int(alg.local_batch_size)
+    steps = calls_per_epoch * admm_steps(int(strategy.cfg.epochs), int(alg.local_epochs), n_a, b)
+    return steps, (min(1.0, b / n_a) if n_a else 1.0)
 
 
 class VFLADMM(TPJoinADMM):

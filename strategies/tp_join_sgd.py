@@ -3,6 +3,9 @@
 Per mini-batch B the server asks each table for f_i on U_i = unique(p_i[B]) only, aggregates dl/dH over the
 duplicates into Y_i (Eq. 10) and scatters it. Pipelining: the message with Y for batch b also carries the
 rows of batch b+1 (and, with an epoch's last batch, the test rows), so one round trip per batch.
+
+Feature DP (privacy=dpsgd): every client's step is a DP-SGD step over its TABLE rows (the VFL client sums its
+duplicated rows first); one step per batch, ``sgd_steps(epochs, N, B)`` in all (plan_feature_dp).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import numpy as np
 from strategies.loj import LoJStrategy
 from strategies.phase import Protocol
 from tpflower.loj import BatchPlan, batch_size_of, epoch_batches, joined_predictions, sgd_aggregate
+from tpflower.privacy import sgd_steps, table_row_sample_rate
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -27,7 +31,9 @@ class TPJoinSGD(LoJStrategy):
         evaluation = BatchPlan.of(self.test, np.arange(self.test.N))
         batches = epoch_batches(N, B, rng)
         plan = BatchPlan.of(self.train, batches[0])
-        replies = yield self.messages(lambda t: ([plan.U[t]], {"phase": "predict", "d_out": self.d_out}))
+        replies = yield self.messages(
+            lambda t: ([plan.U[t]], {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
+        )
         h = self.outputs(replies)
         for epoch in range(1, epochs + 1):
             loss_sum = 0.0
@@ -47,8 +53,30 @@ class TPJoinSGD(LoJStrategy):
                 h = self.outputs(replies, 0)
                 plan = nxt  # type: ignore[assignment]
             H_test = joined_predictions(evaluation.inv, self.outputs(replies, 1))
-            self.record_epoch(epoch, H_test, loss_sum / N)
+            yield from self.record_epoch(epoch, H_test, loss_sum / N)
         self.finish()
+
+    def plan_feature_dp(self) -> dict:
+        return sgd_dp_plan(self)
+
+
+def sgd_dp_plan(strategy: LoJStrategy) -> dict:
+    """One DP step per batch for every client; the sample rate of a row of its table (or shard).
+
+    The server draws each batch of B joined rows from a fresh shuffle of [N]; a table row u takes part iff one
+    of its G_iu joined rows is drawn. DP is worst case over rows, so q is that of the most duplicated row,
+    g = max_u G_iu over the client's rows in the TRAINING join (privacy.table_row_sample_rate, "shuffle": the
+    server's actual batching; the Poisson accountant is then the usual approximation, as for shuffled loaders).
+    """
+    N, epochs = strategy.train.N, int(strategy.cfg.epochs)
+    B = batch_size_of(strategy.cfg.algorithm.batch_size, N)
+    steps = sgd_steps(epochs, N, B)
+    plan = {}
+    for key in strategy.clients:
+        G = strategy.client_G(key)
+        g = max(int(G.max()) if len(G) else 0, 1)  # a shard without joined rows: any q is an upper bound
+        plan[key] = (steps, table_row_sample_rate(B, N, g, "shuffle"))
+    return plan
 
 
 class VFLSGD(TPJoinSGD):

@@ -8,6 +8,11 @@ u^q += theta^q - w (Eq. 21); it stops early once max_q ||theta^q - w|| < algorit
 takes w and predicts its rows. w is warm-started across epochs, u reset. Tables with one shard make the
 plain update of Eq. 16. The first inner round carries the epoch's Y_i (the LoJ scatter) and the closing round
 the predictions (the LoJ gather); the rounds between are the union's, counted in rounds_inner.
+
+Feature DP (privacy=dpsgd): each shard's Eq. 22 step is DP-SGD over its rows with the prox term
+rho'/2 ||theta - v^q||^2 in place of beta R (added unclipped after the noise); single-shard tables make the DP
+Eq. 16 update of TP-Join-ADMM. The noise is calibrated for every inner round being used (inner_rounds per
+epoch); stopping early spends less. The consensus w is post-processing of the shards' DP models.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.phase import Protocol
-from strategies.tp_join_admm import TPJoinADMM, admm_rho
+from strategies.tp_join_admm import TPJoinADMM, admm_dp_plan, admm_rho
 from tpflower.loj import ADMMServer, joined_predictions
 from tpflower.losses import loss_np
 
@@ -35,7 +40,7 @@ class TPUCQADMM(TPJoinADMM):
         multi = [t for t in self.spec.table_names if len(routers[t].shards) > 1]
         G = {t: routers[t].scatter_all(g) for t, g in admm.G().items()}
         setup = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
-        replies = yield self.shard_messages(lambda k: ([G[k[0]][k[1]]], setup))
+        replies = yield self.shard_messages(lambda k: ([G[k[0]][k[1]]], {**setup, **self.dp_config(k)}))
         h = self._gather_all(replies)
         # all shards of a table start from the same theta (same seed): the consensus model starts there too
         w = {t: np.asarray(replies[(t, routers[t].shards[0])][0][1], dtype=np.float64) for t in multi}
@@ -74,13 +79,18 @@ class TPUCQADMM(TPJoinADMM):
                 h.update({t: routers[t].gather_all({q: replies[(t, q)][0][0] for q in routers[t].shards}) for t in multi})
             H_train = joined_predictions(self.train.p, h)
             train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
-            self.record_epoch(
+            yield from self.record_epoch(
                 epoch,
                 joined_predictions(self.test.p, h),
                 train_loss,
                 {"primal_residual": admm.primal_residual(), "inner_rounds": r + 1, "inner_residual": residual},
             )
         self.finish()
+
+    def plan_feature_dp(self) -> dict:
+        """As TP-Join-ADMM's, with inner_rounds theta-updates per epoch for the shards of sharded tables."""
+        rounds = int(self.cfg.algorithm.inner_rounds)
+        return {k: admm_dp_plan(self, k, rounds if len(self.routers[k[0]].shards) > 1 else 1) for k in self.clients}
 
     def _gather_all(self, replies) -> dict[str, np.ndarray]:
         return {

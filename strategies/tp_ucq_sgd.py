@@ -6,6 +6,13 @@ gradient (Eq. 18); the coordinator (the server) sums them and divides by |B| (Eq
 applies the same step (Eq. 19), then predicts its rows of the next batch. Two round trips per batch; the
 first (partial gradients) is the union's coordinator round and is counted in rounds_inner. Without DP the
 trajectory equals TP-Join-SGD's.
+
+Feature DP (privacy=dpsgd): each shard clips the per-row data terms of its partial gradient and adds its own
+Gaussian noise sigma C before sending (Eq. 18; DPLocalTrainer.partial_gradient). The regulariser term
+beta G_sum dR/dtheta is added by the shard after the noise: G_sum (the batch's joined rows on its rows) is
+the server's ``count``, so the term is data independent given what the server already knows. The
+coordinator's sum over Q_i shards then carries sqrt(Q_i) sigma C of noise (no secure aggregation). Sample
+rate and steps as TP-Join-SGD's, per shard (tp_join_sgd.sgd_dp_plan).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import numpy as np
 
 from strategies.loj import LoJStrategy
 from strategies.phase import Protocol
+from strategies.tp_join_sgd import sgd_dp_plan
 from tpflower.loj import BatchPlan, batch_size_of, epoch_batches, joined_predictions, sgd_aggregate
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -32,7 +40,9 @@ class TPUCQSGD(LoJStrategy):
         batches = epoch_batches(N, B, rng)
         plan = BatchPlan.of(self.train, batches[0])
         split = {t: self.routers[t].split(plan.U[t]) for t in self.spec.table_names}
-        replies = yield self.shard_messages(lambda k: ([split[k[0]][k[1]]], {"phase": "predict", "d_out": self.d_out}))
+        replies = yield self.shard_messages(
+            lambda k: ([split[k[0]][k[1]]], {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
+        )
         h = self.gather_rows(replies, plan.U)
         for epoch in range(1, epochs + 1):
             loss_sum = 0.0
@@ -63,5 +73,8 @@ class TPUCQSGD(LoJStrategy):
                     h = self.gather_rows(replies, nxt.U)
                 plan = nxt  # type: ignore[assignment]
             H_test = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, index=1))
-            self.record_epoch(epoch, H_test, loss_sum / N)
+            yield from self.record_epoch(epoch, H_test, loss_sum / N)
         self.finish()
+
+    def plan_feature_dp(self) -> dict:
+        return sgd_dp_plan(self)

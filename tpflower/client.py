@@ -7,6 +7,7 @@ the VFL expansion) lives in ``context.state``, because Flower may rebuild the cl
 
 Phases (server config["phase"] -> reply arrays):
   keys         -> [row_ids, digest per join of this table..., (label owner) y, is_test]
+                  with label DP: y holds the randomized labels of the TRAINING rows only
   stats        -> preprocessing summary of its fit rows (union: a table with several shards, Sec. 4.4)
   rule         [global rule]      -> []            the merged preprocessing rule replaces the local fit
   expand       [p_i]              -> []            VFL: from now on the client's rows are the N joined rows
@@ -18,10 +19,22 @@ Phases (server config["phase"] -> reply arrays):
   admm_update  [Y]                -> [h(all rows)]  Eq. 16 (closed form for linear models)
   admm_shard   [(Y), v]           -> [theta^q]       union: consensus step of Eq. 22 with v = w - u^q
   admm_consensus [w]              -> [h(all rows)]  union: theta = w (Eq. 20), then predict
+  evaluate     [H, rows]          -> []              label DP: the label owner scores the test predictions H
+                                                     of its test rows ``rows`` against its true labels (metrics)
+
+Privacy (tpflower.privacy; ALGORITHMS.md "Privacy"). The settings come from the client's own config
+(``ClientSettings.privacy``) or else from the server's keys message, and are kept in ``context.state``.
+Label DP: the label owner randomizes its training labels once, in ``keys``, and never sends test labels.
+Feature DP: the first training message (``predict`` / ``admm_setup``) carries ``dp_steps`` and ``dp_q``
+(the local DP steps of the whole run and the per-step sample rate of a table row, planned by the server);
+the client derives sigma from them ONCE and stores it. Every update is then a DP step of a
+:class:`~tpflower.privacy.DPLocalTrainer` rebuilt per message from theta and the accountant history in
+``context.state``; every reply that follows a step reports ``eps`` (spent at ``delta``) in its metrics.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +44,7 @@ import torch
 from flwr.client import NumPyClient
 from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from tpflower import privacy as dp
 from tpflower.fedprep import GlobalRule, apply_rule, local_summary
 from tpflower.local_table import LocalTable, ShardData
 from tpflower.local_update import (
@@ -40,6 +54,7 @@ from tpflower.local_update import (
     sgd_partial_gradient,
     sgd_step,
 )
+from tpflower.losses import metrics as eval_metrics
 from tpflower.mapping import project_keys
 from tpflower.models import l2_penalty, torch_dtype
 from tpflower.relation import build_local_model
@@ -61,6 +76,8 @@ class ClientSettings:
     secret: bytes
     key_kinds: Mapping[str, str]
     federated_prep: bool = False  # union scenario, table with several shards: preprocessing by global rule
+    # the client's own privacy settings (conf/privacy); None: take those of the server's keys message
+    privacy: Mapping[str, Any] | None = None
 
 
 class ClientState:
@@ -168,11 +185,107 @@ class TableClient(NumPyClient):
         with torch.no_grad():
             return {"R": float(l2_penalty(model))}  # R_i(theta_i), for the server's objective
 
+    # ---------------------------------------------------------------------------------------- privacy
+
+    def _privacy(self) -> Mapping[str, Any]:
+        """The privacy settings: the client's own, else those the keys message carried (kept in state)."""
+        if self.settings.privacy is not None:
+            return self.settings.privacy
+        rec = self.state.records.get("privacy")
+        return dp.privacy_from_message(dict(rec) if rec is not None else {})
+
+    def _feature_dp(self) -> bool:
+        return dp.uses_feature_dp(self._privacy())
+
+    def _seed(self, purpose: str) -> int | None:
+        s = self.settings
+        return dp.dp_seed(self._privacy(), s.seed, purpose, s.table, s.shard)
+
+    def _dp_init(self, config: Mapping[str, Any]) -> None:
+        """Feature DP: sigma for the run's planned local steps and sample rate, computed once and stored."""
+        if not self._feature_dp() or self.state.scalar("dp_sigma") is not None:
+            return
+        if "dp_steps" not in config or "dp_q" not in config:
+            raise RuntimeError(
+                f"table {self.settings.table!r}: feature DP is on but the server sent no DP plan (dp_steps, dp_q)"
+            )
+        priv = self._privacy()
+        steps, q = int(config["dp_steps"]), float(config["dp_q"])
+        # no step planned (a shard without active rows): sigma is never used; _dp_done refuses any step
+        sigma = dp.noise_multiplier_for(priv["epsilon"], priv["delta"], q, steps) if steps >= 1 else 0.0
+        self.state.set_scalar("dp_sigma", float(sigma))
+        self.state.set_scalar("dp_q", q)
+        self.state.set_scalar("dp_steps", steps)
+
+    def _trainer(self, model: torch.nn.Module) -> dp.DPLocalTrainer:
+        """A DP-SGD trainer around ``model`` (theta already loaded), with the accountant history of the run."""
+        sigma = self.state.scalar("dp_sigma")
+        if sigma is None:
+            raise RuntimeError(f"table {self.settings.table!r}: a DP step before the DP plan arrived")
+        history = self.state.get("dp_history")
+        return dp.DPLocalTrainer(
+            model,
+            noise_multiplier=float(sigma),
+            max_grad_norm=float(self._privacy()["clip"]),
+            sample_rate=float(self.state.scalar("dp_q")),
+            seed=self._seed("noise"),
+            history=[] if history is None else history.tolist(),
+        )
+
+    def _dp_done(self, trainer: dp.DPLocalTrainer, metrics: dict[str, Any]) -> None:
+        """Store the accountant history, report the epsilon spent, remove the Opacus hooks from the model."""
+        planned = int(self.state.scalar("dp_steps"))
+        if trainer.steps > planned:  # nothing of this step leaves the client
+            raise RuntimeError(
+                f"table {self.settings.table!r} shard {self.settings.shard}: {trainer.steps} DP steps exceed the "
+                f"{planned} the noise was calibrated for (privacy budget exhausted)"
+            )
+        self.state.put("dp_history", np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3))
+        metrics["eps"] = trainer.epsilon(float(self._privacy()["delta"]))
+        trainer.close()
+
+    def _sample_generator(self, steps: int) -> torch.Generator:
+        """Row sampling of a DP theta-update (fresh per call: seeded by the steps taken so far)."""
+        seed = self._seed(f"sample:{int(steps)}")
+        return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+
+    def _table_rows(self, rows: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Feature DP: the privacy unit is one TABLE row. Given the client's rows ``rows`` and their Y, the
+        distinct table rows and Y summed over each one's rows. TP-Join: the rows are table rows already;
+        VFL: they are joined rows, summed over the duplicates with the expand map p_i (Eq. 10 on the client)."""
+        expand = self.state.get("expand")
+        if expand is None:
+            return rows, np.asarray(Y)
+        U, inv = np.unique(expand[rows], return_inverse=True)
+        Y = np.asarray(Y, dtype=np.float64)
+        agg = np.zeros((len(U), Y.shape[1]))
+        np.add.at(agg, inv, Y)
+        return U, agg
+
+    def _admm_rows(self, G: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Feature DP, Eq. 16 over TABLE rows: (X, G, Y) of the table. VFL-ADMM (G = 1 per joined row) sums
+        G and Y over each table row's joined rows, which gives exactly TP-Join-ADMM's per-row term."""
+        expand = self.state.get("expand")
+        X = self.local.X
+        if expand is None:
+            return X, G, np.asarray(Y)
+        n = len(X)
+        Y = np.asarray(Y, dtype=np.float64)
+        G_t = np.bincount(expand, weights=np.asarray(G, dtype=np.float64), minlength=n)
+        Y_t = np.stack([np.bincount(expand, weights=Y[:, c], minlength=n) for c in range(Y.shape[1])], axis=1)
+        return X, G_t, Y_t
+
     # ---------------------------------------------------------------------------------------- phases
 
     def phase_keys(self, parameters, config):
         """Row ids and keyed digests of the join keys (Sec. 3.1.1); the label owner adds its labels."""
         s, data = self.settings, self.data
+        if config.get("privacy") and s.privacy is None:  # the run's privacy settings, for the later phases
+            rec = ConfigRecord()
+            for k, v in config.items():
+                if k == "privacy" or str(k).startswith("privacy."):
+                    rec[k] = v
+            self.state.records["privacy"] = rec
         proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
         arrays = proj.arrays()
         metrics: dict[str, Any] = {
@@ -183,7 +296,16 @@ class TableClient(NumPyClient):
             "key_kinds": ",".join(f"{c}={k}" for c, k in s.key_kinds.items()),
         }
         if data.y is not None:
-            arrays += [data.y, data.is_test.astype(np.uint8)]
+            y = data.y
+            priv = self._privacy()
+            if dp.uses_label_dp(priv):
+                # label DP, once, before the labels leave: the training rows' labels randomized
+                # (tpflower.privacy.randomize_labels), the test rows' labels not sent at all (see evaluate)
+                train = ~data.is_test
+                rng = dp.label_rng(priv, s.seed, s.table, s.shard)
+                y = dp.randomize_labels(data.y[train], s.spec.label.task, priv, rng, data.n_classes)
+                metrics["labels"] = "train_randomized"
+            arrays += [y, data.is_test.astype(np.uint8)]
             metrics["n_classes"] = int(data.n_classes or 0)
         return arrays, metrics
 
@@ -205,6 +327,7 @@ class TableClient(NumPyClient):
         return [], {}
 
     def phase_predict(self, parameters, config):
+        self._dp_init(config)
         model = self._model(config)
         rows = np.asarray(parameters[0], dtype=np.int64) if parameters else None
         if rows is not None:
@@ -219,18 +342,26 @@ class TableClient(NumPyClient):
         pending = self.state.get("pending")
         if pending is None or len(pending) != len(Y):
             raise RuntimeError(f"table {self.settings.table!r}: sgd_step without a matching predict of its rows")
-        sgd_step(model, self._tensor(self._rows_X(pending)), self._tensor(Y), int(config["batch_size"]),
-                 float(self.settings.algorithm["lr"]), float(self.settings.model["beta"]))
+        lr, beta, batch = float(self.settings.algorithm["lr"]), float(self.settings.model["beta"]), int(config["batch_size"])
+        privacy: dict[str, Any] = {}
+        if self._feature_dp():  # DP-SGD: per TABLE row clipped terms of Eq. 12, Gaussian noise
+            rows, Y_rows = self._table_rows(pending, Y)
+            trainer = self._trainer(model)
+            trainer.sgd_step(self._tensor(self.local.X[rows]), self._tensor(Y_rows), batch, lr, beta)
+            self._dp_done(trainer, privacy)
+        else:
+            sgd_step(model, self._tensor(self._rows_X(pending)), self._tensor(Y), batch, lr, beta)
         self.state.save_model(model)
         self.state.put("pending", np.asarray(next_rows, dtype=np.int64))
         out = [self._predict(model, np.asarray(rows, dtype=np.int64)) for rows in [next_rows, *eval_rows]]
-        return out, self._metrics(model)
+        return out, {**self._metrics(model), **privacy}
 
     def phase_admm_setup(self, parameters, config):
         """Store G_i (Eq. 15, constant) and N; predict every row."""
         self.state.put("G", np.asarray(parameters[0], dtype=np.float64))
         self.state.set_scalar("N", int(config["N"]))
         self.state.set_scalar("rho", float(config["rho"]))  # the server resolves algorithm.rho=auto
+        self._dp_init(config)
         model = self._model(config)
         self.state.save_model(model)
         theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
@@ -245,7 +376,16 @@ class TableClient(NumPyClient):
         alg, beta = self.settings.algorithm, float(self.settings.model["beta"])
         rho = float(self.state.scalar("rho"))
         X = self._rows_X(None)
-        if isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
+        privacy: dict[str, Any] = {}
+        if self._feature_dp():  # Eq. 16 as DP-SGD over the table's rows (also for linear models)
+            Xt, Gt, Yt = self._admm_rows(G, Y)
+            trainer = self._trainer(model)
+            trainer.admm_update(
+                self._tensor(Xt), self._tensor(Gt), self._tensor(Yt), N, rho, beta, int(alg["local_epochs"]),
+                float(alg["local_lr"]), int(alg["local_batch_size"]), self._sample_generator(trainer.steps),
+            )
+            self._dp_done(trainer, privacy)
+        elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
             admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, beta)
         else:
             gen = torch.Generator().manual_seed(int(self.settings.seed) * 7919 + int(config.get("epoch", 0)))
@@ -254,8 +394,22 @@ class TableClient(NumPyClient):
                 float(alg["local_lr"]), int(alg["local_batch_size"]), gen,
             )
         self.state.save_model(model)
-        return [self._predict(model, None)], self._metrics(model)
+        return [self._predict(model, None)], {**self._metrics(model), **privacy}
 
+    def phase_evaluate(self, parameters, config):
+        """Label DP: the test labels never leave the label owner. The server sends its test predictions H of
+        this client's test rows ``rows`` (positions in its rows); the client returns the metrics against its
+        true labels (tpflower.losses.metrics) and the row count, for the server to combine over shards."""
+        H, rows = parameters
+        data, task = self.data, self.settings.spec.label.task
+        if data.y is None or data.is_test is None:
+            raise RuntimeError(f"table {self.settings.table!r} holds no labels: it cannot evaluate")
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(data.y) or not data.is_test[rows].all()):
+            raise ValueError(f"table {self.settings.table!r}: evaluate asks for rows outside this client's test split")
+        if len(rows) == 0:
+            return [], {"n": 0}
+        return [], {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows])}
 
     # ---------------------------------------------------------------------------------------- union phases
 
@@ -266,8 +420,14 @@ class TableClient(NumPyClient):
         pending = self.state.get("pending")
         if pending is None or len(pending) != len(Y):
             raise RuntimeError(f"table {self.settings.table!r}: sgd_partial without a matching predict of its rows")
-        g = sgd_partial_gradient(model, self._tensor(self._rows_X(pending)), self._tensor(Y),
-                                 float(config["count"]), float(self.settings.model["beta"]))
+        X, beta, count = self._tensor(self._rows_X(pending)), float(self.settings.model["beta"]), float(config["count"])
+        if self._feature_dp():  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
+            trainer = self._trainer(model)
+            g = trainer.partial_gradient(X, self._tensor(Y), beta * count)
+            privacy: dict[str, Any] = {}
+            self._dp_done(trainer, privacy)
+            return [g.detach().cpu().numpy()], privacy
+        g = sgd_partial_gradient(model, X, self._tensor(Y), count, beta)
         return [g.detach().cpu().numpy()], {}
 
     def phase_sgd_apply(self, parameters, config):
@@ -289,17 +449,31 @@ class TableClient(NumPyClient):
         model = self._model(config)
         N, rho, rho_c = int(self.state.scalar("N")), float(self.state.scalar("rho")), float(config["rho_c"])
         X = self._rows_X(None)
-        if isinstance(model, torch.nn.Linear):
+        alg = self.settings.algorithm
+        privacy: dict[str, Any] = {}
+        if self._feature_dp():  # Eq. 22 as DP-SGD: the prox term replaces beta R, added unclipped after the noise
+            trainer = self._trainer(model)
+            vt = self._tensor(v)
+
+            def prox(m: torch.nn.Module) -> torch.Tensor:
+                return 0.5 * rho_c * ((torch.nn.utils.parameters_to_vector(m.parameters()) - vt) ** 2).sum()
+
+            trainer.admm_update(
+                self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, 1.0, int(alg["local_epochs"]),
+                float(alg["local_lr"]), int(alg["local_batch_size"]), self._sample_generator(trainer.steps),
+                regularizer=prox,
+            )
+            self._dp_done(trainer, privacy)
+        elif isinstance(model, torch.nn.Linear):
             admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, 0.0, prox=(v, rho_c))
         else:
-            alg = self.settings.algorithm
             gen = torch.Generator().manual_seed(int(self.settings.seed) * 7919 + int(config.get("epoch", 0)))
             admm_update_local_opt(
                 model, self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, 0.0, int(alg["local_epochs"]),
                 float(alg["local_lr"]), int(alg["local_batch_size"]), gen, prox=(self._tensor(v), rho_c),
             )
         self.state.save_model(model)
-        return [torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy().astype(np.float64)], {}
+        return [torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy().astype(np.float64)], privacy
 
     def phase_admm_consensus(self, parameters, config):
         """Eq. 20 done by the coordinator: every shard takes the consensus model w and predicts its rows."""

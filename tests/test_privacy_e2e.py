@@ -1,0 +1,320 @@
+"""Privacy end to end (issue 5): accounting, an audit of every client payload, refusals, DP training.
+
+All runs are in-process (strategies.phase.run_direct: the same strategy, client code and payloads as under
+Flower) on the synthetic snowflake. The audit wraps every client so that each reply (arrays, metrics) is
+recorded, then looks for the raw data in it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.common import Context, RecordDict
+from opacus.accountants import RDPAccountant
+
+from simulations.client_app import make_client
+from simulations.config import compose_config
+from simulations.federated import run_in_process
+from simulations.run import run_job
+from simulations.server_app import make_strategy
+from strategies.phase import run_direct
+from tpflower.client import ClientState
+from tpflower.datasets import load_dataset
+from tpflower.losses import metrics
+from tpflower.privacy import label_keep_probability
+
+BINARY = "dataset.loader.task=binary"
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+def cfg_of(*overrides: str):
+    return compose_config("dataset=synthetic", *overrides)
+
+
+def run(*overrides: str):
+    return run_in_process(cfg_of(*overrides), None, log=quiet)
+
+
+# ------------------------------------------------------------------------------------------ recording runs
+
+
+class Recorded:
+    """A run whose clients' messages were all recorded: ``sent`` (what each client sent) and ``got``."""
+
+    def __init__(self, *overrides: str):
+        self.cfg = cfg_of(*overrides)
+        self.strategy = make_strategy(self.cfg, None, log=quiet)
+        self.contexts = {
+            key: Context(run_id=0, node_id=i + 1, node_config={"table": key[0], "shard": key[1]},
+                         state=RecordDict(), run_config={})
+            for i, key in enumerate(self.strategy.clients)
+        }
+        self.sent: list[tuple[tuple[str, int], str, list[np.ndarray], dict]] = []
+        self.got: list[tuple[tuple[str, int], str, list[np.ndarray], dict]] = []
+        run_direct(self.strategy, {k: (lambda k=k: self._recorder(k)) for k in self.contexts})
+
+    def client(self, key):
+        return make_client(self.cfg, self.contexts[key])
+
+    def _recorder(self, key):
+        client, sent, got = self.client(key), self.sent, self.got
+
+        class Recorder:
+            def fit(self, parameters, config):
+                arrays, n, m = client.fit(parameters, config)
+                phase = str(config["phase"])
+                sent.append((key, phase, [np.array(a, copy=True) for a in arrays], dict(m, num_examples=n)))
+                got.append((key, phase, [np.array(a, copy=True) for a in parameters], dict(config)))
+                return arrays, n, m
+
+        return Recorder()
+
+
+def vectors(arrays):
+    """Every 1-d view a payload offers: 1-d arrays, columns and the flattening of 2-d arrays, scalars grouped."""
+    for a in arrays:
+        a = np.asarray(a)
+        if a.dtype.kind not in "biuf" or a.size == 0:
+            continue
+        a = a.astype(np.float64)
+        if a.ndim == 2:
+            yield from a.T
+        yield a.ravel()
+
+
+def contains(v: np.ndarray, col: np.ndarray) -> bool:
+    """``col`` appears in ``v`` as a contiguous run (float32 rounding tolerated)."""
+    n = len(col)
+    if n == 0 or len(v) < n:
+        return False
+    close = lambda a, b: np.allclose(a, b, rtol=1e-6, atol=1e-6)  # noqa: E731
+    starts = np.flatnonzero(np.isclose(v[: len(v) - n + 1], col[0], rtol=1e-6, atol=1e-6))
+    k = min(8, n)
+    for i in starts:
+        if close(v[i : i + k], col[:k]) and close(v[i : i + n], col):
+            return True
+    return False
+
+
+def assert_absent(rec: Recorded, columns: dict[str, np.ndarray], sorted_too: bool = True) -> None:
+    """No column of ``columns`` appears in any payload a client sent: not as an array, not as a column or a
+    contiguous run of one, and (``sorted_too``) not as its sorted values either."""
+    cols = {name: np.asarray(c, dtype=np.float64) for name, c in columns.items() if len(c) > 1}
+    for key, phase, arrays, _ in rec.sent:
+        for v in vectors(arrays):
+            for name, col in cols.items():
+                assert not contains(v, col), f"{name} sent by {key} in phase {phase}"
+                # The federated preprocessing summary (phase stats, tpflower.fedprep) sends up to m = 512 order
+                # statistics per numeric column, unlinked to rows: for a shard with <= 512 rows these are its
+                # column's sorted values. That is the documented design of fedprep (its "Privacy notes"), so
+                # the multiset check skips it; row order (the check above) is checked everywhere.
+                if sorted_too and phase != "stats" and len(v) == len(col):
+                    assert not np.allclose(np.sort(v), np.sort(col), rtol=1e-6, atol=1e-6), \
+                        f"{name} (sorted) sent by {key} in phase {phase}"
+
+
+def raw_columns(rec: Recorded) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Join-key columns, feature columns (raw and preprocessed) and label vectors of every client's rows."""
+    spec, frames = load_dataset(rec.cfg.dataset)
+    keys, features, labels = {}, {}, {}
+    for key in rec.contexts:
+        t, q = key
+        client = rec.client(key)
+        rows = client.data.rows
+        for c in spec.key_columns(t):
+            keys[f"{t}[{q}].{c}"] = rows[c].to_numpy()
+            keys[f"{t}.{c}"] = frames[t][c].to_numpy()
+        for c in spec.table(t).numeric:
+            features[f"{t}[{q}].{c}"] = rows[c].to_numpy()
+            features[f"{t}.{c}"] = frames[t][c].to_numpy()
+        X = client.local.X
+        for j in range(X.shape[1]):
+            features[f"{t}[{q}].X[:, {j}]"] = X[:, j]
+        if client.data.y is not None:
+            y, test = client.data.y, client.data.is_test
+            labels.update({f"{t}[{q}].y": y, f"{t}[{q}].y_train": y[~test], f"{t}[{q}].y_test": y[test]})
+            labels[f"{t}.y"] = frames[t][spec.label.column].to_numpy()
+    return keys, features, labels
+
+
+def assert_metrics_are_scalars(rec: Recorded) -> None:
+    strings = {"table", "region", "key_kinds", "labels"}
+    for key, phase, _, m in rec.sent:
+        for name, value in m.items():
+            if name in strings:
+                assert isinstance(value, str), (key, phase, name)
+            else:
+                assert isinstance(value, (int, float, bool, np.integer, np.floating)), (key, phase, name, value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm=sgd", "privacy=label", "epochs=2"),
+        ("algorithm=admm", "privacy=label_dpsgd", "epochs=2"),
+        ("algorithm=sgd", "scenario=ucq", "privacy=label", "epochs=1"),  # federated preprocessing, 2 label shards
+    ],
+    ids=["tp_join_sgd-label", "tp_join_admm-label_dpsgd", "tp_ucq_sgd-label"],
+)
+def test_audit_no_raw_keys_features_or_labels_leave_a_client(overrides):
+    rec = Recorded(BINARY, *overrides)
+    keys, features, labels = raw_columns(rec)
+    assert len(rec.sent) > 10 and {p for _, p, _, _ in rec.sent} >= {"keys", "evaluate"}
+    if "scenario=ucq" in overrides:
+        assert "stats" in {p for _, p, _, _ in rec.sent}
+    assert_absent(rec, keys)
+    assert_absent(rec, features)
+    assert_absent(rec, labels)
+    assert_metrics_are_scalars(rec)
+    # what the label owner did send instead: randomized training labels only, one per training row
+    for key, phase, arrays, m in rec.sent:
+        if phase == "keys" and key[0] == "fact":
+            client = rec.client(key)
+            y_sent, flags = arrays[-2], arrays[-1].astype(bool)
+            assert m["labels"] == "train_randomized" and len(y_sent) == int((~flags).sum())
+            np.testing.assert_array_equal(flags, client.data.is_test)
+            kept = np.mean(y_sent == client.data.y[~flags])
+            assert 0.85 < kept < 0.98  # binary keep probability at lambda 0.5: 0.929
+    assert rec.strategy.y_test is None
+
+
+def test_label_owner_evaluation_equals_metrics_on_true_labels():
+    # two shards of the label table: the server combines their metrics; check against the true test labels
+    rec = Recorded(BINARY, "algorithm=sgd", "scenario=ucq", "privacy=label", "epochs=1")
+    H, y = [], []
+    for key, phase, params, config in rec.got:
+        if phase == "evaluate":
+            assert config["eval"] == 1
+            client = rec.client(key)
+            H.append(params[0])
+            y.append(client.data.y[params[1].astype(np.int64)])
+    assert len(H) == 2  # one evaluation round (one epoch), both shards of fact
+    expected = metrics("binary", np.concatenate(H), np.concatenate(y))
+    last = rec.strategy.results.history[-1]
+    assert last.test_metric == pytest.approx(expected["accuracy"], rel=1e-12)
+    assert "test_auc" not in last.extra  # AUC is not combinable from per-shard metrics: omitted
+    # the evaluation round is not training traffic
+    none = run(BINARY, "algorithm=sgd", "scenario=ucq", "epochs=1").strategy.results.history[-1]
+    assert (last.rounds, last.rounds_inner) == (none.rounds, none.rounds_inner)
+
+
+# ------------------------------------------------------------------------------------------ accounting
+
+
+def independent_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    acc = RDPAccountant()
+    for _ in range(steps):
+        acc.step(noise_multiplier=sigma, sample_rate=q)
+    return acc.get_epsilon(delta=delta)
+
+
+@pytest.mark.parametrize("algorithm", ["sgd", "admm"])
+def test_feature_epsilon_equals_opacus_accountant(algorithm):
+    out = run(f"algorithm={algorithm}", "privacy=dpsgd", "epochs=2")
+    s = out.strategy
+    eps = {}
+    for key, ctx in out.contexts.items():
+        state = ClientState(ctx.state)
+        sigma = float(state.scalar("dp_sigma"))
+        steps, q = s.dp_plan[key]
+        # the client took exactly the planned steps at the planned rate
+        np.testing.assert_array_equal(state.get("dp_history"), [[sigma, q, steps]])
+        eps[key] = independent_epsilon(sigma, q, steps, 1e-5)
+        assert 0.98 <= eps[key] <= 1.0  # sigma calibrated to the target epsilon 1 (Opacus' tolerance 0.01)
+        assert s.eps_spent[key] == pytest.approx(eps[key], rel=1e-12)
+    assert s.results.privacy == {"label_epsilon": None, "feature_epsilon": pytest.approx(max(eps.values()), rel=1e-12),
+                                 "delta": 1e-5}
+    assert s.results.history[-1].extra["eps"] == pytest.approx(max(eps.values()), rel=1e-12)
+    assert s.results.history[0].extra["eps"] < s.results.history[-1].extra["eps"]  # spent over the run
+
+
+def test_label_epsilon_is_theorem_1():
+    s = run(BINARY, "algorithm=sgd", "privacy=label", "epochs=1").strategy
+    assert s.results.privacy == {"label_epsilon": 2 * math.sqrt(2) / 0.5, "feature_epsilon": None, "delta": None}
+    assert s.results.history[-1].extra["label_eps"] == 2 * math.sqrt(2) / 0.5
+    kept = np.mean(s.y_train == run(BINARY, "algorithm=sgd", "epochs=1").strategy.y_train)
+    assert kept == pytest.approx(label_keep_probability(0.5, 2), abs=0.02)
+
+
+def test_label_dp_federated_equals_centralized_on_the_same_noisy_labels(tmp_path):
+    # the label owner and the centralized baseline randomize the same rows with the same generator: full-batch
+    # TP-Join-SGD is then still exactly centralized gradient descent (on the randomized training labels)
+    common = (BINARY, "privacy=label", "model.init=zeros", "precision=float64", "epochs=2",
+              "algorithm.batch_size=full", "algorithm.lr=0.2")
+    fed = run("algorithm=sgd", *common).strategy.results
+    cen = run_job(cfg_of("algorithm=centralized", *common), tmp_path)
+    assert cen.privacy == fed.privacy
+    np.testing.assert_allclose([h.train_loss for h in fed.history], [h.train_loss for h in cen.history], rtol=1e-9)
+    np.testing.assert_allclose([h.test_metric for h in fed.history], [h.test_metric for h in cen.history], rtol=1e-9)
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (("algorithm=sgd", "privacy=dpsgd", "privacy.epsilon=0"), "privacy.epsilon"),
+        (("algorithm=admm", "privacy=label_dpsgd", BINARY, "privacy.epsilon=-1"), "privacy.epsilon"),
+        (("algorithm=sgd", "privacy=dpsgd", "privacy.delta=1.0"), "privacy.delta"),
+        (("algorithm=admm", "privacy=dpsgd", "privacy.delta=1.5"), "privacy.delta"),
+        (("algorithm=sgd", "privacy=dpsgd", "privacy.clip=0"), "privacy.clip"),
+        (("algorithm=sgd", "privacy=label", BINARY, "privacy.label_lambda=0"), "privacy.label_lambda"),
+        (("algorithm=sgd", "privacy=label"), "label_range"),  # regression without a label range
+        (("algorithm=sgd", "privacy=label", "privacy.label_range=[5,1]"), "label_range"),
+        (("algorithm=centralized", "privacy=dpsgd"), "cannot be honoured by algorithm 'centralized'"),
+        (("algorithm=sgd", "scenario=ucq", "privacy=dpsgd", "privacy.clip=-1"), "privacy.clip"),
+    ],
+)
+def test_impossible_settings_fail_before_training(overrides, match, monkeypatch, tmp_path):
+    def no_training(*_args, **_kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr("simulations.run.load_relation", no_training)
+    monkeypatch.setattr("simulations.federated.run_in_process", no_training)
+    monkeypatch.setattr("simulations.federated.run_flower_simulation", no_training)
+    cfg = cfg_of("runtime=inprocess", *overrides)
+    with pytest.raises(ValueError, match=match):
+        run_job(cfg, tmp_path)
+    assert not (tmp_path / "results.json").exists()
+    if "algorithm=centralized" not in overrides:  # the strategy refuses too (flwr run deployments)
+        with pytest.raises(ValueError, match=match):
+            make_strategy(cfg, None, log=quiet)
+
+
+# ------------------------------------------------------------------------------------------ DP training
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("algorithm=sgd",), ("algorithm=admm",), ("algorithm=sgd", "scenario=ucq"), ("algorithm=admm", "scenario=ucq")],
+    ids=["tp_join_sgd", "tp_join_admm", "tp_ucq_sgd", "tp_ucq_admm"],
+)
+def test_dpsgd_trains(overrides):
+    s = run(*overrides, "privacy=dpsgd", "epochs=4").strategy
+    hist = s.results.history
+    assert hist[-1].train_loss < 0.85 * hist[0].train_loss
+    assert hist[-1].test_metric < hist[0].test_metric  # rmse
+    assert 0.98 <= s.results.privacy["feature_epsilon"] <= 1.0
+
+
+def test_vfl_sgd_dp_unit_is_a_table_row():
+    # VFL-SGD's client sums the duplicated rows of each table row before clipping: the same DP steps as
+    # TP-Join-SGD (same noise seeds), hence the same models
+    tp = run("algorithm=sgd", "privacy=dpsgd", "epochs=1", "precision=float64")
+    vfl = run("algorithm=vfl_sgd", "privacy=dpsgd", "epochs=1", "precision=float64")
+    assert tp.strategy.dp_plan == vfl.strategy.dp_plan
+    for key in tp.contexts:
+        for name, value in tp.theta(key).items():
+            np.testing.assert_allclose(vfl.theta(key)[name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_privacy_none_sends_no_privacy_settings():
+    rec = Recorded("algorithm=admm", "epochs=1")
+    assert all(not any(str(k).startswith("privacy") for k in c) for _, _, _, c in rec.got)
+    assert all("eps" not in m and "labels" not in m for _, _, _, m in rec.sent)
