@@ -5,7 +5,8 @@ After the LoJ scatter of epoch t, a table with Q_i > 1 shards runs up to algorit
 every shard solves Eq. 22 against v^q = w - u^q; the coordinator (the server) sets
 w = Q_i rho' (mean theta^q + mean u^q) / (beta + Q_i rho') (Eq. 20, with Q_i where the paper prints M) and
 u^q += theta^q - w (Eq. 21); it stops early once max_q ||theta^q - w|| < algorithm.inner_tol. Then every shard
-takes w and predicts its rows. w is warm-started across epochs, u reset. Tables with one shard make the
+takes w and predicts its rows. w is warm-started across epochs, u reset. rho' (algorithm.rho_inner) defaults
+to `auto`, scaled to the curvature of the shard problem (consensus_rho). Tables with one shard make the
 plain update of Eq. 16. The first inner round carries the epoch's Y_i (the LoJ scatter) and the closing round
 the predictions (the LoJ gather); the rounds between are the union's, counted in rounds_inner.
 
@@ -23,6 +24,7 @@ from strategies.phase import Protocol
 from strategies.tp_join_admm import TPJoinADMM, admm_dp_plan, admm_rho
 from tpflower.loj import ADMMServer, joined_predictions
 from tpflower.losses import loss_np
+from tpflower.relation import has_bias
 
 
 class TPUCQADMM(TPJoinADMM):
@@ -32,7 +34,6 @@ class TPUCQADMM(TPJoinADMM):
         yield from self.setup()
         alg, beta = self.cfg.algorithm, float(self.cfg.model.beta)
         rho = admm_rho(alg.rho, self.task)
-        rho_c = float(alg.get("rho_inner") or rho)
         inner_rounds, inner_tol = int(alg.inner_rounds), float(alg.inner_tol)
         admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, str(alg.variant))
         self.admm = admm
@@ -44,6 +45,7 @@ class TPUCQADMM(TPJoinADMM):
         h = self._gather_all(replies)
         # all shards of a table start from the same theta (same seed): the consensus model starts there too
         w = {t: np.asarray(replies[(t, routers[t].shards[0])][0][1], dtype=np.float64) for t in multi}
+        rho_c = {t: self.consensus_rho(alg.get("rho_inner", "auto"), rho, t, len(w[t])) for t in multi}
         self.inner_rounds_used: list[int] = []
         for epoch in range(1, int(self.cfg.epochs) + 1):
             Y = {t: routers[t].scatter_all(y) for t, y in admm.step(h).items()}
@@ -54,7 +56,7 @@ class TPUCQADMM(TPJoinADMM):
                     t, q = k
                     if t in multi:
                         arrays = ([Y[t][q]] if r == 0 else []) + [w[t] - u[k]]
-                        messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c, "epoch": epoch, "lou": int(r > 0)})
+                        messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c[t], "epoch": epoch, "lou": int(r > 0)})
                     elif r == 0:
                         messages[k] = ([Y[t][q]], {"phase": "admm_update", "epoch": epoch})
                 replies = yield messages
@@ -67,7 +69,7 @@ class TPUCQADMM(TPJoinADMM):
                     Q = len(theta)
                     theta_bar = sum(theta.values()) / Q
                     u_bar = sum(u[(t, q)] for q in theta) / Q
-                    w[t] = Q * rho_c * (theta_bar + u_bar) / (beta + Q * rho_c)  # Eq. 20
+                    w[t] = Q * rho_c[t] * (theta_bar + u_bar) / (beta + Q * rho_c[t])  # Eq. 20
                     for q in theta:
                         u[(t, q)] += theta[q] - w[t]  # Eq. 21
                         residual = max(residual, float(np.linalg.norm(theta[q] - w[t])))
@@ -86,6 +88,21 @@ class TPUCQADMM(TPJoinADMM):
                 {"primal_residual": admm.primal_residual(), "inner_rounds": r + 1, "inner_residual": residual},
             )
         self.finish()
+
+    def consensus_rho(self, value, rho: float, table: str, n_params: int) -> float:
+        """algorithm.rho_inner: a number, null (= rho), or auto: rho times the mean diagonal of the shard
+        problem's Gram matrix X1^T X1 / n, which the spec alone gives for a linear model (a standardized column
+        contributes 1, a one-hot block 1 in all, the bias 1, spread over the model's input width). One-hot
+        tables are wide and flat (movielens users: 1/671 of rho): there a rho' equal to rho lets the proximal
+        term swamp the shard's data and the consensus barely moves in T' rounds. Non-linear models: rho."""
+        if value not in (None, "auto"):
+            return float(value)
+        if value is None or str(self.cfg.model.kind) != "linear":
+            return rho
+        t = self.spec.table(table)
+        bias = int(has_bias(self.cfg.model, table, self.spec.label_table))
+        width = n_params // self.d_out  # input columns (+ 1 for the bias) of the linear model
+        return rho * (len(t.numeric) + len(t.categorical) + bias) / max(width, 1)
 
     def plan_feature_dp(self) -> dict:
         """As TP-Join-ADMM's, with inner_rounds theta-updates per epoch for the shards of sharded tables."""
