@@ -71,10 +71,15 @@ def sgd_dp_plan(strategy: LoJStrategy) -> dict:
     N, epochs = strategy.train.N, int(strategy.cfg.epochs)
     B = batch_size_of(strategy.cfg.algorithm.batch_size, N)
     steps = sgd_steps(epochs, N, B)
+    rate = str(strategy.cfg.privacy.get("sample_rate", "worst_row"))
+    if rate not in ("worst_row", "batch"):
+        raise ValueError(f"privacy.sample_rate must be worst_row or batch, got {rate!r}")
     plan = {}
     for key in strategy.clients:
         G = strategy.client_G(key)
         g = max(int(G.max()) if len(G) else 0, 1)  # a shard without joined rows: any q is an upper bound
+        if rate == "batch":  # the paper's accounting, q = B / N: as if no row occurred twice in the join
+            g = 1
         plan[key] = (steps, table_row_sample_rate(B, N, g, "shuffle"))
     return plan
 

@@ -318,3 +318,24 @@ def test_privacy_none_sends_no_privacy_settings():
     rec = Recorded("algorithm=admm", "epochs=1")
     assert all(not any(str(k).startswith("privacy") for k in c) for _, _, _, c in rec.got)
     assert all("eps" not in m and "labels" not in m for _, _, _, m in rec.sent)
+
+
+def test_sgd_sample_rate_worst_row_vs_paper_batch_accounting():
+    """privacy.sample_rate: worst_row (default) accounts the most duplicated table row; batch is the paper's
+    q = B / N, which only equals the truth for tables whose rows occur once in the join."""
+    from simulations.federated import run_in_process
+    from strategies.tp_join_sgd import sgd_dp_plan
+    from tpflower.privacy import table_row_sample_rate
+
+    base = ("algorithm=sgd", "dataset=synthetic", "privacy=dpsgd", "epochs=1", "algorithm.batch_size=500")
+    run = run_in_process(compose_config(*base), None, log=lambda _: None).strategy
+    worst = sgd_dp_plan(run)
+    run.cfg.privacy.sample_rate = "batch"
+    batch = sgd_dp_plan(run)
+    N = run.train.N
+    for key in run.clients:
+        assert batch[key][1] == pytest.approx(table_row_sample_rate(500, N, 1))
+        assert worst[key][1] > batch[key][1]  # synthetic: every dimension row occurs many times
+    run.cfg.privacy.sample_rate = "typo"
+    with pytest.raises(ValueError, match="privacy.sample_rate"):
+        sgd_dp_plan(run)
