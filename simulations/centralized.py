@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpflower.loj import batch_size_of
+from tpflower.loj import batch_size_of, epoch_batches
 from tpflower.losses import loss_torch, metrics, primary_metric
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.relation import Relation, build_local_model
@@ -112,10 +112,8 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     opt = torch.optim.SGD(model.parameters(), lr=float(cfg.algorithm.lr))
     gen = np.random.default_rng(int(cfg.seed))
     for epoch in range(1, int(cfg.epochs) + 1):
-        order = gen.permutation(N) if B < N else np.arange(N)
         total, count = 0.0, 0
-        for s in range(0, N, B):
-            rows = order[s : s + B]
+        for rows in epoch_batches(N, B, gen):  # the federated SGD strategies draw the same batches
             X = torch.as_tensor(rel.joined_features(rel.train, rows), dtype=dtype)
             loss = loss_torch(task, model(X), y_all[rows])
             opt.zero_grad()

@@ -14,7 +14,7 @@ import numpy as np
 
 from strategies.loj import LoJStrategy
 from strategies.phase import Protocol
-from tpflower.loj import BatchPlan, batch_size_of, epoch_batches, joined_predictions, sgd_aggregate
+from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of, joined_predictions, sgd_aggregate
 from tpflower.privacy import sgd_steps, table_row_sample_rate
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -29,31 +29,26 @@ class TPJoinSGD(LoJStrategy):
         B = batch_size_of(self.cfg.algorithm.batch_size, N)
         rng = np.random.default_rng(int(self.cfg.seed))
         evaluation = BatchPlan.of(self.test, np.arange(self.test.N))
-        batches = epoch_batches(N, B, rng)
-        plan = BatchPlan.of(self.train, batches[0])
+        schedule = SGDSchedule(self.train, B, epochs, rng)
         replies = yield self.messages(
-            lambda t: ([plan.U[t]], {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
+            lambda t: ([schedule.first.U[t]], {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
         )
         h = self.outputs(replies)
-        for epoch in range(1, epochs + 1):
-            loss_sum = 0.0
-            for b, rows in enumerate(batches):
-                Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
-                loss_sum += loss_b
-                last = b == len(batches) - 1
-                if last:
-                    batches = epoch_batches(N, B, rng) if epoch < epochs else []
-                nxt = BatchPlan.of(self.train, batches[0]) if last and batches else (None if last else BatchPlan.of(self.train, batches[b + 1]))
-                replies = yield self.messages(
-                    lambda t: (
-                        [Y[t], nxt.U[t] if nxt else EMPTY] + ([evaluation.U[t]] if last else []),
-                        {"phase": "sgd_step", "batch_size": len(rows)},
-                    )
+        loss_sum = 0.0
+        for epoch, rows, plan, nxt, last in schedule:
+            Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
+            loss_sum += loss_b
+            replies = yield self.messages(
+                lambda t: (
+                    [Y[t], nxt.U[t] if nxt else EMPTY] + ([evaluation.U[t]] if last else []),
+                    {"phase": "sgd_step", "batch_size": len(rows)},
                 )
-                h = self.outputs(replies, 0)
-                plan = nxt  # type: ignore[assignment]
-            H_test = joined_predictions(evaluation.inv, self.outputs(replies, 1))
-            yield from self.record_epoch(epoch, H_test, loss_sum / N)
+            )
+            h = self.outputs(replies, 0)
+            if last:
+                H_test = joined_predictions(evaluation.inv, self.outputs(replies, 1))
+                yield from self.record_epoch(epoch, H_test, loss_sum / N)
+                loss_sum = 0.0
         self.finish()
 
     def plan_feature_dp(self) -> dict:

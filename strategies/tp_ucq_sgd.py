@@ -22,7 +22,7 @@ import numpy as np
 from strategies.loj import LoJStrategy
 from strategies.phase import Protocol
 from strategies.tp_join_sgd import sgd_dp_plan
-from tpflower.loj import BatchPlan, batch_size_of, epoch_batches, joined_predictions, sgd_aggregate
+from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of, joined_predictions, sgd_aggregate
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -37,43 +37,38 @@ class TPUCQSGD(LoJStrategy):
         rng = np.random.default_rng(int(self.cfg.seed))
         evaluation = BatchPlan.of(self.test, np.arange(self.test.N))
         eval_split = {t: self.routers[t].split(evaluation.U[t]) for t in self.spec.table_names}
-        batches = epoch_batches(N, B, rng)
-        plan = BatchPlan.of(self.train, batches[0])
-        split = {t: self.routers[t].split(plan.U[t]) for t in self.spec.table_names}
+        schedule = SGDSchedule(self.train, B, epochs, rng)
+        split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
         replies = yield self.shard_messages(
             lambda k: ([split[k[0]][k[1]]], {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
         )
-        h = self.gather_rows(replies, plan.U)
-        for epoch in range(1, epochs + 1):
-            loss_sum = 0.0
-            for b, rows in enumerate(batches):
-                Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
-                loss_sum += loss_b
-                counts = {t: np.bincount(plan.inv[t], minlength=len(plan.U[t])) for t in plan.U}  # G_iu in B
-                masks = {t: self.routers[t].masks(plan.U[t]) for t in plan.U}
-                replies = yield self.shard_messages(
-                    lambda k: (
-                        [Y[k[0]][masks[k[0]][k[1]]]],
-                        {"phase": "sgd_partial", "count": float(counts[k[0]][masks[k[0]][k[1]]].sum()), "lou": 1},
-                    )
+        h = self.gather_rows(replies, schedule.first.U)
+        loss_sum = 0.0
+        for epoch, rows, plan, nxt, last in schedule:
+            Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
+            loss_sum += loss_b
+            counts = {t: np.bincount(plan.inv[t], minlength=len(plan.U[t])) for t in plan.U}  # G_iu in B
+            masks = {t: self.routers[t].masks(plan.U[t]) for t in plan.U}
+            replies = yield self.shard_messages(
+                lambda k: (
+                    [Y[k[0]][masks[k[0]][k[1]]]],
+                    {"phase": "sgd_partial", "count": float(counts[k[0]][masks[k[0]][k[1]]].sum()), "lou": 1},
                 )
-                g = {t: sum(r[0][0] for (tt, _), r in sorted(replies.items()) if tt == t) / len(rows) for t in plan.U}  # Eq. 17
-                last = b == len(batches) - 1
-                if last:
-                    batches = epoch_batches(N, B, rng) if epoch < epochs else []
-                nxt = BatchPlan.of(self.train, batches[0]) if last and batches else (None if last else BatchPlan.of(self.train, batches[b + 1]))
-                nsplit = {t: self.routers[t].split(nxt.U[t]) for t in nxt.U} if nxt else None
-                replies = yield self.shard_messages(
-                    lambda k: (
-                        [g[k[0]], nsplit[k[0]][k[1]] if nsplit else EMPTY] + ([eval_split[k[0]][k[1]]] if last else []),
-                        {"phase": "sgd_apply"},
-                    )
+            )
+            g = {t: sum(r[0][0] for (tt, _), r in sorted(replies.items()) if tt == t) / len(rows) for t in plan.U}  # Eq. 17
+            nsplit = {t: self.routers[t].split(nxt.U[t]) for t in nxt.U} if nxt else None
+            replies = yield self.shard_messages(
+                lambda k: (
+                    [g[k[0]], nsplit[k[0]][k[1]] if nsplit else EMPTY] + ([eval_split[k[0]][k[1]]] if last else []),
+                    {"phase": "sgd_apply"},
                 )
-                if nxt is not None:
-                    h = self.gather_rows(replies, nxt.U)
-                plan = nxt  # type: ignore[assignment]
-            H_test = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, index=1))
-            yield from self.record_epoch(epoch, H_test, loss_sum / N)
+            )
+            if nxt is not None:
+                h = self.gather_rows(replies, nxt.U)
+            if last:
+                H_test = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, index=1))
+                yield from self.record_epoch(epoch, H_test, loss_sum / N)
+                loss_sum = 0.0
         self.finish()
 
     def plan_feature_dp(self) -> dict:

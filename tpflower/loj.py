@@ -61,6 +61,32 @@ class BatchPlan:
         return cls(rows=rows, U=U, inv=inv)
 
 
+class SGDSchedule:
+    """The mini-batches of a whole SGD run, each with the plan of the batch after it (for pipelining).
+
+    Iterating yields (epoch, rows, plan, next_plan, last): ``next_plan`` is None after the run's final batch,
+    ``last`` marks an epoch's last batch. Epoch e + 1's shuffle is drawn at epoch e's last batch, from one
+    generator, so the federated runs and the centralized baseline see the same batches for the same seed.
+    """
+
+    def __init__(self, mapping: TableMapping, batch_size: int, epochs: int, rng: np.random.Generator):
+        self.mapping, self.batch_size, self.epochs, self.rng = mapping, batch_size, epochs, rng
+        self._batches = epoch_batches(mapping.N, batch_size, rng)
+        self.first = BatchPlan.of(mapping, self._batches[0])
+
+    def __iter__(self):
+        batches, plan = self._batches, self.first
+        for epoch in range(1, self.epochs + 1):
+            for b, rows in enumerate(batches):
+                last = b == len(batches) - 1
+                if last:
+                    batches = epoch_batches(self.mapping.N, self.batch_size, self.rng) if epoch < self.epochs else []
+                upcoming = (batches[0] if batches else None) if last else batches[b + 1]
+                nxt = None if upcoming is None else BatchPlan.of(self.mapping, upcoming)
+                yield epoch, rows, plan, nxt, last
+                plan = nxt
+
+
 def sgd_aggregate(
     task: str, plan: BatchPlan, h: Mapping[str, np.ndarray], y: np.ndarray
 ) -> tuple[dict[str, np.ndarray], float]:
