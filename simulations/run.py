@@ -13,7 +13,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from simulations.config import CONF_DIR
 from simulations.centralized import constant_predictor_metric, train_centralized

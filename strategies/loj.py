@@ -28,6 +28,7 @@ from strategies.lou import ShardRouter
 from strategies.phase import BROADCAST, ClientKey, Message, PhaseStrategy, Protocol, Reply
 from tpflower.fedprep import ShardSummary, merge_summaries
 from tpflower.comm import CommMeter, WanModel
+from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
 from tpflower.losses import metrics, output_dim, primary_metric
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping
@@ -110,11 +111,11 @@ class LoJStrategy(PhaseStrategy):
         y_rows: np.ndarray | None = None
         is_test = np.zeros(n_label_rows, dtype=bool)
         n_classes = 0
-        for (t, q), (arrays, metrics) in replies.items():
+        for (t, q), (arrays, reply_metrics) in replies.items():
             if t != self.spec.label_table:
                 continue
             ids, y, flags = np.asarray(arrays[0], dtype=np.int64), arrays[-2], arrays[-1].astype(bool)
-            randomized = metrics.get("labels") == "train_randomized"
+            randomized = reply_metrics.get("labels") == "train_randomized"
             if randomized != self.label_dp:
                 raise RuntimeError(
                     f"label table {t!r} shard {q}: privacy={self.privacy.get('name')} but the label owner sent "
@@ -127,7 +128,7 @@ class LoJStrategy(PhaseStrategy):
                 is_test[ids] = flags
             else:
                 y_rows[ids], is_test[ids] = y, flags
-            n_classes = max(n_classes, int(metrics.get("n_classes", 0)))
+            n_classes = max(n_classes, int(reply_metrics.get("n_classes", 0)))
         assert y_rows is not None
         return y_rows, is_test, n_classes or None
 
@@ -292,6 +293,12 @@ class LoJStrategy(PhaseStrategy):
     def outputs(replies: Mapping[ClientKey, Reply], index: int = 0) -> dict[str, np.ndarray]:
         """Reply array ``index`` of every client, keyed by table (join scenario)."""
         return {k[0]: r[0][index] for k, r in replies.items()}
+
+    def sgd_schedule(self) -> tuple[SGDSchedule, BatchPlan]:
+        """The run's mini-batches over the training join (algorithm.batch_size, seed) and the test rows' plan."""
+        B = batch_size_of(self.cfg.algorithm.batch_size, self.train.N)
+        schedule = SGDSchedule(self.train, B, int(self.cfg.epochs), np.random.default_rng(int(self.cfg.seed)))
+        return schedule, BatchPlan.of(self.test, np.arange(self.test.N))
 
     def shard_messages(self, build: Callable[[ClientKey], tuple[list[np.ndarray], dict[str, Any]]]) -> dict[ClientKey, Any]:
         """One message per shard client (union scenario)."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from strategies.loj import LoJStrategy
 from strategies.phase import Protocol
-from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of, joined_predictions, sgd_aggregate
+from tpflower.loj import batch_size_of, joined_predictions, sgd_aggregate
 from tpflower.privacy import sgd_steps, table_row_sample_rate
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -25,11 +25,8 @@ class TPJoinSGD(LoJStrategy):
 
     def protocol(self) -> Protocol:
         yield from self.setup()
-        N, epochs = self.train.N, int(self.cfg.epochs)
-        B = batch_size_of(self.cfg.algorithm.batch_size, N)
-        rng = np.random.default_rng(int(self.cfg.seed))
-        evaluation = BatchPlan.of(self.test, np.arange(self.test.N))
-        schedule = SGDSchedule(self.train, B, epochs, rng)
+        N = self.train.N
+        schedule, evaluation = self.sgd_schedule()
         replies = yield self.messages(
             lambda t: ([schedule.first.U[t]], {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
         )

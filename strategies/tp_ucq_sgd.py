@@ -22,7 +22,7 @@ import numpy as np
 from strategies.loj import LoJStrategy
 from strategies.phase import Protocol
 from strategies.tp_join_sgd import sgd_dp_plan
-from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of, joined_predictions, sgd_aggregate
+from tpflower.loj import joined_predictions, sgd_aggregate
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -32,12 +32,9 @@ class TPUCQSGD(LoJStrategy):
 
     def protocol(self) -> Protocol:
         yield from self.setup()
-        N, epochs = self.train.N, int(self.cfg.epochs)
-        B = batch_size_of(self.cfg.algorithm.batch_size, N)
-        rng = np.random.default_rng(int(self.cfg.seed))
-        evaluation = BatchPlan.of(self.test, np.arange(self.test.N))
+        N = self.train.N
+        schedule, evaluation = self.sgd_schedule()
         eval_split = {t: self.routers[t].split(evaluation.U[t]) for t in self.spec.table_names}
-        schedule = SGDSchedule(self.train, B, epochs, rng)
         split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
         replies = yield self.shard_messages(
             lambda k: ([split[k[0]][k[1]]], {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})

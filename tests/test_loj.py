@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from simulations.centralized import exact_ridge, train_centralized
 from simulations.federated import run_in_process

@@ -55,7 +55,7 @@ from tpflower.local_update import (
     sgd_step,
 )
 from tpflower.losses import metrics as eval_metrics
-from tpflower.mapping import project_keys
+from tpflower.mapping import project_keys, segment_sum
 from tpflower.models import l2_penalty, torch_dtype
 from tpflower.relation import build_local_model
 from tpflower.schema import RelationalSpec, key_kind
@@ -257,10 +257,7 @@ class TableClient(NumPyClient):
         if expand is None:
             return rows, np.asarray(Y)
         U, inv = np.unique(expand[rows], return_inverse=True)
-        Y = np.asarray(Y, dtype=np.float64)
-        agg = np.zeros((len(U), Y.shape[1]))
-        np.add.at(agg, inv, Y)
-        return U, agg
+        return U, segment_sum(inv.reshape(-1), np.asarray(Y, dtype=np.float64), len(U))
 
     def _admm_rows(self, G: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Feature DP, Eq. 16 over TABLE rows: (X, G, Y) of the table. VFL-ADMM (G = 1 per joined row) sums
@@ -270,10 +267,8 @@ class TableClient(NumPyClient):
         if expand is None:
             return X, G, np.asarray(Y)
         n = len(X)
-        Y = np.asarray(Y, dtype=np.float64)
-        G_t = np.bincount(expand, weights=np.asarray(G, dtype=np.float64), minlength=n)
-        Y_t = np.stack([np.bincount(expand, weights=Y[:, c], minlength=n) for c in range(Y.shape[1])], axis=1)
-        return X, G_t, Y_t
+        G_t = segment_sum(expand, np.asarray(G, dtype=np.float64), n)
+        return X, G_t, segment_sum(expand, np.asarray(Y, dtype=np.float64), n)
 
     # ---------------------------------------------------------------------------------------- phases
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import torch
 import torch.nn.functional as F
 from scipy.special import expit, logsumexp, softmax
 from scipy.stats import rankdata
