@@ -238,10 +238,7 @@ def local_summary(
     n_fit = len(frame) if positions is None else int(positions.size)
     num: dict[str, NumericSummary] = {}
     for col in pre.numeric:
-        x = pre._numeric_values(frame, col)
-        if positions is not None:
-            x = x[positions]
-        x = x[~np.isnan(x)]
+        x = pre.observed_values(frame, col, positions)
         if x.size == 0:
             num[col] = NumericSummary(0, 0.0, 0.0, np.nan, np.nan, RankSketch.empty())
             continue

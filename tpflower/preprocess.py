@@ -110,10 +110,7 @@ class TablePreprocessor:
         means: dict[str, float] = {}
         stds: dict[str, float] = {}
         for col in self.numeric:
-            x = self._numeric_values(frame, col)
-            if positions is not None:
-                x = x[positions]
-            observed = x[~np.isnan(x)]
+            observed = self.observed_values(frame, col, positions)
             if observed.size == 0:
                 medians[col], means[col], stds[col] = 0.0, 0.0, 1.0
                 continue
@@ -224,6 +221,13 @@ class TablePreprocessor:
         for col, cats in self.categories.items():
             if len(set(cats)) != len(cats):
                 raise SpecError(f"table {self.table!r}: categories of column {col!r} are not unique: {cats}")
+
+    def observed_values(self, frame: pd.DataFrame, col: str, positions: np.ndarray | None) -> np.ndarray:
+        """The non-missing values of numeric column ``col`` on the fit rows ``positions`` (None: all rows)."""
+        x = self._numeric_values(frame, col)
+        if positions is not None:
+            x = x[positions]
+        return x[~np.isnan(x)]
 
     def _numeric_values(self, frame: pd.DataFrame, col: str) -> np.ndarray:
         series = frame[col]
