@@ -26,7 +26,7 @@ import numpy as np
 
 from strategies.lou import ShardRouter
 from strategies.phase import BROADCAST, ClientKey, Message, PhaseStrategy, Protocol, Reply
-from tpflower.fedprep import ShardSummary, merge_summaries
+from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges
 from tpflower.comm import CommMeter, WanModel
 from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
@@ -144,7 +144,10 @@ class LoJStrategy(PhaseStrategy):
             summaries = [
                 ShardSummary.from_arrays(r[0], spec_t.numeric, spec_t.categorical) for k, r in replies.items() if k[0] == t
             ]
-            rule = merge_summaries(summaries).arrays(with_sketch=False)
+            merged = merge_summaries(summaries)
+            # the binned columns' quantile edges come from the merged sketch, which stays on the server
+            edges = [quantile_bin_edges(merged, col, bins) for col, bins in spec_t.binned]
+            rule = merged.arrays(with_sketch=False) + edges
             rule_id = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in rule)).hexdigest()[:16]
             messages.update({k: (rule, {"phase": "rule", "rule_id": rule_id}) for k in self.clients if k[0] == t})
         yield messages

@@ -70,7 +70,8 @@ def test_tp_ucq_admm_inner_loop_accounting_and_early_stop():
 
 def shop_with_shards(tmp_path) -> dict:
     """orders x customers x products; customers in 3 shards by region, where region "c" holds customers that
-    never ordered (a shard with no row in the join) and segment "vip" exists in region "a" only."""
+    never ordered (a shard with no row in the join) and segment "vip" exists in region "a" only; customers'
+    age is also binned into 4 quantile bins."""
     rng = np.random.default_rng(0)
     n_cust, n_prod, n = 60, 25, 1500
     region = np.array(["a"] * 25 + ["b"] * 25 + ["c"] * 10)
@@ -89,7 +90,7 @@ def shop_with_shards(tmp_path) -> dict:
         "tables": {
             "orders": {"source": "orders.csv", "numeric": ["qty"], "shards": {"parts": 2, "seed": 1}},
             "customers": {"source": "customers.csv", "numeric": ["age"], "categorical": ["segment"],
-                          "shards": {"by": "region", "values": ["a", "b", "c"]}},
+                          "binned": {"age": 4}, "shards": {"by": "region", "values": ["a", "b", "c"]}},
             "products": {"source": "products.csv", "numeric": ["price"]},
         },
         "label": {"table": "orders", "column": "spend", "task": "regression"},
@@ -112,3 +113,21 @@ def test_shard_without_join_rows_and_category_of_one_shard(tmp_path, algorithm):
     # the vip column exists on every customers shard (zeros where unseen) and the result equals the join run
     np.testing.assert_allclose(history(ucq), history(join), rtol=1e-9)
     assert history(ucq)[-1] < 0.85 * history(ucq)[0]
+
+
+def test_binning_by_federated_rule_equals_binning_of_the_union(tmp_path):
+    """Quantile bins of a sharded table's column: edges from the merged sketch (exact here: every shard holds
+    fewer than 512 values) give the same one-hot bin features as binning the unioned table."""
+    from simulations.client_app import make_client
+    from tpflower.relation import load_relation
+
+    dataset = shop_with_shards(tmp_path)
+    cfg = make_cfg("algorithm=admm", "scenario=ucq", "epochs=1", dataset=dataset)
+    ucq = run_in_process(cfg, None, base_dir=tmp_path, log=lambda _: None)
+    union = load_relation(cfg.dataset, b"x", base_dir=tmp_path, verbose=False).tables["customers"]
+    bins = [k for k, name in enumerate(union.feature_names) if name.startswith("age#bin")]
+    assert len(bins) == 4
+    for shard in range(3):
+        local = make_client(cfg, ucq.contexts[("customers", shard)], tmp_path).local
+        own = [k for k, name in enumerate(local.feature_names) if name.startswith("age#bin")]
+        np.testing.assert_array_equal(local.X[:, own], union.X[local.row_ids][:, bins])

@@ -218,3 +218,12 @@ def test_empty_join():
     spec = validate_tables(spec_of(**STAR), frames)
     with pytest.raises(SpecError, match=r"join fact\.c = C\.c matched no rows"):
         mapping_of(spec, frames)
+
+
+def test_binned_column_must_be_numeric_feature():
+    tables = {**STAR["tables"], "A": {"numeric": ["xa"], "binned": {"other": 4}}}
+    with pytest.raises(SpecError, match="table 'A': binned column 'other' must be one of its numeric columns"):
+        spec_of(tables=tables, joins=STAR["joins"])
+    tables = {**STAR["tables"], "A": {"numeric": ["xa"], "binned": {"xa": 1}}}
+    with pytest.raises(SpecError, match="needs at least 2 bins"):
+        spec_of(tables=tables, joins=STAR["joins"])

@@ -152,10 +152,15 @@ class TableClient(NumPyClient):
         if rule is None:
             raise RuntimeError(f"table {self.settings.table!r} shard {self.settings.shard}: no preprocessing rule received")
         t = self.settings.spec.table(self.settings.table)
+        n_edges = len(t.binned)  # the rule message ends with the bin edges of the binned columns
+        rule_arrays, edge_arrays = rule[: len(rule) - n_edges], rule[len(rule) - n_edges :]
         return self.data.table(
             str(self.state.scalar("rule_id")),
-            lambda: apply_rule(GlobalRule.from_arrays(rule, t.numeric, t.categorical), self.data.rows,
-                               self.settings.secret, self.settings.table),
+            lambda: (
+                apply_rule(GlobalRule.from_arrays(rule_arrays, t.numeric, t.categorical), self.data.rows,
+                           self.settings.secret, self.settings.table),
+                {c: np.asarray(e, dtype=np.float64) for (c, _), e in zip(t.binned, edge_arrays)},
+            ),
         )
 
     def _model(self, config: Mapping[str, Any]) -> torch.nn.Module:

@@ -460,6 +460,16 @@ def quantile_bin_edges(rule: GlobalRule, column: str, n_bins: int) -> np.ndarray
     return np.unique(r.sketch.rank_value(-((-j * r.count) // n_bins)))
 
 
+def local_quantile_edges(values: np.ndarray, n_bins: int) -> np.ndarray:
+    """The same edges as :func:`quantile_bin_edges` computed exactly from one party's observed ``values``:
+    np.quantile(..., method="inverted_cdf") at j / n_bins, duplicates dropped (the unsharded case)."""
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    if values.size == 0 or n_bins == 1:
+        return np.zeros(0, dtype=np.float64)
+    return np.unique(np.quantile(values, np.arange(1, n_bins) / n_bins, method="inverted_cdf"))
+
+
 def uniform_bin_edges(rule: GlobalRule, column: str, n_bins: int) -> np.ndarray:
     """Interior edges of ``n_bins`` equal-width bins over the exact global [min, max] of ``column``."""
     if n_bins < 1:

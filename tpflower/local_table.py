@@ -3,12 +3,13 @@ owns them. Built locally from the raw frame; the raw frame never leaves the clie
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from tpflower.fedprep import bin_feature_names, bin_transform, local_quantile_edges
 from tpflower.mapping import holdout_mask
 from tpflower.preprocess import TablePreprocessor
 from tpflower.schema import RelationalSpec
@@ -54,12 +55,13 @@ def fit_rows(spec: RelationalSpec, name: str, n_table_rows: int, row_ids: np.nda
 
 def prepare_local_table(
     spec: RelationalSpec, name: str, frame: pd.DataFrame, rows: np.ndarray | None = None,
-    preprocessor: TablePreprocessor | None = None,
+    preprocessor: TablePreprocessor | None = None, bin_edges: Mapping[str, np.ndarray] | None = None,
 ) -> LocalTable:
     """Preprocess one table (or the shard ``rows`` of it) with statistics from its training rows only.
 
     The label table fits on its rows outside the test split; other tables hold no labels and fit on all rows.
-    A fitted ``preprocessor`` (the global rule of federated preprocessing) replaces the local fit.
+    A fitted ``preprocessor`` and ``bin_edges`` (the global rule of federated preprocessing) replace the local
+    fit. Binned columns (``binned`` in the spec) add one-hot quantile bins after the other features.
     """
     t = spec.table(name)
     row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
@@ -70,11 +72,18 @@ def prepare_local_table(
         local, fit_rows(spec, name, len(frame), row_ids)
     )
     y, n_classes = encode_labels(spec, local[spec.label.column]) if is_label else (None, None)
+    X, names = pre.transform(local), list(pre.feature_names)
+    if t.binned:
+        if bin_edges is None:
+            positions = fit_rows(spec, name, len(frame), row_ids)
+            bin_edges = {c: local_quantile_edges(pre.observed_values(local, c, positions), b) for c, b in t.binned}
+        X = np.concatenate([X, bin_transform(local, bin_edges, table=name)], axis=1)
+        names += bin_feature_names(bin_edges)
     return LocalTable(
         name=name,
         row_ids=row_ids,
-        X=pre.transform(local),
-        feature_names=list(pre.feature_names),
+        X=X,
+        feature_names=names,
         keys=local[list(spec.key_columns(name))].reset_index(drop=True),
         y=y,
         is_test=is_test,
@@ -102,10 +111,15 @@ class ShardData:
         self.dtype = np.float32 if precision == "float32" else np.float64
         self._tables: dict[str, LocalTable] = {}
 
-    def table(self, rule_id: str = "local", preprocessor: "Callable[[], TablePreprocessor] | None" = None) -> LocalTable:
-        """The LocalTable under a preprocessing rule (``preprocessor()`` builds it once); "local": own fit."""
+    def table(
+        self, rule_id: str = "local",
+        rule: "Callable[[], tuple[TablePreprocessor, dict[str, np.ndarray]]] | None" = None,
+    ) -> LocalTable:
+        """The LocalTable under a global preprocessing rule (``rule()`` gives the fitted preprocessor and the
+        bin edges, built once per rule id); "local": the table's own fit."""
         if rule_id not in self._tables:
-            local = prepare_local_table(self.spec, self.name, self.frame, self.row_ids, preprocessor() if preprocessor else None)
+            pre, edges = rule() if rule else (None, None)
+            local = prepare_local_table(self.spec, self.name, self.frame, self.row_ids, pre, edges)
             local.X = local.X.astype(self.dtype, copy=False)  # the run's precision: no conversion per message
             self._tables[rule_id] = local
         return self._tables[rule_id]

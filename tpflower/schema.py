@@ -57,6 +57,7 @@ class TableSpec:
     categorical: tuple[str, ...] = ()
     shards: ShardSpec | None = None
     region: str = "us-east"
+    binned: tuple[tuple[str, int], ...] = ()  # numeric columns that also get one-hot quantile bins (column, bins)
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -203,7 +204,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     tables = []
     for tname, t in raw_tables.items():
         t = dict(t or {})
-        unknown = set(t) - {"source", "numeric", "categorical", "shards", "region"}
+        unknown = set(t) - {"source", "numeric", "categorical", "shards", "region", "binned"}
         if unknown:
             raise SpecError(f"table {tname!r}: unknown settings {sorted(unknown)}")
         shards = t.get("shards")
@@ -218,9 +219,16 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
                 raise SpecError(f"table {tname!r}: shards take exactly one of 'by' (a column) or 'parts' (a count)")
             if shard_spec.parts is not None and int(shard_spec.parts) < 1:
                 raise SpecError(f"table {tname!r}: shards.parts must be >= 1, got {shard_spec.parts}")
+        binned = tuple((str(c), int(b)) for c, b in (t.get("binned") or {}).items())
+        for col, bins in binned:
+            if col not in (t.get("numeric") or ()):
+                raise SpecError(f"table {tname!r}: binned column {col!r} must be one of its numeric columns")
+            if bins < 2:
+                raise SpecError(f"table {tname!r}, binned column {col!r}: needs at least 2 bins, got {bins}")
         tables.append(
             TableSpec(
                 name=str(tname),
+                binned=binned,
                 source=t.get("source"),
                 numeric=tuple(t.get("numeric") or ()),
                 categorical=tuple(t.get("categorical") or ()),
