@@ -26,7 +26,7 @@ import numpy as np
 
 from strategies.lou import ShardRouter
 from strategies.phase import BROADCAST, ClientKey, Message, PhaseStrategy, Protocol, Reply
-from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges
+from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
 from tpflower.comm import CommMeter, WanModel
 from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
@@ -133,18 +133,29 @@ class LoJStrategy(PhaseStrategy):
         return y_rows, is_test, n_classes or None
 
     def _federated_preprocessing(self) -> Protocol:
-        """Sec. 4.4: tables with several shards merge their shards' summaries into one global rule."""
+        """Sec. 4.4: tables with several shards merge their shards' summaries into one global rule.
+
+        Round 1 asks for summaries without order statistics; round 2 (only when needed) asks for the sketches
+        of the columns that need them (a missing fit value somewhere, or binned), so no other column's
+        values leave the shards.
+        """
         sharded = [t for t in self.spec.table_names if len(self.routers[t].shards) > 1]
         if not sharded:
             return
-        replies = yield {k: ([], {"phase": "stats"}) for k in self.clients if k[0] in sharded}
+        replies = yield {k: ([], {"phase": "stats", "sketch": ""}) for k in self.clients if k[0] in sharded}
+        summaries = self._summaries(replies)
+        wanted = {
+            t: sketch_columns_needed(summaries[t], [c for c, _ in self.spec.table(t).binned]) for t in sharded
+        }
+        if any(wanted.values()):
+            again = yield {
+                k: ([], {"phase": "stats", "sketch": ",".join(wanted[k[0]])}) for k in self.clients if wanted.get(k[0])
+            }
+            summaries.update(self._summaries(again))
         messages = {}
         for t in sharded:
             spec_t = self.spec.table(t)
-            summaries = [
-                ShardSummary.from_arrays(r[0], spec_t.numeric, spec_t.categorical) for k, r in replies.items() if k[0] == t
-            ]
-            merged = merge_summaries(summaries)
+            merged = merge_summaries(summaries[t])
             # the binned columns' quantile edges come from the merged sketch, which stays on the server
             edges = [quantile_bin_edges(merged, col, bins) for col, bins in spec_t.binned]
             rule = merged.arrays(with_sketch=False) + edges
@@ -152,6 +163,13 @@ class LoJStrategy(PhaseStrategy):
             messages.update({k: (rule, {"phase": "rule", "rule_id": rule_id}) for k in self.clients if k[0] == t})
         yield messages
 
+    def _summaries(self, replies: Mapping[ClientKey, Reply]) -> dict[str, list[ShardSummary]]:
+        """The decoded preprocessing summaries of each table's shards, in shard order."""
+        out: dict[str, list[ShardSummary]] = {}
+        for (t, _), (arrays, _) in sorted(replies.items()):
+            spec_t = self.spec.table(t)
+            out.setdefault(t, []).append(ShardSummary.from_arrays(arrays, spec_t.numeric, spec_t.categorical))
+        return out
     def _key_kinds(self, replies: Mapping[ClientKey, Reply]) -> dict[str, dict[str, str]]:
         kinds: dict[str, dict[str, str]] = {}
         for (table, _), (_, m) in replies.items():

@@ -312,3 +312,24 @@ def test_wrong_secret_gives_different_index(shards) -> None:
     assert not np.array_equal(d1, d2) and not np.array_equal(d1, d3)  # keyed and per-column domain-separated
     with pytest.raises(ValueError, match="secret"):
         local_summary(f, [], ["genre"], b"", rows=rows)
+
+
+def test_sketches_only_for_columns_with_missing_values_or_binned():
+    """Order statistics are raw values: the server asks for them only where the rule needs them."""
+    from tpflower.fedprep import sketch_columns_needed
+
+    rng = np.random.default_rng(5)
+    a = pd.DataFrame({"full": rng.normal(size=40), "gappy": rng.normal(size=40), "binme": rng.normal(size=40)})
+    b = a.copy()
+    b.loc[3, "gappy"] = np.nan
+    cols = ["full", "gappy", "binme"]
+    first = [local_summary(f, cols, [], b"k", sketch_columns=[]) for f in (a, b)]
+    assert all(s.numeric[c].sketch.count == 0 for s in first for c in cols)  # round 1 sends no order statistics
+    assert sketch_columns_needed(first, binned=["binme"]) == ["gappy", "binme"]
+    rule = merge_summaries(first)
+    union = pd.concat([a, b])["full"]
+    assert rule.numeric["full"].median == pytest.approx(union.mean())  # no sketch: the mean stands in
+    second = [local_summary(f, cols, [], b"k", sketch_columns=["gappy", "binme"]) for f in (a, b)]
+    assert second[0].numeric["full"].sketch.count == 0 and second[0].numeric["gappy"].sketch.count == 40
+    rule = merge_summaries(second)
+    assert rule.numeric["gappy"].median == pytest.approx(np.nanmedian(pd.concat([a, b])["gappy"]))

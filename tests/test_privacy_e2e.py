@@ -109,11 +109,9 @@ def assert_absent(rec: Recorded, columns: dict[str, np.ndarray], sorted_too: boo
         for v in vectors(arrays):
             for name, col in cols.items():
                 assert not contains(v, col), f"{name} sent by {key} in phase {phase}"
-                # The federated preprocessing summary (phase stats, tpflower.fedprep) sends up to m = 512 order
-                # statistics per numeric column, unlinked to rows: for a shard with <= 512 rows these are its
-                # column's sorted values. That is the documented design of fedprep (its "Privacy notes"), so
-                # the multiset check skips it; row order (the check above) is checked everywhere.
-                if sorted_too and phase != "stats" and len(v) == len(col):
+                # Federated preprocessing sends order statistics (a rank sketch) only for columns with missing
+                # fit values or binned ones; the audited data has neither, so no phase is exempt.
+                if sorted_too and len(v) == len(col):
                     assert not np.allclose(np.sort(v), np.sort(col), rtol=1e-6, atol=1e-6), \
                         f"{name} (sorted) sent by {key} in phase {phase}"
 

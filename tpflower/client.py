@@ -312,7 +312,10 @@ class TableClient(NumPyClient):
     def phase_stats(self, parameters, config):
         """Federated preprocessing, step 1: a summary of this shard's fit rows (no raw values or strings)."""
         s, t = self.settings, self.settings.spec.table(self.settings.table)
-        summary = local_summary(self.data.rows, t.numeric, t.categorical, s.secret, self.data.fit_positions, table=s.table)
+        wanted = config.get("sketch")  # the columns whose order statistics the server asks for; absent: all
+        columns = None if wanted is None else [c for c in str(wanted).split(",") if c]
+        summary = local_summary(self.data.rows, t.numeric, t.categorical, s.secret, self.data.fit_positions,
+                                table=s.table, sketch_columns=columns)
         return summary.arrays(), {}
 
     def phase_rule(self, parameters, config):

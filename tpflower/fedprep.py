@@ -36,8 +36,10 @@ merged sketch answers "the k-th smallest value" (1-based, 1 <= k <= n) with an o
 the union, where ``k <= r <= k + E`` and ``E = sum_s (largest block of shard s - 1) < n / m`` (stored as
 ``NumericRule.rank_error``). E = 0 (exact) if every n_s <= m.
 
-Privacy notes: the server learns per shard and column the count, sum, m2, min, max, up to m order statistics
-(unlinked across columns and to rows) and how many fit rows hold each category digest. It cannot invert a
+Privacy notes: the server learns per shard and column the count, sum, m2, min, max and how many fit rows hold
+each category digest; order statistics (up to m, raw values unlinked across columns and to rows) only for the
+columns it asks for with ``sketch_columns`` (strategies ask only where a fit value is missing somewhere or the
+column is binned: :func:`sketch_columns_needed`). It cannot invert a
 digest without the secret. ``rule.arrays(with_sketch=False)`` keeps the merged order statistics on the server.
 """
 
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -229,6 +231,7 @@ def local_summary(
     *,
     sketch_size: int = DEFAULT_SKETCH_SIZE,
     table: str = "?",
+    sketch_columns: Collection[str] | None = None,
 ) -> ShardSummary:
     """The client side, step 1: summary of ``frame`` restricted to the fit ``rows`` (positions or a boolean
     mask; ``None``: all rows; may be empty). Same column rules and errors as TablePreprocessor.fit."""
@@ -244,7 +247,9 @@ def local_summary(
             continue
         total = float(x.sum())
         m2 = float(np.square(x - total / x.size).sum())
-        num[col] = NumericSummary(int(x.size), total, m2, float(x.min()), float(x.max()), RankSketch.build(x, sketch_size))
+        # order statistics are raw values: only the columns the server asks for (None: all) carry a sketch
+        sketch = RankSketch.build(x, sketch_size) if sketch_columns is None or col in sketch_columns else RankSketch.empty()
+        num[col] = NumericSummary(int(x.size), total, m2, float(x.min()), float(x.max()), sketch)
     cat: dict[str, CategoricalSummary] = {}
     for col in pre.categorical:
         strings = _category_strings(frame[col])
@@ -332,6 +337,17 @@ class GlobalRule:
         return cls(num, cats, counts, n_rows)
 
 
+def sketch_columns_needed(summaries: Sequence[ShardSummary], binned: Collection[str] = ()) -> list[str]:
+    """The numeric columns whose order statistics the rule needs: those with a missing fit value in some
+    shard (median imputation) and the binned ones. Every other column's sketch is never requested, so its
+    values (raw, as order statistics) never leave the shards."""
+    first = summaries[0]
+    return [
+        col for col in first.numeric
+        if col in binned or any(s.numeric[col].count < s.n_rows for s in summaries)
+    ]
+
+
 def merge_summaries(summaries: Sequence[ShardSummary]) -> GlobalRule:
     """The server side, step 2: merge the summaries of all shards of one table into the global rule.
 
@@ -361,10 +377,13 @@ def merge_summaries(summaries: Sequence[ShardSummary]) -> GlobalRule:
         mean = float(totals.sum() / n)
         m2 = float(sum(p.m2 for p in parts) + (counts * np.square(totals / counts - mean)).sum())
         sketch = RankSketch.merge([p.sketch for p in parts])
-        if sketch.count != n:
+        if sketch.count == 0:  # no sketch was asked for (no missing fit value anywhere): the mean stands in
+            median = mean      # for the median, used only for a missing value outside the fit rows
+        elif sketch.count != n:
             raise SpecError(f"column {col!r}: sketch weights sum to {sketch.count}, expected the count {n}")
-        lo, hi = sketch.rank_value(np.array([(n + 1) // 2, n // 2 + 1]))
-        median = float(lo) if lo == hi else float((lo + hi) / 2)
+        else:
+            lo, hi = sketch.rank_value(np.array([(n + 1) // 2, n // 2 + 1]))
+            median = float(lo) if lo == hi else float((lo + hi) / 2)
         rules[col] = NumericRule(
             n,
             mean,
