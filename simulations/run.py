@@ -22,8 +22,6 @@ from tpflower.datasets import load_spec
 from tpflower.relation import Relation, load_relation
 from tpflower.results import RunResults, new_run_results, write_results
 
-
-
 QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
 
 

@@ -170,6 +170,7 @@ class LoJStrategy(PhaseStrategy):
             spec_t = self.spec.table(t)
             out.setdefault(t, []).append(ShardSummary.from_arrays(arrays, spec_t.numeric, spec_t.categorical))
         return out
+
     def _key_kinds(self, replies: Mapping[ClientKey, Reply]) -> dict[str, dict[str, str]]:
         kinds: dict[str, dict[str, str]] = {}
         for (table, _), (_, m) in replies.items():
@@ -269,8 +270,6 @@ class LoJStrategy(PhaseStrategy):
             out["accuracy"] = sum(c * float(m["accuracy"]) for c, m in live) / n
         return out
 
-    # ------------------------------------------------------------------------------------------ records
-
     def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> Protocol:
         """Evaluate the test predictions, append the epoch to the record and print its line.
 
@@ -281,21 +280,20 @@ class LoJStrategy(PhaseStrategy):
         test = yield from self.test_metrics(H_test)
         if not np.isfinite(train_loss):
             raise RuntimeError(f"{self.algorithm} diverged in epoch {epoch} (train loss {train_loss})")
+        feature_eps = self.feature_epsilon() if self.feature_dp else None
+        self.results.privacy = dp.privacy_summary(self.privacy, self.task, feature_eps)
         privacy: dict[str, float] = {}
-        if self.feature_dp:
-            privacy["eps"] = self.feature_epsilon()
+        if feature_eps is not None:
+            privacy["eps"] = feature_eps
         if self.label_dp:
             privacy["label_eps"] = float(self.results.privacy["label_epsilon"])  # type: ignore[arg-type]
-        self.results.privacy = dp.privacy_summary(
-            self.privacy, self.task, self.feature_epsilon() if self.feature_dp else None
-        )
         rec = EpochRecord(
             epoch=epoch,
             test_metric=test[self.metric],
             train_loss=train_loss,
             wall_time_s=time.perf_counter() - self._t0,
             extra={**{f"test_{k}": v for k, v in test.items() if k not in (self.metric, "loss")}, **(extra or {}), **privacy},
-            **{k: v for k, v in self.comm.snapshot().items()},  # type: ignore[arg-type]
+            **self.comm.snapshot(),  # type: ignore[arg-type]
         )
         self.results.history.append(rec)
         self.log(epoch_line(self.metric, rec))

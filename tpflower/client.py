@@ -182,6 +182,15 @@ class TableClient(NumPyClient):
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(array, dtype=self.dtype, device=self.device)
 
+    @staticmethod
+    def _theta(model: torch.nn.Module) -> np.ndarray:
+        """The model's parameters as one flat vector (the consensus ADMM's unit of exchange)."""
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
+
+    def _local_generator(self, config: Mapping[str, Any]) -> torch.Generator:
+        """Row order of a non-DP local optimisation (MLP theta-update): seeded by the run seed and the epoch."""
+        return torch.Generator().manual_seed(int(self.settings.seed) * 7919 + int(config.get("epoch", 0)))
+
     def _predict(self, model: torch.nn.Module, rows: np.ndarray | None) -> np.ndarray:
         with torch.no_grad():
             return model(self._tensor(self._rows_X(rows))).cpu().numpy()
@@ -367,8 +376,7 @@ class TableClient(NumPyClient):
         self._dp_init(config)
         model = self._model(config)
         self.state.save_model(model)
-        theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
-        return [self._predict(model, None), theta], self._metrics(model)  # theta: the consensus start (union)
+        return [self._predict(model, None), self._theta(model)], self._metrics(model)  # theta: the consensus start (union)
 
     def phase_admm_update(self, parameters, config):
         """theta_i = argmin Eq. 16 given Y_i, G_i; then predict every row with the new theta."""
@@ -378,7 +386,6 @@ class TableClient(NumPyClient):
         N = int(self.state.scalar("N"))
         alg, beta = self.settings.algorithm, float(self.settings.model["beta"])
         rho = float(self.state.scalar("rho"))
-        X = self._rows_X(None)
         privacy: dict[str, Any] = {}
         if self._feature_dp():  # Eq. 16 as DP-SGD over the table's rows (also for linear models)
             Xt, Gt, Yt = self._admm_rows(G, Y)
@@ -389,12 +396,12 @@ class TableClient(NumPyClient):
             )
             self._dp_done(trainer, privacy)
         elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
-            admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, beta)
+            admm_update_linear(model, self._rows_X(None), G, np.asarray(Y, dtype=np.float64), N, rho, beta)
         else:
-            gen = torch.Generator().manual_seed(int(self.settings.seed) * 7919 + int(config.get("epoch", 0)))
             admm_update_local_opt(
-                model, self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, beta, int(alg["local_epochs"]),
-                float(alg["local_lr"]), int(alg["local_batch_size"]), gen,
+                model, self._tensor(self._rows_X(None)), self._tensor(G), self._tensor(Y), N, rho, beta,
+                int(alg["local_epochs"]), float(alg["local_lr"]), int(alg["local_batch_size"]),
+                self._local_generator(config),
             )
         self.state.save_model(model)
         return [self._predict(model, None)], {**self._metrics(model), **privacy}
@@ -470,13 +477,13 @@ class TableClient(NumPyClient):
         elif isinstance(model, torch.nn.Linear):
             admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, 0.0, prox=(v, rho_c))
         else:
-            gen = torch.Generator().manual_seed(int(self.settings.seed) * 7919 + int(config.get("epoch", 0)))
+            gen = self._local_generator(config)
             admm_update_local_opt(
                 model, self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, 0.0, int(alg["local_epochs"]),
                 float(alg["local_lr"]), int(alg["local_batch_size"]), gen, prox=(self._tensor(v), rho_c),
             )
         self.state.save_model(model)
-        return [torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy().astype(np.float64)], privacy
+        return [self._theta(model).astype(np.float64)], privacy
 
     def phase_admm_consensus(self, parameters, config):
         """Eq. 20 done by the coordinator: every shard takes the consensus model w and predicts its rows."""
