@@ -1,4 +1,10 @@
-"""The ClientApp: one client per table (shard), under the simulation engine or a flower-supernode.
+"""The ClientApp (Flower's Message API): one client per table (shard), under the simulation engine or a
+flower-supernode.
+
+Handlers: ``query`` answers the server's first step (which table and shard this node holds), ``train`` and
+``evaluate`` unpack the message (tpflower.records), hand it to the node's TableClient (a NumPyClient that
+answers the phases of the run's algorithm, from strategies.registry) and pack its reply. An exception
+becomes Flower's error reply, which the server turns into one line naming the table.
 
 Which table a client holds comes from its node config: ``table`` (and ``shard``) on a flower-supernode
 (``--node-config "table='ratings'"``), else the simulation's ``partition-id`` (clients in spec order).
@@ -12,15 +18,18 @@ import json
 from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
-from flwr.client import Client, ClientApp
-from flwr.common import Context
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
 from simulations.config import compose_config
+from strategies.protocol import HELLO_PHASE
+from strategies.registry import entry_of
 from tpflower.client import ClientSettings, TableClient, key_kinds_of
+from tpflower.records import pack_reply, unpack_payload
 from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.local_table import ShardData
 from tpflower.schema import RelationalSpec, SpecError
@@ -65,7 +74,8 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
         while len(_SETTINGS) > _SETTINGS_MAX:
             _SETTINGS.popitem(last=False)
     settings, data = _SETTINGS[cache_key]
-    return TableClient(data, settings, context.state)
+    entry = entry_of(cfg)
+    return TableClient(data, settings, context.state, entry.phases, entry.name)
 
 
 def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[ClientSettings, ShardData]:
@@ -88,7 +98,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         shard=shard,
         region=spec.table(table).region,
         model=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
-        algorithm=OmegaConf.to_container(cfg.algorithm, resolve=True),  # type: ignore[arg-type]
+        algorithm=entry_of(cfg).params.from_cfg(OmegaConf.to_container(cfg.algorithm, resolve=True)),  # type: ignore[arg-type]
         seed=int(cfg.seed),
         precision=str(cfg.precision),
         secret=str(cfg.mapping.secret).encode(),
@@ -104,15 +114,41 @@ def _spec(dataset_json: str, base_dir: str | None) -> RelationalSpec:
     return load_spec(json.loads(dataset_json), base_dir=base_dir)
 
 
-def client_fn_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -> Callable[[Context], Client]:
-    """A client_fn for a fixed config (run_simulation), or composing it from the run config (flwr run)."""
+def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -> ClientApp:
+    """The ClientApp for a fixed config (the Hydra entry point), or composing it from the run config (flwr run)."""
+    app = ClientApp()
 
-    def client_fn(context: Context) -> Client:
+    def settings_of(context: Context) -> tuple[DictConfig, str | Path | None]:
         run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
-        root = base_dir if base_dir is not None else context.run_config.get("base-dir") or None
-        return make_client(run_cfg, context, root).to_client()
+        return run_cfg, base_dir if base_dir is not None else context.run_config.get("base-dir") or None
 
-    return client_fn
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        """The server's first step: which table and shard this node holds (nothing else is loaded)."""
+        _, config = unpack_payload(msg.content)
+        if config.get("phase") != HELLO_PHASE:
+            raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
+        run_cfg, root = settings_of(context)
+        dataset = OmegaConf.to_container(run_cfg.dataset, resolve=True)
+        keys = _spec(json.dumps(dataset, sort_keys=True), str(root) if root else None).clients(str(run_cfg.scenario.name))
+        table, shard = identity(dict(context.node_config), keys)
+        return Message(pack_reply({}, {"table": table, "shard": shard}), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return answer(msg, context)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        return answer(msg, context)
+
+    def answer(msg: Message, context: Context) -> Message:
+        run_cfg, root = settings_of(context)
+        arrays, config = unpack_payload(msg.content)
+        out, metrics = make_client(run_cfg, context, root).handle(arrays, config)
+        return Message(pack_reply(out, metrics), reply_to=msg)
+
+    return app
 
 
 @lru_cache(maxsize=8)
@@ -125,4 +161,4 @@ def config_from_run_config(run_config: dict[str, Any]) -> DictConfig:
     return _compose(str(run_config.get("overrides", "")))
 
 
-app = ClientApp(client_fn=client_fn_for(None))
+app = client_app_for(None)

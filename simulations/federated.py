@@ -1,48 +1,78 @@
 """Run a federated algorithm: under Flower's simulation engine, or in-process without Flower's transport.
 
-Both run the same strategy and client code; the in-process runner exists to measure the framework's
-overhead (simulations/bench.py) and for fast tests.
+Both run the same strategy, the same ClientApp and the same records; the in-process runner exists to measure
+the framework's overhead (simulations/bench.py) and for fast tests.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
-
-from flwr.common import Context, RecordDict
-from flwr.simulation import run_simulation
-from flwr.client import ClientApp
-from flwr.server import ServerApp
+from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
-from simulations.client_app import client_fn_for, make_client
-from simulations.server_app import make_strategy, server_fn_for
+from simulations.client_app import client_app_for
+from simulations.flower_adapter import install_fast_fetch
+from simulations.server_app import make_strategy, server_app_for
 from strategies.loj import LoJStrategy
-from strategies.phase import ClientKey, run_direct
+from strategies.protocol import ClientKey, DirectTransport
 from tpflower.datasets import load_spec
 from tpflower.results import RunResults
 
+FLOWER_LOG = "flower.log"  # Flower's and Ray's own log lines go here (in the run dir), not to the console
 
-def run_flower_simulation(cfg: DictConfig, run_dir: str | Path, base_dir: str | Path | None = None) -> RunResults:
-    """One virtual SuperNode per table; client resources from conf/resources."""
-    # Ray's future default (leave CUDA_VISIBLE_DEVICES alone when num_gpus=0) and no warning about it per run
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+
+@contextlib.contextmanager
+def flower_logs_to(path: Path) -> Iterator[None]:
+    """Send the `flwr` logger (deprecation notices, DEBUG lines, engine errors) to ``path`` only."""
+    logger = logging.getLogger("flwr")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        handler.close()
+        logger.handlers, logger.propagate = saved[0], saved[1]
+        logger.setLevel(saved[2])
+
+
+def run_flower_simulation(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
+                          log: Callable[[str], None] = print) -> RunResults:
+    """One virtual SuperNode per table shard, client resources from conf/resources; Flower's log to flower.log."""
+    # Flower 1.41 deprecates run_simulation in favour of `flwr run` (a CLI that starts a SuperLink process and
+    # reads the app's pyproject), but it is the only in-Python way to start the simulation engine with a
+    # config composed by Hydra: kept here, in this one function, with its notice sent to flower.log.
+    from flwr.simulation import run_simulation
+
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's future default, no warning per run
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    install_fast_fetch()
     created: list[LoJStrategy] = []
-    server_app = ServerApp(server_fn=server_fn_for(cfg, run_dir, base_dir, created))
-    client_app = ClientApp(client_fn=client_fn_for(cfg, base_dir))
     resources = {"num_cpus": float(cfg.resources.num_cpus), "num_gpus": float(cfg.resources.num_gpus)}
     num = len(load_spec(cfg.dataset, base_dir=base_dir).clients(str(cfg.scenario.name)))
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num,
-        backend_config={"client_resources": resources, "init_args": {"logging_level": 30, "log_to_driver": True}},
-    )
+    log_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="tpflower-"))
+    with flower_logs_to(log_dir / FLOWER_LOG):
+        run_simulation(
+            server_app=server_app_for(cfg, run_dir, base_dir, created, log=log),
+            client_app=client_app_for(cfg, base_dir),
+            num_supernodes=num,
+            backend_config={"client_resources": resources,
+                            "init_args": {"logging_level": logging.ERROR, "log_to_driver": False}},
+        )
     if not created or created[0].results is None or not created[0].finished:
-        raise RuntimeError("the Flower simulation ended before the algorithm finished; see the log above")
+        raise RuntimeError(f"the Flower simulation ended before the algorithm finished; see {log_dir / FLOWER_LOG}")
     return created[0].results
 
 
@@ -56,12 +86,20 @@ class InProcessRun:
         return {k: v.numpy() for k, v in self.contexts[key].state["theta"].to_torch_state_dict().items()}
 
 
-def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None, log=print) -> InProcessRun:
-    """The same strategy and clients, called directly (no Flower transport, no Ray)."""
+def in_process_contexts(strategy: LoJStrategy) -> dict[ClientKey, Context]:
+    """One Flower Context per client key, with the node config a SuperNode of that table would have."""
+    return {
+        key: Context(run_id=0, node_id=pid + 1, node_config={"table": key[0], "shard": key[1]},
+                     state=RecordDict(), run_config={})
+        for pid, key in enumerate(strategy.clients)
+    }
+
+
+def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
+                   log: Callable[[str], None] = print) -> InProcessRun:
+    """The same strategy and ClientApp, called directly (no Flower transport, no Ray)."""
     strategy = make_strategy(cfg, run_dir, base_dir, log=log)
-    contexts = {}
-    for pid, key in enumerate(strategy.clients):
-        contexts[key] = Context(run_id=0, node_id=pid + 1, node_config={"table": key[0], "shard": key[1]},
-                                state=RecordDict(), run_config={})
-    run_direct(strategy, {k: (lambda c=c: make_client(cfg, c, base_dir)) for k, c in contexts.items()})
+    contexts = in_process_contexts(strategy)
+    app = client_app_for(cfg, base_dir)
+    strategy.run(DirectTransport(app, {c.node_id: c for c in contexts.values()}))
     return InProcessRun(strategy, contexts)

@@ -7,6 +7,8 @@ Privacy settings (conf/privacy) are checked first, before any data is loaded (tp
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,12 @@ from omegaconf import DictConfig
 
 from simulations.config import CONF_DIR
 from simulations.centralized import constant_predictor_metric, train_centralized
+from strategies.protocol import RunError
 from tpflower import privacy as dp
 from tpflower.datasets import load_spec
 from tpflower.relation import Relation, load_relation
 from tpflower.results import RunResults, new_run_results, write_results
+from tpflower.schema import SpecError
 
 QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
 
@@ -30,9 +34,11 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     algorithm = str(cfg.algorithm.name)
-    check_privacy(cfg, base_dir)
     if algorithm != "centralized":
         from simulations.federated import run_flower_simulation, run_in_process
+        from simulations.server_app import make_strategy
+
+        make_strategy(cfg, None, base_dir, log=lambda _: None)  # every setting checked before Flower starts
 
         if cfg.get("runtime", "flower") == "inprocess":
             results = run_in_process(cfg, run_dir, base_dir).strategy.results
@@ -40,6 +46,7 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
             results = run_flower_simulation(cfg, run_dir, base_dir)
         assert results is not None
         return results
+    check_privacy(cfg, base_dir)
     rel = load_relation(cfg.dataset, str(cfg.mapping.secret).encode(), base_dir=base_dir)
     privacy = cfg.get("privacy") or {"name": "none"}
     if dp.uses_label_dp(privacy):
@@ -53,21 +60,24 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
     return results
 
 
-def check_privacy(cfg: DictConfig, base_dir: str | Path | None = None) -> None:
-    """Refuse impossible privacy settings before any data is loaded or any training starts (ValueError).
+#: Why the centralized baseline refuses feature DP (shown in the error).
+CENTRALIZED_NO_FEATURE_DP = (
+    "the centralized baseline trains one model on the materialized join (features of all tables in one place); "
+    "there is no per-client local model whose table row could be the privacy unit"
+)
 
-    Needs the task, so it parses the dataset spec (never a table). The federated strategies repeat the check
-    in their constructor, so `flwr run` deployments get it too.
+
+def check_privacy(cfg: DictConfig, base_dir: str | Path | None = None) -> None:
+    """The centralized baseline: refuse impossible privacy settings before any data is loaded (ValueError).
+
+    Needs the task, so it parses the dataset spec (never a table). The federated strategies check their
+    own settings in their constructor (run_job builds one before Flower starts; `flwr run` gets it too).
     """
     privacy = cfg.get("privacy") or {"name": "none"}
     if str(privacy.get("name", "none")) == "none":
         return
-    algorithm = str(cfg.algorithm.name)
-    if algorithm != "centralized":
-        from simulations.server_app import strategy_name
-
-        algorithm = strategy_name(cfg)
-    dp.validate_privacy(privacy, algorithm, load_spec(cfg.dataset, base_dir=base_dir).label.task)
+    task = load_spec(cfg.dataset, base_dir=base_dir).label.task
+    dp.validate_privacy(privacy, "centralized", task, feature_dp=False, why_not=CENTRALIZED_NO_FEATURE_DP)
 
 
 def randomize_training_labels(rel: Relation, privacy, seed: int) -> None:
@@ -84,8 +94,15 @@ def randomize_training_labels(rel: Relation, privacy, seed: int) -> None:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> Any:
+    """One line on stderr and exit status 1 for a refused setting or a failed run (TPFLOWER_TRACEBACK=1: raise)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    results = run_job(cfg, run_dir, base_dir=get_original_cwd())
+    try:
+        results = run_job(cfg, run_dir, base_dir=get_original_cwd())
+    except (RunError, SpecError, ValueError) as exc:
+        if os.environ.get("TPFLOWER_TRACEBACK"):
+            raise
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     return results.history[-1].test_metric if results.history else None
 
 

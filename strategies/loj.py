@@ -18,72 +18,78 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from strategies.base import TablePuppetStrategy
 from strategies.lou import ShardRouter
-from strategies.phase import BROADCAST, ClientKey, Message, PhaseStrategy, Protocol, Reply
+from strategies.protocol import ClientKey, Kind, Payload, Reply
+from tpflower.client import numbered, unnumbered
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
 from tpflower.comm import CommMeter, WanModel
 from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
 from tpflower.losses import metrics, output_dim, primary_metric
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping
+from tpflower.params import AlgorithmParams, run_settings
 from tpflower.relation import summary_line
 from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
-from tpflower.schema import RelationalSpec, SpecError, validate_key_kinds
+from tpflower.schema import RelationalSpec, validate_key_kinds
 
 
-class LoJStrategy(PhaseStrategy):
-    """Setup, evaluation and results shared by TP-Join-SGD/ADMM and the VFL baselines."""
+class LoJStrategy(TablePuppetStrategy):
+    """Setup, evaluation and results shared by TP-Join-SGD/ADMM and the VFL baselines.
+
+    ``params``: the algorithm's typed settings, validated (with the run settings and the privacy settings)
+    in the constructor, before any client is contacted."""
 
     algorithm = "loj"
+    params_type: type[AlgorithmParams] = AlgorithmParams
     expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
 
-    def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print):
+    def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
+                 feature_dp: bool = True, label_dp: bool = True):
         self.cfg = cfg
         self.spec = spec
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.log = log
         self.scenario = str(cfg.scenario.name)
-        self.clients: list[ClientKey] = spec.clients(self.scenario)
-        super().__init__(num_clients=len(self.clients))
+        super().__init__(spec.clients(self.scenario), log)
+        run_settings(cfg)
+        self.params = self.params_type.from_cfg(cfg.algorithm)
         self.task = spec.label.task
         self.metric = primary_metric(self.task)
         self.privacy = cfg.get("privacy") or {"name": "none"}
         # impossible privacy settings fail here, before any client is asked for anything (also under flwr run)
-        dp.validate_privacy(self.privacy, self.algorithm, self.task)
+        dp.validate_privacy(self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp)
         self.label_dp = dp.uses_label_dp(self.privacy)
         self.feature_dp = dp.uses_feature_dp(self.privacy)
         self.dp_plan: dict[ClientKey, tuple[int, float]] = {}  # feature DP: (local DP steps of the run, q)
         self.eps_spent: dict[ClientKey, float] = {}  # feature DP: the latest epsilon each client reported
         self.results: RunResults | None = None
+        self.finished = False
         self.comm: CommMeter | None = None
         self._t0 = time.perf_counter()
 
     # ------------------------------------------------------------------------------------------ setup
 
-    def setup(self) -> Protocol:
+    def setup(self) -> None:
         """Round 1 (keys) builds the mapping; VFL adds round 2 (expand). Sets train/test mappings and labels."""
-        replies = yield {BROADCAST: ([], {"phase": "keys", **dp.privacy_message(self.privacy)})}
+        replies = self.send({k: ({}, {"phase": "keys", **dp.privacy_message(self.privacy)}) for k in self.clients})
         self._t0 = time.perf_counter()
-        missing = [k for k in self.clients if k not in replies]
-        if missing:
-            raise SpecError(f"no client holds table shard(s) {missing}; connected: {sorted(replies)}")
         validate_key_kinds(self.spec, self._key_kinds(replies))
         projections: dict[str, list[KeyProjection]] = {t: [] for t in self.spec.table_names}
         for (table, shard), (arrays, _) in replies.items():
             joins = [k for k, j in enumerate(self.spec.joins) if table in (j.left, j.right)]
             projections[table].append(
-                KeyProjection(table, np.asarray(arrays[0], dtype=np.int64), dict(zip(joins, arrays[1 : 1 + len(joins)])))
+                KeyProjection(table, np.asarray(arrays["row_ids"], dtype=np.int64), {k: arrays[f"digest.{k}"] for k in joins})
             )
         mapping = build_mapping(self.spec, projections)
         self.log(summary_line(self.spec, mapping))
         self.routers = {
-            t: ShardRouter({q: np.asarray(r[0][0], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
+            t: ShardRouter({q: np.asarray(r[0]["row_ids"], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
                            mapping.n_rows[t])
             for t in self.spec.table_names
         }
@@ -101,10 +107,9 @@ class LoJStrategy(PhaseStrategy):
         self.mapping = mapping
         if self.feature_dp:  # on the table-row mapping, before a VFL expansion
             self.dp_plan = self.plan_feature_dp()
-        yield from self._federated_preprocessing()
+        self._federated_preprocessing()
         if self.expand:
-            yield from self._expand()
-        return None
+            self._expand()
 
     def _labels(self, replies: Mapping[ClientKey, Reply], n_label_rows: int) -> tuple[np.ndarray, np.ndarray, int | None]:
         """Labels and test flags over the label table's rows, from every shard of the label table."""
@@ -114,7 +119,7 @@ class LoJStrategy(PhaseStrategy):
         for (t, q), (arrays, reply_metrics) in replies.items():
             if t != self.spec.label_table:
                 continue
-            ids, y, flags = np.asarray(arrays[0], dtype=np.int64), arrays[-2], arrays[-1].astype(bool)
+            ids, y, flags = np.asarray(arrays["row_ids"], dtype=np.int64), arrays["y"], arrays["is_test"].astype(bool)
             randomized = reply_metrics.get("labels") == "train_randomized"
             if randomized != self.label_dp:
                 raise RuntimeError(
@@ -132,7 +137,7 @@ class LoJStrategy(PhaseStrategy):
         assert y_rows is not None
         return y_rows, is_test, n_classes or None
 
-    def _federated_preprocessing(self) -> Protocol:
+    def _federated_preprocessing(self) -> None:
         """Sec. 4.4: tables with several shards merge their shards' summaries into one global rule.
 
         Round 1 asks for summaries without order statistics; round 2 (only when needed) asks for the sketches
@@ -142,15 +147,15 @@ class LoJStrategy(PhaseStrategy):
         sharded = [t for t in self.spec.table_names if len(self.routers[t].shards) > 1]
         if not sharded:
             return
-        replies = yield {k: ([], {"phase": "stats", "sketch": ""}) for k in self.clients if k[0] in sharded}
+        replies = self.send({k: ({}, {"phase": "stats", "sketch": ""}) for k in self.clients if k[0] in sharded})
         summaries = self._summaries(replies)
         wanted = {
             t: sketch_columns_needed(summaries[t], [c for c, _ in self.spec.table(t).binned]) for t in sharded
         }
         if any(wanted.values()):
-            again = yield {
-                k: ([], {"phase": "stats", "sketch": ",".join(wanted[k[0]])}) for k in self.clients if wanted.get(k[0])
-            }
+            again = self.send({
+                k: ({}, {"phase": "stats", "sketch": ",".join(wanted[k[0]])}) for k in self.clients if wanted.get(k[0])
+            })
             summaries.update(self._summaries(again))
         messages = {}
         for t in sharded:
@@ -160,15 +165,15 @@ class LoJStrategy(PhaseStrategy):
             edges = [quantile_bin_edges(merged, col, bins) for col, bins in spec_t.binned]
             rule = merged.arrays(with_sketch=False) + edges
             rule_id = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in rule)).hexdigest()[:16]
-            messages.update({k: (rule, {"phase": "rule", "rule_id": rule_id}) for k in self.clients if k[0] == t})
-        yield messages
+            messages.update({k: (numbered("rule", rule), {"phase": "rule", "rule_id": rule_id}) for k in self.clients if k[0] == t})
+        self.send(messages)
 
     def _summaries(self, replies: Mapping[ClientKey, Reply]) -> dict[str, list[ShardSummary]]:
         """The decoded preprocessing summaries of each table's shards, in shard order."""
         out: dict[str, list[ShardSummary]] = {}
         for (t, _), (arrays, _) in sorted(replies.items()):
             spec_t = self.spec.table(t)
-            out.setdefault(t, []).append(ShardSummary.from_arrays(arrays, spec_t.numeric, spec_t.categorical))
+            out.setdefault(t, []).append(ShardSummary.from_arrays(unnumbered(arrays, "summary"), spec_t.numeric, spec_t.categorical))
         return out
 
     def _key_kinds(self, replies: Mapping[ClientKey, Reply]) -> dict[str, dict[str, str]]:
@@ -178,32 +183,26 @@ class LoJStrategy(PhaseStrategy):
             kinds.setdefault(table, {}).update(dict(pairs))
         return kinds
 
-    def _expand(self) -> Protocol:
+    def _expand(self) -> None:
         """VFL: send p_i over all joined rows (train, then test); continue on the identity mapping."""
         N_train, N_test = self.train.N, self.test.N
         order = {t: np.concatenate([self.train.p[t], self.test.p[t]]) for t in self.spec.table_names}
-        yield {k: ([order[k[0]]], {"phase": "expand"}) for k in self.clients}
+        self.send({k: ({"p": order[k[0]]}, {"phase": "expand"}) for k in self.clients})
         n_all = N_train + N_test
         self.train = TableMapping({t: np.arange(N_train) for t in order}, {t: n_all for t in order})
         self.test = TableMapping({t: N_train + np.arange(N_test) for t in order}, {t: n_all for t in order})
 
     # ------------------------------------------------------------------------------------------ records
 
-    def on_round(self, down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]) -> None:
+    def on_round(self, kind: Kind, down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]) -> None:
         # setup rounds (mapping, preprocessing) come before the meter exists and are not training traffic;
-        # the VFL expansion is. Rounds whose messages say "lou" are the union's inner (coordinator) rounds.
-        # The label owner's evaluation rounds (label DP, "eval") are evaluation, not training: not counted.
-        if self.comm is not None:
-            if any(bool(config.get("eval")) for _, config in self._outbox.values()):
-                return
-            inner = any(bool(config.get("lou")) for _, config in self._outbox.values())
-            self.comm.record(down, up, inner=inner)
-
-    def deliver(self, replies: dict[ClientKey, Reply], down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]):
-        for key, (_, m) in replies.items():  # feature DP: every reply after a DP step says what was spent
+        # the VFL expansion is. "inner" rounds are the union's inner (coordinator) rounds. The label owner's
+        # evaluation rounds (label DP, "eval") are evaluation, not training: not counted.
+        for key, (_, m) in self._inbox.items():  # feature DP: every reply after a DP step says what was spent
             if "eps" in m:
                 self.eps_spent[key] = float(m["eps"])
-        return super().deliver(replies, down, up)
+        if self.comm is not None and kind != "eval":
+            self.comm.record(down, up, inner=kind == "inner")
 
     # ------------------------------------------------------------------------------------------ privacy
 
@@ -243,8 +242,8 @@ class LoJStrategy(PhaseStrategy):
             split[(label, q)] = (idx[order], pos[order])
         return split
 
-    def test_metrics(self, H_test: np.ndarray) -> Generator[dict[Any, Message], dict[ClientKey, Reply], dict[str, float]]:
-        """Metrics of the test predictions (a generator: ``test = yield from self.test_metrics(H)``).
+    def test_metrics(self, H_test: np.ndarray) -> dict[str, float]:
+        """Metrics of the test predictions.
 
         Without label DP the server holds the test labels and computes them. With label DP it sends each
         label-table shard its part of H (one ``evaluate`` round) and combines the replies exactly: loss and
@@ -253,9 +252,10 @@ class LoJStrategy(PhaseStrategy):
         """
         if self.y_test is not None:
             return metrics(self.task, H_test, self.y_test)
-        replies = yield {
-            k: ([H_test[idx], pos], {"phase": "evaluate", "eval": 1}) for k, (idx, pos) in self._evaluation.items()
-        }
+        replies = self.send(
+            {k: ({"H": H_test[idx], "rows": pos}, {"phase": "evaluate"}) for k, (idx, pos) in self._evaluation.items()},
+            kind="eval",
+        )
         parts = [(int(m["n"]), m) for _, m in (replies[k] for k in self._evaluation)]
         n = sum(c for c, _ in parts)
         if n == 0:
@@ -270,14 +270,13 @@ class LoJStrategy(PhaseStrategy):
             out["accuracy"] = sum(c * float(m["accuracy"]) for c, m in live) / n
         return out
 
-    def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> Protocol:
+    def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> None:
         """Evaluate the test predictions, append the epoch to the record and print its line.
 
-        A generator (``yield from self.record_epoch(...)``): with label DP the evaluation is a round with the
-        label owner. With feature DP the line shows ``eps``, the max over clients of the epsilon spent so far;
+        With label DP the evaluation is a round with the label owner. With feature DP the line shows ``eps``, the max over clients of the epsilon spent so far;
         ``train_loss`` is against the labels the server holds (the randomized ones under label DP)."""
         assert self.results is not None and self.comm is not None
-        test = yield from self.test_metrics(H_test)
+        test = self.test_metrics(H_test)
         if not np.isfinite(train_loss):
             raise RuntimeError(f"{self.algorithm} diverged in epoch {epoch} (train loss {train_loss})")
         feature_eps = self.feature_epsilon() if self.feature_dp else None
@@ -300,18 +299,19 @@ class LoJStrategy(PhaseStrategy):
 
     def finish(self) -> None:
         """Write results.json (atomically) once the protocol has run to its end."""
+        self.finished = True
         if self.run_dir is not None and self.results is not None:
             path = write_results(self.results, self.run_dir)
             self.log(f"results: {path}")
 
-    def messages(self, build: Callable[[str], tuple[list[np.ndarray], dict[str, Any]]]) -> dict[ClientKey, Any]:
+    def messages(self, build: Callable[[str], Payload]) -> dict[ClientKey, Payload]:
         """One message per client, built from its table name (join scenario: one client per table)."""
         return {k: build(k[0]) for k in self.clients}
 
     @staticmethod
-    def outputs(replies: Mapping[ClientKey, Reply], index: int = 0) -> dict[str, np.ndarray]:
-        """Reply array ``index`` of every client, keyed by table (join scenario)."""
-        return {k[0]: r[0][index] for k, r in replies.items()}
+    def outputs(replies: Mapping[ClientKey, Reply], name: str = "h") -> dict[str, np.ndarray]:
+        """Reply array ``name`` of every client, keyed by table (join scenario)."""
+        return {k[0]: r[0][name] for k, r in replies.items()}
 
     def sgd_schedule(self) -> tuple[SGDSchedule, BatchPlan]:
         """The run's mini-batches over the training join (algorithm.batch_size, seed) and the test rows' plan."""
@@ -319,13 +319,13 @@ class LoJStrategy(PhaseStrategy):
         schedule = SGDSchedule(self.train, B, int(self.cfg.epochs), np.random.default_rng(int(self.cfg.seed)))
         return schedule, BatchPlan.of(self.test, np.arange(self.test.N))
 
-    def shard_messages(self, build: Callable[[ClientKey], tuple[list[np.ndarray], dict[str, Any]]]) -> dict[ClientKey, Any]:
+    def shard_messages(self, build: Callable[[ClientKey], Payload]) -> dict[ClientKey, Payload]:
         """One message per shard client (union scenario)."""
         return {k: build(k) for k in self.clients}
 
-    def gather_rows(self, replies: Mapping[ClientKey, Reply], rows: Mapping[str, np.ndarray], index: int = 0) -> dict[str, np.ndarray]:
-        """Per table, the shards' reply array ``index`` for the table rows ``rows[t]``, in that order."""
+    def gather_rows(self, replies: Mapping[ClientKey, Reply], rows: Mapping[str, np.ndarray], name: str = "h") -> dict[str, np.ndarray]:
+        """Per table, the shards' reply array ``name`` for the table rows ``rows[t]``, in that order."""
         return {
-            t: self.routers[t].gather(rows[t], {q: r[0][index] for (tt, q), r in replies.items() if tt == t})
+            t: self.routers[t].gather(rows[t], {q: r[0][name] for (tt, q), r in replies.items() if tt == t})
             for t in self.spec.table_names
         }

@@ -15,9 +15,11 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.loj import LoJStrategy
-from strategies.phase import Protocol
+from strategies.registry import AlgorithmEntry, register
 from tpflower.loj import ADMMServer, joined_predictions
 from tpflower.losses import loss_np
+from tpflower.params import ADMMParams
+from tpflower.phases import join_admm, setup
 from tpflower.privacy import admm_steps
 
 
@@ -33,25 +35,25 @@ def admm_rho(value, task: str) -> float:
 
 class TPJoinADMM(LoJStrategy):
     algorithm = "tp_join_admm"
+    params_type = ADMMParams
 
-    def protocol(self) -> Protocol:
-        yield from self.setup()
-        alg = self.cfg.algorithm
-        rho = admm_rho(alg.rho, self.task)
-        admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, str(alg.variant))
+    def protocol(self) -> None:
+        self.setup()
+        rho = admm_rho(self.params.rho, self.task)
+        admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, self.params.variant)
         self.admm = admm
         G = admm.G()
-        setup = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
-        replies = yield self.messages(lambda t: ([G[t]], {**setup, **self.dp_config((t, 0))}))
+        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
+        replies = self.send(self.messages(lambda t: ({"G": G[t]}, {**config, **self.dp_config((t, 0))})))
         h = self.outputs(replies)
         for epoch in range(1, int(self.cfg.epochs) + 1):
             Y = admm.step(h)
-            replies = yield self.messages(lambda t: ([Y[t]], {"phase": "admm_update", "epoch": epoch}))
+            replies = self.send(self.messages(lambda t: ({"Y": Y[t]}, {"phase": "admm_update", "epoch": epoch})))
             h = self.outputs(replies)
             H_train = joined_predictions(self.train.p, h)
             train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
             reg = sum(float(r[1]["R"]) for r in replies.values())
-            yield from self.record_epoch(
+            self.record_epoch(
                 epoch,
                 joined_predictions(self.test.p, h),
                 train_loss,
@@ -67,10 +69,10 @@ class TPJoinADMM(LoJStrategy):
 
 def admm_dp_plan(strategy: LoJStrategy, key, calls_per_epoch: int) -> tuple[int, float]:
     """(steps, q) of one client whose DP theta-update runs ``calls_per_epoch`` times per epoch."""
-    alg = strategy.cfg.algorithm
+    alg = strategy.params
     n_a = int(np.count_nonzero(strategy.client_G(key)))
-    b = int(alg.local_batch_size)
-    steps = calls_per_epoch * admm_steps(int(strategy.cfg.epochs), int(alg.local_epochs), n_a, b)
+    b = alg.local_batch_size
+    steps = calls_per_epoch * admm_steps(int(strategy.cfg.epochs), alg.local_epochs, n_a, b)
     return steps, (min(1.0, b / n_a) if n_a else 1.0)
 
 
@@ -79,3 +81,9 @@ class VFLADMM(TPJoinADMM):
 
     algorithm = "vfl_admm"
     expand = True
+
+
+register(AlgorithmEntry("tp_join_admm", "tp_join_admm", "join", TPJoinADMM, {**setup.PHASES, **join_admm.PHASES},
+                        ADMMParams, summary="TP-Join-ADMM (Eq. 7, 8, 14-16): one round trip per epoch"))
+register(AlgorithmEntry("vfl_admm", "vfl_admm", "join", VFLADMM, {**setup.VFL_PHASES, **join_admm.PHASES},
+                        ADMMParams, summary="VFL-ADMM baseline on the expanded join"))

@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.loj import LoJStrategy
-from strategies.phase import Protocol
+from strategies.registry import AlgorithmEntry, register
 from tpflower.loj import batch_size_of, joined_predictions, sgd_aggregate
+from tpflower.params import SGDParams
+from tpflower.phases import join_sgd, setup
 from tpflower.privacy import sgd_steps, table_row_sample_rate
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -22,29 +24,30 @@ EMPTY = np.zeros(0, dtype=np.int64)
 
 class TPJoinSGD(LoJStrategy):
     algorithm = "tp_join_sgd"
+    params_type = SGDParams
 
-    def protocol(self) -> Protocol:
-        yield from self.setup()
+    def protocol(self) -> None:
+        self.setup()
         N = self.train.N
         schedule, evaluation = self.sgd_schedule()
-        replies = yield self.messages(
-            lambda t: ([schedule.first.U[t]], {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
-        )
+        replies = self.send(self.messages(
+            lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
+        ))
         h = self.outputs(replies)
         loss_sum = 0.0
         for epoch, rows, plan, nxt, last in schedule:
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
             loss_sum += loss_b
-            replies = yield self.messages(
+            replies = self.send(self.messages(
                 lambda t: (
-                    [Y[t], nxt.U[t] if nxt else EMPTY] + ([evaluation.U[t]] if last else []),
+                    {"Y": Y[t], "rows": nxt.U[t] if nxt else EMPTY, **({"eval_rows": evaluation.U[t]} if last else {})},
                     {"phase": "sgd_step", "batch_size": len(rows)},
                 )
-            )
-            h = self.outputs(replies, 0)
+            ))
+            h = self.outputs(replies)
             if last:
-                H_test = joined_predictions(evaluation.inv, self.outputs(replies, 1))
-                yield from self.record_epoch(epoch, H_test, loss_sum / N)
+                H_test = joined_predictions(evaluation.inv, self.outputs(replies, "h_eval"))
+                self.record_epoch(epoch, H_test, loss_sum / N)
                 loss_sum = 0.0
         self.finish()
 
@@ -61,7 +64,7 @@ def sgd_dp_plan(strategy: LoJStrategy) -> dict:
     server's actual batching; the Poisson accountant is then the usual approximation, as for shuffled loaders).
     """
     N, epochs = strategy.train.N, int(strategy.cfg.epochs)
-    B = batch_size_of(strategy.cfg.algorithm.batch_size, N)
+    B = batch_size_of(strategy.params.batch_size, N)
     steps = sgd_steps(epochs, N, B)
     rate = str(strategy.cfg.privacy.get("sample_rate", "worst_row"))
     if rate not in ("worst_row", "batch"):
@@ -81,3 +84,9 @@ class VFLSGD(TPJoinSGD):
 
     algorithm = "vfl_sgd"
     expand = True
+
+
+register(AlgorithmEntry("tp_join_sgd", "tp_join_sgd", "join", TPJoinSGD, {**setup.PHASES, **join_sgd.PHASES},
+                        SGDParams, summary="TP-Join-SGD (Eq. 10-13): one round trip per mini-batch"))
+register(AlgorithmEntry("vfl_sgd", "vfl_sgd", "join", VFLSGD, {**setup.VFL_PHASES, **join_sgd.PHASES},
+                        SGDParams, summary="VFL-SGD baseline on the expanded join"))

@@ -20,32 +20,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from strategies.phase import Protocol
+from strategies.registry import AlgorithmEntry, register
 from strategies.tp_join_admm import TPJoinADMM, admm_dp_plan, admm_rho
 from tpflower.loj import ADMMServer, joined_predictions
 from tpflower.losses import loss_np
+from tpflower.params import ADMMParams
+from tpflower.phases import join_admm, setup, union
 from tpflower.relation import has_bias
 
 
 class TPUCQADMM(TPJoinADMM):
     algorithm = "tp_ucq_admm"
 
-    def protocol(self) -> Protocol:
-        yield from self.setup()
-        alg, beta = self.cfg.algorithm, float(self.cfg.model.beta)
+    def protocol(self) -> None:
+        self.setup()
+        alg, beta = self.params, float(self.cfg.model.beta)
         rho = admm_rho(alg.rho, self.task)
-        inner_rounds, inner_tol = int(alg.inner_rounds), float(alg.inner_tol)
-        admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, str(alg.variant))
+        inner_rounds, inner_tol = alg.inner_rounds, alg.inner_tol
+        admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, alg.variant)
         self.admm = admm
         routers = self.routers
         multi = [t for t in self.spec.table_names if len(routers[t].shards) > 1]
         G = {t: routers[t].scatter_all(g) for t, g in admm.G().items()}
-        setup = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
-        replies = yield self.shard_messages(lambda k: ([G[k[0]][k[1]]], {**setup, **self.dp_config(k)}))
+        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
+        replies = self.send(self.shard_messages(lambda k: ({"G": G[k[0]][k[1]]}, {**config, **self.dp_config(k)})))
         h = self._gather_all(replies)
         # all shards of a table start from the same theta (same seed): the consensus model starts there too
-        w = {t: np.asarray(replies[(t, routers[t].shards[0])][0][1], dtype=np.float64) for t in multi}
-        rho_c = {t: self.consensus_rho(alg.get("rho_inner", "auto"), rho, t, len(w[t])) for t in multi}
+        w = {t: np.asarray(replies[(t, routers[t].shards[0])][0]["theta"], dtype=np.float64) for t in multi}
+        rho_c = {t: self.consensus_rho(alg.rho_inner, rho, t, len(w[t])) for t in multi}
         self.inner_rounds_used: list[int] = []
         for epoch in range(1, int(self.cfg.epochs) + 1):
             Y = {t: routers[t].scatter_all(y) for t, y in admm.step(h).items()}
@@ -55,17 +57,17 @@ class TPUCQADMM(TPJoinADMM):
                 for k in self.clients:
                     t, q = k
                     if t in multi:
-                        arrays = ([Y[t][q]] if r == 0 else []) + [w[t] - u[k]]
-                        messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c[t], "epoch": epoch, "lou": int(r > 0)})
+                        arrays = ({"Y": Y[t][q]} if r == 0 else {}) | {"v": w[t] - u[k]}
+                        messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c[t], "epoch": epoch})
                     elif r == 0:
-                        messages[k] = ([Y[t][q]], {"phase": "admm_update", "epoch": epoch})
-                replies = yield messages
+                        messages[k] = ({"Y": Y[t][q]}, {"phase": "admm_update", "epoch": epoch})
+                replies = self.send(messages, kind="inner" if r > 0 else "train")
                 if r == 0:
-                    h.update({t: routers[t].gather_all({q: replies[(t, q)][0][0] for q in routers[t].shards})
+                    h.update({t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards})
                               for t in self.spec.table_names if t not in multi})
                 residual = 0.0
                 for t in multi:
-                    theta = {q: np.asarray(replies[(t, q)][0][0], dtype=np.float64) for q in routers[t].shards}
+                    theta = {q: np.asarray(replies[(t, q)][0]["theta"], dtype=np.float64) for q in routers[t].shards}
                     Q = len(theta)
                     theta_bar = sum(theta.values()) / Q
                     u_bar = sum(u[(t, q)] for q in theta) / Q
@@ -77,11 +79,11 @@ class TPUCQADMM(TPJoinADMM):
                     break
             self.inner_rounds_used.append(r + 1)
             if multi:
-                replies = yield {k: ([w[k[0]]], {"phase": "admm_consensus"}) for k in self.clients if k[0] in multi}
-                h.update({t: routers[t].gather_all({q: replies[(t, q)][0][0] for q in routers[t].shards}) for t in multi})
+                replies = self.send({k: ({"w": w[k[0]]}, {"phase": "admm_consensus"}) for k in self.clients if k[0] in multi})
+                h.update({t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards}) for t in multi})
             H_train = joined_predictions(self.train.p, h)
             train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
-            yield from self.record_epoch(
+            self.record_epoch(
                 epoch,
                 joined_predictions(self.test.p, h),
                 train_loss,
@@ -106,11 +108,16 @@ class TPUCQADMM(TPJoinADMM):
 
     def plan_feature_dp(self) -> dict:
         """As TP-Join-ADMM's, with inner_rounds theta-updates per epoch for the shards of sharded tables."""
-        rounds = int(self.cfg.algorithm.inner_rounds)
+        rounds = self.params.inner_rounds
         return {k: admm_dp_plan(self, k, rounds if len(self.routers[k[0]].shards) > 1 else 1) for k in self.clients}
 
     def _gather_all(self, replies) -> dict[str, np.ndarray]:
         return {
-            t: self.routers[t].gather_all({q: replies[(t, q)][0][0] for q in self.routers[t].shards})
+            t: self.routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in self.routers[t].shards})
             for t in self.spec.table_names
         }
+
+
+register(AlgorithmEntry("tp_ucq_admm", "tp_join_admm", "ucq", TPUCQADMM,
+                        {**setup.PHASES, **join_admm.PHASES, **union.ADMM_PHASES}, ADMMParams,
+                        summary="TP-UCQ-ADMM (Eq. 20-24): consensus ADMM over the shards"))

@@ -20,25 +20,28 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.loj import LoJStrategy
-from strategies.phase import Protocol
+from strategies.registry import AlgorithmEntry, register
 from strategies.tp_join_sgd import sgd_dp_plan
 from tpflower.loj import joined_predictions, sgd_aggregate
+from tpflower.params import SGDParams
+from tpflower.phases import join_sgd, setup, union
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class TPUCQSGD(LoJStrategy):
     algorithm = "tp_ucq_sgd"
+    params_type = SGDParams
 
-    def protocol(self) -> Protocol:
-        yield from self.setup()
+    def protocol(self) -> None:
+        self.setup()
         N = self.train.N
         schedule, evaluation = self.sgd_schedule()
         eval_split = {t: self.routers[t].split(evaluation.U[t]) for t in self.spec.table_names}
         split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
-        replies = yield self.shard_messages(
-            lambda k: ([split[k[0]][k[1]]], {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
-        )
+        replies = self.send(self.shard_messages(
+            lambda k: ({"rows": split[k[0]][k[1]]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
+        ))
         h = self.gather_rows(replies, schedule.first.U)
         loss_sum = 0.0
         for epoch, rows, plan, nxt, last in schedule:
@@ -46,27 +49,33 @@ class TPUCQSGD(LoJStrategy):
             loss_sum += loss_b
             counts = {t: np.bincount(plan.inv[t], minlength=len(plan.U[t])) for t in plan.U}  # G_iu in B
             masks = {t: self.routers[t].masks(plan.U[t]) for t in plan.U}
-            replies = yield self.shard_messages(
+            replies = self.send(self.shard_messages(
                 lambda k: (
-                    [Y[k[0]][masks[k[0]][k[1]]]],
-                    {"phase": "sgd_partial", "count": float(counts[k[0]][masks[k[0]][k[1]]].sum()), "lou": 1},
+                    {"Y": Y[k[0]][masks[k[0]][k[1]]]},
+                    {"phase": "sgd_partial", "count": float(counts[k[0]][masks[k[0]][k[1]]].sum())},
                 )
-            )
-            g = {t: sum(r[0][0] for (tt, _), r in sorted(replies.items()) if tt == t) / len(rows) for t in plan.U}  # Eq. 17
+            ), kind="inner")
+            g = {t: sum(r[0]["g"] for (tt, _), r in sorted(replies.items()) if tt == t) / len(rows) for t in plan.U}  # Eq. 17
             nsplit = {t: self.routers[t].split(nxt.U[t]) for t in nxt.U} if nxt else None
-            replies = yield self.shard_messages(
+            replies = self.send(self.shard_messages(
                 lambda k: (
-                    [g[k[0]], nsplit[k[0]][k[1]] if nsplit else EMPTY] + ([eval_split[k[0]][k[1]]] if last else []),
+                    {"g": g[k[0]], "rows": nsplit[k[0]][k[1]] if nsplit else EMPTY,
+                     **({"eval_rows": eval_split[k[0]][k[1]]} if last else {})},
                     {"phase": "sgd_apply"},
                 )
-            )
+            ))
             if nxt is not None:
                 h = self.gather_rows(replies, nxt.U)
             if last:
-                H_test = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, index=1))
-                yield from self.record_epoch(epoch, H_test, loss_sum / N)
+                H_test = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, "h_eval"))
+                self.record_epoch(epoch, H_test, loss_sum / N)
                 loss_sum = 0.0
         self.finish()
 
     def plan_feature_dp(self) -> dict:
         return sgd_dp_plan(self)
+
+
+register(AlgorithmEntry("tp_ucq_sgd", "tp_join_sgd", "ucq", TPUCQSGD,
+                        {**setup.PHASES, **join_sgd.PHASES, **union.SGD_PHASES}, SGDParams,
+                        summary="TP-UCQ-SGD (Eq. 17-19): TP-Join-SGD through the union"))

@@ -70,7 +70,7 @@ def test_fab_holds_the_app_and_not_the_venv_or_outputs():
     fab = build_fab_from_disk(deploy.APP_DIR)  # what `flwr run` ships
     names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
     for needed in ("pyproject.toml", "simulations/client_app.py", "simulations/server_app.py", "conf/config.yaml",
-                   "conf/dataset/synthetic.yaml", "strategies/phase.py", "tpflower/client.py"):
+                   "conf/dataset/synthetic.yaml", "strategies/base.py", "tpflower/client.py"):
         assert needed in names
     assert not [n for n in names if n.startswith((".venv/", "outputs/", "multirun/", ".git/")) or "__pycache__" in n]
     assert len(fab) < 2_000_000

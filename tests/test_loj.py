@@ -1,6 +1,6 @@
 """Learning over join: exactness against the centralized math, ADMM convergence, communication volumes.
 
-These run the real strategy and client code in-process (strategies.phase.run_direct: the same payloads as
+These run the real strategy and client code in-process (strategies.protocol.DirectTransport: the same records as
 under Flower, without Ray); tests/test_flower.py runs the same code under Flower's simulation engine.
 """
 

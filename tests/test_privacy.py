@@ -329,8 +329,8 @@ BASE = {"epsilon": 1.0, "delta": 1e-5, "clip": 1.0, "label_lambda": 0.5, "label_
 @pytest.mark.parametrize("name", P.PRIVACY_NAMES)
 @pytest.mark.parametrize("task", P.TASKS)
 def test_validate_accepts_paper_settings(name, task):
-    P.validate_privacy({**BASE, "name": name}, "tp_join_sgd", task)
-    P.validate_privacy({**BASE, "name": name}, "tp_join_admm", task)
+    P.validate_privacy({**BASE, "name": name}, "tp_join_sgd", task, feature_dp=True)
+    P.validate_privacy({**BASE, "name": name}, "tp_join_admm", task, feature_dp=True)
 
 
 @pytest.mark.parametrize(
@@ -355,22 +355,26 @@ def test_validate_accepts_paper_settings(name, task):
         ({"name": "label", "label_epsilon": 0}, "regression", "tp_join_sgd", "privacy.label_epsilon"),
         ({"name": "dpsgd"}, "regression", "centralized", "'centralized'"),
         ({"name": "label_dpsgd"}, "binary", "celu", "'celu'"),
-        ({"name": "label"}, "binary", "my_new_algo", "'my_new_algo'"),
         ({"name": "label"}, "ordinal", "tp_join_sgd", "task"),
     ],
 )
 def test_validate_refuses_impossible_settings(override, task, algorithm, match):
     cfg = {**BASE, "name": "label_dpsgd", **override}
     with pytest.raises(ValueError, match=match):
-        P.validate_privacy(cfg, algorithm, task)
+        P.validate_privacy(cfg, algorithm, task, feature_dp=algorithm == "tp_join_sgd")
+
+
+def test_validate_refuses_label_dp_where_unsupported():
+    with pytest.raises(ValueError, match="'my_new_algo'"):
+        P.validate_privacy({**BASE, "name": "label"}, "my_new_algo", "binary", feature_dp=True, label_dp=False)
 
 
 def test_validate_messages_name_algorithm_and_setting():
     with pytest.raises(ValueError) as err:
-        P.validate_privacy({**BASE, "name": "dpsgd"}, "centralized", "regression")
-    assert "privacy=dpsgd" in str(err.value) and "centralized" in str(err.value)
-    P.validate_privacy({**BASE, "name": "label"}, "centralized", "regression")  # label DP is fine there
-    P.validate_privacy({"name": "none", "epsilon": -1}, "centralized", "regression")  # none ignores the rest
+        P.validate_privacy({**BASE, "name": "dpsgd"}, "centralized", "regression", feature_dp=False, why_not="one model")
+    assert "privacy=dpsgd" in str(err.value) and "centralized" in str(err.value) and "one model" in str(err.value)
+    P.validate_privacy({**BASE, "name": "label"}, "centralized", "regression", feature_dp=False)  # label DP is fine there
+    P.validate_privacy({"name": "none", "epsilon": -1}, "centralized", "regression", feature_dp=False)  # none ignores the rest
 
 
 def test_privacy_summary():

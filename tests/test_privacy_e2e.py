@@ -1,7 +1,7 @@
 """Privacy end to end (issue 5): accounting, an audit of every client payload, refusals, DP training.
 
-All runs are in-process (strategies.phase.run_direct: the same strategy, client code and payloads as under
-Flower) on the synthetic snowflake. The audit wraps every client so that each reply (arrays, metrics) is
+All runs are in-process (strategies.protocol.DirectTransport: the same strategy, ClientApp and records as
+under Flower) on the synthetic snowflake. The audit wraps every client so that each reply (arrays, metrics) is
 recorded, then looks for the raw data in it.
 """
 
@@ -11,16 +11,16 @@ import math
 
 import numpy as np
 import pytest
-from flwr.common import Context, RecordDict
 from opacus.accountants import RDPAccountant
 
-from simulations.client_app import make_client
+from simulations.client_app import client_app_for, make_client
 from simulations.config import compose_config
-from simulations.federated import run_in_process
+from simulations.federated import in_process_contexts, run_in_process
 from simulations.run import run_job
 from simulations.server_app import make_strategy
-from strategies.phase import run_direct
+from strategies.protocol import DirectTransport
 from tpflower.client import ClientState
+from tpflower.records import unpack_payload, unpack_reply
 from tpflower.datasets import load_dataset
 from tpflower.losses import metrics
 from tpflower.privacy import label_keep_probability
@@ -49,35 +49,30 @@ class Recorded:
     def __init__(self, *overrides: str):
         self.cfg = cfg_of(*overrides)
         self.strategy = make_strategy(self.cfg, None, log=quiet)
-        self.contexts = {
-            key: Context(run_id=0, node_id=i + 1, node_config={"table": key[0], "shard": key[1]},
-                         state=RecordDict(), run_config={})
-            for i, key in enumerate(self.strategy.clients)
-        }
-        self.sent: list[tuple[tuple[str, int], str, list[np.ndarray], dict]] = []
-        self.got: list[tuple[tuple[str, int], str, list[np.ndarray], dict]] = []
-        run_direct(self.strategy, {k: (lambda k=k: self._recorder(k)) for k in self.contexts})
+        self.contexts = in_process_contexts(self.strategy)
+        self.sent: list[tuple[tuple[str, int], str, dict[str, np.ndarray], dict]] = []
+        self.got: list[tuple[tuple[str, int], str, dict[str, np.ndarray], dict]] = []
+        app = client_app_for(self.cfg)
+        key_of = {c.node_id: k for k, c in self.contexts.items()}
+
+        def recording(msg, context):
+            reply = app(msg, context)
+            arrays, config = unpack_payload(msg.content)
+            out, metrics = unpack_reply(reply.content)
+            key, phase = key_of[context.node_id], str(config["phase"])
+            self.sent.append((key, phase, out, metrics))
+            self.got.append((key, phase, arrays, config))
+            return reply
+
+        self.strategy.run(DirectTransport(recording, {c.node_id: c for c in self.contexts.values()}))
 
     def client(self, key):
         return make_client(self.cfg, self.contexts[key])
 
-    def _recorder(self, key):
-        client, sent, got = self.client(key), self.sent, self.got
-
-        class Recorder:
-            def fit(self, parameters, config):
-                arrays, n, m = client.fit(parameters, config)
-                phase = str(config["phase"])
-                sent.append((key, phase, [np.array(a, copy=True) for a in arrays], dict(m, num_examples=n)))
-                got.append((key, phase, [np.array(a, copy=True) for a in parameters], dict(config)))
-                return arrays, n, m
-
-        return Recorder()
-
 
 def vectors(arrays):
     """Every 1-d view a payload offers: 1-d arrays, columns and the flattening of 2-d arrays, scalars grouped."""
-    for a in arrays:
+    for a in arrays.values():
         a = np.asarray(a)
         if a.dtype.kind not in "biuf" or a.size == 0:
             continue
@@ -173,7 +168,7 @@ def test_audit_no_raw_keys_features_or_labels_leave_a_client(overrides):
     for key, phase, arrays, m in rec.sent:
         if phase == "keys" and key[0] == "fact":
             client = rec.client(key)
-            y_sent, flags = arrays[-2], arrays[-1].astype(bool)
+            y_sent, flags = arrays["y"], arrays["is_test"].astype(bool)
             assert m["labels"] == "train_randomized" and len(y_sent) == int((~flags).sum())
             np.testing.assert_array_equal(flags, client.data.is_test)
             kept = np.mean(y_sent == client.data.y[~flags])
@@ -187,10 +182,9 @@ def test_label_owner_evaluation_equals_metrics_on_true_labels():
     H, y = [], []
     for key, phase, params, config in rec.got:
         if phase == "evaluate":
-            assert config["eval"] == 1
             client = rec.client(key)
-            H.append(params[0])
-            y.append(client.data.y[params[1].astype(np.int64)])
+            H.append(params["H"])
+            y.append(client.data.y[params["rows"].astype(np.int64)])
     assert len(H) == 2  # one evaluation round (one epoch), both shards of fact
     expected = metrics("binary", np.concatenate(H), np.concatenate(y))
     last = rec.strategy.results.history[-1]

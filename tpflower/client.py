@@ -1,26 +1,14 @@
-"""The client operator: a Flower NumPyClient that holds one table (or shard) and its local model f_i.
+"""The client operator: a Flower NumPyClient that holds one table (or shard) and its local model f_i, with
+the services every algorithm's phases use (data, model, DP trainer, state records).
 
-``fit(parameters, config)`` dispatches on ``config["phase"]``; arrays travel in ``parameters``, small
-scalars in ``config``. What a client sends is row ids, keyed digests of join keys, model predictions
-and (the label owner) labels: never raw features or raw keys. Its state (theta, the pending batch, G_i,
-the VFL expansion) lives in ``context.state``, because Flower may rebuild the client object per message.
-
-Phases (server config["phase"] -> reply arrays):
-  keys         -> [row_ids, digest per join of this table..., (label owner) y, is_test]
-                  with label DP: y holds the randomized labels of the TRAINING rows only
-  stats        -> preprocessing summary of its fit rows (union: a table with several shards, Sec. 4.4)
-  rule         [global rule]      -> []            the merged preprocessing rule replaces the local fit
-  expand       [p_i]              -> []            VFL: from now on the client's rows are the N joined rows
-  predict      [rows]             -> [h(rows)]      rows: indices into the client's rows; remembered as pending
-  sgd_step     [Y, rows, (eval)]  -> [h(rows), (h(eval))]  Eq. 12-13 on the pending rows, then predict
-  sgd_partial  [Y]                -> [g]             union: unnormalised partial gradient of Eq. 18
-  sgd_apply    [g, rows, (eval)]  -> [h(rows), (h(eval))]  union: the coordinator's step (Eq. 19), then predict
-  admm_setup   [G]                -> [h(all rows), theta]  config: N, rho
-  admm_update  [Y]                -> [h(all rows)]  Eq. 16 (closed form for linear models)
-  admm_shard   [(Y), v]           -> [theta^q]       union: consensus step of Eq. 22 with v = w - u^q
-  admm_consensus [w]              -> [h(all rows)]  union: theta = w (Eq. 20), then predict
-  evaluate     [H, rows]          -> []              label DP: the label owner scores the test predictions H
-                                                     of its test rows ``rows`` against its true labels (metrics)
+The ClientApp hands every message to :meth:`TableClient.handle` (or the NumPyClient entry :meth:`fit`), which
+dispatches ``config["phase"]`` to the phase handlers of the algorithm the client was built for (the
+registry's entry: tpflower/phases/setup.py for the setup phases every algorithm shares, and one module per
+algorithm family beside it); a phase the algorithm does not have is refused, naming the phase. Arrays travel
+by name, small scalars in the config. What a client sends is row ids, keyed digests of join keys, model
+predictions and (the label owner) labels: never raw features or raw keys. Its state lives in
+``context.state`` (:class:`ClientState`, typed per family with :class:`StateRecord`), because Flower rebuilds
+the client object per message.
 
 Privacy (tpflower.privacy; ALGORITHMS.md "Privacy"). The settings come from the client's own config
 (``ClientSettings.privacy``) or else from the server's keys message, and are kept in ``context.state``.
@@ -35,9 +23,9 @@ the client derives sigma from them ONCE and stores it. Every update is then a DP
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,17 +33,9 @@ from flwr.client import NumPyClient
 from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from tpflower import privacy as dp
-from tpflower.fedprep import GlobalRule, apply_rule, local_summary
+from tpflower.fedprep import GlobalRule, apply_rule
 from tpflower.local_table import LocalTable, ShardData
-from tpflower.local_update import (
-    admm_update_linear,
-    admm_update_local_opt,
-    apply_step,
-    sgd_partial_gradient,
-    sgd_step,
-)
-from tpflower.losses import metrics as eval_metrics
-from tpflower.mapping import project_keys, segment_sum
+from tpflower.mapping import segment_sum
 from tpflower.models import l2_penalty, torch_dtype
 from tpflower.relation import build_local_model
 from tpflower.schema import RelationalSpec, key_kind
@@ -70,7 +50,7 @@ class ClientSettings:
     shard: int
     region: str
     model: Mapping[str, Any]
-    algorithm: Mapping[str, Any]
+    algorithm: Any  # the algorithm's typed settings (tpflower.params.AlgorithmParams)
     seed: int
     precision: str
     secret: bytes
@@ -120,26 +100,70 @@ class ClientState:
         self.records["theta"] = ArrayRecord(torch_state_dict={k: v.cpu() for k, v in model.state_dict().items()})
 
 
-class TableClient(NumPyClient):
-    """One table's (or shard's) client operator."""
+Arrays = dict[str, np.ndarray]
+#: A phase of an algorithm, client side: (client, named arrays, config) -> (named arrays, metrics).
+PhaseHandler = Callable[["TableClient", Arrays, Mapping[str, Any]], tuple[Arrays, dict[str, Any]]]
+S = TypeVar("S", bound="StateRecord")
 
-    def __init__(self, data: ShardData, settings: ClientSettings, state: RecordDict):
+
+@dataclass
+class StateRecord:
+    """A family's typed client state, kept in context.state: ndarray fields in one ArrayRecord, the other
+    fields (int, float, str) in one ConfigRecord, both named after the class."""
+
+    @classmethod
+    def load(cls: type[S], state: ClientState) -> S | None:
+        arrays = state.records.get(f"{cls.__name__}.arrays")
+        scalars = state.records.get(f"{cls.__name__}.scalars")
+        if arrays is None and scalars is None:
+            return None
+        values = {k: a.numpy() for k, a in (arrays or {}).items()}
+        values.update(dict(scalars or {}))
+        return cls(**{f.name: values.get(f.name) for f in fields(cls)})
+
+    def save(self, state: ClientState) -> None:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        arrays = {k: Array(np.ascontiguousarray(v)) for k, v in values.items() if isinstance(v, np.ndarray)}
+        state.records[f"{type(self).__name__}.arrays"] = ArrayRecord(array_dict=arrays)
+        state.records[f"{type(self).__name__}.scalars"] = ConfigRecord(
+            {k: v for k, v in values.items() if k not in arrays and v is not None})
+
+
+class TableClient(NumPyClient):
+    """One table's (or shard's) client operator, answering the phases of one algorithm."""
+
+    def __init__(self, data: ShardData, settings: ClientSettings, state: RecordDict,
+                 phases: Mapping[str, PhaseHandler] | None = None, algorithm: str = ""):
         self.data = data
         self.settings = settings
         self.state = ClientState(state)
+        self.phases = dict(phases or {})
+        self.algorithm = algorithm
         self.dtype = torch_dtype(settings.precision)
         # a client given a GPU (conf/resources num_gpus > 0) computes on it; Ray sets CUDA_VISIBLE_DEVICES
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     # ---------------------------------------------------------------------------------------- Flower API
 
-    def fit(self, parameters: list[np.ndarray], config: Mapping[str, Any]) -> tuple[list[np.ndarray], int, dict]:
+    def handle(self, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+        """Answer one message: ``config["phase"]`` names the phase, ``arrays`` its named arrays."""
         phase = str(config.get("phase"))
-        handler = getattr(self, f"phase_{phase}", None)
+        handler = self.phases.get(phase)
         if handler is None:
-            raise ValueError(f"table {self.settings.table!r}: unknown phase {phase!r} in the server's message")
-        arrays, metrics = handler(parameters, config)
-        return arrays, len(self.data.row_ids), metrics
+            raise ValueError(
+                f"table {self.settings.table!r} shard {self.settings.shard}: phase {phase!r} is not a phase of "
+                f"algorithm {self.algorithm!r} (it answers {sorted(self.phases)})"
+            )
+        return handler(self, arrays, config)
+
+    def fit(self, parameters: list[np.ndarray], config: Mapping[str, Any]) -> tuple[list[np.ndarray], int, dict]:
+        """NumPyClient's entry: ``parameters`` are the message's arrays in the order ``config["arrays"]`` names
+        them (comma-separated); the reply's arrays come back in the order its metrics' ``arrays`` names."""
+        names = [n for n in str(config.get("arrays", "")).split(",") if n]
+        if len(names) != len(parameters):
+            raise ValueError(f"fit: {len(parameters)} arrays but config['arrays'] names {len(names)}")
+        out, metrics = self.handle(dict(zip(names, parameters)), config)
+        return list(out.values()), len(self.data.row_ids), {**metrics, "arrays": ",".join(out)}
 
     # ---------------------------------------------------------------------------------------- helpers
 
@@ -163,7 +187,7 @@ class TableClient(NumPyClient):
             ),
         )
 
-    def _model(self, config: Mapping[str, Any]) -> torch.nn.Module:
+    def model(self, config: Mapping[str, Any]) -> torch.nn.Module:
         """f_i with the stored theta, built identically to the centralized model's part on first use."""
         d_out = int(config.get("d_out") or self.state.scalar("d_out"))
         self.state.set_scalar("d_out", d_out)
@@ -172,58 +196,58 @@ class TableClient(NumPyClient):
         self.state.load_model(model)
         return model.to(self.device)
 
-    def _rows_X(self, rows: np.ndarray | None) -> np.ndarray:
+    def rows_X(self, rows: np.ndarray | None) -> np.ndarray:
         """Features of the client's rows ``rows`` (all when None); under VFL these are joined rows."""
         expand = self.state.get("expand")
         if expand is not None:
             rows = expand if rows is None else expand[rows]
         return self.local.X if rows is None else self.local.X[rows]
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+    def tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(array, dtype=self.dtype, device=self.device)
 
     @staticmethod
-    def _theta(model: torch.nn.Module) -> np.ndarray:
+    def theta(model: torch.nn.Module) -> np.ndarray:
         """The model's parameters as one flat vector (the consensus ADMM's unit of exchange)."""
         return torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
 
-    def _local_generator(self, config: Mapping[str, Any]) -> torch.Generator:
+    def local_generator(self, config: Mapping[str, Any]) -> torch.Generator:
         """Row order of a non-DP local optimisation (MLP theta-update): seeded by the run seed and the epoch."""
         return torch.Generator().manual_seed(int(self.settings.seed) * 7919 + int(config.get("epoch", 0)))
 
-    def _predict(self, model: torch.nn.Module, rows: np.ndarray | None) -> np.ndarray:
+    def predict(self, model: torch.nn.Module, rows: np.ndarray | None) -> np.ndarray:
         with torch.no_grad():
-            return model(self._tensor(self._rows_X(rows))).cpu().numpy()
+            return model(self.tensor(self.rows_X(rows))).cpu().numpy()
 
-    def _metrics(self, model: torch.nn.Module) -> dict[str, float]:
+    def reg_metrics(self, model: torch.nn.Module) -> dict[str, float]:
         with torch.no_grad():
             return {"R": float(l2_penalty(model))}  # R_i(theta_i), for the server's objective
 
     # ---------------------------------------------------------------------------------------- privacy
 
-    def _privacy(self) -> Mapping[str, Any]:
+    def privacy(self) -> Mapping[str, Any]:
         """The privacy settings: the client's own, else those the keys message carried (kept in state)."""
         if self.settings.privacy is not None:
             return self.settings.privacy
         rec = self.state.records.get("privacy")
         return dp.privacy_from_message(dict(rec) if rec is not None else {})
 
-    def _feature_dp(self) -> bool:
-        return dp.uses_feature_dp(self._privacy())
+    def feature_dp(self) -> bool:
+        return dp.uses_feature_dp(self.privacy())
 
-    def _seed(self, purpose: str) -> int | None:
+    def dp_seed_of(self, purpose: str) -> int | None:
         s = self.settings
-        return dp.dp_seed(self._privacy(), s.seed, purpose, s.table, s.shard)
+        return dp.dp_seed(self.privacy(), s.seed, purpose, s.table, s.shard)
 
-    def _dp_init(self, config: Mapping[str, Any]) -> None:
+    def dp_init(self, config: Mapping[str, Any]) -> None:
         """Feature DP: sigma for the run's planned local steps and sample rate, computed once and stored."""
-        if not self._feature_dp() or self.state.scalar("dp_sigma") is not None:
+        if not self.feature_dp() or self.state.scalar("dp_sigma") is not None:
             return
         if "dp_steps" not in config or "dp_q" not in config:
             raise RuntimeError(
                 f"table {self.settings.table!r}: feature DP is on but the server sent no DP plan (dp_steps, dp_q)"
             )
-        priv = self._privacy()
+        priv = self.privacy()
         steps, q = int(config["dp_steps"]), float(config["dp_q"])
         # no step planned (a shard without active rows): sigma is never used; _dp_done refuses any step
         sigma = dp.noise_multiplier_for(priv["epsilon"], priv["delta"], q, steps) if steps >= 1 else 0.0
@@ -231,7 +255,7 @@ class TableClient(NumPyClient):
         self.state.set_scalar("dp_q", q)
         self.state.set_scalar("dp_steps", steps)
 
-    def _trainer(self, model: torch.nn.Module) -> dp.DPLocalTrainer:
+    def trainer(self, model: torch.nn.Module) -> dp.DPLocalTrainer:
         """A DP-SGD trainer around ``model`` (theta already loaded), with the accountant history of the run."""
         sigma = self.state.scalar("dp_sigma")
         if sigma is None:
@@ -240,13 +264,13 @@ class TableClient(NumPyClient):
         return dp.DPLocalTrainer(
             model,
             noise_multiplier=float(sigma),
-            max_grad_norm=float(self._privacy()["clip"]),
+            max_grad_norm=float(self.privacy()["clip"]),
             sample_rate=float(self.state.scalar("dp_q")),
-            seed=self._seed("noise"),
+            seed=self.dp_seed_of("noise"),
             history=[] if history is None else history.tolist(),
         )
 
-    def _dp_done(self, trainer: dp.DPLocalTrainer, metrics: dict[str, Any]) -> None:
+    def dp_done(self, trainer: dp.DPLocalTrainer, metrics: dict[str, Any]) -> None:
         """Store the accountant history, report the epsilon spent, remove the Opacus hooks from the model."""
         planned = int(self.state.scalar("dp_steps"))
         if trainer.steps > planned:  # nothing of this step leaves the client
@@ -255,15 +279,15 @@ class TableClient(NumPyClient):
                 f"{planned} the noise was calibrated for (privacy budget exhausted)"
             )
         self.state.put("dp_history", np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3))
-        metrics["eps"] = trainer.epsilon(float(self._privacy()["delta"]))
+        metrics["eps"] = trainer.epsilon(float(self.privacy()["delta"]))
         trainer.close()
 
-    def _sample_generator(self, steps: int) -> torch.Generator:
+    def sample_generator(self, steps: int) -> torch.Generator:
         """Row sampling of a DP theta-update (fresh per call: seeded by the steps taken so far)."""
-        seed = self._seed(f"sample:{int(steps)}")
+        seed = self.dp_seed_of(f"sample:{int(steps)}")
         return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
 
-    def _table_rows(self, rows: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def table_rows(self, rows: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feature DP: the privacy unit is one TABLE row. Given the client's rows ``rows`` and their Y, the
         distinct table rows and Y summed over each one's rows. TP-Join: the rows are table rows already;
         VFL: they are joined rows, summed over the duplicates with the expand map p_i (Eq. 10 on the client)."""
@@ -273,7 +297,7 @@ class TableClient(NumPyClient):
         U, inv = np.unique(expand[rows], return_inverse=True)
         return U, segment_sum(inv.reshape(-1), np.asarray(Y, dtype=np.float64), len(U))
 
-    def _admm_rows(self, G: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def admm_rows(self, G: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Feature DP, Eq. 16 over TABLE rows: (X, G, Y) of the table. VFL-ADMM (G = 1 per joined row) sums
         G and Y over each table row's joined rows, which gives exactly TP-Join-ADMM's per-row term."""
         expand = self.state.get("expand")
@@ -284,217 +308,17 @@ class TableClient(NumPyClient):
         G_t = segment_sum(expand, np.asarray(G, dtype=np.float64), n)
         return X, G_t, segment_sum(expand, np.asarray(Y, dtype=np.float64), n)
 
-    # ---------------------------------------------------------------------------------------- phases
-
-    def phase_keys(self, parameters, config):
-        """Row ids and keyed digests of the join keys (Sec. 3.1.1); the label owner adds its labels."""
-        s, data = self.settings, self.data
-        if config.get("privacy") and s.privacy is None:  # the run's privacy settings, for the later phases
-            rec = ConfigRecord()
-            for k, v in config.items():
-                if k == "privacy" or str(k).startswith("privacy."):
-                    rec[k] = v
-            self.state.records["privacy"] = rec
-        proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
-        arrays = proj.arrays()
-        metrics: dict[str, Any] = {
-            "table": s.table,
-            "shard": s.shard,
-            "region": s.region,
-            "n_rows": len(data.row_ids),
-            "key_kinds": ",".join(f"{c}={k}" for c, k in s.key_kinds.items()),
-        }
-        if data.y is not None:
-            y = data.y
-            priv = self._privacy()
-            if dp.uses_label_dp(priv):
-                # label DP, once, before the labels leave: the training rows' labels randomized
-                # (tpflower.privacy.randomize_labels), the test rows' labels not sent at all (see evaluate)
-                train = ~data.is_test
-                rng = dp.label_rng(priv, s.seed, s.table, s.shard)
-                y = dp.randomize_labels(data.y[train], s.spec.label.task, priv, rng, data.n_classes)
-                metrics["labels"] = "train_randomized"
-            arrays += [y, data.is_test.astype(np.uint8)]
-            metrics["n_classes"] = int(data.n_classes or 0)
-        return arrays, metrics
-
-    def phase_stats(self, parameters, config):
-        """Federated preprocessing, step 1: a summary of this shard's fit rows (no raw values or strings)."""
-        s, t = self.settings, self.settings.spec.table(self.settings.table)
-        wanted = config.get("sketch")  # the columns whose order statistics the server asks for; absent: all
-        columns = None if wanted is None else [c for c in str(wanted).split(",") if c]
-        summary = local_summary(self.data.rows, t.numeric, t.categorical, s.secret, self.data.fit_positions,
-                                table=s.table, sketch_columns=columns)
-        return summary.arrays(), {}
-
-    def phase_rule(self, parameters, config):
-        """Federated preprocessing, step 3: keep the merged global rule; features are built from it."""
-        self.state.put_list("rule", list(parameters))
-        self.state.set_scalar("rule_id", str(config["rule_id"]))
-        return [], {}
-
-    def phase_expand(self, parameters, config):
-        """VFL baselines: the server sent p_i; the client's rows become the N joined rows X_i[p_i]."""
-        self.state.put("expand", np.asarray(parameters[0], dtype=np.int64))
-        return [], {}
-
-    def phase_predict(self, parameters, config):
-        self._dp_init(config)
-        model = self._model(config)
-        rows = np.asarray(parameters[0], dtype=np.int64) if parameters else None
-        if rows is not None:
-            self.state.put("pending", rows)
-        self.state.save_model(model)
-        return [self._predict(model, rows)], self._metrics(model)
-
-    def phase_sgd_step(self, parameters, config):
-        """Eq. 12-13 on the pending rows with their aggregated Y_i, then predict the next rows (pipelining)."""
-        Y, next_rows, *eval_rows = parameters
-        model = self._model(config)
-        pending = self.state.get("pending")
-        if pending is None or len(pending) != len(Y):
-            raise RuntimeError(f"table {self.settings.table!r}: sgd_step without a matching predict of its rows")
-        lr, beta, batch = float(self.settings.algorithm["lr"]), float(self.settings.model["beta"]), int(config["batch_size"])
-        privacy: dict[str, Any] = {}
-        if self._feature_dp():  # DP-SGD: per TABLE row clipped terms of Eq. 12, Gaussian noise
-            rows, Y_rows = self._table_rows(pending, Y)
-            trainer = self._trainer(model)
-            trainer.sgd_step(self._tensor(self.local.X[rows]), self._tensor(Y_rows), batch, lr, beta)
-            self._dp_done(trainer, privacy)
-        else:
-            sgd_step(model, self._tensor(self._rows_X(pending)), self._tensor(Y), batch, lr, beta)
-        self.state.save_model(model)
-        self.state.put("pending", np.asarray(next_rows, dtype=np.int64))
-        out = [self._predict(model, np.asarray(rows, dtype=np.int64)) for rows in [next_rows, *eval_rows]]
-        return out, {**self._metrics(model), **privacy}
-
-    def phase_admm_setup(self, parameters, config):
-        """Store G_i (Eq. 15, constant) and N; predict every row."""
-        self.state.put("G", np.asarray(parameters[0], dtype=np.float64))
-        self.state.set_scalar("N", int(config["N"]))
-        self.state.set_scalar("rho", float(config["rho"]))  # the server resolves algorithm.rho=auto
-        self._dp_init(config)
-        model = self._model(config)
-        self.state.save_model(model)
-        return [self._predict(model, None), self._theta(model)], self._metrics(model)  # theta: the consensus start (union)
-
-    def phase_admm_update(self, parameters, config):
-        """theta_i = argmin Eq. 16 given Y_i, G_i; then predict every row with the new theta."""
-        (Y,) = parameters
-        model = self._model(config)
-        G = self.state.get("G")
-        N = int(self.state.scalar("N"))
-        alg, beta = self.settings.algorithm, float(self.settings.model["beta"])
-        rho = float(self.state.scalar("rho"))
-        privacy: dict[str, Any] = {}
-        if self._feature_dp():  # Eq. 16 as DP-SGD over the table's rows (also for linear models)
-            Xt, Gt, Yt = self._admm_rows(G, Y)
-            trainer = self._trainer(model)
-            trainer.admm_update(
-                self._tensor(Xt), self._tensor(Gt), self._tensor(Yt), N, rho, beta, int(alg["local_epochs"]),
-                float(alg["local_lr"]), int(alg["local_batch_size"]), self._sample_generator(trainer.steps),
-            )
-            self._dp_done(trainer, privacy)
-        elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
-            admm_update_linear(model, self._rows_X(None), G, np.asarray(Y, dtype=np.float64), N, rho, beta)
-        else:
-            admm_update_local_opt(
-                model, self._tensor(self._rows_X(None)), self._tensor(G), self._tensor(Y), N, rho, beta,
-                int(alg["local_epochs"]), float(alg["local_lr"]), int(alg["local_batch_size"]),
-                self._local_generator(config),
-            )
-        self.state.save_model(model)
-        return [self._predict(model, None)], {**self._metrics(model), **privacy}
-
-    def phase_evaluate(self, parameters, config):
-        """Label DP: the test labels never leave the label owner. The server sends its test predictions H of
-        this client's test rows ``rows`` (positions in its rows); the client returns the metrics against its
-        true labels (tpflower.losses.metrics) and the row count, for the server to combine over shards."""
-        H, rows = parameters
-        data, task = self.data, self.settings.spec.label.task
-        if data.y is None or data.is_test is None:
-            raise RuntimeError(f"table {self.settings.table!r} holds no labels: it cannot evaluate")
-        rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) and (rows.min() < 0 or rows.max() >= len(data.y) or not data.is_test[rows].all()):
-            raise ValueError(f"table {self.settings.table!r}: evaluate asks for rows outside this client's test split")
-        if len(rows) == 0:
-            return [], {"n": 0}
-        return [], {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows])}
-
-    # ---------------------------------------------------------------------------------------- union phases
-
-    def phase_sgd_partial(self, parameters, config):
-        """Eq. 18: this shard's unnormalised partial gradient over its pending rows, given their Y."""
-        (Y,) = parameters
-        model = self._model(config)
-        pending = self.state.get("pending")
-        if pending is None or len(pending) != len(Y):
-            raise RuntimeError(f"table {self.settings.table!r}: sgd_partial without a matching predict of its rows")
-        X, beta, count = self._tensor(self._rows_X(pending)), float(self.settings.model["beta"]), float(config["count"])
-        if self._feature_dp():  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
-            trainer = self._trainer(model)
-            g = trainer.partial_gradient(X, self._tensor(Y), beta * count)
-            privacy: dict[str, Any] = {}
-            self._dp_done(trainer, privacy)
-            return [g.detach().cpu().numpy()], privacy
-        g = sgd_partial_gradient(model, X, self._tensor(Y), count, beta)
-        return [g.detach().cpu().numpy()], {}
-
-    def phase_sgd_apply(self, parameters, config):
-        """Eq. 19: the coordinator's aggregate gradient, the same step on every shard; then predict."""
-        g, next_rows, *eval_rows = parameters
-        model = self._model(config)
-        apply_step(model, self._tensor(g), float(self.settings.algorithm["lr"]))
-        self.state.save_model(model)
-        self.state.put("pending", np.asarray(next_rows, dtype=np.int64))
-        out = [self._predict(model, np.asarray(rows, dtype=np.int64)) for rows in [next_rows, *eval_rows]]
-        return out, self._metrics(model)
-
-    def phase_admm_shard(self, parameters, config):
-        """Eq. 22: theta^q = argmin (1/N) sum_{u in shard} [Y_u^T f + rho G_u/2 ||f||^2] + rho'/2 ||theta - v||^2."""
-        if len(parameters) == 2:
-            self.state.put("Y", np.asarray(parameters[0]))  # the epoch's Y_i of this shard's rows
-        v = np.asarray(parameters[-1], dtype=np.float64)
-        Y, G = self.state.get("Y"), self.state.get("G")
-        model = self._model(config)
-        N, rho, rho_c = int(self.state.scalar("N")), float(self.state.scalar("rho")), float(config["rho_c"])
-        X = self._rows_X(None)
-        alg = self.settings.algorithm
-        privacy: dict[str, Any] = {}
-        if self._feature_dp():  # Eq. 22 as DP-SGD: the prox term replaces beta R, added unclipped after the noise
-            trainer = self._trainer(model)
-            vt = self._tensor(v)
-
-            def prox(m: torch.nn.Module) -> torch.Tensor:
-                return 0.5 * rho_c * ((torch.nn.utils.parameters_to_vector(m.parameters()) - vt) ** 2).sum()
-
-            trainer.admm_update(
-                self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, 1.0, int(alg["local_epochs"]),
-                float(alg["local_lr"]), int(alg["local_batch_size"]), self._sample_generator(trainer.steps),
-                regularizer=prox,
-            )
-            self._dp_done(trainer, privacy)
-        elif isinstance(model, torch.nn.Linear):
-            admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, 0.0, prox=(v, rho_c))
-        else:
-            gen = self._local_generator(config)
-            admm_update_local_opt(
-                model, self._tensor(X), self._tensor(G), self._tensor(Y), N, rho, 0.0, int(alg["local_epochs"]),
-                float(alg["local_lr"]), int(alg["local_batch_size"]), gen, prox=(self._tensor(v), rho_c),
-            )
-        self.state.save_model(model)
-        return [self._theta(model).astype(np.float64)], privacy
-
-    def phase_admm_consensus(self, parameters, config):
-        """Eq. 20 done by the coordinator: every shard takes the consensus model w and predicts its rows."""
-        (w,) = parameters
-        model = self._model(config)
-        with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(self._tensor(w), model.parameters())
-        self.state.save_model(model)
-        return [self._predict(model, None)], self._metrics(model)
-
-
 def key_kinds_of(spec: RelationalSpec, table: str, frame) -> dict[str, str]:
     """The comparison kind of each join-key column (sent so the server can check joined columns agree)."""
     return {c: key_kind(frame[c].dtype) for c in spec.key_columns(table)}
+
+
+def numbered(prefix: str, arrays: list[np.ndarray]) -> Arrays:
+    """A variable-length list of arrays as named arrays ``prefix.0``, ``prefix.1``, ... (order kept)."""
+    return {f"{prefix}.{k}": a for k, a in enumerate(arrays)}
+
+
+def unnumbered(arrays: Mapping[str, np.ndarray], prefix: str) -> list[np.ndarray]:
+    """The inverse of :func:`numbered`, in index order."""
+    found = {int(name.rsplit(".", 1)[1]): a for name, a in arrays.items() if name.rsplit(".", 1)[0] == prefix}
+    return [found[k] for k in range(len(found))]

@@ -79,36 +79,17 @@ from tpflower.models import l2_penalty
 PRIVACY_NAMES: tuple[str, ...] = ("none", "label", "dpsgd", "label_dpsgd")
 TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
 
-#: Algorithms whose clients can run DP-SGD on their local model with a table row as the privacy unit.
-#: VFL baselines qualify only if the client sums the expanded (duplicated) rows of one table row before
-#: clipping (it can: it expanded its table with p_i itself); clipping per joined row would make the unit a
-#: joined row and the sensitivity of a table row G_max * C. The same holds for VFL-ADMM: summing the
-#: expanded rows' terms of one table row gives exactly TP-Join-ADMM's per-row term (Y_u, G_u) of Eq. 16.
-#: LoU (tp_ucq_*): every shard adds the FULL noise sigma C to its own partial gradient
-#: (:meth:`DPLocalTrainer.partial_gradient`): the server sees each shard's message separately, so each message
-#: alone must be the Gaussian mechanism on that shard's rows. The coordinator's sum then carries
-#: sqrt(Q_i) sigma C of noise; adding it once per table step (sigma / sqrt(Q_i) per shard) would need secure
-#: aggregation, which this project does not have.
-FEATURE_DP_ALGORITHMS: tuple[str, ...] = (
-    "tp_join_sgd",
-    "tp_join_admm",
-    "tp_ucq_sgd",
-    "tp_ucq_admm",
-    "vfl_sgd",
-    "vfl_admm",
-)
-#: Label DP is a one-off preprocessing of the labels: every algorithm can use it (the centralized
-#: baseline included: it then trains on the noisy labels).
-LABEL_DP_ALGORITHMS: tuple[str, ...] = FEATURE_DP_ALGORITHMS + ("centralized",)
-#: Why feature DP is refused for the algorithms outside FEATURE_DP_ALGORITHMS (shown in the error).
-_FEATURE_DP_REFUSALS: dict[str, str] = {
-    "centralized": "the centralized baseline trains one model on the materialized join (features of all "
-    "tables in one place); there is no per-client local model whose table row could be the privacy unit",
-    "celu": "CELU-VFL reuses cached batches for local steps, which breaks the subsampling assumption of "
-    "the accountant",
-    "coreset": "coreset training weights rows by importance weights, so a row's sensitivity is w_i * C, "
-    "which the accountant does not model",
-}
+#: Which algorithm supports which privacy is declared in its registry entry (strategies.registry:
+#: feature_dp, label_dp) and passed to :func:`validate_privacy`. Feature DP needs a client that runs DP-SGD on
+#: its local model with a TABLE row as the privacy unit. VFL baselines qualify only because the client sums
+#: the expanded (duplicated) rows of one table row before clipping (it expanded its table with p_i itself);
+#: clipping per joined row would make the unit a joined row and the sensitivity of a table row G_max * C. The
+#: same holds for VFL-ADMM: summing the expanded rows' terms of one table row gives exactly TP-Join-ADMM's
+#: per-row term (Y_u, G_u) of Eq. 16. LoU (tp_ucq_*): every shard adds the FULL noise sigma C to its own
+#: partial gradient (:meth:`DPLocalTrainer.partial_gradient`): the server sees each shard's message
+#: separately, so each message alone must be the Gaussian mechanism on that shard's rows. The coordinator's
+#: sum then carries sqrt(Q_i) sigma C of noise; adding it once per table step (sigma / sqrt(Q_i) per shard)
+#: would need secure aggregation, which this project does not have.
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -493,7 +474,7 @@ class DPLocalTrainer:
         same step (Eq. 17, 19). ``reg_weight`` is ``beta G_sum`` with G_sum the number of the batch's joined
         rows that use this shard's rows (sent by the server, which knows it): the regulariser is data
         independent given it and is added unclipped, after the noise (post-processing). Each shard adds the
-        full noise (see :data:`FEATURE_DP_ALGORITHMS`). An empty X (the shard has no row in the batch) gives
+        full noise (see the note on LoU at the top of this module). An empty X (the shard has no row in the batch) gives
         pure noise.
         """
         q = self.sample_rate if sample_rate is None else _sample_rate(sample_rate)
@@ -716,14 +697,15 @@ def uses_feature_dp(privacy_cfg: Mapping[str, Any]) -> bool:
     return str(privacy_cfg.get("name", "none")) in ("dpsgd", "label_dpsgd")
 
 
-def validate_privacy(privacy_cfg: Mapping[str, Any], algorithm: str, task: str) -> None:
+def validate_privacy(privacy_cfg: Mapping[str, Any], algorithm: str, task: str, *, feature_dp: bool,
+                     label_dp: bool = True, why_not: str = "") -> None:
     """Refuse, before training, privacy settings that are impossible or that ``algorithm`` cannot honour.
 
     Checks (ValueError naming the setting and the value): ``name`` in none | label | dpsgd | label_dpsgd;
     label DP: classification ``label_lambda`` > 0, regression a finite ``label_range [lo, hi]`` with
     ``lo < hi`` and ``label_epsilon`` > 0; feature DP: ``epsilon`` > 0 (finite), ``0 < delta < 1``,
-    ``clip`` > 0, and an algorithm in :data:`FEATURE_DP_ALGORITHMS` (label DP: :data:`LABEL_DP_ALGORITHMS`).
-    ``privacy=none`` ignores the other fields.
+    ``clip`` > 0. ``feature_dp`` / ``label_dp``: whether the algorithm supports them (its registry entry);
+    ``why_not`` says why feature DP is not supported (shown in the error). ``privacy=none`` ignores the rest.
     """
     name = privacy_cfg.get("name", "none")
     if name not in PRIVACY_NAMES:
@@ -733,23 +715,17 @@ def validate_privacy(privacy_cfg: Mapping[str, Any], algorithm: str, task: str) 
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {list(TASKS)}")
     if uses_label_dp(privacy_cfg):
-        if algorithm not in LABEL_DP_ALGORITHMS:
-            raise ValueError(
-                f"privacy={name}: label DP is not supported for algorithm {algorithm!r} "
-                f"(supported: {list(LABEL_DP_ALGORITHMS)})"
-            )
+        if not label_dp:
+            raise ValueError(f"privacy={name}: label DP is not supported for algorithm {algorithm!r}")
         if task == "regression":
             _label_range(privacy_cfg.get("label_range"), f"privacy={name} (regression labels)")
             _positive_finite(_cfg_get(privacy_cfg, "label_epsilon"), f"privacy={name}: privacy.label_epsilon")
         else:
             _positive_finite(_cfg_get(privacy_cfg, "label_lambda"), f"privacy={name}: privacy.label_lambda")
     if uses_feature_dp(privacy_cfg):
-        if algorithm not in FEATURE_DP_ALGORITHMS:
-            why = _FEATURE_DP_REFUSALS.get(algorithm, "it is not known to support DP-SGD on local models")
-            raise ValueError(
-                f"privacy={name}: feature DP (DP-SGD) cannot be honoured by algorithm {algorithm!r}: {why} "
-                f"(supported: {list(FEATURE_DP_ALGORITHMS)})"
-            )
+        if not feature_dp:
+            why = why_not or "it is not known to support DP-SGD on local models"
+            raise ValueError(f"privacy={name}: feature DP (DP-SGD) cannot be honoured by algorithm {algorithm!r}: {why}")
         _positive_finite(_cfg_get(privacy_cfg, "epsilon"), f"privacy={name}: privacy.epsilon")
         _probability(_cfg_get(privacy_cfg, "delta"), f"privacy={name}: privacy.delta")
         _positive_finite(_cfg_get(privacy_cfg, "clip"), f"privacy={name}: privacy.clip (clipping norm C)")

@@ -1,0 +1,158 @@
+"""The base of every tpflower strategy: a Flower strategy (flwr.serverapp.strategy.Strategy) whose
+:meth:`start` runs the algorithm's protocol, plain code over :meth:`send`.
+
+A TablePuppet algorithm is a sequence of gather/scatter rounds whose number depends on the data (N / B
+batches per epoch for SGD), with a different payload for every client; Flower's default start() loop (a fixed
+number of configure_train / aggregate_train rounds with one global model) does not fit it. So start() runs
+:meth:`protocol`, and every ``send(messages, kind)`` is one round of the Strategy API: configure_train (or
+configure_evaluate) turns the round's payloads into Flower messages, the transport delivers them, and
+aggregate_train (or aggregate_evaluate) turns the replies back into payloads, raising on an error reply.
+
+Client keys are (table, shard). Before the protocol, :meth:`connect` asks every node which table and shard
+it holds. The same object runs under Flower (:class:`~strategies.protocol.GridTransport`) and in-process
+(:class:`~strategies.protocol.DirectTransport`), so the framework's overhead is measured on identical code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from strategies.protocol import HELLO_PHASE, MESSAGE_TYPE, ClientKey, GridTransport, Kind, Payload, Reply, RunError, Transport
+from tpflower.records import error_reason, pack_payload, record_bytes, unpack_reply
+
+
+class TablePuppetStrategy(Strategy):
+    """Flower plumbing around a protocol: node discovery, one round per :meth:`send`, byte accounting."""
+
+    def __init__(self, clients: list[ClientKey], log: Callable[[str], None] = print):
+        self.clients = clients
+        self.log = log
+        self.transport: Transport | None = None
+        self.nodes: dict[ClientKey, int] = {}
+        self.keys: dict[int, ClientKey] = {}
+        self.server_round = 0
+        self._outbox: Mapping[ClientKey, Payload] = {}
+        self._kind: Kind = "train"
+        self._inbox: dict[ClientKey, Reply] = {}
+        self._down: dict[ClientKey, int] = {}
+        self._up: dict[ClientKey, int] = {}
+
+    # ------------------------------------------------------------------------------------ to implement
+
+    def protocol(self) -> None:  # pragma: no cover - abstract
+        """The algorithm: setup, training and evaluation rounds, each a call of :meth:`send`."""
+        raise NotImplementedError
+
+    def on_round(self, kind: Kind, down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]) -> None:
+        """Called after every round with the payload bytes sent to (down) and received from (up) each client."""
+
+    # ------------------------------------------------------------------------------------ running
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int = 0,
+              timeout: float = 600.0, **_: object) -> Result:
+        """Run the protocol over Flower's Grid (the ServerApp's main). Rounds are the protocol's, not num_rounds."""
+        self.run(GridTransport(grid, timeout))
+        return Result()
+
+    def run(self, transport: Transport) -> None:
+        self.transport = transport
+        transport.name = self.node_name
+        self.connect()
+        self.protocol()
+
+    def connect(self) -> None:
+        """The explicit first step: wait for one node per client key, ask each which table and shard it holds."""
+        assert self.transport is not None
+        ids = self._wait_for_nodes(len(self.clients))
+        hello = [Message(pack_payload({}, {"phase": HELLO_PHASE}), node, "query") for node in ids]
+        for reply in self.transport.exchange(hello):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                raise RunError(f"node {node}: {error_reason(reply)}")
+            _, info = unpack_reply(reply.content)
+            key = (str(info["table"]), int(info["shard"]))
+            if key in self.nodes:
+                raise RunError(f"two nodes ({self.nodes[key]} and {node}) both hold table {key[0]!r} shard {key[1]}")
+            if key not in self.clients:
+                raise RunError(f"node {node} holds table {key[0]!r} shard {key[1]}, which this run does not have")
+            self.nodes[key], self.keys[node] = node, key
+        missing = [k for k in self.clients if k not in self.nodes]
+        if missing:
+            raise RunError("no node holds " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
+
+    def _wait_for_nodes(self, n: int) -> list[int]:
+        assert self.transport is not None
+        start, said = time.monotonic(), 0.0
+        while True:
+            ids = sorted(self.transport.node_ids())
+            if len(ids) >= n:
+                return ids
+            waited = time.monotonic() - start
+            if waited > self.transport.timeout_s:
+                raise RunError(f"only {len(ids)} of {n} nodes connected within {self.transport.timeout_s:.0f} s "
+                               "(one SuperNode per table shard is needed)")
+            if waited - said >= 10.0:
+                said = waited
+                self.log(f"waiting for nodes: {len(ids)} of {n} connected ({waited:.0f} s)")
+            time.sleep(0.05)
+
+    def node_name(self, node: int) -> str:
+        key = self.keys.get(node)
+        return f"node {node}" if key is None else f"table {key[0]!r} shard {key[1]}"
+
+    def send(self, messages: Mapping[ClientKey, Payload], kind: Kind = "train") -> dict[ClientKey, Reply]:
+        """One round: a message per client key, every reply back (kind: train | inner | eval)."""
+        assert self.transport is not None, "send() before run()"
+        self.server_round += 1
+        self._outbox, self._kind = messages, kind
+        empty = (ArrayRecord(), ConfigRecord())
+        if kind == "eval":
+            self.aggregate_evaluate(self.server_round, self.transport.exchange(
+                list(self.configure_evaluate(self.server_round, *empty, None))))  # type: ignore[arg-type]
+        else:
+            self.aggregate_train(self.server_round, self.transport.exchange(
+                list(self.configure_train(self.server_round, *empty, None))))  # type: ignore[arg-type]
+        self.on_round(kind, self._down, self._up)
+        return self._inbox
+
+    # ------------------------------------------------------------------------------------ Strategy API
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """The messages of the current round (a different payload per node; ``arrays``/``config`` unused)."""
+        messages, self._down = [], {}
+        for key, (payload, cfg) in self._outbox.items():
+            content = pack_payload(payload, cfg)
+            self._down[key] = record_bytes(content)
+            messages.append(Message(content, self.nodes[key], MESSAGE_TYPE[self._kind]))
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode the replies of the round; an error reply ends the run with one line naming its table."""
+        self._inbox, self._up = {}, {}
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                raise RunError(f"{self.node_name(node)}: {error_reason(reply)}")
+            key = self.keys[node]
+            self._inbox[key] = unpack_reply(reply.content)
+            self._up[key] = record_bytes(reply.content)
+        missing = [k for k in self._outbox if k not in self._inbox]
+        if missing:
+            raise RunError("no reply from " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
+        return None, MetricRecord({"bytes_up": sum(self._up.values()), "bytes_down": sum(self._down.values())})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return self.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.aggregate_train(server_round, replies)[1]
+
+    def summary(self) -> None:
+        self.log(f"{type(self).__name__}: {len(self.clients)} clients {self.clients}")

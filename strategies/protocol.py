@@ -1,0 +1,111 @@
+"""The transports that carry one round of Flower messages: Flower's Grid (simulation engine or SuperLink),
+or an in-process call of the same ClientApp. The payload codec is tpflower.records.
+
+A round is ``send(messages, kind)`` (strategies.base): one message per client key (table, shard), each a
+pair (named arrays, config scalars); the replies come back as (named arrays, metrics). Message types:
+``train`` for training and union-inner rounds, ``evaluate`` for the label owner's evaluation, ``query`` for
+the first step, which asks every node which table and shard it holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from flwr.app import Context, Error, Message
+from flwr.serverapp import Grid
+
+from tpflower.records import Arrays
+
+ClientKey = tuple[str, int]  # (table, shard)
+Payload = tuple[Arrays, dict[str, Any]]  # (named arrays, config) of one message
+Reply = tuple[Arrays, dict[str, Any]]  # (named arrays, metrics) of one reply
+Kind = Literal["train", "inner", "eval"]
+MESSAGE_TYPE: dict[str, str] = {"train": "train", "inner": "train", "eval": "evaluate"}
+HELLO_PHASE = "hello"
+
+
+class RunError(RuntimeError):
+    """A run stopped by a client or the transport; the message names the table and shard at fault."""
+
+
+# ------------------------------------------------------------------------------------------------ transports
+
+
+class Transport:
+    """Carries one round of Flower messages to their nodes and returns every reply (error replies included);
+    raises :class:`RunError` when replies are missing. ``name(node)`` says who a node is, for errors."""
+
+    name: Callable[[int], str] = staticmethod(lambda node: f"node {node}")
+
+    timeout_s: float = 600.0
+
+    def node_ids(self) -> list[int]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def exchange(self, messages: list[Message]) -> list[Message]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class GridTransport(Transport):
+    """Flower's Grid (simulation engine or SuperLink): push the round's messages, pull the replies in our own
+    loop with a millisecond backoff (Grid.send_and_receive sleeps a fixed 0.1 s between pulls)."""
+
+    MIN_WAIT_S, MAX_WAIT_S = 0.0005, 0.02
+
+    def __init__(self, grid: Grid, timeout_s: float = 600.0):
+        self.grid = grid
+        self.timeout_s = timeout_s
+
+    def node_ids(self) -> list[int]:
+        return list(self.grid.get_node_ids())
+
+    def exchange(self, messages: list[Message]) -> list[Message]:
+        pending = {mid: msg.metadata.dst_node_id for mid, msg in zip(self.grid.push_messages(messages), messages)}
+        replies: list[Message] = []
+        deadline = time.monotonic() + self.timeout_s
+        wait = self.MIN_WAIT_S
+        while pending:
+            got = list(self.grid.pull_messages(list(pending)))
+            for reply in got:
+                pending.pop(reply.metadata.reply_to_message_id, None)
+            replies.extend(got)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                late = ", ".join(self.name(node) for node in pending.values())
+                raise RunError(f"no reply within {self.timeout_s:.0f} s from {late}")
+            wait = self.MIN_WAIT_S if got else min(2 * wait, self.MAX_WAIT_S)
+            time.sleep(wait)
+        return replies
+
+
+class DirectTransport(Transport):
+    """In-process: each message goes straight to ``app(message, context)`` (the same ClientApp and records as
+    under Flower, no Grid, no Ray). ``contexts`` holds each node's Context (its state persists across rounds)."""
+
+    def __init__(self, app: Callable[[Message, Context], Message], contexts: Mapping[int, Context]):
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.supercore.task_identity import TaskIdentity
+
+        if TaskIdentity._run_id is None:  # Message() reads the run id of the process (set by Flower's runtimes)
+            TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 0, 1, SUPERLINK_NODE_ID
+        self.app = app
+        self.contexts = dict(contexts)
+        self._next_id = 0
+
+    def node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def exchange(self, messages: list[Message]) -> list[Message]:
+        replies = []
+        for msg in messages:
+            self._next_id += 1
+            msg.metadata.__dict__["_message_id"] = f"direct-{self._next_id}"
+            try:
+                reply = self.app(msg, self.contexts[msg.metadata.dst_node_id])
+            except Exception as exc:  # as the simulation engine does: an exception becomes an error reply
+                reply = Message(Error(code=0, reason=f"{type(exc)}:<'{exc}'>"), reply_to=msg)
+            replies.append(reply)
+        return replies

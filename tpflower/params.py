@@ -1,0 +1,125 @@
+"""Typed, validated hyperparameters of the federated algorithms (the `algorithm.*` keys of conf/algorithm).
+
+Each algorithm declares a dataclass (fields with a checker each); :meth:`AlgorithmParams.from_cfg` builds it
+from the config and refuses a bad value before any client is contacted, in the form
+"algorithm.rho must be > 0, got -1". Unknown keys are refused too (a typo would otherwise be ignored).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, TypeVar
+
+P = TypeVar("P", bound="AlgorithmParams")
+Check = Callable[[str, Any], Any]
+
+
+def _number(what: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(out):
+        raise ValueError(f"{what} must be finite, got {value!r}")
+    return out
+
+
+def positive(what: str, value: Any) -> float:
+    out = _number(what, value)
+    if out <= 0:
+        raise ValueError(f"{what} must be > 0, got {value!r}")
+    return out
+
+
+def nonnegative(what: str, value: Any) -> float:
+    out = _number(what, value)
+    if out < 0:
+        raise ValueError(f"{what} must be >= 0, got {value!r}")
+    return out
+
+
+def positive_int(what: str, value: Any) -> int:
+    out = _number(what, value)
+    if out != int(out) or out < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    return int(out)
+
+
+def one_of(*choices: str) -> Check:
+    def check(what: str, value: Any) -> str:
+        if str(value) not in choices:
+            raise ValueError(f"{what} must be one of {list(choices)}, got {value!r}")
+        return str(value)
+
+    return check
+
+
+def or_word(check: Check, *words: Any) -> Check:
+    """``check``, or one of the literal ``words`` (e.g. "auto", "full", None) kept as is."""
+
+    def either(what: str, value: Any) -> Any:
+        if value in words:
+            return value
+        try:
+            return check(what, value)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (or one of {list(words)})") from None
+
+    return either
+
+
+def param(check: Check, default: Any = MISSING) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True)
+class AlgorithmParams:
+    """Base: subclasses declare their fields with :func:`param`."""
+
+    @classmethod
+    def from_cfg(cls: type[P], alg: Mapping[str, Any]) -> P:
+        known = {f.name for f in fields(cls)} | {"name"}
+        unknown = sorted(set(alg) - known)
+        if unknown:
+            raise ValueError(f"algorithm.{unknown[0]} is not a setting of algorithm {alg.get('name')!r}; "
+                             f"its settings: {sorted(known - {'name'})}")
+        values = {}
+        for f in fields(cls):
+            if f.name in alg:
+                values[f.name] = f.metadata["check"](f"algorithm.{f.name}", alg[f.name])
+            elif f.default is MISSING:
+                raise ValueError(f"algorithm.{f.name} is missing (algorithm {alg.get('name')!r})")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class SGDParams(AlgorithmParams):
+    """TP-Join-SGD, TP-UCQ-SGD, VFL-SGD (conf/algorithm/sgd.yaml)."""
+
+    lr: float = param(positive, 0.2)
+    batch_size: int | str = param(or_word(positive_int, "full"), 1024)
+
+
+@dataclass(frozen=True)
+class ADMMParams(AlgorithmParams):
+    """TP-Join-ADMM, TP-UCQ-ADMM, VFL-ADMM (conf/algorithm/admm.yaml)."""
+
+    rho: float | str = param(or_word(positive, "auto"), "auto")
+    variant: str = param(one_of("sharing", "paper"), "sharing")
+    local_epochs: int = param(positive_int, 1)
+    local_lr: float = param(positive, 0.01)
+    local_batch_size: int = param(positive_int, 256)
+    inner_rounds: int = param(positive_int, 10)
+    inner_tol: float = param(nonnegative, 1e-6)
+    rho_inner: float | str | None = param(or_word(positive, "auto", None), "auto")
+
+
+def run_settings(cfg: Mapping[str, Any]) -> None:
+    """The run-level keys every federated algorithm reads: epochs, seed, precision."""
+    positive_int("epochs", cfg.get("epochs"))
+    _number("seed", cfg.get("seed"))
+    one_of("float32", "float64")("precision", cfg.get("precision"))

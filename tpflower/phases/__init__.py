@@ -1,0 +1,6 @@
+"""The client side of each algorithm family: its phases (handlers the registry lists) and typed state.
+
+setup.py holds the phases every LoJ algorithm shares (keys, federated preprocessing, VFL expansion, the
+label owner's evaluation); join_sgd.py, join_admm.py and union.py the training phases of their families.
+Each module exports ``PHASES``: {phase name: handler(client, arrays, config) -> (arrays, metrics)}.
+"""

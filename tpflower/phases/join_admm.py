@@ -1,0 +1,72 @@
+"""TP-Join-ADMM and VFL-ADMM, client side (TablePuppet Eq. 14-16).
+
+  admm_setup   {G}  -> {h, theta}  store G_i (Eq. 15, constant), N and rho; predict every row
+  admm_update  {Y}  -> {h}         theta_i = argmin Eq. 16 (closed form for linear models); predict every row
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpflower.client import Arrays, PhaseHandler, StateRecord, TableClient
+from tpflower.local_update import admm_update_linear, admm_update_local_opt
+
+
+@dataclass
+class ADMMState(StateRecord):
+    """G_i over the client's rows (Eq. 15), the number of joined training rows N and the penalty rho."""
+
+    G: np.ndarray | None = None
+    N: int = 0
+    rho: float = 0.0
+
+    @classmethod
+    def of(cls, client: TableClient) -> "ADMMState":
+        state = cls.load(client.state)
+        if state is None:
+            raise RuntimeError(f"table {client.settings.table!r}: an ADMM update before admm_setup")
+        return state
+
+
+def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Store G_i, N and rho (the server resolves algorithm.rho=auto); predict every row."""
+    ADMMState(np.asarray(arrays["G"], dtype=np.float64), int(config["N"]), float(config["rho"])).save(client.state)
+    client.dp_init(config)
+    model = client.model(config)
+    client.state.save_model(model)
+    # theta: the consensus ADMM's starting point (union scenario)
+    return {"h": client.predict(model, None), "theta": client.theta(model)}, client.reg_metrics(model)
+
+
+def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """theta_i = argmin Eq. 16 given Y_i, G_i; then predict every row with the new theta."""
+    Y = arrays["Y"]
+    model = client.model(config)
+    s = ADMMState.of(client)
+    alg, beta = client.settings.algorithm, float(client.settings.model["beta"])
+    privacy: dict[str, Any] = {}
+    if client.feature_dp():  # Eq. 16 as DP-SGD over the table's rows (also for linear models)
+        Xt, Gt, Yt = client.admm_rows(s.G, Y)
+        trainer = client.trainer(model)
+        trainer.admm_update(
+            client.tensor(Xt), client.tensor(Gt), client.tensor(Yt), s.N, s.rho, beta, alg.local_epochs,
+            alg.local_lr, alg.local_batch_size, client.sample_generator(trainer.steps),
+        )
+        client.dp_done(trainer, privacy)
+    elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
+        admm_update_linear(model, client.rows_X(None), s.G, np.asarray(Y, dtype=np.float64), s.N, s.rho, beta)
+    else:
+        admm_update_local_opt(
+            model, client.tensor(client.rows_X(None)), client.tensor(s.G), client.tensor(Y), s.N, s.rho, beta,
+            alg.local_epochs, alg.local_lr, alg.local_batch_size, client.local_generator(config),
+        )
+    client.state.save_model(model)
+    return {"h": client.predict(model, None)}, {**client.reg_metrics(model), **privacy}
+
+
+PHASES: dict[str, PhaseHandler] = {"admm_setup": admm_setup, "admm_update": admm_update}

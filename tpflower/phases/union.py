@@ -1,0 +1,99 @@
+"""TP-UCQ-SGD and TP-UCQ-ADMM, the shard side of learning over union (TablePuppet Eq. 17-22).
+
+  sgd_partial     {Y}                  -> {g}            Eq. 18: unnormalised partial gradient on the pending rows
+  sgd_apply       {g, rows, (eval_rows)} -> {h, (h_eval)} Eq. 19: the coordinator's step, then predict
+  admm_shard      {(Y), v}             -> {theta}        Eq. 22: consensus step with v = w - u^q (Y with an epoch's first)
+  admm_consensus  {w}                  -> {h}            Eq. 20: theta = w, predict every row
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpflower.client import Arrays, PhaseHandler, StateRecord, TableClient
+from tpflower.local_update import admm_update_linear, admm_update_local_opt, apply_step, sgd_partial_gradient
+from tpflower.phases.join_admm import ADMMState
+from tpflower.phases.join_sgd import SGDState, predict_rows
+
+
+@dataclass
+class ShardY(StateRecord):
+    """The epoch's Y_i of this shard's rows (the inner rounds of one epoch reuse it)."""
+
+    Y: np.ndarray | None = None
+
+
+def sgd_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Eq. 18: this shard's unnormalised partial gradient over its pending rows, given their Y."""
+    Y = arrays["Y"]
+    model = client.model(config)
+    pending = (SGDState.load(client.state) or SGDState()).check(client, Y, "sgd_partial")
+    X, beta, count = client.tensor(client.rows_X(pending)), float(client.settings.model["beta"]), float(config["count"])
+    if client.feature_dp():  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
+        trainer = client.trainer(model)
+        g = trainer.partial_gradient(X, client.tensor(Y), beta * count)
+        privacy: dict[str, Any] = {}
+        client.dp_done(trainer, privacy)
+        return {"g": g.detach().cpu().numpy()}, privacy
+    g = sgd_partial_gradient(model, X, client.tensor(Y), count, beta)
+    return {"g": g.detach().cpu().numpy()}, {}
+
+
+def sgd_apply(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Eq. 19: the coordinator's aggregate gradient, the same step on every shard; then predict."""
+    model = client.model(config)
+    apply_step(model, client.tensor(arrays["g"]), client.settings.algorithm.lr)
+    client.state.save_model(model)
+    return predict_rows(client, model, arrays), client.reg_metrics(model)
+
+
+def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Eq. 22: theta^q = argmin (1/N) sum_{u in shard} [Y_u^T f + rho G_u/2 ||f||^2] + rho'/2 ||theta - v||^2."""
+    if "Y" in arrays:
+        ShardY(np.asarray(arrays["Y"])).save(client.state)
+    v = np.asarray(arrays["v"], dtype=np.float64)
+    Y, s = (ShardY.load(client.state) or ShardY()).Y, ADMMState.of(client)
+    model = client.model(config)
+    rho_c = float(config["rho_c"])
+    X = client.rows_X(None)
+    alg = client.settings.algorithm
+    privacy: dict[str, Any] = {}
+    if client.feature_dp():  # Eq. 22 as DP-SGD: the prox term replaces beta R, added unclipped after the noise
+        trainer = client.trainer(model)
+        vt = client.tensor(v)
+
+        def prox(m: torch.nn.Module) -> torch.Tensor:
+            return 0.5 * rho_c * ((torch.nn.utils.parameters_to_vector(m.parameters()) - vt) ** 2).sum()
+
+        trainer.admm_update(
+            client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, s.rho, 1.0, alg.local_epochs,
+            alg.local_lr, alg.local_batch_size, client.sample_generator(trainer.steps), regularizer=prox,
+        )
+        client.dp_done(trainer, privacy)
+    elif isinstance(model, torch.nn.Linear):
+        admm_update_linear(model, X, s.G, np.asarray(Y, dtype=np.float64), s.N, s.rho, 0.0, prox=(v, rho_c))
+    else:
+        admm_update_local_opt(
+            model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, s.rho, 0.0, alg.local_epochs,
+            alg.local_lr, alg.local_batch_size, client.local_generator(config), prox=(client.tensor(v), rho_c),
+        )
+    client.state.save_model(model)
+    return {"theta": client.theta(model).astype(np.float64)}, privacy
+
+
+def admm_consensus(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Eq. 20 done by the coordinator: every shard takes the consensus model w and predicts its rows."""
+    model = client.model(config)
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(client.tensor(arrays["w"]), model.parameters())
+    client.state.save_model(model)
+    return {"h": client.predict(model, None)}, client.reg_metrics(model)
+
+
+SGD_PHASES: dict[str, PhaseHandler] = {"sgd_partial": sgd_partial, "sgd_apply": sgd_apply}
+ADMM_PHASES: dict[str, PhaseHandler] = {"admm_shard": admm_shard, "admm_consensus": admm_consensus}

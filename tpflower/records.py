@@ -1,0 +1,61 @@
+"""Payloads in Flower records (flwr.app): named arrays and scalars, both directions.
+
+  server -> client  RecordDict{"arrays": ArrayRecord, "config": ConfigRecord}
+  client -> server  RecordDict{"arrays": ArrayRecord, "metrics": MetricRecord, "info": ConfigRecord}
+
+("info" holds the few string-valued reply fields, e.g. the table a node holds.) Used by the ClientApp and by
+the strategies alike; bytes_up/down count the serialized arrays (:func:`record_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+Arrays = dict[str, np.ndarray]
+
+
+def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in arrays.items()})
+
+
+def record_arrays(record: ArrayRecord | None) -> Arrays:
+    return {} if record is None else {name: a.numpy() for name, a in record.items()}
+
+
+def record_bytes(content: RecordDict) -> int:
+    """Bytes of the arrays a message carries (the serialized ndarrays: what bytes_up/down count)."""
+    rec = content.array_records.get("arrays")
+    return 0 if rec is None else int(sum(len(a.data) for a in rec.values()))
+
+
+def pack_payload(arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> RecordDict:
+    return RecordDict({"arrays": array_record(arrays), "config": ConfigRecord(dict(config))})
+
+
+def unpack_payload(content: RecordDict) -> tuple[Arrays, dict[str, Any]]:
+    return record_arrays(content.array_records.get("arrays")), dict(content.config_records.get("config") or {})
+
+
+def pack_reply(arrays: Mapping[str, np.ndarray], metrics: Mapping[str, Any]) -> RecordDict:
+    """Numbers go to the MetricRecord, strings to the "info" ConfigRecord."""
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    info = {k: v for k, v in metrics.items() if k not in numbers}
+    return RecordDict({"arrays": array_record(arrays), "metrics": MetricRecord(numbers), "info": ConfigRecord(info)})
+
+
+def unpack_reply(content: RecordDict) -> tuple[Arrays, dict[str, Any]]:
+    metrics = dict(content.metric_records.get("metrics") or {})
+    metrics.update(dict(content.config_records.get("info") or {}))
+    return record_arrays(content.array_records.get("arrays")), metrics
+
+
+def error_reason(reply: Message) -> str:
+    """The useful line of an error reply: the ClientApp's exception message, without Flower's wrapping."""
+    reason = str(reply.error.reason)
+    if ":<'" in reason:  # "<class 'ValueError'>:<'table 'x': ...'>" (the simulation engine's format)
+        reason = reason.split(":<'", 1)[1].rstrip(">").rstrip("'")
+    return reason.strip().splitlines()[-1] if reason.strip() else f"error code {reply.error.code}"
