@@ -2,6 +2,7 @@
 
     python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
+    python -m simulations.bench flower                             -> bench_results/flower.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -124,8 +125,115 @@ def loj_suite(epochs: int = 3) -> dict[str, Any]:
     return {"case": "loj", "epochs": epochs, "runs": runs, "flower_overhead": overhead}
 
 
-CASES = {"mapping": mapping_case, "algorithm": algorithm_case}
-SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}), "loj": lambda a: loj_suite(a.epochs)}
+def empty_rounds_case(rounds: int = 200, dataset: str = "movielens") -> dict[str, Any]:
+    """The cost of the transport alone: ``rounds`` rounds of the hello query (no table work) to every node,
+    under Flower's simulation engine (with tpflower's fetch adapter) and in-process."""
+    import tempfile
+
+    from flwr.app import Message
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from simulations.client_app import client_app_for
+    from simulations.config import compose_config
+    from simulations.federated import flower_logs_to, in_process_contexts
+    from simulations.flower_adapter import install_fast_fetch
+    from simulations.server_app import make_strategy
+    from strategies.base import TablePuppetStrategy
+    from strategies.protocol import HELLO_PHASE, DirectTransport
+    from tpflower.records import pack_payload
+
+    cfg = compose_config(f"dataset={dataset}")
+    clients = make_strategy(cfg, None, log=lambda _: None).clients
+    timing: dict[str, float] = {}
+
+    class EmptyRounds(TablePuppetStrategy):
+        def protocol(self) -> None:
+            assert self.transport is not None
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                self.transport.exchange([Message(pack_payload({}, {"phase": HELLO_PHASE}), node, "query")
+                                         for node in self.keys])
+            timing[self.runtime] = (time.perf_counter() - t0) / rounds
+
+    inproc = EmptyRounds(clients, log=lambda _: None)
+    inproc.runtime = "inprocess"
+    contexts = in_process_contexts(inproc)
+    inproc.run(DirectTransport(client_app_for(cfg), {c.node_id: c for c in contexts.values()}))
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context) -> None:
+        strategy = EmptyRounds(clients, log=lambda _: None)
+        strategy.runtime = "flower"
+        strategy.start(grid)
+
+    install_fast_fetch()
+    with tempfile.TemporaryDirectory() as tmp, flower_logs_to(Path(tmp) / "flower.log"):
+        run_simulation(server_app=app, client_app=client_app_for(cfg), num_supernodes=len(clients),
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"logging_level": 40, "log_to_driver": False}})
+    return {"case": "empty_rounds", "dataset": dataset, "nodes": len(clients), "rounds": rounds,
+            "s_per_round_flower": round(timing["flower"], 5), "s_per_round_inprocess": round(timing["inprocess"], 5)}
+
+
+def first_epoch_case(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`make run` as a user sees it: seconds from process start to the first epoch line and to the end."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "simulations.run", *overrides, f"hydra.run.dir={tmp}"]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        first = None
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if first is None and line.startswith("epoch "):
+                first = time.perf_counter() - t0
+        proc.wait()
+        total = time.perf_counter() - t0
+    if proc.returncode != 0 or first is None:
+        raise RuntimeError(f"{cmd} failed: {proc.stderr.read() if proc.stderr else ''}")
+    return {"case": "first_epoch", "command": "python -m simulations.run " + " ".join(overrides),
+            "first_epoch_line_s": round(first, 2), "total_s": round(total, 2), "lines": len(lines)}
+
+
+def flower_suite() -> dict[str, Any]:
+    """Issue 9's benchmark: Flower's simulation engine vs in-process per epoch (TP-Join-SGD, TP-Join-ADMM on
+    movielens and nycflights13), the cost of an empty round, and `make run`'s time to its first epoch line."""
+    pairs = []
+    for algorithm, dataset, ep in (("sgd", "movielens", 2), ("sgd", "nycflights13", 2),
+                                   ("admm", "movielens", 6), ("admm", "nycflights13", 6)):
+        pair = {}
+        for runtime in ("inprocess", "flower"):
+            pair[runtime] = _run_isolated(
+                "algorithm", {"algorithm": algorithm, "dataset": dataset, "epochs": ep, "runtime": runtime})
+            print(json.dumps(pair[runtime]), flush=True)
+        pairs.append({
+            "algorithm": pair["flower"]["algorithm"],
+            "dataset": dataset,
+            "rounds_per_epoch": pair["flower"]["rounds_per_epoch"],
+            "epoch_wall_s_inprocess": pair["inprocess"]["epoch_wall_s"],
+            "epoch_wall_s_flower": pair["flower"]["epoch_wall_s"],
+            "flower_over_inprocess": round(pair["flower"]["epoch_wall_s"] / pair["inprocess"]["epoch_wall_s"], 2),
+            "same_test_metric": abs(pair["flower"]["test_metric"] - pair["inprocess"]["test_metric"]) < 1e-6,
+        })
+    empty = _run_isolated("empty_rounds", {})
+    print(json.dumps(empty), flush=True)
+    first = _run_isolated("first_epoch", {})
+    print(json.dumps(first), flush=True)
+    return {"case": "flower", "per_epoch": pairs, "empty_rounds": empty, "first_epoch": first}
+
+
+CASES = {"mapping": mapping_case, "algorithm": algorithm_case, "empty_rounds": empty_rounds_case,
+         "first_epoch": first_epoch_case}
+SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}), "loj": lambda a: loj_suite(a.epochs),
+          "flower": lambda a: flower_suite()}
 
 
 def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import json
 from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from flwr.app import Context, Message
@@ -27,17 +27,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from simulations.config import compose_config
 from strategies.protocol import HELLO_PHASE
-from strategies.registry import entry_of
-from tpflower.client import ClientSettings, TableClient, key_kinds_of
-from tpflower.records import pack_reply, unpack_payload
 from tpflower.datasets import load_spec, load_table, shard_rows
-from tpflower.local_table import ShardData
+from tpflower.records import pack_reply, unpack_payload
 from tpflower.schema import RelationalSpec, SpecError
+
+if TYPE_CHECKING:  # torch and the algorithms are imported on the first training message, not for the hello
+    # (in a deployment every message is a fresh process: the hello round then costs no torch import)
+    from tpflower.client import ClientSettings, TableClient
+    from tpflower.local_table import ShardData
 
 
 @lru_cache(maxsize=32)
 def _load(dataset_json: str, table: str, base_dir: str | None) -> tuple[RelationalSpec, pd.DataFrame, dict]:
     """Load one client's table once per process (Flower may rebuild the client per message)."""
+    from tpflower.client import key_kinds_of
+
     spec, frame = load_table(json.loads(dataset_json), table, base_dir=base_dir)
     return spec, frame, key_kinds_of(spec, table, frame)
 
@@ -65,6 +69,9 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     The cache key is the config's content: under Ray the ClientApp, and with it ``cfg``, arrives
     deserialized with every message, so object identity would miss every time (and grow without bound).
     """
+    from strategies.registry import entry_of
+    from tpflower.client import TableClient
+
     content = json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
     cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir))
     if cache_key in _SETTINGS:
@@ -79,6 +86,10 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
 
 
 def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[ClientSettings, ShardData]:
+    from strategies.registry import entry_of
+    from tpflower.client import ClientSettings
+    from tpflower.local_table import ShardData
+
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     assert isinstance(dataset, dict)
     root = str(base_dir) if base_dir else None

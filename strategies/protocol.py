@@ -50,9 +50,12 @@ class Transport:
 
 class GridTransport(Transport):
     """Flower's Grid (simulation engine or SuperLink): push the round's messages, pull the replies in our own
-    loop with a millisecond backoff (Grid.send_and_receive sleeps a fixed 0.1 s between pulls)."""
+    loop (Grid.send_and_receive sleeps a fixed 0.1 s between pulls). The next pull comes after a tenth of the
+    time this round has waited so far (0.5 ms at least, 0.5 s at most): sub-millisecond for the simulation
+    engine's rounds, a few pulls per second for a deployment's seconds-long rounds, where every pull is a
+    request to the SuperLink."""
 
-    MIN_WAIT_S, MAX_WAIT_S = 0.0005, 0.02
+    MIN_WAIT_S, MAX_WAIT_S, WAIT_FRACTION = 0.0005, 0.5, 0.1
 
     def __init__(self, grid: Grid, timeout_s: float = 600.0):
         self.grid = grid
@@ -64,8 +67,8 @@ class GridTransport(Transport):
     def exchange(self, messages: list[Message]) -> list[Message]:
         pending = {mid: msg.metadata.dst_node_id for mid, msg in zip(self.grid.push_messages(messages), messages)}
         replies: list[Message] = []
-        deadline = time.monotonic() + self.timeout_s
-        wait = self.MIN_WAIT_S
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         while pending:
             got = list(self.grid.pull_messages(list(pending)))
             for reply in got:
@@ -76,8 +79,8 @@ class GridTransport(Transport):
             if time.monotonic() > deadline:
                 late = ", ".join(self.name(node) for node in pending.values())
                 raise RunError(f"no reply within {self.timeout_s:.0f} s from {late}")
-            wait = self.MIN_WAIT_S if got else min(2 * wait, self.MAX_WAIT_S)
-            time.sleep(wait)
+            waited = time.monotonic() - start
+            time.sleep(min(max(self.WAIT_FRACTION * waited, self.MIN_WAIT_S), self.MAX_WAIT_S))
         return replies
 
 

@@ -1,34 +1,98 @@
-"""The algorithms under Flower's simulation engine (run_simulation, one virtual SuperNode per table)."""
+"""Every registered algorithm under Flower's simulation engine (run_simulation, one virtual SuperNode per
+table shard): the same results and payloads as in-process; a failing client, and the console a user sees."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
+import yaml
 
 from simulations.federated import run_flower_simulation, run_in_process
+from strategies import registry
+from strategies.protocol import RunError
 from tests.conftest import make_cfg
+from tests.test_conformance import overrides_of
+
+ENTRIES = registry.entries()
+ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize(
-    "algorithm,scenario",
-    [("admm", "join"), ("sgd", "join"), ("vfl_admm", "join"), ("vfl_sgd", "join"), ("admm", "ucq"), ("sgd", "ucq")],
-)
-def test_flower_simulation_smoke(algorithm, scenario, tmp_path):
-    overrides = (f"algorithm={algorithm}", f"scenario={scenario}", "dataset=synthetic", "epochs=2")
-    if algorithm.endswith("sgd"):
-        overrides += ("algorithm.batch_size=4000",)  # a few rounds per epoch: Flower costs ~0.1 s per round
-    cfg = make_cfg(*overrides)
-    results = run_flower_simulation(cfg, tmp_path)
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_flower_simulation_equals_in_process(entry, tmp_path):
+    overrides = [*overrides_of(entry), "epochs=2"]  # SGD: a few rounds per epoch (batch 4000)
+    results = run_flower_simulation(make_cfg(*overrides), tmp_path, log=lambda _: None)
     record = json.loads((tmp_path / "results.json").read_text())
-    assert record["algorithm"] == results.algorithm and len(record["history"]) == 2
+    assert record["algorithm"] == entry.name and len(record["history"]) == 2
     assert all(np.isfinite(h["test_metric"]) for h in record["history"])
     assert record["history"][-1]["rounds"] > 0 and record["history"][-1]["bytes_up"] > 0
-    # the same strategy and clients without Flower's transport: identical iterates and payloads
+    # the same strategy and ClientApp without Flower's transport: identical iterates and payloads
     direct = run_in_process(make_cfg(*overrides), None, log=lambda _: None).strategy.results
     np.testing.assert_allclose([h.test_metric for h in results.history], [h.test_metric for h in direct.history], rtol=1e-6)
     assert [h.bytes_up for h in results.history] == [h.bytes_up for h in direct.history]
+    assert [h.bytes_down for h in results.history] == [h.bytes_down for h in direct.history]
+    assert (tmp_path / "flower.log").stat().st_size > 0  # Flower's own lines went to the run's log file
+
+
+def bad_shop(folder: Path) -> dict:
+    """A two-table dataset whose customers.csv has a non-numeric value in its numeric column ``age``; also
+    written as conf/dataset/bad_shop.yaml under ``folder`` (for ``--config-dir``)."""
+    rng = np.random.default_rng(0)
+    customers = pd.DataFrame({"cust": np.arange(20), "age": rng.integers(18, 80, 20).astype(object)})
+    customers.loc[3, "age"] = "unknown"
+    orders = pd.DataFrame({"cust": rng.integers(0, 20, 200), "qty": rng.integers(1, 5, 200)})
+    orders["spend"] = 3.0 * orders["qty"] + rng.normal(0, 1, 200)
+    customers.to_csv(folder / "customers.csv", index=False)
+    orders.to_csv(folder / "orders.csv", index=False)
+    dataset = {
+        "name": "bad_shop",
+        "tables": {"orders": {"source": str(folder / "orders.csv"), "numeric": ["qty"]},
+                   "customers": {"source": str(folder / "customers.csv"), "numeric": ["age"]}},
+        "label": {"table": "orders", "column": "spend", "task": "regression"},
+        "joins": [{"left": "orders", "right": "customers", "on": "cust"}],
+    }
+    (folder / "conf" / "dataset").mkdir(parents=True, exist_ok=True)
+    (folder / "conf" / "dataset" / "bad_shop.yaml").write_text(yaml.safe_dump(dataset))
+    return dataset
+
+
+@pytest.mark.slow
+def test_a_failing_client_ends_the_flower_run_with_one_error_naming_its_table(tmp_path):
+    cfg = make_cfg("algorithm=admm", "epochs=1", dataset=bad_shop(tmp_path))
+    with pytest.raises(RunError, match=r"^table 'customers' shard 0: .*age"):
+        run_flower_simulation(cfg, tmp_path / "run", log=lambda _: None)
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def run_cli(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "simulations.run", *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
+    run_dir = tmp_path / "ok"
+    ok = run_cli("algorithm=admm", "dataset=synthetic", "epochs=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    assert lines[0].startswith("[synthetic] tables:") and lines[-1] == f"results: {run_dir / 'results.json'}"
+    assert all(line.startswith("epoch ") for line in lines[1:-1]) and len(lines) == 4
+    assert ok.stderr == ""
+    bad_shop(tmp_path)
+    bad = run_cli("--config-dir", str(tmp_path / "conf"), "algorithm=admm", "dataset=bad_shop", "epochs=1",
+                  f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("error: table 'customers' shard 0:") and len(bad.stderr.strip().splitlines()) == 1
+    refused = run_cli("algorithm=admm", "dataset=synthetic", "algorithm.rho=-1", cwd=tmp_path)
+    assert refused.returncode == 1 and refused.stderr.startswith("error: algorithm.rho must be > 0, got -1")
 
 
 def test_client_cache_survives_configs_deserialized_per_message():

@@ -67,11 +67,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from opacus import GradSampleModule
-from opacus.accountants import RDPAccountant
-from opacus.accountants.analysis import rdp as rdp_analysis
-from opacus.accountants.utils import get_noise_multiplier
-from opacus.optimizers import DPOptimizer
+# Opacus is imported where it is used: it pulls in torch.distributed and sympy (about 1 s per process), which
+# a run without feature DP, and the server, never need.
 from torch import Tensor, nn
 
 from tpflower.models import l2_penalty
@@ -224,7 +221,7 @@ def _noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: i
     with warnings.catch_warnings():  # the binary search probes huge sigmas, where the best RDP order is the largest
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
         return float(
-            get_noise_multiplier(
+            _opacus().get_noise_multiplier(
                 target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant="rdp"
             )
         )
@@ -246,13 +243,13 @@ def rdp_epsilon(history: Iterable[Sequence[float]], delta: float) -> float:
     rdp = sum([_rdp_one_step(float(sigma), float(q)) * steps for sigma, q, steps in hist])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
+        eps, _ = _opacus().rdp.get_privacy_spent(orders=_opacus().RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
     return float(eps)
 
 
 @functools.lru_cache(maxsize=1024)
 def _rdp_one_step(sigma: float, q: float) -> np.ndarray:
-    rdp = rdp_analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS)
+    rdp = _opacus().rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=_opacus().RDPAccountant.DEFAULT_ALPHAS)
     rdp.setflags(write=False)
     return rdp
 
@@ -351,8 +348,8 @@ class DPLocalTrainer:
                 "call its close() first, or build the trainer on a fresh model (e.g. DPLocalTrainer.from_state)"
             )
         self._module = model
-        self._gsm = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
-        self.accountant = RDPAccountant()
+        self._gsm = _opacus().GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
+        self.accountant = _opacus().RDPAccountant()
         self.accountant.history = _history(history)
         self.seed = None if seed is None else int(seed)
         self._noise_generator = torch.Generator(device="cpu")
@@ -485,7 +482,7 @@ class DPLocalTrainer:
         trainable = self._params()
         out: Tensor
         if trainable and self._sgd is not None:
-            dp = DPOptimizer(
+            dp = _opacus().DPOptimizer(
                 self._sgd,
                 noise_multiplier=self.noise_multiplier,
                 max_grad_norm=self.max_grad_norm,
@@ -631,7 +628,7 @@ class DPLocalTrainer:
         """clip each row's gradient of ``per_row_loss`` (a SUM over rows) to C, add noise, divide, add beta dR, step."""
         params = self._params()
         if params and inner is not None:
-            dp = DPOptimizer(
+            dp = _opacus().DPOptimizer(
                 inner,
                 noise_multiplier=self.noise_multiplier,
                 max_grad_norm=self.max_grad_norm,
@@ -894,3 +891,17 @@ def _history(history: Iterable[Sequence[float]]) -> list[tuple[float, float, int
 
 def _derived_seed(seed: int, steps: int) -> int:
     return zlib.crc32(f"tpflower-dp-noise:{int(seed)}:{int(steps)}".encode()) * 2654435761 % 2**63
+
+
+def _opacus():
+    """The Opacus names this module uses (imported on first use)."""
+    import types
+
+    from opacus import GradSampleModule
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp
+    from opacus.accountants.utils import get_noise_multiplier
+    from opacus.optimizers import DPOptimizer
+
+    return types.SimpleNamespace(GradSampleModule=GradSampleModule, RDPAccountant=RDPAccountant, rdp=rdp,
+                                 get_noise_multiplier=get_noise_multiplier, DPOptimizer=DPOptimizer)

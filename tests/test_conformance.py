@@ -1,0 +1,103 @@
+"""Every registered algorithm (strategies.registry), the same checks: it runs and its metrics are finite, no
+raw key or feature leaves a client, its privacy declarations are enforced, its client answers only its own
+phases. Flower-vs-in-process equality per algorithm is in tests/test_flower.py (slow)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from flwr.app import Context, Message, RecordDict
+
+from simulations.client_app import client_app_for
+from simulations.config import CONF_DIR
+from simulations.server_app import make_strategy
+from strategies import registry
+from strategies.protocol import DirectTransport
+from tests.conftest import make_cfg
+from tests.test_privacy_e2e import Recorded, assert_absent, raw_columns
+from tpflower.records import pack_payload, unpack_reply
+
+ENTRIES = registry.entries()
+
+
+def overrides_of(entry: registry.AlgorithmEntry) -> list[str]:
+    """Hydra overrides selecting ``entry`` on the synthetic schema, small enough for a unit test."""
+    conf = [p.stem for p in sorted(Path(CONF_DIR, "algorithm").glob("*.yaml"))
+            if yaml.safe_load(p.read_text()).get("name") == entry.selector]
+    assert len(conf) == 1, f"no conf/algorithm YAML selects {entry.selector!r}"
+    extra = ["algorithm.batch_size=4000"] if "batch_size" in {f for f in entry.params.__dataclass_fields__} else []
+    return [f"algorithm={conf[0]}", f"scenario={entry.scenario}", "dataset=synthetic", "epochs=1", *extra]
+
+
+def test_registry_covers_the_shipped_algorithms():
+    names = {e.name for e in ENTRIES}
+    assert {"tp_join_sgd", "tp_join_admm", "vfl_sgd", "vfl_admm", "tp_ucq_sgd", "tp_ucq_admm"} <= names
+    for e in ENTRIES:
+        assert e.strategy.algorithm == e.name and e.phases and "keys" in e.phases and e.summary
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_runs_with_finite_metrics_and_sends_no_raw_key_or_feature(entry):
+    rec = Recorded(*overrides_of(entry))
+    results = rec.strategy.results
+    assert results.algorithm == entry.name and rec.strategy.finished
+    assert all(math.isfinite(h.test_metric) and math.isfinite(h.train_loss) for h in results.history)
+    assert results.history[-1].rounds > 0 and results.history[-1].bytes_up > 0
+    # every phase a client was asked for is one its algorithm declares
+    assert {phase for _, phase, _, _ in rec.got} <= set(entry.phases) | {"hello"}
+    keys, features, _ = raw_columns(rec)
+    assert_absent(rec, keys)
+    assert_absent(rec, features)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_privacy_declarations_are_enforced_before_any_client(entry):
+    cfg = make_cfg(*overrides_of(entry), "privacy=dpsgd")
+    if entry.feature_dp:
+        assert make_strategy(cfg, None, log=lambda _: None).feature_dp
+    else:
+        with pytest.raises(ValueError, match=f"cannot be honoured by algorithm '{entry.name}'"):
+            make_strategy(cfg, None, log=lambda _: None)
+
+
+def test_an_algorithm_without_feature_dp_is_refused(monkeypatch):
+    entry = registry.lookup("tp_join_sgd", "join")
+    monkeypatch.setitem(registry._ENTRIES, ("tp_join_sgd", "join"),
+                        registry.AlgorithmEntry(**{**entry.__dict__, "feature_dp": False}))
+    with pytest.raises(ValueError, match="feature DP \\(DP-SGD\\) cannot be honoured by algorithm 'tp_join_sgd'"):
+        make_strategy(make_cfg("algorithm=sgd", "dataset=synthetic", "privacy=dpsgd"), None, log=lambda _: None)
+
+
+# ------------------------------------------------------------------------------------------ ClientApp handlers
+
+
+def call(app, context: Context, message_type: str, arrays: dict, config: dict) -> Message:
+    DirectTransport(app, {})  # sets the process's run identity that Message() needs outside Flower's runtimes
+    msg = Message(pack_payload(arrays, config), context.node_id, message_type)
+    msg.metadata.__dict__["_message_id"] = "m1"
+    return app(msg, context)
+
+
+def test_handlers_answer_hello_and_keys_with_named_records():
+    cfg = make_cfg("algorithm=sgd", "dataset=synthetic")
+    app = client_app_for(cfg)
+    context = Context(run_id=0, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config={})
+    hello = unpack_reply(call(app, context, "query", {}, {"phase": "hello"}).content)
+    assert hello == ({}, {"table": "d1", "shard": 0})
+    reply = call(app, context, "train", {}, {"phase": "keys"})
+    assert set(reply.content.array_records["arrays"]) == {"row_ids", "digest.0", "digest.2"}  # d1 is in joins 0 and 2
+    assert reply.content.metric_records["metrics"]["n_rows"] == 400
+    assert reply.content.config_records["info"]["table"] == "d1"
+
+
+def test_a_phase_of_another_algorithm_is_refused_naming_it():
+    app = client_app_for(make_cfg("algorithm=sgd", "dataset=synthetic"))
+    context = Context(run_id=0, node_id=5, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    with pytest.raises(ValueError, match="phase 'admm_update' is not a phase of algorithm 'tp_join_sgd'"):
+        call(app, context, "train", {"Y": np.zeros((2, 1))}, {"phase": "admm_update"})
+    with pytest.raises(ValueError, match="answers only 'hello' queries"):
+        call(app, context, "query", {}, {"phase": "keys"})

@@ -1,0 +1,233 @@
+"""The message layer with canned replies (no Flower runtime): node discovery, error replies, missing replies,
+the Grid pull loop, typed settings refused before any client is contacted, the simulation-engine adapter."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from queue import Queue
+
+import numpy as np
+import pytest
+from flwr.app import Error, Message
+
+from simulations import flower_adapter
+from simulations.server_app import make_strategy
+from strategies.base import TablePuppetStrategy
+from strategies.protocol import DirectTransport, GridTransport, RunError
+from tests.conftest import make_cfg
+from tpflower.records import pack_reply, unpack_payload
+
+KEYS = [("fact", 0), ("dim", 0)]
+
+
+def answering(tables: dict[int, tuple[str, int]], fail: dict[str, str] | None = None):
+    """A ClientApp stand-in: node n holds tables[n]; it echoes ``x`` + 1, or raises fail[phase]."""
+
+    def app(msg: Message, context) -> Message:
+        arrays, config = unpack_payload(msg.content)
+        table, shard = tables[msg.metadata.dst_node_id]
+        if config["phase"] == "hello":
+            return Message(pack_reply({}, {"table": table, "shard": shard}), reply_to=msg)
+        if fail and config["phase"] in fail:
+            raise ValueError(fail[config["phase"]])
+        return Message(pack_reply({"x": arrays["x"] + 1}, {"n": len(arrays["x"])}), reply_to=msg)
+
+    return app
+
+
+class Echo(TablePuppetStrategy):
+    """A two-round protocol: send x, get x + 1 back; the rounds' byte counts are recorded."""
+
+    def __init__(self, clients, kinds=("train", "inner")):
+        super().__init__(clients, log=lambda _: None)
+        self.kinds, self.rounds, self.got = kinds, [], []
+
+    def protocol(self) -> None:
+        for kind in self.kinds:
+            replies = self.send({k: ({"x": np.arange(3.0)}, {"phase": "echo"}) for k in self.clients}, kind)
+            self.got.append(replies)
+
+    def on_round(self, kind, down, up) -> None:
+        self.rounds.append((kind, dict(down), dict(up)))
+
+
+def direct(tables, fail=None) -> DirectTransport:
+    return DirectTransport(answering(tables, fail), {n: None for n in tables})
+
+
+def test_connect_maps_nodes_to_tables_and_rounds_carry_named_arrays():
+    strategy = Echo(KEYS)
+    strategy.run(direct({7: ("dim", 0), 9: ("fact", 0)}))
+    assert strategy.nodes == {("dim", 0): 7, ("fact", 0): 9}
+    for replies in strategy.got:
+        assert set(replies) == set(KEYS)
+        np.testing.assert_array_equal(replies[("fact", 0)][0]["x"], [1.0, 2.0, 3.0])
+        assert replies[("dim", 0)][1] == {"n": 3}
+    # bytes: the serialized arrays of each message and reply, the same both ways here (same shape and dtype)
+    assert [r[0] for r in strategy.rounds] == ["train", "inner"]
+    kind, down, up = strategy.rounds[0]
+    assert down == up and set(down) == set(KEYS) and all(b > 3 * 8 for b in down.values())
+
+
+@pytest.mark.parametrize(
+    "tables, match",
+    [
+        ({1: ("fact", 0), 2: ("fact", 0)}, "both hold table 'fact' shard 0"),
+        ({1: ("fact", 0), 2: ("other", 0)}, "holds table 'other' shard 0, which this run does not have"),
+        ({1: ("fact", 0), 2: ("fact", 1)}, "holds table 'fact' shard 1"),
+    ],
+)
+def test_connect_refuses_duplicate_or_unknown_tables(tables, match):
+    with pytest.raises(RunError, match=match):
+        Echo(KEYS).run(direct(tables))
+
+
+def test_too_few_nodes_is_one_error_naming_the_count():
+    transport = direct({1: ("fact", 0)})
+    transport.timeout_s = 0.2
+    with pytest.raises(RunError, match="only 1 of 2 nodes connected"):
+        Echo(KEYS).run(transport)
+
+
+def test_a_client_exception_ends_the_run_with_one_line_naming_its_table():
+    with pytest.raises(RunError) as err:
+        Echo(KEYS).run(direct({1: ("fact", 0), 2: ("dim", 0)}, fail={"echo": "dim.csv row 3: 'abc' is not a number"}))
+    assert str(err.value) == "table 'fact' shard 0: dim.csv row 3: 'abc' is not a number" or \
+        str(err.value) == "table 'dim' shard 0: dim.csv row 3: 'abc' is not a number"
+
+
+class FakeGrid:
+    """A Grid whose replies arrive after ``delay_pulls`` pulls; after the hello, ``lost`` nodes reply with
+    NODE_UNAVAILABLE (what the SuperLink does for a node that stopped sending heartbeats) and ``silent`` nodes
+    never reply."""
+
+    def __init__(self, tables, delay_pulls=3, lost=(), silent=()):
+        self.tables, self.delay, self.lost, self.silent = tables, delay_pulls, set(lost), set(silent)
+        self.pulls, self.pending, self.app = 0, {}, answering(tables)
+
+    def get_node_ids(self):
+        return list(self.tables)
+
+    def push_messages(self, messages):
+        ids = []
+        for k, msg in enumerate(messages):
+            mid = f"m{self.pulls}-{k}-{msg.metadata.dst_node_id}"
+            msg.metadata.__dict__["_message_id"] = mid
+            self.pending[mid] = msg
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        if self.pulls % self.delay:
+            return []
+        out = []
+        for mid in list(message_ids):
+            msg = self.pending.get(mid)
+            node, hello = msg.metadata.dst_node_id, unpack_payload(msg.content)[1]["phase"] == "hello"
+            if node in self.silent and not hello:
+                continue
+            if node in self.lost and not hello:
+                out.append(Message(Error(code=3, reason="Node Unavailable"), reply_to=msg))
+            else:
+                out.append(self.app(msg, None))
+            del self.pending[mid]
+        return out
+
+
+def test_grid_transport_pulls_until_every_reply_is_in():
+    grid = FakeGrid({1: ("fact", 0), 2: ("dim", 0)})
+    strategy = Echo(KEYS)
+    strategy.start(grid, timeout=5)
+    assert len(strategy.got) == 2 and grid.pulls >= 9
+
+
+def test_a_lost_node_is_one_error_naming_its_table():
+    with pytest.raises(RunError, match="table 'dim' shard 0: Node Unavailable"):
+        Echo(KEYS).start(FakeGrid({1: ("fact", 0), 2: ("dim", 0)}, lost={2}), timeout=5)
+
+
+def test_a_silent_node_times_out_naming_its_table():
+    with pytest.raises(RunError, match="no reply within 0 s from table 'fact' shard 0"):
+        Echo(KEYS).start(FakeGrid({1: ("fact", 0), 2: ("dim", 0)}, delay_pulls=1, silent={1}), timeout=0.05)
+
+
+# ------------------------------------------------------------------------------------------ typed settings
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.rho=-1", "algorithm.rho must be > 0, got -1"),
+        ("algorithm.variant=fancy", "algorithm.variant must be one of ['sharing', 'paper'], got 'fancy'"),
+        ("algorithm.local_epochs=1.5", "algorithm.local_epochs must be an integer >= 1, got 1.5"),
+        ("+algorithm.rhoo=1", "algorithm.rhoo is not a setting of algorithm 'tp_join_admm'"),
+        ("epochs=0", "epochs must be an integer >= 1, got 0"),
+    ],
+)
+def test_admm_settings_are_refused_before_any_client_is_contacted(override, message):
+    with pytest.raises(ValueError) as err:
+        make_strategy(make_cfg("algorithm=admm", "dataset=synthetic", override), None, log=lambda _: None)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.lr=abc", "algorithm.lr must be a number, got 'abc'"),
+        ("algorithm.lr=0", "algorithm.lr must be > 0, got 0"),
+        ("algorithm.batch_size=-5", "algorithm.batch_size must be an integer >= 1, got -5"),
+    ],
+)
+def test_sgd_settings_are_refused_before_any_client_is_contacted(override, message):
+    with pytest.raises(ValueError) as err:
+        make_strategy(make_cfg("algorithm=sgd", "dataset=synthetic", override), None, log=lambda _: None)
+    assert message in str(err.value)
+
+
+def test_unknown_algorithm_and_missing_union_version():
+    with pytest.raises(ValueError, match="'vfl_sgd' has no ucq version"):
+        make_strategy(make_cfg("algorithm=vfl_sgd", "scenario=ucq", "dataset=synthetic"), None)
+    with pytest.raises(ValueError, match="'centralized' is not a federated algorithm"):
+        make_strategy(make_cfg("algorithm=centralized", "dataset=synthetic"), None)
+
+
+# ------------------------------------------------------------------------------------------ adapter
+
+
+def test_adapter_leaves_flower_alone_on_another_version(monkeypatch, caplog):
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    sentinel = object()
+    monkeypatch.setattr(vce_api, "add_messages_to_queue", sentinel)
+    with caplog.at_level(logging.WARNING, logger="tpflower"):
+        assert flower_adapter.install_fast_fetch("1.42.0") is False
+    assert vce_api.add_messages_to_queue is sentinel
+    assert len(caplog.records) == 1 and "Flower 1.42.0 is not 1.41.x" in caplog.records[0].getMessage()
+
+
+def test_adapter_replaces_the_fetch_loop_on_the_version_it_was_written_for(monkeypatch):
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    monkeypatch.setattr(vce_api, "add_messages_to_queue", None)
+    assert flower_adapter.install_fast_fetch("1.41.0") is True
+    assert vce_api.add_messages_to_queue is flower_adapter.fast_fetch_loop
+
+
+def test_fast_fetch_loop_moves_every_message_and_stops():
+    class State:
+        def __init__(self):
+            self.inbox = {1: ["a", "b"], 2: ["c"]}
+
+        def get_message_ins(self, node_id, limit):
+            box = self.inbox[node_id]
+            return [box.pop(0)] if box else []
+
+    queue, stop, state = Queue(), threading.Event(), State()
+    worker = threading.Thread(target=flower_adapter.fast_fetch_loop, args=(state, queue, {1: 0, 2: 1}, stop))
+    worker.start()
+    got = sorted(queue.get(timeout=2) for _ in range(3))
+    stop.set()
+    worker.join(timeout=2)
+    assert got == ["a", "b", "c"] and not worker.is_alive()
