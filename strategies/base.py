@@ -83,19 +83,19 @@ class TablePuppetStrategy(Strategy):
             self.nodes[key], self.keys[node] = node, key
         missing = [k for k in self.clients if k not in self.nodes]
         if missing:
-            raise RunError("no node holds " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
+            raise RunError("no node holds " + ", ".join(f"table {t!r} shard {q}" for t, q in missing)
+                           + f" ({len(ids)} of {len(self.clients)} nodes connected within "
+                           f"{self.transport.timeout_s:.0f} s; one SuperNode per table shard is needed)")
 
     def _wait_for_nodes(self, n: int) -> list[int]:
+        """The connected node ids once there are ``n``, or those there are when the transport's timeout ends."""
         assert self.transport is not None
         start, said = time.monotonic(), 0.0
         while True:
             ids = sorted(self.transport.node_ids())
-            if len(ids) >= n:
-                return ids
             waited = time.monotonic() - start
-            if waited > self.transport.timeout_s:
-                raise RunError(f"only {len(ids)} of {n} nodes connected within {self.transport.timeout_s:.0f} s "
-                               "(one SuperNode per table shard is needed)")
+            if len(ids) >= n or waited > self.transport.timeout_s:
+                return ids
             if waited - said >= 10.0:
                 said = waited
                 self.log(f"waiting for nodes: {len(ids)} of {n} connected ({waited:.0f} s)")

@@ -76,6 +76,7 @@ def test_fab_holds_the_app_and_not_the_venv_or_outputs():
     assert len(fab) < 2_000_000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     "overrides,clients,algorithm,epochs",
@@ -115,6 +116,7 @@ def test_flwr_run_on_superlink_and_one_supernode_per_table(tmp_path, overrides, 
     assert all(p.poll() is not None for p in dep.popens)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_flwr_run_local_simulation(tmp_path):
     home = tmp_path / "flwr-home"
