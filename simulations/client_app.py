@@ -63,16 +63,23 @@ _SETTINGS: "OrderedDict[tuple, tuple[ClientSettings, ShardData]]" = OrderedDict(
 _SETTINGS_MAX = 16  # nodes x configs one process serves at once (Ray actors serve several virtual nodes)
 
 
-def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None) -> TableClient:
+def config_key(cfg: DictConfig) -> str:
+    """The config's content as a string: the cache key of a node's prepared table and settings."""
+    return json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
+
+
+def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None,
+                cfg_key: str | None = None) -> TableClient:
     """The client of this node for one message; table and settings are built once per process and node.
 
-    The cache key is the config's content: under Ray the ClientApp, and with it ``cfg``, arrives
-    deserialized with every message, so object identity would miss every time (and grow without bound).
+    The cache key is the config's content (``cfg_key``, else computed: about 8 ms): under Ray the ClientApp,
+    and with it ``cfg``, arrives deserialized with every message, so object identity would miss every time
+    (and grow without bound); the ClientApp computes the key once and carries it.
     """
     from strategies.registry import entry_of
     from tpflower.client import TableClient
 
-    content = json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
+    content = cfg_key if cfg_key is not None else config_key(cfg)
     cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir))
     if cache_key in _SETTINGS:
         _SETTINGS.move_to_end(cache_key)
@@ -128,10 +135,17 @@ def _spec(dataset_json: str, base_dir: str | None) -> RelationalSpec:
 def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -> ClientApp:
     """The ClientApp for a fixed config (the Hydra entry point), or composing it from the run config (flwr run)."""
     app = ClientApp()
+    # The handlers capture the config as its JSON string, not as a DictConfig: the simulation engine pickles
+    # the ClientApp with every message (a DictConfig costs ~5 ms to pickle and load; a string nothing).
+    fixed_key = config_key(cfg) if cfg is not None else None
 
-    def settings_of(context: Context) -> tuple[DictConfig, str | Path | None]:
-        run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
-        return run_cfg, base_dir if base_dir is not None else context.run_config.get("base-dir") or None
+    def settings_of(context: Context) -> tuple[DictConfig, str | Path | None, str | None]:
+        if fixed_key is not None:
+            run_cfg, key = _config_of(fixed_key), fixed_key
+        else:
+            overrides = str(context.run_config.get("overrides", ""))
+            run_cfg, key = _compose(overrides), _composed_key(overrides)
+        return run_cfg, base_dir if base_dir is not None else context.run_config.get("base-dir") or None, key
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
@@ -139,7 +153,7 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
         _, config = unpack_payload(msg.content)
         if config.get("phase") != HELLO_PHASE:
             raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
-        run_cfg, root = settings_of(context)
+        run_cfg, root, _ = settings_of(context)
         dataset = OmegaConf.to_container(run_cfg.dataset, resolve=True)
         keys = _spec(json.dumps(dataset, sort_keys=True), str(root) if root else None).clients(str(run_cfg.scenario.name))
         table, shard = identity(dict(context.node_config), keys)
@@ -154,9 +168,9 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
         return answer(msg, context)
 
     def answer(msg: Message, context: Context) -> Message:
-        run_cfg, root = settings_of(context)
+        run_cfg, root, key = settings_of(context)
         arrays, config = unpack_payload(msg.content)
-        out, metrics = make_client(run_cfg, context, root).handle(arrays, config)
+        out, metrics = make_client(run_cfg, context, root, key).handle(arrays, config)
         return Message(pack_reply(out, metrics), reply_to=msg)
 
     return app
@@ -165,6 +179,17 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
 @lru_cache(maxsize=8)
 def _compose(overrides: str) -> DictConfig:
     return compose_config(*overrides.split())
+
+
+@lru_cache(maxsize=8)
+def _composed_key(overrides: str) -> str:
+    return config_key(_compose(overrides))
+
+
+@lru_cache(maxsize=8)
+def _config_of(key: str) -> DictConfig:
+    """The config whose :func:`config_key` is ``key`` (built once per process)."""
+    return OmegaConf.create(json.loads(key))
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> DictConfig:

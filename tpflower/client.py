@@ -172,28 +172,37 @@ class TableClient(NumPyClient):
         """The preprocessed table: own fit, or (union, several shards) the global rule received in `rule`."""
         if not self.settings.federated_prep:
             return self.data.table()
-        rule = self.state.get_list("rule")
-        if rule is None:
+        rule_id = self.state.scalar("rule_id")
+        if rule_id is None:
             raise RuntimeError(f"table {self.settings.table!r} shard {self.settings.shard}: no preprocessing rule received")
         t = self.settings.spec.table(self.settings.table)
-        n_edges = len(t.binned)  # the rule message ends with the bin edges of the binned columns
-        rule_arrays, edge_arrays = rule[: len(rule) - n_edges], rule[len(rule) - n_edges :]
-        return self.data.table(
-            str(self.state.scalar("rule_id")),
-            lambda: (
+
+        def build() -> tuple[Any, dict[str, np.ndarray]]:  # once per rule id: the rule's arrays are read here only
+            rule = self.state.get_list("rule") or []
+            n_edges = len(t.binned)  # the rule message ends with the bin edges of the binned columns
+            rule_arrays, edge_arrays = rule[: len(rule) - n_edges], rule[len(rule) - n_edges :]
+            return (
                 apply_rule(GlobalRule.from_arrays(rule_arrays, t.numeric, t.categorical), self.data.rows,
                            self.settings.secret, self.settings.table),
                 {c: np.asarray(e, dtype=np.float64) for (c, _), e in zip(t.binned, edge_arrays)},
-            ),
-        )
+            )
+
+        return self.data.table(str(rule_id), build)
 
     def model(self, config: Mapping[str, Any]) -> torch.nn.Module:
-        """f_i with the stored theta, built identically to the centralized model's part on first use."""
+        """f_i with the stored theta, built identically to the centralized model's part on first use.
+
+        The module is built once per node and width and reused (building one costs milliseconds, a round of
+        SGD little more); theta always comes from context.state, and without a stored theta (the run's first
+        message) the module is built afresh from the seed."""
         d_out = int(config.get("d_out") or self.state.scalar("d_out"))
         self.state.set_scalar("d_out", d_out)
-        s = self.settings
-        model = build_local_model(s.model, s.spec, s.table, self.local.width, d_out, s.seed, self.dtype)
-        self.state.load_model(model)
+        s, key = self.settings, (self.local.width, d_out)
+        model = self.data.models.get(key)
+        if model is None or not self.state.load_model(model):
+            model = build_local_model(s.model, s.spec, s.table, self.local.width, d_out, s.seed, self.dtype)
+            self.state.load_model(model)
+            self.data.models[key] = model
         return model.to(self.device)
 
     def rows_X(self, rows: np.ndarray | None) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -110,6 +111,7 @@ class ShardData:
         self.fit_positions = fit_rows(spec, name, len(frame), self.row_ids)
         self.dtype = np.float32 if precision == "float32" else np.float64
         self._tables: dict[str, LocalTable] = {}
+        self.models: dict[tuple, Any] = {}  # the client's f_i modules, reused across messages (TableClient.model)
 
     def table(
         self, rule_id: str = "local",
