@@ -27,13 +27,13 @@ import numpy as np
 from strategies.base import TablePuppetStrategy
 from strategies.lou import ShardRouter
 from strategies.protocol import ClientKey, Kind, Payload, Reply
-from tpflower.client import numbered, unnumbered
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
 from tpflower.comm import CommMeter, WanModel
 from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
 from tpflower.losses import metrics, output_dim, primary_metric
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping
+from tpflower.records import numbered, unnumbered
 from tpflower.params import AlgorithmParams, run_settings
 from tpflower.relation import summary_line
 from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results

@@ -101,3 +101,20 @@ def test_a_phase_of_another_algorithm_is_refused_naming_it():
         call(app, context, "train", {"Y": np.zeros((2, 1))}, {"phase": "admm_update"})
     with pytest.raises(ValueError, match="answers only 'hello' queries"):
         call(app, context, "query", {}, {"phase": "keys"})
+
+
+def test_numpyclient_fit_takes_the_arrays_in_named_order():
+    """TableClient is a NumPyClient: fit(parameters, config) with config["arrays"] naming the parameters gives
+    the same reply as the named-array path the ClientApp uses."""
+    from simulations.client_app import make_client
+
+    cfg = make_cfg("algorithm=sgd", "dataset=synthetic")
+    context = Context(run_id=0, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config={})
+    client = make_client(cfg, context)
+    named, metrics = client.handle({}, {"phase": "keys"})
+    arrays, n, fit_metrics = client.fit([], {"phase": "keys", "arrays": ""})
+    assert n == 400 and fit_metrics["arrays"] == ",".join(named)
+    for a, b in zip(arrays, named.values()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="names 1"):
+        client.fit([], {"phase": "keys", "arrays": "rows"})

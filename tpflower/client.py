@@ -36,6 +36,7 @@ from tpflower import privacy as dp
 from tpflower.fedprep import GlobalRule, apply_rule
 from tpflower.local_table import LocalTable, ShardData
 from tpflower.mapping import segment_sum
+from tpflower.records import Arrays
 from tpflower.models import l2_penalty, torch_dtype
 from tpflower.relation import build_local_model
 from tpflower.schema import RelationalSpec, key_kind
@@ -100,7 +101,6 @@ class ClientState:
         self.records["theta"] = ArrayRecord(torch_state_dict={k: v.cpu() for k, v in model.state_dict().items()})
 
 
-Arrays = dict[str, np.ndarray]
 #: A phase of an algorithm, client side: (client, named arrays, config) -> (named arrays, metrics).
 PhaseHandler = Callable[["TableClient", Arrays, Mapping[str, Any]], tuple[Arrays, dict[str, Any]]]
 S = TypeVar("S", bound="StateRecord")
@@ -321,13 +321,3 @@ def key_kinds_of(spec: RelationalSpec, table: str, frame) -> dict[str, str]:
     """The comparison kind of each join-key column (sent so the server can check joined columns agree)."""
     return {c: key_kind(frame[c].dtype) for c in spec.key_columns(table)}
 
-
-def numbered(prefix: str, arrays: list[np.ndarray]) -> Arrays:
-    """A variable-length list of arrays as named arrays ``prefix.0``, ``prefix.1``, ... (order kept)."""
-    return {f"{prefix}.{k}": a for k, a in enumerate(arrays)}
-
-
-def unnumbered(arrays: Mapping[str, np.ndarray], prefix: str) -> list[np.ndarray]:
-    """The inverse of :func:`numbered`, in index order."""
-    found = {int(name.rsplit(".", 1)[1]): a for name, a in arrays.items() if name.rsplit(".", 1)[0] == prefix}
-    return [found[k] for k in range(len(found))]

@@ -59,3 +59,14 @@ def error_reason(reply: Message) -> str:
     if ":<'" in reason:  # "<class 'ValueError'>:<'table 'x': ...'>" (the simulation engine's format)
         reason = reason.split(":<'", 1)[1].rstrip(">").rstrip("'")
     return reason.strip().splitlines()[-1] if reason.strip() else f"error code {reply.error.code}"
+
+
+def numbered(prefix: str, arrays: list[np.ndarray]) -> Arrays:
+    """A variable-length list of arrays as named arrays ``prefix.0``, ``prefix.1``, ... (order kept)."""
+    return {f"{prefix}.{k}": a for k, a in enumerate(arrays)}
+
+
+def unnumbered(arrays: Mapping[str, np.ndarray], prefix: str) -> list[np.ndarray]:
+    """The inverse of :func:`numbered`, in index order."""
+    found = {int(name.rsplit(".", 1)[1]): a for name, a in arrays.items() if name.rsplit(".", 1)[0] == prefix}
+    return [found[k] for k in range(len(found))]

@@ -18,7 +18,8 @@ import numpy as np
 from flwr.app import ConfigRecord
 
 from tpflower import privacy as dp
-from tpflower.client import Arrays, PhaseHandler, TableClient, numbered, unnumbered
+from tpflower.client import Arrays, PhaseHandler, TableClient
+from tpflower.records import numbered, unnumbered
 from tpflower.fedprep import local_summary
 from tpflower.losses import metrics as eval_metrics
 from tpflower.mapping import project_keys
