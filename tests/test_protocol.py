@@ -14,7 +14,7 @@ from flwr.app import Error, Message
 from simulations import flower_adapter
 from simulations.server_app import make_strategy
 from strategies.base import TablePuppetStrategy
-from strategies.protocol import DirectTransport, GridTransport, RunError
+from strategies.protocol import DirectTransport, RunError
 from tests.conftest import make_cfg
 from tpflower.records import pack_reply, unpack_payload
 
