@@ -1,4 +1,5 @@
-"""Communication accounting: bytes and round trips of the arrays that Flower messages carry, and the WAN
+"""Communication accounting: bytes and round trips of the arrays that Flower messages carry (counted by
+tpflower.records.record_bytes), and the WAN
 time model of conf/network (TablePuppet Table 8: per-link latency and bandwidth, server in one region).
 
 A round is one gather/scatter: the server sends a message to some clients and waits for all replies.
@@ -11,11 +12,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-
-def payload_bytes(parameters: Any) -> int:
-    """Bytes of the serialized ndarrays of a Flower ``Parameters`` (the tensors a FitIns/FitRes carries)."""
-    return int(sum(len(t) for t in parameters.tensors))
 
 
 @dataclass(frozen=True)
