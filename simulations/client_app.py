@@ -101,7 +101,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
     assert isinstance(dataset, dict)
     root = str(base_dir) if base_dir else None
     scenario = str(cfg.scenario.name)
-    table, shard = identity(node_config, _spec(json.dumps(dataset, sort_keys=True), root).clients(scenario))
+    table, shard = node_identity(cfg, node_config, base_dir)
     if node_config.get("source"):
         if scenario == "ucq":
             raise SpecError("node config 'source' (a per-node data file) is supported in the join scenario only")
@@ -125,6 +125,13 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         privacy=OmegaConf.to_container(cfg.privacy, resolve=True),  # its own settings, not the server's word
     )
     return settings, data
+
+
+def node_identity(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[str, int]:
+    """(table, shard) of this node among the run's clients (the dataset spec, parsed once per process)."""
+    dataset = json.dumps(OmegaConf.to_container(cfg.dataset, resolve=True), sort_keys=True)
+    keys = _spec(dataset, str(base_dir) if base_dir else None).clients(str(cfg.scenario.name))
+    return identity(node_config, keys)
 
 
 @lru_cache(maxsize=8)
@@ -154,9 +161,7 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
         if config.get("phase") != HELLO_PHASE:
             raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
         run_cfg, root, _ = settings_of(context)
-        dataset = OmegaConf.to_container(run_cfg.dataset, resolve=True)
-        keys = _spec(json.dumps(dataset, sort_keys=True), str(root) if root else None).clients(str(run_cfg.scenario.name))
-        table, shard = identity(dict(context.node_config), keys)
+        table, shard = node_identity(run_cfg, dict(context.node_config), root)
         return Message(pack_reply({}, {"table": table, "shard": shard}), reply_to=msg)
 
     @app.train()

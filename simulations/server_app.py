@@ -57,5 +57,5 @@ def default_run_dir(cfg: Any) -> str:
     return str(Path("outputs") / "flwr" / f"{cfg.algorithm.name}-{cfg.dataset.name}")
 
 
-install_fast_fetch()  # `flwr run` on the simulation runtime: the engine runs in this ServerApp's process
+install_fast_fetch(only_if_loaded=True)  # `flwr run` on the simulation runtime: the engine runs in this process
 app = server_app_for(None, None)

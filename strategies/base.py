@@ -110,13 +110,10 @@ class TablePuppetStrategy(Strategy):
         assert self.transport is not None, "send() before run()"
         self.server_round += 1
         self._outbox, self._kind = messages, kind
-        empty = (ArrayRecord(), ConfigRecord())
-        if kind == "eval":
-            self.aggregate_evaluate(self.server_round, self.transport.exchange(
-                list(self.configure_evaluate(self.server_round, *empty, None))))  # type: ignore[arg-type]
-        else:
-            self.aggregate_train(self.server_round, self.transport.exchange(
-                list(self.configure_train(self.server_round, *empty, None))))  # type: ignore[arg-type]
+        configure, aggregate = ((self.configure_evaluate, self.aggregate_evaluate) if kind == "eval"
+                                else (self.configure_train, self.aggregate_train))
+        messages = list(configure(self.server_round, ArrayRecord(), ConfigRecord(), None))  # type: ignore[arg-type]
+        aggregate(self.server_round, self.transport.exchange(messages))
         self.on_round(kind, self._down, self._up)
         return self._inbox
 

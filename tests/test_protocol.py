@@ -157,32 +157,21 @@ def test_a_silent_node_times_out_naming_its_table():
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "algorithm, override, message",
     [
-        ("algorithm.rho=-1", "algorithm.rho must be > 0, got -1"),
-        ("algorithm.variant=fancy", "algorithm.variant must be one of ['sharing', 'paper'], got 'fancy'"),
-        ("algorithm.local_epochs=1.5", "algorithm.local_epochs must be an integer >= 1, got 1.5"),
-        ("+algorithm.rhoo=1", "algorithm.rhoo is not a setting of algorithm 'tp_join_admm'"),
-        ("epochs=0", "epochs must be an integer >= 1, got 0"),
+        ("admm", "algorithm.rho=-1", "algorithm.rho must be > 0, got -1"),
+        ("admm", "algorithm.variant=fancy", "algorithm.variant must be one of ['sharing', 'paper'], got 'fancy'"),
+        ("admm", "algorithm.local_epochs=1.5", "algorithm.local_epochs must be an integer >= 1, got 1.5"),
+        ("admm", "+algorithm.rhoo=1", "algorithm.rhoo is not a setting of algorithm 'tp_join_admm'"),
+        ("admm", "epochs=0", "epochs must be an integer >= 1, got 0"),
+        ("sgd", "algorithm.lr=abc", "algorithm.lr must be a number, got 'abc'"),
+        ("sgd", "algorithm.lr=0", "algorithm.lr must be > 0, got 0"),
+        ("sgd", "algorithm.batch_size=-5", "algorithm.batch_size must be an integer >= 1, got -5"),
     ],
 )
-def test_admm_settings_are_refused_before_any_client_is_contacted(override, message):
+def test_settings_are_refused_before_any_client_is_contacted(algorithm, override, message):
     with pytest.raises(ValueError) as err:
-        make_strategy(make_cfg("algorithm=admm", "dataset=synthetic", override), None, log=lambda _: None)
-    assert message in str(err.value)
-
-
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("algorithm.lr=abc", "algorithm.lr must be a number, got 'abc'"),
-        ("algorithm.lr=0", "algorithm.lr must be > 0, got 0"),
-        ("algorithm.batch_size=-5", "algorithm.batch_size must be an integer >= 1, got -5"),
-    ],
-)
-def test_sgd_settings_are_refused_before_any_client_is_contacted(override, message):
-    with pytest.raises(ValueError) as err:
-        make_strategy(make_cfg("algorithm=sgd", "dataset=synthetic", override), None, log=lambda _: None)
+        make_strategy(make_cfg(f"algorithm={algorithm}", "dataset=synthetic", override), None, log=lambda _: None)
     assert message in str(err.value)
 
 
@@ -213,6 +202,14 @@ def test_adapter_replaces_the_fetch_loop_on_the_version_it_was_written_for(monke
     monkeypatch.setattr(vce_api, "add_messages_to_queue", None)
     assert flower_adapter.install_fast_fetch("1.41.0") is True
     assert vce_api.add_messages_to_queue is flower_adapter.fast_fetch_loop
+
+
+def test_adapter_leaves_a_process_without_the_engine_alone(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "flwr.server.superlink.fleet.vce.vce_api", raising=False)
+    assert flower_adapter.install_fast_fetch("1.41.0", only_if_loaded=True) is False
+    assert "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules
 
 
 def test_fast_fetch_loop_moves_every_message_and_stops():
