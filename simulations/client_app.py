@@ -6,10 +6,13 @@ Handlers: ``query`` answers the server's first step (which table and shard this 
 answers the phases of the run's algorithm, from strategies.registry) and pack its reply. An exception
 becomes Flower's error reply, which the server turns into one line naming the table.
 
-Which table a client holds comes from its node config: ``table`` (and ``shard``) on a flower-supernode
-(``--node-config "table='ratings'"``), else the simulation's ``partition-id`` (clients in spec order).
-``source`` in the node config overrides the table's data file. The run config's ``overrides`` string
-carries the Hydra overrides of the run, so every process composes the same configuration.
+Which table a client holds comes from its node config: ``table`` (and ``shard``) and ``client-config`` on a
+flower-supernode (``--node-config "table='ratings' client-config='/path/ratings.yaml'"``), else the
+simulation's ``partition-id`` (clients in spec order). The run config's ``overrides`` string carries the
+Hydra overrides of the run (the model, the algorithm and its hyperparameters, the dataset's spec). What is
+the owner's to decide comes from the owner (tpflower.owner): on a deployed node its client-config file (data
+file, exposed columns, privacy floor, secret), in a simulation the same settings built from the run config.
+The node checks the run against them in the hello query already, before it loads or sends anything.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from simulations.config import compose_config
 from strategies.protocol import HELLO_PHASE
 from tpflower.datasets import load_spec, load_table, shard_rows
+from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
 from tpflower.records import pack_reply, unpack_payload
 from tpflower.schema import RelationalSpec, SpecError
 
@@ -38,12 +42,39 @@ if TYPE_CHECKING:  # torch and the algorithms are imported on the first training
 
 
 @lru_cache(maxsize=32)
-def _load(dataset_json: str, table: str, base_dir: str | None) -> tuple[RelationalSpec, pd.DataFrame, dict]:
-    """Load one client's table once per process (Flower may rebuild the client per message)."""
+def _load(dataset_json: str, table: str, base_dir: str | None, kept: tuple[str, ...]) -> tuple[RelationalSpec, pd.DataFrame, dict]:
+    """Load one client's table once per process (Flower may rebuild the client per message); only the columns
+    ``kept`` (what its owner exposes, and a shard column) stay in memory."""
     from tpflower.client import key_kinds_of
 
     spec, frame = load_table(json.loads(dataset_json), table, base_dir=base_dir)
+    frame = frame[[c for c in frame.columns if c in kept]]
     return spec, frame, key_kinds_of(spec, table, frame)
+
+
+def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
+                  table: str) -> tuple[OwnerSettings, dict[str, Any], RelationalSpec]:
+    """The owner's settings of this node (its client-config file, or in a simulation the run config's), with
+    the run checked against them: the table's source, exposed columns and label, and the privacy floor.
+    Returns them, the dataset config to load the table with (the owner's file in place of any other) and the
+    run's spec."""
+    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
+    assert isinstance(dataset, dict)
+    root = str(base_dir) if base_dir else None
+    spec = _spec(json.dumps(dataset, sort_keys=True), root)
+    if node_config.get("client-config"):
+        owner = load_owner_settings(str(node_config["client-config"]), table)
+    elif "table" in node_config:
+        raise SpecError(f"node config names table {table!r} but no client-config: a deployed node serves its table "
+                        "under its owner's settings file (README 'Deployment'; simulations.deploy start writes one)")
+    else:
+        owner = simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root)  # type: ignore[arg-type]
+    owner.check_spec(spec, dataset, root)
+    owner.check_privacy(OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"},
+                        label_owner=spec.label.table == table)
+    if owner.source is not None and isinstance(dataset.get("tables"), dict):
+        dataset["tables"][table] = {**(dataset["tables"].get(table) or {}), "source": owner.source}
+    return owner, dataset, spec
 
 
 def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[str, int]:
@@ -89,7 +120,7 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
             _SETTINGS.popitem(last=False)
     settings, data = _SETTINGS[cache_key]
     entry = entry_of(cfg)
-    return TableClient(data, settings, context.state, entry.phases, entry.name)
+    return TableClient(data, settings, context.state, entry.protocol, entry.name)
 
 
 def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[ClientSettings, ShardData]:
@@ -97,16 +128,13 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
     from tpflower.client import ClientSettings
     from tpflower.local_table import ShardData
 
-    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
-    assert isinstance(dataset, dict)
     root = str(base_dir) if base_dir else None
     scenario = str(cfg.scenario.name)
     table, shard = node_identity(cfg, node_config, base_dir)
-    if node_config.get("source"):
-        if scenario == "ucq":
-            raise SpecError("node config 'source' (a per-node data file) is supported in the join scenario only")
-        dataset["tables"][table] = {**dataset["tables"].get(table, {}), "source": str(node_config["source"])}
-    spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root)
+    owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir, table)
+    shards = run_spec.table(table).shards
+    kept = owner.exposed.all + ((shards.by,) if shards is not None and shards.by else ())
+    spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
     sharded = scenario == "ucq" and spec.table(table).shards is not None
     rows = shard_rows(spec.table(table), frame)[shard] if sharded else None
     data = ShardData(spec, table, frame, rows, precision=str(cfg.precision))
@@ -119,10 +147,9 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         algorithm=entry_of(cfg).params.from_cfg(OmegaConf.to_container(cfg.algorithm, resolve=True)),  # type: ignore[arg-type]
         seed=int(cfg.seed),
         precision=str(cfg.precision),
-        secret=str(cfg.mapping.secret).encode(),
+        owner=owner,
         key_kinds=kinds,
         federated_prep=sum(1 for t, _ in spec.clients(scenario) if t == table) > 1,
-        privacy=OmegaConf.to_container(cfg.privacy, resolve=True),  # its own settings, not the server's word
     )
     return settings, data
 
@@ -162,6 +189,7 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
             raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
         run_cfg, root, _ = settings_of(context)
         table, shard = node_identity(run_cfg, dict(context.node_config), root)
+        owner_checked(run_cfg, dict(context.node_config), root, table)  # refuse a run it would not serve, now
         return Message(pack_reply({}, {"table": table, "shard": shard}), reply_to=msg)
 
     @app.train()

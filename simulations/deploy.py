@@ -1,7 +1,10 @@
 """Run the federated algorithms on real Flower infrastructure on this machine (127.0.0.1 only).
 
 Deployment runtime: one ``flower-superlink`` and one ``flower-supernode`` per client (table) of the configured
-dataset; the SuperNode of table T gets ``--node-config 'table="T" shard=0'``, which the ClientApp reads.
+dataset; the SuperNode of table T gets ``--node-config 'table="T" shard=0 client-config="..."'``, which the
+ClientApp reads. ``start`` writes each node's owner settings (tpflower.owner: its data source, the columns it
+exposes, its privacy floor = the privacy of ``--overrides``) into STATE_DIR/clients/T-0.yaml and one join-key
+secret, shared by the nodes and never given to the SuperLink, into STATE_DIR/clients/key (mode 0600).
 ``flwr run`` builds a FAB from this directory and ships it to the SuperLink and the SuperNodes::
 
     python -m simulations.deploy start --overrides "dataset=synthetic"      # SuperLink + 4 SuperNodes
@@ -54,6 +57,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 HOST = "127.0.0.1"
 TAG_VAR = "TPFLOWER_DEPLOY_TAG"
+SECRET_ENV = "TPFLOWER_KEY_SECRET"
 CONNECTION = "local-deployment"
 APP_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_STATE_DIR = Path("outputs") / "deploy"
@@ -90,6 +94,7 @@ def flower_env(home: Path, tag: str, base: dict[str, str] | None = None) -> dict
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env[TAG_VAR] = tag
+    env.pop(SECRET_ENV, None)  # the nodes read their secret_file; the SuperLink must never hold the secret
     return env
 
 
@@ -100,6 +105,42 @@ def clients_of(overrides: str, base_dir: str | Path | None = None) -> list[tuple
 
     cfg = config_from_run_config({"overrides": overrides})
     return load_spec(cfg.dataset, base_dir=base_dir).clients(str(cfg.scenario.name))
+
+
+def write_client_configs(overrides: str, directory: Path, base_dir: str | Path | None = None) -> dict[tuple[str, int], Path]:
+    """One owner settings file per client of the run ``overrides`` describes (what each table's owner would
+    write on its own node: tpflower.owner), and one fresh join-key secret they share (mode 0600)."""
+    import secrets
+
+    import yaml
+
+    from simulations.client_app import config_from_run_config
+    from tpflower.datasets import load_spec
+    from tpflower.datasets.files import resolve_path
+    from tpflower.owner import privacy_floor, simulation_owner
+
+    cfg = config_from_run_config({"overrides": overrides})
+    spec = load_spec(cfg.dataset, base_dir=base_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    key = directory / "key"
+    key.touch(mode=0o600)
+    key.write_text(secrets.token_hex(32))
+    container = {"seed": 0, "dataset": dict(cfg.dataset), "privacy": dict(cfg.privacy)}
+    paths = {}
+    for table, shard in spec.clients(str(cfg.scenario.name)):
+        owner = simulation_owner(container, spec, table, base_dir)
+        e = owner.exposed
+        settings = {
+            "table": table,
+            **({"source": str(resolve_path(owner.source, base_dir))} if owner.source else {"loader": owner.loader}),
+            "columns": {"keys": list(e.keys), "numeric": list(e.numeric), "categorical": list(e.categorical),
+                        **({"label": e.label} if e.label else {})},
+            "privacy": {k: v for k, v in privacy_floor(dict(cfg.privacy), "--overrides").items() if v is not None},
+            "secret_file": str(key),
+        }
+        paths[(table, shard)] = directory / f"{table}-{shard}.yaml"
+        paths[(table, shard)].write_text(yaml.safe_dump(settings, sort_keys=False))
+    return paths
 
 
 def write_connection(home: Path, name: str, address: str, default: bool = False) -> Path:
@@ -252,9 +293,9 @@ def superlink_command(port: int) -> list[str]:
             "--host", HOST, "--port", str(port)]
 
 
-def supernode_command(superlink_port: int, port: int, table: str, shard: int = 0) -> list[str]:
-    return ["flower-supernode", "--insecure", "--superlink", f"{HOST}:{superlink_port}",
-            "--host", HOST, "--port", str(port), "--node-config", f'table="{table}" shard={shard}']
+def supernode_command(superlink_port: int, port: int, table: str, shard: int, client_config: str | Path) -> list[str]:
+    return ["flower-supernode", "--insecure", "--superlink", f"{HOST}:{superlink_port}", "--host", HOST,
+            "--port", str(port), "--node-config", f'table="{table}" shard={shard} client-config="{client_config}"']
 
 
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -299,7 +340,7 @@ def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: 
         old = Deployment.load(state)
         if tagged_pids(old.tag):
             raise RuntimeError(f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop` first")
-    clients = clients_of(overrides, base_dir)
+    client_configs = write_client_configs(overrides, state / "clients", base_dir)
     dep = Deployment(tag=uuid.uuid4().hex, flwr_home=str(flwr_home(home)), state_dir=str(state),
                      superlink_port=port or free_port(), connection=connection)
     env = dep.env()
@@ -312,10 +353,10 @@ def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: 
         dep.save()
         _wait_http(f"http://{dep.address}/health", proc, log, timeout)
         nodes = []
-        for table, shard in clients:
+        for (table, shard), client_config in client_configs.items():
             node_port = free_port()
             log = state / f"supernode-{table}-{shard}.log"
-            proc = spawn(supernode_command(dep.superlink_port, node_port, table, shard), log, env, workdir)
+            proc = spawn(supernode_command(dep.superlink_port, node_port, table, shard, client_config), log, env, workdir)
             dep.popens.append(proc)
             dep.processes.append({"name": f"supernode {table}/{shard}", "pid": proc.pid, "pgid": proc.pid,
                                   "cmd": proc.args, "log": str(log), "port": node_port})

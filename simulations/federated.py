@@ -86,20 +86,24 @@ class InProcessRun:
         return {k: v.numpy() for k, v in self.contexts[key].state["theta"].to_torch_state_dict().items()}
 
 
-def in_process_contexts(strategy: LoJStrategy) -> dict[ClientKey, Context]:
-    """One Flower Context per client key, with the node config a SuperNode of that table would have."""
-    return {
-        key: Context(run_id=0, node_id=pid + 1, node_config={"table": key[0], "shard": key[1]},
-                     state=RecordDict(), run_config={})
-        for pid, key in enumerate(strategy.clients)
-    }
+def in_process_contexts(strategy: LoJStrategy, base_dir: str | Path | None = None) -> dict[ClientKey, Context]:
+    """One Flower Context per client key, with the node config the simulation engine gives it (partition-id),
+    keyed by the table and shard the client takes for that partition."""
+    from simulations.client_app import node_identity
+
+    contexts = {}
+    for pid in range(len(strategy.clients)):
+        config = {"partition-id": pid}
+        contexts[node_identity(strategy.cfg, config, base_dir)] = Context(
+            run_id=0, node_id=pid + 1, node_config=config, state=RecordDict(), run_config={})
+    return contexts
 
 
 def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
                    log: Callable[[str], None] = print) -> InProcessRun:
     """The same strategy and ClientApp, called directly (no Flower transport, no Ray)."""
     strategy = make_strategy(cfg, run_dir, base_dir, log=log)
-    contexts = in_process_contexts(strategy)
+    contexts = in_process_contexts(strategy, base_dir)
     app = client_app_for(cfg, base_dir)
     strategy.run(DirectTransport(app, {c.node_id: c for c in contexts.values()}))
     return InProcessRun(strategy, contexts)

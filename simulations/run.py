@@ -22,6 +22,7 @@ from simulations.centralized import constant_predictor_metric, train_centralized
 from strategies.protocol import RunError
 from tpflower import privacy as dp
 from tpflower.datasets import load_spec
+from tpflower.owner import redact_run_dir, simulation_secret
 from tpflower.relation import Relation, load_relation
 from tpflower.results import RunResults, new_run_results, write_results
 from tpflower.schema import SpecError
@@ -47,10 +48,10 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
         assert results is not None
         return results
     check_privacy(cfg, base_dir)
-    rel = load_relation(cfg.dataset, str(cfg.mapping.secret).encode(), base_dir=base_dir)
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), base_dir=base_dir)
     privacy = cfg.get("privacy") or {"name": "none"}
     if dp.uses_label_dp(privacy):
-        randomize_training_labels(rel, privacy, int(cfg.seed))
+        randomize_training_labels(rel, privacy)
     results = new_run_results(cfg, algorithm, rel.spec, rel.mapping)
     results.privacy = dp.privacy_summary(privacy, rel.spec.label.task)
     results.reference = {f"constant_{k}": v for k, v in constant_predictor_metric(rel).items()}
@@ -80,13 +81,13 @@ def check_privacy(cfg: DictConfig, base_dir: str | Path | None = None) -> None:
     dp.validate_privacy(privacy, "centralized", task, feature_dp=False, why_not=CENTRALIZED_NO_FEATURE_DP)
 
 
-def randomize_training_labels(rel: Relation, privacy, seed: int) -> None:
+def randomize_training_labels(rel: Relation, privacy) -> None:
     """Label DP for the centralized baseline: the training labels randomized exactly as the federated label
-    owner does (the same generator as table shard 0 in the join scenario); test labels stay true."""
+    owner does (noise from the OS entropy); test labels stay true."""
     label = rel.label
     assert label.y is not None and label.is_test is not None
     train = ~label.is_test
-    rng = dp.label_rng(privacy, seed, rel.spec.label_table, 0)
+    rng = dp.label_rng()
     y = label.y.copy()
     y[train] = dp.randomize_labels(label.y[train], rel.spec.label.task, privacy, rng, label.n_classes)
     label.y = y
@@ -96,6 +97,7 @@ def randomize_training_labels(rel: Relation, privacy, seed: int) -> None:
 def main(cfg: DictConfig) -> Any:
     """One line on stderr and exit status 1 for a refused setting or a failed run (TPFLOWER_TRACEBACK=1: raise)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    redact_run_dir(run_dir / ".hydra", simulation_secret(cfg))  # Hydra saved the command line: no secret in it
     try:
         results = run_job(cfg, run_dir, base_dir=get_original_cwd())
     except (RunError, SpecError, ValueError) as exc:

@@ -142,19 +142,24 @@ class LoJStrategy(TablePuppetStrategy):
 
         Round 1 asks for summaries without order statistics; round 2 (only when needed) asks for the sketches
         of the columns that need them (a missing fit value somewhere, or binned), so no other column's
-        values leave the shards.
+        values (min/max and order statistics) leave the shards. Both rounds name the table's feature columns
+        (``columns``, spec order): the clients refuse a request without that exact list.
         """
         sharded = [t for t in self.spec.table_names if len(self.routers[t].shards) > 1]
         if not sharded:
             return
-        replies = self.send({k: ({}, {"phase": "stats", "sketch": ""}) for k in self.clients if k[0] in sharded})
+        columns = {t: ",".join([*self.spec.table(t).numeric, *self.spec.table(t).categorical]) for t in sharded}
+        replies = self.send({
+            k: ({}, {"phase": "stats", "columns": columns[k[0]], "sketch": ""}) for k in self.clients if k[0] in sharded
+        })
         summaries = self._summaries(replies)
         wanted = {
             t: sketch_columns_needed(summaries[t], [c for c, _ in self.spec.table(t).binned]) for t in sharded
         }
         if any(wanted.values()):
             again = self.send({
-                k: ({}, {"phase": "stats", "sketch": ",".join(wanted[k[0]])}) for k in self.clients if wanted.get(k[0])
+                k: ({}, {"phase": "stats", "columns": columns[k[0]], "sketch": ",".join(wanted[k[0]])})
+                for k in self.clients if wanted.get(k[0])
             })
             summaries.update(self._summaries(again))
         messages = {}

@@ -1,8 +1,8 @@
 """One registry of the federated algorithms (in the spirit of Opacus' register_accountant / create_accountant).
 
 Each algorithm declares itself once, in its own strategies/ module, with :func:`register`: its name, which
-`algorithm=` config and scenario select it, its server protocol (a strategy class), its client phases (the
-handlers of its tpflower/ module: also the list a client answers), its typed hyperparameters and the privacy
+`algorithm=` config and scenario select it, its server protocol (a strategy class), its client protocol (the
+phases of its tpflower/ module in their order: all a client answers, tpflower.guard), its typed hyperparameters and the privacy
 it supports. The entry points, the ClientApp, the privacy checks and the conformance tests look algorithms up
 here; :func:`load_all` imports every module of this package, so a new module is found without editing a list.
 """
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tpflower.client import PhaseHandler
+from tpflower.guard import Protocol
 from tpflower.params import AlgorithmParams
 
 
@@ -25,7 +24,7 @@ class AlgorithmEntry:
     selector: str  # the conf value `algorithm.name` that selects it (conf/algorithm/*.yaml), e.g. "tp_join_admm"
     scenario: str  # "join" | "ucq"
     strategy: type  # the server protocol: a strategies.base.TablePuppetStrategy subclass
-    phases: Mapping[str, PhaseHandler]  # the client handlers, by phase name
+    protocol: Protocol  # the client side: its phases (handlers) in their order, checked by the client's guard
     params: type[AlgorithmParams]  # typed algorithm.* settings
     feature_dp: bool = True  # privacy=dpsgd supported
     label_dp: bool = True  # privacy=label supported

@@ -83,7 +83,7 @@ class VFLADMM(TPJoinADMM):
     expand = True
 
 
-register(AlgorithmEntry("tp_join_admm", "tp_join_admm", "join", TPJoinADMM, {**setup.PHASES, **join_admm.PHASES},
-                        ADMMParams, summary="TP-Join-ADMM (Eq. 7, 8, 14-16): one round trip per epoch"))
-register(AlgorithmEntry("vfl_admm", "vfl_admm", "join", VFLADMM, {**setup.VFL_PHASES, **join_admm.PHASES},
-                        ADMMParams, summary="VFL-ADMM baseline on the expanded join"))
+register(AlgorithmEntry("tp_join_admm", "tp_join_admm", "join", TPJoinADMM,
+                        setup.loj_protocol(join_admm.START, join_admm.TRAIN), ADMMParams, summary="TP-Join-ADMM (Eq. 7, 8, 14-16): one round trip per epoch"))
+register(AlgorithmEntry("vfl_admm", "vfl_admm", "join", VFLADMM,
+                        setup.loj_protocol(join_admm.START, join_admm.TRAIN, vfl=True), ADMMParams, summary="VFL-ADMM baseline on the expanded join"))

@@ -86,7 +86,7 @@ class VFLSGD(TPJoinSGD):
     expand = True
 
 
-register(AlgorithmEntry("tp_join_sgd", "tp_join_sgd", "join", TPJoinSGD, {**setup.PHASES, **join_sgd.PHASES},
-                        SGDParams, summary="TP-Join-SGD (Eq. 10-13): one round trip per mini-batch"))
-register(AlgorithmEntry("vfl_sgd", "vfl_sgd", "join", VFLSGD, {**setup.VFL_PHASES, **join_sgd.PHASES},
-                        SGDParams, summary="VFL-SGD baseline on the expanded join"))
+register(AlgorithmEntry("tp_join_sgd", "tp_join_sgd", "join", TPJoinSGD,
+                        setup.loj_protocol(join_sgd.START, join_sgd.TRAIN), SGDParams, summary="TP-Join-SGD (Eq. 10-13): one round trip per mini-batch"))
+register(AlgorithmEntry("vfl_sgd", "vfl_sgd", "join", VFLSGD,
+                        setup.loj_protocol(join_sgd.START, join_sgd.TRAIN, vfl=True), SGDParams, summary="VFL-SGD baseline on the expanded join"))

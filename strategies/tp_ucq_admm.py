@@ -119,5 +119,5 @@ class TPUCQADMM(TPJoinADMM):
 
 
 register(AlgorithmEntry("tp_ucq_admm", "tp_join_admm", "ucq", TPUCQADMM,
-                        {**setup.PHASES, **join_admm.PHASES, **union.ADMM_PHASES}, ADMMParams,
+                        setup.loj_protocol(join_admm.START, union.ADMM_TRAIN), ADMMParams,
                         summary="TP-UCQ-ADMM (Eq. 20-24): consensus ADMM over the shards"))

@@ -77,5 +77,5 @@ class TPUCQSGD(LoJStrategy):
 
 
 register(AlgorithmEntry("tp_ucq_sgd", "tp_join_sgd", "ucq", TPUCQSGD,
-                        {**setup.PHASES, **join_sgd.PHASES, **union.SGD_PHASES}, SGDParams,
+                        setup.loj_protocol(join_sgd.START, union.SGD_TRAIN), SGDParams,
                         summary="TP-UCQ-SGD (Eq. 17-19): TP-Join-SGD through the union"))

@@ -141,3 +141,33 @@ def test_flwr_run_local_simulation(tmp_path):
     assert len(running_after_run) == 1  # `flwr run .` leaves the local SuperLink running; stop_local stopped it
     assert left == []
     assert deploy.local_superlink_pids(home) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_with_a_label_dp_floor_refuses_a_run_submitted_without_it(tmp_path):
+    """The label owner's settings file (written by deploy.start for `privacy=label`) sets label DP as its floor;
+    a run submitted with privacy=none stops at the hello step with its refusal, before any data is sent."""
+    dep = None
+    left: list[int] = ["not stopped"]  # type: ignore[list-item]
+    try:
+        dep = deploy.start(f"{OVERRIDES} privacy=label", state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home",
+                           cwd=tmp_path)
+        floor = (tmp_path / "deploy" / "clients" / "fact-0.yaml").read_text()
+        assert "name: label" in floor and "secret_file" in floor
+        run_dir = tmp_path / "run"
+        log = tmp_path / "flwr-run.log"
+        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, OVERRIDES, run_dir), log, dep.env(),
+                            cwd=deploy.APP_DIR)
+        dep.popens.append(proc)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "table 'fact' refuses the run: privacy=none is weaker than this node's floor privacy=label" in text, \
+            deploy._log_tail(log, 60)
+        assert not (run_dir / "results.json").exists()
+    finally:
+        if dep is not None:
+            left = deploy.stop(dep)
+    assert left == []

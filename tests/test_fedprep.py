@@ -75,8 +75,10 @@ def _union(shards: list[tuple[pd.DataFrame, np.ndarray]]) -> tuple[pd.DataFrame,
 
 
 def _federate(shards, sketch_size: int) -> tuple[GlobalRule, list[TablePreprocessor]]:
+    """Every numeric column with a sketch; the shards are small, so the threshold is lowered explicitly."""
     summaries = [
-        local_summary(f, NUMERIC, CATEGORICAL, SECRET, rows=rows, sketch_size=sketch_size, table="movies")
+        local_summary(f, NUMERIC, CATEGORICAL, SECRET, rows=rows, sketch_size=sketch_size, table="movies",
+                      sketch_columns=NUMERIC, min_sketch_rows=1)
         for f, rows in shards
     ]
     rule = merge_summaries(summaries)
@@ -256,7 +258,8 @@ def test_bin_transform(shards) -> None:
 
 
 def test_transport_round_trips_without_raw_strings(shards) -> None:
-    summaries = [local_summary(f, NUMERIC, CATEGORICAL, SECRET, rows=r, sketch_size=16) for f, r in shards]
+    summaries = [local_summary(f, NUMERIC, CATEGORICAL, SECRET, rows=r, sketch_size=16, sketch_columns=NUMERIC,
+                               min_sketch_rows=1) for f, r in shards]
     rule = merge_summaries(summaries)
     raw = [g for g in GENRES] + ["Western", "Musical", NA_CATEGORY]
     payloads = [s.arrays() for s in summaries] + [rule.arrays(), rule.arrays(with_sketch=False)]
@@ -325,11 +328,13 @@ def test_sketches_only_for_columns_with_missing_values_or_binned():
     cols = ["full", "gappy", "binme"]
     first = [local_summary(f, cols, [], b"k", sketch_columns=[]) for f in (a, b)]
     assert all(s.numeric[c].sketch.count == 0 for s in first for c in cols)  # round 1 sends no order statistics
+    assert all(np.isnan([s.numeric[c].min, s.numeric[c].max]).all() for s in first for c in cols)  # nor extremes
     assert sketch_columns_needed(first, binned=["binme"]) == ["gappy", "binme"]
     rule = merge_summaries(first)
     union = pd.concat([a, b])["full"]
     assert rule.numeric["full"].median == pytest.approx(union.mean())  # no sketch: the mean stands in
-    second = [local_summary(f, cols, [], b"k", sketch_columns=["gappy", "binme"]) for f in (a, b)]
+    second = [local_summary(f, cols, [], b"k", sketch_columns=["gappy", "binme"], min_sketch_rows=39) for f in (a, b)]
     assert second[0].numeric["full"].sketch.count == 0 and second[0].numeric["gappy"].sketch.count == 40
+    assert np.isnan(second[0].numeric["full"].min) and second[0].numeric["gappy"].min == a["gappy"].min()
     rule = merge_summaries(second)
     assert rule.numeric["gappy"].median == pytest.approx(np.nanmedian(pd.concat([a, b])["gappy"]))

@@ -13,10 +13,10 @@ from simulations.centralized import exact_ridge, train_centralized
 from simulations.federated import run_in_process
 from tests.conftest import make_cfg
 from tpflower.loj import BatchPlan, epoch_batches
+from tpflower.owner import simulation_secret
 from tpflower.relation import load_relation
 from tpflower.results import new_run_results
 
-SECRET = b"tpflower-demo-secret-change-me"  # conf/config.yaml's default mapping.secret
 
 
 def quiet(_line: str) -> None:
@@ -29,7 +29,7 @@ def run_federated(*overrides: str):
 
 def run_centralized(*overrides: str):
     cfg = make_cfg("algorithm=centralized", *overrides)
-    rel = load_relation(cfg.dataset, SECRET, verbose=False)
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
     results = new_run_results(cfg, "centralized", rel.spec, rel.mapping)
     model = train_centralized(cfg, rel, results, log=quiet)
     return rel, model, results
@@ -89,7 +89,7 @@ def test_admm_paper_variant_diverges_with_an_intercept_per_table():
 
 def test_admm_variants_reach_the_ridge_optimum_without_intercepts():
     cfg = make_cfg("dataset=synthetic", "model.bias=none")
-    rel = load_relation(cfg.dataset, SECRET, verbose=False)
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
     beta = float(cfg.model.beta)
     w, _ = exact_ridge(rel, beta, intercept=False)
     resid = rel.joined_features(rel.train) @ w - rel.labels(rel.train)

@@ -68,6 +68,11 @@ def test_tp_ucq_admm_inner_loop_accounting_and_early_stop():
     assert h[-1].train_loss < h[0].train_loss
 
 
+#: The shop's customers shards hold 10-25 rows, far below the default min_sketch_rows (2048): the binned age
+#: column's sketch would be refused; its owners lower the threshold (their setting; here the run config's).
+SMALL_SHARD_SKETCHES = "min_sketch_rows=1"
+
+
 def shop_with_shards(tmp_path) -> dict:
     """orders x customers x products; customers in 3 shards by region, where region "c" holds customers that
     never ordered (a shard with no row in the join) and segment "vip" exists in region "a" only; customers'
@@ -103,7 +108,7 @@ def shop_with_shards(tmp_path) -> dict:
 @pytest.mark.parametrize("algorithm", ["sgd", "admm"])
 def test_shard_without_join_rows_and_category_of_one_shard(tmp_path, algorithm):
     dataset = shop_with_shards(tmp_path)
-    common = (f"algorithm={algorithm}", "precision=float64", "epochs=3", "model.init=zeros")
+    common = (SMALL_SHARD_SKETCHES, f"algorithm={algorithm}", "precision=float64", "epochs=3", "model.init=zeros")
     # three shards, one of them outside the join, agree more slowly: run the consensus loop to 1e-11
     extra = ("algorithm.batch_size=256",) if algorithm == "sgd" else ("algorithm.inner_rounds=3000", "algorithm.inner_tol=1e-11")
     join = run(*common, *extra[:1] if algorithm == "sgd" else (), dataset=dataset, base_dir=tmp_path)
@@ -117,12 +122,13 @@ def test_shard_without_join_rows_and_category_of_one_shard(tmp_path, algorithm):
 
 def test_binning_by_federated_rule_equals_binning_of_the_union(tmp_path):
     """Quantile bins of a sharded table's column: edges from the merged sketch (exact here: every shard holds
-    fewer than 512 values) give the same one-hot bin features as binning the unioned table."""
+    fewer than 512 values; min_sketch_rows lowered) give the same one-hot bin features as binning the unioned
+    table."""
     from simulations.client_app import make_client
     from tpflower.relation import load_relation
 
     dataset = shop_with_shards(tmp_path)
-    cfg = make_cfg("algorithm=admm", "scenario=ucq", "epochs=1", dataset=dataset)
+    cfg = make_cfg(SMALL_SHARD_SKETCHES, "algorithm=admm", "scenario=ucq", "epochs=1", dataset=dataset)
     ucq = run_in_process(cfg, None, base_dir=tmp_path, log=lambda _: None)
     union = load_relation(cfg.dataset, b"x", base_dir=tmp_path, verbose=False).tables["customers"]
     bins = [k for k, name in enumerate(union.feature_names) if name.startswith("age#bin")]
@@ -131,3 +137,12 @@ def test_binning_by_federated_rule_equals_binning_of_the_union(tmp_path):
         local = make_client(cfg, ucq.contexts[("customers", shard)], tmp_path).local
         own = [k for k, name in enumerate(local.feature_names) if name.startswith("age#bin")]
         np.testing.assert_array_equal(local.X[:, own], union.X[local.row_ids][:, bins])
+
+
+def test_binning_of_small_shards_is_refused_by_default(tmp_path):
+    """Without lowering min_sketch_rows the customers shards (10-25 rows) refuse to send age's sketch."""
+    from strategies.protocol import RunError
+
+    with pytest.raises(RunError, match=r"table 'customers' shard \d: column 'age' has \d+ observed fit values.*"
+                                       r"min_sketch_rows=2048.*table owner can lower min_sketch_rows"):
+        run("algorithm=sgd", "scenario=ucq", "epochs=1", dataset=shop_with_shards(tmp_path), base_dir=tmp_path)

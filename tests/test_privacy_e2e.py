@@ -8,6 +8,7 @@ recorded, then looks for the raw data in it.
 from __future__ import annotations
 
 import math
+import secrets
 
 import numpy as np
 import pytest
@@ -46,8 +47,8 @@ def run(*overrides: str):
 class Recorded:
     """A run whose clients' messages were all recorded: ``sent`` (what each client sent) and ``got``."""
 
-    def __init__(self, *overrides: str):
-        self.cfg = cfg_of(*overrides)
+    def __init__(self, *overrides: str, dataset: dict | None = None):
+        self.cfg = cfg_of(*overrides) if dataset is None else compose_config(*overrides, dataset=dataset)
         self.strategy = make_strategy(self.cfg, None, log=quiet)
         self.contexts = in_process_contexts(self.strategy)
         self.sent: list[tuple[tuple[str, int], str, dict[str, np.ndarray], dict]] = []
@@ -68,6 +69,16 @@ class Recorded:
 
     def client(self, key):
         return make_client(self.cfg, self.contexts[key])
+
+    def metric_series(self) -> list[tuple[tuple[str, int], str, dict[str, np.ndarray]]]:
+        """Each client's numeric metric values over all its replies, one vector per metric name (in message
+        order): a client leaking one value per message would spell a column here."""
+        series: dict[tuple, dict[str, list[float]]] = {}
+        for key, _, _, m in self.sent:
+            for name, value in m.items():
+                if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+                    series.setdefault(key, {}).setdefault(name, []).append(float(value))
+        return [(key, "metrics", {n: np.asarray(v) for n, v in by_name.items()}) for key, by_name in series.items()]
 
 
 def vectors(arrays):
@@ -96,11 +107,12 @@ def contains(v: np.ndarray, col: np.ndarray) -> bool:
     return False
 
 
-def assert_absent(rec: Recorded, columns: dict[str, np.ndarray], sorted_too: bool = True) -> None:
-    """No column of ``columns`` appears in any payload a client sent: not as an array, not as a column or a
-    contiguous run of one, and (``sorted_too``) not as its sorted values either."""
+def assert_absent(rec: Recorded, columns: dict[str, np.ndarray], sorted_too: bool = True, payloads=None) -> None:
+    """No column of ``columns`` appears in any payload a client sent (``payloads``: (key, phase, arrays), by
+    default the reply arrays): not as an array, not as a column or a contiguous run of one, and
+    (``sorted_too``) not as its sorted values either."""
     cols = {name: np.asarray(c, dtype=np.float64) for name, c in columns.items() if len(c) > 1}
-    for key, phase, arrays, _ in rec.sent:
+    for key, phase, arrays in payloads if payloads is not None else ((k, p, a) for k, p, a, _ in rec.sent):
         for v in vectors(arrays):
             for name, col in cols.items():
                 assert not contains(v, col), f"{name} sent by {key} in phase {phase}"
@@ -233,12 +245,21 @@ def test_label_epsilon_is_theorem_1():
     assert kept == pytest.approx(label_keep_probability(0.5, 2), abs=0.02)
 
 
-def test_label_dp_federated_equals_centralized_on_the_same_noisy_labels(tmp_path):
-    # the label owner and the centralized baseline randomize the same rows with the same generator: full-batch
-    # TP-Join-SGD is then still exactly centralized gradient descent (on the randomized training labels)
+def same_entropy(monkeypatch) -> None:
+    """Tests only: the OS entropy the clients seed their noise from, replaced by a fixed sequence (restarted
+    by every call), so that two runs draw the same noise."""
+    sequence = np.random.default_rng(0)
+    monkeypatch.setattr(secrets, "randbits", lambda k: int(sequence.integers(0, 2**62)))
+
+
+def test_label_dp_federated_equals_centralized_on_the_same_noisy_labels(tmp_path, monkeypatch):
+    # with the same noise, the label owner and the centralized baseline randomize the same rows alike:
+    # full-batch TP-Join-SGD is then still exactly centralized gradient descent (on the randomized labels)
     common = (BINARY, "privacy=label", "model.init=zeros", "precision=float64", "epochs=2",
               "algorithm.batch_size=full", "algorithm.lr=0.2")
+    same_entropy(monkeypatch)
     fed = run("algorithm=sgd", *common).strategy.results
+    same_entropy(monkeypatch)
     cen = run_job(cfg_of("algorithm=centralized", *common), tmp_path)
     assert cen.privacy == fed.privacy
     np.testing.assert_allclose([h.train_loss for h in fed.history], [h.train_loss for h in cen.history], rtol=1e-9)
@@ -295,10 +316,12 @@ def test_dpsgd_trains(overrides):
     assert 0.98 <= s.results.privacy["feature_epsilon"] <= 1.0
 
 
-def test_vfl_sgd_dp_unit_is_a_table_row():
+def test_vfl_sgd_dp_unit_is_a_table_row(monkeypatch):
     # VFL-SGD's client sums the duplicated rows of each table row before clipping: the same DP steps as
-    # TP-Join-SGD (same noise seeds), hence the same models
+    # TP-Join-SGD (given the same noise), hence the same models
+    same_entropy(monkeypatch)
     tp = run("algorithm=sgd", "privacy=dpsgd", "epochs=1", "precision=float64")
+    same_entropy(monkeypatch)
     vfl = run("algorithm=vfl_sgd", "privacy=dpsgd", "epochs=1", "precision=float64")
     assert tp.strategy.dp_plan == vfl.strategy.dp_plan
     for key in tp.contexts:

@@ -2,16 +2,18 @@
 the services every algorithm's phases use (data, model, DP trainer, state records).
 
 The ClientApp hands every message to :meth:`TableClient.handle` (or the NumPyClient entry :meth:`fit`), which
-dispatches ``config["phase"]`` to the phase handlers of the algorithm the client was built for (the
-registry's entry: tpflower/phases/setup.py for the setup phases every algorithm shares, and one module per
-algorithm family beside it); a phase the algorithm does not have is refused, naming the phase. Arrays travel
+dispatches ``config["phase"]`` through the protocol guard (tpflower.guard) of the algorithm the client was
+built for (the registry's entry; the phases live in tpflower/phases/: setup.py for the setup phases every
+algorithm shares, one module per algorithm family beside it); a phase outside that protocol, or out of its
+order, is refused, naming the phase. Arrays travel
 by name, small scalars in the config. What a client sends is row ids, keyed digests of join keys, model
 predictions and (the label owner) labels: never raw features or raw keys. Its state lives in
 ``context.state`` (:class:`ClientState`, typed per family with :class:`StateRecord`), because Flower rebuilds
 the client object per message.
 
-Privacy (tpflower.privacy; ALGORITHMS.md "Privacy"). The settings come from the client's own config
-(``ClientSettings.privacy``) or else from the server's keys message, and are kept in ``context.state``.
+Privacy (tpflower.privacy; ALGORITHMS.md "Privacy"). The run's settings come with the server's keys message;
+the client accepts them only if they are at least its owner's floor (tpflower.owner) and keeps them in
+``context.state``. All noise is drawn from the OS entropy.
 Label DP: the label owner randomizes its training labels once, in ``keys``, and never sends test labels.
 Feature DP: the first training message (``predict`` / ``admm_setup``) carries ``dp_steps`` and ``dp_q``
 (the local DP steps of the whole run and the per-step sample rate of a table row, planned by the server);
@@ -39,12 +41,15 @@ from tpflower.mapping import segment_sum
 from tpflower.records import Arrays
 from tpflower.models import l2_penalty, torch_dtype
 from tpflower.relation import build_local_model
+from tpflower.guard import Protocol, ProtocolRefusal
+from tpflower.owner import OwnerSettings
 from tpflower.schema import RelationalSpec, key_kind
 
 
 @dataclass(frozen=True)
 class ClientSettings:
-    """What a client knows from the run config (not from the server): its table, model and hyperparameters."""
+    """What a client holds for one run: its own settings (``owner``: data, exposed columns, privacy floor,
+    secret; never the server's word) and the run's model and hyperparameters."""
 
     spec: RelationalSpec
     table: str
@@ -54,11 +59,17 @@ class ClientSettings:
     algorithm: Any  # the algorithm's typed settings (tpflower.params.AlgorithmParams)
     seed: int
     precision: str
-    secret: bytes
+    owner: OwnerSettings
     key_kinds: Mapping[str, str]
     federated_prep: bool = False  # union scenario, table with several shards: preprocessing by global rule
-    # the client's own privacy settings (conf/privacy); None: take those of the server's keys message
-    privacy: Mapping[str, Any] | None = None
+
+    @property
+    def secret(self) -> bytes:
+        return self.owner.secret
+
+    @property
+    def min_sketch_rows(self) -> int:
+        return self.owner.min_sketch_rows
 
 
 class ClientState:
@@ -132,12 +143,12 @@ class StateRecord:
 class TableClient(NumPyClient):
     """One table's (or shard's) client operator, answering the phases of one algorithm."""
 
-    def __init__(self, data: ShardData, settings: ClientSettings, state: RecordDict,
-                 phases: Mapping[str, PhaseHandler] | None = None, algorithm: str = ""):
+    def __init__(self, data: ShardData, settings: ClientSettings, state: RecordDict, protocol: Protocol,
+                 algorithm: str = ""):
         self.data = data
         self.settings = settings
         self.state = ClientState(state)
-        self.phases = dict(phases or {})
+        self.protocol = protocol
         self.algorithm = algorithm
         self.dtype = torch_dtype(settings.precision)
         # a client given a GPU (conf/resources num_gpus > 0) computes on it; Ray sets CUDA_VISIBLE_DEVICES
@@ -146,15 +157,9 @@ class TableClient(NumPyClient):
     # ---------------------------------------------------------------------------------------- Flower API
 
     def handle(self, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-        """Answer one message: ``config["phase"]`` names the phase, ``arrays`` its named arrays."""
-        phase = str(config.get("phase"))
-        handler = self.phases.get(phase)
-        if handler is None:
-            raise ValueError(
-                f"table {self.settings.table!r} shard {self.settings.shard}: phase {phase!r} is not a phase of "
-                f"algorithm {self.algorithm!r} (it answers {sorted(self.phases)})"
-            )
-        return handler(self, arrays, config)
+        """Answer one message: ``config["phase"]`` names the phase, ``arrays`` its named arrays. The protocol
+        guard (tpflower.guard) refuses a phase outside the algorithm's protocol before anything is computed."""
+        return self.protocol.admit(self, str(config.get("phase")))(self, arrays, config)
 
     def fit(self, parameters: list[np.ndarray], config: Mapping[str, Any]) -> tuple[list[np.ndarray], int, dict]:
         """NumPyClient's entry: ``parameters`` are the message's arrays in the order ``config["arrays"]`` names
@@ -195,8 +200,7 @@ class TableClient(NumPyClient):
         The module is built once per node and width and reused (building one costs milliseconds, a round of
         SGD little more); theta always comes from context.state, and without a stored theta (the run's first
         message) the module is built afresh from the seed."""
-        d_out = int(config.get("d_out") or self.state.scalar("d_out"))
-        self.state.set_scalar("d_out", d_out)
+        d_out = self.output_width(config)
         s, key = self.settings, (self.local.width, d_out)
         model = self.data.models.get(key)
         if model is None or not self.state.load_model(model):
@@ -204,6 +208,21 @@ class TableClient(NumPyClient):
             self.state.load_model(model)
             self.data.models[key] = model
         return model.to(self.device)
+
+    def output_width(self, config: Mapping[str, Any]) -> int:
+        """d_c, fixed by the first training message: a server that widens it later (to read more outputs per
+        row from one message) is refused; a regression label has one output."""
+        stored, asked = self.state.scalar("d_out"), config.get("d_out")
+        if stored is not None:
+            if asked is not None and int(asked) != int(stored):
+                raise ProtocolRefusal(f"table {self.settings.table!r}: d_out {asked} after {stored}: the output width is fixed")
+            return int(stored)
+        d_out = int(asked or 0)
+        if d_out < 1 or (self.settings.spec.label.task == "regression" and d_out != 1):
+            raise ProtocolRefusal(f"table {self.settings.table!r}: d_out {asked} for a "
+                                  f"{self.settings.spec.label.task} label")
+        self.state.set_scalar("d_out", d_out)
+        return d_out
 
     def rows_X(self, rows: np.ndarray | None) -> np.ndarray:
         """Features of the client's rows ``rows`` (all when None); under VFL these are joined rows."""
@@ -235,18 +254,14 @@ class TableClient(NumPyClient):
     # ---------------------------------------------------------------------------------------- privacy
 
     def privacy(self) -> Mapping[str, Any]:
-        """The privacy settings: the client's own, else those the keys message carried (kept in state)."""
-        if self.settings.privacy is not None:
-            return self.settings.privacy
+        """The run's privacy settings, accepted in ``keys`` against the owner's floor (kept in state)."""
         rec = self.state.records.get("privacy")
-        return dp.privacy_from_message(dict(rec) if rec is not None else {})
+        if rec is None:
+            raise ProtocolRefusal(f"table {self.settings.table!r}: no privacy settings accepted yet (keys first)")
+        return dp.privacy_from_message(dict(rec))
 
     def feature_dp(self) -> bool:
         return dp.uses_feature_dp(self.privacy())
-
-    def dp_seed_of(self, purpose: str) -> int | None:
-        s = self.settings
-        return dp.dp_seed(self.privacy(), s.seed, purpose, s.table, s.shard)
 
     def dp_init(self, config: Mapping[str, Any]) -> None:
         """Feature DP: sigma for the run's planned local steps and sample rate, computed once and stored."""
@@ -275,9 +290,8 @@ class TableClient(NumPyClient):
             noise_multiplier=float(sigma),
             max_grad_norm=float(self.privacy()["clip"]),
             sample_rate=float(self.state.scalar("dp_q")),
-            seed=self.dp_seed_of("noise"),
             history=[] if history is None else history.tolist(),
-        )
+        )  # no seed: the noise generator is seeded from the OS entropy
 
     def dp_done(self, trainer: dp.DPLocalTrainer, metrics: dict[str, Any]) -> None:
         """Store the accountant history, report the epsilon spent, remove the Opacus hooks from the model."""
@@ -291,10 +305,9 @@ class TableClient(NumPyClient):
         metrics["eps"] = trainer.epsilon(float(self.privacy()["delta"]))
         trainer.close()
 
-    def sample_generator(self, steps: int) -> torch.Generator:
-        """Row sampling of a DP theta-update (fresh per call: seeded by the steps taken so far)."""
-        seed = self.dp_seed_of(f"sample:{int(steps)}")
-        return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+    def sample_generator(self) -> torch.Generator:
+        """Row sampling of a DP theta-update: fresh per call, seeded from the OS entropy."""
+        return torch.Generator().manual_seed(secrets.randbits(63))
 
     def table_rows(self, rows: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feature DP: the privacy unit is one TABLE row. Given the client's rows ``rows`` and their Y, the

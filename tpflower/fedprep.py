@@ -5,18 +5,23 @@ global rule, equal to the :class:`~tpflower.preprocess.TablePreprocessor` fitted
 while no shard sends raw rows or raw category strings to the server. Three pure steps (the Flower wiring
 only moves the ``.arrays()`` payloads):
 
-1. client: ``summary = local_summary(frame, numeric, categorical, secret, rows=fit_rows)`` -> :class:`ShardSummary`
-   (send ``summary.arrays()``; the server decodes with ``ShardSummary.from_arrays(arrays, numeric, categorical)``);
+1. client: ``summary = local_summary(frame, numeric, categorical, secret, rows=fit_rows, sketch_columns=...)``
+   -> :class:`ShardSummary` (send ``summary.arrays()``; the server decodes with
+   ``ShardSummary.from_arrays(arrays, numeric, categorical)``);
 2. server: ``rule = merge_summaries([summary_1, ..., summary_S])`` -> :class:`GlobalRule`
    (send ``rule.arrays(with_sketch=False)``; for binning also ``quantile_bin_edges(rule, col, n_bins)`` or
    ``uniform_bin_edges(rule, col, n_bins)`` per column, a float64 array each);
 3. client: ``pre = apply_rule(rule, frame, secret, table=...)`` -> a fitted TablePreprocessor with the global
    statistics; ``pre.transform(frame)`` as usual. Binning: ``bin_transform(frame, edges)``.
 
-What a shard sends, per numeric column (observed = non-NaN values of its fit rows): the count, the sum, the
-sum of squared deviations from the shard mean (``m2``), min, max and a :class:`RankSketch`; per categorical
-column: the sorted keyed digests of the categories its fit rows hold (HMAC-SHA256 under the clients' shared
-secret, with a per-column sub-key; see :func:`category_digests`) and a count per digest.
+What a shard sends, per numeric column (observed = non-NaN values of its fit rows): the count, the sum and the
+sum of squared deviations from the shard mean (``m2``); only for the columns the server asks order statistics
+of (``sketch_columns``) also min, max and a :class:`RankSketch` (NaN and an empty sketch otherwise). Per
+categorical column: the sorted keyed digests of the categories its fit rows hold (HMAC-SHA256 under the
+clients' shared secret, with a per-column sub-key; see :func:`category_digests`) and a count per digest.
+
+The client checks the request first (:func:`check_stats_request`): it must name exactly the table's feature
+columns (``columns``), and the sketch columns (``sketch``, default none) must be numeric feature columns.
 
 Exactness (Result must equal the unioned preprocessing):
 
@@ -28,7 +33,9 @@ Exactness (Result must equal the unioned preprocessing):
   any row keeps its raw string as name; a global category it never holds is named ``"#" + 16 hex digits``
   of its digest (its column is all zeros in this shard). Unseen-at-fit categories give all-zero blocks.
 * median (imputation) and quantile bin edges come from the merged :class:`RankSketch` (error bound below);
-  they are exact whenever every shard holds at most ``sketch_size`` observed values of the column.
+  they are exact whenever every shard holds at most ``sketch_size`` observed values of the column (which
+  needs a ``min_sketch_rows`` below the default; see the privacy notes). Without a sketch (no missing fit
+  value anywhere) the mean stands in for the median, which then only imputes rows outside the fit rows.
 
 Rank-sketch error bound: a shard with n_s observed values sends its sorted values' block maxima for at most
 ``sketch_size`` = m contiguous blocks of at most ceil(n_s/m) values, each with its block size as weight. The
@@ -36,11 +43,17 @@ merged sketch answers "the k-th smallest value" (1-based, 1 <= k <= n) with an o
 the union, where ``k <= r <= k + E`` and ``E = sum_s (largest block of shard s - 1) < n / m`` (stored as
 ``NumericRule.rank_error``). E = 0 (exact) if every n_s <= m.
 
-Privacy notes: the server learns per shard and column the count, sum, m2, min, max and how many fit rows hold
-each category digest; order statistics (up to m, raw values unlinked across columns and to rows) only for the
-columns it asks for with ``sketch_columns`` (strategies ask only where a fit value is missing somewhere or the
-column is binned: :func:`sketch_columns_needed`). It cannot invert a
-digest without the secret. ``rule.arrays(with_sketch=False)`` keeps the merged order statistics on the server.
+Privacy notes: the server learns per shard and numeric column the count, sum and m2, and per categorical
+column how many fit rows hold each category digest (it cannot invert a digest without the secret). Raw values
+leave a shard only for the sketch columns the server asks for (strategies ask only where a fit value is
+missing somewhere or the column is binned: :func:`sketch_columns_needed`): the column's min and max and its
+order statistics (up to m values, unlinked across columns and to rows). A shard with fewer than
+``min_sketch_rows`` observed values of a sketch column (default :data:`DEFAULT_MIN_SKETCH_ROWS` = 4m, set by
+the table owner) refuses to send them (a shard with none sends nothing), so apart from the min every value
+sent is the largest of a block of at least ``floor(n_s / m) >= 4`` of its values. A request without the
+exact column list, or one naming any other column, is refused. ``rule.arrays(with_sketch=False)`` keeps the
+merged order statistics on the server; the merged rule's min/max are NaN for columns without a sketch (only
+:func:`uniform_bin_edges` uses them; :func:`apply_rule` and :func:`quantile_bin_edges` do not).
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ import hashlib
 import hmac
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -59,6 +73,10 @@ from tpflower.schema import SpecError
 
 DEFAULT_SKETCH_SIZE = 512
 """Default m: at most m (value, weight) pairs per shard and numeric column; rank error < n/m."""
+
+DEFAULT_MIN_SKETCH_ROWS = 4 * DEFAULT_SKETCH_SIZE
+"""Default fewest observed values of a column a shard sends order statistics (and min/max) of: with n >= 4m
+every value of its sketch is the largest of a block of at least 4 values. The table owner may lower it."""
 
 UNSEEN_PREFIX = "#"
 """Name prefix of a global category a shard never holds: ``"#"`` + the first 16 hex digits of its digest."""
@@ -141,8 +159,9 @@ class RankSketch:
 
 @dataclass(frozen=True)
 class NumericSummary:
-    """One shard's numeric column over its observed fit-row values: count, sum, m2 = sum (x - mean_s)^2,
-    min, max (NaN if count is 0) and a :class:`RankSketch`."""
+    """One shard's numeric column over its observed fit-row values: count, sum, m2 = sum (x - mean_s)^2;
+    for a sketch column also min, max and a :class:`RankSketch` (else NaN, NaN and an empty sketch; NaN
+    too if count is 0)."""
 
     count: int
     total: float
@@ -222,6 +241,39 @@ def category_digests(strings: np.ndarray, column: str, secret: bytes) -> np.ndar
     return key_digests(frame, ["c"], subkey)
 
 
+def check_stats_request(
+    config: Mapping[str, Any], numeric: Sequence[str], categorical: Sequence[str], *, table: str = "?",
+    shard: int | str | None = None,
+) -> tuple[list[str], list[str]]:
+    """The client's guard on a ``stats`` request: ``(columns, sketch_columns)`` parsed from the config, or a
+    ValueError naming the table, the shard and what is wrong.
+
+    ``config["columns"]`` (comma-separated) must be present and equal the table's feature columns
+    ``numeric + categorical`` exactly (same names, same order); ``config["sketch"]`` (optional, default: no
+    column) must name numeric feature columns only. Without this check a request could ask for the order
+    statistics of every column, or of a column that is not a feature.
+    """
+    who = _who(table, shard)
+    expected = [*numeric, *categorical]
+    if config.get("columns") is None:
+        raise ValueError(f"{who}: stats without a column list (config 'columns')")
+    columns = _column_list(config["columns"])
+    unknown = sorted({c for c in columns if c not in expected})
+    if unknown:
+        raise ValueError(f"{who}: stats asks for column(s) {unknown}, which are not feature columns of the table "
+                         f"(numeric + categorical: {expected})")
+    if columns != expected:
+        missing = [c for c in expected if c not in columns]
+        what = f"lacks {missing}" if missing else "repeats or reorders columns"
+        raise ValueError(f"{who}: the stats column list (config 'columns') {what}; it must be exactly {expected}")
+    sketch = list(dict.fromkeys(_column_list(config.get("sketch") or "")))
+    outside = [c for c in sketch if c not in numeric]
+    if outside:
+        raise ValueError(f"{who}: stats asks for order statistics (config 'sketch') of column(s) {outside}, "
+                         f"which are not numeric feature columns of the table ({list(numeric)})")
+    return columns, sketch
+
+
 def local_summary(
     frame: pd.DataFrame,
     numeric: Sequence[str],
@@ -231,12 +283,25 @@ def local_summary(
     *,
     sketch_size: int = DEFAULT_SKETCH_SIZE,
     table: str = "?",
-    sketch_columns: Collection[str] | None = None,
+    shard: int | str | None = None,
+    sketch_columns: Collection[str] = (),
+    min_sketch_rows: int | None = None,
 ) -> ShardSummary:
     """The client side, step 1: summary of ``frame`` restricted to the fit ``rows`` (positions or a boolean
-    mask; ``None``: all rows; may be empty). Same column rules and errors as TablePreprocessor.fit."""
+    mask; ``None``: all rows; may be empty). Same column rules and errors as TablePreprocessor.fit.
+
+    Order statistics, min and max only for the numeric ``sketch_columns`` (default: none). A sketch column
+    with ``0 < count < min_sketch_rows`` observed values (``None``: :data:`DEFAULT_MIN_SKETCH_ROWS`, read at
+    call time) is refused with a ValueError: its order statistics would be (nearly) its raw values.
+    """
     pre = TablePreprocessor(numeric, categorical, table=table)
     pre._check_columns(frame)
+    wanted = set(sketch_columns)
+    outside = sorted(wanted - set(pre.numeric))
+    if outside:
+        raise ValueError(f"{_who(table, shard)}: sketch column(s) {outside} are not numeric columns "
+                         f"{list(pre.numeric)}")
+    min_rows = DEFAULT_MIN_SKETCH_ROWS if min_sketch_rows is None else int(min_sketch_rows)
     positions = _row_positions(rows, len(frame), pre.table)
     n_fit = len(frame) if positions is None else int(positions.size)
     num: dict[str, NumericSummary] = {}
@@ -247,8 +312,16 @@ def local_summary(
             continue
         total = float(x.sum())
         m2 = float(np.square(x - total / x.size).sum())
-        # order statistics are raw values: only the columns the server asks for (None: all) carry a sketch
-        sketch = RankSketch.build(x, sketch_size) if sketch_columns is None or col in sketch_columns else RankSketch.empty()
+        if col not in wanted:  # raw values (order statistics, extremes) only for the columns the server asks for
+            num[col] = NumericSummary(int(x.size), total, m2, np.nan, np.nan, RankSketch.empty())
+            continue
+        if x.size < min_rows:
+            raise ValueError(
+                f"{_who(table, shard)}: column {col!r} has {x.size} observed fit values, fewer than "
+                f"min_sketch_rows={min_rows}, so its order statistics would be (nearly) raw values: refused. The "
+                f"table owner can lower min_sketch_rows, or the user can avoid binning/median imputation of {col!r}"
+            )
+        sketch = RankSketch.build(x, sketch_size)
         num[col] = NumericSummary(int(x.size), total, m2, float(x.min()), float(x.max()), sketch)
     cat: dict[str, CategoricalSummary] = {}
     for col in pre.categorical:
@@ -270,7 +343,8 @@ class NumericRule:
     """Merged statistics of one numeric column over the observed fit values of all shards.
 
     ``std`` is the raw population std (ddof 0; may be 0); ``median`` is the sketch median (0 if count is
-    0), ``rank_error`` the E of the merged sketch (module docstring); min/max are NaN if count is 0.
+    0), ``rank_error`` the E of the merged sketch (module docstring); min/max are NaN if count is 0 or some
+    shard holding observed values did not send them (a column without a sketch).
     """
 
     count: int
@@ -351,7 +425,8 @@ def sketch_columns_needed(summaries: Sequence[ShardSummary], binned: Collection[
 def merge_summaries(summaries: Sequence[ShardSummary]) -> GlobalRule:
     """The server side, step 2: merge the summaries of all shards of one table into the global rule.
 
-    Exact: count, mean, population std (Chan's pairwise merge of m2), min, max, the digest union (sorted
+    Exact: count, mean, population std (Chan's pairwise merge of m2), min, max (NaN unless every shard with
+    observed values sent them: sketch columns only), the digest union (sorted
     lexicographically as uint64 pairs) with summed counts. Median from the merged sketch: the mean of the
     rank-floor((n+1)/2) and rank-(floor(n/2)+1) queries (np.median's definition when the sketch is exact),
     each within ``rank_error`` ranks above its target.
@@ -388,8 +463,8 @@ def merge_summaries(summaries: Sequence[ShardSummary]) -> GlobalRule:
             n,
             mean,
             float(np.sqrt(max(m2, 0.0) / n)),
-            float(min(p.min for p in parts)),
-            float(max(p.max for p in parts)),
+            float(np.min([p.min for p in parts])),  # NaN (unknown) unless every shard sent its extremes
+            float(np.max([p.max for p in parts])),
             median,
             sketch.error,
             sketch,
@@ -490,11 +565,17 @@ def local_quantile_edges(values: np.ndarray, n_bins: int) -> np.ndarray:
 
 
 def uniform_bin_edges(rule: GlobalRule, column: str, n_bins: int) -> np.ndarray:
-    """Interior edges of ``n_bins`` equal-width bins over the exact global [min, max] of ``column``."""
+    """Interior edges of ``n_bins`` equal-width bins over the exact global [min, max] of ``column``.
+
+    The shards send min and max only with a sketch: a column without them raises a ValueError."""
     if n_bins < 1:
         raise ValueError(f"n_bins must be >= 1, got {n_bins}")
     r = rule.numeric[column]
-    if r.count == 0 or n_bins == 1 or r.min == r.max:
+    if r.count == 0 or n_bins == 1:
+        return np.zeros(0, dtype=np.float64)
+    if np.isnan(r.min) or np.isnan(r.max):
+        raise ValueError(f"column {column!r}: the rule carries no min/max (the shards send them with a sketch only)")
+    if r.min == r.max:
         return np.zeros(0, dtype=np.float64)
     return np.linspace(r.min, r.max, n_bins + 1)[1:-1]
 
@@ -536,6 +617,15 @@ def bin_feature_names(edges: Mapping[str, np.ndarray]) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------- helpers
+
+
+def _who(table: str, shard: int | str | None) -> str:
+    return f"table {table!r}" if shard is None else f"table {table!r} shard {shard}"
+
+
+def _column_list(value: Any) -> list[str]:
+    """A comma-separated column list (config value) as names; empty entries dropped."""
+    return [c for c in (p.strip() for p in str(value).split(",")) if c]
 
 
 def _digest_order(digests: np.ndarray) -> np.ndarray:

@@ -44,15 +44,15 @@ record joins a step independently with probability q. See :func:`table_row_sampl
 TABLE row under the server's batches of JOINED rows, and :meth:`DPLocalTrainer.admm_update` for the local
 (client-side) sampling of the ADMM theta-update.
 
-**Noise randomness.** ``seed=None`` draws the noise generator's seed from the OS (the only privacy-meaningful
-choice in a deployment); an integer seed makes simulations reproducible (and the noise known to whoever knows
-the seed). With a seed, the generator of a trainer rebuilt by :meth:`DPLocalTrainer.from_state` is seeded
+**Noise randomness.** The clients draw every noise and sampling generator's seed from the operating system
+(``secrets``): nothing the server knows (run seed, table, shard) can regenerate the noise, in a simulation as
+in a deployment. ``DPLocalTrainer(seed=...)`` exists for unit tests of the trainer only; with a seed, the generator of a trainer rebuilt by :meth:`DPLocalTrainer.from_state` is seeded
 from ``(seed, steps taken so far)``, so a client rebuilt per Flower message never replays the noise of an
 earlier step.
 
 Config (``conf/privacy/*.yaml``, checked by :func:`validate_privacy`): ``name`` (none | label | dpsgd |
 label_dpsgd), ``epsilon`` and ``delta`` (feature DP target per client), ``clip`` (C), ``label_lambda``
-(classification), ``label_range`` and ``label_epsilon`` (regression), ``seeded`` (see :func:`dp_seed`).
+(classification), ``label_range`` and ``label_epsilon`` (regression), ``sample_rate`` (worst_row | batch).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from __future__ import annotations
 import functools
 import math
 import secrets
-import warnings
 import zlib
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -751,7 +751,8 @@ def privacy_summary(
 
 
 #: The privacy settings a client needs, as flat Flower config scalars (the keys message carries them).
-_MESSAGE_FIELDS: tuple[str, ...] = ("epsilon", "delta", "clip", "label_lambda", "label_epsilon", "seeded")
+_MESSAGE_FIELDS: tuple[str, ...] = ("epsilon", "delta", "clip", "label_lambda", "label_epsilon")
+_MESSAGE_WORDS: tuple[str, ...] = ("sample_rate",)  # sent as strings
 
 
 def privacy_message(privacy_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -766,7 +767,10 @@ def privacy_message(privacy_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     for key in _MESSAGE_FIELDS:
         value = _cfg_get(privacy_cfg, key)
         if value is not None:
-            out[f"privacy.{key}"] = bool(value) if key == "seeded" else float(value)
+            out[f"privacy.{key}"] = float(value)
+    for key in _MESSAGE_WORDS:
+        if _cfg_get(privacy_cfg, key) is not None:
+            out[f"privacy.{key}"] = str(_cfg_get(privacy_cfg, key))
     rng = _cfg_get(privacy_cfg, "label_range")
     if rng is not None:
         lo, hi = list(rng)
@@ -780,7 +784,7 @@ def privacy_from_message(config: Mapping[str, Any]) -> dict[str, Any]:
     if not name:
         return {"name": "none"}
     out: dict[str, Any] = {"name": str(name)}
-    for key in _MESSAGE_FIELDS:
+    for key in _MESSAGE_FIELDS + _MESSAGE_WORDS:
         if f"privacy.{key}" in config:
             out[key] = config[f"privacy.{key}"]
     if "privacy.label_lo" in config:
@@ -788,23 +792,10 @@ def privacy_from_message(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def dp_seed(privacy_cfg: Mapping[str, Any], seed: int, purpose: str, table: str, shard: int) -> int | None:
-    """The seed of one client's privacy randomness (``purpose``: "label" or "noise"), or None for OS entropy.
-
-    ``privacy.seeded`` true (the default, for reproducible simulations): a stable function of the run seed,
-    the purpose and the client (table, shard), so every shard of a table draws independent noise and a rerun
-    draws the same. Anyone who knows the run seed can then recompute the noise: a deployment sets
-    ``privacy.seeded=false`` and every draw comes from the operating system.
-    """
-    if not bool(_cfg_get(privacy_cfg, "seeded") if _cfg_get(privacy_cfg, "seeded") is not None else True):
-        return None
-    return zlib.crc32(f"tpflower-dp:{purpose}:{int(seed)}:{table}:{int(shard)}".encode()) * 2654435761 % 2**63
-
-
-def label_rng(privacy_cfg: Mapping[str, Any], seed: int, table: str, shard: int) -> np.random.Generator:
-    """The numpy Generator of a label owner's label DP (:func:`dp_seed` with purpose "label")."""
-    s = dp_seed(privacy_cfg, seed, "label", table, shard)
-    return np.random.default_rng(secrets.randbits(63) if s is None else s)
+def label_rng() -> np.random.Generator:
+    """The numpy Generator of a label owner's label DP: seeded from the operating system's entropy, never from
+    anything the server knows (a seed the server could guess would let it regenerate and subtract the noise)."""
+    return np.random.default_rng(secrets.randbits(128))
 
 
 # ----------------------------------------------------------------------------------------------------------

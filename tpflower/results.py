@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpflower.owner import redact
+
 RESULTS_FILE = "results.json"
 
 
@@ -74,7 +76,8 @@ def new_run_results(cfg: Any, algorithm: str, spec: Any, mapping: Any) -> RunRes
         metric=primary_metric(spec.label.task),
         n_joined=mapping.N,
         table_rows=dict(mapping.n_rows),
-        config=OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
+        # the join-key secret belongs to the table owners: never in a results file
+        config=redact(OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)),
     )
 
 

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpflower.client import Arrays, PhaseHandler, StateRecord, TableClient
+from tpflower.client import Arrays, StateRecord, TableClient
+from tpflower.guard import Phase, Stage
 from tpflower.local_update import admm_update_linear, admm_update_local_opt
 
 
@@ -55,7 +56,7 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         trainer = client.trainer(model)
         trainer.admm_update(
             client.tensor(Xt), client.tensor(Gt), client.tensor(Yt), s.N, s.rho, beta, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.sample_generator(trainer.steps),
+            alg.local_lr, alg.local_batch_size, client.sample_generator(),
         )
         client.dp_done(trainer, privacy)
     elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
@@ -69,4 +70,5 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     return {"h": client.predict(model, None)}, {**client.reg_metrics(model), **privacy}
 
 
-PHASES: dict[str, PhaseHandler] = {"admm_setup": admm_setup, "admm_update": admm_update}
+START = Stage("start", {"admm_setup": Phase(admm_setup)})
+TRAIN: dict[str, Phase] = {"admm_update": Phase(admm_update)}

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from tpflower.client import Arrays, PhaseHandler, StateRecord, TableClient
+from tpflower.client import Arrays, StateRecord, TableClient
+from tpflower.guard import Phase, Stage
 from tpflower.local_update import sgd_step as local_sgd_step
 
 
@@ -64,4 +65,5 @@ def sgd_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     return predict_rows(client, model, arrays), {**client.reg_metrics(model), **privacy}
 
 
-PHASES: dict[str, PhaseHandler] = {"predict": predict, "sgd_step": sgd_step}
+START = Stage("start", {"predict": Phase(predict)})
+TRAIN: dict[str, Phase] = {"sgd_step": Phase(sgd_step)}

@@ -2,7 +2,7 @@
 
   keys      {}                  -> {row_ids, digest.<join>..., (label owner) y, is_test}
                                    with label DP: y holds the randomized labels of the TRAINING rows only
-  stats     {}                  -> {summary.*}: preprocessing summary of its fit rows (several shards, Sec. 4.4)
+  stats     {columns, sketch}   -> {summary.*}: preprocessing summary of its fit rows (several shards, Sec. 4.4)
   rule      {rule.*}            -> {}  the merged preprocessing rule replaces the local fit
   expand    {p}                 -> {}  VFL: from now on the client's rows are the N joined rows
   evaluate  {H, rows}           -> {}  label DP: the label owner scores the test predictions H of its test
@@ -18,9 +18,10 @@ import numpy as np
 from flwr.app import ConfigRecord
 
 from tpflower import privacy as dp
-from tpflower.client import Arrays, PhaseHandler, TableClient
+from tpflower.client import Arrays, TableClient
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
 from tpflower.records import numbered, unnumbered
-from tpflower.fedprep import local_summary
+from tpflower import fedprep
 from tpflower.losses import metrics as eval_metrics
 from tpflower.mapping import project_keys
 
@@ -28,9 +29,7 @@ from tpflower.mapping import project_keys
 def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Row ids and keyed digests of the join keys (Sec. 3.1.1); the label owner adds its labels."""
     s, data = client.settings, client.data
-    if config.get("privacy") and s.privacy is None:  # the run's privacy settings, for the later phases
-        client.state.records["privacy"] = ConfigRecord(
-            {k: v for k, v in config.items() if k == "privacy" or str(k).startswith("privacy.")})
+    accept_privacy(client, config)
     proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
     out: Arrays = {"row_ids": proj.row_ids, **{f"digest.{k}": d for k, d in sorted(proj.digests.items())}}
     metrics: dict[str, Any] = {
@@ -47,7 +46,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
             # label DP, once, before the labels leave: the training rows' labels randomized
             # (tpflower.privacy.randomize_labels), the test rows' labels not sent at all (see evaluate)
             train = ~data.is_test
-            rng = dp.label_rng(priv, s.seed, s.table, s.shard)
+            rng = dp.label_rng()  # OS entropy: nothing the server knows regenerates the noise
             y = dp.randomize_labels(data.y[train], s.spec.label.task, priv, rng, data.n_classes)
             metrics["labels"] = "train_randomized"
         out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
@@ -55,13 +54,28 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
     return out, metrics
 
 
+def accept_privacy(client: TableClient, config: Mapping[str, Any]) -> None:
+    """The run's privacy settings (the keys message) checked against the owner's floor, then kept for the
+    later phases. Weaker than the floor, or impossible: refused before anything is sent."""
+    run = dp.privacy_from_message(config)
+    s = client.settings
+    s.owner.check_privacy(run, label_owner=client.data.y is not None)
+    dp.validate_privacy(run, client.algorithm, s.spec.label.task, feature_dp=True, label_dp=True)
+    client.state.records["privacy"] = ConfigRecord(dict(dp.privacy_message(run)))
+
+
 def stats(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Federated preprocessing, step 1: a summary of this shard's fit rows (no raw values or strings)."""
+    """Federated preprocessing, step 1: a summary of this shard's fit rows (no raw rows or strings).
+
+    Refused (ValueError) unless ``columns`` names exactly the table's feature columns and ``sketch`` (default:
+    none) only numeric ones (fedprep.check_stats_request); min, max and order statistics only for ``sketch``,
+    and only from at least ``min_sketch_rows`` observed values (the table owner's setting)."""
     s, t = client.settings, client.settings.spec.table(client.settings.table)
-    wanted = config.get("sketch")  # the columns whose order statistics the server asks for; absent: all
-    columns = None if wanted is None else [c for c in str(wanted).split(",") if c]
-    summary = local_summary(client.data.rows, t.numeric, t.categorical, s.secret, client.data.fit_positions,
-                            table=s.table, sketch_columns=columns)
+    _, sketch = fedprep.check_stats_request(config, t.numeric, t.categorical, table=s.table, shard=s.shard)
+    summary = fedprep.local_summary(
+        client.data.rows, t.numeric, t.categorical, s.secret, client.data.fit_positions, table=s.table,
+        shard=s.shard, sketch_columns=sketch, min_sketch_rows=s.min_sketch_rows,
+    )
     return numbered("summary", summary.arrays()), {}
 
 
@@ -78,21 +92,53 @@ def expand(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tu
     return {}, {}
 
 
+EVAL_COVERAGE = 0.5
+"""The least share of its test rows a label owner scores (the inner join may drop some): a server cannot ask
+for the metric of one row, or of a few, to read their labels."""
+
+
 def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Label DP: the test labels never leave the label owner. The server sends its test predictions H of this
     client's test rows ``rows`` (positions in its rows); the client returns the metrics against its true
-    labels (tpflower.losses.metrics) and the row count, for the server to combine over shards."""
+    labels (tpflower.losses.metrics) and the row count, for the server to combine over shards.
+
+    The guard: rows within the test split, covering at least EVAL_COVERAGE of it, and the same rows (with
+    their multiplicities) at every evaluation; the protocol allows one evaluation per training step."""
     H, rows = arrays["H"], np.asarray(arrays["rows"], dtype=np.int64)
-    data, task = client.data, client.settings.spec.label.task
+    data, task, where = client.data, client.settings.spec.label.task, f"table {client.settings.table!r} shard {client.settings.shard}"
     if data.y is None or data.is_test is None:
-        raise RuntimeError(f"table {client.settings.table!r} holds no labels: it cannot evaluate")
+        raise RuntimeError(f"{where} holds no labels: it cannot evaluate")
+    if len(H) != len(rows):
+        raise ValueError(f"{where}: evaluate sends {len(H)} predictions for {len(rows)} rows")
     if len(rows) and (rows.min() < 0 or rows.max() >= len(data.y) or not data.is_test[rows].all()):
-        raise ValueError(f"table {client.settings.table!r}: evaluate asks for rows outside this client's test split")
+        raise ValueError(f"{where}: evaluate asks for rows outside this client's test split")
+    first, ordered = client.state.get("evaluate_rows"), np.sort(rows)
+    if first is None:
+        n_test = int(data.is_test.sum())
+        if len(np.unique(rows)) < EVAL_COVERAGE * n_test:
+            raise ProtocolRefusal(f"{where}: evaluate over {len(np.unique(rows))} of its {n_test} test rows; it "
+                                  f"scores at least {EVAL_COVERAGE:.0%} of its test split")
+        client.state.put("evaluate_rows", ordered)
+    elif not np.array_equal(first, ordered):
+        raise ProtocolRefusal(f"{where}: evaluate over other test rows than its first evaluation")
     if len(rows) == 0:
         return {}, {"n": 0}
     return {}, {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows])}
 
 
-#: The setup phases of every LoJ algorithm (expand only for the VFL baselines).
-PHASES: dict[str, PhaseHandler] = {"keys": keys, "stats": stats, "rule": rule, "evaluate": evaluate}
-VFL_PHASES: dict[str, PhaseHandler] = {**PHASES, "expand": expand}
+#: The setup stages of every LoJ algorithm, in order; federated preprocessing (stats: a first summary and at
+#: most one more with order statistics, then the rule) only on the shards of a sharded table.
+SETUP: tuple[Stage, ...] = (
+    Stage("keys", {"keys": Phase(keys)}),
+    Stage("stats", {"stats": Phase(stats, sharded)}, calls=2),
+    Stage("rule", {"rule": Phase(rule, sharded)}),
+)
+#: Label DP: the label owner scores the test predictions, once per training step (a phase of the training stage).
+EVALUATE: dict[str, Phase] = {"evaluate": Phase(evaluate, label_dp_owner, spaced=True)}
+
+
+def loj_protocol(start: Stage, train: Mapping[str, Phase], vfl: bool = False) -> Protocol:
+    """Setup (with expand for the VFL baselines), the algorithm's start stage, then its training stage
+    (any number of messages; evaluate among them)."""
+    expand_stage = (Stage("expand", {"expand": Phase(expand)}),) if vfl else ()
+    return Protocol(SETUP + expand_stage + (start, Stage("train", {**train, **EVALUATE}, calls=None)))

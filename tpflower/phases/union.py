@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpflower.client import Arrays, PhaseHandler, StateRecord, TableClient
+from tpflower.client import Arrays, StateRecord, TableClient
+from tpflower.guard import Phase, sharded, unsharded
 from tpflower.local_update import admm_update_linear, admm_update_local_opt, apply_step, sgd_partial_gradient
-from tpflower.phases.join_admm import ADMMState
+from tpflower.phases.join_admm import ADMMState, admm_update
 from tpflower.phases.join_sgd import SGDState, predict_rows
 
 
@@ -72,7 +73,7 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
 
         trainer.admm_update(
             client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, s.rho, 1.0, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.sample_generator(trainer.steps), regularizer=prox,
+            alg.local_lr, alg.local_batch_size, client.sample_generator(), regularizer=prox,
         )
         client.dp_done(trainer, privacy)
     elif isinstance(model, torch.nn.Linear):
@@ -95,5 +96,11 @@ def admm_consensus(client: TableClient, arrays: Arrays, config: Mapping[str, Any
     return {"h": client.predict(model, None)}, client.reg_metrics(model)
 
 
-SGD_PHASES: dict[str, PhaseHandler] = {"sgd_partial": sgd_partial, "sgd_apply": sgd_apply}
-ADMM_PHASES: dict[str, PhaseHandler] = {"admm_shard": admm_shard, "admm_consensus": admm_consensus}
+SGD_TRAIN: dict[str, Phase] = {"sgd_partial": Phase(sgd_partial), "sgd_apply": Phase(sgd_apply)}
+#: a table with one shard makes TP-Join-ADMM's update; the shards of a sharded table the consensus steps, and
+#: take the consensus model once per consensus
+ADMM_TRAIN: dict[str, Phase] = {
+    "admm_update": Phase(admm_update, unsharded),
+    "admm_shard": Phase(admm_shard, sharded),
+    "admm_consensus": Phase(admm_consensus, sharded, spaced=True),
+}

