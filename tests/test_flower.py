@@ -80,8 +80,13 @@ def run_cli(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
     run_dir = tmp_path / "ok"
-    ok = run_cli("algorithm=admm", "dataset=synthetic", "epochs=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    secret = "flower-run-secret-" + os.urandom(6).hex()
+    ok = run_cli("algorithm=admm", "dataset=synthetic", "epochs=2", f"hydra.run.dir={run_dir}",
+                 f"mapping.secret={secret}", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"flower.log", "results.json", "config.yaml"} <= {p.name for p in written}
+    assert not [p for p in written if secret in p.read_text(errors="replace")]  # nor in Flower's log
     lines = ok.stdout.splitlines()
     assert lines[0].startswith("[synthetic] tables:") and lines[-1] == f"results: {run_dir / 'results.json'}"
     assert all(line.startswith("epoch ") for line in lines[1:-1]) and len(lines) == 4
