@@ -20,7 +20,7 @@ from simulations.federated import in_process_contexts, run_in_process
 from simulations.run import run_job
 from simulations.server_app import make_strategy
 from strategies.protocol import DirectTransport
-from tpflower.client import ClientState
+from tpflower.state import ClientState
 from tpflower.records import unpack_payload, unpack_reply
 from tpflower.datasets import load_dataset
 from tpflower.losses import metrics

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tpflower.client import PhaseHandler, TableClient
+    from tpflower.client import TableClient
+    from tpflower.state import PhaseHandler
 
 #: Which clients answer a phase: a predicate on the client (its settings, data and stored privacy).
 Role = Callable[["TableClient"], bool]

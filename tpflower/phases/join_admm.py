@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpflower.client import Arrays, StateRecord, TableClient
+from tpflower.client import TableClient
+from tpflower.records import Arrays
+from tpflower.state import StateRecord
 from tpflower.guard import Phase, Stage
 from tpflower.local_update import admm_update_linear, admm_update_local_opt
 
@@ -37,7 +39,7 @@ class ADMMState(StateRecord):
 def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Store G_i, N and rho (the server resolves algorithm.rho=auto); predict every row."""
     ADMMState(np.asarray(arrays["G"], dtype=np.float64), int(config["N"]), float(config["rho"])).save(client.state)
-    client.dp_init(config)
+    client.dp.init(config)
     model = client.model(config)
     client.state.save_model(model)
     # theta: the consensus ADMM's starting point (union scenario)
@@ -51,14 +53,14 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     s = ADMMState.of(client)
     alg, beta = client.settings.algorithm, float(client.settings.model["beta"])
     privacy: dict[str, Any] = {}
-    if client.feature_dp():  # Eq. 16 as DP-SGD over the table's rows (also for linear models)
-        Xt, Gt, Yt = client.admm_rows(s.G, Y)
-        trainer = client.trainer(model)
+    if client.dp.on:  # Eq. 16 as DP-SGD over the table's rows (also for linear models)
+        Xt, Gt, Yt = client.dp.admm_rows(s.G, Y)
+        trainer = client.dp.trainer(model)
         trainer.admm_update(
             client.tensor(Xt), client.tensor(Gt), client.tensor(Yt), s.N, s.rho, beta, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.sample_generator(),
+            alg.local_lr, alg.local_batch_size, client.dp.sample_generator(),
         )
-        client.dp_done(trainer, privacy)
+        client.dp.done(trainer, privacy)
     elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
         admm_update_linear(model, client.rows_X(None), s.G, np.asarray(Y, dtype=np.float64), s.N, s.rho, beta)
     else:

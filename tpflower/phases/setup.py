@@ -18,7 +18,8 @@ import numpy as np
 from flwr.app import ConfigRecord
 
 from tpflower import privacy as dp
-from tpflower.client import Arrays, TableClient
+from tpflower.client import TableClient
+from tpflower.records import Arrays
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
 from tpflower.records import numbered, unnumbered
 from tpflower import fedprep

@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpflower.client import Arrays, StateRecord, TableClient
+from tpflower.client import TableClient
+from tpflower.records import Arrays
+from tpflower.state import StateRecord
 from tpflower.guard import Phase, sharded, unsharded
 from tpflower.local_update import admm_update_linear, admm_update_local_opt, apply_step, sgd_partial_gradient
 from tpflower.phases.join_admm import ADMMState, admm_update
@@ -35,11 +37,11 @@ def sgd_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     model = client.model(config)
     pending = (SGDState.load(client.state) or SGDState()).check(client, Y, "sgd_partial")
     X, beta, count = client.tensor(client.rows_X(pending)), float(client.settings.model["beta"]), float(config["count"])
-    if client.feature_dp():  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
-        trainer = client.trainer(model)
+    if client.dp.on:  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
+        trainer = client.dp.trainer(model)
         g = trainer.partial_gradient(X, client.tensor(Y), beta * count)
         privacy: dict[str, Any] = {}
-        client.dp_done(trainer, privacy)
+        client.dp.done(trainer, privacy)
         return {"g": g.detach().cpu().numpy()}, privacy
     g = sgd_partial_gradient(model, X, client.tensor(Y), count, beta)
     return {"g": g.detach().cpu().numpy()}, {}
@@ -64,8 +66,8 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     X = client.rows_X(None)
     alg = client.settings.algorithm
     privacy: dict[str, Any] = {}
-    if client.feature_dp():  # Eq. 22 as DP-SGD: the prox term replaces beta R, added unclipped after the noise
-        trainer = client.trainer(model)
+    if client.dp.on:  # Eq. 22 as DP-SGD: the prox term replaces beta R, added unclipped after the noise
+        trainer = client.dp.trainer(model)
         vt = client.tensor(v)
 
         def prox(m: torch.nn.Module) -> torch.Tensor:
@@ -73,9 +75,9 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
 
         trainer.admm_update(
             client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, s.rho, 1.0, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.sample_generator(), regularizer=prox,
+            alg.local_lr, alg.local_batch_size, client.dp.sample_generator(), regularizer=prox,
         )
-        client.dp_done(trainer, privacy)
+        client.dp.done(trainer, privacy)
     elif isinstance(model, torch.nn.Linear):
         admm_update_linear(model, X, s.G, np.asarray(Y, dtype=np.float64), s.N, s.rho, 0.0, prox=(v, rho_c))
     else:
