@@ -17,14 +17,13 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord
 
+from tpflower import fedprep
 from tpflower import privacy as dp
 from tpflower.client import TableClient
-from tpflower.records import Arrays
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
-from tpflower.records import numbered, unnumbered
-from tpflower import fedprep
 from tpflower.losses import metrics as eval_metrics
 from tpflower.mapping import project_keys
+from tpflower.records import Arrays, numbered, unnumbered
 
 
 def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -115,10 +114,10 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
         raise ValueError(f"{where}: evaluate asks for rows outside this client's test split")
     first, ordered = client.state.get("evaluate_rows"), np.sort(rows)
     if first is None:
-        n_test = int(data.is_test.sum())
-        if len(np.unique(rows)) < EVAL_COVERAGE * n_test:
-            raise ProtocolRefusal(f"{where}: evaluate over {len(np.unique(rows))} of its {n_test} test rows; it "
-                                  f"scores at least {EVAL_COVERAGE:.0%} of its test split")
+        n_test, n_asked = int(data.is_test.sum()), len(np.unique(rows))
+        if n_asked < EVAL_COVERAGE * n_test:
+            raise ProtocolRefusal(f"{where}: evaluate over {n_asked} of its {n_test} test rows; it scores at "
+                                  f"least {EVAL_COVERAGE:.0%} of its test split")
         client.state.put("evaluate_rows", ordered)
     elif not np.array_equal(first, ordered):
         raise ProtocolRefusal(f"{where}: evaluate over other test rows than its first evaluation")
