@@ -29,7 +29,8 @@ def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | P
     """The registered strategy of cfg's algorithm and scenario; bad settings raise ValueError here."""
     entry = entry_of(cfg)
     spec = load_spec(cfg.dataset, base_dir=base_dir)
-    return entry.strategy(cfg, spec, run_dir, log=log, feature_dp=entry.feature_dp, label_dp=entry.label_dp)
+    return entry.strategy(cfg, spec, run_dir, log=log, feature_dp=entry.feature_dp, label_dp=entry.label_dp,
+                          why_no_feature_dp=entry.why_no_feature_dp)
 
 
 def server_app_for(cfg: DictConfig | None, run_dir: str | Path | None, base_dir: str | Path | None = None,

@@ -51,7 +51,7 @@ class LoJStrategy(TablePuppetStrategy):
     expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
 
     def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
-                 feature_dp: bool = True, label_dp: bool = True):
+                 feature_dp: bool = True, label_dp: bool = True, why_no_feature_dp: str = ""):
         self.cfg = cfg
         self.spec = spec
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -63,7 +63,8 @@ class LoJStrategy(TablePuppetStrategy):
         self.metric = primary_metric(self.task)
         self.privacy = cfg.get("privacy") or {"name": "none"}
         # impossible privacy settings fail here, before any client is asked for anything (also under flwr run)
-        dp.validate_privacy(self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp)
+        dp.validate_privacy(self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp,
+                            why_not=why_no_feature_dp)
         self.label_dp = dp.uses_label_dp(self.privacy)
         self.feature_dp = dp.uses_feature_dp(self.privacy)
         self.dp_plan: dict[ClientKey, tuple[int, float]] = {}  # feature DP: (local DP steps of the run, q)
@@ -275,7 +276,7 @@ class LoJStrategy(TablePuppetStrategy):
             out["accuracy"] = sum(c * float(m["accuracy"]) for c, m in live) / n
         return out
 
-    def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> None:
+    def record_epoch(self, epoch: int | float, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> None:
         """Evaluate the test predictions, append the epoch to the record and print its line.
 
         With label DP the evaluation is a round with the label owner. With feature DP the line shows ``eps``, the max over clients of the epsilon spent so far;
@@ -323,6 +324,17 @@ class LoJStrategy(TablePuppetStrategy):
         B = batch_size_of(self.cfg.algorithm.batch_size, self.train.N)
         schedule = SGDSchedule(self.train, B, int(self.cfg.epochs), np.random.default_rng(int(self.cfg.seed)))
         return schedule, BatchPlan.of(self.test, np.arange(self.test.N))
+
+    def eval_point(self, round_no: int, epoch: int, last: bool, per_epoch: int) -> float | None:
+        """SGD family: whether exchange round ``round_no`` (1-based) carries an evaluation, as the epoch it
+        stands for: an epoch's last batch (the epoch, an int) and every algorithm.eval_every rounds (a fraction:
+        the batches done so far over the batches of an epoch); None: no evaluation."""
+        if last:
+            return epoch
+        every = getattr(self.params, "eval_every", None)
+        if every and round_no % every == 0:
+            return round(epoch - 1 + ((round_no - 1) % per_epoch + 1) / per_epoch, 6)
+        return None
 
     def shard_messages(self, build: Callable[[ClientKey], Payload]) -> dict[ClientKey, Payload]:
         """One message per shard client (union scenario)."""

@@ -73,6 +73,7 @@ class SGDSchedule:
         self.mapping, self.batch_size, self.epochs, self.rng = mapping, batch_size, epochs, rng
         self._batches = epoch_batches(mapping.N, batch_size, rng)
         self.first = BatchPlan.of(mapping, self._batches[0])
+        self.per_epoch = len(self._batches)  # batches (exchange rounds) per epoch
 
     def __iter__(self):
         batches, plan = self._batches, self.first

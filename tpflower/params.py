@@ -49,6 +49,20 @@ def positive_int(what: str, value: Any) -> int:
     return int(out)
 
 
+def nonnegative_int(what: str, value: Any) -> int:
+    out = _number(what, value)
+    if out != int(out) or out < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    return int(out)
+
+
+def degrees(what: str, value: Any) -> float:
+    out = _number(what, value)
+    if not 0 < out <= 180:
+        raise ValueError(f"{what} must be an angle in degrees in (0, 180], got {value!r}")
+    return out
+
+
 def one_of(*choices: str) -> Check:
     def check(what: str, value: Any) -> str:
         if str(value) not in choices:
@@ -102,6 +116,18 @@ class SGDParams(AlgorithmParams):
 
     lr: float = param(positive, 0.2)
     batch_size: int | str = param(or_word(positive_int, "full"), 1024)
+    eval_every: int | None = param(or_word(positive_int, None), None)  # rounds; None: once per epoch
+
+
+@dataclass(frozen=True)
+class CELUParams(SGDParams):
+    """TP-Join-SGD / VFL-SGD with CELU-VFL local updates (conf/algorithm/celu.yaml, vfl_celu.yaml).
+    FedBCD: W=1, xi=null; vanilla: R=0."""
+
+    W: int = param(positive_int, 5)  # workset size (batches cached)
+    R: int = param(nonnegative_int, 5)  # uses per cached batch (local steps per round at most R)
+    xi: float | None = param(or_word(degrees, None), 60.0)  # staleness threshold in degrees; None: no weighting
+    similarity: str = param(one_of("output", "hidden"), "output")
 
 
 @dataclass(frozen=True)

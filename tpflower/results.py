@@ -18,7 +18,7 @@ RESULTS_FILE = "results.json"
 class EpochRecord:
     """One epoch; rounds, bytes and times are cumulative since the start of training."""
 
-    epoch: int
+    epoch: int | float  # an int at an epoch's end; a fraction for evaluations inside an epoch (eval_every)
     test_metric: float
     train_loss: float
     rounds: int = 0
@@ -103,8 +103,9 @@ def read_results(path: str | Path) -> dict[str, Any]:
 def epoch_line(metric: str, rec: EpochRecord) -> str:
     """The one-line progress report of an epoch."""
     extra = "".join(f" {k}={v:.4g}" for k, v in rec.extra.items())
+    epoch = f"{rec.epoch:3d}" if isinstance(rec.epoch, int) else f"{rec.epoch:6.2f}"
     return (
-        f"epoch {rec.epoch:3d} | test {metric}={rec.test_metric:.4f}{extra} | train loss={rec.train_loss:.4f} | "
+        f"epoch {epoch} | test {metric}={rec.test_metric:.4f}{extra} | train loss={rec.train_loss:.4f} | "
         f"rounds={rec.rounds} | MB up/down={rec.bytes_up / 1e6:.2f}/{rec.bytes_down / 1e6:.2f} | "
         f"comm={rec.comm_time_s:.1f}s | wall={rec.wall_time_s:.1f}s"
     )
