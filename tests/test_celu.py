@@ -13,7 +13,7 @@ from tests.conftest import make_cfg
 from tpflower.celu import Workset, staleness_weights
 from tpflower.state import ClientState
 
-EXACT = ("dataset=synthetic", "precision=float64", "model.init=zeros", "algorithm.batch_size=500")
+EXACT = ("dataset=synthetic", "precision=float64", "model.init=zeros", "algorithm.batch_size=2000")  # 7 rounds/epoch
 
 
 def run(*overrides: str):
@@ -25,7 +25,7 @@ def thetas(r) -> dict:
 
 
 def test_r0_is_tp_join_sgd():
-    sgd, celu = run("algorithm=sgd", *EXACT, "epochs=2"), run("algorithm=celu", "algorithm.R=0", *EXACT, "epochs=2")
+    sgd, celu = run("algorithm=sgd", *EXACT, "epochs=1"), run("algorithm=celu", "algorithm.R=0", *EXACT, "epochs=1")
     for key, theta in thetas(sgd).items():
         np.testing.assert_allclose(thetas(celu)[key], theta, rtol=0, atol=1e-12)
     assert [h.test_metric for h in celu.strategy.results.history] == [h.test_metric for h in sgd.strategy.results.history]
@@ -95,11 +95,11 @@ def test_workset_stays_within_w_batches():
     for key, context in r.contexts.items():
         ws = Workset.load(ClientState(context.state))  # the client's own record
         assert 1 <= len(ws) <= 2 and ws.Y.shape[1] == ws.ref.shape[1] == 1
-        assert len(ws.rows) <= 2 * 500  # W x |U_i| numbers per column (|U_i| <= |B|)
+        assert len(ws.rows) <= 2 * 2000  # W x |U_i| numbers per column (|U_i| <= |B|)
 
 
 def test_eval_every_records_fractional_epochs():
-    r = run("algorithm=celu", *EXACT, "epochs=1", "algorithm.eval_every=7")  # 28 rounds per epoch
+    r = run("algorithm=celu", *EXACT, "epochs=1", "algorithm.batch_size=500", "algorithm.eval_every=7")  # 28 rounds
     history = r.strategy.results.history
     assert [h.epoch for h in history] == [0.25, 0.5, 0.75, 1]
     assert [h.rounds for h in history] == [8, 15, 22, 29]  # the first predict round, then 7 per evaluation

@@ -20,6 +20,10 @@ import pytest
 from simulations import deploy
 
 OVERRIDES = "algorithm=admm dataset=synthetic epochs=2"
+# the join deployment: the label owner's settings file sets label DP as its floor (deploy.start writes the
+# overrides' privacy as every node's floor); CELU with label DP, 1 epoch of 2 exchange rounds
+FLOOR = "algorithm=celu dataset=synthetic privacy=label"
+JOIN_RUN = f"{FLOOR} privacy.label_range=[-20,20] algorithm.batch_size=8000 epochs=1"
 SYNTHETIC_TABLES = ["fact", "d1", "d2", "d3"]
 # the union scenario: fact and d1 in two shards each (6 SuperNodes), federated preprocessing, consensus ADMM
 UCQ_OVERRIDES = "algorithm=admm dataset=synthetic scenario=ucq epochs=1 algorithm.inner_rounds=2"
@@ -47,6 +51,23 @@ def _wait_for_run(proc, results: Path, logs: list[Path], timeout: float = RUN_TI
     if not results.is_file():
         pytest.fail(f"`flwr run` exited with {proc.returncode} without writing {results}\n{tails}")
     return json.loads(results.read_text())
+
+
+def refused_run(dep: deploy.Deployment, tmp_path: Path) -> None:
+    """A run submitted with privacy=none to nodes whose label owner's floor is label DP: the submitter's log
+    shows the label owner's refusal, and no results are written."""
+    floor = (tmp_path / "deploy" / "clients" / "fact-0.yaml").read_text()
+    assert "name: label" in floor and "secret_file" in floor
+    run_dir, log = tmp_path / "refused", tmp_path / "flwr-refused.log"
+    proc = deploy.spawn(deploy.flwr_run_command(dep.connection, "algorithm=celu dataset=synthetic epochs=1", run_dir),
+                        log, dep.env(), cwd=deploy.APP_DIR)
+    dep.popens.append(proc)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "table 'fact' refuses the run: privacy=none is weaker than this node's floor privacy=label" \
+        in log.read_text(), deploy._log_tail(log, 60)
+    assert not (run_dir / "results.json").exists()
 
 
 def _check_results(data: dict, algorithm: str = "tp_join_admm", epochs: int = 2) -> None:
@@ -81,7 +102,7 @@ def test_fab_holds_the_app_and_not_the_venv_or_outputs():
 @pytest.mark.parametrize(
     "overrides,clients,algorithm,epochs",
     [
-        (OVERRIDES, [(t, 0) for t in SYNTHETIC_TABLES], "tp_join_admm", 2),
+        (JOIN_RUN, [(t, 0) for t in SYNTHETIC_TABLES], "tp_join_celu", 1),
         # 7 rounds (keys, preprocessing stats and rule, ADMM setup, 2 consensus rounds, consensus) on 6 nodes
         (UCQ_OVERRIDES, UCQ_CLIENTS, "tp_ucq_admm", 1),
     ],
@@ -95,6 +116,8 @@ def test_flwr_run_on_superlink_and_one_supernode_per_table(tmp_path, overrides, 
         assert [p["name"] for p in dep.processes] == ["superlink"] + [f"supernode {t}/{q}" for t, q in clients]
         config = (tmp_path / "flwr-home" / "config.toml").read_text()
         assert f'address = "127.0.0.1:{dep.superlink_port}"' in config
+        if overrides == JOIN_RUN:  # first a run asking for less than the label owner's floor: refused at hello
+            refused_run(dep, tmp_path)
 
         run_dir = tmp_path / "run"
         log = tmp_path / "flwr-run.log"
@@ -142,32 +165,3 @@ def test_flwr_run_local_simulation(tmp_path):
     assert left == []
     assert deploy.local_superlink_pids(home) == []
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_node_with_a_label_dp_floor_refuses_a_run_submitted_without_it(tmp_path):
-    """The label owner's settings file (written by deploy.start for `privacy=label`) sets label DP as its floor;
-    a run submitted with privacy=none stops at the hello step with its refusal, before any data is sent."""
-    dep = None
-    left: list[int] = ["not stopped"]  # type: ignore[list-item]
-    try:
-        dep = deploy.start(f"{OVERRIDES} privacy=label", state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home",
-                           cwd=tmp_path)
-        floor = (tmp_path / "deploy" / "clients" / "fact-0.yaml").read_text()
-        assert "name: label" in floor and "secret_file" in floor
-        run_dir = tmp_path / "run"
-        log = tmp_path / "flwr-run.log"
-        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, OVERRIDES, run_dir), log, dep.env(),
-                            cwd=deploy.APP_DIR)
-        dep.popens.append(proc)
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        text = log.read_text()
-        assert "table 'fact' refuses the run: privacy=none is weaker than this node's floor privacy=label" in text, \
-            deploy._log_tail(log, 60)
-        assert not (run_dir / "results.json").exists()
-    finally:
-        if dep is not None:
-            left = deploy.stop(dep)
-    assert left == []
