@@ -3,6 +3,7 @@
     python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
     python -m simulations.bench flower                             -> bench_results/flower.json
+    python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -230,10 +231,77 @@ def flower_suite() -> dict[str, Any]:
     return {"case": "flower", "per_epoch": pairs, "empty_rounds": empty, "first_epoch": first}
 
 
+#: CELU-VFL's comparison (seed 002, Table 2): the variants, as overrides of algorithm=celu (vanilla: TP-Join-SGD)
+CELU_VARIANTS: dict[str, tuple[str, ...]] = {
+    "vanilla": ("algorithm=sgd",),
+    "fedbcd": ("algorithm=celu", "algorithm.W=1", "algorithm.R=5", "algorithm.xi=null"),
+    "celu": ("algorithm=celu",),
+    "celu_R3": ("algorithm=celu", "algorithm.R=3"),
+    "celu_R8": ("algorithm=celu", "algorithm.R=8"),
+    "celu_xi90": ("algorithm=celu", "algorithm.xi=90"),
+    "celu_xi30": ("algorithm=celu", "algorithm.xi=30"),
+    "celu_xi_off": ("algorithm=celu", "algorithm.xi=null"),
+    "celu_W3": ("algorithm=celu", "algorithm.W=3"),
+    "celu_W8": ("algorithm=celu", "algorithm.W=8"),
+}
+
+
+def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, eval_every: int) -> dict[str, Any]:
+    """One CELU comparison run (in-process: the rounds and metrics equal Flower's): its evaluation history."""
+    from simulations.config import compose_config
+    from simulations.federated import run_in_process
+
+    cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", f"seed={seed}",
+                         f"epochs={epochs}", f"algorithm.eval_every={eval_every}")
+    t0 = time.perf_counter()
+    results = run_in_process(cfg, None, log=lambda _: None).strategy.results
+    return {"variant": variant, "seed": seed, "wall_s": round(time.perf_counter() - t0, 1),
+            "history": [(h.rounds, h.test_metric, h.comm_time_s) for h in results.history]}
+
+
+def rounds_to(history: list, target: float, lower_is_better: bool) -> tuple[int, float] | None:
+    """(rounds, modelled comm time) of the first evaluation at least as good as ``target``; None if never."""
+    for rounds, metric, comm in history:
+        if (metric <= target) if lower_is_better else (metric >= target):
+            return rounds, comm
+    return None
+
+
+def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int, epochs: int, eval_every: int) -> dict[str, Any]:
+    """Rounds to reach vanilla's final test metric (per seed), for each variant: the paper's Table 2."""
+    from tpflower.losses import primary_metric
+
+    out: dict[str, Any] = {"case": "celu", "model": model, "epochs": epochs, "eval_every": eval_every, "datasets": {}}
+    for dataset in datasets:
+        runs = {v: [_run_isolated("celu", {"dataset": dataset, "model": model, "variant": v, "seed": s,
+                                           "epochs": epochs, "eval_every": eval_every}) for s in range(seeds)]
+                for v in ["vanilla"] + [v for v in variants if v != "vanilla"]}
+        lower = primary_metric("binary" if "delayed" in dataset else "regression") != "auc"
+        rows = {}
+        for v, per_seed in runs.items():
+            reached = [rounds_to(r["history"], runs["vanilla"][s]["history"][-1][1], lower) for s, r in enumerate(per_seed)]
+            rounds = [x[0] for x in reached if x is not None]
+            rows[v] = {"rounds_to_target": rounds, "reached": f"{len(rounds)}/{len(reached)}",
+                       "mean_rounds": float(np.mean(rounds)) if rounds else None,
+                       "std_rounds": float(np.std(rounds)) if rounds else None,
+                       "final_metric": [r["history"][-1][1] for r in per_seed],
+                       "wall_s": [r["wall_s"] for r in per_seed]}
+            print(dataset, v, json.dumps(rows[v]), flush=True)
+        base = rows["vanilla"]["mean_rounds"]
+        for v in rows:
+            m = rows[v]["mean_rounds"]
+            rows[v]["vs_vanilla"] = None if (m is None or not base) else round(m / base - 1, 3)
+        out["datasets"][dataset] = {"variants": rows, "runs": runs}
+    return out
+
+
 CASES = {"mapping": mapping_case, "algorithm": algorithm_case, "empty_rounds": empty_rounds_case,
-         "first_epoch": first_epoch_case}
+         "first_epoch": first_epoch_case,
+         "celu": celu_case}
 SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}), "loj": lambda a: loj_suite(a.epochs),
-          "flower": lambda a: flower_suite()}
+          "flower": lambda a: flower_suite(),
+          "celu": lambda a: celu_suite(a.datasets.split(","), a.model, a.variants.split(","), a.seeds, a.epochs,
+                                       a.eval_every)}
 
 
 def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +320,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("case", choices=sorted(SUITES))
     ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping: joined rows")
     ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run")
+    ap.add_argument("--datasets", default="movielens,nycflights13_delayed", help="celu: datasets")
+    ap.add_argument("--model", default="mlp", help="celu: model")
+    ap.add_argument("--variants", default=",".join(CELU_VARIANTS), help="celu: variants (vanilla always runs)")
+    ap.add_argument("--seeds", type=int, default=3, help="celu: seeds per variant")
+    ap.add_argument("--eval-every", type=int, default=20, help="celu: rounds between evaluations")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
