@@ -113,6 +113,7 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
     import secrets
 
     import yaml
+    from omegaconf import OmegaConf
 
     from simulations.client_app import config_from_run_config
     from tpflower.datasets import load_spec
@@ -125,7 +126,7 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
     key = directory / "key"
     key.touch(mode=0o600)
     key.write_text(secrets.token_hex(32))
-    container = {"seed": 0, "dataset": dict(cfg.dataset), "privacy": dict(cfg.privacy)}
+    container = OmegaConf.to_container(cfg, resolve=True)
     paths = {}
     for table, shard in spec.clients(str(cfg.scenario.name)):
         owner = simulation_owner(container, spec, table, base_dir)
@@ -135,7 +136,7 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
             **({"source": str(resolve_path(owner.source, base_dir))} if owner.source else {"loader": owner.loader}),
             "columns": {"keys": list(e.keys), "numeric": list(e.numeric), "categorical": list(e.categorical),
                         **({"label": e.label} if e.label else {})},
-            "privacy": {k: v for k, v in privacy_floor(dict(cfg.privacy), "--overrides").items() if v is not None},
+            "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
             "secret_file": str(key),
         }
         paths[(table, shard)] = directory / f"{table}-{shard}.yaml"

@@ -46,6 +46,15 @@ _LABEL_BOUNDS = (("label_epsilon", "max"), ("label_lambda", "min"))
 _FEATURE_BOUNDS = (("epsilon", "max"), ("delta", "max"))
 
 
+def uses_label_dp(privacy: Mapping[str, Any]) -> bool:
+    """As tpflower.privacy's, without importing torch (the hello query checks the floor in a fresh process)."""
+    return str(privacy.get("name", "none")) in ("label", "label_dpsgd")
+
+
+def uses_feature_dp(privacy: Mapping[str, Any]) -> bool:
+    return str(privacy.get("name", "none")) in ("dpsgd", "label_dpsgd")
+
+
 class Refusal(SpecError):
     """A table owner's node refuses what the run asks of it (raised before the client sends anything)."""
 
@@ -118,8 +127,6 @@ class OwnerSettings:
 
     def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
         """The run's privacy must be at least the floor: label DP (label owner only) and feature DP."""
-        from tpflower.privacy import uses_feature_dp, uses_label_dp  # torch: not on a node's hello path
-
         floor, name = self.privacy, str(run.get("name", "none"))
         parts = [("label DP", uses_label_dp, _LABEL_BOUNDS)] if label_owner else []
         parts.append(("feature DP", uses_feature_dp, _FEATURE_BOUNDS))

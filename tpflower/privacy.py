@@ -72,6 +72,7 @@ import torch
 from torch import Tensor, nn
 
 from tpflower.models import l2_penalty
+from tpflower.owner import uses_feature_dp, uses_label_dp  # noqa: F401  (part of this module's API)
 
 PRIVACY_NAMES: tuple[str, ...] = ("none", "label", "dpsgd", "label_dpsgd")
 TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
@@ -686,12 +687,6 @@ def make_trainer(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def uses_label_dp(privacy_cfg: Mapping[str, Any]) -> bool:
-    return str(privacy_cfg.get("name", "none")) in ("label", "label_dpsgd")
-
-
-def uses_feature_dp(privacy_cfg: Mapping[str, Any]) -> bool:
-    return str(privacy_cfg.get("name", "none")) in ("dpsgd", "label_dpsgd")
 
 
 def validate_privacy(privacy_cfg: Mapping[str, Any], algorithm: str, task: str, *, feature_dp: bool,
