@@ -28,7 +28,7 @@ SYNTHETIC_TABLES = ["fact", "d1", "d2", "d3"]
 # the union scenario: fact and d1 in two shards each (6 SuperNodes), federated preprocessing, consensus ADMM
 UCQ_OVERRIDES = "algorithm=admm dataset=synthetic scenario=ucq epochs=1 algorithm.inner_rounds=2"
 UCQ_CLIENTS = [("fact", 0), ("fact", 1), ("d1", 0), ("d1", 1), ("d2", 0), ("d3", 0)]
-RUN_TIMEOUT_S = 150.0
+RUN_TIMEOUT_S = 200.0  # per 4 nodes; a quiet 2-core machine needs ~150 s for the 6-node union run
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +127,8 @@ def test_flwr_run_on_superlink_and_one_supernode_per_table(tmp_path, overrides, 
         logs = [log] + [Path(p["log"]) for p in dep.processes]
         data = _wait_for_run(proc, run_dir / "results.json", logs, timeout=RUN_TIMEOUT_S * len(clients) / 4)
         _check_results(data, algorithm, epochs)
-        assert "Successfully installed tpflower" in log.read_text()  # the FAB was shipped to the SuperLink
+        # the FAB was shipped to the SuperLink (by the first run: the refused one in the join case)
+        assert any("Successfully installed tpflower" in p.read_text() for p in tmp_path.glob("flwr-*.log"))
         # the SuperNodes' ClientApp processes import simulations.client_app from the installed FAB
         assert list((tmp_path / "flwr-home" / "apps").glob("tpflower.tpflower.*/simulations/client_app.py"))
     finally:
