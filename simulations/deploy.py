@@ -117,7 +117,6 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
 
     from simulations.client_app import config_from_run_config
     from tpflower.datasets import load_spec
-    from tpflower.datasets.files import resolve_path
     from tpflower.owner import privacy_floor, simulation_owner
 
     cfg = config_from_run_config({"overrides": overrides})
@@ -133,7 +132,7 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
         e = owner.exposed
         settings = {
             "table": table,
-            **({"source": str(resolve_path(owner.source, base_dir))} if owner.source else {"loader": owner.loader}),
+            **({"source": owner.source} if owner.source else {"loader": owner.loader}),  # source: an absolute path
             "columns": {"keys": list(e.keys), "numeric": list(e.numeric), "categorical": list(e.categorical),
                         **({"label": e.label} if e.label else {})},
             "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
