@@ -21,7 +21,7 @@ import json
 from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pandas as pd
 from flwr.app import Context, Message
@@ -52,16 +52,23 @@ def _load(dataset_json: str, table: str, base_dir: str | None, kept: tuple[str, 
     return spec, frame, key_kinds_of(spec, table, frame)
 
 
-def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
-                  table: str) -> tuple[OwnerSettings, dict[str, Any], RelationalSpec]:
-    """The owner's settings of this node (its client-config file, or in a simulation the run config's), with
-    the run checked against them: the table's source, exposed columns and label, and the privacy floor.
-    Returns them, the dataset config to load the table with (the owner's file in place of any other) and the
-    run's spec."""
+class CheckedNode(NamedTuple):
+    table: str
+    shard: int
+    owner: OwnerSettings
+    dataset: dict[str, Any]  # the dataset config to load the table with (the owner's file in place of any other)
+    spec: RelationalSpec  # the run's spec
+
+
+def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> CheckedNode:
+    """This node's table and shard and its owner's settings (its client-config file, or in a simulation the
+    run config's), with the run checked against them: the table's source, exposed columns and label, and the
+    privacy floor."""
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     assert isinstance(dataset, dict)
     root = str(base_dir) if base_dir else None
     spec = _spec(json.dumps(dataset, sort_keys=True), root)
+    table, shard = identity(node_config, spec.clients(str(cfg.scenario.name)))
     if node_config.get("client-config"):
         owner = load_owner_settings(str(node_config["client-config"]), table)
     elif "table" in node_config:
@@ -74,7 +81,7 @@ def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | 
                         label_owner=spec.label.table == table)
     if owner.source is not None and isinstance(dataset.get("tables"), dict):
         dataset["tables"][table] = {**(dataset["tables"].get(table) or {}), "source": owner.source}
-    return owner, dataset, spec
+    return CheckedNode(table, shard, owner, dataset, spec)
 
 
 def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[str, int]:
@@ -130,8 +137,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
 
     root = str(base_dir) if base_dir else None
     scenario = str(cfg.scenario.name)
-    table, shard = node_identity(cfg, node_config, base_dir)
-    owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir, table)
+    table, shard, owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir)
     shards = run_spec.table(table).shards
     kept = owner.exposed.all + ((shards.by,) if shards is not None and shards.by else ())
     spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
@@ -188,9 +194,8 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
         if config.get("phase") != HELLO_PHASE:
             raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
         run_cfg, root, _ = settings_of(context)
-        table, shard = node_identity(run_cfg, dict(context.node_config), root)
-        owner_checked(run_cfg, dict(context.node_config), root, table)  # refuse a run it would not serve, now
-        return Message(pack_reply({}, {"table": table, "shard": shard}), reply_to=msg)
+        node = owner_checked(run_cfg, dict(context.node_config), root)  # refuse a run it would not serve, now
+        return Message(pack_reply({}, {"table": node.table, "shard": node.shard}), reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

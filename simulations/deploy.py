@@ -57,7 +57,6 @@ except ModuleNotFoundError:  # Python 3.10
 
 HOST = "127.0.0.1"
 TAG_VAR = "TPFLOWER_DEPLOY_TAG"
-SECRET_ENV = "TPFLOWER_KEY_SECRET"
 CONNECTION = "local-deployment"
 APP_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_STATE_DIR = Path("outputs") / "deploy"
@@ -94,6 +93,8 @@ def flower_env(home: Path, tag: str, base: dict[str, str] | None = None) -> dict
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env[TAG_VAR] = tag
+    from tpflower.owner import SECRET_ENV
+
     env.pop(SECRET_ENV, None)  # the nodes read their secret_file; the SuperLink must never hold the secret
     return env
 

@@ -200,7 +200,7 @@ def test_consensus_model_once_per_consensus():
     run = run_in_process(cfg, None, log=lambda _: None)
     key = next(k for k in run.contexts if k[0] == "fact")
     app = client_app_for(cfg)
-    width = len(run.strategy.admm.G()) and len(np.concatenate([v.ravel() for v in run.theta(key).values()]))
+    width = sum(v.size for v in run.theta(key).values())
     refused(app, run.contexts[key], "refuses phase 'admm_consensus': at most once per step", "train",
             {"w": np.zeros(width)}, {"phase": "admm_consensus"})
 

@@ -29,6 +29,7 @@ import hmac
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -156,12 +157,17 @@ def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     """A floor with every bound: missing ones from conf/privacy/<name>.yaml (the shipped defaults)."""
     raw = dict(raw or {"name": "none"})
     name = str(raw.get("name", "none"))
-    path = PRIVACY_DIR / f"{name}.yaml"
-    if not path.is_file():
+    if not (PRIVACY_DIR / f"{name}.yaml").is_file():
         known = sorted(p.stem for p in PRIVACY_DIR.glob("*.yaml"))
         raise SpecError(f"{where}: privacy.name must be one of {known}, got {name!r}")
-    defaults = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if not (isinstance(v, str) and "${" in v)}
-    return {**defaults, **raw}
+    return {**_privacy_defaults(name), **raw}
+
+
+@lru_cache(maxsize=None)
+def _privacy_defaults(name: str) -> dict[str, Any]:
+    """conf/privacy/<name>.yaml without its interpolations, read once per process."""
+    text = (PRIVACY_DIR / f"{name}.yaml").read_text()
+    return {k: v for k, v in (yaml.safe_load(text) or {}).items() if not (isinstance(v, str) and "${" in v)}
 
 
 def node_secret(secret_file: str | Path | None, table: str, where: str) -> bytes:

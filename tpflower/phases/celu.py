@@ -36,10 +36,11 @@ class SentReference(StateRecord):
     ref: np.ndarray | None = None
 
 
-def reference(client: TableClient, model: torch.nn.Module, rows: np.ndarray, h: np.ndarray) -> np.ndarray:
-    """The rows' reference for the staleness weights: their predictions h, or the MLP's last hidden layer."""
+def reference(client: TableClient, model: torch.nn.Module, rows: np.ndarray, h: np.ndarray | None = None) -> np.ndarray:
+    """The rows' reference for the staleness weights: their predictions (``h`` if already computed), or the
+    MLP's last hidden layer."""
     if client.settings.algorithm.similarity == "output":
-        return np.asarray(h, dtype=np.float64)
+        return np.asarray(client.predict(model, rows) if h is None else h, dtype=np.float64)
     with torch.no_grad():  # model = Sequential(Linear, ReLU, ..., Linear): all but the output layer
         return model[:-1](client.tensor(client.rows_X(rows))).cpu().numpy().astype(np.float64)
 
@@ -66,10 +67,8 @@ def local_steps(client: TableClient, model: torch.nn.Module, workset: Workset) -
         if k is None:  # a bubble: no entry may be used now
             break
         rows, cached, Y, batch = workset.entry(k)
-        X = client.tensor(client.rows_X(rows))
-        h_now = model(X).detach().cpu().numpy() if alg.similarity == "output" else reference(client, model, rows, None)
-        w = staleness_weights(h_now, cached, alg.xi)
-        local_sgd_step(model, X, client.tensor(w[:, None] * Y), batch, alg.lr, beta)
+        w = staleness_weights(reference(client, model, rows), cached, alg.xi)
+        local_sgd_step(model, client.tensor(client.rows_X(rows)), client.tensor(w[:, None] * Y), batch, alg.lr, beta)
         workset.used(k, alg.R)
         taken += 1
     return taken
