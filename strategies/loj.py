@@ -94,6 +94,7 @@ class LoJStrategy(TablePuppetStrategy):
                            mapping.n_rows[t])
             for t in self.spec.table_names
         }
+        self.client_rows = {k: len(r[0]["row_ids"]) for k, r in replies.items()}
         y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[self.spec.label_table])
         is_test = is_test_rows[mapping.p[self.spec.label_table]]
         self.train, self.test = mapping.subset(~is_test), mapping.subset(is_test)
@@ -195,6 +196,7 @@ class LoJStrategy(TablePuppetStrategy):
         order = {t: np.concatenate([self.train.p[t], self.test.p[t]]) for t in self.spec.table_names}
         self.send({k: ({"p": order[k[0]]}, {"phase": "expand"}) for k in self.clients})
         n_all = N_train + N_test
+        self.client_rows = {k: n_all for k in self.clients}
         self.train = TableMapping({t: np.arange(N_train) for t in order}, {t: n_all for t in order})
         self.test = TableMapping({t: N_train + np.arange(N_test) for t in order}, {t: n_all for t in order})
 

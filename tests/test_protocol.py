@@ -84,10 +84,28 @@ def test_connect_refuses_duplicate_or_unknown_tables(tables, match):
 
 
 def test_too_few_nodes_is_one_error_naming_the_missing_table():
-    transport = direct({1: ("fact", 0)})
-    transport.timeout_s = 0.2
+    lines: list[str] = []
+    strategy = Echo(KEYS)
+    strategy.log, strategy.WAIT_LINE_S = lines.append, 0.1
     with pytest.raises(RunError, match=r"no node holds table 'dim' shard 0 \(1 of 2 nodes connected within 0 s"):
-        Echo(KEYS).run(transport)
+        strategy.run(direct({1: ("fact", 0)}), node_wait_s=0.35)
+    # while waiting, a line every WAIT_LINE_S names the missing tables
+    assert 2 <= len(lines) <= 4 and all("missing table 'dim' shard 0" in line for line in lines), lines
+
+
+def test_a_late_node_is_greeted_when_it_connects():
+    transport = direct({1: ("fact", 0), 2: ("dim", 0)})
+    everyone = transport.contexts
+    calls = []
+
+    def node_ids():  # the dim node connects on the third look
+        calls.append(1)
+        return [1] if len(calls) < 3 else list(everyone)
+
+    transport.node_ids = node_ids
+    strategy = Echo(KEYS)
+    strategy.run(transport, node_wait_s=5)
+    assert strategy.nodes == {("fact", 0): 1, ("dim", 0): 2} and len(calls) == 3
 
 
 def test_a_client_exception_ends_the_run_with_one_line_naming_its_table():

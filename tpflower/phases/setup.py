@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
     """Row ids and keyed digests of the join keys (Sec. 3.1.1); the label owner adds its labels."""
     s, data = client.settings, client.data
     accept_privacy(client, config)
+    check_unique_key(client)
     proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
     out: Arrays = {"row_ids": proj.row_ids, **{f"digest.{k}": d for k, d in sorted(proj.digests.items())}}
     metrics: dict[str, Any] = {
@@ -52,6 +54,26 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
         out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
         metrics["n_classes"] = int(data.n_classes or 0)
     return out, metrics
+
+
+def check_unique_key(client: TableClient) -> None:
+    """A table declared ``unique`` has at most one row per key value (its owner's data, checked on the node).
+    The error names the table, column and count; an example value only where the data is the run's own
+    (simulation): a deployed node keeps its values and logs the example locally."""
+    s = client.settings
+    if not s.spec.table(s.table).unique:
+        return
+    cols = list(s.spec.unique_key(s.table))
+    dup = client.data.keys.duplicated(subset=cols, keep=False).to_numpy()
+    if not dup.any():
+        return
+    first = int(np.flatnonzero(dup)[0])
+    example = ", ".join(f"{c}={np.asarray(client.data.keys[c])[first].item()!r}" for c in cols)
+    where = f"table {s.table!r} declares its key {'+'.join(cols)} unique, but {int(dup.sum())} rows share a value"
+    if s.owner.origin == "simulation":
+        raise ValueError(f"{where}, e.g. {example} (row {first}): remove the duplicates or drop `unique: true`")
+    print(f"tpflower: {where}, e.g. {example} (row {first})", file=sys.stderr, flush=True)
+    raise ValueError(f"{where} (an example is in this node's log): the table's owner removes the duplicates")
 
 
 def accept_privacy(client: TableClient, config: Mapping[str, Any]) -> None:
