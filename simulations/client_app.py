@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -30,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from simulations.config import compose_config
 from strategies.protocol import HELLO_PHASE
+from tpflower.checkpoint import run_key
 from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
 from tpflower.records import pack_reply, unpack_payload
@@ -60,10 +62,11 @@ class CheckedNode(NamedTuple):
     spec: RelationalSpec  # the run's spec
 
 
-def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> CheckedNode:
+def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
+                  state_dir: str | None = None) -> CheckedNode:
     """This node's table and shard and its owner's settings (its client-config file, or in a simulation the
-    run config's), with the run checked against them: the table's source, exposed columns and label, and the
-    privacy floor."""
+    run config's, with ``state_dir`` for its checkpoints), with the run checked against them: the table's
+    source, exposed columns and label, and the privacy floor."""
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     assert isinstance(dataset, dict)
     root = str(base_dir) if base_dir else None
@@ -75,7 +78,8 @@ def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | 
         raise SpecError(f"node config names table {table!r} but no client-config: a deployed node serves its table "
                         "under its owner's settings file (README 'Deployment'; simulations.deploy start writes one)")
     else:
-        owner = simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root)  # type: ignore[arg-type]
+        owner = replace(simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root),  # type: ignore[arg-type]
+                        state_dir=state_dir)
     owner.check_spec(spec, dataset, root)
     owner.check_privacy(OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"},
                         label_owner=spec.label.table == table)
@@ -107,7 +111,7 @@ def config_key(cfg: DictConfig) -> str:
 
 
 def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None,
-                cfg_key: str | None = None) -> TableClient:
+                cfg_key: str | None = None, state_dir: str | None = None) -> TableClient:
     """The client of this node for one message; table and settings are built once per process and node.
 
     The cache key is the config's content (``cfg_key``, else computed: about 8 ms): under Ray the ClientApp,
@@ -118,11 +122,11 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     from tpflower.client import TableClient
 
     content = cfg_key if cfg_key is not None else config_key(cfg)
-    cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir))
+    cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir), state_dir)
     if cache_key in _SETTINGS:
         _SETTINGS.move_to_end(cache_key)
     else:
-        _SETTINGS[cache_key] = _settings(cfg, dict(context.node_config), base_dir)
+        _SETTINGS[cache_key] = _settings(cfg, dict(context.node_config), base_dir, state_dir)
         while len(_SETTINGS) > _SETTINGS_MAX:
             _SETTINGS.popitem(last=False)
     settings, data = _SETTINGS[cache_key]
@@ -130,14 +134,15 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     return TableClient(data, settings, context.state, entry.protocol, entry.name)
 
 
-def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[ClientSettings, ShardData]:
+def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
+              state_dir: str | None = None) -> tuple[ClientSettings, ShardData]:
     from strategies.registry import entry_of
     from tpflower.client import ClientSettings
     from tpflower.local_table import ShardData
 
     root = str(base_dir) if base_dir else None
     scenario = str(cfg.scenario.name)
-    table, shard, owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir)
+    table, shard, owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir, state_dir)
     shards = run_spec.table(table).shards
     kept = owner.exposed.all + ((shards.by,) if shards is not None and shards.by else ())
     spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
@@ -156,6 +161,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         owner=owner,
         key_kinds=kinds,
         federated_prep=sum(1 for t, _ in spec.clients(scenario) if t == table) > 1,
+        config_key=run_key(cfg),
     )
     return settings, data
 
@@ -172,8 +178,12 @@ def _spec(dataset_json: str, base_dir: str | None) -> RelationalSpec:
     return load_spec(json.loads(dataset_json), base_dir=base_dir)
 
 
-def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -> ClientApp:
-    """The ClientApp for a fixed config (the Hydra entry point), or composing it from the run config (flwr run)."""
+def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None,
+                   run_dir: str | Path | None = None) -> ClientApp:
+    """The ClientApp for a fixed config (the Hydra entry point), or composing it from the run config (flwr run).
+
+    Simulated nodes keep their checkpoints in RUN_DIR/node-state (``run_dir``, else the run config's
+    ``run-dir``; none without either); a deployed node where its owner's settings say."""
     app = ClientApp()
     # The handlers capture the config as its JSON string, not as a DictConfig: the simulation engine pickles
     # the ClientApp with every message (a DictConfig costs ~5 ms to pickle and load; a string nothing).
@@ -186,6 +196,10 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
             overrides = str(context.run_config.get("overrides", ""))
             run_cfg, key = _compose(overrides), _composed_key(overrides)
         return run_cfg, base_dir if base_dir is not None else context.run_config.get("base-dir") or None, key
+
+    def state_dir_of(context: Context) -> str | None:
+        out = run_dir or context.run_config.get("run-dir")
+        return str(Path(str(out)).resolve() / "node-state") if out else None
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
@@ -208,7 +222,7 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
     def answer(msg: Message, context: Context) -> Message:
         run_cfg, root, key = settings_of(context)
         arrays, config = unpack_payload(msg.content)
-        out, metrics = make_client(run_cfg, context, root, key).handle(arrays, config)
+        out, metrics = make_client(run_cfg, context, root, key, state_dir_of(context)).handle(arrays, config)
         return Message(pack_reply(out, metrics), reply_to=msg)
 
     return app

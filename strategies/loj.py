@@ -17,6 +17,7 @@ they spent, shown as ``eps`` (max over clients) in the epoch line and kept in re
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from strategies.base import TablePuppetStrategy
+from strategies.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from strategies.lou import ShardRouter
 from strategies.protocol import ClientKey, Kind, Payload, Reply
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
@@ -40,6 +42,11 @@ from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_result
 from tpflower.schema import RelationalSpec, validate_key_kinds
 
 
+#: what a checkpoint keeps of a strategy beside its training loop's state: everything setup built
+CHECKPOINTED = ("mapping", "train", "test", "routers", "client_rows", "y_train", "y_test", "_evaluation", "d_out",
+                "comm", "results", "dp_plan", "eps_spent")
+
+
 class LoJStrategy(TablePuppetStrategy):
     """Setup, evaluation and results shared by TP-Join-SGD/ADMM and the VFL baselines.
 
@@ -49,6 +56,7 @@ class LoJStrategy(TablePuppetStrategy):
     algorithm = "loj"
     params_type: type[AlgorithmParams] = AlgorithmParams
     expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
+    resumable = False  # the protocol checkpoints every epoch (begin / checkpoint_config / end_epoch)
 
     def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
                  feature_dp: bool = True, label_dp: bool = True, why_no_feature_dp: str = ""):
@@ -73,12 +81,23 @@ class LoJStrategy(TablePuppetStrategy):
         self.finished = False
         self.comm: CommMeter | None = None
         self._t0 = time.perf_counter()
+        self.run_id = secrets.token_hex(16)  # names this run's checkpoints on the nodes (kept when resumed)
+        self.resume = bool(cfg.get("resume", False))
+        if self.resume and not self.resumable:
+            from strategies.registry import entries
+
+            resumable = sorted(e.name for e in entries() if e.strategy.resumable)
+            raise ValueError(f"resume=true: {self.algorithm} does not checkpoint its epochs yet "
+                             f"(algorithms that do: {', '.join(resumable)})")
+        if self.resume and (self.run_dir is None or not (self.run_dir / CHECKPOINT).is_file()):
+            raise ValueError(f"resume=true but there is no checkpoint {CHECKPOINT} in the run dir {self.run_dir}")
 
     # ------------------------------------------------------------------------------------------ setup
 
     def setup(self) -> None:
         """Round 1 (keys) builds the mapping; VFL adds round 2 (expand). Sets train/test mappings and labels."""
-        replies = self.send({k: ({}, {"phase": "keys", **dp.privacy_message(self.privacy)}) for k in self.clients})
+        replies = self.send({k: ({}, {"phase": "keys", "run_id": self.run_id, **dp.privacy_message(self.privacy)})
+                             for k in self.clients})
         self._t0 = time.perf_counter()
         validate_key_kinds(self.spec, self._key_kinds(replies))
         projections: dict[str, list[KeyProjection]] = {t: [] for t in self.spec.table_names}
@@ -199,6 +218,38 @@ class LoJStrategy(TablePuppetStrategy):
         self.client_rows = {k: n_all for k in self.clients}
         self.train = TableMapping({t: np.arange(N_train) for t in order}, {t: n_all for t in order})
         self.test = TableMapping({t: N_train + np.arange(N_test) for t in order}, {t: n_all for t in order})
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def begin(self, start: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+        """The epochs done and the training loop's state: (0, ``start()``) for a fresh run (``start`` runs the
+        setup and the algorithm's first rounds); for ``resume=true`` the last checkpoint's, after a ``resume``
+        round in which every client restores its own checkpoint of that epoch (tpflower.checkpoint)."""
+        if not self.resume:
+            return 0, start()
+        assert self.run_dir is not None
+        saved = load_checkpoint(self.run_dir / CHECKPOINT, self.cfg)
+        epoch = int(saved["epoch"])
+        self.run_id = str(saved["run_id"])
+        self.send({k: ({}, {"phase": "resume", "run_id": self.run_id, "epoch": epoch, **dp.privacy_message(self.privacy)})
+                   for k in self.clients})
+        for name, value in saved["attributes"].items():
+            setattr(self, name, value)
+        self._t0 = time.perf_counter() - float(saved["elapsed"])
+        self.log(f"resumed after epoch {epoch} from {self.run_dir / CHECKPOINT}")
+        return epoch, saved["loop"]
+
+    def checkpoint_config(self, epoch: int) -> dict[str, Any]:
+        """Config of an epoch's last training message: each client checkpoints its state after answering it."""
+        return {"checkpoint": int(epoch), "run_id": self.run_id} if self.run_dir is not None and self.resumable else {}
+
+    def end_epoch(self, epoch: int, loop: dict[str, Any]) -> None:
+        """Checkpoint the server's state after epoch ``epoch`` (atomically, into the run dir)."""
+        if self.run_dir is not None and self.resumable:
+            save_checkpoint(self.run_dir / CHECKPOINT, self.cfg, {
+                "epoch": int(epoch), "run_id": self.run_id, "elapsed": time.perf_counter() - self._t0, "loop": loop,
+                "attributes": {name: getattr(self, name) for name in CHECKPOINTED if hasattr(self, name)},
+            })
 
     # ------------------------------------------------------------------------------------------ records
 

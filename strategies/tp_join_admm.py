@@ -36,19 +36,15 @@ def admm_rho(value, task: str) -> float:
 class TPJoinADMM(LoJStrategy):
     algorithm = "tp_join_admm"
     params_type = ADMMParams
+    resumable = True
 
     def protocol(self) -> None:
-        self.setup()
-        rho = admm_rho(self.params.rho, self.task)
-        admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, self.params.variant)
-        self.admm = admm
-        G = admm.G()
-        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
-        replies = self.send(self.messages(lambda t: ({"G": G[t]}, {**config, **self.dp_config((t, 0))})))
-        h = self.outputs(replies)
-        for epoch in range(1, int(self.cfg.epochs) + 1):
+        done, loop = self.begin(self.start_admm)
+        admm, h = loop["admm"], loop["h"]
+        for epoch in range(done + 1, int(self.cfg.epochs) + 1):
             Y = admm.step(h)
-            replies = self.send(self.messages(lambda t: ({"Y": Y[t]}, {"phase": "admm_update", "epoch": epoch})))
+            replies = self.send(self.messages(lambda t: (
+                {"Y": Y[t]}, {"phase": "admm_update", "epoch": epoch, **self.checkpoint_config(epoch)})))
             h = self.outputs(replies)
             H_train = joined_predictions(self.train.p, h)
             train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
@@ -59,7 +55,18 @@ class TPJoinADMM(LoJStrategy):
                 train_loss,
                 {"objective": train_loss + float(self.cfg.model.beta) * reg, "primal_residual": admm.primal_residual()},
             )
+            self.end_epoch(epoch, {"admm": admm, "h": h})
         self.finish()
+
+    def start_admm(self) -> dict:
+        """Setup, then the admm_setup round (G_i, Eq. 15, sent once): the clients' first predictions."""
+        self.setup()
+        rho = admm_rho(self.params.rho, self.task)
+        admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, self.params.variant)
+        G = admm.G()
+        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
+        replies = self.send(self.messages(lambda t: ({"G": G[t]}, {**config, **self.dp_config((t, 0))})))
+        return {"admm": admm, "h": self.outputs(replies)}
 
     def plan_feature_dp(self) -> dict:
         """Per client: epochs x local_epochs x ceil(n_a / b) local DP steps at q = min(1, b / n_a), n_a = its

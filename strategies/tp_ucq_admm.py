@@ -31,6 +31,7 @@ from tpflower.relation import has_bias
 
 class TPUCQADMM(TPJoinADMM):
     algorithm = "tp_ucq_admm"
+    resumable = False  # its epochs end in different phases per client: no checkpoints yet
 
     def protocol(self) -> None:
         self.setup()

@@ -27,6 +27,7 @@ import torch
 from flwr.client import NumPyClient
 from flwr.common import RecordDict
 
+from tpflower import checkpoint
 from tpflower import privacy as dp
 from tpflower.fedprep import GlobalRule, apply_rule
 from tpflower.guard import Protocol, ProtocolRefusal
@@ -56,6 +57,7 @@ class ClientSettings:
     owner: OwnerSettings
     key_kinds: Mapping[str, str]
     federated_prep: bool = False  # union scenario, table with several shards: preprocessing by global rule
+    config_key: str = ""  # the run's config (without resume settings): part of the name of its checkpoints
 
     @property
     def secret(self) -> bytes:
@@ -84,8 +86,21 @@ class TableClient(NumPyClient):
 
     def handle(self, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
         """Answer one message: ``config["phase"]`` names the phase, ``arrays`` its named arrays. The protocol
-        guard (tpflower.guard) refuses a phase outside the algorithm's protocol before anything is computed."""
-        return self.protocol.admit(self, str(config.get("phase")))(self, arrays, config)
+        guard (tpflower.guard) refuses a phase outside the algorithm's protocol before anything is computed.
+        ``resume`` (a fresh client taking its checkpointed state) and checkpoints: tpflower.checkpoint."""
+        phase = str(config.get("phase"))
+        if phase == "resume":
+            return checkpoint.resume(self, config)
+        handler = self.protocol.admit(self, phase)
+        if config.get("run_id") and self.state.scalar("run_id") is None:
+            self.state.set_scalar("run_id", str(config["run_id"]))
+        out = handler(self, arrays, config)
+        checkpoint.after_message(self, config)
+        return out
+
+    @property
+    def config_key(self) -> str:
+        return self.settings.config_key
 
     def fit(self, parameters: list[np.ndarray], config: Mapping[str, Any]) -> tuple[list[np.ndarray], int, dict]:
         """NumPyClient's entry: ``parameters`` are the message's arrays in the order ``config["arrays"]`` names

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tpflower import checkpoint
 from tpflower import privacy as dp
 from tpflower.mapping import segment_sum
 
@@ -73,7 +74,9 @@ class LocalDP:
                 f"table {self.client.settings.table!r} shard {self.client.settings.shard}: {trainer.steps} DP steps exceed the "
                 f"{planned} the noise was calibrated for (privacy budget exhausted)"
             )
-        self.client.state.put("dp_history", np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3))
+        history = np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3)
+        self.client.state.put("dp_history", history)
+        checkpoint.record_dp_step(self.client, history)
         metrics["eps"] = trainer.epsilon(float(self.client.privacy()["delta"]))
         trainer.close()
 

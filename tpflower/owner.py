@@ -14,6 +14,8 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
       label_epsilon: 5.66            # largest label epsilon accepted (classification: label_lambda, smallest)
     secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
     min_sketch_rows: 2048            # union preprocessing: fewest values a shard summarizes by order statistics
+    state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run (default: state/<file name>
+                                     # next to this file)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
@@ -94,6 +96,7 @@ class OwnerSettings:
     loader: str | None = None
     min_sketch_rows: int = DEFAULT_MIN_SKETCH_ROWS
     origin: str = "simulation"  # where the settings come from (shown in refusals)
+    state_dir: str | None = None  # node-local checkpoints of this node's state (None: none kept, no resume)
 
     def refuse(self, what: str) -> Refusal:
         return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {self.origin})")
@@ -197,7 +200,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         raise SpecError(f"table {table!r}: cannot read client-config {where}: {exc.strerror}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: a client settings file is a mapping (source, columns, privacy, secret_file)")
-    unknown = set(raw) - {"table", "source", "loader", "columns", "privacy", "secret_file", "min_sketch_rows"}
+    unknown = set(raw) - {"table", "source", "loader", "columns", "privacy", "secret_file", "min_sketch_rows", "state_dir"}
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
     if raw.get("table", table) != table:
@@ -215,6 +218,8 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         loader=None if raw.get("loader") is None else str(raw["loader"]),
         min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
         origin=where,
+        # checkpoints for resuming a run: next to the settings file unless the owner says where
+        state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),
     )
 
 

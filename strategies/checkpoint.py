@@ -1,0 +1,35 @@
+"""The server's checkpoint: after every epoch, what the strategy built in setup (mapping, splits, labels,
+meters, the run record so far) and its training loop's state (e.g. ADMM's z, lambda and the clients' last
+predictions), pickled into RUN_DIR/checkpoint.pkl, atomically (a crash leaves the previous epoch's file).
+
+The file is the server's own (it holds nothing the server did not hold while running) and it is read only
+by a run resumed in the same run dir with the same config (``resume=true``); the clients' side of the same
+epoch is in each node's own store (tpflower.checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+from tpflower.checkpoint import atomic_write, run_key as _key
+
+CHECKPOINT = "checkpoint.pkl"
+
+
+def save_checkpoint(path: Path, cfg: Any, state: dict[str, Any]) -> None:
+    atomic_write(path, pickle.dumps({"config": _key(cfg), **state}, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def load_checkpoint(path: Path, cfg: Any) -> dict[str, Any]:
+    """The checkpoint in ``path``, if it was made by a run of the same config (resume settings aside)."""
+    with open(path, "rb") as f:
+        state = pickle.load(f)
+    if state.get("config") != _key(cfg):
+        old, new = json.loads(state["config"]), json.loads(_key(cfg))
+        differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise ValueError(f"the checkpoint {path} was made by another config (differs in: {', '.join(differ)}); "
+                         "resume with the run's own settings")
+    return state

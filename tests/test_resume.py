@@ -1,0 +1,123 @@
+"""Checkpoint and resume (strategies.checkpoint on the server, tpflower.checkpoint on each node): a run that
+dies after epoch 3 of 6 and is resumed in its run dir ends with the metrics of an uninterrupted run.
+
+In-process (the same strategy, ClientApp and records as under Flower): the crash is a client failing in epoch
+4, which stops the run after the checkpoints of epoch 3; the resumed run starts from fresh client contexts (a
+new process), as after a kill -9. The deployment test kills a real SuperNode.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Message
+
+from simulations.client_app import client_app_for
+from simulations.config import compose_config
+from simulations.federated import in_process_contexts, run_in_process
+from simulations.server_app import make_strategy
+from strategies.protocol import DirectTransport, RunError
+from tpflower.records import unpack_payload
+
+RUN = ("dataset=synthetic", "algorithm=admm", "epochs=6", "precision=float64")
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+def crashed_run(run_dir, *overrides: str, crash_epoch: int = 4, table: str | None = "d2") -> None:
+    """The run dies in epoch ``crash_epoch``: ``table``'s client fails on that epoch's update (the other
+    clients answer it), or with ``table=None`` the server dies before sending it."""
+    cfg = compose_config(*RUN, *overrides)
+    strategy = make_strategy(cfg, run_dir, log=quiet)
+    contexts = in_process_contexts(strategy)
+    app = client_app_for(cfg, None, run_dir)
+    key_of = {c.node_id: k for k, c in contexts.items()}
+
+    def dying(msg: Message, context) -> Message:
+        if msg.metadata.message_type != "query":
+            _, config = unpack_payload(msg.content)
+            if key_of[context.node_id][0] == table and config.get("epoch") == crash_epoch:
+                raise RuntimeError("killed")
+        return app(msg, context)
+
+    class DyingServer(DirectTransport):
+        def exchange(self, messages):
+            if table is None and any(unpack_payload(m.content)[1].get("epoch") == crash_epoch for m in messages):
+                raise RunError("server killed")
+            return super().exchange(messages)
+
+    with pytest.raises(RunError, match=f"table '{table}' shard 0: .*killed" if table else "server killed"):
+        strategy.run(DyingServer(dying, {c.node_id: c for c in contexts.values()}))
+
+
+def history(run) -> list[tuple[int, float, float]]:
+    return [(h.epoch, h.test_metric, h.train_loss) for h in run.strategy.results.history]
+
+
+@pytest.mark.parametrize("overrides", [(), ("privacy=label", "privacy.label_range=[-20,20]")], ids=["none", "label-dp"])
+def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path, overrides):
+    full = run_in_process(compose_config(*RUN, *overrides), tmp_path / "full", log=quiet)
+    run_dir = tmp_path / "resumed"
+    crashed_run(run_dir, *overrides)
+    assert not (run_dir / "results.json").exists() and (run_dir / "checkpoint.pkl").is_file()
+    lines: list[str] = []
+    resumed = run_in_process(compose_config(*RUN, *overrides, "resume=true"), run_dir, log=lines.append)
+    assert any("resumed after epoch 3" in line for line in lines), lines
+    got, want = history(resumed), history(full)
+    assert [e for e, _, _ in got] == [1, 2, 3, 4, 5, 6]  # every epoch once
+    if not overrides:  # label DP: the randomized labels differ between the two runs (OS entropy)
+        np.testing.assert_allclose([m for _, m, _ in got], [m for _, m, _ in want], rtol=1e-9)
+        np.testing.assert_allclose([t for _, _, t in got], [t for _, _, t in want], rtol=1e-9)
+    data = json.loads((run_dir / "results.json").read_text())
+    assert [h["epoch"] for h in data["history"]] == [1, 2, 3, 4, 5, 6]
+    for key, context in resumed.contexts.items():  # the resumed clients end on the uninterrupted run's theta
+        if not overrides:
+            for name, value in resumed.theta(key).items():
+                np.testing.assert_allclose(value, full.theta(key)[name], rtol=1e-9, atol=1e-12)
+
+
+def test_resume_needs_a_checkpoint_and_the_same_config(tmp_path):
+    with pytest.raises(ValueError, match="resume=true but there is no checkpoint checkpoint.pkl"):
+        make_strategy(compose_config(*RUN, "resume=true"), tmp_path, log=quiet)
+    crashed_run(tmp_path)
+    with pytest.raises(ValueError, match=r"made by another config \(differs in: seed\)"):
+        run_in_process(compose_config(*RUN, "resume=true", "seed=3"), tmp_path, log=quiet)
+
+
+def test_a_node_without_its_checkpoint_refuses_to_resume(tmp_path):
+    crashed_run(tmp_path)
+    for path in (tmp_path / "node-state").glob("d1-0-*/epoch-3.rd"):
+        path.unlink()
+    with pytest.raises(RunError, match=r"table 'd1' shard 0: .*cannot resume: this node has no checkpoint of epoch 3"):
+        run_in_process(compose_config(*RUN, "resume=true"), tmp_path, log=quiet)
+
+
+DPSGD = ("privacy=dpsgd", "algorithm.local_epochs=1", "algorithm.local_batch_size=500")
+
+
+def test_a_resumed_dp_run_carries_its_privacy_accountant_over(tmp_path):
+    full = run_in_process(compose_config(*RUN, *DPSGD), tmp_path / "full", log=quiet)
+    crashed_run(tmp_path / "run", *DPSGD, table=None)  # the server dies: no client took a DP step of epoch 4
+    resumed = run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path / "run", log=quiet)
+    eps = [h.extra["eps"] for h in resumed.strategy.results.history]
+    assert eps == pytest.approx([h.extra["eps"] for h in full.strategy.results.history], rel=1e-9)
+    assert eps[-1] > eps[2] > 0  # epochs 4-6 added to the checkpoint's accountant, not to a fresh one
+
+
+def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
+    # fact and d1 took their DP steps of epoch 4 before d2 died: redoing epoch 4 costs them budget again,
+    # so they run out at the last epoch and refuse (the ledger never goes back; nothing is released unaccounted)
+    crashed_run(tmp_path, *DPSGD)
+    with pytest.raises(RunError, match=r"table 'fact' shard 0: .*DP steps exceed the \d+ the noise was calibrated "
+                                       r"for \(privacy budget exhausted\)"):
+        run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path, log=quiet)
+
+
+def test_an_algorithm_without_checkpoints_refuses_resume(tmp_path):
+    with pytest.raises(ValueError, match=r"resume=true: tp_join_sgd does not checkpoint its epochs yet \(algorithms "
+                                         r"that do: tp_join_admm, vfl_admm\)"):
+        make_strategy(compose_config("dataset=synthetic", "algorithm=sgd", "resume=true"), tmp_path, log=quiet)
