@@ -480,12 +480,16 @@ def stream_run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int
 
 
 def run(overrides: str, run_dir: str | Path, state_dir: str | Path = DEFAULT_STATE_DIR, port: int | None = None,
-        home: str | Path | None = None, timeout: float = 3600.0, insecure: bool = False) -> Path:
-    """start + `flwr run ... --stream` + stop (always); returns the results.json path of THIS run.
+        home: str | Path | None = None, timeout: float = 3600.0, insecure: bool = False, resume: bool = False) -> Path:
+    """start + `flwr run ... --stream` + stop (always); returns the results.json path of THIS run. ``resume``:
+    continue the run in ``run_dir`` from its last checkpoint (the nodes' own checkpoints are in their
+    state dirs under ``state_dir``).
 
     Raises :class:`RunFailed` unless the SuperLink reports the run completed and the run wrote results.json
     (an earlier run's results.json in the run dir never counts)."""
     run_dir = Path(run_dir).resolve()
+    if resume:
+        overrides = f"{overrides} resume=true"
     results = run_dir / "results.json"
     before = results.stat().st_mtime_ns if results.is_file() else None
     dep = start(overrides, state_dir, port, home, insecure=insecure)
@@ -568,10 +572,17 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="start, `flwr run` one job (waits for it), stop")
     p_local = sub.add_parser("stop-local", help="stop the local simulation SuperLink `flwr run .` left running")
     p_clients = sub.add_parser("clients", help="the tables (SuperNodes) of a run and its `flwr run .` command")
+    p_pki = sub.add_parser("pki", help="the SuperLink operator's CA and SuperLink certificate (ca.crt goes to everyone)")
+    p_pki.add_argument("--dir", required=True, help="where to write ca.crt, ca.key, server.crt, server.key")
+    p_pki.add_argument("--host", action="append", default=None,
+                       help="a name or address the SuperLink is reached at (repeatable; default 127.0.0.1 and localhost)")
+    p_keygen = sub.add_parser("keygen", help="a table owner's SuperNode key pair (KEY, 0600, and KEY.pub to register)")
+    p_keygen.add_argument("key", help="path of the private key to write")
     for p in (p_start, p_run, p_clients):
         p.add_argument("--overrides", default="algorithm=admm", help="Hydra overrides (one string); selects the dataset, hence the tables")
         p.add_argument("--port", type=int, default=None, help="SuperLink port on 127.0.0.1 (default: a free one)")
     p_run.add_argument("--run-dir", required=True, help="directory for results.json")
+    p_run.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     for p in (p_start, p_run):
         p.add_argument("--insecure", action="store_true",
                        help="plain text and no SuperNode authentication (default: TLS + node authentication)")
@@ -597,7 +608,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if left else 0
     elif args.command == "run":
         try:
-            print(f"results: {run(args.overrides, args.run_dir, args.state_dir, args.port, args.flwr_home, insecure=args.insecure)}")
+            results = run(args.overrides, args.run_dir, args.state_dir, args.port, args.flwr_home,
+                          insecure=args.insecure, resume=args.resume)
+            print(f"results: {results}")
         except RunFailed as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -606,6 +619,13 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(t for t, _ in clients))
         print(f"flwr run . --stream --run-config \"overrides='{args.overrides}'\" "
               f"--federation-config \"num-supernodes={len(clients)} client-resources-num-cpus=1\"")
+    elif args.command == "pki":
+        tls = make_server_tls(args.dir, tuple(args.host) if args.host else ("127.0.0.1", "localhost"))
+        print(f"CA {tls.ca} (give it to the node owners and to `flwr run` users); SuperLink {tls.cert}, {tls.key}")
+    elif args.command == "keygen":
+        private, public = make_node_keys(args.key)
+        print(f"private key {private} (stays on this machine); public key {public} (give it to the SuperLink's "
+              "operator: flwr supernode register)")
     elif args.command == "stop-local":
         left = stop_local(args.flwr_home)
         print(f"still alive: {left}" if left else "stopped")

@@ -15,20 +15,26 @@ from pathlib import Path
 from typing import Any
 
 from tpflower.checkpoint import atomic_write, run_key as _key
+from tpflower.owner import redact
 
 CHECKPOINT = "checkpoint.pkl"
 
 
+def _config(cfg: Any) -> dict[str, Any]:
+    """The run's config without its secret (the checkpoint never holds the join-key secret)."""
+    return redact(json.loads(_key(cfg)))
+
+
 def save_checkpoint(path: Path, cfg: Any, state: dict[str, Any]) -> None:
-    atomic_write(path, pickle.dumps({"config": _key(cfg), **state}, protocol=pickle.HIGHEST_PROTOCOL))
+    atomic_write(path, pickle.dumps({"config": _config(cfg), **state}, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def load_checkpoint(path: Path, cfg: Any) -> dict[str, Any]:
     """The checkpoint in ``path``, if it was made by a run of the same config (resume settings aside)."""
     with open(path, "rb") as f:
         state = pickle.load(f)
-    if state.get("config") != _key(cfg):
-        old, new = json.loads(state["config"]), json.loads(_key(cfg))
+    if state.get("config") != _config(cfg):
+        old, new = state["config"], _config(cfg)
         differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise ValueError(f"the checkpoint {path} was made by another config (differs in: {', '.join(differ)}); "
                          "resume with the run's own settings")

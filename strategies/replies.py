@@ -1,8 +1,9 @@
 """Replies checked at the door: every reply of a round against what the round asked for, before the strategy
 uses it. A bad reply stops the run with one line naming the table, shard and phase.
 
-- every array of numbers: finite, and |x| <= :data:`MAX_ABS` for floats (a prediction of 1e30 is no
-  prediction: it would end the run as ``objective=inf`` several steps later);
+- model outputs (:data:`MODEL_OUTPUTS`: predictions, parameters, gradients): finite, |x| <= :data:`MAX_ABS`
+  (a prediction of 1e30 is no prediction: it would end the run as ``objective=inf`` several steps later);
+  preprocessing summaries may hold NaN (a column without values) and are checked by their decoder;
 - predictions ``h``: one row per row the message asked for (its ``rows``; all the client's rows otherwise),
   ``d_out`` columns; ``h_eval``: one row per ``eval_rows``;
 - the arrays a phase must return are there (:data:`REQUIRED`);
@@ -33,6 +34,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "sgd_partial": ("g",),
 }
 MODEL_SHAPED = ("theta", "g")
+MODEL_OUTPUTS = ("h", "h_eval", "theta", "g")
 
 
 class ReplyError(RunError):
@@ -70,8 +72,9 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
     missing = [n for n in REQUIRED.get(phase, ()) if n not in out]
     if missing:
         raise ReplyError(f"{_who(key, phase)}: the reply lacks array(s) {', '.join(map(repr, missing))}")
-    for name, a in out.items():
-        check_numbers(key, phase, name, np.asarray(a))
+    for name in MODEL_OUTPUTS:
+        if name in out:
+            check_numbers(key, phase, name, np.asarray(out[name]))
     for name, asked in (("h", "rows"), ("h_eval", "eval_rows")):
         if name not in out:
             continue

@@ -334,3 +334,37 @@ def test_audit_every_phase_on_categorical_missing_and_binned_columns(tmp_path, o
     for columns in (keys, features, labels):
         assert_absent(rec, columns)
         assert_absent(rec, columns, payloads=rec.metric_series())
+
+
+# ------------------------------------------------------------------------------------ resume
+
+
+def test_resume_only_restores_a_fresh_nodes_own_checkpoint_under_its_privacy(tmp_path):
+    """A curious server cannot use `resume` to rewind a running client, to restore a checkpoint under weaker
+    privacy, or to conjure one: the node restores only its own state of the same run, once, before anything."""
+    from tpflower.privacy import privacy_message
+
+    run_dir = tmp_path / "run"
+    cfg = compose_config(*SYNTHETIC.split(), "privacy=label", "privacy.label_range=[-20,20]", "epochs=2",
+                         "precision=float64")
+    run = run_in_process(cfg, run_dir, log=lambda _: None)
+    app = client_app_for(cfg, None, run_dir)
+    resume = {"phase": "resume", "run_id": run.strategy.run_id, "epoch": 2, **privacy_message(dict(cfg.privacy))}
+    started = run.contexts[("d1", 0)]
+    refused(app, started, "refuses phase 'resume': this client has already started", "train", config=resume)
+
+    def fresh() -> Context:
+        context = Context(run_id=0, node_id=1, node_config=dict(started.node_config), state=RecordDict(), run_config={})
+        assert hello(app, context)["table"] == "d1"
+        return context
+
+    refused(app, fresh(), "refuses to resume with privacy 'none'", "train",
+            config={k: v for k, v in resume.items() if not k.startswith("privacy")})  # privacy=none
+    refused(app, fresh(), "cannot resume: this node has no checkpoint of epoch 2", "train",
+            config={**resume, "run_id": "another-run"})
+    context = fresh()
+    call(app, context, "train", {}, resume)  # its own checkpoint: restored
+    restored = {k: v.numpy() for k, v in context.state["theta"].to_torch_state_dict().items()}
+    assert restored.keys() == run.theta(("d1", 0)).keys()
+    for name, value in restored.items():
+        np.testing.assert_array_equal(value, run.theta(("d1", 0))[name])

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from simulations import deploy
@@ -29,6 +32,8 @@ SYNTHETIC_TABLES = ["fact", "d1", "d2", "d3"]
 UCQ_OVERRIDES = "algorithm=admm dataset=synthetic scenario=ucq epochs=1 algorithm.inner_rounds=2"
 UCQ_CLIENTS = [("fact", 0), ("fact", 1), ("d1", 0), ("d1", 1), ("d2", 0), ("d3", 0)]
 RUN_TIMEOUT_S = 200.0  # per 4 nodes: the 6-node union test took 194 s on a quiet 2-core machine (limit 300 s)
+# kill and resume: float64 TP-Join-ADMM, 6 epochs, no privacy (its results are compared with an in-process run)
+RESUME_RUN = "algorithm=admm dataset=synthetic epochs=6 precision=float64"
 
 
 @pytest.fixture(autouse=True)
@@ -166,3 +171,88 @@ def test_flwr_run_local_simulation(tmp_path):
     assert left == []
     assert deploy.local_superlink_pids(home) == []
 
+
+
+def checkpoint_epoch(run_dir: Path) -> int:
+    import pickle
+
+    try:
+        return int(pickle.loads((run_dir / "checkpoint.pkl").read_bytes())["epoch"])
+    except (OSError, EOFError, pickle.UnpicklingError, KeyError):
+        return 0
+
+
+def unauthorized_nodes_are_refused(dep: deploy.Deployment, tmp_path: Path) -> None:
+    """A SuperNode whose key is not registered, and one talking plain text, never join (TLS + node auth)."""
+    from simulations.pki import make_node_keys
+
+    key, _ = make_node_keys(tmp_path / "intruder.key")
+    config = tmp_path / "deploy" / "clients" / "d1-0.yaml"
+    intruders = {
+        "unregistered": deploy.supernode_command(dep.superlink_port, deploy.free_port(), "d1", 0, config, dep.ca, key),
+        "plain": deploy.supernode_command(dep.superlink_port, deploy.free_port(), "d1", 0, config, None),
+    }
+    procs = {name: deploy.spawn(cmd, tmp_path / f"{name}.log", dep.env()) for name, cmd in intruders.items()}
+    dep.popens.extend(procs.values())
+    deadline = time.monotonic() + 60
+    while procs["unregistered"].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert procs["unregistered"].returncode == 305, deploy._log_tail(tmp_path / "unregistered.log")  # auth refused
+    assert "Connection attempt failed" in (tmp_path / "plain.log").read_text()  # plain text: no connection
+    procs["plain"].kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp_path):
+    """TLS + node authentication by default; a SuperNode killed (kill -9) after epoch 3 of 6 stops the run with
+    a line naming its table; restarted, it rejoins a resumed run, which ends with the metrics of the in-process
+    simulation of the same config (float64, to 1e-6)."""
+    from simulations.config import compose_config
+    from simulations.federated import run_in_process
+
+    dep = None
+    left: list[int] = ["not stopped"]  # type: ignore[list-item]
+    try:
+        dep = deploy.start(RESUME_RUN, state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home", cwd=tmp_path)
+        assert dep.secure and "--enable-supernode-auth" in dep.processes[0]["cmd"]
+        unauthorized_nodes_are_refused(dep, tmp_path)
+        run_dir = tmp_path / "run"
+        logs = [Path(p["log"]) for p in dep.processes]
+        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, RESUME_RUN, run_dir), tmp_path / "killed.log",
+                            dep.env(), cwd=deploy.APP_DIR)
+        dep.popens.append(proc)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while checkpoint_epoch(run_dir) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert checkpoint_epoch(run_dir) >= 3, deploy._log_tail(tmp_path / "killed.log", 60)
+        victim = next(p for p in dep.processes if p["name"] == "supernode d2/0")
+        os.kill(victim["pid"], signal.SIGKILL)
+        _wait_for_exit(proc, RUN_TIMEOUT_S)
+        killed_log = (tmp_path / "killed.log").read_text()
+        assert "table 'd2' shard 0" in killed_log, deploy._log_tail(tmp_path / "killed.log", 60)
+        assert not (run_dir / "results.json").exists()
+
+        deploy.restart_node(dep, "supernode d2/0", cwd=tmp_path)
+        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, f"{RESUME_RUN} resume=true", run_dir),
+                            tmp_path / "resumed.log", dep.env(), cwd=deploy.APP_DIR)
+        dep.popens.append(proc)
+        data = _wait_for_run(proc, run_dir / "results.json", [tmp_path / "resumed.log"] + logs)
+        assert "resumed after epoch" in (tmp_path / "resumed.log").read_text()
+    finally:
+        if dep is not None:
+            left = deploy.stop(dep)
+    assert left == []
+    assert [h["epoch"] for h in data["history"]] == [1, 2, 3, 4, 5, 6]
+    simulated = run_in_process(compose_config(*RESUME_RUN.split()), None, log=lambda _: None).strategy.results
+    np.testing.assert_allclose([h["test_metric"] for h in data["history"]],
+                               [h.test_metric for h in simulated.history], rtol=1e-6)
+    np.testing.assert_allclose([h["train_loss"] for h in data["history"]],
+                               [h.train_loss for h in simulated.history], rtol=1e-6)
+
+
+def _wait_for_exit(proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert proc.poll() is not None, "`flwr run` did not end after its node was killed"
