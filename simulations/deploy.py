@@ -502,8 +502,9 @@ def run(overrides: str, run_dir: str | Path, state_dir: str | Path = DEFAULT_STA
         status = run_status(run_id, dep.connection, dep.env())
         written = results.is_file() and results.stat().st_mtime_ns != before
         if status.get("status") != "finished:completed" or not written:
-            errors = [ln for ln in lines if "ERROR" in ln or "RunError" in ln or "refuses" in ln]
-            raise RunFailed(f"run {run_id} {status.get('status')}" + (f": {errors[-1].strip()}" if errors else "")
+            # the ServerApp's exception is the run's status detail: the one line naming the table at fault
+            why = str(status.get("status-details") or "").removeprefix("ServerApp failed with exception: ")
+            raise RunFailed(f"run {run_id} {status.get('status')}" + (f": {why}" if why else "")
                             + ("" if written else f"; no new {results}") + f" (logs in {dep.state_dir})")
         return results
     finally:

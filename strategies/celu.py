@@ -28,6 +28,7 @@ WHY_NO_FEATURE_DP = ("a cached batch is replayed up to R more times, which break
 class TPJoinCELU(TPJoinSGD):
     algorithm = "tp_join_celu"
     params_type = CELUParams
+    checkpointed = TPJoinSGD.checkpointed + ("local_steps",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

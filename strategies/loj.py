@@ -57,6 +57,7 @@ class LoJStrategy(TablePuppetStrategy):
     params_type: type[AlgorithmParams] = AlgorithmParams
     expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
     resumable = False  # the protocol checkpoints every epoch (begin / checkpoint_config / end_epoch)
+    checkpointed = CHECKPOINTED  # the attributes a checkpoint keeps
 
     def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
                  feature_dp: bool = True, label_dp: bool = True, why_no_feature_dp: str = ""):
@@ -248,7 +249,7 @@ class LoJStrategy(TablePuppetStrategy):
         if self.run_dir is not None and self.resumable:
             save_checkpoint(self.run_dir / CHECKPOINT, self.cfg, {
                 "epoch": int(epoch), "run_id": self.run_id, "elapsed": time.perf_counter() - self._t0, "loop": loop,
-                "attributes": {name: getattr(self, name) for name in CHECKPOINTED if hasattr(self, name)},
+                "attributes": {name: getattr(self, name) for name in self.checkpointed if hasattr(self, name)},
             })
 
     # ------------------------------------------------------------------------------------------ records

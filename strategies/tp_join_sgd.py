@@ -26,15 +26,19 @@ class TPJoinSGD(LoJStrategy):
     algorithm = "tp_join_sgd"
     params_type = SGDParams
 
+    resumable = True
+
     def protocol(self) -> None:
-        self.setup()
+        done, loop = self.begin(self.start_sgd)
         schedule, evaluation = self.sgd_schedule()
-        replies = self.send(self.messages(
-            lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
-        ))
-        h = self.outputs(replies)
+        h = loop["h"]
+        rounds = enumerate(schedule, start=1)
+        if done:  # the same seed draws the same batches: skip those of the epochs done
+            for _, (epoch, _, _, _, last) in rounds:
+                if epoch == done and last:
+                    break
         loss_sum, seen = 0.0, 0
-        for round_no, (epoch, rows, plan, nxt, last) in enumerate(schedule, start=1):
+        for round_no, (epoch, rows, plan, nxt, last) in rounds:
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
             loss_sum, seen = loss_sum + loss_b, seen + len(rows)
             point = self.eval_point(round_no, epoch, last, schedule.per_epoch)
@@ -42,7 +46,7 @@ class TPJoinSGD(LoJStrategy):
                 lambda t: (
                     {"Y": Y[t], "rows": nxt.U[t] if nxt else EMPTY,
                      **({"eval_rows": evaluation.U[t]} if point is not None else {})},
-                    {"phase": "sgd_step", "batch_size": len(rows)},
+                    {"phase": "sgd_step", "batch_size": len(rows), **(self.checkpoint_config(epoch) if last else {})},
                 )
             ))
             self.after_round(replies)
@@ -52,7 +56,17 @@ class TPJoinSGD(LoJStrategy):
                 self.record_epoch(point, H_test, loss_sum / seen, self.round_extra())
             if last:
                 loss_sum, seen = 0.0, 0
+                self.end_epoch(epoch, {"h": h})  # h: the next epoch's first batch, predicted in this round
         self.finish()
+
+    def start_sgd(self) -> dict:
+        """Setup, then the predictions of the first batch."""
+        self.setup()
+        schedule, _ = self.sgd_schedule()
+        replies = self.send(self.messages(
+            lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
+        ))
+        return {"h": self.outputs(replies)}
 
     def after_round(self, replies) -> None:
         """A hook after every exchange round (CELU counts its local steps here)."""

@@ -147,7 +147,9 @@ class FakeGrid:
             if node in self.silent and not hello:
                 continue
             if node in self.lost and not hello:
-                out.append(Message(Error(code=3, reason="Node Unavailable"), reply_to=msg))
+                error = Message(Error(code=3, reason="Node Unavailable"), reply_to=msg)
+                error.metadata.__dict__["_src_node_id"] = 1  # written by the SuperLink (SUPERLINK_NODE_ID), as in 1.41
+                out.append(error)
             else:
                 out.append(self.app(msg, None))
             del self.pending[mid]
