@@ -15,6 +15,7 @@ import torch
 
 from tpflower.loj import batch_size_of, epoch_batches
 from tpflower.losses import loss_torch, metrics, primary_metric
+from tpflower.reference import constant_predictions
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.relation import Relation, build_local_model
 from tpflower.results import EpochRecord, RunResults, epoch_line
@@ -142,13 +143,5 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
 def constant_predictor_metric(rel: Relation) -> dict[str, float]:
     """Test metrics of the constant predictor fitted on the training join (mean, or class prior)."""
     task = rel.spec.label.task
-    y_train, y_test = rel.labels(rel.train), rel.labels(rel.test)
-    if task == "regression":
-        H = np.full((len(y_test), 1), y_train.mean())
-    elif task == "binary":
-        p = np.clip(y_train.mean(), 1e-12, 1 - 1e-12)
-        H = np.full((len(y_test), 1), np.log(p / (1 - p)))
-    else:
-        prior = np.bincount(y_train.astype(int), minlength=rel.d_out) / len(y_train)
-        H = np.tile(np.log(np.clip(prior, 1e-12, None)), (len(y_test), 1))
-    return metrics(task, H, y_test)
+    y_test = rel.labels(rel.test)
+    return metrics(task, constant_predictions(task, rel.labels(rel.train), len(y_test), rel.d_out), y_test)

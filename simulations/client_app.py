@@ -153,7 +153,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         spec=spec,
         table=table,
         shard=shard,
-        region=spec.table(table).region,
+        region=spec.table(table).region or "",  # "": the network's default link
         model=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
         algorithm=entry_of(cfg).params.from_cfg(OmegaConf.to_container(cfg.algorithm, resolve=True)),  # type: ignore[arg-type]
         seed=int(cfg.seed),

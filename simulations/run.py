@@ -25,7 +25,8 @@ from tpflower import privacy as dp
 from tpflower.checks import DataProblems, errors
 from tpflower.datasets import check_dataset, load_spec
 from tpflower.owner import redact_run_dir, simulation_secret
-from tpflower.relation import Relation, load_relation
+from tpflower.reference import as_reference, reference_text
+from tpflower.relation import Relation, load_relation, summary_line
 from tpflower.results import RunResults, new_run_results, write_results
 from tpflower.schema import SpecError
 
@@ -52,13 +53,14 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
         return results
     check_privacy(cfg, base_dir)
     check_data(cfg, base_dir)
-    rel = load_relation(cfg.dataset, simulation_secret(cfg), base_dir=base_dir)
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), base_dir=base_dir, verbose=False)
     privacy = cfg.get("privacy") or {"name": "none"}
     if dp.uses_label_dp(privacy):
         randomize_training_labels(rel, privacy)
     results = new_run_results(cfg, algorithm, rel.spec, rel.mapping)
     results.privacy = dp.privacy_summary(privacy, rel.spec.label.task)
-    results.reference = {f"constant_{k}": v for k, v in constant_predictor_metric(rel).items()}
+    results.reference = as_reference(constant_predictor_metric(rel))
+    print(f"{summary_line(rel.spec, rel.mapping)} | {reference_text(rel.spec.label.task, results.reference)}", flush=True)
     train_centralized(cfg, rel, results)
     path = write_results(results, run_dir)
     print(f"results: {path}", flush=True)

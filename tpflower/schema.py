@@ -56,7 +56,7 @@ class TableSpec:
     numeric: tuple[str, ...] = ()
     categorical: tuple[str, ...] = ()
     shards: ShardSpec | None = None
-    region: str = "us-east"
+    region: str | None = None  # None: the network config's default link (conf/network default_link)
     binned: tuple[tuple[str, int], ...] = ()  # numeric columns that also get one-hot quantile bins (column, bins)
 
     @property
@@ -233,7 +233,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
                 numeric=tuple(t.get("numeric") or ()),
                 categorical=tuple(t.get("categorical") or ()),
                 shards=shard_spec,
-                region=str(t.get("region", "us-east")),
+                region=None if t.get("region") is None else str(t["region"]),
             )
         )
     label = cfg.get("label") or {}
