@@ -83,6 +83,32 @@ def set_linear_weights(model: JoinedModel, rel: Relation, w: np.ndarray, b: floa
                 placed = True
 
 
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+SOLVERS: tuple[str, ...] = ("sgd", "exact")
+
+
+def check_settings(algorithm_cfg: Any) -> None:
+    """The centralized baseline's algorithm.* settings, checked before any data is loaded (ValueError)."""
+    solver = str(algorithm_cfg.get("solver", "sgd"))
+    if solver not in SOLVERS:
+        raise ValueError(f"algorithm.solver must be one of {list(SOLVERS)}, got {solver!r}")
+    optimizer = str(algorithm_cfg.get("optimizer", "sgd"))
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"algorithm.optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
+    lr = float(algorithm_cfg.get("lr", 0.1))
+    if not lr > 0:
+        raise ValueError(f"algorithm.lr must be > 0, got {lr}")
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """``algorithm.optimizer``: sgd (plain SGD, Eq. 6: the update the federated SGD algorithms apply) or adam."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"algorithm.optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
+
+
 def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -> JoinedModel:
     """Mini-batch SGD (or the exact ridge solution) on the joined table; appends one record per epoch."""
     dtype = torch_dtype(cfg.precision)
@@ -91,6 +117,7 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype)
     beta = float(cfg.model.beta)
     start = time.perf_counter()
+    check_settings(cfg.algorithm)
     solver = cfg.algorithm.get("solver", "sgd")
     if solver == "exact":
         if task != "regression" or cfg.model.kind != "linear":
@@ -105,12 +132,10 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
         results.history.append(rec)
         log(epoch_line(metric, rec))
         return model
-    if solver != "sgd":
-        raise ValueError(f"algorithm.solver must be sgd or exact, got {solver!r}")
     N = rel.train.N
     B = batch_size_of(cfg.algorithm.batch_size, N)
     y_all = torch.as_tensor(rel.labels(rel.train), dtype=torch.long if task == "multiclass" else dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=float(cfg.algorithm.lr))
+    opt = make_optimizer(str(cfg.algorithm.get("optimizer", "sgd")), model.parameters(), float(cfg.algorithm.lr))
     gen = np.random.default_rng(int(cfg.seed))
     for epoch in range(1, int(cfg.epochs) + 1):
         total, count = 0.0, 0

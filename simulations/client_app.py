@@ -161,6 +161,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         owner=owner,
         key_kinds=kinds,
         federated_prep=sum(1 for t, _ in spec.clients(scenario) if t == table) > 1,
+        num_gpus=float((cfg.get("resources") or {}).get("num_gpus") or 0.0),
     )
     return settings, data
 

@@ -19,7 +19,7 @@ from hydra.utils import get_original_cwd
 from omegaconf import DictConfig
 
 from simulations.config import CONF_DIR
-from simulations.centralized import constant_predictor_metric, train_centralized
+from simulations.centralized import check_settings, constant_predictor_metric, train_centralized
 from strategies.protocol import RunError
 from tpflower import privacy as dp
 from tpflower.checks import DataProblems, errors
@@ -51,6 +51,7 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
             results = run_flower_simulation(cfg, run_dir, base_dir)
         assert results is not None
         return results
+    check_settings(cfg.algorithm)
     check_privacy(cfg, base_dir)
     check_data(cfg, base_dir)
     rel = load_relation(cfg.dataset, simulation_secret(cfg), base_dir=base_dir, verbose=False)
