@@ -373,8 +373,9 @@ def _legend(ax, n_entries: int) -> None:
 
 
 def _style(k: int, n_points: int) -> dict[str, Any]:
-    """The k-th run of a subplot: its own dash pattern and marker, so identical curves stay visible."""
-    style: dict[str, Any] = {"linestyle": LINESTYLES[k % len(LINESTYLES)], "linewidth": 1.6}
+    """The k-th run of a subplot: its own dash pattern and marker, and thinner than the runs drawn before it,
+    so identical curves stay visible (the earlier, wider line shows around the later one)."""
+    style: dict[str, Any] = {"linestyle": LINESTYLES[k % len(LINESTYLES)], "linewidth": max(1.0, 3.0 - 0.45 * k)}
     style.update({"marker": MARKERS[k % len(MARKERS)], "markersize": 4, "markevery": max(1, n_points // 12),
                   "markerfacecolor": "none" if k % 2 else None})
     return style
