@@ -77,7 +77,7 @@ def test_missing_labels(tmp_path):
 def test_unknown_column(tmp_path):
     dataset = shop(tmp_path)
     dataset["tables"]["customers"]["numeric"] = ["agee"]
-    assert lines(dataset) == ["table 'customers' has no column 'agee' (its columns are ['cust', 'age']); "
+    assert lines(dataset) == ["table 'customers' has no column 'agee', its columns are ['cust', 'age']; "
                               "fix the column name in the dataset config or in the file's header"]
 
 
@@ -164,6 +164,14 @@ def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):
     assert "secret-value-42" in caplog.text  # the node's own log keeps the example
     simulated = str(node_data_error(info.value, OwnerSettings("customers", Exposed(), {}, b"k")))
     assert "'secret-value-42'" in simulated and "\n" not in simulated
+    # nor the names of columns the node does not expose
+    customers["ssn"] = "x"
+    dataset = shop(tmp_path, orders, customers.assign(age=1.0))
+    dataset["tables"]["customers"]["numeric"] = ["agee"]
+    with pytest.raises(DataProblems) as info:
+        load_table(dataset, "customers")
+    sent = str(node_data_error(info.value, owner))
+    assert "'agee'" in sent and "ssn" not in sent
 
 
 def test_cli_reports_all_problems_without_traceback(tmp_path):

@@ -29,7 +29,8 @@ class Problem:
     """One thing wrong with the data, as one line.
 
     ``role`` names the column's part ("column", "key column", "label column", "numeric feature");
-    ``example`` is a value and where it is (shown only with ``values=True``); ``count`` how many rows.
+    ``example`` what the owner's data shows, e.g. a value and its row (only with ``values=True``: a deployed
+    node never sends it); ``count`` how many rows.
     """
 
     table: str | None
@@ -42,14 +43,14 @@ class Problem:
     severity: Severity = "error"
 
     def line(self, values: bool = True) -> str:
-        """``table 'T', ROLE 'C': WHAT, first at ROW: VALUE; FIX`` (without the example when not ``values``)."""
+        """``table 'T', ROLE 'C': WHAT, EXAMPLE; FIX`` (without the example when not ``values``)."""
         if self.table is None:
             subject = self.what
         elif self.column is None:
             subject = f"table {self.table!r} {self.what}"
         else:
             subject = f"table {self.table!r}, {self.role} {self.column!r}: {self.what}"
-        example = f", first at {self.example}" if values and self.example else ""
+        example = f", {self.example}" if values and self.example else ""
         return f"{subject}{example}; {self.fix}"
 
 
@@ -113,7 +114,7 @@ def _bad_values(table: str, column: str, role: str, mask: np.ndarray, s: pd.Seri
     row = _first(mask)
     n = int(mask.sum())
     return Problem(table, _counted(n, what), fix, column=column, role=role, count=n,
-                   example=f"{_at(row, source)}: {s.iloc[row]!r}")
+                   example=f"first at {_at(row, source)}: {s.iloc[row]!r}")
 
 
 def _missing(table: str, column: str, role: str, s: pd.Series, source: str | None, what: str, fix: str) -> Problem | None:
@@ -121,7 +122,7 @@ def _missing(table: str, column: str, role: str, s: pd.Series, source: str | Non
     if not mask.any():
         return None
     row, n = _first(mask), int(mask.sum())
-    return Problem(table, _counted(n, what), fix, column=column, role=role, count=n, example=_at(row, source))
+    return Problem(table, _counted(n, what), fix, column=column, role=role, count=n, example=f"first at {_at(row, source)}")
 
 
 def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list[Problem]:
@@ -144,8 +145,8 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
         + ([t.shards.by] if t.shards is not None and t.shards.by else [])))
     absent = [c for c in needed if c not in frame.columns]
     for col in absent:
-        out.append(Problem(name, f"has no column {col!r} (its columns are {list(frame.columns)})",
-                           "fix the column name in the dataset config or in the file's header", count=None))
+        out.append(Problem(name, f"has no column {col!r}", "fix the column name in the dataset config or in the "
+                           "file's header", example=f"its columns are {list(frame.columns)}"))
     present = set(frame.columns) - set(absent)
     for col in (c for c in t.numeric if c in present):
         s = frame[col]
