@@ -72,3 +72,19 @@ def test_results_json_is_readable_like_the_other_files(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_label_owner_scores_only_one_constant_reference():
+    import numpy as np
+
+    from tpflower.guard import ProtocolRefusal
+    from tpflower.phases.setup import reference_score
+
+    y, rows = np.array([1.0, 2.0, 3.0, 4.0]), np.array([0, 2, 3])
+    out = reference_score({"H_ref": np.full((3, 1), 2.5)}, rows, y, "regression", True, "t")
+    assert out["ref_rmse"] == pytest.approx(np.sqrt(np.mean((2.5 - y[rows]) ** 2)))
+    assert reference_score({}, rows, y, "regression", True, "t") == {}
+    with pytest.raises(ProtocolRefusal, match="only a constant one"):  # a server probing labels row by row
+        reference_score({"H_ref": np.array([[0.0], [9.0], [0.0]])}, rows, y, "regression", True, "t")
+    with pytest.raises(ProtocolRefusal, match="only at its first evaluation"):
+        reference_score({"H_ref": np.full((3, 1), 2.5)}, rows, y, "regression", False, "t")
