@@ -15,6 +15,7 @@ import torch
 
 from tpflower.loj import batch_size_of, epoch_batches
 from tpflower.losses import loss_torch, metrics, primary_metric
+from tpflower.reference import constant_predictions
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.relation import Relation, build_local_model
 from tpflower.results import EpochRecord, RunResults, epoch_line
@@ -82,6 +83,32 @@ def set_linear_weights(model: JoinedModel, rel: Relation, w: np.ndarray, b: floa
                 placed = True
 
 
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+SOLVERS: tuple[str, ...] = ("sgd", "exact")
+
+
+def check_settings(algorithm_cfg: Any) -> None:
+    """The centralized baseline's algorithm.* settings, checked before any data is loaded (ValueError)."""
+    solver = str(algorithm_cfg.get("solver", "sgd"))
+    if solver not in SOLVERS:
+        raise ValueError(f"algorithm.solver must be one of {list(SOLVERS)}, got {solver!r}")
+    optimizer = str(algorithm_cfg.get("optimizer", "sgd"))
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"algorithm.optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
+    lr = float(algorithm_cfg.get("lr", 0.1))
+    if not lr > 0:
+        raise ValueError(f"algorithm.lr must be > 0, got {lr}")
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """``algorithm.optimizer``: sgd (plain SGD, Eq. 6: the update the federated SGD algorithms apply) or adam."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"algorithm.optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
+
+
 def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -> JoinedModel:
     """Mini-batch SGD (or the exact ridge solution) on the joined table; appends one record per epoch."""
     dtype = torch_dtype(cfg.precision)
@@ -90,6 +117,7 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype)
     beta = float(cfg.model.beta)
     start = time.perf_counter()
+    check_settings(cfg.algorithm)
     solver = cfg.algorithm.get("solver", "sgd")
     if solver == "exact":
         if task != "regression" or cfg.model.kind != "linear":
@@ -104,12 +132,10 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
         results.history.append(rec)
         log(epoch_line(metric, rec))
         return model
-    if solver != "sgd":
-        raise ValueError(f"algorithm.solver must be sgd or exact, got {solver!r}")
     N = rel.train.N
     B = batch_size_of(cfg.algorithm.batch_size, N)
     y_all = torch.as_tensor(rel.labels(rel.train), dtype=torch.long if task == "multiclass" else dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=float(cfg.algorithm.lr))
+    opt = make_optimizer(str(cfg.algorithm.get("optimizer", "sgd")), model.parameters(), float(cfg.algorithm.lr))
     gen = np.random.default_rng(int(cfg.seed))
     for epoch in range(1, int(cfg.epochs) + 1):
         total, count = 0.0, 0
@@ -142,13 +168,5 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
 def constant_predictor_metric(rel: Relation) -> dict[str, float]:
     """Test metrics of the constant predictor fitted on the training join (mean, or class prior)."""
     task = rel.spec.label.task
-    y_train, y_test = rel.labels(rel.train), rel.labels(rel.test)
-    if task == "regression":
-        H = np.full((len(y_test), 1), y_train.mean())
-    elif task == "binary":
-        p = np.clip(y_train.mean(), 1e-12, 1 - 1e-12)
-        H = np.full((len(y_test), 1), np.log(p / (1 - p)))
-    else:
-        prior = np.bincount(y_train.astype(int), minlength=rel.d_out) / len(y_train)
-        H = np.tile(np.log(np.clip(prior, 1e-12, None)), (len(y_test), 1))
-    return metrics(task, H, y_test)
+    y_test = rel.labels(rel.test)
+    return metrics(task, constant_predictions(task, rel.labels(rel.train), len(y_test), rel.d_out), y_test)

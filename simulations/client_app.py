@@ -18,6 +18,7 @@ The node checks the run against them in the hello query already, before it loads
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import replace
 from functools import lru_cache
@@ -32,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from simulations.config import compose_config
 from strategies.protocol import HELLO_PHASE
 from tpflower.checkpoint import run_key
+from tpflower.checks import DataProblems
 from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
 from tpflower.records import pack_reply, unpack_payload
@@ -145,7 +147,10 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
     table, shard, owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir, state_dir)
     shards = run_spec.table(table).shards
     kept = owner.exposed.all + ((shards.by,) if shards is not None and shards.by else ())
-    spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
+    try:
+        spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
+    except DataProblems as exc:
+        raise node_data_error(exc, owner) from None
     sharded = scenario == "ucq" and spec.table(table).shards is not None
     rows = shard_rows(spec.table(table), frame)[shard] if sharded else None
     data = ShardData(spec, table, frame, rows, precision=str(cfg.precision))
@@ -153,7 +158,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         spec=spec,
         table=table,
         shard=shard,
-        region=spec.table(table).region,
+        region=spec.table(table).region or "",  # "": the network's default link
         model=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
         algorithm=entry_of(cfg).params.from_cfg(OmegaConf.to_container(cfg.algorithm, resolve=True)),  # type: ignore[arg-type]
         seed=int(cfg.seed),
@@ -162,8 +167,19 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         key_kinds=kinds,
         federated_prep=sum(1 for t, _ in spec.clients(scenario) if t == table) > 1,
         config_key=run_key(cfg),
+        num_gpus=float((cfg.get("resources") or {}).get("num_gpus") or 0.0),
     )
     return settings, data
+
+
+def node_data_error(exc: DataProblems, owner: OwnerSettings) -> SpecError:
+    """The error a node replies with for its table's problems: one line (the server shows one line per
+    table). A deployed node sends table, column, problem and count only; the example values and rows stay in
+    its own log (stderr of its ClientApp process). In a simulation the user owns every table: values shown."""
+    deployed = owner.origin != "simulation"
+    if deployed:
+        logging.getLogger("tpflower").error("table %r: %s", owner.table, exc.report(values=True))
+    return SpecError(exc.one_line(values=not deployed))
 
 
 def node_identity(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[str, int]:

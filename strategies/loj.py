@@ -37,6 +37,7 @@ from tpflower.losses import metrics, output_dim, primary_metric
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping
 from tpflower.records import numbered, unnumbered
 from tpflower.params import AlgorithmParams, run_settings
+from tpflower.reference import as_reference, constant_predictions, reference_metrics, reference_text
 from tpflower.relation import summary_line
 from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
 from tpflower.schema import RelationalSpec, validate_key_kinds
@@ -108,7 +109,6 @@ class LoJStrategy(TablePuppetStrategy):
                 KeyProjection(table, np.asarray(arrays["row_ids"], dtype=np.int64), {k: arrays[f"digest.{k}"] for k in joins})
             )
         mapping = build_mapping(self.spec, projections)
-        self.log(summary_line(self.spec, mapping))
         self.routers = {
             t: ShardRouter({q: np.asarray(r[0]["row_ids"], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
                            mapping.n_rows[t])
@@ -126,6 +126,10 @@ class LoJStrategy(TablePuppetStrategy):
         self.comm = CommMeter(WanModel.from_config(self.cfg.network, {k: str(r[1]["region"]) for k, r in replies.items()}))
         self.results = new_run_results(self.cfg, self.algorithm, self.spec, mapping)
         self.results.privacy = dp.privacy_summary(self.privacy, self.task, 0.0 if self.feature_dp else None)
+        if self.y_test is not None:  # label DP: the label owner scores the constant predictor at the first evaluation
+            self.results.reference = reference_metrics(self.task, self.y_train, self.y_test, self.d_out)
+        self.log(" | ".join(p for p in (summary_line(self.spec, mapping), reference_text(self.task, self.results.reference),
+                                         self.comm.wan.note) if p))
         self.mapping = mapping
         if self.feature_dp:  # on the table-row mapping, before a VFL expansion
             self.dp_plan = self.plan_feature_dp()
@@ -312,11 +316,24 @@ class LoJStrategy(TablePuppetStrategy):
         """
         if self.y_test is not None:
             return metrics(self.task, H_test, self.y_test)
+        assert self.results is not None
+        ref = None  # the first evaluation also scores the constant predictor (results.json reference)
+        if not self.results.reference:
+            ref = constant_predictions(self.task, self.y_train, len(H_test), self.d_out)
         replies = self.send(
-            {k: ({"H": H_test[idx], "rows": pos}, {"phase": "evaluate"}) for k, (idx, pos) in self._evaluation.items()},
+            {k: ({"H": H_test[idx], "rows": pos, **({} if ref is None else {"H_ref": ref[idx]})}, {"phase": "evaluate"})
+             for k, (idx, pos) in self._evaluation.items()},
             kind="eval",
         )
         parts = [(int(m["n"]), m) for _, m in (replies[k] for k in self._evaluation)]
+        if ref is not None:
+            self.results.reference = as_reference(self._combine([(c, {k[4:]: v for k, v in m.items() if k.startswith("ref_")})
+                                                                 for c, m in parts]))
+            self.log(f"reference: {reference_text(self.task, self.results.reference)} (scored by the label owner)")
+        return self._combine([(c, {k: v for k, v in m.items() if not k.startswith("ref_")}) for c, m in parts])
+
+    def _combine(self, parts: list[tuple[int, Mapping[str, Any]]]) -> dict[str, float]:
+        """The test metrics of the whole test split from each label shard's (row count, metrics)."""
         n = sum(c for c, _ in parts)
         if n == 0:
             raise RuntimeError("evaluate: the label owner scored no test rows")

@@ -41,6 +41,12 @@ from tpflower.state import ClientState
 from tpflower.schema import RelationalSpec, key_kind
 
 
+def choose_device(num_gpus: float) -> torch.device:
+    """Where a client computes: CUDA only when its resources give it a GPU share (``resources.num_gpus`` > 0)
+    and one is visible; else the CPU (a GPU that is merely visible is not this client's to use)."""
+    return torch.device("cuda" if float(num_gpus) > 0 and torch.cuda.is_available() else "cpu")
+
+
 @dataclass(frozen=True)
 class ClientSettings:
     """What a client holds for one run: its own settings (``owner``: data, exposed columns, privacy floor,
@@ -58,6 +64,7 @@ class ClientSettings:
     key_kinds: Mapping[str, str]
     federated_prep: bool = False  # union scenario, table with several shards: preprocessing by global rule
     config_key: str = ""  # the run's config (without resume settings): part of the name of its checkpoints
+    num_gpus: float = 0.0  # conf/resources num_gpus: this virtual client's GPU share (0: it computes on the CPU)
 
     @property
     def secret(self) -> bytes:
@@ -79,8 +86,7 @@ class TableClient(NumPyClient):
         self.protocol = protocol
         self.algorithm = algorithm
         self.dtype = torch_dtype(settings.precision)
-        # a client given a GPU (conf/resources num_gpus > 0) computes on it; Ray sets CUDA_VISIBLE_DEVICES
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = choose_device(settings.num_gpus)
 
     # ---------------------------------------------------------------------------------------- Flower API
 

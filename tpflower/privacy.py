@@ -308,6 +308,11 @@ def admm_steps(epochs: int, local_epochs: int, n_active: int, batch_size: int) -
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of a model's parameters (the CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 class DPLocalTrainer:
     """DP-SGD for ONE client's local model f_i (Opacus), with its own RDP accountant.
 
@@ -353,7 +358,8 @@ class DPLocalTrainer:
         self.accountant = _opacus().RDPAccountant()
         self.accountant.history = _history(history)
         self.seed = None if seed is None else int(seed)
-        self._noise_generator = torch.Generator(device="cpu")
+        # Opacus draws the noise on the parameters' device, with this generator: it must live there too
+        self._noise_generator = torch.Generator(device=_device_of(model))
         if self.seed is None:
             self._noise_generator.manual_seed(secrets.randbits(63))
         else:

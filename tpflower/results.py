@@ -89,8 +89,16 @@ def write_results(results: RunResults, run_dir: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".results-", suffix=".json")
     with os.fdopen(fd, "w") as fh:
         json.dump(results.to_json(), fh, indent=2)
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600; readable like the run's other files
     os.replace(tmp, path)
     return path
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_results(path: str | Path) -> dict[str, Any]:
@@ -107,5 +115,5 @@ def epoch_line(metric: str, rec: EpochRecord) -> str:
     return (
         f"epoch {epoch} | test {metric}={rec.test_metric:.4f}{extra} | train loss={rec.train_loss:.4f} | "
         f"rounds={rec.rounds} | MB up/down={rec.bytes_up / 1e6:.2f}/{rec.bytes_down / 1e6:.2f} | "
-        f"comm={rec.comm_time_s:.1f}s | wall={rec.wall_time_s:.1f}s"
+        f"comm={rec.comm_time_s:.2f}s | wall={rec.wall_time_s:.1f}s"
     )

@@ -56,7 +56,7 @@ class TableSpec:
     numeric: tuple[str, ...] = ()
     categorical: tuple[str, ...] = ()
     shards: ShardSpec | None = None
-    region: str = "us-east"
+    region: str | None = None  # None: the network config's default link (conf/network default_link)
     binned: tuple[tuple[str, int], ...] = ()  # numeric columns that also get one-hot quantile bins (column, bins)
     unique: bool = False  # its key (the columns its parent joins it on) names one row at most: a duplicate is an error
 
@@ -242,7 +242,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
                 numeric=tuple(t.get("numeric") or ()),
                 categorical=tuple(t.get("categorical") or ()),
                 shards=shard_spec,
-                region=str(t.get("region", "us-east")),
+                region=None if t.get("region") is None else str(t["region"]),
                 unique=bool(t.get("unique", False)),
             )
         )

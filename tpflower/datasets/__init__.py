@@ -18,7 +18,8 @@ import pandas as pd
 
 from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
 from tpflower.datasets.files import read_table, resolve_path
-from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec, validate_table, validate_tables
+from tpflower.checks import DROP_POLICIES, DataProblems, Problem, dataset_problems, errors, table_problems
+from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec
 
 Loader = Callable[..., dict[str, pd.DataFrame]]
 Describer = Callable[..., dict[str, Any]]
@@ -34,7 +35,7 @@ LOADERS: dict[str, Loader] = {
 DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
 SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
 
-__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "load_dataset", "load_spec", "load_table", "shard_rows", "to_dict"]
+__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "check_dataset", "load_dataset", "load_spec", "load_table", "shard_rows", "to_dict"]
 
 
 def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
@@ -106,6 +107,40 @@ def _run_loader(name: str, kwargs_json: str) -> dict[str, pd.DataFrame]:
     return LOADERS[name](**json.loads(kwargs_json))
 
 
+def _frames(
+    spec: RelationalSpec, loader_name: str | None, kwargs: dict[str, Any], base_dir: str | Path | None
+) -> tuple[dict[str, pd.DataFrame], list[Problem]]:
+    """Every table that loads, and one problem per table that does not (file missing, empty, unreadable)."""
+    loaded: dict[str, pd.DataFrame] | None = None
+    frames: dict[str, pd.DataFrame] = {}
+    problems: list[Problem] = []
+    for table in spec.tables:
+        try:
+            frames[table.name], loaded = _frame(table, loader_name, kwargs, base_dir, loaded)
+        except DataProblems as exc:
+            problems += exc.problems
+        except SpecError as exc:
+            problems.append(Problem(None, str(exc), "fix the table's source in the dataset config"))
+    return frames, problems
+
+
+def check_dataset(
+    cfg: Mapping[str, Any], base_dir: str | Path | None = None, on_dropped_rows: str | None = None,
+    joins: bool = True,
+) -> tuple[RelationalSpec, dict[str, pd.DataFrame], list[Problem]]:
+    """Load every table and check them all (tpflower.checks): the label-resolved spec, the frames that loaded
+    and every problem found (errors and warnings). ``on_dropped_rows`` (default: the config's
+    ``on_dropped_rows``, else warn) decides how rows the joins drop are reported; ``joins=False`` skips the
+    joins (an empty join is then the table mapping's error)."""
+    policy = on_dropped_rows or str(to_dict(cfg).get("on_dropped_rows") or "warn")
+    if policy not in DROP_POLICIES:
+        raise SpecError(f"dataset.on_dropped_rows must be one of {list(DROP_POLICIES)}, got {policy!r}")
+    spec, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
+    frames, read_errors = _frames(spec, loader_name, kwargs, base_dir)
+    spec, problems = dataset_problems(spec, frames, read_errors, policy, joins)
+    return spec, frames, problems
+
+
 def load_dataset(
     cfg: Mapping[str, Any], base_dir: str | Path | None = None
 ) -> tuple[RelationalSpec, dict[str, pd.DataFrame]]:
@@ -113,14 +148,12 @@ def load_dataset(
 
     A table with ``source`` is read from that .csv/.parquet file (relative to ``base_dir``, default the cwd);
     otherwise it is the loader's table of the same name. A loader with a ``describe`` supplies the spec parts
-    (tables/label/joins/split) the config leaves out. Raises SpecError naming the table or column at fault.
+    (tables/label/joins/split) the config leaves out. Raises DataProblems (a SpecError) with every problem found,
+    each naming the table and column at fault (rows the joins drop are check_dataset's).
     """
-    spec, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
-    loaded: dict[str, pd.DataFrame] | None = None
-    frames: dict[str, pd.DataFrame] = {}
-    for table in spec.tables:
-        frames[table.name], loaded = _frame(table, loader_name, kwargs, base_dir, loaded)
-    spec = validate_tables(spec, frames)
+    spec, frames, problems = check_dataset(cfg, base_dir, joins=False)
+    if errors(problems):
+        raise DataProblems(errors(problems), spec.name)
     return spec, frames
 
 
@@ -135,14 +168,17 @@ def load_spec(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> Rel
 def load_table(
     cfg: Mapping[str, Any], name: str, base_dir: str | Path | None = None
 ) -> tuple[RelationalSpec, pd.DataFrame]:
-    """What one client loads: the spec and its own table only, checked with the checks it can run alone.
+    """What one client loads: the spec and its own table only, checked with the checks it can run alone
+    (tpflower.checks.table_problems; DataProblems with all of them).
 
     The label table must be named in the config (``label.table``): a client cannot see the other tables.
     """
     spec = load_spec(cfg, base_dir)
     _, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
     frame, _ = _frame(spec.table(name), loader_name, kwargs, base_dir, None)
-    validate_table(spec, name, frame)
+    problems = table_problems(spec, name, frame)
+    if problems:
+        raise DataProblems(problems, spec.name)
     return spec, frame
 
 

@@ -143,9 +143,23 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
         client.state.put("evaluate_rows", ordered)
     elif not np.array_equal(first, ordered):
         raise ProtocolRefusal(f"{where}: evaluate over other test rows than its first evaluation")
+    out = reference_score(arrays, rows, data.y, task, first is None, where)
     if len(rows) == 0:
         return {}, {"n": 0}
-    return {}, {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows])}
+    return {}, {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows]), **out}
+
+
+def reference_score(arrays: Arrays, rows: np.ndarray, y: np.ndarray, task: str, first: bool, where: str) -> dict[str, Any]:
+    """The constant predictor's metrics (``ref_*``) when the server sends one (``H_ref``): at the first
+    evaluation only, and only a constant one (every row the same prediction), so it learns one number more."""
+    if "H_ref" not in arrays:
+        return {}
+    H_ref = np.asarray(arrays["H_ref"])
+    if not first or len(H_ref) != len(rows) or (len(H_ref) and not np.all(H_ref == H_ref[:1])):
+        raise ProtocolRefusal(f"{where}: evaluate scores a reference only at its first evaluation, and only a constant one")
+    if len(rows) == 0:
+        return {}
+    return {f"ref_{k}": v for k, v in eval_metrics(task, H_ref, y[rows]).items()}
 
 
 #: The setup stages of every LoJ algorithm, in order; federated preprocessing (stats: a first summary and at
