@@ -29,7 +29,6 @@ from flwr.common import RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
 
-from tpflower import privacy as dp
 from tpflower.guard import ProtocolRefusal
 
 if TYPE_CHECKING:
@@ -143,6 +142,8 @@ def record_dp_step(client: "TableClient", history: np.ndarray) -> None:
 
 def resume(client: "TableClient", config: Mapping[str, Any]) -> tuple[dict, dict[str, Any]]:
     """The ``resume`` phase (module docstring): restore the state of epoch ``config["epoch"]``."""
+    from tpflower import privacy as dp  # torch: not on the hello path, which imports this module
+
     s = client.settings
     where = f"table {s.table!r} shard {s.shard}"
     if client.state.records:
