@@ -155,6 +155,8 @@ class ADMMParams(AlgorithmParams):
     rho_warmup: int = param(nonnegative_int, 3)  # iterations before the first change (the start's transient)
     tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
     variant: str = param(one_of("sharing", "paper"), "sharing")
+    local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)
+    local_steps: int = param(positive_int, 20)  # lbfgs: iterations per theta-update
     local_epochs: int = param(positive_int, 1)
     local_lr: float = param(positive, 0.01)
     local_batch_size: int = param(positive_int, 256)

@@ -18,7 +18,7 @@ from tpflower.client import TableClient
 from tpflower.records import Arrays
 from tpflower.state import StateRecord
 from tpflower.guard import Phase, Stage
-from tpflower.local_update import admm_update_linear, admm_update_local_opt
+from tpflower.local_update import admm_update_lbfgs, admm_update_linear, admm_update_local_opt
 
 
 @dataclass
@@ -73,6 +73,9 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         client.dp.done(trainer, privacy)
     elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
         admm_update_linear(model, client.rows_X(None), s.G, np.asarray(Y, dtype=np.float64), s.N, rho, beta)
+    elif alg.local_solver == "lbfgs":
+        admm_update_lbfgs(model, client.tensor(client.rows_X(None)), client.tensor(s.G), client.tensor(Y), s.N, rho,
+                          beta, alg.local_steps)
     else:
         admm_update_local_opt(
             model, client.tensor(client.rows_X(None)), client.tensor(s.G), client.tensor(Y), s.N, rho, beta,

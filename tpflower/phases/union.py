@@ -19,7 +19,7 @@ from tpflower.client import TableClient
 from tpflower.records import Arrays
 from tpflower.state import StateRecord
 from tpflower.guard import Phase, sharded, unsharded
-from tpflower.local_update import admm_update_linear, admm_update_local_opt, apply_step, sgd_partial_gradient
+from tpflower.local_update import admm_update_lbfgs, admm_update_linear, admm_update_local_opt, apply_step, sgd_partial_gradient
 from tpflower.phases.join_admm import ADMMState, admm_update, epoch_rho
 from tpflower.phases.join_sgd import SGDState, predict_rows
 
@@ -80,6 +80,9 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
         client.dp.done(trainer, privacy)
     elif isinstance(model, torch.nn.Linear):
         admm_update_linear(model, X, s.G, np.asarray(Y, dtype=np.float64), s.N, rho, 0.0, prox=(v, rho_c))
+    elif alg.local_solver == "lbfgs":
+        admm_update_lbfgs(model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, rho, 0.0,
+                          alg.local_steps, prox=(client.tensor(v), rho_c))
     else:
         admm_update_local_opt(
             model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, rho, 0.0, alg.local_epochs,
