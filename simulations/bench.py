@@ -4,6 +4,7 @@
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
     python -m simulations.bench flower                             -> bench_results/flower.json
     python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json
+    python -m simulations.bench convergence [--epochs 10] [--mlp]  -> bench_results/convergence.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -295,13 +296,89 @@ def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int,
     return out
 
 
+#: issue 10: the datasets of the convergence table (overrides); synthetic labels in three units
+CONVERGENCE_DATA: dict[str, tuple[str, ...]] = {
+    "movielens": ("dataset=movielens",),
+    # the weather shards hold fewer than 2048 wind_gust values: their owners lower min_sketch_rows for the union
+    "nycflights13": ("dataset=nycflights13", "min_sketch_rows=1000"),
+    **{f"synthetic_{schema}_x{scale}": ("dataset=synthetic", f"dataset.loader.schema={schema}",
+                                         f"+dataset.loader.label_scale={scale}")
+       for schema in ("star", "chain", "snowflake") for scale in (1, 100, 10000)},
+}
+
+
+def convergence_case(data: str, overrides: list[str], epochs: int) -> dict[str, Any]:
+    """Shipped defaults: the test metric per epoch of one run (in-process), and where and why it stopped."""
+    from simulations.config import compose_config
+    from simulations.federated import run_in_process
+
+    cfg = compose_config(*CONVERGENCE_DATA[data], f"epochs={epochs}", *overrides)
+    t0 = time.perf_counter()
+    if str(cfg.algorithm.name) == "centralized":
+        from simulations.centralized import train_centralized
+        from tpflower.owner import simulation_secret
+        from tpflower.relation import load_relation
+        from tpflower.results import new_run_results
+
+        rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
+        results = new_run_results(cfg, "centralized", rel.spec, rel.mapping)
+        train_centralized(cfg, rel, results, log=lambda _: None)
+    else:
+        results = run_in_process(cfg, None, log=lambda _: None).strategy.results
+    return {"metric": [h.test_metric for h in results.history], "stopped": results.stopped,
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def epochs_within(metric: list[float], target: float, rel: float = 0.01) -> int | None:
+    """The first epoch (1-based) whose metric is within ``rel`` above ``target``; None if none is."""
+    return next((k + 1 for k, m in enumerate(metric) if m <= (1 + rel) * target), None)
+
+
+def convergence_suite(epochs: int, datasets: list[str], mlp: bool) -> dict[str, Any]:
+    """Issue 10's table: TP-Join-ADMM (linear) against the exact ridge solution and TP-UCQ-ADMM against
+    TP-Join-ADMM, shipped defaults, ``epochs`` at most; with ``mlp`` also MLP vs linear for every algorithm."""
+    rows: dict[str, Any] = {}
+    for data in datasets:
+        exact = _run_isolated("convergence", {"data": data, "overrides": ["algorithm=centralized", "algorithm.solver=exact"], "epochs": 1})
+        join = _run_isolated("convergence", {"data": data, "overrides": ["algorithm=admm"], "epochs": epochs})
+        ucq = _run_isolated("convergence", {"data": data, "overrides": ["algorithm=admm", "scenario=ucq"], "epochs": epochs})
+        ref, j, u = exact["metric"][-1], join["metric"], ucq["metric"]
+        rows[data] = {
+            "exact_rmse": ref,
+            "join": {"final": j[-1], "gap_to_exact": round(j[-1] / ref - 1, 5), "epochs_to_1pct": epochs_within(j, ref),
+                     "stopped": join["stopped"], "history": j},
+            "ucq": {"final": u[-1], "gap_to_join": round(u[-1] / j[-1] - 1, 5), "gap_to_exact": round(u[-1] / ref - 1, 5),
+                    "epochs_to_1pct_of_exact": epochs_within(u, ref), "stopped": ucq["stopped"], "history": u},
+        }
+        print(data, json.dumps({k: v for k, v in rows[data].items()}, default=str)[:400], flush=True)
+    out: dict[str, Any] = {"case": "convergence", "epochs": epochs, "datasets": rows}
+    if mlp:
+        table: dict[str, Any] = {}
+        for data in ("movielens", "nycflights13"):
+            for alg, extra in (("centralized", ["algorithm=centralized"]), ("tp_join_sgd", ["algorithm=sgd"]),
+                               ("tp_join_admm", ["algorithm=admm"]), ("tp_ucq_sgd", ["algorithm=sgd", "scenario=ucq"]),
+                               ("tp_ucq_admm", ["algorithm=admm", "scenario=ucq"])):
+                for model in ("linear", "mlp"):
+                    r = _run_isolated("convergence", {"data": data, "overrides": [*extra, f"model={model}"], "epochs": epochs})
+                    table[f"{data}/{alg}/{model}"] = {"final": r["metric"][-1], "history": r["metric"], "wall_s": r["wall_s"]}
+                    print(data, alg, model, r["metric"][-1], flush=True)
+        out["mlp_vs_linear"] = table
+    return out
+
+
 CASES = {"mapping": mapping_case, "algorithm": algorithm_case, "empty_rounds": empty_rounds_case,
          "first_epoch": first_epoch_case,
-         "celu": celu_case}
+         "celu": celu_case, "convergence": convergence_case}
 SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}), "loj": lambda a: loj_suite(a.epochs),
           "flower": lambda a: flower_suite(),
+          "convergence": lambda a: convergence_suite(a.epochs if a.epochs != 3 else 10,
+                                                     a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(CONVERGENCE_DATA),
+                                                     a.mlp),
           "celu": lambda a: celu_suite(a.datasets.split(","), a.model, a.variants.split(","), a.seeds, a.epochs,
                                        a.eval_every)}
+
+
+DEFAULT_CELU_DATA = "movielens,nycflights13_delayed"
 
 
 def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -319,8 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=sorted(SUITES))
     ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping: joined rows")
-    ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run")
-    ap.add_argument("--datasets", default="movielens,nycflights13_delayed", help="celu: datasets")
+    ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
+    ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
+    ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
     ap.add_argument("--model", default="mlp", help="celu: model")
     ap.add_argument("--variants", default=",".join(CELU_VARIANTS), help="celu: variants (vanilla always runs)")
     ap.add_argument("--seeds", type=int, default=3, help="celu: seeds per variant")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tpflower.loj import batch_size_of, epoch_batches
-from tpflower.losses import loss_torch, metrics, primary_metric
+from tpflower.losses import LabelScale, loss_torch, metrics, primary_metric
 from tpflower.reference import constant_predictions
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.relation import Relation, build_local_model
@@ -31,28 +31,37 @@ def build_joined_model(rel: Relation, model_cfg: Any, seed: int, dtype: torch.dt
     return JoinedModel(local, {t: rel.tables[t].width for t in rel.spec.table_names})
 
 
-def predict(model: torch.nn.Module, rel: Relation, mapping, dtype: torch.dtype) -> np.ndarray:
-    """H for every joined row of ``mapping``, materializing the join chunk by chunk."""
+def predict(model: torch.nn.Module, rel: Relation, mapping, dtype: torch.dtype,
+            scale: LabelScale = LabelScale()) -> np.ndarray:
+    """H for every joined row of ``mapping`` in the label's units, materializing the join chunk by chunk."""
     out = []
     with torch.no_grad():
         for start in range(0, mapping.N, EVAL_CHUNK):
             rows = slice(start, min(start + EVAL_CHUNK, mapping.N))
             out.append(model(torch.as_tensor(rel.joined_features(mapping, rows), dtype=dtype)).numpy())
-    return np.concatenate(out) if out else np.zeros((0, rel.d_out))
+    return scale.to_label(np.concatenate(out)) if out else np.zeros((0, rel.d_out))
 
 
-def evaluate(model, rel: Relation, dtype) -> dict[str, float]:
-    return metrics(rel.spec.label.task, predict(model, rel, rel.test, dtype), rel.labels(rel.test))
+def evaluate(model, rel: Relation, dtype, scale: LabelScale = LabelScale()) -> dict[str, float]:
+    return metrics(rel.spec.label.task, predict(model, rel, rel.test, dtype, scale), rel.labels(rel.test))
 
 
-def exact_ridge(rel: Relation, beta: float, intercept: bool = True) -> tuple[np.ndarray, float]:
-    """argmin_w (1/N) sum_j 1/2 (x_j w + b - y_j)^2 + beta/2 ||(w, b)||^2 on the training join (float64).
+def label_scale_of(cfg: Any, rel: Relation) -> LabelScale:
+    """The federated runs' label scale (config ``standardize_label``): fitted on the training join's labels."""
+    return LabelScale.fit(rel.spec.label.task, rel.labels(rel.train), bool(cfg.get("standardize_label", True)))
+
+
+def exact_ridge(rel: Relation, beta: float, intercept: bool = True,
+                scale: LabelScale = LabelScale()) -> tuple[np.ndarray, float]:
+    """argmin_w (1/N) sum_j 1/2 (x_j w + b - y_j)^2 + beta/2 ||(w, b)||^2 on the training join (float64),
+    y the scaled labels (``scale``); returned as the scaled solution, whose predictions ``scale.to_label`` maps
+    to the label's units.
 
     The normal equations (X1^T X1 / N + beta I) w1 = X1^T y / N are accumulated chunk by chunk, with
     X1 = [X, 1] (X alone when ``intercept`` is False, and then b = 0). Returns (w of shape (d,), b).
     """
     train, N = rel.train, rel.train.N
-    y = rel.labels(train)
+    y = scale.scaled(rel.labels(train))
     d = sum(rel.tables[t].width for t in rel.spec.table_names) + int(intercept)
     A = np.zeros((d, d))
     c = np.zeros(d)
@@ -119,14 +128,15 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     start = time.perf_counter()
     check_settings(cfg.algorithm)
     solver = cfg.algorithm.get("solver", "sgd")
+    scale = label_scale_of(cfg, rel)  # regression: trained on the standardized label, as the federated runs
     if solver == "exact":
         if task != "regression" or cfg.model.kind != "linear":
             raise ValueError("algorithm.solver=exact is the ridge solution: it needs task regression and model=linear")
         intercept = any(m.bias is not None for m in model.local.values())
-        w, b = exact_ridge(rel, beta, intercept)
+        w, b = exact_ridge(rel, beta, intercept, scale)
         set_linear_weights(model, rel, w, b)
-        train_metrics = metrics(task, predict(model, rel, rel.train, dtype), rel.labels(rel.train))
-        test = evaluate(model, rel, dtype)
+        train_metrics = metrics(task, predict(model, rel, rel.train, dtype, scale), rel.labels(rel.train))
+        test = evaluate(model, rel, dtype, scale)
         rec = EpochRecord(epoch=0, test_metric=test[metric], train_loss=train_metrics["loss"],
                           wall_time_s=time.perf_counter() - start)
         results.history.append(rec)
@@ -134,7 +144,7 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
         return model
     N = rel.train.N
     B = batch_size_of(cfg.algorithm.batch_size, N)
-    y_all = torch.as_tensor(rel.labels(rel.train), dtype=torch.long if task == "multiclass" else dtype)
+    y_all = torch.as_tensor(scale.scaled(rel.labels(rel.train)), dtype=torch.long if task == "multiclass" else dtype)
     opt = make_optimizer(str(cfg.algorithm.get("optimizer", "sgd")), model.parameters(), float(cfg.algorithm.lr))
     gen = np.random.default_rng(int(cfg.seed))
     for epoch in range(1, int(cfg.epochs) + 1):
@@ -152,11 +162,11 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
                 f"training diverged in epoch {epoch} (train loss {total / count}); lower algorithm.lr "
                 f"(now {cfg.algorithm.lr}) or raise algorithm.batch_size"
             )
-        test = evaluate(model, rel, dtype)
+        test = evaluate(model, rel, dtype, scale)
         rec = EpochRecord(
             epoch=epoch,
             test_metric=test[metric],
-            train_loss=total / count,
+            train_loss=scale.loss(total / count),
             wall_time_s=time.perf_counter() - start,
             extra={f"test_{k}": v for k, v in test.items() if k not in (metric, "loss")},
         )

@@ -33,7 +33,7 @@ from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, 
 from tpflower.comm import CommMeter, WanModel
 from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
-from tpflower.losses import metrics, output_dim, primary_metric
+from tpflower.losses import LabelScale, metrics, output_dim, primary_metric
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping
 from tpflower.records import numbered, unnumbered
 from tpflower.params import AlgorithmParams, run_settings
@@ -80,6 +80,7 @@ class LoJStrategy(TablePuppetStrategy):
         self.dp_plan: dict[ClientKey, tuple[int, float]] = {}  # feature DP: (local DP steps of the run, q)
         self.eps_spent: dict[ClientKey, float] = {}  # feature DP: the latest epsilon each client reported
         self.results: RunResults | None = None
+        self.label_scale = LabelScale()  # fitted in setup, on the training labels the server holds
         self.finished = False
         self.comm: CommMeter | None = None
         self._t0 = time.perf_counter()
@@ -118,7 +119,11 @@ class LoJStrategy(TablePuppetStrategy):
         y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[self.spec.label_table])
         is_test = is_test_rows[mapping.p[self.spec.label_table]]
         self.train, self.test = mapping.subset(~is_test), mapping.subset(is_test)
-        self.y_train = y_rows[self.train.p[self.spec.label_table]]
+        y_train = y_rows[self.train.p[self.spec.label_table]]
+        # regression: training sees the label standardized on the training rows (after label DP, which the
+        # label owner applied to the raw label); predictions go back to the label's units before any metric
+        self.label_scale = LabelScale.fit(self.task, y_train, bool(self.cfg.get("standardize_label", True)))
+        self.y_train = self.label_scale.scaled(y_train)
         # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
         self.y_test = None if self.label_dp else y_rows[self.test.p[self.spec.label_table]]
         self._evaluation = self._evaluation_split() if self.label_dp else {}
@@ -353,7 +358,11 @@ class LoJStrategy(TablePuppetStrategy):
         With label DP the evaluation is a round with the label owner. With feature DP the line shows ``eps``, the max over clients of the epsilon spent so far;
         ``train_loss`` is against the labels the server holds (the randomized ones under label DP)."""
         assert self.results is not None and self.comm is not None
-        test = self.test_metrics(H_test)
+        scale = self.label_scale
+        test = self.test_metrics(scale.to_label(H_test))
+        train_loss = scale.loss(train_loss)
+        if "objective" in (extra or {}):
+            extra = {**(extra or {}), "objective": scale.loss(extra["objective"])}  # type: ignore[index]
         if not np.isfinite(train_loss):
             raise RuntimeError(f"{self.algorithm} diverged in epoch {epoch} (train loss {train_loss})")
         feature_eps = self.feature_epsilon() if self.feature_dp else None

@@ -117,3 +117,42 @@ def admm_update_local_opt(
             opt.zero_grad()
             loss.backward()
             opt.step()
+
+
+def admm_update_lbfgs(
+    model: torch.nn.Module,
+    X: torch.Tensor,
+    G: torch.Tensor,
+    Y: torch.Tensor,
+    N: int,
+    rho: float,
+    beta: float,
+    max_iter: int,
+    prox: tuple[torch.Tensor, float] | None = None,
+) -> None:
+    """Eq. 16 for a non-linear f_i by full-batch L-BFGS (strong Wolfe line search), warm-started from theta_i.
+
+    Eq. 16 is a G-weighted least-squares fit of f_i to -Y_u / (rho G_u) plus beta R: smooth and, for the
+    small local models here, well solved by a quasi-Newton method in ``max_iter`` iterations over the
+    active rows (G > 0), deterministically. ``prox = (v, rho')``: one shard's consensus step (Eq. 22).
+    """
+    active = torch.nonzero(G > 0).flatten()
+    if len(active) == 0:
+        return
+    Xa, Ga, Ya = X[active], G[active, None], Y[active]
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
+                            line_search_fn="strong_wolfe", tolerance_grad=1e-10, tolerance_change=1e-14)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        f = model(Xa)
+        loss = ((Ya * f).sum() + 0.5 * rho * (Ga * f * f).sum()) / N
+        if prox is None:
+            loss = loss + beta * l2_penalty(model)
+        else:
+            theta = torch.nn.utils.parameters_to_vector(model.parameters())
+            loss = loss + 0.5 * prox[1] * ((theta - prox[0]) ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)

@@ -101,48 +101,141 @@ def sgd_aggregate(
     return Y, float(loss_np(task, H, y).sum())
 
 
+@dataclass(frozen=True)
+class Balancing:
+    """Residual balancing (Boyd et al. 2011, Sec. 3.4.1, Eq. 3.13): rho <- tau rho when the primal residual
+    exceeds mu times the dual one, rho <- rho / tau in the opposite case, else unchanged."""
+
+    mu: float = 10.0
+    tau: float = 2.0
+    warmup: int = 3  # iterations before the first change: their dual residual is the start's transient
+
+    def factor(self, primal: float, dual: float) -> float:
+        """The factor rho is multiplied by (tau, 1 / tau or 1)."""
+        if primal > self.mu * dual:
+            return self.tau
+        if dual > self.mu * primal:
+            return 1.0 / self.tau
+        return 1.0
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """Primal and dual residual norms of one ADMM iteration and their tolerances (Boyd Sec. 3.3.1, Eq. 3.12,
+    with eps_abs = eps_rel = tol); ``dual`` is None on the first iteration (no previous z)."""
+
+    primal: float
+    dual: float | None
+    eps_primal: float
+    eps_dual: float
+    x_scale: float = 1.0  # max(||x||, ||z||): the primal residual's relative scale (Eq. 3.12)
+    y_scale: float = 1.0  # ||y||: the dual residual's
+
+    @property
+    def converged(self) -> bool:
+        return self.dual is not None and self.primal <= self.eps_primal and self.dual <= self.eps_dual
+
+    def reason(self) -> str:
+        return (f"primal residual {self.primal:.3g} <= {self.eps_primal:.3g} and dual residual "
+                f"{self.dual:.3g} <= {self.eps_dual:.3g}")
+
+
 class ADMMServer:
     """Server state of TP-Join-ADMM: z, lambda over the N training rows (Eq. 7, 8, 14).
 
     ``variant`` = "sharing" (default: r = rho/M, s_ij = (H_j - z_j)/M - h_i[p_i(j)]; two-block ADMM that
     converges for convex f_i) or "paper" (r = rho, s_ij = H_j - h_i[p_i(j)] - z_j: Eq. 7-9 as printed, a
     Jacobi multi-block ADMM that can diverge). See ALGORITHMS.md, "Two variants".
+
+    One iteration is :meth:`update` (z and lambda from the clients' predictions, the residuals, rho) then
+    :meth:`scatter` (Y_i for the clients' theta-update). lambda is kept unscaled (lambda = rho u in Boyd's
+    scaled form), so a new rho needs no rescaling of the duals. ``balancing`` (sharing variant only) adapts
+    rho from the residuals (Boyd Sec. 3.4.1); ``tol`` sets the stopping tolerances (Eq. 3.12).
+
+    The residuals are those of the sharing problem (Boyd Sec. 7.3) over the joined training rows, with
+    x_i = h_i[p_i] and z_i = x_i - H/M + z/M (the per-table copies the z-update implies):
+    primal ||x - z||_stacked = ||H - z|| / sqrt(M), dual rho ||z_i^k - z_i^(k-1)||_stacked. The server computes
+    them from the predictions it receives anyway.
     """
 
-    def __init__(self, task: str, y: np.ndarray, mapping: TableMapping, d_c: int, rho: float, variant: str = "sharing"):
+    def __init__(self, task: str, y: np.ndarray, mapping: TableMapping, d_c: int, rho: float, variant: str = "sharing",
+                 balancing: Balancing | None = None, tol: float = 0.0):
         if variant not in ADMM_VARIANTS:
             raise ValueError(f"algorithm.variant must be one of {ADMM_VARIANTS}, got {variant!r}")
         if rho <= 0:
             raise ValueError(f"algorithm.rho must be > 0, got {rho}")
         self.task, self.y, self.mapping, self.variant = task, y, mapping, variant
-        self.rho = float(rho)
         self.M = len(mapping.p)
-        self.r = self.rho / self.M if variant == "sharing" else self.rho
+        self.set_rho(rho)
+        self.balancing = balancing if variant == "sharing" else None
+        self.tol = float(tol)
         self.z = np.zeros((mapping.N, d_c))
         self.lam = np.zeros((mapping.N, d_c))
         self.H: np.ndarray | None = None
+        self.residuals: Residuals | None = None
+        self.iteration = 0
+        self._prev: tuple[dict[str, np.ndarray], np.ndarray, np.ndarray] | None = None  # h, H, z of the last update
+
+    def set_rho(self, rho: float) -> None:
+        """The penalty of the next iterations (lambda is unscaled: nothing else changes)."""
+        self.rho = float(rho)
+        self.r = self.rho / self.M if self.variant == "sharing" else self.rho
 
     def G(self) -> dict[str, np.ndarray]:
         """G_iu (Eq. 15): constant, sent once."""
         return {t: self.mapping.G(t).astype(np.float64) for t in self.mapping.p}
 
     def step(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One server step of an epoch, from f_i(theta_i^t) on every row of every table (n_i x d_c each).
+        """One server step of an epoch: :meth:`update`, then :meth:`scatter`."""
+        self.update(h)
+        return self.scatter(h)
 
-        z-update (Eq. 7), dual update (Eq. 8), residuals s_ij and Y_iu = sum_{j in G_i(u)} (lambda_j + rho s_ij)
-        (Eq. 14). Returns Y_i for every table, in the dtype of h.
-        """
+    def update(self, h: Mapping[str, np.ndarray]) -> Residuals:
+        """From f_i(theta_i^t) on every row of every table (n_i x d_c each): z-update (Eq. 7), dual update
+        (Eq. 8), the residuals of this iteration and, with balancing, the rho of the next (Boyd Sec. 3.4.1)."""
         p = self.mapping.p
         H = joined_predictions(p, h).astype(np.float64)
         self.H = H
         self.z = z_update(self.task, H, self.y, self.lam, self.r)  # Eq. 7
         self.lam = self.lam + self.r * (H - self.z)  # Eq. 8
-        Y = {}
-        for t, p_t in p.items():
+        self.residuals = self._residuals({t: np.asarray(v, dtype=np.float64) for t, v in h.items()}, H)
+        res = self.residuals
+        self.iteration += 1
+        if self.balancing is not None and res.dual is not None and self.iteration > self.balancing.warmup:
+            self.set_rho(self.rho * self.balancing.factor(res.primal, res.dual))  # Boyd Eq. 3.13
+        return self.residuals
+
+    def scatter(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Residuals s_ij and Y_iu = sum_{j in G_i(u)} (lambda_j + rho s_ij) (Eq. 14) at the latest update;
+        Y_i for every table, in the dtype of h."""
+        assert self.H is not None, "scatter() before update()"
+        H, Y = self.H, {}
+        for t, p_t in self.mapping.p.items():
             h_t = h[t][p_t]
             s = (H - self.z) / self.M - h_t if self.variant == "sharing" else H - h_t - self.z
             Y[t] = segment_sum(p_t, self.lam + self.rho * s, self.mapping.n_rows[t]).astype(h[t].dtype, copy=False)
         return Y
+
+    def _residuals(self, h: Mapping[str, np.ndarray], H: np.ndarray) -> Residuals:
+        """Boyd Sec. 3.3 for the sharing form (see the class docstring), tolerances by Eq. 3.12."""
+        M, p = self.M, self.mapping.p
+        primal = float(np.linalg.norm(H - self.z)) / np.sqrt(M)
+        x_sq = z_sq = 0.0
+        for t, p_t in p.items():
+            x_t = h[t][p_t]
+            x_sq += float(np.sum(x_t * x_t))
+            z_sq += float(np.sum((x_t + (self.z - H) / M) ** 2))
+        dual = None
+        if self._prev is not None:
+            h_prev, H_prev, z_prev = self._prev
+            shift = ((self.z - z_prev) - (H - H_prev)) / M
+            # rho of this iteration: the one the clients' theta-update used (before any change below)
+            dual = self.rho * float(np.sqrt(sum(np.sum(((h[t] - h_prev[t])[p_t] + shift) ** 2) for t, p_t in p.items())))
+        self._prev = ({t: v.copy() for t, v in h.items()}, H, self.z)
+        root = np.sqrt(M * self.z.size) * self.tol  # sqrt(p) eps_abs (p = n = M N d_c here)
+        x_scale = float(np.sqrt(max(x_sq, z_sq)))
+        y_scale = float(np.sqrt(M)) * float(np.linalg.norm(self.lam))
+        return Residuals(primal, dual, root + self.tol * x_scale, root + self.tol * y_scale, x_scale, y_scale)
 
     def primal_residual(self) -> float:
         """||H - z|| over the training rows, after the latest step (the ADMM convergence check)."""

@@ -56,6 +56,19 @@ def nonnegative_int(what: str, value: Any) -> int:
     return int(out)
 
 
+def boolean(what: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false, got {value!r}")
+    return value
+
+
+def above_one(what: str, value: Any) -> float:
+    out = _number(what, value)
+    if out <= 1:
+        raise ValueError(f"{what} must be > 1, got {value!r}")
+    return out
+
+
 def degrees(what: str, value: Any) -> float:
     out = _number(what, value)
     if not 0 < out <= 180:
@@ -136,13 +149,21 @@ class ADMMParams(AlgorithmParams):
     """TP-Join-ADMM, TP-UCQ-ADMM, VFL-ADMM (conf/algorithm/admm.yaml)."""
 
     rho: float | str = param(or_word(positive, "auto"), "auto")
+    adapt_rho: bool = param(boolean, True)  # residual balancing (Boyd Sec. 3.4.1), also of rho_inner
+    rho_mu: float = param(above_one, 10.0)  # rebalance once one residual exceeds mu times the other
+    rho_tau: float = param(above_one, 2.0)  # ... by this factor
+    rho_warmup: int = param(nonnegative_int, 3)  # iterations before the first change (the start's transient)
+    tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
     variant: str = param(one_of("sharing", "paper"), "sharing")
+    local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)
+    local_steps: int = param(positive_int, 20)  # lbfgs: iterations per theta-update
     local_epochs: int = param(positive_int, 1)
     local_lr: float = param(positive, 0.01)
     local_batch_size: int = param(positive_int, 256)
     inner_rounds: int = param(positive_int, 10)
     inner_tol: float = param(nonnegative, 1e-6)
     rho_inner: float | str | None = param(or_word(positive, "auto", None), "auto")
+    warm_dual: bool = param(boolean, True)  # keep the consensus duals u^q across epochs (false: reset, as Sec. 8)
 
 
 def run_settings(cfg: Mapping[str, Any]) -> None:

@@ -52,12 +52,15 @@ class RunResults:
     )
     config: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, float] = field(default_factory=dict)  # e.g. exact ridge / mean-predictor metrics
+    # ADMM: the epoch training stopped at and why ("tol": residuals below algorithm.tol; "epochs": the maximum)
+    stopped: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["history"] = [h.to_json() for h in self.history]
-        if not out["reference"]:
-            out.pop("reference")
+        for key in ("reference", "stopped"):
+            if not out[key]:
+                out.pop(key)
         return out
 
 

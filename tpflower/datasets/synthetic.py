@@ -108,6 +108,7 @@ def describe(
     n_classes: int = 3,
     seed: int = 0,
     shards: Mapping[str, int] | None = None,
+    label_scale: float = 1.0,  # generate() only: the tables' spec does not depend on it
 ) -> dict[str, Any]:
     """The spec parts (tables, label, joins) matching :func:`generate` called with the same arguments.
 
@@ -170,8 +171,12 @@ def generate(
     n_classes: int = 3,
     seed: int = 0,
     shards: Mapping[str, int] | None = None,  # describe() only: the tables do not depend on it
+    label_scale: float = 1.0,
 ) -> dict[str, pd.DataFrame]:
     """Generate the tables (see the module docstring); deterministic in ``seed``, vectorized throughout.
+
+    ``label_scale`` (regression): the label in other units, ``y = label_scale * (S + noise)`` (e.g. 10000: grams
+    instead of 10 kg), for checking that training does not depend on the label's units.
 
     Each table draws from its own random stream, so the dimensions do not change with ``n_fact``.
     """
@@ -204,7 +209,7 @@ def generate(
         effective[p] += _key_mean(own_keys[i], effective[i], lay.dim_rows[i - 1])[foreign[p][i]]
     total = effective[0]
     if task == "regression":
-        y = total[:, 0] + noise * noise_rng.standard_normal(rows[0])
+        y = float(label_scale) * (total[:, 0] + noise * noise_rng.standard_normal(rows[0]))
     elif task == "binary":
         y = (total[:, 0] + noise * noise_rng.logistic(size=rows[0]) > 0).astype(np.int64)
     else:
