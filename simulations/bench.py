@@ -5,6 +5,7 @@
     python -m simulations.bench flower                             -> bench_results/flower.json
     python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json
     python -m simulations.bench convergence [--epochs 10] [--mlp]  -> bench_results/convergence.json
+    python -m simulations.bench deploy [--datasets movielens,star_2m] -> bench_results/deploy.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -375,7 +376,15 @@ SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}
                                                      a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(CONVERGENCE_DATA),
                                                      a.mlp),
           "celu": lambda a: celu_suite(a.datasets.split(","), a.model, a.variants.split(","), a.seeds, a.epochs,
-                                       a.eval_every)}
+                                       a.eval_every),
+          "deploy": lambda a: _deploy(a)}
+
+
+def _deploy(a: argparse.Namespace) -> dict[str, Any]:
+    from simulations.bench_deploy import DEPLOY_CASES, deploy_suite
+
+    cases = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(DEPLOY_CASES)
+    return deploy_suite(cases, a.epochs if a.epochs != 3 else 6)
 
 
 DEFAULT_CELU_DATA = "movielens,nycflights13_delayed"
