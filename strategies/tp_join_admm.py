@@ -94,7 +94,8 @@ class TPJoinADMM(LoJStrategy):
             why = "tol" if done else "epochs"
             detail = res.reason() if done else f"epochs={epoch} reached (algorithm.tol={self.params.tol:g} not met)"
             self.results.stopped = {"epoch": epoch, "reason": why, "detail": detail + inner}
-            self.log(f"stopped after epoch {epoch}: {detail}{inner}")
+            if done:  # reaching the maximum needs no line of its own
+                self.log(f"stopped after epoch {epoch}: {detail}{inner}")
         return done
 
     def plan_feature_dp(self) -> dict:
