@@ -33,17 +33,20 @@ class TPUCQSGD(LoJStrategy):
     algorithm = "tp_ucq_sgd"
     params_type = SGDParams
 
+    resumable = True
+
     def protocol(self) -> None:
-        self.setup()
+        done, loop = self.begin(self.start_sgd)
         schedule, evaluation = self.sgd_schedule()
         eval_split = {t: self.routers[t].split(evaluation.U[t]) for t in self.spec.table_names}
-        split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
-        replies = self.send(self.shard_messages(
-            lambda k: ({"rows": split[k[0]][k[1]]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
-        ))
-        h = self.gather_rows(replies, schedule.first.U)
+        h = loop["h"]
+        rounds = enumerate(schedule, start=1)
+        if done:  # the same seed draws the same batches: skip those of the epochs done
+            for _, (epoch, _, _, _, last) in rounds:
+                if epoch == done and last:
+                    break
         loss_sum, seen = 0.0, 0
-        for round_no, (epoch, rows, plan, nxt, last) in enumerate(schedule, start=1):
+        for round_no, (epoch, rows, plan, nxt, last) in rounds:
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
             loss_sum, seen = loss_sum + loss_b, seen + len(rows)
             point = self.eval_point(round_no, epoch, last, schedule.per_epoch)
@@ -61,7 +64,7 @@ class TPUCQSGD(LoJStrategy):
                 lambda k: (
                     {"g": g[k[0]], "rows": nsplit[k[0]][k[1]] if nsplit else EMPTY,
                      **({"eval_rows": eval_split[k[0]][k[1]]} if point is not None else {})},
-                    {"phase": "sgd_apply"},
+                    {"phase": "sgd_apply", **(self.checkpoint_config(epoch) if last else {})},
                 )
             ))
             if nxt is not None:
@@ -71,7 +74,18 @@ class TPUCQSGD(LoJStrategy):
                 self.record_epoch(point, H_test, loss_sum / seen)
             if last:
                 loss_sum, seen = 0.0, 0
+                self.end_epoch(epoch, {"h": h})
         self.finish()
+
+    def start_sgd(self) -> dict:
+        """Setup, then the predictions of the first batch (each shard its rows of it)."""
+        self.setup()
+        schedule, _ = self.sgd_schedule()
+        split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
+        replies = self.send(self.shard_messages(
+            lambda k: ({"rows": split[k[0]][k[1]]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
+        ))
+        return {"h": self.gather_rows(replies, schedule.first.U)}
 
     def plan_feature_dp(self) -> dict:
         return sgd_dp_plan(self)

@@ -75,7 +75,9 @@ SGD = ("algorithm.batch_size=4000",)
     (("algorithm=sgd", *SGD, "algorithm.eval_every=3"), None),
     (("algorithm=celu", *SGD, "algorithm.lr=0.02"), None),
     (("algorithm=vfl_admm",), None),
-], ids=["admm", "admm-label-dp", "sgd", "sgd-eval-every", "celu", "vfl-admm"])
+    (("scenario=ucq", "algorithm.inner_rounds=3"), None),
+    (("scenario=ucq", "algorithm=sgd", *SGD), None),
+], ids=["admm", "admm-label-dp", "sgd", "sgd-eval-every", "celu", "vfl-admm", "ucq-admm", "ucq-sgd"])
 def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path, overrides, crash_at):
     full = run_in_process(compose_config(*RUN, *overrides), tmp_path / "full", log=quiet)
     run_dir = tmp_path / "resumed"
@@ -134,10 +136,10 @@ def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
         run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path, log=quiet)
 
 
-def test_an_algorithm_without_checkpoints_refuses_resume(tmp_path):
-    with pytest.raises(ValueError, match=r"resume=true: tp_ucq_admm does not checkpoint its epochs yet \(algorithms "
-                                         r"that do: .*tp_join_admm.*\)"):
-        make_strategy(compose_config("dataset=synthetic", "scenario=ucq", "resume=true"), tmp_path, log=quiet)
+def test_every_registered_algorithm_resumes():
+    from strategies.registry import entries
+
+    assert [e.name for e in entries() if not e.strategy.resumable] == []
 
 
 @pytest.mark.slow
