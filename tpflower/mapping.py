@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,12 +92,28 @@ def project_keys(spec: RelationalSpec, table: str, frame: pd.DataFrame, row_ids:
 
 # -------------------------------------------------------------------------------------------- mapping
 
+#: joined rows per chunk of the chunked server passes (segment sums, predictions, the mapping build): a few
+#: MB of temporaries per chunk, whatever N is
+CHUNK_ROWS = 1 << 20
+
+
+def index_dtype(n: int) -> np.dtype:
+    """The narrowest index dtype that holds row ids 0..n-1: int32 below 2^31 rows, else int64."""
+    return np.dtype(np.int32) if n < 2**31 else np.dtype(np.int64)
+
+
+def chunks(n: int, size: int = CHUNK_ROWS) -> Iterator[slice]:
+    """Consecutive slices of [0, n), ``size`` rows each (the last may be shorter)."""
+    for start in range(0, n, size):
+        yield slice(start, min(start + size, n))
+
 
 @dataclass
 class TableMapping:
     """p_i for every table over the N joined rows, and the row counts n_i.
 
-    p[t] is an int64 array of length N: joined row j takes row p[t][j] of table t.
+    p[t] is an integer array of length N (int32 while n_t < 2^31, see :func:`index_dtype`): joined row j takes
+    row p[t][j] of table t.
     """
 
     p: dict[str, np.ndarray]
@@ -116,12 +132,75 @@ class TableMapping:
         return np.bincount(self.p[table], minlength=self.n_rows[table])
 
     def subset(self, rows: np.ndarray) -> "TableMapping":
-        """The mapping restricted to the joined rows ``rows`` (indices or a boolean mask), in that order."""
+        """The mapping restricted to the joined rows ``rows`` (indices or a boolean mask), in that order (a copy)."""
         return TableMapping(p={t: p[rows] for t, p in self.p.items()}, n_rows=dict(self.n_rows))
+
+    def rows(self, start: int, stop: int) -> "TableMapping":
+        """The joined rows [start, stop) as views of this mapping's arrays (no copy; see :class:`RowRange`)."""
+        return RowRange(self, start, stop)
+
+    def partition(self, is_test: np.ndarray) -> tuple["TableMapping", "TableMapping"]:
+        """(train, test): the joined rows with ``is_test`` False, then those with True, each in their order.
+
+        Reorders this mapping IN PLACE (train rows first, then test rows; one table at a time, no copy of the
+        whole mapping) and returns views of it, so train and test cost no memory of their own. The result
+        equals ``(subset(~is_test), subset(is_test))``.
+        """
+        is_test = np.asarray(is_test, dtype=bool)
+        if is_test.shape != (self.N,):
+            raise ValueError(f"partition: is_test must have shape ({self.N},), got {is_test.shape}")
+        n_test = int(np.count_nonzero(is_test))
+        n_train = self.N - n_test
+        for t, p in self.p.items():
+            out = np.empty_like(p)
+            np.compress(~is_test, p, out=out[:n_train])
+            np.compress(is_test, p, out=out[n_train:])
+            self.p[t] = out
+        return self.rows(0, n_train), self.rows(n_train, self.N)
 
     def segment_sum(self, table: str, values: np.ndarray) -> np.ndarray:
         """(S_i v)_u = sum_{j in G_i(u)} v_j over all rows u of the table (Eq. 10/14 with B = [N])."""
         return segment_sum(self.p[table], values, self.n_rows[table])
+
+
+class RowRange(TableMapping):
+    """The joined rows [start, stop) of a ``base`` mapping: its p arrays are views of the base's.
+
+    Pickles as (base, start, stop), so a checkpoint that holds the base and its ranges holds the base's arrays
+    once, and the ranges are views again after loading."""
+
+    def __init__(self, base: TableMapping, start: int, stop: int):
+        if not 0 <= start <= stop <= base.N:
+            raise ValueError(f"rows [{start}, {stop}) outside the mapping's [0, {base.N})")
+        super().__init__({t: p[start:stop] for t, p in base.p.items()}, dict(base.n_rows))
+        self.base, self.start, self.stop = base, int(start), int(stop)
+
+    def __reduce__(self) -> tuple:
+        return (RowRange, (self.base, self.start, self.stop))
+
+
+class SegmentSums:
+    """Chunked segment sums into the rows of one table: ``add`` the values of some joined rows (any order),
+    then ``result``. Accumulates in float64; a chunk costs O(chunk + range of its indices)."""
+
+    def __init__(self, size: int, width: int | None = None):
+        self.size = int(size)
+        self.out = np.zeros(self.size if width is None else (self.size, width), dtype=np.float64)
+
+    def add(self, index: np.ndarray, values: np.ndarray) -> None:
+        """out[u] += sum of values[j] over j with index[j] == u."""
+        if len(index) == 0:
+            return
+        lo, hi = int(index.min()), int(index.max()) + 1
+        local = index - lo if lo else index
+        if values.ndim == 1:
+            self.out[lo:hi] += np.bincount(local, weights=values, minlength=hi - lo)
+        else:
+            for k in range(values.shape[1]):  # over the d_c output columns, never over rows
+                self.out[lo:hi, k] += np.bincount(local, weights=values[:, k], minlength=hi - lo)
+
+    def result(self, dtype: np.dtype | type | None = None) -> np.ndarray:
+        return self.out if dtype is None else self.out.astype(dtype, copy=False)
 
 
 def segment_sum(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
@@ -130,12 +209,9 @@ def segment_sum(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
     The result keeps the dtype of ``values`` (bincount accumulates in float64).
     """
     values = np.asarray(values)
-    if values.ndim == 1:
-        return np.bincount(index, weights=values, minlength=size).astype(values.dtype, copy=False)
-    out = np.empty((size, values.shape[1]), dtype=values.dtype)
-    for k in range(values.shape[1]):  # over the d_c output columns, never over rows
-        out[:, k] = np.bincount(index, weights=values[:, k], minlength=size)
-    return out
+    sums = SegmentSums(size, None if values.ndim == 1 else values.shape[1])
+    sums.add(index, values)
+    return sums.result(values.dtype)
 
 
 def batch_segments(p_batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +221,12 @@ def batch_segments(p_batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _union_shards(table: str, projections: Sequence[KeyProjection], n_rows: int) -> dict[int, np.ndarray]:
-    """Per join k: digests indexed by global row id, from all shards of one table."""
+    """Per join k: digests indexed by global row id, from all shards of one table (a table sent whole by one
+    client, rows in order, is used as sent: no copy)."""
+    if len(projections) == 1 and len(projections[0].row_ids) == n_rows:
+        ids = projections[0].row_ids
+        if n_rows == 0 or (ids[0] == 0 and ids[-1] == n_rows - 1 and bool(np.all(np.diff(ids) == 1))):
+            return dict(projections[0].digests)
     out: dict[int, np.ndarray] = {}
     covered = np.zeros(n_rows, dtype=bool)
     for proj in projections:
@@ -162,30 +243,86 @@ def _union_shards(table: str, projections: Sequence[KeyProjection], n_rows: int)
     return out
 
 
-def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyProjection]]) -> TableMapping:
+def _digest_codes(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Integer codes of 128-bit digests, equal codes for equal digests on either side: (codes of ``left``
+    rows, codes of ``right`` rows, number of codes). Exact: each 64-bit word is factorized, then the pair."""
+    n_left = len(left)
+    both = np.concatenate([left, right])
+    c0, u0 = pd.factorize(both[:, 0])
+    c1, u1 = pd.factorize(both[:, 1])
+    del both
+    if len(u0) and len(u1) and len(u0) > (2**62) // len(u1):
+        raise SpecError(f"table mapping: too many distinct keys ({len(u0)} x {len(u1)}) to pair")
+    pair = c0.astype(np.int64) * len(u1) + c1
+    del c0, c1
+    codes, uniq = pd.factorize(pair)
+    return codes[:n_left], codes[n_left:], len(uniq)
+
+
+class _EdgeIndex:
+    """One join edge, on the table level: for each row u of the known table, the rows of the new table that
+    share its key: ``order[start[u] : start[u] + count[u]]`` (the new table's rows in their own order)."""
+
+    def __init__(self, known: np.ndarray, new: np.ndarray, n_new: int):
+        code_known, code_new, n_codes = _digest_codes(known, new)
+        per_code = np.bincount(code_new, minlength=n_codes)
+        first = np.zeros(n_codes, dtype=np.int64)
+        np.cumsum(per_code[:-1], out=first[1:])
+        self.count = per_code[code_known].astype(index_dtype(n_new + 1))
+        self.start = first[code_known].astype(index_dtype(n_new + 1))
+        self.order = np.argsort(code_new, kind="stable").astype(index_dtype(n_new))
+
+
+def _join_edge(joined: dict[str, np.ndarray], known: str, new: str, edge: _EdgeIndex,
+               n_rows: Mapping[str, int], chunk: int) -> dict[str, np.ndarray]:
+    """The joined rows after one more inner join: each joined row followed by its partners in ``new``, in order
+    (a joined row without partner drops out). Output arrays allocated once; temporaries O(chunk)."""
+    cur = joined[known]
+    total = sum(int(edge.count[cur[s]].sum(dtype=np.int64)) for s in chunks(len(cur), chunk))
+    out = {t: np.empty(total, dtype=index_dtype(n_rows[t])) for t in [*joined, new]}
+    at = 0
+    for s in chunks(len(cur), chunk):
+        rows = cur[s]
+        count = edge.count[rows].astype(np.int64)
+        m = int(count.sum())
+        if m == 0:
+            continue
+        for t, p in joined.items():
+            out[t][at : at + m] = np.repeat(p[s], count)
+        # the k-th partner of a joined row is order[start + k]: start repeated, plus the rank within the repeat
+        before = np.cumsum(count) - count
+        pos = np.repeat(edge.start[rows].astype(np.int64) - before, count)
+        pos += np.arange(m, dtype=np.int64)
+        out[new][at : at + m] = edge.order[pos]
+        at += m
+    return out
+
+
+def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyProjection]],
+                  chunk: int = CHUNK_ROWS) -> TableMapping:
     """The server side of table mapping: join the key projections along the spec's join tree.
 
     Inner-join semantics (a row with no partner drops out); one-to-one, many-to-one and many-to-many
-    edges; composite keys. Memory O(N * M) integers. Raises SpecError naming the join that matched nothing.
+    edges; composite keys. Each edge is indexed on the table level (digests -> integer codes -> the new
+    table's rows grouped by code), then the joined rows are expanded chunk by chunk into arrays allocated
+    once: peak memory is the result (N x M indices of :func:`index_dtype`) plus the previous edge's result
+    plus O(sum n_i + chunk); no join of digest columns over the joined rows. Joined rows come in the order
+    of the label table's rows, each followed by its partners in table order (pandas' inner merge order).
+    Raises SpecError naming the join that matched nothing.
     """
     n_rows = {t: int(sum(len(p.row_ids) for p in projections[t])) for t in spec.table_names}
     digests = {t: _union_shards(t, projections[t], n_rows[t]) for t in spec.table_names}
     join_index = {j: k for k, j in enumerate(spec.joins)}
     root = spec.label_table
-    joined = pd.DataFrame({root: np.arange(n_rows[root], dtype=np.int64)})
+    joined = {root: np.arange(n_rows[root], dtype=index_dtype(n_rows[root]))}
     for edge, known, new in spec.join_order():
         k = join_index[edge]
-        left_keys = digests[known][k][joined[known].to_numpy()]
-        left = joined.assign(_h0=left_keys[:, 0], _h1=left_keys[:, 1])
-        right_keys = digests[new][k]
-        right = pd.DataFrame({new: np.arange(n_rows[new], dtype=np.int64), "_h0": right_keys[:, 0], "_h1": right_keys[:, 1]})
-        joined = left.merge(right, on=["_h0", "_h1"], how="inner", sort=False).drop(columns=["_h0", "_h1"])
-        if joined.empty:
+        index = _EdgeIndex(digests[known][k], digests[new][k], n_rows[new])
+        joined = _join_edge(joined, known, new, index, n_rows, chunk)
+        del index
+        if len(joined[root]) == 0:
             raise SpecError(f"join {edge} matched no rows: the join comes out empty (check the key values)")
-    return TableMapping(
-        p={t: joined[t].to_numpy(dtype=np.int64) for t in spec.table_names},
-        n_rows=n_rows,
-    )
+    return TableMapping(p={t: joined[t] for t in spec.table_names}, n_rows=n_rows)
 
 
 def holdout_mask(spec: RelationalSpec, n_label_rows: int) -> np.ndarray:
