@@ -44,8 +44,8 @@ from tpflower.schema import RelationalSpec, validate_key_kinds
 
 
 #: what a checkpoint keeps of a strategy beside its training loop's state: everything setup built
-CHECKPOINTED = ("mapping", "train", "test", "routers", "client_rows", "y_train", "y_test", "_evaluation", "d_out",
-                "comm", "results", "dp_plan", "eps_spent")
+CHECKPOINTED = ("mapping", "train", "test", "routers", "client_rows", "y_train", "y_test", "label_scale", "_evaluation",
+                "d_out", "comm", "results", "dp_plan", "eps_spent")
 
 
 class LoJStrategy(TablePuppetStrategy):
@@ -136,7 +136,7 @@ class LoJStrategy(TablePuppetStrategy):
         self.results = new_run_results(self.cfg, self.algorithm, self.spec, mapping)
         self.results.privacy = dp.privacy_summary(self.privacy, self.task, 0.0 if self.feature_dp else None)
         if self.y_test is not None:  # label DP: the label owner scores the constant predictor at the first evaluation
-            self.results.reference = reference_metrics(self.task, self.y_train, self.y_test, self.d_out)
+            self.results.reference = reference_metrics(self.task, y_train, self.y_test, self.d_out)  # label units
         self.log(" | ".join(p for p in (summary_line(self.spec, mapping), reference_text(self.task, self.results.reference),
                                          self.comm.wan.note) if p))
         self.mapping = mapping
@@ -341,7 +341,7 @@ class LoJStrategy(TablePuppetStrategy):
         assert self.results is not None
         ref = None  # the first evaluation also scores the constant predictor (results.json reference)
         if not self.results.reference:
-            ref = constant_predictions(self.task, self.y_train, len(H_test), self.d_out)
+            ref = self.label_scale.to_label(constant_predictions(self.task, self.y_train, len(H_test), self.d_out))
         replies = self.send(
             {k: ({"H": H_test[idx], "rows": pos, **({} if ref is None else {"H_ref": ref[idx]})}, {"phase": "evaluate"})
              for k, (idx, pos) in self._evaluation.items()},
