@@ -127,7 +127,6 @@ class LoJStrategy(TablePuppetStrategy):
         # label owner applied to the raw label); predictions go back to the label's units before any metric
         self.label_scale = LabelScale.fit(self.task, y_train, bool(self.cfg.get("standardize_label", True)))
         self.y_train = self.state_labels(self.label_scale.scaled(y_train))
-        del y_train
         # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
         self.y_test = None if self.label_dp else y_rows[self.test.p[self.spec.label_table]]
         self._evaluation = self._evaluation_split() if self.label_dp else {}
@@ -137,6 +136,7 @@ class LoJStrategy(TablePuppetStrategy):
         self.results.privacy = dp.privacy_summary(self.privacy, self.task, 0.0 if self.feature_dp else None)
         if self.y_test is not None:  # label DP: the label owner scores the constant predictor at the first evaluation
             self.results.reference = reference_metrics(self.task, y_train, self.y_test, self.d_out)  # label units
+        del y_train  # the raw training labels: only the reference needs them
         self.log(" | ".join(p for p in (summary_line(self.spec, mapping), reference_text(self.task, self.results.reference),
                                          self.comm.wan.note) if p))
         self.mapping = mapping
