@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpflower.losses import loss_grad_np, loss_np, z_update
-from tpflower.mapping import CHUNK_ROWS, SegmentSums, TableMapping, batch_segments, chunks, segment_sum
+from tpflower.mapping import SegmentSums, TableMapping, batch_segments, chunks, segment_sum
 
 ADMM_VARIANTS = ("sharing", "paper")
 
 
 def joined_predictions(p: Mapping[str, np.ndarray], h: Mapping[str, np.ndarray], rows: slice | None = None,
-                       chunk: int = CHUNK_ROWS) -> np.ndarray:
+                       chunk: int | None = None) -> np.ndarray:
     """H_j = sum_i h_i[p_i(j)] (p_i indexes the rows of h_i), for all joined rows or the slice ``rows``.
 
     One output array (in the first table's dtype), filled chunk by chunk: no N-sized temporaries."""

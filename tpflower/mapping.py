@@ -102,8 +102,9 @@ def index_dtype(n: int) -> np.dtype:
     return np.dtype(np.int32) if n < 2**31 else np.dtype(np.int64)
 
 
-def chunks(n: int, size: int = CHUNK_ROWS) -> Iterator[slice]:
-    """Consecutive slices of [0, n), ``size`` rows each (the last may be shorter)."""
+def chunks(n: int, size: int | None = None) -> Iterator[slice]:
+    """Consecutive slices of [0, n), ``size`` (default CHUNK_ROWS) rows each (the last may be shorter)."""
+    size = int(size or CHUNK_ROWS)
     for start in range(0, n, size):
         yield slice(start, min(start + size, n))
 
@@ -274,7 +275,7 @@ class _EdgeIndex:
 
 
 def _join_edge(joined: dict[str, np.ndarray], known: str, new: str, edge: _EdgeIndex,
-               n_rows: Mapping[str, int], chunk: int) -> dict[str, np.ndarray]:
+               n_rows: Mapping[str, int], chunk: int | None) -> dict[str, np.ndarray]:
     """The joined rows after one more inner join: each joined row followed by its partners in ``new``, in order
     (a joined row without partner drops out). Output arrays allocated once; temporaries O(chunk)."""
     cur = joined[known]
@@ -299,7 +300,7 @@ def _join_edge(joined: dict[str, np.ndarray], known: str, new: str, edge: _EdgeI
 
 
 def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyProjection]],
-                  chunk: int = CHUNK_ROWS) -> TableMapping:
+                  chunk: int | None = None) -> TableMapping:
     """The server side of table mapping: join the key projections along the spec's join tree.
 
     Inner-join semantics (a row with no partner drops out); one-to-one, many-to-one and many-to-many
