@@ -36,7 +36,8 @@ LOADERS: dict[str, Loader] = {
 DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
 SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
 
-__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "check_dataset", "load_dataset", "load_spec", "load_table", "shard_rows", "to_dict"]
+__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "check_dataset", "load_dataset", "load_spec", "load_table",
+           "load_tables", "release_tables", "shard_rows", "to_dict"]
 
 
 def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
@@ -120,6 +121,11 @@ def _run_loader(name: str, kwargs_json: str) -> dict[str, pd.DataFrame]:
     """A bundled loader's tables (all of them), once per process: the whole-dataset paths (centralized
     baseline, checks) load every table."""
     return LOADERS[name](**json.loads(kwargs_json))
+
+
+def release_tables() -> None:
+    """Drop the whole-dataset tables this process keeps (the cache of :func:`check_dataset`'s loads)."""
+    _run_loader.cache_clear()
 
 
 def _frames(
