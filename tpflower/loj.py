@@ -37,6 +37,14 @@ def joined_predictions(p: Mapping[str, np.ndarray], h: Mapping[str, np.ndarray],
     return H
 
 
+def sum_in_first_dtype(parts: list[np.ndarray]) -> np.ndarray:
+    """parts[0] + parts[1] + ... accumulated in parts[0]'s dtype (as :func:`joined_predictions` sums)."""
+    out = parts[0].copy()
+    for part in parts[1:]:
+        out += part
+    return out
+
+
 def batch_size_of(value: object, n: int) -> int:
     """algorithm.batch_size: a positive integer or `full` (= n, full-batch gradient descent)."""
     if value == "full":
@@ -228,7 +236,8 @@ class ADMMServer:
         dh = None if prev is None else {t: h64[t] - prev[t] for t in p}
         loss = primal_sq = x_sq = z_sq = dual_sq = lam_sq = 0.0
         for s in chunks(self.mapping.N):
-            H = joined_predictions({t: p_t[s] for t, p_t in p.items()}, h).astype(np.float64)
+            xs = {t: h[t][p_t[s]] for t, p_t in p.items()}  # each table's predictions on these rows, as sent
+            H = sum_in_first_dtype(list(xs.values())).astype(np.float64)  # = joined_predictions(p, h)[s]
             y = self.y[s]
             lam = self.lam[s].astype(np.float64)
             z = z_update(self.task, H, y, lam, r)  # Eq. 7
@@ -241,7 +250,7 @@ class ADMMServer:
             if dh is not None:
                 shift_change = shift - self.D[s].astype(np.float64) / M  # ((z - z_prev) - (H - H_prev)) / M
             for t, p_t in p.items():
-                x = h64[t][p_t[s]]
+                x = xs[t].astype(np.float64)  # = h64[t][p_t[s]]
                 x_sq += float(np.sum(x * x))
                 x += shift  # z_i = x_i + (z - H) / M
                 z_sq += float(np.sum(x * x))
