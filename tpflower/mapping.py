@@ -261,42 +261,42 @@ def _digest_codes(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 class _EdgeIndex:
-    """One join edge, on the table level: for each row u of the known table, the rows of the new table that
-    share its key: ``order[start[u] : start[u] + count[u]]`` (the new table's rows in their own order)."""
+    """One join edge, on the table level: for each row u of the known table, its partners in the new table,
+    ``order[start[u] : start[u] + count[u]]`` (the new table's rows in their own order). Only ``alive`` new rows
+    (rows that complete their own subtree of the join) are partners."""
 
-    def __init__(self, known: np.ndarray, new: np.ndarray, n_new: int):
-        code_known, code_new, n_codes = _digest_codes(known, new)
-        per_code = np.bincount(code_new, minlength=n_codes)
+    def __init__(self, code_known: np.ndarray, code_new: np.ndarray, n_codes: int, alive: np.ndarray):
+        live = np.flatnonzero(alive)
+        live_codes = code_new[live]
+        per_code = np.bincount(live_codes, minlength=n_codes)
         first = np.zeros(n_codes, dtype=np.int64)
         np.cumsum(per_code[:-1], out=first[1:])
-        self.count = per_code[code_known].astype(index_dtype(n_new + 1))
-        self.start = first[code_known].astype(index_dtype(n_new + 1))
-        self.order = np.argsort(code_new, kind="stable").astype(index_dtype(n_new))
+        width = index_dtype(len(code_new) + 1)
+        self.count = per_code[code_known].astype(width)
+        self.start = first[code_known].astype(width)
+        self.order = live[np.argsort(live_codes, kind="stable")].astype(index_dtype(len(code_new)))
 
-
-def _join_edge(joined: dict[str, np.ndarray], known: str, new: str, edge: _EdgeIndex,
-               n_rows: Mapping[str, int], chunk: int | None) -> dict[str, np.ndarray]:
-    """The joined rows after one more inner join: each joined row followed by its partners in ``new``, in order
-    (a joined row without partner drops out). Output arrays allocated once; temporaries O(chunk)."""
-    cur = joined[known]
-    total = sum(int(edge.count[cur[s]].sum(dtype=np.int64)) for s in chunks(len(cur), chunk))
-    out = {t: np.empty(total, dtype=index_dtype(n_rows[t])) for t in [*joined, new]}
-    at = 0
-    for s in chunks(len(cur), chunk):
-        rows = cur[s]
-        count = edge.count[rows].astype(np.int64)
+    def expand(self, joined: dict[str, np.ndarray], known: str, new: str) -> dict[str, np.ndarray]:
+        """The joined rows after this join: each joined row followed by its partners in ``new``, in order."""
+        rows = joined[known]
+        count = self.count[rows].astype(np.int64)
         m = int(count.sum())
-        if m == 0:
-            continue
-        for t, p in joined.items():
-            out[t][at : at + m] = np.repeat(p[s], count)
+        out = {t: np.repeat(p, count) for t, p in joined.items()}
         # the k-th partner of a joined row is order[start + k]: start repeated, plus the rank within the repeat
-        before = np.cumsum(count) - count
-        pos = np.repeat(edge.start[rows].astype(np.int64) - before, count)
+        pos = np.repeat(self.start[rows].astype(np.int64) - (np.cumsum(count) - count), count)
         pos += np.arange(m, dtype=np.int64)
-        out[new][at : at + m] = edge.order[pos]
-        at += m
-    return out
+        out[new] = self.order[pos]
+        return out
+
+
+def _completions(edges: Sequence[tuple[str, str, np.ndarray, np.ndarray, int]], n_rows: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """Per table row: how many joined rows its subtree of ``edges`` yields (children first; 0: it drops out).
+    Counts are exact integers (bincount sums them in float64, exact below 2^53)."""
+    count = {t: np.ones(n, dtype=np.int64) for t, n in n_rows.items()}
+    for known, new, code_known, code_new, n_codes in reversed(edges):
+        per_code = np.bincount(code_new, weights=count[new], minlength=n_codes)
+        count[known] *= per_code[code_known].astype(np.int64)
+    return count
 
 
 def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyProjection]],
@@ -304,26 +304,51 @@ def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyPr
     """The server side of table mapping: join the key projections along the spec's join tree.
 
     Inner-join semantics (a row with no partner drops out); one-to-one, many-to-one and many-to-many
-    edges; composite keys. Each edge is indexed on the table level (digests -> integer codes -> the new
-    table's rows grouped by code), then the joined rows are expanded chunk by chunk into arrays allocated
-    once: peak memory is the result (N x M indices of :func:`index_dtype`) plus the previous edge's result
-    plus O(sum n_i + chunk); no join of digest columns over the joined rows. Joined rows come in the order
-    of the label table's rows, each followed by its partners in table order (pandas' inner merge order).
-    Raises SpecError naming the join that matched nothing.
+    edges; composite keys. Everything before the joined rows is on the table level: each edge's digests
+    become integer codes, each table row learns how many joined rows its subtree yields (so N is known and
+    rows that drop out are never expanded), and each edge groups the new table's rows by code. The label
+    table's rows are then expanded through every edge in ranges of about ``chunk`` (CHUNK_ROWS) joined rows,
+    straight into the result arrays, allocated once: peak memory is the result (N x M indices of
+    :func:`index_dtype`) plus O(sum n_i + chunk); no join of digest columns, no intermediate join. Joined rows
+    come in the order of the label table's rows, each followed by its partners in table order, edge after
+    edge (pandas' inner merge order). Raises SpecError naming the first join (in join order) after which the
+    join is empty.
     """
     n_rows = {t: int(sum(len(p.row_ids) for p in projections[t])) for t in spec.table_names}
     digests = {t: _union_shards(t, projections[t], n_rows[t]) for t in spec.table_names}
     join_index = {j: k for k, j in enumerate(spec.joins)}
     root = spec.label_table
-    joined = {root: np.arange(n_rows[root], dtype=index_dtype(n_rows[root]))}
-    for edge, known, new in spec.join_order():
+    order = list(spec.join_order())
+    edges = []
+    for edge, known, new in order:
         k = join_index[edge]
-        index = _EdgeIndex(digests[known][k], digests[new][k], n_rows[new])
-        joined = _join_edge(joined, known, new, index, n_rows, chunk)
-        del index
-        if len(joined[root]) == 0:
-            raise SpecError(f"join {edge} matched no rows: the join comes out empty (check the key values)")
-    return TableMapping(p={t: joined[t] for t in spec.table_names}, n_rows=n_rows)
+        edges.append((known, new, *_digest_codes(digests[known][k], digests[new][k])))
+    del digests
+    count = _completions(edges, n_rows)
+    N = int(count[root].sum())
+    if N == 0:
+        for k, (edge, _, _) in enumerate(order):  # the first join after which the join is empty
+            if int(_completions(edges[: k + 1], n_rows)[root].sum()) == 0:
+                raise SpecError(f"join {edge} matched no rows: the join comes out empty (check the key values)")
+    index = [_EdgeIndex(code_known, code_new, n_codes, count[new] > 0)
+             for known, new, code_known, code_new, n_codes in edges]
+    del edges
+    roots = np.flatnonzero(count[root] > 0)
+    ends = np.cumsum(count[root][roots])  # joined rows up to and including each live label row
+    del count
+    p = {t: np.empty(N, dtype=index_dtype(n_rows[t])) for t in spec.table_names}
+    size, at, a = int(chunk or CHUNK_ROWS), 0, 0
+    while a < len(roots):
+        b = max(a + 1, int(np.searchsorted(ends, at + size, side="right")))  # at least one label row
+        joined = {root: roots[a:b].astype(p[root].dtype)}
+        for (_, known, new), edge_index in zip(order, index):
+            joined = edge_index.expand(joined, known, new)
+        m = len(joined[root])
+        for t, rows in joined.items():
+            p[t][at : at + m] = rows
+        at, a = at + m, b
+    assert at == N
+    return TableMapping(p=p, n_rows=n_rows)
 
 
 def holdout_mask(spec: RelationalSpec, n_label_rows: int) -> np.ndarray:
