@@ -25,7 +25,7 @@ from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec
 Loader = Callable[..., dict[str, pd.DataFrame]]
 Describer = Callable[..., dict[str, Any]]
 
-#: name -> loader(**kwargs) -> {table name: frame}
+#: name -> loader(**kwargs, tables=None) -> {table name: frame} (tables: only those; every bundled loader takes it)
 LOADERS: dict[str, Loader] = {
     "movielens": movielens.load,
     "movielens1m": movielens1m.load,
@@ -41,7 +41,8 @@ __all__ = ["LOADERS", "DESCRIBERS", "register_loader", "check_dataset", "load_da
 
 
 def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
-    """Make ``load`` (and optionally ``describe``) available as ``loader: {name: NAME, ...}``."""
+    """Make ``load`` (and optionally ``describe``) available as ``loader: {name: NAME, ...}``. A ``load`` that
+    takes ``tables`` (a tuple of names) makes only those: each client then loads its own table alone."""
     LOADERS[name] = load
     if describe is not None:
         DESCRIBERS[name] = describe
