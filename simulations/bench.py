@@ -599,8 +599,11 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
         cmd = [sys.executable, "-m", "simulations.run", "algorithm=admm", *scale_overrides(n_joined), f"epochs={epochs}",
                f"runtime={runtime}", "algorithm.tol=0", f"hydra.run.dir={tmp}"]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # this checkout first on the path of the run and of Ray's workers (an installed copy elsewhere must not win)
+        root = str(Path(__file__).resolve().parents[1])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
         monitor = TreeMonitor(proc.pid)
         lines: list[tuple[float, str]] = []
         assert proc.stdout is not None
