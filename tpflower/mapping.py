@@ -257,6 +257,8 @@ def _digest_codes(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.n
     pair = c0.astype(np.int64) * len(u1) + c1
     del c0, c1
     codes, uniq = pd.factorize(pair)
+    del pair
+    codes = codes.astype(index_dtype(len(uniq)), copy=False)
     return codes[:n_left], codes[n_left:], len(uniq)
 
 
