@@ -414,8 +414,10 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
     epochs of scatter + update + test predictions. numpy allocations traced (tracemalloc): bytes per joined row
     of the mapping, of everything the server keeps after setup and an epoch, and the peaks of the build and of
     an epoch."""
+    import tempfile
     import tracemalloc
 
+    from tpflower.checkpoint import atomic_write
     from tpflower.loj import ADMMServer, joined_predictions
     from tpflower.losses import LabelScale, metrics
     from tpflower.mapping import holdout_mask
@@ -465,6 +467,10 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
     blob = pickle.dumps({"mapping": mapping, "train": train, "test": test, "y_train": y_train, "y_test": y_test,
                          "loop": {"admm": admm, "h": h}}, protocol=pickle.HIGHEST_PROTOCOL)
     t_pickle, checkpoint_bytes = time.perf_counter() - t0, len(blob)
+    with tempfile.TemporaryDirectory() as tmp:  # and writes (fsync'ed, tpflower.checkpoint.atomic_write)
+        t0 = time.perf_counter()
+        atomic_write(Path(tmp) / "checkpoint.pkl", blob)
+        t_write = time.perf_counter() - t0
     del blob
     per_row = lambda b: round((b - base) / N, 1)  # noqa: E731
     arrays = {"mapping p (all N rows, train + test views)": mapping_bytes, "y_train": y_train.nbytes,
@@ -481,6 +487,7 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
         "build_s": round(t_build, 2),
         "epoch_s": round(float(np.mean(epoch_s)), 3),
         "checkpoint_bytes_per_row": round(checkpoint_bytes / N, 1), "checkpoint_pickle_s": round(t_pickle, 2),
+        "checkpoint_write_s": round(t_write, 2),
         "peak_rss_mb": round(_peak_rss_mb(), 1),
     }
 

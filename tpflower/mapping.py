@@ -94,7 +94,7 @@ def project_keys(spec: RelationalSpec, table: str, frame: pd.DataFrame, row_ids:
 
 #: joined rows per chunk of the chunked server passes (segment sums, predictions, the mapping build): a few
 #: MB of temporaries per chunk, whatever N is
-CHUNK_ROWS = 1 << 20
+CHUNK_ROWS = 1 << 18
 
 
 def index_dtype(n: int) -> np.dtype:
