@@ -88,6 +88,15 @@ def test_chunked_build_with_dropped_rows_and_empty_chunks():
     assert ours.p["fact"].min() >= 50 and len(ours.p["fact"]) == 3 * int(np.isin(fact["a"], np.arange(5)).sum())
 
 
+def test_digest_codes_tell_apart_digests_that_share_their_first_word():
+    left = np.array([[1, 10], [1, 11], [2, 10], [1, 10]], dtype=np.uint64)
+    right = np.array([[1, 11], [3, 10], [1, 10]], dtype=np.uint64)
+    cl, cr, n = mapping_mod._digest_codes(left, right)
+    assert n == 4 and cl[0] == cl[3] == cr[2] and cl[1] == cr[0] and len({cl[0], cl[1], cl[2], cr[1]}) == 4
+    cl, cr, n = mapping_mod._digest_codes(left[[0, 2]], right[[1, 2]])  # first words decide: the fast path
+    assert n == 3 and cl[0] == cr[1] and len({cl[0], cl[1], cr[0]}) == 3
+
+
 def test_index_dtype_is_the_narrowest_that_holds_the_rows():
     assert index_dtype(10) == np.int32 and index_dtype(2**31 - 1) == np.int32 and index_dtype(2**31) == np.int64
 

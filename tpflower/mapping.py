@@ -246,18 +246,20 @@ def _union_shards(table: str, projections: Sequence[KeyProjection], n_rows: int)
 
 def _digest_codes(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """Integer codes of 128-bit digests, equal codes for equal digests on either side: (codes of ``left``
-    rows, codes of ``right`` rows, number of codes). Exact: each 64-bit word is factorized, then the pair."""
+    rows, codes of ``right`` rows, number of codes). Exact: the first 64-bit word is factorized; if any value
+    of it comes with two second words (two keys agreeing on 64 bits: practically never for HMAC digests), both
+    words are factorized and then the pair."""
     n_left = len(left)
     both = np.concatenate([left, right])
-    c0, u0 = pd.factorize(both[:, 0])
-    c1, u1 = pd.factorize(both[:, 1])
+    codes, uniq = pd.factorize(both[:, 0])
+    second = np.empty(len(uniq), dtype=np.uint64)
+    second[codes] = both[:, 1]
+    if not np.array_equal(second[codes], both[:, 1]):
+        c1, u1 = pd.factorize(both[:, 1])
+        if len(uniq) > (2**62) // max(len(u1), 1):
+            raise SpecError(f"table mapping: too many distinct keys ({len(uniq)} x {len(u1)}) to pair")
+        codes, uniq = pd.factorize(codes.astype(np.int64) * len(u1) + c1)
     del both
-    if len(u0) and len(u1) and len(u0) > (2**62) // len(u1):
-        raise SpecError(f"table mapping: too many distinct keys ({len(u0)} x {len(u1)}) to pair")
-    pair = c0.astype(np.int64) * len(u1) + c1
-    del c0, c1
-    codes, uniq = pd.factorize(pair)
-    del pair
     codes = codes.astype(index_dtype(len(uniq)), copy=False)
     return codes[:n_left], codes[n_left:], len(uniq)
 
