@@ -150,11 +150,11 @@ class TableMapping:
         is_test = np.asarray(is_test, dtype=bool)
         if is_test.shape != (self.N,):
             raise ValueError(f"partition: is_test must have shape ({self.N},), got {is_test.shape}")
-        n_test = int(np.count_nonzero(is_test))
-        n_train = self.N - n_test
+        is_train = ~is_test
+        n_train = int(np.count_nonzero(is_train))
         for t, p in self.p.items():
             out = np.empty_like(p)
-            np.compress(~is_test, p, out=out[:n_train])
+            np.compress(is_train, p, out=out[:n_train])
             np.compress(is_test, p, out=out[n_train:])
             self.p[t] = out
         return self.rows(0, n_train), self.rows(n_train, self.N)
