@@ -7,6 +7,7 @@
     python -m simulations.bench convergence [--epochs 10] [--mlp]  -> bench_results/convergence.json
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
                                                                   -> bench_results/scale.json
+    python -m simulations.bench deploy [--datasets movielens,star_2m] -> bench_results/deploy.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -674,7 +675,15 @@ SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}
                                                      a.mlp),
           "scale": lambda a: scale_suite(_ints(a.scale_n), a.epochs, a.mapping_n, _ints(a.server_n)),
           "celu": lambda a: celu_suite(a.datasets.split(","), a.model, a.variants.split(","), a.seeds, a.epochs,
-                                       a.eval_every)}
+                                       a.eval_every),
+          "deploy": lambda a: _deploy(a)}
+
+
+def _deploy(a: argparse.Namespace) -> dict[str, Any]:
+    from simulations.bench_deploy import DEPLOY_CASES, deploy_suite
+
+    cases = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(DEPLOY_CASES)
+    return deploy_suite(cases, a.epochs if a.epochs != 3 else 6)
 
 
 DEFAULT_CELU_DATA = "movielens,nycflights13_delayed"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pandas as pd
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
@@ -217,30 +217,25 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None,
         out = run_dir or context.run_config.get("run-dir")
         return str(Path(str(out)).resolve() / "node-state") if out else None
 
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        """The server's first step: which table and shard this node holds (nothing else is loaded)."""
-        _, config = unpack_payload(msg.content)
-        if config.get("phase") != HELLO_PHASE:
-            raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
-        run_cfg, root, _ = settings_of(context)
-        node = owner_checked(run_cfg, dict(context.node_config), root)  # refuse a run it would not serve, now
-        return Message(pack_reply({}, {"table": node.table, "shard": node.shard}), reply_to=msg)
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        return answer(msg, context)
-
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        return answer(msg, context)
-
-    def answer(msg: Message, context: Context) -> Message:
+    def respond(message_type: str, content: RecordDict, context: Context) -> RecordDict:
+        """The reply content to one message (what every handler returns, here or in a node's worker)."""
         run_cfg, root, key = settings_of(context)
-        arrays, config = unpack_payload(msg.content)
+        arrays, config = unpack_payload(content)
+        if message_type == "query":  # the server's first step: which table and shard this node holds
+            if config.get("phase") != HELLO_PHASE:
+                raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
+            node = owner_checked(run_cfg, dict(context.node_config), root)  # refuse a run it would not serve, now
+            return pack_reply({}, {"table": node.table, "shard": node.shard})
         out, metrics = make_client(run_cfg, context, root, key, state_dir_of(context)).handle(arrays, config)
-        return Message(pack_reply(out, metrics), reply_to=msg)
+        return pack_reply(out, metrics)
 
+    def handler(msg: Message, context: Context) -> Message:
+        return Message(respond(msg.metadata.message_type, msg.content, context), reply_to=msg)
+
+    app.query()(handler)
+    app.train()(handler)
+    app.evaluate()(handler)
+    app.respond = respond  # type: ignore[attr-defined]  # for a deployed node's worker (simulations.node_worker)
     return app
 
 

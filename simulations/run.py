@@ -42,7 +42,7 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
         from simulations.federated import run_flower_simulation, run_in_process
         from simulations.server_app import make_strategy
 
-        make_strategy(cfg, None, base_dir, log=lambda _: None)  # every setting checked before Flower starts
+        make_strategy(cfg, run_dir, base_dir, log=lambda _: None)  # every setting checked before Flower starts
         check_data(cfg, base_dir)  # and every table, all problems at once
         release_tables()  # the server holds no table during the run: each client loads its own
 

@@ -99,10 +99,12 @@ class TablePuppetStrategy(Strategy):
         one the run does not have stops the run."""
         assert self.transport is not None
         hello = [Message(pack_payload({}, {"phase": HELLO_PHASE}), node, "query") for node in ids]
-        for reply in self.transport.exchange(hello):
+        replies = self.transport.exchange(hello)
+        errors = [f"node {r.metadata.src_node_id}: {error_reason(r)}" for r in replies if r.has_error()]
+        if errors:  # every refusing node's line
+            raise RunError("\n".join(sorted(errors)))
+        for reply in replies:
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                raise RunError(f"node {node}: {error_reason(reply)}")
             _, info = unpack_reply(reply.content)
             key = (str(info["table"]), int(info["shard"]))
             if key in self.nodes:
@@ -142,10 +144,12 @@ class TablePuppetStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode the replies of the round; an error reply ends the run with one line naming its table."""
         self._inbox, self._up = {}, {}
+        replies = list(replies)
+        errors = [f"{self.node_name(r.metadata.src_node_id)}: {error_reason(r)}" for r in replies if r.has_error()]
+        if errors:  # every node's own line (e.g. each table's data problems), not only the first one's
+            raise RunError("\n".join(sorted(errors)))
         for reply in replies:
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                raise RunError(f"{self.node_name(node)}: {error_reason(reply)}")
             key = self.keys[node]
             self._inbox[key] = unpack_reply(reply.content)
             self._up[key] = record_bytes(reply.content)

@@ -138,3 +138,42 @@ def test_an_algorithm_without_checkpoints_refuses_resume(tmp_path):
     with pytest.raises(ValueError, match=r"resume=true: tp_ucq_admm does not checkpoint its epochs yet \(algorithms "
                                          r"that do: .*tp_join_admm.*\)"):
         make_strategy(compose_config("dataset=synthetic", "scenario=ucq", "resume=true"), tmp_path, log=quiet)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_flower_simulation_killed_with_sigkill_resumes_to_the_uninterrupted_metrics(tmp_path):
+    """The CLI run (Flower simulation) killed with SIGKILL once it checkpointed epoch 3 of 6, then resumed
+    in its run dir: its results equal an uninterrupted run's (float64, to 1e-6)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    overrides = ["algorithm=admm", "dataset=movielens", "epochs=6", "precision=float64"]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "simulations.run", *overrides, f"hydra.run.dir={run_dir}"]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline, seen = time.monotonic() + 240, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        path = run_dir / "checkpoint.pkl"
+        stamp = path.stat().st_mtime_ns if path.is_file() else None
+        if stamp != seen:
+            seen = stamp
+            if checkpoint_epoch(run_dir) >= 3:
+                os.killpg(proc.pid, signal.SIGKILL)  # the run and its Ray workers
+                break
+        time.sleep(0.002)
+    proc.wait(30)
+    killed_at = checkpoint_epoch(run_dir)
+    assert 3 <= killed_at < 6 and not (run_dir / "results.json").exists(), f"not killed mid-run ({killed_at})"
+    done = subprocess.run(cmd + ["resume=true"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"resumed after epoch {killed_at}" in done.stdout
+    data = json.loads((run_dir / "results.json").read_text())
+    want = run_in_process(compose_config(*overrides), None, log=quiet).strategy.results.history
+    assert [h["epoch"] for h in data["history"]] == [h.epoch for h in want]
+    np.testing.assert_allclose([h["test_metric"] for h in data["history"]], [h.test_metric for h in want], rtol=1e-6)
