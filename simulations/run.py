@@ -23,7 +23,7 @@ from simulations.centralized import check_settings, constant_predictor_metric, t
 from strategies.protocol import RunError
 from tpflower import privacy as dp
 from tpflower.checks import DataProblems, errors
-from tpflower.datasets import check_dataset, load_spec
+from tpflower.datasets import check_dataset, load_spec, release_tables
 from tpflower.owner import redact_run_dir, simulation_secret
 from tpflower.reference import as_reference, reference_text
 from tpflower.relation import Relation, load_relation, summary_line
@@ -44,6 +44,7 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
 
         make_strategy(cfg, run_dir, base_dir, log=lambda _: None)  # every setting checked before Flower starts
         check_data(cfg, base_dir)  # and every table, all problems at once
+        release_tables()  # the server holds no table during the run: each client loads its own
 
         if cfg.get("runtime", "flower") == "inprocess":
             results = run_in_process(cfg, run_dir, base_dir).strategy.results

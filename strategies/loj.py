@@ -34,7 +34,7 @@ from tpflower.comm import CommMeter, WanModel
 from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
 from tpflower.losses import LabelScale, metrics, output_dim, primary_metric
-from tpflower.mapping import KeyProjection, TableMapping, build_mapping
+from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
 from tpflower.records import numbered, unnumbered
 from tpflower.params import AlgorithmParams, run_settings
 from tpflower.reference import as_reference, constant_predictions, reference_metrics, reference_text
@@ -116,14 +116,17 @@ class LoJStrategy(TablePuppetStrategy):
             for t in self.spec.table_names
         }
         self.client_rows = {k: len(r[0]["row_ids"]) for k, r in replies.items()}
+        for r in replies.values():  # the digests have served their purpose: free them before N-sized state
+            for name in [n for n in r[0] if n.startswith("digest.")]:
+                del r[0][name]
         y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[self.spec.label_table])
-        is_test = is_test_rows[mapping.p[self.spec.label_table]]
-        self.train, self.test = mapping.subset(~is_test), mapping.subset(is_test)
+        # train and test are views of the mapping, reordered in place: train rows first, then test rows
+        self.train, self.test = mapping.partition(is_test_rows[mapping.p[self.spec.label_table]])
         y_train = y_rows[self.train.p[self.spec.label_table]]
         # regression: training sees the label standardized on the training rows (after label DP, which the
         # label owner applied to the raw label); predictions go back to the label's units before any metric
         self.label_scale = LabelScale.fit(self.task, y_train, bool(self.cfg.get("standardize_label", True)))
-        self.y_train = self.label_scale.scaled(y_train)
+        self.y_train = self.state_labels(self.label_scale.scaled(y_train))
         # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
         self.y_test = None if self.label_dp else y_rows[self.test.p[self.spec.label_table]]
         self._evaluation = self._evaluation_split() if self.label_dp else {}
@@ -133,6 +136,7 @@ class LoJStrategy(TablePuppetStrategy):
         self.results.privacy = dp.privacy_summary(self.privacy, self.task, 0.0 if self.feature_dp else None)
         if self.y_test is not None:  # label DP: the label owner scores the constant predictor at the first evaluation
             self.results.reference = reference_metrics(self.task, y_train, self.y_test, self.d_out)  # label units
+        del y_train  # the raw training labels: only the reference needs them
         self.log(" | ".join(p for p in (summary_line(self.spec, mapping), reference_text(self.task, self.results.reference),
                                          self.comm.wan.note) if p))
         self.mapping = mapping
@@ -141,6 +145,18 @@ class LoJStrategy(TablePuppetStrategy):
         self._federated_preprocessing()
         if self.expand:
             self._expand()
+
+    @property
+    def state_dtype(self) -> np.dtype:
+        """The dtype of the server's per-joined-row float state: float32 in a float32 run, else float64."""
+        return np.dtype(np.float32 if str(self.cfg.get("precision", "float64")) == "float32" else np.float64)
+
+    def state_labels(self, y: np.ndarray) -> np.ndarray:
+        """The training labels as the server keeps them: regression/binary labels in :attr:`state_dtype`
+        (float32 in a float32 run), class ids as int32."""
+        if self.task == "multiclass":
+            return np.asarray(y).astype(np.int32, copy=False)
+        return np.asarray(y).astype(self.state_dtype, copy=False)
 
     def _labels(self, replies: Mapping[ClientKey, Reply], n_label_rows: int) -> tuple[np.ndarray, np.ndarray, int | None]:
         """Labels and test flags over the label table's rows, from every shard of the label table."""
@@ -222,12 +238,13 @@ class LoJStrategy(TablePuppetStrategy):
     def _expand(self) -> None:
         """VFL: send p_i over all joined rows (train, then test); continue on the identity mapping."""
         N_train, N_test = self.train.N, self.test.N
-        order = {t: np.concatenate([self.train.p[t], self.test.p[t]]) for t in self.spec.table_names}
+        order = self.mapping.p  # train rows, then test rows (setup's partition)
         self.send({k: ({"p": order[k[0]]}, {"phase": "expand"}) for k in self.clients})
         n_all = N_train + N_test
         self.client_rows = {k: n_all for k in self.clients}
-        self.train = TableMapping({t: np.arange(N_train) for t in order}, {t: n_all for t in order})
-        self.test = TableMapping({t: N_train + np.arange(N_test) for t in order}, {t: n_all for t in order})
+        ids = np.arange(n_all, dtype=index_dtype(n_all))
+        identity = TableMapping({t: ids for t in order}, {t: n_all for t in order})
+        self.train, self.test = identity.rows(0, N_train), identity.rows(N_train, n_all)
 
     # ------------------------------------------------------------------------------------------ checkpoints
 

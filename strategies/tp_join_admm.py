@@ -17,7 +17,6 @@ import numpy as np
 from strategies.loj import LoJStrategy
 from strategies.registry import AlgorithmEntry, register
 from tpflower.loj import ADMMServer, Balancing, Residuals, joined_predictions
-from tpflower.losses import loss_np
 from tpflower.params import ADMMParams
 from tpflower.phases import join_admm, setup
 from tpflower.privacy import admm_steps
@@ -49,8 +48,7 @@ class TPJoinADMM(LoJStrategy):
                 {"Y": Y[t]}, {"phase": "admm_update", "epoch": epoch, "rho": rho, **self.checkpoint_config(epoch)})))
             h = self.outputs(replies)
             res = admm.update(h)  # z, lambda (Eq. 7, 8), residuals and the next rho (Boyd Sec. 3.4.1)
-            H_train = joined_predictions(self.train.p, h)
-            train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
+            train_loss = admm.train_loss()  # at the H of this update (computed there, chunk by chunk)
             reg = sum(float(r[1]["R"]) for r in replies.values())
             self.record_epoch(
                 epoch,
@@ -82,7 +80,7 @@ class TPJoinADMM(LoJStrategy):
         alg = self.params
         balancing = Balancing(alg.rho_mu, alg.rho_tau, alg.rho_warmup) if alg.adapt_rho else None
         self.admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, admm_rho(alg.rho, self.task),
-                               alg.variant, balancing, alg.tol)
+                               alg.variant, balancing, alg.tol, dtype=self.state_dtype)
         return self.admm
 
     def stop_early(self, epoch: int, res: Residuals, inner: str = "") -> bool:

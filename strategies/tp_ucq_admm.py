@@ -23,7 +23,6 @@ import numpy as np
 from strategies.registry import AlgorithmEntry, register
 from strategies.tp_join_admm import TPJoinADMM, admm_dp_plan, residual_extra
 from tpflower.loj import Balancing, joined_predictions
-from tpflower.losses import loss_np
 from tpflower.params import ADMMParams
 from tpflower.phases import join_admm, setup, union
 from tpflower.relation import has_bias
@@ -92,8 +91,7 @@ class TPUCQADMM(TPJoinADMM):
                                      for k in self.clients if k[0] in multi})
                 h.update({t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards}) for t in multi})
             res = admm.update(h)  # z, lambda (Eq. 7, 8), residuals and the next rho (Boyd Sec. 3.4.1)
-            H_train = joined_predictions(self.train.p, h)
-            train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
+            train_loss = admm.train_loss()  # at the H of this update (computed there, chunk by chunk)
             self.record_epoch(
                 epoch,
                 joined_predictions(self.test.p, h),

@@ -211,21 +211,39 @@ def key_kind_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) 
     return out
 
 
+def _key_codes(left: pd.DataFrame, right: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Integer codes of the key tuples of two tables (columns in pairs), equal codes for keys that an inner
+    merge matches: each column pair factorized together, then the tuple of codes."""
+    n = len(left)
+    codes = np.zeros(n + len(right), dtype=np.int64)
+    for lc, rc in zip(left.columns, right.columns):
+        c, uniq = pd.factorize(pd.concat([left[lc], right[rc]], ignore_index=True))
+        codes, _ = pd.factorize(codes * (len(uniq) + 1) + c)
+    return codes[:n], codes[n:]
+
+
 def join_drops(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[tuple[str, str, int]]:
     """Per join of the tree (breadth-first from the label table): (join, table joined, label-table rows that
-    the inner join loses there). Raw key values (the simulation owns every table); vectorized merges."""
+    the inner join loses there). Raw key values (the simulation owns every table). On the table level: a row
+    survives the joins so far when, for each of its joins among them, a surviving row of the child table
+    shares its key (children first); the join itself is never materialized."""
     root = spec.label_table
-    joined = pd.DataFrame({root: np.arange(len(frames[root]), dtype=np.int64)})
+    order = list(spec.join_order())
+    partner: list[tuple[np.ndarray, np.ndarray]] = []  # per edge: key codes of the known and the new table's rows
+    for edge, known, new in order:
+        lcols, rcols = list(edge.columns_of(known)), list(edge.columns_of(new))
+        partner.append(_key_codes(frames[known][lcols], frames[new][rcols]))
     out = []
-    for edge, known, new in spec.join_order():
-        lcols, rcols = edge.columns_of(known), edge.columns_of(new)
-        names = [f"_k{i}" for i in range(len(lcols))]
-        left_keys = frames[known][list(lcols)].iloc[joined[known].to_numpy()].reset_index(drop=True)
-        left = pd.concat([joined.reset_index(drop=True), left_keys.set_axis(names, axis=1)], axis=1)
-        right = frames[new][list(rcols)].set_axis(names, axis=1).assign(**{new: np.arange(len(frames[new]))})
-        before = joined[root].nunique()
-        joined = left.merge(right, on=names, how="inner", sort=False).drop(columns=names)
-        out.append((str(edge), new, int(before - joined[root].nunique())))
+    before = len(frames[root])
+    for k, (edge, _, new) in enumerate(order):
+        alive = {t: np.ones(len(f), dtype=bool) for t, f in frames.items()}
+        for (_, known_t, new_t), (code_known, code_new) in zip(order[k::-1], partner[k::-1]):  # children first
+            has = np.zeros(int(max(code_known.max(initial=-1), code_new.max(initial=-1))) + 1, dtype=bool)
+            has[code_new[alive[new_t]]] = True
+            alive[known_t] &= has[code_known]
+        after = int(alive[root].sum())
+        out.append((str(edge), new, before - after))
+        before = after
     return out
 
 

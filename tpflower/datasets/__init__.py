@@ -7,6 +7,7 @@ the tables against the spec. ``shard_rows`` splits a table's row ids into its ho
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Mapping
 from functools import lru_cache
@@ -24,7 +25,7 @@ from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec
 Loader = Callable[..., dict[str, pd.DataFrame]]
 Describer = Callable[..., dict[str, Any]]
 
-#: name -> loader(**kwargs) -> {table name: frame}
+#: name -> loader(**kwargs, tables=None) -> {table name: frame} (tables: only those; every bundled loader takes it)
 LOADERS: dict[str, Loader] = {
     "movielens": movielens.load,
     "movielens1m": movielens1m.load,
@@ -35,11 +36,13 @@ LOADERS: dict[str, Loader] = {
 DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
 SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
 
-__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "check_dataset", "load_dataset", "load_spec", "load_table", "shard_rows", "to_dict"]
+__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "check_dataset", "load_dataset", "load_spec", "load_table",
+           "load_tables", "release_tables", "shard_rows", "to_dict"]
 
 
 def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
-    """Make ``load`` (and optionally ``describe``) available as ``loader: {name: NAME, ...}``."""
+    """Make ``load`` (and optionally ``describe``) available as ``loader: {name: NAME, ...}``. A ``load`` that
+    takes ``tables`` (a tuple of names) makes only those: each client then loads its own table alone."""
     LOADERS[name] = load
     if describe is not None:
         DESCRIBERS[name] = describe
@@ -86,25 +89,44 @@ def _frame(
     table: TableSpec, loader_name: str | None, kwargs: dict[str, Any], base_dir: str | Path | None,
     loaded: dict[str, pd.DataFrame] | None,
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame] | None]:
-    """One table's frame (RangeIndex) from its source file or the loader; returns the loader output for reuse."""
+    """One table's frame (RangeIndex) from its source file or the loader; ``loaded`` None: the loader makes
+    this table alone (a client's load), else ``loaded`` holds the loader's tables (all of them)."""
     if table.source is not None:
         return read_table(table.name, table.source, base_dir), loaded
     if loader_name is None:
         raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
-    if loaded is None:
-        loaded = _run_loader(loader_name, json.dumps(kwargs, sort_keys=True))
-    if table.name not in loaded:
+    frames = loaded if loaded is not None else load_tables(loader_name, kwargs, (table.name,))
+    if table.name not in frames:
         raise SpecError(
             f"table {table.name!r} has no source file and loader {loader_name!r} gives no such table; "
-            f"it gives {sorted(loaded)}"
+            f"it gives {sorted(frames)}"
         )
-    return loaded[table.name].reset_index(drop=True), loaded
+    return frames[table.name].reset_index(drop=True), loaded
+
+
+def load_tables(loader_name: str, kwargs: Mapping[str, Any], tables: tuple[str, ...]) -> dict[str, pd.DataFrame]:
+    """The loader's tables ``tables`` only, made without the others when the loader takes ``tables`` (every
+    bundled loader does); a loader that does not is run whole and cut. Not cached: the client caches its table."""
+    load = LOADERS[loader_name]
+    if "tables" in inspect.signature(load).parameters:
+        try:
+            return load(**kwargs, tables=tables)
+        except SpecError:
+            pass  # a table the loader does not give: reported by the caller, naming the loader's tables
+    frames = load(**kwargs)
+    return {t: frames[t] for t in tables if t in frames} or frames
 
 
 @lru_cache(maxsize=2)
 def _run_loader(name: str, kwargs_json: str) -> dict[str, pd.DataFrame]:
-    """A bundled loader's tables, once per process (each client of a simulation asks for its own table)."""
+    """A bundled loader's tables (all of them), once per process: the whole-dataset paths (centralized
+    baseline, checks) load every table."""
     return LOADERS[name](**json.loads(kwargs_json))
+
+
+def release_tables() -> None:
+    """Drop the whole-dataset tables this process keeps (the cache of :func:`check_dataset`'s loads)."""
+    _run_loader.cache_clear()
 
 
 def _frames(
@@ -116,6 +138,8 @@ def _frames(
     problems: list[Problem] = []
     for table in spec.tables:
         try:
+            if table.source is None and loader_name is not None and loaded is None:
+                loaded = _run_loader(loader_name, json.dumps(kwargs, sort_keys=True))  # every table, once
             frames[table.name], loaded = _frame(table, loader_name, kwargs, base_dir, loaded)
         except DataProblems as exc:
             problems += exc.problems
