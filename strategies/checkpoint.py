@@ -1,6 +1,7 @@
-"""The server's checkpoint: after every epoch, what the strategy built in setup (mapping, splits, labels,
-meters, the run record so far) and its training loop's state (e.g. ADMM's z, lambda and the clients' last
-predictions), pickled into RUN_DIR/checkpoint.pkl, atomically (a crash leaves the previous epoch's file).
+"""The server's checkpoint: what the strategy built in setup (mapping, splits, labels), pickled once into
+RUN_DIR/checkpoint-setup.pkl, and after every epoch the run record so far, the meters and the training loop's
+state (e.g. ADMM's z, lambda and the clients' last predictions) into RUN_DIR/checkpoint.pkl; each written
+atomically and streamed to the file (a crash leaves the previous epoch's file; no second copy in memory).
 
 The file is the server's own (it holds nothing the server did not hold while running) and it is read only
 by a run resumed in the same run dir with the same config (``resume=true``); the clients' side of the same
@@ -18,6 +19,7 @@ from tpflower.checkpoint import atomic_write, run_key as _key
 from tpflower.owner import redact
 
 CHECKPOINT = "checkpoint.pkl"
+SETUP_CHECKPOINT = "checkpoint-setup.pkl"
 
 
 def _config(cfg: Any) -> dict[str, Any]:
@@ -26,7 +28,8 @@ def _config(cfg: Any) -> dict[str, Any]:
 
 
 def save_checkpoint(path: Path, cfg: Any, state: dict[str, Any]) -> None:
-    atomic_write(path, pickle.dumps({"config": _config(cfg), **state}, protocol=pickle.HIGHEST_PROTOCOL))
+    record = {"config": _config(cfg), **state}
+    atomic_write(path, lambda f: pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def load_checkpoint(path: Path, cfg: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from strategies.base import TablePuppetStrategy
-from strategies.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from strategies.checkpoint import CHECKPOINT, SETUP_CHECKPOINT, load_checkpoint, save_checkpoint
 from strategies.lou import ShardRouter
 from strategies.protocol import ClientKey, Kind, Payload, Reply
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
@@ -44,8 +44,9 @@ from tpflower.schema import RelationalSpec, validate_key_kinds
 
 
 #: what a checkpoint keeps of a strategy beside its training loop's state: everything setup built
-CHECKPOINTED = ("mapping", "train", "test", "routers", "client_rows", "y_train", "y_test", "label_scale", "_evaluation",
-                "d_out", "comm", "results", "dp_plan", "eps_spent")
+SETUP_STATE = ("mapping", "train", "test", "routers", "client_rows", "y_train", "y_test", "label_scale", "_evaluation",
+               "d_out", "dp_plan")  # written once (checkpoint-setup.pkl): it does not change after setup
+EPOCH_STATE = ("comm", "results", "eps_spent")  # written every epoch with the training loop's state
 
 
 class LoJStrategy(TablePuppetStrategy):
@@ -58,7 +59,7 @@ class LoJStrategy(TablePuppetStrategy):
     params_type: type[AlgorithmParams] = AlgorithmParams
     expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
     resumable = False  # the protocol checkpoints every epoch (begin / checkpoint_config / end_epoch)
-    checkpointed = CHECKPOINTED  # the attributes a checkpoint keeps
+    checkpointed = EPOCH_STATE  # the attributes an epoch's checkpoint keeps (subclasses add theirs)
 
     def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
                  feature_dp: bool = True, label_dp: bool = True, why_no_feature_dp: str = ""):
@@ -256,12 +257,16 @@ class LoJStrategy(TablePuppetStrategy):
             return 0, start()
         assert self.run_dir is not None
         saved = load_checkpoint(self.run_dir / CHECKPOINT, self.cfg)
+        setup = load_checkpoint(self.run_dir / SETUP_CHECKPOINT, self.cfg)
+        if setup["run_id"] != saved["run_id"]:
+            raise ValueError(f"{SETUP_CHECKPOINT} and {CHECKPOINT} in {self.run_dir} are of different runs")
         epoch = int(saved["epoch"])
         self.run_id = str(saved["run_id"])
         self.send({k: ({}, {"phase": "resume", "run_id": self.run_id, "epoch": epoch, **dp.privacy_message(self.privacy)})
                    for k in self.clients})
-        for name, value in saved["attributes"].items():
+        for name, value in {**setup["attributes"], **saved["attributes"]}.items():
             setattr(self, name, value)
+        self._setup_saved = True
         self._t0 = time.perf_counter() - float(saved["elapsed"])
         self.log(f"resumed after epoch {epoch} from {self.run_dir / CHECKPOINT}")
         return epoch, saved["loop"]
@@ -271,12 +276,18 @@ class LoJStrategy(TablePuppetStrategy):
         return {"checkpoint": int(epoch), "run_id": self.run_id} if self.run_dir is not None and self.resumable else {}
 
     def end_epoch(self, epoch: int, loop: dict[str, Any]) -> None:
-        """Checkpoint the server's state after epoch ``epoch`` (atomically, into the run dir)."""
-        if self.run_dir is not None and self.resumable:
-            save_checkpoint(self.run_dir / CHECKPOINT, self.cfg, {
-                "epoch": int(epoch), "run_id": self.run_id, "elapsed": time.perf_counter() - self._t0, "loop": loop,
-                "attributes": {name: getattr(self, name) for name in self.checkpointed if hasattr(self, name)},
-            })
+        """Checkpoint the server's state after epoch ``epoch`` (atomically, into the run dir); what setup built
+        is written with the first epoch only."""
+        if self.run_dir is None or not self.resumable:
+            return
+        if not getattr(self, "_setup_saved", False):
+            save_checkpoint(self.run_dir / SETUP_CHECKPOINT, self.cfg, {
+                "run_id": self.run_id, "attributes": {name: getattr(self, name) for name in SETUP_STATE if hasattr(self, name)}})
+            self._setup_saved = True
+        save_checkpoint(self.run_dir / CHECKPOINT, self.cfg, {
+            "epoch": int(epoch), "run_id": self.run_id, "elapsed": time.perf_counter() - self._t0, "loop": loop,
+            "attributes": {name: getattr(self, name) for name in self.checkpointed if hasattr(self, name)},
+        })
 
     # ------------------------------------------------------------------------------------------ records
 

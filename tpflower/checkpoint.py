@@ -22,7 +22,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from flwr.common import RecordDict
@@ -48,13 +48,17 @@ def run_key(cfg: Any) -> str:
     return json.dumps({k: v for k, v in container.items() if k not in IGNORED_CONFIG_KEYS}, sort_keys=True, default=str)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader (or a crash) sees the old file or the new one, never half."""
+def atomic_write(path: Path, data: bytes | Callable[[Any], None]) -> None:
+    """Write ``data`` (bytes, or a function writing to the open binary file) to ``path`` so that a reader
+    (or a crash) sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if isinstance(data, bytes):
+                f.write(data)
+            else:
+                data(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
