@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -432,6 +432,17 @@ class LoJStrategy(TablePuppetStrategy):
         B = batch_size_of(self.cfg.algorithm.batch_size, self.train.N)
         schedule = SGDSchedule(self.train, B, int(self.cfg.epochs), np.random.default_rng(int(self.cfg.seed)))
         return schedule, BatchPlan.of(self.test, np.arange(self.test.N))
+
+    @staticmethod
+    def sgd_rounds(schedule: SGDSchedule, done: int) -> Iterator[tuple[int, tuple]]:
+        """The schedule's rounds, numbered from 1, after the ``done`` epochs a resumed run already has (the same
+        seed draws the same batches, so they are drawn and skipped)."""
+        rounds = enumerate(schedule, start=1)
+        if done:
+            for _, (epoch, _, _, _, last) in rounds:
+                if epoch == done and last:
+                    break
+        return rounds
 
     def eval_point(self, round_no: int, epoch: int, last: bool, per_epoch: int) -> float | None:
         """SGD family: whether exchange round ``round_no`` (1-based) carries an evaluation, as the epoch it

@@ -40,11 +40,7 @@ class TPUCQSGD(LoJStrategy):
         schedule, evaluation = self.sgd_schedule()
         eval_split = {t: self.routers[t].split(evaluation.U[t]) for t in self.spec.table_names}
         h = loop["h"]
-        rounds = enumerate(schedule, start=1)
-        if done:  # the same seed draws the same batches: skip those of the epochs done
-            for _, (epoch, _, _, _, last) in rounds:
-                if epoch == done and last:
-                    break
+        rounds = self.sgd_rounds(schedule, done)
         loss_sum, seen = 0.0, 0
         for round_no, (epoch, rows, plan, nxt, last) in rounds:
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
