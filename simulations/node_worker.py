@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flwr.app import Context, RecordDict
-from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
-from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
+
+from tpflower.records import recorddict_bytes as _to_bytes, recorddict_of as _from_bytes
 
 IDLE_EXIT_S = 900.0
 START_TIMEOUT_S = 120.0
@@ -77,16 +77,6 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 def _recv(conn: socket.socket, count: int) -> list[bytes]:
     return [_recv_exact(conn, struct.unpack("!Q", _recv_exact(conn, 8))[0]) for _ in range(count)]
-
-
-def _to_bytes(records: RecordDict) -> bytes:
-    return recorddict_to_proto(records).SerializeToString()
-
-
-def _from_bytes(data: bytes) -> RecordDict:
-    proto = ProtoRecordDict()
-    proto.ParseFromString(data)
-    return recorddict_from_proto(proto)
 
 
 # ------------------------------------------------------------------------------------------------ client side

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from simulations import deploy
+from tests.test_resume import checkpoint_epoch
 
 OVERRIDES = "algorithm=admm dataset=synthetic epochs=2"
 # the join deployment: the label owner's settings file sets label DP as its floor (deploy.start writes the
@@ -171,15 +172,6 @@ def test_flwr_run_local_simulation(tmp_path):
     assert left == []
     assert deploy.local_superlink_pids(home) == []
 
-
-
-def checkpoint_epoch(run_dir: Path) -> int:
-    import pickle
-
-    try:
-        return int(pickle.loads((run_dir / "checkpoint.pkl").read_bytes())["epoch"])
-    except (OSError, EOFError, pickle.UnpicklingError, KeyError):
-        return 0
 
 
 def unauthorized_nodes_are_refused(dep: deploy.Deployment, tmp_path: Path) -> None:

@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from flwr.common import RecordDict
-from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
-from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
 
 from tpflower.guard import ProtocolRefusal
+from tpflower.records import recorddict_bytes, recorddict_of
 
 if TYPE_CHECKING:
     from tpflower.client import TableClient
@@ -78,7 +77,7 @@ class NodeStore:
         return self.dir / f"epoch-{int(epoch)}.rd"
 
     def save(self, epoch: int, state: RecordDict) -> None:
-        atomic_write(self.path(epoch), recorddict_to_proto(state).SerializeToString())
+        atomic_write(self.path(epoch), recorddict_bytes(state))
         for old in sorted(self.dir.glob("epoch-*.rd"), key=lambda p: int(p.stem.split("-")[1]))[:-KEEP]:
             old.unlink(missing_ok=True)
 
@@ -86,9 +85,7 @@ class NodeStore:
         path = self.path(epoch)
         if not path.is_file():
             return None
-        proto = ProtoRecordDict()
-        proto.ParseFromString(path.read_bytes())
-        return recorddict_from_proto(proto)
+        return recorddict_of(path.read_bytes())
 
     @property
     def ledger(self) -> Path:
