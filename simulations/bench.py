@@ -655,6 +655,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="celu: variants (vanilla always runs)")
     ap.add_argument("--full-variants", default="vanilla,fedbcd,celu", help="celu: variants run to the end (others stop at the target)")
     ap.add_argument("--jobs", type=int, default=1, help="celu: cases at a time")
+    ap.add_argument("--grid-seeds", type=int, default=None, help="celu: seeds of the grid variants (default: --seeds)")
     ap.add_argument("--flower-seed", type=int, default=0, help="celu: seed of the Flower wall-time runs (-1: none)")
     ap.add_argument("--seeds", type=int, default=3, help="celu: seeds per variant")
     ap.add_argument("--eval-every", type=int, default=10, help="celu: rounds between evaluations")

@@ -4,6 +4,7 @@
         [--eval-every 10] [--variants vanilla,fedbcd,celu,...] [--full-variants vanilla,fedbcd,celu]
         [--jobs 2] [--flower-seed 0] [--out bench_results/celu.json]            -> bench_results/celu.json
     python -m simulations.bench_celu plot bench_results/celu.json docs/celu_rounds.png
+    python -m simulations.bench_celu summarize bench_results/celu.json   # the table from the cases present
 
 Per dataset and seed, vanilla TP-Join-SGD runs ``epochs`` epochs; its test metric after the last one is that
 seed's target. Every other variant runs with the same seed (the same batches) and is read off at the first
@@ -56,9 +57,10 @@ class _Reached(Exception):
 
 
 def lower_is_better(dataset: str) -> bool:
+    """The test metric's direction: RMSE (regression) lower, accuracy (binary: nycflights13_delayed) higher."""
     from tpflower.losses import primary_metric
 
-    return primary_metric("binary" if "delayed" in dataset else "regression") != "auc"
+    return primary_metric("binary" if "delayed" in dataset else "regression") == "rmse"
 
 
 def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, eval_every: int,
@@ -168,8 +170,11 @@ def summarize(dataset: str, runs: dict[str, list[dict]], flower: dict[str, float
 
 
 def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int, epochs: int, eval_every: int,
-               full: list[str], jobs: int = 1, flower_seed: int | None = 0, out: Path | None = None) -> dict[str, Any]:
-    """The comparison (see the module docstring); ``out``: written after every case, reused on a rerun."""
+               full: list[str], jobs: int = 1, flower_seed: int | None = 0, out: Path | None = None,
+               grid_seeds: int | None = None) -> dict[str, Any]:
+    """The comparison (see the module docstring); ``out``: written after every case, reused on a rerun. The
+    grid (the variants not in ``full``) runs seed-major over ``grid_seeds`` (default: ``seeds``) seeds, so that
+    a cut-off run still has every variant on its first seeds."""
     settings = {"model": model, "epochs": epochs, "eval_every": eval_every}
     done: dict[str, Any] = {}
     if out is not None and out.exists():
@@ -198,14 +203,14 @@ def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int,
                    for d in datasets for s in range(seeds)}
         targets = {k: f.result()["history"][-1][1] for k, f in vanilla.items()}
 
-        def stage(names: list[str]) -> None:
+        def stage(names: list[str], n_seeds: int) -> None:
             futures = [pool.submit(run, f"{d}/{v}/{s}", "celu", {**base, "dataset": d, "variant": v, "seed": s,
                                                                  "stop_at": None if v in full else targets[(d, s)]})
-                       for v in names for d in datasets for s in range(seeds)]
+                       for s in range(n_seeds) for v in names for d in datasets]
             for f in futures:
                 f.result()
 
-        stage(firsts)
+        stage(firsts, seeds)
         flower = result["flower"]
         if flower_seed is not None:
             for d in datasets:
@@ -217,13 +222,25 @@ def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int,
                             print(key, json.dumps(flower[key]), flush=True)
                             done["_flower"] = flower
                             save()
-        stage([v for v in variants if v not in full])
+        stage([v for v in variants if v not in full], seeds if grid_seeds is None else grid_seeds)
+    finalize(result, datasets, variants)
+    save()
+    return result
+
+
+def finalize(result: dict[str, Any], datasets: list[str] | None = None, variants: list[str] | None = None) -> dict[str, Any]:
+    """The per-dataset summaries from the cases present (a variant over the seeds it has run)."""
+    done, flower = result["cases"], result["cases"].get("_flower", {})
+    datasets = datasets or sorted({k.split("/")[0] for k in done if not k.startswith("_")})
+    variants = variants or list(CELU_VARIANTS)
+    result["datasets"] = {}
     for d in datasets:
-        runs = {v: [done[f"{d}/{v}/{s}"] for s in range(seeds)] for v in ["vanilla"] + [v for v in variants if v != "vanilla"]}
+        runs = {v: [done[f"{d}/{v}/{s}"] for s in range(result["seeds"]) if f"{d}/{v}/{s}" in done]
+                for v in ["vanilla"] + [v for v in variants if v != "vanilla"]}
+        runs = {v: r for v, r in runs.items() if r}
         s_round = {v: flower[f"{d}/{v}/flower"]["s_per_round"] for v in runs if f"{d}/{v}/flower" in flower}
         result["datasets"][d] = summarize(d, runs, s_round)
         result["datasets"][d]["flower_s_per_round"] = s_round
-    save()
     return result
 
 
@@ -271,18 +288,18 @@ def plot(path: Path, png: Path, variants: tuple[str, ...] = FULL_VARIANTS) -> No
                 ax.fill_between(x, y.min(axis=0), y.max(axis=0), color=line.get_color(), alpha=0.2)
         t = np.mean(list(res["targets"].values()))
         ax.axhline(t, color="gray", ls="--", lw=1, label=f"target (vanilla's final) {t:.4f}")
-        lo, hi = float(np.percentile([m for k in cases if k.startswith(d) and k.split("/")[-1].isdigit()
-                                      for _, m, _ in cases[k]["history"]], [2, 98]).min()), None
+        lo = float(np.percentile([m for k in cases if k.startswith(f"{d}/") and k.split("/")[-1].isdigit()
+                                  for _, m, _ in cases[k]["history"]], 2))
         ax.set_title(f"{d}, model={result['model']}")
         ax.set_xlabel("exchange rounds")
-        ax.set_ylabel("test RMSE" if res["lower_is_better"] else "test AUC")
+        ax.set_ylabel("test RMSE" if res["lower_is_better"] else "test accuracy")
         if res["lower_is_better"]:
             ax.set_ylim(lo - 0.01, max(1.1, t + 0.1))
         else:
             ax.set_ylim(max(0.5, t - 0.15), min(1.0, t + 0.03))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("CELU-VFL: test metric vs communication rounds (mean over seeds, band: min-max)")
+    fig.suptitle("test metric vs exchange rounds (mean over seeds; band: min-max over seeds)", fontsize=10)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -293,7 +310,8 @@ def run_suite(a: Any) -> dict[str, Any]:
     datasets = a.datasets.split(",")
     out = a.out or Path("bench_results") / "celu.json"
     result = celu_suite(datasets, a.model, a.variants.split(","), a.seeds, a.epochs if a.epochs != 3 else 2,
-                        a.eval_every, a.full_variants.split(","), a.jobs, None if a.flower_seed < 0 else a.flower_seed, out)
+                        a.eval_every, a.full_variants.split(","), a.jobs, None if a.flower_seed < 0 else a.flower_seed, out,
+                        a.grid_seeds)
     print(table(result))
     return result
 
@@ -303,5 +321,9 @@ if __name__ == "__main__":
         plot(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) == 3 and sys.argv[1] == "table":
         print(table(json.loads(Path(sys.argv[2]).read_text())))
+    elif len(sys.argv) == 3 and sys.argv[1] == "summarize":  # a cut-off suite: summarize the cases it has
+        path = Path(sys.argv[2])
+        path.write_text(json.dumps(finalize(json.loads(path.read_text())), indent=1) + "\n")
+        print(table(json.loads(path.read_text())))
     else:
         sys.exit(__doc__)

@@ -136,7 +136,9 @@ def test_refusals_before_any_client(overrides, match):
 def test_bench_reads_rounds_to_target_per_seed():
     """simulations/bench_celu.py: each seed's target is vanilla's last metric; a variant is read off at its first
     evaluation at least as good (RMSE: lower), with the modelled comm time there; never reached -> left out."""
-    from simulations.bench_celu import rounds_to, summarize
+    from simulations.bench_celu import lower_is_better, rounds_to, summarize
+
+    assert lower_is_better("movielens") and not lower_is_better("nycflights13_delayed")  # RMSE; accuracy
 
     assert rounds_to([(10, 1.2, 0.5), (20, 0.99, 1.0), (30, 0.98, 1.5)], 0.99, lower=True) == (20, 1.0)
     assert rounds_to([(10, 0.7, 0.5), (20, 0.8, 1.0)], 0.9, lower=False) is None
