@@ -296,7 +296,7 @@ def plot(path: Path, png: Path, variants: tuple[str, ...] = FULL_VARIANTS) -> No
         if res["lower_is_better"]:
             ax.set_ylim(lo - 0.01, max(1.1, t + 0.1))
         else:
-            ax.set_ylim(max(0.5, t - 0.15), min(1.0, t + 0.03))
+            ax.set_ylim(max(0.5, t - 0.03), min(1.0, t + 0.004))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("test metric vs exchange rounds (mean over seeds; band: min-max over seeds)", fontsize=10)
