@@ -3,7 +3,7 @@
     python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
     python -m simulations.bench flower                             -> bench_results/flower.json
-    python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json
+    python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json (simulations/bench_celu.py)
     python -m simulations.bench convergence [--epochs 10] [--mlp]  -> bench_results/convergence.json
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
                                                                   -> bench_results/scale.json
@@ -236,68 +236,7 @@ def flower_suite() -> dict[str, Any]:
     return {"case": "flower", "per_epoch": pairs, "empty_rounds": empty, "first_epoch": first}
 
 
-#: CELU-VFL's comparison (seed 002, Table 2): the variants, as overrides of algorithm=celu (vanilla: TP-Join-SGD)
-CELU_VARIANTS: dict[str, tuple[str, ...]] = {
-    "vanilla": ("algorithm=sgd",),
-    "fedbcd": ("algorithm=celu", "algorithm.W=1", "algorithm.R=5", "algorithm.xi=null"),
-    "celu": ("algorithm=celu",),
-    "celu_R3": ("algorithm=celu", "algorithm.R=3"),
-    "celu_R8": ("algorithm=celu", "algorithm.R=8"),
-    "celu_xi90": ("algorithm=celu", "algorithm.xi=90"),
-    "celu_xi30": ("algorithm=celu", "algorithm.xi=30"),
-    "celu_xi_off": ("algorithm=celu", "algorithm.xi=null"),
-    "celu_W3": ("algorithm=celu", "algorithm.W=3"),
-    "celu_W8": ("algorithm=celu", "algorithm.W=8"),
-}
-
-
-def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, eval_every: int) -> dict[str, Any]:
-    """One CELU comparison run (in-process: the rounds and metrics equal Flower's): its evaluation history."""
-    from simulations.config import compose_config
-    from simulations.federated import run_in_process
-
-    cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", f"seed={seed}",
-                         f"epochs={epochs}", f"algorithm.eval_every={eval_every}")
-    t0 = time.perf_counter()
-    results = run_in_process(cfg, None, log=lambda _: None).strategy.results
-    return {"variant": variant, "seed": seed, "wall_s": round(time.perf_counter() - t0, 1),
-            "history": [(h.rounds, h.test_metric, h.comm_time_s) for h in results.history]}
-
-
-def rounds_to(history: list, target: float, lower_is_better: bool) -> tuple[int, float] | None:
-    """(rounds, modelled comm time) of the first evaluation at least as good as ``target``; None if never."""
-    for rounds, metric, comm in history:
-        if (metric <= target) if lower_is_better else (metric >= target):
-            return rounds, comm
-    return None
-
-
-def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int, epochs: int, eval_every: int) -> dict[str, Any]:
-    """Rounds to reach vanilla's final test metric (per seed), for each variant: the paper's Table 2."""
-    from tpflower.losses import primary_metric
-
-    out: dict[str, Any] = {"case": "celu", "model": model, "epochs": epochs, "eval_every": eval_every, "datasets": {}}
-    for dataset in datasets:
-        runs = {v: [_run_isolated("celu", {"dataset": dataset, "model": model, "variant": v, "seed": s,
-                                           "epochs": epochs, "eval_every": eval_every}) for s in range(seeds)]
-                for v in ["vanilla"] + [v for v in variants if v != "vanilla"]}
-        lower = primary_metric("binary" if "delayed" in dataset else "regression") != "auc"
-        rows = {}
-        for v, per_seed in runs.items():
-            reached = [rounds_to(r["history"], runs["vanilla"][s]["history"][-1][1], lower) for s, r in enumerate(per_seed)]
-            rounds = [x[0] for x in reached if x is not None]
-            rows[v] = {"rounds_to_target": rounds, "reached": f"{len(rounds)}/{len(reached)}",
-                       "mean_rounds": float(np.mean(rounds)) if rounds else None,
-                       "std_rounds": float(np.std(rounds)) if rounds else None,
-                       "final_metric": [r["history"][-1][1] for r in per_seed],
-                       "wall_s": [r["wall_s"] for r in per_seed]}
-            print(dataset, v, json.dumps(rows[v]), flush=True)
-        base = rows["vanilla"]["mean_rounds"]
-        for v in rows:
-            m = rows[v]["mean_rounds"]
-            rows[v]["vs_vanilla"] = None if (m is None or not base) else round(m / base - 1, 3)
-        out["datasets"][dataset] = {"variants": rows, "runs": runs}
-    return out
+#: CELU-VFL's comparison lives in simulations/bench_celu.py (`python -m simulations.bench celu`)
 
 
 #: issue 10: the datasets of the convergence table (overrides); synthetic labels in three units
@@ -666,7 +605,7 @@ def scale_suite(ns: list[int], epochs: int, mapping_n: int, server_ns: list[int]
 
 CASES = {"mapping": mapping_case, "algorithm": algorithm_case, "empty_rounds": empty_rounds_case,
          "first_epoch": first_epoch_case,
-         "celu": celu_case, "convergence": convergence_case, "server_state": server_state_case,
+         "convergence": convergence_case, "server_state": server_state_case,
          "mapping_scale": mapping_scale_case, "simulation": simulation_case}
 SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}), "loj": lambda a: loj_suite(a.epochs),
           "flower": lambda a: flower_suite(),
@@ -674,8 +613,7 @@ SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}
                                                      a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(CONVERGENCE_DATA),
                                                      a.mlp),
           "scale": lambda a: scale_suite(_ints(a.scale_n), a.epochs, a.mapping_n, _ints(a.server_n)),
-          "celu": lambda a: celu_suite(a.datasets.split(","), a.model, a.variants.split(","), a.seeds, a.epochs,
-                                       a.eval_every),
+          "celu": lambda a: __import__("simulations.bench_celu", fromlist=["run_suite"]).run_suite(a),
           "deploy": lambda a: _deploy(a)}
 
 
@@ -713,9 +651,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
     ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
     ap.add_argument("--model", default="mlp", help="celu: model")
-    ap.add_argument("--variants", default=",".join(CELU_VARIANTS), help="celu: variants (vanilla always runs)")
+    ap.add_argument("--variants", default="vanilla,fedbcd,celu,celu_R3,celu_R8,celu_xi90,celu_xi30,celu_xi_off,celu_W3,celu_W8",
+                    help="celu: variants (vanilla always runs)")
+    ap.add_argument("--full-variants", default="vanilla,fedbcd,celu", help="celu: variants run to the end (others stop at the target)")
+    ap.add_argument("--jobs", type=int, default=1, help="celu: cases at a time")
+    ap.add_argument("--grid-seeds", type=int, default=None, help="celu: seeds of the grid variants (default: --seeds)")
+    ap.add_argument("--flower-seed", type=int, default=0, help="celu: seed of the Flower wall-time runs (-1: none)")
     ap.add_argument("--seeds", type=int, default=3, help="celu: seeds per variant")
-    ap.add_argument("--eval-every", type=int, default=20, help="celu: rounds between evaluations")
+    ap.add_argument("--eval-every", type=int, default=10, help="celu: rounds between evaluations")
     ap.add_argument("--scale-n", default=",".join(str(n) for n in SCALE_N), help="scale: joined rows N of the Flower runs")
     ap.add_argument("--server-n", default="10000000", help="scale: N of the server-state measurement (float32 and float64)")
     ap.add_argument("--mapping-n", type=int, default=100_000_000, help="scale: N of the mapping alone (0: skip)")

@@ -45,6 +45,20 @@ def test_celu_over_reduced_batches_equals_celu_vfl_on_the_expanded_join(extra):
         np.testing.assert_allclose(thetas(vfl)[key], theta, rtol=1e-9, atol=1e-12)
 
 
+def test_local_lr_steps_only_the_local_updates():
+    """algorithm.local_lr is the local steps' rate: null means lr; it changes nothing when R=0."""
+    same = run("algorithm=celu", *EXACT, "epochs=1", "algorithm.lr=0.1", "algorithm.local_lr=null")
+    explicit = run("algorithm=celu", *EXACT, "epochs=1", "algorithm.lr=0.1", "algorithm.local_lr=0.1")
+    other = run("algorithm=celu", *EXACT, "epochs=1", "algorithm.lr=0.1", "algorithm.local_lr=0.01")
+    for key, theta in thetas(same).items():
+        np.testing.assert_allclose(thetas(explicit)[key], theta, rtol=0, atol=1e-12)
+        assert np.abs(thetas(other)[key] - theta).max() > 1e-6
+    sgd = run("algorithm=sgd", *EXACT, "epochs=1", "algorithm.lr=0.1")
+    r0 = run("algorithm=celu", *EXACT, "epochs=1", "algorithm.lr=0.1", "algorithm.R=0", "algorithm.local_lr=0.01")
+    for key, theta in thetas(sgd).items():
+        np.testing.assert_allclose(thetas(r0)[key], theta, rtol=0, atol=1e-12)
+
+
 def test_round_robin_never_reuses_a_batch_within_w_minus_1_steps_and_caps_uses_at_r():
     W, R = 3, 2
     ws = Workset.empty(1, 1)
@@ -117,3 +131,25 @@ def test_eval_every_records_fractional_epochs():
 def test_refusals_before_any_client(overrides, match):
     with pytest.raises(ValueError, match=match):
         make_strategy(make_cfg("dataset=synthetic", *overrides), None, log=lambda _: None)
+
+
+def test_bench_reads_rounds_to_target_per_seed():
+    """simulations/bench_celu.py: each seed's target is vanilla's last metric; a variant is read off at its first
+    evaluation at least as good (RMSE: lower), with the modelled comm time there; never reached -> left out."""
+    from simulations.bench_celu import lower_is_better, rounds_to, summarize
+
+    assert lower_is_better("movielens") and not lower_is_better("nycflights13_delayed")  # RMSE; accuracy
+
+    assert rounds_to([(10, 1.2, 0.5), (20, 0.99, 1.0), (30, 0.98, 1.5)], 0.99, lower=True) == (20, 1.0)
+    assert rounds_to([(10, 0.7, 0.5), (20, 0.8, 1.0)], 0.9, lower=False) is None
+
+    def case(seed, history, end="done"):
+        return {"seed": seed, "end": end, "history": history, "local_steps_per_round": 0.0, "wall_s": 1.0}
+
+    runs = {"vanilla": [case(0, [(50, 1.1, 5.0), (100, 1.0, 10.0)]), case(1, [(50, 1.05, 5.0), (100, 0.9, 10.0)])],
+            "celu": [case(0, [(20, 1.0, 2.0)], "target"), case(1, [(20, 1.0, 2.0), (40, 0.95, 4.0)], "diverged")]}
+    rows = summarize("movielens", runs, {"vanilla": 0.1, "celu": 0.5})["variants"]
+    assert rows["vanilla"]["rounds_to_target"] == [100, 100] and rows["vanilla"]["vs_vanilla"] == 0
+    assert rows["celu"]["rounds_to_target"] == [20] and rows["celu"]["reached"] == "1/2"
+    assert rows["celu"]["vs_vanilla"] == -0.8 and rows["celu"]["flower_wall_s"]["mean"] == 10.0
+    assert rows["celu"]["wan_s"]["mean"] == 2.0 and rows["celu"]["end"] == ["target", "diverged"]

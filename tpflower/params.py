@@ -137,11 +137,12 @@ class CELUParams(SGDParams):
     """TP-Join-SGD / VFL-SGD with CELU-VFL local updates (conf/algorithm/celu.yaml, vfl_celu.yaml).
     FedBCD: W=1, xi=null; vanilla: R=0."""
 
-    lr: float = param(positive, 0.05)  # each batch is used up to R + 1 times: below TP-Join-SGD's 0.2
+    lr: float = param(positive, 0.2)  # the exchange step's rate: TP-Join-SGD's (the paper: vanilla's, unchanged)
     W: int = param(positive_int, 5)  # workset size (batches cached)
     R: int = param(nonnegative_int, 5)  # uses per cached batch (local steps per round at most R)
     xi: float | None = param(or_word(degrees, None), 60.0)  # staleness threshold in degrees; None: no weighting
     similarity: str = param(one_of("output", "hidden"), "output")
+    local_lr: float | None = param(or_word(positive, None), 0.05)  # the local steps' rate (None: lr)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from tpflower.celu import Workset, staleness_weights
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Stage
 from tpflower.local_update import sgd_step as local_sgd_step
+from tpflower.models import l2_penalty
 from tpflower.phases.join_sgd import SGDState, predict_rows
 from tpflower.records import Arrays
 from tpflower.state import StateRecord
@@ -58,17 +59,37 @@ def predict(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> t
     return predict_and_keep(client, model, arrays), client.reg_metrics(model)
 
 
+def weighted_local_step(client: TableClient, model: torch.nn.Module, rows: np.ndarray, cached: np.ndarray,
+                        Y: np.ndarray, batch: int, lr: float) -> None:
+    """One local step on a cached batch (Alg. 2): theta -= lr * grad of
+    (1/|B|) sum_u w_u <Y_u, f(theta; x_u)> + beta R(theta), w_u the staleness weight of the fresh reference
+    (taken from the same forward pass) against the cached one; plain SGD, as the exchange step (Eq. 12-13)."""
+    alg, beta = client.settings.algorithm, float(client.settings.model["beta"])
+    X = client.tensor(client.rows_X(rows))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)  # stateless: the exchange step's optimiser
+    opt.zero_grad()
+    if alg.similarity == "hidden":  # model = Sequential(Linear, ReLU, ..., Linear)
+        fresh = model[:-1](X)
+        out = model[-1](fresh)
+    else:
+        out = fresh = model(X)
+    w = staleness_weights(fresh.detach().cpu().numpy(), cached, alg.xi)  # a constant: no gradient through it
+    loss = (client.tensor(w[:, None] * Y) * out).sum() / batch + beta * l2_penalty(model)
+    loss.backward()
+    opt.step()
+
+
 def local_steps(client: TableClient, model: torch.nn.Module, workset: Workset) -> int:
     """Alg. 2: up to R steps on cached batches (round robin, staleness-weighted); returns how many ran."""
-    alg, beta = client.settings.algorithm, float(client.settings.model["beta"])
+    alg = client.settings.algorithm
+    lr = alg.lr if alg.local_lr is None else alg.local_lr
     taken = 0
     for _ in range(alg.R):
         k = workset.pick(alg.W, alg.R)
         if k is None:  # a bubble: no entry may be used now
             break
         rows, cached, Y, batch = workset.entry(k)
-        w = staleness_weights(reference(client, model, rows), cached, alg.xi)
-        local_sgd_step(model, client.tensor(client.rows_X(rows)), client.tensor(w[:, None] * Y), batch, alg.lr, beta)
+        weighted_local_step(client, model, rows, cached, Y, batch, lr)
         workset.used(k, alg.R)
         taken += 1
     return taken
