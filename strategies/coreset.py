@@ -163,7 +163,7 @@ class DISStrategy(LoJStrategy):
         g = sum(np.asarray(replies[(t, 0)][0]["g"], dtype=np.float64) for t in tables)  # round 3
         if len(g) != m or not (g > 0).all():
             raise RuntimeError("DIS: a sampled joined row has no positive sensitivity")
-        self.dis_g = g
+        self.dis_joined, self.dis_g = joined, g  # the draws (for checks)
         return Coreset.of_draws(joined, total / (m * g), total)  # w_j = G / (m g_j)
 
 
@@ -174,10 +174,13 @@ class CoresetRidge(DISStrategy):
     algorithm = "coreset"
     params_type = CoresetParams
 
-    def protocol(self) -> None:
-        if self.task != "regression":
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.task != "regression":  # before any node is contacted
             raise ValueError(f"algorithm=coreset trains ridge regression; dataset {self.spec.name!r} has a "
                              f"{self.task} label")
+
+    def protocol(self) -> None:
         self.setup()
         if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
             raise ValueError("algorithm=coreset runs on the join scenario (one client per table)")

@@ -1,0 +1,190 @@
+"""Coresets for VFL over joins (issue 13; seed 004 Alg. 1-3, ALGORITHMS.md "Coresets for VFL").
+
+DIS over the join against DIS on the materialized join (float64, the synthetic many-to-many snowflake), the
+unbiasedness of the weighted coreset loss, the construction's message count, the weighted ADMM against row
+repetition, the payload audit and the settings checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulations.server_app import make_strategy
+from strategies.coreset import (WeightedADMMServer, joined_sampling_probabilities, uniform_joined_rows)
+from tests.conftest import make_cfg
+from tests.test_privacy_e2e import Recorded, assert_absent, raw_columns
+from tpflower import coreset as cs
+from tpflower.loj import ADMMServer
+from tpflower.mapping import TableMapping
+from tpflower.phases.coreset import DISState
+from tpflower.relation import has_bias
+
+F64 = "precision=float64"
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def materialized_sensitivities(rec: Recorded) -> np.ndarray:
+    """Alg. 2 on the MATERIALIZED training join: per table the leverage scores of A_i = T_i[p_i] (the label
+    owner's [X, 1, y]) from a thin SVD of the N x d_i matrix, summed over tables, + 1/N."""
+    s, train = rec.strategy, rec.strategy.train
+    N = train.N
+    total = np.full(N, 1.0 / N)
+    for t, p in train.p.items():
+        client = rec.client((t, 0))
+        A = np.asarray(client.local.X, dtype=np.float64)[p]
+        if t == s.spec.label_table:
+            cols = [A] + ([np.ones((N, 1))] if has_bias(rec.cfg.model, t, t) else []) + [client.data.y[p][:, None]]
+            A = np.hstack(cols)
+        U, sv, _ = np.linalg.svd(A, full_matrices=False)
+        r = int(np.sum(sv > sv[0] * max(A.shape) * np.finfo(float).eps))
+        total += (U[:, :r] ** 2).sum(1)
+    return total
+
+
+@pytest.fixture(scope="module")
+def dis_run() -> Recorded:
+    return Recorded("algorithm=coreset", F64, "epochs=2", "algorithm.m=500")
+
+
+def test_leverage_over_the_join_equals_the_materialized_join(dis_run):
+    rec = dis_run
+    train = rec.strategy.train
+    for t, p in train.p.items():
+        client = rec.client((t, 0))
+        X, G = np.asarray(client.local.X, dtype=np.float64), train.G(t)
+        g = cs.leverage_sensitivities(X, G)
+        U, sv, _ = np.linalg.svd(X[p], full_matrices=False)
+        r = int(np.sum(sv > sv[0] * max(X[p].shape) * np.finfo(float).eps))
+        np.testing.assert_allclose(g[p], (U[:, :r] ** 2).sum(1), rtol=1e-9, atol=1e-12)
+        assert abs(np.dot(G, g) - r) < 1e-9  # per-table leverages sum to the rank
+        assert (g[G == 0] == 0).all()
+
+
+def test_dis_over_the_join_gives_the_materialized_probabilities_and_weights(dis_run):
+    rec, s = dis_run, dis_run.strategy
+    g_mat = materialized_sensitivities(rec)
+    G_mat, m = g_mat.sum(), 500
+    # the clients' sensitivities, per table row, and the protocol's distribution of one draw over joined rows
+    g_tab = {t: DISState.load(rec.client((t, 0)).state).g for t in s.train.p}
+    np.testing.assert_allclose(joined_sampling_probabilities(s.train, g_tab), g_mat / G_mat, rtol=1e-9)
+    # what the protocol did: two-stage draw (multinomial over tables, then G_iu g_u / G^(i), then uniform in
+    # G_i(u)); its one-draw marginal, from the clients' own sampling distributions, is g_j / G
+    P = np.zeros(s.train.N)
+    totals = {t: cs.local_total(s.train.G(t), g_tab[t]) for t in g_tab}
+    for t, p in s.train.p.items():
+        G_t = s.train.G(t)
+        P += totals[t] / sum(totals.values()) * cs.sampling_probabilities(G_t, g_tab[t])[p] / G_t[p]
+    np.testing.assert_allclose(P, g_mat / G_mat, rtol=1e-9)
+    # round 3: the sensitivities and weights of the drawn joined rows
+    j = s.dis_joined
+    assert len(j) == m
+    np.testing.assert_allclose(s.dis_g, g_mat[j], rtol=1e-9)
+    w = np.bincount(np.unique(j, return_inverse=True)[1].reshape(-1), weights=G_mat / (m * g_mat[j]))
+    np.testing.assert_allclose(s.coreset.weights, w, rtol=1e-9)
+    np.testing.assert_array_equal(s.coreset.rows, np.unique(j))
+    assert abs(s.coreset.total - G_mat) < 1e-9 * G_mat
+
+
+def test_the_two_stage_sampler_draws_the_joined_distribution():
+    """Empirically, on a small many-to-many join: multinomial over tables, G_iu g_u / G^(i) per table, then a
+    uniform joined row of G_i(u), gives P(j) = sum_i g^(i)_{p_i(j)} / G (chi-square over the joined rows)."""
+    rng = np.random.default_rng(0)
+    p = {"a": np.array([0, 0, 1, 1, 2, 2, 2, 3]), "b": np.array([0, 1, 0, 1, 0, 1, 2, 2])}
+    n_rows = {"a": 4, "b": 3}
+    mapping = TableMapping(p, n_rows)
+    g = {"a": np.array([0.5, 1.0, 0.2, 2.0]), "b": np.array([0.1, 0.7, 1.5])}
+    expected = joined_sampling_probabilities(mapping, g)
+    totals = np.array([cs.local_total(mapping.G(t), g[t]) for t in p])
+    draws = 200_000
+    counts = np.zeros(mapping.N)
+    a = rng.multinomial(draws, totals / totals.sum())
+    for (t, p_t), a_t in zip(p.items(), a):
+        base = cs.draw_base_rows(mapping.G(t), g[t], a_t, rng)
+        counts += np.bincount(uniform_joined_rows(p_t, n_rows[t], base, rng), minlength=mapping.N)
+    chi2 = float((((counts - draws * expected) ** 2) / (draws * expected)).sum())
+    assert chi2 < 24.3  # 7 degrees of freedom: p = 0.001
+
+
+@pytest.mark.parametrize("sampling", ["sensitivity", "uniform"])
+def test_the_weighted_coreset_loss_is_unbiased(dis_run, sampling):
+    """For a fixed model, sum_{draws} w_j l_j estimates sum_j l_j without bias: the mean of 400 independent
+    coresets (m = 200) is within 4 standard errors of the full join's loss."""
+    rec, s = dis_run, dis_run.strategy
+    N, m, reps = s.train.N, 200, 400
+    rng = np.random.default_rng(1)
+    H = rng.normal(size=N) * 0.5  # any fixed predictions
+    loss = 0.5 * (H - s.y_train) ** 2
+    if sampling == "sensitivity":
+        P = materialized_sensitivities(rec)
+        P = P / P.sum()
+    else:
+        P = np.full(N, 1.0 / N)
+    est = np.empty(reps)
+    for r in range(reps):
+        j = rng.choice(N, size=m, p=P)
+        est[r] = np.sum(loss[j] / (m * P[j]))  # w_j = G / (m g_j) = 1 / (m P(j))
+    se = est.std(ddof=1) / np.sqrt(reps)
+    assert abs(est.mean() - loss.sum()) < 4 * se
+
+
+def test_construction_sends_2T_plus_m_plus_2mT_numbers_at_most_T_plus_3mT(dis_run):
+    rec, s = dis_run, dis_run.strategy
+    T, m = len(s.clients), 500
+    dis = {"sensitivity", "sample", "weigh"}
+    down = sum(a.size for _, ph, arrays, _ in rec.got if ph in dis for n, a in arrays.items() if n != "G")
+    up = sum(a.size for _, ph, arrays, _ in rec.sent if ph in dis for a in arrays.values())
+    assert down + up == 2 * T + m + 2 * m * T <= T + 3 * m * T  # the paper's (and its code's) count: T + 3mT
+    G_sent = sum(arrays["G"].size for _, ph, arrays, _ in rec.got if ph == "sensitivity")
+    assert G_sent == sum(s.mapping.n_rows.values())  # the join's extra: G_i, once, in the narrowest uint
+    assert s.construction["rounds"] == 3
+
+
+@pytest.mark.parametrize("overrides", [("algorithm.train=admm",), ("algorithm.train=sgd", "epochs=2"),
+                                       ("algorithm.sampling=uniform",)], ids=["admm", "sgd", "uniform"])
+def test_no_feature_or_key_column_leaves_a_client(overrides):
+    rec = Recorded("algorithm=coreset", "algorithm.m=300", *overrides)
+    keys, features, _ = raw_columns(rec)
+    assert_absent(rec, keys)
+    assert_absent(rec, features)
+    phases = {p for _, p, _, _ in rec.sent}
+    assert ("sensitivity" in phases) == ("algorithm.sampling=uniform" not in overrides)
+    assert np.isfinite(rec.strategy.results.history[-1].test_metric)
+
+
+def test_weighted_admm_equals_tp_join_admm_on_repeated_rows():
+    """Integer weights w_j: the weighted ADMM's Y_i and G_i equal TP-Join-ADMM's on the rows repeated w_j
+    times, epoch after epoch (float64)."""
+    rng = np.random.default_rng(3)
+    n = {"a": 5, "b": 4}
+    p = {"a": rng.integers(0, 5, 30), "b": rng.integers(0, 4, 30)}
+    w = rng.integers(1, 4, 30)
+    y = rng.normal(size=30)
+    weighted = WeightedADMMServer("regression", y, TableMapping(p, n), 1, 2.0, "sharing", w.astype(float))
+    rep = np.repeat(np.arange(30), w)
+    plain = ADMMServer("regression", y[rep], TableMapping({t: v[rep] for t, v in p.items()}, n), 1, 2.0, "sharing")
+    for t in n:
+        np.testing.assert_allclose(weighted.G()[t], plain.G()[t])
+    h = {t: rng.normal(size=(n[t], 1)) for t in n}
+    for _ in range(5):
+        Yw, Yp = weighted.step(h), plain.step(h)
+        for t in n:
+            np.testing.assert_allclose(Yw[t], Yp[t], rtol=1e-12, atol=1e-12)
+        h = {t: h[t] - 0.1 * Yw[t] for t in n}  # any next predictions, the same for both
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.m=0", "algorithm.m must be an integer >= 1"),
+    ("algorithm.train=lbfgs", "algorithm.train must be one of"),
+    ("algorithm.sampling=leverage", "algorithm.sampling must be one of"),
+])
+def test_bad_settings_are_refused_before_any_node(override, message):
+    with pytest.raises(ValueError, match=message):
+        make_strategy(make_cfg("algorithm=coreset", "dataset=synthetic", override), None, log=quiet)
+
+
+def test_coreset_ridge_refuses_a_classification_label():
+    with pytest.raises(ValueError, match="trains ridge regression"):
+        make_strategy(make_cfg("algorithm=coreset", "dataset=nycflights13_delayed"), None, log=quiet)
