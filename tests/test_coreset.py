@@ -188,3 +188,70 @@ def test_bad_settings_are_refused_before_any_node(override, message):
 def test_coreset_ridge_refuses_a_classification_label():
     with pytest.raises(ValueError, match="trains ridge regression"):
         make_strategy(make_cfg("algorithm=coreset", "dataset=nycflights13_delayed"), None, log=quiet)
+
+
+# ------------------------------------------------------------------------------------------------ k-means
+
+
+@pytest.fixture(scope="module")
+def kmeans_run() -> Recorded:
+    return Recorded("algorithm=kmeans", F64, "algorithm.k=4")
+
+
+def test_factorized_kmeans_cost_equals_the_cost_on_the_materialized_join(kmeans_run):
+    rec, s = kmeans_run, kmeans_run.strategy
+    X = np.hstack([np.asarray(rec.client((t, 0)).local.X, dtype=np.float64)[p] for t, p in s.mapping.p.items()])
+    D = ((X[:, None, :] - s.centres[None]) ** 2).sum(-1)
+    np.testing.assert_allclose(s.D_min, D.min(1), rtol=1e-9, atol=1e-9)
+    assert abs(s.results.history[-1].test_metric - D.min(1).mean()) < 1e-9
+    assert s.centres.shape == (4, X.shape[1])
+
+
+def test_distdim_sends_one_label_per_table_row_and_k_centres(kmeans_run):
+    rec, s = kmeans_run, kmeans_run.strategy
+    for key, phase, arrays, _ in rec.sent:
+        if phase == "kmeans_local":
+            assert arrays["labels"].shape == (s.mapping.n_rows[key[0]],) and arrays["labels"].dtype == np.uint8
+            assert arrays["C"].shape[0] == 4
+    keys, features, _ = raw_columns(rec)
+    assert_absent(rec, keys)
+    assert_absent(rec, features)
+
+
+def test_kmeans_sensitivities_over_the_join_equal_the_materialized_slice(kmeans_run):
+    """Alg. 3 with G_iu on the table's rows == the formula on the table's expanded slice X_i[p_i] (G = 1)."""
+    rec, s = kmeans_run, kmeans_run.strategy
+    rng = np.random.default_rng(5)
+    for t, p in s.mapping.p.items():
+        X = np.asarray(rec.client((t, 0)).local.X, dtype=np.float64)
+        C = X[rng.choice(len(X), 3, replace=False)] + 0.01
+        g = cs.cluster_sensitivities(X, s.mapping.G(t), C)
+        np.testing.assert_allclose(g[p], cs.cluster_sensitivities(X[p], np.ones(len(p)), C), rtol=1e-9)
+
+
+def test_weighted_kmeans_with_integer_weights_is_kmeans_on_repeated_rows():
+    """Lloyd from the same start: weights w_u give the centres and labels of the rows repeated w_u times."""
+    rng = np.random.default_rng(2)
+    X, w = rng.normal(size=(40, 3)), rng.integers(1, 5, 40)
+    C0 = X[:3].copy()
+    Xr = np.repeat(X, w, axis=0)
+    C, labels = cs.weighted_kmeans(X, w.astype(float), 3, rng, iters=50, tol=0.0, init=C0)
+    Cr, labels_r = cs.weighted_kmeans(Xr, np.ones(len(Xr)), 3, rng, iters=50, tol=0.0, init=C0)
+    np.testing.assert_allclose(C, Cr, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.repeat(labels, w), labels_r)
+
+
+def test_coreset_kmeans_runs_and_sends_no_feature():
+    rec = Recorded("algorithm=coreset_kmeans", F64, "algorithm.k=4", "algorithm.m=300")
+    keys, features, _ = raw_columns(rec)
+    assert_absent(rec, keys)
+    assert_absent(rec, features)
+    s = rec.strategy
+    assert s.construction["rounds"] == 3 and np.isfinite(s.results.history[-1].test_metric)
+    assert {p for _, p, _, _ in rec.sent} >= {"sensitivity", "sample", "weigh", "kmeans_local", "kmeans_cost"}
+
+
+@pytest.mark.parametrize("algorithm", ["kmeans", "coreset_kmeans"])
+def test_bad_k_is_refused_before_any_node(algorithm):
+    with pytest.raises(ValueError, match="algorithm.k must be an integer >= 1"):
+        make_strategy(make_cfg(f"algorithm={algorithm}", "dataset=synthetic", "algorithm.k=0"), None, log=quiet)

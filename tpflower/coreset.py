@@ -113,13 +113,13 @@ def sq_distances(X: np.ndarray, C: np.ndarray) -> np.ndarray:
 
 
 def weighted_kmeans(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generator, iters: int = 100,
-                    tol: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
-    """Lloyd's k-means on rows X with weights w (k-means++ start): (centres k x d, label per row).
+                    tol: float = 1e-6, init: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Lloyd's k-means on rows X with weights w (k-means++ start, or ``init``): (centres k x d, label per row).
 
     Equals k-means on the rows repeated w_u times (integer w). An emptied cluster keeps its centre."""
     X = np.asarray(X, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64)
-    C = kmeans_pp_init(X, w, k, rng)
+    C = kmeans_pp_init(X, w, k, rng) if init is None else np.array(init, dtype=np.float64)
     prev = np.inf
     for _ in range(iters):
         D = sq_distances(X, C)
@@ -139,13 +139,20 @@ def weighted_kmeans(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generat
 
 def kmeans_sensitivities(X: np.ndarray, G: np.ndarray, k: int, rng: np.random.Generator, iters: int = 100,
                          alpha: float = ALPHA) -> np.ndarray:
-    """VKMC local sensitivity (Alg. 3) of one joined row of each table row u, local k-means weighted by G.
+    """VKMC local sensitivities (Alg. 3) of one joined row of each table row: local k-means++ / Lloyd weighted
+    by G (= on the table's expanded slice of the join), then :func:`cluster_sensitivities`."""
+    C, _ = weighted_kmeans(X, np.asarray(G, dtype=np.float64), k, rng, iters)
+    return cluster_sensitivities(X, G, C, alpha)
 
-    g_u = alpha d^2(x_u, C) / cost + 2 alpha cost(P_c) / (|P_c| cost) + 4 / |P_c|, c = the cluster of u,
-    cost = sum_u G_u d^2(x_u, C), cost(P_c) and |P_c| summed with G (0 where G_u = 0)."""
-    G = np.asarray(G, dtype=np.float64)
-    C, labels = weighted_kmeans(X, G, k, rng, iters)
-    d2 = sq_distances(np.asarray(X, dtype=np.float64), C)[np.arange(len(X)), labels]
+
+def cluster_sensitivities(X: np.ndarray, G: np.ndarray, C: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
+    """g_u = alpha d^2(x_u, C) / cost + 2 alpha cost(P_c) / (|P_c| cost) + 4 / |P_c| (Alg. 3), c = the cluster
+    of u, cost = sum_u G_u d^2(x_u, C), cost(P_c) and |P_c| summed with G; 0 where G_u = 0. With G = 1 on the
+    materialized join's rows it is the paper's formula; with G_iu it gives the same value per joined row."""
+    X, G = np.asarray(X, dtype=np.float64), np.asarray(G, dtype=np.float64)
+    D = sq_distances(X, C)
+    labels = D.argmin(1)
+    d2 = D[np.arange(len(X)), labels]
     size = np.bincount(labels, weights=G, minlength=len(C))
     group_cost = np.bincount(labels, weights=G * d2, minlength=len(C))
     cost = float(group_cost.sum())
