@@ -3,6 +3,8 @@
     python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
     python -m simulations.bench flower                             -> bench_results/flower.json
+    python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
+                                                                   -> bench_results/coreset-D-TASK.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -232,8 +234,73 @@ def flower_suite() -> dict[str, Any]:
 
 CASES = {"mapping": mapping_case, "algorithm": algorithm_case, "empty_rounds": empty_rounds_case,
          "first_epoch": first_epoch_case}
+
+
+def _run_quiet(*overrides: str) -> Any:
+    """One in-process run (the same strategy and ClientApp as under Flower), its results record."""
+    from simulations.config import compose_config
+    from simulations.federated import run_in_process
+
+    return run_in_process(compose_config(*overrides), None, log=lambda _: None).strategy.results
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0, "n": len(a)}
+
+
+def coreset_case(dataset: str, task: str, ms: list[int], reps: int, epochs: int = 10, full_reps: int = 3) -> dict[str, Any]:
+    """Issue 13 (seed 004 Table 1 over joins): coreset vs uniform sampling at each m, ``reps`` repetitions (seeds
+    0..reps-1), next to the full data: ridge (test RMSE; full = TP-Join-ADMM ``epochs`` epochs and the exact
+    ridge) or k-means (cost per point on the full join; full = DistDim, ``full_reps`` seeds). Bytes: measured
+    payload bytes of all training rounds (construction included; evaluation rounds excluded)."""
+    t0 = time.perf_counter()
+    base = (f"dataset={dataset}", f"epochs={epochs}")
+    total_bytes = lambda r: r.history[-1].bytes_up + r.history[-1].bytes_down  # noqa: E731
+    full: dict[str, Any] = {}
+    if task == "ridge":
+        admm = _run_quiet(*base, "algorithm=admm")
+        import tempfile
+
+        from simulations.config import compose_config
+        from simulations.run import run_job
+
+        with tempfile.TemporaryDirectory() as tmp:
+            exact = run_job(compose_config(*base, "algorithm=centralized", "algorithm.solver=exact"), Path(tmp))
+        full = {"tp_join_admm": {"metric": admm.history[-1].test_metric, "bytes": total_bytes(admm),
+                                 "rounds": admm.history[-1].rounds},
+                "exact_ridge": {"metric": exact.history[-1].test_metric}}
+        algorithm, ref_bytes = "coreset", total_bytes(admm)
+    else:
+        runs = [_run_quiet(*base, "algorithm=kmeans", f"seed={s}") for s in range(full_reps)]
+        full = {"distdim": {"metric": _summary([r.history[-1].test_metric for r in runs]),
+                            "bytes": total_bytes(runs[0]), "rounds": runs[0].history[-1].rounds}}
+        algorithm, ref_bytes = "coreset_kmeans", total_bytes(runs[0])
+    rows = []
+    for m in ms:
+        for sampling in ("sensitivity", "uniform"):
+            metric, nbytes, cbytes = [], [], []
+            for rep in range(reps):
+                r = _run_quiet(*base, f"algorithm={algorithm}", f"algorithm.m={m}", f"algorithm.sampling={sampling}",
+                               f"seed={rep}")
+                metric.append(r.history[-1].test_metric)
+                nbytes.append(total_bytes(r))
+                cbytes.append(r.history[-1].extra["construction_bytes"])
+            rows.append({"m": m, "sampling": sampling, "metric": _summary(metric), "bytes": _summary(nbytes),
+                         "construction_bytes": _summary(cbytes), "less_traffic_than_full": ref_bytes / np.mean(nbytes),
+                         "values": metric})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "values"}), file=sys.stderr, flush=True)
+    return {"case": f"coreset-{dataset}-{task}", "dataset": dataset, "task": task, "reps": reps, "epochs": epochs,
+            "full": full, "runs": rows, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+CASES["coreset"] = coreset_case
+
+
 SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}), "loj": lambda a: loj_suite(a.epochs),
-          "flower": lambda a: flower_suite()}
+          "flower": lambda a: flower_suite(),
+          "coreset": lambda a: _run_isolated("coreset", {"dataset": a.dataset, "task": a.task, "reps": a.reps,
+                                                         "ms": [int(x) for x in a.ms.split(",")]})}
 
 
 def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -252,11 +319,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("case", choices=sorted(SUITES))
     ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping: joined rows")
     ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run")
+    ap.add_argument("--dataset", default="movielens", help="coreset: the dataset")
+    ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
+    ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
+    ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
     result["machine"] = {"cpus": __import__("os").cpu_count(), "python": platform.python_version()}
-    out = a.out or Path("bench_results") / f"{a.case}.json"
+    name = f"coreset-{a.dataset}-{a.task}" if a.case == "coreset" else a.case
+    out = a.out or Path("bench_results") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

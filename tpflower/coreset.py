@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import sparse
 
 from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive, positive_int
 
@@ -108,7 +109,7 @@ def kmeans_pp_init(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generato
 
 def sq_distances(X: np.ndarray, C: np.ndarray) -> np.ndarray:
     """||x_u - c||^2 for every row and centre (n x k), clipped at 0."""
-    d = (X * X).sum(1)[:, None] - 2.0 * X @ C.T + (C * C).sum(1)[None, :]
+    d = np.einsum("ij,ij->i", X, X)[:, None] - 2.0 * np.einsum("ij,kj->ik", X, C) + (C * C).sum(1)[None, :]
     return np.maximum(d, 0.0)
 
 
@@ -120,20 +121,22 @@ def weighted_kmeans(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generat
     X = np.asarray(X, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64)
     C = kmeans_pp_init(X, w, k, rng) if init is None else np.array(init, dtype=np.float64)
+    x2 = np.einsum("ij,ij->i", X, X)
+    rows = np.arange(len(X))
     prev = np.inf
     for _ in range(iters):
-        D = sq_distances(X, C)
-        labels = D.argmin(1)
-        cost = float((w * D[np.arange(len(X)), labels]).sum())
-        mass = np.bincount(labels, weights=w, minlength=len(C))
-        sums = np.stack([np.bincount(labels, weights=w * X[:, j], minlength=len(C)) for j in range(X.shape[1])], 1) \
-            if X.shape[1] else np.zeros((len(C), 0))
+        part = (C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)  # ||x - c||^2 - ||x||^2: the same argmin
+        labels = part.argmin(1)
+        cost = float(np.dot(w, np.maximum(x2 + part[rows, labels], 0.0)))
+        member = sparse.csr_matrix((w, (labels, rows)), shape=(len(C), len(X)))  # weighted one-hot, k x n
+        mass = np.asarray(member.sum(1)).reshape(-1)
+        sums = member @ X
         nonempty = mass > 0
         C[nonempty] = sums[nonempty] / mass[nonempty, None]
         if prev - cost <= tol * max(cost, 1e-300):
             break
         prev = cost
-    labels = sq_distances(X, C).argmin(1)
+    labels = ((C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)).argmin(1)
     return C, labels
 
 
