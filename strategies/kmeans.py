@@ -50,6 +50,7 @@ class DistDimKMeans(DISStrategy):
     params_type = KMeansParams
     kind = "kmeans"
     uses_coreset = False
+    one_shot = True
 
     def protocol(self) -> None:
         self.setup()

@@ -49,6 +49,7 @@ class LoJStrategy(TablePuppetStrategy):
     algorithm = "loj"
     params_type: type[AlgorithmParams] = AlgorithmParams
     expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
+    one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
 
     def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
                  feature_dp: bool = True, label_dp: bool = True):

@@ -255,3 +255,17 @@ def test_coreset_kmeans_runs_and_sends_no_feature():
 def test_bad_k_is_refused_before_any_node(algorithm):
     with pytest.raises(ValueError, match="algorithm.k must be an integer >= 1"):
         make_strategy(make_cfg(f"algorithm={algorithm}", "dataset=synthetic", "algorithm.k=0"), None, log=quiet)
+
+
+def test_kmeans_cost_replies_let_a_curious_server_solve_for_the_features():
+    """Documents a limit (README, Coresets): with k - 1 >= d_i affinely independent centres, the squared
+    distances a table returns for the full-join cost determine its rows' features (differences of
+    ||x||^2 - 2 c^T x + ||c||^2 are linear in x). Checked on the client's own reply function."""
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(50, 4))
+    C = rng.normal(size=(10, 4))  # k = 10 centres, d_i = 4
+    D = cs.sq_distances(X, C)  # what kmeans_cost sends
+    A = -2.0 * (C[1:] - C[0])  # (D_c - D_0) = -2 (c - c_0)^T x + ||c||^2 - ||c_0||^2
+    b = (D[:, 1:] - D[:, :1]) - ((C[1:] ** 2).sum(1) - (C[0] ** 2).sum())
+    X_hat = np.linalg.lstsq(A, b.T, rcond=None)[0].T
+    np.testing.assert_allclose(X_hat, X, atol=1e-8)
