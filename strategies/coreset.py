@@ -114,7 +114,7 @@ class WeightedADMMServer(ADMMServer):
     def train_loss(self) -> float:
         """The coreset's estimate of the mean loss: sum_j w_j l_j / sum_j w_j."""
         assert self.H is not None
-        return float(np.dot(self.w, loss_np(self.task, self.H, self.y)) / self.w.sum())
+        return float((self.w * loss_np(self.task, self.H, self.y)).sum() / self.w.sum())
 
 
 class DISStrategy(LoJStrategy):
@@ -222,7 +222,7 @@ class CoresetRidge(DISStrategy):
             replies = self.send(self.messages(lambda t: ({"Y": Y[t]}, {"phase": "coreset_admm_update", "epoch": epoch})))
             h = self.outputs(replies)
             H = joined_predictions(local.p, h)
-            train_loss = float(np.dot(core.weights, loss_np(self.task, H, self.y_S)) / self.train.N)
+            train_loss = float((core.weights * loss_np(self.task, H, self.y_S)).sum() / self.train.N)
             self.record_epoch(epoch, self._evaluate(), train_loss,
                               {**self._extra(), "primal_residual": admm.primal_residual()})
 
@@ -239,7 +239,7 @@ class CoresetRidge(DISStrategy):
         for epoch, rows, plan, nxt, last in schedule:
             H = joined_predictions(plan.inv, h)
             g = loss_grad_np(self.task, H, self.y_S[rows]) * omega[rows, None]
-            loss_sum += float(np.dot(core.weights[rows], loss_np(self.task, H, self.y_S[rows])))
+            loss_sum += float((core.weights[rows] * loss_np(self.task, H, self.y_S[rows])).sum())
             Y = {t: segment_sum(plan.inv[t], g, len(plan.U[t])).astype(h[t].dtype, copy=False) for t in plan.U}
             replies = self.send(self.messages(lambda t: (
                 {"Y": Y[t], "rows": nxt.U[t] if nxt else np.zeros(0, dtype=np.int64)},

@@ -79,7 +79,7 @@ class DistDimKMeans(DISStrategy):
         C, _ = weighted_kmeans(points, cell_w, k, np.random.default_rng([int(self.cfg.seed) & 0xFFFFFFFF, 0xD15D]),
                                alg.iters, alg.tol)
         self.centres = C
-        grid_cost = float(np.dot(cell_w, sq_distances(points, C).min(1)) / cell_w.sum())
+        grid_cost = float((cell_w * sq_distances(points, C).min(1)).sum() / cell_w.sum())
         cost = self.full_join_cost(C, [c.shape[1] for c in local_C])
         rec = EpochRecord(epoch=1, test_metric=cost, train_loss=grid_cost, wall_time_s=time.perf_counter() - self._t0,
                           extra={"grid_cells": float(len(cells)), "coreset_rows": self.construction["distinct_rows"],

@@ -127,7 +127,7 @@ def weighted_kmeans(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generat
     for _ in range(iters):
         part = (C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)  # ||x - c||^2 - ||x||^2: the same argmin
         labels = part.argmin(1)
-        cost = float(np.dot(w, np.maximum(x2 + part[rows, labels], 0.0)))
+        cost = float((w * np.maximum(x2 + part[rows, labels], 0.0)).sum())  # no BLAS: the same with any thread count
         member = sparse.csr_matrix((w, (labels, rows)), shape=(len(C), len(X)))  # weighted one-hot, k x n
         mass = np.asarray(member.sum(1)).reshape(-1)
         sums = member @ X
@@ -174,7 +174,7 @@ def cluster_sensitivities(X: np.ndarray, G: np.ndarray, C: np.ndarray, alpha: fl
 
 def local_total(G: np.ndarray, g: np.ndarray) -> float:
     """G^(i) = sum over the joined rows of the local sensitivity = sum_u G_iu g_u (Alg. 1, round 1)."""
-    return float(np.dot(np.asarray(G, dtype=np.float64), g))
+    return float((np.asarray(G, dtype=np.float64) * g).sum())  # not np.dot: BLAS threads change its rounding
 
 
 def sampling_probabilities(G: np.ndarray, g: np.ndarray) -> np.ndarray:
