@@ -3,8 +3,13 @@
     python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
     python -m simulations.bench flower                             -> bench_results/flower.json
+    python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json
+    python -m simulations.bench convergence [--epochs 10] [--mlp]  -> bench_results/convergence.json
+    python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
+                                                                  -> bench_results/scale.json
+    python -m simulations.bench deploy [--datasets movielens,star_2m] -> bench_results/deploy.json
     python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
-                                                                   -> bench_results/coreset-D-TASK.json
+                                                                  -> bench_results/coreset-D-TASK.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import platform
 import resource
 import subprocess
@@ -232,75 +238,463 @@ def flower_suite() -> dict[str, Any]:
     return {"case": "flower", "per_epoch": pairs, "empty_rounds": empty, "first_epoch": first}
 
 
-CASES = {"mapping": mapping_case, "algorithm": algorithm_case, "empty_rounds": empty_rounds_case,
-         "first_epoch": first_epoch_case}
+#: CELU-VFL's comparison (seed 002, Table 2): the variants, as overrides of algorithm=celu (vanilla: TP-Join-SGD)
+CELU_VARIANTS: dict[str, tuple[str, ...]] = {
+    "vanilla": ("algorithm=sgd",),
+    "fedbcd": ("algorithm=celu", "algorithm.W=1", "algorithm.R=5", "algorithm.xi=null"),
+    "celu": ("algorithm=celu",),
+    "celu_R3": ("algorithm=celu", "algorithm.R=3"),
+    "celu_R8": ("algorithm=celu", "algorithm.R=8"),
+    "celu_xi90": ("algorithm=celu", "algorithm.xi=90"),
+    "celu_xi30": ("algorithm=celu", "algorithm.xi=30"),
+    "celu_xi_off": ("algorithm=celu", "algorithm.xi=null"),
+    "celu_W3": ("algorithm=celu", "algorithm.W=3"),
+    "celu_W8": ("algorithm=celu", "algorithm.W=8"),
+}
 
 
-def _run_quiet(*overrides: str) -> Any:
-    """One in-process run (the same strategy and ClientApp as under Flower), its results record."""
+def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, eval_every: int) -> dict[str, Any]:
+    """One CELU comparison run (in-process: the rounds and metrics equal Flower's): its evaluation history."""
     from simulations.config import compose_config
     from simulations.federated import run_in_process
 
-    return run_in_process(compose_config(*overrides), None, log=lambda _: None).strategy.results
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0, "n": len(a)}
-
-
-def coreset_case(dataset: str, task: str, ms: list[int], reps: int, epochs: int = 10, full_reps: int = 3) -> dict[str, Any]:
-    """Issue 13 (seed 004 Table 1 over joins): coreset vs uniform sampling at each m, ``reps`` repetitions (seeds
-    0..reps-1), next to the full data: ridge (test RMSE; full = TP-Join-ADMM ``epochs`` epochs and the exact
-    ridge) or k-means (cost per point on the full join; full = DistDim, ``full_reps`` seeds). Bytes: measured
-    payload bytes of all training rounds (construction included; evaluation rounds excluded)."""
+    cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", f"seed={seed}",
+                         f"epochs={epochs}", f"algorithm.eval_every={eval_every}")
     t0 = time.perf_counter()
-    base = (f"dataset={dataset}", f"epochs={epochs}")
-    total_bytes = lambda r: r.history[-1].bytes_up + r.history[-1].bytes_down  # noqa: E731
-    full: dict[str, Any] = {}
-    if task == "ridge":
-        admm = _run_quiet(*base, "algorithm=admm")
-        import tempfile
+    results = run_in_process(cfg, None, log=lambda _: None).strategy.results
+    return {"variant": variant, "seed": seed, "wall_s": round(time.perf_counter() - t0, 1),
+            "history": [(h.rounds, h.test_metric, h.comm_time_s) for h in results.history]}
 
-        from simulations.config import compose_config
-        from simulations.run import run_job
 
-        with tempfile.TemporaryDirectory() as tmp:
-            exact = run_job(compose_config(*base, "algorithm=centralized", "algorithm.solver=exact"), Path(tmp))
-        full = {"tp_join_admm": {"metric": admm.history[-1].test_metric, "bytes": total_bytes(admm),
-                                 "rounds": admm.history[-1].rounds},
-                "exact_ridge": {"metric": exact.history[-1].test_metric}}
-        algorithm, ref_bytes = "coreset", total_bytes(admm)
+def rounds_to(history: list, target: float, lower_is_better: bool) -> tuple[int, float] | None:
+    """(rounds, modelled comm time) of the first evaluation at least as good as ``target``; None if never."""
+    for rounds, metric, comm in history:
+        if (metric <= target) if lower_is_better else (metric >= target):
+            return rounds, comm
+    return None
+
+
+def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int, epochs: int, eval_every: int) -> dict[str, Any]:
+    """Rounds to reach vanilla's final test metric (per seed), for each variant: the paper's Table 2."""
+    from tpflower.losses import primary_metric
+
+    out: dict[str, Any] = {"case": "celu", "model": model, "epochs": epochs, "eval_every": eval_every, "datasets": {}}
+    for dataset in datasets:
+        runs = {v: [_run_isolated("celu", {"dataset": dataset, "model": model, "variant": v, "seed": s,
+                                           "epochs": epochs, "eval_every": eval_every}) for s in range(seeds)]
+                for v in ["vanilla"] + [v for v in variants if v != "vanilla"]}
+        lower = primary_metric("binary" if "delayed" in dataset else "regression") != "auc"
+        rows = {}
+        for v, per_seed in runs.items():
+            reached = [rounds_to(r["history"], runs["vanilla"][s]["history"][-1][1], lower) for s, r in enumerate(per_seed)]
+            rounds = [x[0] for x in reached if x is not None]
+            rows[v] = {"rounds_to_target": rounds, "reached": f"{len(rounds)}/{len(reached)}",
+                       "mean_rounds": float(np.mean(rounds)) if rounds else None,
+                       "std_rounds": float(np.std(rounds)) if rounds else None,
+                       "final_metric": [r["history"][-1][1] for r in per_seed],
+                       "wall_s": [r["wall_s"] for r in per_seed]}
+            print(dataset, v, json.dumps(rows[v]), flush=True)
+        base = rows["vanilla"]["mean_rounds"]
+        for v in rows:
+            m = rows[v]["mean_rounds"]
+            rows[v]["vs_vanilla"] = None if (m is None or not base) else round(m / base - 1, 3)
+        out["datasets"][dataset] = {"variants": rows, "runs": runs}
+    return out
+
+
+#: issue 10: the datasets of the convergence table (overrides); synthetic labels in three units
+CONVERGENCE_DATA: dict[str, tuple[str, ...]] = {
+    "movielens": ("dataset=movielens",),
+    # the weather shards hold fewer than 2048 wind_gust values: their owners lower min_sketch_rows for the union
+    "nycflights13": ("dataset=nycflights13", "min_sketch_rows=1000"),
+    **{f"synthetic_{schema}_x{scale}": ("dataset=synthetic", f"dataset.loader.schema={schema}",
+                                         f"+dataset.loader.label_scale={scale}")
+       for schema in ("star", "chain", "snowflake") for scale in (1, 100, 10000)},
+}
+
+
+def convergence_case(data: str, overrides: list[str], epochs: int) -> dict[str, Any]:
+    """Shipped defaults: the test metric per epoch of one run (in-process), and where and why it stopped."""
+    from simulations.config import compose_config
+    from simulations.federated import run_in_process
+
+    cfg = compose_config(*CONVERGENCE_DATA[data], f"epochs={epochs}", *overrides)
+    t0 = time.perf_counter()
+    if str(cfg.algorithm.name) == "centralized":
+        from simulations.centralized import train_centralized
+        from tpflower.owner import simulation_secret
+        from tpflower.relation import load_relation
+        from tpflower.results import new_run_results
+
+        rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
+        results = new_run_results(cfg, "centralized", rel.spec, rel.mapping)
+        train_centralized(cfg, rel, results, log=lambda _: None)
     else:
-        runs = [_run_quiet(*base, "algorithm=kmeans", f"seed={s}") for s in range(full_reps)]
-        full = {"distdim": {"metric": _summary([r.history[-1].test_metric for r in runs]),
-                            "bytes": total_bytes(runs[0]), "rounds": runs[0].history[-1].rounds}}
-        algorithm, ref_bytes = "coreset_kmeans", total_bytes(runs[0])
-    rows = []
-    for m in ms:
-        for sampling in ("sensitivity", "uniform"):
-            metric, nbytes, cbytes = [], [], []
-            for rep in range(reps):
-                r = _run_quiet(*base, f"algorithm={algorithm}", f"algorithm.m={m}", f"algorithm.sampling={sampling}",
-                               f"seed={rep}")
-                metric.append(r.history[-1].test_metric)
-                nbytes.append(total_bytes(r))
-                cbytes.append(r.history[-1].extra["construction_bytes"])
-            rows.append({"m": m, "sampling": sampling, "metric": _summary(metric), "bytes": _summary(nbytes),
-                         "construction_bytes": _summary(cbytes), "less_traffic_than_full": ref_bytes / np.mean(nbytes),
-                         "values": metric})
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "values"}), file=sys.stderr, flush=True)
-    return {"case": f"coreset-{dataset}-{task}", "dataset": dataset, "task": task, "reps": reps, "epochs": epochs,
-            "full": full, "runs": rows, "wall_s": round(time.perf_counter() - t0, 1)}
+        results = run_in_process(cfg, None, log=lambda _: None).strategy.results
+    return {"metric": [h.test_metric for h in results.history], "stopped": results.stopped,
+            "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-CASES["coreset"] = coreset_case
+def epochs_within(metric: list[float], target: float, rel: float = 0.01) -> int | None:
+    """The first epoch (1-based) whose metric is within ``rel`` above ``target``; None if none is."""
+    return next((k + 1 for k, m in enumerate(metric) if m <= (1 + rel) * target), None)
 
 
+def convergence_suite(epochs: int, datasets: list[str], mlp: bool) -> dict[str, Any]:
+    """Issue 10's table: TP-Join-ADMM (linear) against the exact ridge solution and TP-UCQ-ADMM against
+    TP-Join-ADMM, shipped defaults, ``epochs`` at most; with ``mlp`` also MLP vs linear for every algorithm."""
+    rows: dict[str, Any] = {}
+    for data in datasets:
+        exact = _run_isolated("convergence", {"data": data, "overrides": ["algorithm=centralized", "algorithm.solver=exact"], "epochs": 1})
+        join = _run_isolated("convergence", {"data": data, "overrides": ["algorithm=admm"], "epochs": epochs})
+        ucq = _run_isolated("convergence", {"data": data, "overrides": ["algorithm=admm", "scenario=ucq"], "epochs": epochs})
+        ref, j, u = exact["metric"][-1], join["metric"], ucq["metric"]
+        rows[data] = {
+            "exact_rmse": ref,
+            "join": {"final": j[-1], "gap_to_exact": round(j[-1] / ref - 1, 5), "epochs_to_1pct": epochs_within(j, ref),
+                     "stopped": join["stopped"], "history": j},
+            "ucq": {"final": u[-1], "gap_to_join": round(u[-1] / j[-1] - 1, 5), "gap_to_exact": round(u[-1] / ref - 1, 5),
+                    "epochs_to_1pct_of_exact": epochs_within(u, ref), "stopped": ucq["stopped"], "history": u},
+        }
+        print(data, json.dumps({k: v for k, v in rows[data].items()}, default=str)[:400], flush=True)
+    out: dict[str, Any] = {"case": "convergence", "epochs": epochs, "datasets": rows}
+    if mlp:
+        table: dict[str, Any] = {}
+        for data in ("movielens", "nycflights13"):
+            for alg, extra in (("centralized", ["algorithm=centralized"]), ("tp_join_sgd", ["algorithm=sgd"]),
+                               ("tp_join_admm", ["algorithm=admm"]), ("tp_ucq_sgd", ["algorithm=sgd", "scenario=ucq"]),
+                               ("tp_ucq_admm", ["algorithm=admm", "scenario=ucq"])):
+                for model in ("linear", "mlp"):
+                    r = _run_isolated("convergence", {"data": data, "overrides": [*extra, f"model={model}"], "epochs": epochs})
+                    table[f"{data}/{alg}/{model}"] = {"final": r["metric"][-1], "history": r["metric"], "wall_s": r["wall_s"]}
+                    print(data, alg, model, r["metric"][-1], flush=True)
+        out["mlp_vs_linear"] = table
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ scale (issue 14)
+
+#: the synthetic star schema of the scale benchmark: a fact table and 3 dimensions with 2 rows per key, so every
+#: fact row joins 2 x 2 x 2 rows: N = 8 n_fact (4 tables; conf/dataset/synthetic.yaml's widths and dim_rows)
+SCALE_DIMS, SCALE_FANOUT = 3, 2
+SCALE_N = (1_000_000, 10_000_000, 40_000_000, 100_000_000)
+
+
+def scale_loader(n_joined: int) -> dict[str, Any]:
+    """The synthetic loader settings of the scale benchmark at N = ``n_joined`` joined rows."""
+    return {"name": "synthetic", "schema": "star", "n_fact": n_joined // SCALE_FANOUT**SCALE_DIMS, "n_dims": SCALE_DIMS,
+            "fanout": SCALE_FANOUT, "dim_rows": 200, "widths": 4, "seed": 0}
+
+
+def scale_overrides(n_joined: int) -> list[str]:
+    """Hydra overrides selecting that dataset (conf/dataset/synthetic.yaml with a star schema)."""
+    loader = scale_loader(n_joined)
+    return ["dataset=synthetic", *(f"dataset.loader.{k}={v}" for k, v in loader.items() if k != "name")]
+
+
+def _scale_projections(n_joined: int):
+    """The clients' part of the keys round, each table made alone: the spec, every table's key projection, the
+    label table's labels and every table's row count (what the server receives)."""
+    from tpflower.datasets import load_spec, load_tables
+
+    loader = scale_loader(n_joined)
+    kwargs = {k: v for k, v in loader.items() if k != "name"}
+    spec = load_spec({"name": "scale", "loader": loader, "split": {"test_fraction": 0.15, "seed": 42}})
+    projections, n_rows, y_rows = {}, {}, None
+    for t in spec.table_names:
+        frame = load_tables("synthetic", kwargs, (t,))[t]
+        projections[t] = [project_keys(spec, t, frame, np.arange(len(frame)), SECRET)]
+        n_rows[t] = len(frame)
+        if t == spec.label_table:
+            y_rows = frame[spec.label.column].to_numpy(dtype=np.float64)
+        del frame
+    return spec, projections, n_rows, y_rows
+
+
+def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2) -> dict[str, Any]:
+    """TP-Join-ADMM's server side (d_c = 1, 4 tables) called directly, as strategies/loj.py's setup and
+    strategies/tp_join_admm.py's epoch call it: mapping build, train/test partition, labels, ADMM state, then
+    epochs of scatter + update + test predictions. numpy allocations traced (tracemalloc): bytes per joined row
+    of the mapping, of everything the server keeps after setup and an epoch, and the peaks of the build and of
+    an epoch."""
+    import tempfile
+    import tracemalloc
+
+    from tpflower.checkpoint import atomic_write
+    from tpflower.loj import ADMMServer, joined_predictions
+    from tpflower.losses import LabelScale, metrics
+    from tpflower.mapping import holdout_mask
+
+    spec, projections, n_rows, y_rows = _scale_projections(n_joined)
+    label = spec.label_table
+    dtype = np.float32 if precision == "float32" else np.float64
+    tracemalloc.start()
+    base, _ = tracemalloc.get_traced_memory()
+    t0 = time.perf_counter()
+    mapping = build_mapping(spec, projections)
+    t_build = time.perf_counter() - t0
+    _, build_peak = tracemalloc.get_traced_memory()
+    mapping_bytes = sum(p.nbytes for p in mapping.p.values())
+    del projections  # the server drops the digests once the mapping is built (LoJStrategy.setup)
+    tracemalloc.reset_peak()
+    N = mapping.N
+    train, test = mapping.partition(holdout_mask(spec, n_rows[label])[mapping.p[label]])
+    y_train = y_rows[train.p[label]]
+    scale = LabelScale.fit("regression", y_train)
+    y_train = scale.scaled(y_train).astype(dtype, copy=False)
+    y_test = y_rows[test.p[label]]
+    admm = ADMMServer("regression", y_train, train, 1, 3.0, dtype=dtype)
+    G = admm.G()
+    h = {t: np.zeros((n, 1), dtype=dtype) for t, n in n_rows.items()}
+    admm.update(h)
+    _, setup_peak = tracemalloc.get_traced_memory()
+    rng = np.random.default_rng(0)
+    epoch_s, epoch_peak = [], 0
+    for _ in range(epochs):
+        tracemalloc.reset_peak()
+        t0 = time.perf_counter()
+        Y = admm.scatter(h)
+        h = {t: (0.1 * rng.standard_normal((n, 1))).astype(dtype) for t, n in n_rows.items()}  # the clients' reply
+        admm.update(h)
+        admm.train_loss()
+        H_test = joined_predictions(test.p, h)
+        metrics("regression", scale.to_label(H_test), y_test)
+        del H_test, Y
+        epoch_s.append(time.perf_counter() - t0)
+        epoch_peak = max(epoch_peak, tracemalloc.get_traced_memory()[1])
+    state, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del G
+    # what the per-epoch checkpoint pickles of it (strategies/checkpoint.py): the views pickle as ranges of the base
+    t0 = time.perf_counter()
+    blob = pickle.dumps({"mapping": mapping, "train": train, "test": test, "y_train": y_train, "y_test": y_test,
+                         "loop": {"admm": admm, "h": h}}, protocol=pickle.HIGHEST_PROTOCOL)
+    t_pickle, checkpoint_bytes = time.perf_counter() - t0, len(blob)
+    with tempfile.TemporaryDirectory() as tmp:  # and writes (fsync'ed, tpflower.checkpoint.atomic_write)
+        t0 = time.perf_counter()
+        atomic_write(Path(tmp) / "checkpoint.pkl", blob)
+        t_write = time.perf_counter() - t0
+    del blob
+    per_row = lambda b: round((b - base) / N, 1)  # noqa: E731
+    arrays = {"mapping p (all N rows, train + test views)": mapping_bytes, "y_train": y_train.nbytes,
+              "y_test": y_test.nbytes, "ADMM lambda": admm.lam.nbytes, "ADMM D = z - H": admm.D.nbytes}
+    return {
+        "case": "server_state", "n_joined": N, "n_train": train.N, "tables": n_rows, "precision": precision,
+        "index_dtype": str(mapping.p[label].dtype),
+        "mapping_bytes_per_row": round(mapping_bytes / N, 1),
+        "state_bytes_per_row": per_row(state),
+        "arrays_bytes_per_row": {k: round(v / N, 2) for k, v in arrays.items()},
+        "build_peak_bytes_per_row": per_row(build_peak),
+        "setup_peak_bytes_per_row": per_row(setup_peak),
+        "epoch_peak_bytes_per_row": per_row(epoch_peak),
+        "build_s": round(t_build, 2),
+        "epoch_s": round(float(np.mean(epoch_s)), 3),
+        "checkpoint_bytes_per_row": round(checkpoint_bytes / N, 1), "checkpoint_pickle_s": round(t_pickle, 2),
+        "checkpoint_write_s": round(t_write, 2),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+    }
+
+
+def mapping_scale_case(n_joined: int) -> dict[str, Any]:
+    """The table mapping alone at N joined rows of the scale schema: the server's build from the clients'
+    digests (time, traced peak, process peak RSS; the clients' tables and digests are made in the same process
+    first, one table at a time)."""
+    import tracemalloc
+
+    t0 = time.perf_counter()
+    spec, projections, n_rows, _ = _scale_projections(n_joined)
+    t_clients = time.perf_counter() - t0
+    rss_before = _peak_rss_mb()
+    tracemalloc.start()
+    base, _ = tracemalloc.get_traced_memory()
+    t0 = time.perf_counter()
+    mapping = build_mapping(spec, projections)
+    G = {t: mapping.G(t) for t in spec.table_names}
+    t_build = time.perf_counter() - t0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert all(int(g.sum()) == mapping.N for g in G.values())
+    digest_mb = sum(d.nbytes for ps in projections.values() for p in ps for d in p.arrays()) / 1e6
+    return {"case": "mapping_scale", "n_joined": mapping.N, "tables": n_rows, "clients_generate_and_digest_s": round(t_clients, 1),
+            "build_s": round(t_build, 2), "digests_received_mb": round(digest_mb, 1),
+            "result_mb": round(sum(p.nbytes for p in mapping.p.values()) / 1e6, 1),
+            "build_traced_peak_mb": round((peak - base) / 1e6, 1),
+            "build_traced_peak_bytes_per_row": round((peak - base) / mapping.N, 1),
+            "peak_rss_before_build_mb": round(rss_before, 1), "peak_rss_mb": round(_peak_rss_mb(), 1)}
+
+
+class TreeMonitor:
+    """Samples the memory of a process and all its descendants (from /proc) every ``interval`` seconds: the
+    peaks of the root's RSS, of the tree's summed RSS and of its summed PSS (shared pages split between the
+    processes that map them: Ray's object store counted once)."""
+
+    def __init__(self, pid: int, interval: float = 0.5):
+        import threading
+
+        self.pid, self.interval = pid, interval
+        self.peak = {"root_rss_mb": 0.0, "tree_rss_mb": 0.0, "tree_pss_mb": 0.0, "processes": 0}
+        self.samples: list[tuple[float, float, float]] = []  # (t, root RSS, tree PSS) in MB
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _children() -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            kids.setdefault(ppid, []).append(int(entry.name))
+        return kids
+
+    @staticmethod
+    def _memory_kb(pid: int) -> tuple[int, int]:
+        rss = pss = 0
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss = int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss = int(line.split()[1])
+        except OSError:
+            pass
+        return rss, pss
+
+    def tree(self) -> list[int]:
+        kids, out, todo = self._children(), [], [self.pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo += kids.get(p, [])
+        return out
+
+    def sample(self) -> None:
+        pids = self.tree()
+        mem = [self._memory_kb(p) for p in pids]
+        root_rss = mem[0][0] / 1024
+        tree_rss, tree_pss = sum(m[0] for m in mem) / 1024, sum(m[1] for m in mem) / 1024
+        pk = self.peak
+        pk["root_rss_mb"] = max(pk["root_rss_mb"], root_rss)
+        pk["tree_rss_mb"] = max(pk["tree_rss_mb"], tree_rss)
+        pk["tree_pss_mb"] = max(pk["tree_pss_mb"], tree_pss)
+        pk["processes"] = max(pk["processes"], len(pids))
+        self.samples.append((round(time.perf_counter() - self._t0, 1), round(root_rss), round(tree_pss)))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {k: round(v, 1) for k, v in self.peak.items()}
+
+
+def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", timeout_s: float = 3600) -> dict[str, Any]:
+    """TP-Join-ADMM (linear, float32) on the scale schema at N joined rows: ``python -m simulations.run`` in a
+    child process under Flower's simulation engine, its process tree watched (TreeMonitor). Setup time is the
+    time from the start to the first epoch line minus that epoch's own time (imports, the data check, Ray's
+    start, the clients' loads and digests, the keys round, the mapping, the ADMM setup round)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "simulations.run", "algorithm=admm", *scale_overrides(n_joined), f"epochs={epochs}",
+               f"runtime={runtime}", "algorithm.tol=0", f"hydra.run.dir={tmp}"]
+        t0 = time.perf_counter()
+        # this checkout first on the path of the run and of Ray's workers (an installed copy elsewhere must not win)
+        root = str(Path(__file__).resolve().parents[1])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
+        monitor = TreeMonitor(proc.pid)
+        lines: list[tuple[float, str]] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((round(time.perf_counter() - t0, 2), line.rstrip()))
+            print(f"[{lines[-1][0]:8.1f}s] {line.rstrip()}", flush=True)
+            if time.perf_counter() - t0 > timeout_s:
+                proc.kill()
+        proc.wait()
+        total = time.perf_counter() - t0
+        peaks = monitor.stop()
+        results = Path(tmp) / "results.json"
+        history = json.loads(results.read_text())["history"] if results.is_file() else []
+    epoch_lines = [t for t, line in lines if line.startswith("epoch ")]
+    mapping_line = next((t for t, line in lines if "joined rows N=" in line), None)
+    walls = [h["wall_time_s"] for h in history]
+    per_epoch = float(np.mean(np.diff(walls))) if len(walls) > 1 else (walls[0] if walls else None)
+    out = {
+        "case": "simulation", "n_joined": n_joined, "n_fact": scale_loader(n_joined)["n_fact"], "runtime": runtime,
+        "epochs": len(history), "returncode": proc.returncode, "command": " ".join(cmd[1:-1]),
+        "mapping_line_s": mapping_line, "first_epoch_line_s": epoch_lines[0] if epoch_lines else None,
+        "setup_s": round(epoch_lines[0] - per_epoch, 1) if epoch_lines and per_epoch is not None else None,
+        "epoch_s": round(per_epoch, 3) if per_epoch is not None else None,
+        "epoch_wall_s": walls, "total_s": round(total, 1),
+        "test_rmse": history[-1]["test_metric"] if history else None,
+        "server_process_peak_rss_mb": peaks["root_rss_mb"],
+        "tree_peak_pss_mb": peaks["tree_pss_mb"], "tree_peak_rss_sum_mb": peaks["tree_rss_mb"], "processes": peaks["processes"],
+        "memory_timeline": monitor.samples[:: max(1, len(monitor.samples) // 200)],
+    }
+    if proc.returncode != 0:
+        out["tail"] = [line for _, line in lines[-15:]]
+    return out
+
+
+def scale_suite(ns: list[int], epochs: int, mapping_n: int, server_ns: list[int]) -> dict[str, Any]:
+    """Issue 14's benchmark: bytes per joined row of the server state (float32 and float64), TP-Join-ADMM under
+    Flower's simulation engine at each N, and the mapping alone at ``mapping_n``. Each case in a fresh process."""
+    out: dict[str, Any] = {"case": "scale", "schema": {k: v for k, v in scale_loader(0).items() if k != "n_fact"},
+                           "server_state": [], "simulation": [], "mapping": None}
+    for n in server_ns:
+        for precision in ("float32", "float64"):
+            out["server_state"].append(_run_isolated("server_state", {"n_joined": n, "precision": precision}))
+            print(json.dumps(out["server_state"][-1]), flush=True)
+    for n in ns:
+        out["simulation"].append(simulation_case(n, epochs))
+        print(json.dumps({k: v for k, v in out["simulation"][-1].items() if k != "memory_timeline"}), flush=True)
+    if mapping_n:
+        out["mapping"] = _run_isolated("mapping_scale", {"n_joined": mapping_n})
+        print(json.dumps(out["mapping"]), flush=True)
+    return out
+
+
+CASES = {"mapping": mapping_case, "algorithm": algorithm_case, "empty_rounds": empty_rounds_case,
+         "first_epoch": first_epoch_case,
+         "celu": celu_case, "convergence": convergence_case, "server_state": server_state_case,
+         "mapping_scale": mapping_scale_case, "simulation": simulation_case}
 SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}), "loj": lambda a: loj_suite(a.epochs),
           "flower": lambda a: flower_suite(),
-          "coreset": lambda a: _run_isolated("coreset", {"dataset": a.dataset, "task": a.task, "reps": a.reps,
-                                                         "ms": [int(x) for x in a.ms.split(",")]})}
+          "convergence": lambda a: convergence_suite(a.epochs if a.epochs != 3 else 10,
+                                                     a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(CONVERGENCE_DATA),
+                                                     a.mlp),
+          "scale": lambda a: scale_suite(_ints(a.scale_n), a.epochs, a.mapping_n, _ints(a.server_n)),
+          "celu": lambda a: celu_suite(a.datasets.split(","), a.model, a.variants.split(","), a.seeds, a.epochs,
+                                       a.eval_every),
+          "deploy": lambda a: _deploy(a),
+          "coreset": lambda a: __import__("simulations.bench_coreset", fromlist=["_"]).coreset_suite(a)}
+
+
+def _deploy(a: argparse.Namespace) -> dict[str, Any]:
+    from simulations.bench_deploy import DEPLOY_CASES, deploy_suite
+
+    cases = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(DEPLOY_CASES)
+    return deploy_suite(cases, a.epochs if a.epochs != 3 else 6)
+
+
+DEFAULT_CELU_DATA = "movielens,nycflights13_delayed"
+
+
+def _ints(text: str) -> list[int]:
+    """A comma-separated list of integers ("" -> none); 1e6-style and 10_000_000 spellings accepted."""
+    return [int(float(x)) for x in text.replace("_", "").split(",") if x.strip()]
 
 
 def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -318,7 +712,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=sorted(SUITES))
     ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping: joined rows")
-    ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run")
+    ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
+    ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
+    ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
+    ap.add_argument("--model", default="mlp", help="celu: model")
+    ap.add_argument("--variants", default=",".join(CELU_VARIANTS), help="celu: variants (vanilla always runs)")
+    ap.add_argument("--seeds", type=int, default=3, help="celu: seeds per variant")
+    ap.add_argument("--eval-every", type=int, default=20, help="celu: rounds between evaluations")
+    ap.add_argument("--scale-n", default=",".join(str(n) for n in SCALE_N), help="scale: joined rows N of the Flower runs")
+    ap.add_argument("--server-n", default="10000000", help="scale: N of the server-state measurement (float32 and float64)")
+    ap.add_argument("--mapping-n", type=int, default=100_000_000, help="scale: N of the mapping alone (0: skip)")
     ap.add_argument("--dataset", default="movielens", help="coreset: the dataset")
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
     ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
@@ -327,8 +730,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
     result["machine"] = {"cpus": __import__("os").cpu_count(), "python": platform.python_version()}
-    name = f"coreset-{a.dataset}-{a.task}" if a.case == "coreset" else a.case
-    out = a.out or Path("bench_results") / f"{name}.json"
+    out = a.out or Path("bench_results") / f"{result['case'] if a.case == 'coreset' else a.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from tpflower.loj import batch_size_of, epoch_batches
-from tpflower.losses import loss_torch, metrics, primary_metric
+from tpflower.losses import LabelScale, loss_torch, metrics, primary_metric
+from tpflower.reference import constant_predictions
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.relation import Relation, build_local_model
 from tpflower.results import EpochRecord, RunResults, epoch_line
@@ -30,28 +31,37 @@ def build_joined_model(rel: Relation, model_cfg: Any, seed: int, dtype: torch.dt
     return JoinedModel(local, {t: rel.tables[t].width for t in rel.spec.table_names})
 
 
-def predict(model: torch.nn.Module, rel: Relation, mapping, dtype: torch.dtype) -> np.ndarray:
-    """H for every joined row of ``mapping``, materializing the join chunk by chunk."""
+def predict(model: torch.nn.Module, rel: Relation, mapping, dtype: torch.dtype,
+            scale: LabelScale = LabelScale()) -> np.ndarray:
+    """H for every joined row of ``mapping`` in the label's units, materializing the join chunk by chunk."""
     out = []
     with torch.no_grad():
         for start in range(0, mapping.N, EVAL_CHUNK):
             rows = slice(start, min(start + EVAL_CHUNK, mapping.N))
             out.append(model(torch.as_tensor(rel.joined_features(mapping, rows), dtype=dtype)).numpy())
-    return np.concatenate(out) if out else np.zeros((0, rel.d_out))
+    return scale.to_label(np.concatenate(out)) if out else np.zeros((0, rel.d_out))
 
 
-def evaluate(model, rel: Relation, dtype) -> dict[str, float]:
-    return metrics(rel.spec.label.task, predict(model, rel, rel.test, dtype), rel.labels(rel.test))
+def evaluate(model, rel: Relation, dtype, scale: LabelScale = LabelScale()) -> dict[str, float]:
+    return metrics(rel.spec.label.task, predict(model, rel, rel.test, dtype, scale), rel.labels(rel.test))
 
 
-def exact_ridge(rel: Relation, beta: float, intercept: bool = True) -> tuple[np.ndarray, float]:
-    """argmin_w (1/N) sum_j 1/2 (x_j w + b - y_j)^2 + beta/2 ||(w, b)||^2 on the training join (float64).
+def label_scale_of(cfg: Any, rel: Relation) -> LabelScale:
+    """The federated runs' label scale (config ``standardize_label``): fitted on the training join's labels."""
+    return LabelScale.fit(rel.spec.label.task, rel.labels(rel.train), bool(cfg.get("standardize_label", True)))
+
+
+def exact_ridge(rel: Relation, beta: float, intercept: bool = True,
+                scale: LabelScale = LabelScale()) -> tuple[np.ndarray, float]:
+    """argmin_w (1/N) sum_j 1/2 (x_j w + b - y_j)^2 + beta/2 ||(w, b)||^2 on the training join (float64),
+    y the scaled labels (``scale``); returned as the scaled solution, whose predictions ``scale.to_label`` maps
+    to the label's units.
 
     The normal equations (X1^T X1 / N + beta I) w1 = X1^T y / N are accumulated chunk by chunk, with
     X1 = [X, 1] (X alone when ``intercept`` is False, and then b = 0). Returns (w of shape (d,), b).
     """
     train, N = rel.train, rel.train.N
-    y = rel.labels(train)
+    y = scale.scaled(rel.labels(train))
     d = sum(rel.tables[t].width for t in rel.spec.table_names) + int(intercept)
     A = np.zeros((d, d))
     c = np.zeros(d)
@@ -82,6 +92,32 @@ def set_linear_weights(model: JoinedModel, rel: Relation, w: np.ndarray, b: floa
                 placed = True
 
 
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+SOLVERS: tuple[str, ...] = ("sgd", "exact")
+
+
+def check_settings(algorithm_cfg: Any) -> None:
+    """The centralized baseline's algorithm.* settings, checked before any data is loaded (ValueError)."""
+    solver = str(algorithm_cfg.get("solver", "sgd"))
+    if solver not in SOLVERS:
+        raise ValueError(f"algorithm.solver must be one of {list(SOLVERS)}, got {solver!r}")
+    optimizer = str(algorithm_cfg.get("optimizer", "sgd"))
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"algorithm.optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
+    lr = float(algorithm_cfg.get("lr", 0.1))
+    if not lr > 0:
+        raise ValueError(f"algorithm.lr must be > 0, got {lr}")
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """``algorithm.optimizer``: sgd (plain SGD, Eq. 6: the update the federated SGD algorithms apply) or adam."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"algorithm.optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
+
+
 def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -> JoinedModel:
     """Mini-batch SGD (or the exact ridge solution) on the joined table; appends one record per epoch."""
     dtype = torch_dtype(cfg.precision)
@@ -90,26 +126,26 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype)
     beta = float(cfg.model.beta)
     start = time.perf_counter()
+    check_settings(cfg.algorithm)
     solver = cfg.algorithm.get("solver", "sgd")
+    scale = label_scale_of(cfg, rel)  # regression: trained on the standardized label, as the federated runs
     if solver == "exact":
         if task != "regression" or cfg.model.kind != "linear":
             raise ValueError("algorithm.solver=exact is the ridge solution: it needs task regression and model=linear")
         intercept = any(m.bias is not None for m in model.local.values())
-        w, b = exact_ridge(rel, beta, intercept)
+        w, b = exact_ridge(rel, beta, intercept, scale)
         set_linear_weights(model, rel, w, b)
-        train_metrics = metrics(task, predict(model, rel, rel.train, dtype), rel.labels(rel.train))
-        test = evaluate(model, rel, dtype)
+        train_metrics = metrics(task, predict(model, rel, rel.train, dtype, scale), rel.labels(rel.train))
+        test = evaluate(model, rel, dtype, scale)
         rec = EpochRecord(epoch=0, test_metric=test[metric], train_loss=train_metrics["loss"],
                           wall_time_s=time.perf_counter() - start)
         results.history.append(rec)
         log(epoch_line(metric, rec))
         return model
-    if solver != "sgd":
-        raise ValueError(f"algorithm.solver must be sgd or exact, got {solver!r}")
     N = rel.train.N
     B = batch_size_of(cfg.algorithm.batch_size, N)
-    y_all = torch.as_tensor(rel.labels(rel.train), dtype=torch.long if task == "multiclass" else dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=float(cfg.algorithm.lr))
+    y_all = torch.as_tensor(scale.scaled(rel.labels(rel.train)), dtype=torch.long if task == "multiclass" else dtype)
+    opt = make_optimizer(str(cfg.algorithm.get("optimizer", "sgd")), model.parameters(), float(cfg.algorithm.lr))
     gen = np.random.default_rng(int(cfg.seed))
     for epoch in range(1, int(cfg.epochs) + 1):
         total, count = 0.0, 0
@@ -126,11 +162,11 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
                 f"training diverged in epoch {epoch} (train loss {total / count}); lower algorithm.lr "
                 f"(now {cfg.algorithm.lr}) or raise algorithm.batch_size"
             )
-        test = evaluate(model, rel, dtype)
+        test = evaluate(model, rel, dtype, scale)
         rec = EpochRecord(
             epoch=epoch,
             test_metric=test[metric],
-            train_loss=total / count,
+            train_loss=scale.loss(total / count),
             wall_time_s=time.perf_counter() - start,
             extra={f"test_{k}": v for k, v in test.items() if k not in (metric, "loss")},
         )
@@ -142,13 +178,5 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
 def constant_predictor_metric(rel: Relation) -> dict[str, float]:
     """Test metrics of the constant predictor fitted on the training join (mean, or class prior)."""
     task = rel.spec.label.task
-    y_train, y_test = rel.labels(rel.train), rel.labels(rel.test)
-    if task == "regression":
-        H = np.full((len(y_test), 1), y_train.mean())
-    elif task == "binary":
-        p = np.clip(y_train.mean(), 1e-12, 1 - 1e-12)
-        H = np.full((len(y_test), 1), np.log(p / (1 - p)))
-    else:
-        prior = np.bincount(y_train.astype(int), minlength=rel.d_out) / len(y_train)
-        H = np.tile(np.log(np.clip(prior, 1e-12, None)), (len(y_test), 1))
-    return metrics(task, H, y_test)
+    y_test = rel.labels(rel.test)
+    return metrics(task, constant_predictions(task, rel.labels(rel.train), len(y_test), rel.d_out), y_test)

@@ -18,18 +18,22 @@ The node checks the run against them in the hello query already, before it loads
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pandas as pd
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
 from simulations.config import compose_config
 from strategies.protocol import HELLO_PHASE
+from tpflower.checkpoint import run_key
+from tpflower.checks import DataProblems
 from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
 from tpflower.records import pack_reply, unpack_payload
@@ -52,29 +56,38 @@ def _load(dataset_json: str, table: str, base_dir: str | None, kept: tuple[str, 
     return spec, frame, key_kinds_of(spec, table, frame)
 
 
+class CheckedNode(NamedTuple):
+    table: str
+    shard: int
+    owner: OwnerSettings
+    dataset: dict[str, Any]  # the dataset config to load the table with (the owner's file in place of any other)
+    spec: RelationalSpec  # the run's spec
+
+
 def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
-                  table: str) -> tuple[OwnerSettings, dict[str, Any], RelationalSpec]:
-    """The owner's settings of this node (its client-config file, or in a simulation the run config's), with
-    the run checked against them: the table's source, exposed columns and label, and the privacy floor.
-    Returns them, the dataset config to load the table with (the owner's file in place of any other) and the
-    run's spec."""
+                  state_dir: str | None = None) -> CheckedNode:
+    """This node's table and shard and its owner's settings (its client-config file, or in a simulation the
+    run config's, with ``state_dir`` for its checkpoints), with the run checked against them: the table's
+    source, exposed columns and label, and the privacy floor."""
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     assert isinstance(dataset, dict)
     root = str(base_dir) if base_dir else None
     spec = _spec(json.dumps(dataset, sort_keys=True), root)
+    table, shard = identity(node_config, spec.clients(str(cfg.scenario.name)))
     if node_config.get("client-config"):
         owner = load_owner_settings(str(node_config["client-config"]), table)
     elif "table" in node_config:
         raise SpecError(f"node config names table {table!r} but no client-config: a deployed node serves its table "
                         "under its owner's settings file (README 'Deployment'; simulations.deploy start writes one)")
     else:
-        owner = simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root)  # type: ignore[arg-type]
+        owner = replace(simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root),  # type: ignore[arg-type]
+                        state_dir=state_dir)
     owner.check_spec(spec, dataset, root)
     owner.check_privacy(OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"},
                         label_owner=spec.label.table == table)
     if owner.source is not None and isinstance(dataset.get("tables"), dict):
         dataset["tables"][table] = {**(dataset["tables"].get(table) or {}), "source": owner.source}
-    return owner, dataset, spec
+    return CheckedNode(table, shard, owner, dataset, spec)
 
 
 def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[str, int]:
@@ -100,7 +113,7 @@ def config_key(cfg: DictConfig) -> str:
 
 
 def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None,
-                cfg_key: str | None = None) -> TableClient:
+                cfg_key: str | None = None, state_dir: str | None = None) -> TableClient:
     """The client of this node for one message; table and settings are built once per process and node.
 
     The cache key is the config's content (``cfg_key``, else computed: about 8 ms): under Ray the ClientApp,
@@ -111,11 +124,11 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     from tpflower.client import TableClient
 
     content = cfg_key if cfg_key is not None else config_key(cfg)
-    cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir))
+    cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir), state_dir)
     if cache_key in _SETTINGS:
         _SETTINGS.move_to_end(cache_key)
     else:
-        _SETTINGS[cache_key] = _settings(cfg, dict(context.node_config), base_dir)
+        _SETTINGS[cache_key] = _settings(cfg, dict(context.node_config), base_dir, state_dir)
         while len(_SETTINGS) > _SETTINGS_MAX:
             _SETTINGS.popitem(last=False)
     settings, data = _SETTINGS[cache_key]
@@ -123,18 +136,21 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     return TableClient(data, settings, context.state, entry.protocol, entry.name)
 
 
-def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[ClientSettings, ShardData]:
+def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
+              state_dir: str | None = None) -> tuple[ClientSettings, ShardData]:
     from strategies.registry import entry_of
     from tpflower.client import ClientSettings
     from tpflower.local_table import ShardData
 
     root = str(base_dir) if base_dir else None
     scenario = str(cfg.scenario.name)
-    table, shard = node_identity(cfg, node_config, base_dir)
-    owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir, table)
+    table, shard, owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir, state_dir)
     shards = run_spec.table(table).shards
     kept = owner.exposed.all + ((shards.by,) if shards is not None and shards.by else ())
-    spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
+    try:
+        spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
+    except DataProblems as exc:
+        raise node_data_error(exc, owner) from None
     sharded = scenario == "ucq" and spec.table(table).shards is not None
     rows = shard_rows(spec.table(table), frame)[shard] if sharded else None
     data = ShardData(spec, table, frame, rows, precision=str(cfg.precision))
@@ -142,7 +158,7 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         spec=spec,
         table=table,
         shard=shard,
-        region=spec.table(table).region,
+        region=spec.table(table).region or "",  # "": the network's default link
         model=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
         algorithm=entry_of(cfg).params.from_cfg(OmegaConf.to_container(cfg.algorithm, resolve=True)),  # type: ignore[arg-type]
         seed=int(cfg.seed),
@@ -150,8 +166,20 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         owner=owner,
         key_kinds=kinds,
         federated_prep=sum(1 for t, _ in spec.clients(scenario) if t == table) > 1,
+        config_key=run_key(cfg),
+        num_gpus=float((cfg.get("resources") or {}).get("num_gpus") or 0.0),
     )
     return settings, data
+
+
+def node_data_error(exc: DataProblems, owner: OwnerSettings) -> SpecError:
+    """The error a node replies with for its table's problems: one line (the server shows one line per
+    table). A deployed node sends table, column, problem and count only; the example values and rows stay in
+    its own log (stderr of its ClientApp process). In a simulation the user owns every table: values shown."""
+    deployed = owner.origin != "simulation"
+    if deployed:
+        logging.getLogger("tpflower").error("table %r: %s", owner.table, exc.report(values=True))
+    return SpecError(exc.one_line(values=not deployed))
 
 
 def node_identity(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None) -> tuple[str, int]:
@@ -166,8 +194,12 @@ def _spec(dataset_json: str, base_dir: str | None) -> RelationalSpec:
     return load_spec(json.loads(dataset_json), base_dir=base_dir)
 
 
-def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -> ClientApp:
-    """The ClientApp for a fixed config (the Hydra entry point), or composing it from the run config (flwr run)."""
+def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None,
+                   run_dir: str | Path | None = None) -> ClientApp:
+    """The ClientApp for a fixed config (the Hydra entry point), or composing it from the run config (flwr run).
+
+    Simulated nodes keep their checkpoints in RUN_DIR/node-state (``run_dir``, else the run config's
+    ``run-dir``; none without either); a deployed node where its owner's settings say."""
     app = ClientApp()
     # The handlers capture the config as its JSON string, not as a DictConfig: the simulation engine pickles
     # the ClientApp with every message (a DictConfig costs ~5 ms to pickle and load; a string nothing).
@@ -181,31 +213,29 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None) -
             run_cfg, key = _compose(overrides), _composed_key(overrides)
         return run_cfg, base_dir if base_dir is not None else context.run_config.get("base-dir") or None, key
 
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        """The server's first step: which table and shard this node holds (nothing else is loaded)."""
-        _, config = unpack_payload(msg.content)
-        if config.get("phase") != HELLO_PHASE:
-            raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
-        run_cfg, root, _ = settings_of(context)
-        table, shard = node_identity(run_cfg, dict(context.node_config), root)
-        owner_checked(run_cfg, dict(context.node_config), root, table)  # refuse a run it would not serve, now
-        return Message(pack_reply({}, {"table": table, "shard": shard}), reply_to=msg)
+    def state_dir_of(context: Context) -> str | None:
+        out = run_dir or context.run_config.get("run-dir")
+        return str(Path(str(out)).resolve() / "node-state") if out else None
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        return answer(msg, context)
-
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        return answer(msg, context)
-
-    def answer(msg: Message, context: Context) -> Message:
+    def respond(message_type: str, content: RecordDict, context: Context) -> RecordDict:
+        """The reply content to one message (what every handler returns, here or in a node's worker)."""
         run_cfg, root, key = settings_of(context)
-        arrays, config = unpack_payload(msg.content)
-        out, metrics = make_client(run_cfg, context, root, key).handle(arrays, config)
-        return Message(pack_reply(out, metrics), reply_to=msg)
+        arrays, config = unpack_payload(content)
+        if message_type == "query":  # the server's first step: which table and shard this node holds
+            if config.get("phase") != HELLO_PHASE:
+                raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
+            node = owner_checked(run_cfg, dict(context.node_config), root)  # refuse a run it would not serve, now
+            return pack_reply({}, {"table": node.table, "shard": node.shard})
+        out, metrics = make_client(run_cfg, context, root, key, state_dir_of(context)).handle(arrays, config)
+        return pack_reply(out, metrics)
 
+    def handler(msg: Message, context: Context) -> Message:
+        return Message(respond(msg.metadata.message_type, msg.content, context), reply_to=msg)
+
+    app.query()(handler)
+    app.train()(handler)
+    app.evaluate()(handler)
+    app.respond = respond  # type: ignore[attr-defined]  # for a deployed node's worker (simulations.node_worker)
     return app
 
 

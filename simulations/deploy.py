@@ -16,9 +16,12 @@ or all three in one (stops everything on exit, also on failure or Ctrl-C)::
 
     python -m simulations.deploy run --overrides "algorithm=admm dataset=synthetic epochs=2" --run-dir /tmp/tp-run
 
-``start`` writes the SuperLink connection ``local-deployment`` (address 127.0.0.1:PORT, insecure) into
-``$FLWR_HOME/config.toml`` (default ``~/.flwr``): Flower 1.41 reads connections from there, not from
-pyproject.toml. Every process is started in its own session (process group) and carries the environment
+Secure by default: ``start`` makes a CA and the SuperLink's certificate (STATE_DIR/pki, simulations.pki), a
+key pair per SuperNode (STATE_DIR/clients/T-Q.key and .pub), registers the public keys with the SuperLink
+(``flwr supernode register``) and starts everything with TLS and SuperNode authentication; ``--insecure``
+(plain text, no authentication) only when asked. It writes the SuperLink connection ``local-deployment``
+(address 127.0.0.1:PORT, root-certificates = the CA) into ``$FLWR_HOME/config.toml`` (default ``~/.flwr``):
+Flower 1.41 reads connections from there, not from pyproject.toml. Every process is started in its own session (process group) and carries the environment
 variable ``TPFLOWER_DEPLOY_TAG``; ``stop`` kills the recorded groups and then any process still carrying the
 tag (the SuperLink starts its ``flower-superexec`` in a session of its own). The state of a deployment (ports,
 pids, logs) is in ``STATE_DIR/deployment.json`` (default outputs/deploy).
@@ -37,8 +40,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -50,6 +55,8 @@ from typing import Any, Iterable
 
 import tomli_w
 
+from simulations.pki import ServerTLS, make_node_keys, make_server_tls
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -57,7 +64,6 @@ except ModuleNotFoundError:  # Python 3.10
 
 HOST = "127.0.0.1"
 TAG_VAR = "TPFLOWER_DEPLOY_TAG"
-SECRET_ENV = "TPFLOWER_KEY_SECRET"
 CONNECTION = "local-deployment"
 APP_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_STATE_DIR = Path("outputs") / "deploy"
@@ -94,6 +100,8 @@ def flower_env(home: Path, tag: str, base: dict[str, str] | None = None) -> dict
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env[TAG_VAR] = tag
+    from tpflower.owner import SECRET_ENV
+
     env.pop(SECRET_ENV, None)  # the nodes read their secret_file; the SuperLink must never hold the secret
     return env
 
@@ -113,10 +121,10 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
     import secrets
 
     import yaml
+    from omegaconf import OmegaConf
 
     from simulations.client_app import config_from_run_config
     from tpflower.datasets import load_spec
-    from tpflower.datasets.files import resolve_path
     from tpflower.owner import privacy_floor, simulation_owner
 
     cfg = config_from_run_config({"overrides": overrides})
@@ -125,17 +133,17 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
     key = directory / "key"
     key.touch(mode=0o600)
     key.write_text(secrets.token_hex(32))
-    container = {"seed": 0, "dataset": dict(cfg.dataset), "privacy": dict(cfg.privacy)}
+    container = OmegaConf.to_container(cfg, resolve=True)
     paths = {}
     for table, shard in spec.clients(str(cfg.scenario.name)):
         owner = simulation_owner(container, spec, table, base_dir)
         e = owner.exposed
         settings = {
             "table": table,
-            **({"source": str(resolve_path(owner.source, base_dir))} if owner.source else {"loader": owner.loader}),
+            **({"source": owner.source} if owner.source else {"loader": owner.loader}),  # source: an absolute path
             "columns": {"keys": list(e.keys), "numeric": list(e.numeric), "categorical": list(e.categorical),
                         **({"label": e.label} if e.label else {})},
-            "privacy": {k: v for k, v in privacy_floor(dict(cfg.privacy), "--overrides").items() if v is not None},
+            "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
             "secret_file": str(key),
         }
         paths[(table, shard)] = directory / f"{table}-{shard}.yaml"
@@ -143,12 +151,15 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
     return paths
 
 
-def write_connection(home: Path, name: str, address: str, default: bool = False) -> Path:
-    """Add (or replace) the insecure SuperLink connection `name` in $FLWR_HOME/config.toml."""
+def write_connection(home: Path, name: str, address: str, root_certificates: str | Path | None = None,
+                     default: bool = False) -> Path:
+    """Add (or replace) the SuperLink connection `name` in $FLWR_HOME/config.toml: TLS verified against
+    ``root_certificates`` (the deployment's CA), or insecure (plain text) when None."""
     path = home / "config.toml"
     config: dict[str, Any] = tomllib.loads(path.read_text()) if path.is_file() else json.loads(json.dumps(DEFAULT_FLOWER_CONFIG))
     superlinks = config.setdefault("superlink", {})
-    superlinks[name] = {"address": address, "insecure": True}
+    superlinks[name] = ({"address": address, "root-certificates": str(Path(root_certificates).resolve())}
+                        if root_certificates else {"address": address, "insecure": True})
     if default:
         superlinks["default"] = name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,12 +277,17 @@ class Deployment:
     state_dir: str
     superlink_port: int
     connection: str
+    ca: str | None = None  # the CA certificate of a TLS deployment (None: insecure, plain text)
     processes: list[dict[str, Any]] = field(default_factory=list)  # name, pid, pgid, cmd, log
     popens: list[subprocess.Popen] = field(default_factory=list, repr=False)  # only in the starting process
 
     @property
     def address(self) -> str:
         return f"{HOST}:{self.superlink_port}"
+
+    @property
+    def secure(self) -> bool:
+        return self.ca is not None
 
     def env(self) -> dict[str, str]:
         return flower_env(Path(self.flwr_home), self.tag)
@@ -288,23 +304,39 @@ class Deployment:
         return cls(**data)
 
 
-def superlink_command(port: int) -> list[str]:
-    return ["flower-superlink", "--insecure", "--disable-runtime-dependency-installation",
-            "--host", HOST, "--port", str(port)]
+def superlink_command(port: int, tls: ServerTLS | None) -> list[str]:
+    """flower-superlink on 127.0.0.1:`port`: TLS with SuperNode authentication, or plain text (tls None)."""
+    security = (["--ssl-ca-certfile", str(tls.ca), "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key),
+                 "--enable-supernode-auth"] if tls else ["--insecure"])
+    return ["flower-superlink", *security, "--disable-runtime-dependency-installation", "--host", HOST, "--port", str(port)]
 
 
-def supernode_command(superlink_port: int, port: int, table: str, shard: int, client_config: str | Path) -> list[str]:
-    return ["flower-supernode", "--insecure", "--superlink", f"{HOST}:{superlink_port}", "--host", HOST,
+def supernode_command(superlink_port: int, port: int, table: str, shard: int, client_config: str | Path,
+                      ca: str | Path | None = None, auth_key: str | Path | None = None) -> list[str]:
+    """flower-supernode of one table shard: TLS verified against ``ca`` and authenticated by its private key
+    ``auth_key`` (registered with the SuperLink), or plain text when ``ca`` is None."""
+    security = (["--root-certificates", str(ca)] + (["--auth-supernode-private-key", str(auth_key)] if auth_key else [])
+                if ca else ["--insecure"])
+    return ["flower-supernode", *security, "--superlink", f"{HOST}:{superlink_port}", "--host", HOST,
             "--port", str(port), "--node-config", f'table="{table}" shard={shard} client-config="{client_config}"']
 
 
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+def register_node(public_key: str | Path, connection: str, env: dict[str, str]) -> None:
+    """``flwr supernode register PUBLIC_KEY CONNECTION``: the SuperLink accepts the node holding the private key."""
+    done = subprocess.run(["flwr", "supernode", "register", str(public_key), connection], env=env,
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 or "registered successfully" not in done.stdout:
+        raise RuntimeError(f"registering {public_key} failed (exit {done.returncode}): {(done.stdout + done.stderr).strip()}")
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float, ca: str | Path | None = None) -> None:
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode}; log {log}:\n{_log_tail(log)}")
         try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
+            with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                 if resp.status == 200:
                     return
         except OSError:
@@ -328,10 +360,14 @@ def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> 
 
 def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: int | None = None,
           home: str | Path | None = None, base_dir: str | Path | None = None, connection: str = CONNECTION,
-          cwd: str | Path | None = None, timeout: float = 60.0) -> Deployment:
+          cwd: str | Path | None = None, timeout: float = 60.0, insecure: bool = False) -> Deployment:
     """Start a SuperLink on 127.0.0.1:`port` (a free one if None) and one SuperNode per client of the run
     `overrides` describes, each on a free port; register connection `connection` in $FLWR_HOME/config.toml.
 
+    Secure by default: a fresh CA and SuperLink certificate (STATE_DIR/pki), a key pair per SuperNode
+    (STATE_DIR/clients/T-Q.key, what each owner would make on its own machine), the public keys registered
+    with the SuperLink, which runs with TLS and SuperNode authentication. ``insecure``: plain text, no node
+    authentication (any process reaching the port can claim a table), with a warning.
     On any failure everything started so far is stopped before the error propagates.
     """
     state = Path(state_dir).resolve()
@@ -341,22 +377,32 @@ def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: 
         if tagged_pids(old.tag):
             raise RuntimeError(f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop` first")
     client_configs = write_client_configs(overrides, state / "clients", base_dir)
+    if insecure:
+        print("WARNING: insecure deployment: plain-text traffic and no SuperNode authentication "
+              "(any process that reaches the SuperLink's port can join as a table)", file=sys.stderr, flush=True)
+    tls = None if insecure else make_server_tls(state / "pki")
     dep = Deployment(tag=uuid.uuid4().hex, flwr_home=str(flwr_home(home)), state_dir=str(state),
-                     superlink_port=port or free_port(), connection=connection)
+                     superlink_port=port or free_port(), connection=connection, ca=None if tls is None else str(tls.ca))
     env = dep.env()
     workdir = cwd or Path.cwd()
     try:
         log = state / "superlink.log"
-        proc = spawn(superlink_command(dep.superlink_port), log, env, workdir)
+        proc = spawn(superlink_command(dep.superlink_port, tls), log, env, workdir)
         dep.popens.append(proc)
         dep.processes.append({"name": "superlink", "pid": proc.pid, "pgid": proc.pid, "cmd": proc.args, "log": str(log)})
         dep.save()
-        _wait_http(f"http://{dep.address}/health", proc, log, timeout)
+        _wait_http(f"{'https' if tls else 'http'}://{dep.address}/health", proc, log, timeout, dep.ca)
+        write_connection(Path(dep.flwr_home), connection, dep.address, dep.ca)
         nodes = []
         for (table, shard), client_config in client_configs.items():
+            auth_key = None
+            if tls is not None:
+                auth_key, public_key = make_node_keys(client_config.with_suffix(".key"))
+                register_node(public_key, connection, env)
             node_port = free_port()
             log = state / f"supernode-{table}-{shard}.log"
-            proc = spawn(supernode_command(dep.superlink_port, node_port, table, shard, client_config), log, env, workdir)
+            proc = spawn(supernode_command(dep.superlink_port, node_port, table, shard, client_config, dep.ca, auth_key),
+                         log, env, workdir)
             dep.popens.append(proc)
             dep.processes.append({"name": f"supernode {table}/{shard}", "pid": proc.pid, "pgid": proc.pid,
                                   "cmd": proc.args, "log": str(log), "port": node_port})
@@ -364,11 +410,21 @@ def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: 
             nodes.append((node_port, proc, log))
         for node_port, proc, log in nodes:
             _wait_port(node_port, proc, log, timeout)
-        write_connection(Path(dep.flwr_home), connection, dep.address)
     except BaseException:
         stop(dep)
         raise
     return dep
+
+
+def restart_node(dep: Deployment, name: str, cwd: str | Path | None = None) -> subprocess.Popen:
+    """Start the recorded SuperNode ``name`` ("supernode T/Q") again with its recorded command (same key, so
+    the same node id when authenticated; the same settings file, so the same node-local state)."""
+    record = next(p for p in dep.processes if p["name"] == name)
+    proc = spawn(list(record["cmd"]), Path(record["log"]), dep.env(), cwd)
+    dep.popens.append(proc)
+    record.update(pid=proc.pid, pgid=proc.pid)
+    dep.save()
+    return proc
 
 
 def stop(dep: Deployment | str | Path = DEFAULT_STATE_DIR, timeout: float = 10.0) -> list[int]:
@@ -391,18 +447,65 @@ def flwr_run_command(connection: str | None, overrides: str, run_dir: str | Path
     return cmd + (["--stream"] if stream else [])
 
 
+class RunFailed(RuntimeError):
+    """A deployment run that did not complete (its status, the last error line of its log)."""
+
+
+def run_status(run_id: int, connection: str, env: dict[str, str]) -> dict[str, Any]:
+    """The SuperLink's record of run ``run_id`` (``flwr ls --run-id --format json``): status, details, ..."""
+    done = subprocess.run(["flwr", "ls", connection, "--run-id", str(run_id), "--format", "json"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    try:
+        return json.loads(done.stdout)["runs"][0]
+    except (ValueError, KeyError, IndexError):
+        raise RunFailed(f"cannot read the status of run {run_id}: {(done.stdout + done.stderr).strip()[-400:]}") from None
+
+
+def stream_run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, list[str]]:
+    """Run ``flwr run ... --stream``, echoing its output; returns (the run id it started, its output lines)."""
+    lines: list[str] = []
+    run_id = None
+    with subprocess.Popen(cmd, env=env, cwd=APP_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line.rstrip())
+            if run_id is None and (m := re.search(r"Successfully started run (\d+)", line)):
+                run_id = int(m.group(1))
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RunFailed(f"`flwr run` did not finish within {timeout:.0f} s")
+    return run_id, lines
+
+
 def run(overrides: str, run_dir: str | Path, state_dir: str | Path = DEFAULT_STATE_DIR, port: int | None = None,
-        home: str | Path | None = None, timeout: float = 3600.0) -> Path:
-    """start + `flwr run ... --stream` + stop (always); returns the results.json path."""
+        home: str | Path | None = None, timeout: float = 3600.0, insecure: bool = False, resume: bool = False) -> Path:
+    """start + `flwr run ... --stream` + stop (always); returns the results.json path of THIS run. ``resume``:
+    continue the run in ``run_dir`` from its last checkpoint (the nodes' own checkpoints are in their
+    state dirs under ``state_dir``).
+
+    Raises :class:`RunFailed` unless the SuperLink reports the run completed and the run wrote results.json
+    (an earlier run's results.json in the run dir never counts)."""
     run_dir = Path(run_dir).resolve()
-    dep = start(overrides, state_dir, port, home)
+    if resume:
+        overrides = f"{overrides} resume=true"
+    results = run_dir / "results.json"
+    before = results.stat().st_mtime_ns if results.is_file() else None
+    dep = start(overrides, state_dir, port, home, insecure=insecure)
     try:
         cmd = flwr_run_command(dep.connection, overrides, run_dir)
         print("$", " ".join(cmd), flush=True)
-        subprocess.run(cmd, env=dep.env(), cwd=APP_DIR, timeout=timeout, check=True)
-        results = run_dir / "results.json"
-        if not results.is_file():
-            raise RuntimeError(f"the run ended without writing {results}; logs in {dep.state_dir}")
+        run_id, lines = stream_run(cmd, dep.env(), timeout)
+        if run_id is None:
+            raise RunFailed("`flwr run` did not start a run:\n" + "\n".join(lines[-20:]))
+        status = run_status(run_id, dep.connection, dep.env())
+        written = results.is_file() and results.stat().st_mtime_ns != before
+        if status.get("status") != "finished:completed" or not written:
+            # the ServerApp's exception is the run's status detail: the one line naming the table at fault
+            why = str(status.get("status-details") or "").removeprefix("ServerApp failed with exception: ")
+            raise RunFailed(f"run {run_id} {status.get('status')}" + (f": {why}" if why else "")
+                            + ("" if written else f"; no new {results}") + f" (logs in {dep.state_dir})")
         return results
     finally:
         left = stop(dep)
@@ -470,10 +573,20 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="start, `flwr run` one job (waits for it), stop")
     p_local = sub.add_parser("stop-local", help="stop the local simulation SuperLink `flwr run .` left running")
     p_clients = sub.add_parser("clients", help="the tables (SuperNodes) of a run and its `flwr run .` command")
+    p_pki = sub.add_parser("pki", help="the SuperLink operator's CA and SuperLink certificate (ca.crt goes to everyone)")
+    p_pki.add_argument("--dir", required=True, help="where to write ca.crt, ca.key, server.crt, server.key")
+    p_pki.add_argument("--host", action="append", default=None,
+                       help="a name or address the SuperLink is reached at (repeatable; default 127.0.0.1 and localhost)")
+    p_keygen = sub.add_parser("keygen", help="a table owner's SuperNode key pair (KEY, 0600, and KEY.pub to register)")
+    p_keygen.add_argument("key", help="path of the private key to write")
     for p in (p_start, p_run, p_clients):
         p.add_argument("--overrides", default="algorithm=admm", help="Hydra overrides (one string); selects the dataset, hence the tables")
         p.add_argument("--port", type=int, default=None, help="SuperLink port on 127.0.0.1 (default: a free one)")
     p_run.add_argument("--run-dir", required=True, help="directory for results.json")
+    p_run.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    for p in (p_start, p_run):
+        p.add_argument("--insecure", action="store_true",
+                       help="plain text and no SuperNode authentication (default: TLS + node authentication)")
     for p in (p_start, p_stop, p_run):
         p.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="deployment.json and the process logs")
     for p in (p_start, p_run, p_local):
@@ -481,8 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "start":
-        dep = start(args.overrides, args.state_dir, args.port, args.flwr_home)
-        print(f"SuperLink {dep.address} (connection {dep.connection!r} in {dep.flwr_home}/config.toml)")
+        dep = start(args.overrides, args.state_dir, args.port, args.flwr_home, insecure=args.insecure)
+        security = f"TLS (CA {dep.ca}) + SuperNode authentication" if dep.secure else "INSECURE"
+        print(f"SuperLink {dep.address}, {security} (connection {dep.connection!r} in {dep.flwr_home}/config.toml)")
         for p in dep.processes[1:]:
             print(f"  {p['name']}: pid {p['pid']}, log {p['log']}")
         job = args.overrides if "algorithm=" in args.overrides else f"algorithm=admm {args.overrides}".strip()
@@ -494,12 +608,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"still alive: {left}" if left else "stopped")
         return 1 if left else 0
     elif args.command == "run":
-        print(f"results: {run(args.overrides, args.run_dir, args.state_dir, args.port, args.flwr_home)}")
+        try:
+            results = run(args.overrides, args.run_dir, args.state_dir, args.port, args.flwr_home,
+                          insecure=args.insecure, resume=args.resume)
+            print(f"results: {results}")
+        except RunFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     elif args.command == "clients":
         clients = clients_of(args.overrides)
         print(" ".join(t for t, _ in clients))
         print(f"flwr run . --stream --run-config \"overrides='{args.overrides}'\" "
               f"--federation-config \"num-supernodes={len(clients)} client-resources-num-cpus=1\"")
+    elif args.command == "pki":
+        tls = make_server_tls(args.dir, tuple(args.host) if args.host else ("127.0.0.1", "localhost"))
+        print(f"CA {tls.ca} (give it to the node owners and to `flwr run` users); SuperLink {tls.cert}, {tls.key}")
+    elif args.command == "keygen":
+        private, public = make_node_keys(args.key)
+        print(f"private key {private} (stays on this machine); public key {public} (give it to the SuperLink's "
+              "operator: flwr supernode register)")
     elif args.command == "stop-local":
         left = stop_local(args.flwr_home)
         print(f"still alive: {left}" if left else "stopped")

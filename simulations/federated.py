@@ -66,7 +66,7 @@ def run_flower_simulation(cfg: DictConfig, run_dir: str | Path | None, base_dir:
     with flower_logs_to(log_dir / FLOWER_LOG):
         run_simulation(
             server_app=server_app_for(cfg, run_dir, base_dir, created, log=log),
-            client_app=client_app_for(cfg, base_dir),
+            client_app=client_app_for(cfg, base_dir, run_dir),
             num_supernodes=num,
             backend_config={"client_resources": resources,
                             "init_args": {"logging_level": logging.ERROR, "log_to_driver": False}},
@@ -104,6 +104,6 @@ def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | 
     """The same strategy and ClientApp, called directly (no Flower transport, no Ray)."""
     strategy = make_strategy(cfg, run_dir, base_dir, log=log)
     contexts = in_process_contexts(strategy, base_dir)
-    app = client_app_for(cfg, base_dir)
+    app = client_app_for(cfg, base_dir, run_dir)
     strategy.run(DirectTransport(app, {c.node_id: c for c in contexts.values()}))
     return InProcessRun(strategy, contexts)

@@ -8,8 +8,12 @@ checked before anything is drawn. Writes FIGURE_PREFIX_epoch.png (test metric vs
 FIGURE_PREFIX_comm.png (test metric vs cumulative modelled communication time, TablePuppet Figs. 5 and 7), one
 column of plots per dataset, and prints the table behind them.
 
-A run that never communicates (every history record has rounds = 0 and comm_time_s = 0: the centralized
-baseline) is drawn in the communication figure as a dashed horizontal line at its final test metric.
+Per dataset, each run has its own colour, dash pattern and marker (identical runs stay visible), its label
+names the algorithm, the model and the settings that tell it apart from runs of the same algorithm and model;
+the exact solution (a centralized ``algorithm.solver=exact`` run) and the constant predictor (results.json
+``reference``) are horizontal reference lines; the y-range shows where the runs converge (the first epochs'
+spike is left out, a far-off constant predictor is named in the legend as off the axis). A run that never
+communicates (the centralized baseline) is a horizontal line in the communication figure.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ REQUIRED_KEYS = ("algorithm", "dataset", "metric", "history")
 # Config keys tried, in this order, to tell apart runs that share algorithm and dataset.
 LABEL_KEY_PREFERENCE = ("algorithm.", "privacy.", "model.", "epochs", "seed", "precision", "network.", "scenario.")
 IGNORED_CONFIG_PREFIXES = ("hydra", "mapping.secret")
-CENTRALIZED_LABEL = "centralized (no communication)"
 LOG_SPAN = 100.0  # use a log time axis when the positive times span more than 2 decades
 PATH_KEY = "_path"  # where load_runs records the file a run was read from
 
@@ -187,24 +190,25 @@ def _distinguishing(group: list[dict[str, Any]]) -> list[str]:
 
 
 def run_labels(runs: Sequence[dict[str, Any]], with_dataset: bool | None = None) -> list[str]:
-    """Label of every run: algorithm, [dataset] when several datasets, (config values) when ambiguous.
+    """Label of every run: algorithm, model, [dataset] when several datasets, (config values) when ambiguous.
 
     ``with_dataset`` forces the [dataset] part on or off (the plots leave it off: each subplot is titled by its
     dataset); by default it is there when the runs cover several datasets.
     """
     if with_dataset is None:
         with_dataset = len({r["dataset"] for r in runs}) > 1
-    labels = [r["algorithm"] + (f" [{r['dataset']}]" if with_dataset else "") for r in runs]
+    labels = [f"{r['algorithm']}, {r.get('model') or 'model?'}" + (f" [{r['dataset']}]" if with_dataset else "")
+              for r in runs]
     return [lab + (f" ({v})" if v else "") for lab, v in zip(labels, run_variants(runs))]
 
 
 def run_variants(runs: Sequence[dict[str, Any]]) -> list[str]:
-    """Per run, the config values ('lr=0.1, ...') that tell it apart from runs of the same algorithm and dataset
-    ('' when it is the only one)."""
+    """Per run, the config values ('lr=0.1, ...') that tell it apart from runs of the same algorithm, model and
+    dataset ('' when it is the only one): settings of another model kind never label a run."""
     variants = [""] * len(runs)
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str, str], list[int]] = {}
     for i, r in enumerate(runs):
-        groups.setdefault((r["algorithm"], r["dataset"]), []).append(i)
+        groups.setdefault((r["algorithm"], r["dataset"], str(r.get("model"))), []).append(i)
     for idx in groups.values():
         if len(idx) > 1:
             for i, part in zip(idx, _distinguishing([runs[i] for i in idx])):
@@ -279,6 +283,12 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str | None = None):
 # ---------------------------------------------------------------------------------------------------- plots
 
 
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+EXACT_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.2}
+CONSTANT_STYLE = {"color": "0.45", "linestyle": ":", "linewidth": 1.4}
+
+
 def _colors(labels_wo_dataset: Sequence[str]) -> dict[str, Any]:
     """One colour per run kind, the same in every subplot and both figures."""
     from matplotlib import colormaps
@@ -295,21 +305,65 @@ def _ylabel(runs: Sequence[dict[str, Any]]) -> str:
 def _new_figure(n_cols: int, legend_rows: int, title: str | None):
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.0 * n_cols, 4.2 + 0.22 * legend_rows + (0.3 if title else 0)), layout="constrained")
+    fig = Figure(figsize=(6.4 * n_cols, 4.4 + 0.22 * legend_rows + (0.3 if title else 0)), layout="constrained")
     axes = fig.subplots(1, n_cols, squeeze=False)[0]
     if title:
         fig.suptitle(title)
     return fig, axes
 
 
-def _set_ylim(ax, values: Sequence[float]) -> None:
-    """y limits from the data drawn (axhline alone does not autoscale y)."""
-    values = [v for v in values if math.isfinite(v)]
-    if not values:
-        return
-    lo, hi = min(values), max(values)
-    pad = 0.06 * (hi - lo) if hi > lo else 0.02 * (abs(hi) or 1.0)
-    ax.set_ylim(lo - pad, hi + pad)
+def is_exact(run: dict[str, Any]) -> bool:
+    """The closed-form solution (centralized, solver=exact): one record at epoch 0, drawn as a reference line."""
+    solver = ((run.get("config") or {}).get("algorithm") or {}).get("solver")
+    hist = run["history"]
+    return run["algorithm"] == "centralized" and (solver == "exact" or (len(hist) == 1 and hist[0]["epoch"] == 0))
+
+
+def constant_reference(runs: Sequence[dict[str, Any]]) -> float | None:
+    """The constant predictor's test metric (results.json ``reference``), from the first run that has it."""
+    for r in runs:
+        value = (r.get("reference") or {}).get(f"constant_{r['metric']}")
+        if value is not None and math.isfinite(float(value)):
+            return float(value)
+    return None
+
+
+def converged_ylim(curves: Sequence[Sequence[float]], refs: Sequence[float]) -> tuple[float, float] | None:
+    """y limits that show where the runs end up: every point after each curve's first quarter (at least its
+    first point dropped when it has 3 or more: the first epoch's spike), and the reference lines that fall
+    near that range (a far-off constant predictor would flatten every curve)."""
+    kept: list[float] = []
+    for values in curves:
+        finite = [v for v in values if math.isfinite(v)]
+        skip = max(1, len(finite) // 4) if len(finite) >= 3 else 0
+        kept += finite[skip:]
+    if not kept:
+        kept = [r for r in refs if math.isfinite(r)]
+    if not kept:
+        return None
+    lo, hi = min(kept), max(kept)
+    span = hi - lo or 0.02 * (abs(hi) or 1.0)
+    for r in refs:  # include a reference line if it does not stretch the axis more than 3x
+        if math.isfinite(r) and max(hi, r) - min(lo, r) <= 3 * span:
+            lo, hi = min(lo, r), max(hi, r)
+    pad = 0.08 * (hi - lo or span)
+    return lo - pad, hi + pad
+
+
+def _reference_lines(ax, exact: list[dict[str, Any]], constant: float | None, metric: str,
+                     ylim: tuple[float, float] | None) -> int:
+    """Horizontal lines for the exact solution and the constant predictor; returns the legend entries added."""
+    n = 0
+    for run in exact:
+        value = _metric_values(run)[-1]
+        ax.axhline(value, label=f"exact solution (centralized ridge): {metric} {value:.4g}", **EXACT_STYLE)
+        n += 1
+    if constant is not None:
+        off = ylim is not None and not ylim[0] <= constant <= ylim[1]
+        ax.axhline(constant, label=f"constant predictor: {metric} {constant:.4g}" + (" (off the axis)" if off else ""),
+                   **CONSTANT_STYLE)
+        n += 1
+    return n
 
 
 def _legend(ax, n_entries: int) -> None:
@@ -318,86 +372,86 @@ def _legend(ax, n_entries: int) -> None:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, fontsize="small", frameon=False)
 
 
+def _style(k: int, n_points: int) -> dict[str, Any]:
+    """The k-th run of a subplot: its own dash pattern and marker, and thinner than the runs drawn before it,
+    so identical curves stay visible (the earlier, wider line shows around the later one)."""
+    style: dict[str, Any] = {"linestyle": LINESTYLES[k % len(LINESTYLES)], "linewidth": max(1.0, 3.0 - 0.45 * k)}
+    style.update({"marker": MARKERS[k % len(MARKERS)], "markersize": 4, "markevery": max(1, n_points // 12),
+                  "markerfacecolor": "none" if k % 2 else None})
+    return style
+
+
 def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = None) -> list[Path]:
-    """Write OUT_PREFIX_epoch.png and OUT_PREFIX_comm.png; return their paths."""
+    """Write OUT_PREFIX_epoch.png and OUT_PREFIX_comm.png; return their paths.
+
+    Per dataset: one line per run (its own colour, dash pattern and marker), the exact solution (a centralized
+    solver=exact run) and the constant predictor (results.json reference) as horizontal reference lines, and a
+    y-range around where the runs converge (the first epochs' spike is left out)."""
     from matplotlib.ticker import MaxNLocator
 
     runs = [_as_dict(r) for r in runs]
     if not runs:
         raise ValueError("plot_runs: no runs to plot")
     labels = run_labels(runs, with_dataset=False)  # each subplot is titled by its dataset
-    kinds = labels
-    colors = _colors(kinds)
+    colors = _colors(labels)
     datasets = list(dict.fromkeys(r["dataset"] for r in runs))
     by_dataset = {d: [i for i, r in enumerate(runs) if r["dataset"] == d] for d in datasets}
-    legend_rows = max(len(v) for v in by_dataset.values())
+    legend_rows = max(len(v) for v in by_dataset.values()) + 2
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
 
-    def style(run: dict[str, Any]) -> dict[str, Any]:
-        n = len(run["history"])
-        return {"marker": "o", "markersize": 3} if n <= 40 else {}
-
-    # figure 1: test metric vs epoch
-    fig, axes = _new_figure(len(datasets), legend_rows, title)
-    for ax, d in zip(axes, datasets):
+    def panel(ax, d: str, comm: bool) -> None:
         idx = by_dataset[d]
-        n = 0
-        for i in idx:
-            run = runs[i]
-            if not run["history"]:
-                continue
-            ax.plot([h["epoch"] for h in run["history"]], _metric_values(run), label=labels[i],
-                    color=colors[kinds[i]], **style(run))
-            n += 1
-        ax.set_title(d)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(_ylabel([runs[i] for i in idx]))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(True, alpha=0.3)
-        _legend(ax, n)
-    epoch_path = out_prefix.with_name(out_prefix.name + "_epoch.png")
-    fig.savefig(epoch_path, dpi=150)
-
-    # figure 2: test metric vs cumulative modelled communication time
-    fig, axes = _new_figure(len(datasets), legend_rows, title)
-    for ax, d in zip(axes, datasets):
-        idx = by_dataset[d]
-        times = [h.get("comm_time_s") or 0.0 for i in idx if not is_centralized(runs[i]) for h in runs[i]["history"]]
+        exact = [runs[i] for i in idx if is_exact(runs[i])]
+        drawn = [i for i in idx if runs[i]["history"] and not is_exact(runs[i]) and not (comm and is_centralized(runs[i]))]
+        flat = [i for i in idx if comm and runs[i]["history"] and is_centralized(runs[i]) and not is_exact(runs[i])]
+        metric = runs[idx[0]]["metric"]
+        times = [h.get("comm_time_s") or 0.0 for i in drawn for h in runs[i]["history"]]
         positive = [t for t in times if t > 0]
-        log_x = bool(positive) and max(positive) / min(positive) > LOG_SPAN
-        n = 0
-        for i in idx:
+        log_x = comm and bool(positive) and max(positive) / min(positive) > LOG_SPAN
+        curves = []
+        for k, i in enumerate(drawn):
             run = runs[i]
-            if not run["history"] or is_centralized(run):
-                continue
-            pts = [(h.get("comm_time_s") or 0.0, v) for h, v in zip(run["history"], _metric_values(run))]
-            if log_x:
-                pts = [(t, v) for t, v in pts if t > 0]
-            ax.plot([t for t, _ in pts], [v for _, v in pts], label=labels[i], color=colors[kinds[i]], **style(run))
-            n += 1
-        central = [i for i in idx if is_centralized(runs[i])]
-        for i in central:
-            suffix = labels[i][len(runs[i]["algorithm"]):]  # keep [dataset] / (config) parts when present
-            label = CENTRALIZED_LABEL + suffix if runs[i]["algorithm"] == "centralized" else (
-                f"{labels[i]} (no communication)")
-            ax.axhline(_metric_values(runs[i])[-1], linestyle="--", linewidth=1.4, color=colors[kinds[i]], label=label)
-            n += 1
-        _set_ylim(ax, [v for i in idx for v in _metric_values(runs[i])[(-1 if i in central else 0):]])
-        if log_x:
-            ax.set_xscale("log")
-        elif positive:
-            ax.set_xlim(left=0)
-        else:
-            ax.set_xlim(0, 1)
+            xs = [(h.get("comm_time_s") or 0.0) if comm else h["epoch"] for h in run["history"]]
+            pts = [(x, v) for x, v in zip(xs, _metric_values(run)) if not (log_x and x <= 0)]
+            curves.append([v for _, v in pts])
+            ax.plot([x for x, _ in pts], [v for _, v in pts], label=labels[i], color=colors[labels[i]],
+                    **_style(k, len(pts)))
+        for k, i in enumerate(flat, start=len(drawn)):
+            ax.axhline(_metric_values(runs[i])[-1], label=f"{labels[i]} (no communication)", color=colors[labels[i]],
+                       linestyle=LINESTYLES[k % len(LINESTYLES)], linewidth=1.4)
+            curves.append([_metric_values(runs[i])[-1]])
+        constant = constant_reference([runs[i] for i in idx])
+        refs = [_metric_values(r)[-1] for r in exact] + ([constant] if constant is not None else [])
+        ylim = converged_ylim(curves, refs)
+        n = len(drawn) + len(flat) + _reference_lines(ax, exact, constant, metric, ylim)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
         ax.set_title(d)
-        ax.set_xlabel("modelled communication time (s)")
         ax.set_ylabel(_ylabel([runs[i] for i in idx]))
+        if comm:
+            if log_x:
+                ax.set_xscale("log")
+            elif positive:
+                ax.set_xlim(left=0)
+            else:
+                ax.set_xlim(0, 1)
+            ax.set_xlabel("modelled communication time (s)")
+        else:
+            ax.set_xlabel("epoch")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3, which="both" if log_x else "major")
         _legend(ax, n)
-    comm_path = out_prefix.with_name(out_prefix.name + "_comm.png")
-    fig.savefig(comm_path, dpi=150)
-    return [epoch_path, comm_path]
+
+    paths = []
+    for suffix, comm in (("_epoch.png", False), ("_comm.png", True)):
+        fig, axes = _new_figure(len(datasets), legend_rows, title)
+        for ax, d in zip(axes, datasets):
+            panel(ax, d, comm)
+        path = out_prefix.with_name(out_prefix.name + suffix)
+        fig.savefig(path, dpi=150)
+        paths.append(path)
+    return paths
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

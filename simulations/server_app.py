@@ -21,15 +21,14 @@ from strategies.loj import LoJStrategy
 from strategies.registry import entry_of
 from tpflower.datasets import load_spec
 
-CLIENT_TIMEOUT_S = 600.0  # per round, and for the nodes to connect
-
 
 def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
                   log: Callable[[str], None] = print) -> LoJStrategy:
     """The registered strategy of cfg's algorithm and scenario; bad settings raise ValueError here."""
     entry = entry_of(cfg)
     spec = load_spec(cfg.dataset, base_dir=base_dir)
-    return entry.strategy(cfg, spec, run_dir, log=log, feature_dp=entry.feature_dp, label_dp=entry.label_dp)
+    return entry.strategy(cfg, spec, run_dir, log=log, feature_dp=entry.feature_dp, label_dp=entry.label_dp,
+                          why_no_feature_dp=entry.why_no_feature_dp)
 
 
 def server_app_for(cfg: DictConfig | None, run_dir: str | Path | None, base_dir: str | Path | None = None,
@@ -48,7 +47,8 @@ def server_app_for(cfg: DictConfig | None, run_dir: str | Path | None, base_dir:
         strategy = make_strategy(run_cfg, out, root, log=log)
         if created is not None:
             created.append(strategy)
-        strategy.start(grid, timeout=CLIENT_TIMEOUT_S)
+        nodes = run_cfg.get("nodes") or {}
+        strategy.start(grid, timeout=float(nodes.get("reply_timeout_s", 600)), node_wait_s=float(nodes.get("wait_s", 120)))
 
     return app
 

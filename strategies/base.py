@@ -22,12 +22,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from strategies.replies import check_round
 from strategies.protocol import HELLO_PHASE, MESSAGE_TYPE, ClientKey, GridTransport, Kind, Payload, Reply, RunError, Transport
 from tpflower.records import error_reason, pack_payload, record_bytes, unpack_reply
 
 
 class TablePuppetStrategy(Strategy):
     """Flower plumbing around a protocol: node discovery, one round per :meth:`send`, byte accounting."""
+
+    WAIT_LINE_S = 10.0  # while nodes are missing at the start, a line this often
 
     def __init__(self, clients: list[ClientKey], log: Callable[[str], None] = print):
         self.clients = clients
@@ -41,6 +44,8 @@ class TablePuppetStrategy(Strategy):
         self._inbox: dict[ClientKey, Reply] = {}
         self._down: dict[ClientKey, int] = {}
         self._up: dict[ClientKey, int] = {}
+        self.client_rows: dict[ClientKey, int] = {}  # each client's row count, once known: replies are checked against it
+        self.d_out: int | None = None  # the prediction width, once known
 
     # ------------------------------------------------------------------------------------ to implement
 
@@ -54,26 +59,52 @@ class TablePuppetStrategy(Strategy):
     # ------------------------------------------------------------------------------------ running
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int = 0,
-              timeout: float = 600.0, **_: object) -> Result:
-        """Run the protocol over Flower's Grid (the ServerApp's main). Rounds are the protocol's, not num_rounds."""
-        self.run(GridTransport(grid, timeout))
+              timeout: float = 600.0, node_wait_s: float = 120.0, **_: object) -> Result:
+        """Run the protocol over Flower's Grid (the ServerApp's main). Rounds are the protocol's, not num_rounds;
+        ``timeout``: the longest wait for a round's replies; ``node_wait_s``: for the nodes to connect."""
+        self.run(GridTransport(grid, timeout), node_wait_s)
         return Result()
 
-    def run(self, transport: Transport) -> None:
+    def run(self, transport: Transport, node_wait_s: float = 120.0) -> None:
         self.transport = transport
         transport.name = self.node_name
-        self.connect()
+        self.connect(node_wait_s)
         self.protocol()
 
-    def connect(self) -> None:
-        """The explicit first step: wait for one node per client key, ask each which table and shard it holds."""
+    def connect(self, wait_s: float = 120.0) -> None:
+        """The explicit first step: ask every node that connects which table and shard it holds, until there
+        is one node per client key; a line every 10 s names the tables still missing; after ``wait_s`` the
+        run stops with one line naming them."""
         assert self.transport is not None
-        ids = self._wait_for_nodes(len(self.clients))
+        start, said = time.monotonic(), 0.0
+        while True:
+            new = sorted(set(self.transport.node_ids()) - set(self.keys))
+            if new:
+                self._hello(new)
+            missing = [k for k in self.clients if k not in self.nodes]
+            waited = time.monotonic() - start
+            if not missing:
+                return
+            names = ", ".join(f"table {t!r} shard {q}" for t, q in missing)
+            if waited > wait_s:
+                raise RunError(f"no node holds {names} ({len(self.nodes)} of {len(self.clients)} nodes connected "
+                               f"within {wait_s:.0f} s; one SuperNode per table shard is needed)")
+            if waited - said >= self.WAIT_LINE_S:
+                said = waited
+                self.log(f"waiting for nodes ({waited:.0f} of {wait_s:.0f} s): missing {names}")
+            time.sleep(0.05)
+
+    def _hello(self, ids: list[int]) -> None:
+        """Ask nodes ``ids`` which table and shard they hold; a node refusing the run, a table claimed twice or
+        one the run does not have stops the run."""
+        assert self.transport is not None
         hello = [Message(pack_payload({}, {"phase": HELLO_PHASE}), node, "query") for node in ids]
-        for reply in self.transport.exchange(hello):
+        replies = self.transport.exchange(hello)
+        errors = [f"node {r.metadata.src_node_id}: {error_reason(r)}" for r in replies if r.has_error()]
+        if errors:  # every refusing node's line
+            raise RunError("\n".join(sorted(errors)))
+        for reply in replies:
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                raise RunError(f"node {node}: {error_reason(reply)}")
             _, info = unpack_reply(reply.content)
             key = (str(info["table"]), int(info["shard"]))
             if key in self.nodes:
@@ -81,25 +112,6 @@ class TablePuppetStrategy(Strategy):
             if key not in self.clients:
                 raise RunError(f"node {node} holds table {key[0]!r} shard {key[1]}, which this run does not have")
             self.nodes[key], self.keys[node] = node, key
-        missing = [k for k in self.clients if k not in self.nodes]
-        if missing:
-            raise RunError("no node holds " + ", ".join(f"table {t!r} shard {q}" for t, q in missing)
-                           + f" ({len(ids)} of {len(self.clients)} nodes connected within "
-                           f"{self.transport.timeout_s:.0f} s; one SuperNode per table shard is needed)")
-
-    def _wait_for_nodes(self, n: int) -> list[int]:
-        """The connected node ids once there are ``n``, or those there are when the transport's timeout ends."""
-        assert self.transport is not None
-        start, said = time.monotonic(), 0.0
-        while True:
-            ids = sorted(self.transport.node_ids())
-            waited = time.monotonic() - start
-            if len(ids) >= n or waited > self.transport.timeout_s:
-                return ids
-            if waited - said >= 10.0:
-                said = waited
-                self.log(f"waiting for nodes: {len(ids)} of {n} connected ({waited:.0f} s)")
-            time.sleep(0.05)
 
     def node_name(self, node: int) -> str:
         key = self.keys.get(node)
@@ -132,16 +144,19 @@ class TablePuppetStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode the replies of the round; an error reply ends the run with one line naming its table."""
         self._inbox, self._up = {}, {}
+        replies = list(replies)
+        errors = [f"{self.node_name(r.metadata.src_node_id)}: {error_reason(r)}" for r in replies if r.has_error()]
+        if errors:  # every node's own line (e.g. each table's data problems), not only the first one's
+            raise RunError("\n".join(sorted(errors)))
         for reply in replies:
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                raise RunError(f"{self.node_name(node)}: {error_reason(reply)}")
             key = self.keys[node]
             self._inbox[key] = unpack_reply(reply.content)
             self._up[key] = record_bytes(reply.content)
         missing = [k for k in self._outbox if k not in self._inbox]
         if missing:
             raise RunError("no reply from " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
+        check_round(self._outbox, self._inbox, self.client_rows, self.d_out)
         return None, MetricRecord({"bytes_up": sum(self._up.values()), "bytes_down": sum(self._down.values())})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

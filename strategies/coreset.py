@@ -18,11 +18,12 @@ for T, m >= 2). Test predictions are evaluation rounds (not counted as training 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from strategies.loj import LoJStrategy
+from strategies.loj import EPOCH_STATE, LoJStrategy
 from strategies.registry import AlgorithmEntry, register
 from strategies.tp_join_admm import admm_rho
 from tpflower.coreset import CoresetParams
@@ -86,8 +87,9 @@ class WeightedADMMServer(ADMMServer):
     """TP-Join-ADMM on weighted joined rows: sum_j w_j l(H_j; y_j) with the penalty weighted alike.
 
     With the scaled dual mu_j = lambda_j / w_j the z-update (Eq. 7) and dual update (Eq. 8) are TP-Join-ADMM's
-    and Y_iu = sum_{j in G_i(u)} w_j (mu_j + rho s_ij) (Eq. 14), G_iu = sum_{j in G_i(u)} w_j (Eq. 15): with
-    integer weights, exactly TP-Join-ADMM on the rows repeated w_j times."""
+    (:meth:`ADMMServer.update`, unchanged) and Y_iu = sum_{j in G_i(u)} w_j (mu_j + rho s_ij) (Eq. 14),
+    G_iu = sum_{j in G_i(u)} w_j (Eq. 15): with integer weights, exactly TP-Join-ADMM on the rows repeated w_j
+    times (tested). The coreset holds at most m rows: no chunking."""
 
     def __init__(self, task: str, y: np.ndarray, mapping: TableMapping, d_c: int, rho: float, variant: str,
                  weights: np.ndarray):
@@ -97,24 +99,18 @@ class WeightedADMMServer(ADMMServer):
     def G(self) -> dict[str, np.ndarray]:
         return {t: segment_sum(p, self.w, self.mapping.n_rows[t]) for t, p in self.mapping.p.items()}
 
-    def step(self, h: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        p = self.mapping.p
-        H = joined_predictions(p, h).astype(np.float64)
-        self.H = H
-        self.z = z_update(self.task, H, self.y, self.lam, self.r)  # Eq. 7 (scaled dual)
-        self.lam = self.lam + self.r * (H - self.z)  # Eq. 8
+    def scatter(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Y_iu = sum_{j in G_i(u)} w_j (mu_j + rho s_ij) at the latest update (Eq. 14, weighted)."""
+        assert self._h is not None, "scatter() before update()"
+        base = np.negative(self.D, dtype=np.float64)  # H - z
+        if self.variant == "sharing":
+            base /= self.M
+        lam = self.lam.astype(np.float64)
         Y = {}
-        for t, p_t in p.items():
-            h_t = h[t][p_t]
-            s = (H - self.z) / self.M - h_t if self.variant == "sharing" else H - h_t - self.z
-            Y[t] = segment_sum(p_t, self.w[:, None] * (self.lam + self.rho * s), self.mapping.n_rows[t]).astype(
-                h[t].dtype, copy=False)  # Eq. 14, weighted
+        for t, p_t in self.mapping.p.items():
+            term = lam + self.rho * (base - np.asarray(h[t], dtype=np.float64)[p_t])  # mu_j + rho s_ij
+            Y[t] = segment_sum(p_t, self.w[:, None] * term, self.mapping.n_rows[t]).astype(h[t].dtype, copy=False)
         return Y
-
-    def train_loss(self) -> float:
-        """The coreset's estimate of the mean loss: sum_j w_j l_j / sum_j w_j."""
-        assert self.H is not None
-        return float((self.w * loss_np(self.task, self.H, self.y)).sum() / self.w.sum())
 
 
 class DISStrategy(LoJStrategy):
@@ -158,9 +154,12 @@ class DISStrategy(LoJStrategy):
                 raise RuntimeError(f"DIS: table {t!r} sent {len(base)} rows for a_i = {counts[t]}")
             parts.append(uniform_joined_rows(mapping.p[t], mapping.n_rows[t], base, rng))
         joined = np.concatenate(parts)
-        replies = self.send(self.messages(lambda t: ({"rows": row_ids(mapping.p[t][joined], mapping.n_rows[t])},
+        # round 3: each table is asked once about the DISTINCT rows p_i(j), j in S (at most m; the clients refuse
+        # anything else), and the server reads the answers back along p_i(j)
+        asked = {t: np.unique(mapping.p[t][joined], return_inverse=True) for t in tables}
+        replies = self.send(self.messages(lambda t: ({"rows": row_ids(asked[t][0], mapping.n_rows[t])},
                                                      {"phase": "weigh"})))
-        g = sum(np.asarray(replies[(t, 0)][0]["g"], dtype=np.float64) for t in tables)  # round 3
+        g = sum(np.asarray(replies[(t, 0)][0]["sens"], dtype=np.float64)[asked[t][1].reshape(-1)] for t in tables)
         if len(g) != m or not (g > 0).all():
             raise RuntimeError("DIS: a sampled joined row has no positive sensitivity")
         self.dis_joined, self.dis_g = joined, g  # the draws (for checks)
@@ -169,10 +168,16 @@ class DISStrategy(LoJStrategy):
 
 class CoresetRidge(DISStrategy):
     """algorithm=coreset: ridge (VRLR) on a DIS coreset of the training join, trained by weighted
-    TP-Join-ADMM or TP-Join-SGD; sampling=uniform is the baseline."""
+    TP-Join-ADMM or TP-Join-SGD; sampling=uniform is the baseline.
+
+    Resumable: the construction and the training's first round run once (``begin``); every epoch checkpoints
+    the coreset, the training loop's state and the run record, and each client its state (its bounds on the
+    rows asked about included), on the epoch's last training message."""
 
     algorithm = "coreset"
     params_type = CoresetParams
+    resumable = True
+    checkpointed = (*EPOCH_STATE, "coreset", "S", "y_S", "test_plan", "construction")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -181,6 +186,16 @@ class CoresetRidge(DISStrategy):
                              f"{self.task} label")
 
     def protocol(self) -> None:
+        alg = self.params
+        done, loop = self.begin(self.start_coreset)
+        if alg.train == "admm":
+            self._train_admm(done, loop)
+        else:
+            self._train_sgd(done, loop)
+        self.finish()
+
+    def start_coreset(self) -> dict:
+        """Setup, the construction (DIS or uniform), then the training's first round."""
         self.setup()
         if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
             raise ValueError("algorithm=coreset runs on the join scenario (one client per table)")
@@ -188,16 +203,13 @@ class CoresetRidge(DISStrategy):
         core = self.sample_coreset(self.train, alg.m, alg.sampling)
         self.coreset = core
         self.S = self.train.subset(core.rows)  # p_i|S: the global table rows of the coreset's joined rows
-        self.y_S = self.y_train[core.rows]
+        self.y_S = self.y_train[core.rows].astype(np.float64)
         self.test_plan = BatchPlan.of(self.test, np.arange(self.test.N))
-        if alg.train == "admm":
-            self._train_admm(core)
-        else:
-            self._train_sgd(core)
-        self.finish()
+        return self._start_admm(core) if alg.train == "admm" else self._start_sgd()
 
     def _evaluate(self) -> np.ndarray:
-        """Test predictions: f_i on the test rows U_i (an evaluation round, not training traffic)."""
+        """Test predictions: f_i on the test rows U_i (an evaluation round, not training traffic; the clients
+        answer the same rows every time, at most once per training step)."""
         replies = self.send(self.messages(lambda t: ({"rows": self.test_plan.U[t]}, {"phase": "coreset_predict"})),
                             kind="eval")
         return joined_predictions(self.test_plan.inv, self.outputs(replies))
@@ -207,47 +219,64 @@ class CoresetRidge(DISStrategy):
         return {"coreset_rows": c["distinct_rows"], "construction_rounds": c["rounds"],
                 "construction_bytes": c["bytes_up"] + c["bytes_down"]}
 
-    def _train_admm(self, core: Coreset) -> None:
+    def _start_admm(self, core: Coreset) -> dict:
         plan = BatchPlan.of(self.S, np.arange(self.S.N))  # U_i^S and the local mapping inv_i
         local = TableMapping(plan.inv, {t: len(U) for t, U in plan.U.items()})
         rho = admm_rho(self.params.rho, self.task)
         admm = WeightedADMMServer(self.task, self.y_S, local, self.d_out, rho, self.params.variant, core.weights)
-        self.admm = admm
         GS = admm.G()
         config = {"phase": "coreset_admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
         replies = self.send(self.messages(lambda t: ({"rows": plan.U[t], "G": GS[t]}, config)))
-        h = self.outputs(replies)
-        for epoch in range(1, int(self.cfg.epochs) + 1):
+        # from now on each client predicts its coreset rows only: the replies are checked against that count
+        self.client_rows = {k: len(plan.U[k[0]]) for k in self.clients}
+        # ADMM starts from x^0 = 0 (as TP-Join-ADMM): not from the initial models' random predictions
+        h = {t: np.zeros_like(v) for t, v in self.outputs(replies).items()}
+        return {"admm": admm, "h": h}
+
+    def _train_admm(self, done: int, loop: dict) -> None:
+        admm, h, core = loop["admm"], loop["h"], self.coreset
+        self.admm = admm
+        for epoch in range(done + 1, int(self.cfg.epochs) + 1):
             Y = admm.step(h)
-            replies = self.send(self.messages(lambda t: ({"Y": Y[t]}, {"phase": "coreset_admm_update", "epoch": epoch})))
+            replies = self.send(self.messages(lambda t: (
+                {"Y": Y[t]}, {"phase": "coreset_admm_update", "epoch": epoch, **self.checkpoint_config(epoch)})))
             h = self.outputs(replies)
-            H = joined_predictions(local.p, h)
+            H = joined_predictions(admm.mapping.p, h)
             train_loss = float((core.weights * loss_np(self.task, H, self.y_S)).sum() / self.train.N)
             self.record_epoch(epoch, self._evaluate(), train_loss,
                               {**self._extra(), "primal_residual": admm.primal_residual()})
+            self.end_epoch(epoch, {"admm": admm, "h": h})
 
-    def _train_sgd(self, core: Coreset) -> None:
+    def _schedule(self) -> SGDSchedule:
+        B = batch_size_of(self.params.batch_size, self.S.N)
+        return SGDSchedule(self.S, B, int(self.cfg.epochs), np.random.default_rng(int(self.cfg.seed)))
+
+    def _start_sgd(self) -> dict:
+        schedule = self._schedule()
+        replies = self.send(self.messages(lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out})))
+        return {"h": self.outputs(replies)}
+
+    def _train_sgd(self, done: int, loop: dict) -> None:
         """TP-Join-SGD on S; Y_iu sums omega_j dl/dH_j, omega_j = w_j |S| / N, so a mini-batch's mean over S
         estimates (1/N) sum_j w_j dl/dH_j without bias."""
-        S, N = self.S, self.train.N
+        core, S, N = self.coreset, self.S, self.train.N
         omega = core.weights * S.N / N
-        B = batch_size_of(self.params.batch_size, S.N)
-        schedule = SGDSchedule(S, B, int(self.cfg.epochs), np.random.default_rng(int(self.cfg.seed)))
-        replies = self.send(self.messages(lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out})))
-        h = self.outputs(replies)
+        schedule = self._schedule()
+        h = loop["h"]
         loss_sum = 0.0
-        for epoch, rows, plan, nxt, last in schedule:
+        for _, (epoch, rows, plan, nxt, last) in self.sgd_rounds(schedule, done):
             H = joined_predictions(plan.inv, h)
             g = loss_grad_np(self.task, H, self.y_S[rows]) * omega[rows, None]
             loss_sum += float((core.weights[rows] * loss_np(self.task, H, self.y_S[rows])).sum())
             Y = {t: segment_sum(plan.inv[t], g, len(plan.U[t])).astype(h[t].dtype, copy=False) for t in plan.U}
             replies = self.send(self.messages(lambda t: (
                 {"Y": Y[t], "rows": nxt.U[t] if nxt else np.zeros(0, dtype=np.int64)},
-                {"phase": "sgd_step", "batch_size": len(rows)})))
+                {"phase": "sgd_step", "batch_size": len(rows), **(self.checkpoint_config(epoch) if last else {})})))
             h = self.outputs(replies)
             if last:
                 self.record_epoch(epoch, self._evaluate(), loss_sum / N, self._extra())
                 loss_sum = 0.0
+                self.end_epoch(epoch, {"h": h})
 
 
 RIDGE_PROTOCOL = Protocol(setup.SETUP + phases.DIS + (phases.RIDGE_START, Stage("train", phases.RIDGE_TRAIN, calls=None)))

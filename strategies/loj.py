@@ -17,27 +17,36 @@ they spent, shown as ``eps`` (max over clients) in the epoch line and kept in re
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from strategies.base import TablePuppetStrategy
+from strategies.checkpoint import CHECKPOINT, SETUP_CHECKPOINT, load_checkpoint, save_checkpoint
 from strategies.lou import ShardRouter
 from strategies.protocol import ClientKey, Kind, Payload, Reply
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
 from tpflower.comm import CommMeter, WanModel
 from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
-from tpflower.losses import metrics, output_dim, primary_metric
-from tpflower.mapping import KeyProjection, TableMapping, build_mapping
+from tpflower.losses import LabelScale, metrics, output_dim, primary_metric
+from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
 from tpflower.records import numbered, unnumbered
 from tpflower.params import AlgorithmParams, run_settings
+from tpflower.reference import as_reference, constant_predictions, reference_metrics, reference_text
 from tpflower.relation import summary_line
 from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
 from tpflower.schema import RelationalSpec, validate_key_kinds
+
+
+#: what a checkpoint keeps of a strategy beside its training loop's state: everything setup built
+SETUP_STATE = ("mapping", "train", "test", "routers", "client_rows", "y_train", "y_test", "label_scale", "_evaluation",
+               "d_out", "dp_plan")  # written once (checkpoint-setup.pkl): it does not change after setup
+EPOCH_STATE = ("comm", "results", "eps_spent")  # written every epoch with the training loop's state
 
 
 class LoJStrategy(TablePuppetStrategy):
@@ -49,10 +58,12 @@ class LoJStrategy(TablePuppetStrategy):
     algorithm = "loj"
     params_type: type[AlgorithmParams] = AlgorithmParams
     expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
+    resumable = False  # the protocol checkpoints every epoch (begin / checkpoint_config / end_epoch)
     one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
+    checkpointed = EPOCH_STATE  # the attributes an epoch's checkpoint keeps (subclasses add theirs)
 
     def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
-                 feature_dp: bool = True, label_dp: bool = True):
+                 feature_dp: bool = True, label_dp: bool = True, why_no_feature_dp: str = ""):
         self.cfg = cfg
         self.spec = spec
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -64,21 +75,37 @@ class LoJStrategy(TablePuppetStrategy):
         self.metric = primary_metric(self.task)
         self.privacy = cfg.get("privacy") or {"name": "none"}
         # impossible privacy settings fail here, before any client is asked for anything (also under flwr run)
-        dp.validate_privacy(self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp)
+        dp.validate_privacy(self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp,
+                            why_not=why_no_feature_dp)
         self.label_dp = dp.uses_label_dp(self.privacy)
         self.feature_dp = dp.uses_feature_dp(self.privacy)
         self.dp_plan: dict[ClientKey, tuple[int, float]] = {}  # feature DP: (local DP steps of the run, q)
         self.eps_spent: dict[ClientKey, float] = {}  # feature DP: the latest epsilon each client reported
         self.results: RunResults | None = None
+        self.label_scale = LabelScale()  # fitted in setup, on the training labels the server holds
         self.finished = False
         self.comm: CommMeter | None = None
         self._t0 = time.perf_counter()
+        self.run_id = secrets.token_hex(16)  # names this run's checkpoints on the nodes (kept when resumed)
+        self.resume = bool(cfg.get("resume", False))
+        if self.resume and self.one_shot:
+            raise ValueError(f"resume=true: {self.algorithm} runs in one shot (no epochs, no checkpoint to resume "
+                             "from); run it again")
+        if self.resume and not self.resumable:
+            from strategies.registry import entries
+
+            resumable = sorted(e.name for e in entries() if e.strategy.resumable)
+            raise ValueError(f"resume=true: {self.algorithm} does not checkpoint its epochs yet "
+                             f"(algorithms that do: {', '.join(resumable)})")
+        if self.resume and (self.run_dir is None or not (self.run_dir / CHECKPOINT).is_file()):
+            raise ValueError(f"resume=true but there is no checkpoint {CHECKPOINT} in the run dir {self.run_dir}")
 
     # ------------------------------------------------------------------------------------------ setup
 
     def setup(self) -> None:
         """Round 1 (keys) builds the mapping; VFL adds round 2 (expand). Sets train/test mappings and labels."""
-        replies = self.send({k: ({}, {"phase": "keys", **dp.privacy_message(self.privacy)}) for k in self.clients})
+        replies = self.send({k: ({}, {"phase": "keys", "run_id": self.run_id, **dp.privacy_message(self.privacy)})
+                             for k in self.clients})
         self._t0 = time.perf_counter()
         validate_key_kinds(self.spec, self._key_kinds(replies))
         projections: dict[str, list[KeyProjection]] = {t: [] for t in self.spec.table_names}
@@ -88,16 +115,23 @@ class LoJStrategy(TablePuppetStrategy):
                 KeyProjection(table, np.asarray(arrays["row_ids"], dtype=np.int64), {k: arrays[f"digest.{k}"] for k in joins})
             )
         mapping = build_mapping(self.spec, projections)
-        self.log(summary_line(self.spec, mapping))
         self.routers = {
             t: ShardRouter({q: np.asarray(r[0]["row_ids"], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
                            mapping.n_rows[t])
             for t in self.spec.table_names
         }
+        self.client_rows = {k: len(r[0]["row_ids"]) for k, r in replies.items()}
+        for r in replies.values():  # the digests have served their purpose: free them before N-sized state
+            for name in [n for n in r[0] if n.startswith("digest.")]:
+                del r[0][name]
         y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[self.spec.label_table])
-        is_test = is_test_rows[mapping.p[self.spec.label_table]]
-        self.train, self.test = mapping.subset(~is_test), mapping.subset(is_test)
-        self.y_train = y_rows[self.train.p[self.spec.label_table]]
+        # train and test are views of the mapping, reordered in place: train rows first, then test rows
+        self.train, self.test = mapping.partition(is_test_rows[mapping.p[self.spec.label_table]])
+        y_train = y_rows[self.train.p[self.spec.label_table]]
+        # regression: training sees the label standardized on the training rows (after label DP, which the
+        # label owner applied to the raw label); predictions go back to the label's units before any metric
+        self.label_scale = LabelScale.fit(self.task, y_train, bool(self.cfg.get("standardize_label", True)))
+        self.y_train = self.state_labels(self.label_scale.scaled(y_train))
         # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
         self.y_test = None if self.label_dp else y_rows[self.test.p[self.spec.label_table]]
         self._evaluation = self._evaluation_split() if self.label_dp else {}
@@ -105,12 +139,29 @@ class LoJStrategy(TablePuppetStrategy):
         self.comm = CommMeter(WanModel.from_config(self.cfg.network, {k: str(r[1]["region"]) for k, r in replies.items()}))
         self.results = new_run_results(self.cfg, self.algorithm, self.spec, mapping)
         self.results.privacy = dp.privacy_summary(self.privacy, self.task, 0.0 if self.feature_dp else None)
+        if self.y_test is not None:  # label DP: the label owner scores the constant predictor at the first evaluation
+            self.results.reference = reference_metrics(self.task, y_train, self.y_test, self.d_out)  # label units
+        del y_train  # the raw training labels: only the reference needs them
+        self.log(" | ".join(p for p in (summary_line(self.spec, mapping), reference_text(self.task, self.results.reference),
+                                         self.comm.wan.note) if p))
         self.mapping = mapping
         if self.feature_dp:  # on the table-row mapping, before a VFL expansion
             self.dp_plan = self.plan_feature_dp()
         self._federated_preprocessing()
         if self.expand:
             self._expand()
+
+    @property
+    def state_dtype(self) -> np.dtype:
+        """The dtype of the server's per-joined-row float state: float32 in a float32 run, else float64."""
+        return np.dtype(np.float32 if str(self.cfg.get("precision", "float64")) == "float32" else np.float64)
+
+    def state_labels(self, y: np.ndarray) -> np.ndarray:
+        """The training labels as the server keeps them: regression/binary labels in :attr:`state_dtype`
+        (float32 in a float32 run), class ids as int32."""
+        if self.task == "multiclass":
+            return np.asarray(y).astype(np.int32, copy=False)
+        return np.asarray(y).astype(self.state_dtype, copy=False)
 
     def _labels(self, replies: Mapping[ClientKey, Reply], n_label_rows: int) -> tuple[np.ndarray, np.ndarray, int | None]:
         """Labels and test flags over the label table's rows, from every shard of the label table."""
@@ -192,11 +243,55 @@ class LoJStrategy(TablePuppetStrategy):
     def _expand(self) -> None:
         """VFL: send p_i over all joined rows (train, then test); continue on the identity mapping."""
         N_train, N_test = self.train.N, self.test.N
-        order = {t: np.concatenate([self.train.p[t], self.test.p[t]]) for t in self.spec.table_names}
+        order = self.mapping.p  # train rows, then test rows (setup's partition)
         self.send({k: ({"p": order[k[0]]}, {"phase": "expand"}) for k in self.clients})
         n_all = N_train + N_test
-        self.train = TableMapping({t: np.arange(N_train) for t in order}, {t: n_all for t in order})
-        self.test = TableMapping({t: N_train + np.arange(N_test) for t in order}, {t: n_all for t in order})
+        self.client_rows = {k: n_all for k in self.clients}
+        ids = np.arange(n_all, dtype=index_dtype(n_all))
+        identity = TableMapping({t: ids for t in order}, {t: n_all for t in order})
+        self.train, self.test = identity.rows(0, N_train), identity.rows(N_train, n_all)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def begin(self, start: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+        """The epochs done and the training loop's state: (0, ``start()``) for a fresh run (``start`` runs the
+        setup and the algorithm's first rounds); for ``resume=true`` the last checkpoint's, after a ``resume``
+        round in which every client restores its own checkpoint of that epoch (tpflower.checkpoint)."""
+        if not self.resume:
+            return 0, start()
+        assert self.run_dir is not None
+        saved = load_checkpoint(self.run_dir / CHECKPOINT, self.cfg)
+        setup = load_checkpoint(self.run_dir / SETUP_CHECKPOINT, self.cfg)
+        if setup["run_id"] != saved["run_id"]:
+            raise ValueError(f"{SETUP_CHECKPOINT} and {CHECKPOINT} in {self.run_dir} are of different runs")
+        epoch = int(saved["epoch"])
+        self.run_id = str(saved["run_id"])
+        self.send({k: ({}, {"phase": "resume", "run_id": self.run_id, "epoch": epoch, **dp.privacy_message(self.privacy)})
+                   for k in self.clients})
+        for name, value in {**setup["attributes"], **saved["attributes"]}.items():
+            setattr(self, name, value)
+        self._setup_saved = True
+        self._t0 = time.perf_counter() - float(saved["elapsed"])
+        self.log(f"resumed after epoch {epoch} from {self.run_dir / CHECKPOINT}")
+        return epoch, saved["loop"]
+
+    def checkpoint_config(self, epoch: int) -> dict[str, Any]:
+        """Config of an epoch's last training message: each client checkpoints its state after answering it."""
+        return {"checkpoint": int(epoch), "run_id": self.run_id} if self.run_dir is not None and self.resumable else {}
+
+    def end_epoch(self, epoch: int, loop: dict[str, Any]) -> None:
+        """Checkpoint the server's state after epoch ``epoch`` (atomically, into the run dir); what setup built
+        is written with the first epoch only."""
+        if self.run_dir is None or not self.resumable:
+            return
+        if not getattr(self, "_setup_saved", False):
+            save_checkpoint(self.run_dir / SETUP_CHECKPOINT, self.cfg, {
+                "run_id": self.run_id, "attributes": {name: getattr(self, name) for name in SETUP_STATE if hasattr(self, name)}})
+            self._setup_saved = True
+        save_checkpoint(self.run_dir / CHECKPOINT, self.cfg, {
+            "epoch": int(epoch), "run_id": self.run_id, "elapsed": time.perf_counter() - self._t0, "loop": loop,
+            "attributes": {name: getattr(self, name) for name in self.checkpointed if hasattr(self, name)},
+        })
 
     # ------------------------------------------------------------------------------------------ records
 
@@ -258,11 +353,24 @@ class LoJStrategy(TablePuppetStrategy):
         """
         if self.y_test is not None:
             return metrics(self.task, H_test, self.y_test)
+        assert self.results is not None
+        ref = None  # the first evaluation also scores the constant predictor (results.json reference)
+        if not self.results.reference:
+            ref = self.label_scale.to_label(constant_predictions(self.task, self.y_train, len(H_test), self.d_out))
         replies = self.send(
-            {k: ({"H": H_test[idx], "rows": pos}, {"phase": "evaluate"}) for k, (idx, pos) in self._evaluation.items()},
+            {k: ({"H": H_test[idx], "rows": pos, **({} if ref is None else {"H_ref": ref[idx]})}, {"phase": "evaluate"})
+             for k, (idx, pos) in self._evaluation.items()},
             kind="eval",
         )
         parts = [(int(m["n"]), m) for _, m in (replies[k] for k in self._evaluation)]
+        if ref is not None:
+            self.results.reference = as_reference(self._combine([(c, {k[4:]: v for k, v in m.items() if k.startswith("ref_")})
+                                                                 for c, m in parts]))
+            self.log(f"reference: {reference_text(self.task, self.results.reference)} (scored by the label owner)")
+        return self._combine([(c, {k: v for k, v in m.items() if not k.startswith("ref_")}) for c, m in parts])
+
+    def _combine(self, parts: list[tuple[int, Mapping[str, Any]]]) -> dict[str, float]:
+        """The test metrics of the whole test split from each label shard's (row count, metrics)."""
         n = sum(c for c, _ in parts)
         if n == 0:
             raise RuntimeError("evaluate: the label owner scored no test rows")
@@ -276,13 +384,17 @@ class LoJStrategy(TablePuppetStrategy):
             out["accuracy"] = sum(c * float(m["accuracy"]) for c, m in live) / n
         return out
 
-    def record_epoch(self, epoch: int, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> None:
+    def record_epoch(self, epoch: int | float, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None) -> None:
         """Evaluate the test predictions, append the epoch to the record and print its line.
 
         With label DP the evaluation is a round with the label owner. With feature DP the line shows ``eps``, the max over clients of the epsilon spent so far;
         ``train_loss`` is against the labels the server holds (the randomized ones under label DP)."""
         assert self.results is not None and self.comm is not None
-        test = self.test_metrics(H_test)
+        scale = self.label_scale
+        test = self.test_metrics(scale.to_label(H_test))
+        train_loss = scale.loss(train_loss)
+        if "objective" in (extra or {}):
+            extra = {**(extra or {}), "objective": scale.loss(extra["objective"])}  # type: ignore[index]
         if not np.isfinite(train_loss):
             raise RuntimeError(f"{self.algorithm} diverged in epoch {epoch} (train loss {train_loss})")
         feature_eps = self.feature_epsilon() if self.feature_dp else None
@@ -324,6 +436,28 @@ class LoJStrategy(TablePuppetStrategy):
         B = batch_size_of(self.cfg.algorithm.batch_size, self.train.N)
         schedule = SGDSchedule(self.train, B, int(self.cfg.epochs), np.random.default_rng(int(self.cfg.seed)))
         return schedule, BatchPlan.of(self.test, np.arange(self.test.N))
+
+    @staticmethod
+    def sgd_rounds(schedule: SGDSchedule, done: int) -> Iterator[tuple[int, tuple]]:
+        """The schedule's rounds, numbered from 1, after the ``done`` epochs a resumed run already has (the same
+        seed draws the same batches, so they are drawn and skipped)."""
+        rounds = enumerate(schedule, start=1)
+        if done:
+            for _, (epoch, _, _, _, last) in rounds:
+                if epoch == done and last:
+                    break
+        return rounds
+
+    def eval_point(self, round_no: int, epoch: int, last: bool, per_epoch: int) -> float | None:
+        """SGD family: whether exchange round ``round_no`` (1-based) carries an evaluation, as the epoch it
+        stands for: an epoch's last batch (the epoch, an int) and every algorithm.eval_every rounds (a fraction:
+        the batches done so far over the batches of an epoch); None: no evaluation."""
+        if last:
+            return epoch
+        every = getattr(self.params, "eval_every", None)
+        if every and round_no % every == 0:
+            return round(epoch - 1 + ((round_no - 1) % per_epoch + 1) / per_epoch, 6)
+        return None
 
     def shard_messages(self, build: Callable[[ClientKey], Payload]) -> dict[ClientKey, Payload]:
         """One message per shard client (union scenario)."""

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from tpflower.mapping import index_dtype
+
 
 class ShardRouter:
     """Row ownership of one table: shard_of[u] and position[u] (row u's position within its shard)."""
@@ -18,8 +20,8 @@ class ShardRouter:
     def __init__(self, row_ids_by_shard: Mapping[int, np.ndarray], n_rows: int):
         self.shards = sorted(row_ids_by_shard)
         self.ids = {q: np.asarray(ids, dtype=np.int64) for q, ids in row_ids_by_shard.items()}  # in shard order
-        self.shard_of = np.full(n_rows, -1, dtype=np.int64)
-        self.position = np.full(n_rows, -1, dtype=np.int64)
+        self.shard_of = np.full(n_rows, -1, dtype=np.int32)
+        self.position = np.full(n_rows, -1, dtype=index_dtype(n_rows))
         for q, ids in row_ids_by_shard.items():
             self.shard_of[ids] = q
             self.position[ids] = np.arange(len(ids))

@@ -72,7 +72,11 @@ class GridTransport(Transport):
         while pending:
             got = list(self.grid.pull_messages(list(pending)))
             for reply in got:
-                pending.pop(reply.metadata.reply_to_message_id, None)
+                node = pending.pop(reply.metadata.reply_to_message_id, None)
+                if node is not None and reply.has_error():
+                    # an error the SuperLink wrote for a node (e.g. "Node Unavailable") comes from the SuperLink:
+                    # it is about the node the message was for, so name that node
+                    reply.metadata.__dict__["_src_node_id"] = node
             replies.extend(got)
             if not pending:
                 break

@@ -27,6 +27,7 @@ class AlgorithmEntry:
     protocol: Protocol  # the client side: its phases (handlers) in their order, checked by the client's guard
     params: type[AlgorithmParams]  # typed algorithm.* settings
     feature_dp: bool = True  # privacy=dpsgd supported
+    why_no_feature_dp: str = ""  # shown when privacy=dpsgd is refused
     label_dp: bool = True  # privacy=label supported
     summary: str = ""
 

@@ -26,30 +26,50 @@ class TPJoinSGD(LoJStrategy):
     algorithm = "tp_join_sgd"
     params_type = SGDParams
 
+    resumable = True
+
     def protocol(self) -> None:
-        self.setup()
-        N = self.train.N
+        done, loop = self.begin(self.start_sgd)
         schedule, evaluation = self.sgd_schedule()
+        h = loop["h"]
+        rounds = self.sgd_rounds(schedule, done)
+        loss_sum, seen = 0.0, 0
+        for round_no, (epoch, rows, plan, nxt, last) in rounds:
+            Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
+            loss_sum, seen = loss_sum + loss_b, seen + len(rows)
+            point = self.eval_point(round_no, epoch, last, schedule.per_epoch)
+            replies = self.send(self.messages(
+                lambda t: (
+                    {"Y": Y[t], "rows": nxt.U[t] if nxt else EMPTY,
+                     **({"eval_rows": evaluation.U[t]} if point is not None else {})},
+                    {"phase": "sgd_step", "batch_size": len(rows), **(self.checkpoint_config(epoch) if last else {})},
+                )
+            ))
+            self.after_round(replies)
+            h = self.outputs(replies)
+            if point is not None:
+                H_test = joined_predictions(evaluation.inv, self.outputs(replies, "h_eval"))
+                self.record_epoch(point, H_test, loss_sum / seen, self.round_extra())
+            if last:
+                loss_sum, seen = 0.0, 0
+                self.end_epoch(epoch, {"h": h})  # h: the next epoch's first batch, predicted in this round
+        self.finish()
+
+    def start_sgd(self) -> dict:
+        """Setup, then the predictions of the first batch."""
+        self.setup()
+        schedule, _ = self.sgd_schedule()
         replies = self.send(self.messages(
             lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
         ))
-        h = self.outputs(replies)
-        loss_sum = 0.0
-        for epoch, rows, plan, nxt, last in schedule:
-            Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
-            loss_sum += loss_b
-            replies = self.send(self.messages(
-                lambda t: (
-                    {"Y": Y[t], "rows": nxt.U[t] if nxt else EMPTY, **({"eval_rows": evaluation.U[t]} if last else {})},
-                    {"phase": "sgd_step", "batch_size": len(rows)},
-                )
-            ))
-            h = self.outputs(replies)
-            if last:
-                H_test = joined_predictions(evaluation.inv, self.outputs(replies, "h_eval"))
-                self.record_epoch(epoch, H_test, loss_sum / N)
-                loss_sum = 0.0
-        self.finish()
+        return {"h": self.outputs(replies)}
+
+    def after_round(self, replies) -> None:
+        """A hook after every exchange round (CELU counts its local steps here)."""
+
+    def round_extra(self) -> dict[str, float]:
+        """Extra values for the next evaluation's record."""
+        return {}
 
     def plan_feature_dp(self) -> dict:
         return sgd_dp_plan(self)

@@ -21,9 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.registry import AlgorithmEntry, register
-from strategies.tp_join_admm import TPJoinADMM, admm_dp_plan, admm_rho
-from tpflower.loj import ADMMServer, joined_predictions
-from tpflower.losses import loss_np
+from strategies.tp_join_admm import TPJoinADMM, admm_dp_plan, residual_extra
+from tpflower.loj import Balancing, joined_predictions
 from tpflower.params import ADMMParams
 from tpflower.phases import join_admm, setup, union
 from tpflower.relation import has_bias
@@ -31,65 +30,99 @@ from tpflower.relation import has_bias
 
 class TPUCQADMM(TPJoinADMM):
     algorithm = "tp_ucq_admm"
+    checkpointed = TPJoinADMM.checkpointed + ("inner_rounds_used",)
 
     def protocol(self) -> None:
-        self.setup()
+        done, loop = self.begin(self.start_ucq)
         alg, beta = self.params, float(self.cfg.model.beta)
-        rho = admm_rho(alg.rho, self.task)
         inner_rounds, inner_tol = alg.inner_rounds, alg.inner_tol
-        admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, rho, alg.variant)
+        admm, h, w, rho_c, u = loop["admm"], loop["h"], loop["w"], loop["rho_c"], loop["u"]
         self.admm = admm
         routers = self.routers
-        multi = [t for t in self.spec.table_names if len(routers[t].shards) > 1]
-        G = {t: routers[t].scatter_all(g) for t, g in admm.G().items()}
-        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
-        replies = self.send(self.shard_messages(lambda k: ({"G": G[k[0]][k[1]]}, {**config, **self.dp_config(k)})))
-        h = self._gather_all(replies)
-        # all shards of a table start from the same theta (same seed): the consensus model starts there too
-        w = {t: np.asarray(replies[(t, routers[t].shards[0])][0]["theta"], dtype=np.float64) for t in multi}
-        rho_c = {t: self.consensus_rho(alg.rho_inner, rho, t, len(w[t])) for t in multi}
-        self.inner_rounds_used: list[int] = []
-        for epoch in range(1, int(self.cfg.epochs) + 1):
-            Y = {t: routers[t].scatter_all(y) for t, y in admm.step(h).items()}
-            u = {k: np.zeros_like(w[k[0]]) for k in self.clients if k[0] in multi}
+        multi = [t for t in self.spec.table_names if t in w]
+        inner_balance = Balancing(alg.rho_mu, alg.rho_tau, 0) if alg.adapt_rho else None
+        last_done = done if not loop.get("stopped") else int(self.cfg.epochs)
+        for epoch in range(last_done + 1, int(self.cfg.epochs) + 1):
+            rho = admm.rho
+            Y = {t: routers[t].scatter_all(y) for t, y in admm.scatter(h).items()}
+            if epoch == 1 or not alg.warm_dual or not u:
+                u = {k: np.zeros_like(w[k[0]]) for k in self.clients if k[0] in multi}
             for r in range(inner_rounds):
                 messages = {}
                 for k in self.clients:
                     t, q = k
                     if t in multi:
                         arrays = ({"Y": Y[t][q]} if r == 0 else {}) | {"v": w[t] - u[k]}
-                        messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c[t], "epoch": epoch})
-                    elif r == 0:
-                        messages[k] = ({"Y": Y[t][q]}, {"phase": "admm_update", "epoch": epoch})
+                        messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c[t], "rho": rho, "epoch": epoch})
+                    elif r == 0:  # a table with one shard: its last message of the epoch (it checkpoints)
+                        messages[k] = ({"Y": Y[t][q]}, {"phase": "admm_update", "epoch": epoch, "rho": rho,
+                                                        **self.checkpoint_config(epoch)})
                 replies = self.send(messages, kind="inner" if r > 0 else "train")
                 if r == 0:
                     h.update({t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards})
                               for t in self.spec.table_names if t not in multi})
-                residual = 0.0
+                residual = dual = 0.0
                 for t in multi:
                     theta = {q: np.asarray(replies[(t, q)][0]["theta"], dtype=np.float64) for q in routers[t].shards}
                     Q = len(theta)
                     theta_bar = sum(theta.values()) / Q
                     u_bar = sum(u[(t, q)] for q in theta) / Q
+                    w_prev = w[t]
                     w[t] = Q * rho_c[t] * (theta_bar + u_bar) / (beta + Q * rho_c[t])  # Eq. 20
+                    primal_sq = 0.0
                     for q in theta:
-                        u[(t, q)] += theta[q] - w[t]  # Eq. 21
+                        u[(t, q)] += theta[q] - w[t]  # Eq. 21 (u scaled: u = y / rho')
                         residual = max(residual, float(np.linalg.norm(theta[q] - w[t])))
-                if residual < inner_tol:
+                        primal_sq += float(np.sum((theta[q] - w[t]) ** 2))
+                    # consensus residuals (Boyd Sec. 7.1): primal (theta^q - w)_q, dual rho' sqrt(Q) (w - w_prev)
+                    dual_t = rho_c[t] * np.sqrt(Q) * float(np.linalg.norm(w[t] - w_prev))
+                    dual = max(dual, dual_t)
+                    if inner_balance is not None and r + 1 < inner_rounds:
+                        f = inner_balance.factor(np.sqrt(primal_sq), dual_t)  # Boyd Eq. 3.13
+                        if f != 1.0:
+                            rho_c[t] *= f
+                            for q in theta:  # the scaled dual u = y / rho' follows rho' (Boyd Sec. 3.4.1)
+                                u[(t, q)] /= f
+                if residual < inner_tol and dual < inner_tol:
                     break
             self.inner_rounds_used.append(r + 1)
             if multi:
-                replies = self.send({k: ({"w": w[k[0]]}, {"phase": "admm_consensus"}) for k in self.clients if k[0] in multi})
+                replies = self.send({k: ({"w": w[k[0]]}, {"phase": "admm_consensus", **self.checkpoint_config(epoch)})
+                                     for k in self.clients if k[0] in multi})
                 h.update({t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards}) for t in multi})
-            H_train = joined_predictions(self.train.p, h)
-            train_loss = float(loss_np(self.task, H_train, self.y_train).mean())
+            res = admm.update(h)  # z, lambda (Eq. 7, 8), residuals and the next rho (Boyd Sec. 3.4.1)
+            train_loss = admm.train_loss()  # at the H of this update (computed there, chunk by chunk)
             self.record_epoch(
                 epoch,
                 joined_predictions(self.test.p, h),
                 train_loss,
-                {"primal_residual": admm.primal_residual(), "inner_rounds": r + 1, "inner_residual": residual},
+                {**residual_extra(res, rho), "inner_rounds": r + 1, "inner_residual": residual, "inner_dual": dual,
+                 **({"rho_inner": max(rho_c.values())} if rho_c else {})},
             )
+            stop = self.stop_early(epoch, res, f"; {r + 1} inner rounds in the last epoch")
+            self.end_epoch(epoch, {"admm": admm, "h": h, "w": w, "rho_c": rho_c, "u": u, "stopped": stop})
+            if stop:
+                break
         self.finish()
+
+    def start_ucq(self) -> dict:
+        """Setup, the admm_setup round; the consensus models start at the shards' common initial theta."""
+        self.setup()
+        alg = self.params
+        admm = self.admm_server()
+        routers = self.routers
+        multi = [t for t in self.spec.table_names if len(routers[t].shards) > 1]
+        G = {t: routers[t].scatter_all(g) for t, g in admm.G().items()}
+        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": admm.rho}
+        replies = self.send(self.shard_messages(lambda k: ({"G": G[k[0]][k[1]]}, {**config, **self.dp_config(k)})))
+        # as TP-Join-ADMM: ADMM starts from x^0 = 0 (Boyd Sec. 3.1)
+        h = {t: np.zeros_like(v) for t, v in self._gather_all(replies).items()}
+        # all shards of a table start from the same theta (same seed): the consensus model starts there too
+        w = {t: np.asarray(replies[(t, routers[t].shards[0])][0]["theta"], dtype=np.float64) for t in multi}
+        rho_c = {t: self.consensus_rho(alg.rho_inner, admm.rho, t, len(w[t])) for t in multi}
+        self.inner_rounds_used: list[int] = []
+        admm.update(h)
+        return {"admm": admm, "h": h, "w": w, "rho_c": rho_c, "u": {}}
 
     def consensus_rho(self, value, rho: float, table: str, n_params: int) -> float:
         """algorithm.rho_inner: a number, null (= rho), or auto: rho times the mean diagonal of the shard

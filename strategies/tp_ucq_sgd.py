@@ -33,20 +33,19 @@ class TPUCQSGD(LoJStrategy):
     algorithm = "tp_ucq_sgd"
     params_type = SGDParams
 
+    resumable = True
+
     def protocol(self) -> None:
-        self.setup()
-        N = self.train.N
+        done, loop = self.begin(self.start_sgd)
         schedule, evaluation = self.sgd_schedule()
         eval_split = {t: self.routers[t].split(evaluation.U[t]) for t in self.spec.table_names}
-        split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
-        replies = self.send(self.shard_messages(
-            lambda k: ({"rows": split[k[0]][k[1]]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
-        ))
-        h = self.gather_rows(replies, schedule.first.U)
-        loss_sum = 0.0
-        for epoch, rows, plan, nxt, last in schedule:
+        h = loop["h"]
+        rounds = self.sgd_rounds(schedule, done)
+        loss_sum, seen = 0.0, 0
+        for round_no, (epoch, rows, plan, nxt, last) in rounds:
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
-            loss_sum += loss_b
+            loss_sum, seen = loss_sum + loss_b, seen + len(rows)
+            point = self.eval_point(round_no, epoch, last, schedule.per_epoch)
             counts = {t: np.bincount(plan.inv[t], minlength=len(plan.U[t])) for t in plan.U}  # G_iu in B
             masks = {t: self.routers[t].masks(plan.U[t]) for t in plan.U}
             replies = self.send(self.shard_messages(
@@ -60,17 +59,29 @@ class TPUCQSGD(LoJStrategy):
             replies = self.send(self.shard_messages(
                 lambda k: (
                     {"g": g[k[0]], "rows": nsplit[k[0]][k[1]] if nsplit else EMPTY,
-                     **({"eval_rows": eval_split[k[0]][k[1]]} if last else {})},
-                    {"phase": "sgd_apply"},
+                     **({"eval_rows": eval_split[k[0]][k[1]]} if point is not None else {})},
+                    {"phase": "sgd_apply", **(self.checkpoint_config(epoch) if last else {})},
                 )
             ))
             if nxt is not None:
                 h = self.gather_rows(replies, nxt.U)
-            if last:
+            if point is not None:
                 H_test = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, "h_eval"))
-                self.record_epoch(epoch, H_test, loss_sum / N)
-                loss_sum = 0.0
+                self.record_epoch(point, H_test, loss_sum / seen)
+            if last:
+                loss_sum, seen = 0.0, 0
+                self.end_epoch(epoch, {"h": h})
         self.finish()
+
+    def start_sgd(self) -> dict:
+        """Setup, then the predictions of the first batch (each shard its rows of it)."""
+        self.setup()
+        schedule, _ = self.sgd_schedule()
+        split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
+        replies = self.send(self.shard_messages(
+            lambda k: ({"rows": split[k[0]][k[1]]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
+        ))
+        return {"h": self.gather_rows(replies, schedule.first.U)}
 
     def plan_feature_dp(self) -> dict:
         return sgd_dp_plan(self)

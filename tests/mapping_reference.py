@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from tpflower.mapping import TableMapping, build_mapping, project_keys
+from tpflower.mapping import KeyProjection, TableMapping, build_mapping, project_keys
 from tpflower.schema import RelationalSpec
 
 SECRET = b"test-secret"
@@ -49,3 +49,27 @@ def assert_mapping_equals_merge(spec: RelationalSpec, frames: Mapping[str, pd.Da
     for t in spec.table_names:
         assert mapping.G(t).sum() == mapping.N
     return mapping
+
+
+def pandas_build_mapping(spec: RelationalSpec, projections: Mapping[str, list[KeyProjection]]) -> TableMapping:
+    """The table mapping as the server built it before issue 14: pandas merges of the digest columns over the
+    joined rows (int64 indices). The chunked build must give the same p_i, in the same order."""
+    n_rows = {t: int(sum(len(p.row_ids) for p in projections[t])) for t in spec.table_names}
+    digests = {}
+    for t in spec.table_names:
+        per_join: dict[int, np.ndarray] = {}
+        for proj in projections[t]:
+            for k, d in proj.digests.items():
+                per_join.setdefault(k, np.zeros((n_rows[t], 2), dtype=np.uint64))[proj.row_ids] = d
+        digests[t] = per_join
+    join_index = {j: k for k, j in enumerate(spec.joins)}
+    root = spec.label_table
+    joined = pd.DataFrame({root: np.arange(n_rows[root], dtype=np.int64)})
+    for edge, known, new in spec.join_order():
+        k = join_index[edge]
+        left_keys = digests[known][k][joined[known].to_numpy()]
+        left = joined.assign(_h0=left_keys[:, 0], _h1=left_keys[:, 1])
+        right_keys = digests[new][k]
+        right = pd.DataFrame({new: np.arange(n_rows[new], dtype=np.int64), "_h0": right_keys[:, 0], "_h1": right_keys[:, 1]})
+        joined = left.merge(right, on=["_h0", "_h1"], how="inner", sort=False).drop(columns=["_h0", "_h1"])
+    return TableMapping(p={t: joined[t].to_numpy(dtype=np.int64) for t in spec.table_names}, n_rows=n_rows)

@@ -130,13 +130,17 @@ def test_the_weighted_coreset_loss_is_unbiased(dis_run, sampling):
     assert abs(est.mean() - loss.sum()) < 4 * se
 
 
-def test_construction_sends_2T_plus_m_plus_2mT_numbers_at_most_T_plus_3mT(dis_run):
+def test_construction_sends_at_most_2T_plus_m_plus_2mT_numbers_at_most_T_plus_3mT(dis_run):
+    """Round 3 asks each table about the DISTINCT rows p_i(j), j in S (n_i^S <= m): 2T + m + 2 sum_i n_i^S
+    numbers, at most 2T + m + 2mT (every drawn joined row distinct in every table), at most the paper's T + 3mT."""
     rec, s = dis_run, dis_run.strategy
     T, m = len(s.clients), 500
     dis = {"sensitivity", "sample", "weigh"}
     down = sum(a.size for _, ph, arrays, _ in rec.got if ph in dis for n, a in arrays.items() if n != "G")
     up = sum(a.size for _, ph, arrays, _ in rec.sent if ph in dis for a in arrays.values())
-    assert down + up == 2 * T + m + 2 * m * T <= T + 3 * m * T  # the paper's (and its code's) count: T + 3mT
+    distinct = sum(len(np.unique(p[s.dis_joined])) for p in s.train.p.values())
+    assert down + up == 2 * T + m + 2 * distinct <= 2 * T + m + 2 * m * T <= T + 3 * m * T
+    assert distinct < m * T  # the fact table's rows repeat across draws here: the dedup saves traffic
     G_sent = sum(arrays["G"].size for _, ph, arrays, _ in rec.got if ph == "sensitivity")
     assert G_sent == sum(s.mapping.n_rows.values())  # the join's extra: G_i, once, in the narrowest uint
     assert s.construction["rounds"] == 3
@@ -198,13 +202,39 @@ def kmeans_run() -> Recorded:
     return Recorded("algorithm=kmeans", F64, "algorithm.k=4")
 
 
+def materialized_distdim_cost(rec: Recorded, label_phase: str) -> tuple[float, float, dict[str, float]]:
+    """On the MATERIALIZED full join (N x d, float64): every joined row placed in the grid cell of its tables'
+    local labels (the replies of ``label_phase``), the cell assigned to the nearest final centre: (the mean
+    cost of that assignment, the mean nearest-centre cost, each table's block of the summed cost)."""
+    s = rec.strategy
+    reply = {(k[0], ph): out for k, ph, out, _ in rec.sent}
+    blocks = {t: np.asarray(rec.client((t, 0)).local.X, dtype=np.float64)[p] for t, p in s.mapping.p.items()}
+    X = np.hstack(list(blocks.values()))
+    point = np.hstack([reply[(t, "kmeans_local")]["C"][reply[(t, label_phase)]["labels"].astype(np.int64)[p]]
+                       for t, p in s.mapping.p.items()])
+    C = s.centres
+    c = ((point[:, None, :] - C[None]) ** 2).sum(-1).argmin(1)
+    D = ((X[:, None, :] - C[None]) ** 2).sum(-1)
+    bounds = np.cumsum([0, *(b.shape[1] for b in blocks.values())])
+    per_table = {t: float(((blocks[t] - C[c, bounds[i]:bounds[i + 1]]) ** 2).sum()) for i, t in enumerate(blocks)}
+    return float(D[np.arange(len(X)), c].mean()), float(D.min(1).mean()), per_table
+
+
 def test_factorized_kmeans_cost_equals_the_cost_on_the_materialized_join(kmeans_run):
+    """The metric is the cost of DistDim's induced assignment (grid cell -> nearest final centre) over the full
+    join: from one number per table, equal (float64) to the cost computed on the materialized join; an upper
+    bound on the nearest-centre cost."""
     rec, s = kmeans_run, kmeans_run.strategy
-    X = np.hstack([np.asarray(rec.client((t, 0)).local.X, dtype=np.float64)[p] for t, p in s.mapping.p.items()])
-    D = ((X[:, None, :] - s.centres[None]) ** 2).sum(-1)
-    np.testing.assert_allclose(s.D_min, D.min(1), rtol=1e-9, atol=1e-9)
-    assert abs(s.results.history[-1].test_metric - D.min(1).mean()) < 1e-9
-    assert s.centres.shape == (4, X.shape[1])
+    cost, nearest, per_table = materialized_distdim_cost(rec, "kmeans_local")
+    assert abs(s.results.history[-1].test_metric - cost) < 1e-9 * cost
+    for t, v in per_table.items():
+        assert abs(s.table_costs[t] - v) < 1e-9 * max(v, 1.0)
+    assert cost >= nearest - 1e-12
+    assert s.centres.shape == (4, sum(b.shape[1] for b in [rec.client((t, 0)).local.X for t in s.mapping.p]))
+    # what the cost round exchanged: per table sparse counts down, one number up
+    for key, phase, out, _ in rec.sent:
+        if phase == "kmeans_cost":
+            assert set(out) == {"cost"} and out["cost"].size == 1
 
 
 def test_distdim_sends_one_label_per_table_row_and_k_centres(kmeans_run):
@@ -241,14 +271,20 @@ def test_weighted_kmeans_with_integer_weights_is_kmeans_on_repeated_rows():
     np.testing.assert_array_equal(np.repeat(labels, w), labels_r)
 
 
-def test_coreset_kmeans_runs_and_sends_no_feature():
+def test_coreset_kmeans_runs_sends_no_feature_and_its_cost_is_the_materialized_one():
     rec = Recorded("algorithm=coreset_kmeans", F64, "algorithm.k=4", "algorithm.m=300")
     keys, features, _ = raw_columns(rec)
     assert_absent(rec, keys)
     assert_absent(rec, features)
     s = rec.strategy
     assert s.construction["rounds"] == 3 and np.isfinite(s.results.history[-1].test_metric)
-    assert {p for _, p, _, _ in rec.sent} >= {"sensitivity", "sample", "weigh", "kmeans_local", "kmeans_cost"}
+    assert {p for _, p, _, _ in rec.sent} >= {"sensitivity", "sample", "weigh", "kmeans_local", "kmeans_assign",
+                                              "kmeans_cost"}
+    cost, nearest, _ = materialized_distdim_cost(rec, "kmeans_assign")
+    assert abs(s.results.history[-1].test_metric - cost) < 1e-9 * cost and cost >= nearest - 1e-12
+    for key, phase, arrays, _ in rec.got:  # the coreset's rows only, at most m per table
+        if phase == "kmeans_local":
+            assert len(arrays["rows"]) <= 300
 
 
 @pytest.mark.parametrize("algorithm", ["kmeans", "coreset_kmeans"])
@@ -257,10 +293,11 @@ def test_bad_k_is_refused_before_any_node(algorithm):
         make_strategy(make_cfg(f"algorithm={algorithm}", "dataset=synthetic", "algorithm.k=0"), None, log=quiet)
 
 
-def test_kmeans_cost_replies_let_a_curious_server_solve_for_the_features():
-    """Documents a limit (README, Coresets): with k - 1 >= d_i affinely independent centres, the squared
-    distances a table returns for the full-join cost determine its rows' features (differences of
-    ||x||^2 - 2 c^T x + ||c||^2 are linear in x). Checked on the client's own reply function."""
+def test_why_the_cost_is_one_number_per_table_per_run():
+    """Why the k-means metric is not the nearest-centre cost (README, Coresets): that needs each row's squared
+    distances to k centres the server chose, and with k - 1 >= d_i affinely independent centres those give
+    away the rows' features (differences of ||x||^2 - 2 c^T x + ||c||^2 are linear in x). The attack on the
+    n_i x k distances the first version sent; tests/test_curious_server.py shows the client now refuses it."""
     rng = np.random.default_rng(4)
     X = rng.normal(size=(50, 4))
     C = rng.normal(size=(10, 4))  # k = 10 centres, d_i = 4

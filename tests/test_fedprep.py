@@ -144,8 +144,12 @@ def test_federated_equals_unioned_preprocessing(shards, sketch_size: int) -> Non
         assert rule.numeric["year"].rank_error > 0  # the approximate path is exercised
     assert missing[:, 0].any()  # the NaN column really had imputed entries
 
-    # one-hot blocks: equal up to the permutation sorted strings -> sorted digests
-    offset = k
+    assert_onehot_blocks_equal(X_fed, X_central, central, k)
+
+
+def assert_onehot_blocks_equal(X_fed: np.ndarray, X_central: np.ndarray, central, offset: int) -> None:
+    """The one-hot blocks (from column ``offset`` on) are equal up to the permutation sorted strings -> sorted
+    digests."""
     for col in CATEGORICAL:
         width = len(central.categories[col])
         perm = _onehot_permutation(central, col)

@@ -81,8 +81,13 @@ def run_cli(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
     run_dir = tmp_path / "ok"
-    ok = run_cli("algorithm=admm", "dataset=synthetic", "epochs=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    secret = "flower-run-secret-" + os.urandom(6).hex()
+    ok = run_cli("algorithm=admm", "dataset=synthetic", "epochs=2", f"hydra.run.dir={run_dir}",
+                 f"mapping.secret={secret}", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"flower.log", "results.json", "config.yaml"} <= {p.name for p in written}
+    assert not [p for p in written if secret in p.read_text(errors="replace")]  # nor in Flower's log
     lines = ok.stdout.splitlines()
     assert lines[0].startswith("[synthetic] tables:") and lines[-1] == f"results: {run_dir / 'results.json'}"
     assert all(line.startswith("epoch ") for line in lines[1:-1]) and len(lines) == 4
@@ -90,8 +95,13 @@ def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
     bad_shop(tmp_path)
     bad = run_cli("--config-dir", str(tmp_path / "conf"), "algorithm=admm", "dataset=bad_shop", "epochs=1",
                   f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
-    assert bad.returncode == 1 and bad.stdout == ""
-    assert bad.stderr.startswith("error: table 'customers' shard 0:") and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.returncode == 1 and bad.stdout == "" and "Traceback" not in bad.stderr
+    # every table is checked before Flower starts: one report, one line per problem (tests/test_checks.py)
+    assert bad.stderr.splitlines() == [
+        "error: dataset 'bad_shop': 1 problem in the data; fix it and run again:",
+        f"  table 'customers', numeric feature 'age': 1 non-numeric value, first at row 3 (line 5 of "
+        f"{tmp_path / 'customers.csv'}): 'unknown'; make every value a number (leave it empty if unknown: missing "
+        "values are imputed with the median), or declare the column categorical"]
     refused = run_cli("algorithm=admm", "dataset=synthetic", "algorithm.rho=-1", cwd=tmp_path)
     assert refused.returncode == 1 and refused.stderr.startswith("error: algorithm.rho must be > 0, got -1")
 

@@ -84,17 +84,34 @@ def test_connect_refuses_duplicate_or_unknown_tables(tables, match):
 
 
 def test_too_few_nodes_is_one_error_naming_the_missing_table():
-    transport = direct({1: ("fact", 0)})
-    transport.timeout_s = 0.2
+    lines: list[str] = []
+    strategy = Echo(KEYS)
+    strategy.log, strategy.WAIT_LINE_S = lines.append, 0.1
     with pytest.raises(RunError, match=r"no node holds table 'dim' shard 0 \(1 of 2 nodes connected within 0 s"):
-        Echo(KEYS).run(transport)
+        strategy.run(direct({1: ("fact", 0)}), node_wait_s=0.35)
+    # while waiting, a line every WAIT_LINE_S names the missing tables
+    assert 2 <= len(lines) <= 4 and all("missing table 'dim' shard 0" in line for line in lines), lines
+
+
+def test_a_late_node_is_greeted_when_it_connects():
+    transport = direct({1: ("fact", 0), 2: ("dim", 0)})
+    everyone = transport.contexts
+    calls = []
+
+    def node_ids():  # the dim node connects on the third look
+        calls.append(1)
+        return [1] if len(calls) < 3 else list(everyone)
+
+    transport.node_ids = node_ids
+    strategy = Echo(KEYS)
+    strategy.run(transport, node_wait_s=5)
+    assert strategy.nodes == {("fact", 0): 1, ("dim", 0): 2} and len(calls) == 3
 
 
 def test_a_client_exception_ends_the_run_with_one_line_naming_its_table():
     with pytest.raises(RunError) as err:
         Echo(KEYS).run(direct({1: ("fact", 0), 2: ("dim", 0)}, fail={"echo": "dim.csv row 3: 'abc' is not a number"}))
-    assert str(err.value) == "table 'fact' shard 0: dim.csv row 3: 'abc' is not a number" or \
-        str(err.value) == "table 'dim' shard 0: dim.csv row 3: 'abc' is not a number"
+    assert str(err.value).splitlines() == [f"table '{t}' shard 0: dim.csv row 3: 'abc' is not a number" for t in ("dim", "fact")]
 
 
 class FakeGrid:
@@ -129,7 +146,9 @@ class FakeGrid:
             if node in self.silent and not hello:
                 continue
             if node in self.lost and not hello:
-                out.append(Message(Error(code=3, reason="Node Unavailable"), reply_to=msg))
+                error = Message(Error(code=3, reason="Node Unavailable"), reply_to=msg)
+                error.metadata.__dict__["_src_node_id"] = 1  # written by the SuperLink (SUPERLINK_NODE_ID), as in 1.41
+                out.append(error)
             else:
                 out.append(self.app(msg, None))
             del self.pending[mid]
@@ -228,3 +247,10 @@ def test_fast_fetch_loop_moves_every_message_and_stops():
     stop.set()
     worker.join(timeout=2)
     assert got == ["a", "b", "c"] and not worker.is_alive()
+
+
+def test_every_failing_client_of_a_round_has_its_own_line():
+    fail = {"echo": "its own problem"}
+    with pytest.raises(RunError) as err:
+        Echo(KEYS).run(direct({1: ("fact", 0), 2: ("dim", 0)}, fail=fail))
+    assert str(err.value).splitlines() == ["table 'dim' shard 0: its own problem", "table 'fact' shard 0: its own problem"]

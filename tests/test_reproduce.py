@@ -104,7 +104,7 @@ def test_multirun_dir_expands_and_labels_distinguish(run_dirs):
     runs = reproduce.load_runs([sweep, files[0]])  # a results.json path named twice is read once
     assert len(runs) == 2
     labels = reproduce.run_labels(runs)
-    assert labels == ["tp_join_sgd (lr=0.05)", "tp_join_sgd (lr=0.2)"]
+    assert labels == ["tp_join_sgd, linear (lr=0.05)", "tp_join_sgd, linear (lr=0.2)"]
 
 
 def test_centralized_is_no_communication(run_dirs):
@@ -137,3 +137,28 @@ def test_invalid_file_and_empty_dir(tmp_path):
     empty.mkdir()
     with pytest.raises(reproduce.ResultsError, match=str(empty)):
         reproduce.find_results([empty])
+
+
+def test_labels_name_algorithm_model_and_only_settings_of_the_same_model():
+    linear, mlp = fake_run("tp_join_admm", "movielens").to_json(), fake_run("tp_join_admm", "movielens").to_json()
+    linear["config"]["model"] = {"kind": "linear", "bias": "label"}
+    mlp["model"], mlp["config"]["model"] = "mlp", {"kind": "mlp", "bias": "all", "hidden": [16]}
+    assert reproduce.run_labels([linear, mlp]) == ["tp_join_admm, linear", "tp_join_admm, mlp"]
+
+
+def test_exact_solution_and_constant_predictor_are_reference_lines():
+    exact = fake_run("centralized", "movielens", epochs=1).to_json()
+    exact["history"][0]["epoch"] = 0
+    exact["config"]["algorithm"]["solver"] = "exact"
+    run = fake_run("tp_join_admm", "movielens").to_json()
+    run["reference"] = {"constant_rmse": 1.05}
+    assert reproduce.is_exact(exact) and not reproduce.is_exact(run)
+    assert reproduce.constant_reference([exact, run]) == 1.05
+
+
+def test_y_range_shows_the_converged_part():
+    spike = [5.0, 1.00, 0.96, 0.95, 0.95, 0.95, 0.95, 0.95]
+    lo, hi = reproduce.converged_ylim([spike], [0.94, 0.97])
+    assert lo < 0.94 and 0.97 < hi < 1.0  # the first epochs' spike is out, both reference lines in
+    lo, hi = reproduce.converged_ylim([spike], [0.94, 1.05])
+    assert lo < 0.94 and hi < 1.0  # a far-off constant predictor does not flatten the curves (legend: off the axis)

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.test_fedprep import CATEGORICAL, NUMERIC, SECRET, _onehot_permutation, _shard, _union
+from tests.test_fedprep import CATEGORICAL, NUMERIC, SECRET, _shard, _union, assert_onehot_blocks_equal
 from tpflower import fedprep
 from tpflower.fedprep import (
     DEFAULT_MIN_SKETCH_ROWS,
@@ -264,12 +264,7 @@ def test_server_names_the_columns_and_the_rule_equals_the_unioned_preprocessing(
         scale = max(1.0, float(np.abs(x[~np.isnan(x)]).max(initial=0.0))) / central.stds[col]
         np.testing.assert_allclose(X_fed[:, j], X_central[:, j], rtol=1e-12, atol=1e-12 * scale)
     assert union["year"].isna().any()
-    offset = k
-    for col in CATEGORICAL:
-        width = len(central.categories[col])
-        perm = _onehot_permutation(central, col)
-        np.testing.assert_array_equal(X_fed[:, offset : offset + width], X_central[:, offset : offset + width][:, perm])
-        offset += width
+    assert_onehot_blocks_equal(X_fed, X_central, central, k)
     # the binned column's edges (the rule message's last array) are the unioned quantile edges
     score = union["score"].to_numpy()[fit]
     np.testing.assert_array_equal(payload[-1], np.quantile(score, np.arange(1, 4) / 4, method="inverted_cdf"))

@@ -1,49 +1,50 @@
 """The client operator: a Flower NumPyClient that holds one table (or shard) and its local model f_i, with
-the services every algorithm's phases use (data, model, DP trainer, state records).
+the services every algorithm's phases use (data, model, predictions; feature DP in tpflower.local_dp; state in
+tpflower.state).
 
 The ClientApp hands every message to :meth:`TableClient.handle` (or the NumPyClient entry :meth:`fit`), which
 dispatches ``config["phase"]`` through the protocol guard (tpflower.guard) of the algorithm the client was
 built for (the registry's entry; the phases live in tpflower/phases/: setup.py for the setup phases every
 algorithm shares, one module per algorithm family beside it); a phase outside that protocol, or out of its
-order, is refused, naming the phase. Arrays travel
-by name, small scalars in the config. What a client sends is row ids, keyed digests of join keys, model
-predictions and (the label owner) labels: never raw features or raw keys. Its state lives in
-``context.state`` (:class:`ClientState`, typed per family with :class:`StateRecord`), because Flower rebuilds
-the client object per message.
+order, is refused, naming the phase. Arrays travel by name, small scalars in the config. What a client sends
+is row ids, keyed digests of join keys, model predictions and (the label owner) labels: never raw features or
+raw keys.
 
 Privacy (tpflower.privacy; ALGORITHMS.md "Privacy"). The run's settings come with the server's keys message;
 the client accepts them only if they are at least its owner's floor (tpflower.owner) and keeps them in
-``context.state``. All noise is drawn from the OS entropy.
-Label DP: the label owner randomizes its training labels once, in ``keys``, and never sends test labels.
-Feature DP: the first training message (``predict`` / ``admm_setup``) carries ``dp_steps`` and ``dp_q``
-(the local DP steps of the whole run and the per-step sample rate of a table row, planned by the server);
-the client derives sigma from them ONCE and stores it. Every update is then a DP step of a
-:class:`~tpflower.privacy.DPLocalTrainer` rebuilt per message from theta and the accountant history in
-``context.state``; every reply that follows a step reports ``eps`` (spent at ``delta``) in its metrics.
+``context.state``. Label DP: the label owner randomizes its training labels once, in ``keys``, and never
+sends test labels. Feature DP: :class:`~tpflower.local_dp.LocalDP`. All noise comes from the OS entropy.
 """
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.client import NumPyClient
-from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.common import RecordDict
 
+from tpflower import checkpoint
 from tpflower import privacy as dp
 from tpflower.fedprep import GlobalRule, apply_rule
-from tpflower.local_table import LocalTable, ShardData
-from tpflower.mapping import segment_sum
-from tpflower.records import Arrays
-from tpflower.models import l2_penalty, torch_dtype
-from tpflower.relation import build_local_model
 from tpflower.guard import Protocol, ProtocolRefusal
+from tpflower.local_dp import LocalDP
+from tpflower.local_table import LocalTable, ShardData
+from tpflower.models import l2_penalty, torch_dtype
 from tpflower.owner import OwnerSettings
+from tpflower.records import Arrays
+from tpflower.relation import build_local_model
+from tpflower.state import ClientState
 from tpflower.schema import RelationalSpec, key_kind
+
+
+def choose_device(num_gpus: float) -> torch.device:
+    """Where a client computes: CUDA only when its resources give it a GPU share (``resources.num_gpus`` > 0)
+    and one is visible; else the CPU (a GPU that is merely visible is not this client's to use)."""
+    return torch.device("cuda" if float(num_gpus) > 0 and torch.cuda.is_available() else "cpu")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class ClientSettings:
     owner: OwnerSettings
     key_kinds: Mapping[str, str]
     federated_prep: bool = False  # union scenario, table with several shards: preprocessing by global rule
+    config_key: str = ""  # the run's config (without resume settings): part of the name of its checkpoints
+    num_gpus: float = 0.0  # conf/resources num_gpus: this virtual client's GPU share (0: it computes on the CPU)
 
     @property
     def secret(self) -> bytes:
@@ -70,74 +73,6 @@ class ClientSettings:
     @property
     def min_sketch_rows(self) -> int:
         return self.owner.min_sketch_rows
-
-
-class ClientState:
-    """Named ndarrays and scalars in a Flower RecordDict (context.state)."""
-
-    def __init__(self, records: RecordDict):
-        self.records = records
-
-    def get(self, name: str) -> np.ndarray | None:
-        rec = self.records.get(f"arr.{name}")
-        return None if rec is None else rec["a"].numpy()
-
-    def put(self, name: str, value: np.ndarray) -> None:
-        self.records[f"arr.{name}"] = ArrayRecord(array_dict={"a": Array(np.ascontiguousarray(value))})
-
-    def scalar(self, name: str, default: Any = None) -> Any:
-        rec = self.records.get("scalars")
-        return default if rec is None else rec.get(name, default)
-
-    def set_scalar(self, name: str, value: Any) -> None:
-        rec = self.records.get("scalars") or ConfigRecord()
-        rec[name] = value
-        self.records["scalars"] = rec
-
-    def load_model(self, model: torch.nn.Module) -> bool:
-        rec = self.records.get("theta")
-        if rec is None:
-            return False
-        model.load_state_dict(rec.to_torch_state_dict())
-        return True
-
-    def put_list(self, name: str, values: list[np.ndarray]) -> None:
-        self.records[f"list.{name}"] = ArrayRecord(array_dict={str(k): Array(np.ascontiguousarray(v)) for k, v in enumerate(values)})
-
-    def get_list(self, name: str) -> list[np.ndarray] | None:
-        rec = self.records.get(f"list.{name}")
-        return None if rec is None else [rec[str(k)].numpy() for k in range(len(rec))]
-
-    def save_model(self, model: torch.nn.Module) -> None:
-        self.records["theta"] = ArrayRecord(torch_state_dict={k: v.cpu() for k, v in model.state_dict().items()})
-
-
-#: A phase of an algorithm, client side: (client, named arrays, config) -> (named arrays, metrics).
-PhaseHandler = Callable[["TableClient", Arrays, Mapping[str, Any]], tuple[Arrays, dict[str, Any]]]
-S = TypeVar("S", bound="StateRecord")
-
-
-@dataclass
-class StateRecord:
-    """A family's typed client state, kept in context.state: ndarray fields in one ArrayRecord, the other
-    fields (int, float, str) in one ConfigRecord, both named after the class."""
-
-    @classmethod
-    def load(cls: type[S], state: ClientState) -> S | None:
-        arrays = state.records.get(f"{cls.__name__}.arrays")
-        scalars = state.records.get(f"{cls.__name__}.scalars")
-        if arrays is None and scalars is None:
-            return None
-        values = {k: a.numpy() for k, a in (arrays or {}).items()}
-        values.update(dict(scalars or {}))
-        return cls(**{f.name: values.get(f.name) for f in fields(cls)})
-
-    def save(self, state: ClientState) -> None:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        arrays = {k: Array(np.ascontiguousarray(v)) for k, v in values.items() if isinstance(v, np.ndarray)}
-        state.records[f"{type(self).__name__}.arrays"] = ArrayRecord(array_dict=arrays)
-        state.records[f"{type(self).__name__}.scalars"] = ConfigRecord(
-            {k: v for k, v in values.items() if k not in arrays and v is not None})
 
 
 class TableClient(NumPyClient):
@@ -151,15 +86,27 @@ class TableClient(NumPyClient):
         self.protocol = protocol
         self.algorithm = algorithm
         self.dtype = torch_dtype(settings.precision)
-        # a client given a GPU (conf/resources num_gpus > 0) computes on it; Ray sets CUDA_VISIBLE_DEVICES
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = choose_device(settings.num_gpus)
 
     # ---------------------------------------------------------------------------------------- Flower API
 
     def handle(self, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
         """Answer one message: ``config["phase"]`` names the phase, ``arrays`` its named arrays. The protocol
-        guard (tpflower.guard) refuses a phase outside the algorithm's protocol before anything is computed."""
-        return self.protocol.admit(self, str(config.get("phase")))(self, arrays, config)
+        guard (tpflower.guard) refuses a phase outside the algorithm's protocol before anything is computed.
+        ``resume`` (a fresh client taking its checkpointed state) and checkpoints: tpflower.checkpoint."""
+        phase = str(config.get("phase"))
+        if phase == "resume":
+            return checkpoint.resume(self, config)
+        handler = self.protocol.admit(self, phase)
+        if config.get("run_id") and self.state.scalar("run_id") is None:
+            self.state.set_scalar("run_id", str(config["run_id"]))
+        out = handler(self, arrays, config)
+        checkpoint.after_message(self, config)
+        return out
+
+    @property
+    def config_key(self) -> str:
+        return self.settings.config_key
 
     def fit(self, parameters: list[np.ndarray], config: Mapping[str, Any]) -> tuple[list[np.ndarray], int, dict]:
         """NumPyClient's entry: ``parameters`` are the message's arrays in the order ``config["arrays"]`` names
@@ -260,75 +207,11 @@ class TableClient(NumPyClient):
             raise ProtocolRefusal(f"table {self.settings.table!r}: no privacy settings accepted yet (keys first)")
         return dp.privacy_from_message(dict(rec))
 
-    def feature_dp(self) -> bool:
-        return dp.uses_feature_dp(self.privacy())
+    @property
+    def dp(self) -> LocalDP:
+        """Feature DP services of this client (tpflower.local_dp)."""
+        return LocalDP(self)
 
-    def dp_init(self, config: Mapping[str, Any]) -> None:
-        """Feature DP: sigma for the run's planned local steps and sample rate, computed once and stored."""
-        if not self.feature_dp() or self.state.scalar("dp_sigma") is not None:
-            return
-        if "dp_steps" not in config or "dp_q" not in config:
-            raise RuntimeError(
-                f"table {self.settings.table!r}: feature DP is on but the server sent no DP plan (dp_steps, dp_q)"
-            )
-        priv = self.privacy()
-        steps, q = int(config["dp_steps"]), float(config["dp_q"])
-        # no step planned (a shard without active rows): sigma is never used; _dp_done refuses any step
-        sigma = dp.noise_multiplier_for(priv["epsilon"], priv["delta"], q, steps) if steps >= 1 else 0.0
-        self.state.set_scalar("dp_sigma", float(sigma))
-        self.state.set_scalar("dp_q", q)
-        self.state.set_scalar("dp_steps", steps)
-
-    def trainer(self, model: torch.nn.Module) -> dp.DPLocalTrainer:
-        """A DP-SGD trainer around ``model`` (theta already loaded), with the accountant history of the run."""
-        sigma = self.state.scalar("dp_sigma")
-        if sigma is None:
-            raise RuntimeError(f"table {self.settings.table!r}: a DP step before the DP plan arrived")
-        history = self.state.get("dp_history")
-        return dp.DPLocalTrainer(
-            model,
-            noise_multiplier=float(sigma),
-            max_grad_norm=float(self.privacy()["clip"]),
-            sample_rate=float(self.state.scalar("dp_q")),
-            history=[] if history is None else history.tolist(),
-        )  # no seed: the noise generator is seeded from the OS entropy
-
-    def dp_done(self, trainer: dp.DPLocalTrainer, metrics: dict[str, Any]) -> None:
-        """Store the accountant history, report the epsilon spent, remove the Opacus hooks from the model."""
-        planned = int(self.state.scalar("dp_steps"))
-        if trainer.steps > planned:  # nothing of this step leaves the client
-            raise RuntimeError(
-                f"table {self.settings.table!r} shard {self.settings.shard}: {trainer.steps} DP steps exceed the "
-                f"{planned} the noise was calibrated for (privacy budget exhausted)"
-            )
-        self.state.put("dp_history", np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3))
-        metrics["eps"] = trainer.epsilon(float(self.privacy()["delta"]))
-        trainer.close()
-
-    def sample_generator(self) -> torch.Generator:
-        """Row sampling of a DP theta-update: fresh per call, seeded from the OS entropy."""
-        return torch.Generator().manual_seed(secrets.randbits(63))
-
-    def table_rows(self, rows: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Feature DP: the privacy unit is one TABLE row. Given the client's rows ``rows`` and their Y, the
-        distinct table rows and Y summed over each one's rows. TP-Join: the rows are table rows already;
-        VFL: they are joined rows, summed over the duplicates with the expand map p_i (Eq. 10 on the client)."""
-        expand = self.state.get("expand")
-        if expand is None:
-            return rows, np.asarray(Y)
-        U, inv = np.unique(expand[rows], return_inverse=True)
-        return U, segment_sum(inv.reshape(-1), np.asarray(Y, dtype=np.float64), len(U))
-
-    def admm_rows(self, G: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Feature DP, Eq. 16 over TABLE rows: (X, G, Y) of the table. VFL-ADMM (G = 1 per joined row) sums
-        G and Y over each table row's joined rows, which gives exactly TP-Join-ADMM's per-row term."""
-        expand = self.state.get("expand")
-        X = self.local.X
-        if expand is None:
-            return X, G, np.asarray(Y)
-        n = len(X)
-        G_t = segment_sum(expand, np.asarray(G, dtype=np.float64), n)
-        return X, G_t, segment_sum(expand, np.asarray(Y, dtype=np.float64), n)
 
 def key_kinds_of(spec: RelationalSpec, table: str, frame) -> dict[str, str]:
     """The comparison kind of each join-key column (sent so the server can check joined columns agree)."""

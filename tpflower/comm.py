@@ -23,30 +23,55 @@ class Link:
         return self.latency_s + nbytes / self.bandwidth_bytes_s
 
 
+#: The link to a table without a region when conf/network gives no ``default_link``.
+DEFAULT_LINK = {"latency_ms": 63.0, "bandwidth_mb_s": 60.0}
+
+
+def _link(raw: Mapping[str, Any]) -> Link:
+    return Link(float(raw["latency_ms"]) / 1e3, float(raw["bandwidth_mb_s"]) * 1e6)
+
+
 @dataclass
 class WanModel:
-    """Links from the server's region to each client's region."""
+    """Links from the server's region to each client's region (``note``: how they were chosen, for the summary
+    line)."""
 
     links: dict[Hashable, Link]
+    note: str = ""
 
     @classmethod
-    def from_config(cls, network_cfg: Mapping[str, Any], client_regions: Mapping[Hashable, str]) -> "WanModel":
+    def from_config(cls, network_cfg: Mapping[str, Any], client_regions: Mapping[Hashable, str | None]) -> "WanModel":
+        """A client whose region is None or "" gets ``network_cfg.default_link`` (else :data:`DEFAULT_LINK`)."""
         server = network_cfg["server_region"]
         table = network_cfg["links"][server]
-        links = {}
+        default = network_cfg.get("default_link") or DEFAULT_LINK
+        links, defaulted = {}, []
         for client, region in client_regions.items():
+            if not region:
+                links[client] = _link(default)
+                defaulted.append(client)
+                continue
             if region not in table:
                 raise ValueError(
                     f"client {client}: region {region!r} has no link from the server region {server!r} in "
                     f"conf/network; known regions: {sorted(table)}"
                 )
-            link = table[region]
-            links[client] = Link(float(link["latency_ms"]) / 1e3, float(link["bandwidth_mb_s"]) * 1e6)
-        return cls(links)
+            links[client] = _link(table[region])
+        return cls(links, describe_links(server, default, len(defaulted), len(links)))
 
     def round_time(self, down: Mapping[Hashable, int], up: Mapping[Hashable, int]) -> float:
         clients = set(down) | set(up)
         return max((self.links[c].time(down.get(c, 0) + up.get(c, 0)) for c in clients), default=0.0)
+
+
+def describe_links(server: str, default: Mapping[str, Any], n_default: int, n_clients: int) -> str:
+    """How comm time is modelled, for the summary line."""
+    link = f"{float(default['latency_ms']):g} ms, {float(default['bandwidth_mb_s']):g} MB/s"
+    if n_default == n_clients:
+        return f"comm time modelled on one default link ({link}; no table sets a region)"
+    if n_default:
+        return f"comm time modelled on links from {server} (conf/network); {n_default} client(s) without a region on the default link ({link})"
+    return f"comm time modelled on links from {server} to each table's region (conf/network)"
 
 
 @dataclass

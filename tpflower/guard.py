@@ -15,8 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tpflower.owner import uses_label_dp
+
 if TYPE_CHECKING:
-    from tpflower.client import PhaseHandler, TableClient
+    from tpflower.client import TableClient
+    from tpflower.state import PhaseHandler
 
 #: Which clients answer a phase: a predicate on the client (its settings, data and stored privacy).
 Role = Callable[["TableClient"], bool]
@@ -41,8 +44,6 @@ def unsharded(client: "TableClient") -> bool:
 
 def label_dp_owner(client: "TableClient") -> bool:
     """The label owner under label DP (it alone scores the test predictions; the server has no test labels)."""
-    from tpflower.privacy import uses_label_dp
-
     return client.data.y is not None and uses_label_dp(client.privacy())
 
 

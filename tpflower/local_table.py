@@ -66,7 +66,7 @@ def prepare_local_table(
     """
     t = spec.table(name)
     row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
-    local = frame.iloc[row_ids]
+    local = frame if rows is None else frame.iloc[row_ids]  # the whole table: no copy
     is_label = name == spec.label_table
     is_test = holdout_mask(spec, len(frame))[row_ids] if is_label else None
     pre = preprocessor or TablePreprocessor(t.numeric, t.categorical, table=name).fit(
@@ -102,8 +102,9 @@ class ShardData:
 
     def __init__(self, spec: RelationalSpec, name: str, frame: pd.DataFrame, rows: np.ndarray | None = None, precision: str = "float64"):
         self.spec, self.name, self.frame = spec, name, frame
+        self.whole = rows is None  # the whole table (join scenario): its rows are the frame itself, no copy
         self.row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
-        self.rows = self.frame.iloc[self.row_ids].reset_index(drop=True)
+        self.rows = self.frame if self.whole else self.frame.iloc[self.row_ids].reset_index(drop=True)
         self.keys = self.rows[list(spec.key_columns(name))]
         self.is_label = name == spec.label_table
         self.y, self.n_classes = encode_labels(spec, self.rows[spec.label.column]) if self.is_label else (None, None)
@@ -121,7 +122,7 @@ class ShardData:
         bin edges, built once per rule id); "local": the table's own fit."""
         if rule_id not in self._tables:
             pre, edges = rule() if rule else (None, None)
-            local = prepare_local_table(self.spec, self.name, self.frame, self.row_ids, pre, edges)
+            local = prepare_local_table(self.spec, self.name, self.frame, None if self.whole else self.row_ids, pre, edges)
             local.X = local.X.astype(self.dtype, copy=False)  # the run's precision: no conversion per message
             self._tables[rule_id] = local
         return self._tables[rule_id]

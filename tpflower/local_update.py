@@ -78,6 +78,15 @@ def flat_to_theta(v: np.ndarray, d: int, d_c: int, bias: bool) -> np.ndarray:
     return np.vstack([W, v[d_c * d :].reshape(1, d_c)]) if bias else W
 
 
+def theta_penalty(model: torch.nn.Module, beta: float, prox: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    """The theta-update's penalty: beta R(theta) (Eq. 16), or rho'/2 ||theta - v||^2 for a shard's consensus
+    step (Eq. 22) when ``prox = (v, rho')``."""
+    if prox is None:
+        return beta * l2_penalty(model)
+    theta = torch.nn.utils.parameters_to_vector(model.parameters())
+    return 0.5 * prox[1] * ((theta - prox[0]) ** 2).sum()
+
+
 def admm_update_local_opt(
     model: torch.nn.Module,
     X: torch.Tensor,
@@ -108,12 +117,41 @@ def admm_update_local_opt(
             rows = perm[s : s + batch_size]
             f = model(X[rows])
             data = (Y[rows] * f).sum() + 0.5 * rho * (G[rows, None] * f * f).sum()
-            if prox is None:
-                penalty = beta * l2_penalty(model)
-            else:
-                theta = torch.nn.utils.parameters_to_vector(model.parameters())
-                penalty = 0.5 * prox[1] * ((theta - prox[0]) ** 2).sum()
-            loss = penalty + data * (n_a / len(rows)) / N
+            loss = theta_penalty(model, beta, prox) + data * (n_a / len(rows)) / N
             opt.zero_grad()
             loss.backward()
             opt.step()
+
+
+def admm_update_lbfgs(
+    model: torch.nn.Module,
+    X: torch.Tensor,
+    G: torch.Tensor,
+    Y: torch.Tensor,
+    N: int,
+    rho: float,
+    beta: float,
+    max_iter: int,
+    prox: tuple[torch.Tensor, float] | None = None,
+) -> None:
+    """Eq. 16 for a non-linear f_i by full-batch L-BFGS (strong Wolfe line search), warm-started from theta_i.
+
+    Eq. 16 is a G-weighted least-squares fit of f_i to -Y_u / (rho G_u) plus beta R: smooth and, for the
+    small local models here, well solved by a quasi-Newton method in ``max_iter`` iterations over the
+    active rows (G > 0), deterministically. ``prox = (v, rho')``: one shard's consensus step (Eq. 22).
+    """
+    active = torch.nonzero(G > 0).flatten()
+    if len(active) == 0:
+        return
+    Xa, Ga, Ya = X[active], G[active, None], Y[active]
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
+                            line_search_fn="strong_wolfe", tolerance_grad=1e-10, tolerance_change=1e-14)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        f = model(Xa)
+        loss = ((Ya * f).sum() + 0.5 * rho * (Ga * f * f).sum()) / N + theta_penalty(model, beta, prox)
+        loss.backward()
+        return loss
+
+    opt.step(closure)

@@ -15,6 +15,7 @@ Labels may be given as ``(n,)`` or ``(n, 1)``. The numpy functions run on the se
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch.nn.functional as F
@@ -326,3 +327,41 @@ def _damped_newton(
             t[pending] *= 0.5
         z[active] = za
     raise AssertionError("unreachable")  # the loop returns or raises at step == max_iter
+
+
+# ---------------------------------------------------------------------------------------------- label scale
+@dataclass(frozen=True)
+class LabelScale:
+    """A regression label standardized on the training rows (config ``standardize_label``): training sees
+    ``(y - mean) / std``; predictions go back to the label's units as ``H std + mean`` before any metric.
+
+    Fitted by whoever holds the training labels (the server, on the labels the label owner sent: randomized
+    ones under label DP, so the scale is post-processing of the DP release). Identity for classification."""
+
+    mean: float = 0.0
+    std: float = 1.0
+
+    @classmethod
+    def fit(cls, task: str, y: np.ndarray, on: bool = True) -> "LabelScale":
+        """Mean and standard deviation of the training labels ``y`` (identity unless regression and ``on``)."""
+        if not on or task != "regression" or len(y) == 0:
+            return cls()
+        y = np.asarray(y, dtype=np.float64)
+        mean, std = float(y.mean()), float(y.std())
+        return cls(mean, std if np.isfinite(std) and std > 0 else 1.0)
+
+    def scaled(self, y: np.ndarray) -> np.ndarray:
+        """The labels training sees."""
+        if self.mean == 0.0 and self.std == 1.0:
+            return y
+        return (np.asarray(y, dtype=np.float64) - self.mean) / self.std
+
+    def to_label(self, H: np.ndarray) -> np.ndarray:
+        """Predictions in the label's own units."""
+        if self.mean == 0.0 and self.std == 1.0:
+            return H
+        return np.asarray(H, dtype=np.float64) * self.std + self.mean
+
+    def loss(self, value: float) -> float:
+        """A squared-error loss (or objective) of the scaled problem in the label's units (times std^2)."""
+        return float(value) * self.std**2

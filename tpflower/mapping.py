@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,12 +92,29 @@ def project_keys(spec: RelationalSpec, table: str, frame: pd.DataFrame, row_ids:
 
 # -------------------------------------------------------------------------------------------- mapping
 
+#: joined rows per chunk of the chunked server passes (segment sums, predictions, the mapping build): a few
+#: MB of temporaries per chunk, whatever N is
+CHUNK_ROWS = 1 << 18
+
+
+def index_dtype(n: int) -> np.dtype:
+    """The narrowest index dtype that holds row ids 0..n-1: int32 below 2^31 rows, else int64."""
+    return np.dtype(np.int32) if n < 2**31 else np.dtype(np.int64)
+
+
+def chunks(n: int, size: int | None = None) -> Iterator[slice]:
+    """Consecutive slices of [0, n), ``size`` (default CHUNK_ROWS) rows each (the last may be shorter)."""
+    size = int(size or CHUNK_ROWS)
+    for start in range(0, n, size):
+        yield slice(start, min(start + size, n))
+
 
 @dataclass
 class TableMapping:
     """p_i for every table over the N joined rows, and the row counts n_i.
 
-    p[t] is an int64 array of length N: joined row j takes row p[t][j] of table t.
+    p[t] is an integer array of length N (int32 while n_t < 2^31, see :func:`index_dtype`): joined row j takes
+    row p[t][j] of table t.
     """
 
     p: dict[str, np.ndarray]
@@ -116,12 +133,75 @@ class TableMapping:
         return np.bincount(self.p[table], minlength=self.n_rows[table])
 
     def subset(self, rows: np.ndarray) -> "TableMapping":
-        """The mapping restricted to the joined rows ``rows`` (indices or a boolean mask), in that order."""
+        """The mapping restricted to the joined rows ``rows`` (indices or a boolean mask), in that order (a copy)."""
         return TableMapping(p={t: p[rows] for t, p in self.p.items()}, n_rows=dict(self.n_rows))
+
+    def rows(self, start: int, stop: int) -> "TableMapping":
+        """The joined rows [start, stop) as views of this mapping's arrays (no copy; see :class:`RowRange`)."""
+        return RowRange(self, start, stop)
+
+    def partition(self, is_test: np.ndarray) -> tuple["TableMapping", "TableMapping"]:
+        """(train, test): the joined rows with ``is_test`` False, then those with True, each in their order.
+
+        Reorders this mapping IN PLACE (train rows first, then test rows; one table at a time, no copy of the
+        whole mapping) and returns views of it, so train and test cost no memory of their own. The result
+        equals ``(subset(~is_test), subset(is_test))``.
+        """
+        is_test = np.asarray(is_test, dtype=bool)
+        if is_test.shape != (self.N,):
+            raise ValueError(f"partition: is_test must have shape ({self.N},), got {is_test.shape}")
+        is_train = ~is_test
+        n_train = int(np.count_nonzero(is_train))
+        for t, p in self.p.items():
+            out = np.empty_like(p)
+            np.compress(is_train, p, out=out[:n_train])
+            np.compress(is_test, p, out=out[n_train:])
+            self.p[t] = out
+        return self.rows(0, n_train), self.rows(n_train, self.N)
 
     def segment_sum(self, table: str, values: np.ndarray) -> np.ndarray:
         """(S_i v)_u = sum_{j in G_i(u)} v_j over all rows u of the table (Eq. 10/14 with B = [N])."""
         return segment_sum(self.p[table], values, self.n_rows[table])
+
+
+class RowRange(TableMapping):
+    """The joined rows [start, stop) of a ``base`` mapping: its p arrays are views of the base's.
+
+    Pickles as (base, start, stop), so a checkpoint that holds the base and its ranges holds the base's arrays
+    once, and the ranges are views again after loading."""
+
+    def __init__(self, base: TableMapping, start: int, stop: int):
+        if not 0 <= start <= stop <= base.N:
+            raise ValueError(f"rows [{start}, {stop}) outside the mapping's [0, {base.N})")
+        super().__init__({t: p[start:stop] for t, p in base.p.items()}, dict(base.n_rows))
+        self.base, self.start, self.stop = base, int(start), int(stop)
+
+    def __reduce__(self) -> tuple:
+        return (RowRange, (self.base, self.start, self.stop))
+
+
+class SegmentSums:
+    """Chunked segment sums into the rows of one table: ``add`` the values of some joined rows (any order),
+    then ``result``. Accumulates in float64; a chunk costs O(chunk + range of its indices)."""
+
+    def __init__(self, size: int, width: int | None = None):
+        self.size = int(size)
+        self.out = np.zeros(self.size if width is None else (self.size, width), dtype=np.float64)
+
+    def add(self, index: np.ndarray, values: np.ndarray) -> None:
+        """out[u] += sum of values[j] over j with index[j] == u."""
+        if len(index) == 0:
+            return
+        lo, hi = int(index.min()), int(index.max()) + 1
+        local = index - lo if lo else index
+        if values.ndim == 1:
+            self.out[lo:hi] += np.bincount(local, weights=values, minlength=hi - lo)
+        else:
+            for k in range(values.shape[1]):  # over the d_c output columns, never over rows
+                self.out[lo:hi, k] += np.bincount(local, weights=values[:, k], minlength=hi - lo)
+
+    def result(self, dtype: np.dtype | type | None = None) -> np.ndarray:
+        return self.out if dtype is None else self.out.astype(dtype, copy=False)
 
 
 def segment_sum(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
@@ -130,12 +210,9 @@ def segment_sum(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
     The result keeps the dtype of ``values`` (bincount accumulates in float64).
     """
     values = np.asarray(values)
-    if values.ndim == 1:
-        return np.bincount(index, weights=values, minlength=size).astype(values.dtype, copy=False)
-    out = np.empty((size, values.shape[1]), dtype=values.dtype)
-    for k in range(values.shape[1]):  # over the d_c output columns, never over rows
-        out[:, k] = np.bincount(index, weights=values[:, k], minlength=size)
-    return out
+    sums = SegmentSums(size, None if values.ndim == 1 else values.shape[1])
+    sums.add(index, values)
+    return sums.result(values.dtype)
 
 
 def batch_segments(p_batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +222,12 @@ def batch_segments(p_batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _union_shards(table: str, projections: Sequence[KeyProjection], n_rows: int) -> dict[int, np.ndarray]:
-    """Per join k: digests indexed by global row id, from all shards of one table."""
+    """Per join k: digests indexed by global row id, from all shards of one table (a table sent whole by one
+    client, rows in order, is used as sent: no copy)."""
+    if len(projections) == 1 and len(projections[0].row_ids) == n_rows:
+        ids = projections[0].row_ids
+        if n_rows == 0 or (ids[0] == 0 and ids[-1] == n_rows - 1 and bool(np.all(np.diff(ids) == 1))):
+            return dict(projections[0].digests)
     out: dict[int, np.ndarray] = {}
     covered = np.zeros(n_rows, dtype=bool)
     for proj in projections:
@@ -162,30 +244,115 @@ def _union_shards(table: str, projections: Sequence[KeyProjection], n_rows: int)
     return out
 
 
-def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyProjection]]) -> TableMapping:
+def _digest_codes(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Integer codes of 128-bit digests, equal codes for equal digests on either side: (codes of ``left``
+    rows, codes of ``right`` rows, number of codes). Exact: the first 64-bit word is factorized; if any value
+    of it comes with two second words (two keys agreeing on 64 bits: practically never for HMAC digests), both
+    words are factorized and then the pair."""
+    n_left = len(left)
+    both = np.concatenate([left, right])
+    codes, uniq = pd.factorize(both[:, 0])
+    second = np.empty(len(uniq), dtype=np.uint64)
+    second[codes] = both[:, 1]
+    if not np.array_equal(second[codes], both[:, 1]):
+        c1, u1 = pd.factorize(both[:, 1])
+        if len(uniq) > (2**62) // max(len(u1), 1):
+            raise SpecError(f"table mapping: too many distinct keys ({len(uniq)} x {len(u1)}) to pair")
+        codes, uniq = pd.factorize(codes.astype(np.int64) * len(u1) + c1)
+    del both
+    codes = codes.astype(index_dtype(len(uniq)), copy=False)
+    return codes[:n_left], codes[n_left:], len(uniq)
+
+
+class _EdgeIndex:
+    """One join edge, on the table level: for each row u of the known table, its partners in the new table,
+    ``order[start[u] : start[u] + count[u]]`` (the new table's rows in their own order). Only ``alive`` new rows
+    (rows that complete their own subtree of the join) are partners."""
+
+    def __init__(self, code_known: np.ndarray, code_new: np.ndarray, n_codes: int, alive: np.ndarray):
+        live = np.flatnonzero(alive)
+        live_codes = code_new[live]
+        per_code = np.bincount(live_codes, minlength=n_codes)
+        first = np.zeros(n_codes, dtype=np.int64)
+        np.cumsum(per_code[:-1], out=first[1:])
+        width = index_dtype(len(code_new) + 1)
+        self.count = per_code[code_known].astype(width)
+        self.start = first[code_known].astype(width)
+        self.order = live[np.argsort(live_codes, kind="stable")].astype(index_dtype(len(code_new)))
+
+    def expand(self, joined: dict[str, np.ndarray], known: str, new: str) -> dict[str, np.ndarray]:
+        """The joined rows after this join: each joined row followed by its partners in ``new``, in order."""
+        rows = joined[known]
+        count = self.count[rows].astype(np.int64)
+        m = int(count.sum())
+        out = {t: np.repeat(p, count) for t, p in joined.items()}
+        # the k-th partner of a joined row is order[start + k]: start repeated, plus the rank within the repeat
+        pos = np.repeat(self.start[rows].astype(np.int64) - (np.cumsum(count) - count), count)
+        pos += np.arange(m, dtype=np.int64)
+        out[new] = self.order[pos]
+        return out
+
+
+def _completions(edges: Sequence[tuple[str, str, np.ndarray, np.ndarray, int]], n_rows: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """Per table row: how many joined rows its subtree of ``edges`` yields (children first; 0: it drops out).
+    Counts are exact integers (bincount sums them in float64, exact below 2^53)."""
+    count = {t: np.ones(n, dtype=np.int64) for t, n in n_rows.items()}
+    for known, new, code_known, code_new, n_codes in reversed(edges):
+        per_code = np.bincount(code_new, weights=count[new], minlength=n_codes)
+        count[known] *= per_code[code_known].astype(np.int64)
+    return count
+
+
+def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyProjection]],
+                  chunk: int | None = None) -> TableMapping:
     """The server side of table mapping: join the key projections along the spec's join tree.
 
     Inner-join semantics (a row with no partner drops out); one-to-one, many-to-one and many-to-many
-    edges; composite keys. Memory O(N * M) integers. Raises SpecError naming the join that matched nothing.
+    edges; composite keys. Everything before the joined rows is on the table level: each edge's digests
+    become integer codes, each table row learns how many joined rows its subtree yields (so N is known and
+    rows that drop out are never expanded), and each edge groups the new table's rows by code. The label
+    table's rows are then expanded through every edge in ranges of about ``chunk`` (CHUNK_ROWS) joined rows,
+    straight into the result arrays, allocated once: peak memory is the result (N x M indices of
+    :func:`index_dtype`) plus O(sum n_i + chunk); no join of digest columns, no intermediate join. Joined rows
+    come in the order of the label table's rows, each followed by its partners in table order, edge after
+    edge (pandas' inner merge order). Raises SpecError naming the first join (in join order) after which the
+    join is empty.
     """
     n_rows = {t: int(sum(len(p.row_ids) for p in projections[t])) for t in spec.table_names}
     digests = {t: _union_shards(t, projections[t], n_rows[t]) for t in spec.table_names}
     join_index = {j: k for k, j in enumerate(spec.joins)}
     root = spec.label_table
-    joined = pd.DataFrame({root: np.arange(n_rows[root], dtype=np.int64)})
-    for edge, known, new in spec.join_order():
+    order = list(spec.join_order())
+    edges = []
+    for edge, known, new in order:
         k = join_index[edge]
-        left_keys = digests[known][k][joined[known].to_numpy()]
-        left = joined.assign(_h0=left_keys[:, 0], _h1=left_keys[:, 1])
-        right_keys = digests[new][k]
-        right = pd.DataFrame({new: np.arange(n_rows[new], dtype=np.int64), "_h0": right_keys[:, 0], "_h1": right_keys[:, 1]})
-        joined = left.merge(right, on=["_h0", "_h1"], how="inner", sort=False).drop(columns=["_h0", "_h1"])
-        if joined.empty:
-            raise SpecError(f"join {edge} matched no rows: the join comes out empty (check the key values)")
-    return TableMapping(
-        p={t: joined[t].to_numpy(dtype=np.int64) for t in spec.table_names},
-        n_rows=n_rows,
-    )
+        edges.append((known, new, *_digest_codes(digests[known][k], digests[new][k])))
+    del digests
+    count = _completions(edges, n_rows)
+    N = int(count[root].sum())
+    if N == 0:
+        for k, (edge, _, _) in enumerate(order):  # the first join after which the join is empty
+            if int(_completions(edges[: k + 1], n_rows)[root].sum()) == 0:
+                raise SpecError(f"join {edge} matched no rows: the join comes out empty (check the key values)")
+    index = [_EdgeIndex(code_known, code_new, n_codes, count[new] > 0)
+             for known, new, code_known, code_new, n_codes in edges]
+    del edges
+    roots = np.flatnonzero(count[root] > 0)
+    ends = np.cumsum(count[root][roots])  # joined rows up to and including each live label row
+    del count
+    p = {t: np.empty(N, dtype=index_dtype(n_rows[t])) for t in spec.table_names}
+    size, at, a = int(chunk or CHUNK_ROWS), 0, 0
+    while a < len(roots):
+        b = max(a + 1, int(np.searchsorted(ends, at + size, side="right")))  # at least one label row
+        joined = {root: roots[a:b].astype(p[root].dtype)}
+        for (_, known, new), edge_index in zip(order, index):
+            joined = edge_index.expand(joined, known, new)
+        m = len(joined[root])
+        for t, rows in joined.items():
+            p[t][at : at + m] = rows
+        at, a = at + m, b
+    assert at == N
+    return TableMapping(p=p, n_rows=n_rows)
 
 
 def holdout_mask(spec: RelationalSpec, n_label_rows: int) -> np.ndarray:

@@ -14,6 +14,8 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
       label_epsilon: 5.66            # largest label epsilon accepted (classification: label_lambda, smallest)
     secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
     min_sketch_rows: 2048            # union preprocessing: fewest values a shard summarizes by order statistics
+    state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run (default: state/<file name>
+                                     # next to this file)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
@@ -29,6 +31,7 @@ import hmac
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,15 @@ PRIVACY_DIR = Path(__file__).resolve().parents[1] / "conf" / "privacy"
 #: floor bounds: (field, direction) -- "max": the run's value may not exceed the floor's; "min": not below
 _LABEL_BOUNDS = (("label_epsilon", "max"), ("label_lambda", "min"))
 _FEATURE_BOUNDS = (("epsilon", "max"), ("delta", "max"))
+
+
+def uses_label_dp(privacy: Mapping[str, Any]) -> bool:
+    """As tpflower.privacy's, without importing torch (the hello query checks the floor in a fresh process)."""
+    return str(privacy.get("name", "none")) in ("label", "label_dpsgd")
+
+
+def uses_feature_dp(privacy: Mapping[str, Any]) -> bool:
+    return str(privacy.get("name", "none")) in ("dpsgd", "label_dpsgd")
 
 
 class Refusal(SpecError):
@@ -84,6 +96,7 @@ class OwnerSettings:
     loader: str | None = None
     min_sketch_rows: int = DEFAULT_MIN_SKETCH_ROWS
     origin: str = "simulation"  # where the settings come from (shown in refusals)
+    state_dir: str | None = None  # node-local checkpoints of this node's state (None: none kept, no resume)
 
     def refuse(self, what: str) -> Refusal:
         return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {self.origin})")
@@ -118,8 +131,6 @@ class OwnerSettings:
 
     def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
         """The run's privacy must be at least the floor: label DP (label owner only) and feature DP."""
-        from tpflower.privacy import uses_feature_dp, uses_label_dp  # torch: not on a node's hello path
-
         floor, name = self.privacy, str(run.get("name", "none"))
         parts = [("label DP", uses_label_dp, _LABEL_BOUNDS)] if label_owner else []
         parts.append(("feature DP", uses_feature_dp, _FEATURE_BOUNDS))
@@ -149,12 +160,17 @@ def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     """A floor with every bound: missing ones from conf/privacy/<name>.yaml (the shipped defaults)."""
     raw = dict(raw or {"name": "none"})
     name = str(raw.get("name", "none"))
-    path = PRIVACY_DIR / f"{name}.yaml"
-    if not path.is_file():
+    if not (PRIVACY_DIR / f"{name}.yaml").is_file():
         known = sorted(p.stem for p in PRIVACY_DIR.glob("*.yaml"))
         raise SpecError(f"{where}: privacy.name must be one of {known}, got {name!r}")
-    defaults = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if not (isinstance(v, str) and "${" in v)}
-    return {**defaults, **raw}
+    return {**_privacy_defaults(name), **raw}
+
+
+@lru_cache(maxsize=None)
+def _privacy_defaults(name: str) -> dict[str, Any]:
+    """conf/privacy/<name>.yaml without its interpolations, read once per process."""
+    text = (PRIVACY_DIR / f"{name}.yaml").read_text()
+    return {k: v for k, v in (yaml.safe_load(text) or {}).items() if not (isinstance(v, str) and "${" in v)}
 
 
 def node_secret(secret_file: str | Path | None, table: str, where: str) -> bytes:
@@ -184,7 +200,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         raise SpecError(f"table {table!r}: cannot read client-config {where}: {exc.strerror}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: a client settings file is a mapping (source, columns, privacy, secret_file)")
-    unknown = set(raw) - {"table", "source", "loader", "columns", "privacy", "secret_file", "min_sketch_rows"}
+    unknown = set(raw) - {"table", "source", "loader", "columns", "privacy", "secret_file", "min_sketch_rows", "state_dir"}
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
     if raw.get("table", table) != table:
@@ -202,6 +218,8 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         loader=None if raw.get("loader") is None else str(raw["loader"]),
         min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
         origin=where,
+        # checkpoints for resuming a run: next to the settings file unless the owner says where
+        state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),
     )
 
 

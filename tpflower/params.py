@@ -49,6 +49,33 @@ def positive_int(what: str, value: Any) -> int:
     return int(out)
 
 
+def nonnegative_int(what: str, value: Any) -> int:
+    out = _number(what, value)
+    if out != int(out) or out < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    return int(out)
+
+
+def boolean(what: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false, got {value!r}")
+    return value
+
+
+def above_one(what: str, value: Any) -> float:
+    out = _number(what, value)
+    if out <= 1:
+        raise ValueError(f"{what} must be > 1, got {value!r}")
+    return out
+
+
+def degrees(what: str, value: Any) -> float:
+    out = _number(what, value)
+    if not 0 < out <= 180:
+        raise ValueError(f"{what} must be an angle in degrees in (0, 180], got {value!r}")
+    return out
+
+
 def one_of(*choices: str) -> Check:
     def check(what: str, value: Any) -> str:
         if str(value) not in choices:
@@ -102,6 +129,19 @@ class SGDParams(AlgorithmParams):
 
     lr: float = param(positive, 0.2)
     batch_size: int | str = param(or_word(positive_int, "full"), 1024)
+    eval_every: int | None = param(or_word(positive_int, None), None)  # rounds; None: once per epoch
+
+
+@dataclass(frozen=True)
+class CELUParams(SGDParams):
+    """TP-Join-SGD / VFL-SGD with CELU-VFL local updates (conf/algorithm/celu.yaml, vfl_celu.yaml).
+    FedBCD: W=1, xi=null; vanilla: R=0."""
+
+    lr: float = param(positive, 0.05)  # each batch is used up to R + 1 times: below TP-Join-SGD's 0.2
+    W: int = param(positive_int, 5)  # workset size (batches cached)
+    R: int = param(nonnegative_int, 5)  # uses per cached batch (local steps per round at most R)
+    xi: float | None = param(or_word(degrees, None), 60.0)  # staleness threshold in degrees; None: no weighting
+    similarity: str = param(one_of("output", "hidden"), "output")
 
 
 @dataclass(frozen=True)
@@ -109,13 +149,21 @@ class ADMMParams(AlgorithmParams):
     """TP-Join-ADMM, TP-UCQ-ADMM, VFL-ADMM (conf/algorithm/admm.yaml)."""
 
     rho: float | str = param(or_word(positive, "auto"), "auto")
+    adapt_rho: bool = param(boolean, True)  # residual balancing (Boyd Sec. 3.4.1), also of rho_inner
+    rho_mu: float = param(above_one, 10.0)  # rebalance once one residual exceeds mu times the other
+    rho_tau: float = param(above_one, 2.0)  # ... by this factor
+    rho_warmup: int = param(nonnegative_int, 3)  # iterations before the first change (the start's transient)
+    tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
     variant: str = param(one_of("sharing", "paper"), "sharing")
+    local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)
+    local_steps: int = param(positive_int, 20)  # lbfgs: iterations per theta-update
     local_epochs: int = param(positive_int, 1)
     local_lr: float = param(positive, 0.01)
     local_batch_size: int = param(positive_int, 256)
     inner_rounds: int = param(positive_int, 10)
     inner_tol: float = param(nonnegative, 1e-6)
     rho_inner: float | str | None = param(or_word(positive, "auto", None), "auto")
+    warm_dual: bool = param(boolean, True)  # keep the consensus duals u^q across epochs (false: reset, as Sec. 8)
 
 
 def run_settings(cfg: Mapping[str, Any]) -> None:

@@ -72,6 +72,7 @@ import torch
 from torch import Tensor, nn
 
 from tpflower.models import l2_penalty
+from tpflower.owner import uses_feature_dp, uses_label_dp  # noqa: F401  (part of this module's API)
 
 PRIVACY_NAMES: tuple[str, ...] = ("none", "label", "dpsgd", "label_dpsgd")
 TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
@@ -307,6 +308,11 @@ def admm_steps(epochs: int, local_epochs: int, n_active: int, batch_size: int) -
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of a model's parameters (the CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 class DPLocalTrainer:
     """DP-SGD for ONE client's local model f_i (Opacus), with its own RDP accountant.
 
@@ -352,7 +358,8 @@ class DPLocalTrainer:
         self.accountant = _opacus().RDPAccountant()
         self.accountant.history = _history(history)
         self.seed = None if seed is None else int(seed)
-        self._noise_generator = torch.Generator(device="cpu")
+        # Opacus draws the noise on the parameters' device, with this generator: it must live there too
+        self._noise_generator = torch.Generator(device=_device_of(model))
         if self.seed is None:
             self._noise_generator.manual_seed(secrets.randbits(63))
         else:
@@ -686,12 +693,6 @@ def make_trainer(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def uses_label_dp(privacy_cfg: Mapping[str, Any]) -> bool:
-    return str(privacy_cfg.get("name", "none")) in ("label", "label_dpsgd")
-
-
-def uses_feature_dp(privacy_cfg: Mapping[str, Any]) -> bool:
-    return str(privacy_cfg.get("name", "none")) in ("dpsgd", "label_dpsgd")
 
 
 def validate_privacy(privacy_cfg: Mapping[str, Any], algorithm: str, task: str, *, feature_dp: bool,

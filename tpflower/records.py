@@ -70,3 +70,20 @@ def unnumbered(arrays: Mapping[str, np.ndarray], prefix: str) -> list[np.ndarray
     """The inverse of :func:`numbered`, in index order."""
     found = {int(name.rsplit(".", 1)[1]): a for name, a in arrays.items() if name.rsplit(".", 1)[0] == prefix}
     return [found[k] for k in range(len(found))]
+
+
+def recorddict_bytes(records: RecordDict) -> bytes:
+    """A RecordDict as Flower's own wire format (its protobuf), e.g. for a checkpoint or a node's worker."""
+    from flwr.common.serde import recorddict_to_proto
+
+    return recorddict_to_proto(records).SerializeToString()
+
+
+def recorddict_of(data: bytes) -> RecordDict:
+    """The RecordDict that :func:`recorddict_bytes` wrote."""
+    from flwr.common.serde import recorddict_from_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
+
+    proto = ProtoRecordDict()
+    proto.ParseFromString(data)
+    return recorddict_from_proto(proto)

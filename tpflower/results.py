@@ -18,7 +18,7 @@ RESULTS_FILE = "results.json"
 class EpochRecord:
     """One epoch; rounds, bytes and times are cumulative since the start of training."""
 
-    epoch: int
+    epoch: int | float  # an int at an epoch's end; a fraction for evaluations inside an epoch (eval_every)
     test_metric: float
     train_loss: float
     rounds: int = 0
@@ -52,12 +52,15 @@ class RunResults:
     )
     config: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, float] = field(default_factory=dict)  # e.g. exact ridge / mean-predictor metrics
+    # ADMM: the epoch training stopped at and why ("tol": residuals below algorithm.tol; "epochs": the maximum)
+    stopped: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["history"] = [h.to_json() for h in self.history]
-        if not out["reference"]:
-            out.pop("reference")
+        for key in ("reference", "stopped"):
+            if not out[key]:
+                out.pop(key)
         return out
 
 
@@ -89,8 +92,16 @@ def write_results(results: RunResults, run_dir: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".results-", suffix=".json")
     with os.fdopen(fd, "w") as fh:
         json.dump(results.to_json(), fh, indent=2)
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600; readable like the run's other files
     os.replace(tmp, path)
     return path
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_results(path: str | Path) -> dict[str, Any]:
@@ -103,8 +114,9 @@ def read_results(path: str | Path) -> dict[str, Any]:
 def epoch_line(metric: str, rec: EpochRecord) -> str:
     """The one-line progress report of an epoch."""
     extra = "".join(f" {k}={v:.4g}" for k, v in rec.extra.items())
+    epoch = f"{rec.epoch:3d}" if isinstance(rec.epoch, int) else f"{rec.epoch:6.2f}"
     return (
-        f"epoch {rec.epoch:3d} | test {metric}={rec.test_metric:.4f}{extra} | train loss={rec.train_loss:.4f} | "
+        f"epoch {epoch} | test {metric}={rec.test_metric:.4f}{extra} | train loss={rec.train_loss:.4f} | "
         f"rounds={rec.rounds} | MB up/down={rec.bytes_up / 1e6:.2f}/{rec.bytes_down / 1e6:.2f} | "
-        f"comm={rec.comm_time_s:.1f}s | wall={rec.wall_time_s:.1f}s"
+        f"comm={rec.comm_time_s:.2f}s | wall={rec.wall_time_s:.1f}s"
     )

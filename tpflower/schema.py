@@ -56,8 +56,9 @@ class TableSpec:
     numeric: tuple[str, ...] = ()
     categorical: tuple[str, ...] = ()
     shards: ShardSpec | None = None
-    region: str = "us-east"
+    region: str | None = None  # None: the network config's default link (conf/network default_link)
     binned: tuple[tuple[str, int], ...] = ()  # numeric columns that also get one-hot quantile bins (column, bins)
+    unique: bool = False  # its key (the columns its parent joins it on) names one row at most: a duplicate is an error
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -151,6 +152,14 @@ class RelationalSpec:
                 cols += [c for c in j.columns_of(table) if c not in cols]
         return tuple(cols)
 
+    def unique_key(self, table: str) -> tuple[str, ...]:
+        """The columns a parent joins ``table`` on (joins with ``table`` on the right side): its key."""
+        cols: list[str] = []
+        for j in self.joins:
+            if j.right == table:
+                cols += [c for c in j.columns_of(table) if c not in cols]
+        return tuple(cols)
+
     def join_order(self) -> list[tuple[JoinSpec, str, str]]:
         """Edges of the join tree in breadth-first order from the label table: (edge, known, new)."""
         seen = {self.label_table}
@@ -204,7 +213,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     tables = []
     for tname, t in raw_tables.items():
         t = dict(t or {})
-        unknown = set(t) - {"source", "numeric", "categorical", "shards", "region", "binned"}
+        unknown = set(t) - {"source", "numeric", "categorical", "shards", "region", "binned", "unique"}
         if unknown:
             raise SpecError(f"table {tname!r}: unknown settings {sorted(unknown)}")
         shards = t.get("shards")
@@ -233,7 +242,8 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
                 numeric=tuple(t.get("numeric") or ()),
                 categorical=tuple(t.get("categorical") or ()),
                 shards=shard_spec,
-                region=str(t.get("region", "us-east")),
+                region=None if t.get("region") is None else str(t["region"]),
+                unique=bool(t.get("unique", False)),
             )
         )
     label = cfg.get("label") or {}
@@ -280,6 +290,10 @@ def validate_structure(spec: RelationalSpec) -> None:
                 raise SpecError(f"join {j}: unknown table {t!r}; tables: {list(names)}")
         if j.left == j.right:
             raise SpecError(f"join {j}: a table cannot join itself")
+    for t in spec.tables:
+        if t.unique and not spec.unique_key(t.name):
+            raise SpecError(f"table {t.name!r}: unique: true needs a join with {t.name!r} on its right side "
+                            "(its key is the columns its parent joins it on)")
     if not 0.0 <= spec.split.test_fraction < 1.0:
         raise SpecError(f"split.test_fraction must be in [0, 1), got {spec.split.test_fraction}")
     # A tree: connected with exactly len(tables) - 1 edges; find a cycle or a stray component by union-find.

@@ -7,6 +7,7 @@ the tables against the spec. ``shard_rows`` splits a table's row ids into its ho
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Mapping
 from functools import lru_cache
@@ -18,12 +19,13 @@ import pandas as pd
 
 from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
 from tpflower.datasets.files import read_table, resolve_path
-from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec, validate_table, validate_tables
+from tpflower.checks import DROP_POLICIES, DataProblems, Problem, dataset_problems, errors, table_problems
+from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec
 
 Loader = Callable[..., dict[str, pd.DataFrame]]
 Describer = Callable[..., dict[str, Any]]
 
-#: name -> loader(**kwargs) -> {table name: frame}
+#: name -> loader(**kwargs, tables=None) -> {table name: frame} (tables: only those; every bundled loader takes it)
 LOADERS: dict[str, Loader] = {
     "movielens": movielens.load,
     "movielens1m": movielens1m.load,
@@ -34,11 +36,13 @@ LOADERS: dict[str, Loader] = {
 DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
 SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
 
-__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "load_dataset", "load_spec", "load_table", "shard_rows", "to_dict"]
+__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "check_dataset", "load_dataset", "load_spec", "load_table",
+           "load_tables", "release_tables", "shard_rows", "to_dict"]
 
 
 def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
-    """Make ``load`` (and optionally ``describe``) available as ``loader: {name: NAME, ...}``."""
+    """Make ``load`` (and optionally ``describe``) available as ``loader: {name: NAME, ...}``. A ``load`` that
+    takes ``tables`` (a tuple of names) makes only those: each client then loads its own table alone."""
     LOADERS[name] = load
     if describe is not None:
         DESCRIBERS[name] = describe
@@ -85,25 +89,80 @@ def _frame(
     table: TableSpec, loader_name: str | None, kwargs: dict[str, Any], base_dir: str | Path | None,
     loaded: dict[str, pd.DataFrame] | None,
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame] | None]:
-    """One table's frame (RangeIndex) from its source file or the loader; returns the loader output for reuse."""
+    """One table's frame (RangeIndex) from its source file or the loader; ``loaded`` None: the loader makes
+    this table alone (a client's load), else ``loaded`` holds the loader's tables (all of them)."""
     if table.source is not None:
         return read_table(table.name, table.source, base_dir), loaded
     if loader_name is None:
         raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
-    if loaded is None:
-        loaded = _run_loader(loader_name, json.dumps(kwargs, sort_keys=True))
-    if table.name not in loaded:
+    frames = loaded if loaded is not None else load_tables(loader_name, kwargs, (table.name,))
+    if table.name not in frames:
         raise SpecError(
             f"table {table.name!r} has no source file and loader {loader_name!r} gives no such table; "
-            f"it gives {sorted(loaded)}"
+            f"it gives {sorted(frames)}"
         )
-    return loaded[table.name].reset_index(drop=True), loaded
+    return frames[table.name].reset_index(drop=True), loaded
+
+
+def load_tables(loader_name: str, kwargs: Mapping[str, Any], tables: tuple[str, ...]) -> dict[str, pd.DataFrame]:
+    """The loader's tables ``tables`` only, made without the others when the loader takes ``tables`` (every
+    bundled loader does); a loader that does not is run whole and cut. Not cached: the client caches its table."""
+    load = LOADERS[loader_name]
+    if "tables" in inspect.signature(load).parameters:
+        try:
+            return load(**kwargs, tables=tables)
+        except SpecError:
+            pass  # a table the loader does not give: reported by the caller, naming the loader's tables
+    frames = load(**kwargs)
+    return {t: frames[t] for t in tables if t in frames} or frames
 
 
 @lru_cache(maxsize=2)
 def _run_loader(name: str, kwargs_json: str) -> dict[str, pd.DataFrame]:
-    """A bundled loader's tables, once per process (each client of a simulation asks for its own table)."""
+    """A bundled loader's tables (all of them), once per process: the whole-dataset paths (centralized
+    baseline, checks) load every table."""
     return LOADERS[name](**json.loads(kwargs_json))
+
+
+def release_tables() -> None:
+    """Drop the whole-dataset tables this process keeps (the cache of :func:`check_dataset`'s loads)."""
+    _run_loader.cache_clear()
+
+
+def _frames(
+    spec: RelationalSpec, loader_name: str | None, kwargs: dict[str, Any], base_dir: str | Path | None
+) -> tuple[dict[str, pd.DataFrame], list[Problem]]:
+    """Every table that loads, and one problem per table that does not (file missing, empty, unreadable)."""
+    loaded: dict[str, pd.DataFrame] | None = None
+    frames: dict[str, pd.DataFrame] = {}
+    problems: list[Problem] = []
+    for table in spec.tables:
+        try:
+            if table.source is None and loader_name is not None and loaded is None:
+                loaded = _run_loader(loader_name, json.dumps(kwargs, sort_keys=True))  # every table, once
+            frames[table.name], loaded = _frame(table, loader_name, kwargs, base_dir, loaded)
+        except DataProblems as exc:
+            problems += exc.problems
+        except SpecError as exc:
+            problems.append(Problem(None, str(exc), "fix the table's source in the dataset config"))
+    return frames, problems
+
+
+def check_dataset(
+    cfg: Mapping[str, Any], base_dir: str | Path | None = None, on_dropped_rows: str | None = None,
+    joins: bool = True,
+) -> tuple[RelationalSpec, dict[str, pd.DataFrame], list[Problem]]:
+    """Load every table and check them all (tpflower.checks): the label-resolved spec, the frames that loaded
+    and every problem found (errors and warnings). ``on_dropped_rows`` (default: the config's
+    ``on_dropped_rows``, else warn) decides how rows the joins drop are reported; ``joins=False`` skips the
+    joins (an empty join is then the table mapping's error)."""
+    policy = on_dropped_rows or str(to_dict(cfg).get("on_dropped_rows") or "warn")
+    if policy not in DROP_POLICIES:
+        raise SpecError(f"dataset.on_dropped_rows must be one of {list(DROP_POLICIES)}, got {policy!r}")
+    spec, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
+    frames, read_errors = _frames(spec, loader_name, kwargs, base_dir)
+    spec, problems = dataset_problems(spec, frames, read_errors, policy, joins)
+    return spec, frames, problems
 
 
 def load_dataset(
@@ -113,14 +172,12 @@ def load_dataset(
 
     A table with ``source`` is read from that .csv/.parquet file (relative to ``base_dir``, default the cwd);
     otherwise it is the loader's table of the same name. A loader with a ``describe`` supplies the spec parts
-    (tables/label/joins/split) the config leaves out. Raises SpecError naming the table or column at fault.
+    (tables/label/joins/split) the config leaves out. Raises DataProblems (a SpecError) with every problem found,
+    each naming the table and column at fault (rows the joins drop are check_dataset's).
     """
-    spec, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
-    loaded: dict[str, pd.DataFrame] | None = None
-    frames: dict[str, pd.DataFrame] = {}
-    for table in spec.tables:
-        frames[table.name], loaded = _frame(table, loader_name, kwargs, base_dir, loaded)
-    spec = validate_tables(spec, frames)
+    spec, frames, problems = check_dataset(cfg, base_dir, joins=False)
+    if errors(problems):
+        raise DataProblems(errors(problems), spec.name)
     return spec, frames
 
 
@@ -135,14 +192,17 @@ def load_spec(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> Rel
 def load_table(
     cfg: Mapping[str, Any], name: str, base_dir: str | Path | None = None
 ) -> tuple[RelationalSpec, pd.DataFrame]:
-    """What one client loads: the spec and its own table only, checked with the checks it can run alone.
+    """What one client loads: the spec and its own table only, checked with the checks it can run alone
+    (tpflower.checks.table_problems; DataProblems with all of them).
 
     The label table must be named in the config (``label.table``): a client cannot see the other tables.
     """
     spec = load_spec(cfg, base_dir)
     _, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
     frame, _ = _frame(spec.table(name), loader_name, kwargs, base_dir, None)
-    validate_table(spec, name, frame)
+    problems = table_problems(spec, name, frame)
+    if problems:
+        raise DataProblems(problems, spec.name)
     return spec, frame
 
 

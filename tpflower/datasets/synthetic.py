@@ -108,6 +108,7 @@ def describe(
     n_classes: int = 3,
     seed: int = 0,
     shards: Mapping[str, int] | None = None,
+    label_scale: float = 1.0,  # generate() only: the tables' spec does not depend on it
 ) -> dict[str, Any]:
     """The spec parts (tables, label, joins) matching :func:`generate` called with the same arguments.
 
@@ -156,6 +157,30 @@ def _key_mean(keys: np.ndarray, scores: np.ndarray, n_keys: int) -> np.ndarray:
     return sums / np.maximum(counts, 1)[:, None]
 
 
+def _children(lay: Layout, t: int) -> list[int]:
+    """The dimensions whose parent is table ``t`` (ascending: the order of their foreign-key draws)."""
+    return [i for i, p in enumerate(lay.parents, start=1) if p == t]
+
+
+@dataclass
+class _Draws:
+    """What table t draws from its own random stream, in this order: its key values (a dimension), its
+    features, then a foreign key per child dimension (ascending)."""
+
+    own_keys: np.ndarray | None
+    features: np.ndarray
+    foreign: dict[int, np.ndarray]
+
+
+def _draw(lay: Layout, t: int, stream: np.random.Generator, rows: int, fanout: int) -> _Draws:
+    own = None
+    if t > 0:
+        own = stream.permutation(np.repeat(np.arange(lay.dim_rows[t - 1], dtype=np.int64), fanout))
+    features = stream.standard_normal((rows, lay.widths[t]))
+    foreign = {i: stream.integers(0, lay.dim_rows[i - 1], size=rows, dtype=np.int64) for i in _children(lay, t)}
+    return _Draws(own, features, foreign)
+
+
 def generate(
     schema: str = "star",
     n_fact: int = 1000,
@@ -170,10 +195,18 @@ def generate(
     n_classes: int = 3,
     seed: int = 0,
     shards: Mapping[str, int] | None = None,  # describe() only: the tables do not depend on it
+    label_scale: float = 1.0,
+    tables: Sequence[str] | None = None,
 ) -> dict[str, pd.DataFrame]:
     """Generate the tables (see the module docstring); deterministic in ``seed``, vectorized throughout.
 
-    Each table draws from its own random stream, so the dimensions do not change with ``n_fact``.
+    ``label_scale`` (regression): the label in other units, ``y = label_scale * (S + noise)`` (e.g. 10000: grams
+    instead of 10 kg), for checking that training does not depend on the label's units.
+
+    ``tables``: only these tables (default: all), each equal to its frame in the full output. Each table draws
+    from its own random stream (so the dimensions do not change with ``n_fact``, and a dimension is made without
+    drawing anything of the others). The label table also draws the other tables' features and keys to plant
+    its label (arrays of their size; their frames are never built).
     """
     lay = layout(schema, n_dims, widths, dim_rows, composite)
     if int(n_fact) < 1 or int(fanout) < 1:
@@ -184,40 +217,43 @@ def generate(
         raise SpecError(f"synthetic: task must be one of {TASKS}, got {task!r}")
     if task == "multiclass" and int(n_classes) < 2:
         raise SpecError(f"synthetic: multiclass needs n_classes >= 2, got {n_classes}")
+    wanted = list(lay.names) if tables is None else list(tables)
+    unknown = [t for t in wanted if t not in lay.names]
+    if unknown:
+        raise SpecError(f"synthetic: no table(s) {unknown}; the tables are {list(lay.names)}")
     d_c = int(n_classes) if task == "multiclass" else 1
     # one stream per table, then one for the teacher's weights and one for the label noise
-    streams = [np.random.default_rng(s) for s in np.random.SeedSequence(int(seed)).spawn(len(lay.names) + 2)]
-    weight_rng, noise_rng = streams[-2], streams[-1]
-
+    seeds = np.random.SeedSequence(int(seed)).spawn(len(lay.names) + 2)
     rows = [int(n_fact)] + [m * int(fanout) for m in lay.dim_rows]
-    own_keys: list[np.ndarray | None] = [None]  # the key value of each dimension row
-    for i in range(1, len(lay.names)):
-        own_keys.append(streams[i].permutation(np.repeat(np.arange(lay.dim_rows[i - 1], dtype=np.int64), int(fanout))))
-    features = [streams[t].standard_normal((rows[t], lay.widths[t])) for t in range(len(lay.names))]
-    foreign: list[dict[int, np.ndarray]] = [{} for _ in lay.names]  # foreign[parent][child] = key values
-    for i, p in enumerate(lay.parents, start=1):
-        foreign[p][i] = streams[p].integers(0, lay.dim_rows[i - 1], size=rows[p], dtype=np.int64)
+    need = range(len(lay.names)) if FACT in wanted else [lay.names.index(t) for t in wanted]
+    draws = {t: _draw(lay, t, np.random.default_rng(seeds[t]), rows[t], int(fanout)) for t in need}
 
-    effective = [_score(x, label, d_c, weight_rng) for x in features]
-    for i in range(len(lay.names) - 1, 0, -1):  # children have larger indices than their parents
-        p = lay.parents[i - 1]
-        effective[p] += _key_mean(own_keys[i], effective[i], lay.dim_rows[i - 1])[foreign[p][i]]
-    total = effective[0]
-    if task == "regression":
-        y = total[:, 0] + noise * noise_rng.standard_normal(rows[0])
-    elif task == "binary":
-        y = (total[:, 0] + noise * noise_rng.logistic(size=rows[0]) > 0).astype(np.int64)
-    else:
-        y = np.argmax(total + noise * noise_rng.gumbel(size=total.shape), axis=1).astype(np.int64)
+    y = None
+    if FACT in wanted:
+        weight_rng, noise_rng = np.random.default_rng(seeds[-2]), np.random.default_rng(seeds[-1])
+        effective = [_score(draws[t].features, label, d_c, weight_rng) for t in range(len(lay.names))]
+        for i in range(len(lay.names) - 1, 0, -1):  # children have larger indices than their parents
+            p = lay.parents[i - 1]
+            effective[p] += _key_mean(draws[i].own_keys, effective[i], lay.dim_rows[i - 1])[draws[p].foreign[i]]
+        total = effective[0]
+        del effective
+        if task == "regression":
+            y = float(label_scale) * (total[:, 0] + noise * noise_rng.standard_normal(rows[0]))
+        elif task == "binary":
+            y = (total[:, 0] + noise * noise_rng.logistic(size=rows[0]) > 0).astype(np.int64)
+        else:
+            y = np.argmax(total + noise * noise_rng.gumbel(size=total.shape), axis=1).astype(np.int64)
 
     frames: dict[str, pd.DataFrame] = {}
-    for t, name in enumerate(lay.names):
+    for name in wanted:
+        t = lay.names.index(name)
+        d = draws[t]
         cols: dict[str, np.ndarray] = {}
         if t > 0:
-            cols.update(_key_frame(lay, t, own_keys[t]))
-        for child, values in foreign[t].items():
+            cols.update(_key_frame(lay, t, d.own_keys))
+        for child, values in d.foreign.items():
             cols.update(_key_frame(lay, child, values))
-        cols.update({f"x{k}": features[t][:, k] for k in range(lay.widths[t])})
+        cols.update({f"x{k}": d.features[:, k] for k in range(lay.widths[t])})
         if t == 0:
             cols["y"] = y
         frames[name] = pd.DataFrame(cols)

@@ -1,7 +1,8 @@
 """TP-Join-ADMM and VFL-ADMM, client side (TablePuppet Eq. 14-16).
 
   admm_setup   {G}  -> {h, theta}  store G_i (Eq. 15, constant), N and rho; predict every row
-  admm_update  {Y}  -> {h}         theta_i = argmin Eq. 16 (closed form for linear models); predict every row
+  admm_update  {Y}  -> {h}         theta_i = argmin Eq. 16 (closed form for linear models); predict every row;
+                                   config ``rho``: the epoch's penalty (residual balancing changes it)
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpflower.client import Arrays, StateRecord, TableClient
+from tpflower.client import TableClient
+from tpflower.records import Arrays
+from tpflower.state import StateRecord
 from tpflower.guard import Phase, Stage
-from tpflower.local_update import admm_update_linear, admm_update_local_opt
+from tpflower.local_update import admm_update_lbfgs, admm_update_linear, admm_update_local_opt
 
 
 @dataclass
@@ -34,10 +37,18 @@ class ADMMState(StateRecord):
         return state
 
 
+def epoch_rho(config: Mapping[str, Any], state: ADMMState) -> float:
+    """The rho of this theta-update: the round's config (residual balancing, Boyd Sec. 3.4.1), else setup's."""
+    rho = float(config.get("rho", state.rho))
+    if not (np.isfinite(rho) and rho > 0):
+        raise ValueError(f"admm: rho must be a positive number, got {rho!r}")
+    return rho
+
+
 def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Store G_i, N and rho (the server resolves algorithm.rho=auto); predict every row."""
     ADMMState(np.asarray(arrays["G"], dtype=np.float64), int(config["N"]), float(config["rho"])).save(client.state)
-    client.dp_init(config)
+    client.dp.init(config)
     model = client.model(config)
     client.state.save_model(model)
     # theta: the consensus ADMM's starting point (union scenario)
@@ -49,21 +60,25 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     Y = arrays["Y"]
     model = client.model(config)
     s = ADMMState.of(client)
+    rho = epoch_rho(config, s)
     alg, beta = client.settings.algorithm, float(client.settings.model["beta"])
     privacy: dict[str, Any] = {}
-    if client.feature_dp():  # Eq. 16 as DP-SGD over the table's rows (also for linear models)
-        Xt, Gt, Yt = client.admm_rows(s.G, Y)
-        trainer = client.trainer(model)
+    if client.dp.on:  # Eq. 16 as DP-SGD over the table's rows (also for linear models)
+        Xt, Gt, Yt = client.dp.admm_rows(s.G, Y)
+        trainer = client.dp.trainer(model)
         trainer.admm_update(
-            client.tensor(Xt), client.tensor(Gt), client.tensor(Yt), s.N, s.rho, beta, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.sample_generator(),
+            client.tensor(Xt), client.tensor(Gt), client.tensor(Yt), s.N, rho, beta, alg.local_epochs,
+            alg.local_lr, alg.local_batch_size, client.dp.sample_generator(),
         )
-        client.dp_done(trainer, privacy)
+        client.dp.done(trainer, privacy)
     elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
-        admm_update_linear(model, client.rows_X(None), s.G, np.asarray(Y, dtype=np.float64), s.N, s.rho, beta)
+        admm_update_linear(model, client.rows_X(None), s.G, np.asarray(Y, dtype=np.float64), s.N, rho, beta)
+    elif alg.local_solver == "lbfgs":
+        admm_update_lbfgs(model, client.tensor(client.rows_X(None)), client.tensor(s.G), client.tensor(Y), s.N, rho,
+                          beta, alg.local_steps)
     else:
         admm_update_local_opt(
-            model, client.tensor(client.rows_X(None)), client.tensor(s.G), client.tensor(Y), s.N, s.rho, beta,
+            model, client.tensor(client.rows_X(None)), client.tensor(s.G), client.tensor(Y), s.N, rho, beta,
             alg.local_epochs, alg.local_lr, alg.local_batch_size, client.local_generator(config),
         )
     client.state.save_model(model)

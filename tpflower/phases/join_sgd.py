@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from tpflower.client import Arrays, StateRecord, TableClient
+from tpflower.client import TableClient
+from tpflower.records import Arrays
+from tpflower.state import StateRecord
 from tpflower.guard import Phase, Stage
 from tpflower.local_update import sgd_step as local_sgd_step
 
@@ -41,7 +43,7 @@ def predict_rows(client: TableClient, model, arrays: Arrays) -> Arrays:
 
 
 def predict(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    client.dp_init(config)
+    client.dp.init(config)
     model = client.model(config)
     client.state.save_model(model)
     return predict_rows(client, model, arrays), client.reg_metrics(model)
@@ -54,11 +56,11 @@ def sgd_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     pending = (SGDState.load(client.state) or SGDState()).check(client, Y, "sgd_step")
     lr, beta, batch = client.settings.algorithm.lr, float(client.settings.model["beta"]), int(config["batch_size"])
     privacy: dict[str, Any] = {}
-    if client.feature_dp():  # DP-SGD: per TABLE row clipped terms of Eq. 12, Gaussian noise
-        rows, Y_rows = client.table_rows(pending, Y)
-        trainer = client.trainer(model)
+    if client.dp.on:  # DP-SGD: per TABLE row clipped terms of Eq. 12, Gaussian noise
+        rows, Y_rows = client.dp.table_rows(pending, Y)
+        trainer = client.dp.trainer(model)
         trainer.sgd_step(client.tensor(client.local.X[rows]), client.tensor(Y_rows), batch, lr, beta)
-        client.dp_done(trainer, privacy)
+        client.dp.done(trainer, privacy)
     else:
         local_sgd_step(model, client.tensor(client.rows_X(pending)), client.tensor(Y), batch, lr, beta)
     client.state.save_model(model)

@@ -11,25 +11,27 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord
 
-from tpflower import privacy as dp
-from tpflower.client import Arrays, TableClient
-from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
-from tpflower.records import numbered, unnumbered
 from tpflower import fedprep
+from tpflower import privacy as dp
+from tpflower.client import TableClient
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
 from tpflower.losses import metrics as eval_metrics
 from tpflower.mapping import project_keys
+from tpflower.records import Arrays, numbered, unnumbered
 
 
 def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Row ids and keyed digests of the join keys (Sec. 3.1.1); the label owner adds its labels."""
     s, data = client.settings, client.data
     accept_privacy(client, config)
+    check_unique_key(client)
     proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
     out: Arrays = {"row_ids": proj.row_ids, **{f"digest.{k}": d for k, d in sorted(proj.digests.items())}}
     metrics: dict[str, Any] = {
@@ -52,6 +54,26 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
         out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
         metrics["n_classes"] = int(data.n_classes or 0)
     return out, metrics
+
+
+def check_unique_key(client: TableClient) -> None:
+    """A table declared ``unique`` has at most one row per key value (its owner's data, checked on the node).
+    The error names the table, column and count; an example value only where the data is the run's own
+    (simulation): a deployed node keeps its values and logs the example locally."""
+    s = client.settings
+    if not s.spec.table(s.table).unique:
+        return
+    cols = list(s.spec.unique_key(s.table))
+    dup = client.data.keys.duplicated(subset=cols, keep=False).to_numpy()
+    if not dup.any():
+        return
+    first = int(np.flatnonzero(dup)[0])
+    example = ", ".join(f"{c}={np.asarray(client.data.keys[c])[first].item()!r}" for c in cols)
+    where = f"table {s.table!r} declares its key {'+'.join(cols)} unique, but {int(dup.sum())} rows share a value"
+    if s.owner.origin == "simulation":
+        raise ValueError(f"{where}, e.g. {example} (row {first}): remove the duplicates or drop `unique: true`")
+    print(f"tpflower: {where}, e.g. {example} (row {first})", file=sys.stderr, flush=True)
+    raise ValueError(f"{where} (an example is in this node's log): the table's owner removes the duplicates")
 
 
 def accept_privacy(client: TableClient, config: Mapping[str, Any]) -> None:
@@ -114,16 +136,30 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
         raise ValueError(f"{where}: evaluate asks for rows outside this client's test split")
     first, ordered = client.state.get("evaluate_rows"), np.sort(rows)
     if first is None:
-        n_test = int(data.is_test.sum())
-        if len(np.unique(rows)) < EVAL_COVERAGE * n_test:
-            raise ProtocolRefusal(f"{where}: evaluate over {len(np.unique(rows))} of its {n_test} test rows; it "
-                                  f"scores at least {EVAL_COVERAGE:.0%} of its test split")
+        n_test, n_asked = int(data.is_test.sum()), len(np.unique(rows))
+        if n_asked < EVAL_COVERAGE * n_test:
+            raise ProtocolRefusal(f"{where}: evaluate over {n_asked} of its {n_test} test rows; it scores at "
+                                  f"least {EVAL_COVERAGE:.0%} of its test split")
         client.state.put("evaluate_rows", ordered)
     elif not np.array_equal(first, ordered):
         raise ProtocolRefusal(f"{where}: evaluate over other test rows than its first evaluation")
+    out = reference_score(arrays, rows, data.y, task, first is None, where)
     if len(rows) == 0:
         return {}, {"n": 0}
-    return {}, {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows])}
+    return {}, {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows]), **out}
+
+
+def reference_score(arrays: Arrays, rows: np.ndarray, y: np.ndarray, task: str, first: bool, where: str) -> dict[str, Any]:
+    """The constant predictor's metrics (``ref_*``) when the server sends one (``H_ref``): at the first
+    evaluation only, and only a constant one (every row the same prediction), so it learns one number more."""
+    if "H_ref" not in arrays:
+        return {}
+    H_ref = np.asarray(arrays["H_ref"])
+    if not first or len(H_ref) != len(rows) or (len(H_ref) and not np.all(H_ref == H_ref[:1])):
+        raise ProtocolRefusal(f"{where}: evaluate scores a reference only at its first evaluation, and only a constant one")
+    if len(rows) == 0:
+        return {}
+    return {f"ref_{k}": v for k, v in eval_metrics(task, H_ref, y[rows]).items()}
 
 
 #: The setup stages of every LoJ algorithm, in order; federated preprocessing (stats: a first summary and at

@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpflower.client import Arrays, StateRecord, TableClient
+from tpflower.client import TableClient
+from tpflower.records import Arrays
+from tpflower.state import StateRecord
 from tpflower.guard import Phase, sharded, unsharded
-from tpflower.local_update import admm_update_linear, admm_update_local_opt, apply_step, sgd_partial_gradient
-from tpflower.phases.join_admm import ADMMState, admm_update
+from tpflower.local_update import admm_update_lbfgs, admm_update_linear, admm_update_local_opt, apply_step, sgd_partial_gradient
+from tpflower.phases.join_admm import ADMMState, admm_update, epoch_rho
 from tpflower.phases.join_sgd import SGDState, predict_rows
 
 
@@ -35,11 +37,11 @@ def sgd_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     model = client.model(config)
     pending = (SGDState.load(client.state) or SGDState()).check(client, Y, "sgd_partial")
     X, beta, count = client.tensor(client.rows_X(pending)), float(client.settings.model["beta"]), float(config["count"])
-    if client.feature_dp():  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
-        trainer = client.trainer(model)
+    if client.dp.on:  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
+        trainer = client.dp.trainer(model)
         g = trainer.partial_gradient(X, client.tensor(Y), beta * count)
         privacy: dict[str, Any] = {}
-        client.dp_done(trainer, privacy)
+        client.dp.done(trainer, privacy)
         return {"g": g.detach().cpu().numpy()}, privacy
     g = sgd_partial_gradient(model, X, client.tensor(Y), count, beta)
     return {"g": g.detach().cpu().numpy()}, {}
@@ -60,27 +62,30 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     v = np.asarray(arrays["v"], dtype=np.float64)
     Y, s = (ShardY.load(client.state) or ShardY()).Y, ADMMState.of(client)
     model = client.model(config)
-    rho_c = float(config["rho_c"])
+    rho_c, rho = float(config["rho_c"]), epoch_rho(config, s)
     X = client.rows_X(None)
     alg = client.settings.algorithm
     privacy: dict[str, Any] = {}
-    if client.feature_dp():  # Eq. 22 as DP-SGD: the prox term replaces beta R, added unclipped after the noise
-        trainer = client.trainer(model)
+    if client.dp.on:  # Eq. 22 as DP-SGD: the prox term replaces beta R, added unclipped after the noise
+        trainer = client.dp.trainer(model)
         vt = client.tensor(v)
 
         def prox(m: torch.nn.Module) -> torch.Tensor:
             return 0.5 * rho_c * ((torch.nn.utils.parameters_to_vector(m.parameters()) - vt) ** 2).sum()
 
         trainer.admm_update(
-            client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, s.rho, 1.0, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.sample_generator(), regularizer=prox,
+            client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, rho, 1.0, alg.local_epochs,
+            alg.local_lr, alg.local_batch_size, client.dp.sample_generator(), regularizer=prox,
         )
-        client.dp_done(trainer, privacy)
+        client.dp.done(trainer, privacy)
     elif isinstance(model, torch.nn.Linear):
-        admm_update_linear(model, X, s.G, np.asarray(Y, dtype=np.float64), s.N, s.rho, 0.0, prox=(v, rho_c))
+        admm_update_linear(model, X, s.G, np.asarray(Y, dtype=np.float64), s.N, rho, 0.0, prox=(v, rho_c))
+    elif alg.local_solver == "lbfgs":
+        admm_update_lbfgs(model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, rho, 0.0,
+                          alg.local_steps, prox=(client.tensor(v), rho_c))
     else:
         admm_update_local_opt(
-            model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, s.rho, 0.0, alg.local_epochs,
+            model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, rho, 0.0, alg.local_epochs,
             alg.local_lr, alg.local_batch_size, client.local_generator(config), prox=(client.tensor(v), rho_c),
         )
     client.state.save_model(model)

@@ -1,0 +1,155 @@
+"""Replies checked at the door: every reply of a round against what the round asked for, before the strategy
+uses it. A bad reply stops the run with one line naming the table, shard and phase.
+
+- model outputs (:data:`MODEL_OUTPUTS`: predictions, parameters, gradients): finite, |x| <= :data:`MAX_ABS`
+  (a prediction of 1e30 is no prediction: it would end the run as ``objective=inf`` several steps later);
+  preprocessing summaries may hold NaN (a column without values) and are checked by their decoder;
+- predictions ``h``: one row per row the message asked for (its ``rows``; all the client's rows otherwise),
+  ``d_out`` columns; ``h_eval``: one row per ``eval_rows``;
+- the arrays a phase must return are there (:data:`REQUIRED`);
+- coreset phases: sensitivities ``sens`` and k-means ``labels`` one per row asked (or per client row),
+  ``total`` and ``cost`` one finite number, centres ``C`` finite;
+- ``keys``: row ids unique and non-negative, one digest (and label, test flag) per row id;
+- model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from strategies.protocol import ClientKey, Payload, Reply, RunError
+
+MAX_ABS = 1e12
+
+#: arrays a reply to each phase must hold (other phases: whatever they hold is checked as above)
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "keys": ("row_ids",),
+    "admm_setup": ("h", "theta"),
+    "admm_update": ("h",),
+    "admm_shard": ("theta",),
+    "admm_consensus": ("h",),
+    "predict": ("h",),
+    "sgd_step": ("h",),
+    "sgd_apply": ("h",),
+    "sgd_partial": ("g",),
+    # coresets and k-means (strategies/coreset.py, kmeans.py)
+    "sensitivity": ("total",),
+    "sample": ("rows",),
+    "weigh": ("sens",),
+    "coreset_admm_setup": ("h",),
+    "coreset_admm_update": ("h",),
+    "coreset_predict": ("h",),
+    "kmeans_local": ("labels", "C"),
+    "kmeans_assign": ("labels",),
+    "kmeans_cost": ("cost",),
+}
+#: per-row replies of the coreset phases: (array, the request's array naming its rows); none sent: every row
+ROW_REPLIES = (("sens", "rows"), ("labels", "rows"))
+#: one number: a sensitivity total (DIS round 1), a table's k-means cost share
+SCALAR_REPLIES = ("total", "cost")
+#: other numbers that must be finite (sensitivities, k-means centres, totals, costs)
+FINITE = ("sens", "C", "total", "cost")
+MODEL_SHAPED = ("theta", "g")
+MODEL_OUTPUTS = ("h", "h_eval", "theta", "g")
+
+
+class ReplyError(RunError):
+    """A reply that does not answer what its round asked for."""
+
+
+def _who(key: ClientKey, phase: str) -> str:
+    return f"table {key[0]!r} shard {key[1]}, phase {phase!r}"
+
+
+def check_numbers(key: ClientKey, phase: str, name: str, a: np.ndarray) -> None:
+    """Finite values, floats within +-MAX_ABS."""
+    if a.dtype.kind not in "fc" or a.size == 0:
+        return
+    bad = ~np.isfinite(a) | (np.abs(a) > MAX_ABS)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ReplyError(f"{_who(key, phase)}: reply array {name!r} holds {int(bad.sum())} non-finite or out-of-range "
+                         f"value(s) (|x| > {MAX_ABS:g}), the first {a[at].item()!r} at index {at}: the model "
+                         "diverged (lower the learning rate or raise rho) or the client is faulty")
+
+
+def _rows(key: ClientKey, phase: str, name: str, a: np.ndarray, want: int, what: str) -> None:
+    if a.ndim == 0 or a.shape[0] != want:
+        got = "a scalar" if a.ndim == 0 else f"{a.shape[0]} rows"
+        raise ReplyError(f"{_who(key, phase)}: reply array {name!r} has {got}; the round asked for {want} ({what})")
+
+
+def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None, d_out: int | None) -> None:
+    """Check one reply (module docstring); ``n_rows``: the client's rows (None before the mapping exists),
+    ``d_out``: the prediction width (None before it is set)."""
+    arrays, config = sent[0], sent[1]
+    out = reply[0]
+    phase = str(config.get("phase", "?"))
+    missing = [n for n in REQUIRED.get(phase, ()) if n not in out]
+    if missing:
+        raise ReplyError(f"{_who(key, phase)}: the reply lacks array(s) {', '.join(map(repr, missing))}")
+    for name in MODEL_OUTPUTS:
+        if name in out:
+            check_numbers(key, phase, name, np.asarray(out[name]))
+    for name, asked in (("h", "rows"), ("h_eval", "eval_rows")):
+        if name not in out:
+            continue
+        h = np.asarray(out[name])
+        if asked in arrays:
+            _rows(key, phase, name, h, len(arrays[asked]), f"the rows of its {asked!r}")
+        elif name == "h" and n_rows is not None:
+            _rows(key, phase, name, h, n_rows, "the client's rows")
+        if d_out is not None and (h.ndim != 2 or h.shape[1] != d_out):
+            raise ReplyError(f"{_who(key, phase)}: reply array {name!r} has shape {h.shape}; predictions have {d_out} column(s)")
+    for name in FINITE:
+        if name in out:
+            a = np.asarray(out[name])
+            if a.dtype.kind in "fc" and not np.isfinite(a).all():
+                raise ReplyError(f"{_who(key, phase)}: reply array {name!r} holds non-finite values")
+    for name, asked in ROW_REPLIES:
+        if name in out:
+            if asked in arrays:
+                _rows(key, phase, name, np.asarray(out[name]), len(arrays[asked]), f"the rows of its {asked!r}")
+            elif n_rows is not None:
+                _rows(key, phase, name, np.asarray(out[name]), n_rows, "the client's rows")
+    for name in SCALAR_REPLIES:
+        if name in out and np.asarray(out[name]).size != 1:
+            raise ReplyError(f"{_who(key, phase)}: reply array {name!r} holds {np.asarray(out[name]).size} values; "
+                             "the round asked for one number")
+    if phase == "keys":
+        check_keys(key, out)
+
+
+def check_keys(key: ClientKey, out: Mapping[str, np.ndarray]) -> None:
+    """The keys reply: row ids (unique, >= 0), one digest per row id for every join key; labels and test
+    flags per row (all rows, or the training rows when the labels are randomized)."""
+    ids = np.asarray(out["row_ids"])
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ReplyError(f"{_who(key, 'keys')}: row_ids must be a vector of integers, got {ids.dtype} {ids.shape}")
+    if ids.size and (ids.min() < 0 or np.unique(ids).size != ids.size):
+        raise ReplyError(f"{_who(key, 'keys')}: row_ids must be distinct and non-negative")
+    for name, a in out.items():
+        if name.startswith("digest.") or name == "is_test":
+            _rows(key, "keys", name, np.asarray(a), ids.size, "one per row id")
+    if "y" in out and "is_test" in out:
+        n_train = int(np.count_nonzero(np.asarray(out["is_test"]) == 0))
+        if len(out["y"]) not in (ids.size, n_train):
+            _rows(key, "keys", "y", np.asarray(out["y"]), ids.size, "one label per row id, or per training row")
+
+
+def check_round(sent: Mapping[ClientKey, Payload], replies: Mapping[ClientKey, Reply],
+                n_rows: Mapping[ClientKey, int], d_out: int | None) -> None:
+    """Check every reply of a round, then that model-shaped arrays agree between the shards of a table."""
+    shapes: dict[tuple[str, str], tuple[ClientKey, tuple[int, ...]]] = {}
+    for key, reply in replies.items():
+        check_reply(key, sent[key], reply, n_rows.get(key), d_out)
+        for name in MODEL_SHAPED:
+            if name in reply[0]:
+                shape = np.shape(reply[0][name])
+                first = shapes.setdefault((key[0], name), (key, shape))
+                if first[1] != shape:
+                    phase = str(sent[key][1].get("phase", "?"))
+                    raise ReplyError(f"{_who(key, phase)}: reply array {name!r} has shape {shape}; shard "
+                                     f"{first[0][1]} of the same table sent {first[1]}")

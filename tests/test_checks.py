@@ -1,0 +1,198 @@
+"""Bad data, one clear report (issue 10, item 3): every problem of every table, one line each, before Flower."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from simulations.client_app import node_data_error
+from tpflower.checks import DataProblems, errors
+from tpflower.datasets import check_dataset, load_dataset, load_table
+from tpflower.owner import Exposed, OwnerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shop(folder: Path, orders: pd.DataFrame | None = None, customers: pd.DataFrame | None = None,
+         **extra) -> dict:
+    """orders (label table: spend; key cust; numeric qty) joined many-to-one with customers (age)."""
+    rng = np.random.default_rng(0)
+    if orders is None:
+        orders = pd.DataFrame({"cust": rng.integers(0, 50, 400), "qty": rng.integers(1, 5, 400).astype(float),
+                               "spend": rng.normal(10, 2, 400)})
+    if customers is None:
+        customers = pd.DataFrame({"cust": np.arange(50), "age": rng.integers(18, 80, 50).astype(float)})
+    orders.to_csv(folder / "orders.csv", index=False)
+    customers.to_csv(folder / "customers.csv", index=False)
+    return {
+        "name": "shop",
+        "tables": {"orders": {"source": str(folder / "orders.csv"), "numeric": ["qty"]},
+                   "customers": {"source": str(folder / "customers.csv"), "numeric": ["age"]}},
+        "label": {"table": "orders", "column": "spend", "task": "regression"},
+        "joins": [{"left": "orders", "right": "customers", "on": "cust"}],
+        **extra,
+    }
+
+
+def good(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    shop(folder)
+    return pd.read_csv(folder / "orders.csv"), pd.read_csv(folder / "customers.csv")
+
+
+def lines(dataset: dict) -> list[str]:
+    with pytest.raises(DataProblems) as info:
+        load_dataset(dataset)
+    return [p.line() for p in info.value.problems]
+
+
+def test_a_sound_dataset_has_no_problem(tmp_path):
+    spec, frames, problems = check_dataset(shop(tmp_path))
+    assert problems == [] and spec.label_table == "orders" and len(frames["orders"]) == 400
+
+
+def test_nan_join_key(tmp_path):
+    orders, customers = good(tmp_path)
+    orders.loc[3, "cust"] = np.nan
+    path = tmp_path / "orders.csv"
+    assert lines(shop(tmp_path, orders, customers)) == [
+        f"table 'orders', key column 'cust': 1 missing (NaN) key value, first at row 3 (line 5 of {path}); "
+        "drop or fill those rows before training (a row without a key joins nothing)"]
+
+
+def test_missing_labels(tmp_path):
+    orders, customers = good(tmp_path)
+    orders.loc[[7, 9], "spend"] = np.nan
+    (line,) = lines(shop(tmp_path, orders, customers))
+    assert line.startswith("table 'orders', label column 'spend': 2 missing labels, first at row 7 (line 9 of ")
+    assert line.endswith("; drop the rows without a label or fill them")
+
+
+def test_unknown_column(tmp_path):
+    dataset = shop(tmp_path)
+    dataset["tables"]["customers"]["numeric"] = ["agee"]
+    assert lines(dataset) == ["table 'customers' has no column 'agee', its columns are ['cust', 'age']; "
+                              "fix the column name in the dataset config or in the file's header"]
+
+
+def test_non_numeric_value_shows_value_and_row(tmp_path):
+    orders, customers = good(tmp_path)
+    customers["age"] = customers["age"].astype(object)
+    customers.loc[[12, 30], "age"] = ["unknown", "?"]
+    (line,) = lines(shop(tmp_path, orders, customers))
+    assert line.startswith("table 'customers', numeric feature 'age': 2 non-numeric values, first at row 12 "
+                           f"(line 14 of {tmp_path / 'customers.csv'}): 'unknown'; make every value a number")
+
+
+def test_empty_and_unreadable_files_name_table_and_file(tmp_path):
+    dataset = shop(tmp_path)
+    (tmp_path / "customers.csv").write_text("")
+    (tmp_path / "orders.csv").write_bytes(b"cust,qty,spend\n1,2,\xff\xfe\n")
+    found = lines(dataset)
+    assert len(found) == 2
+    assert found[0].startswith(f"table 'orders' cannot be read from '{tmp_path / 'orders.csv'}': not UTF-8 text")
+    assert found[1] == (f"table 'customers' cannot be read from '{tmp_path / 'customers.csv'}': the file is empty "
+                        "(not even a header row); write the table into it: a header row with the column names, "
+                        "then one line per row")
+    assert "EmptyDataError" not in " ".join(found)
+
+
+def test_a_feature_bearing_the_labels_name_in_another_table(tmp_path):
+    orders, customers = good(tmp_path)
+    customers["spend"] = 1.0
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["numeric"] = ["age", "spend"]
+    assert lines(dataset) == [
+        "table 'customers', feature 'spend': a feature bears the label's name 'spend' (the label is table "
+        "'orders''s); rename the column or drop it from this table's features"]
+    # the check a client runs alone (federated runs, deployment) finds it too
+    with pytest.raises(DataProblems, match="feature 'spend': a feature bears the label's name"):
+        load_table(dataset, "customers")
+
+
+def test_a_join_dropping_labelled_rows_warns_or_fails(tmp_path):
+    orders, customers = good(tmp_path)
+    customers = customers[customers["cust"] != 7]  # every order of customer 7 loses its partner
+    lost = int((orders["cust"] == 7).sum())
+    dataset = shop(tmp_path, orders, customers)
+    _, _, problems = check_dataset(dataset)
+    (warning,) = problems
+    assert warning.severity == "warning" and not errors(problems)
+    assert warning.line() == (
+        f"join orders.cust = customers.cust drops {lost:,} of the 400 rows of label table 'orders' "
+        f"({lost / 400:.1%}): they have no partner row in table 'customers'; add the missing rows to that table, "
+        "or set dataset.on_dropped_rows=ignore to train on the rest (=error to refuse)")
+    assert errors(check_dataset({**dataset, "on_dropped_rows": "error"})[2])
+    assert check_dataset({**dataset, "on_dropped_rows": "ignore"})[2] == []
+    with pytest.raises(ValueError, match="on_dropped_rows must be one of"):
+        check_dataset({**dataset, "on_dropped_rows": "sometimes"})
+
+
+def test_all_problems_of_a_table_arrive_in_one_run(tmp_path):
+    orders, customers = good(tmp_path)
+    orders["qty"] = orders["qty"].astype(object)
+    orders.loc[5, "qty"] = "two"
+    orders.loc[6, "cust"] = np.nan
+    orders.loc[8, "spend"] = np.nan
+    customers["age"] = customers["age"].astype(object)
+    customers.loc[1, "age"] = "old"
+    found = lines(shop(tmp_path, orders, customers))
+    assert [line.split(":")[0] for line in found] == [
+        "table 'orders', numeric feature 'qty'", "table 'orders', key column 'cust'",
+        "table 'orders', label column 'spend'", "table 'customers', numeric feature 'age'"]
+
+
+def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):
+    orders, customers = good(tmp_path)
+    customers["age"] = customers["age"].astype(object)
+    customers.loc[4, "age"] = "secret-value-42"
+    dataset = shop(tmp_path, orders, customers)
+    with pytest.raises(DataProblems) as info:
+        load_table(dataset, "customers")
+    owner = OwnerSettings("customers", Exposed(("cust",), ("age",)), {"name": "none"}, b"k", origin="/owner/c.yaml")
+    sent = str(node_data_error(info.value, owner))
+    assert "\n" not in sent and "secret-value-42" not in sent and "row 4" not in sent
+    assert sent == ("1 problem in the data: table 'customers', numeric feature 'age': 1 non-numeric value; make "
+                    "every value a number (leave it empty if unknown: missing values are imputed with the median), "
+                    "or declare the column categorical")
+    assert "secret-value-42" in caplog.text  # the node's own log keeps the example
+    simulated = str(node_data_error(info.value, OwnerSettings("customers", Exposed(), {}, b"k")))
+    assert "'secret-value-42'" in simulated and "\n" not in simulated
+    # nor the names of columns the node does not expose
+    customers["ssn"] = "x"
+    dataset = shop(tmp_path, orders, customers.assign(age=1.0))
+    dataset["tables"]["customers"]["numeric"] = ["agee"]
+    with pytest.raises(DataProblems) as info:
+        load_table(dataset, "customers")
+    sent = str(node_data_error(info.value, owner))
+    assert "'agee'" in sent and "ssn" not in sent
+
+
+def test_cli_reports_all_problems_without_traceback(tmp_path):
+    orders, customers = good(tmp_path)
+    orders.loc[2, "cust"] = np.nan
+    customers["age"] = customers["age"].astype(object)
+    customers.loc[3, "age"] = "unknown"
+    dataset = shop(tmp_path, orders, customers)
+    (tmp_path / "conf" / "dataset").mkdir(parents=True)
+    (tmp_path / "conf" / "dataset" / "shop.yaml").write_text(yaml.safe_dump(dataset))
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "TPFLOWER_TRACEBACK"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "simulations.run", "--config-dir", str(tmp_path / "conf"), "dataset=shop",
+         "algorithm=admm", "runtime=inprocess", "epochs=1", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    console = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in console
+    assert out.stderr.splitlines()[0] == "error: dataset 'shop': 2 problems in the data; fix them and run again:"
+    assert "key column 'cust': 1 missing (NaN) key value" in out.stderr
+    assert "numeric feature 'age': 1 non-numeric value, first at row 3" in out.stderr and "'unknown'" in out.stderr
+    assert "Traceback" in (run_dir / "run.log").read_text()  # the full trace went to the run's log file
+    assert not (run_dir / "results.json").exists()

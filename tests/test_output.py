@@ -1,0 +1,90 @@
+"""Output worth reading (issue 10, item 4): the reference in every results.json, the WAN time model, the
+default link, results.json's file mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from simulations.centralized import constant_predictor_metric
+from simulations.federated import run_in_process
+from tests.conftest import make_cfg
+from tpflower.comm import CommMeter, WanModel
+from tpflower.relation import load_relation
+from tpflower.results import RunResults, write_results
+
+NETWORK = {
+    "server_region": "us-east",
+    "default_link": {"latency_ms": 63, "bandwidth_mb_s": 60.0},
+    "links": {"us-east": {"us-east": {"latency_ms": 0.5, "bandwidth_mb_s": 1000.0},
+                          "eu": {"latency_ms": 110, "bandwidth_mb_s": 33.8}}},
+}
+
+
+def test_wan_time_equals_a_hand_computation():
+    wan = WanModel.from_config(NETWORK, {"a": "eu", "b": "us-east", "c": None})
+    meter = CommMeter(wan)
+    # round 1: a gets 1 MB and sends 0.5 MB over eu (110 ms, 33.8 MB/s): 0.110 + 1.5/33.8 = 0.154379 s;
+    # b: 0.0005 + 2/1000 = 0.0025 s; c (no region: default link 63 ms, 60 MB/s): 0.063 + 3/60 = 0.113 s.
+    # The slowest link decides: 0.154379 s.
+    meter.record({"a": 1_000_000, "b": 2_000_000, "c": 3_000_000}, {"a": 500_000})
+    assert meter.comm_time_s == pytest.approx(0.110 + 1.5 / 33.8, rel=1e-12)
+    # round 2: only b and c: max(0.0005 + 0.001, 0.063 + 0.5 / 60) = 0.0713333 s
+    meter.record({"b": 1_000_000}, {"c": 500_000})
+    assert meter.comm_time_s == pytest.approx(0.110 + 1.5 / 33.8 + 0.063 + 0.5 / 60, rel=1e-12)
+    assert meter.rounds == 2 and meter.bytes_down == 7_000_000 and meter.bytes_up == 1_000_000
+    assert "1 client(s) without a region on the default link (63 ms, 60 MB/s)" in wan.note
+
+
+def test_tables_without_region_use_the_default_link_and_say_so():
+    wan = WanModel.from_config(NETWORK, {"a": None, "b": ""})
+    assert wan.note == "comm time modelled on one default link (63 ms, 60 MB/s; no table sets a region)"
+    assert wan.round_time({"a": 6_000_000}, {}) == pytest.approx(0.063 + 0.1)
+    with pytest.raises(ValueError, match="region 'mars' has no link"):
+        WanModel.from_config(NETWORK, {"a": "mars"})
+
+
+@pytest.mark.parametrize("privacy", ["none", "label"])
+def test_federated_results_carry_the_constant_predictor(privacy, tmp_path):
+    lines: list[str] = []
+    extra = ["privacy.label_range=[-20,20]"] if privacy == "label" else []
+    cfg = make_cfg("algorithm=admm", "dataset=synthetic", "epochs=1", f"privacy={privacy}", *extra)
+    run_in_process(cfg, tmp_path, log=lines.append)
+    record = json.loads((tmp_path / "results.json").read_text())
+    rmse = record["reference"]["constant_rmse"]
+    assert rmse > record["history"][-1]["test_metric"]
+    if privacy == "none":  # the same number as the centralized baseline's
+        rel = load_relation(cfg.dataset, b"any", verbose=False)
+        assert rmse == pytest.approx(constant_predictor_metric(rel)["rmse"], rel=1e-6)
+        assert f"constant predictor rmse={rmse:.4f}" in lines[0]
+    else:  # the label owner scored it at the first evaluation
+        assert any(line.startswith(f"reference: constant predictor rmse={rmse:.4f}") for line in lines)
+    assert "comm time modelled on" in lines[0]
+
+
+def test_results_json_is_readable_like_the_other_files(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = write_results(RunResults("a", "join", "d", "linear", "regression", "rmse", 1, {"t": 1}), tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_label_owner_scores_only_one_constant_reference():
+    import numpy as np
+
+    from tpflower.guard import ProtocolRefusal
+    from tpflower.phases.setup import reference_score
+
+    y, rows = np.array([1.0, 2.0, 3.0, 4.0]), np.array([0, 2, 3])
+    out = reference_score({"H_ref": np.full((3, 1), 2.5)}, rows, y, "regression", True, "t")
+    assert out["ref_rmse"] == pytest.approx(np.sqrt(np.mean((2.5 - y[rows]) ** 2)))
+    assert reference_score({}, rows, y, "regression", True, "t") == {}
+    with pytest.raises(ProtocolRefusal, match="only a constant one"):  # a server probing labels row by row
+        reference_score({"H_ref": np.array([[0.0], [9.0], [0.0]])}, rows, y, "regression", True, "t")
+    with pytest.raises(ProtocolRefusal, match="only at its first evaluation"):
+        reference_score({"H_ref": np.full((3, 1), 2.5)}, rows, y, "regression", False, "t")

@@ -1,0 +1,132 @@
+"""Replies checked at the door (strategies.replies): a client whose reply does not answer what the round asked
+for stops the run with one line naming its table, shard and phase, before the strategy uses the reply.
+
+In-process runs (the same strategy, ClientApp and records as under Flower) on the synthetic snowflake, with
+one client's replies tampered with after its ClientApp answered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import Message
+
+from simulations.client_app import client_app_for
+from simulations.config import compose_config
+from simulations.federated import in_process_contexts
+from simulations.server_app import make_strategy
+from strategies.protocol import DirectTransport
+from strategies.replies import MAX_ABS, ReplyError, check_reply
+from tpflower.records import pack_reply, unpack_payload, unpack_reply
+
+Tamper = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def run_tampered(table: str, phase: str, tamper: Tamper, *overrides: str) -> None:
+    """A short in-process run in which ``table``'s replies to ``phase`` go through ``tamper``."""
+    cfg = compose_config("dataset=synthetic", "epochs=1", "precision=float64", *overrides)
+    strategy = make_strategy(cfg, None, log=lambda _: None)
+    contexts = in_process_contexts(strategy)
+    app = client_app_for(cfg)
+    key_of = {c.node_id: k for k, c in contexts.items()}
+
+    def tampering(msg: Message, context) -> Message:
+        reply = app(msg, context)
+        if msg.metadata.message_type == "query":
+            return reply
+        _, config = unpack_payload(msg.content)
+        if key_of[context.node_id][0] == table and config.get("phase") == phase:
+            out, metrics = unpack_reply(reply.content)
+            return Message(pack_reply(tamper(dict(out)), metrics), reply_to=msg)
+        return reply
+
+    strategy.run(DirectTransport(tampering, {c.node_id: c for c in contexts.values()}))
+
+
+def short(out):
+    return {**out, "h": out["h"][:-1]}
+
+
+def long(out):
+    return {**out, "h": np.concatenate([out["h"], out["h"][:1]])}
+
+
+def huge(out):
+    h = out["h"].copy()
+    h[3, 0] = 1e30
+    return {**out, "h": h}
+
+
+def nan(out):
+    h = out["h"].copy()
+    h[5, 0] = np.nan
+    return {**out, "h": h}
+
+
+def dropped(out):
+    return {k: v for k, v in out.items() if k != "h"}
+
+
+@pytest.mark.parametrize(
+    "algorithm, phase, tamper, expected",
+    [
+        ("admm", "admm_update", short, r"table 'd1' shard 0, phase 'admm_update': reply array 'h' has \d+ rows; "
+                                       r"the round asked for \d+ \(the client's rows\)"),
+        ("admm", "admm_update", long, r"table 'd1' shard 0, phase 'admm_update': reply array 'h' has \d+ rows"),
+        ("admm", "admm_setup", huge, r"table 'd1' shard 0, phase 'admm_setup': reply array 'h' holds 1 non-finite or "
+                                     r"out-of-range value\(s\) .*1e\+30 at index \(3, 0\)"),
+        ("admm", "admm_update", nan, r"phase 'admm_update': reply array 'h' holds 1 non-finite .*nan at index \(5, 0\)"),
+        ("admm", "admm_update", dropped, r"table 'd1' shard 0, phase 'admm_update': the reply lacks array\(s\) 'h'"),
+        ("sgd", "sgd_step", short, r"table 'd1' shard 0, phase 'sgd_step': reply array 'h' has \d+ rows; the round "
+                                   r"asked for \d+ \(the rows of its 'rows'\)"),
+    ],
+    ids=["short", "long", "1e30", "nan", "missing", "sgd-short"],
+)
+def test_a_bad_reply_stops_the_run_naming_table_shard_and_phase(algorithm, phase, tamper, expected):
+    with pytest.raises(ReplyError, match=expected):
+        run_tampered("d1", phase, tamper, f"algorithm={algorithm}", *(["algorithm.batch_size=4000"] if algorithm == "sgd" else []))
+
+
+def test_keys_with_repeated_row_ids_or_a_digest_short_are_refused():
+    with pytest.raises(ReplyError, match=r"table 'd2' shard 0, phase 'keys': row_ids must be distinct"):
+        run_tampered("d2", "keys", lambda o: {**o, "row_ids": np.zeros_like(o["row_ids"])})
+    with pytest.raises(ReplyError, match=r"table 'fact' shard 0, phase 'keys': reply array 'digest\.0' has"):
+        run_tampered("fact", "keys", lambda o: {**o, "digest.0": o["digest.0"][1:]})
+
+
+def test_the_width_of_predictions_is_d_out():
+    sent = ({}, {"phase": "admm_update"})
+    with pytest.raises(ReplyError, match=r"shape \(4, 2\); predictions have 1 column"):
+        check_reply(("t", 0), sent, ({"h": np.zeros((4, 2))}, {}), 4, 1)
+    check_reply(("t", 0), sent, ({"h": np.full((4, 1), MAX_ABS)}, {}), 4, 1)  # at the bound: accepted
+
+
+def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_example():
+    from simulations.federated import run_in_process
+
+    def run(*overrides):
+        return run_in_process(compose_config("dataset=movielens", "epochs=1", *overrides), None, log=lambda _: None)
+
+    with pytest.raises(RuntimeError, match=r"table 'movies' shard 0: table 'movies' declares its key movieId unique, but "
+                                           r"\d+ rows share a value, e.g. movieId=\d+ \(row \d+\)"):
+        run("+dataset.tables.movies.unique=true")  # one row per movie AND genre: not unique
+    assert run("+dataset.tables.users.unique=true", "algorithm.rho=3").strategy.finished  # one row per user
+
+
+@pytest.mark.parametrize("overrides, phase, tamper, match", [
+    (("algorithm=coreset", "algorithm.m=100"), "weigh", lambda o: {**o, "sens": o["sens"][:-1]},
+     "reply array 'sens' has .* rows; the round asked for"),
+    (("algorithm=coreset", "algorithm.m=100"), "sensitivity", lambda o: {**o, "total": np.r_[o["total"], 1.0]},
+     "reply array 'total' holds 2 values; the round asked for one number"),
+    (("algorithm=coreset", "algorithm.m=100"), "coreset_admm_update", short, "reply array 'h' has .* rows"),
+    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_local", lambda o: {**o, "labels": o["labels"][:-1]},
+     "reply array 'labels' has .* rows; the round asked for .* \\(the client's rows\\)"),
+    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_cost", lambda o: {"cost": np.r_[o["cost"], o["cost"]]},
+     "reply array 'cost' holds 2 values"),
+    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_cost", lambda o: {}, "the reply lacks array\\(s\\) 'cost'"),
+], ids=["weigh-short", "total-two", "coreset-h-short", "labels-short", "cost-two", "cost-missing"])
+def test_coreset_and_kmeans_replies_are_checked(overrides, phase, tamper, match):
+    with pytest.raises(ReplyError, match=f"table 'd1' shard 0, phase '{phase}': {match}"):
+        run_tampered("d1", phase, tamper, *overrides)

@@ -1,0 +1,192 @@
+"""Checkpoint and resume (strategies.checkpoint on the server, tpflower.checkpoint on each node): a run that
+dies after epoch 3 of 6 and is resumed in its run dir ends with the metrics of an uninterrupted run.
+
+In-process (the same strategy, ClientApp and records as under Flower): the crash is a client failing in epoch
+4, which stops the run after the checkpoints of epoch 3; the resumed run starts from fresh client contexts (a
+new process), as after a kill -9. The deployment test kills a real SuperNode.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Message
+
+from simulations.client_app import client_app_for
+from simulations.config import compose_config
+from simulations.federated import in_process_contexts, run_in_process
+from simulations.server_app import make_strategy
+from strategies.protocol import DirectTransport, RunError
+from tpflower.records import unpack_payload
+
+RUN = ("dataset=synthetic", "algorithm=admm", "epochs=6", "precision=float64")
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+def crashed_run(run_dir, *overrides: str, crash_epoch: int = 4, table: str | None = "d2") -> None:
+    """The run dies in epoch ``crash_epoch``: ``table``'s client fails on that epoch's update (the other
+    clients answer it), or with ``table=None`` the server dies before sending it."""
+    cfg = compose_config(*RUN, *overrides)
+    strategy = make_strategy(cfg, run_dir, log=quiet)
+    contexts = in_process_contexts(strategy)
+    app = client_app_for(cfg, None, run_dir)
+    key_of = {c.node_id: k for k, c in contexts.items()}
+
+    def dying(msg: Message, context) -> Message:
+        if msg.metadata.message_type != "query":
+            _, config = unpack_payload(msg.content)
+            if key_of[context.node_id][0] == table and config.get("epoch") == crash_epoch:
+                raise RuntimeError("killed")
+        return app(msg, context)
+
+    class DyingServer(DirectTransport):
+        def exchange(self, messages):  # the server dies right after its checkpoint of epoch crash_epoch - 1
+            if table is None and checkpoint_epoch(run_dir) == crash_epoch - 1:
+                raise RunError("server killed")
+            return super().exchange(messages)
+
+    with pytest.raises(RunError, match=f"table '{table}' shard 0: .*killed" if table else "server killed"):
+        strategy.run(DyingServer(dying, {c.node_id: c for c in contexts.values()}))
+
+
+def checkpoint_epoch(run_dir) -> int:
+    import pickle
+
+    path = run_dir / "checkpoint.pkl"
+    return int(pickle.loads(path.read_bytes())["epoch"]) if path.is_file() else 0
+
+
+def history(run) -> list[tuple[int, float, float]]:
+    return [(h.epoch, h.test_metric, h.train_loss) for h in run.strategy.results.history]
+
+
+SGD = ("algorithm.batch_size=4000",)
+
+
+@pytest.mark.parametrize("overrides, crash_at", [
+    ((), "d2"),
+    (("privacy=label", "privacy.label_range=[-20,20]"), "d2"),
+    (("algorithm=sgd", *SGD), None),
+    (("algorithm=sgd", *SGD, "algorithm.eval_every=3"), None),
+    (("algorithm=celu", *SGD, "algorithm.lr=0.02"), None),
+    (("algorithm=vfl_admm",), None),
+    (("scenario=ucq", "algorithm.inner_rounds=3"), None),
+    (("scenario=ucq", "algorithm=sgd", *SGD), None),
+    (("algorithm=coreset", "algorithm.m=300"), "d2"),
+    (("algorithm=coreset", "algorithm.m=300", "algorithm.train=sgd", "algorithm.batch_size=100"), None),
+], ids=["admm", "admm-label-dp", "sgd", "sgd-eval-every", "celu", "vfl-admm", "ucq-admm", "ucq-sgd", "coreset-admm",
+        "coreset-sgd"])
+def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path, overrides, crash_at):
+    full = run_in_process(compose_config(*RUN, *overrides), tmp_path / "full", log=quiet)
+    run_dir = tmp_path / "resumed"
+    crashed_run(run_dir, *overrides, table=crash_at)
+    assert not (run_dir / "results.json").exists() and (run_dir / "checkpoint.pkl").is_file()
+    lines: list[str] = []
+    resumed = run_in_process(compose_config(*RUN, *overrides, "resume=true"), run_dir, log=lines.append)
+    assert any("resumed after epoch 3" in line for line in lines), lines
+    got, want = history(resumed), history(full)
+    assert [e for e, _, _ in got] == [e for e, _, _ in want] and {1, 2, 3, 4, 5, 6} <= {e for e, _, _ in got}
+    if "privacy=label" not in overrides:  # label DP: the randomized labels differ between the runs (OS entropy)
+        np.testing.assert_allclose([m for _, m, _ in got], [m for _, m, _ in want], rtol=1e-9)
+        np.testing.assert_allclose([t for _, _, t in got], [t for _, _, t in want], rtol=1e-9)
+    data = json.loads((run_dir / "results.json").read_text())
+    assert [h["epoch"] for h in data["history"]] == [e for e, _, _ in want]  # every evaluation once
+    for key, context in resumed.contexts.items():  # the resumed clients end on the uninterrupted run's theta
+        if "privacy=label" not in overrides:
+            for name, value in resumed.theta(key).items():
+                np.testing.assert_allclose(value, full.theta(key)[name], rtol=1e-9, atol=1e-12)
+
+
+def test_resume_needs_a_checkpoint_and_the_same_config(tmp_path):
+    with pytest.raises(ValueError, match="resume=true but there is no checkpoint checkpoint.pkl"):
+        make_strategy(compose_config(*RUN, "resume=true"), tmp_path, log=quiet)
+    crashed_run(tmp_path)
+    with pytest.raises(ValueError, match=r"made by another config \(differs in: seed\)"):
+        run_in_process(compose_config(*RUN, "resume=true", "seed=3"), tmp_path, log=quiet)
+
+
+def test_a_node_without_its_checkpoint_refuses_to_resume(tmp_path):
+    crashed_run(tmp_path)
+    for path in (tmp_path / "node-state").glob("d1-0-*/epoch-3.rd"):
+        path.unlink()
+    with pytest.raises(RunError, match=r"table 'd1' shard 0: .*cannot resume: this node has no checkpoint of epoch 3"):
+        run_in_process(compose_config(*RUN, "resume=true"), tmp_path, log=quiet)
+
+
+DPSGD = ("privacy=dpsgd", "algorithm.local_epochs=1", "algorithm.local_batch_size=500")
+
+
+def test_a_resumed_dp_run_carries_its_privacy_accountant_over(tmp_path):
+    full = run_in_process(compose_config(*RUN, *DPSGD), tmp_path / "full", log=quiet)
+    crashed_run(tmp_path / "run", *DPSGD, table=None)  # the server dies: no client took a DP step of epoch 4
+    resumed = run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path / "run", log=quiet)
+    eps = [h.extra["eps"] for h in resumed.strategy.results.history]
+    assert eps == pytest.approx([h.extra["eps"] for h in full.strategy.results.history], rel=1e-9)
+    assert eps[-1] > eps[2] > 0  # epochs 4-6 added to the checkpoint's accountant, not to a fresh one
+
+
+def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
+    # fact and d1 took their DP steps of epoch 4 before d2 died: redoing epoch 4 costs them budget again,
+    # so they run out at the last epoch and refuse (the ledger never goes back; nothing is released unaccounted)
+    crashed_run(tmp_path, *DPSGD)
+    with pytest.raises(RunError, match=r"table 'fact' shard 0: .*DP steps exceed the \d+ the noise was calibrated "
+                                       r"for \(privacy budget exhausted\)"):
+        run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path, log=quiet)
+
+
+def test_every_registered_algorithm_resumes():
+    """Every algorithm with epochs resumes; a one-shot one (k-means: DistDim has no epochs) refuses by name."""
+    from strategies.registry import entries
+
+    assert [e.name for e in entries() if not e.strategy.resumable and not e.strategy.one_shot] == []
+    assert {e.name for e in entries() if e.strategy.one_shot} == {"kmeans", "coreset_kmeans"}
+
+
+@pytest.mark.parametrize("algorithm", ["kmeans", "coreset_kmeans"])
+def test_a_one_shot_algorithm_refuses_resume_naming_it(tmp_path, algorithm):
+    with pytest.raises(ValueError, match=f"resume=true: {algorithm} runs in one shot"):
+        make_strategy(compose_config("dataset=synthetic", f"algorithm={algorithm}", "resume=true"), tmp_path, log=quiet)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_flower_simulation_killed_with_sigkill_resumes_to_the_uninterrupted_metrics(tmp_path):
+    """The CLI run (Flower simulation) killed with SIGKILL once it checkpointed epoch 3 of 6, then resumed
+    in its run dir: its results equal an uninterrupted run's (float64, to 1e-6)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    overrides = ["algorithm=admm", "dataset=movielens", "epochs=6", "precision=float64"]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "simulations.run", *overrides, f"hydra.run.dir={run_dir}"]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline, seen = time.monotonic() + 240, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        path = run_dir / "checkpoint.pkl"
+        stamp = path.stat().st_mtime_ns if path.is_file() else None
+        if stamp != seen:
+            seen = stamp
+            if checkpoint_epoch(run_dir) >= 3:
+                os.killpg(proc.pid, signal.SIGKILL)  # the run and its Ray workers
+                break
+        time.sleep(0.002)
+    proc.wait(30)
+    killed_at = checkpoint_epoch(run_dir)
+    assert 3 <= killed_at < 6 and not (run_dir / "results.json").exists(), f"not killed mid-run ({killed_at})"
+    done = subprocess.run(cmd + ["resume=true"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"resumed after epoch {killed_at}" in done.stdout
+    data = json.loads((run_dir / "results.json").read_text())
+    want = run_in_process(compose_config(*overrides), None, log=quiet).strategy.results.history
+    assert [h["epoch"] for h in data["history"]] == [h.epoch for h in want]
+    np.testing.assert_allclose([h["test_metric"] for h in data["history"]], [h.test_metric for h in want], rtol=1e-6)

@@ -1,0 +1,170 @@
+"""A node's own checkpoints: its state (context.state) after an epoch, kept where its owner says, so that a
+run stopped by a crash (of the server, of a node) can resume.
+
+The server marks an epoch's last training message with ``checkpoint: E`` and the run's id ``run_id``; after
+answering it the client writes its whole state (theta, optimiser, ADMM terms, preprocessing rule, accepted
+privacy, protocol position, DP accountant) to ``STATE_DIR/<run>/epoch-E.rd`` (atomically; the last two kept,
+since the server may die before its own checkpoint of E). ``<run>`` is a digest of the run id, the run's
+config and the table shard, so a checkpoint only ever restores into the same run.
+
+A resumed run sends ``resume`` {run_id, epoch, privacy} instead of the setup rounds: the client, still
+fresh, loads its state of that epoch, checks the stored privacy against its owner's floor and against the
+message, and answers nothing else. DP: every DP step also advances a ledger (``dp-ledger.npy``) that never
+goes back; a resumed client continues from the ledger, not from the checkpoint, so restoring an earlier
+epoch never hands out privacy budget twice (the plan's step limit still holds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+from flwr.common import RecordDict
+
+from tpflower.guard import ProtocolRefusal
+from tpflower.records import recorddict_bytes, recorddict_of
+
+if TYPE_CHECKING:
+    from tpflower.client import TableClient
+
+KEEP = 2  # checkpoints kept per run: the server's last one is at most one epoch behind the clients'
+IGNORED_CONFIG_KEYS = ("resume", "nodes")  # resuming (and patience) do not make another run
+
+
+def run_key(cfg: Any) -> str:
+    """The run's config (a DictConfig or mapping) as a string, without the settings that do not make another
+    run (resume, the server's patience): what names a run's checkpoints, on the nodes and on the server."""
+    from omegaconf import DictConfig, OmegaConf
+
+    container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    assert isinstance(container, dict)
+    return json.dumps({k: v for k, v in container.items() if k not in IGNORED_CONFIG_KEYS}, sort_keys=True, default=str)
+
+
+def atomic_write(path: Path, data: bytes | Callable[[Any], None]) -> None:
+    """Write ``data`` (bytes, or a function writing to the open binary file) to ``path`` so that a reader
+    (or a crash) sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(data, bytes):
+                f.write(data)
+            else:
+                data(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class NodeStore:
+    """The checkpoints of one client (table shard) for one run, under its owner's ``state_dir``."""
+
+    def __init__(self, state_dir: str | Path, run_id: str, config_key: str, table: str, shard: int):
+        digest = hashlib.sha256(f"{run_id}\0{config_key}\0{table}\0{shard}".encode()).hexdigest()[:24]
+        self.dir = Path(state_dir) / f"{table}-{shard}-{digest}"
+
+    def path(self, epoch: int) -> Path:
+        return self.dir / f"epoch-{int(epoch)}.rd"
+
+    def save(self, epoch: int, state: RecordDict) -> None:
+        atomic_write(self.path(epoch), recorddict_bytes(state))
+        for old in sorted(self.dir.glob("epoch-*.rd"), key=lambda p: int(p.stem.split("-")[1]))[:-KEEP]:
+            old.unlink(missing_ok=True)
+
+    def load(self, epoch: int) -> RecordDict | None:
+        path = self.path(epoch)
+        if not path.is_file():
+            return None
+        return recorddict_of(path.read_bytes())
+
+    @property
+    def ledger(self) -> Path:
+        return self.dir / "dp-ledger.npy"
+
+    def ledger_history(self) -> np.ndarray | None:
+        """The DP accountant history of every step this client ever took in this run."""
+        return np.load(self.ledger) if self.ledger.is_file() else None
+
+    def advance_ledger(self, history: np.ndarray) -> None:
+        """Record the accountant history after a DP step; the ledger never goes back to fewer steps."""
+        old = self.ledger_history()
+        if old is None or steps(history) >= steps(old):
+            atomic_write(self.ledger, _npy(history))
+
+
+def steps(history: np.ndarray) -> int:
+    """DP steps in an accountant history (rows of (noise multiplier, sample rate, steps))."""
+    return int(np.asarray(history).reshape(-1, 3)[:, 2].sum())
+
+
+def _npy(a: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(a))
+    return buf.getvalue()
+
+
+def store_of(client: "TableClient", config: Mapping[str, Any]) -> NodeStore | None:
+    """This client's store for the run ``config`` names (None when its owner keeps no checkpoints)."""
+    s = client.settings
+    if s.owner.state_dir is None or not config.get("run_id"):
+        return None
+    return NodeStore(s.owner.state_dir, str(config["run_id"]), client.config_key, s.table, s.shard)
+
+
+def after_message(client: "TableClient", config: Mapping[str, Any]) -> None:
+    """After answering: checkpoint the state if the server marked this message as an epoch's last."""
+    if "checkpoint" not in config:
+        return
+    store = store_of(client, config)
+    if store is not None:
+        store.save(int(config["checkpoint"]), client.state.records)
+
+
+def record_dp_step(client: "TableClient", history: np.ndarray) -> None:
+    """Advance the DP ledger of the current run (if this node keeps checkpoints)."""
+    run_id = client.state.scalar("run_id")
+    if run_id is not None:
+        store = store_of(client, {"run_id": run_id})
+        if store is not None:
+            store.advance_ledger(history)
+
+
+def resume(client: "TableClient", config: Mapping[str, Any]) -> tuple[dict, dict[str, Any]]:
+    """The ``resume`` phase (module docstring): restore the state of epoch ``config["epoch"]``."""
+    from tpflower import privacy as dp  # torch: not on the hello path, which imports this module
+
+    s = client.settings
+    where = f"table {s.table!r} shard {s.shard}"
+    if client.state.records:
+        raise ProtocolRefusal(f"{where} refuses phase 'resume': this client has already started")
+    store = store_of(client, config)
+    epoch = int(config.get("epoch", -1))
+    saved = None if store is None else store.load(epoch)
+    if saved is None:
+        kept = "keeps no checkpoints" if store is None else f"has no checkpoint of epoch {epoch} in {store.dir}"
+        raise ProtocolRefusal(f"{where} cannot resume: this node {kept} for this run (same run id and config)")
+    for name, record in saved.items():
+        client.state.records[name] = record
+    asked = dp.privacy_from_message(config)
+    stored = client.privacy()
+    s.owner.check_privacy(stored, label_owner=client.data.y is not None)  # the floor may have risen since
+    if dict(dp.privacy_message(asked)) != dict(dp.privacy_message(stored)):
+        raise ProtocolRefusal(f"{where} refuses to resume with privacy {asked.get('name')!r}: the run's checkpoint "
+                              f"was made under {stored.get('name')!r} settings")
+    ledger = store.ledger_history()  # type: ignore[union-attr]
+    kept_history = client.state.get("dp_history")
+    if ledger is not None and (kept_history is None or steps(ledger) > steps(kept_history)):
+        client.state.put("dp_history", ledger)  # the budget spent after the checkpoint stays spent
+    return {}, {"resumed": epoch}

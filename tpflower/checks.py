@@ -1,0 +1,287 @@
+"""Data problems: every check of a table (or a whole dataset) against its spec, collected, never the first only.
+
+:func:`table_problems` is what one table's owner can check alone (a client in a deployment, before it sends
+anything); :func:`dataset_problems` adds what needs every table (label resolution, key kinds, rows the joins
+drop) for a simulation, where the user owns every table. Each :class:`Problem` is one line: table, column,
+what is wrong, an example value and its row (where there is one), what to do. A deployed node sends
+:meth:`Problem.line` with ``values=False`` (table, column, problem, count) and keeps the example values in
+its own log. Every check is vectorized (pandas), never a loop over rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pandas as pd
+
+from tpflower.schema import RelationalSpec, SpecError, key_kind, resolve_label_table
+
+Severity = Literal["error", "warning"]
+DROP_POLICIES: tuple[str, ...] = ("warn", "error", "ignore")
+DROP_THRESHOLD = 0.01  # a join that drops more than this share of the label table's rows is reported
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the data, as one line.
+
+    ``role`` names the column's part ("column", "key column", "label column", "numeric feature");
+    ``example`` what the owner's data shows, e.g. a value and its row (only with ``values=True``: a deployed
+    node never sends it); ``count`` how many rows.
+    """
+
+    table: str | None
+    what: str
+    fix: str
+    column: str | None = None
+    role: str = "column"
+    example: str | None = None
+    count: int | None = None
+    severity: Severity = "error"
+
+    def line(self, values: bool = True) -> str:
+        """``table 'T', ROLE 'C': WHAT, EXAMPLE; FIX`` (without the example when not ``values``)."""
+        if self.table is None:
+            subject = self.what
+        elif self.column is None:
+            subject = f"table {self.table!r} {self.what}"
+        else:
+            subject = f"table {self.table!r}, {self.role} {self.column!r}: {self.what}"
+        example = f", {self.example}" if values and self.example else ""
+        return f"{subject}{example}; {self.fix}"
+
+
+class DataProblems(SpecError):
+    """Raised with every problem found; ``str`` is one line per problem, with example values."""
+
+    def __init__(self, problems: Sequence[Problem], dataset: str = "dataset"):
+        self.problems = list(problems)
+        self.dataset = dataset
+        super().__init__("\n".join(p.line() for p in self.problems))
+
+    def report(self, values: bool = True) -> str:
+        """A header and one indented line per problem (the console report of a simulation)."""
+        n = len(self.problems)
+        head = f"dataset {self.dataset!r}: {n} problem{'s' if n != 1 else ''} in the data; fix {'them' if n != 1 else 'it'} and run again:"
+        return "\n".join([head] + [f"  {p.line(values)}" for p in self.problems])
+
+    def one_line(self, values: bool = False) -> str:
+        """Every problem on one line (by default without row values: what a deployed node sends the server)."""
+        n = len(self.problems)
+        return f"{n} problem{'s' if n != 1 else ''} in the data: " + " | ".join(p.line(values) for p in self.problems)
+
+
+def errors(problems: Sequence[Problem]) -> list[Problem]:
+    return [p for p in problems if p.severity == "error"]
+
+
+# ------------------------------------------------------------------------------------------------ one table
+
+
+def _at(row: int, source: str | None) -> str:
+    """Where row ``row`` (0-based, header excluded) is: with its line number for a CSV file."""
+    if source is not None and str(source).lower().endswith(".csv"):
+        return f"row {row} (line {row + 2} of {source})"
+    return f"row {row}"
+
+
+def _counted(n: int, what: str) -> str:
+    """``"2 missing labels"``, ``"1 missing label"``: ``what`` is a plural phrase whose first word ending in
+    's' is its noun (singularized for a count of 1)."""
+    words = what.split(" ")
+    noun = next((i for i, w in enumerate(words) if w.endswith("s") and not w.endswith("ss")), None)
+    if n == 1 and noun is not None:
+        words[noun] = words[noun][:-1]
+    return f"{n} {' '.join(words)}"
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
+
+
+def _non_numeric(s: pd.Series) -> np.ndarray:
+    """Rows holding a value that is not a number (missing values are fine)."""
+    if pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s):
+        return np.zeros(len(s), dtype=bool)
+    return (pd.to_numeric(s, errors="coerce").isna() & s.notna()).to_numpy()
+
+
+def _bad_values(table: str, column: str, role: str, mask: np.ndarray, s: pd.Series, source: str | None,
+                what: str, fix: str) -> Problem:
+    row = _first(mask)
+    n = int(mask.sum())
+    return Problem(table, _counted(n, what), fix, column=column, role=role, count=n,
+                   example=f"first at {_at(row, source)}: {s.iloc[row]!r}")
+
+
+def _missing(table: str, column: str, role: str, s: pd.Series, source: str | None, what: str, fix: str) -> Problem | None:
+    mask = s.isna().to_numpy()
+    if not mask.any():
+        return None
+    row, n = _first(mask), int(mask.sum())
+    return Problem(table, _counted(n, what), fix, column=column, role=role, count=n, example=f"first at {_at(row, source)}")
+
+
+def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list[Problem]:
+    """Every problem of table ``name`` that its owner can see alone (its frame and the run's spec)."""
+    t = spec.table(name)
+    src = t.source
+    out: list[Problem] = []
+    label, label_here = spec.label.column, spec.label.table == name
+    if len(frame) == 0:
+        out.append(Problem(name, "has no rows", "fill the table (its file has a header but no data rows)"))
+    if spec.label.table is not None and not label_here and label in t.features:
+        out.append(Problem(name, f"a feature bears the label's name {label!r} (the label is table "
+                           f"{spec.label.table!r}'s)", "rename the column or drop it from this table's features",
+                           column=label, role="feature"))
+    if label_here and label in t.features:
+        out.append(Problem(name, "the label is also declared as a feature", "remove it from numeric/categorical",
+                           column=label, role="label column"))
+    needed = list(dict.fromkeys(
+        list(spec.key_columns(name)) + list(t.features) + ([label] if label_here else [])
+        + ([t.shards.by] if t.shards is not None and t.shards.by else [])))
+    absent = [c for c in needed if c not in frame.columns]
+    for col in absent:
+        out.append(Problem(name, f"has no column {col!r}", "fix the column name in the dataset config or in the "
+                           "file's header", example=f"its columns are {list(frame.columns)}"))
+    present = set(frame.columns) - set(absent)
+    for col in (c for c in t.numeric if c in present):
+        s = frame[col]
+        bad = _non_numeric(s)
+        if bad.any():
+            out.append(_bad_values(name, col, "numeric feature", bad, s, src, "non-numeric values",
+                                   "make every value a number (leave it empty if unknown: missing values are "
+                                   "imputed with the median), or declare the column categorical"))
+        elif not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
+            out.append(Problem(name, f"numbers stored as text (dtype {s.dtype})", "store the column as numbers",
+                               column=col, role="numeric feature"))
+        else:
+            inf = np.isinf(s.to_numpy(dtype=np.float64))
+            if inf.any():
+                out.append(_bad_values(name, col, "numeric feature", inf, s, src, "infinite values",
+                                       "replace them by finite numbers or leave them empty"))
+    for col in (c for c in spec.key_columns(name) if c in present):
+        p = _missing(name, col, "key column", frame[col], src, "missing (NaN) key values",
+                     "drop or fill those rows before training (a row without a key joins nothing)")
+        if p is not None:
+            out.append(p)
+    if label_here and label in present:
+        out += _label_problems(spec, name, frame[label], src)
+    return out
+
+
+def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | None) -> list[Problem]:
+    out: list[Problem] = []
+    col, task = spec.label.column, spec.label.task
+    p = _missing(name, col, "label column", y, src, "missing labels", "drop the rows without a label or fill them")
+    if p is not None:
+        out.append(p)
+    if task == "regression":
+        bad = _non_numeric(y)
+        if bad.any():
+            out.append(_bad_values(name, col, "label column", bad, y, src, "non-numeric regression labels",
+                                   "make every label a number"))
+    elif task == "binary":
+        bad = (y.notna() & ~y.isin([0, 1, True, False])).to_numpy()
+        if bad.any():
+            out.append(_bad_values(name, col, "label column", bad, y, src, "binary labels other than 0/1",
+                                   "encode the two classes as 0 and 1 (or set label.task: multiclass)"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- whole dataset
+
+
+def key_kind_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[Problem]:
+    """Joined columns that would not compare (integer vs string, ...): one problem per column pair."""
+    out = []
+    for j in spec.joins:
+        for lc, rc in j.on:
+            if lc not in frames[j.left].columns or rc not in frames[j.right].columns:
+                continue
+            if frames[j.left][lc].isna().any() or frames[j.right][rc].isna().any():
+                continue  # reported as missing keys (a missing value makes an integer CSV column float)
+            lk, rk = key_kind(frames[j.left][lc].dtype), key_kind(frames[j.right][rc].dtype)
+            if lk != rk:
+                out.append(Problem(None, f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}",
+                                   "store both key columns with the same type"))
+    return out
+
+
+def _key_codes(left: pd.DataFrame, right: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Integer codes of the key tuples of two tables (columns in pairs), equal codes for keys that an inner
+    merge matches: each column pair factorized together, then the tuple of codes."""
+    n = len(left)
+    codes = np.zeros(n + len(right), dtype=np.int64)
+    for lc, rc in zip(left.columns, right.columns):
+        c, uniq = pd.factorize(pd.concat([left[lc], right[rc]], ignore_index=True))
+        codes, _ = pd.factorize(codes * (len(uniq) + 1) + c)
+    return codes[:n], codes[n:]
+
+
+def join_drops(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[tuple[str, str, int]]:
+    """Per join of the tree (breadth-first from the label table): (join, table joined, label-table rows that
+    the inner join loses there). Raw key values (the simulation owns every table). On the table level: a row
+    survives the joins so far when, for each of its joins among them, a surviving row of the child table
+    shares its key (children first); the join itself is never materialized."""
+    root = spec.label_table
+    order = list(spec.join_order())
+    partner: list[tuple[np.ndarray, np.ndarray]] = []  # per edge: key codes of the known and the new table's rows
+    for edge, known, new in order:
+        lcols, rcols = list(edge.columns_of(known)), list(edge.columns_of(new))
+        partner.append(_key_codes(frames[known][lcols], frames[new][rcols]))
+    out = []
+    before = len(frames[root])
+    for k, (edge, _, new) in enumerate(order):
+        alive = {t: np.ones(len(f), dtype=bool) for t, f in frames.items()}
+        for (_, known_t, new_t), (code_known, code_new) in zip(order[k::-1], partner[k::-1]):  # children first
+            has = np.zeros(int(max(code_known.max(initial=-1), code_new.max(initial=-1))) + 1, dtype=bool)
+            has[code_new[alive[new_t]]] = True
+            alive[known_t] &= has[code_known]
+        after = int(alive[root].sum())
+        out.append((str(edge), new, before - after))
+        before = after
+    return out
+
+
+def dropped_row_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], policy: str = "warn") -> list[Problem]:
+    """A join that drops more than 1% of the label table's rows: a warning (``policy=warn``), an error
+    (``error``) or nothing (``ignore``); the line names the join and the count."""
+    if policy not in DROP_POLICIES:
+        raise SpecError(f"dataset.on_dropped_rows must be one of {list(DROP_POLICIES)}, got {policy!r}")
+    n = len(frames[spec.label_table])
+    out = []
+    for edge, new, lost in join_drops(spec, frames):
+        if lost == n:
+            return out + [Problem(None, f"join {edge} matched no rows: the join comes out empty",
+                                  f"check the key values of both tables (no row of table {new!r} has a partner)")]
+        if lost > DROP_THRESHOLD * n and policy != "ignore":
+            out.append(Problem(
+                None, f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} "
+                f"({lost / n:.1%}): they have no partner row in table {new!r}",
+                "add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest "
+                "(=error to refuse)", count=lost, severity="error" if policy == "error" else "warning"))
+    return out
+
+
+def dataset_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], read_errors: Sequence[Problem] = (),
+                     on_dropped_rows: str = "warn", joins: bool = True) -> tuple[RelationalSpec, list[Problem]]:
+    """Every problem of a dataset whose tables ``frames`` were loaded (``read_errors``: the tables that could
+    not be); returns the spec with its label table resolved (when that worked) and the problems, errors and
+    warnings. The joins are checked (``joins``) only when every table is sound."""
+    problems = list(read_errors)
+    if spec.label.table is None and len(frames) == len(spec.table_names):  # else table_problems says it
+        try:
+            spec = resolve_label_table(spec, {n: list(f.columns) for n, f in frames.items()})
+        except SpecError as exc:
+            problems.append(Problem(None, str(exc), "set label.table and label.column in the dataset config"))
+    for name in spec.table_names:
+        if name in frames:
+            problems += table_problems(spec, name, frames[name])
+    problems += key_kind_problems(spec, frames) if len(frames) == len(spec.table_names) else []
+    if joins and not errors(problems) and spec.label.table is not None:
+        problems += dropped_row_problems(spec, frames, on_dropped_rows)
+    return spec, problems

@@ -1,0 +1,40 @@
+"""The constant predictor: the reference every run reports (results.json ``reference``, the summary line).
+
+Fitted on the training labels the server holds (over the training join, so weighted as the join weights
+them): their mean for regression, the log-odds of the positive rate for binary, the log class prior for
+multiclass. A model that does not beat it has learned nothing from the features.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpflower.losses import metrics, primary_metric
+
+
+def constant_predictions(task: str, y_train: np.ndarray, n: int, d_out: int) -> np.ndarray:
+    """H (n, d_out) of the constant predictor fitted on ``y_train``."""
+    if task == "regression":
+        return np.full((n, 1), float(np.mean(y_train)))
+    if task == "binary":
+        p = float(np.clip(np.mean(y_train), 1e-12, 1 - 1e-12))
+        return np.full((n, 1), np.log(p / (1 - p)))
+    prior = np.bincount(np.asarray(y_train, dtype=np.int64), minlength=d_out) / max(len(y_train), 1)
+    return np.tile(np.log(np.clip(prior, 1e-12, None)), (n, 1))
+
+
+def reference_metrics(task: str, y_train: np.ndarray, y_test: np.ndarray, d_out: int) -> dict[str, float]:
+    """The constant predictor's test metrics as results.json stores them: ``{"constant_rmse": ..., ...}``."""
+    H = constant_predictions(task, y_train, len(y_test), d_out)
+    return as_reference(metrics(task, H, y_test))
+
+
+def as_reference(test_metrics: dict[str, float]) -> dict[str, float]:
+    return {f"constant_{k}": float(v) for k, v in test_metrics.items()}
+
+
+def reference_text(task: str, reference: dict[str, float]) -> str:
+    """``constant predictor rmse=1.1234`` for the summary line ('' when unknown)."""
+    metric = primary_metric(task)
+    value = reference.get(f"constant_{metric}")
+    return "" if value is None else f"constant predictor {metric}={value:.4f}"

@@ -1,0 +1,85 @@
+"""A client's state between Flower messages: named arrays and scalars in ``context.state`` (Flower rebuilds the
+client object per message), and the typed per-family records (:class:`StateRecord`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
+from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from tpflower.records import Arrays
+
+if TYPE_CHECKING:
+    from tpflower.client import TableClient
+
+
+class ClientState:
+    """Named ndarrays and scalars in a Flower RecordDict (context.state)."""
+
+    def __init__(self, records: RecordDict):
+        self.records = records
+
+    def get(self, name: str) -> np.ndarray | None:
+        rec = self.records.get(f"arr.{name}")
+        return None if rec is None else rec["a"].numpy()
+
+    def put(self, name: str, value: np.ndarray) -> None:
+        self.records[f"arr.{name}"] = ArrayRecord(array_dict={"a": Array(np.ascontiguousarray(value))})
+
+    def scalar(self, name: str, default: Any = None) -> Any:
+        rec = self.records.get("scalars")
+        return default if rec is None else rec.get(name, default)
+
+    def set_scalar(self, name: str, value: Any) -> None:
+        rec = self.records.get("scalars") or ConfigRecord()
+        rec[name] = value
+        self.records["scalars"] = rec
+
+    def load_model(self, model: torch.nn.Module) -> bool:
+        rec = self.records.get("theta")
+        if rec is None:
+            return False
+        model.load_state_dict(rec.to_torch_state_dict())
+        return True
+
+    def put_list(self, name: str, values: list[np.ndarray]) -> None:
+        self.records[f"list.{name}"] = ArrayRecord(array_dict={str(k): Array(np.ascontiguousarray(v)) for k, v in enumerate(values)})
+
+    def get_list(self, name: str) -> list[np.ndarray] | None:
+        rec = self.records.get(f"list.{name}")
+        return None if rec is None else [rec[str(k)].numpy() for k in range(len(rec))]
+
+    def save_model(self, model: torch.nn.Module) -> None:
+        self.records["theta"] = ArrayRecord(torch_state_dict={k: v.cpu() for k, v in model.state_dict().items()})
+
+
+#: A phase of an algorithm, client side: (client, named arrays, config) -> (named arrays, metrics).
+PhaseHandler = Callable[["TableClient", Arrays, Mapping[str, Any]], tuple[Arrays, dict[str, Any]]]
+S = TypeVar("S", bound="StateRecord")
+
+
+@dataclass
+class StateRecord:
+    """A family's typed client state, kept in context.state: ndarray fields in one ArrayRecord, the other
+    fields (int, float, str) in one ConfigRecord, both named after the class."""
+
+    @classmethod
+    def load(cls: type[S], state: ClientState) -> S | None:
+        arrays = state.records.get(f"{cls.__name__}.arrays")
+        scalars = state.records.get(f"{cls.__name__}.scalars")
+        if arrays is None and scalars is None:
+            return None
+        values = {k: a.numpy() for k, a in (arrays or {}).items()}
+        values.update(dict(scalars or {}))
+        return cls(**{f.name: values.get(f.name) for f in fields(cls)})
+
+    def save(self, state: ClientState) -> None:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        arrays = {k: Array(np.ascontiguousarray(v)) for k, v in values.items() if isinstance(v, np.ndarray)}
+        state.records[f"{type(self).__name__}.arrays"] = ArrayRecord(array_dict=arrays)
+        state.records[f"{type(self).__name__}.scalars"] = ConfigRecord(
+            {k: v for k, v in values.items() if k not in arrays and v is not None})
