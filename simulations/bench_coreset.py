@@ -91,3 +91,25 @@ def coreset_suite(a: argparse.Namespace) -> dict[str, Any]:
     if out.returncode != 0:
         raise RuntimeError(f"benchmark case coreset {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A variant with extra overrides (e.g. algorithm.mix=0.5), written beside the default case:
+    python -m simulations.bench_coreset --dataset D --task T --extra "algorithm.mix=0.5" --out FILE"""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--dataset", default="movielens")
+    ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ms", default="500,1000,2000,4000")
+    ap.add_argument("--extra", default="", help="extra Hydra overrides of the coreset runs (space-separated)")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    a.coreset_overrides = a.extra
+    result = coreset_suite(a)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written: {a.out}")
+
+
+if __name__ == "__main__":
+    main()

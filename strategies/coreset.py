@@ -10,10 +10,12 @@ DIS over a join (exact: the same distribution as DIS on the materialized join):
            the server draws (a_1..a_T) ~ Multinomial(m, G^(i) / G), G = sum_i G^(i)
   round 2  server -> client i: a_i;  client -> server: a_i base rows u, P(u) = G_iu g_u / G^(i);
            the server turns each u into a uniform joined row of G_i(u)  (so P(j) = sum_i g^(i)_{p_i(j)} / G)
-  round 3  server -> client i: p_i(j), j in S;  client -> server: g^(i) at those rows;
-           g_j = sum_i g^(i)_{p_i(j)}, w_j = G / (m g_j); repeated draws add their weights.
-Numbers exchanged besides G_i: 2T + m + 2mT (the paper and the authors' code count T + 3mT, an upper bound
-for T, m >= 2). Test predictions are evaluation rounds (not counted as training traffic).
+  round 3  server -> client i: the distinct rows p_i(j), j in S (n_i^S <= m);  client -> server: g^(i) at
+           those rows; g_j = sum_i g^(i)_{p_i(j)}, w_j = G / (m g_j); repeated draws add their weights.
+Numbers exchanged besides G_i: 2T + m + 2 sum_i n_i^S <= 2T + m + 2mT (the paper and the authors' code count
+T + 3mT, an upper bound for T, m >= 2). Test predictions are evaluation rounds (not training traffic). The
+clients bound every row-indexed request (tpflower/phases/coreset.py): at most m rows, distinct, in the join,
+weigh once per run, the training rows within the weighed ones.
 """
 
 from __future__ import annotations

@@ -88,6 +88,19 @@ def test_dis_over_the_join_gives_the_materialized_probabilities_and_weights(dis_
     assert abs(s.coreset.total - G_mat) < 1e-9 * G_mat
 
 
+def test_mixing_in_uniform_sampling_gives_the_mixture_over_the_join():
+    """algorithm.mix: each table shifts its own sensitivities by mix G^(i) / N, so one draw picks joined row j
+    with (1 - mix) g_j / G + mix / N (float64, against the materialized join's leverage scores)."""
+    rec = Recorded("algorithm=coreset", F64, "epochs=1", "algorithm.m=200", "algorithm.mix=0.3")
+    s = rec.strategy
+    g_mat = materialized_sensitivities(rec)
+    g_tab = {t: DISState.load(rec.client((t, 0)).state).g for t in s.train.p}
+    want = 0.7 * g_mat / g_mat.sum() + 0.3 / s.train.N
+    np.testing.assert_allclose(joined_sampling_probabilities(s.train, g_tab), want, rtol=1e-9)
+    assert s.coreset.weights.max() <= s.train.N / (0.3 * 200) * (1 + 1e-9) * np.bincount(
+        np.unique(s.dis_joined, return_inverse=True)[1].reshape(-1)).max()  # a draw's weight <= N / (mix m)
+
+
 def test_the_two_stage_sampler_draws_the_joined_distribution():
     """Empirically, on a small many-to-many join: multinomial over tables, G_iu g_u / G^(i) per table, then a
     uniform joined row of G_i(u), gives P(j) = sum_i g^(i)_{p_i(j)} / G (chi-square over the joined rows)."""
@@ -183,6 +196,7 @@ def test_weighted_admm_equals_tp_join_admm_on_repeated_rows():
     ("algorithm.m=0", "algorithm.m must be an integer >= 1"),
     ("algorithm.train=lbfgs", "algorithm.train must be one of"),
     ("algorithm.sampling=leverage", "algorithm.sampling must be one of"),
+    ("algorithm.mix=1.5", "algorithm.mix must be in \\[0, 1\\]"),
 ])
 def test_bad_settings_are_refused_before_any_node(override, message):
     with pytest.raises(ValueError, match=message):

@@ -457,7 +457,7 @@ def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:
     app, context, n = coreset_client(overrides)
     G = np.ones(n, dtype=np.uint8)
     G[0] = 0
-    call(app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": n})
+    call(app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": int(G.sum())})
     call(app, context, "train", {"a": np.array([10])}, {"phase": "sample"})
     return app, context, G
 

@@ -29,12 +29,20 @@ ALPHA = 2.0  # VKMC sensitivity constant (ALGORITHMS.md, Alg. 3 with alpha = 2)
 # ------------------------------------------------------------------------------------------------ settings
 
 
+def fraction(what: str, value) -> float:
+    out = nonnegative(what, value)
+    if out > 1:
+        raise ValueError(f"{what} must be in [0, 1], got {value!r}")
+    return out
+
+
 @dataclass(frozen=True)
 class CoresetParams(AlgorithmParams):
     """algorithm=coreset (conf/algorithm/coreset.yaml): ridge on a DIS coreset of the training join."""
 
     m: int = param(positive_int, 2000)  # coreset size (draws, with replacement)
     sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
+    mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
     train: str = param(one_of("admm", "sgd"), "admm")
     rho: float | str = param(or_word(positive, "auto"), "auto")  # train=admm
     variant: str = param(one_of("sharing", "paper"), "sharing")
@@ -60,6 +68,7 @@ class CoresetKMeansParams(KMeansParams):
 
     m: int = param(positive_int, 2000)
     sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
+    mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
 
 
 # ------------------------------------------------------------------------------------------------ ridge
@@ -170,6 +179,22 @@ def cluster_sensitivities(X: np.ndarray, G: np.ndarray, C: np.ndarray, alpha: fl
 
 
 # ------------------------------------------------------------------------------------------------ DIS
+
+
+def mix_uniform(G: np.ndarray, g: np.ndarray, N: int, mix: float) -> np.ndarray:
+    """g' = (1 - mix) g + mix G^(i) / N on the rows in the join (G^(i) = sum_u G_iu g_u, unchanged by this).
+
+    Summed over the tables, g'_j = (1 - mix) g_j + mix G / N, so one DIS draw picks joined row j with
+    P'(j) = (1 - mix) g_j / G + mix / N: a mixture of the sensitivity sampling and uniform sampling, computed
+    by each table alone (it knows its own total and N). The weights G / (m g'_j) are then at most N / (mix m),
+    and a sensitivity plus anything stays an upper bound (the coreset guarantee holds with G unchanged)."""
+    if mix <= 0:
+        return g
+    total = local_total(G, g)
+    out = np.zeros_like(g)
+    act = np.asarray(G) > 0
+    out[act] = (1.0 - mix) * g[act] + mix * total / float(N)
+    return out
 
 
 def local_total(G: np.ndarray, g: np.ndarray) -> float:

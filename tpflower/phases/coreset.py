@@ -140,6 +140,8 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     if DISState.load(client.state) is not None:
         raise CoresetRefusal(f"{_where(client, 'sensitivity')}: the sensitivities are computed once per run")
     G = _keep_G(client, arrays, "sensitivity")
+    if float(config["N"]) != float(G.sum()):
+        raise ValueError(f"{_where(client, 'sensitivity')}: N = {config['N']} but G_i adds up to {G.sum():g} joined rows")
     s, X = client.settings, np.asarray(client.local.X, dtype=np.float64)
     if str(config["kind"]) == "ridge":
         extra = []
@@ -153,6 +155,7 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     else:
         alg = s.algorithm
         g = cs.kmeans_sensitivities(X, G, int(alg.k), cs.client_rng(s.seed, s.table, 1), int(alg.iters))
+    g = cs.mix_uniform(G, g, int(config["N"]), float(getattr(s.algorithm, "mix", 0.0)))
     DISState(G, g).save(client.state)
     return {"total": np.array([cs.local_total(G, g)])}, {}
 
