@@ -10,7 +10,8 @@ uses it. A bad reply stops the run with one line naming the table, shard and pha
 - coreset phases: sensitivities ``sens`` and k-means ``labels`` one per row asked (or per client row),
   ``total`` and ``cost`` one finite number, centres ``C`` finite;
 - ``keys``: row ids unique and non-negative, one digest (and label, test flag) per row id;
-- model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table.
+- model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table; a consensus shard's
+  ``used`` mask: 0/1, shaped like its ``theta``.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
                              "the round asked for one number")
     if phase == "keys":
         check_keys(key, out)
+    if "used" in out:
+        used, theta = np.asarray(out["used"]), np.asarray(out.get("theta"))
+        if used.shape != theta.shape or not np.isin(used, (0, 1)).all():
+            raise ReplyError(f"{_who(key, phase)}: reply array 'used' must be a 0/1 mask shaped like 'theta' "
+                             f"{theta.shape}, got {used.dtype} {used.shape}")
 
 
 def check_keys(key: ClientKey, out: Mapping[str, np.ndarray]) -> None:

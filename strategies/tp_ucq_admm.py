@@ -3,7 +3,8 @@ solved by consensus ADMM over its shards.
 
 After the LoJ scatter of epoch t, a table with Q_i > 1 shards runs up to algorithm.inner_rounds rounds:
 every shard solves Eq. 22 against v^q = w - u^q; the coordinator (the server) sets
-w = Q_i rho' (mean theta^q + mean u^q) / (beta + Q_i rho') (Eq. 20, with Q_i where the paper prints M) and
+w = Q_i rho' (mean theta^q + mean u^q) / (beta + Q_i rho') (Eq. 20, with Q_i where the paper prints M; in
+general form, each weight averaged over the shards whose rows use it: consensus_step) and
 u^q += theta^q - w (Eq. 21); it stops early once max_q ||theta^q - w|| < algorithm.inner_tol. Then every shard
 takes w and predicts its rows. w is warm-started across epochs, u reset. rho' (algorithm.rho_inner) defaults
 to `auto`, scaled to the curvature of the shard problem (consensus_rho). Tables with one shard make the
@@ -26,6 +27,22 @@ from tpflower.loj import Balancing, joined_predictions
 from tpflower.params import ADMMParams
 from tpflower.phases import join_admm, setup, union
 from tpflower.relation import has_bias
+
+
+def consensus_step(theta: dict[int, np.ndarray], u: dict[int, np.ndarray], used: dict[int, np.ndarray],
+                   w_prev: np.ndarray, rho_c: float, beta: float) -> tuple[np.ndarray, dict[int, np.ndarray], float]:
+    """Eq. 20 in general form (Boyd et al. 2011, Sec. 7.2): each weight of the consensus model w is averaged
+    over the shards whose rows use it (``used[q]``, a mask over the flat parameters),
+    w = rho' sum_{q uses} (theta^q + u^q) / (beta + |{q uses}| rho'), so a one-hot column held by one shard
+    of Q moves at once instead of by 1/Q per inner round. With every weight used by every shard this is
+    Eq. 20: w = Q rho' (mean theta^q + mean u^q) / (beta + Q rho'). The minimiser is the same (a shard's loss
+    does not depend on the weights it does not use). Returns w, the primal residuals theta^q - w on the
+    weights q uses (0 elsewhere) and the dual residual rho' sqrt(sum_q ||w - w_prev||^2 on q's weights)."""
+    count = sum(m.astype(np.float64) for m in used.values())
+    total = sum(np.where(used[q], theta[q] + u[q], 0.0) for q in theta)
+    w = rho_c * total / (beta + count * rho_c)
+    primal = {q: np.where(used[q], theta[q] - w, 0.0) for q in theta}
+    return w, primal, rho_c * float(np.sqrt(np.sum(count * (w - w_prev) ** 2)))
 
 
 class TPUCQADMM(TPJoinADMM):
@@ -61,27 +78,25 @@ class TPUCQADMM(TPJoinADMM):
                 if r == 0:
                     h.update({t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards})
                               for t in self.spec.table_names if t not in multi})
+                    # which parameters each shard's rows use (not sent under feature DP: all)
+                    used = {k: np.asarray(replies[k][0]["used"], dtype=bool) if "used" in replies[k][0]
+                            else np.ones(w[k[0]].shape, dtype=bool) for k in self.clients if k[0] in multi}
                 residual = dual = 0.0
                 for t in multi:
-                    theta = {q: np.asarray(replies[(t, q)][0]["theta"], dtype=np.float64) for q in routers[t].shards}
-                    Q = len(theta)
-                    theta_bar = sum(theta.values()) / Q
-                    u_bar = sum(u[(t, q)] for q in theta) / Q
-                    w_prev = w[t]
-                    w[t] = Q * rho_c[t] * (theta_bar + u_bar) / (beta + Q * rho_c[t])  # Eq. 20
-                    primal_sq = 0.0
-                    for q in theta:
-                        u[(t, q)] += theta[q] - w[t]  # Eq. 21 (u scaled: u = y / rho')
-                        residual = max(residual, float(np.linalg.norm(theta[q] - w[t])))
-                        primal_sq += float(np.sum((theta[q] - w[t]) ** 2))
-                    # consensus residuals (Boyd Sec. 7.1): primal (theta^q - w)_q, dual rho' sqrt(Q) (w - w_prev)
-                    dual_t = rho_c[t] * np.sqrt(Q) * float(np.linalg.norm(w[t] - w_prev))
+                    shards = routers[t].shards
+                    theta = {q: np.asarray(replies[(t, q)][0]["theta"], dtype=np.float64) for q in shards}
+                    w[t], primal, dual_t = consensus_step(
+                        theta, {q: u[(t, q)] for q in shards}, {q: used[(t, q)] for q in shards}, w[t], rho_c[t], beta)
+                    for q in shards:  # Eq. 21 (u scaled: u = y / rho'); 0 on the weights q does not use
+                        u[(t, q)] = np.where(used[(t, q)], u[(t, q)], 0.0) + primal[q]
+                    residual = max(residual, max(float(np.linalg.norm(p)) for p in primal.values()))
                     dual = max(dual, dual_t)
                     if inner_balance is not None and r + 1 < inner_rounds:
-                        f = inner_balance.factor(np.sqrt(primal_sq), dual_t)  # Boyd Eq. 3.13
+                        primal_norm = float(np.sqrt(sum(float(np.sum(p ** 2)) for p in primal.values())))
+                        f = inner_balance.factor(primal_norm, dual_t)  # Boyd Eq. 3.13
                         if f != 1.0:
                             rho_c[t] *= f
-                            for q in theta:  # the scaled dual u = y / rho' follows rho' (Boyd Sec. 3.4.1)
+                            for q in shards:  # the scaled dual u = y / rho' follows rho' (Boyd Sec. 3.4.1)
                                 u[(t, q)] /= f
                 if residual < inner_tol and dual < inner_tol:
                     break

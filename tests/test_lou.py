@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from simulations.federated import run_in_process
+from strategies.tp_ucq_admm import consensus_step
+from tpflower.phases import union
 from tests.conftest import make_cfg
 
 
@@ -146,3 +149,47 @@ def test_binning_of_small_shards_is_refused_by_default(tmp_path):
     with pytest.raises(RunError, match=r"table 'customers' shard \d: column 'age' has \d+ observed fit values.*"
                                        r"min_sketch_rows=2048.*table owner can lower min_sketch_rows"):
         run("algorithm=sgd", "scenario=ucq", "epochs=1", dataset=shop_with_shards(tmp_path), base_dir=tmp_path)
+
+
+def test_consensus_step_is_eq20_when_every_shard_uses_every_weight_and_general_form_otherwise():
+    rng = np.random.default_rng(0)
+    Q, rho, beta = 3, 0.7, 0.2
+    theta = {q: rng.normal(size=5) for q in range(Q)}
+    u = {q: rng.normal(size=5) for q in range(Q)}
+    w_prev = rng.normal(size=5)
+    ones = {q: np.ones(5, dtype=bool) for q in range(Q)}
+    w, primal, dual = consensus_step(theta, u, ones, w_prev, rho, beta)
+    mean = sum(theta.values()) / Q + sum(u.values()) / Q
+    np.testing.assert_allclose(w, Q * rho * mean / (beta + Q * rho), rtol=1e-14)  # Eq. 20
+    np.testing.assert_allclose(dual, rho * np.sqrt(Q) * np.linalg.norm(w - w_prev), rtol=1e-14)
+    for q in range(Q):
+        np.testing.assert_allclose(primal[q], theta[q] - w, rtol=1e-14)
+    # weight 0 used by shard 1 only, weight 1 by no shard: averaged over its users only / the ridge minimiser 0
+    used = {q: np.ones(5, dtype=bool) for q in range(Q)}
+    for q in range(Q):
+        used[q][1] = False
+        if q != 1:
+            used[q][0] = False
+    w, primal, dual = consensus_step(theta, u, used, w_prev, rho, beta)
+    assert w[0] == pytest.approx(rho * (theta[1][0] + u[1][0]) / (beta + rho), rel=1e-14)
+    assert w[1] == 0.0
+    np.testing.assert_allclose(w[2:], (Q * rho * mean / (beta + Q * rho))[2:], rtol=1e-14)
+    assert all(primal[q][1] == 0 for q in range(Q)) and primal[0][0] == 0 and primal[1][0] != 0
+    count = np.array([1, 0, Q, Q, Q])
+    assert dual == pytest.approx(rho * np.sqrt(np.sum(count * (w - w_prev) ** 2)), rel=1e-14)
+
+
+def test_general_form_consensus_reaches_the_join_where_categories_live_in_one_shard(tmp_path, monkeypatch):
+    """The customers' segment 'vip' and every customer's own rows live in one shard of three: averaging each
+    weight over the shards that use it (the default) matches TP-Join-ADMM within the default 10 inner rounds;
+    the plain average of Eq. 20 over all shards (what feature-DP shards get) lags."""
+    dataset = shop_with_shards(tmp_path)
+    common = (SMALL_SHARD_SKETCHES, "algorithm=admm", "precision=float64", "epochs=4", "model.init=zeros")
+    join = history(run(*common, dataset=dataset, base_dir=tmp_path))[-1]
+    general = history(run(*common, "scenario=ucq", dataset=dataset, base_dir=tmp_path))[-1]
+    monkeypatch.setattr(union, "used_parameters", lambda model, cols: torch.ones(
+        sum(p.numel() for p in model.parameters()), dtype=torch.bool))
+    plain = history(run(*common, "scenario=ucq", dataset=dataset, base_dir=tmp_path))[-1]
+    gap, gap_plain = abs(general / join - 1), abs(plain / join - 1)
+    print(f"join {join:.6f} general {general:.6f} ({gap:.2e}) plain {plain:.6f} ({gap_plain:.2e})")
+    assert gap < 1e-3 and gap_plain > 3 * gap

@@ -103,6 +103,15 @@ def test_the_width_of_predictions_is_d_out():
     check_reply(("t", 0), sent, ({"h": np.full((4, 1), MAX_ABS)}, {}), 4, 1)  # at the bound: accepted
 
 
+def test_a_consensus_mask_must_be_0_1_and_shaped_like_theta():
+    sent = ({"Y": np.zeros((4, 1)), "v": np.zeros(3)}, {"phase": "admm_shard"})
+    theta = np.zeros(3)
+    check_reply(("t", 1), sent, ({"theta": theta, "used": np.array([1, 0, 1], np.uint8)}, {}), 4, 1)
+    for used in (np.array([1, 0], np.uint8), np.array([1, 2, 0])):
+        with pytest.raises(ReplyError, match=r"table 't' shard 1, phase 'admm_shard': reply array 'used' must be"):
+            check_reply(("t", 1), sent, ({"theta": theta, "used": used}, {}), 4, 1)
+
+
 def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_example():
     from simulations.federated import run_in_process
 

@@ -143,6 +143,22 @@ def _first_linear(module: nn.Module) -> nn.Linear | None:
     return None
 
 
+def used_parameters(module: nn.Module, column_used: Tensor) -> Tensor:
+    """Which entries of the flat parameter vector (``parameters_to_vector`` order) the data loss can depend on,
+    given which input columns hold a non-zero value (``column_used``, bool of length d_in): the first Linear
+    layer's weights of an all-zero column never receive a data gradient; every other parameter may. The
+    general-form consensus of TP-UCQ-ADMM (Boyd et al. 2011, Sec. 7.2) averages a weight only over the shards
+    that use it."""
+    first = _first_linear(module)
+    masks = []
+    for p in module.parameters():
+        if first is not None and p is first.weight:
+            masks.append(column_used.to(torch.bool).expand_as(p))
+        else:
+            masks.append(torch.ones_like(p, dtype=torch.bool))
+    return torch.cat([m.reshape(-1) for m in masks]) if masks else torch.zeros(0, dtype=torch.bool)
+
+
 class JoinedModel(nn.Module):
     """The centralized model on the materialized join: ``H = sum_i f_i(X[:, cols_i])``.
 

@@ -2,7 +2,8 @@
 
   sgd_partial     {Y}                  -> {g}            Eq. 18: unnormalised partial gradient on the pending rows
   sgd_apply       {g, rows, (eval_rows)} -> {h, (h_eval)} Eq. 19: the coordinator's step, then predict
-  admm_shard      {(Y), v}             -> {theta}        Eq. 22: consensus step with v = w - u^q (Y with an epoch's first)
+  admm_shard      {(Y), v}             -> {theta, (used)} Eq. 22: consensus step with v = w - u^q (Y with an epoch's
+                                                         first; with it, without feature DP, the parameters its rows use)
   admm_consensus  {w}                  -> {h}            Eq. 20: theta = w, predict every row
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
+from tpflower.models import used_parameters
 from tpflower.records import Arrays
 from tpflower.state import StateRecord
 from tpflower.guard import Phase, sharded, unsharded
@@ -89,7 +91,12 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
             alg.local_lr, alg.local_batch_size, client.local_generator(config), prox=(client.tensor(v), rho_c),
         )
     client.state.save_model(model)
-    return {"theta": client.theta(model).astype(np.float64)}, privacy
+    out = {"theta": client.theta(model).astype(np.float64)}
+    if "Y" in arrays and not client.dp.on:
+        # for the general-form consensus (Boyd Sec. 7.2). Which weights the rows use is what theta^q = v on the
+        # unused ones shows anyway; under feature DP theta^q is noisy and the server averages plainly instead
+        out["used"] = used_parameters(model, torch.as_tensor((X != 0).any(axis=0))).numpy().astype(np.uint8)
+    return out, privacy
 
 
 def admm_consensus(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
