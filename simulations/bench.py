@@ -8,6 +8,8 @@
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
                                                                   -> bench_results/scale.json
     python -m simulations.bench deploy [--datasets movielens,star_2m] -> bench_results/deploy.json
+    python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
+                                                                  -> bench_results/coreset-D-TASK.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -614,7 +616,8 @@ SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}
                                                      a.mlp),
           "scale": lambda a: scale_suite(_ints(a.scale_n), a.epochs, a.mapping_n, _ints(a.server_n)),
           "celu": lambda a: __import__("simulations.bench_celu", fromlist=["run_suite"]).run_suite(a),
-          "deploy": lambda a: _deploy(a)}
+          "deploy": lambda a: _deploy(a),
+          "coreset": lambda a: __import__("simulations.bench_coreset", fromlist=["_"]).coreset_suite(a)}
 
 
 def _deploy(a: argparse.Namespace) -> dict[str, Any]:
@@ -662,11 +665,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale-n", default=",".join(str(n) for n in SCALE_N), help="scale: joined rows N of the Flower runs")
     ap.add_argument("--server-n", default="10000000", help="scale: N of the server-state measurement (float32 and float64)")
     ap.add_argument("--mapping-n", type=int, default=100_000_000, help="scale: N of the mapping alone (0: skip)")
+    ap.add_argument("--dataset", default="movielens", help="coreset: the dataset")
+    ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
+    ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
+    ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
     result["machine"] = {"cpus": __import__("os").cpu_count(), "python": platform.python_version()}
-    out = a.out or Path("bench_results") / f"{a.case}.json"
+    out = a.out or Path("bench_results") / f"{result['case'] if a.case == 'coreset' else a.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -59,6 +59,7 @@ class LoJStrategy(TablePuppetStrategy):
     params_type: type[AlgorithmParams] = AlgorithmParams
     expand = False  # VFL baselines: clients expand their tables to the joined rows (no duplicate reduction)
     resumable = False  # the protocol checkpoints every epoch (begin / checkpoint_config / end_epoch)
+    one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
     checkpointed = EPOCH_STATE  # the attributes an epoch's checkpoint keeps (subclasses add theirs)
 
     def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
@@ -87,6 +88,9 @@ class LoJStrategy(TablePuppetStrategy):
         self._t0 = time.perf_counter()
         self.run_id = secrets.token_hex(16)  # names this run's checkpoints on the nodes (kept when resumed)
         self.resume = bool(cfg.get("resume", False))
+        if self.resume and self.one_shot:
+            raise ValueError(f"resume=true: {self.algorithm} runs in one shot (no epochs, no checkpoint to resume "
+                             "from); run it again")
         if self.resume and not self.resumable:
             from strategies.registry import entries
 

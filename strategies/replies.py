@@ -7,6 +7,8 @@ uses it. A bad reply stops the run with one line naming the table, shard and pha
 - predictions ``h``: one row per row the message asked for (its ``rows``; all the client's rows otherwise),
   ``d_out`` columns; ``h_eval``: one row per ``eval_rows``;
 - the arrays a phase must return are there (:data:`REQUIRED`);
+- coreset phases: sensitivities ``sens`` and k-means ``labels`` one per row asked (or per client row),
+  ``total`` and ``cost`` one finite number, centres ``C`` finite;
 - ``keys``: row ids unique and non-negative, one digest (and label, test flag) per row id;
 - model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table; a consensus shard's
   ``used`` mask: 0/1, shaped like its ``theta``.
@@ -33,7 +35,23 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "sgd_step": ("h",),
     "sgd_apply": ("h",),
     "sgd_partial": ("g",),
+    # coresets and k-means (strategies/coreset.py, kmeans.py)
+    "sensitivity": ("total",),
+    "sample": ("rows",),
+    "weigh": ("sens",),
+    "coreset_admm_setup": ("h",),
+    "coreset_admm_update": ("h",),
+    "coreset_predict": ("h",),
+    "kmeans_local": ("labels", "C"),
+    "kmeans_assign": ("labels",),
+    "kmeans_cost": ("cost",),
 }
+#: per-row replies of the coreset phases: (array, the request's array naming its rows); none sent: every row
+ROW_REPLIES = (("sens", "rows"), ("labels", "rows"))
+#: one number: a sensitivity total (DIS round 1), a table's k-means cost share
+SCALAR_REPLIES = ("total", "cost")
+#: other numbers that must be finite (sensitivities, k-means centres, totals, costs)
+FINITE = ("sens", "C", "total", "cost")
 MODEL_SHAPED = ("theta", "g")
 MODEL_OUTPUTS = ("h", "h_eval", "theta", "g")
 
@@ -86,6 +104,21 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
             _rows(key, phase, name, h, n_rows, "the client's rows")
         if d_out is not None and (h.ndim != 2 or h.shape[1] != d_out):
             raise ReplyError(f"{_who(key, phase)}: reply array {name!r} has shape {h.shape}; predictions have {d_out} column(s)")
+    for name in FINITE:
+        if name in out:
+            a = np.asarray(out[name])
+            if a.dtype.kind in "fc" and not np.isfinite(a).all():
+                raise ReplyError(f"{_who(key, phase)}: reply array {name!r} holds non-finite values")
+    for name, asked in ROW_REPLIES:
+        if name in out:
+            if asked in arrays:
+                _rows(key, phase, name, np.asarray(out[name]), len(arrays[asked]), f"the rows of its {asked!r}")
+            elif n_rows is not None:
+                _rows(key, phase, name, np.asarray(out[name]), n_rows, "the client's rows")
+    for name in SCALAR_REPLIES:
+        if name in out and np.asarray(out[name]).size != 1:
+            raise ReplyError(f"{_who(key, phase)}: reply array {name!r} holds {np.asarray(out[name]).size} values; "
+                             "the round asked for one number")
     if phase == "keys":
         check_keys(key, out)
     if "used" in out:

@@ -368,3 +368,148 @@ def test_resume_only_restores_a_fresh_nodes_own_checkpoint_under_its_privacy(tmp
     assert restored.keys() == run.theta(("d1", 0)).keys()
     for name, value in restored.items():
         np.testing.assert_array_equal(value, run.theta(("d1", 0))[name])
+
+
+# ------------------------------------------------------------------------------------ coresets and k-means
+
+
+def coreset_client(overrides: str, table: str = "d1") -> tuple[object, Context, int]:
+    """A fresh client of ``table`` for the run ``overrides``, through its keys round: (app, context, n rows)."""
+    cfg = compose_config(*overrides.split())
+    app = client_app_for(cfg)
+    for partition in range(4):
+        context = Context(run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={})
+        if hello(app, context)["table"] == table:
+            break
+    keys = unpack_reply(call(app, context, "train", {}, {"phase": "keys"}).content)[0]
+    return app, context, len(keys["row_ids"])
+
+
+KMEANS = "algorithm=kmeans dataset=synthetic algorithm.k=10 precision=float64"
+
+
+def kmeans_client() -> tuple[object, Context, np.ndarray, np.ndarray, np.ndarray]:
+    """A k-means client after DistDim's local step on G = 2 per row: (app, context, G, labels, its centres)."""
+    app, context, n = coreset_client(KMEANS)
+    G = np.full(n, 2, dtype=np.uint8)
+    out = unpack_reply(call(app, context, "train", {"G": G}, {"phase": "kmeans_local"}).content)[0]
+    return app, context, G, out["labels"].astype(np.int64), out["C"]
+
+
+def cost_query(rows, centres, counts, C) -> dict:
+    return {"rows": np.asarray(rows, dtype=np.int32), "centres": np.asarray(centres, dtype=np.uint8),
+            "counts": np.asarray(counts, dtype=np.uint8), "C": C}
+
+
+def test_kmeans_cost_gives_one_number_never_a_rows_distances():
+    """The full-join k-means cost (strategies/kmeans.py): the server picks the centres, so per-row squared
+    distances to them would give away the features (k - 1 >= d_i: differences are linear in x). The client
+    answers ONE number over all its rows, each with all its G_iu joined rows."""
+    app, context, G, labels, C_local = kmeans_client()
+    n, d = len(G), C_local.shape[1]
+    C = np.random.default_rng(0).normal(size=(10, d))  # centres the server chose (k - 1 = 9 >= d)
+    # one row isolated (its distance to a centre of the server's choice): the other rows' counts are missing
+    refused(app, context, r"the counts of \d+ row\(s\) do not add up to the row's G_iu", "train",
+            cost_query([0], [3], [2], C), {"phase": "kmeans_cost"})
+    assert context.state.get("kmeans.cost_answered") is None  # a refusal spends nothing
+    # every row but one counted with its G: still refused (row 5 counted once, G = 2)
+    rows = np.arange(n)
+    counts = np.where(rows == 5, 1, 2)
+    refused(app, context, r"row 5: 1 vs G = 2", "train", cost_query(rows, labels % 10, counts, C), {"phase": "kmeans_cost"})
+    # a (row, centre) pair twice (to split a row's G over a pair the check would add up)
+    refused(app, context, "appears twice", "train",
+            cost_query(np.r_[rows, 0], np.r_[labels % 10, labels[0] % 10], np.r_[np.full(n, 2), 0 + 1], C),
+            {"phase": "kmeans_cost"})
+    # the honest query: one number, sum_u G_u ||x_u - C_c(u)||^2
+    assign = labels % 10
+    reply = unpack_reply(call(app, context, "train", cost_query(rows, assign, np.full(n, 2), C),
+                              {"phase": "kmeans_cost"}).content)[0]
+    assert set(reply) == {"cost"} and reply["cost"].size == 1
+    from simulations.client_app import make_client
+
+    X = np.asarray(make_client(compose_config(*KMEANS.split()), context).local.X, dtype=np.float64)
+    np.testing.assert_allclose(reply["cost"][0], (2 * ((X - C[assign]) ** 2).sum(1)).sum(), rtol=1e-12)
+    # a second query differing in one row's centre would difference out that row's distances: refused
+    assign2 = assign.copy()
+    assign2[0] = (assign[0] + 1) % 10
+    refused(app, context, "the cost is answered once per run", "train", cost_query(rows, assign2, np.full(n, 2), C),
+            {"phase": "kmeans_cost"})
+
+
+def test_kmeans_cost_once_per_run_also_after_a_whole_run():
+    from strategies.kmeans import DistDimKMeans
+
+    cfg = compose_config(*KMEANS.split())
+    run = run_in_process(cfg, None, log=lambda _: None)
+    assert isinstance(run.strategy, DistDimKMeans)
+    key = ("d1", 0)
+    n = run.strategy.mapping.n_rows["d1"]
+    G = run.strategy.mapping.G("d1")
+    refused(client_app_for(cfg), run.contexts[key], "the cost is answered once per run", "train",
+            cost_query(np.arange(n), np.zeros(n), G, run.strategy.centres[:, :4]), {"phase": "kmeans_cost"})
+
+
+CORESET = "algorithm=coreset dataset=synthetic algorithm.m=50"
+
+
+def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:
+    """A coreset client through DIS rounds 1 and 2 (G = 1 on every row but row 0, which is not in the join)."""
+    app, context, n = coreset_client(overrides)
+    G = np.ones(n, dtype=np.uint8)
+    G[0] = 0
+    call(app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": int(G.sum())})
+    call(app, context, "train", {"a": np.array([10])}, {"phase": "sample"})
+    return app, context, G
+
+
+def test_dis_bounds_the_rows_a_server_asks_about():
+    app, context, n = coreset_client(CORESET)
+    call(app, context, "train", {"G": np.ones(n, dtype=np.uint8)}, {"phase": "sensitivity", "kind": "ridge", "N": n})
+    refused(app, context, r"a_i = 51 draws; at most algorithm.m = 50", "train", {"a": np.array([51])}, {"phase": "sample"})
+    weigh = {"phase": "weigh"}
+    # more than m rows, repeated ids, rows outside the table or outside the join: refused, nothing spent
+    for rows, match in ((np.arange(1, 52), "51 rows asked; a coreset has at most algorithm.m = 50"),
+                        (np.array([3, 3, 4]), "repeats row ids"),
+                        (np.array([n]), f"outside its {n} rows"),
+                        (np.array([0, 1]), "do not occur in the join")):
+        app, context, _ = dis_client()
+        refused(app, context, match, "train", {"rows": rows.astype(np.int32)}, weigh)
+    app, context, _ = dis_client()
+    asked = np.arange(1, 41, dtype=np.int32)
+    sens = unpack_reply(call(app, context, "train", {"rows": asked}, weigh).content)[0]["sens"]
+    assert sens.shape == (40,)
+    # once per construction (per run): a second weigh, even about other rows, is refused
+    refused(app, context, "answered once per run", "train", {"rows": np.arange(41, 45, dtype=np.int32)}, weigh)
+    # the training rows are coreset rows: rows it was not asked to weigh are refused
+    setup = {"phase": "coreset_admm_setup", "N": 100, "rho": 1.0, "d_out": 1}
+    refused(app, context, r"1 row\(s\) outside the coreset", "train",
+            {"rows": np.array([1, 45], dtype=np.int32), "G": np.ones(2)}, setup)
+
+
+def test_coreset_training_and_evaluation_rows_are_bounded():
+    # uniform sampling (no DIS): the training rows of the whole run are at most m distinct rows
+    app, context, n = coreset_client(f"{CORESET} algorithm.sampling=uniform algorithm.train=sgd")
+    call(app, context, "train", {"rows": np.arange(30, dtype=np.int32)}, {"phase": "predict", "d_out": 1})
+    refused(app, context, "would ask about 60 distinct training rows of this table; a coreset has at most "
+            "algorithm.m = 50", "train", {"Y": np.zeros((30, 1)), "rows": np.arange(30, 60, dtype=np.int32)},
+            {"phase": "sgd_step", "batch_size": 30})
+    app, context, n = coreset_client(f"{CORESET} algorithm.sampling=uniform algorithm.train=sgd")
+    call(app, context, "train", {"rows": np.arange(30, dtype=np.int32)}, {"phase": "predict", "d_out": 1})
+    refused(app, context, "evaluation rows go through coreset_predict only", "train",
+            {"Y": np.zeros((30, 1)), "rows": np.arange(30, dtype=np.int32), "eval_rows": np.arange(n, dtype=np.int32)},
+            {"phase": "sgd_step", "batch_size": 30})
+    # the evaluation: the same rows every time, at most once per training step
+    app, context, n = coreset_client(f"{CORESET} algorithm.sampling=uniform")
+    rows = np.arange(20, dtype=np.int32)
+    call(app, context, "train", {"rows": rows, "G": np.ones(20)}, {"phase": "coreset_admm_setup", "N": 100, "rho": 1.0,
+                                                                   "d_out": 1})
+    test_rows = np.arange(100, 200, dtype=np.int32)
+    refused(app, context, "refuses phase 'coreset_predict': at most once per step", "train", {"rows": test_rows},
+            {"phase": "coreset_predict"})  # never before a training step
+    call(app, context, "train", {"Y": np.zeros((20, 1))}, {"phase": "coreset_admm_update"})
+    call(app, context, "train", {"rows": test_rows}, {"phase": "coreset_predict"})
+    refused(app, context, "refuses phase 'coreset_predict': at most once per step", "train", {"rows": test_rows},
+            {"phase": "coreset_predict"})
+    call(app, context, "train", {"Y": np.zeros((20, 1))}, {"phase": "coreset_admm_update"})
+    refused(app, context, "other rows than its first evaluation's", "train", {"rows": test_rows[1:]},
+            {"phase": "coreset_predict"})

@@ -122,3 +122,20 @@ def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_exampl
                                            r"\d+ rows share a value, e.g. movieId=\d+ \(row \d+\)"):
         run("+dataset.tables.movies.unique=true")  # one row per movie AND genre: not unique
     assert run("+dataset.tables.users.unique=true", "algorithm.rho=3").strategy.finished  # one row per user
+
+
+@pytest.mark.parametrize("overrides, phase, tamper, match", [
+    (("algorithm=coreset", "algorithm.m=100"), "weigh", lambda o: {**o, "sens": o["sens"][:-1]},
+     "reply array 'sens' has .* rows; the round asked for"),
+    (("algorithm=coreset", "algorithm.m=100"), "sensitivity", lambda o: {**o, "total": np.r_[o["total"], 1.0]},
+     "reply array 'total' holds 2 values; the round asked for one number"),
+    (("algorithm=coreset", "algorithm.m=100"), "coreset_admm_update", short, "reply array 'h' has .* rows"),
+    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_local", lambda o: {**o, "labels": o["labels"][:-1]},
+     "reply array 'labels' has .* rows; the round asked for .* \\(the client's rows\\)"),
+    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_cost", lambda o: {"cost": np.r_[o["cost"], o["cost"]]},
+     "reply array 'cost' holds 2 values"),
+    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_cost", lambda o: {}, "the reply lacks array\\(s\\) 'cost'"),
+], ids=["weigh-short", "total-two", "coreset-h-short", "labels-short", "cost-two", "cost-missing"])
+def test_coreset_and_kmeans_replies_are_checked(overrides, phase, tamper, match):
+    with pytest.raises(ReplyError, match=f"table 'd1' shard 0, phase '{phase}': {match}"):
+        run_tampered("d1", phase, tamper, *overrides)

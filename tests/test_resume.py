@@ -77,7 +77,10 @@ SGD = ("algorithm.batch_size=4000",)
     (("algorithm=vfl_admm",), None),
     (("scenario=ucq", "algorithm.inner_rounds=3"), None),
     (("scenario=ucq", "algorithm=sgd", *SGD), None),
-], ids=["admm", "admm-label-dp", "sgd", "sgd-eval-every", "celu", "vfl-admm", "ucq-admm", "ucq-sgd"])
+    (("algorithm=coreset", "algorithm.m=300"), "d2"),
+    (("algorithm=coreset", "algorithm.m=300", "algorithm.train=sgd", "algorithm.batch_size=100"), None),
+], ids=["admm", "admm-label-dp", "sgd", "sgd-eval-every", "celu", "vfl-admm", "ucq-admm", "ucq-sgd", "coreset-admm",
+        "coreset-sgd"])
 def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path, overrides, crash_at):
     full = run_in_process(compose_config(*RUN, *overrides), tmp_path / "full", log=quiet)
     run_dir = tmp_path / "resumed"
@@ -137,9 +140,17 @@ def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
 
 
 def test_every_registered_algorithm_resumes():
+    """Every algorithm with epochs resumes; a one-shot one (k-means: DistDim has no epochs) refuses by name."""
     from strategies.registry import entries
 
-    assert [e.name for e in entries() if not e.strategy.resumable] == []
+    assert [e.name for e in entries() if not e.strategy.resumable and not e.strategy.one_shot] == []
+    assert {e.name for e in entries() if e.strategy.one_shot} == {"kmeans", "coreset_kmeans"}
+
+
+@pytest.mark.parametrize("algorithm", ["kmeans", "coreset_kmeans"])
+def test_a_one_shot_algorithm_refuses_resume_naming_it(tmp_path, algorithm):
+    with pytest.raises(ValueError, match=f"resume=true: {algorithm} runs in one shot"):
+        make_strategy(compose_config("dataset=synthetic", f"algorithm={algorithm}", "resume=true"), tmp_path, log=quiet)
 
 
 @pytest.mark.slow

@@ -1,0 +1,115 @@
+"""Issue 13's benchmark (seed 004 Table 1 over joins): coreset vs uniform sampling vs the full data.
+
+    python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
+        -> bench_results/coreset-D-TASK.json
+
+Ridge: test RMSE after ``epochs`` epochs of weighted TP-Join-ADMM on the coreset (algorithm=coreset defaults),
+full data = TP-Join-ADMM ``epochs`` epochs and the exact ridge. k-means (k = 10, every table's features): the
+full-join cost of the clustering (strategies/kmeans.py), full data = DistDim (``full_reps`` seeds). Bytes:
+measured payload bytes of all training rounds (construction included; evaluation rounds excluded). The whole
+case runs in one fresh subprocess (its runs in-process: the same strategy and ClientApp as under Flower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _run_quiet(*overrides: str) -> Any:
+    """One in-process run, its results record."""
+    from simulations.config import compose_config
+    from simulations.federated import run_in_process
+
+    return run_in_process(compose_config(*overrides), None, log=lambda _: None).strategy.results
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0, "n": len(a)}
+
+
+def _bytes(results: Any) -> float:
+    return results.history[-1].bytes_up + results.history[-1].bytes_down
+
+
+def coreset_case(dataset: str, task: str, ms: list[int], reps: int, epochs: int = 10, full_reps: int = 3,
+                 extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Coreset (DIS) vs uniform at each m, ``reps`` repetitions (seeds 0..reps-1), next to the full data."""
+    t0 = time.perf_counter()
+    base = (f"dataset={dataset}", f"epochs={epochs}")
+    if task == "ridge":
+        from simulations.config import compose_config
+        from simulations.run import run_job
+
+        admm = _run_quiet(*base, "algorithm=admm")
+        with tempfile.TemporaryDirectory() as tmp:
+            exact = run_job(compose_config(*base, "algorithm=centralized", "algorithm.solver=exact"), Path(tmp))
+        full = {"tp_join_admm": {"metric": admm.history[-1].test_metric, "bytes": _bytes(admm),
+                                 "rounds": admm.history[-1].rounds},
+                "exact_ridge": {"metric": exact.history[-1].test_metric}}
+        algorithm, ref_bytes = "coreset", _bytes(admm)
+    else:
+        runs = [_run_quiet(*base, "algorithm=kmeans", f"seed={s}") for s in range(full_reps)]
+        full = {"distdim": {"metric": _summary([r.history[-1].test_metric for r in runs]), "bytes": _bytes(runs[0]),
+                            "rounds": runs[0].history[-1].rounds}}
+        algorithm, ref_bytes = "coreset_kmeans", _bytes(runs[0])
+    rows = []
+    for m in ms:
+        for sampling in ("sensitivity", "uniform"):
+            metric, nbytes, cbytes = [], [], []
+            for rep in range(reps):
+                r = _run_quiet(*base, f"algorithm={algorithm}", f"algorithm.m={m}", f"algorithm.sampling={sampling}",
+                               f"seed={rep}", *extra)
+                metric.append(r.history[-1].test_metric)
+                nbytes.append(_bytes(r))
+                cbytes.append(r.history[-1].extra["construction_bytes"])
+            rows.append({"m": m, "sampling": sampling, "metric": _summary(metric), "bytes": _summary(nbytes),
+                         "construction_bytes": _summary(cbytes), "less_traffic_than_full": ref_bytes / np.mean(nbytes),
+                         "values": metric})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "values"}), file=sys.stderr, flush=True)
+    return {"case": f"coreset-{dataset}-{task}", "dataset": dataset, "task": task, "reps": reps, "epochs": epochs,
+            "extra_overrides": list(extra), "full": full, "runs": rows, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def coreset_suite(a: argparse.Namespace) -> dict[str, Any]:
+    """``python -m simulations.bench coreset``: one (dataset, task) case in a fresh subprocess."""
+    args = {"dataset": a.dataset, "task": a.task, "reps": a.reps, "ms": [int(x) for x in a.ms.split(",")],
+            "extra": list(a.coreset_overrides.split()) if getattr(a, "coreset_overrides", "") else []}
+    code = ("import json,sys; from simulations.bench_coreset import coreset_case; "
+            "print(json.dumps(coreset_case(**json.loads(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    sys.stderr.write(out.stderr[-20000:])
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark case coreset {args} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A variant with extra overrides (e.g. algorithm.mix=0.5), written beside the default case:
+    python -m simulations.bench_coreset --dataset D --task T --extra "algorithm.mix=0.5" --out FILE"""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--dataset", default="movielens")
+    ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ms", default="500,1000,2000,4000")
+    ap.add_argument("--extra", default="", help="extra Hydra overrides of the coreset runs (space-separated)")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    a.coreset_overrides = a.extra
+    result = coreset_suite(a)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written: {a.out}")
+
+
+if __name__ == "__main__":
+    main()

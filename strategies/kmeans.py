@@ -1,0 +1,155 @@
+"""Vertical k-means over joins (seed 004: Alg. 3 VKMC; DistDim of Ding et al. 2016), server side.
+
+algorithm=kmeans: DistDim on the full join. Each table runs k-means on its own rows weighted by G_iu (= k-means
+on its expanded slice of the join) and sends one centre label per ROW (n_i labels, not N) and its k centres;
+the server gives every cell of the k^T product grid the number of joined rows whose labels (label_i[p_i(j)])
+fall in it and runs weighted k-means on the non-empty cells (each cell's point: its tables' centres, side by
+side). algorithm=coreset_kmeans: the same on a DIS coreset (local k-means++ sensitivities, alpha = 2; or
+sampling=uniform), each table clustering the coreset's rows with their weights.
+
+The metric, for every run: the cost per point on the FULL join of the clustering DistDim outputs, computed
+from aggregates only (evaluation rounds, not training traffic). Every joined row j falls in the grid cell of
+its tables' local labels and every cell is assigned to its nearest final centre, so j gets a final centre
+c(j) (coreset_kmeans: each table first labels ALL its rows with their nearest local centre, ``kmeans_assign``).
+The server sends each table i the sparse counts n_i x k, counts[u, c] = |{j : p_i(j) = u, c(j) = c}|, and its
+block C_i of the final centres; the table checks that every row's counts add up to its G_iu and returns ONE
+number, sum_u sum_c counts[u, c] ||x_iu - C_ic||^2, once per run. The sum over tables divided by N is
+(1/N) sum_j ||x_j - C_c(j)||^2: the cost of the induced assignment, an upper bound on the nearest-centre cost
+(1/N) sum_j min_c ||x_j - c||^2. Why not the nearest-centre cost: it needs every row's distances to the k
+centres, and n_i x k squared distances to centres the server knows give away each row's features once
+k - 1 >= d_i (differences of squared distances are linear in x). Labels are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from strategies.coreset import DISStrategy, compact_counts
+from strategies.registry import AlgorithmEntry, register
+from tpflower.coreset import CoresetKMeansParams, KMeansParams, sq_distances, weighted_kmeans
+from tpflower.guard import Protocol
+from tpflower.loj import BatchPlan
+from tpflower.mapping import segment_sum
+from tpflower.phases import coreset as phases
+from tpflower.phases import setup
+from tpflower.results import EpochRecord, epoch_line
+
+METRIC = "kmeans_cost"
+
+
+def grid_cells(labels: list[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct cells (rows of per-table labels) of the product grid that hold a point, and the cell of
+    every point (np.unique over the encoded labels)."""
+    L = np.stack([np.asarray(lab, dtype=np.int64) for lab in labels], axis=1)
+    if k ** L.shape[1] < 2**62:
+        code = L @ (k ** np.arange(L.shape[1] - 1, -1, -1, dtype=np.int64))
+        _, first, inv = np.unique(code, return_index=True, return_inverse=True)
+        return L[first], inv.reshape(-1)
+    cells, inv = np.unique(L, axis=0, return_inverse=True)
+    return cells, inv.reshape(-1)
+
+
+def cell_points(cells: np.ndarray, local_C: list[np.ndarray]) -> np.ndarray:
+    """Each grid cell's point: its tables' local centres side by side."""
+    return np.hstack([C[cells[:, i]] for i, C in enumerate(local_C)])
+
+
+def assignment_counts(p: np.ndarray, assign: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sparse counts[u, c] = |{j : p(j) = u, assign(j) = c}| as (rows, centres, counts), vectorized."""
+    code = np.asarray(p, dtype=np.int64) * k + np.asarray(assign, dtype=np.int64)
+    keys, counts = np.unique(code, return_counts=True)
+    return keys // k, keys % k, counts
+
+
+class DistDimKMeans(DISStrategy):
+    """algorithm=kmeans: DistDim on the full join."""
+
+    algorithm = "kmeans"
+    params_type = KMeansParams
+    kind = "kmeans"
+    uses_coreset = False
+    one_shot = True
+
+    def protocol(self) -> None:
+        self.setup()
+        if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
+            raise ValueError(f"algorithm={self.algorithm} runs on the join scenario (one client per table)")
+        assert self.results is not None and self.comm is not None
+        self.results.metric = METRIC
+        mapping, k, alg = self.mapping, self.params.k, self.params
+        self.construction = {"rounds": 0.0, "bytes_up": 0.0, "bytes_down": 0.0, "distinct_rows": float(mapping.N)}
+        if self.uses_coreset:
+            core = self.sample_coreset(mapping, alg.m, alg.sampling)
+            S = mapping.subset(core.rows)
+            plan = BatchPlan.of(S, np.arange(S.N))
+            w_U = {t: segment_sum(plan.inv[t], core.weights, len(U)) for t, U in plan.U.items()}
+            replies = self.send(self.messages(lambda t: ({"rows": plan.U[t], "w": w_U[t]}, {"phase": "kmeans_local"})))
+            point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[plan.inv[t]] for t in mapping.p]
+            weights = core.weights
+        else:  # each table: k-means weighted by G_iu, one label per row; the server reads them along p_i
+            replies = self.send(self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_local"})))
+            point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[p] for t, p in mapping.p.items()]
+            weights = np.ones(mapping.N)
+        local_C = [np.asarray(replies[(t, 0)][0]["C"], dtype=np.float64) for t in mapping.p]
+        cells, inv = grid_cells(point_labels, k)
+        cell_w = np.bincount(inv, weights=weights, minlength=len(cells))
+        points = cell_points(cells, local_C)
+        C, _ = weighted_kmeans(points, cell_w, k, np.random.default_rng([int(self.cfg.seed) & 0xFFFFFFFF, 0xD15D]),
+                               alg.iters, alg.tol)
+        self.centres = C
+        grid_cost = float((cell_w * sq_distances(points, C).min(1)).sum() / cell_w.sum())
+        row_labels = None if self.uses_coreset else [np.asarray(replies[(t, 0)][0]["labels"]) for t in mapping.p]
+        cost = self.full_join_cost(C, local_C, row_labels)
+        rec = EpochRecord(epoch=1, test_metric=cost, train_loss=grid_cost, wall_time_s=time.perf_counter() - self._t0,
+                          extra={"grid_cells": float(len(cells)), "coreset_rows": self.construction["distinct_rows"],
+                                 "construction_bytes": self.construction["bytes_up"] + self.construction["bytes_down"]},
+                          **self.comm.snapshot())  # type: ignore[arg-type]
+        self.results.history.append(rec)
+        self.log(epoch_line(METRIC, rec))
+        self.finish()
+
+    def full_join_assignment(self, C: np.ndarray, local_C: list[np.ndarray], row_labels: list[np.ndarray]) -> np.ndarray:
+        """c(j) for every joined row j of the full join: the final centre nearest to its grid cell's point."""
+        mapping = self.mapping
+        cells, inv = grid_cells([np.asarray(lab, dtype=np.int64)[p] for lab, p in zip(row_labels, mapping.p.values())],
+                                C.shape[0])
+        return sq_distances(cell_points(cells, local_C), C).argmin(1)[inv]
+
+    def full_join_cost(self, C: np.ndarray, local_C: list[np.ndarray], row_labels: list[np.ndarray] | None) -> float:
+        """(1/N) sum_j ||x_j - C_c(j)||^2 over the full join from one number per table (module docstring).
+        ``row_labels``: each table's local label of every row (None: asked for in a ``kmeans_assign`` round)."""
+        mapping, k = self.mapping, C.shape[0]
+        if row_labels is None:
+            replies = self.send(self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_assign"})),
+                                kind="eval")
+            row_labels = [np.asarray(replies[(t, 0)][0]["labels"]) for t in mapping.p]
+        self.assignment = assign = self.full_join_assignment(C, local_C, row_labels)
+        bounds = np.cumsum([0, *(c.shape[1] for c in local_C)])
+        messages = {}
+        for i, (t, p) in enumerate(mapping.p.items()):
+            rows, centres, counts = assignment_counts(p, assign, mapping.n_rows[t], k)
+            messages[(t, 0)] = ({"rows": rows.astype(np.int32 if mapping.n_rows[t] < 2**31 else np.int64),
+                                 "centres": centres.astype(np.uint16 if k > 255 else np.uint8),
+                                 "counts": compact_counts(counts), "C": C[:, bounds[i]:bounds[i + 1]]},
+                                {"phase": "kmeans_cost"})
+        replies = self.send(messages, kind="eval")
+        self.table_costs = {t: float(np.asarray(r[0]["cost"], dtype=np.float64).reshape(-1)[0]) for (t, _), r in replies.items()}
+        return float(sum(self.table_costs.values()) / mapping.N)
+
+
+class CoresetKMeans(DistDimKMeans):
+    """algorithm=coreset_kmeans: DistDim on a DIS coreset (Alg. 3 sensitivities) or a uniform sample."""
+
+    algorithm = "coreset_kmeans"
+    params_type = CoresetKMeansParams
+    uses_coreset = True
+
+
+register(AlgorithmEntry("kmeans", "kmeans", "join", DistDimKMeans, Protocol(setup.SETUP + phases.KMEANS), KMeansParams,
+                        feature_dp=False, label_dp=False, summary="DistDim k-means on the full join (VKMC baseline)"))
+register(AlgorithmEntry("coreset_kmeans", "coreset_kmeans", "join", CoresetKMeans,
+                        Protocol(setup.SETUP + phases.DIS + phases.CORESET_KMEANS), CoresetKMeansParams,
+                        feature_dp=False, label_dp=False,
+                        summary="VFL coreset (DIS, Alg. 1 and 3) over the join, then DistDim k-means"))

@@ -1,0 +1,322 @@
+"""Coresets for VFL over joins (issue 13; seed 004 Alg. 1-3, ALGORITHMS.md "Coresets for VFL").
+
+DIS over the join against DIS on the materialized join (float64, the synthetic many-to-many snowflake), the
+unbiasedness of the weighted coreset loss, the construction's message count, the weighted ADMM against row
+repetition, the payload audit and the settings checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulations.server_app import make_strategy
+from strategies.coreset import (WeightedADMMServer, joined_sampling_probabilities, uniform_joined_rows)
+from tests.conftest import make_cfg
+from tests.test_privacy_e2e import Recorded, assert_absent, raw_columns
+from tpflower import coreset as cs
+from tpflower.loj import ADMMServer
+from tpflower.mapping import TableMapping
+from tpflower.phases.coreset import DISState
+from tpflower.relation import has_bias
+
+F64 = "precision=float64"
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def materialized_sensitivities(rec: Recorded) -> np.ndarray:
+    """Alg. 2 on the MATERIALIZED training join: per table the leverage scores of A_i = T_i[p_i] (the label
+    owner's [X, 1, y]) from a thin SVD of the N x d_i matrix, summed over tables, + 1/N."""
+    s, train = rec.strategy, rec.strategy.train
+    N = train.N
+    total = np.full(N, 1.0 / N)
+    for t, p in train.p.items():
+        client = rec.client((t, 0))
+        A = np.asarray(client.local.X, dtype=np.float64)[p]
+        if t == s.spec.label_table:
+            cols = [A] + ([np.ones((N, 1))] if has_bias(rec.cfg.model, t, t) else []) + [client.data.y[p][:, None]]
+            A = np.hstack(cols)
+        U, sv, _ = np.linalg.svd(A, full_matrices=False)
+        r = int(np.sum(sv > sv[0] * max(A.shape) * np.finfo(float).eps))
+        total += (U[:, :r] ** 2).sum(1)
+    return total
+
+
+@pytest.fixture(scope="module")
+def dis_run() -> Recorded:
+    return Recorded("algorithm=coreset", F64, "epochs=2", "algorithm.m=500")
+
+
+def test_leverage_over_the_join_equals_the_materialized_join(dis_run):
+    rec = dis_run
+    train = rec.strategy.train
+    for t, p in train.p.items():
+        client = rec.client((t, 0))
+        X, G = np.asarray(client.local.X, dtype=np.float64), train.G(t)
+        g = cs.leverage_sensitivities(X, G)
+        U, sv, _ = np.linalg.svd(X[p], full_matrices=False)
+        r = int(np.sum(sv > sv[0] * max(X[p].shape) * np.finfo(float).eps))
+        np.testing.assert_allclose(g[p], (U[:, :r] ** 2).sum(1), rtol=1e-9, atol=1e-12)
+        assert abs(np.dot(G, g) - r) < 1e-9  # per-table leverages sum to the rank
+        assert (g[G == 0] == 0).all()
+
+
+def test_dis_over_the_join_gives_the_materialized_probabilities_and_weights(dis_run):
+    rec, s = dis_run, dis_run.strategy
+    g_mat = materialized_sensitivities(rec)
+    G_mat, m = g_mat.sum(), 500
+    # the clients' sensitivities, per table row, and the protocol's distribution of one draw over joined rows
+    g_tab = {t: DISState.load(rec.client((t, 0)).state).g for t in s.train.p}
+    np.testing.assert_allclose(joined_sampling_probabilities(s.train, g_tab), g_mat / G_mat, rtol=1e-9)
+    # what the protocol did: two-stage draw (multinomial over tables, then G_iu g_u / G^(i), then uniform in
+    # G_i(u)); its one-draw marginal, from the clients' own sampling distributions, is g_j / G
+    P = np.zeros(s.train.N)
+    totals = {t: cs.local_total(s.train.G(t), g_tab[t]) for t in g_tab}
+    for t, p in s.train.p.items():
+        G_t = s.train.G(t)
+        P += totals[t] / sum(totals.values()) * cs.sampling_probabilities(G_t, g_tab[t])[p] / G_t[p]
+    np.testing.assert_allclose(P, g_mat / G_mat, rtol=1e-9)
+    # round 3: the sensitivities and weights of the drawn joined rows
+    j = s.dis_joined
+    assert len(j) == m
+    np.testing.assert_allclose(s.dis_g, g_mat[j], rtol=1e-9)
+    w = np.bincount(np.unique(j, return_inverse=True)[1].reshape(-1), weights=G_mat / (m * g_mat[j]))
+    np.testing.assert_allclose(s.coreset.weights, w, rtol=1e-9)
+    np.testing.assert_array_equal(s.coreset.rows, np.unique(j))
+    assert abs(s.coreset.total - G_mat) < 1e-9 * G_mat
+
+
+def test_mixing_in_uniform_sampling_gives_the_mixture_over_the_join():
+    """algorithm.mix: each table shifts its own sensitivities by mix G^(i) / N, so one draw picks joined row j
+    with (1 - mix) g_j / G + mix / N (float64, against the materialized join's leverage scores)."""
+    rec = Recorded("algorithm=coreset", F64, "epochs=1", "algorithm.m=200", "algorithm.mix=0.3")
+    s = rec.strategy
+    g_mat = materialized_sensitivities(rec)
+    g_tab = {t: DISState.load(rec.client((t, 0)).state).g for t in s.train.p}
+    want = 0.7 * g_mat / g_mat.sum() + 0.3 / s.train.N
+    np.testing.assert_allclose(joined_sampling_probabilities(s.train, g_tab), want, rtol=1e-9)
+    assert s.coreset.weights.max() <= s.train.N / (0.3 * 200) * (1 + 1e-9) * np.bincount(
+        np.unique(s.dis_joined, return_inverse=True)[1].reshape(-1)).max()  # a draw's weight <= N / (mix m)
+
+
+def test_the_two_stage_sampler_draws_the_joined_distribution():
+    """Empirically, on a small many-to-many join: multinomial over tables, G_iu g_u / G^(i) per table, then a
+    uniform joined row of G_i(u), gives P(j) = sum_i g^(i)_{p_i(j)} / G (chi-square over the joined rows)."""
+    rng = np.random.default_rng(0)
+    p = {"a": np.array([0, 0, 1, 1, 2, 2, 2, 3]), "b": np.array([0, 1, 0, 1, 0, 1, 2, 2])}
+    n_rows = {"a": 4, "b": 3}
+    mapping = TableMapping(p, n_rows)
+    g = {"a": np.array([0.5, 1.0, 0.2, 2.0]), "b": np.array([0.1, 0.7, 1.5])}
+    expected = joined_sampling_probabilities(mapping, g)
+    totals = np.array([cs.local_total(mapping.G(t), g[t]) for t in p])
+    draws = 200_000
+    counts = np.zeros(mapping.N)
+    a = rng.multinomial(draws, totals / totals.sum())
+    for (t, p_t), a_t in zip(p.items(), a):
+        base = cs.draw_base_rows(mapping.G(t), g[t], a_t, rng)
+        counts += np.bincount(uniform_joined_rows(p_t, n_rows[t], base, rng), minlength=mapping.N)
+    chi2 = float((((counts - draws * expected) ** 2) / (draws * expected)).sum())
+    assert chi2 < 24.3  # 7 degrees of freedom: p = 0.001
+
+
+@pytest.mark.parametrize("sampling", ["sensitivity", "uniform"])
+def test_the_weighted_coreset_loss_is_unbiased(dis_run, sampling):
+    """For a fixed model, sum_{draws} w_j l_j estimates sum_j l_j without bias: the mean of 400 independent
+    coresets (m = 200) is within 4 standard errors of the full join's loss."""
+    rec, s = dis_run, dis_run.strategy
+    N, m, reps = s.train.N, 200, 400
+    rng = np.random.default_rng(1)
+    H = rng.normal(size=N) * 0.5  # any fixed predictions
+    loss = 0.5 * (H - s.y_train) ** 2
+    if sampling == "sensitivity":
+        P = materialized_sensitivities(rec)
+        P = P / P.sum()
+    else:
+        P = np.full(N, 1.0 / N)
+    est = np.empty(reps)
+    for r in range(reps):
+        j = rng.choice(N, size=m, p=P)
+        est[r] = np.sum(loss[j] / (m * P[j]))  # w_j = G / (m g_j) = 1 / (m P(j))
+    se = est.std(ddof=1) / np.sqrt(reps)
+    assert abs(est.mean() - loss.sum()) < 4 * se
+
+
+def test_construction_sends_at_most_2T_plus_m_plus_2mT_numbers_at_most_T_plus_3mT(dis_run):
+    """Round 3 asks each table about the DISTINCT rows p_i(j), j in S (n_i^S <= m): 2T + m + 2 sum_i n_i^S
+    numbers, at most 2T + m + 2mT (every drawn joined row distinct in every table), at most the paper's T + 3mT."""
+    rec, s = dis_run, dis_run.strategy
+    T, m = len(s.clients), 500
+    dis = {"sensitivity", "sample", "weigh"}
+    down = sum(a.size for _, ph, arrays, _ in rec.got if ph in dis for n, a in arrays.items() if n != "G")
+    up = sum(a.size for _, ph, arrays, _ in rec.sent if ph in dis for a in arrays.values())
+    distinct = sum(len(np.unique(p[s.dis_joined])) for p in s.train.p.values())
+    assert down + up == 2 * T + m + 2 * distinct <= 2 * T + m + 2 * m * T <= T + 3 * m * T
+    assert distinct < m * T  # the fact table's rows repeat across draws here: the dedup saves traffic
+    G_sent = sum(arrays["G"].size for _, ph, arrays, _ in rec.got if ph == "sensitivity")
+    assert G_sent == sum(s.mapping.n_rows.values())  # the join's extra: G_i, once, in the narrowest uint
+    assert s.construction["rounds"] == 3
+
+
+@pytest.mark.parametrize("overrides", [("algorithm.train=admm",), ("algorithm.train=sgd", "epochs=2"),
+                                       ("algorithm.sampling=uniform",)], ids=["admm", "sgd", "uniform"])
+def test_no_feature_or_key_column_leaves_a_client(overrides):
+    rec = Recorded("algorithm=coreset", "algorithm.m=300", *overrides)
+    keys, features, _ = raw_columns(rec)
+    assert_absent(rec, keys)
+    assert_absent(rec, features)
+    phases = {p for _, p, _, _ in rec.sent}
+    assert ("sensitivity" in phases) == ("algorithm.sampling=uniform" not in overrides)
+    assert np.isfinite(rec.strategy.results.history[-1].test_metric)
+
+
+def test_weighted_admm_equals_tp_join_admm_on_repeated_rows():
+    """Integer weights w_j: the weighted ADMM's Y_i and G_i equal TP-Join-ADMM's on the rows repeated w_j
+    times, epoch after epoch (float64)."""
+    rng = np.random.default_rng(3)
+    n = {"a": 5, "b": 4}
+    p = {"a": rng.integers(0, 5, 30), "b": rng.integers(0, 4, 30)}
+    w = rng.integers(1, 4, 30)
+    y = rng.normal(size=30)
+    weighted = WeightedADMMServer("regression", y, TableMapping(p, n), 1, 2.0, "sharing", w.astype(float))
+    rep = np.repeat(np.arange(30), w)
+    plain = ADMMServer("regression", y[rep], TableMapping({t: v[rep] for t, v in p.items()}, n), 1, 2.0, "sharing")
+    for t in n:
+        np.testing.assert_allclose(weighted.G()[t], plain.G()[t])
+    h = {t: rng.normal(size=(n[t], 1)) for t in n}
+    for _ in range(5):
+        Yw, Yp = weighted.step(h), plain.step(h)
+        for t in n:
+            np.testing.assert_allclose(Yw[t], Yp[t], rtol=1e-12, atol=1e-12)
+        h = {t: h[t] - 0.1 * Yw[t] for t in n}  # any next predictions, the same for both
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.m=0", "algorithm.m must be an integer >= 1"),
+    ("algorithm.train=lbfgs", "algorithm.train must be one of"),
+    ("algorithm.sampling=leverage", "algorithm.sampling must be one of"),
+    ("algorithm.mix=1.5", "algorithm.mix must be in \\[0, 1\\]"),
+])
+def test_bad_settings_are_refused_before_any_node(override, message):
+    with pytest.raises(ValueError, match=message):
+        make_strategy(make_cfg("algorithm=coreset", "dataset=synthetic", override), None, log=quiet)
+
+
+def test_coreset_ridge_refuses_a_classification_label():
+    with pytest.raises(ValueError, match="trains ridge regression"):
+        make_strategy(make_cfg("algorithm=coreset", "dataset=nycflights13_delayed"), None, log=quiet)
+
+
+# ------------------------------------------------------------------------------------------------ k-means
+
+
+@pytest.fixture(scope="module")
+def kmeans_run() -> Recorded:
+    return Recorded("algorithm=kmeans", F64, "algorithm.k=4")
+
+
+def materialized_distdim_cost(rec: Recorded, label_phase: str) -> tuple[float, float, dict[str, float]]:
+    """On the MATERIALIZED full join (N x d, float64): every joined row placed in the grid cell of its tables'
+    local labels (the replies of ``label_phase``), the cell assigned to the nearest final centre: (the mean
+    cost of that assignment, the mean nearest-centre cost, each table's block of the summed cost)."""
+    s = rec.strategy
+    reply = {(k[0], ph): out for k, ph, out, _ in rec.sent}
+    blocks = {t: np.asarray(rec.client((t, 0)).local.X, dtype=np.float64)[p] for t, p in s.mapping.p.items()}
+    X = np.hstack(list(blocks.values()))
+    point = np.hstack([reply[(t, "kmeans_local")]["C"][reply[(t, label_phase)]["labels"].astype(np.int64)[p]]
+                       for t, p in s.mapping.p.items()])
+    C = s.centres
+    c = ((point[:, None, :] - C[None]) ** 2).sum(-1).argmin(1)
+    D = ((X[:, None, :] - C[None]) ** 2).sum(-1)
+    bounds = np.cumsum([0, *(b.shape[1] for b in blocks.values())])
+    per_table = {t: float(((blocks[t] - C[c, bounds[i]:bounds[i + 1]]) ** 2).sum()) for i, t in enumerate(blocks)}
+    return float(D[np.arange(len(X)), c].mean()), float(D.min(1).mean()), per_table
+
+
+def test_factorized_kmeans_cost_equals_the_cost_on_the_materialized_join(kmeans_run):
+    """The metric is the cost of DistDim's induced assignment (grid cell -> nearest final centre) over the full
+    join: from one number per table, equal (float64) to the cost computed on the materialized join; an upper
+    bound on the nearest-centre cost."""
+    rec, s = kmeans_run, kmeans_run.strategy
+    cost, nearest, per_table = materialized_distdim_cost(rec, "kmeans_local")
+    assert abs(s.results.history[-1].test_metric - cost) < 1e-9 * cost
+    for t, v in per_table.items():
+        assert abs(s.table_costs[t] - v) < 1e-9 * max(v, 1.0)
+    assert cost >= nearest - 1e-12
+    assert s.centres.shape == (4, sum(b.shape[1] for b in [rec.client((t, 0)).local.X for t in s.mapping.p]))
+    # what the cost round exchanged: per table sparse counts down, one number up
+    for key, phase, out, _ in rec.sent:
+        if phase == "kmeans_cost":
+            assert set(out) == {"cost"} and out["cost"].size == 1
+
+
+def test_distdim_sends_one_label_per_table_row_and_k_centres(kmeans_run):
+    rec, s = kmeans_run, kmeans_run.strategy
+    for key, phase, arrays, _ in rec.sent:
+        if phase == "kmeans_local":
+            assert arrays["labels"].shape == (s.mapping.n_rows[key[0]],) and arrays["labels"].dtype == np.uint8
+            assert arrays["C"].shape[0] == 4
+    keys, features, _ = raw_columns(rec)
+    assert_absent(rec, keys)
+    assert_absent(rec, features)
+
+
+def test_kmeans_sensitivities_over_the_join_equal_the_materialized_slice(kmeans_run):
+    """Alg. 3 with G_iu on the table's rows == the formula on the table's expanded slice X_i[p_i] (G = 1)."""
+    rec, s = kmeans_run, kmeans_run.strategy
+    rng = np.random.default_rng(5)
+    for t, p in s.mapping.p.items():
+        X = np.asarray(rec.client((t, 0)).local.X, dtype=np.float64)
+        C = X[rng.choice(len(X), 3, replace=False)] + 0.01
+        g = cs.cluster_sensitivities(X, s.mapping.G(t), C)
+        np.testing.assert_allclose(g[p], cs.cluster_sensitivities(X[p], np.ones(len(p)), C), rtol=1e-9)
+
+
+def test_weighted_kmeans_with_integer_weights_is_kmeans_on_repeated_rows():
+    """Lloyd from the same start: weights w_u give the centres and labels of the rows repeated w_u times."""
+    rng = np.random.default_rng(2)
+    X, w = rng.normal(size=(40, 3)), rng.integers(1, 5, 40)
+    C0 = X[:3].copy()
+    Xr = np.repeat(X, w, axis=0)
+    C, labels = cs.weighted_kmeans(X, w.astype(float), 3, rng, iters=50, tol=0.0, init=C0)
+    Cr, labels_r = cs.weighted_kmeans(Xr, np.ones(len(Xr)), 3, rng, iters=50, tol=0.0, init=C0)
+    np.testing.assert_allclose(C, Cr, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.repeat(labels, w), labels_r)
+
+
+def test_coreset_kmeans_runs_sends_no_feature_and_its_cost_is_the_materialized_one():
+    rec = Recorded("algorithm=coreset_kmeans", F64, "algorithm.k=4", "algorithm.m=300")
+    keys, features, _ = raw_columns(rec)
+    assert_absent(rec, keys)
+    assert_absent(rec, features)
+    s = rec.strategy
+    assert s.construction["rounds"] == 3 and np.isfinite(s.results.history[-1].test_metric)
+    assert {p for _, p, _, _ in rec.sent} >= {"sensitivity", "sample", "weigh", "kmeans_local", "kmeans_assign",
+                                              "kmeans_cost"}
+    cost, nearest, _ = materialized_distdim_cost(rec, "kmeans_assign")
+    assert abs(s.results.history[-1].test_metric - cost) < 1e-9 * cost and cost >= nearest - 1e-12
+    for key, phase, arrays, _ in rec.got:  # the coreset's rows only, at most m per table
+        if phase == "kmeans_local":
+            assert len(arrays["rows"]) <= 300
+
+
+@pytest.mark.parametrize("algorithm", ["kmeans", "coreset_kmeans"])
+def test_bad_k_is_refused_before_any_node(algorithm):
+    with pytest.raises(ValueError, match="algorithm.k must be an integer >= 1"):
+        make_strategy(make_cfg(f"algorithm={algorithm}", "dataset=synthetic", "algorithm.k=0"), None, log=quiet)
+
+
+def test_why_the_cost_is_one_number_per_table_per_run():
+    """Why the k-means metric is not the nearest-centre cost (README, Coresets): that needs each row's squared
+    distances to k centres the server chose, and with k - 1 >= d_i affinely independent centres those give
+    away the rows' features (differences of ||x||^2 - 2 c^T x + ||c||^2 are linear in x). The attack on the
+    n_i x k distances the first version sent; tests/test_curious_server.py shows the client now refuses it."""
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(50, 4))
+    C = rng.normal(size=(10, 4))  # k = 10 centres, d_i = 4
+    D = cs.sq_distances(X, C)  # what kmeans_cost sends
+    A = -2.0 * (C[1:] - C[0])  # (D_c - D_0) = -2 (c - c_0)^T x + ||c||^2 - ||c_0||^2
+    b = (D[:, 1:] - D[:, :1]) - ((C[1:] ** 2).sum(1) - (C[0] ** 2).sum())
+    X_hat = np.linalg.lstsq(A, b.T, rcond=None)[0].T
+    np.testing.assert_allclose(X_hat, X, atol=1e-8)
