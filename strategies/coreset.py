@@ -32,7 +32,7 @@ from tpflower.coreset import CoresetParams
 from tpflower.guard import Protocol, Stage
 from tpflower.loj import ADMMServer, BatchPlan, SGDSchedule, batch_size_of, joined_predictions
 from tpflower.losses import loss_grad_np, loss_np, z_update
-from tpflower.mapping import TableMapping, segment_sum
+from tpflower.mapping import TableMapping, index_dtype, segment_sum
 from tpflower.phases import coreset as phases
 from tpflower.phases import setup
 
@@ -65,7 +65,7 @@ def compact_counts(G: np.ndarray) -> np.ndarray:
 
 def row_ids(rows: np.ndarray, n_rows: int) -> np.ndarray:
     """Table row ids as sent: int32 when the table allows it."""
-    return rows.astype(np.int32 if n_rows < 2**31 else np.int64)
+    return rows.astype(index_dtype(n_rows))
 
 
 def uniform_joined_rows(p: np.ndarray, n_rows: int, base_rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -26,9 +26,9 @@ import time
 
 import numpy as np
 
-from strategies.coreset import DISStrategy, compact_counts
+from strategies.coreset import DISStrategy, compact_counts, row_ids
 from strategies.registry import AlgorithmEntry, register
-from tpflower.coreset import CoresetKMeansParams, KMeansParams, sq_distances, weighted_kmeans
+from tpflower.coreset import CoresetKMeansParams, KMeansParams, label_dtype, sq_distances, weighted_kmeans
 from tpflower.guard import Protocol
 from tpflower.loj import BatchPlan
 from tpflower.mapping import segment_sum
@@ -130,8 +130,7 @@ class DistDimKMeans(DISStrategy):
         messages = {}
         for i, (t, p) in enumerate(mapping.p.items()):
             rows, centres, counts = assignment_counts(p, assign, mapping.n_rows[t], k)
-            messages[(t, 0)] = ({"rows": rows.astype(np.int32 if mapping.n_rows[t] < 2**31 else np.int64),
-                                 "centres": centres.astype(np.uint16 if k > 255 else np.uint8),
+            messages[(t, 0)] = ({"rows": row_ids(rows, mapping.n_rows[t]), "centres": centres.astype(label_dtype(k)),
                                  "counts": compact_counts(counts), "C": C[:, bounds[i]:bounds[i + 1]]},
                                 {"phase": "kmeans_cost"})
         replies = self.send(messages, kind="eval")

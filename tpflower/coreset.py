@@ -116,6 +116,11 @@ def kmeans_pp_init(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generato
     return centres
 
 
+def label_dtype(k: int) -> np.dtype:
+    """Centre labels 0..k-1 as sent: one byte up to 255 centres, else two."""
+    return np.dtype(np.uint16 if k > 255 else np.uint8)
+
+
 def sq_distances(X: np.ndarray, C: np.ndarray) -> np.ndarray:
     """||x_u - c||^2 for every row and centre (n x k), clipped at 0."""
     d = np.einsum("ij,ij->i", X, X)[:, None] - 2.0 * np.einsum("ij,kj->ik", X, C) + (C * C).sum(1)[None, :]

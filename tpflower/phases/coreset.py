@@ -43,6 +43,7 @@ from tpflower.records import Arrays
 from tpflower.state import StateRecord
 from tpflower.guard import Phase, ProtocolRefusal, Stage
 from tpflower.local_update import admm_update_linear, admm_update_local_opt
+from tpflower.mapping import index_dtype
 from tpflower.phases import join_sgd
 from tpflower.relation import has_bias
 
@@ -167,7 +168,7 @@ def sample(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tu
     if not 0 <= a <= _m(client):
         raise CoresetRefusal(f"{_where(client, 'sample')}: a_i = {a} draws; at most algorithm.m = {_m(client)}")
     rows = cs.draw_base_rows(st.G, st.g, a, cs.client_rng(client.settings.seed, client.settings.table, 2))
-    return {"rows": rows.astype(np.int32 if len(st.g) < 2**31 else np.int64)}, {}
+    return {"rows": rows.astype(index_dtype(len(st.g)))}, {}
 
 
 def weigh(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -272,7 +273,7 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     C, labels = cs.weighted_kmeans(X, w, int(s.algorithm.k), cs.client_rng(s.seed, s.table, 3), int(s.algorithm.iters),
                                    float(s.algorithm.tol))
     client.state.put("kmeans.C", C)
-    return {"labels": labels.astype(np.uint16 if len(C) > 255 else np.uint8), "C": C}, {}
+    return {"labels": labels.astype(cs.label_dtype(len(C))), "C": C}, {}
 
 
 def kmeans_assign(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -284,7 +285,7 @@ def kmeans_assign(client: TableClient, arrays: Arrays, config: Mapping[str, Any]
     if "G" in arrays:  # uniform sampling: the first G_i of the run (after DIS: must be the same)
         _keep_G(client, arrays, "kmeans_assign")
     labels = cs.sq_distances(np.asarray(client.local.X, dtype=np.float64), C).argmin(1)
-    return {"labels": labels.astype(np.uint16 if len(C) > 255 else np.uint8)}, {}
+    return {"labels": labels.astype(cs.label_dtype(len(C)))}, {}
 
 
 def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:

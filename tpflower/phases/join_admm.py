@@ -45,6 +45,26 @@ def epoch_rho(config: Mapping[str, Any], state: ADMMState) -> float:
     return rho
 
 
+def theta_update(client: TableClient, model: torch.nn.Module, X: np.ndarray, G: np.ndarray, Y: np.ndarray, N: int,
+                 rho: float, beta: float, config: Mapping[str, Any],
+                 prox: tuple[np.ndarray, float] | None = None) -> None:
+    """theta_i = argmin Eq. 16 without DP, in place: the closed form for a linear model, else the client's
+    algorithm.local_solver (lbfgs: local_steps L-BFGS iterations; adam: local_epochs of Adam). ``prox`` = (v, rho'):
+    the consensus step of a shard (Eq. 22), rho'/2 ||theta - v||^2 added."""
+    alg = client.settings.algorithm
+    if isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
+        admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, beta, prox=prox)
+        return
+    prox_t = None if prox is None else (client.tensor(prox[0]), prox[1])
+    if alg.local_solver == "lbfgs":
+        admm_update_lbfgs(model, client.tensor(X), client.tensor(G), client.tensor(Y), N, rho, beta, alg.local_steps,
+                          prox=prox_t)
+    else:
+        admm_update_local_opt(model, client.tensor(X), client.tensor(G), client.tensor(Y), N, rho, beta,
+                              alg.local_epochs, alg.local_lr, alg.local_batch_size, client.local_generator(config),
+                              prox=prox_t)
+
+
 def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Store G_i, N and rho (the server resolves algorithm.rho=auto); predict every row."""
     ADMMState(np.asarray(arrays["G"], dtype=np.float64), int(config["N"]), float(config["rho"])).save(client.state)
@@ -71,16 +91,8 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
             alg.local_lr, alg.local_batch_size, client.dp.sample_generator(),
         )
         client.dp.done(trainer, privacy)
-    elif isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
-        admm_update_linear(model, client.rows_X(None), s.G, np.asarray(Y, dtype=np.float64), s.N, rho, beta)
-    elif alg.local_solver == "lbfgs":
-        admm_update_lbfgs(model, client.tensor(client.rows_X(None)), client.tensor(s.G), client.tensor(Y), s.N, rho,
-                          beta, alg.local_steps)
     else:
-        admm_update_local_opt(
-            model, client.tensor(client.rows_X(None)), client.tensor(s.G), client.tensor(Y), s.N, rho, beta,
-            alg.local_epochs, alg.local_lr, alg.local_batch_size, client.local_generator(config),
-        )
+        theta_update(client, model, client.rows_X(None), s.G, Y, s.N, rho, beta, config)
     client.state.save_model(model)
     return {"h": client.predict(model, None)}, {**client.reg_metrics(model), **privacy}
 

@@ -21,8 +21,8 @@ from tpflower.models import used_parameters
 from tpflower.records import Arrays
 from tpflower.state import StateRecord
 from tpflower.guard import Phase, sharded, unsharded
-from tpflower.local_update import admm_update_lbfgs, admm_update_linear, admm_update_local_opt, apply_step, sgd_partial_gradient
-from tpflower.phases.join_admm import ADMMState, admm_update, epoch_rho
+from tpflower.local_update import apply_step, sgd_partial_gradient
+from tpflower.phases.join_admm import ADMMState, admm_update, epoch_rho, theta_update
 from tpflower.phases.join_sgd import SGDState, predict_rows
 
 
@@ -80,16 +80,8 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
             alg.local_lr, alg.local_batch_size, client.dp.sample_generator(), regularizer=prox,
         )
         client.dp.done(trainer, privacy)
-    elif isinstance(model, torch.nn.Linear):
-        admm_update_linear(model, X, s.G, np.asarray(Y, dtype=np.float64), s.N, rho, 0.0, prox=(v, rho_c))
-    elif alg.local_solver == "lbfgs":
-        admm_update_lbfgs(model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, rho, 0.0,
-                          alg.local_steps, prox=(client.tensor(v), rho_c))
     else:
-        admm_update_local_opt(
-            model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, rho, 0.0, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.local_generator(config), prox=(client.tensor(v), rho_c),
-        )
+        theta_update(client, model, X, s.G, Y, s.N, rho, 0.0, config, prox=(v, rho_c))
     client.state.save_model(model)
     out = {"theta": client.theta(model).astype(np.float64)}
     if "Y" in arrays and not client.dp.on:
