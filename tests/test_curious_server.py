@@ -513,3 +513,21 @@ def test_coreset_training_and_evaluation_rows_are_bounded():
     call(app, context, "train", {"Y": np.zeros((20, 1))}, {"phase": "coreset_admm_update"})
     refused(app, context, "other rows than its first evaluation's", "train", {"rows": test_rows[1:]},
             {"phase": "coreset_predict"})
+
+
+def test_the_consensus_mask_tells_the_server_only_what_theta_shows_and_is_not_sent_under_feature_dp():
+    """TP-UCQ-ADMM's shards send which weights their rows use (general-form consensus). A curious server
+    learns nothing new from it: a weight the mask calls unused comes back as the v it sent (movielens users,
+    each in one shard of two). Under feature DP theta is noisy, so no mask leaves a shard."""
+    rec = Recorded("dataset=movielens", "scenario=ucq", "algorithm=admm", "epochs=1", "precision=float64")
+    got = {(k, i): arrays for i, (k, phase, arrays, _) in enumerate(rec.got) if phase == "admm_shard"}
+    unused_weights = 0
+    for i, (key, phase, out, _) in enumerate(rec.sent):
+        if phase == "admm_shard" and "used" in out:
+            unused = np.asarray(out["used"]) == 0
+            unused_weights += int(unused.sum())
+            np.testing.assert_allclose(out["theta"][unused], got[(key, i)]["v"][unused], rtol=0, atol=1e-12)
+    assert unused_weights > 0  # the users of the other shard
+    dp = Recorded(*SYNTHETIC.split(), "scenario=ucq", "algorithm=admm", "epochs=1", "privacy=dpsgd")
+    shard_replies = [out for _, phase, out, _ in dp.sent if phase == "admm_shard"]
+    assert shard_replies and not any("used" in out for out in shard_replies)
