@@ -26,21 +26,28 @@ def quiet(_: str) -> None:
     pass
 
 
+def ridge_leverage_rows(A: np.ndarray, lam: float) -> np.ndarray:
+    """Row i of A: a_i^T (A^T A + lam I)^+ a_i from a thin SVD of the (materialized) matrix A itself."""
+    U, sv, _ = np.linalg.svd(A, full_matrices=False)
+    r = int(np.sum(sv > sv[0] * max(A.shape) * np.finfo(float).eps))
+    return (U[:, :r] ** 2) @ (sv[:r] ** 2 / (sv[:r] ** 2 + lam))
+
+
 def materialized_sensitivities(rec: Recorded) -> np.ndarray:
-    """Alg. 2 on the MATERIALIZED training join: per table the leverage scores of A_i = T_i[p_i] (the label
-    owner's [X, 1, y]) from a thin SVD of the N x d_i matrix, summed over tables, + 1/N."""
+    """Alg. 2 on the MATERIALIZED training join: per table the (ridge) leverage scores of A_i = T_i[p_i] (the
+    label owner's [X, 1, y], its extra columns divided by their root mean square over the joined rows), from a
+    thin SVD of the N x d_i matrix, summed over tables, + 1/N; lam = leverage_ridge N / m."""
     s, train = rec.strategy, rec.strategy.train
     N = train.N
+    lam = cs.ridge_lambda(s.params.leverage_ridge, N, s.params.m)
     total = np.full(N, 1.0 / N)
     for t, p in train.p.items():
         client = rec.client((t, 0))
         A = np.asarray(client.local.X, dtype=np.float64)[p]
         if t == s.spec.label_table:
-            cols = [A] + ([np.ones((N, 1))] if has_bias(rec.cfg.model, t, t) else []) + [client.data.y[p][:, None]]
-            A = np.hstack(cols)
-        U, sv, _ = np.linalg.svd(A, full_matrices=False)
-        r = int(np.sum(sv > sv[0] * max(A.shape) * np.finfo(float).eps))
-        total += (U[:, :r] ** 2).sum(1)
+            extra = ([np.ones(N)] if has_bias(rec.cfg.model, t, t) else []) + [client.data.y[p].reshape(-1)]
+            A = np.column_stack([A] + [e / np.sqrt(np.mean(e * e)) for e in extra])
+        total += ridge_leverage_rows(A, lam)
     return total
 
 
@@ -49,18 +56,33 @@ def dis_run() -> Recorded:
     return Recorded("algorithm=coreset", F64, "epochs=2", "algorithm.m=500")
 
 
-def test_leverage_over_the_join_equals_the_materialized_join(dis_run):
+@pytest.mark.parametrize("lam", [0.0, 30.0])
+def test_leverage_over_the_join_equals_the_materialized_join(dis_run, lam):
+    """Plain (lam = 0, Alg. 2) and ridge leverage scores from the n_i table rows and G_i equal the scores of
+    the materialized join's block T_i[p_i]; per table they sum to its rank / its statistical dimension."""
     rec = dis_run
     train = rec.strategy.train
     for t, p in train.p.items():
         client = rec.client((t, 0))
         X, G = np.asarray(client.local.X, dtype=np.float64), train.G(t)
-        g = cs.leverage_sensitivities(X, G)
-        U, sv, _ = np.linalg.svd(X[p], full_matrices=False)
-        r = int(np.sum(sv > sv[0] * max(X[p].shape) * np.finfo(float).eps))
-        np.testing.assert_allclose(g[p], (U[:, :r] ** 2).sum(1), rtol=1e-9, atol=1e-12)
-        assert abs(np.dot(G, g) - r) < 1e-9  # per-table leverages sum to the rank
+        g = cs.leverage_sensitivities(X, G, lam=lam)
+        np.testing.assert_allclose(g[p], ridge_leverage_rows(X[p], lam), rtol=1e-9, atol=1e-12)
+        sv = np.linalg.svd(X[p], compute_uv=False)
+        sv = sv[sv > sv[0] * max(X[p].shape) * np.finfo(float).eps]
+        assert abs(np.dot(G, g) - np.sum(sv**2 / (sv**2 + lam))) < 1e-9
+        assert (np.dot(G, g) < len(sv)) if lam else (abs(np.dot(G, g) - len(sv)) < 1e-9)
         assert (g[G == 0] == 0).all()
+
+
+def test_ridge_leverage_ignores_the_label_units():
+    """The label owner's y column is scaled to unit root mean square first: y x 10,000 gives the same scores
+    (plain leverage scores never depended on it)."""
+    rng = np.random.default_rng(0)
+    X, G, y = rng.normal(size=(50, 3)), rng.integers(0, 4, 50).astype(float), rng.normal(size=50) + 3
+    for lam in (0.0, 20.0):
+        a = cs.leverage_sensitivities(X, G, np.column_stack([np.ones(50), y]), lam)
+        b = cs.leverage_sensitivities(X, G, np.column_stack([np.ones(50), 1e4 * y]), lam)
+        np.testing.assert_allclose(a, b, rtol=1e-9)
 
 
 def test_dis_over_the_join_gives_the_materialized_probabilities_and_weights(dis_run):
@@ -197,6 +219,7 @@ def test_weighted_admm_equals_tp_join_admm_on_repeated_rows():
     ("algorithm.train=lbfgs", "algorithm.train must be one of"),
     ("algorithm.sampling=leverage", "algorithm.sampling must be one of"),
     ("algorithm.mix=1.5", "algorithm.mix must be in \\[0, 1\\]"),
+    ("algorithm.leverage_ridge=-1", "algorithm.leverage_ridge must be >= 0"),
 ])
 def test_bad_settings_are_refused_before_any_node(override, message):
     with pytest.raises(ValueError, match=message):

@@ -43,10 +43,13 @@ class CoresetParams(AlgorithmParams):
     m: int = param(positive_int, 2000)  # coreset size (draws, with replacement)
     sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
     mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
+    leverage_ridge: float = param(nonnegative, 64.0)  # ridge leverage scores, lam = leverage_ridge N / m; 0: Alg. 2
     train: str = param(one_of("admm", "sgd"), "admm")
     rho: float | str = param(or_word(positive, "auto"), "auto")  # train=admm
     variant: str = param(one_of("sharing", "paper"), "sharing")
-    local_epochs: int = param(positive_int, 1)  # MLP theta-update (train=admm)
+    local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # MLP theta-update (train=admm), as TP-Join-ADMM
+    local_steps: int = param(positive_int, 20)
+    local_epochs: int = param(positive_int, 1)
     local_lr: float = param(positive, 0.01)
     local_batch_size: int = param(positive_int, 256)
     lr: float = param(positive, 0.05)  # train=sgd
@@ -74,15 +77,23 @@ class CoresetKMeansParams(KMeansParams):
 # ------------------------------------------------------------------------------------------------ ridge
 
 
-def leverage_sensitivities(X: np.ndarray, G: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
-    """Per table row u: the leverage of ONE joined row of u, ||Q_B[u]||^2 / G_u (0 where G_u = 0).
+def leverage_sensitivities(X: np.ndarray, G: np.ndarray, extra: np.ndarray | None = None,
+                           lam: float = 0.0) -> np.ndarray:
+    """Per table row u: the (ridge) leverage of ONE joined row of u, 0 where G_u = 0.
 
-    Q_B: orthonormal basis of the column space of diag(sqrt(G)) [X | extra] (thin SVD, numerical rank).
-    Summed over the joined rows (sum_u G_u g_u) this is rank([X | extra] on the active rows)."""
+    A = diag(sqrt(G)) [X | extra], thin SVD A = U S V^T. lam = 0: ||U[u]||^2 / G_u (Alg. 2; summed over the
+    joined rows, sum_u G_u g_u, it is rank(A)). lam > 0: the ridge leverage score
+    a_u^T (A^T A + lam I)^{-1} a_u / G_u = sum_k U_uk^2 s_k^2 / (s_k^2 + lam) / G_u (Alaoui & Mahoney 2015),
+    whose sum is the statistical dimension sum_k s_k^2 / (s_k^2 + lam) < rank(A): a direction carried by r
+    joined rows contributes about r / (r + lam). ``extra`` columns (the label owner's intercept and y) are
+    divided by their root mean square over the joined rows first, so the label's units do not matter (no
+    effect when lam = 0)."""
     A = np.asarray(X, dtype=np.float64)
-    if extra is not None:
-        A = np.column_stack([A, np.asarray(extra, dtype=np.float64)])
     G = np.asarray(G, dtype=np.float64)
+    if extra is not None:
+        E = np.asarray(extra, dtype=np.float64).reshape(len(A), -1)
+        rms = np.sqrt((G[:, None] * E * E).sum(0) / max(G.sum(), 1e-300))
+        A = np.column_stack([A, E / np.where(rms > 0, rms, 1.0)])
     g = np.zeros(len(A))
     active = np.flatnonzero(G > 0)
     if len(active) == 0 or A.shape[1] == 0:
@@ -92,8 +103,15 @@ def leverage_sensitivities(X: np.ndarray, G: np.ndarray, extra: np.ndarray | Non
     if s.size == 0 or s[0] == 0:
         return g
     rank = int(np.sum(s > s[0] * max(B.shape) * np.finfo(np.float64).eps))
-    g[active] = np.einsum("ij,ij->i", U[:, :rank], U[:, :rank]) / G[active]
+    shrink = s[:rank] ** 2 / (s[:rank] ** 2 + lam)  # 1 for plain leverage (lam = 0)
+    g[active] = (U[:, :rank] ** 2 @ shrink) / G[active]
     return g
+
+
+def ridge_lambda(leverage_ridge: float, N: int, m: int) -> float:
+    """lam of the ridge leverage scores, in joined rows: leverage_ridge * N / m. A direction that m uniform
+    draws would see fewer than about ``leverage_ridge`` times is damped instead of sampled at full weight."""
+    return float(leverage_ridge) * float(N) / float(m)
 
 
 # ------------------------------------------------------------------------------------------------ k-means

@@ -35,16 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from tpflower import coreset as cs
 from tpflower.client import TableClient
 from tpflower.records import Arrays
 from tpflower.state import StateRecord
 from tpflower.guard import Phase, ProtocolRefusal, Stage
-from tpflower.local_update import admm_update_linear, admm_update_local_opt
 from tpflower.mapping import index_dtype
 from tpflower.phases import join_sgd
+from tpflower.phases.join_admm import theta_update
 from tpflower.relation import has_bias
 
 
@@ -150,7 +149,8 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
             if has_bias(s.model, s.table, s.spec.label_table):
                 extra.append(np.ones(len(X)))
             extra.append(np.asarray(client.data.y, dtype=np.float64))
-        g = cs.leverage_sensitivities(X, G, np.column_stack(extra) if extra else None)
+        lam = cs.ridge_lambda(s.algorithm.leverage_ridge, int(config["N"]), _m(client))
+        g = cs.leverage_sensitivities(X, G, np.column_stack(extra) if extra else None, lam)
         if client.data.y is not None:  # + 1/N once per joined row, for the regulariser (the authors' code)
             g[G > 0] += 1.0 / float(config["N"])
     else:
@@ -208,13 +208,8 @@ def coreset_admm_update(client: TableClient, arrays: Arrays, config: Mapping[str
     if len(Y) != len(s.rows):
         raise ValueError(f"table {client.settings.table!r}: Y for {len(Y)} rows, the coreset has {len(s.rows)}")
     model = client.model(config)
-    alg, beta = client.settings.algorithm, float(client.settings.model["beta"])
-    X = client.rows_X(s.rows)
-    if isinstance(model, torch.nn.Linear):
-        admm_update_linear(model, X, s.G, np.asarray(Y, dtype=np.float64), s.N, s.rho, beta)
-    else:
-        admm_update_local_opt(model, client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, s.rho, beta,
-                              alg.local_epochs, alg.local_lr, alg.local_batch_size, client.local_generator(config))
+    theta_update(client, model, client.rows_X(s.rows), s.G, Y, s.N, s.rho, float(client.settings.model["beta"]),
+                 config)
     client.state.save_model(model)
     return {"h": client.predict(model, s.rows)}, client.reg_metrics(model)
 
