@@ -2,6 +2,7 @@
 
     python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
         -> bench_results/coreset-D-TASK.json
+    python -m simulations.bench_coreset --table bench_results/coreset-*.json   # the README's table rows
 
 Ridge: test RMSE after ``epochs`` epochs of weighted TP-Join-ADMM on the coreset (algorithm=coreset defaults),
 full data = TP-Join-ADMM ``epochs`` epochs and the exact ridge. k-means (k = 10, every table's features): the
@@ -93,6 +94,35 @@ def coreset_suite(a: argparse.Namespace) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def table(paths: list[Path]) -> str:
+    """The README's markdown rows for benchmark JSON files: coreset vs uniform vs full data at each m, MB
+    (construction), less traffic, and the DIS numbers bound 2T + m + 2mT next to the paper's T + 3mT."""
+    from simulations.config import compose_config
+
+    lines = []
+    for path in paths:
+        d = json.loads(path.read_text())
+        T = len(compose_config(f"dataset={d['dataset']}").dataset.get("tables") or {})  # tables = parties
+        if d["task"] == "ridge":
+            full_metric = d["full"]["tp_join_admm"]["metric"]
+            full = f"{full_metric:.4f} (exact {d['full']['exact_ridge']['metric']:.4f})"
+            full_mb = d["full"]["tp_join_admm"]["bytes"] / 1e6
+        else:
+            f = d["full"]["distdim"]
+            full, full_mb = f"{f['metric']['mean']:.4f} ± {f['metric']['std']:.4f}", f["bytes"] / 1e6
+        by = {(r["m"], r["sampling"]): r for r in d["runs"]}
+        for m in sorted({r["m"] for r in d["runs"]}):
+            c, u = by[(m, "sensitivity")], by[(m, "uniform")]
+            dis = f"{2 * T + m + 2 * m * T:,} ({T + 3 * m * T:,})" if T else "-"
+            lines.append(
+                f"| {d['dataset']} (reps {d['reps']}) | {m} | {c['metric']['mean']:.4f} ± {c['metric']['std']:.4f} | "
+                f"{u['metric']['mean']:.4f} ± {u['metric']['std']:.4f} | {full} | "
+                f"{c['bytes']['mean'] / 1e6:.3f} ({c['construction_bytes']['mean'] / 1e6:.3f}) | "
+                f"{u['bytes']['mean'] / 1e6:.3f} | {full_mb:.2f} | {c['less_traffic_than_full']:.1f}x / "
+                f"{u['less_traffic_than_full']:.1f}x | {dis} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """A variant with extra overrides (e.g. algorithm.mix=0.5), written beside the default case:
     python -m simulations.bench_coreset --dataset D --task T --extra "algorithm.mix=0.5" --out FILE"""
@@ -102,8 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--ms", default="500,1000,2000,4000")
     ap.add_argument("--extra", default="", help="extra Hydra overrides of the coreset runs (space-separated)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--table", type=Path, nargs="+", help="print the README's markdown rows of these JSON files")
     a = ap.parse_args(argv)
+    if a.table:
+        print(table(a.table))
+        return
+    if a.out is None:
+        ap.error("--out is required to run a case")
     a.coreset_overrides = a.extra
     result = coreset_suite(a)
     a.out.parent.mkdir(parents=True, exist_ok=True)

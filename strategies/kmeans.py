@@ -97,7 +97,7 @@ class DistDimKMeans(DISStrategy):
         cell_w = np.bincount(inv, weights=weights, minlength=len(cells))
         points = cell_points(cells, local_C)
         C, _ = weighted_kmeans(points, cell_w, k, np.random.default_rng([int(self.cfg.seed) & 0xFFFFFFFF, 0xD15D]),
-                               alg.iters, alg.tol)
+                               alg.iters, alg.tol, restarts=alg.restarts)
         self.centres = C
         grid_cost = float((cell_w * sq_distances(points, C).min(1)).sum() / cell_w.sum())
         row_labels = None if self.uses_coreset else [np.asarray(replies[(t, 0)][0]["labels"]) for t in mapping.p]

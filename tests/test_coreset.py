@@ -296,6 +296,25 @@ def test_kmeans_sensitivities_over_the_join_equal_the_materialized_slice(kmeans_
         np.testing.assert_allclose(g[p], cs.cluster_sensitivities(X[p], np.ones(len(p)), C), rtol=1e-9)
 
 
+def test_kmeans_restarts_keep_the_lowest_cost_seeding():
+    """restarts = R runs Lloyd from R k-means++ seedings drawn one after the other from the same generator and
+    keeps the lowest weighted cost: never above the first seeding's (restarts = 1), below it on some data."""
+    def cost(X, w, C):
+        return float((w * cs.sq_distances(X, C).min(1)).sum())
+
+    lower = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        X = np.concatenate([rng.normal(size=(60, 2)) + c for c in ([0, 0], [6, 0], [0, 6], [6, 6], [3, 3])])
+        w = rng.integers(1, 4, len(X)).astype(float)
+        C1, _ = cs.weighted_kmeans(X, w, 5, np.random.default_rng(seed), restarts=1)
+        C10, labels = cs.weighted_kmeans(X, w, 5, np.random.default_rng(seed), restarts=10)
+        assert cost(X, w, C10) <= cost(X, w, C1) + 1e-9
+        np.testing.assert_array_equal(labels, cs.sq_distances(X, C10).argmin(1))
+        lower += cost(X, w, C10) < cost(X, w, C1) - 1e-6
+    assert lower >= 1
+
+
 def test_weighted_kmeans_with_integer_weights_is_kmeans_on_repeated_rows():
     """Lloyd from the same start: weights w_u give the centres and labels of the rows repeated w_u times."""
     rng = np.random.default_rng(2)

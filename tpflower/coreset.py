@@ -62,6 +62,7 @@ class KMeansParams(AlgorithmParams):
 
     k: int = param(positive_int, 10)
     iters: int = param(positive_int, 100)  # Lloyd iterations (local and on the server's grid)
+    restarts: int = param(positive_int, 10)  # k-means++ seedings, the lowest cost kept (local and on the grid)
     tol: float = param(nonnegative, 1e-6)  # relative cost decrease that stops Lloyd
 
 
@@ -146,20 +147,36 @@ def sq_distances(X: np.ndarray, C: np.ndarray) -> np.ndarray:
 
 
 def weighted_kmeans(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generator, iters: int = 100,
-                    tol: float = 1e-6, init: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Lloyd's k-means on rows X with weights w (k-means++ start, or ``init``): (centres k x d, label per row).
+                    tol: float = 1e-6, init: np.ndarray | None = None, restarts: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Lloyd's k-means on rows X with weights w: (centres k x d, label per row). Starts from ``init``, or from
+    ``restarts`` k-means++ seedings drawn from ``rng`` one after the other, keeping the lowest weighted cost.
 
     Equals k-means on the rows repeated w_u times (integer w). An emptied cluster keeps its centre."""
     X = np.asarray(X, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64)
-    C = kmeans_pp_init(X, w, k, rng) if init is None else np.array(init, dtype=np.float64)
     x2 = np.einsum("ij,ij->i", X, X)
+    best: tuple[float, np.ndarray, np.ndarray] | None = None
+    for _ in range(1 if init is not None else max(int(restarts), 1)):
+        C = kmeans_pp_init(X, w, k, rng) if init is None else np.array(init, dtype=np.float64)
+        C, labels, cost = _lloyd(X, x2, w, C, iters, tol)
+        if best is None or cost < best[0]:
+            best = (cost, C, labels)
+    return best[1], best[2]
+
+
+def _lloyd(X: np.ndarray, x2: np.ndarray, w: np.ndarray, C: np.ndarray, iters: int,
+           tol: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """Lloyd iterations from centres C until the relative cost decrease is <= tol: (C, labels, weighted cost)."""
     rows = np.arange(len(X))
-    prev = np.inf
-    for _ in range(iters):
+
+    def assign(C: np.ndarray) -> tuple[np.ndarray, float]:
         part = (C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)  # ||x - c||^2 - ||x||^2: the same argmin
         labels = part.argmin(1)
-        cost = float((w * np.maximum(x2 + part[rows, labels], 0.0)).sum())  # no BLAS: the same with any thread count
+        return labels, float((w * np.maximum(x2 + part[rows, labels], 0.0)).sum())  # no BLAS: thread-independent
+
+    prev = np.inf
+    for _ in range(iters):
+        labels, cost = assign(C)
         member = sparse.csr_matrix((w, (labels, rows)), shape=(len(C), len(X)))  # weighted one-hot, k x n
         mass = np.asarray(member.sum(1)).reshape(-1)
         sums = member @ X
@@ -168,8 +185,8 @@ def weighted_kmeans(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generat
         if prev - cost <= tol * max(cost, 1e-300):
             break
         prev = cost
-    labels = ((C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)).argmin(1)
-    return C, labels
+    labels, cost = assign(C)
+    return C, labels, cost
 
 
 def kmeans_sensitivities(X: np.ndarray, G: np.ndarray, k: int, rng: np.random.Generator, iters: int = 100,

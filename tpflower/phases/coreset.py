@@ -266,7 +266,7 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
             raise CoresetRefusal(f"{_where(client, 'kmeans_local')}: coreset k-means clusters the coreset's rows only")
         w = _keep_G(client, arrays, "kmeans_local")
     C, labels = cs.weighted_kmeans(X, w, int(s.algorithm.k), cs.client_rng(s.seed, s.table, 3), int(s.algorithm.iters),
-                                   float(s.algorithm.tol))
+                                   float(s.algorithm.tol), restarts=int(s.algorithm.restarts))
     client.state.put("kmeans.C", C)
     return {"labels": labels.astype(cs.label_dtype(len(C))), "C": C}, {}
 
