@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m simulations.run $(ARGS)
 
+# Two pytest-xdist workers: the deployment and Flower tests wait on subprocesses while the other worker runs.
+# One test or file: make test PYTEST_ARGS="-n 0 tests/test_coreset.py"
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m simulations.bench $(ARGS)
