@@ -10,6 +10,7 @@
     python -m simulations.bench deploy [--datasets movielens,star_2m] -> bench_results/deploy.json
     python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
                                                                   -> bench_results/coreset-D-TASK.json
+    python -m simulations.bench privacy [--jobs 2]             -> bench_results/privacy.json (simulations/bench_privacy.py)
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -617,7 +618,9 @@ SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}
           "scale": lambda a: scale_suite(_ints(a.scale_n), a.epochs, a.mapping_n, _ints(a.server_n)),
           "celu": lambda a: __import__("simulations.bench_celu", fromlist=["run_suite"]).run_suite(a),
           "deploy": lambda a: _deploy(a),
-          "coreset": lambda a: __import__("simulations.bench_coreset", fromlist=["_"]).coreset_suite(a)}
+          "coreset": lambda a: __import__("simulations.bench_coreset", fromlist=["_"]).coreset_suite(a),
+          "privacy": lambda a: __import__("simulations.bench_privacy", fromlist=["_"]).privacy_suite(
+              a.jobs, a.out or Path("bench_results/privacy.json"))}
 
 
 def _deploy(a: argparse.Namespace) -> dict[str, Any]:
@@ -657,7 +660,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default="vanilla,fedbcd,celu,celu_R3,celu_R8,celu_xi90,celu_xi30,celu_xi_off,celu_W3,celu_W8",
                     help="celu: variants (vanilla always runs)")
     ap.add_argument("--full-variants", default="vanilla,fedbcd,celu", help="celu: variants run to the end (others stop at the target)")
-    ap.add_argument("--jobs", type=int, default=1, help="celu: cases at a time")
+    ap.add_argument("--jobs", type=int, default=1, help="celu, privacy: cases at a time")
     ap.add_argument("--grid-seeds", type=int, default=None, help="celu: seeds of the grid variants (default: --seeds)")
     ap.add_argument("--flower-seed", type=int, default=0, help="celu: seed of the Flower wall-time runs (-1: none)")
     ap.add_argument("--seeds", type=int, default=3, help="celu: seeds per variant")
