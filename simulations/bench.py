@@ -638,15 +638,21 @@ def _ints(text: str) -> list[int]:
     return [int(float(x)) for x in text.replace("_", "").split(",") if x.strip()]
 
 
-def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
-    code = (
-        "import json,sys; from simulations.bench import CASES; "
-        f"print(json.dumps(CASES[{case!r}](**json.loads(sys.argv[1]))))"
-    )
+def run_isolated(module: str, call: str, args: dict[str, Any], echo_stderr: bool = False) -> Any:
+    """``module.<call>(**args)`` in a fresh Python process (its peak RSS its own): the JSON result it prints
+    last. ``call`` is a function name or an item of one (``CASES['loj']``); ``echo_stderr`` passes the case's
+    progress lines on."""
+    code = f"import json,sys; import {module} as m; print(json.dumps(m.{call}(**json.loads(sys.argv[1]))))"
     out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    if echo_stderr:
+        sys.stderr.write(out.stderr[-20000:])
     if out.returncode != 0:
-        raise RuntimeError(f"benchmark case {case} {args} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"benchmark case {call} {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
+    return run_isolated("simulations.bench", f"CASES[{case!r}]", args)
 
 
 def main(argv: list[str] | None = None) -> None:

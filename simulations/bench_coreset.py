@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -85,13 +84,9 @@ def coreset_suite(a: argparse.Namespace) -> dict[str, Any]:
     """``python -m simulations.bench coreset``: one (dataset, task) case in a fresh subprocess."""
     args = {"dataset": a.dataset, "task": a.task, "reps": a.reps, "ms": [int(x) for x in a.ms.split(",")],
             "extra": list(a.coreset_overrides.split()) if getattr(a, "coreset_overrides", "") else []}
-    code = ("import json,sys; from simulations.bench_coreset import coreset_case; "
-            "print(json.dumps(coreset_case(**json.loads(sys.argv[1]))))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
-    sys.stderr.write(out.stderr[-20000:])
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark case coreset {args} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from simulations.bench import run_isolated
+
+    return run_isolated("simulations.bench_coreset", "coreset_case", args, echo_stderr=True)
 
 
 def table(paths: list[Path]) -> str:

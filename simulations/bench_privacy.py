@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,25 +45,18 @@ def privacy_case(dataset: str, algorithm: str, privacy: str, extra: list[str]) -
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def _isolated(args: dict[str, Any]) -> dict[str, Any]:
-    code = ("import json,sys; from simulations.bench_privacy import privacy_case; "
-            "print(json.dumps(privacy_case(**json.loads(sys.argv[1]))))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"privacy case {args} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def privacy_suite(jobs: int = 2, out: Path | None = None, datasets: tuple[str, ...] = DATASETS) -> dict[str, Any]:
     """Every (dataset, algorithm, column) cell, ``jobs`` at a time; resumes from ``out`` if it exists."""
     result: dict[str, Any] = {"case": "privacy", "cells": {}}
     if out is not None and out.exists():
         result = json.loads(out.read_text())
 
+    from simulations.bench import run_isolated
+
     def run(key: str, args: dict[str, Any]) -> None:
         if key in result["cells"]:
             return
-        result["cells"][key] = {**args, **_isolated(args)}
+        result["cells"][key] = {**args, **run_isolated("simulations.bench_privacy", "privacy_case", args)}
         print(key, json.dumps(result["cells"][key]), flush=True)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,11 @@ class DISStrategy(LoJStrategy):
     kind = "ridge"  # the sensitivity the clients compute: ridge (Alg. 2) | kmeans (Alg. 3)
     construction: dict[str, float]
 
+    def require_join(self) -> None:
+        """After setup: these algorithms run on the join scenario, one client per table."""
+        if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
+            raise ValueError(f"algorithm={self.algorithm} runs on the join scenario (one client per table)")
+
     def sample_coreset(self, mapping: TableMapping, m: int, sampling: str) -> Coreset:
         """m draws over the joined rows of ``mapping`` (DIS or uniform); the construction's traffic is noted."""
         assert self.comm is not None
@@ -199,8 +204,7 @@ class CoresetRidge(DISStrategy):
     def start_coreset(self) -> dict:
         """Setup, the construction (DIS or uniform), then the training's first round."""
         self.setup()
-        if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
-            raise ValueError("algorithm=coreset runs on the join scenario (one client per table)")
+        self.require_join()
         alg = self.params
         core = self.sample_coreset(self.train, alg.m, alg.sampling)
         self.coreset = core

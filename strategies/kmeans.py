@@ -74,8 +74,7 @@ class DistDimKMeans(DISStrategy):
 
     def protocol(self) -> None:
         self.setup()
-        if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
-            raise ValueError(f"algorithm={self.algorithm} runs on the join scenario (one client per table)")
+        self.require_join()
         assert self.results is not None and self.comm is not None
         self.results.metric = METRIC
         mapping, k, alg = self.mapping, self.params.k, self.params

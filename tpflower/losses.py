@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from scipy.special import expit, logsumexp, softmax
 from torch import Tensor
 
+from tpflower.owner import uses_feature_dp
 from tpflower.schema import TASKS
 
 _EPS = np.finfo(np.float64).eps
@@ -330,16 +331,13 @@ def _damped_newton(
 
 
 # ---------------------------------------------------------------------------------------------- label scale
-FEATURE_DP = ("dpsgd", "label_dpsgd")
-
-
 def standardizes_label(cfg) -> bool:
     """Config ``standardize_label``: true | false | auto (true, except under feature DP: DP-SGD adds its noise
     to the parameters, and predictions on the standardized scale reach the label's units multiplied by its
     std, so the noise costs std times more there; README "Privacy" measures it)."""
     value = cfg.get("standardize_label", "auto")
     if value == "auto":
-        return str((cfg.get("privacy") or {}).get("name", "none")) not in FEATURE_DP
+        return not uses_feature_dp(cfg.get("privacy") or {})
     if isinstance(value, bool):
         return value
     raise ValueError(f"standardize_label must be true, false or auto, got {value!r}")

@@ -39,7 +39,6 @@ import yaml
 
 from tpflower.datasets.files import resolve_path
 from tpflower.fedprep import DEFAULT_MIN_SKETCH_ROWS
-from tpflower.losses import FEATURE_DP
 from tpflower.schema import RelationalSpec, SpecError
 
 SECRET_ENV = "TPFLOWER_KEY_SECRET"
@@ -56,7 +55,7 @@ def uses_label_dp(privacy: Mapping[str, Any]) -> bool:
 
 
 def uses_feature_dp(privacy: Mapping[str, Any]) -> bool:
-    return str(privacy.get("name", "none")) in FEATURE_DP
+    return str(privacy.get("name", "none")) in ("dpsgd", "label_dpsgd")
 
 
 class Refusal(SpecError):
