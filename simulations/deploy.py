@@ -108,7 +108,7 @@ def flower_env(home: Path, tag: str, base: dict[str, str] | None = None) -> dict
 
 def clients_of(overrides: str, base_dir: str | Path | None = None) -> list[tuple[str, int]]:
     """The (table, shard) clients of the run the Hydra overrides describe: one SuperNode each."""
-    from simulations.client_app import config_from_run_config
+    from tpflower.app.client_app import config_from_run_config
     from tpflower.datasets import load_spec
 
     cfg = config_from_run_config({"overrides": overrides})
@@ -123,7 +123,7 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
     import yaml
     from omegaconf import OmegaConf
 
-    from simulations.client_app import config_from_run_config
+    from tpflower.app.client_app import config_from_run_config
     from tpflower.datasets import load_spec
     from tpflower.owner import privacy_floor, simulation_owner
 

@@ -19,11 +19,11 @@ import numpy as np
 from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
-from simulations.client_app import client_app_for
-from simulations.flower_adapter import install_fast_fetch
-from simulations.server_app import make_strategy, server_app_for
+from tpflower.app.client_app import client_app_for
+from tpflower.app.flower_patch import install_fast_fetch
+from tpflower.app.server_app import make_strategy, server_app_for
 from strategies.loj import LoJStrategy
-from strategies.protocol import ClientKey, DirectTransport
+from strategies.transport import ClientKey, DirectTransport
 from tpflower.datasets import load_spec
 from tpflower.results import RunResults
 
@@ -89,7 +89,7 @@ class InProcessRun:
 def in_process_contexts(strategy: LoJStrategy, base_dir: str | Path | None = None) -> dict[ClientKey, Context]:
     """One Flower Context per client key, with the node config the simulation engine gives it (partition-id),
     keyed by the table and shard the client takes for that partition."""
-    from simulations.client_app import node_identity
+    from tpflower.app.client_app import node_identity
 
     contexts = {}
     for pid in range(len(strategy.clients)):

@@ -18,16 +18,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
 from omegaconf import DictConfig
 
-from simulations.config import CONF_DIR
-from simulations.centralized import check_settings, constant_predictor_metric, train_centralized
-from strategies.protocol import RunError
-from tpflower import privacy as dp
+from simulations.federated import run_flower_simulation, run_in_process
+from strategies.transport import RunError
+from tpflower.app.server_app import make_strategy
 from tpflower.checks import DataProblems, errors
-from tpflower.datasets import check_dataset, load_spec, release_tables
+from tpflower.config import CONF_DIR
+from tpflower.datasets import check_dataset, release_tables
 from tpflower.owner import redact_run_dir, simulation_secret
-from tpflower.reference import as_reference, reference_text
-from tpflower.relation import Relation, load_relation, summary_line
-from tpflower.results import RunResults, new_run_results, write_results
+from tpflower.registry import entry_of
+from tpflower.results import RunResults
 from tpflower.schema import SpecError
 
 QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
@@ -37,43 +36,17 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
     """Run one configured job and write its results.json into ``run_dir``."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    algorithm = str(cfg.algorithm.name)
-    if algorithm != "centralized":
-        from simulations.federated import run_flower_simulation, run_in_process
-        from simulations.server_app import make_strategy
-
-        make_strategy(cfg, run_dir, base_dir, log=lambda _: None)  # every setting checked before Flower starts
-        check_data(cfg, base_dir)  # and every table, all problems at once
-        release_tables()  # the server holds no table during the run: each client loads its own
-
-        if cfg.get("runtime", "flower") == "inprocess":
-            results = run_in_process(cfg, run_dir, base_dir).strategy.results
-        else:
-            results = run_flower_simulation(cfg, run_dir, base_dir)
-        assert results is not None
-        return results
-    check_settings(cfg.algorithm)
-    check_privacy(cfg, base_dir)
-    check_data(cfg, base_dir)
-    rel = load_relation(cfg.dataset, simulation_secret(cfg), base_dir=base_dir, verbose=False)
-    privacy = cfg.get("privacy") or {"name": "none"}
-    if dp.uses_label_dp(privacy):
-        randomize_training_labels(rel, privacy)
-    results = new_run_results(cfg, algorithm, rel.spec, rel.mapping)
-    results.privacy = dp.privacy_summary(privacy, rel.spec.label.task)
-    results.reference = as_reference(constant_predictor_metric(rel))
-    print(f"{summary_line(rel.spec, rel.mapping)} | {reference_text(rel.spec.label.task, results.reference)}", flush=True)
-    train_centralized(cfg, rel, results)
-    path = write_results(results, run_dir)
-    print(f"results: {path}", flush=True)
+    strategy = make_strategy(cfg, run_dir, base_dir, log=lambda line: print(line, flush=True))  # settings checked
+    check_data(cfg, base_dir)  # and every table, all problems at once
+    if not entry_of(cfg).federated:
+        return strategy.run_local(base_dir)
+    release_tables()  # the server holds no table during the run: each client loads its own
+    if cfg.get("runtime", "flower") == "inprocess":
+        results = run_in_process(cfg, run_dir, base_dir).strategy.results
+    else:
+        results = run_flower_simulation(cfg, run_dir, base_dir)
+    assert results is not None
     return results
-
-
-#: Why the centralized baseline refuses feature DP (shown in the error).
-CENTRALIZED_NO_FEATURE_DP = (
-    "the centralized baseline trains one model on the materialized join (features of all tables in one place); "
-    "there is no per-client local model whose table row could be the privacy unit"
-)
 
 
 def check_data(cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print) -> None:
@@ -84,31 +57,6 @@ def check_data(cfg: DictConfig, base_dir: str | Path | None = None, log: Callabl
         raise DataProblems(errors(problems), spec.name)
     for p in problems:
         log(f"warning: {p.line()}")
-
-
-def check_privacy(cfg: DictConfig, base_dir: str | Path | None = None) -> None:
-    """The centralized baseline: refuse impossible privacy settings before any data is loaded (ValueError).
-
-    Needs the task, so it parses the dataset spec (never a table). The federated strategies check their
-    own settings in their constructor (run_job builds one before Flower starts; `flwr run` gets it too).
-    """
-    privacy = cfg.get("privacy") or {"name": "none"}
-    if str(privacy.get("name", "none")) == "none":
-        return
-    task = load_spec(cfg.dataset, base_dir=base_dir).label.task
-    dp.validate_privacy(privacy, "centralized", task, feature_dp=False, why_not=CENTRALIZED_NO_FEATURE_DP)
-
-
-def randomize_training_labels(rel: Relation, privacy) -> None:
-    """Label DP for the centralized baseline: the training labels randomized exactly as the federated label
-    owner does (noise from the OS entropy); test labels stay true."""
-    label = rel.label
-    assert label.y is not None and label.is_test is not None
-    train = ~label.is_test
-    rng = dp.label_rng()
-    y = label.y.copy()
-    y[train] = dp.randomize_labels(label.y[train], rel.spec.label.task, privacy, rng, label.n_classes)
-    label.y = y
 
 
 def log_file(run_dir: Path) -> Path:

@@ -9,8 +9,8 @@ configure_evaluate) turns the round's payloads into Flower messages, the transpo
 aggregate_train (or aggregate_evaluate) turns the replies back into payloads, raising on an error reply.
 
 Client keys are (table, shard). Before the protocol, :meth:`connect` asks every node which table and shard
-it holds. The same object runs under Flower (:class:`~strategies.protocol.GridTransport`) and in-process
-(:class:`~strategies.protocol.DirectTransport`), so the framework's overhead is measured on identical code.
+it holds. The same object runs under Flower (:class:`~strategies.transport.GridTransport`) and in-process
+(:class:`~strategies.transport.DirectTransport`), so the framework's overhead is measured on identical code.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.replies import check_round
-from strategies.protocol import HELLO_PHASE, MESSAGE_TYPE, ClientKey, GridTransport, Kind, Payload, Reply, RunError, Transport
-from tpflower.records import error_reason, pack_payload, record_bytes, unpack_reply
+from strategies.transport import MESSAGE_TYPE, ClientKey, GridTransport, Kind, Payload, Reply, RunError, Transport
+from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
 
 
 class TablePuppetStrategy(Strategy):

@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from strategies.registry import AlgorithmEntry, register
-from strategies.tp_join_sgd import TPJoinSGD
-from tpflower.params import CELUParams
-from tpflower.phases import celu, setup
-
-WHY_NO_FEATURE_DP = ("a cached batch is replayed up to R more times, which breaks the subsampling the DP "
-                     "accountant assumes; run algorithm=sgd with privacy=dpsgd")
+from strategies.join_sgd import TPJoinSGD
+from tpflower.phases.celu import CELUParams
 
 
 class TPJoinCELU(TPJoinSGD):
@@ -48,11 +43,3 @@ class VFLCELU(TPJoinCELU):
 
     algorithm = "vfl_celu"
     expand = True
-
-
-register(AlgorithmEntry("tp_join_celu", "celu", "join", TPJoinCELU, setup.loj_protocol(celu.START, celu.TRAIN),
-                        CELUParams, feature_dp=False, why_no_feature_dp=WHY_NO_FEATURE_DP,
-                        summary="TP-Join-SGD with CELU-VFL cached local updates"))
-register(AlgorithmEntry("vfl_celu", "vfl_celu", "join", VFLCELU, setup.loj_protocol(celu.START, celu.TRAIN, vfl=True),
-                        CELUParams, feature_dp=False, why_no_feature_dp=WHY_NO_FEATURE_DP,
-                        summary="CELU-VFL on the expanded join (the paper's setting)"))

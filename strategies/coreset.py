@@ -26,15 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from strategies.loj import EPOCH_STATE, LoJStrategy
-from strategies.registry import AlgorithmEntry, register
-from strategies.tp_join_admm import admm_rho
-from tpflower.coreset import CoresetParams
-from tpflower.guard import Protocol, Stage
-from tpflower.loj import ADMMServer, BatchPlan, SGDSchedule, batch_size_of, joined_predictions
-from tpflower.losses import loss_grad_np, loss_np, z_update
+from strategies.join_admm import admm_rho
+from tpflower.phases.coreset import CoresetParams
+from strategies.join_admm import ADMMServer
+from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
+from tpflower.losses import loss_grad_np, loss_np
 from tpflower.mapping import TableMapping, index_dtype, segment_sum
-from tpflower.phases import coreset as phases
-from tpflower.phases import setup
 
 
 @dataclass
@@ -283,10 +280,3 @@ class CoresetRidge(DISStrategy):
                 self.record_epoch(epoch, self._evaluate(), loss_sum / N, self._extra())
                 loss_sum = 0.0
                 self.end_epoch(epoch, {"h": h})
-
-
-RIDGE_PROTOCOL = Protocol(setup.SETUP + phases.DIS + (phases.RIDGE_START, Stage("train", phases.RIDGE_TRAIN, calls=None)))
-
-register(AlgorithmEntry("coreset", "coreset", "join", CoresetRidge, RIDGE_PROTOCOL, CoresetParams,
-                        feature_dp=False, label_dp=False,
-                        summary="VFL coreset (DIS, Alg. 1-2) over the join, ridge by weighted TP-Join-ADMM/SGD"))

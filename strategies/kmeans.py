@@ -27,13 +27,10 @@ import time
 import numpy as np
 
 from strategies.coreset import DISStrategy, compact_counts, row_ids
-from strategies.registry import AlgorithmEntry, register
-from tpflower.coreset import CoresetKMeansParams, KMeansParams, label_dtype, sq_distances, weighted_kmeans
-from tpflower.guard import Protocol
-from tpflower.loj import BatchPlan
+from tpflower.phases.kmeans import CoresetKMeansParams, KMeansParams
+from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
+from tpflower.batches import BatchPlan
 from tpflower.mapping import segment_sum
-from tpflower.phases import coreset as phases
-from tpflower.phases import setup
 from tpflower.results import EpochRecord, epoch_line
 
 METRIC = "kmeans_cost"
@@ -143,11 +140,3 @@ class CoresetKMeans(DistDimKMeans):
     algorithm = "coreset_kmeans"
     params_type = CoresetKMeansParams
     uses_coreset = True
-
-
-register(AlgorithmEntry("kmeans", "kmeans", "join", DistDimKMeans, Protocol(setup.SETUP + phases.KMEANS), KMeansParams,
-                        feature_dp=False, label_dp=False, summary="DistDim k-means on the full join (VKMC baseline)"))
-register(AlgorithmEntry("coreset_kmeans", "coreset_kmeans", "join", CoresetKMeans,
-                        Protocol(setup.SETUP + phases.DIS + phases.CORESET_KMEANS), CoresetKMeansParams,
-                        feature_dp=False, label_dp=False,
-                        summary="VFL coreset (DIS, Alg. 1 and 3) over the join, then DistDim k-means"))

@@ -26,12 +26,12 @@ from typing import Any, Callable
 import numpy as np
 
 from strategies.base import TablePuppetStrategy
-from strategies.checkpoint import CHECKPOINT, SETUP_CHECKPOINT, load_checkpoint, save_checkpoint
-from strategies.lou import ShardRouter
-from strategies.protocol import ClientKey, Kind, Payload, Reply
+from tpflower.checkpoint import CHECKPOINT, SETUP_CHECKPOINT, load_checkpoint, save_checkpoint
+from strategies.setup import ShardRouter
+from strategies.transport import ClientKey, Kind, Payload, Reply
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
 from tpflower.comm import CommMeter, WanModel
-from tpflower.loj import BatchPlan, SGDSchedule, batch_size_of
+from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of
 from tpflower import privacy as dp
 from tpflower.losses import LabelScale, metrics, output_dim, primary_metric, standardizes_label
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
@@ -92,7 +92,7 @@ class LoJStrategy(TablePuppetStrategy):
             raise ValueError(f"resume=true: {self.algorithm} runs in one shot (no epochs, no checkpoint to resume "
                              "from); run it again")
         if self.resume and not self.resumable:
-            from strategies.registry import entries
+            from tpflower.registry import entries
 
             resumable = sorted(e.name for e in entries() if e.strategy.resumable)
             raise ValueError(f"resume=true: {self.algorithm} does not checkpoint its epochs yet "

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from strategies.protocol import ClientKey, Payload, Reply, RunError
+from strategies.transport import ClientKey, Payload, Reply, RunError
 
 MAX_ABS = 1e12
 

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from simulations.config import compose_config as make_cfg  # noqa: F401  (tests import make_cfg from here)
+from tpflower.config import compose_config as make_cfg  # noqa: F401  (tests import make_cfg from here)

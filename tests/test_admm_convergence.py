@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from simulations.centralized import train_centralized
+from strategies.centralized import train_centralized
 from simulations.federated import run_in_process
 from tests.conftest import make_cfg
-from tpflower.loj import ADMMServer, Balancing
+from strategies.join_admm import ADMMServer, Balancing
 from tpflower.mapping import TableMapping
 from tpflower.owner import simulation_secret
 from tpflower.relation import load_relation

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from simulations.federated import run_in_process
-from simulations.server_app import make_strategy
+from tpflower.app.server_app import make_strategy
 from tests.conftest import make_cfg
-from tpflower.celu import Workset, staleness_weights
+from tpflower.phases.celu import Workset, staleness_weights
 from tpflower.state import ClientState
 
 EXACT = ("dataset=synthetic", "precision=float64", "model.init=zeros", "algorithm.batch_size=2000")  # 7 rounds/epoch
@@ -134,9 +134,9 @@ def test_refusals_before_any_client(overrides, match):
 
 
 def test_bench_reads_rounds_to_target_per_seed():
-    """simulations/bench_celu.py: each seed's target is vanilla's last metric; a variant is read off at its first
+    """simulations/bench/celu.py: each seed's target is vanilla's last metric; a variant is read off at its first
     evaluation at least as good (RMSE: lower), with the modelled comm time there; never reached -> left out."""
-    from simulations.bench_celu import lower_is_better, rounds_to, summarize
+    from simulations.bench.celu import lower_is_better, rounds_to, summarize
 
     assert lower_is_better("movielens") and not lower_is_better("nycflights13_delayed")  # RMSE; accuracy
 

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from simulations.centralized import exact_ridge, predict
+from strategies.centralized import exact_ridge, predict
 from simulations.run import run_job
 from tests.conftest import make_cfg as compose
 from tests.mapping_reference import assert_mapping_equals_merge
@@ -125,7 +125,7 @@ def test_classification_metrics_reported(tmp_path):
 
 def test_predict_matches_sum_of_local_models():
     rel = load_relation(central_cfg("dataset=synthetic").dataset, SECRET, verbose=False)
-    from simulations.centralized import build_joined_model
+    from strategies.centralized import build_joined_model
     import torch
 
     model = build_joined_model(rel, central_cfg().model, seed=0, dtype=torch.float64)

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from simulations.client_app import node_data_error
+from tpflower.app.client_app import node_data_error
 from tpflower.checks import DataProblems, errors
 from tpflower.datasets import check_dataset, load_dataset, load_table
 from tpflower.owner import Exposed, OwnerSettings

@@ -1,4 +1,4 @@
-"""Every registered algorithm (strategies.registry), the same checks: it runs and its metrics are finite, no
+"""Every registered algorithm (tpflower.registry), the same checks: it runs and its metrics are finite, no
 raw key or feature leaves a client, its privacy declarations are enforced, its client answers only its own
 phases. Flower-vs-in-process equality per algorithm is in tests/test_flower.py (slow)."""
 
@@ -12,16 +12,16 @@ import pytest
 import yaml
 from flwr.app import Context, Message, RecordDict
 
-from simulations.client_app import client_app_for
-from simulations.config import CONF_DIR
-from simulations.server_app import make_strategy
-from strategies import registry
-from strategies.protocol import DirectTransport
+from tpflower.app.client_app import client_app_for
+from tpflower.config import CONF_DIR
+from tpflower.app.server_app import make_strategy
+from tpflower import registry
+from strategies.transport import DirectTransport
 from tests.conftest import make_cfg
 from tests.test_privacy_e2e import Recorded, assert_absent, raw_columns
 from tpflower.records import pack_payload, unpack_reply
 
-ENTRIES = registry.entries()
+ENTRIES = [e for e in registry.entries() if e.federated]
 
 
 def overrides_of(entry: registry.AlgorithmEntry) -> list[str]:
@@ -106,7 +106,7 @@ def test_a_phase_of_another_algorithm_is_refused_naming_it():
 def test_numpyclient_fit_takes_the_arrays_in_named_order():
     """TableClient is a NumPyClient: fit(parameters, config) with config["arrays"] naming the parameters gives
     the same reply as the named-array path the ClientApp uses."""
-    from simulations.client_app import make_client
+    from tpflower.app.client_app import make_client
 
     cfg = make_cfg("algorithm=sgd", "dataset=synthetic")
     context = Context(run_id=0, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config={})

@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulations.server_app import make_strategy
+from tpflower.app.server_app import make_strategy
 from strategies.coreset import (WeightedADMMServer, joined_sampling_probabilities, uniform_joined_rows)
 from tests.conftest import make_cfg
 from tests.test_privacy_e2e import Recorded, assert_absent, raw_columns
-from tpflower import coreset as cs
-from tpflower.loj import ADMMServer
+from tpflower import clustering
+from tpflower.phases import coreset as cs
+from strategies.join_admm import ADMMServer
 from tpflower.mapping import TableMapping
 from tpflower.phases.coreset import DISState
 from tpflower.relation import has_bias
@@ -300,17 +301,17 @@ def test_kmeans_restarts_keep_the_lowest_cost_seeding():
     """restarts = R runs Lloyd from R k-means++ seedings drawn one after the other from the same generator and
     keeps the lowest weighted cost: never above the first seeding's (restarts = 1), below it on some data."""
     def cost(X, w, C):
-        return float((w * cs.sq_distances(X, C).min(1)).sum())
+        return float((w * clustering.sq_distances(X, C).min(1)).sum())
 
     lower = 0
     for seed in range(6):
         rng = np.random.default_rng(seed)
         X = np.concatenate([rng.normal(size=(60, 2)) + c for c in ([0, 0], [6, 0], [0, 6], [6, 6], [3, 3])])
         w = rng.integers(1, 4, len(X)).astype(float)
-        C1, _ = cs.weighted_kmeans(X, w, 5, np.random.default_rng(seed), restarts=1)
-        C10, labels = cs.weighted_kmeans(X, w, 5, np.random.default_rng(seed), restarts=10)
+        C1, _ = clustering.weighted_kmeans(X, w, 5, np.random.default_rng(seed), restarts=1)
+        C10, labels = clustering.weighted_kmeans(X, w, 5, np.random.default_rng(seed), restarts=10)
         assert cost(X, w, C10) <= cost(X, w, C1) + 1e-9
-        np.testing.assert_array_equal(labels, cs.sq_distances(X, C10).argmin(1))
+        np.testing.assert_array_equal(labels, clustering.sq_distances(X, C10).argmin(1))
         lower += cost(X, w, C10) < cost(X, w, C1) - 1e-6
     assert lower >= 1
 
@@ -321,8 +322,8 @@ def test_weighted_kmeans_with_integer_weights_is_kmeans_on_repeated_rows():
     X, w = rng.normal(size=(40, 3)), rng.integers(1, 5, 40)
     C0 = X[:3].copy()
     Xr = np.repeat(X, w, axis=0)
-    C, labels = cs.weighted_kmeans(X, w.astype(float), 3, rng, iters=50, tol=0.0, init=C0)
-    Cr, labels_r = cs.weighted_kmeans(Xr, np.ones(len(Xr)), 3, rng, iters=50, tol=0.0, init=C0)
+    C, labels = clustering.weighted_kmeans(X, w.astype(float), 3, rng, iters=50, tol=0.0, init=C0)
+    Cr, labels_r = clustering.weighted_kmeans(Xr, np.ones(len(Xr)), 3, rng, iters=50, tol=0.0, init=C0)
     np.testing.assert_allclose(C, Cr, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(np.repeat(labels, w), labels_r)
 
@@ -357,7 +358,7 @@ def test_why_the_cost_is_one_number_per_table_per_run():
     rng = np.random.default_rng(4)
     X = rng.normal(size=(50, 4))
     C = rng.normal(size=(10, 4))  # k = 10 centres, d_i = 4
-    D = cs.sq_distances(X, C)  # what kmeans_cost sends
+    D = clustering.sq_distances(X, C)  # what kmeans_cost sends
     A = -2.0 * (C[1:] - C[0])  # (D_c - D_0) = -2 (c - c_0)^T x + ||c||^2 - ||c_0||^2
     b = (D[:, 1:] - D[:, :1]) - ((C[1:] ** 2).sum(1) - (C[0] ** 2).sum())
     X_hat = np.linalg.lstsq(A, b.T, rcond=None)[0].T

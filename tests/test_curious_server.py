@@ -10,7 +10,6 @@ and binned columns, metrics included.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +20,9 @@ import pytest
 import yaml
 from flwr.app import Context, RecordDict
 
-from simulations.client_app import app as deployed_app
-from simulations.client_app import client_app_for
-from simulations.config import compose_config
+from tpflower.app.client_app import app as deployed_app
+from tpflower.app.client_app import client_app_for
+from tpflower.config import compose_config
 from simulations.deploy import write_client_configs
 from simulations.federated import run_in_process
 from tests.test_conformance import call
@@ -425,7 +424,7 @@ def test_kmeans_cost_gives_one_number_never_a_rows_distances():
     reply = unpack_reply(call(app, context, "train", cost_query(rows, assign, np.full(n, 2), C),
                               {"phase": "kmeans_cost"}).content)[0]
     assert set(reply) == {"cost"} and reply["cost"].size == 1
-    from simulations.client_app import make_client
+    from tpflower.app.client_app import make_client
 
     X = np.asarray(make_client(compose_config(*KMEANS.split()), context).local.X, dtype=np.float64)
     np.testing.assert_allclose(reply["cost"][0], (2 * ((X - C[assign]) ** 2).sum(1)).sum(), rtol=1e-12)

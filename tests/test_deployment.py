@@ -96,7 +96,7 @@ def test_fab_holds_the_app_and_not_the_venv_or_outputs():
 
     fab = build_fab_from_disk(deploy.APP_DIR)  # what `flwr run` ships
     names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
-    for needed in ("pyproject.toml", "simulations/client_app.py", "simulations/server_app.py", "conf/config.yaml",
+    for needed in ("pyproject.toml", "tpflower/app/client_app.py", "tpflower/app/server_app.py", "conf/config.yaml",
                    "conf/dataset/synthetic.yaml", "strategies/base.py", "tpflower/client.py"):
         assert needed in names
     assert not [n for n in names if n.startswith((".venv/", "outputs/", "multirun/", ".git/")) or "__pycache__" in n]
@@ -135,8 +135,8 @@ def test_flwr_run_on_superlink_and_one_supernode_per_table(tmp_path, overrides, 
         _check_results(data, algorithm, epochs)
         # the FAB was shipped to the SuperLink (by the first run: the refused one in the join case)
         assert any("Successfully installed tpflower" in p.read_text() for p in tmp_path.glob("flwr-*.log"))
-        # the SuperNodes' ClientApp processes import simulations.client_app from the installed FAB
-        assert list((tmp_path / "flwr-home" / "apps").glob("tpflower.tpflower.*/simulations/client_app.py"))
+        # the SuperNodes' ClientApp processes import tpflower.app.client_app from the installed FAB
+        assert list((tmp_path / "flwr-home" / "apps").glob("tpflower.tpflower.*/tpflower/app/client_app.py"))
     finally:
         if dep is not None:
             left = deploy.stop(dep)
@@ -201,7 +201,7 @@ def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp
     """TLS + node authentication by default; a SuperNode killed (kill -9) after epoch 3 of 6 stops the run with
     a line naming its table; restarted, it rejoins a resumed run, which ends with the metrics of the in-process
     simulation of the same config (float64, to 1e-6)."""
-    from simulations.config import compose_config
+    from tpflower.config import compose_config
     from simulations.federated import run_in_process
 
     dep = None

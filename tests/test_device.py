@@ -7,7 +7,7 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from simulations.client_app import make_client
+from tpflower.app.client_app import make_client
 from simulations.run import run_job
 from tests.conftest import make_cfg
 from tpflower.client import choose_device

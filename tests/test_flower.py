@@ -15,12 +15,12 @@ import pytest
 import yaml
 
 from simulations.federated import run_flower_simulation, run_in_process
-from strategies import registry
-from strategies.protocol import RunError
+from tpflower import registry
+from strategies.transport import RunError
 from tests.conftest import make_cfg
 from tests.test_conformance import overrides_of
 
-ENTRIES = registry.entries()
+ENTRIES = [e for e in registry.entries() if e.federated]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -113,7 +113,7 @@ def test_client_cache_survives_configs_deserialized_per_message():
 
     from flwr.common import Context, RecordDict
 
-    from simulations import client_app
+    from tpflower.app import client_app
 
     cfg = make_cfg("algorithm=sgd", "dataset=synthetic")
     client_app._SETTINGS.clear()

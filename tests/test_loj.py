@@ -1,6 +1,6 @@
 """Learning over join: exactness against the centralized math, ADMM convergence, communication volumes.
 
-These run the real strategy and client code in-process (strategies.protocol.DirectTransport: the same records as
+These run the real strategy and client code in-process (strategies.transport.DirectTransport: the same records as
 under Flower, without Ray); tests/test_flower.py runs the same code under Flower's simulation engine.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulations.centralized import exact_ridge, train_centralized
+from strategies.centralized import exact_ridge, train_centralized
 from simulations.federated import run_in_process
 from tests.conftest import make_cfg
-from tpflower.loj import BatchPlan, epoch_batches
+from tpflower.batches import BatchPlan, epoch_batches
 from tpflower.owner import simulation_secret
 from tpflower.relation import load_relation
 from tpflower.results import new_run_results

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from simulations.federated import run_in_process
-from strategies.tp_ucq_admm import consensus_step
-from tpflower.phases import union
+from strategies.ucq_admm import consensus_step
+from tpflower.phases import ucq_admm as union
 from tests.conftest import make_cfg
 
 
@@ -127,7 +127,7 @@ def test_binning_by_federated_rule_equals_binning_of_the_union(tmp_path):
     """Quantile bins of a sharded table's column: edges from the merged sketch (exact here: every shard holds
     fewer than 512 values; min_sketch_rows lowered) give the same one-hot bin features as binning the unioned
     table."""
-    from simulations.client_app import make_client
+    from tpflower.app.client_app import make_client
     from tpflower.relation import load_relation
 
     dataset = shop_with_shards(tmp_path)
@@ -144,7 +144,7 @@ def test_binning_by_federated_rule_equals_binning_of_the_union(tmp_path):
 
 def test_binning_of_small_shards_is_refused_by_default(tmp_path):
     """Without lowering min_sketch_rows the customers shards (10-25 rows) refuse to send age's sketch."""
-    from strategies.protocol import RunError
+    from strategies.transport import RunError
 
     with pytest.raises(RunError, match=r"table 'customers' shard \d: column 'age' has \d+ observed fit values.*"
                                        r"min_sketch_rows=2048.*table owner can lower min_sketch_rows"):

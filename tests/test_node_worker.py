@@ -1,4 +1,4 @@
-"""A deployed node's worker (simulations.node_worker): the ClientApp entry point of a deployed node forwards
+"""A deployed node's worker (tpflower.app.node_worker): the ClientApp entry point of a deployed node forwards
 each message to one long-lived process per node, which answers exactly as the message's own process would
 (the same replies, the same context.state), keeps its caches between messages, and hands a client's error
 back as the node's error line."""
@@ -11,9 +11,9 @@ import signal
 import numpy as np
 import pytest
 
-from simulations import node_worker
-from simulations.client_app import app as in_process_app
-from simulations.node_app import app as node_app
+from tpflower.app import node_worker
+from tpflower.app.client_app import app as in_process_app
+from tpflower.app.node_app import app as node_app
 from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, node
 from tpflower.records import unpack_reply

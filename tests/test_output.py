@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from simulations.centralized import constant_predictor_metric
+from strategies.centralized import constant_predictor_metric
 from simulations.federated import run_in_process
 from tests.conftest import make_cfg
 from tpflower.comm import CommMeter, WanModel

@@ -11,7 +11,8 @@ import torch
 from opacus.accountants import RDPAccountant
 
 from tpflower import privacy as P
-from tpflower.local_update import admm_update_local_opt, sgd_step
+from tpflower.phases.join_admm import admm_update_local_opt
+from tpflower.phases.join_sgd import local_sgd_step
 from tpflower.models import local_model
 
 F64 = torch.float64
@@ -150,7 +151,7 @@ def test_dp_step_without_noise_and_clipping_equals_sgd_step(kind):
     dp_model = local_model(4, 2, kind=kind, hidden=(8,), dtype=F64, seed=3)
     trainer = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12, sample_rate=0.1, seed=0)
     for _ in range(3):
-        sgd_step(ref, X, Y, batch_size=13, lr=0.3, beta=0.05)
+        local_sgd_step(ref, X, Y, batch_size=13, lr=0.3, beta=0.05)
         trainer.sgd_step(X, Y, batch_size=13, lr=0.3, beta=0.05)
     for (k, a), (k2, b) in zip(ref.state_dict().items(), trainer.state_dict().items()):
         assert k == k2

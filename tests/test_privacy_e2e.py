@@ -1,6 +1,6 @@
 """Privacy end to end (issue 5): accounting, an audit of every client payload, refusals, DP training.
 
-All runs are in-process (strategies.protocol.DirectTransport: the same strategy, ClientApp and records as
+All runs are in-process (strategies.transport.DirectTransport: the same strategy, ClientApp and records as
 under Flower) on the synthetic snowflake. The audit wraps every client so that each reply (arrays, metrics) is
 recorded, then looks for the raw data in it.
 """
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from opacus.accountants import RDPAccountant
 
-from simulations.client_app import client_app_for, make_client
-from simulations.config import compose_config
+from tpflower.app.client_app import client_app_for, make_client
+from tpflower.config import compose_config
 from simulations.federated import in_process_contexts, run_in_process
 from simulations.run import run_job
-from simulations.server_app import make_strategy
-from strategies.protocol import DirectTransport
+from tpflower.app.server_app import make_strategy
+from strategies.transport import DirectTransport
 from tpflower.state import ClientState
 from tpflower.records import unpack_payload, unpack_reply
 from tpflower.datasets import load_dataset
@@ -343,7 +343,7 @@ def test_sgd_sample_rate_worst_row_vs_paper_batch_accounting():
     """privacy.sample_rate: worst_row (default) accounts the most duplicated table row; batch is the paper's
     q = B / N, which only equals the truth for tables whose rows occur once in the join."""
     from simulations.federated import run_in_process
-    from strategies.tp_join_sgd import sgd_dp_plan
+    from strategies.join_sgd import sgd_dp_plan
     from tpflower.privacy import table_row_sample_rate
 
     base = ("algorithm=sgd", "dataset=synthetic", "privacy=dpsgd", "epochs=1", "algorithm.batch_size=500")

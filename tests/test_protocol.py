@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flwr.app import Error, Message
 
-from simulations import flower_adapter
-from simulations.server_app import make_strategy
+from tpflower.app import flower_patch as flower_adapter
+from tpflower.app.server_app import make_strategy
 from strategies.base import TablePuppetStrategy
-from strategies.protocol import DirectTransport, RunError
+from strategies.transport import DirectTransport, RunError
 from tests.conftest import make_cfg
 from tpflower.records import pack_reply, unpack_payload
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from simulations.client_app import client_app_for
-from simulations.config import compose_config
+from tpflower.app.client_app import client_app_for
+from tpflower.config import compose_config
 from simulations.federated import in_process_contexts
-from simulations.server_app import make_strategy
-from strategies.protocol import DirectTransport
+from tpflower.app.server_app import make_strategy
+from strategies.transport import DirectTransport
 from strategies.replies import MAX_ABS, ReplyError, check_reply
 from tpflower.records import pack_reply, unpack_payload, unpack_reply
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from simulations.client_app import client_app_for
-from simulations.config import compose_config
+from tpflower.app.client_app import client_app_for
+from tpflower.config import compose_config
 from simulations.federated import in_process_contexts, run_in_process
-from simulations.server_app import make_strategy
-from strategies.protocol import DirectTransport, RunError
+from tpflower.app.server_app import make_strategy
+from strategies.transport import DirectTransport, RunError
 from tpflower.records import unpack_payload
 
 RUN = ("dataset=synthetic", "algorithm=admm", "epochs=6", "precision=float64")
@@ -141,9 +141,9 @@ def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
 
 def test_every_registered_algorithm_resumes():
     """Every algorithm with epochs resumes; a one-shot one (k-means: DistDim has no epochs) refuses by name."""
-    from strategies.registry import entries
+    from tpflower.registry import entries
 
-    assert [e.name for e in entries() if not e.strategy.resumable and not e.strategy.one_shot] == []
+    assert [e.name for e in entries() if e.federated and not e.strategy.resumable and not e.strategy.one_shot] == []
     assert {e.name for e in entries() if e.strategy.one_shot} == {"kmeans", "coreset_kmeans"}
 
 

@@ -14,7 +14,8 @@ from tests.conftest import make_cfg
 from tests.mapping_reference import SECRET, pandas_build_mapping
 from tpflower import mapping as mapping_mod
 from tpflower.datasets import LOADERS, load_dataset, synthetic
-from tpflower.loj import ADMMServer, Balancing, joined_predictions
+from strategies.join_admm import ADMMServer, Balancing
+from tpflower.batches import joined_predictions
 from tpflower.mapping import (
     RowRange, SegmentSums, TableMapping, build_mapping, index_dtype, project_keys, segment_sum,
 )
@@ -208,7 +209,7 @@ def test_synthetic_makes_one_table_equal_to_its_table_of_the_whole(kwargs):
 def test_a_simulated_client_loads_and_holds_only_its_table(monkeypatch):
     """Every client of a simulation (the ClientApp the simulation engine runs) asks the loader for its own table
     alone, and what it keeps (its prepared data) has its table's rows and columns only."""
-    from simulations import client_app
+    from tpflower.app import client_app
     from simulations.federated import run_in_process
 
     calls: list[tuple | None] = []

@@ -1,4 +1,13 @@
-"""A node's own checkpoints: its state (context.state) after an epoch, kept where its owner says, so that a
+"""Checkpoints of a run, both sides: the server's (RUN_DIR/checkpoint*.pkl) and each node's own.
+
+The server's: what the strategy built in setup (mapping, splits, labels), pickled once into
+RUN_DIR/checkpoint-setup.pkl, and after every epoch the run record so far, the meters and the training loop's
+state (e.g. ADMM's z, lambda and the clients' last predictions) into RUN_DIR/checkpoint.pkl; each written
+atomically and streamed to the file (a crash leaves the previous epoch's file; no second copy in memory).
+The file is the server's own (it holds nothing the server did not hold while running) and it is read only
+by a run resumed in the same run dir with the same config (``resume=true``).
+
+A node's own checkpoints: its state (context.state) after an epoch, kept where its owner says, so that a
 run stopped by a crash (of the server, of a node) can resume.
 
 The server marks an epoch's last training message with ``checkpoint: E`` and the run's id ``run_id``; after
@@ -19,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,10 +38,38 @@ import numpy as np
 from flwr.common import RecordDict
 
 from tpflower.guard import ProtocolRefusal
+from tpflower.owner import redact
 from tpflower.records import recorddict_bytes, recorddict_of
 
 if TYPE_CHECKING:
     from tpflower.client import TableClient
+
+
+CHECKPOINT = "checkpoint.pkl"
+SETUP_CHECKPOINT = "checkpoint-setup.pkl"
+
+
+def _config(cfg: Any) -> dict[str, Any]:
+    """The run's config without its secret (the checkpoint never holds the join-key secret)."""
+    return redact(json.loads(run_key(cfg)))
+
+
+def save_checkpoint(path: Path, cfg: Any, state: dict[str, Any]) -> None:
+    record = {"config": _config(cfg), **state}
+    atomic_write(path, lambda f: pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def load_checkpoint(path: Path, cfg: Any) -> dict[str, Any]:
+    """The checkpoint in ``path``, if it was made by a run of the same config (resume settings aside)."""
+    with open(path, "rb") as f:
+        state = pickle.load(f)
+    if state.get("config") != _config(cfg):
+        old, new = state["config"], _config(cfg)
+        differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise ValueError(f"the checkpoint {path} was made by another config (differs in: {', '.join(differ)}); "
+                         "resume with the run's own settings")
+    return state
+
 
 KEEP = 2  # checkpoints kept per run: the server's last one is at most one epoch behind the clients'
 IGNORED_CONFIG_KEYS = ("resume", "nodes")  # resuming (and patience) do not make another run

@@ -14,7 +14,6 @@ Labels may be given as ``(n,)`` or ``(n, 1)``. The numpy functions run on the se
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,11 +23,6 @@ from torch import Tensor
 
 from tpflower.owner import uses_feature_dp
 from tpflower.schema import TASKS
-
-_EPS = np.finfo(np.float64).eps
-_ARMIJO = 1e-4
-_MAX_HALVINGS = 60
-_ROUNDING_FLOOR = 128.0
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -59,7 +53,7 @@ def primary_metric(task: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- validation
-def _check_np(task: str, H: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def check_np(task: str, H: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """H as float64 ``(n, d_c)`` and y as float64 ``(n,)`` (regression, binary) or intp ``(n,)`` (multiclass)."""
     check_task(task)
     H = np.asarray(H, dtype=np.float64)
@@ -117,7 +111,7 @@ def loss_torch(task: str, H: Tensor, y: Tensor) -> Tensor:
 
 def loss_np(task: str, H: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Per-row loss l(H_j; y_j), shape ``(n,)``, float64."""
-    H, y = _check_np(task, H, y)
+    H, y = check_np(task, H, y)
     if task == "regression":
         return 0.5 * (H[:, 0] - y) ** 2
     if task == "binary":
@@ -132,7 +126,7 @@ def loss_grad_np(task: str, H: np.ndarray, y: np.ndarray) -> np.ndarray:
 
     This is g_j of ALGORITHMS.md "LoJ with SGD" step 3 (summed into Y_iu by Eq. 10).
     """
-    H, y = _check_np(task, H, y)
+    H, y = check_np(task, H, y)
     if task == "regression":
         return H - y[:, None]
     if task == "binary":
@@ -166,7 +160,7 @@ def metrics(task: str, H: np.ndarray, y: np.ndarray) -> dict[str, float]:
     regression: ``rmse``; binary: ``accuracy`` (predict 1 iff H > 0) and ``auc`` (:func:`binary_auc`);
     multiclass: ``accuracy`` (argmax of H).
     """
-    H, y = _check_np(task, H, y)
+    H, y = check_np(task, H, y)
     if H.shape[0] == 0:
         raise ValueError(f"task {task!r}: metrics of 0 rows are undefined")
     out = {"loss": float(loss_np(task, H, y).mean())}
@@ -178,156 +172,6 @@ def metrics(task: str, H: np.ndarray, y: np.ndarray) -> dict[str, float]:
     else:
         out["accuracy"] = float(np.mean(np.argmax(H, axis=1) == y))
     return out
-
-
-# ---------------------------------------------------------------------------------------------- z-update
-def z_update(
-    task: str,
-    H: np.ndarray,
-    y: np.ndarray,
-    lam: np.ndarray,
-    r: float,
-    tol: float = 1e-10,
-    max_iter: int = 50,
-) -> np.ndarray:
-    """The ADMM z-update (ALGORITHMS.md "LoJ with ADMM" step 3; paper Eq. 7), for every row at once:
-
-        z_j = argmin_z  l(z; y_j) - lam_j^T z + r/2 ||H_j - z||^2,       r > 0.
-
-    The optimality condition is ``dl/dz(z_j) - lam_j + r (z_j - H_j) = 0``.
-
-    * regression: closed form ``z = (y + lam + r H) / (1 + r)`` (with l = 1/2 (z - y)^2);
-    * binary: scalar Newton, Hessian ``sigma(z)(1 - sigma(z)) + r``;
-    * multiclass: Newton with Hessian ``diag(p) - p p^T + r I`` per row (solved in O(C) per row by
-      Sherman-Morrison, which equals the dense solve: see :func:`_multiclass_newton_direction`).
-
-    Newton starts from H and is damped by a backtracking (Armijo) line search, so it converges from any start
-    (the objective is r-strongly convex). A row stops when the Euclidean norm of its gradient is at most
-    ``max(tol, 128 eps (1 + ||lam_j|| + r ||H_j||))``: the absolute ``tol`` unless float64 rounding of the
-    gradient's terms makes it unreachable (only for huge |lam| or r |H|). RuntimeError if a row has not
-    converged after ``max_iter`` Newton steps. Returns z with the shape of H (float64).
-
-    Iterations (measured, C up to 50, |H| up to 1000): 2-6 Newton steps for r >= 1, at most ~20 for
-    r >= 0.01. With ADMM duals (after Eq. 8, ``lam_j = dl/dz(z_j^prev)``, so ``e_y + lam_j`` is a probability
-    vector) and r = 1e-4, 10-35, except with extreme logits (|H| ~ 1000, C = 50: ~60); arbitrary duals with
-    r = 1e-4 can need ~150 (Newton zigzags between saturated classes). Raise ``max_iter`` for such inputs.
-    """
-    H, y = _check_np(task, H, y)
-    lam = np.asarray(lam, dtype=np.float64)
-    if lam.shape != H.shape:
-        raise ValueError(f"task {task!r}: lam must have the shape of H {H.shape}, got {lam.shape}")
-    r = float(r)
-    if not (np.isfinite(r) and r > 0.0):
-        raise ValueError(f"z_update needs a penalty r > 0, got r={r!r}")
-    if not (tol > 0.0):
-        raise ValueError(f"z_update needs tol > 0, got tol={tol!r}")
-    for name, arr in (("H", H), ("lam", lam), ("y", y)):
-        if not np.all(np.isfinite(arr)):
-            bad = int(np.flatnonzero(~np.isfinite(arr).reshape(arr.shape[0], -1).all(axis=1))[0])
-            raise ValueError(f"z_update: {name} is not finite at row {bad} (did the models diverge?)")
-    if task == "regression":
-        return (y[:, None] + lam + r * H) / (1.0 + r)
-
-    # float64 rounding floor of the gradient p - e_y - lam + r (z - H): a few eps times its terms
-    floor = _ROUNDING_FLOOR * _EPS * (1.0 + np.linalg.norm(lam, axis=1) + r * np.linalg.norm(H, axis=1))
-    tol_rows = np.maximum(tol, floor)
-    if task == "binary":
-        yb = y[:, None]
-
-        def objective(z: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            softplus = np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
-            linear = (yb[idx] + lam[idx]) * z
-            quad = 0.5 * r * (z - H[idx]) ** 2
-            return (softplus - linear + quad)[:, 0], (softplus + np.abs(linear) + quad)[:, 0]
-
-        def gradient(z: np.ndarray, idx: np.ndarray) -> np.ndarray:
-            return expit(z) - yb[idx] - lam[idx] + r * (z - H[idx])
-
-        def direction(z: np.ndarray, g: np.ndarray, idx: np.ndarray) -> np.ndarray:
-            p = expit(z)
-            return -g / (p * (1.0 - p) + r)
-
-    else:
-        onehot = np.zeros_like(H)
-        onehot[np.arange(H.shape[0]), y] = 1.0
-
-        def objective(z: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            lse = logsumexp(z, axis=1)
-            linear = ((onehot[idx] + lam[idx]) * z).sum(axis=1)
-            quad = 0.5 * r * ((z - H[idx]) ** 2).sum(axis=1)
-            magnitude = np.abs(lse) + np.abs(z).sum(axis=1) + np.abs(lam[idx] * z).sum(axis=1) + quad
-            return lse - linear + quad, magnitude
-
-        def gradient(z: np.ndarray, idx: np.ndarray) -> np.ndarray:
-            return softmax(z, axis=1) - onehot[idx] - lam[idx] + r * (z - H[idx])
-
-        def direction(z: np.ndarray, g: np.ndarray, idx: np.ndarray) -> np.ndarray:
-            return _multiclass_newton_direction(softmax(z, axis=1), g, r)
-
-    return _damped_newton(task, H.copy(), tol_rows, max_iter, objective, gradient, direction)
-
-
-def _multiclass_newton_direction(p: np.ndarray, g: np.ndarray, r: float) -> np.ndarray:
-    """``-(diag(p) - p p^T + r I)^{-1} g`` per row, by Sherman-Morrison.
-
-    With ``D = diag(p + r)``: ``A^{-1} g = D^{-1} g + D^{-1} p (p^T D^{-1} g) / (1 - p^T D^{-1} p)``, and the
-    denominator ``1 - sum p_c^2 / (p_c + r) = r sum p_c / (p_c + r)`` is computed in that cancellation-free,
-    positive form (sum p = 1).
-    """
-    inv_d = 1.0 / (p + r)
-    dg = inv_d * g
-    dp = inv_d * p
-    denom = r * (p * inv_d).sum(axis=1, keepdims=True)
-    return -(dg + dp * ((p * dg).sum(axis=1, keepdims=True) / denom))
-
-
-def _damped_newton(
-    task: str,
-    z: np.ndarray,
-    tol_rows: np.ndarray,
-    max_iter: int,
-    objective: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
-    gradient: Callable[[np.ndarray, np.ndarray], np.ndarray],
-    direction: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
-) -> np.ndarray:
-    """Newton with a per-row Armijo backtracking line search, vectorized over the rows not yet converged.
-
-    ``objective(z, idx)`` returns the per-row objective and a magnitude (sum of absolute terms) used as the
-    float64 rounding slack of the Armijo test, so that steps at rounding level near the optimum are accepted.
-    """
-    active = np.arange(z.shape[0])
-    for step in range(max_iter + 1):
-        za = z[active]
-        g = gradient(za, active)
-        gnorm = np.sqrt((g * g).sum(axis=1))
-        todo = gnorm > tol_rows[active]
-        if not todo.any():
-            return z
-        active, za, g, gnorm = active[todo], za[todo], g[todo], gnorm[todo]
-        if step == max_iter:
-            worst = int(np.argmax(gnorm / tol_rows[active]))
-            raise RuntimeError(
-                f"z_update({task!r}): {active.size} row(s) did not reach the gradient tolerance after "
-                f"{max_iter} Newton steps; worst row {int(active[worst])} has gradient norm "
-                f"{gnorm[worst]:.3e} > {tol_rows[active[worst]]:.3e}"
-            )
-        d = direction(za, g, active)
-        f0, magnitude = objective(za, active)
-        slope = (g * d).sum(axis=1)  # < 0: d is a descent direction (the Hessian is positive definite)
-        slack = 64.0 * _EPS * magnitude
-        t = np.ones(za.shape[0])
-        pending = np.arange(za.shape[0])
-        for _ in range(_MAX_HALVINGS):
-            cand = za[pending] + t[pending, None] * d[pending]
-            f1, _ = objective(cand, active[pending])
-            ok = f1 <= f0[pending] + _ARMIJO * t[pending] * slope[pending] + slack[pending]
-            za[pending[ok]] = cand[ok]
-            pending = pending[~ok]
-            if pending.size == 0:
-                break
-            t[pending] *= 0.5
-        z[active] = za
-    raise AssertionError("unreachable")  # the loop returns or raises at step == max_iter
 
 
 # ---------------------------------------------------------------------------------------------- label scale

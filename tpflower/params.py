@@ -123,50 +123,6 @@ class AlgorithmParams:
         return cls(**values)
 
 
-@dataclass(frozen=True)
-class SGDParams(AlgorithmParams):
-    """TP-Join-SGD, TP-UCQ-SGD, VFL-SGD (conf/algorithm/sgd.yaml)."""
-
-    lr: float = param(positive, 0.2)
-    batch_size: int | str = param(or_word(positive_int, "full"), 1024)
-    eval_every: int | None = param(or_word(positive_int, None), None)  # rounds; None: once per epoch
-
-
-@dataclass(frozen=True)
-class CELUParams(SGDParams):
-    """TP-Join-SGD / VFL-SGD with CELU-VFL local updates (conf/algorithm/celu.yaml, vfl_celu.yaml).
-    FedBCD: W=1, xi=null; vanilla: R=0."""
-
-    lr: float = param(positive, 0.2)  # the exchange step's rate: TP-Join-SGD's (the paper: vanilla's, unchanged)
-    W: int = param(positive_int, 5)  # workset size (batches cached)
-    R: int = param(nonnegative_int, 5)  # uses per cached batch (local steps per round at most R)
-    xi: float | None = param(or_word(degrees, None), 60.0)  # staleness threshold in degrees; None: no weighting
-    similarity: str = param(one_of("output", "hidden"), "output")
-    local_lr: float | None = param(or_word(positive, None), 0.05)  # the local steps' rate (None: lr)
-
-
-@dataclass(frozen=True)
-class ADMMParams(AlgorithmParams):
-    """TP-Join-ADMM, TP-UCQ-ADMM, VFL-ADMM (conf/algorithm/admm.yaml)."""
-
-    rho: float | str = param(or_word(positive, "auto"), "auto")
-    adapt_rho: bool = param(boolean, True)  # residual balancing (Boyd Sec. 3.4.1), also of rho_inner
-    rho_mu: float = param(above_one, 10.0)  # rebalance once one residual exceeds mu times the other
-    rho_tau: float = param(above_one, 2.0)  # ... by this factor
-    rho_warmup: int = param(nonnegative_int, 3)  # iterations before the first change (the start's transient)
-    tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
-    variant: str = param(one_of("sharing", "paper"), "sharing")
-    local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)
-    local_steps: int = param(positive_int, 20)  # lbfgs: iterations per theta-update
-    local_epochs: int = param(positive_int, 1)
-    local_lr: float = param(positive, 0.01)
-    local_batch_size: int = param(positive_int, 256)
-    inner_rounds: int = param(positive_int, 10)
-    inner_tol: float = param(nonnegative, 1e-6)
-    rho_inner: float | str | None = param(or_word(positive, "auto", None), "auto")
-    warm_dual: bool = param(boolean, True)  # keep the consensus duals u^q across epochs (false: reset, as Sec. 8)
-
-
 def run_settings(cfg: Mapping[str, Any]) -> None:
     """The run-level keys every federated algorithm reads: epochs, seed, precision."""
     positive_int("epochs", cfg.get("epochs"))

@@ -77,7 +77,7 @@ from tpflower.owner import uses_feature_dp, uses_label_dp  # noqa: F401  (part o
 PRIVACY_NAMES: tuple[str, ...] = ("none", "label", "dpsgd", "label_dpsgd")
 TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
 
-#: Which algorithm supports which privacy is declared in its registry entry (strategies.registry:
+#: Which algorithm supports which privacy is declared in its registry entry (tpflower.registry:
 #: feature_dp, label_dp) and passed to :func:`validate_privacy`. Feature DP needs a client that runs DP-SGD on
 #: its local model with a TABLE row as the privacy unit. VFL baselines qualify only because the client sums
 #: the expanded (duplicated) rows of one table row before clipping (it expanded its table with p_i itself);

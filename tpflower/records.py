@@ -87,3 +87,6 @@ def recorddict_of(data: bytes) -> RecordDict:
     proto = ProtoRecordDict()
     proto.ParseFromString(data)
     return recorddict_from_proto(proto)
+
+#: the phase of the query a server sends every node before a run (is it there, which table does it serve)
+HELLO_PHASE = "hello"

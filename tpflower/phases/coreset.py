@@ -34,17 +34,157 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import zlib
+
 import numpy as np
 
-from tpflower import coreset as cs
 from tpflower.client import TableClient
-from tpflower.records import Arrays
-from tpflower.state import StateRecord
-from tpflower.guard import Phase, ProtocolRefusal, Stage
+from tpflower.clustering import sq_distances, weighted_kmeans
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
 from tpflower.mapping import index_dtype
-from tpflower.phases import join_sgd
+from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive, positive_int
+from tpflower.phases import join_sgd, setup
 from tpflower.phases.join_admm import theta_update
+from tpflower.records import Arrays
+from tpflower.registry import AlgorithmEntry, register
 from tpflower.relation import has_bias
+from tpflower.state import StateRecord
+
+
+ALPHA = 2.0  # VKMC sensitivity constant (ALGORITHMS.md, Alg. 3 with alpha = 2)
+
+
+def fraction(what: str, value) -> float:
+    out = nonnegative(what, value)
+    if out > 1:
+        raise ValueError(f"{what} must be in [0, 1], got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class CoresetParams(AlgorithmParams):
+    """algorithm=coreset (conf/algorithm/coreset.yaml): ridge on a DIS coreset of the training join."""
+
+    m: int = param(positive_int, 2000)  # coreset size (draws, with replacement)
+    sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
+    mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
+    leverage_ridge: float = param(nonnegative, 64.0)  # ridge leverage scores, lam = leverage_ridge N / m; 0: Alg. 2
+    train: str = param(one_of("admm", "sgd"), "admm")
+    rho: float | str = param(or_word(positive, "auto"), "auto")  # train=admm
+    variant: str = param(one_of("sharing", "paper"), "sharing")
+    local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # MLP theta-update (train=admm), as TP-Join-ADMM
+    local_steps: int = param(positive_int, 20)
+    local_epochs: int = param(positive_int, 1)
+    local_lr: float = param(positive, 0.01)
+    local_batch_size: int = param(positive_int, 256)
+    lr: float = param(positive, 0.05)  # train=sgd
+    batch_size: int | str = param(or_word(positive_int, "full"), 256)
+
+
+def leverage_sensitivities(X: np.ndarray, G: np.ndarray, extra: np.ndarray | None = None,
+                           lam: float = 0.0) -> np.ndarray:
+    """Per table row u: the (ridge) leverage of ONE joined row of u, 0 where G_u = 0.
+
+    A = diag(sqrt(G)) [X | extra], thin SVD A = U S V^T. lam = 0: ||U[u]||^2 / G_u (Alg. 2; summed over the
+    joined rows, sum_u G_u g_u, it is rank(A)). lam > 0: the ridge leverage score
+    a_u^T (A^T A + lam I)^{-1} a_u / G_u = sum_k U_uk^2 s_k^2 / (s_k^2 + lam) / G_u (Alaoui & Mahoney 2015),
+    whose sum is the statistical dimension sum_k s_k^2 / (s_k^2 + lam) < rank(A): a direction carried by r
+    joined rows contributes about r / (r + lam). ``extra`` columns (the label owner's intercept and y) are
+    divided by their root mean square over the joined rows first, so the label's units do not matter (no
+    effect when lam = 0)."""
+    A = np.asarray(X, dtype=np.float64)
+    G = np.asarray(G, dtype=np.float64)
+    if extra is not None:
+        E = np.asarray(extra, dtype=np.float64).reshape(len(A), -1)
+        rms = np.sqrt((G[:, None] * E * E).sum(0) / max(G.sum(), 1e-300))
+        A = np.column_stack([A, E / np.where(rms > 0, rms, 1.0)])
+    g = np.zeros(len(A))
+    active = np.flatnonzero(G > 0)
+    if len(active) == 0 or A.shape[1] == 0:
+        return g
+    B = A[active] * np.sqrt(G[active])[:, None]
+    U, s, _ = np.linalg.svd(B, full_matrices=False)
+    if s.size == 0 or s[0] == 0:
+        return g
+    rank = int(np.sum(s > s[0] * max(B.shape) * np.finfo(np.float64).eps))
+    shrink = s[:rank] ** 2 / (s[:rank] ** 2 + lam)  # 1 for plain leverage (lam = 0)
+    g[active] = (U[:, :rank] ** 2 @ shrink) / G[active]
+    return g
+
+
+def ridge_lambda(leverage_ridge: float, N: int, m: int) -> float:
+    """lam of the ridge leverage scores, in joined rows: leverage_ridge * N / m. A direction that m uniform
+    draws would see fewer than about ``leverage_ridge`` times is damped instead of sampled at full weight."""
+    return float(leverage_ridge) * float(N) / float(m)
+
+
+def kmeans_sensitivities(X: np.ndarray, G: np.ndarray, k: int, rng: np.random.Generator, iters: int = 100,
+                         alpha: float = ALPHA) -> np.ndarray:
+    """VKMC local sensitivities (Alg. 3) of one joined row of each table row: local k-means++ / Lloyd weighted
+    by G (= on the table's expanded slice of the join), then :func:`cluster_sensitivities`."""
+    C, _ = weighted_kmeans(X, np.asarray(G, dtype=np.float64), k, rng, iters)
+    return cluster_sensitivities(X, G, C, alpha)
+
+
+def cluster_sensitivities(X: np.ndarray, G: np.ndarray, C: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
+    """g_u = alpha d^2(x_u, C) / cost + 2 alpha cost(P_c) / (|P_c| cost) + 4 / |P_c| (Alg. 3), c = the cluster
+    of u, cost = sum_u G_u d^2(x_u, C), cost(P_c) and |P_c| summed with G; 0 where G_u = 0. With G = 1 on the
+    materialized join's rows it is the paper's formula; with G_iu it gives the same value per joined row."""
+    X, G = np.asarray(X, dtype=np.float64), np.asarray(G, dtype=np.float64)
+    D = sq_distances(X, C)
+    labels = D.argmin(1)
+    d2 = D[np.arange(len(X)), labels]
+    size = np.bincount(labels, weights=G, minlength=len(C))
+    group_cost = np.bincount(labels, weights=G * d2, minlength=len(C))
+    cost = float(group_cost.sum())
+    g = np.zeros(len(X))
+    act = G > 0
+    sz = size[labels[act]]
+    if cost > 0:
+        g[act] = alpha * d2[act] / cost + 2 * alpha * group_cost[labels[act]] / (sz * cost) + 4.0 / sz
+    else:  # every point on its centre: only the cluster-size term
+        g[act] = 4.0 / sz
+    return g
+
+
+def mix_uniform(G: np.ndarray, g: np.ndarray, N: int, mix: float) -> np.ndarray:
+    """g' = (1 - mix) g + mix G^(i) / N on the rows in the join (G^(i) = sum_u G_iu g_u, unchanged by this).
+
+    Summed over the tables, g'_j = (1 - mix) g_j + mix G / N, so one DIS draw picks joined row j with
+    P'(j) = (1 - mix) g_j / G + mix / N: a mixture of the sensitivity sampling and uniform sampling, computed
+    by each table alone (it knows its own total and N). The weights G / (m g'_j) are then at most N / (mix m),
+    and a sensitivity plus anything stays an upper bound (the coreset guarantee holds with G unchanged)."""
+    if mix <= 0:
+        return g
+    total = local_total(G, g)
+    out = np.zeros_like(g)
+    act = np.asarray(G) > 0
+    out[act] = (1.0 - mix) * g[act] + mix * total / float(N)
+    return out
+
+
+def local_total(G: np.ndarray, g: np.ndarray) -> float:
+    """G^(i) = sum over the joined rows of the local sensitivity = sum_u G_iu g_u (Alg. 1, round 1)."""
+    return float((np.asarray(G, dtype=np.float64) * g).sum())  # not np.dot: BLAS threads change its rounding
+
+
+def sampling_probabilities(G: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """P(u) = G_iu g_u / G^(i): the client's draw over its base rows (Alg. 1, round 2)."""
+    p = np.asarray(G, dtype=np.float64) * g
+    return p / p.sum()
+
+
+def draw_base_rows(G: np.ndarray, g: np.ndarray, a: int, rng: np.random.Generator) -> np.ndarray:
+    """a base rows i.i.d. with replacement, P(u) = G_iu g_u / G^(i) (Alg. 1, round 2)."""
+    if a <= 0:
+        return np.zeros(0, dtype=np.int64)
+    p = sampling_probabilities(G, g)
+    return rng.choice(len(p), size=int(a), replace=True, p=p).astype(np.int64)
+
+
+def client_rng(seed: int, table: str, stream: int) -> np.random.Generator:
+    """The client's sampling generator: the run seed, the table's name and a stream number."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, zlib.crc32(table.encode()), int(stream)])
 
 
 @dataclass
@@ -149,16 +289,16 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
             if has_bias(s.model, s.table, s.spec.label_table):
                 extra.append(np.ones(len(X)))
             extra.append(np.asarray(client.data.y, dtype=np.float64))
-        lam = cs.ridge_lambda(s.algorithm.leverage_ridge, int(config["N"]), _m(client))
-        g = cs.leverage_sensitivities(X, G, np.column_stack(extra) if extra else None, lam)
+        lam = ridge_lambda(s.algorithm.leverage_ridge, int(config["N"]), _m(client))
+        g = leverage_sensitivities(X, G, np.column_stack(extra) if extra else None, lam)
         if client.data.y is not None:  # + 1/N once per joined row, for the regulariser (the authors' code)
             g[G > 0] += 1.0 / float(config["N"])
     else:
         alg = s.algorithm
-        g = cs.kmeans_sensitivities(X, G, int(alg.k), cs.client_rng(s.seed, s.table, 1), int(alg.iters))
-    g = cs.mix_uniform(G, g, int(config["N"]), float(getattr(s.algorithm, "mix", 0.0)))
+        g = kmeans_sensitivities(X, G, int(alg.k), client_rng(s.seed, s.table, 1), int(alg.iters))
+    g = mix_uniform(G, g, int(config["N"]), float(getattr(s.algorithm, "mix", 0.0)))
     DISState(G, g).save(client.state)
-    return {"total": np.array([cs.local_total(G, g)])}, {}
+    return {"total": np.array([local_total(G, g)])}, {}
 
 
 def sample(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -167,7 +307,7 @@ def sample(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tu
     a = int(np.asarray(arrays["a"]).reshape(-1)[0])
     if not 0 <= a <= _m(client):
         raise CoresetRefusal(f"{_where(client, 'sample')}: a_i = {a} draws; at most algorithm.m = {_m(client)}")
-    rows = cs.draw_base_rows(st.G, st.g, a, cs.client_rng(client.settings.seed, client.settings.table, 2))
+    rows = draw_base_rows(st.G, st.g, a, client_rng(client.settings.seed, client.settings.table, 2))
     return {"rows": rows.astype(index_dtype(len(st.g)))}, {}
 
 
@@ -247,82 +387,6 @@ def coreset_predict(client: TableClient, arrays: Arrays, config: Mapping[str, An
     return {"h": client.predict(model, rows)}, {}
 
 
-def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """DistDim, the party's step: weighted local k-means, one centre label per row sent, its k centres (kept
-    for kmeans_assign).
-
-    {G}: all its rows weighted by G_iu (the full join); {rows, w}: the coreset's rows with their weights."""
-    s = client.settings
-    X = np.asarray(client.local.X, dtype=np.float64)
-    if "rows" in arrays:
-        rows = _rows(client, arrays, "kmeans_local")
-        w = np.asarray(arrays["w"], dtype=np.float64)
-        if w.shape != rows.shape or (w < 0).any():
-            raise ValueError(f"{_where(client, 'kmeans_local')}: w must hold one weight >= 0 per row")
-        admit_training_rows(client, rows, "kmeans_local")
-        X = X[rows]
-    else:
-        if _m(client):
-            raise CoresetRefusal(f"{_where(client, 'kmeans_local')}: coreset k-means clusters the coreset's rows only")
-        w = _keep_G(client, arrays, "kmeans_local")
-    C, labels = cs.weighted_kmeans(X, w, int(s.algorithm.k), cs.client_rng(s.seed, s.table, 3), int(s.algorithm.iters),
-                                   float(s.algorithm.tol), restarts=int(s.algorithm.restarts))
-    client.state.put("kmeans.C", C)
-    return {"labels": labels.astype(cs.label_dtype(len(C))), "C": C}, {}
-
-
-def kmeans_assign(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """coreset_kmeans, evaluation: every row's nearest local centre (what DistDim on the full join sends), for
-    the server to place every joined row in its grid cell."""
-    C = client.state.get("kmeans.C")
-    if C is None:
-        raise RuntimeError(f"{_where(client, 'kmeans_assign')}: before kmeans_local")
-    if "G" in arrays:  # uniform sampling: the first G_i of the run (after DIS: must be the same)
-        _keep_G(client, arrays, "kmeans_assign")
-    labels = cs.sq_distances(np.asarray(client.local.X, dtype=np.float64), C).argmin(1)
-    return {"labels": labels.astype(cs.label_dtype(len(C)))}, {}
-
-
-def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """The factorized cost of the final clustering (strategies/kmeans.py): ONE number,
-    sum_u sum_c counts[u, c] ||x_u - C_c||^2, for the sparse counts (rows, centres, counts) of the joined rows
-    of each row u assigned to each final centre c. Refused unless every row's counts add up to its G_iu (the
-    G_i this client received earlier: each row enters with all its joined rows) and the first time in the run."""
-    where = _where(client, "kmeans_cost")
-    if client.state.scalar("kmeans.cost_answered", 0):
-        raise CoresetRefusal(f"{where}: the cost is answered once per run (two answers for different counts "
-                             "would reveal a row's distances)")
-    G = client.state.get("coreset.G")
-    if G is None:
-        raise CoresetRefusal(f"{where}: this client never received G_i, so it cannot check the counts")
-    X = np.asarray(client.local.X, dtype=np.float64)
-    C = np.asarray(arrays["C"], dtype=np.float64)
-    k = int(client.settings.algorithm.k)
-    if C.ndim != 2 or C.shape[1] != X.shape[1] or not 1 <= C.shape[0] <= k or not np.isfinite(C).all():
-        raise ValueError(f"{where}: C must be at most k = {k} finite centres of width {X.shape[1]}, got {C.shape}")
-    rows, centres, counts = (np.asarray(arrays[n]) for n in ("rows", "centres", "counts"))
-    if not (rows.ndim == centres.ndim == counts.ndim == 1 and len(rows) == len(centres) == len(counts)):
-        raise ValueError(f"{where}: rows, centres and counts must be vectors of one length")
-    if any(a.size and a.dtype.kind not in "iu" for a in (rows, centres, counts)):
-        raise ValueError(f"{where}: rows, centres and counts must be integers")
-    rows, centres, counts = rows.astype(np.int64), centres.astype(np.int64), counts.astype(np.int64)
-    if len(rows) and (rows.min() < 0 or rows.max() >= len(X) or centres.min() < 0 or centres.max() >= len(C)
-                      or counts.min() <= 0):
-        raise ValueError(f"{where}: counts must name rows of the table, centres of C and be >= 1")
-    if len(np.unique(rows * len(C) + centres)) != len(rows):
-        raise CoresetRefusal(f"{where}: a (row, centre) pair appears twice in the counts")
-    per_row = np.bincount(rows, weights=counts, minlength=len(X))
-    bad = per_row != G
-    if bad.any():
-        u = int(np.flatnonzero(bad)[0])
-        raise CoresetRefusal(f"{where}: the counts of {int(bad.sum())} row(s) do not add up to the row's G_iu "
-                             f"(row {u}: {per_row[u]:g} vs G = {G[u]:g}); every row enters with all its joined rows")
-    client.state.set_scalar("kmeans.cost_answered", 1)
-    diff = X[rows] - C[centres]
-    d2 = np.einsum("ij,ij->i", diff, diff)  # no BLAS: the same rounding with any thread count
-    return {"cost": np.array([float((counts * d2).sum())])}, {}
-
-
 # ------------------------------------------------------------------------------------------------ roles
 
 
@@ -352,8 +416,10 @@ RIDGE_TRAIN: dict[str, Phase] = {
     "sgd_step": Phase(coreset_sgd_step, sgd_client),
     "coreset_predict": Phase(coreset_predict, spaced=True),
 }
-KMEANS_LOCAL = Stage("kmeans_local", {"kmeans_local": Phase(kmeans_local)})
-KMEANS_COST = Stage("kmeans_cost", {"kmeans_cost": Phase(kmeans_cost)}, calls=None)
-KMEANS: tuple[Stage, ...] = (KMEANS_LOCAL, KMEANS_COST)
-CORESET_KMEANS: tuple[Stage, ...] = (KMEANS_LOCAL, Stage("kmeans_assign", {"kmeans_assign": Phase(kmeans_assign)}),
-                                     KMEANS_COST)
+
+
+RIDGE_PROTOCOL = Protocol(setup.SETUP + DIS + (RIDGE_START, Stage("train", RIDGE_TRAIN, calls=None)))
+
+register(AlgorithmEntry("coreset", "coreset", "join", "coreset", "CoresetRidge", RIDGE_PROTOCOL, CoresetParams,
+                        feature_dp=False, label_dp=False,
+                        summary="VFL coreset (DIS, Alg. 1-2) over the join, ridge by weighted TP-Join-ADMM/SGD"))

@@ -15,10 +15,149 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.records import Arrays
-from tpflower.state import StateRecord
 from tpflower.guard import Phase, Stage
-from tpflower.local_update import admm_update_lbfgs, admm_update_linear, admm_update_local_opt
+from tpflower.models import l2_penalty
+from tpflower.params import (AlgorithmParams, above_one, boolean, nonnegative, nonnegative_int, one_of, or_word, param,
+                             positive, positive_int)
+from tpflower.phases import setup
+from tpflower.records import Arrays
+from tpflower.registry import AlgorithmEntry, register
+from tpflower.state import StateRecord
+
+
+def admm_update_linear(
+    model: torch.nn.Linear, X: np.ndarray, G: np.ndarray, Y: np.ndarray, N: int, rho: float, beta: float,
+    prox: tuple[np.ndarray, float] | None = None,
+) -> None:
+    """Exact minimiser of Eq. 16 for f(x) = x W^T + b with R = 1/2 ||(W, b)||^2:
+
+    (rho X1^T diag(G) X1 / N + beta I) Theta = -X1^T Y / N, with X1 = [X, 1] when the model has a bias.
+    With ``prox = (v, rho')`` it solves one shard's consensus step instead (Eq. 22): the regulariser moves
+    to the coordinator and rho'/2 ||Theta - v||^2 takes its place, v = w - u^q in flat parameter order.
+    Solved in float64; the rows with G = 0 only enter through X1^T Y (where Y is 0 too).
+    """
+    X1 = np.concatenate([X, np.ones((len(X), 1))], axis=1) if model.bias is not None else X
+    d1, d_c = X1.shape[1], Y.shape[1]
+    rhs = -(X1.T @ Y) / N
+    if prox is None:
+        A = (rho / N) * (X1.T * G) @ X1 + beta * np.eye(d1)
+    else:
+        v, rho_c = prox
+        A = (rho / N) * (X1.T * G) @ X1 + rho_c * np.eye(d1)
+        rhs = rhs + rho_c * flat_to_theta(v, X.shape[1], d_c, model.bias is not None)
+    Theta = np.linalg.solve(A, rhs)  # (d [+1]) x d_c
+    with torch.no_grad():
+        d = X.shape[1]
+        model.weight.copy_(torch.as_tensor(Theta[:d].T))
+        if model.bias is not None:
+            model.bias.copy_(torch.as_tensor(Theta[d]))
+
+
+def flat_to_theta(v: np.ndarray, d: int, d_c: int, bias: bool) -> np.ndarray:
+    """A flat parameter vector of nn.Linear(d, d_c) (weight (d_c, d) row-major, then bias) as Theta (d1 x d_c)."""
+    W = v[: d_c * d].reshape(d_c, d).T
+    return np.vstack([W, v[d_c * d :].reshape(1, d_c)]) if bias else W
+
+
+def theta_penalty(model: torch.nn.Module, beta: float, prox: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    """The theta-update's penalty: beta R(theta) (Eq. 16), or rho'/2 ||theta - v||^2 for a shard's consensus
+    step (Eq. 22) when ``prox = (v, rho')``."""
+    if prox is None:
+        return beta * l2_penalty(model)
+    theta = torch.nn.utils.parameters_to_vector(model.parameters())
+    return 0.5 * prox[1] * ((theta - prox[0]) ** 2).sum()
+
+
+def admm_update_local_opt(
+    model: torch.nn.Module,
+    X: torch.Tensor,
+    G: torch.Tensor,
+    Y: torch.Tensor,
+    N: int,
+    rho: float,
+    beta: float,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    generator: torch.Generator,
+    prox: tuple[torch.Tensor, float] | None = None,
+) -> None:
+    """Warm-started Adam on Eq. 16 (non-linear f_i), over mini-batches of the rows that occur in the join.
+
+    A mini-batch b of the n_a active rows estimates the sum over rows without bias: (n_a / |b|) sum_{u in b}.
+    With ``prox = (v, rho')`` (a shard's consensus step, Eq. 22) rho'/2 ||theta - v||^2 replaces beta R.
+    """
+    active = torch.nonzero(G > 0).flatten()
+    n_a = len(active)
+    if n_a == 0:
+        return
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        perm = active[torch.randperm(n_a, generator=generator)]
+        for s in range(0, n_a, batch_size):
+            rows = perm[s : s + batch_size]
+            f = model(X[rows])
+            data = (Y[rows] * f).sum() + 0.5 * rho * (G[rows, None] * f * f).sum()
+            loss = theta_penalty(model, beta, prox) + data * (n_a / len(rows)) / N
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def admm_update_lbfgs(
+    model: torch.nn.Module,
+    X: torch.Tensor,
+    G: torch.Tensor,
+    Y: torch.Tensor,
+    N: int,
+    rho: float,
+    beta: float,
+    max_iter: int,
+    prox: tuple[torch.Tensor, float] | None = None,
+) -> None:
+    """Eq. 16 for a non-linear f_i by full-batch L-BFGS (strong Wolfe line search), warm-started from theta_i.
+
+    Eq. 16 is a G-weighted least-squares fit of f_i to -Y_u / (rho G_u) plus beta R: smooth and, for the
+    small local models here, well solved by a quasi-Newton method in ``max_iter`` iterations over the
+    active rows (G > 0), deterministically. ``prox = (v, rho')``: one shard's consensus step (Eq. 22).
+    """
+    active = torch.nonzero(G > 0).flatten()
+    if len(active) == 0:
+        return
+    Xa, Ga, Ya = X[active], G[active, None], Y[active]
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
+                            line_search_fn="strong_wolfe", tolerance_grad=1e-10, tolerance_change=1e-14)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        f = model(Xa)
+        loss = ((Ya * f).sum() + 0.5 * rho * (Ga * f * f).sum()) / N + theta_penalty(model, beta, prox)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+
+
+@dataclass(frozen=True)
+class ADMMParams(AlgorithmParams):
+    """TP-Join-ADMM, TP-UCQ-ADMM, VFL-ADMM (conf/algorithm/admm.yaml)."""
+
+    rho: float | str = param(or_word(positive, "auto"), "auto")
+    adapt_rho: bool = param(boolean, True)  # residual balancing (Boyd Sec. 3.4.1), also of rho_inner
+    rho_mu: float = param(above_one, 10.0)  # rebalance once one residual exceeds mu times the other
+    rho_tau: float = param(above_one, 2.0)  # ... by this factor
+    rho_warmup: int = param(nonnegative_int, 3)  # iterations before the first change (the start's transient)
+    tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
+    variant: str = param(one_of("sharing", "paper"), "sharing")
+    local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)
+    local_steps: int = param(positive_int, 20)  # lbfgs: iterations per theta-update
+    local_epochs: int = param(positive_int, 1)
+    local_lr: float = param(positive, 0.01)
+    local_batch_size: int = param(positive_int, 256)
+    inner_rounds: int = param(positive_int, 10)
+    inner_tol: float = param(nonnegative, 1e-6)
+    rho_inner: float | str | None = param(or_word(positive, "auto", None), "auto")
+    warm_dual: bool = param(boolean, True)  # keep the consensus duals u^q across epochs (false: reset, as Sec. 8)
 
 
 @dataclass
@@ -99,3 +238,9 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
 
 START = Stage("start", {"admm_setup": Phase(admm_setup)})
 TRAIN: dict[str, Phase] = {"admm_update": Phase(admm_update)}
+
+
+register(AlgorithmEntry("tp_join_admm", "tp_join_admm", "join", "join_admm", "TPJoinADMM", setup.loj_protocol(START, TRAIN),
+                        ADMMParams, summary="TP-Join-ADMM (Eq. 7, 8, 14-16): one round trip per epoch"))
+register(AlgorithmEntry("vfl_admm", "vfl_admm", "join", "join_admm", "VFLADMM", setup.loj_protocol(START, TRAIN, vfl=True),
+                        ADMMParams, summary="VFL-ADMM baseline on the expanded join"))

@@ -12,12 +12,53 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from tpflower.client import TableClient
-from tpflower.records import Arrays
-from tpflower.state import StateRecord
 from tpflower.guard import Phase, Stage
-from tpflower.local_update import sgd_step as local_sgd_step
+from tpflower.models import l2_penalty
+from tpflower.params import AlgorithmParams, or_word, param, positive, positive_int
+from tpflower.phases import setup
+from tpflower.records import Arrays
+from tpflower.registry import AlgorithmEntry, register
+from tpflower.state import StateRecord
+
+
+def local_sgd_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, batch_size: int, lr: float, beta: float) -> None:
+    """theta_i -= lr * [(1/|B|) sum_u Y_iu^T dh_iu/dtheta_i + beta dR_i/dtheta_i] (Eq. 12, 13).
+
+    X: the rows U_i of the table (|U_i| x d_i); Y: the aggregated dl/dH of those rows (|U_i| x d_c).
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=lr)  # plain SGD keeps no state between steps
+    opt.zero_grad()
+    loss = (Y * model(X)).sum() / batch_size + beta * l2_penalty(model)
+    loss.backward()
+    opt.step()
+
+
+def sgd_partial_gradient(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, count: float, beta: float) -> torch.Tensor:
+    """One shard's unnormalised partial gradient (Eq. 18): sum_u Y_iu^T dh_iu/dtheta + beta G_sum dR/dtheta,
+    with G_sum = sum over its rows u of G_iu (how many joined rows of the batch use them); flat vector."""
+    model.zero_grad()
+    loss = (Y * model(X)).sum() + beta * count * l2_penalty(model)
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in model.parameters()])
+
+
+def apply_step(model: torch.nn.Module, gradient: torch.Tensor, lr: float) -> None:
+    """theta -= lr * gradient (Eq. 19), the gradient given as one flat vector."""
+    with torch.no_grad():
+        theta = torch.nn.utils.parameters_to_vector(model.parameters())
+        torch.nn.utils.vector_to_parameters(theta - lr * gradient, model.parameters())
+
+
+@dataclass(frozen=True)
+class SGDParams(AlgorithmParams):
+    """TP-Join-SGD, TP-UCQ-SGD, VFL-SGD (conf/algorithm/sgd.yaml)."""
+
+    lr: float = param(positive, 0.2)
+    batch_size: int | str = param(or_word(positive_int, "full"), 1024)
+    eval_every: int | None = param(or_word(positive_int, None), None)  # rounds; None: once per epoch
 
 
 @dataclass
@@ -69,3 +110,9 @@ def sgd_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
 
 START = Stage("start", {"predict": Phase(predict)})
 TRAIN: dict[str, Phase] = {"sgd_step": Phase(sgd_step)}
+
+
+register(AlgorithmEntry("tp_join_sgd", "tp_join_sgd", "join", "join_sgd", "TPJoinSGD", setup.loj_protocol(START, TRAIN),
+                        SGDParams, summary="TP-Join-SGD (Eq. 10-13): one round trip per mini-batch"))
+register(AlgorithmEntry("vfl_sgd", "vfl_sgd", "join", "join_sgd", "VFLSGD", setup.loj_protocol(START, TRAIN, vfl=True),
+                        SGDParams, summary="VFL-SGD baseline on the expanded join"))

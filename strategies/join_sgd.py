@@ -10,14 +10,30 @@ duplicated rows first); one step per batch, ``sgd_steps(epochs, N, B)`` in all (
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from strategies.loj import LoJStrategy
-from strategies.registry import AlgorithmEntry, register
-from tpflower.loj import batch_size_of, joined_predictions, sgd_aggregate
-from tpflower.params import SGDParams
-from tpflower.phases import join_sgd, setup
+from tpflower.batches import BatchPlan, batch_size_of, joined_predictions
+from tpflower.losses import loss_grad_np, loss_np
+from tpflower.mapping import segment_sum
+from tpflower.phases.join_sgd import SGDParams
 from tpflower.privacy import sgd_steps, table_row_sample_rate
+
+
+def sgd_aggregate(
+    task: str, plan: BatchPlan, h: Mapping[str, np.ndarray], y: np.ndarray
+) -> tuple[dict[str, np.ndarray], float]:
+    """Y_iu = sum_{j in B, p_i(j) = u} dl(H_j; y_j)/dH_j for u in U_i (Eq. 10), and the batch's summed loss.
+
+    h[t] holds f_i on the rows U_i (|U_i| x d_c); y the labels of the batch's joined rows.
+    """
+    H = joined_predictions(plan.inv, h)
+    g = loss_grad_np(task, H, y)
+    Y = {t: segment_sum(plan.inv[t], g, len(plan.U[t])).astype(h[t].dtype, copy=False) for t in plan.U}
+    return Y, float(loss_np(task, H, y).sum())
+
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -104,9 +120,3 @@ class VFLSGD(TPJoinSGD):
 
     algorithm = "vfl_sgd"
     expand = True
-
-
-register(AlgorithmEntry("tp_join_sgd", "tp_join_sgd", "join", TPJoinSGD,
-                        setup.loj_protocol(join_sgd.START, join_sgd.TRAIN), SGDParams, summary="TP-Join-SGD (Eq. 10-13): one round trip per mini-batch"))
-register(AlgorithmEntry("vfl_sgd", "vfl_sgd", "join", VFLSGD,
-                        setup.loj_protocol(join_sgd.START, join_sgd.TRAIN, vfl=True), SGDParams, summary="VFL-SGD baseline on the expanded join"))

@@ -2,10 +2,10 @@
 
 Flower 1.41's SuperNode starts a fresh ``flwr-clientapp`` process for every message; importing torch, pandas
 and Hydra and re-reading and re-preprocessing the table there costs seconds per message. So the ClientApp
-entry point (simulations.node_app) of a deployed node only forwards each message (its type, content, the
+entry point (tpflower.app.node_app) of a deployed node only forwards each message (its type, content, the
 node's context.state, node and run config) over a Unix socket to this worker and hands the reply and the new
 state back to Flower. The worker keeps the imports, the composed config and the prepared table between
-messages (simulations.client_app's caches); the state still travels with every message, so Flower's view of
+messages (tpflower.app.client_app's caches); the state still travels with every message, so Flower's view of
 the node (context.state) is the truth and a restarted worker loses nothing.
 
 The first message of a node starts its worker (from the same installed app, with the node's environment:
@@ -45,7 +45,7 @@ class WorkerError(RuntimeError):
 
 def code_dir() -> Path:
     """The installed app's root (the FAB's directory under $FLWR_HOME/apps, or the project)."""
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 def socket_path(node_config: dict[str, Any]) -> Path:
@@ -128,7 +128,7 @@ def _start(path: Path) -> socket.socket:
         log = path.with_suffix(".log")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code_dir()), os.environ.get("PYTHONPATH", "")])}
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "simulations.node_worker", str(path)], cwd=code_dir(),
+            proc = subprocess.Popen([sys.executable, "-m", "tpflower.app.node_worker", str(path)], cwd=code_dir(),
                                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped: remove the socket on the way out
-    from simulations.client_app import app  # the imports and caches this worker keeps
+    from tpflower.app.client_app import app  # the imports and caches this worker keeps
 
     serve(Path(args[0]), app.respond)  # type: ignore[attr-defined]
     return 0

@@ -3,7 +3,7 @@ flower-supernode.
 
 Handlers: ``query`` answers the server's first step (which table and shard this node holds), ``train`` and
 ``evaluate`` unpack the message (tpflower.records), hand it to the node's TableClient (a NumPyClient that
-answers the phases of the run's algorithm, from strategies.registry) and pack its reply. An exception
+answers the phases of the run's algorithm, from tpflower.registry) and pack its reply. An exception
 becomes Flower's error reply, which the server turns into one line naming the table.
 
 Which table a client holds comes from its node config: ``table`` (and ``shard``) and ``client-config`` on a
@@ -30,8 +30,8 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
-from simulations.config import compose_config
-from strategies.protocol import HELLO_PHASE
+from tpflower.config import compose_config
+from tpflower.records import HELLO_PHASE
 from tpflower.checkpoint import run_key
 from tpflower.checks import DataProblems
 from tpflower.datasets import load_spec, load_table, shard_rows
@@ -120,7 +120,7 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     and with it ``cfg``, arrives deserialized with every message, so object identity would miss every time
     (and grow without bound); the ClientApp computes the key once and carries it.
     """
-    from strategies.registry import entry_of
+    from tpflower.registry import entry_of
     from tpflower.client import TableClient
 
     content = cfg_key if cfg_key is not None else config_key(cfg)
@@ -138,7 +138,7 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
 
 def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
               state_dir: str | None = None) -> tuple[ClientSettings, ShardData]:
-    from strategies.registry import entry_of
+    from tpflower.registry import entry_of
     from tpflower.client import ClientSettings
     from tpflower.local_table import ShardData
 
@@ -235,7 +235,7 @@ def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None,
     app.query()(handler)
     app.train()(handler)
     app.evaluate()(handler)
-    app.respond = respond  # type: ignore[attr-defined]  # for a deployed node's worker (simulations.node_worker)
+    app.respond = respond  # type: ignore[attr-defined]  # for a deployed node's worker (tpflower.app.node_worker)
     return app
 
 

@@ -1,6 +1,6 @@
 """The ServerApp (Flower's Message API): ``@app.main()`` runs the configured algorithm's strategy over the Grid.
 
-The strategy is looked up in strategies.registry (algorithm x scenario), validated (its typed settings, the
+The strategy is looked up in tpflower.registry (algorithm x scenario), validated (its typed settings, the
 run settings, privacy) before any node is contacted, and its start() runs the protocol. Under `flwr run .` the
 run config's ``overrides`` string holds the Hydra overrides and ``run-dir`` the directory for results.json
 (default outputs/flwr/ALGORITHM-DATASET).
@@ -13,18 +13,19 @@ from typing import Any, Callable
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
 from omegaconf import DictConfig
 
-from simulations.client_app import config_from_run_config  # at import time: see the note in server_app_for
-from simulations.flower_adapter import install_fast_fetch
-from strategies.loj import LoJStrategy
-from strategies.registry import entry_of
+from tpflower.app.client_app import config_from_run_config  # at import time: see the note in server_app_for
+from tpflower.app.flower_patch import install_fast_fetch
+from tpflower.registry import entry_of
 from tpflower.datasets import load_spec
 
 
 def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                  log: Callable[[str], None] = print) -> LoJStrategy:
-    """The registered strategy of cfg's algorithm and scenario; bad settings raise ValueError here."""
+                  log: Callable[[str], None] = print) -> Strategy:
+    """The registered strategy of cfg's algorithm and scenario (a strategies.base.TablePuppetStrategy, imported
+    by the registry from strategies/FAMILY.py); bad settings raise ValueError here."""
     entry = entry_of(cfg)
     spec = load_spec(cfg.dataset, base_dir=base_dir)
     return entry.strategy(cfg, spec, run_dir, log=log, feature_dp=entry.feature_dp, label_dp=entry.label_dp,
@@ -35,7 +36,7 @@ def server_app_for(cfg: DictConfig | None, run_dir: str | Path | None, base_dir:
                    created: list | None = None, log: Callable[[str], None] = print) -> ServerApp:
     """A ServerApp for a fixed config (the Hydra entry point) or one composed from the run config (flwr run)."""
     # Under `flwr run` on the simulation runtime the ServerApp thread and the ClientApp loader share a process:
-    # Flower's loader takes a module already in sys.modules as loaded, so importing simulations.client_app
+    # Flower's loader takes a module already in sys.modules as loaded, so importing tpflower.app.client_app
     # lazily here could hand it a half-initialised module (LoadClientAppError "no attribute 'app'").
     app = ServerApp()
 

@@ -1,9 +1,9 @@
 """The ClientApp entry point Flower loads (pyproject ``[tool.flwr.app.components]``), thin on purpose.
 
 A deployed node (its node config names its owner's ``client-config``) hands every message to its node worker
-(simulations.node_worker), a long-lived process that keeps the imports and the prepared table, so the
+(tpflower.app.node_worker), a long-lived process that keeps the imports and the prepared table, so the
 ``flwr-clientapp`` process Flower starts per message imports only Flower and this module. Elsewhere (the
-simulation engine, whose actors live across messages) the full ClientApp (simulations.client_app) answers
+simulation engine, whose actors live across messages) the full ClientApp (tpflower.app.client_app) answers
 in this process.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from simulations import node_worker
+from tpflower.app import node_worker
 
 app = ClientApp()
 
@@ -20,7 +20,7 @@ app = ClientApp()
 def handler(msg: Message, context: Context) -> Message:
     if node_worker.enabled(context):
         return Message(node_worker.forward(msg.metadata.message_type, msg.content, context), reply_to=msg)
-    from simulations.client_app import app as full  # noqa: PLC0415  (torch, pandas, Hydra: only when answering here)
+    from tpflower.app.client_app import app as full  # noqa: PLC0415  (torch, pandas, Hydra: only when answering here)
 
     return full(msg, context)
 

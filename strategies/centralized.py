@@ -13,12 +13,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpflower.loj import batch_size_of, epoch_batches
+from pathlib import Path
+from typing import Callable
+
+from tpflower import privacy as dp
+from tpflower.batches import batch_size_of, epoch_batches
 from tpflower.losses import LabelScale, loss_torch, metrics, primary_metric, standardizes_label
-from tpflower.reference import constant_predictions
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
-from tpflower.relation import Relation, build_local_model
-from tpflower.results import EpochRecord, RunResults, epoch_line
+from tpflower.owner import simulation_secret
+from tpflower.params import run_settings
+from tpflower.phases.centralized import CentralizedParams
+from tpflower.reference import as_reference, constant_predictions, reference_text
+from tpflower.relation import Relation, build_local_model, load_relation, summary_line
+from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
+from tpflower.schema import RelationalSpec
 
 EVAL_CHUNK = 65536  # rows of the join materialized at once when predicting
 
@@ -92,30 +100,13 @@ def set_linear_weights(model: JoinedModel, rel: Relation, w: np.ndarray, b: floa
                 placed = True
 
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
-SOLVERS: tuple[str, ...] = ("sgd", "exact")
-
-
-def check_settings(algorithm_cfg: Any) -> None:
-    """The centralized baseline's algorithm.* settings, checked before any data is loaded (ValueError)."""
-    solver = str(algorithm_cfg.get("solver", "sgd"))
-    if solver not in SOLVERS:
-        raise ValueError(f"algorithm.solver must be one of {list(SOLVERS)}, got {solver!r}")
-    optimizer = str(algorithm_cfg.get("optimizer", "sgd"))
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"algorithm.optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
-    lr = float(algorithm_cfg.get("lr", 0.1))
-    if not lr > 0:
-        raise ValueError(f"algorithm.lr must be > 0, got {lr}")
-
-
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     """``algorithm.optimizer``: sgd (plain SGD, Eq. 6: the update the federated SGD algorithms apply) or adam."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"algorithm.optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
+    raise ValueError(f"algorithm.optimizer must be sgd or adam, got {name!r}")
 
 
 def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -> JoinedModel:
@@ -126,7 +117,6 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype)
     beta = float(cfg.model.beta)
     start = time.perf_counter()
-    check_settings(cfg.algorithm)
     solver = cfg.algorithm.get("solver", "sgd")
     scale = label_scale_of(cfg, rel)  # regression: trained on the standardized label, as the federated runs
     if solver == "exact":
@@ -180,3 +170,50 @@ def constant_predictor_metric(rel: Relation) -> dict[str, float]:
     task = rel.spec.label.task
     y_test = rel.labels(rel.test)
     return metrics(task, constant_predictions(task, rel.labels(rel.train), len(y_test), rel.d_out), y_test)
+
+
+class Centralized:
+    """The centralized baseline as a registered algorithm: built like a federated strategy (its settings and
+    privacy checked in the constructor, before any table is loaded), run in one place by :meth:`run_local`."""
+
+    algorithm = "centralized"
+    resumable = False
+    one_shot = False
+
+    def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
+                 feature_dp: bool = False, label_dp: bool = True, why_no_feature_dp: str = ""):
+        self.cfg, self.spec, self.log = cfg, spec, log
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        run_settings(cfg)
+        self.params = CentralizedParams.from_cfg(cfg.algorithm)
+        self.privacy = cfg.get("privacy") or {"name": "none"}
+        dp.validate_privacy(self.privacy, self.algorithm, spec.label.task, feature_dp=feature_dp, label_dp=label_dp,
+                            why_not=why_no_feature_dp)
+        self.results: RunResults | None = None
+
+    def run_local(self, base_dir: str | Path | None = None) -> RunResults:
+        """Materialize the join, train, write results.json into the run dir; the run's record."""
+        cfg = self.cfg
+        rel = load_relation(cfg.dataset, simulation_secret(cfg), base_dir=base_dir, verbose=False)
+        if dp.uses_label_dp(self.privacy):
+            randomize_training_labels(rel, self.privacy)
+        results = new_run_results(cfg, self.algorithm, rel.spec, rel.mapping)
+        results.privacy = dp.privacy_summary(self.privacy, rel.spec.label.task)
+        results.reference = as_reference(constant_predictor_metric(rel))
+        self.log(f"{summary_line(rel.spec, rel.mapping)} | {reference_text(rel.spec.label.task, results.reference)}")
+        train_centralized(cfg, rel, results, log=self.log)
+        self.results = results
+        if self.run_dir is not None:
+            self.log(f"results: {write_results(results, self.run_dir)}")
+        return results
+
+
+def randomize_training_labels(rel: Relation, privacy: Any) -> None:
+    """Label DP for the centralized baseline: the training labels randomized exactly as the federated label
+    owner does (noise from the OS entropy); test labels stay true."""
+    label = rel.label
+    assert label.y is not None and label.is_test is not None
+    train = ~label.is_test
+    y = label.y.copy()
+    y[train] = dp.randomize_labels(label.y[train], rel.spec.label.task, privacy, dp.label_rng(), label.n_classes)
+    label.y = y

@@ -20,11 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.loj import LoJStrategy
-from strategies.registry import AlgorithmEntry, register
-from strategies.tp_join_sgd import sgd_dp_plan
-from tpflower.loj import joined_predictions, sgd_aggregate
-from tpflower.params import SGDParams
-from tpflower.phases import join_sgd, setup, union
+from strategies.join_sgd import sgd_dp_plan
+from tpflower.batches import joined_predictions
+from strategies.join_sgd import sgd_aggregate
+from tpflower.phases.join_sgd import SGDParams
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -85,8 +84,3 @@ class TPUCQSGD(LoJStrategy):
 
     def plan_feature_dp(self) -> dict:
         return sgd_dp_plan(self)
-
-
-register(AlgorithmEntry("tp_ucq_sgd", "tp_join_sgd", "ucq", TPUCQSGD,
-                        setup.loj_protocol(join_sgd.START, union.SGD_TRAIN), SGDParams,
-                        summary="TP-UCQ-SGD (Eq. 17-19): TP-Join-SGD through the union"))

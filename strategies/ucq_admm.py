@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from strategies.registry import AlgorithmEntry, register
-from strategies.tp_join_admm import TPJoinADMM, admm_dp_plan, residual_extra
-from tpflower.loj import Balancing, joined_predictions
-from tpflower.params import ADMMParams
-from tpflower.phases import join_admm, setup, union
+from strategies.join_admm import TPJoinADMM, admm_dp_plan, residual_extra
+from strategies.join_admm import Balancing
+from tpflower.batches import joined_predictions
 from tpflower.relation import has_bias
 
 
@@ -164,8 +162,3 @@ class TPUCQADMM(TPJoinADMM):
             t: self.routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in self.routers[t].shards})
             for t in self.spec.table_names
         }
-
-
-register(AlgorithmEntry("tp_ucq_admm", "tp_join_admm", "ucq", TPUCQADMM,
-                        setup.loj_protocol(join_admm.START, union.ADMM_TRAIN), ADMMParams,
-                        summary="TP-UCQ-ADMM (Eq. 20-24): consensus ADMM over the shards"))

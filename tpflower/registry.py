@@ -1,10 +1,13 @@
 """One registry of the federated algorithms (in the spirit of Opacus' register_accountant / create_accountant).
 
-Each algorithm declares itself once, in its own strategies/ module, with :func:`register`: its name, which
-`algorithm=` config and scenario select it, its server protocol (a strategy class), its client protocol (the
-phases of its tpflower/ module in their order: all a client answers, tpflower.guard), its typed hyperparameters and the privacy
-it supports. The entry points, the ClientApp, the privacy checks and the conformance tests look algorithms up
-here; :func:`load_all` imports every module of this package, so a new module is found without editing a list.
+An algorithm family is a pair of modules with the same name: ``tpflower/phases/NAME.py`` (the client side:
+its phases, client math, state records and typed parameters) and ``strategies/NAME.py`` (the server protocol
+and server math). The client module declares each algorithm of the family once with :func:`register`: its
+name, which ``algorithm=`` config and scenario select it, its client protocol (the phases in their order: all
+a client answers, tpflower.guard), its typed hyperparameters, the privacy it supports, and the name of its
+server class in the same-named strategies module. :func:`load_all` imports every module of tpflower.phases,
+so a new family is found without editing a list; the server class is imported by name only when a server
+asks for it (:attr:`AlgorithmEntry.strategy`), so a table owner's node never imports server code.
 """
 
 from __future__ import annotations
@@ -17,19 +20,30 @@ from typing import Any
 from tpflower.guard import Protocol
 from tpflower.params import AlgorithmParams
 
+#: the package that holds the server half of every family (strategies/NAME.py)
+STRATEGIES_PACKAGE = "strategies"
+
 
 @dataclass(frozen=True)
 class AlgorithmEntry:
     name: str  # as in results.json, e.g. "tp_ucq_admm"
     selector: str  # the conf value `algorithm.name` that selects it (conf/algorithm/*.yaml), e.g. "tp_join_admm"
     scenario: str  # "join" | "ucq"
-    strategy: type  # the server protocol: a strategies.base.TablePuppetStrategy subclass
+    family: str  # the module name of both halves: tpflower/phases/FAMILY.py and strategies/FAMILY.py
+    strategy_class: str  # the server protocol's class in strategies/FAMILY.py (a strategies.base subclass)
     protocol: Protocol  # the client side: its phases (handlers) in their order, checked by the client's guard
     params: type[AlgorithmParams]  # typed algorithm.* settings
     feature_dp: bool = True  # privacy=dpsgd supported
     why_no_feature_dp: str = ""  # shown when privacy=dpsgd is refused
     label_dp: bool = True  # privacy=label supported
     summary: str = ""
+    federated: bool = True  # False: runs in one place without Flower (the centralized baseline)
+
+    @property
+    def strategy(self) -> type:
+        """The server protocol class (imports strategies/FAMILY.py: server side only)."""
+        module = importlib.import_module(f"{STRATEGIES_PACKAGE}.{self.family}")
+        return getattr(module, self.strategy_class)
 
 
 _ENTRIES: dict[tuple[str, str], AlgorithmEntry] = {}
@@ -46,14 +60,14 @@ def register(entry: AlgorithmEntry) -> AlgorithmEntry:
 
 
 def load_all() -> None:
-    """Import every module of the strategies package (each registers its algorithms)."""
+    """Import every module of tpflower.phases (each family's client module registers its algorithms)."""
     global _LOADED
     if _LOADED:
         return
-    import strategies
+    from tpflower import phases  # noqa: PLC0415  (the phases import this module: a top-level import would circle)
 
-    for info in pkgutil.iter_modules(strategies.__path__):
-        importlib.import_module(f"strategies.{info.name}")
+    for info in pkgutil.iter_modules(phases.__path__):
+        importlib.import_module(f"tpflower.phases.{info.name}")
     _LOADED = True
 
 

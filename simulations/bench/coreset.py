@@ -2,7 +2,7 @@
 
     python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
         -> bench_results/coreset-D-TASK.json
-    python -m simulations.bench_coreset --table bench_results/coreset-*.json   # the README's table rows
+    python -m simulations.bench.coreset --table bench_results/coreset-*.json   # the README's table rows
 
 Ridge: test RMSE after ``epochs`` epochs of weighted TP-Join-ADMM on the coreset (algorithm=coreset defaults),
 full data = TP-Join-ADMM ``epochs`` epochs and the exact ridge. k-means (k = 10, every table's features): the
@@ -26,7 +26,7 @@ import numpy as np
 
 def _run_quiet(*overrides: str) -> Any:
     """One in-process run, its results record."""
-    from simulations.config import compose_config
+    from tpflower.config import compose_config
     from simulations.federated import run_in_process
 
     return run_in_process(compose_config(*overrides), None, log=lambda _: None).strategy.results
@@ -47,7 +47,7 @@ def coreset_case(dataset: str, task: str, ms: list[int], reps: int, epochs: int 
     t0 = time.perf_counter()
     base = (f"dataset={dataset}", f"epochs={epochs}")
     if task == "ridge":
-        from simulations.config import compose_config
+        from tpflower.config import compose_config
         from simulations.run import run_job
 
         admm = _run_quiet(*base, "algorithm=admm")
@@ -86,13 +86,13 @@ def coreset_suite(a: argparse.Namespace) -> dict[str, Any]:
             "extra": list(a.coreset_overrides.split()) if getattr(a, "coreset_overrides", "") else []}
     from simulations.bench import run_isolated
 
-    return run_isolated("simulations.bench_coreset", "coreset_case", args, echo_stderr=True)
+    return run_isolated("simulations.bench.coreset", "coreset_case", args, echo_stderr=True)
 
 
 def table(paths: list[Path]) -> str:
     """The README's markdown rows for benchmark JSON files: coreset vs uniform vs full data at each m, MB
     (construction), less traffic, and the DIS numbers bound 2T + m + 2mT next to the paper's T + 3mT."""
-    from simulations.config import compose_config
+    from tpflower.config import compose_config
 
     lines = []
     for path in paths:
@@ -120,7 +120,7 @@ def table(paths: list[Path]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """A variant with extra overrides (e.g. algorithm.mix=0.5), written beside the default case:
-    python -m simulations.bench_coreset --dataset D --task T --extra "algorithm.mix=0.5" --out FILE"""
+    python -m simulations.bench.coreset --dataset D --task T --extra "algorithm.mix=0.5" --out FILE"""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--dataset", default="movielens")
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge")

@@ -3,8 +3,8 @@
     python -m simulations.bench celu [--datasets movielens,nycflights13_delayed] [--seeds 3] [--epochs 2]
         [--eval-every 10] [--variants vanilla,fedbcd,celu,...] [--full-variants vanilla,fedbcd,celu]
         [--jobs 2] [--flower-seed 0] [--out bench_results/celu.json]            -> bench_results/celu.json
-    python -m simulations.bench_celu plot bench_results/celu.json docs/celu_rounds.png
-    python -m simulations.bench_celu summarize bench_results/celu.json   # the table from the cases present
+    python -m simulations.bench.celu plot bench_results/celu.json docs/celu_rounds.png
+    python -m simulations.bench.celu summarize bench_results/celu.json   # the table from the cases present
 
 Per dataset and seed, vanilla TP-Join-SGD runs ``epochs`` epochs; its test metric after the last one is that
 seed's target. Every other variant runs with the same seed (the same batches) and is read off at the first
@@ -67,10 +67,10 @@ def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, ev
               stop_at: float | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """One run in-process: its evaluation history [(rounds, test metric, modelled comm s)], how it ended
     (done / target / diverged) and its wall time. ``stop_at``: stop at the first evaluation that reaches it."""
-    from simulations.config import compose_config
+    from tpflower.config import compose_config
     from simulations.federated import client_app_for, in_process_contexts
-    from simulations.server_app import make_strategy
-    from strategies.protocol import DirectTransport
+    from tpflower.app.server_app import make_strategy
+    from strategies.transport import DirectTransport
 
     cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", f"seed={seed}",
                          f"epochs={epochs}", f"algorithm.eval_every={eval_every}", *overrides)
@@ -106,7 +106,7 @@ def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, ev
 def flower_case(dataset: str, model: str, variant: str, runtime: str, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """One epoch (seed 0) under ``runtime`` (flower: Flower's simulation engine; inprocess): wall seconds per
     exchange round, setup excluded (the first evaluation's wall time counts from the first round)."""
-    from simulations.config import compose_config
+    from tpflower.config import compose_config
     from simulations.run import run_job
 
     cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", "seed=0", "epochs=1",
@@ -121,7 +121,7 @@ CASES = {"celu": celu_case, "flower": flower_case}
 
 
 def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
-    code = ("import json,sys; from simulations.bench_celu import CASES; "
+    code = ("import json,sys; from simulations.bench.celu import CASES; "
             f"print(json.dumps(CASES[{case!r}](**json.loads(sys.argv[1]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
     if out.returncode != 0:

@@ -1,7 +1,7 @@
 """The README's privacy table: every privacy mode of TP-Join-ADMM and TP-Join-SGD on three datasets.
 
     python -m simulations.bench privacy [--jobs 2]          -> bench_results/privacy.json
-    python -m simulations.bench_privacy --table bench_results/privacy.json   # the README's rows
+    python -m simulations.bench.privacy --table bench_results/privacy.json   # the README's rows
 
 Each cell is one run with the shipped defaults (10 epochs; conf/privacy: epsilon 1, delta 1e-5, C 1, label
 lambda 0.5), in its own process (the in-process runtime: the same strategy and ClientApp as under Flower). The
@@ -34,7 +34,7 @@ def privacy_case(dataset: str, algorithm: str, privacy: str, extra: list[str]) -
     differs from run to run."""
     import time
 
-    from simulations.config import compose_config
+    from tpflower.config import compose_config
     from simulations.federated import run_in_process
 
     t0 = time.perf_counter()
@@ -56,7 +56,7 @@ def privacy_suite(jobs: int = 2, out: Path | None = None, datasets: tuple[str, .
     def run(key: str, args: dict[str, Any]) -> None:
         if key in result["cells"]:
             return
-        result["cells"][key] = {**args, **run_isolated("simulations.bench_privacy", "privacy_case", args)}
+        result["cells"][key] = {**args, **run_isolated("simulations.bench.privacy", "privacy_case", args)}
         print(key, json.dumps(result["cells"][key]), flush=True)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)

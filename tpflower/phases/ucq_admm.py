@@ -17,13 +17,13 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.models import used_parameters
-from tpflower.records import Arrays
-from tpflower.state import StateRecord
 from tpflower.guard import Phase, sharded, unsharded
-from tpflower.local_update import apply_step, sgd_partial_gradient
-from tpflower.phases.join_admm import ADMMState, admm_update, epoch_rho, theta_update
-from tpflower.phases.join_sgd import SGDState, predict_rows
+from tpflower.models import used_parameters
+from tpflower.phases import join_admm, setup
+from tpflower.phases.join_admm import ADMMParams, ADMMState, admm_update, epoch_rho, theta_update
+from tpflower.records import Arrays
+from tpflower.registry import AlgorithmEntry, register
+from tpflower.state import StateRecord
 
 
 @dataclass
@@ -31,30 +31,6 @@ class ShardY(StateRecord):
     """The epoch's Y_i of this shard's rows (the inner rounds of one epoch reuse it)."""
 
     Y: np.ndarray | None = None
-
-
-def sgd_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Eq. 18: this shard's unnormalised partial gradient over its pending rows, given their Y."""
-    Y = arrays["Y"]
-    model = client.model(config)
-    pending = (SGDState.load(client.state) or SGDState()).check(client, Y, "sgd_partial")
-    X, beta, count = client.tensor(client.rows_X(pending)), float(client.settings.model["beta"]), float(config["count"])
-    if client.dp.on:  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
-        trainer = client.dp.trainer(model)
-        g = trainer.partial_gradient(X, client.tensor(Y), beta * count)
-        privacy: dict[str, Any] = {}
-        client.dp.done(trainer, privacy)
-        return {"g": g.detach().cpu().numpy()}, privacy
-    g = sgd_partial_gradient(model, X, client.tensor(Y), count, beta)
-    return {"g": g.detach().cpu().numpy()}, {}
-
-
-def sgd_apply(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Eq. 19: the coordinator's aggregate gradient, the same step on every shard; then predict."""
-    model = client.model(config)
-    apply_step(model, client.tensor(arrays["g"]), client.settings.algorithm.lr)
-    client.state.save_model(model)
-    return predict_rows(client, model, arrays), client.reg_metrics(model)
 
 
 def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -100,7 +76,6 @@ def admm_consensus(client: TableClient, arrays: Arrays, config: Mapping[str, Any
     return {"h": client.predict(model, None)}, client.reg_metrics(model)
 
 
-SGD_TRAIN: dict[str, Phase] = {"sgd_partial": Phase(sgd_partial), "sgd_apply": Phase(sgd_apply)}
 #: a table with one shard makes TP-Join-ADMM's update; the shards of a sharded table the consensus steps, and
 #: take the consensus model once per consensus
 ADMM_TRAIN: dict[str, Phase] = {
@@ -108,3 +83,8 @@ ADMM_TRAIN: dict[str, Phase] = {
     "admm_shard": Phase(admm_shard, sharded),
     "admm_consensus": Phase(admm_consensus, sharded, spaced=True),
 }
+
+
+register(AlgorithmEntry("tp_ucq_admm", "tp_join_admm", "ucq", "ucq_admm", "TPUCQADMM",
+                        setup.loj_protocol(join_admm.START, ADMM_TRAIN), ADMMParams,
+                        summary="TP-UCQ-ADMM (Eq. 20-24): consensus ADMM over the shards"))

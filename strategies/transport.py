@@ -23,7 +23,7 @@ Payload = tuple[Arrays, dict[str, Any]]  # (named arrays, config) of one message
 Reply = tuple[Arrays, dict[str, Any]]  # (named arrays, metrics) of one reply
 Kind = Literal["train", "inner", "eval"]
 MESSAGE_TYPE: dict[str, str] = {"train": "train", "inner": "train", "eval": "evaluate"}
-HELLO_PHASE = "hello"
+
 
 
 class RunError(RuntimeError):

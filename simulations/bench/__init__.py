@@ -3,14 +3,14 @@
     python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
     python -m simulations.bench flower                             -> bench_results/flower.json
-    python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json (simulations/bench_celu.py)
+    python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json (simulations/bench/celu.py)
     python -m simulations.bench convergence [--epochs 10] [--mlp]  -> bench_results/convergence.json
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
                                                                   -> bench_results/scale.json
     python -m simulations.bench deploy [--datasets movielens,star_2m] -> bench_results/deploy.json
     python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
                                                                   -> bench_results/coreset-D-TASK.json
-    python -m simulations.bench privacy [--jobs 2]             -> bench_results/privacy.json (simulations/bench_privacy.py)
+    python -m simulations.bench privacy [--jobs 2]             -> bench_results/privacy.json (simulations/bench/privacy.py)
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.
@@ -78,7 +78,7 @@ def algorithm_case(algorithm: str, dataset: str, epochs: int, runtime: str = "in
     """One training run; per-epoch wall time from the run's own history (setup excluded for federated runs)."""
     import tempfile
 
-    from simulations.config import compose_config
+    from tpflower.config import compose_config
     from simulations.run import run_job
 
     cfg = compose_config(f"algorithm={algorithm}", f"dataset={dataset}", f"epochs={epochs}", f"runtime={runtime}", *overrides)
@@ -143,13 +143,14 @@ def empty_rounds_case(rounds: int = 200, dataset: str = "movielens") -> dict[str
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from simulations.client_app import client_app_for
-    from simulations.config import compose_config
+    from tpflower.app.client_app import client_app_for
+    from tpflower.config import compose_config
     from simulations.federated import flower_logs_to, in_process_contexts
-    from simulations.flower_adapter import install_fast_fetch
-    from simulations.server_app import make_strategy
+    from tpflower.app.flower_patch import install_fast_fetch
+    from tpflower.app.server_app import make_strategy
     from strategies.base import TablePuppetStrategy
-    from strategies.protocol import HELLO_PHASE, DirectTransport
+    from strategies.transport import DirectTransport
+    from tpflower.records import HELLO_PHASE
     from tpflower.records import pack_payload
 
     cfg = compose_config(f"dataset={dataset}")
@@ -239,7 +240,7 @@ def flower_suite() -> dict[str, Any]:
     return {"case": "flower", "per_epoch": pairs, "empty_rounds": empty, "first_epoch": first}
 
 
-#: CELU-VFL's comparison lives in simulations/bench_celu.py (`python -m simulations.bench celu`)
+#: CELU-VFL's comparison lives in simulations/bench/celu.py (`python -m simulations.bench celu`)
 
 
 #: issue 10: the datasets of the convergence table (overrides); synthetic labels in three units
@@ -255,13 +256,13 @@ CONVERGENCE_DATA: dict[str, tuple[str, ...]] = {
 
 def convergence_case(data: str, overrides: list[str], epochs: int) -> dict[str, Any]:
     """Shipped defaults: the test metric per epoch of one run (in-process), and where and why it stopped."""
-    from simulations.config import compose_config
+    from tpflower.config import compose_config
     from simulations.federated import run_in_process
 
     cfg = compose_config(*CONVERGENCE_DATA[data], f"epochs={epochs}", *overrides)
     t0 = time.perf_counter()
     if str(cfg.algorithm.name) == "centralized":
-        from simulations.centralized import train_centralized
+        from strategies.centralized import train_centralized
         from tpflower.owner import simulation_secret
         from tpflower.relation import load_relation
         from tpflower.results import new_run_results
@@ -353,7 +354,7 @@ def _scale_projections(n_joined: int):
 
 def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2) -> dict[str, Any]:
     """TP-Join-ADMM's server side (d_c = 1, 4 tables) called directly, as strategies/loj.py's setup and
-    strategies/tp_join_admm.py's epoch call it: mapping build, train/test partition, labels, ADMM state, then
+    strategies/join_admm.py's epoch call it: mapping build, train/test partition, labels, ADMM state, then
     epochs of scatter + update + test predictions. numpy allocations traced (tracemalloc): bytes per joined row
     of the mapping, of everything the server keeps after setup and an epoch, and the peaks of the build and of
     an epoch."""
@@ -361,7 +362,8 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
     import tracemalloc
 
     from tpflower.checkpoint import atomic_write
-    from tpflower.loj import ADMMServer, joined_predictions
+    from strategies.join_admm import ADMMServer
+    from tpflower.batches import joined_predictions
     from tpflower.losses import LabelScale, metrics
     from tpflower.mapping import holdout_mask
 
@@ -550,7 +552,7 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
                f"runtime={runtime}", "algorithm.tol=0", f"hydra.run.dir={tmp}"]
         t0 = time.perf_counter()
         # this checkout first on the path of the run and of Ray's workers (an installed copy elsewhere must not win)
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
@@ -616,15 +618,15 @@ SUITES = {"mapping": lambda a: _run_isolated("mapping", {"n_joined": a.n_joined}
                                                      a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(CONVERGENCE_DATA),
                                                      a.mlp),
           "scale": lambda a: scale_suite(_ints(a.scale_n), a.epochs, a.mapping_n, _ints(a.server_n)),
-          "celu": lambda a: __import__("simulations.bench_celu", fromlist=["run_suite"]).run_suite(a),
+          "celu": lambda a: __import__("simulations.bench.celu", fromlist=["run_suite"]).run_suite(a),
           "deploy": lambda a: _deploy(a),
-          "coreset": lambda a: __import__("simulations.bench_coreset", fromlist=["_"]).coreset_suite(a),
-          "privacy": lambda a: __import__("simulations.bench_privacy", fromlist=["_"]).privacy_suite(
+          "coreset": lambda a: __import__("simulations.bench.coreset", fromlist=["_"]).coreset_suite(a),
+          "privacy": lambda a: __import__("simulations.bench.privacy", fromlist=["_"]).privacy_suite(
               a.jobs, a.out or Path("bench_results/privacy.json"))}
 
 
 def _deploy(a: argparse.Namespace) -> dict[str, Any]:
-    from simulations.bench_deploy import DEPLOY_CASES, deploy_suite
+    from simulations.bench.deploy import DEPLOY_CASES, deploy_suite
 
     cases = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(DEPLOY_CASES)
     return deploy_suite(cases, a.epochs if a.epochs != 3 else 6)

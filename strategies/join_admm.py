@@ -1,0 +1,479 @@
+"""TP-Join-ADMM (TablePuppet Eq. 7, 8, 14-16) and the VFL-ADMM baseline (VIMADMM style).
+
+One round trip per epoch: clients send f_i(theta_i) on all their rows (n_i x d_c); the server updates z and
+lambda and scatters Y_i (Eq. 14); each client solves its theta-update (Eq. 16) and replies with its new
+predictions, which also give the test predictions of that epoch. G_i (Eq. 15) is constant and sent once.
+
+Feature DP (privacy=dpsgd): the theta-update is DP-SGD (DP-Adam, algorithm.local_*) over the table's active
+rows instead of the closed form, linear models included; the client samples its rows itself (Poisson,
+q = min(1, b / n_a)), ``admm_steps(epochs, local_epochs, n_a, b)`` steps in all. VFL-ADMM's client sums the
+terms of each table row's duplicates first, which gives exactly the TP-Join-ADMM per-row term.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.special import expit, logsumexp, softmax
+
+from strategies.loj import LoJStrategy
+from tpflower.batches import joined_predictions, sum_in_first_dtype
+from tpflower.losses import check_np, loss_np
+from tpflower.mapping import SegmentSums, TableMapping, chunks
+from tpflower.phases.join_admm import ADMMParams
+from tpflower.privacy import admm_steps
+
+
+ADMM_VARIANTS = ("sharing", "paper")
+
+
+@dataclass(frozen=True)
+class Balancing:
+    """Residual balancing (Boyd et al. 2011, Sec. 3.4.1, Eq. 3.13): rho <- tau rho when the primal residual
+    exceeds mu times the dual one, rho <- rho / tau in the opposite case, else unchanged."""
+
+    mu: float = 10.0
+    tau: float = 2.0
+    warmup: int = 3  # iterations before the first change: their dual residual is the start's transient
+
+    def factor(self, primal: float, dual: float) -> float:
+        """The factor rho is multiplied by (tau, 1 / tau or 1)."""
+        if primal > self.mu * dual:
+            return self.tau
+        if dual > self.mu * primal:
+            return 1.0 / self.tau
+        return 1.0
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """Primal and dual residual norms of one ADMM iteration and their tolerances (Boyd Sec. 3.3.1, Eq. 3.12,
+    with eps_abs = eps_rel = tol); ``dual`` is None on the first iteration (no previous z)."""
+
+    primal: float
+    dual: float | None
+    eps_primal: float
+    eps_dual: float
+    x_scale: float = 1.0  # max(||x||, ||z||): the primal residual's relative scale (Eq. 3.12)
+    y_scale: float = 1.0  # ||y||: the dual residual's
+
+    @property
+    def converged(self) -> bool:
+        return self.dual is not None and self.primal <= self.eps_primal and self.dual <= self.eps_dual
+
+    def reason(self) -> str:
+        return (f"primal residual {self.primal:.3g} <= {self.eps_primal:.3g} and dual residual "
+                f"{self.dual:.3g} <= {self.eps_dual:.3g}")
+
+
+class ADMMServer:
+    """Server state of TP-Join-ADMM: z, lambda over the N training rows (Eq. 7, 8, 14).
+
+    ``variant`` = "sharing" (default: r = rho/M, s_ij = (H_j - z_j)/M - h_i[p_i(j)]; two-block ADMM that
+    converges for convex f_i) or "paper" (r = rho, s_ij = H_j - h_i[p_i(j)] - z_j: Eq. 7-9 as printed, a
+    Jacobi multi-block ADMM that can diverge). See ALGORITHMS.md, "Two variants".
+
+    One iteration is :meth:`update` (z and lambda from the clients' predictions, the residuals, rho) then
+    :meth:`scatter` (Y_i for the clients' theta-update). lambda is kept unscaled (lambda = rho u in Boyd's
+    scaled form), so a new rho needs no rescaling of the duals. ``balancing`` (sharing variant only) adapts
+    rho from the residuals (Boyd Sec. 3.4.1); ``tol`` sets the stopping tolerances (Eq. 3.12).
+
+    The residuals are those of the sharing problem (Boyd Sec. 7.3) over the joined training rows, with
+    x_i = h_i[p_i] and z_i = x_i - H/M + z/M (the per-table copies the z-update implies):
+    primal ||x - z||_stacked = ||H - z|| / sqrt(M), dual rho ||z_i^k - z_i^(k-1)||_stacked. The server computes
+    them from the predictions it receives anyway.
+
+    Memory (per joined training row, d_c = 1): lambda and D = z - H in ``dtype`` (float32 for a float32 run)
+    and the labels the caller holds; H and z are never stored (z = H + D is :attr:`z`, computed on demand),
+    every pass runs over chunks of CHUNK_ROWS joined rows, and the previous iteration's D is overwritten chunk
+    by chunk once its dual residual term is summed. Everything else is O(sum n_i).
+    """
+
+    def __init__(self, task: str, y: np.ndarray, mapping: TableMapping, d_c: int, rho: float, variant: str = "sharing",
+                 balancing: Balancing | None = None, tol: float = 0.0, dtype: np.dtype | type = np.float64):
+        if variant not in ADMM_VARIANTS:
+            raise ValueError(f"algorithm.variant must be one of {ADMM_VARIANTS}, got {variant!r}")
+        if rho <= 0:
+            raise ValueError(f"algorithm.rho must be > 0, got {rho}")
+        if len(y) != mapping.N:
+            raise ValueError(f"ADMMServer: {len(y)} labels for {mapping.N} joined rows")
+        self.task, self.y, self.mapping, self.variant = task, y, mapping, variant
+        self.M = len(mapping.p)
+        self.set_rho(rho)
+        self.balancing = balancing if variant == "sharing" else None
+        self.tol = float(tol)
+        self.dtype = np.dtype(dtype)
+        self.lam = np.zeros((mapping.N, d_c), dtype=self.dtype)
+        self.D = np.zeros((mapping.N, d_c), dtype=self.dtype)  # z - H at the latest update
+        self.residuals: Residuals | None = None
+        self.iteration = 0
+        self._h: dict[str, np.ndarray] | None = None  # the predictions of the latest update (n_i x d_c each)
+        self._loss = float("nan")  # mean loss at the latest update's H
+        self._primal = float("nan")  # ||H - z|| at the latest update
+
+    def set_rho(self, rho: float) -> None:
+        """The penalty of the next iterations (lambda is unscaled: nothing else changes)."""
+        self.rho = float(rho)
+        self.r = self.rho / self.M if self.variant == "sharing" else self.rho
+
+    def G(self) -> dict[str, np.ndarray]:
+        """G_iu (Eq. 15): constant, sent once."""
+        return {t: self.mapping.G(t).astype(np.float64) for t in self.mapping.p}
+
+    @property
+    def z(self) -> np.ndarray:
+        """z (float64, N x d_c) at the latest update: H + D, computed on demand (not kept)."""
+        assert self._h is not None, "z before update()"
+        return joined_predictions(self.mapping.p, self._h).astype(np.float64) + self.D
+
+    def step(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One server step of an epoch: :meth:`update`, then :meth:`scatter`."""
+        self.update(h)
+        return self.scatter(h)
+
+    def update(self, h: Mapping[str, np.ndarray]) -> Residuals:
+        """From f_i(theta_i^t) on every row of every table (n_i x d_c each): z-update (Eq. 7), dual update
+        (Eq. 8), the residuals of this iteration and, with balancing, the rho of the next (Boyd Sec. 3.4.1).
+
+        One pass over chunks of joined rows: H (in the clients' dtype, as they sent it, then float64), z, lambda,
+        the loss and every residual sum; H and z exist only per chunk."""
+        p, M, r = self.mapping.p, self.M, self.r
+        h64 = {t: np.asarray(v, dtype=np.float64) for t, v in h.items()}
+        prev = self._h
+        dh = None if prev is None else {t: h64[t] - prev[t] for t in p}
+        loss = primal_sq = x_sq = z_sq = dual_sq = lam_sq = 0.0
+        for s in chunks(self.mapping.N):
+            xs = {t: h[t][p_t[s]] for t, p_t in p.items()}  # each table's predictions on these rows, as sent
+            H = sum_in_first_dtype(list(xs.values())).astype(np.float64)  # = joined_predictions(p, h)[s]
+            y = self.y[s]
+            lam = self.lam[s].astype(np.float64)
+            z = z_update(self.task, H, y, lam, r)  # Eq. 7
+            D = z - H
+            lam -= r * D  # Eq. 8: lambda + r (H - z)
+            loss += float(loss_np(self.task, H, y).sum())
+            primal_sq += float(np.sum(D * D))
+            lam_sq += float(np.sum(lam * lam))
+            shift = D / M
+            if dh is not None:
+                shift_change = shift - self.D[s].astype(np.float64) / M  # ((z - z_prev) - (H - H_prev)) / M
+            for t, p_t in p.items():
+                x = xs[t].astype(np.float64)  # = h64[t][p_t[s]]
+                x_sq += float(np.sum(x * x))
+                x += shift  # z_i = x_i + (z - H) / M
+                z_sq += float(np.sum(x * x))
+                if dh is not None:
+                    d = dh[t][p_t[s]] + shift_change
+                    dual_sq += float(np.sum(d * d))
+            self.lam[s] = lam
+            self.D[s] = D
+        N = self.mapping.N
+        self._h = {t: v.copy() if v is h[t] else v for t, v in h64.items()}  # the caller keeps its h
+        self._loss = loss / N if N else float("nan")
+        self._primal = float(np.sqrt(primal_sq))
+        # rho of this iteration: the one the clients' theta-update used (before any change below)
+        dual = None if dh is None else self.rho * float(np.sqrt(dual_sq))
+        root = np.sqrt(M * self.D.size) * self.tol  # sqrt(p) eps_abs (p = n = M N d_c here)
+        x_scale = float(np.sqrt(max(x_sq, z_sq)))
+        y_scale = float(np.sqrt(M)) * float(np.sqrt(lam_sq))
+        res = Residuals(self._primal / np.sqrt(M), dual, root + self.tol * x_scale, root + self.tol * y_scale,
+                        x_scale, y_scale)
+        self.residuals = res
+        self.iteration += 1
+        if self.balancing is not None and res.dual is not None and self.iteration > self.balancing.warmup:
+            self.set_rho(self.rho * self.balancing.factor(res.primal, res.dual))  # Boyd Eq. 3.13
+        return res
+
+    def scatter(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Residuals s_ij and Y_iu = sum_{j in G_i(u)} (lambda_j + rho s_ij) (Eq. 14) at the latest update;
+        Y_i for every table, in the dtype of h. Chunked: per chunk, one term array per table."""
+        assert self._h is not None, "scatter() before update()"
+        p, M = self.mapping.p, self.M
+        sums = {t: SegmentSums(self.mapping.n_rows[t], self.D.shape[1]) for t in p}
+        for s in chunks(self.mapping.N):
+            base = np.negative(self.D[s], dtype=np.float64)  # H - z
+            if self.variant == "sharing":
+                base /= M  # (H - z) / M
+            lam = self.lam[s].astype(np.float64)
+            for t, p_t in p.items():
+                h_t = h[t][p_t[s]]
+                s_t = base - h_t  # s_ij (Eq. 9)
+                s_t *= self.rho
+                s_t += lam
+                sums[t].add(p_t[s], s_t)
+        return {t: sums[t].result(h[t].dtype) for t in p}
+
+    def primal_residual(self) -> float:
+        """||H - z|| over the training rows, after the latest step (the ADMM convergence check)."""
+        return self._primal
+
+    def train_loss(self) -> float:
+        """(1/N) sum_j l(H_j; y_j) at the predictions of the latest step."""
+        return self._loss
+
+
+_EPS = np.finfo(np.float64).eps
+
+
+_ARMIJO = 1e-4
+
+
+_MAX_HALVINGS = 60
+
+
+_ROUNDING_FLOOR = 128.0
+
+
+# ---------------------------------------------------------------------------------------------- z-update
+def z_update(
+    task: str,
+    H: np.ndarray,
+    y: np.ndarray,
+    lam: np.ndarray,
+    r: float,
+    tol: float = 1e-10,
+    max_iter: int = 50,
+) -> np.ndarray:
+    """The ADMM z-update (ALGORITHMS.md "LoJ with ADMM" step 3; paper Eq. 7), for every row at once:
+
+        z_j = argmin_z  l(z; y_j) - lam_j^T z + r/2 ||H_j - z||^2,       r > 0.
+
+    The optimality condition is ``dl/dz(z_j) - lam_j + r (z_j - H_j) = 0``.
+
+    * regression: closed form ``z = (y + lam + r H) / (1 + r)`` (with l = 1/2 (z - y)^2);
+    * binary: scalar Newton, Hessian ``sigma(z)(1 - sigma(z)) + r``;
+    * multiclass: Newton with Hessian ``diag(p) - p p^T + r I`` per row (solved in O(C) per row by
+      Sherman-Morrison, which equals the dense solve: see :func:`_multiclass_newton_direction`).
+
+    Newton starts from H and is damped by a backtracking (Armijo) line search, so it converges from any start
+    (the objective is r-strongly convex). A row stops when the Euclidean norm of its gradient is at most
+    ``max(tol, 128 eps (1 + ||lam_j|| + r ||H_j||))``: the absolute ``tol`` unless float64 rounding of the
+    gradient's terms makes it unreachable (only for huge |lam| or r |H|). RuntimeError if a row has not
+    converged after ``max_iter`` Newton steps. Returns z with the shape of H (float64).
+
+    Iterations (measured, C up to 50, |H| up to 1000): 2-6 Newton steps for r >= 1, at most ~20 for
+    r >= 0.01. With ADMM duals (after Eq. 8, ``lam_j = dl/dz(z_j^prev)``, so ``e_y + lam_j`` is a probability
+    vector) and r = 1e-4, 10-35, except with extreme logits (|H| ~ 1000, C = 50: ~60); arbitrary duals with
+    r = 1e-4 can need ~150 (Newton zigzags between saturated classes). Raise ``max_iter`` for such inputs.
+    """
+    H, y = check_np(task, H, y)
+    lam = np.asarray(lam, dtype=np.float64)
+    if lam.shape != H.shape:
+        raise ValueError(f"task {task!r}: lam must have the shape of H {H.shape}, got {lam.shape}")
+    r = float(r)
+    if not (np.isfinite(r) and r > 0.0):
+        raise ValueError(f"z_update needs a penalty r > 0, got r={r!r}")
+    if not (tol > 0.0):
+        raise ValueError(f"z_update needs tol > 0, got tol={tol!r}")
+    for name, arr in (("H", H), ("lam", lam), ("y", y)):
+        if not np.all(np.isfinite(arr)):
+            bad = int(np.flatnonzero(~np.isfinite(arr).reshape(arr.shape[0], -1).all(axis=1))[0])
+            raise ValueError(f"z_update: {name} is not finite at row {bad} (did the models diverge?)")
+    if task == "regression":
+        return (y[:, None] + lam + r * H) / (1.0 + r)
+
+    # float64 rounding floor of the gradient p - e_y - lam + r (z - H): a few eps times its terms
+    floor = _ROUNDING_FLOOR * _EPS * (1.0 + np.linalg.norm(lam, axis=1) + r * np.linalg.norm(H, axis=1))
+    tol_rows = np.maximum(tol, floor)
+    if task == "binary":
+        yb = y[:, None]
+
+        def objective(z: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            softplus = np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
+            linear = (yb[idx] + lam[idx]) * z
+            quad = 0.5 * r * (z - H[idx]) ** 2
+            return (softplus - linear + quad)[:, 0], (softplus + np.abs(linear) + quad)[:, 0]
+
+        def gradient(z: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            return expit(z) - yb[idx] - lam[idx] + r * (z - H[idx])
+
+        def direction(z: np.ndarray, g: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            p = expit(z)
+            return -g / (p * (1.0 - p) + r)
+
+    else:
+        onehot = np.zeros_like(H)
+        onehot[np.arange(H.shape[0]), y] = 1.0
+
+        def objective(z: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            lse = logsumexp(z, axis=1)
+            linear = ((onehot[idx] + lam[idx]) * z).sum(axis=1)
+            quad = 0.5 * r * ((z - H[idx]) ** 2).sum(axis=1)
+            magnitude = np.abs(lse) + np.abs(z).sum(axis=1) + np.abs(lam[idx] * z).sum(axis=1) + quad
+            return lse - linear + quad, magnitude
+
+        def gradient(z: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            return softmax(z, axis=1) - onehot[idx] - lam[idx] + r * (z - H[idx])
+
+        def direction(z: np.ndarray, g: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            return _multiclass_newton_direction(softmax(z, axis=1), g, r)
+
+    return _damped_newton(task, H.copy(), tol_rows, max_iter, objective, gradient, direction)
+
+
+def _multiclass_newton_direction(p: np.ndarray, g: np.ndarray, r: float) -> np.ndarray:
+    """``-(diag(p) - p p^T + r I)^{-1} g`` per row, by Sherman-Morrison.
+
+    With ``D = diag(p + r)``: ``A^{-1} g = D^{-1} g + D^{-1} p (p^T D^{-1} g) / (1 - p^T D^{-1} p)``, and the
+    denominator ``1 - sum p_c^2 / (p_c + r) = r sum p_c / (p_c + r)`` is computed in that cancellation-free,
+    positive form (sum p = 1).
+    """
+    inv_d = 1.0 / (p + r)
+    dg = inv_d * g
+    dp = inv_d * p
+    denom = r * (p * inv_d).sum(axis=1, keepdims=True)
+    return -(dg + dp * ((p * dg).sum(axis=1, keepdims=True) / denom))
+
+
+def _damped_newton(
+    task: str,
+    z: np.ndarray,
+    tol_rows: np.ndarray,
+    max_iter: int,
+    objective: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    gradient: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    direction: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+) -> np.ndarray:
+    """Newton with a per-row Armijo backtracking line search, vectorized over the rows not yet converged.
+
+    ``objective(z, idx)`` returns the per-row objective and a magnitude (sum of absolute terms) used as the
+    float64 rounding slack of the Armijo test, so that steps at rounding level near the optimum are accepted.
+    """
+    active = np.arange(z.shape[0])
+    for step in range(max_iter + 1):
+        za = z[active]
+        g = gradient(za, active)
+        gnorm = np.sqrt((g * g).sum(axis=1))
+        todo = gnorm > tol_rows[active]
+        if not todo.any():
+            return z
+        active, za, g, gnorm = active[todo], za[todo], g[todo], gnorm[todo]
+        if step == max_iter:
+            worst = int(np.argmax(gnorm / tol_rows[active]))
+            raise RuntimeError(
+                f"z_update({task!r}): {active.size} row(s) did not reach the gradient tolerance after "
+                f"{max_iter} Newton steps; worst row {int(active[worst])} has gradient norm "
+                f"{gnorm[worst]:.3e} > {tol_rows[active[worst]]:.3e}"
+            )
+        d = direction(za, g, active)
+        f0, magnitude = objective(za, active)
+        slope = (g * d).sum(axis=1)  # < 0: d is a descent direction (the Hessian is positive definite)
+        slack = 64.0 * _EPS * magnitude
+        t = np.ones(za.shape[0])
+        pending = np.arange(za.shape[0])
+        for _ in range(_MAX_HALVINGS):
+            cand = za[pending] + t[pending, None] * d[pending]
+            f1, _ = objective(cand, active[pending])
+            ok = f1 <= f0[pending] + _ARMIJO * t[pending] * slope[pending] + slack[pending]
+            za[pending[ok]] = cand[ok]
+            pending = pending[~ok]
+            if pending.size == 0:
+                break
+            t[pending] *= 0.5
+        z[active] = za
+    raise AssertionError("unreachable")  # the loop returns or raises at step == max_iter
+
+
+#: algorithm.rho=auto: the penalty that reached the exact solution fastest on the bundled data (README):
+#: the squared loss has curvature 1, the logistic/softmax losses at most 1/4 and far less once fitted.
+AUTO_RHO = {"regression": 3.0, "binary": 0.1, "multiclass": 0.1}
+
+
+def admm_rho(value, task: str) -> float:
+    """algorithm.rho: a positive number, or `auto` (by task, AUTO_RHO)."""
+    return AUTO_RHO[task] if value == "auto" else float(value)
+
+
+class TPJoinADMM(LoJStrategy):
+    algorithm = "tp_join_admm"
+    params_type = ADMMParams
+    resumable = True
+
+    def protocol(self) -> None:
+        done, loop = self.begin(self.start_admm)
+        admm, h = loop["admm"], loop["h"]
+        self.admm = admm
+        last = done if not loop.get("stopped") else int(self.cfg.epochs)  # a resumed run that had stopped early
+        for epoch in range(last + 1, int(self.cfg.epochs) + 1):
+            Y, rho = admm.scatter(h), admm.rho
+            replies = self.send(self.messages(lambda t: (
+                {"Y": Y[t]}, {"phase": "admm_update", "epoch": epoch, "rho": rho, **self.checkpoint_config(epoch)})))
+            h = self.outputs(replies)
+            res = admm.update(h)  # z, lambda (Eq. 7, 8), residuals and the next rho (Boyd Sec. 3.4.1)
+            train_loss = admm.train_loss()  # at the H of this update (computed there, chunk by chunk)
+            reg = sum(float(r[1]["R"]) for r in replies.values())
+            self.record_epoch(
+                epoch,
+                joined_predictions(self.test.p, h),
+                train_loss,
+                {"objective": train_loss + float(self.cfg.model.beta) * reg, **residual_extra(res, rho)},
+            )
+            stop = self.stop_early(epoch, res)
+            self.end_epoch(epoch, {"admm": admm, "h": h, "stopped": stop})
+            if stop:
+                break
+        self.finish()
+
+    def start_admm(self) -> dict:
+        """Setup, then the admm_setup round (G_i, Eq. 15, sent once)."""
+        self.setup()
+        admm = self.admm_server()
+        G = admm.G()
+        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": admm.rho}
+        replies = self.send(self.messages(lambda t: ({"G": G[t]}, {**config, **self.dp_config((t, 0))})))
+        # ADMM starts from x^0 = 0, z^0 = 0, lambda^0 = 0 (Boyd Sec. 3.1): not from the initial models' predictions,
+        # whose random part would have to be undone (the theta-update of Eq. 16 does not depend on them)
+        h = {t: np.zeros_like(v) for t, v in self.outputs(replies).items()}
+        admm.update(h)
+        return {"admm": admm, "h": h}
+
+    def admm_server(self) -> ADMMServer:
+        """The server's z, lambda and rho (algorithm.rho, adapt_rho, rho_mu, rho_tau, tol)."""
+        alg = self.params
+        balancing = Balancing(alg.rho_mu, alg.rho_tau, alg.rho_warmup) if alg.adapt_rho else None
+        self.admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, admm_rho(alg.rho, self.task),
+                               alg.variant, balancing, alg.tol, dtype=self.state_dtype)
+        return self.admm
+
+    def stop_early(self, epoch: int, res: Residuals, inner: str = "") -> bool:
+        """Record in results.stopped whether training stops after ``epoch``: "tol" (both residuals below
+        algorithm.tol, Boyd Eq. 3.12) or "epochs" (the maximum); True to stop now."""
+        assert self.results is not None
+        done = self.params.tol > 0 and res.converged
+        if done or epoch >= int(self.cfg.epochs):
+            why = "tol" if done else "epochs"
+            detail = res.reason() if done else f"epochs={epoch} reached (algorithm.tol={self.params.tol:g} not met)"
+            self.results.stopped = {"epoch": epoch, "reason": why, "detail": detail + inner}
+            if done:  # reaching the maximum needs no line of its own
+                self.log(f"stopped after epoch {epoch}: {detail}{inner}")
+        return done
+
+    def plan_feature_dp(self) -> dict:
+        """Per client: epochs x local_epochs x ceil(n_a / b) local DP steps at q = min(1, b / n_a), n_a = its
+        rows that occur in the training join (the client's own Poisson sampling, DPLocalTrainer.admm_update)."""
+        return {k: admm_dp_plan(self, k, 1) for k in self.clients}
+
+
+def residual_extra(res: Residuals, rho: float) -> dict[str, float]:
+    """The epoch line's ADMM entries: the residuals (Boyd Sec. 3.3) and the rho the epoch's theta-update used."""
+    out = {"rho": rho, "primal_residual": res.primal}
+    if res.dual is not None:
+        out["dual_residual"] = res.dual
+    return out
+
+
+def admm_dp_plan(strategy: LoJStrategy, key, calls_per_epoch: int) -> tuple[int, float]:
+    """(steps, q) of one client whose DP theta-update runs ``calls_per_epoch`` times per epoch."""
+    alg = strategy.params
+    n_a = int(np.count_nonzero(strategy.client_G(key)))
+    b = alg.local_batch_size
+    steps = calls_per_epoch * admm_steps(int(strategy.cfg.epochs), alg.local_epochs, n_a, b)
+    return steps, (min(1.0, b / n_a) if n_a else 1.0)
+
+
+class VFLADMM(TPJoinADMM):
+    """VFL-ADMM: the same ADMM on the expanded tables (G = 1 per joined row): O(M N) traffic per epoch."""
+
+    algorithm = "vfl_admm"
+    expand = True

@@ -1,0 +1,145 @@
+"""DistDim k-means over the join and its coreset version, client side (VFL coresets, Alg. 3; docs/algorithms.md).
+
+  kmeans_local  {G} or {rows, w} -> {labels, C}  local k-means weighted by G_iu (or w on the coreset's rows):
+                                                 the table's k centres and each row's centre
+  kmeans_assign {G}              -> {labels}     coreset_kmeans, evaluation: every row's nearest local centre
+  kmeans_cost   {rows, centres, counts, C} -> {cost}  evaluation: ONE number, sum_u sum_c counts[u, c]
+                                                 ||x_u - C_c||^2, answered once per run
+
+The coreset version runs the DIS phases of tpflower/phases/coreset.py first and clusters the coreset's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpflower.client import TableClient
+from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
+from tpflower.guard import Phase, Protocol, Stage
+from tpflower.params import AlgorithmParams, nonnegative, one_of, param, positive_int
+from tpflower.phases import coreset, setup
+from tpflower.phases.coreset import (CoresetRefusal, _keep_G, _m, _rows, _where, admit_training_rows, client_rng,
+                                     fraction)
+from tpflower.records import Arrays
+from tpflower.registry import AlgorithmEntry, register
+
+
+@dataclass(frozen=True)
+class KMeansParams(AlgorithmParams):
+    """algorithm=kmeans (conf/algorithm/kmeans.yaml): DistDim on the full join."""
+
+    k: int = param(positive_int, 10)
+    iters: int = param(positive_int, 100)  # Lloyd iterations (local and on the server's grid)
+    restarts: int = param(positive_int, 10)  # k-means++ seedings, the lowest cost kept (local and on the grid)
+    tol: float = param(nonnegative, 1e-6)  # relative cost decrease that stops Lloyd
+
+
+@dataclass(frozen=True)
+class CoresetKMeansParams(KMeansParams):
+    """algorithm=coreset_kmeans (conf/algorithm/coreset_kmeans.yaml): DistDim on a DIS coreset."""
+
+    m: int = param(positive_int, 2000)
+    sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
+    mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
+
+
+def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """DistDim, the party's step: weighted local k-means, one centre label per row sent, its k centres (kept
+    for kmeans_assign).
+
+    {G}: all its rows weighted by G_iu (the full join); {rows, w}: the coreset's rows with their weights."""
+    s = client.settings
+    X = np.asarray(client.local.X, dtype=np.float64)
+    if "rows" in arrays:
+        rows = _rows(client, arrays, "kmeans_local")
+        w = np.asarray(arrays["w"], dtype=np.float64)
+        if w.shape != rows.shape or (w < 0).any():
+            raise ValueError(f"{_where(client, 'kmeans_local')}: w must hold one weight >= 0 per row")
+        admit_training_rows(client, rows, "kmeans_local")
+        X = X[rows]
+    else:
+        if _m(client):
+            raise CoresetRefusal(f"{_where(client, 'kmeans_local')}: coreset k-means clusters the coreset's rows only")
+        w = _keep_G(client, arrays, "kmeans_local")
+    C, labels = weighted_kmeans(X, w, int(s.algorithm.k), client_rng(s.seed, s.table, 3), int(s.algorithm.iters),
+                                   float(s.algorithm.tol), restarts=int(s.algorithm.restarts))
+    client.state.put("kmeans.C", C)
+    return {"labels": labels.astype(label_dtype(len(C))), "C": C}, {}
+
+
+def kmeans_assign(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """coreset_kmeans, evaluation: every row's nearest local centre (what DistDim on the full join sends), for
+    the server to place every joined row in its grid cell."""
+    C = client.state.get("kmeans.C")
+    if C is None:
+        raise RuntimeError(f"{_where(client, 'kmeans_assign')}: before kmeans_local")
+    if "G" in arrays:  # uniform sampling: the first G_i of the run (after DIS: must be the same)
+        _keep_G(client, arrays, "kmeans_assign")
+    labels = sq_distances(np.asarray(client.local.X, dtype=np.float64), C).argmin(1)
+    return {"labels": labels.astype(label_dtype(len(C)))}, {}
+
+
+def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """The factorized cost of the final clustering (strategies/kmeans.py): ONE number,
+    sum_u sum_c counts[u, c] ||x_u - C_c||^2, for the sparse counts (rows, centres, counts) of the joined rows
+    of each row u assigned to each final centre c. Refused unless every row's counts add up to its G_iu (the
+    G_i this client received earlier: each row enters with all its joined rows) and the first time in the run."""
+    where = _where(client, "kmeans_cost")
+    if client.state.scalar("kmeans.cost_answered", 0):
+        raise CoresetRefusal(f"{where}: the cost is answered once per run (two answers for different counts "
+                             "would reveal a row's distances)")
+    G = client.state.get("coreset.G")
+    if G is None:
+        raise CoresetRefusal(f"{where}: this client never received G_i, so it cannot check the counts")
+    X = np.asarray(client.local.X, dtype=np.float64)
+    C = np.asarray(arrays["C"], dtype=np.float64)
+    k = int(client.settings.algorithm.k)
+    if C.ndim != 2 or C.shape[1] != X.shape[1] or not 1 <= C.shape[0] <= k or not np.isfinite(C).all():
+        raise ValueError(f"{where}: C must be at most k = {k} finite centres of width {X.shape[1]}, got {C.shape}")
+    rows, centres, counts = (np.asarray(arrays[n]) for n in ("rows", "centres", "counts"))
+    if not (rows.ndim == centres.ndim == counts.ndim == 1 and len(rows) == len(centres) == len(counts)):
+        raise ValueError(f"{where}: rows, centres and counts must be vectors of one length")
+    if any(a.size and a.dtype.kind not in "iu" for a in (rows, centres, counts)):
+        raise ValueError(f"{where}: rows, centres and counts must be integers")
+    rows, centres, counts = rows.astype(np.int64), centres.astype(np.int64), counts.astype(np.int64)
+    if len(rows) and (rows.min() < 0 or rows.max() >= len(X) or centres.min() < 0 or centres.max() >= len(C)
+                      or counts.min() <= 0):
+        raise ValueError(f"{where}: counts must name rows of the table, centres of C and be >= 1")
+    if len(np.unique(rows * len(C) + centres)) != len(rows):
+        raise CoresetRefusal(f"{where}: a (row, centre) pair appears twice in the counts")
+    per_row = np.bincount(rows, weights=counts, minlength=len(X))
+    bad = per_row != G
+    if bad.any():
+        u = int(np.flatnonzero(bad)[0])
+        raise CoresetRefusal(f"{where}: the counts of {int(bad.sum())} row(s) do not add up to the row's G_iu "
+                             f"(row {u}: {per_row[u]:g} vs G = {G[u]:g}); every row enters with all its joined rows")
+    client.state.set_scalar("kmeans.cost_answered", 1)
+    diff = X[rows] - C[centres]
+    d2 = np.einsum("ij,ij->i", diff, diff)  # no BLAS: the same rounding with any thread count
+    return {"cost": np.array([float((counts * d2).sum())])}, {}
+
+
+KMEANS_LOCAL = Stage("kmeans_local", {"kmeans_local": Phase(kmeans_local)})
+
+
+KMEANS_COST = Stage("kmeans_cost", {"kmeans_cost": Phase(kmeans_cost)}, calls=None)
+
+
+KMEANS: tuple[Stage, ...] = (KMEANS_LOCAL, KMEANS_COST)
+
+
+CORESET_KMEANS: tuple[Stage, ...] = (KMEANS_LOCAL, Stage("kmeans_assign", {"kmeans_assign": Phase(kmeans_assign)}),
+                                     KMEANS_COST)
+
+
+register(AlgorithmEntry("kmeans", "kmeans", "join", "kmeans", "DistDimKMeans", Protocol(setup.SETUP + KMEANS),
+                        KMeansParams, feature_dp=False, label_dp=False,
+                        summary="DistDim k-means on the full join (VKMC baseline)"))
+register(AlgorithmEntry("coreset_kmeans", "coreset_kmeans", "join", "kmeans", "CoresetKMeans",
+                        Protocol(setup.SETUP + coreset.DIS + CORESET_KMEANS), CoresetKMeansParams,
+                        feature_dp=False, label_dp=False,
+                        summary="VFL coreset (DIS, Alg. 1 and 3) over the join, then DistDim k-means"))
