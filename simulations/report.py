@@ -641,7 +641,7 @@ TEXT: dict[str, str] = {
         "671-wide one-hot block whose columns each occur in one shard only. nycflights13's union needs "
         "`min_sketch_rows=1000` (a weather shard holds 1,802 wind_gust values, below the default 2,048 its owners "
         "allow for order statistics). The three label scales give the same gaps because the label is standardized "
-        "(`tests/test_admm_convergence.py` checks that the metric scales exactly with the label).\n\n"
+        "(`tests/test_join_admm.py` checks that the metric scales exactly with the label).\n\n"
         "With a fixed rho (`algorithm.adapt_rho=false`) a wrong rho still costs: rho = 10 leaves 1.3-30% after 10 "
         "epochs, and residual balancing brings that down to 1.2% (nycflights13) and below 0.2% (movielens, "
         "synthetic). A too small rho (0.3) oscillates, and balancing only doubles it within 10 epochs "

@@ -22,7 +22,7 @@ from simulations.federated import run_flower_simulation, run_in_process
 from strategies.transport import RunError
 from tpflower.app.server_app import make_strategy
 from tpflower.checks import DataProblems, errors
-from tpflower.config import CONF_DIR
+from tpflower.config import CONF_DIR, register_algorithm_defaults
 from tpflower.datasets import check_dataset, release_tables
 from tpflower.owner import redact_run_dir, simulation_secret
 from tpflower.registry import entry_of
@@ -36,7 +36,7 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
     """Run one configured job and write its results.json into ``run_dir``."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    strategy = make_strategy(cfg, run_dir, base_dir, log=lambda line: print(line, flush=True))  # settings checked
+    strategy = make_strategy(cfg, run_dir, base_dir, log=lambda line: print(line, flush=True), federated_only=False)
     check_data(cfg, base_dir)  # and every table, all problems at once
     if not entry_of(cfg).federated:
         return strategy.run_local(base_dir)
@@ -78,6 +78,9 @@ def report_failure(exc: BaseException, run_dir: Path) -> str:
     if isinstance(exc, (RunError, SpecError, ValueError)):
         return f"error: {exc}"
     return f"error: {type(exc).__name__}: {exc} (traceback in {path})"
+
+
+register_algorithm_defaults()  # before Hydra composes conf/algorithm/*.yaml, which extend these nodes
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")

@@ -65,8 +65,8 @@ def test_privacy_declarations_are_enforced_before_any_client(entry):
 
 
 def test_an_algorithm_without_feature_dp_is_refused(monkeypatch):
-    entry = registry.lookup("tp_join_sgd", "join")
-    monkeypatch.setitem(registry._ENTRIES, ("tp_join_sgd", "join"),
+    entry = registry.lookup("sgd", "join")
+    monkeypatch.setitem(registry._ENTRIES, ("sgd", "join"),
                         registry.AlgorithmEntry(**{**entry.__dict__, "feature_dp": False}))
     with pytest.raises(ValueError, match="feature DP \\(DP-SGD\\) cannot be honoured by algorithm 'tp_join_sgd'"):
         make_strategy(make_cfg("algorithm=sgd", "dataset=synthetic", "privacy=dpsgd"), None, log=lambda _: None)

@@ -292,9 +292,9 @@ def test_impossible_settings_fail_before_training(overrides, match, monkeypatch,
     def no_training(*_args, **_kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr("simulations.run.load_relation", no_training)
-    monkeypatch.setattr("simulations.federated.run_in_process", no_training)
-    monkeypatch.setattr("simulations.federated.run_flower_simulation", no_training)
+    monkeypatch.setattr("strategies.centralized.load_relation", no_training)
+    monkeypatch.setattr("simulations.run.run_in_process", no_training)
+    monkeypatch.setattr("simulations.run.run_flower_simulation", no_training)
     cfg = cfg_of("runtime=inprocess", *overrides)
     with pytest.raises(ValueError, match=match):
         run_job(cfg, tmp_path)

@@ -10,6 +10,7 @@ from queue import Queue
 import numpy as np
 import pytest
 from flwr.app import Error, Message
+from flwr.supercore.task_identity import TaskIdentity
 
 from tpflower.app import flower_patch as flower_adapter
 from tpflower.app.server_app import make_strategy
@@ -155,6 +156,16 @@ class FakeGrid:
         return out
 
 
+@pytest.fixture
+def serverapp_identity(monkeypatch):
+    """The identity Flower's ServerApp runtime sets before the app's main runs (a reply Message reads its run id);
+    without it these tests passed only after another test had run Flower in the same process."""
+    for name in ("_task_id", "_run_id", "_node_id"):
+        if getattr(TaskIdentity, name, None) is None:
+            monkeypatch.setattr(TaskIdentity, name, 1)
+
+
+@pytest.mark.usefixtures("serverapp_identity")
 def test_grid_transport_pulls_until_every_reply_is_in():
     grid = FakeGrid({1: ("fact", 0), 2: ("dim", 0)})
     strategy = Echo(KEYS)
@@ -162,11 +173,13 @@ def test_grid_transport_pulls_until_every_reply_is_in():
     assert len(strategy.got) == 2 and grid.pulls >= 9
 
 
+@pytest.mark.usefixtures("serverapp_identity")
 def test_a_lost_node_is_one_error_naming_its_table():
     with pytest.raises(RunError, match="table 'dim' shard 0: Node Unavailable"):
         Echo(KEYS).start(FakeGrid({1: ("fact", 0), 2: ("dim", 0)}, lost={2}), timeout=5)
 
 
+@pytest.mark.usefixtures("serverapp_identity")
 def test_a_silent_node_times_out_naming_its_table():
     with pytest.raises(RunError, match="no reply within 0 s from table 'fact' shard 0"):
         Echo(KEYS).start(FakeGrid({1: ("fact", 0), 2: ("dim", 0)}, delay_pulls=1, silent={1}), timeout=0.05)
@@ -181,7 +194,7 @@ def test_a_silent_node_times_out_naming_its_table():
         ("admm", "algorithm.rho=-1", "algorithm.rho must be > 0, got -1"),
         ("admm", "algorithm.variant=fancy", "algorithm.variant must be one of ['sharing', 'paper'], got 'fancy'"),
         ("admm", "algorithm.local_epochs=1.5", "algorithm.local_epochs must be an integer >= 1, got 1.5"),
-        ("admm", "+algorithm.rhoo=1", "algorithm.rhoo is not a setting of algorithm 'tp_join_admm'"),
+        ("admm", "+algorithm.rhoo=1", "algorithm.rhoo is not a setting of algorithm 'admm'"),
         ("admm", "epochs=0", "epochs must be an integer >= 1, got 0"),
         ("sgd", "algorithm.lr=abc", "algorithm.lr must be a number, got 'abc'"),
         ("sgd", "algorithm.lr=0", "algorithm.lr must be > 0, got 0"),

@@ -1,18 +1,42 @@
-"""The project's Hydra configuration composed outside a Hydra main (tests, benchmarks, `flwr run` apps)."""
+"""The project's Hydra configuration: the conf/ directory, the algorithms' defaults, and composing a run config
+outside a Hydra main (tests, benchmarks, `flwr run` apps).
+
+Each algorithm's settings and their defaults are written once, in its parameter dataclass (tpflower/phases/
+FAMILY.py). :func:`register_algorithm_defaults` stores them in Hydra's ConfigStore as ``algorithm/_SELECTOR``;
+conf/algorithm/SELECTOR.yaml extends that node (Hydra's "extending configs") and adds only its ``name``, so
+``algorithm.rho=3`` and sweeps over any setting work as if the values were written in the YAML.
+"""
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Any
 
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from tpflower import registry
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
+def algorithm_defaults(entry: registry.AlgorithmEntry) -> dict[str, Any]:
+    """The algorithm.* defaults of a registered algorithm, from its parameter dataclass."""
+    return {f.name: f.default for f in fields(entry.params) if f.default is not MISSING}
+
+
+def register_algorithm_defaults() -> None:
+    """Store every registered algorithm's defaults as the Hydra config ``algorithm/_SELECTOR`` (idempotent)."""
+    store = ConfigStore.instance()
+    for entry in registry.entries():
+        store.store(group="algorithm", name=f"_{entry.selector}", node=algorithm_defaults(entry))
+
+
 def compose_config(*overrides: str, dataset: dict | None = None) -> DictConfig:
     """The run config as `python -m simulations.run OVERRIDES` sees it; ``dataset`` replaces the dataset group."""
-    from hydra import compose, initialize_config_dir
-
+    register_algorithm_defaults()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose(config_name="config", overrides=list(overrides))
     if dataset is not None:

@@ -20,14 +20,15 @@ from typing import Any
 from tpflower.guard import Protocol
 from tpflower.params import AlgorithmParams
 
-#: the package that holds the server half of every family (strategies/NAME.py)
+#: the packages that hold the two halves of every family: tpflower/phases/NAME.py and strategies/NAME.py
+PHASES_PACKAGE = "tpflower.phases"
 STRATEGIES_PACKAGE = "strategies"
 
 
 @dataclass(frozen=True)
 class AlgorithmEntry:
     name: str  # as in results.json, e.g. "tp_ucq_admm"
-    selector: str  # the conf value `algorithm.name` that selects it (conf/algorithm/*.yaml), e.g. "tp_join_admm"
+    selector: str  # `algorithm=SELECTOR`: conf/algorithm/SELECTOR.yaml (its `name:`), e.g. "admm"
     scenario: str  # "join" | "ucq"
     family: str  # the module name of both halves: tpflower/phases/FAMILY.py and strategies/FAMILY.py
     strategy_class: str  # the server protocol's class in strategies/FAMILY.py (a strategies.base subclass)
@@ -64,10 +65,9 @@ def load_all() -> None:
     global _LOADED
     if _LOADED:
         return
-    from tpflower import phases  # noqa: PLC0415  (the phases import this module: a top-level import would circle)
-
+    phases = importlib.import_module(PHASES_PACKAGE)  # by name: the phases modules import this one
     for info in pkgutil.iter_modules(phases.__path__):
-        importlib.import_module(f"tpflower.phases.{info.name}")
+        importlib.import_module(f"{PHASES_PACKAGE}.{info.name}")
     _LOADED = True
 
 

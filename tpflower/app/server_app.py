@@ -23,10 +23,14 @@ from tpflower.datasets import load_spec
 
 
 def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                  log: Callable[[str], None] = print) -> Strategy:
+                  log: Callable[[str], None] = print, federated_only: bool = True) -> Strategy:
     """The registered strategy of cfg's algorithm and scenario (a strategies.base.TablePuppetStrategy, imported
-    by the registry from strategies/FAMILY.py); bad settings raise ValueError here."""
+    by the registry from strategies/FAMILY.py); bad settings raise ValueError here. ``federated_only=False``
+    also builds the centralized baseline (the Hydra entry point runs it without Flower)."""
     entry = entry_of(cfg)
+    if federated_only and not entry.federated:
+        raise ValueError(f"algorithm {entry.selector!r} is not a federated algorithm: it runs without Flower "
+                         f"(python -m simulations.run algorithm={entry.selector})")
     spec = load_spec(cfg.dataset, base_dir=base_dir)
     return entry.strategy(cfg, spec, run_dir, log=log, feature_dp=entry.feature_dp, label_dp=entry.label_dp,
                           why_no_feature_dp=entry.why_no_feature_dp)

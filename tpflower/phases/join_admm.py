@@ -240,7 +240,7 @@ START = Stage("start", {"admm_setup": Phase(admm_setup)})
 TRAIN: dict[str, Phase] = {"admm_update": Phase(admm_update)}
 
 
-register(AlgorithmEntry("tp_join_admm", "tp_join_admm", "join", "join_admm", "TPJoinADMM", setup.loj_protocol(START, TRAIN),
+register(AlgorithmEntry("tp_join_admm", "admm", "join", "join_admm", "TPJoinADMM", setup.loj_protocol(START, TRAIN),
                         ADMMParams, summary="TP-Join-ADMM (Eq. 7, 8, 14-16): one round trip per epoch"))
 register(AlgorithmEntry("vfl_admm", "vfl_admm", "join", "join_admm", "VFLADMM", setup.loj_protocol(START, TRAIN, vfl=True),
                         ADMMParams, summary="VFL-ADMM baseline on the expanded join"))

@@ -112,7 +112,7 @@ START = Stage("start", {"predict": Phase(predict)})
 TRAIN: dict[str, Phase] = {"sgd_step": Phase(sgd_step)}
 
 
-register(AlgorithmEntry("tp_join_sgd", "tp_join_sgd", "join", "join_sgd", "TPJoinSGD", setup.loj_protocol(START, TRAIN),
+register(AlgorithmEntry("tp_join_sgd", "sgd", "join", "join_sgd", "TPJoinSGD", setup.loj_protocol(START, TRAIN),
                         SGDParams, summary="TP-Join-SGD (Eq. 10-13): one round trip per mini-batch"))
 register(AlgorithmEntry("vfl_sgd", "vfl_sgd", "join", "join_sgd", "VFLSGD", setup.loj_protocol(START, TRAIN, vfl=True),
                         SGDParams, summary="VFL-SGD baseline on the expanded join"))

@@ -85,6 +85,6 @@ ADMM_TRAIN: dict[str, Phase] = {
 }
 
 
-register(AlgorithmEntry("tp_ucq_admm", "tp_join_admm", "ucq", "ucq_admm", "TPUCQADMM",
+register(AlgorithmEntry("tp_ucq_admm", "admm", "ucq", "ucq_admm", "TPUCQADMM",
                         setup.loj_protocol(join_admm.START, ADMM_TRAIN), ADMMParams,
                         summary="TP-UCQ-ADMM (Eq. 20-24): consensus ADMM over the shards"))
