@@ -21,8 +21,8 @@ key pair per SuperNode (STATE_DIR/clients/T-Q.key and .pub), registers the publi
 (``flwr supernode register``) and starts everything with TLS and SuperNode authentication; ``--insecure``
 (plain text, no authentication) only when asked. It writes the SuperLink connection ``local-deployment``
 (address 127.0.0.1:PORT, root-certificates = the CA) into ``$FLWR_HOME/config.toml`` (default ``~/.flwr``):
-Flower 1.41 reads connections from there, not from pyproject.toml. Every process is started in its own session (process group) and carries the environment
-variable ``TPFLOWER_DEPLOY_TAG``; ``stop`` kills the recorded groups and then any process still carrying the
+Flower 1.41 reads connections from there, not from pyproject.toml. Every process is started in its own session
+(process group) and carries the environment variable ``TPFLOWER_DEPLOY_TAG``; ``stop`` kills the recorded groups and then any process still carrying the
 tag (the SuperLink starts its ``flower-superexec`` in a session of its own). The state of a deployment (ports,
 pids, logs) is in ``STATE_DIR/deployment.json`` (default outputs/deploy).
 

@@ -4,14 +4,14 @@
     python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
     python -m simulations.bench flower                             -> bench_results/flower.json
-    python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json (simulations/bench/celu.py)
+    python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json
     python -m simulations.bench convergence [--epochs 10] [--mlp]  -> bench_results/convergence.json
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
                                                                   -> bench_results/scale.json
     python -m simulations.bench deploy [--datasets movielens,star_2m] -> bench_results/deploy.json
     python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
                                                                   -> bench_results/coreset-D-TASK.json
-    python -m simulations.bench privacy [--jobs 2]             -> bench_results/privacy.json (simulations/bench/privacy.py)
+    python -m simulations.bench privacy [--jobs 2]                 -> bench_results/privacy.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.

@@ -242,13 +242,17 @@ def finalize(result: dict[str, Any], datasets: list[str] | None = None, variants
 
 def table(result: dict[str, Any]) -> str:
     """The README's table (markdown) from a suite result."""
-    lines = ["| dataset (target) | variant | reached | rounds to target | vs vanilla | modelled WAN s | Flower wall s | final metric |",
+    lines = ["| dataset (target) | variant | reached | rounds to target | vs vanilla | modelled WAN s | Flower wall s "
+             "| final metric |",
              "|---|---|---|---|---|---|---|---|"]
+
+    def fmt(s, p=0):
+        return "-" if not s or s["mean"] is None else f"{s['mean']:.{p}f} +- {s['std']:.{p}f}"
+
     for d, res in result["datasets"].items():
         t = np.mean(list(res["targets"].values()))
         for v, row in res["variants"].items():
             r, w, f = row["rounds"], row["wan_s"], row["flower_wall_s"]
-            fmt = lambda s, p=0: "-" if not s or s["mean"] is None else f"{s['mean']:.{p}f} +- {s['std']:.{p}f}"  # noqa: E731
             finals = [x for x, e in zip(row["final_metric"], row["end"]) if e != "target" and x is not None]
             final = f"{np.mean(finals):.4f}" if finals else "(stopped at target)"
             if "diverged" in row["end"]:

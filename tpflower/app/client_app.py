@@ -157,7 +157,9 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         shard=shard,
         region=spec.table(table).region or "",  # "": the network's default link
         model=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
-        algorithm=entry_of(cfg).params.from_cfg(OmegaConf.to_container(cfg.algorithm, resolve=True)),  # type: ignore[arg-type]
+        algorithm=entry_of(cfg).params.from_cfg(
+            OmegaConf.to_container(cfg.algorithm, resolve=True)  # type: ignore[arg-type]
+        ),
         seed=int(cfg.seed),
         precision=str(cfg.precision),
         owner=owner,
