@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run lint test bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -18,9 +18,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m simulations.run $(ARGS)
 
+# `make test` lints first (ruff check, ruff format --check; pyproject.toml's [tool.ruff]).
 # Two pytest-xdist workers: the deployment and Flower tests wait on subprocesses while the other worker runs.
 # One test or file: make test PYTEST_ARGS="-n 0 tests/test_coreset.py"
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
 
 bench: $(STAMP)

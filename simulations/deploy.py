@@ -21,8 +21,8 @@ key pair per SuperNode (STATE_DIR/clients/T-Q.key and .pub), registers the publi
 (``flwr supernode register``) and starts everything with TLS and SuperNode authentication; ``--insecure``
 (plain text, no authentication) only when asked. It writes the SuperLink connection ``local-deployment``
 (address 127.0.0.1:PORT, root-certificates = the CA) into ``$FLWR_HOME/config.toml`` (default ``~/.flwr``):
-Flower 1.41 reads connections from there, not from pyproject.toml. Every process is started in its own session (process group) and carries the environment
-variable ``TPFLOWER_DEPLOY_TAG``; ``stop`` kills the recorded groups and then any process still carrying the
+Flower 1.41 reads connections from there, not from pyproject.toml. Every process is started in its own session
+(process group) and carries the environment variable ``TPFLOWER_DEPLOY_TAG``; ``stop`` kills the recorded groups and then any process still carrying the
 tag (the SuperLink starts its ``flower-superexec`` in a session of its own). The state of a deployment (ports,
 pids, logs) is in ``STATE_DIR/deployment.json`` (default outputs/deploy).
 
@@ -38,9 +38,11 @@ per ``num-supernodes``, which must equal the number of tables (``python -m simul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import ssl
@@ -49,13 +51,18 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import tomli_w
+import yaml
+from omegaconf import OmegaConf
 
 from simulations.pki import ServerTLS, make_node_keys, make_server_tls
+from tpflower.datasets import load_spec
+from tpflower.owner import SECRET_ENV, privacy_floor, simulation_owner
 
 try:
     import tomllib
@@ -100,16 +107,15 @@ def flower_env(home: Path, tag: str, base: dict[str, str] | None = None) -> dict
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env[TAG_VAR] = tag
-    from tpflower.owner import SECRET_ENV
-
     env.pop(SECRET_ENV, None)  # the nodes read their secret_file; the SuperLink must never hold the secret
     return env
 
 
 def clients_of(overrides: str, base_dir: str | Path | None = None) -> list[tuple[str, int]]:
     """The (table, shard) clients of the run the Hydra overrides describe: one SuperNode each."""
-    from tpflower.app.client_app import config_from_run_config
-    from tpflower.datasets import load_spec
+    # flwr (via client_app): its import sets GRPC_VERBOSITY in os.environ, which env() would hand on to the
+    # SuperLink and SuperNodes; only the commands that compose a run's config import it
+    from tpflower.app.client_app import config_from_run_config  # noqa: PLC0415
 
     cfg = config_from_run_config({"overrides": overrides})
     return load_spec(cfg.dataset, base_dir=base_dir).clients(str(cfg.scenario.name))
@@ -118,14 +124,7 @@ def clients_of(overrides: str, base_dir: str | Path | None = None) -> list[tuple
 def write_client_configs(overrides: str, directory: Path, base_dir: str | Path | None = None) -> dict[tuple[str, int], Path]:
     """One owner settings file per client of the run ``overrides`` describes (what each table's owner would
     write on its own node: tpflower.owner), and one fresh join-key secret they share (mode 0600)."""
-    import secrets
-
-    import yaml
-    from omegaconf import OmegaConf
-
-    from tpflower.app.client_app import config_from_run_config
-    from tpflower.datasets import load_spec
-    from tpflower.owner import privacy_floor, simulation_owner
+    from tpflower.app.client_app import config_from_run_config  # noqa: PLC0415  flwr: see clients_of
 
     cfg = config_from_run_config({"overrides": overrides})
     spec = load_spec(cfg.dataset, base_dir=base_dir)
@@ -252,10 +251,8 @@ def kill_tagged(tag: str, groups: Iterable[int] = (), timeout: float = 10.0,
                 break
             time.sleep(0.2)
     for child in children:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            pass
     return [pid for pid, _ in targets()]
 
 
@@ -299,7 +296,7 @@ class Deployment:
         return path
 
     @classmethod
-    def load(cls, state_dir: str | Path) -> "Deployment":
+    def load(cls, state_dir: str | Path) -> Deployment:
         data = json.loads((Path(state_dir) / "deployment.json").read_text())
         return cls(**data)
 

@@ -27,19 +27,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tpflower.results import RESULTS_FILE
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from tpflower.results import RESULTS_FILE, ResultsError, read_results
 
 LOWER_IS_BETTER = {"rmse", "mse", "mae", "loss", "log_loss", "logloss", "error"}
-REQUIRED_KEYS = ("algorithm", "dataset", "metric", "history")
 # Config keys tried, in this order, to tell apart runs that share algorithm and dataset.
 LABEL_KEY_PREFERENCE = ("algorithm.", "privacy.", "model.", "epochs", "seed", "precision", "network.", "scenario.")
 IGNORED_CONFIG_PREFIXES = ("hydra", "mapping.secret")
 LOG_SPAN = 100.0  # use a log time axis when the positive times span more than 2 decades
 PATH_KEY = "_path"  # where load_runs records the file a run was read from
-
-
-class ResultsError(ValueError):
-    """A RUN_DIR that names no readable, valid results.json."""
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -74,25 +76,6 @@ def find_results(paths: Sequence[str | Path]) -> list[Path]:
     return found
 
 
-def _validate(record: Any, path: Path) -> dict[str, Any]:
-    if not isinstance(record, dict):
-        raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (top level is {type(record).__name__}, not an object)")
-    missing = [k for k in REQUIRED_KEYS if k not in record]
-    if missing:
-        raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (missing keys {missing})")
-    history = record["history"]
-    if not isinstance(history, list):
-        raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (history is {type(history).__name__}, not a list)")
-    for i, rec in enumerate(history):
-        if not isinstance(rec, dict) or "epoch" not in rec or "test_metric" not in rec:
-            raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (history[{i}] lacks epoch/test_metric: {rec!r})")
-        for key in ("epoch", "test_metric", "rounds", "bytes_up", "bytes_down", "comm_time_s", "wall_time_s"):
-            value = rec.get(key, 0)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (history[{i}].{key} = {value!r} is not a number)")
-    return record
-
-
 def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     """Read and check every results.json named by ``paths`` (see find_results) before returning any.
 
@@ -100,13 +83,7 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     """
     runs = []
     for f in find_results(paths):
-        try:
-            record = json.loads(f.read_text())
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ResultsError(f"{f}: cannot read ({exc})") from None
-        except json.JSONDecodeError as exc:
-            raise ResultsError(f"{f}: not a valid {RESULTS_FILE} (invalid JSON: {exc})") from None
-        record = dict(_validate(record, f))
+        record = dict(read_results(f))  # the schema of tpflower.results; ResultsError names the file and field
         record[PATH_KEY] = str(f)
         runs.append(record)
     return runs
@@ -172,7 +149,7 @@ def _distinguishing(group: list[dict[str, Any]]) -> list[str]:
     chosen: list[str] = []
     n_distinct = 1
     for k in differing:  # greedy: keep a key only if it separates more runs
-        n = len({tuple(f.get(c) for c in chosen + [k]) for f in flats})
+        n = len({tuple(f.get(c) for c in [*chosen, k]) for f in flats})
         if n > n_distinct:
             chosen.append(k)
             n_distinct = n
@@ -256,9 +233,6 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 def summary_table(rows: Sequence[dict[str, Any]], title: str | None = None):
     """The rich Table of summary_rows."""
-    from rich.markup import escape
-    from rich.table import Table
-
     table = Table(title=title or "runs")
     columns = [
         ("algorithm", "algorithm", "left"), ("scenario", "scenario", "left"), ("dataset", "dataset", "left"),
@@ -291,8 +265,6 @@ CONSTANT_STYLE = {"color": "0.45", "linestyle": ":", "linewidth": 1.4}
 
 def _colors(labels_wo_dataset: Sequence[str]) -> dict[str, Any]:
     """One colour per run kind, the same in every subplot and both figures."""
-    from matplotlib import colormaps
-
     kinds = list(dict.fromkeys(labels_wo_dataset))
     cmap = colormaps["tab10" if len(kinds) <= 10 else "tab20"]
     return {k: cmap(i % cmap.N) for i, k in enumerate(kinds)}
@@ -303,8 +275,6 @@ def _ylabel(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def _new_figure(n_cols: int, legend_rows: int, title: str | None):
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(6.4 * n_cols, 4.4 + 0.22 * legend_rows + (0.3 if title else 0)), layout="constrained")
     axes = fig.subplots(1, n_cols, squeeze=False)[0]
     if title:
@@ -387,8 +357,6 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
     Per dataset: one line per run (its own colour, dash pattern and marker), the exact solution (a centralized
     solver=exact run) and the constant predictor (results.json reference) as horizontal reference lines, and a
     y-range around where the runs converge (the first epochs' spike is left out)."""
-    from matplotlib.ticker import MaxNLocator
-
     runs = [_as_dict(r) for r in runs]
     if not runs:
         raise ValueError("plot_runs: no runs to plot")
@@ -471,8 +439,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rich.console import Console
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

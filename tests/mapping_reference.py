@@ -52,7 +52,7 @@ def assert_mapping_equals_merge(spec: RelationalSpec, frames: Mapping[str, pd.Da
 
 
 def pandas_build_mapping(spec: RelationalSpec, projections: Mapping[str, list[KeyProjection]]) -> TableMapping:
-    """The table mapping as the server built it before issue 14: pandas merges of the digest columns over the
+    """The table mapping as the server built it before the chunked build: pandas merges of the digest columns over the
     joined rows (int64 indices). The chunked build must give the same p_i, in the same order."""
     n_rows = {t: int(sum(len(p.row_ids) for p in projections[t])) for t in spec.table_names}
     digests = {}

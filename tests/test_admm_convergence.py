@@ -1,4 +1,4 @@
-"""ADMM that converges without tuning (issue 10): residual balancing (Boyd et al. 2011, Sec. 3.4.1), the
+"""ADMM that converges without tuning: residual balancing (Boyd et al. 2011, Sec. 3.4.1), the
 stopping rule (Eq. 3.12), the label standardization, and MLPs that train with the shipped defaults."""
 
 from __future__ import annotations

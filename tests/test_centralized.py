@@ -1,4 +1,4 @@
-"""Issue 2 end to end: mapping on the bundled datasets, the centralized baseline, user CSV files, results.json."""
+"""End to end: mapping on the bundled datasets, the centralized baseline, user CSV files, results.json."""
 
 from __future__ import annotations
 

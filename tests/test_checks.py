@@ -1,4 +1,4 @@
-"""Bad data, one clear report (issue 10, item 3): every problem of every table, one line each, before Flower."""
+"""Bad data, one clear report: every problem of every table, one line each, before Flower."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Coresets for VFL over joins (issue 13; seed 004 Alg. 1-3, ALGORITHMS.md "Coresets for VFL").
+"""Coresets for VFL over joins (Huang et al., "Coresets for Vertical Federated Learning", NeurIPS 2022,
+Alg. 1-3; docs/algorithms.md).
 
 DIS over the join against DIS on the materialized join (float64, the synthetic many-to-many snowflake), the
 unbiasedness of the weighted coreset loss, the construction's message count, the weighted ADMM against row

@@ -1,4 +1,4 @@
-"""Issue 10, item 5: resources.num_gpus decides a client's device; DP noise is drawn on the parameters' device;
+"""Devices: resources.num_gpus decides a client's device; DP noise is drawn on the parameters' device;
 the centralized baseline's algorithm.optimizer is read."""
 
 from __future__ import annotations

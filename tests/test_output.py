@@ -1,4 +1,4 @@
-"""Output worth reading (issue 10, item 4): the reference in every results.json, the WAN time model, the
+"""Output worth reading: the reference in every results.json, the WAN time model, the
 default link, results.json's file mode."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import stat
 
 import pytest
 
-from strategies.centralized import constant_predictor_metric
 from simulations.federated import run_in_process
+from strategies.centralized import constant_predictor_metric
 from tests.conftest import make_cfg
 from tpflower.comm import CommMeter, WanModel
 from tpflower.relation import load_relation
-from tpflower.results import RunResults, write_results
+from tpflower.results import ResultsError, RunResults, read_results, write_results
 
 NETWORK = {
     "server_region": "us-east",
@@ -53,7 +53,7 @@ def test_federated_results_carry_the_constant_predictor(privacy, tmp_path):
     extra = ["privacy.label_range=[-20,20]"] if privacy == "label" else []
     cfg = make_cfg("algorithm=admm", "dataset=synthetic", "epochs=1", f"privacy={privacy}", *extra)
     run_in_process(cfg, tmp_path, log=lines.append)
-    record = json.loads((tmp_path / "results.json").read_text())
+    record = read_results(tmp_path)
     rmse = record["reference"]["constant_rmse"]
     assert rmse > record["history"][-1]["test_metric"]
     if privacy == "none":  # the same number as the centralized baseline's
@@ -72,6 +72,18 @@ def test_results_json_is_readable_like_the_other_files(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_read_results_checks_the_schema(tmp_path):
+    """results.json's one reader: the record write_results wrote, or an error naming the file and the field."""
+    results = RunResults("a", "join", "d", "linear", "regression", "rmse", 1, {"t": 1})
+    path = write_results(results, tmp_path)
+    assert read_results(tmp_path) == read_results(path) == results.to_json()
+    record = results.to_json()
+    record["history"] = [{"epoch": 1, "test_metric": "high"}]
+    path.write_text(json.dumps(record))
+    with pytest.raises(ResultsError, match=r"results\.json: .*history\[0\]\.test_metric"):
+        read_results(path)
 
 
 def test_label_owner_scores_only_one_constant_reference():

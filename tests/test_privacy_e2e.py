@@ -1,4 +1,4 @@
-"""Privacy end to end (issue 5): accounting, an audit of every client payload, refusals, DP training.
+"""Privacy end to end: accounting, an audit of every client payload, refusals, DP training.
 
 All runs are in-process (strategies.transport.DirectTransport: the same strategy, ClientApp and records as
 under Flower) on the synthetic snowflake. The audit wraps every client so that each reply (arrays, metrics) is

@@ -1,4 +1,4 @@
-"""Issue 14: memory per joined row. The chunked mapping build equals the pandas merges it replaces (order
+"""Scale: memory per joined row. The chunked mapping build equals the pandas merges it replaces (order
 included); train/test are views of one partition that pickle once; the chunked ADMM server equals the one-chunk
 computation; the synthetic generator makes one table alone; a simulated client loads and holds only its table."""
 

@@ -1,4 +1,5 @@
-"""The results.json record of one run (ARCHITECTURE.md, "Interfaces"), the per-epoch progress line, and plots."""
+"""The results.json record of one run: its schema (written by write_results, checked by read_results), and the
+per-epoch progress line."""
 
 from __future__ import annotations
 
@@ -9,9 +10,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from tpflower.owner import redact
 
 RESULTS_FILE = "results.json"
+#: the keys every results.json has (RunResults.to_json writes them all; a reader may rely on these)
+REQUIRED_KEYS = ("algorithm", "dataset", "metric", "history")
+#: the numeric fields of a history entry (EpochRecord); epoch and test_metric are required
+NUMERIC_EPOCH_FIELDS = ("epoch", "test_metric", "rounds", "bytes_up", "bytes_down", "comm_time_s", "wall_time_s")
+
+
+class ResultsError(ValueError):
+    """A file that is not a readable, valid results.json; the message names the file and the field."""
 
 
 @dataclass
@@ -66,9 +77,7 @@ class RunResults:
 
 def new_run_results(cfg: Any, algorithm: str, spec: Any, mapping: Any) -> RunResults:
     """An empty record for a run of ``algorithm`` on the dataset of ``spec`` (N and n_i from ``mapping``)."""
-    from omegaconf import OmegaConf
-
-    from tpflower.losses import primary_metric
+    from tpflower.losses import primary_metric  # noqa: PLC0415  torch: reading results (reproduce) needs none
 
     return RunResults(
         algorithm=algorithm,
@@ -104,11 +113,42 @@ def current_umask() -> int:
     return mask
 
 
+def check_results(record: Any, path: str | Path) -> dict[str, Any]:
+    """``record`` if it has results.json's schema (the keys of REQUIRED_KEYS, a history list of epochs with a
+    numeric or null epoch, test_metric and counters); else ResultsError naming ``path`` and the field."""
+    bad = f"{path}: not a valid {RESULTS_FILE}"
+    if not isinstance(record, dict):
+        raise ResultsError(f"{bad} (top level is {type(record).__name__}, not an object)")
+    missing = [k for k in REQUIRED_KEYS if k not in record]
+    if missing:
+        raise ResultsError(f"{bad} (missing keys {missing})")
+    history = record["history"]
+    if not isinstance(history, list):
+        raise ResultsError(f"{bad} (history is {type(history).__name__}, not a list)")
+    for i, rec in enumerate(history):
+        if not isinstance(rec, dict) or "epoch" not in rec or "test_metric" not in rec:
+            raise ResultsError(f"{bad} (history[{i}] lacks epoch/test_metric: {rec!r})")
+        for key in NUMERIC_EPOCH_FIELDS:
+            value = rec.get(key, 0)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ResultsError(f"{bad} (history[{i}].{key} = {value!r} is not a number)")
+    return record
+
+
 def read_results(path: str | Path) -> dict[str, Any]:
+    """The record of a results.json file (or of a run directory's), its schema checked (check_results).
+
+    Raises ResultsError naming the file when it cannot be read, is not JSON or lacks a field."""
     path = Path(path)
     if path.is_dir():
         path = path / RESULTS_FILE
-    return json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{path}: cannot read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{path}: not a valid {RESULTS_FILE} (invalid JSON: {exc})") from None
+    return check_results(record, path)
 
 
 def epoch_line(metric: str, rec: EpochRecord) -> str:

@@ -1,5 +1,86 @@
-"""`python -m simulations.bench SUITE ...`: see simulations.bench for the suites."""
+"""`python -m simulations.bench SUITE ...`: the command line of the benchmark suites (see simulations.bench)."""
 
-from simulations.bench import main
+from __future__ import annotations
 
-main()
+import argparse
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import simulations.bench as bench
+from simulations.bench.common import ints, machine_info
+from simulations.bench.scale import SCALE_N
+
+DEFAULT_CELU_DATA = "movielens,nycflights13_delayed"
+
+
+def _suite(name: str) -> ModuleType:
+    """The module of one suite, imported when chosen: the others (torch, flwr) stay out of this process, whose
+    state the benchmark subprocesses inherit (see simulations/bench/common.py)."""
+    return importlib.import_module(f"simulations.bench.{name}")
+
+
+def _convergence(a: argparse.Namespace) -> dict[str, Any]:
+    convergence = _suite("convergence")
+    datasets = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(convergence.CONVERGENCE_DATA)
+    return convergence.convergence_suite(a.epochs if a.epochs != 3 else 10, datasets, a.mlp)
+
+
+def _deploy(a: argparse.Namespace) -> dict[str, Any]:
+    deploy = _suite("deploy")
+    cases = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(deploy.DEPLOY_CASES)
+    return deploy.deploy_suite(cases, a.epochs if a.epochs != 3 else 6)
+
+
+SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "mapping": lambda a: _suite("mapping").mapping_suite(a.n_joined),
+    "loj": lambda a: _suite("loj").loj_suite(a.epochs),
+    "flower": lambda a: _suite("flower").flower_suite(),
+    "convergence": _convergence,
+    "scale": lambda a: _suite("scale").scale_suite(ints(a.scale_n), a.epochs, a.mapping_n, ints(a.server_n)),
+    "celu": lambda a: _suite("celu").run_suite(a),
+    "deploy": _deploy,
+    "coreset": lambda a: _suite("coreset").coreset_suite(a),
+    "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("case", choices=sorted(SUITES))
+    ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping: joined rows")
+    ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
+    ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
+    ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
+    ap.add_argument("--model", default="mlp", help="celu: model")
+    ap.add_argument("--variants", default="vanilla,fedbcd,celu,celu_R3,celu_R8,celu_xi90,celu_xi30,celu_xi_off,celu_W3,celu_W8",
+                    help="celu: variants (vanilla always runs)")
+    ap.add_argument("--full-variants", default="vanilla,fedbcd,celu", help="celu: variants run to the end (others stop at the target)")
+    ap.add_argument("--jobs", type=int, default=1, help="celu, privacy: cases at a time")
+    ap.add_argument("--grid-seeds", type=int, default=None, help="celu: seeds of the grid variants (default: --seeds)")
+    ap.add_argument("--flower-seed", type=int, default=0, help="celu: seed of the Flower wall-time runs (-1: none)")
+    ap.add_argument("--seeds", type=int, default=3, help="celu: seeds per variant")
+    ap.add_argument("--eval-every", type=int, default=10, help="celu: rounds between evaluations")
+    ap.add_argument("--scale-n", default=",".join(str(n) for n in SCALE_N), help="scale: joined rows N of the Flower runs")
+    ap.add_argument("--server-n", default="10000000", help="scale: N of the server-state measurement (float32 and float64)")
+    ap.add_argument("--mapping-n", type=int, default=100_000_000, help="scale: N of the mapping alone (0: skip)")
+    ap.add_argument("--dataset", default="movielens", help="coreset: the dataset")
+    ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
+    ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
+    ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    result = SUITES[a.case](a)
+    result["machine"] = machine_info()
+    out = a.out or Path("bench_results") / f"{result['case'] if a.case == 'coreset' else a.case}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""CELU-VFL's benchmark (seed 002, Table 2; issue 12): rounds to reach vanilla's final test metric.
+"""CELU-VFL's benchmark (the CELU-VFL paper's Table 2): rounds to reach vanilla's final test metric.
 
     python -m simulations.bench celu [--datasets movielens,nycflights13_delayed] [--seeds 3] [--epochs 2]
         [--eval-every 10] [--variants vanilla,fedbcd,celu,...] [--full-variants vanilla,fedbcd,celu]
@@ -25,7 +25,6 @@ and reuses the cases already in ``--out`` (same settings), so an interrupted gri
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from simulations.bench.common import run_isolated
+from tpflower.config import compose_config
 
 #: the variants of the paper's Table 2, as overrides (vanilla: TP-Join-SGD; every other: algorithm=celu)
 CELU_VARIANTS: dict[str, tuple[str, ...]] = {
@@ -58,7 +60,7 @@ class _Reached(Exception):
 
 def lower_is_better(dataset: str) -> bool:
     """The test metric's direction: RMSE (regression) lower, accuracy (binary: nycflights13_delayed) higher."""
-    from tpflower.losses import primary_metric
+    from tpflower.losses import primary_metric  # noqa: PLC0415  torch: not in the suite's process (common.py)
 
     return primary_metric("binary" if "delayed" in dataset else "regression") == "rmse"
 
@@ -67,10 +69,10 @@ def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, ev
               stop_at: float | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """One run in-process: its evaluation history [(rounds, test metric, modelled comm s)], how it ended
     (done / target / diverged) and its wall time. ``stop_at``: stop at the first evaluation that reaches it."""
-    from tpflower.config import compose_config
-    from simulations.federated import client_app_for, in_process_contexts
-    from tpflower.app.server_app import make_strategy
-    from strategies.transport import DirectTransport
+    # torch, flwr: imported in the case's own process only, never in the suite's (see common.py)
+    from simulations.federated import client_app_for, in_process_contexts  # noqa: PLC0415
+    from strategies.transport import DirectTransport  # noqa: PLC0415
+    from tpflower.app.server_app import make_strategy  # noqa: PLC0415
 
     cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", f"seed={seed}",
                          f"epochs={epochs}", f"algorithm.eval_every={eval_every}", *overrides)
@@ -106,8 +108,7 @@ def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, ev
 def flower_case(dataset: str, model: str, variant: str, runtime: str, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """One epoch (seed 0) under ``runtime`` (flower: Flower's simulation engine; inprocess): wall seconds per
     exchange round, setup excluded (the first evaluation's wall time counts from the first round)."""
-    from tpflower.config import compose_config
-    from simulations.run import run_job
+    from simulations.run import run_job  # noqa: PLC0415  torch, flwr: in the case's process only (common.py)
 
     cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", "seed=0", "epochs=1",
                          f"runtime={runtime}", *overrides)
@@ -121,12 +122,7 @@ CASES = {"celu": celu_case, "flower": flower_case}
 
 
 def _run_isolated(case: str, args: dict[str, Any]) -> dict[str, Any]:
-    code = ("import json,sys; from simulations.bench.celu import CASES; "
-            f"print(json.dumps(CASES[{case!r}](**json.loads(sys.argv[1]))))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark case {case} {args} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_isolated("simulations.bench.celu", f"CASES[{case!r}]", args)
 
 
 def rounds_to(history: list, target: float, lower: bool) -> tuple[int, float] | None:
@@ -163,7 +159,7 @@ def summarize(dataset: str, runs: dict[str, list[dict]], flower: dict[str, float
             "wall_s_inprocess": [r["wall_s"] for r in per_seed],
         }
     base = rows["vanilla"]["rounds"]["mean"]
-    for v, row in rows.items():
+    for row in rows.values():
         m = row["rounds"]["mean"]
         row["vs_vanilla"] = None if (m is None or not base) else round(m / base - 1, 3)
     return {"targets": targets, "lower_is_better": lower, "variants": rows}
@@ -246,13 +242,17 @@ def finalize(result: dict[str, Any], datasets: list[str] | None = None, variants
 
 def table(result: dict[str, Any]) -> str:
     """The README's table (markdown) from a suite result."""
-    lines = ["| dataset (target) | variant | reached | rounds to target | vs vanilla | modelled WAN s | Flower wall s | final metric |",
+    lines = ["| dataset (target) | variant | reached | rounds to target | vs vanilla | modelled WAN s | Flower wall s "
+             "| final metric |",
              "|---|---|---|---|---|---|---|---|"]
+
+    def fmt(s, p=0):
+        return "-" if not s or s["mean"] is None else f"{s['mean']:.{p}f} +- {s['std']:.{p}f}"
+
     for d, res in result["datasets"].items():
         t = np.mean(list(res["targets"].values()))
         for v, row in res["variants"].items():
             r, w, f = row["rounds"], row["wan_s"], row["flower_wall_s"]
-            fmt = lambda s, p=0: "-" if not s or s["mean"] is None else f"{s['mean']:.{p}f} +- {s['std']:.{p}f}"  # noqa: E731
             finals = [x for x, e in zip(row["final_metric"], row["end"]) if e != "target" and x is not None]
             final = f"{np.mean(finals):.4f}" if finals else "(stopped at target)"
             if "diverged" in row["end"]:
@@ -264,10 +264,11 @@ def table(result: dict[str, Any]) -> str:
 
 def plot(path: Path, png: Path, variants: tuple[str, ...] = FULL_VARIANTS) -> None:
     """Test metric vs exchange rounds, mean over seeds, of the full variants on every dataset."""
-    import matplotlib
+    # matplotlib: only the plot subcommand draws (the suite's cases never import it)
+    import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     result = json.loads(path.read_text())
     cases = result["cases"]

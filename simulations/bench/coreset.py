@@ -1,4 +1,4 @@
-"""Issue 13's benchmark (seed 004 Table 1 over joins): coreset vs uniform sampling vs the full data.
+"""The coreset benchmark (Table 1 of the coreset paper, over joins): coreset vs uniform sampling vs the full data.
 
     python -m simulations.bench coreset --dataset D --task ridge|kmeans [--reps 10] [--ms 500,1000,2000,4000]
         -> bench_results/coreset-D-TASK.json
@@ -23,11 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from simulations.bench.common import run_isolated
+from tpflower.config import compose_config
+
 
 def _run_quiet(*overrides: str) -> Any:
     """One in-process run, its results record."""
-    from tpflower.config import compose_config
-    from simulations.federated import run_in_process
+    from simulations.federated import run_in_process  # noqa: PLC0415  torch, flwr: in the case's process only
 
     return run_in_process(compose_config(*overrides), None, log=lambda _: None).strategy.results
 
@@ -47,8 +49,7 @@ def coreset_case(dataset: str, task: str, ms: list[int], reps: int, epochs: int 
     t0 = time.perf_counter()
     base = (f"dataset={dataset}", f"epochs={epochs}")
     if task == "ridge":
-        from tpflower.config import compose_config
-        from simulations.run import run_job
+        from simulations.run import run_job  # noqa: PLC0415  torch, flwr: in the case's process only (common.py)
 
         admm = _run_quiet(*base, "algorithm=admm")
         with tempfile.TemporaryDirectory() as tmp:
@@ -84,16 +85,12 @@ def coreset_suite(a: argparse.Namespace) -> dict[str, Any]:
     """``python -m simulations.bench coreset``: one (dataset, task) case in a fresh subprocess."""
     args = {"dataset": a.dataset, "task": a.task, "reps": a.reps, "ms": [int(x) for x in a.ms.split(",")],
             "extra": list(a.coreset_overrides.split()) if getattr(a, "coreset_overrides", "") else []}
-    from simulations.bench import run_isolated
-
     return run_isolated("simulations.bench.coreset", "coreset_case", args, echo_stderr=True)
 
 
 def table(paths: list[Path]) -> str:
     """The README's markdown rows for benchmark JSON files: coreset vs uniform vs full data at each m, MB
     (construction), less traffic, and the DIS numbers bound 2T + m + 2mT next to the paper's T + 3mT."""
-    from tpflower.config import compose_config
-
     lines = []
     for path in paths:
         d = json.loads(path.read_text())

@@ -8,6 +8,7 @@ round. Used by ``python -m simulations.bench deploy`` (bench_results/deploy.json
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -103,7 +104,7 @@ def deploy_case(name: str, overrides: str, epochs: int = 6, rounds: int = 6, tim
             _run(deploy.flwr_run_command(dep.connection, f"{overrides} epochs={epochs}", run_dir), dep.env(), timeout)
             history = json.loads((run_dir / "results.json").read_text())["history"]
             walls = [h["wall_time_s"] for h in history]
-            epoch_s = [b - a for a, b in zip(walls, walls[1:])]
+            epoch_s = [b - a for a, b in itertools.pairwise(walls)]
         finally:
             deploy.stop(dep)
     floor_s, admm_s = statistics.median(floor), statistics.median(epoch_s)

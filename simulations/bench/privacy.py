@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from simulations.bench.common import run_isolated
+from tpflower.config import compose_config
 
 DATASETS = ("movielens", "nycflights13", "nycflights13_delayed")
 ALGORITHMS = {"admm": "TP-Join-ADMM", "sgd": "TP-Join-SGD"}
@@ -32,10 +36,7 @@ def privacy_case(dataset: str, algorithm: str, privacy: str, extra: list[str]) -
     """One run: the final test metric, the epsilons spent (``spent``) and the wall time. Label DP and DP-SGD
     noise come from the clients' own unseeded generators (the server must not predict it), so a DP cell
     differs from run to run."""
-    import time
-
-    from tpflower.config import compose_config
-    from simulations.federated import run_in_process
+    from simulations.federated import run_in_process  # noqa: PLC0415  torch, flwr: in the case's process only
 
     t0 = time.perf_counter()
     cfg = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", f"privacy={privacy}", *extra)
@@ -50,8 +51,6 @@ def privacy_suite(jobs: int = 2, out: Path | None = None, datasets: tuple[str, .
     result: dict[str, Any] = {"case": "privacy", "cells": {}}
     if out is not None and out.exists():
         result = json.loads(out.read_text())
-
-    from simulations.bench import run_isolated
 
     def run(key: str, args: dict[str, Any]) -> None:
         if key in result["cells"]:

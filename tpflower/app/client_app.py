@@ -30,26 +30,26 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
-from tpflower.config import compose_config
-from tpflower.records import HELLO_PHASE
 from tpflower.checkpoint import run_key
 from tpflower.checks import DataProblems
+from tpflower.config import compose_config
 from tpflower.datasets import load_spec, load_table, shard_rows
+from tpflower.local_table import ShardData
 from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
-from tpflower.records import pack_reply, unpack_payload
+from tpflower.records import HELLO_PHASE, pack_reply, unpack_payload
+from tpflower.registry import entry_of
 from tpflower.schema import RelationalSpec, SpecError
 
 if TYPE_CHECKING:  # torch and the algorithms are imported on the first training message, not for the hello
     # (in a deployment every message is a fresh process: the hello round then costs no torch import)
     from tpflower.client import ClientSettings, TableClient
-    from tpflower.local_table import ShardData
 
 
 @lru_cache(maxsize=32)
 def _load(dataset_json: str, table: str, base_dir: str | None, kept: tuple[str, ...]) -> tuple[RelationalSpec, pd.DataFrame, dict]:
     """Load one client's table once per process (Flower may rebuild the client per message); only the columns
     ``kept`` (what its owner exposes, and a shard column) stay in memory."""
-    from tpflower.client import key_kinds_of
+    from tpflower.client import key_kinds_of  # noqa: PLC0415  torch: not on the hello path (see TYPE_CHECKING)
 
     spec, frame = load_table(json.loads(dataset_json), table, base_dir=base_dir)
     frame = frame[[c for c in frame.columns if c in kept]]
@@ -103,7 +103,7 @@ def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[
     return keys[pid]
 
 
-_SETTINGS: "OrderedDict[tuple, tuple[ClientSettings, ShardData]]" = OrderedDict()
+_SETTINGS: OrderedDict[tuple, tuple[ClientSettings, ShardData]] = OrderedDict()
 _SETTINGS_MAX = 16  # nodes x configs one process serves at once (Ray actors serve several virtual nodes)
 
 
@@ -120,8 +120,7 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     and with it ``cfg``, arrives deserialized with every message, so object identity would miss every time
     (and grow without bound); the ClientApp computes the key once and carries it.
     """
-    from tpflower.registry import entry_of
-    from tpflower.client import TableClient
+    from tpflower.client import TableClient  # noqa: PLC0415  torch: not on the hello path (see TYPE_CHECKING)
 
     content = cfg_key if cfg_key is not None else config_key(cfg)
     cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir), state_dir)
@@ -138,9 +137,7 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
 
 def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
               state_dir: str | None = None) -> tuple[ClientSettings, ShardData]:
-    from tpflower.registry import entry_of
-    from tpflower.client import ClientSettings
-    from tpflower.local_table import ShardData
+    from tpflower.client import ClientSettings  # noqa: PLC0415  torch: not on the hello path (see TYPE_CHECKING)
 
     root = str(base_dir) if base_dir else None
     scenario = str(cfg.scenario.name)
@@ -160,7 +157,9 @@ def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path
         shard=shard,
         region=spec.table(table).region or "",  # "": the network's default link
         model=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
-        algorithm=entry_of(cfg).params.from_cfg(OmegaConf.to_container(cfg.algorithm, resolve=True)),  # type: ignore[arg-type]
+        algorithm=entry_of(cfg).params.from_cfg(
+            OmegaConf.to_container(cfg.algorithm, resolve=True)  # type: ignore[arg-type]
+        ),
         seed=int(cfg.seed),
         precision=str(cfg.precision),
         owner=owner,

@@ -20,7 +20,8 @@ app = ClientApp()
 def handler(msg: Message, context: Context) -> Message:
     if node_worker.enabled(context):
         return Message(node_worker.forward(msg.metadata.message_type, msg.content, context), reply_to=msg)
-    from tpflower.app.client_app import app as full  # noqa: PLC0415  (torch, pandas, Hydra: only when answering here)
+    # torch, pandas, Hydra: only when answering in this process (the per-message process forwards instead)
+    from tpflower.app.client_app import app as full  # noqa: PLC0415
 
     return full(msg, context)
 

@@ -21,18 +21,21 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from flwr.app import Context, RecordDict
 
-from tpflower.records import recorddict_bytes as _to_bytes, recorddict_of as _from_bytes
+from tpflower.records import recorddict_bytes as _to_bytes
+from tpflower.records import recorddict_of as _from_bytes
 
 IDLE_EXIT_S = 900.0
 START_TIMEOUT_S = 120.0
@@ -161,7 +164,7 @@ def serve(path: Path, respond: Callable[[str, RecordDict, Context], RecordDict],
         while True:
             try:
                 conn, _ = server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 break
             with conn:
                 conn.settimeout(None)
@@ -185,11 +188,11 @@ def _answer(conn: socket.socket, respond: Callable[[str, RecordDict, Context], R
 
 
 def main(argv: list[str] | None = None) -> int:
-    import signal
-
     args = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped: remove the socket on the way out
-    from tpflower.app.client_app import app  # the imports and caches this worker keeps
+    # the imports and caches this worker keeps: torch, pandas, Hydra, loaded in the worker only, never in the
+    # per-message process that imports this module to forward a message
+    from tpflower.app.client_app import app  # noqa: PLC0415
 
     serve(Path(args[0]), app.respond)  # type: ignore[attr-defined]
     return 0

@@ -1,0 +1,123 @@
+"""Shared helpers of the benchmark suites: peak RSS, the subprocess runner, a process-tree memory monitor.
+
+The suites' own processes stay light: torch, flwr and ray are imported by the cases, each in its own subprocess
+(run_isolated), never at the top of a suite module or by the command line. Importing torch in the parent changes
+what the children measure (a mapping case's peak RSS grew from 172 to 219 MB with torch loaded in its parent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+#: the join-key secret of the benchmarks' synthetic tables
+SECRET = b"bench-secret"
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def ints(text: str) -> list[int]:
+    """A comma-separated list of integers ("" -> none); 1e6-style and 10_000_000 spellings accepted."""
+    return [int(float(x)) for x in text.replace("_", "").split(",") if x.strip()]
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a suite ran on (written into its JSON)."""
+    return {"cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def run_isolated(module: str, call: str, args: dict[str, Any], echo_stderr: bool = False) -> Any:
+    """``module.<call>(**args)`` in a fresh Python process (its peak RSS its own): the JSON result it prints
+    last. ``call`` is a function name or an item of one (``CASES['loj']``); ``echo_stderr`` passes the case's
+    progress lines on."""
+    code = f"import json,sys; import {module} as m; print(json.dumps(m.{call}(**json.loads(sys.argv[1]))))"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    if echo_stderr:
+        sys.stderr.write(out.stderr[-20000:])
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark case {call} {args} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+
+class TreeMonitor:
+    """Samples the memory of a process and all its descendants (from /proc) every ``interval`` seconds: the
+    peaks of the root's RSS, of the tree's summed RSS and of its summed PSS (shared pages split between the
+    processes that map them: Ray's object store counted once)."""
+
+    def __init__(self, pid: int, interval: float = 0.5):
+        self.pid, self.interval = pid, interval
+        self.peak = {"root_rss_mb": 0.0, "tree_rss_mb": 0.0, "tree_pss_mb": 0.0, "processes": 0}
+        self.samples: list[tuple[float, float, float]] = []  # (t, root RSS, tree PSS) in MB
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _children() -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            kids.setdefault(ppid, []).append(int(entry.name))
+        return kids
+
+    @staticmethod
+    def _memory_kb(pid: int) -> tuple[int, int]:
+        rss = pss = 0
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss = int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss = int(line.split()[1])
+        except OSError:
+            pass
+        return rss, pss
+
+    def tree(self) -> list[int]:
+        kids, out, todo = self._children(), [], [self.pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo += kids.get(p, [])
+        return out
+
+    def sample(self) -> None:
+        pids = self.tree()
+        mem = [self._memory_kb(p) for p in pids]
+        root_rss = mem[0][0] / 1024
+        tree_rss, tree_pss = sum(m[0] for m in mem) / 1024, sum(m[1] for m in mem) / 1024
+        pk = self.peak
+        pk["root_rss_mb"] = max(pk["root_rss_mb"], root_rss)
+        pk["tree_rss_mb"] = max(pk["tree_rss_mb"], tree_rss)
+        pk["tree_pss_mb"] = max(pk["tree_pss_mb"], tree_pss)
+        pk["processes"] = max(pk["processes"], len(pids))
+        self.samples.append((round(time.perf_counter() - self._t0, 1), round(root_rss), round(tree_pss)))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {k: round(v, 1) for k, v in self.peak.items()}
