@@ -166,7 +166,7 @@ class NodeState(typing.Protocol):
 
 
 class NodeSettings(typing.Protocol):
-    """The client settings that name its checkpoints (tpflower.client.ClientSettings)."""
+    """The client settings that name its checkpoints (the client operator's ClientSettings)."""
 
     @property
     def owner(self) -> OwnerSettings: ...
@@ -179,7 +179,7 @@ class NodeSettings(typing.Protocol):
 
 
 class CheckpointedClient(typing.Protocol):
-    """What the checkpoints need of a client (tpflower.client.TableClient provides it)."""
+    """What the checkpoints need of a client (the client operator, TableClient, provides it)."""
 
     @property
     def state(self) -> NodeState: ...

@@ -1,6 +1,6 @@
 """Federated preprocessing of a table that is split by rows over several clients (UCQ; TablePuppet Sec. 4.4).
 
-ALGORITHMS.md, "Federated preprocessing for UCQ": every shard of a union table must be preprocessed with ONE
+docs/algorithms.md, Federated preprocessing for UCQ: every shard of a union table must be preprocessed with ONE
 global rule, equal to the :class:`~tpflower.preprocess.TablePreprocessor` fitted on the unioned fit rows,
 while no shard sends raw rows or raw category strings to the server. Three pure steps (the Flower wiring
 only moves the ``.arrays()`` payloads):

@@ -29,7 +29,7 @@ class GuardState(typing.Protocol):
 
 
 class GuardSettings(typing.Protocol):
-    """The client settings the guard and the roles read (tpflower.client.ClientSettings)."""
+    """The client settings the guard and the roles read (the client operator's ClientSettings)."""
 
     @property
     def table(self) -> str: ...
@@ -49,7 +49,7 @@ class GuardData(typing.Protocol):
 
 
 class GuardedClient(typing.Protocol):
-    """What the guard and the role predicates need of a client (tpflower.client.TableClient provides it)."""
+    """What the guard and the role predicates need of a client (the client operator, TableClient, provides it)."""
 
     @property
     def state(self) -> GuardState: ...
@@ -69,7 +69,7 @@ class GuardedClient(typing.Protocol):
 #: Which clients answer a phase: a predicate on the client (its settings, data and stored privacy).
 Role = Callable[[Any], bool]
 #: A phase of an algorithm, client side: (client, named arrays, config) -> (named arrays, metrics). The
-#: client is a tpflower.client.TableClient (the phases sit above it).
+#: client is the client operator, TableClient (the phases sit above it).
 PhaseHandler = Callable[[Any, Arrays, Mapping[str, Any]], tuple[Arrays, dict[str, Any]]]
 
 

@@ -27,7 +27,7 @@ from tpflower.state import ClientState
 
 
 class DPClient(checkpoint.CheckpointedClient, typing.Protocol):
-    """What the feature-DP services need of a client (tpflower.client.TableClient provides it): its state,
+    """What the feature-DP services need of a client (the client operator, TableClient, provides it): its state,
     settings and accepted privacy, its preprocessed table, and what a checkpoint of its DP ledger needs."""
 
     @property

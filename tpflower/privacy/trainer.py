@@ -157,8 +157,8 @@ class DPLocalTrainer:
 
         X: ``T_i[U_i]`` (|U_i| x d_i), one row per TABLE row (unique). Y: the aggregated ``Y_iu`` (|U_i| x d_c).
         ``batch_size``: |B|, the nominal number of JOINED rows of the batch (the same divisor as the
-        non-private :func:`tpflower.local_update.sgd_step`). ``sample_rate``: q of this step for the
-        accountant (default: the constructor's; see :func:`table_row_sample_rate`).
+        non-private :func:`tpflower.phases.join_sgd.local_sgd_step`). ``sample_rate``: q of this step for the
+        accountant (default: the constructor's; see :func:`tpflower.privacy.accounting.table_row_sample_rate`).
         """
         q = self.sample_rate if sample_rate is None else rate("sample_rate", sample_rate)
         if q is None:
@@ -253,7 +253,7 @@ class DPLocalTrainer:
         optimizer: str = "adam",
         regularizer: Callable[[nn.Module], Tensor] | None = None,
     ) -> int:
-        """The DP version of :func:`tpflower.local_update.admm_update_local_opt` (Eq. 16); returns the steps taken.
+        """The DP version of :func:`tpflower.phases.join_admm.admm_update_local_opt` (Eq. 16); returns the steps taken.
 
         Objective: ``beta R(theta) + (1/N) sum_u phi_u`` with the per-row term
         ``phi_u = Y_u^T f_u + rho G_u / 2 ||f_u||^2`` over the n_a active rows (G_u > 0; the others have
