@@ -11,7 +11,8 @@ import torch
 from opacus.accountants import RDPAccountant
 
 from tpflower import privacy as P
-from tpflower.privacy.trainer import DPLocalTrainer, make_trainer
+from tpflower.privacy.settings import cfg_number
+from tpflower.privacy.trainer import DPLocalTrainer
 from tpflower.phases.join_admm import admm_update_local_opt
 from tpflower.phases.join_sgd import local_sgd_step
 from tpflower.models import local_model
@@ -22,10 +23,15 @@ F64 = torch.float64
 # ---------------------------------------------------------------------------------------------- label DP
 
 
+def label_lambda(epsilon: float) -> float:
+    """The inverse of label_epsilon: the per-coordinate Laplace std giving ``epsilon``-label-DP."""
+    return 2.0 * math.sqrt(2.0) / epsilon
+
+
 def test_label_epsilon_matches_theorem_1():
     assert P.label_epsilon(0.5) == 2 * math.sqrt(2) / 0.5
     assert P.label_epsilon(0.5) == pytest.approx(5.657, abs=1e-3)
-    assert P.label_lambda(P.label_epsilon(0.7)) == pytest.approx(0.7)
+    assert label_lambda(P.label_epsilon(0.7)) == pytest.approx(0.7)
     for bad in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="label_lambda"):
             P.label_epsilon(bad)
@@ -241,6 +247,16 @@ def test_state_round_trip():
     assert torch.equal(t2.predict(X), t.predict(X))
     t2.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.01)
     assert t2.accountant_state() == [[1.3, 0.05, 5.0]]
+
+
+def make_trainer(model, privacy_cfg, *, sample_rate, steps, seed=None, history=()):
+    """A DPLocalTrainer calibrated so that ``steps`` steps at ``sample_rate`` spend ``privacy_cfg.epsilon`` at
+    ``privacy_cfg.delta``, clipping at ``privacy_cfg.clip``."""
+    sigma = P.noise_multiplier_for(
+        cfg_number(privacy_cfg, "epsilon"), cfg_number(privacy_cfg, "delta"), sample_rate, steps
+    )
+    return DPLocalTrainer(model, noise_multiplier=sigma, max_grad_norm=cfg_number(privacy_cfg, "clip"),
+                          sample_rate=sample_rate, seed=seed, history=history)
 
 
 def test_feature_less_table_and_make_trainer():

@@ -368,10 +368,6 @@ class GlobalRule:
     category_counts: dict[str, np.ndarray] = field(default_factory=dict)
     n_rows: int = 0
 
-    @property
-    def has_sketch(self) -> bool:
-        return all(r.sketch.count == r.count for r in self.numeric.values())
-
     def arrays(self, with_sketch: bool = True) -> list[np.ndarray]:
         """Flat payload: header, per numeric column (stats, sketch values, sketch weights), per categorical
         column (digests, counts). ``with_sketch=False`` sends empty sketches (medians and bounds stay)."""

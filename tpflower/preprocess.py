@@ -150,10 +150,6 @@ class TablePreprocessor:
             offset += len(cats)
         return out
 
-    def fit_transform(self, frame: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
-        """``fit(frame, rows)`` then ``transform(frame)`` (all rows are transformed)."""
-        return self.fit(frame, rows).transform(frame)
-
     # ------------------------------------------------------------------ derived
     @property
     def fitted(self) -> bool:

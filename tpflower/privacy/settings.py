@@ -1,5 +1,5 @@
 """Privacy settings (TablePuppet Sec. 4.3; docs/algorithms.md, Privacy): the names, their validation before
-training, the results.json summary and the flat Flower-config wire format. No torch, no numpy.
+training, the results.json summary and the flat Flower-config wire format. No torch.
 
 Config (``conf/privacy/*.yaml``, checked by :func:`validate_privacy`): ``name`` (none | label | dpsgd |
 label_dpsgd), ``epsilon`` and ``delta`` (feature DP target per client), ``clip`` (C), ``label_lambda``
@@ -14,9 +14,9 @@ from typing import Any
 
 from tpflower.owner import uses_feature_dp, uses_label_dp  # noqa: F401  (part of this module's API)
 from tpflower.params import number, positive_finite, probability
+from tpflower.schema import TASKS
 
 PRIVACY_NAMES: tuple[str, ...] = ("none", "label", "dpsgd", "label_dpsgd")
-TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
 
 #: Which algorithm supports which privacy is declared in its registry entry (tpflower.registry:
 #: feature_dp, label_dp) and passed to :func:`validate_privacy`. Feature DP needs a client that runs DP-SGD on
@@ -25,7 +25,7 @@ TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
 #: clipping per joined row would make the unit a joined row and the sensitivity of a table row G_max * C. The
 #: same holds for VFL-ADMM: summing the expanded rows' terms of one table row gives exactly TP-Join-ADMM's
 #: per-row term (Y_u, G_u) of Eq. 16. LoU (tp_ucq_*): every shard adds the FULL noise sigma C to its own
-#: partial gradient (:meth:`DPLocalTrainer.partial_gradient`): the server sees each shard's message
+#: partial gradient (:meth:`~tpflower.privacy.trainer.DPLocalTrainer.partial_gradient`): the server sees each shard's message
 #: separately, so each message alone must be the Gaussian mechanism on that shard's rows. The coordinator's
 #: sum then carries sqrt(Q_i) sigma C of noise; adding it once per table step (sigma / sqrt(Q_i) per shard)
 #: would need secure aggregation, which this project does not have.
@@ -38,12 +38,6 @@ def label_epsilon(lam: float) -> float:
     """
     lam = positive_finite("label_lambda", lam)
     return 2.0 * math.sqrt(2.0) / lam
-
-
-def label_lambda(epsilon: float) -> float:
-    """The inverse of :func:`label_epsilon`: the per-coordinate Laplace std giving ``epsilon``-label-DP."""
-    epsilon = positive_finite("label_epsilon", epsilon)
-    return 2.0 * math.sqrt(2.0) / epsilon
 
 
 def validate_privacy(privacy_cfg: Mapping[str, Any], algorithm: str, task: str, *, feature_dp: bool,

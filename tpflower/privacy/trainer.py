@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from tpflower.models import l2_penalty
 from tpflower.params import nonnegative_finite, positive_finite, rate
-from tpflower.privacy.accounting import checked_history, noise_multiplier_for, opacus_api, rdp_epsilon
-from tpflower.privacy.settings import cfg_number
+from tpflower.privacy.accounting import checked_history, opacus_api, rdp_epsilon
+
 
 def _device_of(model: nn.Module) -> torch.device:
     """The device of a model's parameters (the CPU for a model without any)."""
@@ -375,30 +375,6 @@ class DPLocalTrainer:
             dp.zero_grad(set_to_none=True)  # drop grad_sample / summed_grad
             self._module.train(was_training)
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=sample_rate)
-
-
-def make_trainer(
-    model: nn.Module,
-    privacy_cfg: Mapping[str, Any],
-    *,
-    sample_rate: float,
-    steps: int,
-    seed: int | None = None,
-    history: Iterable[Sequence[float]] = (),
-) -> DPLocalTrainer:
-    """A :class:`DPLocalTrainer` calibrated so that ``steps`` steps at ``sample_rate`` spend ``privacy_cfg.epsilon``
-    at ``privacy_cfg.delta`` (``sigma = noise_multiplier_for(...)``), clipping at ``privacy_cfg.clip``."""
-    sigma = noise_multiplier_for(
-        cfg_number(privacy_cfg, "epsilon"), cfg_number(privacy_cfg, "delta"), sample_rate, steps
-    )
-    return DPLocalTrainer(
-        model,
-        noise_multiplier=sigma,
-        max_grad_norm=cfg_number(privacy_cfg, "clip"),
-        sample_rate=sample_rate,
-        seed=seed,
-        history=history,
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------
