@@ -11,7 +11,7 @@ from tpflower.app.client_app import make_client
 from simulations.run import run_job
 from tests.conftest import make_cfg
 from tpflower.client import choose_device
-from tpflower.privacy import DPLocalTrainer
+from tpflower.privacy.trainer import DPLocalTrainer
 
 
 def test_num_gpus_decides_the_device(monkeypatch):

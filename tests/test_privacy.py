@@ -11,6 +11,8 @@ import torch
 from opacus.accountants import RDPAccountant
 
 from tpflower import privacy as P
+from tpflower.privacy.settings import cfg_number
+from tpflower.privacy.trainer import DPLocalTrainer
 from tpflower.phases.join_admm import admm_update_local_opt
 from tpflower.phases.join_sgd import local_sgd_step
 from tpflower.models import local_model
@@ -21,10 +23,15 @@ F64 = torch.float64
 # ---------------------------------------------------------------------------------------------- label DP
 
 
+def label_lambda(epsilon: float) -> float:
+    """The inverse of label_epsilon: the per-coordinate Laplace std giving ``epsilon``-label-DP."""
+    return 2.0 * math.sqrt(2.0) / epsilon
+
+
 def test_label_epsilon_matches_theorem_1():
     assert P.label_epsilon(0.5) == 2 * math.sqrt(2) / 0.5
     assert P.label_epsilon(0.5) == pytest.approx(5.657, abs=1e-3)
-    assert P.label_lambda(P.label_epsilon(0.7)) == pytest.approx(0.7)
+    assert label_lambda(P.label_epsilon(0.7)) == pytest.approx(0.7)
     for bad in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="label_lambda"):
             P.label_epsilon(bad)
@@ -97,7 +104,7 @@ def test_regression_label_dp_keeps_float32():
 
 def test_epsilon_equals_independent_rdp_accountant():
     sigma, q, k, delta = 1.1, 0.02, 37, 1e-5
-    trainer = P.DPLocalTrainer(
+    trainer = DPLocalTrainer(
         local_model(3, 1, dtype=F64), noise_multiplier=sigma, max_grad_norm=1.0, sample_rate=q, seed=0
     )
     X, Y = torch.randn(8, 3, dtype=F64), torch.randn(8, 1, dtype=F64)
@@ -149,7 +156,7 @@ def test_dp_step_without_noise_and_clipping_equals_sgd_step(kind):
     X, Y = _batch()
     ref = local_model(4, 2, kind=kind, hidden=(8,), dtype=F64, seed=3)
     dp_model = local_model(4, 2, kind=kind, hidden=(8,), dtype=F64, seed=3)
-    trainer = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12, sample_rate=0.1, seed=0)
+    trainer = DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12, sample_rate=0.1, seed=0)
     for _ in range(3):
         local_sgd_step(ref, X, Y, batch_size=13, lr=0.3, beta=0.05)
         trainer.sgd_step(X, Y, batch_size=13, lr=0.3, beta=0.05)
@@ -182,7 +189,7 @@ def test_dp_step_clips_each_row_then_adds_unclipped_regulariser(kind):
     theta = torch.cat([p.detach().flatten() for p in ref.parameters()])
     expected = theta - lr * (clipped.sum(0) / B + beta * theta)  # d/dtheta beta/2 ||theta||^2 = beta theta
 
-    trainer = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=C, sample_rate=0.1)
+    trainer = DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=C, sample_rate=0.1)
     trainer.sgd_step(X, Y, batch_size=B, lr=lr, beta=beta)
     got = torch.cat([p.detach().flatten() for p in dp_model.parameters()])
     assert torch.allclose(got, expected, atol=1e-10, rtol=0)
@@ -191,7 +198,7 @@ def test_dp_step_clips_each_row_then_adds_unclipped_regulariser(kind):
 def test_dp_step_noise_has_std_sigma_c_over_batch():
     d_in, sigma, C, B, lr = 300, 2.0, 0.7, 50, 1.0
     model = local_model(d_in, 4, init="zeros", dtype=F64)
-    trainer = P.DPLocalTrainer(model, noise_multiplier=sigma, max_grad_norm=C, sample_rate=0.1, seed=11)
+    trainer = DPLocalTrainer(model, noise_multiplier=sigma, max_grad_norm=C, sample_rate=0.1, seed=11)
     X, Y = torch.randn(5, d_in, dtype=F64), torch.zeros(5, 4, dtype=F64)  # no data gradient, beta = 0
     trainer.sgd_step(X, Y, batch_size=B, lr=lr, beta=0.0)
     delta = torch.cat([p.detach().flatten() for p in model.parameters()])  # = -lr * noise / B
@@ -205,7 +212,7 @@ def test_seeded_noise_is_reproducible_and_not_replayed_after_restore():
     kw = dict(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.1)
 
     def run(seed, steps):
-        t = P.DPLocalTrainer(local_model(4, 2, dtype=F64, seed=1), seed=seed, **kw)
+        t = DPLocalTrainer(local_model(4, 2, dtype=F64, seed=1), seed=seed, **kw)
         for _ in range(steps):
             t.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.0)
         return t
@@ -213,8 +220,8 @@ def test_seeded_noise_is_reproducible_and_not_replayed_after_restore():
     a, b = run(7, 2), run(7, 2)
     assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
     # a trainer rebuilt after 2 steps draws different noise than a fresh one (seeded by (seed, steps))
-    fresh = P.DPLocalTrainer(local_model(4, 2, dtype=F64, seed=1), seed=7, **kw)
-    rebuilt = P.DPLocalTrainer.from_state(
+    fresh = DPLocalTrainer(local_model(4, 2, dtype=F64, seed=1), seed=7, **kw)
+    rebuilt = DPLocalTrainer.from_state(
         local_model(4, 2, dtype=F64, seed=1), fresh.state_dict(), [[1.0, 0.1, 2]], seed=7, **kw
     )
     fresh.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.0)
@@ -225,7 +232,7 @@ def test_seeded_noise_is_reproducible_and_not_replayed_after_restore():
 def test_state_round_trip():
     X, Y = _batch()
     model = local_model(4, 2, kind="mlp", hidden=(8,), dtype=F64, seed=2)
-    t = P.DPLocalTrainer(model, noise_multiplier=1.3, max_grad_norm=1.0, sample_rate=0.05, seed=0)
+    t = DPLocalTrainer(model, noise_multiplier=1.3, max_grad_norm=1.0, sample_rate=0.05, seed=0)
     for _ in range(4):
         t.sgd_step(X, Y, batch_size=9, lr=0.1, beta=0.01)
     sd, acc = t.state_dict(), t.accountant_state()
@@ -233,7 +240,7 @@ def test_state_round_trip():
     assert any(k.startswith("_module.") for k in t._gsm.state_dict())  # (the GradSampleModule itself is prefixed)
     acc = json.loads(json.dumps(acc))  # persistable as plain numbers
     fresh = local_model(4, 2, kind="mlp", hidden=(8,), dtype=F64, seed=99)
-    t2 = P.DPLocalTrainer.from_state(fresh, sd, acc, noise_multiplier=1.3, max_grad_norm=1.0, sample_rate=0.05)
+    t2 = DPLocalTrainer.from_state(fresh, sd, acc, noise_multiplier=1.3, max_grad_norm=1.0, sample_rate=0.05)
     assert t2.steps == 4 and t2.epsilon(1e-5) == t.epsilon(1e-5)
     assert all(torch.equal(fresh.state_dict()[k], sd[k]) for k in sd)
     t2.load_state_dict({"_module." + k: v for k, v in sd.items()})  # a GradSampleModule state_dict loads too
@@ -242,9 +249,19 @@ def test_state_round_trip():
     assert t2.accountant_state() == [[1.3, 0.05, 5.0]]
 
 
+def make_trainer(model, privacy_cfg, *, sample_rate, steps, seed=None, history=()):
+    """A DPLocalTrainer calibrated so that ``steps`` steps at ``sample_rate`` spend ``privacy_cfg.epsilon`` at
+    ``privacy_cfg.delta``, clipping at ``privacy_cfg.clip``."""
+    sigma = P.noise_multiplier_for(
+        cfg_number(privacy_cfg, "epsilon"), cfg_number(privacy_cfg, "delta"), sample_rate, steps
+    )
+    return DPLocalTrainer(model, noise_multiplier=sigma, max_grad_norm=cfg_number(privacy_cfg, "clip"),
+                          sample_rate=sample_rate, seed=seed, history=history)
+
+
 def test_feature_less_table_and_make_trainer():
     cfg = {"name": "dpsgd", "epsilon": 1.0, "delta": 1e-5, "clip": 1.0}
-    t = P.make_trainer(local_model(0, 1, dtype=F64), cfg, sample_rate=0.01, steps=100, seed=0)
+    t = make_trainer(local_model(0, 1, dtype=F64), cfg, sample_rate=0.01, steps=100, seed=0)
     assert t.noise_multiplier > 0 and t.max_grad_norm == 1.0
     for _ in range(100):
         t.sgd_step(torch.zeros(3, 0, dtype=F64), torch.ones(3, 1, dtype=F64), batch_size=10, lr=0.1, beta=0.0)
@@ -269,7 +286,7 @@ def test_dp_admm_shuffle_without_noise_equals_non_private(kind):
     ref = local_model(3, 2, kind=kind, hidden=(8,), dtype=F64, seed=4)
     admm_update_local_opt(ref, X, G, Y, generator=torch.Generator().manual_seed(0), **kw)
     dp_model = local_model(3, 2, kind=kind, hidden=(8,), dtype=F64, seed=4)
-    t = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12)
+    t = DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12)
     n_steps = t.admm_update(X, G, Y, generator=torch.Generator().manual_seed(0), sampling="shuffle", **kw)
     n_a = int((G > 0).sum())
     assert n_steps == 3 * math.ceil(n_a / 8) == t.steps
@@ -284,13 +301,13 @@ def test_dp_admm_poisson_full_batch_equals_non_private_and_q_accounting():
     ref = local_model(3, 2, kind="mlp", hidden=(8,), dtype=F64, seed=6)
     admm_update_local_opt(ref, X, G, Y, generator=torch.Generator().manual_seed(0), **kw)
     dp_model = local_model(3, 2, kind="mlp", hidden=(8,), dtype=F64, seed=6)
-    t = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12)
+    t = DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=1e12)
     assert t.admm_update(X, G, Y, generator=torch.Generator().manual_seed(0), **kw) == 4
     assert t.accountant_state() == [[0.0, 1.0, 4.0]]
     for k, v in ref.state_dict().items():
         assert torch.allclose(v, t.state_dict()[k], atol=1e-10, rtol=0), k
     # Poisson with q < 1: ceil(n_a / b) steps per epoch, each recorded at q = b / n_a
-    t2 = P.DPLocalTrainer(local_model(3, 2, dtype=F64), noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    t2 = DPLocalTrainer(local_model(3, 2, dtype=F64), noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
     n_a = int((G > 0).sum())
     gen = torch.Generator().manual_seed(1)
     steps = t2.admm_update(X, G, Y, N=55, rho=1.0, beta=0.0, epochs=2, lr=0.01, batch_size=5, generator=gen)
@@ -314,7 +331,7 @@ def test_dp_admm_clips_per_row_term():
     theta = torch.cat([p.detach().flatten() for p in ref.parameters()])
     expected = theta - lr * (clipped.sum(0) / N + beta * theta)
     dp_model = local_model(3, 2, kind="mlp", hidden=(5,), dtype=F64, seed=8)
-    t = P.DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=C)
+    t = DPLocalTrainer(dp_model, noise_multiplier=0.0, max_grad_norm=C)
     kw = dict(N=N, rho=rho, beta=beta, epochs=1, lr=lr, batch_size=100, optimizer="sgd")
     t.admm_update(X, G, Y, generator=torch.Generator(), **kw)
     got = torch.cat([p.detach().flatten() for p in t.module.parameters()])
@@ -388,15 +405,15 @@ def test_privacy_summary():
 
 def test_one_trainer_per_model_and_close():
     model = local_model(3, 1, dtype=F64)
-    t = P.DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)
+    t = DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)
     with pytest.raises(ValueError, match="already carries Opacus hooks"):
-        P.DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)
+        DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)
     assert t.close() is model
-    P.DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)  # fine after close()
+    DPLocalTrainer(model, noise_multiplier=0.0, max_grad_norm=1.0, sample_rate=0.1)  # fine after close()
     with pytest.raises(ValueError, match="sample_rate"):
-        P.DPLocalTrainer(local_model(3, 1), noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.0)
+        DPLocalTrainer(local_model(3, 1), noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.0)
     with pytest.raises(ValueError, match="max_grad_norm"):
-        P.DPLocalTrainer(local_model(3, 1), noise_multiplier=1.0, max_grad_norm=0.0)
+        DPLocalTrainer(local_model(3, 1), noise_multiplier=1.0, max_grad_norm=0.0)
 
 
 def test_admm_regularizer_override_is_added_unclipped():
@@ -413,7 +430,7 @@ def test_admm_regularizer_override_is_added_unclipped():
     loss = ((Y[act, :1] * ref(X[act])).sum() + 0.5 * 0.3 * (G[act, None] * ref(X[act]) ** 2).sum()) / 20 + prox(ref)
     loss.backward()
     opt.step()
-    t = P.DPLocalTrainer(local_model(3, 1, dtype=F64, seed=1), noise_multiplier=0.0, max_grad_norm=1e12)
+    t = DPLocalTrainer(local_model(3, 1, dtype=F64, seed=1), noise_multiplier=0.0, max_grad_norm=1e12)
     kw = dict(N=20, rho=0.3, beta=1.0, epochs=1, lr=0.1, batch_size=100, optimizer="sgd", regularizer=prox)
     t.admm_update(X, G, Y[:, :1], generator=torch.Generator(), **kw)
     for k, val in ref.state_dict().items():

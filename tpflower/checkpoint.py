@@ -30,19 +30,18 @@ import json
 import os
 import pickle
 import tempfile
+import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 from flwr.common import RecordDict
 
-from tpflower.guard import ProtocolRefusal
-from tpflower.owner import redact
+from tpflower import privacy as dp  # torch-free: the hello path imports this module
+from tpflower.guard import GuardData, ProtocolRefusal
+from tpflower.owner import OwnerSettings, redact
 from tpflower.records import recorddict_bytes, recorddict_of
-
-if TYPE_CHECKING:
-    from tpflower.client import TableClient
 
 
 CHECKPOINT = "checkpoint.pkl"
@@ -153,7 +152,51 @@ def _npy(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def store_of(client: "TableClient", config: Mapping[str, Any]) -> NodeStore | None:
+class NodeState(typing.Protocol):
+    """The client state a checkpoint saves and restores (tpflower.state.ClientState)."""
+
+    @property
+    def records(self) -> RecordDict: ...
+
+    def scalar(self, name: str, default: Any = None) -> Any: ...
+
+    def get(self, name: str) -> np.ndarray | None: ...
+
+    def put(self, name: str, value: np.ndarray) -> None: ...
+
+
+class NodeSettings(typing.Protocol):
+    """The client settings that name its checkpoints (the client operator's ClientSettings)."""
+
+    @property
+    def owner(self) -> OwnerSettings: ...
+
+    @property
+    def table(self) -> str: ...
+
+    @property
+    def shard(self) -> int: ...
+
+
+class CheckpointedClient(typing.Protocol):
+    """What the checkpoints need of a client (the client operator, TableClient, provides it)."""
+
+    @property
+    def state(self) -> NodeState: ...
+
+    @property
+    def settings(self) -> NodeSettings: ...
+
+    @property
+    def data(self) -> GuardData: ...
+
+    @property
+    def config_key(self) -> str: ...
+
+    def privacy(self) -> Mapping[str, Any]: ...
+
+
+def store_of(client: CheckpointedClient, config: Mapping[str, Any]) -> NodeStore | None:
     """This client's store for the run ``config`` names (None when its owner keeps no checkpoints)."""
     s = client.settings
     if s.owner.state_dir is None or not config.get("run_id"):
@@ -161,7 +204,7 @@ def store_of(client: "TableClient", config: Mapping[str, Any]) -> NodeStore | No
     return NodeStore(s.owner.state_dir, str(config["run_id"]), client.config_key, s.table, s.shard)
 
 
-def after_message(client: "TableClient", config: Mapping[str, Any]) -> None:
+def after_message(client: CheckpointedClient, config: Mapping[str, Any]) -> None:
     """After answering: checkpoint the state if the server marked this message as an epoch's last."""
     if "checkpoint" not in config:
         return
@@ -170,7 +213,7 @@ def after_message(client: "TableClient", config: Mapping[str, Any]) -> None:
         store.save(int(config["checkpoint"]), client.state.records)
 
 
-def record_dp_step(client: "TableClient", history: np.ndarray) -> None:
+def record_dp_step(client: CheckpointedClient, history: np.ndarray) -> None:
     """Advance the DP ledger of the current run (if this node keeps checkpoints)."""
     run_id = client.state.scalar("run_id")
     if run_id is not None:
@@ -179,10 +222,8 @@ def record_dp_step(client: "TableClient", history: np.ndarray) -> None:
             store.advance_ledger(history)
 
 
-def resume(client: "TableClient", config: Mapping[str, Any]) -> tuple[dict, dict[str, Any]]:
+def resume(client: CheckpointedClient, config: Mapping[str, Any]) -> tuple[dict, dict[str, Any]]:
     """The ``resume`` phase (module docstring): restore the state of epoch ``config["epoch"]``."""
-    from tpflower import privacy as dp  # torch: not on the hello path, which imports this module
-
     s = client.settings
     where = f"table {s.table!r} shard {s.shard}"
     if client.state.records:

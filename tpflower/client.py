@@ -10,9 +10,9 @@ order, is refused, naming the phase. Arrays travel by name, small scalars in the
 is row ids, keyed digests of join keys, model predictions and (the label owner) labels: never raw features or
 raw keys.
 
-Privacy (tpflower.privacy; ALGORITHMS.md "Privacy"). The run's settings come with the server's keys message;
-the client accepts them only if they are at least its owner's floor (tpflower.owner) and keeps them in
-``context.state``. Label DP: the label owner randomizes its training labels once, in ``keys``, and never
+Privacy (tpflower.privacy; TablePuppet Sec. 4.3; docs/algorithms.md, Privacy). The run's settings come with
+the server's keys message; the client accepts them only if they are at least its owner's floor (tpflower.owner)
+and keeps them in ``context.state``. Label DP: the label owner randomizes its training labels once, in ``keys``, and never
 sends test labels. Feature DP: :class:`~tpflower.local_dp.LocalDP`. All noise comes from the OS entropy.
 """
 

@@ -1,6 +1,6 @@
 """Federated preprocessing of a table that is split by rows over several clients (UCQ; TablePuppet Sec. 4.4).
 
-ALGORITHMS.md, "Federated preprocessing for UCQ": every shard of a union table must be preprocessed with ONE
+docs/algorithms.md, Federated preprocessing for UCQ: every shard of a union table must be preprocessed with ONE
 global rule, equal to the :class:`~tpflower.preprocess.TablePreprocessor` fitted on the unioned fit rows,
 while no shard sends raw rows or raw category strings to the server. Three pure steps (the Flower wiring
 only moves the ``.arrays()`` payloads):
@@ -367,10 +367,6 @@ class GlobalRule:
     categories: dict[str, np.ndarray]
     category_counts: dict[str, np.ndarray] = field(default_factory=dict)
     n_rows: int = 0
-
-    @property
-    def has_sketch(self) -> bool:
-        return all(r.sketch.count == r.count for r in self.numeric.values())
 
     def arrays(self, with_sketch: bool = True) -> list[np.ndarray]:
         """Flat payload: header, per numeric column (stats, sketch values, sketch weights), per categorical

@@ -11,38 +11,86 @@ consensus). Nothing of a refused message is computed, so nothing leaves the clie
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tpflower.owner import uses_label_dp
+from tpflower.records import Arrays
 
-if TYPE_CHECKING:
-    from tpflower.client import TableClient
-    from tpflower.state import PhaseHandler
+
+class GuardState(typing.Protocol):
+    """The client state the guard keeps its position in (tpflower.state.ClientState)."""
+
+    def scalar(self, name: str, default: Any = None) -> Any: ...
+
+    def set_scalar(self, name: str, value: Any) -> None: ...
+
+
+class GuardSettings(typing.Protocol):
+    """The client settings the guard and the roles read (the client operator's ClientSettings)."""
+
+    @property
+    def table(self) -> str: ...
+
+    @property
+    def shard(self) -> int: ...
+
+    @property
+    def federated_prep(self) -> bool: ...
+
+
+class GuardData(typing.Protocol):
+    """The client data the roles read (tpflower.local_table.ShardData): the labels, None off the label owner."""
+
+    @property
+    def y(self) -> Any: ...
+
+
+class GuardedClient(typing.Protocol):
+    """What the guard and the role predicates need of a client (the client operator, TableClient, provides it)."""
+
+    @property
+    def state(self) -> GuardState: ...
+
+    @property
+    def settings(self) -> GuardSettings: ...
+
+    @property
+    def data(self) -> GuardData: ...
+
+    @property
+    def algorithm(self) -> str: ...
+
+    def privacy(self) -> Mapping[str, Any]: ...
+
 
 #: Which clients answer a phase: a predicate on the client (its settings, data and stored privacy).
-Role = Callable[["TableClient"], bool]
+Role = Callable[[Any], bool]
+#: A phase of an algorithm, client side: (client, named arrays, config) -> (named arrays, metrics). The
+#: client is the client operator, TableClient (the phases sit above it).
+PhaseHandler = Callable[[Any, Arrays, Mapping[str, Any]], tuple[Arrays, dict[str, Any]]]
 
 
 class ProtocolRefusal(ValueError):
     """A message outside the protocol the client signed up for."""
 
 
-def every(client: "TableClient") -> bool:
+def every(client: GuardedClient) -> bool:
     return True
 
 
-def sharded(client: "TableClient") -> bool:
+def sharded(client: GuardedClient) -> bool:
     """A shard of a table split over several clients (union scenario)."""
     return bool(client.settings.federated_prep)
 
 
-def unsharded(client: "TableClient") -> bool:
+def unsharded(client: GuardedClient) -> bool:
     return not sharded(client)
 
 
-def label_dp_owner(client: "TableClient") -> bool:
+def label_dp_owner(client: GuardedClient) -> bool:
     """The label owner under label DP (it alone scores the test predictions; the server has no test labels)."""
     return client.data.y is not None and uses_label_dp(client.privacy())
 
@@ -53,7 +101,7 @@ _ROLE_NAMES = {every: "every client", sharded: "the shards of a sharded table", 
 
 @dataclass(frozen=True)
 class Phase:
-    handler: "PhaseHandler"
+    handler: PhaseHandler
     who: Role = every
     spaced: bool = False  # never twice in a row, never first in its stage
 
@@ -72,19 +120,20 @@ class Protocol:
     stages: tuple[Stage, ...]
 
     @property
-    def handlers(self) -> dict[str, "PhaseHandler"]:
+    def handlers(self) -> dict[str, PhaseHandler]:
         return {name: p.handler for s in self.stages for name, p in s.phases.items()}
 
-    def admit(self, client: "TableClient", phase: str) -> "PhaseHandler":
+    def admit(self, client: GuardedClient, phase: str) -> PhaseHandler:
         """The handler of ``phase`` if the protocol allows it now (the position moves on); else refuse."""
         state = client.state
-        cur, calls, last = int(state.scalar("guard.stage", -1)), int(state.scalar("guard.calls", 0)), state.scalar("guard.last", "")
+        cur, calls = int(state.scalar("guard.stage", -1)), int(state.scalar("guard.calls", 0))
+        last = state.scalar("guard.last", "")
         where = f"table {client.settings.table!r} shard {client.settings.shard} (algorithm {client.algorithm!r})"
 
         def refuse(why: str) -> ProtocolRefusal:
             return ProtocolRefusal(f"{where} refuses phase {phase!r}: {why}")
 
-        def admitted(index: int, n: int, p: Phase) -> "PhaseHandler":
+        def admitted(index: int, n: int, p: Phase) -> PhaseHandler:
             if not p.who(client):
                 raise refuse(f"it is answered by {_ROLE_NAMES.get(p.who, p.who.__name__)} only")
             if p.spaced and (n == 1 or last == phase):

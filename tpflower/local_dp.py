@@ -3,7 +3,7 @@
 The first training message (``predict`` / ``admm_setup``) carries ``dp_steps`` and ``dp_q`` (the local DP
 steps of the whole run and the per-step sample rate of a table row, planned by the server); :meth:`LocalDP.init`
 derives sigma from them ONCE and stores it. Every update is then a DP step of a
-:class:`~tpflower.privacy.DPLocalTrainer` rebuilt per message from theta and the accountant history in
+:class:`~tpflower.privacy.trainer.DPLocalTrainer` rebuilt per message from theta and the accountant history in
 ``context.state`` (:meth:`LocalDP.trainer`); :meth:`LocalDP.done` refuses a step beyond the plan and reports
 ``eps`` (spent at ``delta``). Noise and sampling generators are seeded from the OS entropy.
 """
@@ -11,24 +11,36 @@ derives sigma from them ONCE and stores it. Every update is then a DP step of a
 from __future__ import annotations
 
 import secrets
+import typing
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from tpflower import checkpoint
 from tpflower import privacy as dp
+from tpflower.local_table import LocalTable
 from tpflower.mapping import segment_sum
+from tpflower.privacy.trainer import DPLocalTrainer
+from tpflower.state import ClientState
 
-if TYPE_CHECKING:
-    from tpflower.client import TableClient
+
+class DPClient(checkpoint.CheckpointedClient, typing.Protocol):
+    """What the feature-DP services need of a client (the client operator, TableClient, provides it): its state,
+    settings and accepted privacy, its preprocessed table, and what a checkpoint of its DP ledger needs."""
+
+    @property
+    def state(self) -> ClientState: ...
+
+    @property
+    def local(self) -> LocalTable: ...
 
 
 class LocalDP:
     """The feature-DP services of ``client`` (its state, settings and accepted privacy)."""
 
-    def __init__(self, client: "TableClient"):
+    def __init__(self, client: DPClient):
         self.client = client
 
     @property
@@ -42,7 +54,8 @@ class LocalDP:
             return
         if "dp_steps" not in config or "dp_q" not in config:
             raise RuntimeError(
-                f"table {self.client.settings.table!r}: feature DP is on but the server sent no DP plan (dp_steps, dp_q)"
+                f"table {self.client.settings.table!r}: feature DP is on but the server sent no DP plan "
+                "(dp_steps, dp_q)"
             )
         priv = self.client.privacy()
         steps, q = int(config["dp_steps"]), float(config["dp_q"])
@@ -52,13 +65,13 @@ class LocalDP:
         self.client.state.set_scalar("dp_q", q)
         self.client.state.set_scalar("dp_steps", steps)
 
-    def trainer(self, model: torch.nn.Module) -> dp.DPLocalTrainer:
+    def trainer(self, model: torch.nn.Module) -> DPLocalTrainer:
         """A DP-SGD trainer around ``model`` (theta already loaded), with the accountant history of the run."""
         sigma = self.client.state.scalar("dp_sigma")
         if sigma is None:
             raise RuntimeError(f"table {self.client.settings.table!r}: a DP step before the DP plan arrived")
         history = self.client.state.get("dp_history")
-        return dp.DPLocalTrainer(
+        return DPLocalTrainer(
             model,
             noise_multiplier=float(sigma),
             max_grad_norm=float(self.client.privacy()["clip"]),
@@ -66,12 +79,13 @@ class LocalDP:
             history=[] if history is None else history.tolist(),
         )  # no seed: the noise generator is seeded from the OS entropy
 
-    def done(self, trainer: dp.DPLocalTrainer, metrics: dict[str, Any]) -> None:
+    def done(self, trainer: DPLocalTrainer, metrics: dict[str, Any]) -> None:
         """Store the accountant history, report the epsilon spent, remove the Opacus hooks from the model."""
         planned = int(self.client.state.scalar("dp_steps"))
         if trainer.steps > planned:  # nothing of this step leaves the client
             raise RuntimeError(
-                f"table {self.client.settings.table!r} shard {self.client.settings.shard}: {trainer.steps} DP steps exceed the "
+                f"table {self.client.settings.table!r} shard {self.client.settings.shard}: {trainer.steps} DP steps "
+                f"exceed the "
                 f"{planned} the noise was calibrated for (privacy budget exhausted)"
             )
         history = np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3)

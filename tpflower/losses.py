@@ -1,6 +1,6 @@
 """Losses l(H; y), their gradients dl/dH, evaluation metrics and the ADMM z-update.
 
-ALGORITHMS.md, Notation: ``H_j = sum_i f_i(theta_i; T_{i,p_i(j)})`` is the joined prediction of row j, of
+docs/algorithms.md, Notation: ``H_j = sum_i f_i(theta_i; T_{i,p_i(j)})`` is the joined prediction of row j, of
 shape ``(N, d_c)``; ``l(H; y)`` is the loss of the objective (Eq. 2). Three tasks:
 
 * ``"regression"``: ``l = 1/2 (H - y)^2``, H of shape ``(n, 1)``, y real;
@@ -124,7 +124,7 @@ def loss_np(task: str, H: np.ndarray, y: np.ndarray) -> np.ndarray:
 def loss_grad_np(task: str, H: np.ndarray, y: np.ndarray) -> np.ndarray:
     """dl(H_j; y_j)/dH_j per row, same shape as H: ``H - y``; ``sigmoid(H) - y``; ``softmax(H) - onehot(y)``.
 
-    This is g_j of ALGORITHMS.md "LoJ with SGD" step 3 (summed into Y_iu by Eq. 10).
+    This is g_j of LoJ with SGD (docs/algorithms.md, step 3), summed into Y_iu by TablePuppet Eq. 10.
     """
     H, y = check_np(task, H, y)
     if task == "regression":

@@ -5,7 +5,7 @@ Clients send, per row, a keyed digest of each join key they take part in plus th
 table i, p_i: [N] -> [n_i] (joined row j comes from row p_i(j) of T_i). Features never take part.
 
 Digests are HMAC-SHA256 under a secret that the clients share and the server does not know, truncated to
-128 bits, so the server can test keys for equality but cannot dictionary-attack them (ALGORITHMS.md, Privacy).
+128 bits, so the server can test keys for equality but cannot dictionary-attack them (docs/algorithms.md, Privacy).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Local models f_i and their centralized equivalent (torch).
 
-ALGORITHMS.md, Notation: ``f_i(theta_i; x)`` in R^{d_c} is the local model of table i (linear or MLP) and the
+docs/algorithms.md, Notation: ``f_i(theta_i; x)`` in R^{d_c} is the local model of table i (linear or MLP) and the
 joined prediction is ``H_j = sum_i f_i(theta_i; T_{i,p_i(j)})``. On the materialized join (the centralized
 baseline, Sec. 6) the same prediction is one model on the concatenated features: :class:`JoinedModel`, which
 holds the *same* parameter objects as the local models, so training it trains them.

@@ -16,16 +16,55 @@ P = TypeVar("P", bound="AlgorithmParams")
 Check = Callable[[str, Any], Any]
 
 
-def _number(what: str, value: Any) -> float:
+# Every checker takes ``(what, value)``: ``what`` names the setting in the error, the value comes back
+# converted. The algorithms' settings (below) and the privacy settings (tpflower.privacy) share them.
+
+
+def number(what: str, value: Any) -> float:
+    """Any float (inf and nan included); refuses None, booleans and what ``float`` cannot read."""
     if isinstance(value, bool):
         raise ValueError(f"{what} must be a number, got {value!r}")
     try:
-        out = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a number, got {value!r}") from None
+
+
+def _number(what: str, value: Any) -> float:
+    out = number(what, value)
     if not math.isfinite(out):
         raise ValueError(f"{what} must be finite, got {value!r}")
     return out
+
+
+def positive_finite(what: str, value: Any) -> float:
+    x = number(what, value)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
+    return x
+
+
+def nonnegative_finite(what: str, value: Any) -> float:
+    x = number(what, value)
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return x
+
+
+def probability(what: str, value: Any) -> float:
+    """A probability strictly between 0 and 1 (e.g. delta)."""
+    x = number(what, value)
+    if not (0.0 < x < 1.0):
+        raise ValueError(f"{what} must be in (0, 1), got {value!r}")
+    return x
+
+
+def rate(what: str, value: Any) -> float:
+    """A sampling rate in (0, 1]."""
+    x = number(what, value)
+    if not (0.0 < x <= 1.0):
+        raise ValueError(f"{what} must be in (0, 1], got {value!r}")
+    return x
 
 
 def positive(what: str, value: Any) -> float:

@@ -1,10 +1,11 @@
 """Local feature preprocessing of one table: impute, standardize, one-hot.
 
 A :class:`TablePreprocessor` turns the feature columns of one table into a float64 matrix
-``T_i`` (ALGORITHMS.md, Notation: "Table i has n_i rows and d_i feature columns"). It is fitted on the
+``T_i`` (docs/algorithms.md, Notation: table i has n_i rows and d_i feature columns). It is fitted on the
 training rows only; every fitted statistic is a public attribute, so that the federated preprocessing of a
-union (ALGORITHMS.md, "Federated preprocessing for UCQ", Sec. 4.4) can build one from merged statistics with
-:meth:`TablePreprocessor.from_stats` (or by setting the attributes) and get the same transform on every shard.
+union (TablePuppet Sec. 4.4; docs/algorithms.md, Federated preprocessing for UCQ) can build one from merged
+statistics with :meth:`TablePreprocessor.from_stats` (or by setting the attributes) and get the same transform
+on every shard.
 
 Rules (column by column, output columns in the order ``numeric`` then ``categorical``):
 
@@ -148,10 +149,6 @@ class TablePreprocessor:
             out[rows[seen], offset + codes[seen].astype(np.intp)] = 1.0
             offset += len(cats)
         return out
-
-    def fit_transform(self, frame: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
-        """``fit(frame, rows)`` then ``transform(frame)`` (all rows are transformed)."""
-        return self.fit(frame, rows).transform(frame)
 
     # ------------------------------------------------------------------ derived
     @property

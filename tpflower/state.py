@@ -3,18 +3,12 @@ client object per message), and the typed per-family records (:class:`StateRecor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
-
-from tpflower.records import Arrays
-
-if TYPE_CHECKING:
-    from tpflower.client import TableClient
 
 
 class ClientState:
@@ -47,7 +41,8 @@ class ClientState:
         return True
 
     def put_list(self, name: str, values: list[np.ndarray]) -> None:
-        self.records[f"list.{name}"] = ArrayRecord(array_dict={str(k): Array(np.ascontiguousarray(v)) for k, v in enumerate(values)})
+        arrays = {str(k): Array(np.ascontiguousarray(v)) for k, v in enumerate(values)}
+        self.records[f"list.{name}"] = ArrayRecord(array_dict=arrays)
 
     def get_list(self, name: str) -> list[np.ndarray] | None:
         rec = self.records.get(f"list.{name}")
@@ -57,8 +52,6 @@ class ClientState:
         self.records["theta"] = ArrayRecord(torch_state_dict={k: v.cpu() for k, v in model.state_dict().items()})
 
 
-#: A phase of an algorithm, client side: (client, named arrays, config) -> (named arrays, metrics).
-PhaseHandler = Callable[["TableClient", Arrays, Mapping[str, Any]], tuple[Arrays, dict[str, Any]]]
 S = TypeVar("S", bound="StateRecord")
 
 

@@ -1,5 +1,5 @@
-"""TP-Join-SGD and VFL-SGD with CELU-VFL cached local updates, client side (seed 002, Alg. 1-2; ALGORITHMS.md
-"CELU-VFL local updates"; tpflower/celu.py holds the workset).
+"""TP-Join-SGD and VFL-SGD with CELU-VFL cached local updates, client side (CELU-VFL Alg. 1-2;
+docs/algorithms.md, CELU-VFL local updates; :class:`Workset` holds the cached batches).
 
   predict   {rows}                 -> {h}            as TP-Join-SGD; the reference of the rows is kept
   sgd_step  {Y, rows, (eval_rows)} -> {h, (h_eval)}  the exchange step (Eq. 12-13), the batch cached, up to R

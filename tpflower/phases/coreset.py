@@ -1,4 +1,4 @@
-"""Coresets for VFL over joins, client side (seed 004 Alg. 1-3; ALGORITHMS.md "Coresets for VFL").
+"""Coresets for VFL over joins, client side (VFL coresets Alg. 1-3; docs/algorithms.md, Coresets for VFL).
 
 DIS (Alg. 1), sampling=sensitivity only:
   sensitivity  {G}       -> {total}   local sensitivities g_u of its rows given G_i (kept); total = sum_u G_iu g_u
@@ -51,7 +51,7 @@ from tpflower.relation import has_bias
 from tpflower.state import StateRecord
 
 
-ALPHA = 2.0  # VKMC sensitivity constant (ALGORITHMS.md, Alg. 3 with alpha = 2)
+ALPHA = 2.0  # VKMC sensitivity constant (VFL coresets Alg. 3 with alpha = 2)
 
 
 def fraction(what: str, value) -> float:
