@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strategies.loj import EPOCH_STATE, LoJStrategy
+from strategies.base import LoJStrategy
 from strategies.join_admm import admm_rho
 from tpflower.phases.coreset import CoresetParams
 from strategies.join_admm import ADMMServer
+from strategies.join_sgd import sgd_rounds
 from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
 from tpflower.losses import loss_grad_np, loss_np
 from tpflower.mapping import TableMapping, index_dtype, segment_sum
@@ -181,7 +182,7 @@ class CoresetRidge(DISStrategy):
     algorithm = "coreset"
     params_type = CoresetParams
     resumable = True
-    checkpointed = (*EPOCH_STATE, "coreset", "S", "y_S", "test_plan", "construction")
+    checkpointed = ("coreset", "S", "y_S", "test_plan", "construction")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -267,7 +268,7 @@ class CoresetRidge(DISStrategy):
         schedule = self._schedule()
         h = loop["h"]
         loss_sum = 0.0
-        for _, (epoch, rows, plan, nxt, last) in self.sgd_rounds(schedule, done):
+        for _, (epoch, rows, plan, nxt, last) in sgd_rounds(schedule, done):
             H = joined_predictions(plan.inv, h)
             g = loss_grad_np(self.task, H, self.y_S[rows]) * omega[rows, None]
             loss_sum += float((core.weights[rows] * loss_np(self.task, H, self.y_S[rows])).sum())

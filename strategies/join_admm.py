@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import expit, logsumexp, softmax
 
-from strategies.loj import LoJStrategy
+from strategies.base import LoJStrategy
 from tpflower.batches import joined_predictions, sum_in_first_dtype
 from tpflower.losses import check_np, loss_np
 from tpflower.mapping import SegmentSums, TableMapping, chunks
