@@ -1,4 +1,5 @@
-"""Coresets for VFL over joins, server side (seed 004: Alg. 1 DIS, Alg. 2 VRLR; ALGORITHMS.md "Coresets for VFL").
+"""Coresets for VFL over joins, server side (Huang et al., NeurIPS 2022, "Coresets for Vertical Federated
+Learning": Alg. 1 DIS, Alg. 2 VRLR; docs/algorithms.md, "Coresets for VFL").
 
 algorithm=coreset: a weighted coreset S of m joined training rows, built by distributed importance sampling
 (DIS, Alg. 1) over the join without materializing it, then ridge trained on S inside the privacy model:

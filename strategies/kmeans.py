@@ -1,4 +1,5 @@
-"""Vertical k-means over joins (seed 004: Alg. 3 VKMC; DistDim of Ding et al. 2016), server side.
+"""Vertical k-means over joins (Huang et al., NeurIPS 2022, "Coresets for Vertical Federated Learning": Alg. 3
+VKMC; DistDim of Ding et al. 2016), server side.
 
 algorithm=kmeans: DistDim on the full join. Each table runs k-means on its own rows weighted by G_iu (= k-means
 on its expanded slice of the join) and sends one centre label per ROW (n_i labels, not N) and its k centres;

@@ -104,8 +104,8 @@ class JoinSetup(Saved):
             )
         mapping = build_mapping(self.spec, projections)
         self.routers = {
-            t: ShardRouter({q: np.asarray(r[0]["row_ids"], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
-                           mapping.n_rows[t])
+            t: ShardRouter({q: np.asarray(r[0]["row_ids"], dtype=np.int64)
+                            for (tt, q), r in replies.items() if tt == t}, mapping.n_rows[t])
             for t in self.spec.table_names
         }
         self.client_rows = {k: len(r[0]["row_ids"]) for k, r in replies.items()}
@@ -139,7 +139,8 @@ class JoinSetup(Saved):
             return np.asarray(y).astype(np.int32, copy=False)
         return np.asarray(y).astype(self.state_dtype, copy=False)
 
-    def _labels(self, replies: Mapping[ClientKey, Reply], n_label_rows: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+    def _labels(self, replies: Mapping[ClientKey, Reply],
+                n_label_rows: int) -> tuple[np.ndarray, np.ndarray, int | None]:
         """Labels and test flags over the label table's rows, from every shard of the label table."""
         y_rows: np.ndarray | None = None
         is_test = np.zeros(n_label_rows, dtype=bool)

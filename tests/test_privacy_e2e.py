@@ -292,7 +292,7 @@ def test_impossible_settings_fail_before_training(overrides, match, monkeypatch,
     def no_training(*_args, **_kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr("simulations.run.load_relation", no_training)
+    monkeypatch.setattr("strategies.centralized.load_relation", no_training)
     monkeypatch.setattr("simulations.federated.run_in_process", no_training)
     monkeypatch.setattr("simulations.federated.run_flower_simulation", no_training)
     cfg = cfg_of("runtime=inprocess", *overrides)
