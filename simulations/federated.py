@@ -22,9 +22,8 @@ from omegaconf import DictConfig
 from tpflower.app.client_app import client_app_for
 from tpflower.app.flower_patch import install_fast_fetch
 from tpflower.app.server_app import make_strategy, server_app_for
-from strategies.loj import LoJStrategy
+from strategies.base import LoJStrategy
 from strategies.transport import ClientKey, DirectTransport
-from tpflower.datasets import load_spec
 from tpflower.results import RunResults
 
 FLOWER_LOG = "flower.log"  # Flower's and Ray's own log lines go here (in the run dir), not to the console
@@ -49,8 +48,9 @@ def flower_logs_to(path: Path) -> Iterator[None]:
 
 
 def run_flower_simulation(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                          log: Callable[[str], None] = print) -> RunResults:
-    """One virtual SuperNode per table shard, client resources from conf/resources; Flower's log to flower.log."""
+                          log: Callable[[str], None] = print, strategy: LoJStrategy | None = None) -> RunResults:
+    """One virtual SuperNode per table shard, client resources from conf/resources; Flower's log to flower.log.
+    ``strategy``: the strategy built for ``cfg`` already (else built here), run by the ServerApp."""
     # Flower 1.41 deprecates run_simulation in favour of `flwr run` (a CLI that starts a SuperLink process and
     # reads the app's pyproject), but it is the only in-Python way to start the simulation engine with a
     # config composed by Hydra: kept here, in this one function, with its notice sent to flower.log.
@@ -61,11 +61,13 @@ def run_flower_simulation(cfg: DictConfig, run_dir: str | Path | None, base_dir:
     install_fast_fetch()
     created: list[LoJStrategy] = []
     resources = {"num_cpus": float(cfg.resources.num_cpus), "num_gpus": float(cfg.resources.num_gpus)}
-    num = len(load_spec(cfg.dataset, base_dir=base_dir).clients(str(cfg.scenario.name)))
+    if strategy is None:
+        strategy = make_strategy(cfg, run_dir, base_dir, log=log)
+    num = len(strategy.clients)
     log_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="tpflower-"))
     with flower_logs_to(log_dir / FLOWER_LOG):
         run_simulation(
-            server_app=server_app_for(cfg, run_dir, base_dir, created, log=log),
+            server_app=server_app_for(cfg, run_dir, base_dir, created, log=log, strategy=strategy),
             client_app=client_app_for(cfg, base_dir, run_dir),
             num_supernodes=num,
             backend_config={"client_resources": resources,
@@ -100,9 +102,11 @@ def in_process_contexts(strategy: LoJStrategy, base_dir: str | Path | None = Non
 
 
 def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                   log: Callable[[str], None] = print) -> InProcessRun:
-    """The same strategy and ClientApp, called directly (no Flower transport, no Ray)."""
-    strategy = make_strategy(cfg, run_dir, base_dir, log=log)
+                   log: Callable[[str], None] = print, strategy: LoJStrategy | None = None) -> InProcessRun:
+    """The same strategy and ClientApp, called directly (no Flower transport, no Ray); ``strategy``: the
+    strategy built for ``cfg`` already (else built here)."""
+    if strategy is None:
+        strategy = make_strategy(cfg, run_dir, base_dir, log=log)
     contexts = in_process_contexts(strategy, base_dir)
     app = client_app_for(cfg, base_dir, run_dir)
     strategy.run(DirectTransport(app, {c.node_id: c for c in contexts.values()}))

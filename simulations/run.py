@@ -20,10 +20,10 @@ from omegaconf import DictConfig
 
 from simulations.federated import run_flower_simulation, run_in_process
 from strategies.transport import RunError
-from tpflower.app.server_app import make_strategy
+from tpflower.app.server_app import build_strategy
 from tpflower.checks import DataProblems, errors
 from tpflower.config import CONF_DIR, register_algorithm_defaults
-from tpflower.datasets import check_dataset, release_tables
+from tpflower.datasets import check_dataset, load_spec, release_tables
 from tpflower.owner import redact_run_dir, simulation_secret
 from tpflower.registry import entry_of
 from tpflower.results import RunResults
@@ -36,15 +36,18 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
     """Run one configured job and write its results.json into ``run_dir``."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    strategy = make_strategy(cfg, run_dir, base_dir, log=lambda line: print(line, flush=True), federated_only=False)
+    # the spec parsed and the strategy built once, here: its settings are checked before any table is loaded,
+    # and the runners run this very object
+    spec = load_spec(cfg.dataset, base_dir=base_dir)
+    strategy = build_strategy(cfg, run_dir, base_dir, log=lambda line: print(line, flush=True), spec=spec)
     check_data(cfg, base_dir)  # and every table, all problems at once
     if not entry_of(cfg).federated:
         return strategy.run_local(base_dir)
     release_tables()  # the server holds no table during the run: each client loads its own
     if cfg.get("runtime", "flower") == "inprocess":
-        results = run_in_process(cfg, run_dir, base_dir).strategy.results
+        results = run_in_process(cfg, run_dir, base_dir, strategy=strategy).strategy.results
     else:
-        results = run_flower_simulation(cfg, run_dir, base_dir)
+        results = run_flower_simulation(cfg, run_dir, base_dir, strategy=strategy)
     assert results is not None
     return results
 

@@ -4,9 +4,15 @@
 A TablePuppet algorithm is a sequence of gather/scatter rounds whose number depends on the data (N / B
 batches per epoch for SGD), with a different payload for every client; Flower's default start() loop (a fixed
 number of configure_train / aggregate_train rounds with one global model) does not fit it. So start() runs
-:meth:`protocol`, and every ``send(messages, kind)`` is one round of the Strategy API: configure_train (or
-configure_evaluate) turns the round's payloads into Flower messages, the transport delivers them, and
-aggregate_train (or aggregate_evaluate) turns the replies back into payloads, raising on an error reply.
+:meth:`protocol`, and every ``send(messages, kind)`` is one round: its per-client payloads become Flower
+messages (:meth:`round_messages`), the transport delivers them, and the replies become payloads again
+(:meth:`read_replies`), raising on an error reply. (Why the Strategy API's configure_* methods are not the
+way in: see the note above them.)
+
+The relational strategies share :class:`LoJStrategy`: a protocol runner over the transport that USES a
+:class:`~strategies.setup.JoinSetup` (the setup rounds and what they build), a
+:class:`~strategies.evaluation.RunRecord` (test evaluation, results, meters) and, when it checkpoints its
+epochs, a :class:`~strategies.checkpoints.EpochCheckpoints`.
 
 Client keys are (table, shard). Before the protocol, :meth:`connect` asks every node which table and shard
 it holds. The same object runs under Flower (:class:`~strategies.transport.GridTransport`) and in-process
@@ -15,22 +21,37 @@ it holds. The same object runs under Flower (:class:`~strategies.transport.GridT
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from strategies.checkpoints import NO_CHECKPOINTS, EpochCheckpoints, NoCheckpoints
+from strategies.evaluation import RunRecord
 from strategies.replies import check_round
+from strategies.setup import JoinSetup
 from strategies.transport import MESSAGE_TYPE, ClientKey, GridTransport, Kind, Payload, Reply, RunError, Transport
+from tpflower import privacy as dp
+from tpflower.checkpoint import CHECKPOINT
+from tpflower.losses import primary_metric
+from tpflower.params import AlgorithmParams, run_settings
 from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
+from tpflower.schema import RelationalSpec
 
 
 class TablePuppetStrategy(Strategy):
     """Flower plumbing around a protocol: node discovery, one round per :meth:`send`, byte accounting."""
 
     WAIT_LINE_S = 10.0  # while nodes are missing at the start, a line this often
+    client_rows: Mapping[ClientKey, int] = {}  # each client's row count, once known: replies are checked against it
+    d_out: int | None = None  # the prediction width, once known
 
     def __init__(self, clients: list[ClientKey], log: Callable[[str], None] = print):
         self.clients = clients
@@ -39,13 +60,6 @@ class TablePuppetStrategy(Strategy):
         self.nodes: dict[ClientKey, int] = {}
         self.keys: dict[int, ClientKey] = {}
         self.server_round = 0
-        self._outbox: Mapping[ClientKey, Payload] = {}
-        self._kind: Kind = "train"
-        self._inbox: dict[ClientKey, Reply] = {}
-        self._down: dict[ClientKey, int] = {}
-        self._up: dict[ClientKey, int] = {}
-        self.client_rows: dict[ClientKey, int] = {}  # each client's row count, once known: replies are checked against it
-        self.d_out: int | None = None  # the prediction width, once known
 
     # ------------------------------------------------------------------------------------ to implement
 
@@ -121,43 +135,58 @@ class TablePuppetStrategy(Strategy):
         """One round: a message per client key, every reply back (kind: train | inner | eval)."""
         assert self.transport is not None, "send() before run()"
         self.server_round += 1
-        self._outbox, self._kind = messages, kind
-        configure, aggregate = ((self.configure_evaluate, self.aggregate_evaluate) if kind == "eval"
-                                else (self.configure_train, self.aggregate_train))
-        messages = list(configure(self.server_round, ArrayRecord(), ConfigRecord(), None))  # type: ignore[arg-type]
-        aggregate(self.server_round, self.transport.exchange(messages))
-        self.on_round(kind, self._down, self._up)
-        return self._inbox
+        out, down = self.round_messages(messages, kind)
+        replies, up = self.read_replies(self.transport.exchange(out))
+        missing = [k for k in messages if k not in replies]
+        if missing:
+            raise RunError("no reply from " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
+        check_round(messages, replies, self.client_rows, self.d_out)
+        self.on_round(kind, down, up)
+        return replies
 
-    # ------------------------------------------------------------------------------------ Strategy API
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """The messages of the current round (a different payload per node; ``arrays``/``config`` unused)."""
-        messages, self._down = [], {}
-        for key, (payload, cfg) in self._outbox.items():
+    def round_messages(self, messages: Mapping[ClientKey, Payload],
+                       kind: Kind) -> tuple[list[Message], dict[ClientKey, int]]:
+        """The Flower messages of a round (a different payload per node) and each one's payload bytes."""
+        out, down = [], {}
+        for key, (payload, cfg) in messages.items():
             content = pack_payload(payload, cfg)
-            self._down[key] = record_bytes(content)
-            messages.append(Message(content, self.nodes[key], MESSAGE_TYPE[self._kind]))
-        return messages
+            down[key] = record_bytes(content)
+            out.append(Message(content, self.nodes[key], MESSAGE_TYPE[kind]))
+        return out, down
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode the replies of the round; an error reply ends the run with one line naming its table."""
-        self._inbox, self._up = {}, {}
+    def read_replies(self, replies: Iterable[Message]) -> tuple[dict[ClientKey, Reply], dict[ClientKey, int]]:
+        """The decoded replies of a round by client key, and each one's payload bytes; an error reply ends the
+        run with one line naming its table."""
         replies = list(replies)
         errors = [f"{self.node_name(r.metadata.src_node_id)}: {error_reason(r)}" for r in replies if r.has_error()]
         if errors:  # every node's own line (e.g. each table's data problems), not only the first one's
             raise RunError("\n".join(sorted(errors)))
+        inbox, up = {}, {}
         for reply in replies:
-            node = reply.metadata.src_node_id
-            key = self.keys[node]
-            self._inbox[key] = unpack_reply(reply.content)
-            self._up[key] = record_bytes(reply.content)
-        missing = [k for k in self._outbox if k not in self._inbox]
-        if missing:
-            raise RunError("no reply from " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
-        check_round(self._outbox, self._inbox, self.client_rows, self.d_out)
-        return None, MetricRecord({"bytes_up": sum(self._up.values()), "bytes_down": sum(self._down.values())})
+            key = self.keys[reply.metadata.src_node_id]
+            inbox[key] = unpack_reply(reply.content)
+            up[key] = record_bytes(reply.content)
+        return inbox, up
+
+    # ------------------------------------------------------------------------------------ Strategy API
+    # Flower's configure_train / configure_evaluate build a round's messages from ONE global model (``arrays``)
+    # and ONE config for every sampled node, and its start() loop runs a fixed number of such rounds. A
+    # TablePuppet round sends each client its own payload (its rows of Y_i, its batch rows), so it cannot be
+    # expressed through those two arguments: :meth:`send` builds each round's messages from its own arguments
+    # (:meth:`round_messages`) and start() runs the protocol instead of Flower's loop. The abstract methods are
+    # implemented as what they can honestly be: configure_* refuse (nothing calls them), aggregate_* decode a
+    # round's replies and report its bytes.
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        raise NotImplementedError("a TablePuppet round's messages are per client: built by send(), not from "
+                                  "one (arrays, config)")
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode a round's replies (an error reply ends the run): no global model, the round's reply bytes."""
+        _, up = self.read_replies(replies)
+        return None, MetricRecord({"bytes_up": sum(up.values())})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -168,3 +197,167 @@ class TablePuppetStrategy(Strategy):
 
     def summary(self) -> None:
         self.log(f"{type(self).__name__}: {len(self.clients)} clients {self.clients}")
+
+
+class LoJStrategy(TablePuppetStrategy):
+    """The relational strategies' runner (TP-Join/UCQ-SGD/ADMM, the VFL baselines, CELU, the coreset family,
+    k-means): :meth:`protocol` over the transport, with the setup rounds in :attr:`join`, the run record in
+    :attr:`record` and the epoch checkpoints in :attr:`checkpoints`.
+
+    ``params``: the algorithm's typed settings, validated (with the run settings and the privacy settings)
+    in the constructor, before any client is contacted."""
+
+    algorithm = "loj"
+    params_type: type[AlgorithmParams] = AlgorithmParams
+    expand = False  # VFL baselines: setup sends each client its p_i (no duplicate reduction)
+    resumable = False  # the protocol checkpoints every epoch: the strategy gets an EpochCheckpoints
+    one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
+    checkpointed: tuple[str, ...] = ()  # the strategy's own attributes an epoch's checkpoint keeps
+
+    def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
+                 feature_dp: bool = True, label_dp: bool = True, why_no_feature_dp: str = ""):
+        self.cfg = cfg
+        self.spec = spec
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.scenario = str(cfg.scenario.name)
+        super().__init__(spec.clients(self.scenario), log)
+        run_settings(cfg)
+        self.params = self.params_type.from_cfg(cfg.algorithm)
+        self.task = spec.label.task
+        self.metric = primary_metric(self.task)
+        self.privacy = cfg.get("privacy") or {"name": "none"}
+        # impossible privacy settings fail here, before any client is asked for anything (also under flwr run)
+        dp.validate_privacy(self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp,
+                            why_not=why_no_feature_dp)
+        self.label_dp = dp.uses_label_dp(self.privacy)
+        self.feature_dp = dp.uses_feature_dp(self.privacy)
+        self.finished = False
+        self.run_id = secrets.token_hex(16)  # names this run's checkpoints on the nodes (kept when resumed)
+        self.join = JoinSetup(self.send, spec, cfg, self.clients, self.privacy, log)
+        self.record = RunRecord(self.send, self.join, self.task, self.privacy, log)
+        self.checkpoints = self._checkpoints(bool(cfg.get("resume", False)))
+
+    def _checkpoints(self, resume: bool) -> NoCheckpoints:
+        """An EpochCheckpoints for a resumable algorithm with a run dir, else NO_CHECKPOINTS; ``resume=true``
+        is refused here for an algorithm that has nothing to resume from."""
+        if resume and self.one_shot:
+            raise ValueError(f"resume=true: {self.algorithm} runs in one shot (no epochs, no checkpoint to resume "
+                             "from); run it again")
+        if resume and not self.resumable:
+            from tpflower.registry import entries
+
+            resumable = sorted(e.name for e in entries() if e.strategy.resumable)
+            raise ValueError(f"resume=true: {self.algorithm} does not checkpoint its epochs yet "
+                             f"(algorithms that do: {', '.join(resumable)})")
+        if resume and self.run_dir is None:
+            raise ValueError(f"resume=true but there is no checkpoint {CHECKPOINT} in the run dir None")
+        if self.resumable and self.run_dir is not None:
+            return EpochCheckpoints(self.run_dir, self.cfg, resume)
+        return NO_CHECKPOINTS
+
+    # ------------------------------------------------------------------------------------------ what setup built
+    # read by the families' protocols (and tests) on the strategy; held by the JoinSetup
+
+    mapping = property(lambda self: self.join.mapping)
+    train = property(lambda self: self.join.train)
+    test = property(lambda self: self.join.test)
+    routers = property(lambda self: self.join.routers)
+    y_train = property(lambda self: self.join.y_train)
+    y_test = property(lambda self: self.join.y_test)
+    label_scale = property(lambda self: self.join.label_scale)
+    d_out = property(lambda self: self.join.d_out)  # type: ignore[assignment]
+    dp_plan = property(lambda self: self.join.dp_plan)
+    state_dtype = property(lambda self: self.join.state_dtype)
+
+    @property  # type: ignore[override]
+    def client_rows(self) -> dict[ClientKey, int]:
+        return self.join.client_rows
+
+    @client_rows.setter
+    def client_rows(self, rows: dict[ClientKey, int]) -> None:  # the coreset trains on its own rows
+        self.join.client_rows = rows
+
+    # ------------------------------------------------------------------------------------------ the run record
+
+    results = property(lambda self: self.record.results)
+    comm = property(lambda self: self.record.comm)
+    eps_spent = property(lambda self: self.record.eps_spent)
+
+    def setup(self) -> None:
+        """The setup rounds (JoinSetup.run): keys, then federated preprocessing, and expand for VFL."""
+        self.join.run(self.run_id, self.record, self.algorithm,
+                      self.plan_feature_dp if self.feature_dp else None, self.expand)
+
+    def send(self, messages: Mapping[ClientKey, Payload], kind: Kind = "train") -> dict[ClientKey, Reply]:
+        replies = super().send(messages, kind)
+        self.record.note_epsilon(replies)
+        return replies
+
+    def on_round(self, kind: Kind, down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]) -> None:
+        self.record.count(kind, down, up)
+
+    def record_epoch(self, epoch: int | float, H_test: np.ndarray, train_loss: float,
+                     extra: dict[str, float] | None = None) -> None:
+        """Evaluate the test predictions, append the epoch to the record and print its line (RunRecord)."""
+        self.record.record_epoch(self.algorithm, epoch, H_test, train_loss, extra)
+
+    def finish(self) -> None:
+        """Write results.json (atomically) once the protocol has run to its end."""
+        self.finished = True
+        self.record.write(self.run_dir)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def begin(self, start: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+        """The epochs done and the training loop's state (EpochCheckpoints.begin)."""
+        return self.checkpoints.begin(self, start)
+
+    def checkpoint_config(self, epoch: int) -> dict[str, Any]:
+        """Config of an epoch's last training message: each client checkpoints its state after answering it."""
+        return self.checkpoints.config(epoch, self.run_id)
+
+    def end_epoch(self, epoch: int, loop: dict[str, Any]) -> None:
+        self.checkpoints.end_epoch(self, epoch, loop)
+
+    # ------------------------------------------------------------------------------------------ privacy
+
+    def plan_feature_dp(self) -> dict[ClientKey, tuple[int, float]]:
+        """Feature DP: per client, (local DP steps over the whole run, per-step sample rate of a table row).
+
+        Called in setup on the training mapping of TABLE rows. The client calibrates sigma to these once."""
+        raise ValueError(f"privacy={self.privacy.get('name')}: {self.algorithm} has no feature-DP plan")
+
+    def client_G(self, key: ClientKey) -> np.ndarray:
+        """G_iu over the training join of the rows of client ``key`` (its shard of table i), in shard order."""
+        t, q = key
+        return self.train.G(t)[self.routers[t].ids[q]]
+
+    def dp_config(self, key: ClientKey) -> dict[str, Any]:
+        """The DP plan of client ``key`` for the config of its first training message ({} without feature DP)."""
+        if not self.feature_dp:
+            return {}
+        steps, q = self.dp_plan[key]
+        return {"dp_steps": int(steps), "dp_q": float(q)}
+
+    # ------------------------------------------------------------------------------------------ messages
+
+    def messages(self, build: Callable[[str], Payload]) -> dict[ClientKey, Payload]:
+        """One message per client, built from its table name (join scenario: one client per table)."""
+        return {k: build(k[0]) for k in self.clients}
+
+    @staticmethod
+    def outputs(replies: Mapping[ClientKey, Reply], name: str = "h") -> dict[str, np.ndarray]:
+        """Reply array ``name`` of every client, keyed by table (join scenario)."""
+        return {k[0]: r[0][name] for k, r in replies.items()}
+
+    def shard_messages(self, build: Callable[[ClientKey], Payload]) -> dict[ClientKey, Payload]:
+        """One message per shard client (union scenario)."""
+        return {k: build(k) for k in self.clients}
+
+    def gather_rows(self, replies: Mapping[ClientKey, Reply], rows: Mapping[str, np.ndarray],
+                    name: str = "h") -> dict[str, np.ndarray]:
+        """Per table, the shards' reply array ``name`` for the table rows ``rows[t]``, in that order."""
+        return {
+            t: self.routers[t].gather(rows[t], {q: r[0][name] for (tt, q), r in replies.items() if tt == t})
+            for t in self.spec.table_names
+        }

@@ -1,4 +1,5 @@
-"""CELU-VFL (seed 002) on TP-Join-SGD and VFL-SGD: cached local updates between exchanges.
+"""CELU-VFL (Fu et al., VLDB 2022, "Towards Communication-efficient Vertical Federated Learning Training via
+Cache-enabled Local Updates") on TP-Join-SGD and VFL-SGD: cached local updates between exchanges.
 
 The server protocol is TP-Join-SGD's (one round trip per exchanged batch, pipelined); what changes is the
 client (tpflower/phases/celu.py): after the exchange step on batch b it caches (U_i, h it sent, Y_i it got)

@@ -1,4 +1,5 @@
-"""Coresets for VFL over joins, server side (seed 004: Alg. 1 DIS, Alg. 2 VRLR; ALGORITHMS.md "Coresets for VFL").
+"""Coresets for VFL over joins, server side (Huang et al., NeurIPS 2022, "Coresets for Vertical Federated
+Learning": Alg. 1 DIS, Alg. 2 VRLR; docs/algorithms.md, "Coresets for VFL").
 
 algorithm=coreset: a weighted coreset S of m joined training rows, built by distributed importance sampling
 (DIS, Alg. 1) over the join without materializing it, then ridge trained on S inside the privacy model:
@@ -25,10 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strategies.loj import EPOCH_STATE, LoJStrategy
+from strategies.base import LoJStrategy
 from strategies.join_admm import admm_rho
 from tpflower.phases.coreset import CoresetParams
 from strategies.join_admm import ADMMServer
+from strategies.join_sgd import sgd_rounds
 from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
 from tpflower.losses import loss_grad_np, loss_np
 from tpflower.mapping import TableMapping, index_dtype, segment_sum
@@ -181,7 +183,7 @@ class CoresetRidge(DISStrategy):
     algorithm = "coreset"
     params_type = CoresetParams
     resumable = True
-    checkpointed = (*EPOCH_STATE, "coreset", "S", "y_S", "test_plan", "construction")
+    checkpointed = ("coreset", "S", "y_S", "test_plan", "construction")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -267,7 +269,7 @@ class CoresetRidge(DISStrategy):
         schedule = self._schedule()
         h = loop["h"]
         loss_sum = 0.0
-        for _, (epoch, rows, plan, nxt, last) in self.sgd_rounds(schedule, done):
+        for _, (epoch, rows, plan, nxt, last) in sgd_rounds(schedule, done):
             H = joined_predictions(plan.inv, h)
             g = loss_grad_np(self.task, H, self.y_S[rows]) * omega[rows, None]
             loss_sum += float((core.weights[rows] * loss_np(self.task, H, self.y_S[rows])).sum())

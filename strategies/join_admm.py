@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import expit, logsumexp, softmax
 
-from strategies.loj import LoJStrategy
+from strategies.base import LoJStrategy
 from tpflower.batches import joined_predictions, sum_in_first_dtype
 from tpflower.losses import check_np, loss_np
 from tpflower.mapping import SegmentSums, TableMapping, chunks
@@ -73,7 +73,7 @@ class ADMMServer:
 
     ``variant`` = "sharing" (default: r = rho/M, s_ij = (H_j - z_j)/M - h_i[p_i(j)]; two-block ADMM that
     converges for convex f_i) or "paper" (r = rho, s_ij = H_j - h_i[p_i(j)] - z_j: Eq. 7-9 as printed, a
-    Jacobi multi-block ADMM that can diverge). See ALGORITHMS.md, "Two variants".
+    Jacobi multi-block ADMM that can diverge). See docs/algorithms.md, "Two variants".
 
     One iteration is :meth:`update` (z and lambda from the clients' predictions, the residuals, rho) then
     :meth:`scatter` (Y_i for the clients' theta-update). lambda is kept unscaled (lambda = rho u in Boyd's
@@ -235,7 +235,7 @@ def z_update(
     tol: float = 1e-10,
     max_iter: int = 50,
 ) -> np.ndarray:
-    """The ADMM z-update (ALGORITHMS.md "LoJ with ADMM" step 3; paper Eq. 7), for every row at once:
+    """The ADMM z-update (TablePuppet Eq. 7; docs/algorithms.md "LoJ with ADMM" step 3), for every row at once:
 
         z_j = argmin_z  l(z; y_j) - lam_j^T z + r/2 ||H_j - z||^2,       r > 0.
 

@@ -10,12 +10,13 @@ duplicated rows first); one step per batch, ``sgd_steps(epochs, N, B)`` in all (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
-from strategies.loj import LoJStrategy
-from tpflower.batches import BatchPlan, batch_size_of, joined_predictions
+from strategies.base import LoJStrategy
+from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
 from tpflower.losses import loss_grad_np, loss_np
 from tpflower.mapping import segment_sum
 from tpflower.phases.join_sgd import SGDParams
@@ -38,6 +39,37 @@ def sgd_aggregate(
 EMPTY = np.zeros(0, dtype=np.int64)
 
 
+def sgd_schedule(strategy: LoJStrategy) -> tuple[SGDSchedule, BatchPlan]:
+    """The run's mini-batches over the training join (algorithm.batch_size, seed) and the test rows' plan."""
+    train, test, cfg = strategy.train, strategy.test, strategy.cfg
+    B = batch_size_of(cfg.algorithm.batch_size, train.N)
+    schedule = SGDSchedule(train, B, int(cfg.epochs), np.random.default_rng(int(cfg.seed)))
+    return schedule, BatchPlan.of(test, np.arange(test.N))
+
+
+def sgd_rounds(schedule: SGDSchedule, done: int) -> Iterator[tuple[int, tuple]]:
+    """The schedule's rounds, numbered from 1, after the ``done`` epochs a resumed run already has (the same
+    seed draws the same batches, so they are drawn and skipped)."""
+    rounds = enumerate(schedule, start=1)
+    if done:
+        for _, (epoch, _, _, _, last) in rounds:
+            if epoch == done and last:
+                break
+    return rounds
+
+
+def eval_point(params: Any, round_no: int, epoch: int, last: bool, per_epoch: int) -> float | None:
+    """Whether exchange round ``round_no`` (1-based) carries an evaluation, as the epoch it stands for: an
+    epoch's last batch (the epoch, an int) and every ``params.eval_every`` rounds (a fraction: the batches done
+    so far over the batches of an epoch); None: no evaluation."""
+    if last:
+        return epoch
+    every = getattr(params, "eval_every", None)
+    if every and round_no % every == 0:
+        return round(epoch - 1 + ((round_no - 1) % per_epoch + 1) / per_epoch, 6)
+    return None
+
+
 class TPJoinSGD(LoJStrategy):
     algorithm = "tp_join_sgd"
     params_type = SGDParams
@@ -46,14 +78,14 @@ class TPJoinSGD(LoJStrategy):
 
     def protocol(self) -> None:
         done, loop = self.begin(self.start_sgd)
-        schedule, evaluation = self.sgd_schedule()
+        schedule, evaluation = sgd_schedule(self)
         h = loop["h"]
-        rounds = self.sgd_rounds(schedule, done)
+        rounds = sgd_rounds(schedule, done)
         loss_sum, seen = 0.0, 0
         for round_no, (epoch, rows, plan, nxt, last) in rounds:
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
             loss_sum, seen = loss_sum + loss_b, seen + len(rows)
-            point = self.eval_point(round_no, epoch, last, schedule.per_epoch)
+            point = eval_point(self.params, round_no, epoch, last, schedule.per_epoch)
             replies = self.send(self.messages(
                 lambda t: (
                     {"Y": Y[t], "rows": nxt.U[t] if nxt else EMPTY,
@@ -74,7 +106,7 @@ class TPJoinSGD(LoJStrategy):
     def start_sgd(self) -> dict:
         """Setup, then the predictions of the first batch."""
         self.setup()
-        schedule, _ = self.sgd_schedule()
+        schedule, _ = sgd_schedule(self)
         replies = self.send(self.messages(
             lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
         ))

@@ -1,4 +1,5 @@
-"""Vertical k-means over joins (seed 004: Alg. 3 VKMC; DistDim of Ding et al. 2016), server side.
+"""Vertical k-means over joins (Huang et al., NeurIPS 2022, "Coresets for Vertical Federated Learning": Alg. 3
+VKMC; DistDim of Ding et al. 2016), server side.
 
 algorithm=kmeans: DistDim on the full join. Each table runs k-means on its own rows weighted by G_iu (= k-means
 on its expanded slice of the join) and sends one centre label per ROW (n_i labels, not N) and its k centres;
@@ -22,8 +23,6 @@ k - 1 >= d_i (differences of squared distances are linear in x). Labels are igno
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from strategies.coreset import DISStrategy, compact_counts, row_ids
@@ -31,7 +30,7 @@ from tpflower.phases.kmeans import CoresetKMeansParams, KMeansParams
 from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
 from tpflower.batches import BatchPlan
 from tpflower.mapping import segment_sum
-from tpflower.results import EpochRecord, epoch_line
+from tpflower.results import EpochRecord
 
 METRIC = "kmeans_cost"
 
@@ -98,12 +97,11 @@ class DistDimKMeans(DISStrategy):
         grid_cost = float((cell_w * sq_distances(points, C).min(1)).sum() / cell_w.sum())
         row_labels = None if self.uses_coreset else [np.asarray(replies[(t, 0)][0]["labels"]) for t in mapping.p]
         cost = self.full_join_cost(C, local_C, row_labels)
-        rec = EpochRecord(epoch=1, test_metric=cost, train_loss=grid_cost, wall_time_s=time.perf_counter() - self._t0,
+        rec = EpochRecord(epoch=1, test_metric=cost, train_loss=grid_cost, wall_time_s=self.record.elapsed(),
                           extra={"grid_cells": float(len(cells)), "coreset_rows": self.construction["distinct_rows"],
                                  "construction_bytes": self.construction["bytes_up"] + self.construction["bytes_down"]},
                           **self.comm.snapshot())  # type: ignore[arg-type]
-        self.results.history.append(rec)
-        self.log(epoch_line(METRIC, rec))
+        self.record.add(rec, METRIC)
         self.finish()
 
     def full_join_assignment(self, C: np.ndarray, local_C: list[np.ndarray], row_labels: list[np.ndarray]) -> np.ndarray:

@@ -1,17 +1,250 @@
-"""The LoU operator's bookkeeping: which shard of a table holds which of its rows (TablePuppet Sec. 3.2).
+"""The server side of the setup rounds (:class:`JoinSetup`) and the LoJ operator's row bookkeeping over the
+shards of a table (:class:`ShardRouter`).
 
-Built from the row ids every shard sent in the keys round. The LoJ operator works on whole tables (rows U_i
-of table i); the router splits such a request into one per shard (in the shard's own row positions) and
-puts the shards' replies back together in the order of U_i.
+Setup (TablePuppet Sec. 3.1.1): every client sends row ids and keyed digests of its join keys, the label
+owner also its labels and test-split flags; the server checks the key kinds agree, joins the digests into
+p_i, and splits the joined rows into train and test by the label-table row. Tables with several shards then
+merge their shards' preprocessing summaries into one rule (Sec. 4.4). VFL baselines finally send each client
+its p_i once ("expand") and continue on the identity mapping over the N joined rows.
+
+The keys message carries the run's privacy settings (tpflower.privacy). Label DP: the label owner (every
+shard of the label table) sends randomized TRAINING labels only, and the server keeps, per label shard, the
+test rows it will ask the label owner to score (:attr:`JoinSetup.evaluation_split`).
+
+Row ownership (Sec. 3.2): the router, built from the row ids every shard sent in the keys round, knows which
+shard of a table holds which of its rows. The LoJ operator works on whole tables (rows U_i of table i); the
+router splits such a request into one per shard (in the shard's own row positions) and puts the shards'
+replies back together in the order of U_i.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from tpflower.mapping import index_dtype
+from strategies.checkpoints import Saved
+from strategies.transport import ClientKey, Reply
+from tpflower import privacy as dp
+from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
+from tpflower.losses import LabelScale, output_dim, standardizes_label
+from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
+from tpflower.records import numbered, unnumbered
+from tpflower.relation import summary_line
+from tpflower.schema import RelationalSpec, validate_key_kinds
+
+if TYPE_CHECKING:
+    from strategies.evaluation import RunRecord
+
+Send = Callable[..., dict[ClientKey, Reply]]
+
+
+class JoinSetup(Saved):
+    """What the setup rounds build: the mapping, its train/test partition, the shard routers, each client's
+    row count, the labels the server holds, the label scale, the prediction width and the feature-DP plan.
+
+    ``send``: the strategy's round; ``clients``: the run's client keys (table, shard)."""
+
+    SAVED = ("mapping", "train", "test", "routers", "client_rows", "y_train", "y_test", "label_scale",
+             "evaluation_split", "d_out", "dp_plan")  # what a checkpoint keeps (checkpoint-setup.pkl)
+
+    def __init__(self, send: Send, spec: RelationalSpec, cfg: Any, clients: list[ClientKey],
+                 privacy: Mapping[str, Any], log: Callable[[str], None] = print):
+        self.send, self.spec, self.cfg, self.clients, self.privacy, self.log = send, spec, cfg, clients, privacy, log
+        self.task = spec.label.task
+        self.label_dp = dp.uses_label_dp(privacy)
+        self.mapping: TableMapping | None = None
+        self.train: TableMapping | None = None
+        self.test: TableMapping | None = None
+        self.routers: dict[str, ShardRouter] = {}
+        self.client_rows: dict[ClientKey, int] = {}  # each client's row count: replies are checked against it
+        self.y_train: np.ndarray | None = None
+        self.y_test: np.ndarray | None = None
+        self.label_scale = LabelScale()  # fitted on the training labels the server holds
+        self.evaluation_split: dict[ClientKey, tuple[np.ndarray, np.ndarray]] = {}  # label DP (see evaluation)
+        self.d_out: int | None = None  # the prediction width
+        self.dp_plan: dict[ClientKey, tuple[int, float]] = {}  # feature DP: (local DP steps of the run, q)
+
+    def run(self, run_id: str, record: RunRecord, algorithm: str,
+            plan_feature_dp: Callable[[], dict[ClientKey, tuple[int, float]]] | None = None,
+            expand: bool = False) -> None:
+        """Round 1 (keys) builds the mapping, the partition and the labels and opens ``record``; then the
+        feature-DP plan (``plan_feature_dp``, on the table-row mapping), the federated preprocessing rounds
+        and, for a VFL baseline (``expand``), round ``expand``."""
+        replies = self.send({k: ({}, {"phase": "keys", "run_id": run_id, **dp.privacy_message(self.privacy)})
+                             for k in self.clients})
+        record.t0 = time.perf_counter()
+        y_train = self.build(replies)
+        regions = {k: str(r[1]["region"]) for k, r in replies.items()}
+        assert self.mapping is not None
+        record.open(self.cfg, algorithm, self.spec, self.mapping, regions, y_train)
+        del y_train  # the raw training labels: only the reference needs them
+        assert record.comm is not None
+        self.log(" | ".join(p for p in (summary_line(self.spec, self.mapping), record.reference_text(),
+                                         record.comm.wan.note) if p))
+        if plan_feature_dp is not None:  # on the table-row mapping, before a VFL expansion
+            self.dp_plan = plan_feature_dp()
+        self.federated_preprocessing()
+        if expand:
+            self.expand()
+
+    def build(self, replies: Mapping[ClientKey, Reply]) -> np.ndarray:
+        """The mapping, routers, partition and labels from the keys round's replies; returns the raw training
+        labels (label units, for the reference)."""
+        validate_key_kinds(self.spec, self._key_kinds(replies))
+        projections: dict[str, list[KeyProjection]] = {t: [] for t in self.spec.table_names}
+        for (table, shard), (arrays, _) in replies.items():
+            joins = [k for k, j in enumerate(self.spec.joins) if table in (j.left, j.right)]
+            projections[table].append(
+                KeyProjection(table, np.asarray(arrays["row_ids"], dtype=np.int64),
+                              {k: arrays[f"digest.{k}"] for k in joins})
+            )
+        mapping = build_mapping(self.spec, projections)
+        self.routers = {
+            t: ShardRouter({q: np.asarray(r[0]["row_ids"], dtype=np.int64)
+                            for (tt, q), r in replies.items() if tt == t}, mapping.n_rows[t])
+            for t in self.spec.table_names
+        }
+        self.client_rows = {k: len(r[0]["row_ids"]) for k, r in replies.items()}
+        for r in replies.values():  # the digests have served their purpose: free them before N-sized state
+            for name in [n for n in r[0] if n.startswith("digest.")]:
+                del r[0][name]
+        y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[self.spec.label_table])
+        # train and test are views of the mapping, reordered in place: train rows first, then test rows
+        self.train, self.test = mapping.partition(is_test_rows[mapping.p[self.spec.label_table]])
+        y_train = y_rows[self.train.p[self.spec.label_table]]
+        # regression: training sees the label standardized on the training rows (after label DP, which the
+        # label owner applied to the raw label); predictions go back to the label's units before any metric
+        self.label_scale = LabelScale.fit(self.task, y_train, standardizes_label(self.cfg))
+        self.y_train = self.state_labels(self.label_scale.scaled(y_train))
+        # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
+        self.y_test = None if self.label_dp else y_rows[self.test.p[self.spec.label_table]]
+        self.evaluation_split = self._evaluation_split() if self.label_dp else {}
+        self.d_out = output_dim(self.task, n_classes)
+        self.mapping = mapping
+        return y_train
+
+    @property
+    def state_dtype(self) -> np.dtype:
+        """The dtype of the server's per-joined-row float state: float32 in a float32 run, else float64."""
+        return np.dtype(np.float32 if str(self.cfg.get("precision", "float64")) == "float32" else np.float64)
+
+    def state_labels(self, y: np.ndarray) -> np.ndarray:
+        """The training labels as the server keeps them: regression/binary labels in :attr:`state_dtype`
+        (float32 in a float32 run), class ids as int32."""
+        if self.task == "multiclass":
+            return np.asarray(y).astype(np.int32, copy=False)
+        return np.asarray(y).astype(self.state_dtype, copy=False)
+
+    def _labels(self, replies: Mapping[ClientKey, Reply],
+                n_label_rows: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+        """Labels and test flags over the label table's rows, from every shard of the label table."""
+        y_rows: np.ndarray | None = None
+        is_test = np.zeros(n_label_rows, dtype=bool)
+        n_classes = 0
+        for (t, q), (arrays, reply_metrics) in replies.items():
+            if t != self.spec.label_table:
+                continue
+            ids, y, flags = np.asarray(arrays["row_ids"], dtype=np.int64), arrays["y"], arrays["is_test"].astype(bool)
+            randomized = reply_metrics.get("labels") == "train_randomized"
+            if randomized != self.label_dp:
+                raise RuntimeError(
+                    f"label table {t!r} shard {q}: privacy={self.privacy.get('name')} but the label owner sent "
+                    f"{'randomized training labels' if randomized else 'its raw labels'}"
+                )
+            if y_rows is None:
+                y_rows = np.zeros(n_label_rows, dtype=y.dtype)
+            if randomized:  # training rows only, in the order of the shard's rows; test labels stay with it
+                y_rows[ids[~flags]] = y
+                is_test[ids] = flags
+            else:
+                y_rows[ids], is_test[ids] = y, flags
+            n_classes = max(n_classes, int(reply_metrics.get("n_classes", 0)))
+        assert y_rows is not None
+        return y_rows, is_test, n_classes or None
+
+    def _key_kinds(self, replies: Mapping[ClientKey, Reply]) -> dict[str, dict[str, str]]:
+        kinds: dict[str, dict[str, str]] = {}
+        for (table, _), (_, m) in replies.items():
+            pairs = [kv.split("=", 1) for kv in str(m.get("key_kinds", "")).split(",") if kv]
+            kinds.setdefault(table, {}).update(dict(pairs))
+        return kinds
+
+    def _evaluation_split(self) -> dict[ClientKey, tuple[np.ndarray, np.ndarray]]:
+        """Label DP: per label-table shard, (indices into the test joined rows, positions of their label rows
+        in the shard), ordered by the shard's rows: what the label owner needs to score the test predictions."""
+        assert self.test is not None
+        label = self.spec.label_table
+        rows = self.test.p[label]  # label-table row of every test joined row (before any VFL expansion)
+        router = self.routers[label]
+        split = {}
+        for q in router.shards:
+            idx = np.flatnonzero(router.shard_of[rows] == q)
+            pos = router.position[rows[idx]]
+            order = np.argsort(pos, kind="stable")
+            split[(label, q)] = (idx[order], pos[order])
+        return split
+
+    def federated_preprocessing(self) -> None:
+        """Sec. 4.4: tables with several shards merge their shards' summaries into one global rule.
+
+        Round 1 asks for summaries without order statistics; round 2 (only when needed) asks for the sketches
+        of the columns that need them (a missing fit value somewhere, or binned), so no other column's
+        values (min/max and order statistics) leave the shards. Both rounds name the table's feature columns
+        (``columns``, spec order): the clients refuse a request without that exact list.
+        """
+        sharded = [t for t in self.spec.table_names if len(self.routers[t].shards) > 1]
+        if not sharded:
+            return
+        columns = {t: ",".join([*self.spec.table(t).numeric, *self.spec.table(t).categorical]) for t in sharded}
+        replies = self.send({
+            k: ({}, {"phase": "stats", "columns": columns[k[0]], "sketch": ""}) for k in self.clients if k[0] in sharded
+        })
+        summaries = self._summaries(replies)
+        wanted = {
+            t: sketch_columns_needed(summaries[t], [c for c, _ in self.spec.table(t).binned]) for t in sharded
+        }
+        if any(wanted.values()):
+            again = self.send({
+                k: ({}, {"phase": "stats", "columns": columns[k[0]], "sketch": ",".join(wanted[k[0]])})
+                for k in self.clients if wanted.get(k[0])
+            })
+            summaries.update(self._summaries(again))
+        messages = {}
+        for t in sharded:
+            spec_t = self.spec.table(t)
+            merged = merge_summaries(summaries[t])
+            # the binned columns' quantile edges come from the merged sketch, which stays on the server
+            edges = [quantile_bin_edges(merged, col, bins) for col, bins in spec_t.binned]
+            rule = merged.arrays(with_sketch=False) + edges
+            rule_id = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in rule)).hexdigest()[:16]
+            messages.update({k: (numbered("rule", rule), {"phase": "rule", "rule_id": rule_id})
+                             for k in self.clients if k[0] == t})
+        self.send(messages)
+
+    def _summaries(self, replies: Mapping[ClientKey, Reply]) -> dict[str, list[ShardSummary]]:
+        """The decoded preprocessing summaries of each table's shards, in shard order."""
+        out: dict[str, list[ShardSummary]] = {}
+        for (t, _), (arrays, _) in sorted(replies.items()):
+            spec_t = self.spec.table(t)
+            out.setdefault(t, []).append(
+                ShardSummary.from_arrays(unnumbered(arrays, "summary"), spec_t.numeric, spec_t.categorical))
+        return out
+
+    def expand(self) -> None:
+        """VFL: send p_i over all joined rows (train, then test); continue on the identity mapping."""
+        assert self.mapping is not None and self.train is not None and self.test is not None
+        N_train, N_test = self.train.N, self.test.N
+        order = self.mapping.p  # train rows, then test rows (setup's partition)
+        self.send({k: ({"p": order[k[0]]}, {"phase": "expand"}) for k in self.clients})
+        n_all = N_train + N_test
+        self.client_rows = {k: n_all for k in self.clients}
+        ids = np.arange(n_all, dtype=index_dtype(n_all))
+        identity = TableMapping({t: ids for t in order}, {t: n_all for t in order})
+        self.train, self.test = identity.rows(0, N_train), identity.rows(N_train, n_all)
 
 
 class ShardRouter:

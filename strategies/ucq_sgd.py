@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from strategies.loj import LoJStrategy
-from strategies.join_sgd import sgd_dp_plan
+from strategies.base import LoJStrategy
+from strategies.join_sgd import eval_point, sgd_aggregate, sgd_dp_plan, sgd_rounds, sgd_schedule
 from tpflower.batches import joined_predictions
-from strategies.join_sgd import sgd_aggregate
 from tpflower.phases.join_sgd import SGDParams
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -36,15 +35,15 @@ class TPUCQSGD(LoJStrategy):
 
     def protocol(self) -> None:
         done, loop = self.begin(self.start_sgd)
-        schedule, evaluation = self.sgd_schedule()
+        schedule, evaluation = sgd_schedule(self)
         eval_split = {t: self.routers[t].split(evaluation.U[t]) for t in self.spec.table_names}
         h = loop["h"]
-        rounds = self.sgd_rounds(schedule, done)
+        rounds = sgd_rounds(schedule, done)
         loss_sum, seen = 0.0, 0
         for round_no, (epoch, rows, plan, nxt, last) in rounds:
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
             loss_sum, seen = loss_sum + loss_b, seen + len(rows)
-            point = self.eval_point(round_no, epoch, last, schedule.per_epoch)
+            point = eval_point(self.params, round_no, epoch, last, schedule.per_epoch)
             counts = {t: np.bincount(plan.inv[t], minlength=len(plan.U[t])) for t in plan.U}  # G_iu in B
             masks = {t: self.routers[t].masks(plan.U[t]) for t in plan.U}
             replies = self.send(self.shard_messages(
@@ -75,7 +74,7 @@ class TPUCQSGD(LoJStrategy):
     def start_sgd(self) -> dict:
         """Setup, then the predictions of the first batch (each shard its rows of it)."""
         self.setup()
-        schedule, _ = self.sgd_schedule()
+        schedule, _ = sgd_schedule(self)
         split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
         replies = self.send(self.shard_messages(
             lambda k: ({"rows": split[k[0]][k[1]]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})

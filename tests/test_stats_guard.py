@@ -2,7 +2,7 @@
 for numeric sketch columns, none from small shards; the merged rule stays equal to the unioned preprocessing.
 
 Fast and without Flower: fedprep directly, the `stats` handler on a stand-in client, and the server's
-federated preprocessing (LoJStrategy._federated_preprocessing) on stand-in clients answering through it.
+federated preprocessing (JoinSetup.federated_preprocessing) on stand-in clients answering through it.
 """
 
 from __future__ import annotations
@@ -210,9 +210,9 @@ def test_stats_handler_refuses_and_reads_the_owner_threshold(shards, monkeypatch
 
 
 def federated_preprocessing(shards, binned: tuple[tuple[str, int], ...] = ()) -> tuple[list[dict], dict]:
-    """Run LoJStrategy._federated_preprocessing against stand-in shard clients answering through the stats
+    """Run JoinSetup.federated_preprocessing against stand-in shard clients answering through the stats
     handler; return every config it sent and the rule message each shard got."""
-    from strategies.loj import LoJStrategy
+    from strategies.setup import JoinSetup
     from tpflower.phases.setup import stats
 
     spec = spec_of(binned)
@@ -233,8 +233,8 @@ def federated_preprocessing(shards, binned: tuple[tuple[str, int], ...] = ()) ->
 
     strategy = SimpleNamespace(spec=spec, clients=list(clients), send=send,
                                routers={"ratings": SimpleNamespace(shards=list(range(len(shards))))})
-    strategy._summaries = lambda replies: LoJStrategy._summaries(strategy, replies)
-    LoJStrategy._federated_preprocessing(strategy)
+    strategy._summaries = lambda replies: JoinSetup._summaries(strategy, replies)
+    JoinSetup.federated_preprocessing(strategy)
     return sent, rules
 
 

@@ -18,27 +18,38 @@ from omegaconf import DictConfig
 
 from tpflower.app.client_app import config_from_run_config  # at import time: see the note in server_app_for
 from tpflower.app.flower_patch import install_fast_fetch
-from tpflower.registry import entry_of
 from tpflower.datasets import load_spec
+from tpflower.registry import entries, entry_of
+from tpflower.schema import RelationalSpec
 
 
-def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                  log: Callable[[str], None] = print, federated_only: bool = True) -> Strategy:
-    """The registered strategy of cfg's algorithm and scenario (a strategies.base.TablePuppetStrategy, imported
-    by the registry from strategies/FAMILY.py); bad settings raise ValueError here. ``federated_only=False``
-    also builds the centralized baseline (the Hydra entry point runs it without Flower)."""
+def build_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
+                   log: Callable[[str], None] = print, spec: RelationalSpec | None = None) -> Any:
+    """The registered strategy of cfg's algorithm and scenario, federated or not (strategies/FAMILY.py, found
+    by the registry); ``spec``: the dataset's spec if already loaded. Bad settings raise ValueError here."""
     entry = entry_of(cfg)
-    if federated_only and not entry.federated:
-        raise ValueError(f"algorithm {entry.selector!r} is not a federated algorithm: it runs without Flower "
-                         f"(python -m simulations.run algorithm={entry.selector})")
-    spec = load_spec(cfg.dataset, base_dir=base_dir)
+    spec = spec if spec is not None else load_spec(cfg.dataset, base_dir=base_dir)
     return entry.strategy(cfg, spec, run_dir, log=log, feature_dp=entry.feature_dp, label_dp=entry.label_dp,
                           why_no_feature_dp=entry.why_no_feature_dp)
 
 
+def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
+                  log: Callable[[str], None] = print, spec: RelationalSpec | None = None) -> Strategy:
+    """The registered Flower strategy of cfg's algorithm and scenario (a strategies.base.TablePuppetStrategy);
+    bad settings, and an algorithm that does not run federated (centralized), raise ValueError here."""
+    entry = entry_of(cfg)
+    if not entry.federated:
+        scenario = str(cfg.scenario.name)
+        choices = sorted(e.selector for e in entries() if e.scenario == scenario and e.federated)
+        raise ValueError(f"algorithm {entry.name!r} is not a federated algorithm; choose one of {choices}")
+    return build_strategy(cfg, run_dir, base_dir, log=log, spec=spec)
+
+
 def server_app_for(cfg: DictConfig | None, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                   created: list | None = None, log: Callable[[str], None] = print) -> ServerApp:
-    """A ServerApp for a fixed config (the Hydra entry point) or one composed from the run config (flwr run)."""
+                   created: list | None = None, log: Callable[[str], None] = print,
+                   strategy: Strategy | None = None) -> ServerApp:
+    """A ServerApp for a fixed config (the Hydra entry point) or one composed from the run config (flwr run,
+    ``cfg`` None); ``strategy``: the strategy built for ``cfg`` already (it runs once), else built here."""
     # Under `flwr run` on the simulation runtime the ServerApp thread and the ClientApp loader share a process:
     # Flower's loader takes a module already in sys.modules as loaded, so importing tpflower.app.client_app
     # lazily here could hand it a half-initialised module (LoadClientAppError "no attribute 'app'").
@@ -49,11 +60,11 @@ def server_app_for(cfg: DictConfig | None, run_dir: str | Path | None, base_dir:
         run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
         out = run_dir or context.run_config.get("run-dir") or default_run_dir(run_cfg)
         root = base_dir if base_dir is not None else context.run_config.get("base-dir") or None
-        strategy = make_strategy(run_cfg, out, root, log=log)
+        run = strategy if strategy is not None else make_strategy(run_cfg, out, root, log=log)
         if created is not None:
-            created.append(strategy)
+            created.append(run)
         nodes = run_cfg.get("nodes") or {}
-        strategy.start(grid, timeout=float(nodes.get("reply_timeout_s", 600)), node_wait_s=float(nodes.get("wait_s", 120)))
+        run.start(grid, timeout=float(nodes.get("reply_timeout_s", 600)), node_wait_s=float(nodes.get("wait_s", 120)))
 
     return app
 
