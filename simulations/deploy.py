@@ -121,7 +121,9 @@ def clients_of(overrides: str, base_dir: str | Path | None = None) -> list[tuple
     return load_spec(cfg.dataset, base_dir=base_dir).clients(str(cfg.scenario.name))
 
 
-def write_client_configs(overrides: str, directory: Path, base_dir: str | Path | None = None) -> dict[tuple[str, int], Path]:
+def write_client_configs(
+    overrides: str, directory: Path, base_dir: str | Path | None = None
+) -> dict[tuple[str, int], Path]:
     """One owner settings file per client of the run ``overrides`` describes (what each table's owner would
     write on its own node: tpflower.owner), and one fresh join-key secret they share (mode 0600)."""
     from tpflower.app.client_app import config_from_run_config  # noqa: PLC0415  flwr: see clients_of
@@ -140,8 +142,12 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
         settings = {
             "table": table,
             **({"source": owner.source} if owner.source else {"loader": owner.loader}),  # source: an absolute path
-            "columns": {"keys": list(e.keys), "numeric": list(e.numeric), "categorical": list(e.categorical),
-                        **({"label": e.label} if e.label else {})},
+            "columns": {
+                "keys": list(e.keys),
+                "numeric": list(e.numeric),
+                "categorical": list(e.categorical),
+                **({"label": e.label} if e.label else {}),
+            },
             "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
             "secret_file": str(key),
         }
@@ -150,15 +156,21 @@ def write_client_configs(overrides: str, directory: Path, base_dir: str | Path |
     return paths
 
 
-def write_connection(home: Path, name: str, address: str, root_certificates: str | Path | None = None,
-                     default: bool = False) -> Path:
+def write_connection(
+    home: Path, name: str, address: str, root_certificates: str | Path | None = None, default: bool = False
+) -> Path:
     """Add (or replace) the SuperLink connection `name` in $FLWR_HOME/config.toml: TLS verified against
     ``root_certificates`` (the deployment's CA), or insecure (plain text) when None."""
     path = home / "config.toml"
-    config: dict[str, Any] = tomllib.loads(path.read_text()) if path.is_file() else json.loads(json.dumps(DEFAULT_FLOWER_CONFIG))
+    config: dict[str, Any] = (
+        tomllib.loads(path.read_text()) if path.is_file() else json.loads(json.dumps(DEFAULT_FLOWER_CONFIG))
+    )
     superlinks = config.setdefault("superlink", {})
-    superlinks[name] = ({"address": address, "root-certificates": str(Path(root_certificates).resolve())}
-                        if root_certificates else {"address": address, "insecure": True})
+    superlinks[name] = (
+        {"address": address, "root-certificates": str(Path(root_certificates).resolve())}
+        if root_certificates
+        else {"address": address, "insecure": True}
+    )
     if default:
         superlinks["default"] = name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,8 +231,9 @@ def _signal(pid: int, pgid: int | None, sig: int) -> None:
         pass
 
 
-def kill_tagged(tag: str, groups: Iterable[int] = (), timeout: float = 10.0,
-                children: Iterable[subprocess.Popen] = ()) -> list[int]:
+def kill_tagged(
+    tag: str, groups: Iterable[int] = (), timeout: float = 10.0, children: Iterable[subprocess.Popen] = ()
+) -> list[int]:
     """SIGTERM every process carrying `tag`, then SIGKILL what is left after `timeout`; returns the survivors.
 
     A tagged process that leads its process group, or belongs to one of `groups` (the groups this module
@@ -260,8 +273,15 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: str | Path | None
     """Start `cmd` in a new session (its own process group), output to `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- deployment
@@ -303,27 +323,73 @@ class Deployment:
 
 def superlink_command(port: int, tls: ServerTLS | None) -> list[str]:
     """flower-superlink on 127.0.0.1:`port`: TLS with SuperNode authentication, or plain text (tls None)."""
-    security = (["--ssl-ca-certfile", str(tls.ca), "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key),
-                 "--enable-supernode-auth"] if tls else ["--insecure"])
-    return ["flower-superlink", *security, "--disable-runtime-dependency-installation", "--host", HOST, "--port", str(port)]
+    security = (
+        [
+            "--ssl-ca-certfile",
+            str(tls.ca),
+            "--ssl-certfile",
+            str(tls.cert),
+            "--ssl-keyfile",
+            str(tls.key),
+            "--enable-supernode-auth",
+        ]
+        if tls
+        else ["--insecure"]
+    )
+    return [
+        "flower-superlink",
+        *security,
+        "--disable-runtime-dependency-installation",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+    ]
 
 
-def supernode_command(superlink_port: int, port: int, table: str, shard: int, client_config: str | Path,
-                      ca: str | Path | None = None, auth_key: str | Path | None = None) -> list[str]:
+def supernode_command(
+    superlink_port: int,
+    port: int,
+    table: str,
+    shard: int,
+    client_config: str | Path,
+    ca: str | Path | None = None,
+    auth_key: str | Path | None = None,
+) -> list[str]:
     """flower-supernode of one table shard: TLS verified against ``ca`` and authenticated by its private key
     ``auth_key`` (registered with the SuperLink), or plain text when ``ca`` is None."""
-    security = (["--root-certificates", str(ca)] + (["--auth-supernode-private-key", str(auth_key)] if auth_key else [])
-                if ca else ["--insecure"])
-    return ["flower-supernode", *security, "--superlink", f"{HOST}:{superlink_port}", "--host", HOST,
-            "--port", str(port), "--node-config", f'table="{table}" shard={shard} client-config="{client_config}"']
+    security = (
+        ["--root-certificates", str(ca)] + (["--auth-supernode-private-key", str(auth_key)] if auth_key else [])
+        if ca
+        else ["--insecure"]
+    )
+    return [
+        "flower-supernode",
+        *security,
+        "--superlink",
+        f"{HOST}:{superlink_port}",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--node-config",
+        f'table="{table}" shard={shard} client-config="{client_config}"',
+    ]
 
 
 def register_node(public_key: str | Path, connection: str, env: dict[str, str]) -> None:
     """``flwr supernode register PUBLIC_KEY CONNECTION``: the SuperLink accepts the node holding the private key."""
-    done = subprocess.run(["flwr", "supernode", "register", str(public_key), connection], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["flwr", "supernode", "register", str(public_key), connection],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if done.returncode != 0 or "registered successfully" not in done.stdout:
-        raise RuntimeError(f"registering {public_key} failed (exit {done.returncode}): {(done.stdout + done.stderr).strip()}")
+        raise RuntimeError(
+            f"registering {public_key} failed (exit {done.returncode}): {(done.stdout + done.stderr).strip()}"
+        )
 
 
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float, ca: str | Path | None = None) -> None:
@@ -352,12 +418,22 @@ def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> 
                 return
         except OSError:
             time.sleep(0.2)
-    raise TimeoutError(f"{proc.args[0]} not listening on {HOST}:{port} within {timeout:.0f} s; log {log}:\n{_log_tail(log)}")
+    raise TimeoutError(
+        f"{proc.args[0]} not listening on {HOST}:{port} within {timeout:.0f} s; log {log}:\n{_log_tail(log)}"
+    )
 
 
-def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: int | None = None,
-          home: str | Path | None = None, base_dir: str | Path | None = None, connection: str = CONNECTION,
-          cwd: str | Path | None = None, timeout: float = 60.0, insecure: bool = False) -> Deployment:
+def start(
+    overrides: str = "",
+    state_dir: str | Path = DEFAULT_STATE_DIR,
+    port: int | None = None,
+    home: str | Path | None = None,
+    base_dir: str | Path | None = None,
+    connection: str = CONNECTION,
+    cwd: str | Path | None = None,
+    timeout: float = 60.0,
+    insecure: bool = False,
+) -> Deployment:
     """Start a SuperLink on 127.0.0.1:`port` (a free one if None) and one SuperNode per client of the run
     `overrides` describes, each on a free port; register connection `connection` in $FLWR_HOME/config.toml.
 
@@ -372,21 +448,35 @@ def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: 
     if (state / "deployment.json").is_file():
         old = Deployment.load(state)
         if tagged_pids(old.tag):
-            raise RuntimeError(f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop` first")
+            raise RuntimeError(
+                f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop` first"
+            )
     client_configs = write_client_configs(overrides, state / "clients", base_dir)
     if insecure:
-        print("WARNING: insecure deployment: plain-text traffic and no SuperNode authentication "
-              "(any process that reaches the SuperLink's port can join as a table)", file=sys.stderr, flush=True)
+        print(
+            "WARNING: insecure deployment: plain-text traffic and no SuperNode authentication "
+            "(any process that reaches the SuperLink's port can join as a table)",
+            file=sys.stderr,
+            flush=True,
+        )
     tls = None if insecure else make_server_tls(state / "pki")
-    dep = Deployment(tag=uuid.uuid4().hex, flwr_home=str(flwr_home(home)), state_dir=str(state),
-                     superlink_port=port or free_port(), connection=connection, ca=None if tls is None else str(tls.ca))
+    dep = Deployment(
+        tag=uuid.uuid4().hex,
+        flwr_home=str(flwr_home(home)),
+        state_dir=str(state),
+        superlink_port=port or free_port(),
+        connection=connection,
+        ca=None if tls is None else str(tls.ca),
+    )
     env = dep.env()
     workdir = cwd or Path.cwd()
     try:
         log = state / "superlink.log"
         proc = spawn(superlink_command(dep.superlink_port, tls), log, env, workdir)
         dep.popens.append(proc)
-        dep.processes.append({"name": "superlink", "pid": proc.pid, "pgid": proc.pid, "cmd": proc.args, "log": str(log)})
+        dep.processes.append(
+            {"name": "superlink", "pid": proc.pid, "pgid": proc.pid, "cmd": proc.args, "log": str(log)}
+        )
         dep.save()
         _wait_http(f"{'https' if tls else 'http'}://{dep.address}/health", proc, log, timeout, dep.ca)
         write_connection(Path(dep.flwr_home), connection, dep.address, dep.ca)
@@ -398,11 +488,23 @@ def start(overrides: str = "", state_dir: str | Path = DEFAULT_STATE_DIR, port: 
                 register_node(public_key, connection, env)
             node_port = free_port()
             log = state / f"supernode-{table}-{shard}.log"
-            proc = spawn(supernode_command(dep.superlink_port, node_port, table, shard, client_config, dep.ca, auth_key),
-                         log, env, workdir)
+            proc = spawn(
+                supernode_command(dep.superlink_port, node_port, table, shard, client_config, dep.ca, auth_key),
+                log,
+                env,
+                workdir,
+            )
             dep.popens.append(proc)
-            dep.processes.append({"name": f"supernode {table}/{shard}", "pid": proc.pid, "pgid": proc.pid,
-                                  "cmd": proc.args, "log": str(log), "port": node_port})
+            dep.processes.append(
+                {
+                    "name": f"supernode {table}/{shard}",
+                    "pid": proc.pid,
+                    "pgid": proc.pid,
+                    "cmd": proc.args,
+                    "log": str(log),
+                    "port": node_port,
+                }
+            )
             dep.save()
             nodes.append((node_port, proc, log))
         for node_port, proc, log in nodes:
@@ -431,9 +533,14 @@ def stop(dep: Deployment | str | Path = DEFAULT_STATE_DIR, timeout: float = 10.0
     return kill_tagged(dep.tag, [int(p["pgid"]) for p in dep.processes], timeout, dep.popens)
 
 
-def flwr_run_command(connection: str | None, overrides: str, run_dir: str | Path | None = None,
-                     app_dir: str | Path = APP_DIR, federation_config: str | None = None,
-                     stream: bool = True) -> list[str]:
+def flwr_run_command(
+    connection: str | None,
+    overrides: str,
+    run_dir: str | Path | None = None,
+    app_dir: str | Path = APP_DIR,
+    federation_config: str | None = None,
+    stream: bool = True,
+) -> list[str]:
     """The `flwr run` command line for a job (connection None = the default one, `local`)."""
     run_config = [f"overrides={json.dumps(overrides)}"]
     if run_dir is not None:
@@ -450,19 +557,28 @@ class RunFailed(RuntimeError):
 
 def run_status(run_id: int, connection: str, env: dict[str, str]) -> dict[str, Any]:
     """The SuperLink's record of run ``run_id`` (``flwr ls --run-id --format json``): status, details, ..."""
-    done = subprocess.run(["flwr", "ls", connection, "--run-id", str(run_id), "--format", "json"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["flwr", "ls", connection, "--run-id", str(run_id), "--format", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     try:
         return json.loads(done.stdout)["runs"][0]
     except (ValueError, KeyError, IndexError):
-        raise RunFailed(f"cannot read the status of run {run_id}: {(done.stdout + done.stderr).strip()[-400:]}") from None
+        raise RunFailed(
+            f"cannot read the status of run {run_id}: {(done.stdout + done.stderr).strip()[-400:]}"
+        ) from None
 
 
 def stream_run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, list[str]]:
     """Run ``flwr run ... --stream``, echoing its output; returns (the run id it started, its output lines)."""
     lines: list[str] = []
     run_id = None
-    with subprocess.Popen(cmd, env=env, cwd=APP_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(
+        cmd, env=env, cwd=APP_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
         deadline = time.monotonic() + timeout
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -476,8 +592,16 @@ def stream_run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int
     return run_id, lines
 
 
-def run(overrides: str, run_dir: str | Path, state_dir: str | Path = DEFAULT_STATE_DIR, port: int | None = None,
-        home: str | Path | None = None, timeout: float = 3600.0, insecure: bool = False, resume: bool = False) -> Path:
+def run(
+    overrides: str,
+    run_dir: str | Path,
+    state_dir: str | Path = DEFAULT_STATE_DIR,
+    port: int | None = None,
+    home: str | Path | None = None,
+    timeout: float = 3600.0,
+    insecure: bool = False,
+    resume: bool = False,
+) -> Path:
     """start + `flwr run ... --stream` + stop (always); returns the results.json path of THIS run. ``resume``:
     continue the run in ``run_dir`` from its last checkpoint (the nodes' own checkpoints are in their
     state dirs under ``state_dir``).
@@ -501,8 +625,12 @@ def run(overrides: str, run_dir: str | Path, state_dir: str | Path = DEFAULT_STA
         if status.get("status") != "finished:completed" or not written:
             # the ServerApp's exception is the run's status detail: the one line naming the table at fault
             why = str(status.get("status-details") or "").removeprefix("ServerApp failed with exception: ")
-            raise RunFailed(f"run {run_id} {status.get('status')}" + (f": {why}" if why else "")
-                            + ("" if written else f"; no new {results}") + f" (logs in {dep.state_dir})")
+            raise RunFailed(
+                f"run {run_id} {status.get('status')}"
+                + (f": {why}" if why else "")
+                + ("" if written else f"; no new {results}")
+                + f" (logs in {dep.state_dir})"
+            )
         return results
     finally:
         left = stop(dep)
@@ -540,7 +668,7 @@ def stop_local(home: str | Path | None = None, timeout: float = 10.0) -> list[in
                 argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "--parent-pid" in argv and argv[argv.index("--parent-pid") + 1:][:1] in ([str(p)] for p in superlinks):
+            if "--parent-pid" in argv and argv[argv.index("--parent-pid") + 1 :][:1] in ([str(p)] for p in superlinks):
                 targets.append(int(entry.name))
 
     def signal_all(sig: int) -> None:
@@ -570,20 +698,33 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="start, `flwr run` one job (waits for it), stop")
     p_local = sub.add_parser("stop-local", help="stop the local simulation SuperLink `flwr run .` left running")
     p_clients = sub.add_parser("clients", help="the tables (SuperNodes) of a run and its `flwr run .` command")
-    p_pki = sub.add_parser("pki", help="the SuperLink operator's CA and SuperLink certificate (ca.crt goes to everyone)")
+    p_pki = sub.add_parser(
+        "pki", help="the SuperLink operator's CA and SuperLink certificate (ca.crt goes to everyone)"
+    )
     p_pki.add_argument("--dir", required=True, help="where to write ca.crt, ca.key, server.crt, server.key")
-    p_pki.add_argument("--host", action="append", default=None,
-                       help="a name or address the SuperLink is reached at (repeatable; default 127.0.0.1 and localhost)")
+    p_pki.add_argument(
+        "--host",
+        action="append",
+        default=None,
+        help="a name or address the SuperLink is reached at (repeatable; default 127.0.0.1 and localhost)",
+    )
     p_keygen = sub.add_parser("keygen", help="a table owner's SuperNode key pair (KEY, 0600, and KEY.pub to register)")
     p_keygen.add_argument("key", help="path of the private key to write")
     for p in (p_start, p_run, p_clients):
-        p.add_argument("--overrides", default="algorithm=admm", help="Hydra overrides (one string); selects the dataset, hence the tables")
+        p.add_argument(
+            "--overrides",
+            default="algorithm=admm",
+            help="Hydra overrides (one string); selects the dataset, hence the tables",
+        )
         p.add_argument("--port", type=int, default=None, help="SuperLink port on 127.0.0.1 (default: a free one)")
     p_run.add_argument("--run-dir", required=True, help="directory for results.json")
     p_run.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     for p in (p_start, p_run):
-        p.add_argument("--insecure", action="store_true",
-                       help="plain text and no SuperNode authentication (default: TLS + node authentication)")
+        p.add_argument(
+            "--insecure",
+            action="store_true",
+            help="plain text and no SuperNode authentication (default: TLS + node authentication)",
+        )
     for p in (p_start, p_stop, p_run):
         p.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="deployment.json and the process logs")
     for p in (p_start, p_run, p_local):
@@ -597,8 +738,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in dep.processes[1:]:
             print(f"  {p['name']}: pid {p['pid']}, log {p['log']}")
         job = args.overrides if "algorithm=" in args.overrides else f"algorithm=admm {args.overrides}".strip()
-        print(f"run:  FLWR_HOME={dep.flwr_home} flwr run . {dep.connection} --stream "
-              f"--run-config \"overrides='{job}'\"")
+        print(
+            f"run:  FLWR_HOME={dep.flwr_home} flwr run . {dep.connection} --stream --run-config \"overrides='{job}'\""
+        )
         print(f"stop: python -m simulations.deploy stop --state-dir {args.state_dir}")
     elif args.command == "stop":
         left = stop(args.state_dir)
@@ -606,8 +748,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if left else 0
     elif args.command == "run":
         try:
-            results = run(args.overrides, args.run_dir, args.state_dir, args.port, args.flwr_home,
-                          insecure=args.insecure, resume=args.resume)
+            results = run(
+                args.overrides,
+                args.run_dir,
+                args.state_dir,
+                args.port,
+                args.flwr_home,
+                insecure=args.insecure,
+                resume=args.resume,
+            )
             print(f"results: {results}")
         except RunFailed as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -615,15 +764,19 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "clients":
         clients = clients_of(args.overrides)
         print(" ".join(t for t, _ in clients))
-        print(f"flwr run . --stream --run-config \"overrides='{args.overrides}'\" "
-              f"--federation-config \"num-supernodes={len(clients)} client-resources-num-cpus=1\"")
+        print(
+            f"flwr run . --stream --run-config \"overrides='{args.overrides}'\" "
+            f'--federation-config "num-supernodes={len(clients)} client-resources-num-cpus=1"'
+        )
     elif args.command == "pki":
         tls = make_server_tls(args.dir, tuple(args.host) if args.host else ("127.0.0.1", "localhost"))
         print(f"CA {tls.ca} (give it to the node owners and to `flwr run` users); SuperLink {tls.cert}, {tls.key}")
     elif args.command == "keygen":
         private, public = make_node_keys(args.key)
-        print(f"private key {private} (stays on this machine); public key {public} (give it to the SuperLink's "
-              "operator: flwr supernode register)")
+        print(
+            f"private key {private} (stays on this machine); public key {public} (give it to the SuperLink's "
+            "operator: flwr supernode register)"
+        )
     elif args.command == "stop-local":
         left = stop_local(args.flwr_home)
         print(f"still alive: {left}" if left else "stopped")

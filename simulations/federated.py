@@ -10,20 +10,19 @@ import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
-from tpflower.app.client_app import client_app_for
-from tpflower.app.flower_patch import install_fast_fetch
-from tpflower.app.server_app import make_strategy, server_app_for
 from strategies.base import LoJStrategy
 from strategies.transport import ClientKey, DirectTransport
+from tpflower.app.client_app import client_app_for, node_identity
+from tpflower.app.flower_patch import install_fast_fetch
+from tpflower.app.server_app import make_strategy, server_app_for
 from tpflower.results import RunResults
 
 FLOWER_LOG = "flower.log"  # Flower's and Ray's own log lines go here (in the run dir), not to the console
@@ -47,14 +46,19 @@ def flower_logs_to(path: Path) -> Iterator[None]:
         logger.setLevel(saved[2])
 
 
-def run_flower_simulation(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                          log: Callable[[str], None] = print, strategy: LoJStrategy | None = None) -> RunResults:
+def run_flower_simulation(
+    cfg: DictConfig,
+    run_dir: str | Path | None,
+    base_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+    strategy: LoJStrategy | None = None,
+) -> RunResults:
     """One virtual SuperNode per table shard, client resources from conf/resources; Flower's log to flower.log.
     ``strategy``: the strategy built for ``cfg`` already (else built here), run by the ServerApp."""
     # Flower 1.41 deprecates run_simulation in favour of `flwr run` (a CLI that starts a SuperLink process and
     # reads the app's pyproject), but it is the only in-Python way to start the simulation engine with a
     # config composed by Hydra: kept here, in this one function, with its notice sent to flower.log.
-    from flwr.simulation import run_simulation
+    from flwr.simulation import run_simulation  # noqa: PLC0415  Ray: only when the engine runs
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's future default, no warning per run
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -70,8 +74,10 @@ def run_flower_simulation(cfg: DictConfig, run_dir: str | Path | None, base_dir:
             server_app=server_app_for(cfg, run_dir, base_dir, created, log=log, strategy=strategy),
             client_app=client_app_for(cfg, base_dir, run_dir),
             num_supernodes=num,
-            backend_config={"client_resources": resources,
-                            "init_args": {"logging_level": logging.ERROR, "log_to_driver": False}},
+            backend_config={
+                "client_resources": resources,
+                "init_args": {"logging_level": logging.ERROR, "log_to_driver": False},
+            },
         )
     if not created or created[0].results is None or not created[0].finished:
         raise RuntimeError(f"the Flower simulation ended before the algorithm finished; see {log_dir / FLOWER_LOG}")
@@ -91,18 +97,22 @@ class InProcessRun:
 def in_process_contexts(strategy: LoJStrategy, base_dir: str | Path | None = None) -> dict[ClientKey, Context]:
     """One Flower Context per client key, with the node config the simulation engine gives it (partition-id),
     keyed by the table and shard the client takes for that partition."""
-    from tpflower.app.client_app import node_identity
-
     contexts = {}
     for pid in range(len(strategy.clients)):
         config = {"partition-id": pid}
         contexts[node_identity(strategy.cfg, config, base_dir)] = Context(
-            run_id=0, node_id=pid + 1, node_config=config, state=RecordDict(), run_config={})
+            run_id=0, node_id=pid + 1, node_config=config, state=RecordDict(), run_config={}
+        )
     return contexts
 
 
-def run_in_process(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                   log: Callable[[str], None] = print, strategy: LoJStrategy | None = None) -> InProcessRun:
+def run_in_process(
+    cfg: DictConfig,
+    run_dir: str | Path | None,
+    base_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+    strategy: LoJStrategy | None = None,
+) -> InProcessRun:
     """The same strategy and ClientApp, called directly (no Flower transport, no Ray); ``strategy``: the
     strategy built for ``cfg`` already (else built here)."""
     if strategy is None:

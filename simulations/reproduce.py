@@ -142,8 +142,7 @@ def _distinguishing(group: list[dict[str, Any]]) -> list[str]:
     flats = [_flatten(r.get("config") or {}) for r in group]
     keys = set().union(*flats)
     differing = sorted(
-        (k for k in keys
-         if not k.startswith(IGNORED_CONFIG_PREFIXES) and len({f.get(k) for f in flats}) > 1),
+        (k for k in keys if not k.startswith(IGNORED_CONFIG_PREFIXES) and len({f.get(k) for f in flats}) > 1),
         key=_key_rank,
     )
     chosen: list[str] = []
@@ -174,8 +173,9 @@ def run_labels(runs: Sequence[dict[str, Any]], with_dataset: bool | None = None)
     """
     if with_dataset is None:
         with_dataset = len({r["dataset"] for r in runs}) > 1
-    labels = [f"{r['algorithm']}, {r.get('model') or 'model?'}" + (f" [{r['dataset']}]" if with_dataset else "")
-              for r in runs]
+    labels = [
+        f"{r['algorithm']}, {r.get('model') or 'model?'}" + (f" [{r['dataset']}]" if with_dataset else "") for r in runs
+    ]
     return [lab + (f" ({v})" if v else "") for lab, v in zip(labels, run_variants(runs))]
 
 
@@ -201,25 +201,27 @@ def summary_rows(runs: Sequence[Any]) -> list[dict[str, Any]]:
         hist = run["history"]
         last = hist[-1] if hist else {}
         values = _metric_values(run)
-        rows.append({
-            "label": label,
-            "variant": variant,
-            "algorithm": run["algorithm"],
-            "scenario": run.get("scenario"),
-            "dataset": run["dataset"],
-            "model": run.get("model"),
-            "metric": run["metric"],
-            "epochs": last.get("epoch"),
-            "final": values[-1] if values else None,
-            "best": best_metric(run),
-            "rounds": last.get("rounds"),
-            "mb_up": (last.get("bytes_up") or 0) / 1e6 if hist else None,
-            "mb_down": (last.get("bytes_down") or 0) / 1e6 if hist else None,
-            "comm_time_s": last.get("comm_time_s"),
-            "wall_time_s": last.get("wall_time_s"),
-            "n_joined": run.get("n_joined"),
-            "path": run.get(PATH_KEY),
-        })
+        rows.append(
+            {
+                "label": label,
+                "variant": variant,
+                "algorithm": run["algorithm"],
+                "scenario": run.get("scenario"),
+                "dataset": run["dataset"],
+                "model": run.get("model"),
+                "metric": run["metric"],
+                "epochs": last.get("epoch"),
+                "final": values[-1] if values else None,
+                "best": best_metric(run),
+                "rounds": last.get("rounds"),
+                "mb_up": (last.get("bytes_up") or 0) / 1e6 if hist else None,
+                "mb_down": (last.get("bytes_down") or 0) / 1e6 if hist else None,
+                "comm_time_s": last.get("comm_time_s"),
+                "wall_time_s": last.get("wall_time_s"),
+                "n_joined": run.get("n_joined"),
+                "path": run.get(PATH_KEY),
+            }
+        )
     return rows
 
 
@@ -235,11 +237,20 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str | None = None):
     """The rich Table of summary_rows."""
     table = Table(title=title or "runs")
     columns = [
-        ("algorithm", "algorithm", "left"), ("scenario", "scenario", "left"), ("dataset", "dataset", "left"),
-        ("model", "model", "left"), ("config", "variant", "left"), ("epochs", "epochs", "right"),
-        ("final test", "final", "right"), ("best test", "best", "right"), ("rounds", "rounds", "right"),
-        ("MB up", "mb_up", "right"), ("MB down", "mb_down", "right"), ("comm time (s)", "comm_time_s", "right"),
-        ("wall time (s)", "wall_time_s", "right"), ("N", "n_joined", "right"),
+        ("algorithm", "algorithm", "left"),
+        ("scenario", "scenario", "left"),
+        ("dataset", "dataset", "left"),
+        ("model", "model", "left"),
+        ("config", "variant", "left"),
+        ("epochs", "epochs", "right"),
+        ("final test", "final", "right"),
+        ("best test", "best", "right"),
+        ("rounds", "rounds", "right"),
+        ("MB up", "mb_up", "right"),
+        ("MB down", "mb_down", "right"),
+        ("comm time (s)", "comm_time_s", "right"),
+        ("wall time (s)", "wall_time_s", "right"),
+        ("N", "n_joined", "right"),
     ]
     for header, _, justify in columns:
         table.add_column(header, justify=justify)
@@ -320,8 +331,9 @@ def converged_ylim(curves: Sequence[Sequence[float]], refs: Sequence[float]) -> 
     return lo - pad, hi + pad
 
 
-def _reference_lines(ax, exact: list[dict[str, Any]], constant: float | None, metric: str,
-                     ylim: tuple[float, float] | None) -> int:
+def _reference_lines(
+    ax, exact: list[dict[str, Any]], constant: float | None, metric: str, ylim: tuple[float, float] | None
+) -> int:
     """Horizontal lines for the exact solution and the constant predictor; returns the legend entries added."""
     n = 0
     for run in exact:
@@ -330,8 +342,11 @@ def _reference_lines(ax, exact: list[dict[str, Any]], constant: float | None, me
         n += 1
     if constant is not None:
         off = ylim is not None and not ylim[0] <= constant <= ylim[1]
-        ax.axhline(constant, label=f"constant predictor: {metric} {constant:.4g}" + (" (off the axis)" if off else ""),
-                   **CONSTANT_STYLE)
+        ax.axhline(
+            constant,
+            label=f"constant predictor: {metric} {constant:.4g}" + (" (off the axis)" if off else ""),
+            **CONSTANT_STYLE,
+        )
         n += 1
     return n
 
@@ -346,8 +361,14 @@ def _style(k: int, n_points: int) -> dict[str, Any]:
     """The k-th run of a subplot: its own dash pattern and marker, and thinner than the runs drawn before it,
     so identical curves stay visible (the earlier, wider line shows around the later one)."""
     style: dict[str, Any] = {"linestyle": LINESTYLES[k % len(LINESTYLES)], "linewidth": max(1.0, 3.0 - 0.45 * k)}
-    style.update({"marker": MARKERS[k % len(MARKERS)], "markersize": 4, "markevery": max(1, n_points // 12),
-                  "markerfacecolor": "none" if k % 2 else None})
+    style.update(
+        {
+            "marker": MARKERS[k % len(MARKERS)],
+            "markersize": 4,
+            "markevery": max(1, n_points // 12),
+            "markerfacecolor": "none" if k % 2 else None,
+        }
+    )
     return style
 
 
@@ -371,7 +392,9 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
     def panel(ax, d: str, comm: bool) -> None:
         idx = by_dataset[d]
         exact = [runs[i] for i in idx if is_exact(runs[i])]
-        drawn = [i for i in idx if runs[i]["history"] and not is_exact(runs[i]) and not (comm and is_centralized(runs[i]))]
+        drawn = [
+            i for i in idx if runs[i]["history"] and not is_exact(runs[i]) and not (comm and is_centralized(runs[i]))
+        ]
         flat = [i for i in idx if comm and runs[i]["history"] and is_centralized(runs[i]) and not is_exact(runs[i])]
         metric = runs[idx[0]]["metric"]
         times = [h.get("comm_time_s") or 0.0 for i in drawn for h in runs[i]["history"]]
@@ -383,11 +406,21 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
             xs = [(h.get("comm_time_s") or 0.0) if comm else h["epoch"] for h in run["history"]]
             pts = [(x, v) for x, v in zip(xs, _metric_values(run)) if not (log_x and x <= 0)]
             curves.append([v for _, v in pts])
-            ax.plot([x for x, _ in pts], [v for _, v in pts], label=labels[i], color=colors[labels[i]],
-                    **_style(k, len(pts)))
+            ax.plot(
+                [x for x, _ in pts],
+                [v for _, v in pts],
+                label=labels[i],
+                color=colors[labels[i]],
+                **_style(k, len(pts)),
+            )
         for k, i in enumerate(flat, start=len(drawn)):
-            ax.axhline(_metric_values(runs[i])[-1], label=f"{labels[i]} (no communication)", color=colors[labels[i]],
-                       linestyle=LINESTYLES[k % len(LINESTYLES)], linewidth=1.4)
+            ax.axhline(
+                _metric_values(runs[i])[-1],
+                label=f"{labels[i]} (no communication)",
+                color=colors[labels[i]],
+                linestyle=LINESTYLES[k % len(LINESTYLES)],
+                linewidth=1.4,
+            )
             curves.append([_metric_values(runs[i])[-1]])
         constant = constant_reference([runs[i] for i in idx])
         refs = [_metric_values(r)[-1] for r in exact] + ([constant] if constant is not None else [])
@@ -430,10 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m simulations.reproduce",
         description="Plot test metric vs epoch and vs modelled communication time from results.json records.",
     )
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="run dir with results.json, a results.json file, or a Hydra multirun dir")
-    parser.add_argument("--out", default="figure", metavar="FIGURE_PREFIX",
-                        help="writes FIGURE_PREFIX_epoch.png and FIGURE_PREFIX_comm.png (default: figure)")
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run dir with results.json, a results.json file, or a Hydra multirun dir",
+    )
+    parser.add_argument(
+        "--out",
+        default="figure",
+        metavar="FIGURE_PREFIX",
+        help="writes FIGURE_PREFIX_epoch.png and FIGURE_PREFIX_comm.png (default: figure)",
+    )
     parser.add_argument("--title", default=None, help="figure title")
     return parser
 

@@ -10,8 +10,9 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
@@ -43,6 +42,7 @@ from tpflower.checkpoint import CHECKPOINT
 from tpflower.losses import primary_metric
 from tpflower.params import AlgorithmParams, run_settings
 from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
+from tpflower.registry import entries
 from tpflower.schema import RelationalSpec
 
 
@@ -72,8 +72,15 @@ class TablePuppetStrategy(Strategy):
 
     # ------------------------------------------------------------------------------------ running
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int = 0,
-              timeout: float = 600.0, node_wait_s: float = 120.0, **_: object) -> Result:
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int = 0,
+        timeout: float = 600.0,
+        node_wait_s: float = 120.0,
+        **_: object,
+    ) -> Result:
         """Run the protocol over Flower's Grid (the ServerApp's main). Rounds are the protocol's, not num_rounds;
         ``timeout``: the longest wait for a round's replies; ``node_wait_s``: for the nodes to connect."""
         self.run(GridTransport(grid, timeout), node_wait_s)
@@ -101,8 +108,10 @@ class TablePuppetStrategy(Strategy):
                 return
             names = ", ".join(f"table {t!r} shard {q}" for t, q in missing)
             if waited > wait_s:
-                raise RunError(f"no node holds {names} ({len(self.nodes)} of {len(self.clients)} nodes connected "
-                               f"within {wait_s:.0f} s; one SuperNode per table shard is needed)")
+                raise RunError(
+                    f"no node holds {names} ({len(self.nodes)} of {len(self.clients)} nodes connected "
+                    f"within {wait_s:.0f} s; one SuperNode per table shard is needed)"
+                )
             if waited - said >= self.WAIT_LINE_S:
                 said = waited
                 self.log(f"waiting for nodes ({waited:.0f} of {wait_s:.0f} s): missing {names}")
@@ -144,8 +153,9 @@ class TablePuppetStrategy(Strategy):
         self.on_round(kind, down, up)
         return replies
 
-    def round_messages(self, messages: Mapping[ClientKey, Payload],
-                       kind: Kind) -> tuple[list[Message], dict[ClientKey, int]]:
+    def round_messages(
+        self, messages: Mapping[ClientKey, Payload], kind: Kind
+    ) -> tuple[list[Message], dict[ClientKey, int]]:
         """The Flower messages of a round (a different payload per node) and each one's payload bytes."""
         out, down = [], {}
         for key, (payload, cfg) in messages.items():
@@ -177,19 +187,23 @@ class TablePuppetStrategy(Strategy):
     # implemented as what they can honestly be: configure_* refuse (nothing calls them), aggregate_* decode a
     # round's replies and report its bytes.
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        raise NotImplementedError("a TablePuppet round's messages are per client: built by send(), not from "
-                                  "one (arrays, config)")
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        raise NotImplementedError(
+            "a TablePuppet round's messages are per client: built by send(), not from one (arrays, config)"
+        )
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode a round's replies (an error reply ends the run): no global model, the round's reply bytes."""
         _, up = self.read_replies(replies)
         return None, MetricRecord({"bytes_up": sum(up.values())})
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         return self.configure_train(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -214,8 +228,16 @@ class LoJStrategy(TablePuppetStrategy):
     one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
     checkpointed: tuple[str, ...] = ()  # the strategy's own attributes an epoch's checkpoint keeps
 
-    def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
-                 feature_dp: bool = True, label_dp: bool = True, why_no_feature_dp: str = ""):
+    def __init__(
+        self,
+        cfg: Any,
+        spec: RelationalSpec,
+        run_dir: str | Path | None,
+        log: Callable[[str], None] = print,
+        feature_dp: bool = True,
+        label_dp: bool = True,
+        why_no_feature_dp: str = "",
+    ):
         self.cfg = cfg
         self.spec = spec
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -227,8 +249,9 @@ class LoJStrategy(TablePuppetStrategy):
         self.metric = primary_metric(self.task)
         self.privacy = cfg.get("privacy") or {"name": "none"}
         # impossible privacy settings fail here, before any client is asked for anything (also under flwr run)
-        dp.validate_privacy(self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp,
-                            why_not=why_no_feature_dp)
+        dp.validate_privacy(
+            self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp, why_not=why_no_feature_dp
+        )
         self.label_dp = dp.uses_label_dp(self.privacy)
         self.feature_dp = dp.uses_feature_dp(self.privacy)
         self.finished = False
@@ -241,14 +264,16 @@ class LoJStrategy(TablePuppetStrategy):
         """An EpochCheckpoints for a resumable algorithm with a run dir, else NO_CHECKPOINTS; ``resume=true``
         is refused here for an algorithm that has nothing to resume from."""
         if resume and self.one_shot:
-            raise ValueError(f"resume=true: {self.algorithm} runs in one shot (no epochs, no checkpoint to resume "
-                             "from); run it again")
+            raise ValueError(
+                f"resume=true: {self.algorithm} runs in one shot (no epochs, no checkpoint to resume "
+                "from); run it again"
+            )
         if resume and not self.resumable:
-            from tpflower.registry import entries
-
             resumable = sorted(e.name for e in entries() if e.strategy.resumable)
-            raise ValueError(f"resume=true: {self.algorithm} does not checkpoint its epochs yet "
-                             f"(algorithms that do: {', '.join(resumable)})")
+            raise ValueError(
+                f"resume=true: {self.algorithm} does not checkpoint its epochs yet "
+                f"(algorithms that do: {', '.join(resumable)})"
+            )
         if resume and self.run_dir is None:
             raise ValueError(f"resume=true but there is no checkpoint {CHECKPOINT} in the run dir None")
         if self.resumable and self.run_dir is not None:
@@ -285,8 +310,9 @@ class LoJStrategy(TablePuppetStrategy):
 
     def setup(self) -> None:
         """The setup rounds (JoinSetup.run): keys, then federated preprocessing, and expand for VFL."""
-        self.join.run(self.run_id, self.record, self.algorithm,
-                      self.plan_feature_dp if self.feature_dp else None, self.expand)
+        self.join.run(
+            self.run_id, self.record, self.algorithm, self.plan_feature_dp if self.feature_dp else None, self.expand
+        )
 
     def send(self, messages: Mapping[ClientKey, Payload], kind: Kind = "train") -> dict[ClientKey, Reply]:
         replies = super().send(messages, kind)
@@ -296,8 +322,9 @@ class LoJStrategy(TablePuppetStrategy):
     def on_round(self, kind: Kind, down: Mapping[ClientKey, int], up: Mapping[ClientKey, int]) -> None:
         self.record.count(kind, down, up)
 
-    def record_epoch(self, epoch: int | float, H_test: np.ndarray, train_loss: float,
-                     extra: dict[str, float] | None = None) -> None:
+    def record_epoch(
+        self, epoch: int | float, H_test: np.ndarray, train_loss: float, extra: dict[str, float] | None = None
+    ) -> None:
         """Evaluate the test predictions, append the epoch to the record and print its line (RunRecord)."""
         self.record.record_epoch(self.algorithm, epoch, H_test, train_loss, extra)
 
@@ -354,8 +381,9 @@ class LoJStrategy(TablePuppetStrategy):
         """One message per shard client (union scenario)."""
         return {k: build(k) for k in self.clients}
 
-    def gather_rows(self, replies: Mapping[ClientKey, Reply], rows: Mapping[str, np.ndarray],
-                    name: str = "h") -> dict[str, np.ndarray]:
+    def gather_rows(
+        self, replies: Mapping[ClientKey, Reply], rows: Mapping[str, np.ndarray], name: str = "h"
+    ) -> dict[str, np.ndarray]:
         """Per table, the shards' reply array ``name`` for the table rows ``rows[t]``, in that order."""
         return {
             t: self.routers[t].gather(rows[t], {q: r[0][name] for (tt, q), r in replies.items() if tt == t})

@@ -8,13 +8,12 @@ regression the exact ridge solution, the best any linear model can do on these f
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-from pathlib import Path
-from typing import Callable
 
 from tpflower import privacy as dp
 from tpflower.batches import batch_size_of, epoch_batches
@@ -39,8 +38,9 @@ def build_joined_model(rel: Relation, model_cfg: Any, seed: int, dtype: torch.dt
     return JoinedModel(local, {t: rel.tables[t].width for t in rel.spec.table_names})
 
 
-def predict(model: torch.nn.Module, rel: Relation, mapping, dtype: torch.dtype,
-            scale: LabelScale = LabelScale()) -> np.ndarray:
+def predict(
+    model: torch.nn.Module, rel: Relation, mapping, dtype: torch.dtype, scale: LabelScale = LabelScale()
+) -> np.ndarray:
     """H for every joined row of ``mapping`` in the label's units, materializing the join chunk by chunk."""
     out = []
     with torch.no_grad():
@@ -59,8 +59,9 @@ def label_scale_of(cfg: Any, rel: Relation) -> LabelScale:
     return LabelScale.fit(rel.spec.label.task, rel.labels(rel.train), standardizes_label(cfg))
 
 
-def exact_ridge(rel: Relation, beta: float, intercept: bool = True,
-                scale: LabelScale = LabelScale()) -> tuple[np.ndarray, float]:
+def exact_ridge(
+    rel: Relation, beta: float, intercept: bool = True, scale: LabelScale = LabelScale()
+) -> tuple[np.ndarray, float]:
     """argmin_w (1/N) sum_j 1/2 (x_j w + b - y_j)^2 + beta/2 ||(w, b)||^2 on the training join (float64),
     y the scaled labels (``scale``); returned as the scaled solution, whose predictions ``scale.to_label`` maps
     to the label's units.
@@ -127,8 +128,9 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
         set_linear_weights(model, rel, w, b)
         train_metrics = metrics(task, predict(model, rel, rel.train, dtype, scale), rel.labels(rel.train))
         test = evaluate(model, rel, dtype, scale)
-        rec = EpochRecord(epoch=0, test_metric=test[metric], train_loss=train_metrics["loss"],
-                          wall_time_s=time.perf_counter() - start)
+        rec = EpochRecord(
+            epoch=0, test_metric=test[metric], train_loss=train_metrics["loss"], wall_time_s=time.perf_counter() - start
+        )
         results.history.append(rec)
         log(epoch_line(metric, rec))
         return model
@@ -180,15 +182,29 @@ class Centralized:
     resumable = False
     one_shot = False
 
-    def __init__(self, cfg: Any, spec: RelationalSpec, run_dir: str | Path | None, log: Callable[[str], None] = print,
-                 feature_dp: bool = False, label_dp: bool = True, why_no_feature_dp: str = ""):
+    def __init__(
+        self,
+        cfg: Any,
+        spec: RelationalSpec,
+        run_dir: str | Path | None,
+        log: Callable[[str], None] = print,
+        feature_dp: bool = False,
+        label_dp: bool = True,
+        why_no_feature_dp: str = "",
+    ):
         self.cfg, self.spec, self.log = cfg, spec, log
         self.run_dir = Path(run_dir) if run_dir is not None else None
         run_settings(cfg)
         self.params = CentralizedParams.from_cfg(cfg.algorithm)
         self.privacy = cfg.get("privacy") or {"name": "none"}
-        dp.validate_privacy(self.privacy, self.algorithm, spec.label.task, feature_dp=feature_dp, label_dp=label_dp,
-                            why_not=why_no_feature_dp)
+        dp.validate_privacy(
+            self.privacy,
+            self.algorithm,
+            spec.label.task,
+            feature_dp=feature_dp,
+            label_dp=label_dp,
+            why_not=why_no_feature_dp,
+        )
         self.results: RunResults | None = None
 
     def run_local(self, base_dir: str | Path | None = None) -> RunResults:

@@ -12,14 +12,12 @@ into checkpoint.pkl. A strategy without one (k-means: one shot, or a run without
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Protocol
 
 from tpflower import privacy as dp
 from tpflower.checkpoint import CHECKPOINT, SETUP_CHECKPOINT, load_checkpoint, save_checkpoint
-
-if TYPE_CHECKING:
-    from strategies.base import LoJStrategy
 
 
 class Saved:
@@ -35,16 +33,32 @@ class Saved:
             setattr(self, name, value)
 
 
+class CheckpointedRun(Protocol):
+    """What checkpointing needs of a strategy (strategies.base.LoJStrategy): its run id, its setup and run
+    record (each with state() / restore()), the attributes its loop keeps, and a round to send ``resume``."""
+
+    run_id: str
+    clients: list
+    privacy: Any
+    join: Any
+    record: Any
+    checkpointed: tuple[str, ...]
+
+    def send(self, payloads: dict) -> dict: ...
+
+    def log(self, line: str) -> None: ...
+
+
 class NoCheckpoints:
     """A run whose epochs are not checkpointed: it starts fresh and writes nothing."""
 
-    def begin(self, strategy: LoJStrategy, start: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    def begin(self, strategy: CheckpointedRun, start: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         return 0, start()
 
     def config(self, epoch: int, run_id: str) -> dict[str, Any]:
         return {}
 
-    def end_epoch(self, strategy: LoJStrategy, epoch: int, loop: dict[str, Any]) -> None:
+    def end_epoch(self, strategy: CheckpointedRun, epoch: int, loop: dict[str, Any]) -> None:
         pass
 
 
@@ -60,7 +74,7 @@ class EpochCheckpoints(NoCheckpoints):
         if resume and not (run_dir / CHECKPOINT).is_file():
             raise ValueError(f"resume=true but there is no checkpoint {CHECKPOINT} in the run dir {run_dir}")
 
-    def begin(self, strategy: LoJStrategy, start: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    def begin(self, strategy: CheckpointedRun, start: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         """The epochs done and the training loop's state: (0, ``start()``) for a fresh run (``start`` runs the
         setup and the algorithm's first rounds); for ``resume=true`` the last checkpoint's, after a ``resume``
         round in which every client restores its own checkpoint of that epoch (tpflower.checkpoint)."""
@@ -72,8 +86,20 @@ class EpochCheckpoints(NoCheckpoints):
             raise ValueError(f"{SETUP_CHECKPOINT} and {CHECKPOINT} in {self.run_dir} are of different runs")
         epoch = int(saved["epoch"])
         strategy.run_id = str(saved["run_id"])
-        strategy.send({k: ({}, {"phase": "resume", "run_id": strategy.run_id, "epoch": epoch,
-                                **dp.privacy_message(strategy.privacy)}) for k in strategy.clients})
+        strategy.send(
+            {
+                k: (
+                    {},
+                    {
+                        "phase": "resume",
+                        "run_id": strategy.run_id,
+                        "epoch": epoch,
+                        **dp.privacy_message(strategy.privacy),
+                    },
+                )
+                for k in strategy.clients
+            }
+        )
         strategy.join.restore(setup["setup"])
         strategy.record.restore(saved["record"])
         for name, value in saved["attributes"].items():
@@ -87,15 +113,25 @@ class EpochCheckpoints(NoCheckpoints):
         """Config of an epoch's last training message: each client checkpoints its state after answering it."""
         return {"checkpoint": int(epoch), "run_id": run_id}
 
-    def end_epoch(self, strategy: LoJStrategy, epoch: int, loop: dict[str, Any]) -> None:
+    def end_epoch(self, strategy: CheckpointedRun, epoch: int, loop: dict[str, Any]) -> None:
         """Checkpoint the server's state after epoch ``epoch`` (atomically, into the run dir); what setup built
         is written with the first epoch only."""
         if not self.setup_saved:
-            save_checkpoint(self.run_dir / SETUP_CHECKPOINT, self.cfg,
-                            {"run_id": strategy.run_id, "setup": strategy.join.state()})
+            save_checkpoint(
+                self.run_dir / SETUP_CHECKPOINT, self.cfg, {"run_id": strategy.run_id, "setup": strategy.join.state()}
+            )
             self.setup_saved = True
-        save_checkpoint(self.run_dir / CHECKPOINT, self.cfg, {
-            "epoch": int(epoch), "run_id": strategy.run_id, "elapsed": strategy.record.elapsed(), "loop": loop,
-            "record": strategy.record.state(),
-            "attributes": {name: getattr(strategy, name) for name in strategy.checkpointed if hasattr(strategy, name)},
-        })
+        save_checkpoint(
+            self.run_dir / CHECKPOINT,
+            self.cfg,
+            {
+                "epoch": int(epoch),
+                "run_id": strategy.run_id,
+                "elapsed": strategy.record.elapsed(),
+                "loop": loop,
+                "record": strategy.record.state(),
+                "attributes": {
+                    name: getattr(strategy, name) for name in strategy.checkpointed if hasattr(strategy, name)
+                },
+            },
+        )

@@ -27,13 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from strategies.base import LoJStrategy
-from strategies.join_admm import admm_rho
-from tpflower.phases.coreset import CoresetParams
-from strategies.join_admm import ADMMServer
+from strategies.join_admm import ADMMServer, admm_rho
 from strategies.join_sgd import sgd_rounds
 from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
 from tpflower.losses import loss_grad_np, loss_np
 from tpflower.mapping import TableMapping, index_dtype, segment_sum
+from tpflower.phases.coreset import CoresetParams
 
 
 @dataclass
@@ -47,7 +46,7 @@ class Coreset:
     total: float
 
     @classmethod
-    def of_draws(cls, joined: np.ndarray, w: np.ndarray, total: float) -> "Coreset":
+    def of_draws(cls, joined: np.ndarray, w: np.ndarray, total: float) -> Coreset:
         """Collapse repeated draws: a joined row drawn r times carries the sum of its r weights."""
         rows, inv = np.unique(joined, return_inverse=True)
         return cls(rows, np.bincount(inv.reshape(-1), weights=w, minlength=len(rows)), len(joined), float(total))
@@ -92,8 +91,9 @@ class WeightedADMMServer(ADMMServer):
     G_iu = sum_{j in G_i(u)} w_j (Eq. 15): with integer weights, exactly TP-Join-ADMM on the rows repeated w_j
     times (tested). The coreset holds at most m rows: no chunking."""
 
-    def __init__(self, task: str, y: np.ndarray, mapping: TableMapping, d_c: int, rho: float, variant: str,
-                 weights: np.ndarray):
+    def __init__(
+        self, task: str, y: np.ndarray, mapping: TableMapping, d_c: int, rho: float, variant: str, weights: np.ndarray
+    ):
         super().__init__(task, y, mapping, d_c, rho, variant)
         self.w = np.asarray(weights, dtype=np.float64)
 
@@ -144,15 +144,20 @@ class DISStrategy(LoJStrategy):
         """Alg. 1 over the join (three rounds; see the module docstring)."""
         tables = list(mapping.p)
         G = {t: mapping.G(t) for t in tables}
-        replies = self.send(self.messages(lambda t: (
-            {"G": compact_counts(G[t])}, {"phase": "sensitivity", "kind": self.kind, "N": mapping.N})))
+        replies = self.send(
+            self.messages(
+                lambda t: ({"G": compact_counts(G[t])}, {"phase": "sensitivity", "kind": self.kind, "N": mapping.N})
+            )
+        )
         totals = np.array([float(replies[(t, 0)][0]["total"][0]) for t in tables])
         if not (np.isfinite(totals).all() and (totals >= 0).all() and totals.sum() > 0):
             raise RuntimeError(f"DIS: the clients' sensitivity totals are not usable: {totals.tolist()}")
         total = float(totals.sum())
         a = rng.multinomial(m, totals / total)  # round 1: (a_1..a_T) ~ Multinomial(m, G^(i) / G)
         counts = dict(zip(tables, a))
-        replies = self.send(self.messages(lambda t: ({"a": np.array([counts[t]], dtype=np.int64)}, {"phase": "sample"})))
+        replies = self.send(
+            self.messages(lambda t: ({"a": np.array([counts[t]], dtype=np.int64)}, {"phase": "sample"}))
+        )
         parts = []
         for t in tables:  # round 2: base rows -> uniform joined rows of G_i(u)
             base = np.asarray(replies[(t, 0)][0]["rows"], dtype=np.int64)
@@ -163,8 +168,9 @@ class DISStrategy(LoJStrategy):
         # round 3: each table is asked once about the DISTINCT rows p_i(j), j in S (at most m; the clients refuse
         # anything else), and the server reads the answers back along p_i(j)
         asked = {t: np.unique(mapping.p[t][joined], return_inverse=True) for t in tables}
-        replies = self.send(self.messages(lambda t: ({"rows": row_ids(asked[t][0], mapping.n_rows[t])},
-                                                     {"phase": "weigh"})))
+        replies = self.send(
+            self.messages(lambda t: ({"rows": row_ids(asked[t][0], mapping.n_rows[t])}, {"phase": "weigh"}))
+        )
         g = sum(np.asarray(replies[(t, 0)][0]["sens"], dtype=np.float64)[asked[t][1].reshape(-1)] for t in tables)
         if len(g) != m or not (g > 0).all():
             raise RuntimeError("DIS: a sampled joined row has no positive sensitivity")
@@ -188,8 +194,9 @@ class CoresetRidge(DISStrategy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.task != "regression":  # before any node is contacted
-            raise ValueError(f"algorithm=coreset trains ridge regression; dataset {self.spec.name!r} has a "
-                             f"{self.task} label")
+            raise ValueError(
+                f"algorithm=coreset trains ridge regression; dataset {self.spec.name!r} has a {self.task} label"
+            )
 
     def protocol(self) -> None:
         alg = self.params
@@ -215,14 +222,18 @@ class CoresetRidge(DISStrategy):
     def _evaluate(self) -> np.ndarray:
         """Test predictions: f_i on the test rows U_i (an evaluation round, not training traffic; the clients
         answer the same rows every time, at most once per training step)."""
-        replies = self.send(self.messages(lambda t: ({"rows": self.test_plan.U[t]}, {"phase": "coreset_predict"})),
-                            kind="eval")
+        replies = self.send(
+            self.messages(lambda t: ({"rows": self.test_plan.U[t]}, {"phase": "coreset_predict"})), kind="eval"
+        )
         return joined_predictions(self.test_plan.inv, self.outputs(replies))
 
     def _extra(self) -> dict[str, float]:
         c = self.construction
-        return {"coreset_rows": c["distinct_rows"], "construction_rounds": c["rounds"],
-                "construction_bytes": c["bytes_up"] + c["bytes_down"]}
+        return {
+            "coreset_rows": c["distinct_rows"],
+            "construction_rounds": c["rounds"],
+            "construction_bytes": c["bytes_up"] + c["bytes_down"],
+        }
 
     def _start_admm(self, core: Coreset) -> dict:
         plan = BatchPlan.of(self.S, np.arange(self.S.N))  # U_i^S and the local mapping inv_i
@@ -243,13 +254,20 @@ class CoresetRidge(DISStrategy):
         self.admm = admm
         for epoch in range(done + 1, int(self.cfg.epochs) + 1):
             Y = admm.step(h)
-            replies = self.send(self.messages(lambda t: (
-                {"Y": Y[t]}, {"phase": "coreset_admm_update", "epoch": epoch, **self.checkpoint_config(epoch)})))
+            replies = self.send(
+                self.messages(
+                    lambda t: (
+                        {"Y": Y[t]},
+                        {"phase": "coreset_admm_update", "epoch": epoch, **self.checkpoint_config(epoch)},
+                    )
+                )
+            )
             h = self.outputs(replies)
             H = joined_predictions(admm.mapping.p, h)
             train_loss = float((core.weights * loss_np(self.task, H, self.y_S)).sum() / self.train.N)
-            self.record_epoch(epoch, self._evaluate(), train_loss,
-                              {**self._extra(), "primal_residual": admm.primal_residual()})
+            self.record_epoch(
+                epoch, self._evaluate(), train_loss, {**self._extra(), "primal_residual": admm.primal_residual()}
+            )
             self.end_epoch(epoch, {"admm": admm, "h": h})
 
     def _schedule(self) -> SGDSchedule:
@@ -258,7 +276,9 @@ class CoresetRidge(DISStrategy):
 
     def _start_sgd(self) -> dict:
         schedule = self._schedule()
-        replies = self.send(self.messages(lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out})))
+        replies = self.send(
+            self.messages(lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out}))
+        )
         return {"h": self.outputs(replies)}
 
     def _train_sgd(self, done: int, loop: dict) -> None:
@@ -274,9 +294,18 @@ class CoresetRidge(DISStrategy):
             g = loss_grad_np(self.task, H, self.y_S[rows]) * omega[rows, None]
             loss_sum += float((core.weights[rows] * loss_np(self.task, H, self.y_S[rows])).sum())
             Y = {t: segment_sum(plan.inv[t], g, len(plan.U[t])).astype(h[t].dtype, copy=False) for t in plan.U}
-            replies = self.send(self.messages(lambda t: (
-                {"Y": Y[t], "rows": nxt.U[t] if nxt else np.zeros(0, dtype=np.int64)},
-                {"phase": "sgd_step", "batch_size": len(rows), **(self.checkpoint_config(epoch) if last else {})})))
+            replies = self.send(
+                self.messages(
+                    lambda t: (
+                        {"Y": Y[t], "rows": nxt.U[t] if nxt else np.zeros(0, dtype=np.int64)},
+                        {
+                            "phase": "sgd_step",
+                            "batch_size": len(rows),
+                            **(self.checkpoint_config(epoch) if last else {}),
+                        },
+                    )
+                )
+            )
             h = self.outputs(replies)
             if last:
                 self.record_epoch(epoch, self._evaluate(), loss_sum / N, self._extra())

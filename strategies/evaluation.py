@@ -14,9 +14,9 @@ results.privacy.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,10 +30,17 @@ from tpflower.reference import as_reference, constant_predictions, reference_met
 from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
 from tpflower.schema import RelationalSpec
 
-if TYPE_CHECKING:
-    from strategies.setup import JoinSetup
-
 Send = Callable[..., dict[ClientKey, Reply]]
+
+
+class SetupResult(Protocol):
+    """What evaluation needs of the setup rounds' result (strategies.setup.JoinSetup)."""
+
+    d_out: int | None
+    evaluation_split: dict[ClientKey, tuple[np.ndarray, np.ndarray]]
+    label_scale: Any
+    y_train: np.ndarray | None
+    y_test: np.ndarray | None
 
 
 class RunRecord(Saved):
@@ -44,8 +51,9 @@ class RunRecord(Saved):
 
     SAVED = ("comm", "results", "eps_spent")  # what an epoch's checkpoint keeps of it
 
-    def __init__(self, send: Send, setup: JoinSetup, task: str, privacy: Mapping[str, Any],
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self, send: Send, setup: SetupResult, task: str, privacy: Mapping[str, Any], log: Callable[[str], None] = print
+    ):
         self.send, self.setup, self.log = send, setup, log
         self.task = task
         self.metric = primary_metric(task)
@@ -60,8 +68,15 @@ class RunRecord(Saved):
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def open(self, cfg: Any, algorithm: str, spec: RelationalSpec, mapping: TableMapping,
-             regions: Mapping[ClientKey, str], y_train: np.ndarray) -> None:
+    def open(
+        self,
+        cfg: Any,
+        algorithm: str,
+        spec: RelationalSpec,
+        mapping: TableMapping,
+        regions: Mapping[ClientKey, str],
+        y_train: np.ndarray,
+    ) -> None:
         """After the keys round: the meter (with each client's region), the results and the reference
         (the constant predictor's metrics; ``y_train``: the training labels in the label's units)."""
         self.comm = CommMeter(WanModel.from_config(cfg.network, regions))
@@ -119,8 +134,9 @@ class RunRecord(Saved):
         replies = self.send(messages, kind="eval")
         parts = [(int(m["n"]), m) for _, m in (replies[k] for k in split)]
         if ref is not None:
-            self.results.reference = as_reference(self.combine(
-                [(c, {k[4:]: v for k, v in m.items() if k.startswith("ref_")}) for c, m in parts]))
+            self.results.reference = as_reference(
+                self.combine([(c, {k[4:]: v for k, v in m.items() if k.startswith("ref_")}) for c, m in parts])
+            )
             self.log(f"reference: {reference_text(self.task, self.results.reference)} (scored by the label owner)")
         return self.combine([(c, {k: v for k, v in m.items() if not k.startswith("ref_")}) for c, m in parts])
 
@@ -139,8 +155,14 @@ class RunRecord(Saved):
             out["accuracy"] = sum(c * float(m["accuracy"]) for c, m in live) / n
         return out
 
-    def record_epoch(self, algorithm: str, epoch: int | float, H_test: np.ndarray, train_loss: float,
-                     extra: dict[str, float] | None = None) -> None:
+    def record_epoch(
+        self,
+        algorithm: str,
+        epoch: int | float,
+        H_test: np.ndarray,
+        train_loss: float,
+        extra: dict[str, float] | None = None,
+    ) -> None:
         """Evaluate the test predictions, append the epoch to the record and print its line.
 
         With label DP the evaluation is a round with the label owner. With feature DP the line shows ``eps``,
@@ -166,8 +188,11 @@ class RunRecord(Saved):
             test_metric=test[self.metric],
             train_loss=train_loss,
             wall_time_s=self.elapsed(),
-            extra={**{f"test_{k}": v for k, v in test.items() if k not in (self.metric, "loss")}, **(extra or {}),
-                   **privacy},
+            extra={
+                **{f"test_{k}": v for k, v in test.items() if k not in (self.metric, "loss")},
+                **(extra or {}),
+                **privacy,
+            },
             **self.comm.snapshot(),  # type: ignore[arg-type]
         )
         self.add(rec, self.metric)

@@ -25,7 +25,6 @@ from tpflower.mapping import SegmentSums, TableMapping, chunks
 from tpflower.phases.join_admm import ADMMParams
 from tpflower.privacy import admm_steps
 
-
 ADMM_VARIANTS = ("sharing", "paper")
 
 
@@ -64,8 +63,10 @@ class Residuals:
         return self.dual is not None and self.primal <= self.eps_primal and self.dual <= self.eps_dual
 
     def reason(self) -> str:
-        return (f"primal residual {self.primal:.3g} <= {self.eps_primal:.3g} and dual residual "
-                f"{self.dual:.3g} <= {self.eps_dual:.3g}")
+        return (
+            f"primal residual {self.primal:.3g} <= {self.eps_primal:.3g} and dual residual "
+            f"{self.dual:.3g} <= {self.eps_dual:.3g}"
+        )
 
 
 class ADMMServer:
@@ -91,8 +92,18 @@ class ADMMServer:
     by chunk once its dual residual term is summed. Everything else is O(sum n_i).
     """
 
-    def __init__(self, task: str, y: np.ndarray, mapping: TableMapping, d_c: int, rho: float, variant: str = "sharing",
-                 balancing: Balancing | None = None, tol: float = 0.0, dtype: np.dtype | type = np.float64):
+    def __init__(
+        self,
+        task: str,
+        y: np.ndarray,
+        mapping: TableMapping,
+        d_c: int,
+        rho: float,
+        variant: str = "sharing",
+        balancing: Balancing | None = None,
+        tol: float = 0.0,
+        dtype: np.dtype | type = np.float64,
+    ):
         if variant not in ADMM_VARIANTS:
             raise ValueError(f"algorithm.variant must be one of {ADMM_VARIANTS}, got {variant!r}")
         if rho <= 0:
@@ -177,8 +188,9 @@ class ADMMServer:
         root = np.sqrt(M * self.D.size) * self.tol  # sqrt(p) eps_abs (p = n = M N d_c here)
         x_scale = float(np.sqrt(max(x_sq, z_sq)))
         y_scale = float(np.sqrt(M)) * float(np.sqrt(lam_sq))
-        res = Residuals(self._primal / np.sqrt(M), dual, root + self.tol * x_scale, root + self.tol * y_scale,
-                        x_scale, y_scale)
+        res = Residuals(
+            self._primal / np.sqrt(M), dual, root + self.tol * x_scale, root + self.tol * y_scale, x_scale, y_scale
+        )
         self.residuals = res
         self.iteration += 1
         if self.balancing is not None and res.dual is not None and self.iteration > self.balancing.warmup:
@@ -397,8 +409,14 @@ class TPJoinADMM(LoJStrategy):
         last = done if not loop.get("stopped") else int(self.cfg.epochs)  # a resumed run that had stopped early
         for epoch in range(last + 1, int(self.cfg.epochs) + 1):
             Y, rho = admm.scatter(h), admm.rho
-            replies = self.send(self.messages(lambda t: (
-                {"Y": Y[t]}, {"phase": "admm_update", "epoch": epoch, "rho": rho, **self.checkpoint_config(epoch)})))
+            replies = self.send(
+                self.messages(
+                    lambda t: (
+                        {"Y": Y[t]},
+                        {"phase": "admm_update", "epoch": epoch, "rho": rho, **self.checkpoint_config(epoch)},
+                    )
+                )
+            )
             h = self.outputs(replies)
             res = admm.update(h)  # z, lambda (Eq. 7, 8), residuals and the next rho (Boyd Sec. 3.4.1)
             train_loss = admm.train_loss()  # at the H of this update (computed there, chunk by chunk)
@@ -432,8 +450,17 @@ class TPJoinADMM(LoJStrategy):
         """The server's z, lambda and rho (algorithm.rho, adapt_rho, rho_mu, rho_tau, tol)."""
         alg = self.params
         balancing = Balancing(alg.rho_mu, alg.rho_tau, alg.rho_warmup) if alg.adapt_rho else None
-        self.admm = ADMMServer(self.task, self.y_train, self.train, self.d_out, admm_rho(alg.rho, self.task),
-                               alg.variant, balancing, alg.tol, dtype=self.state_dtype)
+        self.admm = ADMMServer(
+            self.task,
+            self.y_train,
+            self.train,
+            self.d_out,
+            admm_rho(alg.rho, self.task),
+            alg.variant,
+            balancing,
+            alg.tol,
+            dtype=self.state_dtype,
+        )
         return self.admm
 
     def stop_early(self, epoch: int, res: Residuals, inner: str = "") -> bool:

@@ -86,13 +86,22 @@ class TPJoinSGD(LoJStrategy):
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
             loss_sum, seen = loss_sum + loss_b, seen + len(rows)
             point = eval_point(self.params, round_no, epoch, last, schedule.per_epoch)
-            replies = self.send(self.messages(
-                lambda t: (
-                    {"Y": Y[t], "rows": nxt.U[t] if nxt else EMPTY,
-                     **({"eval_rows": evaluation.U[t]} if point is not None else {})},
-                    {"phase": "sgd_step", "batch_size": len(rows), **(self.checkpoint_config(epoch) if last else {})},
+            replies = self.send(
+                self.messages(
+                    lambda t: (
+                        {
+                            "Y": Y[t],
+                            "rows": nxt.U[t] if nxt else EMPTY,
+                            **({"eval_rows": evaluation.U[t]} if point is not None else {}),
+                        },
+                        {
+                            "phase": "sgd_step",
+                            "batch_size": len(rows),
+                            **(self.checkpoint_config(epoch) if last else {}),
+                        },
+                    )
                 )
-            ))
+            )
             self.after_round(replies)
             h = self.outputs(replies)
             if point is not None:
@@ -107,9 +116,14 @@ class TPJoinSGD(LoJStrategy):
         """Setup, then the predictions of the first batch."""
         self.setup()
         schedule, _ = sgd_schedule(self)
-        replies = self.send(self.messages(
-            lambda t: ({"rows": schedule.first.U[t]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))})
-        ))
+        replies = self.send(
+            self.messages(
+                lambda t: (
+                    {"rows": schedule.first.U[t]},
+                    {"phase": "predict", "d_out": self.d_out, **self.dp_config((t, 0))},
+                )
+            )
+        )
         return {"h": self.outputs(replies)}
 
     def after_round(self, replies) -> None:

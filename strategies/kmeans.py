@@ -26,10 +26,10 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.coreset import DISStrategy, compact_counts, row_ids
-from tpflower.phases.kmeans import CoresetKMeansParams, KMeansParams
-from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
 from tpflower.batches import BatchPlan
+from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
 from tpflower.mapping import segment_sum
+from tpflower.phases.kmeans import CoresetKMeansParams, KMeansParams
 from tpflower.results import EpochRecord
 
 METRIC = "kmeans_cost"
@@ -52,7 +52,9 @@ def cell_points(cells: np.ndarray, local_C: list[np.ndarray]) -> np.ndarray:
     return np.hstack([C[cells[:, i]] for i, C in enumerate(local_C)])
 
 
-def assignment_counts(p: np.ndarray, assign: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def assignment_counts(
+    p: np.ndarray, assign: np.ndarray, n_rows: int, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sparse counts[u, c] = |{j : p(j) = u, assign(j) = c}| as (rows, centres, counts), vectorized."""
     code = np.asarray(p, dtype=np.int64) * k + np.asarray(assign, dtype=np.int64)
     keys, counts = np.unique(code, return_counts=True)
@@ -84,31 +86,51 @@ class DistDimKMeans(DISStrategy):
             point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[plan.inv[t]] for t in mapping.p]
             weights = core.weights
         else:  # each table: k-means weighted by G_iu, one label per row; the server reads them along p_i
-            replies = self.send(self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_local"})))
+            replies = self.send(
+                self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_local"}))
+            )
             point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[p] for t, p in mapping.p.items()]
             weights = np.ones(mapping.N)
         local_C = [np.asarray(replies[(t, 0)][0]["C"], dtype=np.float64) for t in mapping.p]
         cells, inv = grid_cells(point_labels, k)
         cell_w = np.bincount(inv, weights=weights, minlength=len(cells))
         points = cell_points(cells, local_C)
-        C, _ = weighted_kmeans(points, cell_w, k, np.random.default_rng([int(self.cfg.seed) & 0xFFFFFFFF, 0xD15D]),
-                               alg.iters, alg.tol, restarts=alg.restarts)
+        C, _ = weighted_kmeans(
+            points,
+            cell_w,
+            k,
+            np.random.default_rng([int(self.cfg.seed) & 0xFFFFFFFF, 0xD15D]),
+            alg.iters,
+            alg.tol,
+            restarts=alg.restarts,
+        )
         self.centres = C
         grid_cost = float((cell_w * sq_distances(points, C).min(1)).sum() / cell_w.sum())
         row_labels = None if self.uses_coreset else [np.asarray(replies[(t, 0)][0]["labels"]) for t in mapping.p]
         cost = self.full_join_cost(C, local_C, row_labels)
-        rec = EpochRecord(epoch=1, test_metric=cost, train_loss=grid_cost, wall_time_s=self.record.elapsed(),
-                          extra={"grid_cells": float(len(cells)), "coreset_rows": self.construction["distinct_rows"],
-                                 "construction_bytes": self.construction["bytes_up"] + self.construction["bytes_down"]},
-                          **self.comm.snapshot())  # type: ignore[arg-type]
+        rec = EpochRecord(
+            epoch=1,
+            test_metric=cost,
+            train_loss=grid_cost,
+            wall_time_s=self.record.elapsed(),
+            extra={
+                "grid_cells": float(len(cells)),
+                "coreset_rows": self.construction["distinct_rows"],
+                "construction_bytes": self.construction["bytes_up"] + self.construction["bytes_down"],
+            },
+            **self.comm.snapshot(),
+        )  # type: ignore[arg-type]
         self.record.add(rec, METRIC)
         self.finish()
 
-    def full_join_assignment(self, C: np.ndarray, local_C: list[np.ndarray], row_labels: list[np.ndarray]) -> np.ndarray:
+    def full_join_assignment(
+        self, C: np.ndarray, local_C: list[np.ndarray], row_labels: list[np.ndarray]
+    ) -> np.ndarray:
         """c(j) for every joined row j of the full join: the final centre nearest to its grid cell's point."""
         mapping = self.mapping
-        cells, inv = grid_cells([np.asarray(lab, dtype=np.int64)[p] for lab, p in zip(row_labels, mapping.p.values())],
-                                C.shape[0])
+        cells, inv = grid_cells(
+            [np.asarray(lab, dtype=np.int64)[p] for lab, p in zip(row_labels, mapping.p.values())], C.shape[0]
+        )
         return sq_distances(cell_points(cells, local_C), C).argmin(1)[inv]
 
     def full_join_cost(self, C: np.ndarray, local_C: list[np.ndarray], row_labels: list[np.ndarray] | None) -> float:
@@ -116,19 +138,28 @@ class DistDimKMeans(DISStrategy):
         ``row_labels``: each table's local label of every row (None: asked for in a ``kmeans_assign`` round)."""
         mapping, k = self.mapping, C.shape[0]
         if row_labels is None:
-            replies = self.send(self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_assign"})),
-                                kind="eval")
+            replies = self.send(
+                self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_assign"})), kind="eval"
+            )
             row_labels = [np.asarray(replies[(t, 0)][0]["labels"]) for t in mapping.p]
         self.assignment = assign = self.full_join_assignment(C, local_C, row_labels)
         bounds = np.cumsum([0, *(c.shape[1] for c in local_C)])
         messages = {}
         for i, (t, p) in enumerate(mapping.p.items()):
             rows, centres, counts = assignment_counts(p, assign, mapping.n_rows[t], k)
-            messages[(t, 0)] = ({"rows": row_ids(rows, mapping.n_rows[t]), "centres": centres.astype(label_dtype(k)),
-                                 "counts": compact_counts(counts), "C": C[:, bounds[i]:bounds[i + 1]]},
-                                {"phase": "kmeans_cost"})
+            messages[(t, 0)] = (
+                {
+                    "rows": row_ids(rows, mapping.n_rows[t]),
+                    "centres": centres.astype(label_dtype(k)),
+                    "counts": compact_counts(counts),
+                    "C": C[:, bounds[i] : bounds[i + 1]],
+                },
+                {"phase": "kmeans_cost"},
+            )
         replies = self.send(messages, kind="eval")
-        self.table_costs = {t: float(np.asarray(r[0]["cost"], dtype=np.float64).reshape(-1)[0]) for (t, _), r in replies.items()}
+        self.table_costs = {
+            t: float(np.asarray(r[0]["cost"], dtype=np.float64).reshape(-1)[0]) for (t, _), r in replies.items()
+        }
         return float(sum(self.table_costs.values()) / mapping.N)
 
 

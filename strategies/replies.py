@@ -71,9 +71,11 @@ def check_numbers(key: ClientKey, phase: str, name: str, a: np.ndarray) -> None:
     bad = ~np.isfinite(a) | (np.abs(a) > MAX_ABS)
     if bad.any():
         at = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ReplyError(f"{_who(key, phase)}: reply array {name!r} holds {int(bad.sum())} non-finite or out-of-range "
-                         f"value(s) (|x| > {MAX_ABS:g}), the first {a[at].item()!r} at index {at}: the model "
-                         "diverged (lower the learning rate or raise rho) or the client is faulty")
+        raise ReplyError(
+            f"{_who(key, phase)}: reply array {name!r} holds {int(bad.sum())} non-finite or out-of-range "
+            f"value(s) (|x| > {MAX_ABS:g}), the first {a[at].item()!r} at index {at}: the model "
+            "diverged (lower the learning rate or raise rho) or the client is faulty"
+        )
 
 
 def _rows(key: ClientKey, phase: str, name: str, a: np.ndarray, want: int, what: str) -> None:
@@ -103,7 +105,9 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
         elif name == "h" and n_rows is not None:
             _rows(key, phase, name, h, n_rows, "the client's rows")
         if d_out is not None and (h.ndim != 2 or h.shape[1] != d_out):
-            raise ReplyError(f"{_who(key, phase)}: reply array {name!r} has shape {h.shape}; predictions have {d_out} column(s)")
+            raise ReplyError(
+                f"{_who(key, phase)}: reply array {name!r} has shape {h.shape}; predictions have {d_out} column(s)"
+            )
     for name in FINITE:
         if name in out:
             a = np.asarray(out[name])
@@ -117,15 +121,19 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
                 _rows(key, phase, name, np.asarray(out[name]), n_rows, "the client's rows")
     for name in SCALAR_REPLIES:
         if name in out and np.asarray(out[name]).size != 1:
-            raise ReplyError(f"{_who(key, phase)}: reply array {name!r} holds {np.asarray(out[name]).size} values; "
-                             "the round asked for one number")
+            raise ReplyError(
+                f"{_who(key, phase)}: reply array {name!r} holds {np.asarray(out[name]).size} values; "
+                "the round asked for one number"
+            )
     if phase == "keys":
         check_keys(key, out)
     if "used" in out:
         used, theta = np.asarray(out["used"]), np.asarray(out.get("theta"))
         if used.shape != theta.shape or not np.isin(used, (0, 1)).all():
-            raise ReplyError(f"{_who(key, phase)}: reply array 'used' must be a 0/1 mask shaped like 'theta' "
-                             f"{theta.shape}, got {used.dtype} {used.shape}")
+            raise ReplyError(
+                f"{_who(key, phase)}: reply array 'used' must be a 0/1 mask shaped like 'theta' "
+                f"{theta.shape}, got {used.dtype} {used.shape}"
+            )
 
 
 def check_keys(key: ClientKey, out: Mapping[str, np.ndarray]) -> None:
@@ -145,8 +153,12 @@ def check_keys(key: ClientKey, out: Mapping[str, np.ndarray]) -> None:
             _rows(key, "keys", "y", np.asarray(out["y"]), ids.size, "one label per row id, or per training row")
 
 
-def check_round(sent: Mapping[ClientKey, Payload], replies: Mapping[ClientKey, Reply],
-                n_rows: Mapping[ClientKey, int], d_out: int | None) -> None:
+def check_round(
+    sent: Mapping[ClientKey, Payload],
+    replies: Mapping[ClientKey, Reply],
+    n_rows: Mapping[ClientKey, int],
+    d_out: int | None,
+) -> None:
     """Check every reply of a round, then that model-shaped arrays agree between the shards of a table."""
     shapes: dict[tuple[str, str], tuple[ClientKey, tuple[int, ...]]] = {}
     for key, reply in replies.items():
@@ -157,5 +169,7 @@ def check_round(sent: Mapping[ClientKey, Payload], replies: Mapping[ClientKey, R
                 first = shapes.setdefault((key[0], name), (key, shape))
                 if first[1] != shape:
                     phase = str(sent[key][1].get("phase", "?"))
-                    raise ReplyError(f"{_who(key, phase)}: reply array {name!r} has shape {shape}; shard "
-                                     f"{first[0][1]} of the same table sent {first[1]}")
+                    raise ReplyError(
+                        f"{_who(key, phase)}: reply array {name!r} has shape {shape}; shard "
+                        f"{first[0][1]} of the same table sent {first[1]}"
+                    )

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -36,10 +36,26 @@ from tpflower.records import numbered, unnumbered
 from tpflower.relation import summary_line
 from tpflower.schema import RelationalSpec, validate_key_kinds
 
-if TYPE_CHECKING:
-    from strategies.evaluation import RunRecord
-
 Send = Callable[..., dict[ClientKey, Reply]]
+
+
+class RecordOpener(Protocol):
+    """What the keys round opens of the run record (strategies.evaluation.RunRecord)."""
+
+    t0: float
+    comm: Any
+
+    def open(
+        self,
+        cfg: Any,
+        algorithm: str,
+        spec: RelationalSpec,
+        mapping: TableMapping,
+        regions: Mapping[ClientKey, str],
+        y_train: np.ndarray,
+    ) -> None: ...
+
+    def reference_text(self) -> str: ...
 
 
 class JoinSetup(Saved):
@@ -48,11 +64,29 @@ class JoinSetup(Saved):
 
     ``send``: the strategy's round; ``clients``: the run's client keys (table, shard)."""
 
-    SAVED = ("mapping", "train", "test", "routers", "client_rows", "y_train", "y_test", "label_scale",
-             "evaluation_split", "d_out", "dp_plan")  # what a checkpoint keeps (checkpoint-setup.pkl)
+    SAVED = (
+        "mapping",
+        "train",
+        "test",
+        "routers",
+        "client_rows",
+        "y_train",
+        "y_test",
+        "label_scale",
+        "evaluation_split",
+        "d_out",
+        "dp_plan",
+    )  # what a checkpoint keeps (checkpoint-setup.pkl)
 
-    def __init__(self, send: Send, spec: RelationalSpec, cfg: Any, clients: list[ClientKey],
-                 privacy: Mapping[str, Any], log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        send: Send,
+        spec: RelationalSpec,
+        cfg: Any,
+        clients: list[ClientKey],
+        privacy: Mapping[str, Any],
+        log: Callable[[str], None] = print,
+    ):
         self.send, self.spec, self.cfg, self.clients, self.privacy, self.log = send, spec, cfg, clients, privacy, log
         self.task = spec.label.task
         self.label_dp = dp.uses_label_dp(privacy)
@@ -68,14 +102,20 @@ class JoinSetup(Saved):
         self.d_out: int | None = None  # the prediction width
         self.dp_plan: dict[ClientKey, tuple[int, float]] = {}  # feature DP: (local DP steps of the run, q)
 
-    def run(self, run_id: str, record: RunRecord, algorithm: str,
-            plan_feature_dp: Callable[[], dict[ClientKey, tuple[int, float]]] | None = None,
-            expand: bool = False) -> None:
+    def run(
+        self,
+        run_id: str,
+        record: RecordOpener,
+        algorithm: str,
+        plan_feature_dp: Callable[[], dict[ClientKey, tuple[int, float]]] | None = None,
+        expand: bool = False,
+    ) -> None:
         """Round 1 (keys) builds the mapping, the partition and the labels and opens ``record``; then the
         feature-DP plan (``plan_feature_dp``, on the table-row mapping), the federated preprocessing rounds
         and, for a VFL baseline (``expand``), round ``expand``."""
-        replies = self.send({k: ({}, {"phase": "keys", "run_id": run_id, **dp.privacy_message(self.privacy)})
-                             for k in self.clients})
+        replies = self.send(
+            {k: ({}, {"phase": "keys", "run_id": run_id, **dp.privacy_message(self.privacy)}) for k in self.clients}
+        )
         record.t0 = time.perf_counter()
         y_train = self.build(replies)
         regions = {k: str(r[1]["region"]) for k, r in replies.items()}
@@ -83,8 +123,11 @@ class JoinSetup(Saved):
         record.open(self.cfg, algorithm, self.spec, self.mapping, regions, y_train)
         del y_train  # the raw training labels: only the reference needs them
         assert record.comm is not None
-        self.log(" | ".join(p for p in (summary_line(self.spec, self.mapping), record.reference_text(),
-                                         record.comm.wan.note) if p))
+        self.log(
+            " | ".join(
+                p for p in (summary_line(self.spec, self.mapping), record.reference_text(), record.comm.wan.note) if p
+            )
+        )
         if plan_feature_dp is not None:  # on the table-row mapping, before a VFL expansion
             self.dp_plan = plan_feature_dp()
         self.federated_preprocessing()
@@ -96,16 +139,19 @@ class JoinSetup(Saved):
         labels (label units, for the reference)."""
         validate_key_kinds(self.spec, self._key_kinds(replies))
         projections: dict[str, list[KeyProjection]] = {t: [] for t in self.spec.table_names}
-        for (table, shard), (arrays, _) in replies.items():
+        for (table, _shard), (arrays, _) in replies.items():
             joins = [k for k, j in enumerate(self.spec.joins) if table in (j.left, j.right)]
             projections[table].append(
-                KeyProjection(table, np.asarray(arrays["row_ids"], dtype=np.int64),
-                              {k: arrays[f"digest.{k}"] for k in joins})
+                KeyProjection(
+                    table, np.asarray(arrays["row_ids"], dtype=np.int64), {k: arrays[f"digest.{k}"] for k in joins}
+                )
             )
         mapping = build_mapping(self.spec, projections)
         self.routers = {
-            t: ShardRouter({q: np.asarray(r[0]["row_ids"], dtype=np.int64)
-                            for (tt, q), r in replies.items() if tt == t}, mapping.n_rows[t])
+            t: ShardRouter(
+                {q: np.asarray(r[0]["row_ids"], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
+                mapping.n_rows[t],
+            )
             for t in self.spec.table_names
         }
         self.client_rows = {k: len(r[0]["row_ids"]) for k, r in replies.items()}
@@ -139,8 +185,9 @@ class JoinSetup(Saved):
             return np.asarray(y).astype(np.int32, copy=False)
         return np.asarray(y).astype(self.state_dtype, copy=False)
 
-    def _labels(self, replies: Mapping[ClientKey, Reply],
-                n_label_rows: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+    def _labels(
+        self, replies: Mapping[ClientKey, Reply], n_label_rows: int
+    ) -> tuple[np.ndarray, np.ndarray, int | None]:
         """Labels and test flags over the label table's rows, from every shard of the label table."""
         y_rows: np.ndarray | None = None
         is_test = np.zeros(n_label_rows, dtype=bool)
@@ -200,18 +247,23 @@ class JoinSetup(Saved):
         if not sharded:
             return
         columns = {t: ",".join([*self.spec.table(t).numeric, *self.spec.table(t).categorical]) for t in sharded}
-        replies = self.send({
-            k: ({}, {"phase": "stats", "columns": columns[k[0]], "sketch": ""}) for k in self.clients if k[0] in sharded
-        })
+        replies = self.send(
+            {
+                k: ({}, {"phase": "stats", "columns": columns[k[0]], "sketch": ""})
+                for k in self.clients
+                if k[0] in sharded
+            }
+        )
         summaries = self._summaries(replies)
-        wanted = {
-            t: sketch_columns_needed(summaries[t], [c for c, _ in self.spec.table(t).binned]) for t in sharded
-        }
+        wanted = {t: sketch_columns_needed(summaries[t], [c for c, _ in self.spec.table(t).binned]) for t in sharded}
         if any(wanted.values()):
-            again = self.send({
-                k: ({}, {"phase": "stats", "columns": columns[k[0]], "sketch": ",".join(wanted[k[0]])})
-                for k in self.clients if wanted.get(k[0])
-            })
+            again = self.send(
+                {
+                    k: ({}, {"phase": "stats", "columns": columns[k[0]], "sketch": ",".join(wanted[k[0]])})
+                    for k in self.clients
+                    if wanted.get(k[0])
+                }
+            )
             summaries.update(self._summaries(again))
         messages = {}
         for t in sharded:
@@ -221,8 +273,9 @@ class JoinSetup(Saved):
             edges = [quantile_bin_edges(merged, col, bins) for col, bins in spec_t.binned]
             rule = merged.arrays(with_sketch=False) + edges
             rule_id = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in rule)).hexdigest()[:16]
-            messages.update({k: (numbered("rule", rule), {"phase": "rule", "rule_id": rule_id})
-                             for k in self.clients if k[0] == t})
+            messages.update(
+                {k: (numbered("rule", rule), {"phase": "rule", "rule_id": rule_id}) for k in self.clients if k[0] == t}
+            )
         self.send(messages)
 
     def _summaries(self, replies: Mapping[ClientKey, Reply]) -> dict[str, list[ShardSummary]]:
@@ -231,7 +284,8 @@ class JoinSetup(Saved):
         for (t, _), (arrays, _) in sorted(replies.items()):
             spec_t = self.spec.table(t)
             out.setdefault(t, []).append(
-                ShardSummary.from_arrays(unnumbered(arrays, "summary"), spec_t.numeric, spec_t.categorical))
+                ShardSummary.from_arrays(unnumbered(arrays, "summary"), spec_t.numeric, spec_t.categorical)
+            )
         return out
 
     def expand(self) -> None:

@@ -14,7 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from flwr.app import Context, Error, Message
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
 
 from tpflower.records import Arrays
 
@@ -23,7 +25,6 @@ Payload = tuple[Arrays, dict[str, Any]]  # (named arrays, config) of one message
 Reply = tuple[Arrays, dict[str, Any]]  # (named arrays, metrics) of one reply
 Kind = Literal["train", "inner", "eval"]
 MESSAGE_TYPE: dict[str, str] = {"train": "train", "inner": "train", "eval": "evaluate"}
-
 
 
 class RunError(RuntimeError):
@@ -93,9 +94,6 @@ class DirectTransport(Transport):
     under Flower, no Grid, no Ray). ``contexts`` holds each node's Context (its state persists across rounds)."""
 
     def __init__(self, app: Callable[[Message, Context], Message], contexts: Mapping[int, Context]):
-        from flwr.common.constant import SUPERLINK_NODE_ID
-        from flwr.supercore.task_identity import TaskIdentity
-
         if TaskIdentity._run_id is None:  # Message() reads the run id of the process (set by Flower's runtimes)
             TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 0, 1, SUPERLINK_NODE_ID
         self.app = app

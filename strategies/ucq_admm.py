@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from strategies.join_admm import TPJoinADMM, admm_dp_plan, residual_extra
-from strategies.join_admm import Balancing
+from strategies.join_admm import Balancing, TPJoinADMM, admm_dp_plan, residual_extra
 from tpflower.batches import joined_predictions
 from tpflower.relation import has_bias
 
 
-def consensus_step(theta: dict[int, np.ndarray], u: dict[int, np.ndarray], used: dict[int, np.ndarray],
-                   w_prev: np.ndarray, rho_c: float, beta: float) -> tuple[np.ndarray, dict[int, np.ndarray], float]:
+def consensus_step(
+    theta: dict[int, np.ndarray],
+    u: dict[int, np.ndarray],
+    used: dict[int, np.ndarray],
+    w_prev: np.ndarray,
+    rho_c: float,
+    beta: float,
+) -> tuple[np.ndarray, dict[int, np.ndarray], float]:
     """Eq. 20 in general form (Boyd et al. 2011, Sec. 7.2): each weight of the consensus model w is averaged
     over the shards whose rows use it (``used[q]``, a mask over the flat parameters),
     w = rho' sum_{q uses} (theta^q + u^q) / (beta + |{q uses}| rho'), so a one-hot column held by one shard
@@ -70,27 +75,40 @@ class TPUCQADMM(TPJoinADMM):
                         arrays = ({"Y": Y[t][q]} if r == 0 else {}) | {"v": w[t] - u[k]}
                         messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c[t], "rho": rho, "epoch": epoch})
                     elif r == 0:  # a table with one shard: its last message of the epoch (it checkpoints)
-                        messages[k] = ({"Y": Y[t][q]}, {"phase": "admm_update", "epoch": epoch, "rho": rho,
-                                                        **self.checkpoint_config(epoch)})
+                        messages[k] = (
+                            {"Y": Y[t][q]},
+                            {"phase": "admm_update", "epoch": epoch, "rho": rho, **self.checkpoint_config(epoch)},
+                        )
                 replies = self.send(messages, kind="inner" if r > 0 else "train")
                 if r == 0:
-                    h.update({t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards})
-                              for t in self.spec.table_names if t not in multi})
+                    h.update(
+                        {
+                            t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards})
+                            for t in self.spec.table_names
+                            if t not in multi
+                        }
+                    )
                     # which parameters each shard's rows use (not sent under feature DP: all)
-                    used = {k: np.asarray(replies[k][0]["used"], dtype=bool) if "used" in replies[k][0]
-                            else np.ones(w[k[0]].shape, dtype=bool) for k in self.clients if k[0] in multi}
+                    used = {
+                        k: np.asarray(replies[k][0]["used"], dtype=bool)
+                        if "used" in replies[k][0]
+                        else np.ones(w[k[0]].shape, dtype=bool)
+                        for k in self.clients
+                        if k[0] in multi
+                    }
                 residual = dual = 0.0
                 for t in multi:
                     shards = routers[t].shards
                     theta = {q: np.asarray(replies[(t, q)][0]["theta"], dtype=np.float64) for q in shards}
                     w[t], primal, dual_t = consensus_step(
-                        theta, {q: u[(t, q)] for q in shards}, {q: used[(t, q)] for q in shards}, w[t], rho_c[t], beta)
+                        theta, {q: u[(t, q)] for q in shards}, {q: used[(t, q)] for q in shards}, w[t], rho_c[t], beta
+                    )
                     for q in shards:  # Eq. 21 (u scaled: u = y / rho'); 0 on the weights q does not use
                         u[(t, q)] = np.where(used[(t, q)], u[(t, q)], 0.0) + primal[q]
                     residual = max(residual, max(float(np.linalg.norm(p)) for p in primal.values()))
                     dual = max(dual, dual_t)
                     if inner_balance is not None and r + 1 < inner_rounds:
-                        primal_norm = float(np.sqrt(sum(float(np.sum(p ** 2)) for p in primal.values())))
+                        primal_norm = float(np.sqrt(sum(float(np.sum(p**2)) for p in primal.values())))
                         f = inner_balance.factor(primal_norm, dual_t)  # Boyd Eq. 3.13
                         if f != 1.0:
                             rho_c[t] *= f
@@ -100,17 +118,29 @@ class TPUCQADMM(TPJoinADMM):
                     break
             self.inner_rounds_used.append(r + 1)
             if multi:
-                replies = self.send({k: ({"w": w[k[0]]}, {"phase": "admm_consensus", **self.checkpoint_config(epoch)})
-                                     for k in self.clients if k[0] in multi})
-                h.update({t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards}) for t in multi})
+                replies = self.send(
+                    {
+                        k: ({"w": w[k[0]]}, {"phase": "admm_consensus", **self.checkpoint_config(epoch)})
+                        for k in self.clients
+                        if k[0] in multi
+                    }
+                )
+                h.update(
+                    {t: routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in routers[t].shards}) for t in multi}
+                )
             res = admm.update(h)  # z, lambda (Eq. 7, 8), residuals and the next rho (Boyd Sec. 3.4.1)
             train_loss = admm.train_loss()  # at the H of this update (computed there, chunk by chunk)
             self.record_epoch(
                 epoch,
                 joined_predictions(self.test.p, h),
                 train_loss,
-                {**residual_extra(res, rho), "inner_rounds": r + 1, "inner_residual": residual, "inner_dual": dual,
-                 **({"rho_inner": max(rho_c.values())} if rho_c else {})},
+                {
+                    **residual_extra(res, rho),
+                    "inner_rounds": r + 1,
+                    "inner_residual": residual,
+                    "inner_dual": dual,
+                    **({"rho_inner": max(rho_c.values())} if rho_c else {}),
+                },
             )
             stop = self.stop_early(epoch, res, f"; {r + 1} inner rounds in the last epoch")
             self.end_epoch(epoch, {"admm": admm, "h": h, "w": w, "rho_c": rho_c, "u": u, "stopped": stop})

@@ -46,21 +46,31 @@ class TPUCQSGD(LoJStrategy):
             point = eval_point(self.params, round_no, epoch, last, schedule.per_epoch)
             counts = {t: np.bincount(plan.inv[t], minlength=len(plan.U[t])) for t in plan.U}  # G_iu in B
             masks = {t: self.routers[t].masks(plan.U[t]) for t in plan.U}
-            replies = self.send(self.shard_messages(
-                lambda k: (
-                    {"Y": Y[k[0]][masks[k[0]][k[1]]]},
-                    {"phase": "sgd_partial", "count": float(counts[k[0]][masks[k[0]][k[1]]].sum())},
-                )
-            ), kind="inner")
-            g = {t: sum(r[0]["g"] for (tt, _), r in sorted(replies.items()) if tt == t) / len(rows) for t in plan.U}  # Eq. 17
+            replies = self.send(
+                self.shard_messages(
+                    lambda k: (
+                        {"Y": Y[k[0]][masks[k[0]][k[1]]]},
+                        {"phase": "sgd_partial", "count": float(counts[k[0]][masks[k[0]][k[1]]].sum())},
+                    )
+                ),
+                kind="inner",
+            )
+            g = {
+                t: sum(r[0]["g"] for (tt, _), r in sorted(replies.items()) if tt == t) / len(rows) for t in plan.U
+            }  # Eq. 17
             nsplit = {t: self.routers[t].split(nxt.U[t]) for t in nxt.U} if nxt else None
-            replies = self.send(self.shard_messages(
-                lambda k: (
-                    {"g": g[k[0]], "rows": nsplit[k[0]][k[1]] if nsplit else EMPTY,
-                     **({"eval_rows": eval_split[k[0]][k[1]]} if point is not None else {})},
-                    {"phase": "sgd_apply", **(self.checkpoint_config(epoch) if last else {})},
+            replies = self.send(
+                self.shard_messages(
+                    lambda k: (
+                        {
+                            "g": g[k[0]],
+                            "rows": nsplit[k[0]][k[1]] if nsplit else EMPTY,
+                            **({"eval_rows": eval_split[k[0]][k[1]]} if point is not None else {}),
+                        },
+                        {"phase": "sgd_apply", **(self.checkpoint_config(epoch) if last else {})},
+                    )
                 )
-            ))
+            )
             if nxt is not None:
                 h = self.gather_rows(replies, nxt.U)
             if point is not None:
@@ -76,9 +86,11 @@ class TPUCQSGD(LoJStrategy):
         self.setup()
         schedule, _ = sgd_schedule(self)
         split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
-        replies = self.send(self.shard_messages(
-            lambda k: ({"rows": split[k[0]][k[1]]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
-        ))
+        replies = self.send(
+            self.shard_messages(
+                lambda k: ({"rows": split[k[0]][k[1]]}, {"phase": "predict", "d_out": self.d_out, **self.dp_config(k)})
+            )
+        )
         return {"h": self.gather_rows(replies, schedule.first.U)}
 
     def plan_feature_dp(self) -> dict:

@@ -15,9 +15,7 @@ SECRET = b"test-secret"
 
 def mapping_of(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], secret: bytes = SECRET) -> TableMapping:
     """The federated path: each table projects its keys to digests, the server joins the digests."""
-    projections = {
-        t: [project_keys(spec, t, frames[t], np.arange(len(frames[t])), secret)] for t in spec.table_names
-    }
+    projections = {t: [project_keys(spec, t, frames[t], np.arange(len(frames[t])), secret)] for t in spec.table_names}
     return build_mapping(spec, projections)
 
 
@@ -70,6 +68,8 @@ def pandas_build_mapping(spec: RelationalSpec, projections: Mapping[str, list[Ke
         left_keys = digests[known][k][joined[known].to_numpy()]
         left = joined.assign(_h0=left_keys[:, 0], _h1=left_keys[:, 1])
         right_keys = digests[new][k]
-        right = pd.DataFrame({new: np.arange(n_rows[new], dtype=np.int64), "_h0": right_keys[:, 0], "_h1": right_keys[:, 1]})
+        right = pd.DataFrame(
+            {new: np.arange(n_rows[new], dtype=np.int64), "_h0": right_keys[:, 0], "_h1": right_keys[:, 1]}
+        )
         joined = left.merge(right, on=["_h0", "_h1"], how="inner", sort=False).drop(columns=["_h0", "_h1"])
     return TableMapping(p={t: joined[t].to_numpy(dtype=np.int64) for t in spec.table_names}, n_rows=n_rows)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from simulations.federated import run_in_process
-from tpflower.app.server_app import make_strategy
 from tests.conftest import make_cfg
+from tpflower.app.server_app import make_strategy
 from tpflower.phases.celu import Workset, staleness_weights
 from tpflower.state import ClientState
 
@@ -29,11 +29,16 @@ def test_r0_is_tp_join_sgd():
     celu = run("algorithm=celu", "algorithm.R=0", "algorithm.lr=0.2", *EXACT, "epochs=1")  # TP-Join-SGD's lr
     for key, theta in thetas(sgd).items():
         np.testing.assert_allclose(thetas(celu)[key], theta, rtol=0, atol=1e-12)
-    assert [h.test_metric for h in celu.strategy.results.history] == [h.test_metric for h in sgd.strategy.results.history]
+    assert [h.test_metric for h in celu.strategy.results.history] == [
+        h.test_metric for h in sgd.strategy.results.history
+    ]
 
 
-@pytest.mark.parametrize("extra", [(), ("algorithm.xi=null", "algorithm.W=1"), ("model=mlp", "algorithm.similarity=hidden")],
-                         ids=["defaults", "fedbcd", "mlp-hidden"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("algorithm.xi=null", "algorithm.W=1"), ("model=mlp", "algorithm.similarity=hidden")],
+    ids=["defaults", "fedbcd", "mlp-hidden"],
+)
 def test_celu_over_reduced_batches_equals_celu_vfl_on_the_expanded_join(extra):
     """Every joined row j with p_i(j) = u shares h_u and h'_u, so its weight is w_u: CELU on the duplicate-
     reduced batch (Y_iu summed over the duplicates) takes the same local steps as CELU-VFL on the join."""
@@ -77,7 +82,7 @@ def test_round_robin_never_reuses_a_batch_within_w_minus_1_steps_and_caps_uses_a
             ws.used(k, R)
     assert all(picks.count(b) <= R for b in set(picks))
     for t, b in enumerate(picks):  # never the same batch within W - 1 local steps
-        assert b not in picks[max(0, t - (W - 1)):t]
+        assert b not in picks[max(0, t - (W - 1)) : t]
     # by hand: the newest batch (never picked) first, then the least recently picked that the gap allows; a
     # bubble when none qualifies (rounds 1 and 2 take one step each)
     assert picks[:6] == [0, 1, 2, 0, 3, 1]
@@ -107,7 +112,7 @@ def test_staleness_weights():
 def test_workset_stays_within_w_batches():
     r = run("algorithm=celu", *EXACT, "epochs=1", "algorithm.W=2", "algorithm.R=8")
     assert max(r.strategy.local_steps) <= 8
-    for key, context in r.contexts.items():
+    for _key, context in r.contexts.items():
         ws = Workset.load(ClientState(context.state))  # the client's own record
         assert 1 <= len(ws) <= 2 and ws.Y.shape[1] == ws.ref.shape[1] == 1
         assert len(ws.rows) <= 2 * 2000  # W x |U_i| numbers per column (|U_i| <= |B|)
@@ -121,13 +126,16 @@ def test_eval_every_records_fractional_epochs():
     assert all(h.extra["local_steps_per_round"] > 0 for h in history)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (("algorithm=celu", "privacy=dpsgd"), "cached batch is replayed"),
-    (("algorithm=celu", "algorithm.similarity=hidden"), "needs model=mlp"),
-    (("algorithm=celu", "algorithm.W=0"), "algorithm.W must be an integer >= 1"),
-    (("algorithm=celu", "algorithm.xi=200"), "algorithm.xi must be an angle"),
-    (("algorithm=celu", "scenario=ucq"), "has no ucq version"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (("algorithm=celu", "privacy=dpsgd"), "cached batch is replayed"),
+        (("algorithm=celu", "algorithm.similarity=hidden"), "needs model=mlp"),
+        (("algorithm=celu", "algorithm.W=0"), "algorithm.W must be an integer >= 1"),
+        (("algorithm=celu", "algorithm.xi=200"), "algorithm.xi must be an angle"),
+        (("algorithm=celu", "scenario=ucq"), "has no ucq version"),
+    ],
+)
 def test_refusals_before_any_client(overrides, match):
     with pytest.raises(ValueError, match=match):
         make_strategy(make_cfg("dataset=synthetic", *overrides), None, log=lambda _: None)
@@ -146,8 +154,10 @@ def test_bench_reads_rounds_to_target_per_seed():
     def case(seed, history, end="done"):
         return {"seed": seed, "end": end, "history": history, "local_steps_per_round": 0.0, "wall_s": 1.0}
 
-    runs = {"vanilla": [case(0, [(50, 1.1, 5.0), (100, 1.0, 10.0)]), case(1, [(50, 1.05, 5.0), (100, 0.9, 10.0)])],
-            "celu": [case(0, [(20, 1.0, 2.0)], "target"), case(1, [(20, 1.0, 2.0), (40, 0.95, 4.0)], "diverged")]}
+    runs = {
+        "vanilla": [case(0, [(50, 1.1, 5.0), (100, 1.0, 10.0)]), case(1, [(50, 1.05, 5.0), (100, 0.9, 10.0)])],
+        "celu": [case(0, [(20, 1.0, 2.0)], "target"), case(1, [(20, 1.0, 2.0), (40, 0.95, 4.0)], "diverged")],
+    }
     rows = summarize("movielens", runs, {"vanilla": 0.1, "celu": 0.5})["variants"]
     assert rows["vanilla"]["rounds_to_target"] == [100, 100] and rows["vanilla"]["vs_vanilla"] == 0
     assert rows["celu"]["rounds_to_target"] == [20] and rows["celu"]["reached"] == "1/2"

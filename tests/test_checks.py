@@ -20,21 +20,27 @@ from tpflower.owner import Exposed, OwnerSettings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def shop(folder: Path, orders: pd.DataFrame | None = None, customers: pd.DataFrame | None = None,
-         **extra) -> dict:
+def shop(folder: Path, orders: pd.DataFrame | None = None, customers: pd.DataFrame | None = None, **extra) -> dict:
     """orders (label table: spend; key cust; numeric qty) joined many-to-one with customers (age)."""
     rng = np.random.default_rng(0)
     if orders is None:
-        orders = pd.DataFrame({"cust": rng.integers(0, 50, 400), "qty": rng.integers(1, 5, 400).astype(float),
-                               "spend": rng.normal(10, 2, 400)})
+        orders = pd.DataFrame(
+            {
+                "cust": rng.integers(0, 50, 400),
+                "qty": rng.integers(1, 5, 400).astype(float),
+                "spend": rng.normal(10, 2, 400),
+            }
+        )
     if customers is None:
         customers = pd.DataFrame({"cust": np.arange(50), "age": rng.integers(18, 80, 50).astype(float)})
     orders.to_csv(folder / "orders.csv", index=False)
     customers.to_csv(folder / "customers.csv", index=False)
     return {
         "name": "shop",
-        "tables": {"orders": {"source": str(folder / "orders.csv"), "numeric": ["qty"]},
-                   "customers": {"source": str(folder / "customers.csv"), "numeric": ["age"]}},
+        "tables": {
+            "orders": {"source": str(folder / "orders.csv"), "numeric": ["qty"]},
+            "customers": {"source": str(folder / "customers.csv"), "numeric": ["age"]},
+        },
         "label": {"table": "orders", "column": "spend", "task": "regression"},
         "joins": [{"left": "orders", "right": "customers", "on": "cust"}],
         **extra,
@@ -63,7 +69,8 @@ def test_nan_join_key(tmp_path):
     path = tmp_path / "orders.csv"
     assert lines(shop(tmp_path, orders, customers)) == [
         f"table 'orders', key column 'cust': 1 missing (NaN) key value, first at row 3 (line 5 of {path}); "
-        "drop or fill those rows before training (a row without a key joins nothing)"]
+        "drop or fill those rows before training (a row without a key joins nothing)"
+    ]
 
 
 def test_missing_labels(tmp_path):
@@ -77,8 +84,10 @@ def test_missing_labels(tmp_path):
 def test_unknown_column(tmp_path):
     dataset = shop(tmp_path)
     dataset["tables"]["customers"]["numeric"] = ["agee"]
-    assert lines(dataset) == ["table 'customers' has no column 'agee', its columns are ['cust', 'age']; "
-                              "fix the column name in the dataset config or in the file's header"]
+    assert lines(dataset) == [
+        "table 'customers' has no column 'agee', its columns are ['cust', 'age']; "
+        "fix the column name in the dataset config or in the file's header"
+    ]
 
 
 def test_non_numeric_value_shows_value_and_row(tmp_path):
@@ -86,8 +95,10 @@ def test_non_numeric_value_shows_value_and_row(tmp_path):
     customers["age"] = customers["age"].astype(object)
     customers.loc[[12, 30], "age"] = ["unknown", "?"]
     (line,) = lines(shop(tmp_path, orders, customers))
-    assert line.startswith("table 'customers', numeric feature 'age': 2 non-numeric values, first at row 12 "
-                           f"(line 14 of {tmp_path / 'customers.csv'}): 'unknown'; make every value a number")
+    assert line.startswith(
+        "table 'customers', numeric feature 'age': 2 non-numeric values, first at row 12 "
+        f"(line 14 of {tmp_path / 'customers.csv'}): 'unknown'; make every value a number"
+    )
 
 
 def test_empty_and_unreadable_files_name_table_and_file(tmp_path):
@@ -97,9 +108,11 @@ def test_empty_and_unreadable_files_name_table_and_file(tmp_path):
     found = lines(dataset)
     assert len(found) == 2
     assert found[0].startswith(f"table 'orders' cannot be read from '{tmp_path / 'orders.csv'}': not UTF-8 text")
-    assert found[1] == (f"table 'customers' cannot be read from '{tmp_path / 'customers.csv'}': the file is empty "
-                        "(not even a header row); write the table into it: a header row with the column names, "
-                        "then one line per row")
+    assert found[1] == (
+        f"table 'customers' cannot be read from '{tmp_path / 'customers.csv'}': the file is empty "
+        "(not even a header row); write the table into it: a header row with the column names, "
+        "then one line per row"
+    )
     assert "EmptyDataError" not in " ".join(found)
 
 
@@ -110,7 +123,8 @@ def test_a_feature_bearing_the_labels_name_in_another_table(tmp_path):
     dataset["tables"]["customers"]["numeric"] = ["age", "spend"]
     assert lines(dataset) == [
         "table 'customers', feature 'spend': a feature bears the label's name 'spend' (the label is table "
-        "'orders''s); rename the column or drop it from this table's features"]
+        "'orders''s); rename the column or drop it from this table's features"
+    ]
     # the check a client runs alone (federated runs, deployment) finds it too
     with pytest.raises(DataProblems, match="feature 'spend': a feature bears the label's name"):
         load_table(dataset, "customers")
@@ -127,7 +141,8 @@ def test_a_join_dropping_labelled_rows_warns_or_fails(tmp_path):
     assert warning.line() == (
         f"join orders.cust = customers.cust drops {lost:,} of the 400 rows of label table 'orders' "
         f"({lost / 400:.1%}): they have no partner row in table 'customers'; add the missing rows to that table, "
-        "or set dataset.on_dropped_rows=ignore to train on the rest (=error to refuse)")
+        "or set dataset.on_dropped_rows=ignore to train on the rest (=error to refuse)"
+    )
     assert errors(check_dataset({**dataset, "on_dropped_rows": "error"})[2])
     assert check_dataset({**dataset, "on_dropped_rows": "ignore"})[2] == []
     with pytest.raises(ValueError, match="on_dropped_rows must be one of"):
@@ -144,8 +159,11 @@ def test_all_problems_of_a_table_arrive_in_one_run(tmp_path):
     customers.loc[1, "age"] = "old"
     found = lines(shop(tmp_path, orders, customers))
     assert [line.split(":")[0] for line in found] == [
-        "table 'orders', numeric feature 'qty'", "table 'orders', key column 'cust'",
-        "table 'orders', label column 'spend'", "table 'customers', numeric feature 'age'"]
+        "table 'orders', numeric feature 'qty'",
+        "table 'orders', key column 'cust'",
+        "table 'orders', label column 'spend'",
+        "table 'customers', numeric feature 'age'",
+    ]
 
 
 def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):
@@ -158,9 +176,11 @@ def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):
     owner = OwnerSettings("customers", Exposed(("cust",), ("age",)), {"name": "none"}, b"k", origin="/owner/c.yaml")
     sent = str(node_data_error(info.value, owner))
     assert "\n" not in sent and "secret-value-42" not in sent and "row 4" not in sent
-    assert sent == ("1 problem in the data: table 'customers', numeric feature 'age': 1 non-numeric value; make "
-                    "every value a number (leave it empty if unknown: missing values are imputed with the median), "
-                    "or declare the column categorical")
+    assert sent == (
+        "1 problem in the data: table 'customers', numeric feature 'age': 1 non-numeric value; make "
+        "every value a number (leave it empty if unknown: missing values are imputed with the median), "
+        "or declare the column categorical"
+    )
     assert "secret-value-42" in caplog.text  # the node's own log keeps the example
     simulated = str(node_data_error(info.value, OwnerSettings("customers", Exposed(), {}, b"k")))
     assert "'secret-value-42'" in simulated and "\n" not in simulated
@@ -186,9 +206,24 @@ def test_cli_reports_all_problems_without_traceback(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TPFLOWER_TRACEBACK"}
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run(
-        [sys.executable, "-m", "simulations.run", "--config-dir", str(tmp_path / "conf"), "dataset=shop",
-         "algorithm=admm", "runtime=inprocess", "epochs=1", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "simulations.run",
+            "--config-dir",
+            str(tmp_path / "conf"),
+            "dataset=shop",
+            "algorithm=admm",
+            "runtime=inprocess",
+            "epochs=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     console = out.stdout + out.stderr
     assert out.returncode == 1 and "Traceback" not in console
     assert out.stderr.splitlines()[0] == "error: dataset 'shop': 2 problems in the data; fix them and run again:"

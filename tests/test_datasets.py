@@ -10,8 +10,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from tpflower.datasets import LOADERS, load_dataset, shard_rows
-from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
+from tpflower.datasets import LOADERS, load_dataset, movielens, movielens1m, nycflights13, shard_rows, synthetic
 from tpflower.schema import ShardSpec, SpecError, TableSpec
 
 CONF = Path(__file__).parents[1] / "conf" / "dataset"
@@ -103,8 +102,9 @@ def test_nycflights13_loader(flights_frames):
     assert_range_index(frames)
 
 
-@pytest.mark.parametrize("name, label, task", [("nycflights13", "arr_delay", "regression"),
-                                               ("nycflights13_delayed", "delayed", "binary")])
+@pytest.mark.parametrize(
+    "name, label, task", [("nycflights13", "arr_delay", "regression"), ("nycflights13_delayed", "delayed", "binary")]
+)
 def test_nycflights13_yaml(monkeypatch, flights_frames, name, label, task):
     monkeypatch.setitem(LOADERS, "nycflights13", lambda: flights_frames)  # load the CSVs once per module
     spec, frames = load_dataset(conf(name))
@@ -196,8 +196,9 @@ def test_synthetic_large_is_fast():
 
 
 def write_user_tables(folder: Path) -> None:
-    pd.DataFrame({"id": [1, 2, 3, 4], "shop": ["a", "b", "a", "c"], "x": [0.5, 1.5, 2.0, 3.0],
-                  "target": [1.0, 2.0, 3.0, 4.0]}).to_csv(folder / "orders.csv", index=False)
+    pd.DataFrame(
+        {"id": [1, 2, 3, 4], "shop": ["a", "b", "a", "c"], "x": [0.5, 1.5, 2.0, 3.0], "target": [1.0, 2.0, 3.0, 4.0]}
+    ).to_csv(folder / "orders.csv", index=False)
     (folder / "data").mkdir()
     pd.DataFrame({"shop": ["a", "b", "c"], "size": [10, 20, 30], "kind": ["x", "y", "x"]}).to_parquet(
         folder / "data" / "shops.parquet"
@@ -257,8 +258,10 @@ def test_validation_runs(tmp_path):
     write_user_tables(tmp_path)
     cfg = {
         "name": "mine",
-        "tables": {"orders": {"source": "orders.csv", "numeric": ["x", "missing_col"]},
-                   "shops": {"source": "data/shops.parquet"}},
+        "tables": {
+            "orders": {"source": "orders.csv", "numeric": ["x", "missing_col"]},
+            "shops": {"source": "data/shops.parquet"},
+        },
         "label": {"column": "target"},
         "joins": [{"left": "orders", "right": "shops", "on": "shop"}],
     }

@@ -42,8 +42,9 @@ def _no_legacy_federations():
     # `flwr run .` (1.41) migrates a [tool.flwr.federations] table to $FLWR_HOME and comments it out in
     # pyproject.toml: the tests must not rewrite the project's pyproject.toml.
     text = (deploy.APP_DIR / "pyproject.toml").read_text()
-    assert not any(line.strip().startswith("[tool.flwr.federations") for line in text.splitlines()), \
+    assert not any(line.strip().startswith("[tool.flwr.federations") for line in text.splitlines()), (
         "pyproject.toml declares [tool.flwr.federations]; `flwr run` would rewrite it"
+    )
 
 
 def _wait_for_run(proc, results: Path, logs: list[Path], timeout: float = RUN_TIMEOUT_S) -> dict:
@@ -65,14 +66,19 @@ def refused_run(dep: deploy.Deployment, tmp_path: Path) -> None:
     floor = (tmp_path / "deploy" / "clients" / "fact-0.yaml").read_text()
     assert "name: label" in floor and "secret_file" in floor
     run_dir, log = tmp_path / "refused", tmp_path / "flwr-refused.log"
-    proc = deploy.spawn(deploy.flwr_run_command(dep.connection, "algorithm=celu dataset=synthetic epochs=1", run_dir),
-                        log, dep.env(), cwd=deploy.APP_DIR)
+    proc = deploy.spawn(
+        deploy.flwr_run_command(dep.connection, "algorithm=celu dataset=synthetic epochs=1", run_dir),
+        log,
+        dep.env(),
+        cwd=deploy.APP_DIR,
+    )
     dep.popens.append(proc)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert "table 'fact' refuses the run: privacy=none is weaker than this node's floor privacy=label" \
-        in log.read_text(), deploy._log_tail(log, 60)
+    assert (
+        "table 'fact' refuses the run: privacy=none is weaker than this node's floor privacy=label" in log.read_text()
+    ), deploy._log_tail(log, 60)
     assert not (run_dir / "results.json").exists()
 
 
@@ -96,8 +102,15 @@ def test_fab_holds_the_app_and_not_the_venv_or_outputs():
 
     fab = build_fab_from_disk(deploy.APP_DIR)  # what `flwr run` ships
     names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
-    for needed in ("pyproject.toml", "tpflower/app/client_app.py", "tpflower/app/server_app.py", "conf/config.yaml",
-                   "conf/dataset/synthetic.yaml", "strategies/base.py", "tpflower/client.py"):
+    for needed in (
+        "pyproject.toml",
+        "tpflower/app/client_app.py",
+        "tpflower/app/server_app.py",
+        "conf/config.yaml",
+        "conf/dataset/synthetic.yaml",
+        "strategies/base.py",
+        "tpflower/client.py",
+    ):
         assert needed in names
     assert not [n for n in names if n.startswith((".venv/", "outputs/", "multirun/", ".git/")) or "__pycache__" in n]
     assert len(fab) < 2_000_000
@@ -127,8 +140,9 @@ def test_flwr_run_on_superlink_and_one_supernode_per_table(tmp_path, overrides, 
 
         run_dir = tmp_path / "run"
         log = tmp_path / "flwr-run.log"
-        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, overrides, run_dir), log, dep.env(),
-                            cwd=deploy.APP_DIR)
+        proc = deploy.spawn(
+            deploy.flwr_run_command(dep.connection, overrides, run_dir), log, dep.env(), cwd=deploy.APP_DIR
+        )
         dep.popens.append(proc)
         logs = [log] + [Path(p["log"]) for p in dep.processes]
         data = _wait_for_run(proc, run_dir / "results.json", logs, timeout=RUN_TIMEOUT_S * len(clients) / 4)
@@ -157,8 +171,9 @@ def test_flwr_run_local_simulation(tmp_path):
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(deploy.free_port())
     run_dir = tmp_path / "run"
     log = tmp_path / "flwr-run.log"
-    cmd = deploy.flwr_run_command(None, OVERRIDES, run_dir,
-                                  federation_config="num-supernodes=4 client-resources-num-cpus=1")
+    cmd = deploy.flwr_run_command(
+        None, OVERRIDES, run_dir, federation_config="num-supernodes=4 client-resources-num-cpus=1"
+    )
     proc = deploy.spawn(cmd, log, env, cwd=tmp_path)
     running_after_run: list[int] = []
     try:
@@ -171,7 +186,6 @@ def test_flwr_run_local_simulation(tmp_path):
     assert len(running_after_run) == 1  # `flwr run .` leaves the local SuperLink running; stop_local stopped it
     assert left == []
     assert deploy.local_superlink_pids(home) == []
-
 
 
 def unauthorized_nodes_are_refused(dep: deploy.Deployment, tmp_path: Path) -> None:
@@ -201,8 +215,8 @@ def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp
     """TLS + node authentication by default; a SuperNode killed (kill -9) after epoch 3 of 6 stops the run with
     a line naming its table; restarted, it rejoins a resumed run, which ends with the metrics of the in-process
     simulation of the same config (float64, to 1e-6)."""
-    from tpflower.config import compose_config
     from simulations.federated import run_in_process
+    from tpflower.config import compose_config
 
     dep = None
     left: list[int] = ["not stopped"]  # type: ignore[list-item]
@@ -212,8 +226,12 @@ def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp
         unauthorized_nodes_are_refused(dep, tmp_path)
         run_dir = tmp_path / "run"
         logs = [Path(p["log"]) for p in dep.processes]
-        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, RESUME_RUN, run_dir), tmp_path / "killed.log",
-                            dep.env(), cwd=deploy.APP_DIR)
+        proc = deploy.spawn(
+            deploy.flwr_run_command(dep.connection, RESUME_RUN, run_dir),
+            tmp_path / "killed.log",
+            dep.env(),
+            cwd=deploy.APP_DIR,
+        )
         dep.popens.append(proc)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while checkpoint_epoch(run_dir) < 3 and proc.poll() is None and time.monotonic() < deadline:
@@ -227,8 +245,12 @@ def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp
         assert not (run_dir / "results.json").exists()
 
         deploy.restart_node(dep, "supernode d2/0", cwd=tmp_path)
-        proc = deploy.spawn(deploy.flwr_run_command(dep.connection, f"{RESUME_RUN} resume=true", run_dir),
-                            tmp_path / "resumed.log", dep.env(), cwd=deploy.APP_DIR)
+        proc = deploy.spawn(
+            deploy.flwr_run_command(dep.connection, f"{RESUME_RUN} resume=true", run_dir),
+            tmp_path / "resumed.log",
+            dep.env(),
+            cwd=deploy.APP_DIR,
+        )
         dep.popens.append(proc)
         data = _wait_for_run(proc, run_dir / "results.json", [tmp_path / "resumed.log"] + logs)
         assert "resumed after epoch" in (tmp_path / "resumed.log").read_text()
@@ -238,10 +260,12 @@ def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp
     assert left == []
     assert [h["epoch"] for h in data["history"]] == [1, 2, 3, 4, 5, 6]
     simulated = run_in_process(compose_config(*RESUME_RUN.split()), None, log=lambda _: None).strategy.results
-    np.testing.assert_allclose([h["test_metric"] for h in data["history"]],
-                               [h.test_metric for h in simulated.history], rtol=1e-6)
-    np.testing.assert_allclose([h["train_loss"] for h in data["history"]],
-                               [h.train_loss for h in simulated.history], rtol=1e-6)
+    np.testing.assert_allclose(
+        [h["test_metric"] for h in data["history"]], [h.test_metric for h in simulated.history], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        [h["train_loss"] for h in data["history"]], [h.train_loss for h in simulated.history], rtol=1e-6
+    )
 
 
 def _wait_for_exit(proc, timeout: float) -> None:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from tpflower.app.client_app import make_client
 from simulations.run import run_job
 from tests.conftest import make_cfg
+from tpflower.app.client_app import make_client
 from tpflower.client import choose_device
 from tpflower.privacy.trainer import DPLocalTrainer
 
@@ -39,8 +39,12 @@ def test_dp_noise_generator_lives_on_the_parameters_device():
 
 def test_centralized_optimizer_is_read_and_checked(tmp_path):
     sgd = run_job(make_cfg("algorithm=centralized", "dataset=synthetic", "epochs=1"), tmp_path / "sgd")
-    adam = run_job(make_cfg("algorithm=centralized", "dataset=synthetic", "epochs=1", "algorithm.optimizer=adam",
-                            "algorithm.lr=0.01"), tmp_path / "adam")
+    adam = run_job(
+        make_cfg(
+            "algorithm=centralized", "dataset=synthetic", "epochs=1", "algorithm.optimizer=adam", "algorithm.lr=0.01"
+        ),
+        tmp_path / "adam",
+    )
     assert sgd.history[-1].test_metric != adam.history[-1].test_metric
     with pytest.raises(ValueError, match=r"algorithm.optimizer must be one of \['sgd', 'adam'\], got 'bogus'"):
         run_job(make_cfg("algorithm=centralized", "dataset=synthetic", "algorithm.optimizer=bogus"), tmp_path / "x")

@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from simulations.federated import run_flower_simulation, run_in_process
-from tpflower import registry
 from strategies.transport import RunError
 from tests.conftest import make_cfg
 from tests.test_conformance import overrides_of
+from tpflower import registry
 
 ENTRIES = [e for e in registry.entries() if e.federated]
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,9 @@ def test_flower_simulation_equals_in_process(entry, tmp_path):
     assert record["history"][-1]["rounds"] > 0 and record["history"][-1]["bytes_up"] > 0
     # the same strategy and ClientApp without Flower's transport: identical iterates and payloads
     direct = run_in_process(make_cfg(*overrides), None, log=lambda _: None).strategy.results
-    np.testing.assert_allclose([h.test_metric for h in results.history], [h.test_metric for h in direct.history], rtol=1e-6)
+    np.testing.assert_allclose(
+        [h.test_metric for h in results.history], [h.test_metric for h in direct.history], rtol=1e-6
+    )
     assert [h.bytes_up for h in results.history] == [h.bytes_up for h in direct.history]
     assert [h.bytes_down for h in results.history] == [h.bytes_down for h in direct.history]
     assert (tmp_path / "flower.log").stat().st_size > 0  # Flower's own lines went to the run's log file
@@ -54,8 +56,10 @@ def bad_shop(folder: Path) -> dict:
     orders.to_csv(folder / "orders.csv", index=False)
     dataset = {
         "name": "bad_shop",
-        "tables": {"orders": {"source": str(folder / "orders.csv"), "numeric": ["qty"]},
-                   "customers": {"source": str(folder / "customers.csv"), "numeric": ["age"]}},
+        "tables": {
+            "orders": {"source": str(folder / "orders.csv"), "numeric": ["qty"]},
+            "customers": {"source": str(folder / "customers.csv"), "numeric": ["age"]},
+        },
         "label": {"table": "orders", "column": "spend", "task": "regression"},
         "joins": [{"left": "orders", "right": "customers", "on": "cust"}],
     }
@@ -74,16 +78,28 @@ def test_a_failing_client_ends_the_flower_run_with_one_error_naming_its_table(tm
 
 def run_cli(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "simulations.run", *overrides], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "simulations.run", *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
 def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
     run_dir = tmp_path / "ok"
     secret = "flower-run-secret-" + os.urandom(6).hex()
-    ok = run_cli("algorithm=admm", "dataset=synthetic", "epochs=2", f"hydra.run.dir={run_dir}",
-                 f"mapping.secret={secret}", cwd=tmp_path)
+    ok = run_cli(
+        "algorithm=admm",
+        "dataset=synthetic",
+        "epochs=2",
+        f"hydra.run.dir={run_dir}",
+        f"mapping.secret={secret}",
+        cwd=tmp_path,
+    )
     assert ok.returncode == 0, ok.stderr
     written = [p for p in run_dir.rglob("*") if p.is_file()]
     assert {"flower.log", "results.json", "config.yaml"} <= {p.name for p in written}
@@ -93,15 +109,23 @@ def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
     assert all(line.startswith("epoch ") for line in lines[1:-1]) and len(lines) == 4
     assert ok.stderr == ""
     bad_shop(tmp_path)
-    bad = run_cli("--config-dir", str(tmp_path / "conf"), "algorithm=admm", "dataset=bad_shop", "epochs=1",
-                  f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    bad = run_cli(
+        "--config-dir",
+        str(tmp_path / "conf"),
+        "algorithm=admm",
+        "dataset=bad_shop",
+        "epochs=1",
+        f"hydra.run.dir={tmp_path / 'bad'}",
+        cwd=tmp_path,
+    )
     assert bad.returncode == 1 and bad.stdout == "" and "Traceback" not in bad.stderr
     # every table is checked before Flower starts: one report, one line per problem (tests/test_checks.py)
     assert bad.stderr.splitlines() == [
         "error: dataset 'bad_shop': 1 problem in the data; fix it and run again:",
         f"  table 'customers', numeric feature 'age': 1 non-numeric value, first at row 3 (line 5 of "
         f"{tmp_path / 'customers.csv'}): 'unknown'; make every value a number (leave it empty if unknown: missing "
-        "values are imputed with the median), or declare the column categorical"]
+        "values are imputed with the median), or declare the column categorical",
+    ]
     refused = run_cli("algorithm=admm", "dataset=synthetic", "algorithm.rho=-1", cwd=tmp_path)
     assert refused.returncode == 1 and refused.stderr.startswith("error: algorithm.rho must be > 0, got -1")
 

@@ -48,8 +48,9 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_imports_point_one_way():
-    bad = sorted(f"{m} -> {d}" for m, deps in graph().items() for d in deps
-                 if LAYER[d.split(".")[0]] > LAYER[m.split(".")[0]])
+    bad = sorted(
+        f"{m} -> {d}" for m, deps in graph().items() for d in deps if LAYER[d.split(".")[0]] > LAYER[m.split(".")[0]]
+    )
     assert bad == [], "imports against the layering simulations -> strategies -> tpflower:\n" + "\n".join(bad)
 
 

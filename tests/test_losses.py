@@ -8,7 +8,16 @@ import torch
 from scipy.special import softmax
 
 from strategies.join_admm import _multiclass_newton_direction, z_update
-from tpflower.losses import binary_auc, loss_grad_np, loss_np, loss_torch, metrics, output_dim, primary_metric, standardizes_label
+from tpflower.losses import (
+    binary_auc,
+    loss_grad_np,
+    loss_np,
+    loss_torch,
+    metrics,
+    output_dim,
+    primary_metric,
+    standardizes_label,
+)
 
 CASES = [("regression", 1), ("binary", 1), ("multiclass", 4)]
 
@@ -159,10 +168,17 @@ def test_output_dim() -> None:
         output_dim("binary", 3)
 
 
-@pytest.mark.parametrize("privacy, value, expected", [
-    ("none", "auto", True), ("label", "auto", True), ("dpsgd", "auto", False), ("label_dpsgd", "auto", False),
-    ("dpsgd", True, True), ("none", False, False),
-])
+@pytest.mark.parametrize(
+    "privacy, value, expected",
+    [
+        ("none", "auto", True),
+        ("label", "auto", True),
+        ("dpsgd", "auto", False),
+        ("label_dpsgd", "auto", False),
+        ("dpsgd", True, True),
+        ("none", False, False),
+    ],
+)
 def test_standardize_label_auto_is_off_under_feature_dp_only(privacy, value, expected):
     """standardize_label=auto: the label is standardized unless feature DP is on (DP-SGD's parameter noise
     would reach the label's units multiplied by its std); an explicit true / false is obeyed."""

@@ -11,11 +11,11 @@ import signal
 import numpy as np
 import pytest
 
+from tests.test_conformance import call
+from tests.test_curious_server import SYNTHETIC, node
 from tpflower.app import node_worker
 from tpflower.app.client_app import app as in_process_app
 from tpflower.app.node_app import app as node_app
-from tests.test_conformance import call
-from tests.test_curious_server import SYNTHETIC, node
 from tpflower.records import unpack_reply
 
 

@@ -19,8 +19,12 @@ from tpflower.results import ResultsError, RunResults, read_results, write_resul
 NETWORK = {
     "server_region": "us-east",
     "default_link": {"latency_ms": 63, "bandwidth_mb_s": 60.0},
-    "links": {"us-east": {"us-east": {"latency_ms": 0.5, "bandwidth_mb_s": 1000.0},
-                          "eu": {"latency_ms": 110, "bandwidth_mb_s": 33.8}}},
+    "links": {
+        "us-east": {
+            "us-east": {"latency_ms": 0.5, "bandwidth_mb_s": 1000.0},
+            "eu": {"latency_ms": 110, "bandwidth_mb_s": 33.8},
+        }
+    },
 }
 
 

@@ -11,11 +11,11 @@ import torch
 from opacus.accountants import RDPAccountant
 
 from tpflower import privacy as P
-from tpflower.privacy.settings import cfg_number
-from tpflower.privacy.trainer import DPLocalTrainer
+from tpflower.models import local_model
 from tpflower.phases.join_admm import admm_update_local_opt
 from tpflower.phases.join_sgd import local_sgd_step
-from tpflower.models import local_model
+from tpflower.privacy.settings import cfg_number
+from tpflower.privacy.trainer import DPLocalTrainer
 
 F64 = torch.float64
 
@@ -255,8 +255,14 @@ def make_trainer(model, privacy_cfg, *, sample_rate, steps, seed=None, history=(
     sigma = P.noise_multiplier_for(
         cfg_number(privacy_cfg, "epsilon"), cfg_number(privacy_cfg, "delta"), sample_rate, steps
     )
-    return DPLocalTrainer(model, noise_multiplier=sigma, max_grad_norm=cfg_number(privacy_cfg, "clip"),
-                          sample_rate=sample_rate, seed=seed, history=history)
+    return DPLocalTrainer(
+        model,
+        noise_multiplier=sigma,
+        max_grad_norm=cfg_number(privacy_cfg, "clip"),
+        sample_rate=sample_rate,
+        seed=seed,
+        history=history,
+    )
 
 
 def test_feature_less_table_and_make_trainer():
@@ -389,10 +395,16 @@ def test_validate_refuses_label_dp_where_unsupported():
 
 def test_validate_messages_name_algorithm_and_setting():
     with pytest.raises(ValueError) as err:
-        P.validate_privacy({**BASE, "name": "dpsgd"}, "centralized", "regression", feature_dp=False, why_not="one model")
+        P.validate_privacy(
+            {**BASE, "name": "dpsgd"}, "centralized", "regression", feature_dp=False, why_not="one model"
+        )
     assert "privacy=dpsgd" in str(err.value) and "centralized" in str(err.value) and "one model" in str(err.value)
-    P.validate_privacy({**BASE, "name": "label"}, "centralized", "regression", feature_dp=False)  # label DP is fine there
-    P.validate_privacy({"name": "none", "epsilon": -1}, "centralized", "regression", feature_dp=False)  # none ignores the rest
+    P.validate_privacy(
+        {**BASE, "name": "label"}, "centralized", "regression", feature_dp=False
+    )  # label DP is fine there
+    P.validate_privacy(
+        {"name": "none", "epsilon": -1}, "centralized", "regression", feature_dp=False
+    )  # none ignores the rest
 
 
 def test_privacy_summary():

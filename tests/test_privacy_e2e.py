@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 from opacus.accountants import RDPAccountant
 
-from tpflower.app.client_app import client_app_for, make_client
-from tpflower.config import compose_config
 from simulations.federated import in_process_contexts, run_in_process
 from simulations.run import run_job
-from tpflower.app.server_app import make_strategy
 from strategies.transport import DirectTransport
-from tpflower.state import ClientState
-from tpflower.records import unpack_payload, unpack_reply
+from tpflower.app.client_app import client_app_for, make_client
+from tpflower.app.server_app import make_strategy
+from tpflower.config import compose_config
 from tpflower.datasets import load_dataset
 from tpflower.losses import metrics
 from tpflower.privacy import label_keep_probability
+from tpflower.records import unpack_payload, unpack_reply
+from tpflower.state import ClientState
 
 BINARY = "dataset.loader.task=binary"
 AUDIT_NOISE_SEED = 1  # see test_audit_no_raw_keys_features_or_labels_leave_a_client
@@ -120,8 +120,9 @@ def assert_absent(rec: Recorded, columns: dict[str, np.ndarray], sorted_too: boo
                 # Federated preprocessing sends order statistics (a rank sketch) only for columns with missing
                 # fit values or binned ones; the audited data has neither, so no phase is exempt.
                 if sorted_too and len(v) == len(col):
-                    assert not np.allclose(np.sort(v), np.sort(col), rtol=1e-6, atol=1e-6), \
+                    assert not np.allclose(np.sort(v), np.sort(col), rtol=1e-6, atol=1e-6), (
                         f"{name} (sorted) sent by {key} in phase {phase}"
+                    )
 
 
 def raw_columns(rec: Recorded) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -196,7 +197,7 @@ def test_label_owner_evaluation_equals_metrics_on_true_labels():
     # two shards of the label table: the server combines their metrics; check against the true test labels
     rec = Recorded(BINARY, "algorithm=sgd", "scenario=ucq", "privacy=label", "epochs=1")
     H, y = [], []
-    for key, phase, params, config in rec.got:
+    for key, phase, params, _config in rec.got:
         if phase == "evaluate":
             client = rec.client(key)
             H.append(params["H"])
@@ -235,8 +236,11 @@ def test_feature_epsilon_equals_opacus_accountant(algorithm):
         eps[key] = independent_epsilon(sigma, q, steps, 1e-5)
         assert 0.98 <= eps[key] <= 1.0  # sigma calibrated to the target epsilon 1 (Opacus' tolerance 0.01)
         assert s.eps_spent[key] == pytest.approx(eps[key], rel=1e-12)
-    assert s.results.privacy == {"label_epsilon": None, "feature_epsilon": pytest.approx(max(eps.values()), rel=1e-12),
-                                 "delta": 1e-5}
+    assert s.results.privacy == {
+        "label_epsilon": None,
+        "feature_epsilon": pytest.approx(max(eps.values()), rel=1e-12),
+        "delta": 1e-5,
+    }
     assert s.results.history[-1].extra["eps"] == pytest.approx(max(eps.values()), rel=1e-12)
     assert s.results.history[0].extra["eps"] < s.results.history[-1].extra["eps"]  # spent over the run
 
@@ -259,8 +263,15 @@ def same_entropy(monkeypatch, seed: int = 0) -> None:
 def test_label_dp_federated_equals_centralized_on_the_same_noisy_labels(tmp_path, monkeypatch):
     # with the same noise, the label owner and the centralized baseline randomize the same rows alike:
     # full-batch TP-Join-SGD is then still exactly centralized gradient descent (on the randomized labels)
-    common = (BINARY, "privacy=label", "model.init=zeros", "precision=float64", "epochs=2",
-              "algorithm.batch_size=full", "algorithm.lr=0.2")
+    common = (
+        BINARY,
+        "privacy=label",
+        "model.init=zeros",
+        "precision=float64",
+        "epochs=2",
+        "algorithm.batch_size=full",
+        "algorithm.lr=0.2",
+    )
     same_entropy(monkeypatch)
     fed = run("algorithm=sgd", *common).strategy.results
     same_entropy(monkeypatch)

@@ -12,11 +12,11 @@ import pytest
 from flwr.app import Error, Message
 from flwr.supercore.task_identity import TaskIdentity
 
-from tpflower.app import flower_patch as flower_adapter
-from tpflower.app.server_app import make_strategy
 from strategies.base import TablePuppetStrategy
 from strategies.transport import DirectTransport, RunError
 from tests.conftest import make_cfg
+from tpflower.app import flower_patch as flower_adapter
+from tpflower.app.server_app import make_strategy
 from tpflower.records import pack_reply, unpack_payload
 
 KEYS = [("fact", 0), ("dim", 0)]
@@ -112,7 +112,9 @@ def test_a_late_node_is_greeted_when_it_connects():
 def test_a_client_exception_ends_the_run_with_one_line_naming_its_table():
     with pytest.raises(RunError) as err:
         Echo(KEYS).run(direct({1: ("fact", 0), 2: ("dim", 0)}, fail={"echo": "dim.csv row 3: 'abc' is not a number"}))
-    assert str(err.value).splitlines() == [f"table '{t}' shard 0: dim.csv row 3: 'abc' is not a number" for t in ("dim", "fact")]
+    assert str(err.value).splitlines() == [
+        f"table '{t}' shard 0: dim.csv row 3: 'abc' is not a number" for t in ("dim", "fact")
+    ]
 
 
 class FakeGrid:
@@ -266,4 +268,7 @@ def test_every_failing_client_of_a_round_has_its_own_line():
     fail = {"echo": "its own problem"}
     with pytest.raises(RunError) as err:
         Echo(KEYS).run(direct({1: ("fact", 0), 2: ("dim", 0)}, fail=fail))
-    assert str(err.value).splitlines() == ["table 'dim' shard 0: its own problem", "table 'fact' shard 0: its own problem"]
+    assert str(err.value).splitlines() == [
+        "table 'dim' shard 0: its own problem",
+        "table 'fact' shard 0: its own problem",
+    ]

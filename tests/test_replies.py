@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from tpflower.app.client_app import client_app_for
-from tpflower.config import compose_config
 from simulations.federated import in_process_contexts
-from tpflower.app.server_app import make_strategy
-from strategies.transport import DirectTransport
 from strategies.replies import MAX_ABS, ReplyError, check_reply
+from strategies.transport import DirectTransport
+from tpflower.app.client_app import client_app_for
+from tpflower.app.server_app import make_strategy
+from tpflower.config import compose_config
 from tpflower.records import pack_reply, unpack_payload, unpack_reply
 
 Tamper = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -72,21 +72,47 @@ def dropped(out):
 @pytest.mark.parametrize(
     "algorithm, phase, tamper, expected",
     [
-        ("admm", "admm_update", short, r"table 'd1' shard 0, phase 'admm_update': reply array 'h' has \d+ rows; "
-                                       r"the round asked for \d+ \(the client's rows\)"),
+        (
+            "admm",
+            "admm_update",
+            short,
+            r"table 'd1' shard 0, phase 'admm_update': reply array 'h' has \d+ rows; "
+            r"the round asked for \d+ \(the client's rows\)",
+        ),
         ("admm", "admm_update", long, r"table 'd1' shard 0, phase 'admm_update': reply array 'h' has \d+ rows"),
-        ("admm", "admm_setup", huge, r"table 'd1' shard 0, phase 'admm_setup': reply array 'h' holds 1 non-finite or "
-                                     r"out-of-range value\(s\) .*1e\+30 at index \(3, 0\)"),
-        ("admm", "admm_update", nan, r"phase 'admm_update': reply array 'h' holds 1 non-finite .*nan at index \(5, 0\)"),
+        (
+            "admm",
+            "admm_setup",
+            huge,
+            r"table 'd1' shard 0, phase 'admm_setup': reply array 'h' holds 1 non-finite or "
+            r"out-of-range value\(s\) .*1e\+30 at index \(3, 0\)",
+        ),
+        (
+            "admm",
+            "admm_update",
+            nan,
+            r"phase 'admm_update': reply array 'h' holds 1 non-finite .*nan at index \(5, 0\)",
+        ),
         ("admm", "admm_update", dropped, r"table 'd1' shard 0, phase 'admm_update': the reply lacks array\(s\) 'h'"),
-        ("sgd", "sgd_step", short, r"table 'd1' shard 0, phase 'sgd_step': reply array 'h' has \d+ rows; the round "
-                                   r"asked for \d+ \(the rows of its 'rows'\)"),
+        (
+            "sgd",
+            "sgd_step",
+            short,
+            r"table 'd1' shard 0, phase 'sgd_step': reply array 'h' has \d+ rows; the round "
+            r"asked for \d+ \(the rows of its 'rows'\)",
+        ),
     ],
     ids=["short", "long", "1e30", "nan", "missing", "sgd-short"],
 )
 def test_a_bad_reply_stops_the_run_naming_table_shard_and_phase(algorithm, phase, tamper, expected):
     with pytest.raises(ReplyError, match=expected):
-        run_tampered("d1", phase, tamper, f"algorithm={algorithm}", *(["algorithm.batch_size=4000"] if algorithm == "sgd" else []))
+        run_tampered(
+            "d1",
+            phase,
+            tamper,
+            f"algorithm={algorithm}",
+            *(["algorithm.batch_size=4000"] if algorithm == "sgd" else []),
+        )
 
 
 def test_keys_with_repeated_row_ids_or_a_digest_short_are_refused():
@@ -118,24 +144,47 @@ def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_exampl
     def run(*overrides):
         return run_in_process(compose_config("dataset=movielens", "epochs=1", *overrides), None, log=lambda _: None)
 
-    with pytest.raises(RuntimeError, match=r"table 'movies' shard 0: table 'movies' declares its key movieId unique, but "
-                                           r"\d+ rows share a value, e.g. movieId=\d+ \(row \d+\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"table 'movies' shard 0: table 'movies' declares its key movieId unique, but "
+        r"\d+ rows share a value, e.g. movieId=\d+ \(row \d+\)",
+    ):
         run("+dataset.tables.movies.unique=true")  # one row per movie AND genre: not unique
     assert run("+dataset.tables.users.unique=true", "algorithm.rho=3").strategy.finished  # one row per user
 
 
-@pytest.mark.parametrize("overrides, phase, tamper, match", [
-    (("algorithm=coreset", "algorithm.m=100"), "weigh", lambda o: {**o, "sens": o["sens"][:-1]},
-     "reply array 'sens' has .* rows; the round asked for"),
-    (("algorithm=coreset", "algorithm.m=100"), "sensitivity", lambda o: {**o, "total": np.r_[o["total"], 1.0]},
-     "reply array 'total' holds 2 values; the round asked for one number"),
-    (("algorithm=coreset", "algorithm.m=100"), "coreset_admm_update", short, "reply array 'h' has .* rows"),
-    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_local", lambda o: {**o, "labels": o["labels"][:-1]},
-     "reply array 'labels' has .* rows; the round asked for .* \\(the client's rows\\)"),
-    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_cost", lambda o: {"cost": np.r_[o["cost"], o["cost"]]},
-     "reply array 'cost' holds 2 values"),
-    (("algorithm=kmeans", "algorithm.k=3"), "kmeans_cost", lambda o: {}, "the reply lacks array\\(s\\) 'cost'"),
-], ids=["weigh-short", "total-two", "coreset-h-short", "labels-short", "cost-two", "cost-missing"])
+@pytest.mark.parametrize(
+    "overrides, phase, tamper, match",
+    [
+        (
+            ("algorithm=coreset", "algorithm.m=100"),
+            "weigh",
+            lambda o: {**o, "sens": o["sens"][:-1]},
+            "reply array 'sens' has .* rows; the round asked for",
+        ),
+        (
+            ("algorithm=coreset", "algorithm.m=100"),
+            "sensitivity",
+            lambda o: {**o, "total": np.r_[o["total"], 1.0]},
+            "reply array 'total' holds 2 values; the round asked for one number",
+        ),
+        (("algorithm=coreset", "algorithm.m=100"), "coreset_admm_update", short, "reply array 'h' has .* rows"),
+        (
+            ("algorithm=kmeans", "algorithm.k=3"),
+            "kmeans_local",
+            lambda o: {**o, "labels": o["labels"][:-1]},
+            "reply array 'labels' has .* rows; the round asked for .* \\(the client's rows\\)",
+        ),
+        (
+            ("algorithm=kmeans", "algorithm.k=3"),
+            "kmeans_cost",
+            lambda o: {"cost": np.r_[o["cost"], o["cost"]]},
+            "reply array 'cost' holds 2 values",
+        ),
+        (("algorithm=kmeans", "algorithm.k=3"), "kmeans_cost", lambda o: {}, "the reply lacks array\\(s\\) 'cost'"),
+    ],
+    ids=["weigh-short", "total-two", "coreset-h-short", "labels-short", "cost-two", "cost-missing"],
+)
 def test_coreset_and_kmeans_replies_are_checked(overrides, phase, tamper, match):
     with pytest.raises(ReplyError, match=f"table 'd1' shard 0, phase '{phase}': {match}"):
         run_tampered("d1", phase, tamper, *overrides)

@@ -29,15 +29,34 @@ def fake_run(algorithm: str, dataset: str, epochs: int = 6, lr: float = 0.1, bum
         if bump == e:
             value = end + (-0.05 if metric == "rmse" else 0.05)  # best epoch, not the last
         r = per_epoch * e
-        history.append(EpochRecord(
-            epoch=e, test_metric=value, train_loss=value ** 2, rounds=r, bytes_up=r * bytes_round,
-            bytes_down=r * bytes_round // 2, comm_time_s=r * secs_round, wall_time_s=1.5 * e,
-        ))
+        history.append(
+            EpochRecord(
+                epoch=e,
+                test_metric=value,
+                train_loss=value**2,
+                rounds=r,
+                bytes_up=r * bytes_round,
+                bytes_down=r * bytes_round // 2,
+                comm_time_s=r * secs_round,
+                wall_time_s=1.5 * e,
+            )
+        )
     return RunResults(
-        algorithm=algorithm, scenario="join", dataset=dataset, model="linear", task=task, metric=metric,
-        n_joined=n, table_rows={"t0": n, "t1": 100}, history=history,
-        config={"algorithm": {"name": algorithm, "lr": lr, "batch_size": 256}, "dataset": {"name": dataset},
-                "seed": 0, "epochs": epochs},
+        algorithm=algorithm,
+        scenario="join",
+        dataset=dataset,
+        model="linear",
+        task=task,
+        metric=metric,
+        n_joined=n,
+        table_rows={"t0": n, "t1": 100},
+        history=history,
+        config={
+            "algorithm": {"name": algorithm, "lr": lr, "batch_size": 256},
+            "dataset": {"name": dataset},
+            "seed": 0,
+            "epochs": epochs,
+        },
     )
 
 

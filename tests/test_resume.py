@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from tpflower.app.client_app import client_app_for
-from tpflower.config import compose_config
 from simulations.federated import in_process_contexts, run_in_process
-from tpflower.app.server_app import make_strategy
 from strategies.transport import DirectTransport, RunError
+from tpflower.app.client_app import client_app_for
+from tpflower.app.server_app import make_strategy
+from tpflower.config import compose_config
 from tpflower.records import unpack_payload
 
 RUN = ("dataset=synthetic", "algorithm=admm", "epochs=6", "precision=float64")
@@ -68,19 +68,33 @@ def history(run) -> list[tuple[int, float, float]]:
 SGD = ("algorithm.batch_size=4000",)
 
 
-@pytest.mark.parametrize("overrides, crash_at", [
-    ((), "d2"),
-    (("privacy=label", "privacy.label_range=[-20,20]"), "d2"),
-    (("algorithm=sgd", *SGD), None),
-    (("algorithm=sgd", *SGD, "algorithm.eval_every=3"), None),
-    (("algorithm=celu", *SGD, "algorithm.lr=0.02"), None),
-    (("algorithm=vfl_admm",), None),
-    (("scenario=ucq", "algorithm.inner_rounds=3"), None),
-    (("scenario=ucq", "algorithm=sgd", *SGD), None),
-    (("algorithm=coreset", "algorithm.m=300"), "d2"),
-    (("algorithm=coreset", "algorithm.m=300", "algorithm.train=sgd", "algorithm.batch_size=100"), None),
-], ids=["admm", "admm-label-dp", "sgd", "sgd-eval-every", "celu", "vfl-admm", "ucq-admm", "ucq-sgd", "coreset-admm",
-        "coreset-sgd"])
+@pytest.mark.parametrize(
+    "overrides, crash_at",
+    [
+        ((), "d2"),
+        (("privacy=label", "privacy.label_range=[-20,20]"), "d2"),
+        (("algorithm=sgd", *SGD), None),
+        (("algorithm=sgd", *SGD, "algorithm.eval_every=3"), None),
+        (("algorithm=celu", *SGD, "algorithm.lr=0.02"), None),
+        (("algorithm=vfl_admm",), None),
+        (("scenario=ucq", "algorithm.inner_rounds=3"), None),
+        (("scenario=ucq", "algorithm=sgd", *SGD), None),
+        (("algorithm=coreset", "algorithm.m=300"), "d2"),
+        (("algorithm=coreset", "algorithm.m=300", "algorithm.train=sgd", "algorithm.batch_size=100"), None),
+    ],
+    ids=[
+        "admm",
+        "admm-label-dp",
+        "sgd",
+        "sgd-eval-every",
+        "celu",
+        "vfl-admm",
+        "ucq-admm",
+        "ucq-sgd",
+        "coreset-admm",
+        "coreset-sgd",
+    ],
+)
 def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path, overrides, crash_at):
     full = run_in_process(compose_config(*RUN, *overrides), tmp_path / "full", log=quiet)
     run_dir = tmp_path / "resumed"
@@ -96,7 +110,7 @@ def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_r
         np.testing.assert_allclose([t for _, _, t in got], [t for _, _, t in want], rtol=1e-9)
     data = json.loads((run_dir / "results.json").read_text())
     assert [h["epoch"] for h in data["history"]] == [e for e, _, _ in want]  # every evaluation once
-    for key, context in resumed.contexts.items():  # the resumed clients end on the uninterrupted run's theta
+    for key, _context in resumed.contexts.items():  # the resumed clients end on the uninterrupted run's theta
         if "privacy=label" not in overrides:
             for name, value in resumed.theta(key).items():
                 np.testing.assert_allclose(value, full.theta(key)[name], rtol=1e-9, atol=1e-12)
@@ -134,8 +148,11 @@ def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
     # fact and d1 took their DP steps of epoch 4 before d2 died: redoing epoch 4 costs them budget again,
     # so they run out at the last epoch and refuse (the ledger never goes back; nothing is released unaccounted)
     crashed_run(tmp_path, *DPSGD)
-    with pytest.raises(RunError, match=r"table 'fact' shard 0: .*DP steps exceed the \d+ the noise was calibrated "
-                                       r"for \(privacy budget exhausted\)"):
+    with pytest.raises(
+        RunError,
+        match=r"table 'fact' shard 0: .*DP steps exceed the \d+ the noise was calibrated "
+        r"for \(privacy budget exhausted\)",
+    ):
         run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path, log=quiet)
 
 

@@ -10,14 +10,20 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from strategies.join_admm import ADMMServer, Balancing
 from tests.conftest import make_cfg
 from tests.mapping_reference import SECRET, pandas_build_mapping
 from tpflower import mapping as mapping_mod
-from tpflower.datasets import LOADERS, load_dataset, synthetic
-from strategies.join_admm import ADMMServer, Balancing
 from tpflower.batches import joined_predictions
+from tpflower.datasets import LOADERS, load_dataset, synthetic
 from tpflower.mapping import (
-    RowRange, SegmentSums, TableMapping, build_mapping, index_dtype, project_keys, segment_sum,
+    RowRange,
+    SegmentSums,
+    TableMapping,
+    build_mapping,
+    index_dtype,
+    project_keys,
+    segment_sum,
 )
 
 
@@ -32,12 +38,41 @@ def projections_of(spec, frames, shards: int = 1):
 
 
 DATASETS = [
-    {"name": "star", "loader": {"name": "synthetic", "schema": "star", "n_fact": 700, "dim_rows": [9, 4, 30], "fanout": 2,
-                                "widths": 1}},
-    {"name": "chain", "loader": {"name": "synthetic", "schema": "chain", "n_fact": 400, "dim_rows": [20, 10, 5],
-                                 "fanout": 3, "widths": 1, "composite": True}},
-    {"name": "snowflake", "loader": {"name": "synthetic", "schema": "snowflake", "n_fact": 300, "dim_rows": [7, 5, 6, 3],
-                                     "n_dims": 4, "fanout": 2, "widths": 1}},
+    {
+        "name": "star",
+        "loader": {
+            "name": "synthetic",
+            "schema": "star",
+            "n_fact": 700,
+            "dim_rows": [9, 4, 30],
+            "fanout": 2,
+            "widths": 1,
+        },
+    },
+    {
+        "name": "chain",
+        "loader": {
+            "name": "synthetic",
+            "schema": "chain",
+            "n_fact": 400,
+            "dim_rows": [20, 10, 5],
+            "fanout": 3,
+            "widths": 1,
+            "composite": True,
+        },
+    },
+    {
+        "name": "snowflake",
+        "loader": {
+            "name": "synthetic",
+            "schema": "snowflake",
+            "n_fact": 300,
+            "dim_rows": [7, 5, 6, 3],
+            "n_dims": 4,
+            "fanout": 2,
+            "widths": 1,
+        },
+    },
 ]
 
 
@@ -65,7 +100,7 @@ def test_chunked_build_equals_the_pandas_merges_when_rows_drop_out_deep_in_the_t
         frames[t] = frames[t].iloc[rng.random(len(frames[t])) > 0.35].reset_index(drop=True)
     projections = projections_of(spec, frames)
     ref = pandas_build_mapping(spec, projections)
-    assert 0 < ref.N
+    assert ref.N > 0
     for chunk in (None, 5):
         ours = build_mapping(spec, projections, chunk=chunk)
         for t in spec.table_names:
@@ -79,9 +114,17 @@ def test_chunked_build_with_dropped_rows_and_empty_chunks():
     A = pd.DataFrame({"a": rng.permutation(np.repeat(np.arange(5), 3)), "x": rng.normal(size=15)})
     from tpflower.schema import parse_spec, validate_tables
 
-    spec = validate_tables(parse_spec({"name": "d", "tables": {"fact": {}, "A": {"numeric": ["x"]}},
-                                       "label": {"table": "fact", "column": "y", "task": "regression"},
-                                       "joins": [{"left": "fact", "right": "A", "on": "a"}]}), {"fact": fact, "A": A})
+    spec = validate_tables(
+        parse_spec(
+            {
+                "name": "d",
+                "tables": {"fact": {}, "A": {"numeric": ["x"]}},
+                "label": {"table": "fact", "column": "y", "task": "regression"},
+                "joins": [{"left": "fact", "right": "A", "on": "a"}],
+            }
+        ),
+        {"fact": fact, "A": A},
+    )
     projections = projections_of(spec, {"fact": fact, "A": A})
     ours, ref = build_mapping(spec, projections, chunk=16), pandas_build_mapping(spec, projections)
     for t in ("fact", "A"):
@@ -121,7 +164,7 @@ def test_partition_gives_views_equal_to_subsets_and_pickles_the_base_once():
     for t in p:
         np.testing.assert_array_equal(back["train"].p[t], train.p[t])
         assert np.shares_memory(back["train"].p[t], back["mapping"].p[t])
-    assert back["test"].N == int(is_test.sum()) and back["train"].G("b").sum() == train.N
+    assert int(is_test.sum()) == back["test"].N and back["train"].G("b").sum() == train.N
 
 
 def test_segment_sums_in_chunks_equal_one_bincount():
@@ -144,12 +187,15 @@ def test_chunked_admm_server_equals_one_chunk(monkeypatch, task, d_c, variant):
     N, n = 1000, {"a": 300, "b": 40, "c": 9}
     m = TableMapping({t: rng.integers(0, k, N).astype(np.int32) for t, k in n.items()}, dict(n))
     y = (rng.normal(size=N) if task == "regression" else rng.integers(0, 2 if task == "binary" else d_c, N)).astype(
-        np.float64 if task != "multiclass" else np.int64)
+        np.float64 if task != "multiclass" else np.int64
+    )
     hs = [{t: rng.normal(size=(k, d_c)) * 0.5 for t, k in n.items()} for _ in range(5)]
 
     def run(chunk: int):
         monkeypatch.setattr(mapping_mod, "CHUNK_ROWS", chunk)
-        server = ADMMServer(task, y, m, d_c, 1.0, variant, Balancing(10.0, 2.0, warmup=1) if variant == "sharing" else None, 1e-3)
+        server = ADMMServer(
+            task, y, m, d_c, 1.0, variant, Balancing(10.0, 2.0, warmup=1) if variant == "sharing" else None, 1e-3
+        )
         out = []
         for h in hs:
             res = server.update(h)
@@ -163,7 +209,9 @@ def test_chunked_admm_server_equals_one_chunk(monkeypatch, task, d_c, variant):
     for (ra, rho_a, la, pa, Ya), (rb, rho_b, lb, pb, Yb) in zip(a, b):
         assert rho_a == rho_b and la == pytest.approx(lb, rel=1e-12) and pa == pytest.approx(pb, rel=1e-12)
         assert rb.primal == pytest.approx(ra.primal, rel=1e-12) and rb.eps_dual == pytest.approx(ra.eps_dual, rel=1e-12)
-        assert (ra.dual is None) == (rb.dual is None) and (ra.dual is None or rb.dual == pytest.approx(ra.dual, rel=1e-10))
+        assert (ra.dual is None) == (rb.dual is None) and (
+            ra.dual is None or rb.dual == pytest.approx(ra.dual, rel=1e-10)
+        )
         for t in n:
             np.testing.assert_allclose(Yb[t], Ya[t], rtol=1e-10, atol=1e-12)
 
@@ -192,8 +240,17 @@ def test_float32_state_stays_close_to_float64():
 SYNTHETIC = [
     dict(),
     dict(schema="chain", fanout=2, composite=True, n_fact=300),
-    dict(schema="snowflake", n_dims=5, widths=[2, 0, 3, 1, 2, 4], fanout=3, label="nonlinear", task="multiclass",
-         n_classes=4, seed=3, n_fact=200),
+    dict(
+        schema="snowflake",
+        n_dims=5,
+        widths=[2, 0, 3, 1, 2, 4],
+        fanout=3,
+        label="nonlinear",
+        task="multiclass",
+        n_classes=4,
+        seed=3,
+        n_fact=200,
+    ),
 ]
 
 
@@ -209,8 +266,8 @@ def test_synthetic_makes_one_table_equal_to_its_table_of_the_whole(kwargs):
 def test_a_simulated_client_loads_and_holds_only_its_table(monkeypatch):
     """Every client of a simulation (the ClientApp the simulation engine runs) asks the loader for its own table
     alone, and what it keeps (its prepared data) has its table's rows and columns only."""
-    from tpflower.app import client_app
     from simulations.federated import run_in_process
+    from tpflower.app import client_app
 
     calls: list[tuple | None] = []
     real = LOADERS["synthetic"]

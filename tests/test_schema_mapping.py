@@ -51,7 +51,7 @@ def test_star_many_to_many_matches_merge():
     frames = frames_star_mn()
     spec = validate_tables(spec_of(**STAR), frames)
     m = assert_mapping_equals_merge(spec, frames)
-    assert m.N > len(frames["fact"]) // 2  # B doubles, C halves
+    assert len(frames["fact"]) // 2 < m.N  # B doubles, C halves
     assert (m.G("B")[m.G("B") > 0] > 1).any()
 
 

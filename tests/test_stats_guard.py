@@ -103,8 +103,14 @@ def test_small_shard_refuses_a_sketch_naming_count_and_threshold(shards) -> None
     with pytest.raises(ValueError) as err:
         local_summary(frame, NUMERIC, CATEGORICAL, SECRET, rows, table="ratings", shard=1, sketch_columns=["year"])
     text = str(err.value)
-    for part in ("table 'ratings' shard 1", "column 'year'", f"{n} observed fit values", "min_sketch_rows=2048",
-                 "table owner can lower min_sketch_rows", "avoid binning/median imputation"):
+    for part in (
+        "table 'ratings' shard 1",
+        "column 'year'",
+        f"{n} observed fit values",
+        "min_sketch_rows=2048",
+        "table owner can lower min_sketch_rows",
+        "avoid binning/median imputation",
+    ):
         assert part in text, (part, text)
     with pytest.raises(ValueError, match=f"min_sketch_rows={n + 1}"):
         local_summary(frame, NUMERIC, CATEGORICAL, SECRET, rows, sketch_columns=["year"], min_sketch_rows=n + 1)
@@ -139,7 +145,7 @@ def test_min_max_and_order_statistics_only_for_sketch_columns(shards) -> None:
     assert all(np.isnan(v.min) and np.isnan(v.max) and v.sketch.count == 0 for v in default.numeric.values())
     # the payload carries no raw value of a non-sketch column: its stats row holds NaN extremes, empty sketch
     arrays = default.arrays()
-    for j, col in enumerate(NUMERIC):
+    for j in range(len(NUMERIC)):
         st, values, weights = arrays[1 + 3 * j : 4 + 3 * j]
         assert np.isnan(st[3]) and np.isnan(st[4]) and values.size == weights.size == 0
     blob = np.concatenate([a.ravel().astype(np.float64) for a in arrays])
@@ -149,8 +155,9 @@ def test_min_max_and_order_statistics_only_for_sketch_columns(shards) -> None:
 
 
 def test_nan_extremes_merge_and_apply(shards) -> None:
-    parts = [local_summary(f, NUMERIC, CATEGORICAL, SECRET, r, sketch_columns=["year"], min_sketch_rows=1)
-             for f, r in shards]
+    parts = [
+        local_summary(f, NUMERIC, CATEGORICAL, SECRET, r, sketch_columns=["year"], min_sketch_rows=1) for f, r in shards
+    ]
     rule = merge_summaries(parts)
     union, fit = _union(shards)
     year = union["year"].to_numpy()[fit]
@@ -161,8 +168,11 @@ def test_nan_extremes_merge_and_apply(shards) -> None:
     with pytest.raises(ValueError, match="no min/max"):
         uniform_bin_edges(rule, "score", 4)
     # a shard that did not send its extremes makes them unknown (NaN), whatever the shard order
-    other = ShardSummary({**parts[1].numeric, "year": replace(parts[1].numeric["year"], min=np.nan, max=np.nan)},
-                         parts[1].categorical, parts[1].n_rows)
+    other = ShardSummary(
+        {**parts[1].numeric, "year": replace(parts[1].numeric["year"], min=np.nan, max=np.nan)},
+        parts[1].categorical,
+        parts[1].n_rows,
+    )
     for mixed in ([parts[0], other], [other, parts[0]]):
         r = merge_summaries(mixed).numeric["year"]
         assert np.isnan(r.min) and np.isnan(r.max)
@@ -231,8 +241,12 @@ def federated_preprocessing(shards, binned: tuple[tuple[str, int], ...] = ()) ->
                 replies[key] = ({}, {})
         return replies
 
-    strategy = SimpleNamespace(spec=spec, clients=list(clients), send=send,
-                               routers={"ratings": SimpleNamespace(shards=list(range(len(shards))))})
+    strategy = SimpleNamespace(
+        spec=spec,
+        clients=list(clients),
+        send=send,
+        routers={"ratings": SimpleNamespace(shards=list(range(len(shards))))},
+    )
     strategy._summaries = lambda replies: JoinSetup._summaries(strategy, replies)
     JoinSetup.federated_preprocessing(strategy)
     return sent, rules
@@ -268,8 +282,11 @@ def test_server_names_the_columns_and_the_rule_equals_the_unioned_preprocessing(
     # the binned column's edges (the rule message's last array) are the unioned quantile edges
     score = union["score"].to_numpy()[fit]
     np.testing.assert_array_equal(payload[-1], np.quantile(score, np.arange(1, 4) / 4, method="inverted_cdf"))
-    merged = merge_summaries([local_summary(f, NUMERIC, CATEGORICAL, SECRET, r, sketch_columns=["score"])
-                              for f, r in shards])
+    merged = merge_summaries(
+        [local_summary(f, NUMERIC, CATEGORICAL, SECRET, r, sketch_columns=["score"]) for f, r in shards]
+    )
     np.testing.assert_array_equal(payload[-1], quantile_bin_edges(merged, "score", 4))
     assert sketch_columns_needed([local_summary(f, NUMERIC, CATEGORICAL, SECRET, r) for f, r in shards]) == [
-        "year", "allnan"]
+        "year",
+        "allnan",
+    ]

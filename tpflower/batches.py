@@ -15,8 +15,9 @@ import numpy as np
 from tpflower.mapping import TableMapping, batch_segments, chunks
 
 
-def joined_predictions(p: Mapping[str, np.ndarray], h: Mapping[str, np.ndarray], rows: slice | None = None,
-                       chunk: int | None = None) -> np.ndarray:
+def joined_predictions(
+    p: Mapping[str, np.ndarray], h: Mapping[str, np.ndarray], rows: slice | None = None, chunk: int | None = None
+) -> np.ndarray:
     """H_j = sum_i h_i[p_i(j)] (p_i indexes the rows of h_i), for all joined rows or the slice ``rows``.
 
     One output array (in the first table's dtype), filled chunk by chunk: no N-sized temporaries."""
@@ -71,7 +72,7 @@ class BatchPlan:
     inv: dict[str, np.ndarray]
 
     @classmethod
-    def of(cls, mapping: TableMapping, rows: np.ndarray) -> "BatchPlan":
+    def of(cls, mapping: TableMapping, rows: np.ndarray) -> BatchPlan:
         U, inv = {}, {}
         for t, p in mapping.p.items():
             U[t], inv[t] = batch_segments(p[rows])

@@ -26,23 +26,24 @@ epoch never hands out privacy budget twice (the plan's step limit still holds).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
 import tempfile
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from flwr.common import RecordDict
+from omegaconf import DictConfig, OmegaConf
 
 from tpflower import privacy as dp  # torch-free: the hello path imports this module
 from tpflower.guard import GuardData, ProtocolRefusal
 from tpflower.owner import OwnerSettings, redact
 from tpflower.records import recorddict_bytes, recorddict_of
-
 
 CHECKPOINT = "checkpoint.pkl"
 SETUP_CHECKPOINT = "checkpoint-setup.pkl"
@@ -65,8 +66,10 @@ def load_checkpoint(path: Path, cfg: Any) -> dict[str, Any]:
     if state.get("config") != _config(cfg):
         old, new = state["config"], _config(cfg)
         differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        raise ValueError(f"the checkpoint {path} was made by another config (differs in: {', '.join(differ)}); "
-                         "resume with the run's own settings")
+        raise ValueError(
+            f"the checkpoint {path} was made by another config (differs in: {', '.join(differ)}); "
+            "resume with the run's own settings"
+        )
     return state
 
 
@@ -77,8 +80,6 @@ IGNORED_CONFIG_KEYS = ("resume", "nodes")  # resuming (and patience) do not make
 def run_key(cfg: Any) -> str:
     """The run's config (a DictConfig or mapping) as a string, without the settings that do not make another
     run (resume, the server's patience): what names a run's checkpoints, on the nodes and on the server."""
-    from omegaconf import DictConfig, OmegaConf
-
     container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     assert isinstance(container, dict)
     return json.dumps({k: v for k, v in container.items() if k not in IGNORED_CONFIG_KEYS}, sort_keys=True, default=str)
@@ -145,8 +146,6 @@ def steps(history: np.ndarray) -> int:
 
 
 def _npy(a: np.ndarray) -> bytes:
-    import io
-
     buf = io.BytesIO()
     np.save(buf, np.asarray(a))
     return buf.getvalue()
@@ -240,8 +239,10 @@ def resume(client: CheckpointedClient, config: Mapping[str, Any]) -> tuple[dict,
     stored = client.privacy()
     s.owner.check_privacy(stored, label_owner=client.data.y is not None)  # the floor may have risen since
     if dict(dp.privacy_message(asked)) != dict(dp.privacy_message(stored)):
-        raise ProtocolRefusal(f"{where} refuses to resume with privacy {asked.get('name')!r}: the run's checkpoint "
-                              f"was made under {stored.get('name')!r} settings")
+        raise ProtocolRefusal(
+            f"{where} refuses to resume with privacy {asked.get('name')!r}: the run's checkpoint "
+            f"was made under {stored.get('name')!r} settings"
+        )
     ledger = store.ledger_history()  # type: ignore[union-attr]
     kept_history = client.state.get("dp_history")
     if ledger is not None and (kept_history is None or steps(ledger) > steps(kept_history)):

@@ -109,20 +109,32 @@ def _non_numeric(s: pd.Series) -> np.ndarray:
     return (pd.to_numeric(s, errors="coerce").isna() & s.notna()).to_numpy()
 
 
-def _bad_values(table: str, column: str, role: str, mask: np.ndarray, s: pd.Series, source: str | None,
-                what: str, fix: str) -> Problem:
+def _bad_values(
+    table: str, column: str, role: str, mask: np.ndarray, s: pd.Series, source: str | None, what: str, fix: str
+) -> Problem:
     row = _first(mask)
     n = int(mask.sum())
-    return Problem(table, _counted(n, what), fix, column=column, role=role, count=n,
-                   example=f"first at {_at(row, source)}: {s.iloc[row]!r}")
+    return Problem(
+        table,
+        _counted(n, what),
+        fix,
+        column=column,
+        role=role,
+        count=n,
+        example=f"first at {_at(row, source)}: {s.iloc[row]!r}",
+    )
 
 
-def _missing(table: str, column: str, role: str, s: pd.Series, source: str | None, what: str, fix: str) -> Problem | None:
+def _missing(
+    table: str, column: str, role: str, s: pd.Series, source: str | None, what: str, fix: str
+) -> Problem | None:
     mask = s.isna().to_numpy()
     if not mask.any():
         return None
     row, n = _first(mask), int(mask.sum())
-    return Problem(table, _counted(n, what), fix, column=column, role=role, count=n, example=f"first at {_at(row, source)}")
+    return Problem(
+        table, _counted(n, what), fix, column=column, role=role, count=n, example=f"first at {_at(row, source)}"
+    )
 
 
 def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list[Problem]:
@@ -134,38 +146,96 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
     if len(frame) == 0:
         out.append(Problem(name, "has no rows", "fill the table (its file has a header but no data rows)"))
     if spec.label.table is not None and not label_here and label in t.features:
-        out.append(Problem(name, f"a feature bears the label's name {label!r} (the label is table "
-                           f"{spec.label.table!r}'s)", "rename the column or drop it from this table's features",
-                           column=label, role="feature"))
+        out.append(
+            Problem(
+                name,
+                f"a feature bears the label's name {label!r} (the label is table {spec.label.table!r}'s)",
+                "rename the column or drop it from this table's features",
+                column=label,
+                role="feature",
+            )
+        )
     if label_here and label in t.features:
-        out.append(Problem(name, "the label is also declared as a feature", "remove it from numeric/categorical",
-                           column=label, role="label column"))
-    needed = list(dict.fromkeys(
-        list(spec.key_columns(name)) + list(t.features) + ([label] if label_here else [])
-        + ([t.shards.by] if t.shards is not None and t.shards.by else [])))
+        out.append(
+            Problem(
+                name,
+                "the label is also declared as a feature",
+                "remove it from numeric/categorical",
+                column=label,
+                role="label column",
+            )
+        )
+    needed = list(
+        dict.fromkeys(
+            list(spec.key_columns(name))
+            + list(t.features)
+            + ([label] if label_here else [])
+            + ([t.shards.by] if t.shards is not None and t.shards.by else [])
+        )
+    )
     absent = [c for c in needed if c not in frame.columns]
     for col in absent:
-        out.append(Problem(name, f"has no column {col!r}", "fix the column name in the dataset config or in the "
-                           "file's header", example=f"its columns are {list(frame.columns)}"))
+        out.append(
+            Problem(
+                name,
+                f"has no column {col!r}",
+                "fix the column name in the dataset config or in the file's header",
+                example=f"its columns are {list(frame.columns)}",
+            )
+        )
     present = set(frame.columns) - set(absent)
     for col in (c for c in t.numeric if c in present):
         s = frame[col]
         bad = _non_numeric(s)
         if bad.any():
-            out.append(_bad_values(name, col, "numeric feature", bad, s, src, "non-numeric values",
-                                   "make every value a number (leave it empty if unknown: missing values are "
-                                   "imputed with the median), or declare the column categorical"))
+            out.append(
+                _bad_values(
+                    name,
+                    col,
+                    "numeric feature",
+                    bad,
+                    s,
+                    src,
+                    "non-numeric values",
+                    "make every value a number (leave it empty if unknown: missing values are "
+                    "imputed with the median), or declare the column categorical",
+                )
+            )
         elif not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
-            out.append(Problem(name, f"numbers stored as text (dtype {s.dtype})", "store the column as numbers",
-                               column=col, role="numeric feature"))
+            out.append(
+                Problem(
+                    name,
+                    f"numbers stored as text (dtype {s.dtype})",
+                    "store the column as numbers",
+                    column=col,
+                    role="numeric feature",
+                )
+            )
         else:
             inf = np.isinf(s.to_numpy(dtype=np.float64))
             if inf.any():
-                out.append(_bad_values(name, col, "numeric feature", inf, s, src, "infinite values",
-                                       "replace them by finite numbers or leave them empty"))
+                out.append(
+                    _bad_values(
+                        name,
+                        col,
+                        "numeric feature",
+                        inf,
+                        s,
+                        src,
+                        "infinite values",
+                        "replace them by finite numbers or leave them empty",
+                    )
+                )
     for col in (c for c in spec.key_columns(name) if c in present):
-        p = _missing(name, col, "key column", frame[col], src, "missing (NaN) key values",
-                     "drop or fill those rows before training (a row without a key joins nothing)")
+        p = _missing(
+            name,
+            col,
+            "key column",
+            frame[col],
+            src,
+            "missing (NaN) key values",
+            "drop or fill those rows before training (a row without a key joins nothing)",
+        )
         if p is not None:
             out.append(p)
     if label_here and label in present:
@@ -182,13 +252,26 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | No
     if task == "regression":
         bad = _non_numeric(y)
         if bad.any():
-            out.append(_bad_values(name, col, "label column", bad, y, src, "non-numeric regression labels",
-                                   "make every label a number"))
+            out.append(
+                _bad_values(
+                    name, col, "label column", bad, y, src, "non-numeric regression labels", "make every label a number"
+                )
+            )
     elif task == "binary":
         bad = (y.notna() & ~y.isin([0, 1, True, False])).to_numpy()
         if bad.any():
-            out.append(_bad_values(name, col, "label column", bad, y, src, "binary labels other than 0/1",
-                                   "encode the two classes as 0 and 1 (or set label.task: multiclass)"))
+            out.append(
+                _bad_values(
+                    name,
+                    col,
+                    "label column",
+                    bad,
+                    y,
+                    src,
+                    "binary labels other than 0/1",
+                    "encode the two classes as 0 and 1 (or set label.task: multiclass)",
+                )
+            )
     return out
 
 
@@ -206,8 +289,13 @@ def key_kind_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) 
                 continue  # reported as missing keys (a missing value makes an integer CSV column float)
             lk, rk = key_kind(frames[j.left][lc].dtype), key_kind(frames[j.right][rc].dtype)
             if lk != rk:
-                out.append(Problem(None, f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}",
-                                   "store both key columns with the same type"))
+                out.append(
+                    Problem(
+                        None,
+                        f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}",
+                        "store both key columns with the same type",
+                    )
+                )
     return out
 
 
@@ -247,7 +335,9 @@ def join_drops(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list
     return out
 
 
-def dropped_row_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], policy: str = "warn") -> list[Problem]:
+def dropped_row_problems(
+    spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], policy: str = "warn"
+) -> list[Problem]:
     """A join that drops more than 1% of the label table's rows: a warning (``policy=warn``), an error
     (``error``) or nothing (``ignore``); the line names the join and the count."""
     if policy not in DROP_POLICIES:
@@ -256,19 +346,35 @@ def dropped_row_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame
     out = []
     for edge, new, lost in join_drops(spec, frames):
         if lost == n:
-            return out + [Problem(None, f"join {edge} matched no rows: the join comes out empty",
-                                  f"check the key values of both tables (no row of table {new!r} has a partner)")]
+            return out + [
+                Problem(
+                    None,
+                    f"join {edge} matched no rows: the join comes out empty",
+                    f"check the key values of both tables (no row of table {new!r} has a partner)",
+                )
+            ]
         if lost > DROP_THRESHOLD * n and policy != "ignore":
-            out.append(Problem(
-                None, f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} "
-                f"({lost / n:.1%}): they have no partner row in table {new!r}",
-                "add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest "
-                "(=error to refuse)", count=lost, severity="error" if policy == "error" else "warning"))
+            out.append(
+                Problem(
+                    None,
+                    f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} "
+                    f"({lost / n:.1%}): they have no partner row in table {new!r}",
+                    "add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest "
+                    "(=error to refuse)",
+                    count=lost,
+                    severity="error" if policy == "error" else "warning",
+                )
+            )
     return out
 
 
-def dataset_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], read_errors: Sequence[Problem] = (),
-                     on_dropped_rows: str = "warn", joins: bool = True) -> tuple[RelationalSpec, list[Problem]]:
+def dataset_problems(
+    spec: RelationalSpec,
+    frames: Mapping[str, pd.DataFrame],
+    read_errors: Sequence[Problem] = (),
+    on_dropped_rows: str = "warn",
+    joins: bool = True,
+) -> tuple[RelationalSpec, list[Problem]]:
     """Every problem of a dataset whose tables ``frames`` were loaded (``read_errors``: the tables that could
     not be); returns the spec with its label table resolved (when that worked) and the problems, errors and
     warnings. The joins are checked (``joins``) only when every table is sound."""

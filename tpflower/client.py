@@ -37,8 +37,8 @@ from tpflower.models import l2_penalty, torch_dtype
 from tpflower.owner import OwnerSettings
 from tpflower.records import Arrays
 from tpflower.relation import build_local_model
-from tpflower.state import ClientState
 from tpflower.schema import RelationalSpec, key_kind
+from tpflower.state import ClientState
 
 
 def choose_device(num_gpus: float) -> torch.device:
@@ -78,8 +78,9 @@ class ClientSettings:
 class TableClient(NumPyClient):
     """One table's (or shard's) client operator, answering the phases of one algorithm."""
 
-    def __init__(self, data: ShardData, settings: ClientSettings, state: RecordDict, protocol: Protocol,
-                 algorithm: str = ""):
+    def __init__(
+        self, data: ShardData, settings: ClientSettings, state: RecordDict, protocol: Protocol, algorithm: str = ""
+    ):
         self.data = data
         self.settings = settings
         self.state = ClientState(state)
@@ -126,7 +127,9 @@ class TableClient(NumPyClient):
             return self.data.table()
         rule_id = self.state.scalar("rule_id")
         if rule_id is None:
-            raise RuntimeError(f"table {self.settings.table!r} shard {self.settings.shard}: no preprocessing rule received")
+            raise RuntimeError(
+                f"table {self.settings.table!r} shard {self.settings.shard}: no preprocessing rule received"
+            )
         t = self.settings.spec.table(self.settings.table)
 
         def build() -> tuple[Any, dict[str, np.ndarray]]:  # once per rule id: the rule's arrays are read here only
@@ -134,8 +137,12 @@ class TableClient(NumPyClient):
             n_edges = len(t.binned)  # the rule message ends with the bin edges of the binned columns
             rule_arrays, edge_arrays = rule[: len(rule) - n_edges], rule[len(rule) - n_edges :]
             return (
-                apply_rule(GlobalRule.from_arrays(rule_arrays, t.numeric, t.categorical), self.data.rows,
-                           self.settings.secret, self.settings.table),
+                apply_rule(
+                    GlobalRule.from_arrays(rule_arrays, t.numeric, t.categorical),
+                    self.data.rows,
+                    self.settings.secret,
+                    self.settings.table,
+                ),
                 {c: np.asarray(e, dtype=np.float64) for (c, _), e in zip(t.binned, edge_arrays)},
             )
 
@@ -162,12 +169,15 @@ class TableClient(NumPyClient):
         stored, asked = self.state.scalar("d_out"), config.get("d_out")
         if stored is not None:
             if asked is not None and int(asked) != int(stored):
-                raise ProtocolRefusal(f"table {self.settings.table!r}: d_out {asked} after {stored}: the output width is fixed")
+                raise ProtocolRefusal(
+                    f"table {self.settings.table!r}: d_out {asked} after {stored}: the output width is fixed"
+                )
             return int(stored)
         d_out = int(asked or 0)
         if d_out < 1 or (self.settings.spec.label.task == "regression" and d_out != 1):
-            raise ProtocolRefusal(f"table {self.settings.table!r}: d_out {asked} for a "
-                                  f"{self.settings.spec.label.task} label")
+            raise ProtocolRefusal(
+                f"table {self.settings.table!r}: d_out {asked} for a {self.settings.spec.label.task} label"
+            )
         self.state.set_scalar("d_out", d_out)
         return d_out
 
@@ -216,4 +226,3 @@ class TableClient(NumPyClient):
 def key_kinds_of(spec: RelationalSpec, table: str, frame) -> dict[str, str]:
     """The comparison kind of each join-key column (sent so the server can check joined columns agree)."""
     return {c: key_kind(frame[c].dtype) for c in spec.key_columns(table)}
-

@@ -37,8 +37,16 @@ def sq_distances(X: np.ndarray, C: np.ndarray) -> np.ndarray:
     return np.maximum(d, 0.0)
 
 
-def weighted_kmeans(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generator, iters: int = 100,
-                    tol: float = 1e-6, init: np.ndarray | None = None, restarts: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def weighted_kmeans(
+    X: np.ndarray,
+    w: np.ndarray,
+    k: int,
+    rng: np.random.Generator,
+    iters: int = 100,
+    tol: float = 1e-6,
+    init: np.ndarray | None = None,
+    restarts: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
     """Lloyd's k-means on rows X with weights w: (centres k x d, label per row). Starts from ``init``, or from
     ``restarts`` k-means++ seedings drawn from ``rng`` one after the other, keeping the lowest weighted cost.
 
@@ -55,8 +63,9 @@ def weighted_kmeans(X: np.ndarray, w: np.ndarray, k: int, rng: np.random.Generat
     return best[1], best[2]
 
 
-def _lloyd(X: np.ndarray, x2: np.ndarray, w: np.ndarray, C: np.ndarray, iters: int,
-           tol: float) -> tuple[np.ndarray, np.ndarray, float]:
+def _lloyd(
+    X: np.ndarray, x2: np.ndarray, w: np.ndarray, C: np.ndarray, iters: int, tol: float
+) -> tuple[np.ndarray, np.ndarray, float]:
     """Lloyd iterations from centres C until the relative cost decrease is <= tol: (C, labels, weighted cost)."""
     rows = np.arange(len(X))
 

@@ -40,7 +40,7 @@ class WanModel:
     note: str = ""
 
     @classmethod
-    def from_config(cls, network_cfg: Mapping[str, Any], client_regions: Mapping[Hashable, str | None]) -> "WanModel":
+    def from_config(cls, network_cfg: Mapping[str, Any], client_regions: Mapping[Hashable, str | None]) -> WanModel:
         """A client whose region is None or "" gets ``network_cfg.default_link`` (else :data:`DEFAULT_LINK`)."""
         server = network_cfg["server_region"]
         table = network_cfg["links"][server]

@@ -206,7 +206,9 @@ class ShardSummary:
         return out
 
     @classmethod
-    def from_arrays(cls, arrays: Sequence[np.ndarray], numeric: Sequence[str], categorical: Sequence[str]) -> ShardSummary:
+    def from_arrays(
+        cls, arrays: Sequence[np.ndarray], numeric: Sequence[str], categorical: Sequence[str]
+    ) -> ShardSummary:
         """Inverse of :meth:`arrays`; the column names come from the (shared) table schema."""
         header = _header(arrays, 5, "shard summary")
         n_rows, n_num, n_cat, size = (int(v) for v in header[1:])
@@ -242,7 +244,11 @@ def category_digests(strings: np.ndarray, column: str, secret: bytes) -> np.ndar
 
 
 def check_stats_request(
-    config: Mapping[str, Any], numeric: Sequence[str], categorical: Sequence[str], *, table: str = "?",
+    config: Mapping[str, Any],
+    numeric: Sequence[str],
+    categorical: Sequence[str],
+    *,
+    table: str = "?",
     shard: int | str | None = None,
 ) -> tuple[list[str], list[str]]:
     """The client's guard on a ``stats`` request: ``(columns, sketch_columns)`` parsed from the config, or a
@@ -260,8 +266,10 @@ def check_stats_request(
     columns = _column_list(config["columns"])
     unknown = sorted({c for c in columns if c not in expected})
     if unknown:
-        raise ValueError(f"{who}: stats asks for column(s) {unknown}, which are not feature columns of the table "
-                         f"(numeric + categorical: {expected})")
+        raise ValueError(
+            f"{who}: stats asks for column(s) {unknown}, which are not feature columns of the table "
+            f"(numeric + categorical: {expected})"
+        )
     if columns != expected:
         missing = [c for c in expected if c not in columns]
         what = f"lacks {missing}" if missing else "repeats or reorders columns"
@@ -269,8 +277,10 @@ def check_stats_request(
     sketch = list(dict.fromkeys(_column_list(config.get("sketch") or "")))
     outside = [c for c in sketch if c not in numeric]
     if outside:
-        raise ValueError(f"{who}: stats asks for order statistics (config 'sketch') of column(s) {outside}, "
-                         f"which are not numeric feature columns of the table ({list(numeric)})")
+        raise ValueError(
+            f"{who}: stats asks for order statistics (config 'sketch') of column(s) {outside}, "
+            f"which are not numeric feature columns of the table ({list(numeric)})"
+        )
     return columns, sketch
 
 
@@ -299,8 +309,9 @@ def local_summary(
     wanted = set(sketch_columns)
     outside = sorted(wanted - set(pre.numeric))
     if outside:
-        raise ValueError(f"{_who(table, shard)}: sketch column(s) {outside} are not numeric columns "
-                         f"{list(pre.numeric)}")
+        raise ValueError(
+            f"{_who(table, shard)}: sketch column(s) {outside} are not numeric columns {list(pre.numeric)}"
+        )
     min_rows = DEFAULT_MIN_SKETCH_ROWS if min_sketch_rows is None else int(min_sketch_rows)
     positions = _row_positions(rows, len(frame), pre.table)
     n_fit = len(frame) if positions is None else int(positions.size)
@@ -384,7 +395,9 @@ class GlobalRule:
         return out
 
     @classmethod
-    def from_arrays(cls, arrays: Sequence[np.ndarray], numeric: Sequence[str], categorical: Sequence[str]) -> GlobalRule:
+    def from_arrays(
+        cls, arrays: Sequence[np.ndarray], numeric: Sequence[str], categorical: Sequence[str]
+    ) -> GlobalRule:
         """Inverse of :meth:`arrays`; the column names come from the (shared) table schema."""
         header = _header(arrays, 5, "global rule")
         n_rows, n_num, n_cat = int(header[1]), int(header[2]), int(header[3])
@@ -412,10 +425,7 @@ def sketch_columns_needed(summaries: Sequence[ShardSummary], binned: Collection[
     shard (median imputation) and the binned ones. Every other column's sketch is never requested, so its
     values (raw, as order statistics) never leave the shards."""
     first = summaries[0]
-    return [
-        col for col in first.numeric
-        if col in binned or any(s.numeric[col].count < s.n_rows for s in summaries)
-    ]
+    return [col for col in first.numeric if col in binned or any(s.numeric[col].count < s.n_rows for s in summaries)]
 
 
 def merge_summaries(summaries: Sequence[ShardSummary]) -> GlobalRule:
@@ -449,7 +459,7 @@ def merge_summaries(summaries: Sequence[ShardSummary]) -> GlobalRule:
         m2 = float(sum(p.m2 for p in parts) + (counts * np.square(totals / counts - mean)).sum())
         sketch = RankSketch.merge([p.sketch for p in parts])
         if sketch.count == 0:  # no sketch was asked for (no missing fit value anywhere): the mean stands in
-            median = mean      # for the median, used only for a missing value outside the fit rows
+            median = mean  # for the median, used only for a missing value outside the fit rows
         elif sketch.count != n:
             raise SpecError(f"column {col!r}: sketch weights sum to {sketch.count}, expected the count {n}")
         else:
@@ -647,7 +657,14 @@ def _header(arrays: Sequence[np.ndarray], length: int, what: str) -> np.ndarray:
 
 
 def _check_layout(
-    arrays: Sequence[np.ndarray], n_num: int, n_cat: int, want_num: int, want_cat: int, per_num: int, per_cat: int, what: str
+    arrays: Sequence[np.ndarray],
+    n_num: int,
+    n_cat: int,
+    want_num: int,
+    want_cat: int,
+    per_num: int,
+    per_cat: int,
+    what: str,
 ) -> None:
     if (n_num, n_cat) != (want_num, want_cat):
         raise SpecError(

@@ -95,8 +95,12 @@ def label_dp_owner(client: GuardedClient) -> bool:
     return client.data.y is not None and uses_label_dp(client.privacy())
 
 
-_ROLE_NAMES = {every: "every client", sharded: "the shards of a sharded table", unsharded: "tables with one shard",
-               label_dp_owner: "the label owner under label DP"}
+_ROLE_NAMES = {
+    every: "every client",
+    sharded: "the shards of a sharded table",
+    unsharded: "tables with one shard",
+    label_dp_owner: "the label owner under label DP",
+}
 
 
 @dataclass(frozen=True)

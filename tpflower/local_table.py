@@ -55,8 +55,12 @@ def fit_rows(spec: RelationalSpec, name: str, n_table_rows: int, row_ids: np.nda
 
 
 def prepare_local_table(
-    spec: RelationalSpec, name: str, frame: pd.DataFrame, rows: np.ndarray | None = None,
-    preprocessor: TablePreprocessor | None = None, bin_edges: Mapping[str, np.ndarray] | None = None,
+    spec: RelationalSpec,
+    name: str,
+    frame: pd.DataFrame,
+    rows: np.ndarray | None = None,
+    preprocessor: TablePreprocessor | None = None,
+    bin_edges: Mapping[str, np.ndarray] | None = None,
 ) -> LocalTable:
     """Preprocess one table (or the shard ``rows`` of it) with statistics from its training rows only.
 
@@ -100,7 +104,14 @@ class ShardData:
     built on demand, with a local fit or with a global preprocessing rule, and kept per rule.
     """
 
-    def __init__(self, spec: RelationalSpec, name: str, frame: pd.DataFrame, rows: np.ndarray | None = None, precision: str = "float64"):
+    def __init__(
+        self,
+        spec: RelationalSpec,
+        name: str,
+        frame: pd.DataFrame,
+        rows: np.ndarray | None = None,
+        precision: str = "float64",
+    ):
         self.spec, self.name, self.frame = spec, name, frame
         self.whole = rows is None  # the whole table (join scenario): its rows are the frame itself, no copy
         self.row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
@@ -115,14 +126,17 @@ class ShardData:
         self.models: dict[tuple, Any] = {}  # the client's f_i modules, reused across messages (TableClient.model)
 
     def table(
-        self, rule_id: str = "local",
-        rule: "Callable[[], tuple[TablePreprocessor, dict[str, np.ndarray]]] | None" = None,
+        self,
+        rule_id: str = "local",
+        rule: Callable[[], tuple[TablePreprocessor, dict[str, np.ndarray]]] | None = None,
     ) -> LocalTable:
         """The LocalTable under a global preprocessing rule (``rule()`` gives the fitted preprocessor and the
         bin edges, built once per rule id); "local": the table's own fit."""
         if rule_id not in self._tables:
             pre, edges = rule() if rule else (None, None)
-            local = prepare_local_table(self.spec, self.name, self.frame, None if self.whole else self.row_ids, pre, edges)
+            local = prepare_local_table(
+                self.spec, self.name, self.frame, None if self.whole else self.row_ids, pre, edges
+            )
             local.X = local.X.astype(self.dtype, copy=False)  # the run's precision: no conversion per message
             self._tables[rule_id] = local
         return self._tables[rule_id]

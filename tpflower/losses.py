@@ -148,7 +148,7 @@ def binary_auc(scores: np.ndarray, y: np.ndarray) -> float:
     n_neg = pos.size - n_pos
     if n_pos == 0 or n_neg == 0:
         return float("nan")
-    from scipy.stats import rankdata  # scipy.stats costs ~1 s to import; only AUC needs it
+    from scipy.stats import rankdata  # noqa: PLC0415  scipy.stats costs ~1 s to import; only AUC needs it
 
     ranks = rankdata(scores, method="average")
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
@@ -199,7 +199,7 @@ class LabelScale:
     std: float = 1.0
 
     @classmethod
-    def fit(cls, task: str, y: np.ndarray, on: bool = True) -> "LabelScale":
+    def fit(cls, task: str, y: np.ndarray, on: bool = True) -> LabelScale:
         """Mean and standard deviation of the training labels ``y`` (identity unless regression and ``on``)."""
         if not on or task != "regression" or len(y) == 0:
             return cls()

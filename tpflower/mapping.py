@@ -56,8 +56,7 @@ def key_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes) -> n
         raise SpecError(f"key columns {list(columns)} hold missing values; keys must be complete")
     sep = b"\x1f"
     blob = b"".join(
-        hmac.digest(secret, sep.join(_canonical(v, k) for v, k in zip(t, kinds)), hashlib.sha256)[:16]
-        for t in tuples
+        hmac.digest(secret, sep.join(_canonical(v, k) for v, k in zip(t, kinds)), hashlib.sha256)[:16] for t in tuples
     )
     per_key = np.frombuffer(blob, dtype="<u8").reshape(-1, DIGEST_WORDS)
     return per_key[codes]
@@ -80,7 +79,9 @@ class KeyProjection:
         return [self.row_ids] + [self.digests[k] for k in sorted(self.digests)]
 
 
-def project_keys(spec: RelationalSpec, table: str, frame: pd.DataFrame, row_ids: np.ndarray, secret: bytes) -> KeyProjection:
+def project_keys(
+    spec: RelationalSpec, table: str, frame: pd.DataFrame, row_ids: np.ndarray, secret: bytes
+) -> KeyProjection:
     """The client side of table mapping: digests of every join key that ``table`` takes part in."""
     digests = {
         k: key_digests(frame, j.columns_of(table), secret)
@@ -132,15 +133,15 @@ class TableMapping:
         """G_iu = |G_i(u)|: how often each row u of the table occurs in the join (Eq. 11 over all rows)."""
         return np.bincount(self.p[table], minlength=self.n_rows[table])
 
-    def subset(self, rows: np.ndarray) -> "TableMapping":
+    def subset(self, rows: np.ndarray) -> TableMapping:
         """The mapping restricted to the joined rows ``rows`` (indices or a boolean mask), in that order (a copy)."""
         return TableMapping(p={t: p[rows] for t, p in self.p.items()}, n_rows=dict(self.n_rows))
 
-    def rows(self, start: int, stop: int) -> "TableMapping":
+    def rows(self, start: int, stop: int) -> TableMapping:
         """The joined rows [start, stop) as views of this mapping's arrays (no copy; see :class:`RowRange`)."""
         return RowRange(self, start, stop)
 
-    def partition(self, is_test: np.ndarray) -> tuple["TableMapping", "TableMapping"]:
+    def partition(self, is_test: np.ndarray) -> tuple[TableMapping, TableMapping]:
         """(train, test): the joined rows with ``is_test`` False, then those with True, each in their order.
 
         Reorders this mapping IN PLACE (train rows first, then test rows; one table at a time, no copy of the
@@ -293,7 +294,9 @@ class _EdgeIndex:
         return out
 
 
-def _completions(edges: Sequence[tuple[str, str, np.ndarray, np.ndarray, int]], n_rows: Mapping[str, int]) -> dict[str, np.ndarray]:
+def _completions(
+    edges: Sequence[tuple[str, str, np.ndarray, np.ndarray, int]], n_rows: Mapping[str, int]
+) -> dict[str, np.ndarray]:
     """Per table row: how many joined rows its subtree of ``edges`` yields (children first; 0: it drops out).
     Counts are exact integers (bincount sums them in float64, exact below 2^53)."""
     count = {t: np.ones(n, dtype=np.int64) for t, n in n_rows.items()}
@@ -303,8 +306,9 @@ def _completions(edges: Sequence[tuple[str, str, np.ndarray, np.ndarray, int]], 
     return count
 
 
-def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyProjection]],
-                  chunk: int | None = None) -> TableMapping:
+def build_mapping(
+    spec: RelationalSpec, projections: Mapping[str, Sequence[KeyProjection]], chunk: int | None = None
+) -> TableMapping:
     """The server side of table mapping: join the key projections along the spec's join tree.
 
     Inner-join semantics (a row with no partner drops out); one-to-one, many-to-one and many-to-many
@@ -334,8 +338,9 @@ def build_mapping(spec: RelationalSpec, projections: Mapping[str, Sequence[KeyPr
         for k, (edge, _, _) in enumerate(order):  # the first join after which the join is empty
             if int(_completions(edges[: k + 1], n_rows)[root].sum()) == 0:
                 raise SpecError(f"join {edge} matched no rows: the join comes out empty (check the key values)")
-    index = [_EdgeIndex(code_known, code_new, n_codes, count[new] > 0)
-             for known, new, code_known, code_new, n_codes in edges]
+    index = [
+        _EdgeIndex(code_known, code_new, n_codes, count[new] > 0) for known, new, code_known, code_new, n_codes in edges
+    ]
     del edges
     roots = np.flatnonzero(count[root] > 0)
     ends = np.cumsum(count[root][roots])  # joined rows up to and including each live label row

@@ -191,8 +191,7 @@ class JoinedModel(nn.Module):
             first = _first_linear(local[name])
             if first is not None and first.in_features != width:
                 raise ValueError(
-                    f"table {name!r}: width {width} does not match the local model's input size "
-                    f"{first.in_features}"
+                    f"table {name!r}: width {width} does not match the local model's input size {first.in_features}"
                 )
             self.slices[name] = slice(start, start + width)
             start += width

@@ -31,7 +31,7 @@ import hmac
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +72,16 @@ class Exposed:
     label: str | None = None
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], where: str) -> "Exposed":
+    def from_dict(cls, raw: Mapping[str, Any], where: str) -> Exposed:
         unknown = set(raw) - {"keys", "numeric", "categorical", "label"}
         if unknown:
-            raise SpecError(f"{where}: unknown keys {sorted(unknown)} under columns (keys, numeric, categorical, label)")
-        return cls(*(tuple(str(c) for c in raw.get(k) or ()) for k in ("keys", "numeric", "categorical")),
-                   label=None if raw.get("label") is None else str(raw["label"]))
+            raise SpecError(
+                f"{where}: unknown keys {sorted(unknown)} under columns (keys, numeric, categorical, label)"
+            )
+        return cls(
+            *(tuple(str(c) for c in raw.get(k) or ()) for k in ("keys", "numeric", "categorical")),
+            label=None if raw.get("label") is None else str(raw["label"]),
+        )
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -109,25 +113,35 @@ class OwnerSettings:
         if t.source is not None:
             asked = str(resolve_path(t.source, base_dir).resolve())
             if asked != self.source:
-                raise self.refuse(f"the run names source {t.source!r} for it; this node serves {self.source or 'the bundled table'}")
+                raise self.refuse(
+                    f"the run names source {t.source!r} for it; this node serves {self.source or 'the bundled table'}"
+                )
         else:
             asked_loader = (dataset.get("loader") or {}).get("name")
             if self.loader is None or asked_loader != self.loader:
-                raise self.refuse(f"the run asks for the bundled table of loader {asked_loader!r}; this node serves "
-                                  f"{self.source or ('loader ' + repr(self.loader))}")
+                raise self.refuse(
+                    f"the run asks for the bundled table of loader {asked_loader!r}; this node serves "
+                    f"{self.source or ('loader ' + repr(self.loader))}"
+                )
             if "path" in (dataset.get("loader") or {}):
                 raise self.refuse("the run names a loader path; this node's bundled table has none")
         e = self.exposed
-        for kind, asked_cols, allowed in (("join key", spec.key_columns(self.table), e.keys),
-                                          ("numeric feature", t.numeric + tuple(c for c, _ in t.binned), e.numeric),
-                                          ("categorical feature", t.categorical, e.categorical)):
+        for kind, asked_cols, allowed in (
+            ("join key", spec.key_columns(self.table), e.keys),
+            ("numeric feature", t.numeric + tuple(c for c, _ in t.binned), e.numeric),
+            ("categorical feature", t.categorical, e.categorical),
+        ):
             extra = [c for c in asked_cols if c not in allowed]
             if extra:
-                raise self.refuse(f"the run asks for {kind} column(s) {extra}, which this node does not expose "
-                                  f"(it exposes {list(allowed)})")
+                raise self.refuse(
+                    f"the run asks for {kind} column(s) {extra}, which this node does not expose "
+                    f"(it exposes {list(allowed)})"
+                )
         if spec.label.table == self.table and spec.label.column != e.label:
-            raise self.refuse(f"the run asks for label column {spec.label.column!r}; this node exposes "
-                              f"{'no label' if e.label is None else 'label ' + repr(e.label)}")
+            raise self.refuse(
+                f"the run asks for label column {spec.label.column!r}; this node exposes "
+                f"{'no label' if e.label is None else 'label ' + repr(e.label)}"
+            )
 
     def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
         """The run's privacy must be at least the floor: label DP (label owner only) and feature DP."""
@@ -138,19 +152,30 @@ class OwnerSettings:
             if not uses(floor):
                 continue
             if not uses(run):
-                raise self.refuse(f"privacy={name} is weaker than this node's floor privacy={floor['name']} ({what} required)")
+                raise self.refuse(
+                    f"privacy={name} is weaker than this node's floor privacy={floor['name']} ({what} required)"
+                )
             for key, direction in bounds:
                 if floor.get(key) is None:
                     continue
                 value = run.get(key)
-                bad = value is None or (float(value) > float(floor[key]) if direction == "max" else float(value) < float(floor[key]))
+                bad = value is None or (
+                    float(value) > float(floor[key]) if direction == "max" else float(value) < float(floor[key])
+                )
                 if bad:
                     sign = "<=" if direction == "max" else ">="
-                    raise self.refuse(f"privacy.{key}={value} is weaker than this node's floor ({key} {sign} {floor[key]})")
-        if uses_feature_dp(floor) and floor.get("sample_rate", "worst_row") == "worst_row" \
-                and str(run.get("sample_rate", "worst_row")) != "worst_row":
-            raise self.refuse(f"privacy.sample_rate={run.get('sample_rate')} understates duplicated rows; this node's "
-                              "floor accounts the worst row (sample_rate=worst_row)")
+                    raise self.refuse(
+                        f"privacy.{key}={value} is weaker than this node's floor ({key} {sign} {floor[key]})"
+                    )
+        if (
+            uses_feature_dp(floor)
+            and floor.get("sample_rate", "worst_row") == "worst_row"
+            and str(run.get("sample_rate", "worst_row")) != "worst_row"
+        ):
+            raise self.refuse(
+                f"privacy.sample_rate={run.get('sample_rate')} understates duplicated rows; this node's "
+                "floor accounts the worst row (sample_rate=worst_row)"
+            )
 
 
 # ------------------------------------------------------------------------------------------------ building
@@ -166,7 +191,7 @@ def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     return {**_privacy_defaults(name), **raw}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _privacy_defaults(name: str) -> dict[str, Any]:
     """conf/privacy/<name>.yaml without its interpolations, read once per process."""
     text = (PRIVACY_DIR / f"{name}.yaml").read_text()
@@ -179,14 +204,17 @@ def node_secret(secret_file: str | Path | None, table: str, where: str) -> bytes
         try:
             value = Path(secret_file).expanduser().read_text().strip()
         except OSError as exc:
-            raise SpecError(f"table {table!r}: cannot read secret_file {str(secret_file)!r} ({where}): {exc.strerror}") from None
+            raise SpecError(
+                f"table {table!r}: cannot read secret_file {str(secret_file)!r} ({where}): {exc.strerror}"
+            ) from None
     else:
         value = os.environ.get(SECRET_ENV, "")
     if not value:
         raise SpecError(
             f"table {table!r}: no join-key secret. Set secret_file in {where} or {SECRET_ENV} in the SuperNode's "
             "environment, the same value on every table's node and unknown to the server, e.g. "
-            "python -c 'import secrets; print(secrets.token_hex(32))' > key && chmod 600 key")
+            "python -c 'import secrets; print(secrets.token_hex(32))' > key && chmod 600 key"
+        )
     return value.encode()
 
 
@@ -200,7 +228,16 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         raise SpecError(f"table {table!r}: cannot read client-config {where}: {exc.strerror}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: a client settings file is a mapping (source, columns, privacy, secret_file)")
-    unknown = set(raw) - {"table", "source", "loader", "columns", "privacy", "secret_file", "min_sketch_rows", "state_dir"}
+    unknown = set(raw) - {
+        "table",
+        "source",
+        "loader",
+        "columns",
+        "privacy",
+        "secret_file",
+        "min_sketch_rows",
+        "state_dir",
+    }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
     if raw.get("table", table) != table:
@@ -229,17 +266,27 @@ def simulation_secret(cfg: Mapping[str, Any]) -> bytes:
     secret = (cfg.get("mapping") or {}).get("secret")
     if secret:
         return str(secret).encode()
-    return hmac.digest(b"tpflower simulation join-key secret", f"seed={int(cfg['seed'])}".encode(), hashlib.sha256).hex().encode()
+    return (
+        hmac.digest(b"tpflower simulation join-key secret", f"seed={int(cfg['seed'])}".encode(), hashlib.sha256)
+        .hex()
+        .encode()
+    )
 
 
-def simulation_owner(cfg: Mapping[str, Any], spec: RelationalSpec, table: str, base_dir: str | Path | None) -> OwnerSettings:
+def simulation_owner(
+    cfg: Mapping[str, Any], spec: RelationalSpec, table: str, base_dir: str | Path | None
+) -> OwnerSettings:
     """The settings a simulated node would hold: the run's own dataset, columns and privacy (one config)."""
     t = spec.table(table)
     dataset = cfg["dataset"]
     return OwnerSettings(
         table=table,
-        exposed=Exposed(spec.key_columns(table), t.numeric + tuple(c for c, _ in t.binned), t.categorical,
-                        spec.label.column if spec.label.table == table else None),
+        exposed=Exposed(
+            spec.key_columns(table),
+            t.numeric + tuple(c for c, _ in t.binned),
+            t.categorical,
+            spec.label.column if spec.label.table == table else None,
+        ),
         privacy=privacy_floor(cfg.get("privacy"), "the run config"),
         secret=simulation_secret(cfg),
         source=None if t.source is None else str(resolve_path(t.source, base_dir).resolve()),

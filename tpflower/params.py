@@ -151,8 +151,10 @@ class AlgorithmParams:
         known = {f.name for f in fields(cls)} | {"name"}
         unknown = sorted(set(alg) - known)
         if unknown:
-            raise ValueError(f"algorithm.{unknown[0]} is not a setting of algorithm {alg.get('name')!r}; "
-                             f"its settings: {sorted(known - {'name'})}")
+            raise ValueError(
+                f"algorithm.{unknown[0]} is not a setting of algorithm {alg.get('name')!r}; "
+                f"its settings: {sorted(known - {'name'})}"
+            )
         values = {}
         for f in fields(cls):
             if f.name in alg:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
 
 Arrays = dict[str, np.ndarray]
 
@@ -74,19 +76,15 @@ def unnumbered(arrays: Mapping[str, np.ndarray], prefix: str) -> list[np.ndarray
 
 def recorddict_bytes(records: RecordDict) -> bytes:
     """A RecordDict as Flower's own wire format (its protobuf), e.g. for a checkpoint or a node's worker."""
-    from flwr.common.serde import recorddict_to_proto
-
     return recorddict_to_proto(records).SerializeToString()
 
 
 def recorddict_of(data: bytes) -> RecordDict:
     """The RecordDict that :func:`recorddict_bytes` wrote."""
-    from flwr.common.serde import recorddict_from_proto
-    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
-
     proto = ProtoRecordDict()
     proto.ParseFromString(data)
     return recorddict_from_proto(proto)
+
 
 #: the phase of the query a server sends every node before a run (is it there, which table does it serve)
 HELLO_PHASE = "hello"

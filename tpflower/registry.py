@@ -54,8 +54,10 @@ _LOADED = False
 def register(entry: AlgorithmEntry) -> AlgorithmEntry:
     key = (entry.selector, entry.scenario)
     if key in _ENTRIES and _ENTRIES[key].name != entry.name:
-        raise ValueError(f"algorithm={entry.selector} scenario={entry.scenario} is registered twice "
-                         f"({_ENTRIES[key].name} and {entry.name})")
+        raise ValueError(
+            f"algorithm={entry.selector} scenario={entry.scenario} is registered twice "
+            f"({_ENTRIES[key].name} and {entry.name})"
+        )
     _ENTRIES[key] = entry
     return entry
 
@@ -84,8 +86,10 @@ def lookup(algorithm: str, scenario: str) -> AlgorithmEntry:
         return entry
     for_scenario = sorted(e.selector for e in _ENTRIES.values() if e.scenario == scenario)
     if any(e.selector == algorithm for e in _ENTRIES.values()):
-        raise ValueError(f"algorithm {algorithm!r} has no {scenario} version; scenario={scenario} takes "
-                         f"algorithm.name in {for_scenario}")
+        raise ValueError(
+            f"algorithm {algorithm!r} has no {scenario} version; scenario={scenario} takes "
+            f"algorithm.name in {for_scenario}"
+        )
     raise ValueError(f"algorithm {algorithm!r} is not a federated algorithm; choose one of {for_scenario}")
 
 

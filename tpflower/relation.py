@@ -60,12 +60,12 @@ def summary_line(spec: RelationalSpec, mapping: TableMapping) -> str:
     return f"[{spec.name}] tables: {rows} | joined rows N={mapping.N:,} | duplication N/n_{spec.label_table}={dup:.2f}"
 
 
-def load_relation(dataset_cfg: Any, secret: bytes, base_dir: str | Path | None = None, verbose: bool = True) -> Relation:
+def load_relation(
+    dataset_cfg: Any, secret: bytes, base_dir: str | Path | None = None, verbose: bool = True
+) -> Relation:
     """Load, validate, map (through digests, as the federated path does) and preprocess a dataset."""
     spec, frames = load_dataset(dataset_cfg, base_dir=base_dir)
-    projections = {
-        t: [project_keys(spec, t, frames[t], np.arange(len(frames[t])), secret)] for t in spec.table_names
-    }
+    projections = {t: [project_keys(spec, t, frames[t], np.arange(len(frames[t])), secret)] for t in spec.table_names}
     mapping = build_mapping(spec, projections)
     if verbose:
         print(summary_line(spec, mapping), flush=True)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
+from omegaconf import DictConfig, OmegaConf
 
 Task = Literal["regression", "binary", "multiclass"]
 TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
@@ -197,15 +198,16 @@ def _on_pairs(on: Any, where: str) -> tuple[tuple[str, str], ...]:
     raise SpecError(f"{where}: 'on' must name at least one column, got {on!r}")
 
 
+def to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain dict of the config (OmegaConf nodes resolved, interpolations such as ${oc.env:...} included)."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return dict(cfg)
+
+
 def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     """Build a :class:`RelationalSpec` from the dataset config (a dict or an OmegaConf node)."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    except ImportError:  # pragma: no cover - omegaconf comes with hydra-core
-        pass
+    cfg = to_dict(cfg)
     name = str(cfg.get("name", "dataset"))
     raw_tables = cfg.get("tables")
     if not isinstance(raw_tables, Mapping) or not raw_tables:
@@ -221,7 +223,9 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
         if shards:
             values = shards.get("values")
             shard_spec = ShardSpec(
-                by=shards.get("by"), parts=shards.get("parts"), seed=int(shards.get("seed", 0)),
+                by=shards.get("by"),
+                parts=shards.get("parts"),
+                seed=int(shards.get("seed", 0)),
                 values=tuple(str(v) for v in values) if values else None,
             )
             if (shard_spec.by is None) == (shard_spec.parts is None):
@@ -292,8 +296,10 @@ def validate_structure(spec: RelationalSpec) -> None:
             raise SpecError(f"join {j}: a table cannot join itself")
     for t in spec.tables:
         if t.unique and not spec.unique_key(t.name):
-            raise SpecError(f"table {t.name!r}: unique: true needs a join with {t.name!r} on its right side "
-                            "(its key is the columns its parent joins it on)")
+            raise SpecError(
+                f"table {t.name!r}: unique: true needs a join with {t.name!r} on its right side "
+                "(its key is the columns its parent joins it on)"
+            )
     if not 0.0 <= spec.split.test_fraction < 1.0:
         raise SpecError(f"split.test_fraction must be in [0, 1), got {spec.split.test_fraction}")
     # A tree: connected with exactly len(tables) - 1 edges; find a cycle or a stray component by union-find.
@@ -397,7 +403,7 @@ def validate_table(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> None
         missing = int(y.isna().sum())
         if missing:
             raise SpecError(f"table {name!r}, label column {spec.label.column!r}: {missing} missing labels")
-        if spec.label.task == "binary" and not set(np.unique(y.to_numpy())) <= {0, 1, False, True}:
+        if spec.label.task == "binary" and not set(np.unique(y.to_numpy())) <= {0, 1}:
             raise SpecError(
                 f"table {name!r}, label column {spec.label.column!r}: binary labels must be 0/1, "
                 f"got values {sorted(map(str, np.unique(y.to_numpy())[:5]))}"
@@ -414,9 +420,7 @@ def validate_key_kinds(spec: RelationalSpec, kinds: Mapping[str, Mapping[str, st
         for lc, rc in j.on:
             lk, rk = kinds[j.left][lc], kinds[j.right][rc]
             if lk != rk:
-                raise SpecError(
-                    f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}"
-                )
+                raise SpecError(f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}")
 
 
 def validate_tables(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> RelationalSpec:

@@ -75,4 +75,5 @@ class StateRecord:
         arrays = {k: Array(np.ascontiguousarray(v)) for k, v in values.items() if isinstance(v, np.ndarray)}
         state.records[f"{type(self).__name__}.arrays"] = ArrayRecord(array_dict=arrays)
         state.records[f"{type(self).__name__}.scalars"] = ConfigRecord(
-            {k: v for k, v in values.items() if k not in arrays and v is not None})
+            {k: v for k, v in values.items() if k not in arrays and v is not None}
+        )

@@ -56,16 +56,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
     ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
     ap.add_argument("--model", default="mlp", help="celu: model")
-    ap.add_argument("--variants", default="vanilla,fedbcd,celu,celu_R3,celu_R8,celu_xi90,celu_xi30,celu_xi_off,celu_W3,celu_W8",
-                    help="celu: variants (vanilla always runs)")
-    ap.add_argument("--full-variants", default="vanilla,fedbcd,celu", help="celu: variants run to the end (others stop at the target)")
+    ap.add_argument(
+        "--variants",
+        default="vanilla,fedbcd,celu,celu_R3,celu_R8,celu_xi90,celu_xi30,celu_xi_off,celu_W3,celu_W8",
+        help="celu: variants (vanilla always runs)",
+    )
+    ap.add_argument(
+        "--full-variants",
+        default="vanilla,fedbcd,celu",
+        help="celu: variants run to the end (others stop at the target)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="celu, privacy: cases at a time")
     ap.add_argument("--grid-seeds", type=int, default=None, help="celu: seeds of the grid variants (default: --seeds)")
     ap.add_argument("--flower-seed", type=int, default=0, help="celu: seed of the Flower wall-time runs (-1: none)")
     ap.add_argument("--seeds", type=int, default=3, help="celu: seeds per variant")
     ap.add_argument("--eval-every", type=int, default=10, help="celu: rounds between evaluations")
-    ap.add_argument("--scale-n", default=",".join(str(n) for n in SCALE_N), help="scale: joined rows N of the Flower runs")
-    ap.add_argument("--server-n", default="10000000", help="scale: N of the server-state measurement (float32 and float64)")
+    ap.add_argument(
+        "--scale-n", default=",".join(str(n) for n in SCALE_N), help="scale: joined rows N of the Flower runs"
+    )
+    ap.add_argument(
+        "--server-n", default="10000000", help="scale: N of the server-state measurement (float32 and float64)"
+    )
     ap.add_argument("--mapping-n", type=int, default=100_000_000, help="scale: N of the mapping alone (0: skip)")
     ap.add_argument("--dataset", default="movielens", help="coreset: the dataset")
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")

@@ -65,8 +65,16 @@ def lower_is_better(dataset: str) -> bool:
     return primary_metric("binary" if "delayed" in dataset else "regression") == "rmse"
 
 
-def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, eval_every: int,
-              stop_at: float | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+def celu_case(
+    dataset: str,
+    model: str,
+    variant: str,
+    seed: int,
+    epochs: int,
+    eval_every: int,
+    stop_at: float | None = None,
+    overrides: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """One run in-process: its evaluation history [(rounds, test metric, modelled comm s)], how it ended
     (done / target / diverged) and its wall time. ``stop_at``: stop at the first evaluation that reaches it."""
     # torch, flwr: imported in the case's own process only, never in the suite's (see common.py)
@@ -74,8 +82,15 @@ def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, ev
     from strategies.transport import DirectTransport  # noqa: PLC0415
     from tpflower.app.server_app import make_strategy  # noqa: PLC0415
 
-    cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", f"seed={seed}",
-                         f"epochs={epochs}", f"algorithm.eval_every={eval_every}", *overrides)
+    cfg = compose_config(
+        *CELU_VARIANTS[variant],
+        f"dataset={dataset}",
+        f"model={model}",
+        f"seed={seed}",
+        f"epochs={epochs}",
+        f"algorithm.eval_every={eval_every}",
+        *overrides,
+    )
     lower = lower_is_better(dataset)
     t0 = time.perf_counter()
     strategy = make_strategy(cfg, None, log=lambda _: None)
@@ -99,23 +114,43 @@ def celu_case(dataset: str, model: str, variant: str, seed: int, epochs: int, ev
             raise
         end = "diverged"
     h = strategy.results.history
-    return {"dataset": dataset, "variant": variant, "seed": seed, "end": end,
-            "wall_s": round(time.perf_counter() - t0, 1),
-            "local_steps_per_round": h[-1].extra.get("local_steps_per_round") if h else None,
-            "history": [(x.rounds, x.test_metric, x.comm_time_s) for x in h]}
+    return {
+        "dataset": dataset,
+        "variant": variant,
+        "seed": seed,
+        "end": end,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "local_steps_per_round": h[-1].extra.get("local_steps_per_round") if h else None,
+        "history": [(x.rounds, x.test_metric, x.comm_time_s) for x in h],
+    }
 
 
-def flower_case(dataset: str, model: str, variant: str, runtime: str, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+def flower_case(
+    dataset: str, model: str, variant: str, runtime: str, overrides: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """One epoch (seed 0) under ``runtime`` (flower: Flower's simulation engine; inprocess): wall seconds per
     exchange round, setup excluded (the first evaluation's wall time counts from the first round)."""
     from simulations.run import run_job  # noqa: PLC0415  torch, flwr: in the case's process only (common.py)
 
-    cfg = compose_config(*CELU_VARIANTS[variant], f"dataset={dataset}", f"model={model}", "seed=0", "epochs=1",
-                         f"runtime={runtime}", *overrides)
+    cfg = compose_config(
+        *CELU_VARIANTS[variant],
+        f"dataset={dataset}",
+        f"model={model}",
+        "seed=0",
+        "epochs=1",
+        f"runtime={runtime}",
+        *overrides,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         h = run_job(cfg, Path(tmp)).history
-    return {"dataset": dataset, "variant": variant, "runtime": runtime, "rounds": h[-1].rounds,
-            "wall_s": round(h[-1].wall_time_s, 2), "s_per_round": round(h[-1].wall_time_s / h[-1].rounds, 4)}
+    return {
+        "dataset": dataset,
+        "variant": variant,
+        "runtime": runtime,
+        "rounds": h[-1].rounds,
+        "wall_s": round(h[-1].wall_time_s, 2),
+        "s_per_round": round(h[-1].wall_time_s / h[-1].rounds, 4),
+    }
 
 
 CASES = {"celu": celu_case, "flower": flower_case}
@@ -149,12 +184,16 @@ def summarize(dataset: str, runs: dict[str, list[dict]], flower: dict[str, float
         s_round = flower.get(v)  # measured for the full variants only
         rounds = [x[0] for x in ok]
         rows[v] = {
-            "reached": f"{len(ok)}/{len(reached)}", "rounds_to_target": rounds,
-            "rounds": _stats(rounds), "wan_s": _stats([x[1] for x in ok]),
+            "reached": f"{len(ok)}/{len(reached)}",
+            "rounds_to_target": rounds,
+            "rounds": _stats(rounds),
+            "wan_s": _stats([x[1] for x in ok]),
             "flower_wall_s": _stats([x[0] * s_round for x in ok]) if s_round else None,
             "end": [r["end"] for r in per_seed],
             "final_metric": [r["history"][-1][1] if r["history"] else None for r in per_seed],
-            "best_metric": [(min if lower else max)(m for _, m, _ in r["history"]) if r["history"] else None for r in per_seed],
+            "best_metric": [
+                (min if lower else max)(m for _, m, _ in r["history"]) if r["history"] else None for r in per_seed
+            ],
             "local_steps_per_round": [r["local_steps_per_round"] for r in per_seed],
             "wall_s_inprocess": [r["wall_s"] for r in per_seed],
         }
@@ -165,9 +204,19 @@ def summarize(dataset: str, runs: dict[str, list[dict]], flower: dict[str, float
     return {"targets": targets, "lower_is_better": lower, "variants": rows}
 
 
-def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int, epochs: int, eval_every: int,
-               full: list[str], jobs: int = 1, flower_seed: int | None = 0, out: Path | None = None,
-               grid_seeds: int | None = None) -> dict[str, Any]:
+def celu_suite(
+    datasets: list[str],
+    model: str,
+    variants: list[str],
+    seeds: int,
+    epochs: int,
+    eval_every: int,
+    full: list[str],
+    jobs: int = 1,
+    flower_seed: int | None = 0,
+    out: Path | None = None,
+    grid_seeds: int | None = None,
+) -> dict[str, Any]:
     """The comparison (see the module docstring); ``out``: written after every case, reused on a rerun. The
     grid (the variants not in ``full``) runs seed-major over ``grid_seeds`` (default: ``seeds``) seeds, so that
     a cut-off run still has every variant on its first seeds."""
@@ -177,8 +226,15 @@ def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int,
         old = json.loads(out.read_text())
         if {k: old.get(k) for k in settings} == settings:
             done = old.get("cases", {})
-    result: dict[str, Any] = {"case": "celu", **settings, "seeds": seeds, "full_variants": full, "cases": done,
-                              "flower": done.get("_flower", {}), "datasets": {}}
+    result: dict[str, Any] = {
+        "case": "celu",
+        **settings,
+        "seeds": seeds,
+        "full_variants": full,
+        "cases": done,
+        "flower": done.get("_flower", {}),
+        "datasets": {},
+    }
 
     def save() -> None:
         if out is not None:
@@ -195,14 +251,27 @@ def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int,
     base = {"model": model, "epochs": epochs, "eval_every": eval_every}
     firsts = [v for v in full if v in variants and v != "vanilla"]
     with ThreadPoolExecutor(max_workers=jobs) as pool:  # vanilla and the full variants, then Flower, then the grid
-        vanilla = {(d, s): pool.submit(run, f"{d}/vanilla/{s}", "celu", {**base, "dataset": d, "variant": "vanilla", "seed": s})
-                   for d in datasets for s in range(seeds)}
+        vanilla = {
+            (d, s): pool.submit(
+                run, f"{d}/vanilla/{s}", "celu", {**base, "dataset": d, "variant": "vanilla", "seed": s}
+            )
+            for d in datasets
+            for s in range(seeds)
+        }
         targets = {k: f.result()["history"][-1][1] for k, f in vanilla.items()}
 
         def stage(names: list[str], n_seeds: int) -> None:
-            futures = [pool.submit(run, f"{d}/{v}/{s}", "celu", {**base, "dataset": d, "variant": v, "seed": s,
-                                                                 "stop_at": None if v in full else targets[(d, s)]})
-                       for s in range(n_seeds) for v in names for d in datasets]
+            futures = [
+                pool.submit(
+                    run,
+                    f"{d}/{v}/{s}",
+                    "celu",
+                    {**base, "dataset": d, "variant": v, "seed": s, "stop_at": None if v in full else targets[(d, s)]},
+                )
+                for s in range(n_seeds)
+                for v in names
+                for d in datasets
+            ]
             for f in futures:
                 f.result()
 
@@ -214,7 +283,9 @@ def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int,
                     for runtime in ("flower",):
                         key = f"{d}/{v}/{runtime}"
                         if key not in flower:
-                            flower[key] = _run_isolated("flower", {"dataset": d, "model": model, "variant": v, "runtime": runtime})
+                            flower[key] = _run_isolated(
+                                "flower", {"dataset": d, "model": model, "variant": v, "runtime": runtime}
+                            )
                             print(key, json.dumps(flower[key]), flush=True)
                             done["_flower"] = flower
                             save()
@@ -224,15 +295,19 @@ def celu_suite(datasets: list[str], model: str, variants: list[str], seeds: int,
     return result
 
 
-def finalize(result: dict[str, Any], datasets: list[str] | None = None, variants: list[str] | None = None) -> dict[str, Any]:
+def finalize(
+    result: dict[str, Any], datasets: list[str] | None = None, variants: list[str] | None = None
+) -> dict[str, Any]:
     """The per-dataset summaries from the cases present (a variant over the seeds it has run)."""
     done, flower = result["cases"], result["cases"].get("_flower", {})
     datasets = datasets or sorted({k.split("/")[0] for k in done if not k.startswith("_")})
     variants = variants or list(CELU_VARIANTS)
     result["datasets"] = {}
     for d in datasets:
-        runs = {v: [done[f"{d}/{v}/{s}"] for s in range(result["seeds"]) if f"{d}/{v}/{s}" in done]
-                for v in ["vanilla"] + [v for v in variants if v != "vanilla"]}
+        runs = {
+            v: [done[f"{d}/{v}/{s}"] for s in range(result["seeds"]) if f"{d}/{v}/{s}" in done]
+            for v in ["vanilla"] + [v for v in variants if v != "vanilla"]
+        }
         runs = {v: r for v, r in runs.items() if r}
         s_round = {v: flower[f"{d}/{v}/flower"]["s_per_round"] for v in runs if f"{d}/{v}/flower" in flower}
         result["datasets"][d] = summarize(d, runs, s_round)
@@ -242,9 +317,11 @@ def finalize(result: dict[str, Any], datasets: list[str] | None = None, variants
 
 def table(result: dict[str, Any]) -> str:
     """The README's table (markdown) from a suite result."""
-    lines = ["| dataset (target) | variant | reached | rounds to target | vs vanilla | modelled WAN s | Flower wall s "
-             "| final metric |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dataset (target) | variant | reached | rounds to target | vs vanilla | modelled WAN s | Flower wall s "
+        "| final metric |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
 
     def fmt(s, p=0):
         return "-" if not s or s["mean"] is None else f"{s['mean']:.{p}f} +- {s['std']:.{p}f}"
@@ -258,7 +335,9 @@ def table(result: dict[str, Any]) -> str:
             if "diverged" in row["end"]:
                 final += f" ({row['end'].count('diverged')} diverged)"
             vs = "-" if row["vs_vanilla"] is None else f"{100 * row['vs_vanilla']:+.0f}%"
-            lines.append(f"| {d} ({t:.4f}) | {v} | {row['reached']} | {fmt(r)} | {vs} | {fmt(w, 1)} | {fmt(f, 0)} | {final} |")
+            lines.append(
+                f"| {d} ({t:.4f}) | {v} | {row['reached']} | {fmt(r)} | {vs} | {fmt(w, 1)} | {fmt(f, 0)} | {final} |"
+            )
     return "\n".join(lines)
 
 
@@ -284,13 +363,22 @@ def plot(path: Path, png: Path, variants: tuple[str, ...] = FULL_VARIANTS) -> No
             n = min(len(h) for h in hs)
             x = [r for r, _, _ in hs[0][:n]]
             y = np.array([[m for _, m, _ in h[:n]] for h in hs])
-            line, = ax.plot(x, y.mean(axis=0), label=f"{labels.get(v, v)} ({len(hs)} seeds)")
+            (line,) = ax.plot(x, y.mean(axis=0), label=f"{labels.get(v, v)} ({len(hs)} seeds)")
             if len(hs) > 1:
                 ax.fill_between(x, y.min(axis=0), y.max(axis=0), color=line.get_color(), alpha=0.2)
         t = np.mean(list(res["targets"].values()))
         ax.axhline(t, color="gray", ls="--", lw=1, label=f"target (vanilla's final) {t:.4f}")
-        lo = float(np.percentile([m for k in cases if k.startswith(f"{d}/") and k.split("/")[-1].isdigit()
-                                  for _, m, _ in cases[k]["history"]], 2))
+        lo = float(
+            np.percentile(
+                [
+                    m
+                    for k in cases
+                    if k.startswith(f"{d}/") and k.split("/")[-1].isdigit()
+                    for _, m, _ in cases[k]["history"]
+                ],
+                2,
+            )
+        )
         ax.set_title(f"{d}, model={result['model']}")
         ax.set_xlabel("exchange rounds")
         ax.set_ylabel("test RMSE" if res["lower_is_better"] else "test accuracy")
@@ -310,9 +398,19 @@ def run_suite(a: Any) -> dict[str, Any]:
     """``python -m simulations.bench celu``'s entry (argparse namespace of simulations.bench)."""
     datasets = a.datasets.split(",")
     out = a.out or Path("bench_results") / "celu.json"
-    result = celu_suite(datasets, a.model, a.variants.split(","), a.seeds, a.epochs if a.epochs != 3 else 2,
-                        a.eval_every, a.full_variants.split(","), a.jobs, None if a.flower_seed < 0 else a.flower_seed, out,
-                        a.grid_seeds)
+    result = celu_suite(
+        datasets,
+        a.model,
+        a.variants.split(","),
+        a.seeds,
+        a.epochs if a.epochs != 3 else 2,
+        a.eval_every,
+        a.full_variants.split(","),
+        a.jobs,
+        None if a.flower_seed < 0 else a.flower_seed,
+        out,
+        a.grid_seeds,
+    )
     print(table(result))
     return result
 

@@ -50,7 +50,6 @@ def run_isolated(module: str, call: str, args: dict[str, Any], echo_stderr: bool
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-
 class TreeMonitor:
     """Samples the memory of a process and all its descendants (from /proc) every ``interval`` seconds: the
     peaks of the root's RSS, of the tree's summed RSS and of its summed PSS (shared pages split between the

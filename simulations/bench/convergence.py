@@ -18,9 +18,15 @@ CONVERGENCE_DATA: dict[str, tuple[str, ...]] = {
     "movielens": ("dataset=movielens",),
     # the weather shards hold fewer than 2048 wind_gust values: their owners lower min_sketch_rows for the union
     "nycflights13": ("dataset=nycflights13", "min_sketch_rows=1000"),
-    **{f"synthetic_{schema}_x{scale}": ("dataset=synthetic", f"dataset.loader.schema={schema}",
-                                         f"+dataset.loader.label_scale={scale}")
-       for schema in ("star", "chain", "snowflake") for scale in (1, 100, 10000)},
+    **{
+        f"synthetic_{schema}_x{scale}": (
+            "dataset=synthetic",
+            f"dataset.loader.schema={schema}",
+            f"+dataset.loader.label_scale={scale}",
+        )
+        for schema in ("star", "chain", "snowflake")
+        for scale in (1, 100, 10000)
+    },
 }
 
 
@@ -41,8 +47,11 @@ def convergence_case(data: str, overrides: list[str], epochs: int) -> dict[str, 
         train_centralized(cfg, rel, results, log=lambda _: None)
     else:
         results = run_in_process(cfg, None, log=lambda _: None).strategy.results
-    return {"metric": [h.test_metric for h in results.history], "stopped": results.stopped,
-            "wall_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "metric": [h.test_metric for h in results.history],
+        "stopped": results.stopped,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def epochs_within(metric: list[float], target: float, rel: float = 0.01) -> int | None:
@@ -61,22 +70,41 @@ def convergence_suite(epochs: int, datasets: list[str], mlp: bool) -> dict[str, 
         ref, j, u = exact["metric"][-1], join["metric"], ucq["metric"]
         rows[data] = {
             "exact_rmse": ref,
-            "join": {"final": j[-1], "gap_to_exact": round(j[-1] / ref - 1, 5), "epochs_to_1pct": epochs_within(j, ref),
-                     "stopped": join["stopped"], "history": j},
-            "ucq": {"final": u[-1], "gap_to_join": round(u[-1] / j[-1] - 1, 5), "gap_to_exact": round(u[-1] / ref - 1, 5),
-                    "epochs_to_1pct_of_exact": epochs_within(u, ref), "stopped": ucq["stopped"], "history": u},
+            "join": {
+                "final": j[-1],
+                "gap_to_exact": round(j[-1] / ref - 1, 5),
+                "epochs_to_1pct": epochs_within(j, ref),
+                "stopped": join["stopped"],
+                "history": j,
+            },
+            "ucq": {
+                "final": u[-1],
+                "gap_to_join": round(u[-1] / j[-1] - 1, 5),
+                "gap_to_exact": round(u[-1] / ref - 1, 5),
+                "epochs_to_1pct_of_exact": epochs_within(u, ref),
+                "stopped": ucq["stopped"],
+                "history": u,
+            },
         }
         print(data, json.dumps({k: v for k, v in rows[data].items()}, default=str)[:400], flush=True)
     out: dict[str, Any] = {"case": "convergence", "epochs": epochs, "datasets": rows}
     if mlp:
         table: dict[str, Any] = {}
         for data in ("movielens", "nycflights13"):
-            for alg, extra in (("centralized", ["algorithm=centralized"]), ("tp_join_sgd", ["algorithm=sgd"]),
-                               ("tp_join_admm", ["algorithm=admm"]), ("tp_ucq_sgd", ["algorithm=sgd", "scenario=ucq"]),
-                               ("tp_ucq_admm", ["algorithm=admm", "scenario=ucq"])):
+            for alg, extra in (
+                ("centralized", ["algorithm=centralized"]),
+                ("tp_join_sgd", ["algorithm=sgd"]),
+                ("tp_join_admm", ["algorithm=admm"]),
+                ("tp_ucq_sgd", ["algorithm=sgd", "scenario=ucq"]),
+                ("tp_ucq_admm", ["algorithm=admm", "scenario=ucq"]),
+            ):
                 for model in ("linear", "mlp"):
                     r = _run_case({"data": data, "overrides": [*extra, f"model={model}"], "epochs": epochs})
-                    table[f"{data}/{alg}/{model}"] = {"final": r["metric"][-1], "history": r["metric"], "wall_s": r["wall_s"]}
+                    table[f"{data}/{alg}/{model}"] = {
+                        "final": r["metric"][-1],
+                        "history": r["metric"],
+                        "wall_s": r["wall_s"],
+                    }
                     print(data, alg, model, r["metric"][-1], flush=True)
         out["mlp_vs_linear"] = table
     return out

@@ -43,8 +43,9 @@ def _bytes(results: Any) -> float:
     return results.history[-1].bytes_up + results.history[-1].bytes_down
 
 
-def coreset_case(dataset: str, task: str, ms: list[int], reps: int, epochs: int = 10, full_reps: int = 3,
-                 extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def coreset_case(
+    dataset: str, task: str, ms: list[int], reps: int, epochs: int = 10, full_reps: int = 3, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Coreset (DIS) vs uniform at each m, ``reps`` repetitions (seeds 0..reps-1), next to the full data."""
     t0 = time.perf_counter()
     base = (f"dataset={dataset}", f"epochs={epochs}")
@@ -54,37 +55,75 @@ def coreset_case(dataset: str, task: str, ms: list[int], reps: int, epochs: int 
         admm = _run_quiet(*base, "algorithm=admm")
         with tempfile.TemporaryDirectory() as tmp:
             exact = run_job(compose_config(*base, "algorithm=centralized", "algorithm.solver=exact"), Path(tmp))
-        full = {"tp_join_admm": {"metric": admm.history[-1].test_metric, "bytes": _bytes(admm),
-                                 "rounds": admm.history[-1].rounds},
-                "exact_ridge": {"metric": exact.history[-1].test_metric}}
+        full = {
+            "tp_join_admm": {
+                "metric": admm.history[-1].test_metric,
+                "bytes": _bytes(admm),
+                "rounds": admm.history[-1].rounds,
+            },
+            "exact_ridge": {"metric": exact.history[-1].test_metric},
+        }
         algorithm, ref_bytes = "coreset", _bytes(admm)
     else:
         runs = [_run_quiet(*base, "algorithm=kmeans", f"seed={s}") for s in range(full_reps)]
-        full = {"distdim": {"metric": _summary([r.history[-1].test_metric for r in runs]), "bytes": _bytes(runs[0]),
-                            "rounds": runs[0].history[-1].rounds}}
+        full = {
+            "distdim": {
+                "metric": _summary([r.history[-1].test_metric for r in runs]),
+                "bytes": _bytes(runs[0]),
+                "rounds": runs[0].history[-1].rounds,
+            }
+        }
         algorithm, ref_bytes = "coreset_kmeans", _bytes(runs[0])
     rows = []
     for m in ms:
         for sampling in ("sensitivity", "uniform"):
             metric, nbytes, cbytes = [], [], []
             for rep in range(reps):
-                r = _run_quiet(*base, f"algorithm={algorithm}", f"algorithm.m={m}", f"algorithm.sampling={sampling}",
-                               f"seed={rep}", *extra)
+                r = _run_quiet(
+                    *base,
+                    f"algorithm={algorithm}",
+                    f"algorithm.m={m}",
+                    f"algorithm.sampling={sampling}",
+                    f"seed={rep}",
+                    *extra,
+                )
                 metric.append(r.history[-1].test_metric)
                 nbytes.append(_bytes(r))
                 cbytes.append(r.history[-1].extra["construction_bytes"])
-            rows.append({"m": m, "sampling": sampling, "metric": _summary(metric), "bytes": _summary(nbytes),
-                         "construction_bytes": _summary(cbytes), "less_traffic_than_full": ref_bytes / np.mean(nbytes),
-                         "values": metric})
+            rows.append(
+                {
+                    "m": m,
+                    "sampling": sampling,
+                    "metric": _summary(metric),
+                    "bytes": _summary(nbytes),
+                    "construction_bytes": _summary(cbytes),
+                    "less_traffic_than_full": ref_bytes / np.mean(nbytes),
+                    "values": metric,
+                }
+            )
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "values"}), file=sys.stderr, flush=True)
-    return {"case": f"coreset-{dataset}-{task}", "dataset": dataset, "task": task, "reps": reps, "epochs": epochs,
-            "extra_overrides": list(extra), "full": full, "runs": rows, "wall_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "case": f"coreset-{dataset}-{task}",
+        "dataset": dataset,
+        "task": task,
+        "reps": reps,
+        "epochs": epochs,
+        "extra_overrides": list(extra),
+        "full": full,
+        "runs": rows,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def coreset_suite(a: argparse.Namespace) -> dict[str, Any]:
     """``python -m simulations.bench coreset``: one (dataset, task) case in a fresh subprocess."""
-    args = {"dataset": a.dataset, "task": a.task, "reps": a.reps, "ms": [int(x) for x in a.ms.split(",")],
-            "extra": list(a.coreset_overrides.split()) if getattr(a, "coreset_overrides", "") else []}
+    args = {
+        "dataset": a.dataset,
+        "task": a.task,
+        "reps": a.reps,
+        "ms": [int(x) for x in a.ms.split(",")],
+        "extra": list(a.coreset_overrides.split()) if getattr(a, "coreset_overrides", "") else [],
+    }
     return run_isolated("simulations.bench.coreset", "coreset_case", args, echo_stderr=True)
 
 
@@ -111,7 +150,8 @@ def table(paths: list[Path]) -> str:
                 f"{u['metric']['mean']:.4f} ± {u['metric']['std']:.4f} | {full} | "
                 f"{c['bytes']['mean'] / 1e6:.3f} ({c['construction_bytes']['mean'] / 1e6:.3f}) | "
                 f"{u['bytes']['mean'] / 1e6:.3f} | {full_mb:.2f} | {c['less_traffic_than_full']:.1f}x / "
-                f"{u['less_traffic_than_full']:.1f}x | {dis} |")
+                f"{u['less_traffic_than_full']:.1f}x | {dis} |"
+            )
     return "\n".join(lines)
 
 

@@ -97,8 +97,19 @@ def deploy_case(name: str, overrides: str, epochs: int = 6, rounds: int = 6, tim
         try:
             nodes = len(dep.processes) - 1
             floor_out = root / "floor.json"
-            _run(["flwr", "run", str(noop), dep.connection, "--stream", "--run-config",
-                  f'rounds={rounds + 1} nodes={nodes} out="{floor_out}"'], dep.env(), timeout)
+            _run(
+                [
+                    "flwr",
+                    "run",
+                    str(noop),
+                    dep.connection,
+                    "--stream",
+                    "--run-config",
+                    f'rounds={rounds + 1} nodes={nodes} out="{floor_out}"',
+                ],
+                dep.env(),
+                timeout,
+            )
             floor = json.loads(floor_out.read_text())[1:]  # the first round starts the nodes' app processes
             run_dir = root / "run"
             _run(deploy.flwr_run_command(dep.connection, f"{overrides} epochs={epochs}", run_dir), dep.env(), timeout)
@@ -108,8 +119,16 @@ def deploy_case(name: str, overrides: str, epochs: int = 6, rounds: int = 6, tim
         finally:
             deploy.stop(dep)
     floor_s, admm_s = statistics.median(floor), statistics.median(epoch_s)
-    return {"case": name, "overrides": overrides, "nodes": nodes, "floor_round_s": floor, "admm_epoch_s": epoch_s,
-            "median_floor_s": floor_s, "median_admm_epoch_s": admm_s, "above_floor_s": admm_s - floor_s}
+    return {
+        "case": name,
+        "overrides": overrides,
+        "nodes": nodes,
+        "floor_round_s": floor,
+        "admm_epoch_s": epoch_s,
+        "median_floor_s": floor_s,
+        "median_admm_epoch_s": admm_s,
+        "above_floor_s": admm_s - floor_s,
+    }
 
 
 DEPLOY_CASES = {

@@ -45,8 +45,9 @@ def empty_rounds_case(rounds: int = 200, dataset: str = "movielens") -> dict[str
             assert self.transport is not None
             t0 = time.perf_counter()
             for _ in range(rounds):
-                self.transport.exchange([Message(pack_payload({}, {"phase": HELLO_PHASE}), node, "query")
-                                         for node in self.keys])
+                self.transport.exchange(
+                    [Message(pack_payload({}, {"phase": HELLO_PHASE}), node, "query") for node in self.keys]
+                )
             timing[self.runtime] = (time.perf_counter() - t0) / rounds
 
     inproc = EmptyRounds(clients, log=lambda _: None)
@@ -64,11 +65,23 @@ def empty_rounds_case(rounds: int = 200, dataset: str = "movielens") -> dict[str
 
     install_fast_fetch()
     with tempfile.TemporaryDirectory() as tmp, flower_logs_to(Path(tmp) / "flower.log"):
-        run_simulation(server_app=app, client_app=client_app_for(cfg), num_supernodes=len(clients),
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"logging_level": 40, "log_to_driver": False}})
-    return {"case": "empty_rounds", "dataset": dataset, "nodes": len(clients), "rounds": rounds,
-            "s_per_round_flower": round(timing["flower"], 5), "s_per_round_inprocess": round(timing["inprocess"], 5)}
+        run_simulation(
+            server_app=app,
+            client_app=client_app_for(cfg),
+            num_supernodes=len(clients),
+            backend_config={
+                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": {"logging_level": 40, "log_to_driver": False},
+            },
+        )
+    return {
+        "case": "empty_rounds",
+        "dataset": dataset,
+        "nodes": len(clients),
+        "rounds": rounds,
+        "s_per_round_flower": round(timing["flower"], 5),
+        "s_per_round_inprocess": round(timing["inprocess"], 5),
+    }
 
 
 def first_epoch_case(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -76,8 +89,9 @@ def first_epoch_case(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "simulations.run", *overrides, f"hydra.run.dir={tmp}"]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         first = None
         lines = []
         assert proc.stdout is not None
@@ -89,30 +103,42 @@ def first_epoch_case(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
         total = time.perf_counter() - t0
     if proc.returncode != 0 or first is None:
         raise RuntimeError(f"{cmd} failed: {proc.stderr.read() if proc.stderr else ''}")
-    return {"case": "first_epoch", "command": "python -m simulations.run " + " ".join(overrides),
-            "first_epoch_line_s": round(first, 2), "total_s": round(total, 2), "lines": len(lines)}
+    return {
+        "case": "first_epoch",
+        "command": "python -m simulations.run " + " ".join(overrides),
+        "first_epoch_line_s": round(first, 2),
+        "total_s": round(total, 2),
+        "lines": len(lines),
+    }
 
 
 def flower_suite() -> dict[str, Any]:
     """Flower's simulation engine vs in-process per epoch (TP-Join-SGD, TP-Join-ADMM on
     movielens and nycflights13), the cost of an empty round, and `make run`'s time to its first epoch line."""
     pairs = []
-    for algorithm, dataset, ep in (("sgd", "movielens", 2), ("sgd", "nycflights13", 2),
-                                   ("admm", "movielens", 6), ("admm", "nycflights13", 6)):
+    for algorithm, dataset, ep in (
+        ("sgd", "movielens", 2),
+        ("sgd", "nycflights13", 2),
+        ("admm", "movielens", 6),
+        ("admm", "nycflights13", 6),
+    ):
         pair = {}
         for runtime in ("inprocess", "flower"):
             pair[runtime] = run_algorithm(
-                {"algorithm": algorithm, "dataset": dataset, "epochs": ep, "runtime": runtime})
+                {"algorithm": algorithm, "dataset": dataset, "epochs": ep, "runtime": runtime}
+            )
             print(json.dumps(pair[runtime]), flush=True)
-        pairs.append({
-            "algorithm": pair["flower"]["algorithm"],
-            "dataset": dataset,
-            "rounds_per_epoch": pair["flower"]["rounds_per_epoch"],
-            "epoch_wall_s_inprocess": pair["inprocess"]["epoch_wall_s"],
-            "epoch_wall_s_flower": pair["flower"]["epoch_wall_s"],
-            "flower_over_inprocess": round(pair["flower"]["epoch_wall_s"] / pair["inprocess"]["epoch_wall_s"], 2),
-            "same_test_metric": abs(pair["flower"]["test_metric"] - pair["inprocess"]["test_metric"]) < 1e-6,
-        })
+        pairs.append(
+            {
+                "algorithm": pair["flower"]["algorithm"],
+                "dataset": dataset,
+                "rounds_per_epoch": pair["flower"]["rounds_per_epoch"],
+                "epoch_wall_s_inprocess": pair["inprocess"]["epoch_wall_s"],
+                "epoch_wall_s_flower": pair["flower"]["epoch_wall_s"],
+                "flower_over_inprocess": round(pair["flower"]["epoch_wall_s"] / pair["inprocess"]["epoch_wall_s"], 2),
+                "same_test_metric": abs(pair["flower"]["test_metric"] - pair["inprocess"]["test_metric"]) < 1e-6,
+            }
+        )
     empty = run_isolated("simulations.bench.flower", "empty_rounds_case", {})
     print(json.dumps(empty), flush=True)
     first = run_isolated("simulations.bench.flower", "first_epoch_case", {})

@@ -16,11 +16,15 @@ from simulations.bench.common import peak_rss_mb, run_isolated
 from tpflower.config import compose_config
 
 
-def algorithm_case(algorithm: str, dataset: str, epochs: int, runtime: str = "inprocess", overrides: tuple = ()) -> dict[str, Any]:
+def algorithm_case(
+    algorithm: str, dataset: str, epochs: int, runtime: str = "inprocess", overrides: tuple = ()
+) -> dict[str, Any]:
     """One training run; per-epoch wall time from the run's own history (setup excluded for federated runs)."""
     from simulations.run import run_job  # noqa: PLC0415  torch, flwr: in the case's process only (common.py)
 
-    cfg = compose_config(f"algorithm={algorithm}", f"dataset={dataset}", f"epochs={epochs}", f"runtime={runtime}", *overrides)
+    cfg = compose_config(
+        f"algorithm={algorithm}", f"dataset={dataset}", f"epochs={epochs}", f"runtime={runtime}", *overrides
+    )
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         res = run_job(cfg, Path(tmp))
@@ -66,12 +70,13 @@ def loj_suite(epochs: int = 3) -> dict[str, Any]:
                 "flower_over_inprocess": round(pair["flower"]["epoch_wall_s"] / pair["inprocess"]["epoch_wall_s"], 2),
                 "rounds_per_epoch": pair["flower"]["rounds_per_epoch"],
                 "flower_s_per_round": round(
-                    (pair["flower"]["epoch_wall_s"] - pair["inprocess"]["epoch_wall_s"]) / pair["flower"]["rounds_per_epoch"], 4
+                    (pair["flower"]["epoch_wall_s"] - pair["inprocess"]["epoch_wall_s"])
+                    / pair["flower"]["rounds_per_epoch"],
+                    4,
                 ),
             }
         )
     return {"case": "loj", "epochs": epochs, "runs": runs, "flower_overhead": overhead}
-
 
 
 def run_algorithm(args: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Table mapping of a synthetic star schema (fact table + 3 dimensions): the clients' digests and the server's join.
 
-    python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
+python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ def mapping_case(n_joined: int, dim_rows: tuple[int, ...] = (1_000_000, 100_000,
     rss_data = peak_rss_mb()
     spec = validate_tables(parse_spec({"name": "bench-star", **synthetic.describe(**kwargs)}), frames)
     t0 = time.perf_counter()
-    projections = {
-        t: [project_keys(spec, t, frames[t], np.arange(len(frames[t])), SECRET)] for t in spec.table_names
-    }
+    projections = {t: [project_keys(spec, t, frames[t], np.arange(len(frames[t])), SECRET)] for t in spec.table_names}
     t_digest = time.perf_counter() - t0
     t0 = time.perf_counter()
     mapping = build_mapping(spec, projections)

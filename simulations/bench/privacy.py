@@ -24,12 +24,14 @@ from tpflower.config import compose_config
 DATASETS = ("movielens", "nycflights13", "nycflights13_delayed")
 ALGORITHMS = {"admm": "TP-Join-ADMM", "sgd": "TP-Join-SGD"}
 #: (column, privacy group, extra overrides, algorithms it applies to)
-COLUMNS = (("none", "none", (), ("admm", "sgd")),
-           ("label", "label", (), ("admm", "sgd")),
-           ("dpsgd", "dpsgd", (), ("admm", "sgd")),
-           ("label_dpsgd", "label_dpsgd", (), ("admm", "sgd")),
-           ("dpsgd, paper accounting", "dpsgd", ("privacy.sample_rate=batch",), ("sgd",)),
-           ("label_dpsgd, paper accounting", "label_dpsgd", ("privacy.sample_rate=batch",), ("sgd",)))
+COLUMNS = (
+    ("none", "none", (), ("admm", "sgd")),
+    ("label", "label", (), ("admm", "sgd")),
+    ("dpsgd", "dpsgd", (), ("admm", "sgd")),
+    ("label_dpsgd", "label_dpsgd", (), ("admm", "sgd")),
+    ("dpsgd, paper accounting", "dpsgd", ("privacy.sample_rate=batch",), ("sgd",)),
+    ("label_dpsgd, paper accounting", "label_dpsgd", ("privacy.sample_rate=batch",), ("sgd",)),
+)
 
 
 def privacy_case(dataset: str, algorithm: str, privacy: str, extra: list[str]) -> dict[str, Any]:
@@ -42,8 +44,13 @@ def privacy_case(dataset: str, algorithm: str, privacy: str, extra: list[str]) -
     cfg = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", f"privacy={privacy}", *extra)
     res = run_in_process(cfg, None, log=lambda _: None).strategy.results
     last = res.history[-1]
-    return {"metric_name": res.metric, "metric": last.test_metric, "epochs": last.epoch, "spent": res.privacy,
-            "wall_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "metric_name": res.metric,
+        "metric": last.test_metric,
+        "epochs": last.epoch,
+        "spent": res.privacy,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def privacy_suite(jobs: int = 2, out: Path | None = None, datasets: tuple[str, ...] = DATASETS) -> dict[str, Any]:
@@ -61,8 +68,13 @@ def privacy_suite(jobs: int = 2, out: Path | None = None, datasets: tuple[str, .
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1) + "\n")
 
-    cells = [(f"{d}/{a}/{col}", {"dataset": d, "algorithm": a, "privacy": group, "extra": list(extra)})
-             for d in datasets for a in ALGORITHMS for col, group, extra, algs in COLUMNS if a in algs]
+    cells = [
+        (f"{d}/{a}/{col}", {"dataset": d, "algorithm": a, "privacy": group, "extra": list(extra)})
+        for d in datasets
+        for a in ALGORITHMS
+        for col, group, extra, algs in COLUMNS
+        if a in algs
+    ]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for f in [pool.submit(run, key, args) for key, args in cells]:
             f.result()
@@ -88,8 +100,9 @@ def table(result: dict[str, Any]) -> str:
 def spent(result: dict[str, Any]) -> str:
     """The epsilons the runs report: the range of feature epsilon over DP-SGD cells, the label epsilons."""
     feat = [c["spent"]["feature_epsilon"] for c in result["cells"].values() if c["spent"].get("feature_epsilon")]
-    label = sorted({round(c["spent"]["label_epsilon"], 2) for c in result["cells"].values()
-                    if c["spent"].get("label_epsilon")})
+    label = sorted(
+        {round(c["spent"]["label_epsilon"], 2) for c in result["cells"].values() if c["spent"].get("label_epsilon")}
+    )
     return f"feature epsilon {min(feat):.3f}-{max(feat):.3f} over {len(feat)} runs; label epsilon {label}"
 
 

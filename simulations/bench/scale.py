@@ -33,8 +33,16 @@ SCALE_N = (1_000_000, 10_000_000, 40_000_000, 100_000_000)
 
 def scale_loader(n_joined: int) -> dict[str, Any]:
     """The synthetic loader settings of the scale benchmark at N = ``n_joined`` joined rows."""
-    return {"name": "synthetic", "schema": "star", "n_fact": n_joined // SCALE_FANOUT**SCALE_DIMS, "n_dims": SCALE_DIMS,
-            "fanout": SCALE_FANOUT, "dim_rows": 200, "widths": 4, "seed": 0}
+    return {
+        "name": "synthetic",
+        "schema": "star",
+        "n_fact": n_joined // SCALE_FANOUT**SCALE_DIMS,
+        "n_dims": SCALE_DIMS,
+        "fanout": SCALE_FANOUT,
+        "dim_rows": 200,
+        "widths": 4,
+        "seed": 0,
+    }
 
 
 def scale_overrides(n_joined: int) -> list[str]:
@@ -114,8 +122,17 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
     del G
     # what the per-epoch checkpoint pickles of it (strategies/checkpoint.py): the views pickle as ranges of the base
     t0 = time.perf_counter()
-    blob = pickle.dumps({"mapping": mapping, "train": train, "test": test, "y_train": y_train, "y_test": y_test,
-                         "loop": {"admm": admm, "h": h}}, protocol=pickle.HIGHEST_PROTOCOL)
+    blob = pickle.dumps(
+        {
+            "mapping": mapping,
+            "train": train,
+            "test": test,
+            "y_train": y_train,
+            "y_test": y_test,
+            "loop": {"admm": admm, "h": h},
+        },
+        protocol=pickle.HIGHEST_PROTOCOL,
+    )
     t_pickle, checkpoint_bytes = time.perf_counter() - t0, len(blob)
     with tempfile.TemporaryDirectory() as tmp:  # and writes (fsync'ed, tpflower.checkpoint.atomic_write)
         t0 = time.perf_counter()
@@ -123,10 +140,19 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
         t_write = time.perf_counter() - t0
     del blob
     per_row = lambda b: round((b - base) / N, 1)  # noqa: E731
-    arrays = {"mapping p (all N rows, train + test views)": mapping_bytes, "y_train": y_train.nbytes,
-              "y_test": y_test.nbytes, "ADMM lambda": admm.lam.nbytes, "ADMM D = z - H": admm.D.nbytes}
+    arrays = {
+        "mapping p (all N rows, train + test views)": mapping_bytes,
+        "y_train": y_train.nbytes,
+        "y_test": y_test.nbytes,
+        "ADMM lambda": admm.lam.nbytes,
+        "ADMM D = z - H": admm.D.nbytes,
+    }
     return {
-        "case": "server_state", "n_joined": N, "n_train": train.N, "tables": n_rows, "precision": precision,
+        "case": "server_state",
+        "n_joined": N,
+        "n_train": train.N,
+        "tables": n_rows,
+        "precision": precision,
         "index_dtype": str(mapping.p[label].dtype),
         "mapping_bytes_per_row": round(mapping_bytes / N, 1),
         "state_bytes_per_row": per_row(state),
@@ -136,7 +162,8 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
         "epoch_peak_bytes_per_row": per_row(epoch_peak),
         "build_s": round(t_build, 2),
         "epoch_s": round(float(np.mean(epoch_s)), 3),
-        "checkpoint_bytes_per_row": round(checkpoint_bytes / N, 1), "checkpoint_pickle_s": round(t_pickle, 2),
+        "checkpoint_bytes_per_row": round(checkpoint_bytes / N, 1),
+        "checkpoint_pickle_s": round(t_pickle, 2),
         "checkpoint_write_s": round(t_write, 2),
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
@@ -160,13 +187,19 @@ def mapping_scale_case(n_joined: int) -> dict[str, Any]:
     tracemalloc.stop()
     assert all(int(g.sum()) == mapping.N for g in G.values())
     digest_mb = sum(d.nbytes for ps in projections.values() for p in ps for d in p.arrays()) / 1e6
-    return {"case": "mapping_scale", "n_joined": mapping.N, "tables": n_rows, "clients_generate_and_digest_s": round(t_clients, 1),
-            "build_s": round(t_build, 2), "digests_received_mb": round(digest_mb, 1),
-            "result_mb": round(sum(p.nbytes for p in mapping.p.values()) / 1e6, 1),
-            "build_traced_peak_mb": round((peak - base) / 1e6, 1),
-            "build_traced_peak_bytes_per_row": round((peak - base) / mapping.N, 1),
-            "peak_rss_before_build_mb": round(rss_before, 1), "peak_rss_mb": round(peak_rss_mb(), 1)}
-
+    return {
+        "case": "mapping_scale",
+        "n_joined": mapping.N,
+        "tables": n_rows,
+        "clients_generate_and_digest_s": round(t_clients, 1),
+        "build_s": round(t_build, 2),
+        "digests_received_mb": round(digest_mb, 1),
+        "result_mb": round(sum(p.nbytes for p in mapping.p.values()) / 1e6, 1),
+        "build_traced_peak_mb": round((peak - base) / 1e6, 1),
+        "build_traced_peak_bytes_per_row": round((peak - base) / mapping.N, 1),
+        "peak_rss_before_build_mb": round(rss_before, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
 
 
 def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", timeout_s: float = 3600) -> dict[str, Any]:
@@ -175,14 +208,29 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
     time from the start to the first epoch line minus that epoch's own time (imports, the data check, Ray's
     start, the clients' loads and digests, the keys round, the mapping, the ADMM setup round)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "simulations.run", "algorithm=admm", *scale_overrides(n_joined), f"epochs={epochs}",
-               f"runtime={runtime}", "algorithm.tol=0", f"hydra.run.dir={tmp}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "simulations.run",
+            "algorithm=admm",
+            *scale_overrides(n_joined),
+            f"epochs={epochs}",
+            f"runtime={runtime}",
+            "algorithm.tol=0",
+            f"hydra.run.dir={tmp}",
+        ]
         t0 = time.perf_counter()
         # this checkout first on the path of the run and of Ray's workers (an installed copy elsewhere must not win)
         root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=root,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
+        )
         monitor = TreeMonitor(proc.pid)
         lines: list[tuple[float, str]] = []
         assert proc.stdout is not None
@@ -201,15 +249,24 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
     walls = [h["wall_time_s"] for h in history]
     per_epoch = float(np.mean(np.diff(walls))) if len(walls) > 1 else (walls[0] if walls else None)
     out = {
-        "case": "simulation", "n_joined": n_joined, "n_fact": scale_loader(n_joined)["n_fact"], "runtime": runtime,
-        "epochs": len(history), "returncode": proc.returncode, "command": " ".join(cmd[1:-1]),
-        "mapping_line_s": mapping_line, "first_epoch_line_s": epoch_lines[0] if epoch_lines else None,
+        "case": "simulation",
+        "n_joined": n_joined,
+        "n_fact": scale_loader(n_joined)["n_fact"],
+        "runtime": runtime,
+        "epochs": len(history),
+        "returncode": proc.returncode,
+        "command": " ".join(cmd[1:-1]),
+        "mapping_line_s": mapping_line,
+        "first_epoch_line_s": epoch_lines[0] if epoch_lines else None,
         "setup_s": round(epoch_lines[0] - per_epoch, 1) if epoch_lines and per_epoch is not None else None,
         "epoch_s": round(per_epoch, 3) if per_epoch is not None else None,
-        "epoch_wall_s": walls, "total_s": round(total, 1),
+        "epoch_wall_s": walls,
+        "total_s": round(total, 1),
         "test_rmse": history[-1]["test_metric"] if history else None,
         "server_process_peak_rss_mb": peaks["root_rss_mb"],
-        "tree_peak_pss_mb": peaks["tree_pss_mb"], "tree_peak_rss_sum_mb": peaks["tree_rss_mb"], "processes": peaks["processes"],
+        "tree_peak_pss_mb": peaks["tree_pss_mb"],
+        "tree_peak_rss_sum_mb": peaks["tree_rss_mb"],
+        "processes": peaks["processes"],
         "memory_timeline": monitor.samples[:: max(1, len(monitor.samples) // 200)],
     }
     if proc.returncode != 0:
@@ -220,8 +277,13 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
 def scale_suite(ns: list[int], epochs: int, mapping_n: int, server_ns: list[int]) -> dict[str, Any]:
     """Bytes per joined row of the server state (float32 and float64), TP-Join-ADMM under
     Flower's simulation engine at each N, and the mapping alone at ``mapping_n``. Each case in a fresh process."""
-    out: dict[str, Any] = {"case": "scale", "schema": {k: v for k, v in scale_loader(0).items() if k != "n_fact"},
-                           "server_state": [], "simulation": [], "mapping": None}
+    out: dict[str, Any] = {
+        "case": "scale",
+        "schema": {k: v for k, v in scale_loader(0).items() if k != "n_fact"},
+        "server_state": [],
+        "simulation": [],
+        "mapping": None,
+    }
     for n in server_ns:
         for precision in ("float32", "float64"):
             out["server_state"].append(_run_case("server_state_case", {"n_joined": n, "precision": precision}))

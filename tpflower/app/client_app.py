@@ -46,7 +46,9 @@ if TYPE_CHECKING:  # torch and the algorithms are imported on the first training
 
 
 @lru_cache(maxsize=32)
-def _load(dataset_json: str, table: str, base_dir: str | None, kept: tuple[str, ...]) -> tuple[RelationalSpec, pd.DataFrame, dict]:
+def _load(
+    dataset_json: str, table: str, base_dir: str | None, kept: tuple[str, ...]
+) -> tuple[RelationalSpec, pd.DataFrame, dict]:
     """Load one client's table once per process (Flower may rebuild the client per message); only the columns
     ``kept`` (what its owner exposes, and a shard column) stay in memory."""
     from tpflower.client import key_kinds_of  # noqa: PLC0415  torch: not on the hello path (see TYPE_CHECKING)
@@ -64,8 +66,9 @@ class CheckedNode(NamedTuple):
     spec: RelationalSpec  # the run's spec
 
 
-def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
-                  state_dir: str | None = None) -> CheckedNode:
+def owner_checked(
+    cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None, state_dir: str | None = None
+) -> CheckedNode:
     """This node's table and shard and its owner's settings (its client-config file, or in a simulation the
     run config's, with ``state_dir`` for its checkpoints), with the run checked against them: the table's
     source, exposed columns and label, and the privacy floor."""
@@ -77,14 +80,20 @@ def owner_checked(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | 
     if node_config.get("client-config"):
         owner = load_owner_settings(str(node_config["client-config"]), table)
     elif "table" in node_config:
-        raise SpecError(f"node config names table {table!r} but no client-config: a deployed node serves its table "
-                        "under its owner's settings file (README 'Deployment'; simulations.deploy start writes one)")
+        raise SpecError(
+            f"node config names table {table!r} but no client-config: a deployed node serves its table "
+            "under its owner's settings file (README 'Deployment'; simulations.deploy start writes one)"
+        )
     else:
-        owner = replace(simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root),  # type: ignore[arg-type]
-                        state_dir=state_dir)
+        owner = replace(
+            simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root),  # type: ignore[arg-type]
+            state_dir=state_dir,
+        )
     owner.check_spec(spec, dataset, root)
-    owner.check_privacy(OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"},
-                        label_owner=spec.label.table == table)
+    owner.check_privacy(
+        OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"},
+        label_owner=spec.label.table == table,
+    )
     if owner.source is not None and isinstance(dataset.get("tables"), dict):
         dataset["tables"][table] = {**(dataset["tables"].get(table) or {}), "source": owner.source}
     return CheckedNode(table, shard, owner, dataset, spec)
@@ -112,8 +121,13 @@ def config_key(cfg: DictConfig) -> str:
     return json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
 
 
-def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None = None,
-                cfg_key: str | None = None, state_dir: str | None = None) -> TableClient:
+def make_client(
+    cfg: DictConfig,
+    context: Context,
+    base_dir: str | Path | None = None,
+    cfg_key: str | None = None,
+    state_dir: str | None = None,
+) -> TableClient:
     """The client of this node for one message; table and settings are built once per process and node.
 
     The cache key is the config's content (``cfg_key``, else computed: about 8 ms): under Ray the ClientApp,
@@ -135,8 +149,9 @@ def make_client(cfg: DictConfig, context: Context, base_dir: str | Path | None =
     return TableClient(data, settings, context.state, entry.protocol, entry.name)
 
 
-def _settings(cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None,
-              state_dir: str | None = None) -> tuple[ClientSettings, ShardData]:
+def _settings(
+    cfg: DictConfig, node_config: dict[str, Any], base_dir: str | Path | None, state_dir: str | None = None
+) -> tuple[ClientSettings, ShardData]:
     from tpflower.client import ClientSettings  # noqa: PLC0415  torch: not on the hello path (see TYPE_CHECKING)
 
     root = str(base_dir) if base_dir else None
@@ -193,8 +208,9 @@ def _spec(dataset_json: str, base_dir: str | None) -> RelationalSpec:
     return load_spec(json.loads(dataset_json), base_dir=base_dir)
 
 
-def client_app_for(cfg: DictConfig | None, base_dir: str | Path | None = None,
-                   run_dir: str | Path | None = None) -> ClientApp:
+def client_app_for(
+    cfg: DictConfig | None, base_dir: str | Path | None = None, run_dir: str | Path | None = None
+) -> ClientApp:
     """The ClientApp for a fixed config (the Hydra entry point), or composing it from the run config (flwr run).
 
     Simulated nodes keep their checkpoints in RUN_DIR/node-state (``run_dir``, else the run config's

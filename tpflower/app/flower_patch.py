@@ -44,8 +44,11 @@ def install_fast_fetch(flwr_version: str | None = None, only_if_loaded: bool = F
         return False
     flwr_version = flwr_version or version("flwr")
     if not flwr_version.startswith(WRITTEN_FOR):
-        log.warning("tpflower: Flower %s is not %s; keeping Flower's own 0.1 s simulation fetch loop (slower rounds)",
-                    flwr_version, "/".join(v + "x" for v in WRITTEN_FOR))
+        log.warning(
+            "tpflower: Flower %s is not %s; keeping Flower's own 0.1 s simulation fetch loop (slower rounds)",
+            flwr_version,
+            "/".join(v + "x" for v in WRITTEN_FOR),
+        )
         return False
     from flwr.server.superlink.fleet.vce import vce_api  # noqa: PLC0415  the engine: about 1 s (docstring above)
 

@@ -94,8 +94,13 @@ def forward(message_type: str, content: RecordDict, context: Context) -> RecordD
     """Have the node's worker answer one message; context.state becomes the state the worker returns."""
     path = socket_path(dict(context.node_config))
     conn = _connect(path) or _start(path)
-    header = {"type": message_type, "run_id": context.run_id, "node_id": context.node_id,
-              "node_config": dict(context.node_config), "run_config": dict(context.run_config)}
+    header = {
+        "type": message_type,
+        "run_id": context.run_id,
+        "node_id": context.node_id,
+        "node_config": dict(context.node_config),
+        "run_config": dict(context.run_config),
+    }
     with conn:
         _send(conn, json.dumps(header, default=str).encode(), _to_bytes(content), _to_bytes(context.state))
         status, reply, state = _recv(conn, 3)
@@ -131,9 +136,15 @@ def _start(path: Path) -> socket.socket:
         log = path.with_suffix(".log")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code_dir()), os.environ.get("PYTHONPATH", "")])}
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "tpflower.app.node_worker", str(path)], cwd=code_dir(),
-                                    env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tpflower.app.node_worker", str(path)],
+                cwd=code_dir(),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             conn = _connect(path)
@@ -177,8 +188,13 @@ def serve(path: Path, respond: Callable[[str, RecordDict, Context], RecordDict],
 def _answer(conn: socket.socket, respond: Callable[[str, RecordDict, Context], RecordDict]) -> None:
     head, content, state = _recv(conn, 3)
     header = json.loads(head)
-    context = Context(run_id=int(header["run_id"]), node_id=int(header["node_id"]), node_config=header["node_config"],
-                      state=_from_bytes(state), run_config=header["run_config"])
+    context = Context(
+        run_id=int(header["run_id"]),
+        node_id=int(header["node_id"]),
+        node_config=header["node_config"],
+        state=_from_bytes(state),
+        run_config=header["run_config"],
+    )
     try:
         reply = respond(str(header["type"]), _from_bytes(content), context)
         _send(conn, json.dumps({"ok": True}).encode(), _to_bytes(reply), _to_bytes(context.state))

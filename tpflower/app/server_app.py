@@ -8,8 +8,9 @@ run config's ``overrides`` string holds the Hydra overrides and ``run-dir`` the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -23,18 +24,35 @@ from tpflower.registry import entries, entry_of
 from tpflower.schema import RelationalSpec
 
 
-def build_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                   log: Callable[[str], None] = print, spec: RelationalSpec | None = None) -> Any:
+def build_strategy(
+    cfg: DictConfig,
+    run_dir: str | Path | None,
+    base_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+    spec: RelationalSpec | None = None,
+) -> Any:
     """The registered strategy of cfg's algorithm and scenario, federated or not (strategies/FAMILY.py, found
     by the registry); ``spec``: the dataset's spec if already loaded. Bad settings raise ValueError here."""
     entry = entry_of(cfg)
     spec = spec if spec is not None else load_spec(cfg.dataset, base_dir=base_dir)
-    return entry.strategy(cfg, spec, run_dir, log=log, feature_dp=entry.feature_dp, label_dp=entry.label_dp,
-                          why_no_feature_dp=entry.why_no_feature_dp)
+    return entry.strategy(
+        cfg,
+        spec,
+        run_dir,
+        log=log,
+        feature_dp=entry.feature_dp,
+        label_dp=entry.label_dp,
+        why_no_feature_dp=entry.why_no_feature_dp,
+    )
 
 
-def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                  log: Callable[[str], None] = print, spec: RelationalSpec | None = None) -> Strategy:
+def make_strategy(
+    cfg: DictConfig,
+    run_dir: str | Path | None,
+    base_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+    spec: RelationalSpec | None = None,
+) -> Strategy:
     """The registered Flower strategy of cfg's algorithm and scenario (a strategies.base.TablePuppetStrategy);
     bad settings, and an algorithm that does not run federated (centralized), raise ValueError here."""
     entry = entry_of(cfg)
@@ -45,9 +63,14 @@ def make_strategy(cfg: DictConfig, run_dir: str | Path | None, base_dir: str | P
     return build_strategy(cfg, run_dir, base_dir, log=log, spec=spec)
 
 
-def server_app_for(cfg: DictConfig | None, run_dir: str | Path | None, base_dir: str | Path | None = None,
-                   created: list | None = None, log: Callable[[str], None] = print,
-                   strategy: Strategy | None = None) -> ServerApp:
+def server_app_for(
+    cfg: DictConfig | None,
+    run_dir: str | Path | None,
+    base_dir: str | Path | None = None,
+    created: list | None = None,
+    log: Callable[[str], None] = print,
+    strategy: Strategy | None = None,
+) -> ServerApp:
     """A ServerApp for a fixed config (the Hydra entry point) or one composed from the run config (flwr run,
     ``cfg`` None); ``strategy``: the strategy built for ``cfg`` already (it runs once), else built here."""
     # Under `flwr run` on the simulation runtime the ServerApp thread and the ClientApp loader share a process:

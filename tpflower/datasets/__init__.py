@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tpflower.checks import DROP_POLICIES, DataProblems, Problem, dataset_problems, errors, table_problems
 from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
 from tpflower.datasets.files import read_table, resolve_path
-from tpflower.checks import DROP_POLICIES, DataProblems, Problem, dataset_problems, errors, table_problems
-from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec
+from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec, to_dict
 
 Loader = Callable[..., dict[str, pd.DataFrame]]
 Describer = Callable[..., dict[str, Any]]
@@ -36,8 +36,19 @@ LOADERS: dict[str, Loader] = {
 DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
 SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
 
-__all__ = ["LOADERS", "DESCRIBERS", "register_loader", "check_dataset", "load_dataset", "load_spec", "load_table",
-           "load_tables", "release_tables", "shard_rows", "to_dict"]
+__all__ = [
+    "DESCRIBERS",
+    "LOADERS",
+    "check_dataset",
+    "load_dataset",
+    "load_spec",
+    "load_table",
+    "load_tables",
+    "register_loader",
+    "release_tables",
+    "shard_rows",
+    "to_dict",
+]
 
 
 def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
@@ -46,18 +57,6 @@ def register_loader(name: str, load: Loader, describe: Describer | None = None) 
     LOADERS[name] = load
     if describe is not None:
         DESCRIBERS[name] = describe
-
-
-def to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain dict of the config (OmegaConf nodes resolved, interpolations such as ${oc.env:...} included)."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover - omegaconf comes with hydra-core
-        pass
-    return dict(cfg)
 
 
 def _loader_call(cfg: Mapping[str, Any], base_dir: str | Path | None) -> tuple[str | None, dict[str, Any]]:
@@ -75,7 +74,9 @@ def _loader_call(cfg: Mapping[str, Any], base_dir: str | Path | None) -> tuple[s
     return str(name), raw
 
 
-def _spec_and_loader(cfg: Mapping[str, Any], base_dir: str | Path | None) -> tuple[RelationalSpec, str | None, dict[str, Any]]:
+def _spec_and_loader(
+    cfg: Mapping[str, Any], base_dir: str | Path | None
+) -> tuple[RelationalSpec, str | None, dict[str, Any]]:
     """The parsed spec (a loader's ``describe`` fills the parts the config leaves out) and the loader call."""
     cfg = to_dict(cfg)
     loader_name, kwargs = _loader_call(cfg, base_dir)
@@ -86,7 +87,10 @@ def _spec_and_loader(cfg: Mapping[str, Any], base_dir: str | Path | None) -> tup
 
 
 def _frame(
-    table: TableSpec, loader_name: str | None, kwargs: dict[str, Any], base_dir: str | Path | None,
+    table: TableSpec,
+    loader_name: str | None,
+    kwargs: dict[str, Any],
+    base_dir: str | Path | None,
     loaded: dict[str, pd.DataFrame] | None,
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame] | None]:
     """One table's frame (RangeIndex) from its source file or the loader; ``loaded`` None: the loader makes
@@ -149,7 +153,9 @@ def _frames(
 
 
 def check_dataset(
-    cfg: Mapping[str, Any], base_dir: str | Path | None = None, on_dropped_rows: str | None = None,
+    cfg: Mapping[str, Any],
+    base_dir: str | Path | None = None,
+    on_dropped_rows: str | None = None,
     joins: bool = True,
 ) -> tuple[RelationalSpec, dict[str, pd.DataFrame], list[Problem]]:
     """Load every table and check them all (tpflower.checks): the label-resolved spec, the frames that loaded
@@ -219,7 +225,9 @@ def shard_rows(table: TableSpec, frame: pd.DataFrame) -> list[np.ndarray]:
         return [np.arange(n, dtype=np.int64)]
     if spec.by is not None:
         if spec.by not in frame.columns:
-            raise SpecError(f"table {table.name!r} has no shard column {spec.by!r}; its columns are {list(frame.columns)}")
+            raise SpecError(
+                f"table {table.name!r} has no shard column {spec.by!r}; its columns are {list(frame.columns)}"
+            )
         if spec.values is not None:
             column = frame[spec.by].astype(str)
             codes = pd.Categorical(column, categories=list(spec.values)).codes

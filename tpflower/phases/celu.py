@@ -13,11 +13,10 @@ hidden activation (kept here, never sent).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import numpy as np
 import torch
@@ -27,8 +26,7 @@ from tpflower.guard import Phase, Stage
 from tpflower.models import l2_penalty
 from tpflower.params import degrees, nonnegative_int, one_of, or_word, param, positive, positive_int
 from tpflower.phases import setup
-from tpflower.phases.join_sgd import SGDParams, SGDState, predict_rows
-from tpflower.phases.join_sgd import local_sgd_step
+from tpflower.phases.join_sgd import SGDParams, SGDState, local_sgd_step, predict_rows
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
 from tpflower.state import StateRecord
@@ -63,7 +61,7 @@ class Workset(StateRecord):
     step: int = 0
 
     @classmethod
-    def empty(cls, d_ref: int, d_c: int) -> "Workset":
+    def empty(cls, d_ref: int, d_c: int) -> Workset:
         ints = np.zeros(0, dtype=np.int64)
         return cls(ints, np.zeros((0, d_ref)), np.zeros((0, d_c)), ints, ints, ints, ints, 0)
 
@@ -83,7 +81,9 @@ class Workset(StateRecord):
         """Keep the entries where ``keep`` is True (rows vectorised: one mask over the concatenation)."""
         row_mask = np.repeat(keep, self.sizes)
         self.rows, self.ref, self.Y = self.rows[row_mask], self.ref[row_mask], self.Y[row_mask]
-        self.sizes, self.batch, self.uses, self.picked = (a[keep] for a in (self.sizes, self.batch, self.uses, self.picked))
+        self.sizes, self.batch, self.uses, self.picked = (
+            a[keep] for a in (self.sizes, self.batch, self.uses, self.picked)
+        )
 
     def insert(self, rows: np.ndarray, ref: np.ndarray, Y: np.ndarray, batch: int, W: int) -> None:
         """Alg. 1: cache the exchanged batch; keep the W newest entries."""
@@ -91,7 +91,11 @@ class Workset(StateRecord):
         self.ref = np.concatenate([self.ref, np.asarray(ref, dtype=np.float64).reshape(len(rows), -1)])
         self.Y = np.concatenate([self.Y, np.asarray(Y, dtype=np.float64).reshape(len(rows), -1)])
         self.sizes = np.append(self.sizes, len(rows))
-        self.batch, self.uses, self.picked = np.append(self.batch, batch), np.append(self.uses, 0), np.append(self.picked, -1)
+        self.batch, self.uses, self.picked = (
+            np.append(self.batch, batch),
+            np.append(self.uses, 0),
+            np.append(self.picked, -1),
+        )
         if len(self) > W:
             keep = np.zeros(len(self), dtype=bool)
             keep[-W:] = True
@@ -124,8 +128,13 @@ def staleness_weights(fresh: np.ndarray, cached: np.ndarray, xi: float | None) -
     floored at 1e-12; the weight is a constant of the local step (no gradient flows through it)."""
     if xi is None:
         return np.ones(len(fresh))
-    a, b = np.asarray(fresh, dtype=np.float64).reshape(len(fresh), -1), np.asarray(cached, dtype=np.float64).reshape(len(fresh), -1)
-    cos = (a * b).sum(axis=1) / (np.maximum(np.linalg.norm(a, axis=1), 1e-12) * np.maximum(np.linalg.norm(b, axis=1), 1e-12))
+    a, b = (
+        np.asarray(fresh, dtype=np.float64).reshape(len(fresh), -1),
+        np.asarray(cached, dtype=np.float64).reshape(len(fresh), -1),
+    )
+    cos = (a * b).sum(axis=1) / (
+        np.maximum(np.linalg.norm(a, axis=1), 1e-12) * np.maximum(np.linalg.norm(b, axis=1), 1e-12)
+    )
     return np.where(cos >= math.cos(math.radians(xi)), cos, 0.0)
 
 
@@ -158,8 +167,15 @@ def predict(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> t
     return predict_and_keep(client, model, arrays), client.reg_metrics(model)
 
 
-def weighted_local_step(client: TableClient, model: torch.nn.Module, rows: np.ndarray, cached: np.ndarray,
-                        Y: np.ndarray, batch: int, lr: float) -> None:
+def weighted_local_step(
+    client: TableClient,
+    model: torch.nn.Module,
+    rows: np.ndarray,
+    cached: np.ndarray,
+    Y: np.ndarray,
+    batch: int,
+    lr: float,
+) -> None:
     """One local step on a cached batch (Alg. 2): theta -= lr * grad of
     (1/|B|) sum_u w_u <Y_u, f(theta; x_u)> + beta R(theta), w_u the staleness weight of the fresh reference
     (taken from the same forward pass) against the cached one; plain SGD, as the exchange step (Eq. 12-13)."""
@@ -216,12 +232,36 @@ START = Stage("start", {"predict": Phase(predict)})
 TRAIN: dict[str, Phase] = {"sgd_step": Phase(sgd_step)}
 
 
-WHY_NO_FEATURE_DP = ("a cached batch is replayed up to R more times, which breaks the subsampling the DP "
-                     "accountant assumes; run algorithm=sgd with privacy=dpsgd")
+WHY_NO_FEATURE_DP = (
+    "a cached batch is replayed up to R more times, which breaks the subsampling the DP "
+    "accountant assumes; run algorithm=sgd with privacy=dpsgd"
+)
 
-register(AlgorithmEntry("tp_join_celu", "celu", "join", "celu", "TPJoinCELU", setup.loj_protocol(START, TRAIN),
-                        CELUParams, feature_dp=False, why_no_feature_dp=WHY_NO_FEATURE_DP,
-                        summary="TP-Join-SGD with CELU-VFL cached local updates"))
-register(AlgorithmEntry("vfl_celu", "vfl_celu", "join", "celu", "VFLCELU", setup.loj_protocol(START, TRAIN, vfl=True),
-                        CELUParams, feature_dp=False, why_no_feature_dp=WHY_NO_FEATURE_DP,
-                        summary="CELU-VFL on the expanded join (the paper's setting)"))
+register(
+    AlgorithmEntry(
+        "tp_join_celu",
+        "celu",
+        "join",
+        "celu",
+        "TPJoinCELU",
+        setup.loj_protocol(START, TRAIN),
+        CELUParams,
+        feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
+        summary="TP-Join-SGD with CELU-VFL cached local updates",
+    )
+)
+register(
+    AlgorithmEntry(
+        "vfl_celu",
+        "vfl_celu",
+        "join",
+        "celu",
+        "VFLCELU",
+        setup.loj_protocol(START, TRAIN, vfl=True),
+        CELUParams,
+        feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
+        summary="CELU-VFL on the expanded join (the paper's setting)",
+    )
+)

@@ -32,6 +32,18 @@ class CentralizedParams(AlgorithmParams):
 
 
 for _scenario in ("join", "ucq"):  # the union is materialized like the join
-    register(AlgorithmEntry("centralized", "centralized", _scenario, "centralized", "Centralized", Protocol(()),
-                            CentralizedParams, feature_dp=False, why_no_feature_dp=WHY_NO_FEATURE_DP, federated=False,
-                            summary="centralized baseline: SGD or exact ridge on the materialized join"))
+    register(
+        AlgorithmEntry(
+            "centralized",
+            "centralized",
+            _scenario,
+            "centralized",
+            "Centralized",
+            Protocol(()),
+            CentralizedParams,
+            feature_dp=False,
+            why_no_feature_dp=WHY_NO_FEATURE_DP,
+            federated=False,
+            summary="centralized baseline: SGD or exact ridge on the materialized join",
+        )
+    )

@@ -30,11 +30,10 @@ cost number leave a client; never a feature column, never a row's distances.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import zlib
 
 import numpy as np
 
@@ -49,7 +48,6 @@ from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
 from tpflower.relation import has_bias
 from tpflower.state import StateRecord
-
 
 ALPHA = 2.0  # VKMC sensitivity constant (VFL coresets Alg. 3 with alpha = 2)
 
@@ -81,8 +79,9 @@ class CoresetParams(AlgorithmParams):
     batch_size: int | str = param(or_word(positive_int, "full"), 256)
 
 
-def leverage_sensitivities(X: np.ndarray, G: np.ndarray, extra: np.ndarray | None = None,
-                           lam: float = 0.0) -> np.ndarray:
+def leverage_sensitivities(
+    X: np.ndarray, G: np.ndarray, extra: np.ndarray | None = None, lam: float = 0.0
+) -> np.ndarray:
     """Per table row u: the (ridge) leverage of ONE joined row of u, 0 where G_u = 0.
 
     A = diag(sqrt(G)) [X | extra], thin SVD A = U S V^T. lam = 0: ||U[u]||^2 / G_u (Alg. 2; summed over the
@@ -118,8 +117,9 @@ def ridge_lambda(leverage_ridge: float, N: int, m: int) -> float:
     return float(leverage_ridge) * float(N) / float(m)
 
 
-def kmeans_sensitivities(X: np.ndarray, G: np.ndarray, k: int, rng: np.random.Generator, iters: int = 100,
-                         alpha: float = ALPHA) -> np.ndarray:
+def kmeans_sensitivities(
+    X: np.ndarray, G: np.ndarray, k: int, rng: np.random.Generator, iters: int = 100, alpha: float = ALPHA
+) -> np.ndarray:
     """VKMC local sensitivities (Alg. 3) of one joined row of each table row: local k-means++ / Lloyd weighted
     by G (= on the table's expanded slice of the join), then :func:`cluster_sensitivities`."""
     C, _ = weighted_kmeans(X, np.asarray(G, dtype=np.float64), k, rng, iters)
@@ -195,7 +195,7 @@ class DISState(StateRecord):
     g: np.ndarray | None = None
 
     @classmethod
-    def of(cls, client: TableClient) -> "DISState":
+    def of(cls, client: TableClient) -> DISState:
         state = cls.load(client.state)
         if state is None or state.g is None:
             raise RuntimeError(f"table {client.settings.table!r}: a DIS round before its sensitivities")
@@ -231,17 +231,23 @@ def _rows(client: TableClient, arrays: Arrays, phase: str, name: str = "rows", i
     rows = np.asarray(arrays[name])
     n = len(client.local.X)
     if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
-        raise CoresetRefusal(f"{_where(client, phase)}: {name!r} must be a vector of row ids, got {rows.dtype} {rows.shape}")
+        raise CoresetRefusal(
+            f"{_where(client, phase)}: {name!r} must be a vector of row ids, got {rows.dtype} {rows.shape}"
+        )
     rows = rows.astype(np.int64)
     if len(rows) and (rows.min() < 0 or rows.max() >= n):
         raise CoresetRefusal(f"{_where(client, phase)}: {name!r} names rows outside its {n} rows")
     if len(np.unique(rows)) != len(rows):
-        raise CoresetRefusal(f"{_where(client, phase)}: {name!r} repeats row ids ({len(rows) - len(np.unique(rows))} "
-                             "repeats); a request names distinct rows")
+        raise CoresetRefusal(
+            f"{_where(client, phase)}: {name!r} repeats row ids ({len(rows) - len(np.unique(rows))} "
+            "repeats); a request names distinct rows"
+        )
     G = client.state.get("coreset.G") if in_join else None
     if G is not None and len(rows) and (G[rows] == 0).any():
-        raise CoresetRefusal(f"{_where(client, phase)}: {name!r} names {int((G[rows] == 0).sum())} row(s) that do not "
-                             "occur in the join (G_iu = 0)")
+        raise CoresetRefusal(
+            f"{_where(client, phase)}: {name!r} names {int((G[rows] == 0).sum())} row(s) that do not "
+            "occur in the join (G_iu = 0)"
+        )
     return rows
 
 
@@ -249,8 +255,9 @@ def _keep_G(client: TableClient, arrays: Arrays, phase: str) -> np.ndarray:
     """G_i, one count >= 0 per row; kept the first time, and any later G must be the same."""
     G = np.asarray(arrays["G"], dtype=np.float64)
     if G.shape != (len(client.local.X),) or (G < 0).any() or not np.isfinite(G).all():
-        raise ValueError(f"{_where(client, phase)}: G must hold one count >= 0 per row ({len(client.local.X)}), "
-                         f"got shape {G.shape}")
+        raise ValueError(
+            f"{_where(client, phase)}: G must hold one count >= 0 per row ({len(client.local.X)}), got shape {G.shape}"
+        )
     kept = client.state.get("coreset.G")
     if kept is None:
         client.state.put("coreset.G", G)
@@ -264,14 +271,18 @@ def admit_training_rows(client: TableClient, rows: np.ndarray, phase: str) -> No
     after DIS, rows the client was asked to weigh."""
     weighed = client.state.get("coreset.weighed")
     if weighed is not None and not np.isin(rows, weighed).all():
-        raise CoresetRefusal(f"{_where(client, phase)}: {int((~np.isin(rows, weighed)).sum())} row(s) outside the "
-                             "coreset (the rows it was asked to weigh)")
+        raise CoresetRefusal(
+            f"{_where(client, phase)}: {int((~np.isin(rows, weighed)).sum())} row(s) outside the "
+            "coreset (the rows it was asked to weigh)"
+        )
     seen = client.state.get("coreset.rows")
     union = np.union1d(seen if seen is not None else np.zeros(0, dtype=np.int64), rows)
     m = _m(client)
     if len(union) > m:
-        raise CoresetRefusal(f"{_where(client, phase)}: the run would ask about {len(union)} distinct training rows "
-                             f"of this table; a coreset has at most algorithm.m = {m}")
+        raise CoresetRefusal(
+            f"{_where(client, phase)}: the run would ask about {len(union)} distinct training rows "
+            f"of this table; a coreset has at most algorithm.m = {m}"
+        )
     client.state.put("coreset.rows", union.astype(np.int64))
 
 
@@ -281,7 +292,9 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         raise CoresetRefusal(f"{_where(client, 'sensitivity')}: the sensitivities are computed once per run")
     G = _keep_G(client, arrays, "sensitivity")
     if float(config["N"]) != float(G.sum()):
-        raise ValueError(f"{_where(client, 'sensitivity')}: N = {config['N']} but G_i adds up to {G.sum():g} joined rows")
+        raise ValueError(
+            f"{_where(client, 'sensitivity')}: N = {config['N']} but G_i adds up to {G.sum():g} joined rows"
+        )
     s, X = client.settings, np.asarray(client.local.X, dtype=np.float64)
     if str(config["kind"]) == "ridge":
         extra = []
@@ -316,12 +329,14 @@ def weigh(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
     most m rows (the ids are kept: the training rows must be among them)."""
     st = DISState.of(client)
     if client.state.get("coreset.weighed") is not None:
-        raise CoresetRefusal(f"{_where(client, 'weigh')}: answered once per run (one construction); a second "
-                             "request is refused")
+        raise CoresetRefusal(
+            f"{_where(client, 'weigh')}: answered once per run (one construction); a second request is refused"
+        )
     rows = _rows(client, arrays, "weigh")
     if len(rows) > _m(client):
-        raise CoresetRefusal(f"{_where(client, 'weigh')}: {len(rows)} rows asked; a coreset has at most "
-                             f"algorithm.m = {_m(client)}")
+        raise CoresetRefusal(
+            f"{_where(client, 'weigh')}: {len(rows)} rows asked; a coreset has at most algorithm.m = {_m(client)}"
+        )
     client.state.put("coreset.weighed", np.sort(rows))
     return {"sens": st.g[rows].astype(client.local.X.dtype)}, {}
 
@@ -339,7 +354,9 @@ def coreset_admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str,
     return {"h": client.predict(model, rows)}, client.reg_metrics(model)
 
 
-def coreset_admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+def coreset_admm_update(
+    client: TableClient, arrays: Arrays, config: Mapping[str, Any]
+) -> tuple[Arrays, dict[str, Any]]:
     """theta_i = argmin Eq. 16 over the coreset's rows U_i^S with G^S; then predict them."""
     s = CoresetADMMState.load(client.state)
     if s is None or s.rows is None:
@@ -348,8 +365,7 @@ def coreset_admm_update(client: TableClient, arrays: Arrays, config: Mapping[str
     if len(Y) != len(s.rows):
         raise ValueError(f"table {client.settings.table!r}: Y for {len(Y)} rows, the coreset has {len(s.rows)}")
     model = client.model(config)
-    theta_update(client, model, client.rows_X(s.rows), s.G, Y, s.N, s.rho, float(client.settings.model["beta"]),
-                 config)
+    theta_update(client, model, client.rows_X(s.rows), s.G, Y, s.N, s.rho, float(client.settings.model["beta"]), config)
     client.state.save_model(model)
     return {"h": client.predict(model, s.rows)}, client.reg_metrics(model)
 
@@ -362,7 +378,9 @@ def _sgd_rows(client: TableClient, arrays: Arrays, phase: str) -> None:
     admit_training_rows(client, _rows(client, arrays, phase), phase)
 
 
-def coreset_sgd_predict(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+def coreset_sgd_predict(
+    client: TableClient, arrays: Arrays, config: Mapping[str, Any]
+) -> tuple[Arrays, dict[str, Any]]:
     _sgd_rows(client, arrays, "predict")
     return join_sgd.predict(client, arrays, config)
 
@@ -381,8 +399,10 @@ def coreset_predict(client: TableClient, arrays: Arrays, config: Mapping[str, An
     if first is None:
         client.state.put("coreset.eval_rows", rows)
     elif not np.array_equal(first, rows):
-        raise CoresetRefusal(f"{_where(client, 'coreset_predict')}: other rows than its first evaluation's; the "
-                             "evaluation rows are fixed for the run")
+        raise CoresetRefusal(
+            f"{_where(client, 'coreset_predict')}: other rows than its first evaluation's; the "
+            "evaluation rows are fixed for the run"
+        )
     model = client.model(config)
     return {"h": client.predict(model, rows)}, {}
 
@@ -409,8 +429,10 @@ DIS: tuple[Stage, ...] = (
     Stage("sample", {"sample": Phase(sample, dis_client)}),
     Stage("weigh", {"weigh": Phase(weigh, dis_client)}, calls=None),
 )
-RIDGE_START = Stage("start", {"coreset_admm_setup": Phase(coreset_admm_setup, admm_client),
-                              "predict": Phase(coreset_sgd_predict, sgd_client)})
+RIDGE_START = Stage(
+    "start",
+    {"coreset_admm_setup": Phase(coreset_admm_setup, admm_client), "predict": Phase(coreset_sgd_predict, sgd_client)},
+)
 RIDGE_TRAIN: dict[str, Phase] = {
     "coreset_admm_update": Phase(coreset_admm_update, admm_client),
     "sgd_step": Phase(coreset_sgd_step, sgd_client),
@@ -420,6 +442,17 @@ RIDGE_TRAIN: dict[str, Phase] = {
 
 RIDGE_PROTOCOL = Protocol(setup.SETUP + DIS + (RIDGE_START, Stage("train", RIDGE_TRAIN, calls=None)))
 
-register(AlgorithmEntry("coreset", "coreset", "join", "coreset", "CoresetRidge", RIDGE_PROTOCOL, CoresetParams,
-                        feature_dp=False, label_dp=False,
-                        summary="VFL coreset (DIS, Alg. 1-2) over the join, ridge by weighted TP-Join-ADMM/SGD"))
+register(
+    AlgorithmEntry(
+        "coreset",
+        "coreset",
+        "join",
+        "coreset",
+        "CoresetRidge",
+        RIDGE_PROTOCOL,
+        CoresetParams,
+        feature_dp=False,
+        label_dp=False,
+        summary="VFL coreset (DIS, Alg. 1-2) over the join, ridge by weighted TP-Join-ADMM/SGD",
+    )
+)

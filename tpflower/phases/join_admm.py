@@ -1,8 +1,8 @@
 """TP-Join-ADMM and VFL-ADMM, client side (TablePuppet Eq. 14-16).
 
-  admm_setup   {G}  -> {h, theta}  store G_i (Eq. 15, constant), N and rho; predict every row
-  admm_update  {Y}  -> {h}         theta_i = argmin Eq. 16 (closed form for linear models); predict every row;
-                                   config ``rho``: the epoch's penalty (residual balancing changes it)
+admm_setup   {G}  -> {h, theta}  store G_i (Eq. 15, constant), N and rho; predict every row
+admm_update  {Y}  -> {h}         theta_i = argmin Eq. 16 (closed form for linear models); predict every row;
+                                 config ``rho``: the epoch's penalty (residual balancing changes it)
 """
 
 from __future__ import annotations
@@ -17,8 +17,18 @@ import torch
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Stage
 from tpflower.models import l2_penalty
-from tpflower.params import (AlgorithmParams, above_one, boolean, nonnegative, nonnegative_int, one_of, or_word, param,
-                             positive, positive_int)
+from tpflower.params import (
+    AlgorithmParams,
+    above_one,
+    boolean,
+    nonnegative,
+    nonnegative_int,
+    one_of,
+    or_word,
+    param,
+    positive,
+    positive_int,
+)
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
@@ -26,7 +36,13 @@ from tpflower.state import StateRecord
 
 
 def admm_update_linear(
-    model: torch.nn.Linear, X: np.ndarray, G: np.ndarray, Y: np.ndarray, N: int, rho: float, beta: float,
+    model: torch.nn.Linear,
+    X: np.ndarray,
+    G: np.ndarray,
+    Y: np.ndarray,
+    N: int,
+    rho: float,
+    beta: float,
     prox: tuple[np.ndarray, float] | None = None,
 ) -> None:
     """Exact minimiser of Eq. 16 for f(x) = x W^T + b with R = 1/2 ||(W, b)||^2:
@@ -125,8 +141,15 @@ def admm_update_lbfgs(
     if len(active) == 0:
         return
     Xa, Ga, Ya = X[active], G[active, None], Y[active]
-    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
-                            line_search_fn="strong_wolfe", tolerance_grad=1e-10, tolerance_change=1e-14)
+    opt = torch.optim.LBFGS(
+        model.parameters(),
+        lr=1.0,
+        max_iter=max_iter,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+        tolerance_grad=1e-10,
+        tolerance_change=1e-14,
+    )
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -169,7 +192,7 @@ class ADMMState(StateRecord):
     rho: float = 0.0
 
     @classmethod
-    def of(cls, client: TableClient) -> "ADMMState":
+    def of(cls, client: TableClient) -> ADMMState:
         state = cls.load(client.state)
         if state is None:
             raise RuntimeError(f"table {client.settings.table!r}: an ADMM update before admm_setup")
@@ -184,9 +207,18 @@ def epoch_rho(config: Mapping[str, Any], state: ADMMState) -> float:
     return rho
 
 
-def theta_update(client: TableClient, model: torch.nn.Module, X: np.ndarray, G: np.ndarray, Y: np.ndarray, N: int,
-                 rho: float, beta: float, config: Mapping[str, Any],
-                 prox: tuple[np.ndarray, float] | None = None) -> None:
+def theta_update(
+    client: TableClient,
+    model: torch.nn.Module,
+    X: np.ndarray,
+    G: np.ndarray,
+    Y: np.ndarray,
+    N: int,
+    rho: float,
+    beta: float,
+    config: Mapping[str, Any],
+    prox: tuple[np.ndarray, float] | None = None,
+) -> None:
     """theta_i = argmin Eq. 16 without DP, in place: the closed form for a linear model, else the client's
     algorithm.local_solver (lbfgs: local_steps L-BFGS iterations; adam: local_epochs of Adam). ``prox`` = (v, rho'):
     the consensus step of a shard (Eq. 22), rho'/2 ||theta - v||^2 added."""
@@ -196,12 +228,24 @@ def theta_update(client: TableClient, model: torch.nn.Module, X: np.ndarray, G: 
         return
     prox_t = None if prox is None else (client.tensor(prox[0]), prox[1])
     if alg.local_solver == "lbfgs":
-        admm_update_lbfgs(model, client.tensor(X), client.tensor(G), client.tensor(Y), N, rho, beta, alg.local_steps,
-                          prox=prox_t)
+        admm_update_lbfgs(
+            model, client.tensor(X), client.tensor(G), client.tensor(Y), N, rho, beta, alg.local_steps, prox=prox_t
+        )
     else:
-        admm_update_local_opt(model, client.tensor(X), client.tensor(G), client.tensor(Y), N, rho, beta,
-                              alg.local_epochs, alg.local_lr, alg.local_batch_size, client.local_generator(config),
-                              prox=prox_t)
+        admm_update_local_opt(
+            model,
+            client.tensor(X),
+            client.tensor(G),
+            client.tensor(Y),
+            N,
+            rho,
+            beta,
+            alg.local_epochs,
+            alg.local_lr,
+            alg.local_batch_size,
+            client.local_generator(config),
+            prox=prox_t,
+        )
 
 
 def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -226,8 +270,16 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         Xt, Gt, Yt = client.dp.admm_rows(s.G, Y)
         trainer = client.dp.trainer(model)
         trainer.admm_update(
-            client.tensor(Xt), client.tensor(Gt), client.tensor(Yt), s.N, rho, beta, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.dp.sample_generator(),
+            client.tensor(Xt),
+            client.tensor(Gt),
+            client.tensor(Yt),
+            s.N,
+            rho,
+            beta,
+            alg.local_epochs,
+            alg.local_lr,
+            alg.local_batch_size,
+            client.dp.sample_generator(),
         )
         client.dp.done(trainer, privacy)
     else:
@@ -240,7 +292,27 @@ START = Stage("start", {"admm_setup": Phase(admm_setup)})
 TRAIN: dict[str, Phase] = {"admm_update": Phase(admm_update)}
 
 
-register(AlgorithmEntry("tp_join_admm", "admm", "join", "join_admm", "TPJoinADMM", setup.loj_protocol(START, TRAIN),
-                        ADMMParams, summary="TP-Join-ADMM (Eq. 7, 8, 14-16): one round trip per epoch"))
-register(AlgorithmEntry("vfl_admm", "vfl_admm", "join", "join_admm", "VFLADMM", setup.loj_protocol(START, TRAIN, vfl=True),
-                        ADMMParams, summary="VFL-ADMM baseline on the expanded join"))
+register(
+    AlgorithmEntry(
+        "tp_join_admm",
+        "admm",
+        "join",
+        "join_admm",
+        "TPJoinADMM",
+        setup.loj_protocol(START, TRAIN),
+        ADMMParams,
+        summary="TP-Join-ADMM (Eq. 7, 8, 14-16): one round trip per epoch",
+    )
+)
+register(
+    AlgorithmEntry(
+        "vfl_admm",
+        "vfl_admm",
+        "join",
+        "join_admm",
+        "VFLADMM",
+        setup.loj_protocol(START, TRAIN, vfl=True),
+        ADMMParams,
+        summary="VFL-ADMM baseline on the expanded join",
+    )
+)

@@ -1,8 +1,8 @@
 """TP-Join-SGD and VFL-SGD, client side (TablePuppet Eq. 10-13).
 
-  predict   {rows}                    -> {h}            h = f_i(rows); the rows are remembered as pending
-  sgd_step  {Y, rows, (eval_rows)}    -> {h, (h_eval)}  Eq. 12-13 on the pending rows, then predict the next
-                                                        batch's rows (pipelining) and, at an epoch's end, the test rows
+predict   {rows}                    -> {h}            h = f_i(rows); the rows are remembered as pending
+sgd_step  {Y, rows, (eval_rows)}    -> {h, (h_eval)}  Eq. 12-13 on the pending rows, then predict the next
+                                                      batch's rows (pipelining) and, at an epoch's end, the test rows
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from tpflower.registry import AlgorithmEntry, register
 from tpflower.state import StateRecord
 
 
-def local_sgd_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, batch_size: int, lr: float, beta: float) -> None:
+def local_sgd_step(
+    model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, batch_size: int, lr: float, beta: float
+) -> None:
     """theta_i -= lr * [(1/|B|) sum_u Y_iu^T dh_iu/dtheta_i + beta dR_i/dtheta_i] (Eq. 12, 13).
 
     X: the rows U_i of the table (|U_i| x d_i); Y: the aggregated dl/dH of those rows (|U_i| x d_c).
@@ -36,13 +38,17 @@ def local_sgd_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, bat
     opt.step()
 
 
-def sgd_partial_gradient(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, count: float, beta: float) -> torch.Tensor:
+def sgd_partial_gradient(
+    model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, count: float, beta: float
+) -> torch.Tensor:
     """One shard's unnormalised partial gradient (Eq. 18): sum_u Y_iu^T dh_iu/dtheta + beta G_sum dR/dtheta,
     with G_sum = sum over its rows u of G_iu (how many joined rows of the batch use them); flat vector."""
     model.zero_grad()
     loss = (Y * model(X)).sum() + beta * count * l2_penalty(model)
     loss.backward()
-    return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in model.parameters()])
+    return torch.cat(
+        [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in model.parameters()]
+    )
 
 
 def apply_step(model: torch.nn.Module, gradient: torch.Tensor, lr: float) -> None:
@@ -112,7 +118,27 @@ START = Stage("start", {"predict": Phase(predict)})
 TRAIN: dict[str, Phase] = {"sgd_step": Phase(sgd_step)}
 
 
-register(AlgorithmEntry("tp_join_sgd", "sgd", "join", "join_sgd", "TPJoinSGD", setup.loj_protocol(START, TRAIN),
-                        SGDParams, summary="TP-Join-SGD (Eq. 10-13): one round trip per mini-batch"))
-register(AlgorithmEntry("vfl_sgd", "vfl_sgd", "join", "join_sgd", "VFLSGD", setup.loj_protocol(START, TRAIN, vfl=True),
-                        SGDParams, summary="VFL-SGD baseline on the expanded join"))
+register(
+    AlgorithmEntry(
+        "tp_join_sgd",
+        "sgd",
+        "join",
+        "join_sgd",
+        "TPJoinSGD",
+        setup.loj_protocol(START, TRAIN),
+        SGDParams,
+        summary="TP-Join-SGD (Eq. 10-13): one round trip per mini-batch",
+    )
+)
+register(
+    AlgorithmEntry(
+        "vfl_sgd",
+        "vfl_sgd",
+        "join",
+        "join_sgd",
+        "VFLSGD",
+        setup.loj_protocol(START, TRAIN, vfl=True),
+        SGDParams,
+        summary="VFL-SGD baseline on the expanded join",
+    )
+)

@@ -22,8 +22,16 @@ from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, Stage
 from tpflower.params import AlgorithmParams, nonnegative, one_of, param, positive_int
 from tpflower.phases import coreset, setup
-from tpflower.phases.coreset import (CoresetRefusal, _keep_G, _m, _rows, _where, admit_training_rows, client_rng,
-                                     fraction)
+from tpflower.phases.coreset import (
+    CoresetRefusal,
+    _keep_G,
+    _m,
+    _rows,
+    _where,
+    admit_training_rows,
+    client_rng,
+    fraction,
+)
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
 
@@ -65,8 +73,15 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         if _m(client):
             raise CoresetRefusal(f"{_where(client, 'kmeans_local')}: coreset k-means clusters the coreset's rows only")
         w = _keep_G(client, arrays, "kmeans_local")
-    C, labels = weighted_kmeans(X, w, int(s.algorithm.k), client_rng(s.seed, s.table, 3), int(s.algorithm.iters),
-                                   float(s.algorithm.tol), restarts=int(s.algorithm.restarts))
+    C, labels = weighted_kmeans(
+        X,
+        w,
+        int(s.algorithm.k),
+        client_rng(s.seed, s.table, 3),
+        int(s.algorithm.iters),
+        float(s.algorithm.tol),
+        restarts=int(s.algorithm.restarts),
+    )
     client.state.put("kmeans.C", C)
     return {"labels": labels.astype(label_dtype(len(C))), "C": C}, {}
 
@@ -90,8 +105,10 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     G_i this client received earlier: each row enters with all its joined rows) and the first time in the run."""
     where = _where(client, "kmeans_cost")
     if client.state.scalar("kmeans.cost_answered", 0):
-        raise CoresetRefusal(f"{where}: the cost is answered once per run (two answers for different counts "
-                             "would reveal a row's distances)")
+        raise CoresetRefusal(
+            f"{where}: the cost is answered once per run (two answers for different counts "
+            "would reveal a row's distances)"
+        )
     G = client.state.get("coreset.G")
     if G is None:
         raise CoresetRefusal(f"{where}: this client never received G_i, so it cannot check the counts")
@@ -106,8 +123,9 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     if any(a.size and a.dtype.kind not in "iu" for a in (rows, centres, counts)):
         raise ValueError(f"{where}: rows, centres and counts must be integers")
     rows, centres, counts = rows.astype(np.int64), centres.astype(np.int64), counts.astype(np.int64)
-    if len(rows) and (rows.min() < 0 or rows.max() >= len(X) or centres.min() < 0 or centres.max() >= len(C)
-                      or counts.min() <= 0):
+    if len(rows) and (
+        rows.min() < 0 or rows.max() >= len(X) or centres.min() < 0 or centres.max() >= len(C) or counts.min() <= 0
+    ):
         raise ValueError(f"{where}: counts must name rows of the table, centres of C and be >= 1")
     if len(np.unique(rows * len(C) + centres)) != len(rows):
         raise CoresetRefusal(f"{where}: a (row, centre) pair appears twice in the counts")
@@ -115,8 +133,10 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     bad = per_row != G
     if bad.any():
         u = int(np.flatnonzero(bad)[0])
-        raise CoresetRefusal(f"{where}: the counts of {int(bad.sum())} row(s) do not add up to the row's G_iu "
-                             f"(row {u}: {per_row[u]:g} vs G = {G[u]:g}); every row enters with all its joined rows")
+        raise CoresetRefusal(
+            f"{where}: the counts of {int(bad.sum())} row(s) do not add up to the row's G_iu "
+            f"(row {u}: {per_row[u]:g} vs G = {G[u]:g}); every row enters with all its joined rows"
+        )
     client.state.set_scalar("kmeans.cost_answered", 1)
     diff = X[rows] - C[centres]
     d2 = np.einsum("ij,ij->i", diff, diff)  # no BLAS: the same rounding with any thread count
@@ -132,14 +152,38 @@ KMEANS_COST = Stage("kmeans_cost", {"kmeans_cost": Phase(kmeans_cost)}, calls=No
 KMEANS: tuple[Stage, ...] = (KMEANS_LOCAL, KMEANS_COST)
 
 
-CORESET_KMEANS: tuple[Stage, ...] = (KMEANS_LOCAL, Stage("kmeans_assign", {"kmeans_assign": Phase(kmeans_assign)}),
-                                     KMEANS_COST)
+CORESET_KMEANS: tuple[Stage, ...] = (
+    KMEANS_LOCAL,
+    Stage("kmeans_assign", {"kmeans_assign": Phase(kmeans_assign)}),
+    KMEANS_COST,
+)
 
 
-register(AlgorithmEntry("kmeans", "kmeans", "join", "kmeans", "DistDimKMeans", Protocol(setup.SETUP + KMEANS),
-                        KMeansParams, feature_dp=False, label_dp=False,
-                        summary="DistDim k-means on the full join (VKMC baseline)"))
-register(AlgorithmEntry("coreset_kmeans", "coreset_kmeans", "join", "kmeans", "CoresetKMeans",
-                        Protocol(setup.SETUP + coreset.DIS + CORESET_KMEANS), CoresetKMeansParams,
-                        feature_dp=False, label_dp=False,
-                        summary="VFL coreset (DIS, Alg. 1 and 3) over the join, then DistDim k-means"))
+register(
+    AlgorithmEntry(
+        "kmeans",
+        "kmeans",
+        "join",
+        "kmeans",
+        "DistDimKMeans",
+        Protocol(setup.SETUP + KMEANS),
+        KMeansParams,
+        feature_dp=False,
+        label_dp=False,
+        summary="DistDim k-means on the full join (VKMC baseline)",
+    )
+)
+register(
+    AlgorithmEntry(
+        "coreset_kmeans",
+        "coreset_kmeans",
+        "join",
+        "kmeans",
+        "CoresetKMeans",
+        Protocol(setup.SETUP + coreset.DIS + CORESET_KMEANS),
+        CoresetKMeansParams,
+        feature_dp=False,
+        label_dp=False,
+        summary="VFL coreset (DIS, Alg. 1 and 3) over the join, then DistDim k-means",
+    )
+)

@@ -1,12 +1,12 @@
 """Setup and evaluation phases shared by every LoJ algorithm (TablePuppet Sec. 3.1.1, 4.3, 4.4).
 
-  keys      {}                  -> {row_ids, digest.<join>..., (label owner) y, is_test}
-                                   with label DP: y holds the randomized labels of the TRAINING rows only
-  stats     {columns, sketch}   -> {summary.*}: preprocessing summary of its fit rows (several shards, Sec. 4.4)
-  rule      {rule.*}            -> {}  the merged preprocessing rule replaces the local fit
-  expand    {p}                 -> {}  VFL: from now on the client's rows are the N joined rows
-  evaluate  {H, rows}           -> {}  label DP: the label owner scores the test predictions H of its test
-                                       rows ``rows`` against its true labels (metrics)
+keys      {}                  -> {row_ids, digest.<join>..., (label owner) y, is_test}
+                                 with label DP: y holds the randomized labels of the TRAINING rows only
+stats     {columns, sketch}   -> {summary.*}: preprocessing summary of its fit rows (several shards, Sec. 4.4)
+rule      {rule.*}            -> {}  the merged preprocessing rule replaces the local fit
+expand    {p}                 -> {}  VFL: from now on the client's rows are the N joined rows
+evaluate  {H, rows}           -> {}  label DP: the label owner scores the test predictions H of its test
+                                     rows ``rows`` against its true labels (metrics)
 """
 
 from __future__ import annotations
@@ -95,8 +95,15 @@ def stats(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
     s, t = client.settings, client.settings.spec.table(client.settings.table)
     _, sketch = fedprep.check_stats_request(config, t.numeric, t.categorical, table=s.table, shard=s.shard)
     summary = fedprep.local_summary(
-        client.data.rows, t.numeric, t.categorical, s.secret, client.data.fit_positions, table=s.table,
-        shard=s.shard, sketch_columns=sketch, min_sketch_rows=s.min_sketch_rows,
+        client.data.rows,
+        t.numeric,
+        t.categorical,
+        s.secret,
+        client.data.fit_positions,
+        table=s.table,
+        shard=s.shard,
+        sketch_columns=sketch,
+        min_sketch_rows=s.min_sketch_rows,
     )
     return numbered("summary", summary.arrays()), {}
 
@@ -127,7 +134,11 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     The guard: rows within the test split, covering at least EVAL_COVERAGE of it, and the same rows (with
     their multiplicities) at every evaluation; the protocol allows one evaluation per training step."""
     H, rows = arrays["H"], np.asarray(arrays["rows"], dtype=np.int64)
-    data, task, where = client.data, client.settings.spec.label.task, f"table {client.settings.table!r} shard {client.settings.shard}"
+    data, task, where = (
+        client.data,
+        client.settings.spec.label.task,
+        f"table {client.settings.table!r} shard {client.settings.shard}",
+    )
     if data.y is None or data.is_test is None:
         raise RuntimeError(f"{where} holds no labels: it cannot evaluate")
     if len(H) != len(rows):
@@ -138,8 +149,10 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     if first is None:
         n_test, n_asked = int(data.is_test.sum()), len(np.unique(rows))
         if n_asked < EVAL_COVERAGE * n_test:
-            raise ProtocolRefusal(f"{where}: evaluate over {n_asked} of its {n_test} test rows; it scores at "
-                                  f"least {EVAL_COVERAGE:.0%} of its test split")
+            raise ProtocolRefusal(
+                f"{where}: evaluate over {n_asked} of its {n_test} test rows; it scores at "
+                f"least {EVAL_COVERAGE:.0%} of its test split"
+            )
         client.state.put("evaluate_rows", ordered)
     elif not np.array_equal(first, ordered):
         raise ProtocolRefusal(f"{where}: evaluate over other test rows than its first evaluation")
@@ -149,14 +162,18 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     return {}, {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows]), **out}
 
 
-def reference_score(arrays: Arrays, rows: np.ndarray, y: np.ndarray, task: str, first: bool, where: str) -> dict[str, Any]:
+def reference_score(
+    arrays: Arrays, rows: np.ndarray, y: np.ndarray, task: str, first: bool, where: str
+) -> dict[str, Any]:
     """The constant predictor's metrics (``ref_*``) when the server sends one (``H_ref``): at the first
     evaluation only, and only a constant one (every row the same prediction), so it learns one number more."""
     if "H_ref" not in arrays:
         return {}
     H_ref = np.asarray(arrays["H_ref"])
     if not first or len(H_ref) != len(rows) or (len(H_ref) and not np.all(H_ref == H_ref[:1])):
-        raise ProtocolRefusal(f"{where}: evaluate scores a reference only at its first evaluation, and only a constant one")
+        raise ProtocolRefusal(
+            f"{where}: evaluate scores a reference only at its first evaluation, and only a constant one"
+        )
     if len(rows) == 0:
         return {}
     return {f"ref_{k}": v for k, v in eval_metrics(task, H_ref, y[rows]).items()}

@@ -1,10 +1,10 @@
 """TP-UCQ-SGD and TP-UCQ-ADMM, the shard side of learning over union (TablePuppet Eq. 17-22).
 
-  sgd_partial     {Y}                  -> {g}            Eq. 18: unnormalised partial gradient on the pending rows
-  sgd_apply       {g, rows, (eval_rows)} -> {h, (h_eval)} Eq. 19: the coordinator's step, then predict
-  admm_shard      {(Y), v}             -> {theta, (used)} Eq. 22: consensus step with v = w - u^q (Y with an epoch's
-                                                         first; with it, without feature DP, the parameters its rows use)
-  admm_consensus  {w}                  -> {h}            Eq. 20: theta = w, predict every row
+sgd_partial     {Y}                  -> {g}            Eq. 18: unnormalised partial gradient on the pending rows
+sgd_apply       {g, rows, (eval_rows)} -> {h, (h_eval)} Eq. 19: the coordinator's step, then predict
+admm_shard      {(Y), v}             -> {theta, (used)} Eq. 22: consensus step with v = w - u^q (Y with an epoch's
+                                                       first; with it, without feature DP, the parameters its rows use)
+admm_consensus  {w}                  -> {h}            Eq. 20: theta = w, predict every row
 """
 
 from __future__ import annotations
@@ -52,8 +52,17 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
             return 0.5 * rho_c * ((torch.nn.utils.parameters_to_vector(m.parameters()) - vt) ** 2).sum()
 
         trainer.admm_update(
-            client.tensor(X), client.tensor(s.G), client.tensor(Y), s.N, rho, 1.0, alg.local_epochs,
-            alg.local_lr, alg.local_batch_size, client.dp.sample_generator(), regularizer=prox,
+            client.tensor(X),
+            client.tensor(s.G),
+            client.tensor(Y),
+            s.N,
+            rho,
+            1.0,
+            alg.local_epochs,
+            alg.local_lr,
+            alg.local_batch_size,
+            client.dp.sample_generator(),
+            regularizer=prox,
         )
         client.dp.done(trainer, privacy)
     else:
@@ -85,6 +94,15 @@ ADMM_TRAIN: dict[str, Phase] = {
 }
 
 
-register(AlgorithmEntry("tp_ucq_admm", "admm", "ucq", "ucq_admm", "TPUCQADMM",
-                        setup.loj_protocol(join_admm.START, ADMM_TRAIN), ADMMParams,
-                        summary="TP-UCQ-ADMM (Eq. 20-24): consensus ADMM over the shards"))
+register(
+    AlgorithmEntry(
+        "tp_ucq_admm",
+        "admm",
+        "ucq",
+        "ucq_admm",
+        "TPUCQADMM",
+        setup.loj_protocol(join_admm.START, ADMM_TRAIN),
+        ADMMParams,
+        summary="TP-UCQ-ADMM (Eq. 20-24): consensus ADMM over the shards",
+    )
+)

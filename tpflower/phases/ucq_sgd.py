@@ -49,6 +49,15 @@ def sgd_apply(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
 SGD_TRAIN: dict[str, Phase] = {"sgd_partial": Phase(sgd_partial), "sgd_apply": Phase(sgd_apply)}
 
 
-register(AlgorithmEntry("tp_ucq_sgd", "sgd", "ucq", "ucq_sgd", "TPUCQSGD",
-                        setup.loj_protocol(join_sgd.START, SGD_TRAIN), SGDParams,
-                        summary="TP-UCQ-SGD (Eq. 17-19): TP-Join-SGD through the union"))
+register(
+    AlgorithmEntry(
+        "tp_ucq_sgd",
+        "sgd",
+        "ucq",
+        "ucq_sgd",
+        "TPUCQSGD",
+        setup.loj_protocol(join_sgd.START, SGD_TRAIN),
+        SGDParams,
+        summary="TP-UCQ-SGD (Eq. 17-19): TP-Join-SGD through the union",
+    )
+)

@@ -13,6 +13,7 @@ import numpy as np
 
 from tpflower.params import nonnegative_finite, number, positive_finite, probability, rate
 
+
 def noise_multiplier_for(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     """The smallest sigma (within Opacus' binary-search tolerance 0.01 in epsilon) such that ``steps`` steps
     of the Poisson-subsampled Gaussian mechanism at rate ``sample_rate`` spend at most ``epsilon`` at
@@ -96,7 +97,7 @@ def table_row_sample_rate(batch_size: int, n_joined: int, max_multiplicity: int,
     if sampling == "poisson":
         return float(-math.expm1(g * math.log1p(-B / N)))
     if sampling == "shuffle":
-        if N - B < g:
+        if g > N - B:
             return 1.0
         k = np.arange(g, dtype=np.float64)
         return float(-np.expm1(np.sum(np.log1p(-B / (N - k)))))
@@ -132,16 +133,20 @@ def checked_history(history: Iterable[Sequence[float]]) -> list[tuple[float, flo
     return out
 
 
-
 def opacus_api():
     """The Opacus names this module uses (imported on first use)."""
-    import types
+    import types  # noqa: PLC0415  with the Opacus names below: loaded on first use
 
-    from opacus import GradSampleModule
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis import rdp
-    from opacus.accountants.utils import get_noise_multiplier
-    from opacus.optimizers import DPOptimizer
+    from opacus import GradSampleModule  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+    from opacus.accountants import RDPAccountant  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+    from opacus.accountants.analysis import rdp  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+    from opacus.accountants.utils import get_noise_multiplier  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+    from opacus.optimizers import DPOptimizer  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
 
-    return types.SimpleNamespace(GradSampleModule=GradSampleModule, RDPAccountant=RDPAccountant, rdp=rdp,
-                                 get_noise_multiplier=get_noise_multiplier, DPOptimizer=DPOptimizer)
+    return types.SimpleNamespace(
+        GradSampleModule=GradSampleModule,
+        RDPAccountant=RDPAccountant,
+        rdp=rdp,
+        get_noise_multiplier=get_noise_multiplier,
+        DPOptimizer=DPOptimizer,
+    )

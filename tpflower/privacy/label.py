@@ -14,7 +14,6 @@ from tpflower.params import positive_finite
 from tpflower.privacy.settings import TASKS, cfg_number, label_range
 
 
-
 def randomize_class_labels(y: np.ndarray, n_classes: int, lam: float, rng: np.random.Generator) -> np.ndarray:
     """Eq. 25: ``argmax(OneHot(y) + Laplace(scale = lam / sqrt(2)))`` per row; ``label_epsilon(lam)``-label-DP.
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tpflower.owner import uses_feature_dp, uses_label_dp  # noqa: F401  (part of this module's API)
+from tpflower.owner import uses_feature_dp, uses_label_dp
 from tpflower.params import number, positive_finite, probability
 from tpflower.schema import TASKS
 
@@ -40,8 +40,15 @@ def label_epsilon(lam: float) -> float:
     return 2.0 * math.sqrt(2.0) / lam
 
 
-def validate_privacy(privacy_cfg: Mapping[str, Any], algorithm: str, task: str, *, feature_dp: bool,
-                     label_dp: bool = True, why_not: str = "") -> None:
+def validate_privacy(
+    privacy_cfg: Mapping[str, Any],
+    algorithm: str,
+    task: str,
+    *,
+    feature_dp: bool,
+    label_dp: bool = True,
+    why_not: str = "",
+) -> None:
     """Refuse, before training, privacy settings that are impossible or that ``algorithm`` cannot honour.
 
     Checks (ValueError naming the setting and the value): ``name`` in none | label | dpsgd | label_dpsgd;
@@ -154,7 +161,6 @@ def label_range(what: str, value: Any) -> tuple[float, float]:
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
         raise ValueError(f"{what}: privacy.label_range must be [lo, hi] with finite lo < hi, got {items!r}")
     return lo, hi
-
 
 
 def cfg_get(cfg: Mapping[str, Any], key: str) -> Any:

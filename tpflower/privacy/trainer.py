@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
 # Opacus is imported where it is used: it pulls in torch.distributed and sympy (about 1 s per process), which
 # a run without feature DP, and the server, never need.
 from torch import Tensor, nn
@@ -382,8 +383,5 @@ class DPLocalTrainer:
 # ----------------------------------------------------------------------------------------------------------
 
 
-
-
 def _derived_seed(seed: int, steps: int) -> int:
     return zlib.crc32(f"tpflower-dp-noise:{int(seed)}:{int(steps)}".encode()) * 2654435761 % 2**63
-

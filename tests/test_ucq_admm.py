@@ -1,4 +1,5 @@
-"""Learning over union: TP-UCQ-SGD and TP-UCQ-ADMM against their join-only counterparts, shard edge cases."""
+"""TP-UCQ-ADMM (TablePuppet Eq. 20-24) against TP-Join-ADMM, the union's federated preprocessing and shard
+edge cases."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 
 from simulations.federated import run_in_process
 from strategies.ucq_admm import consensus_step
-from tpflower.phases import ucq_admm as union
 from tests.conftest import make_cfg
+from tpflower.phases import ucq_admm as union
 
 
 def run(*overrides: str, dataset: dict | None = None, base_dir=None):
@@ -19,32 +20,6 @@ def run(*overrides: str, dataset: dict | None = None, base_dir=None):
 
 def history(r, key: str = "test_metric") -> list[float]:
     return [getattr(h, key) for h in r.strategy.results.history]
-
-
-def test_tp_ucq_sgd_reproduces_tp_join_sgd():
-    common = ("algorithm=sgd", "dataset=synthetic", "precision=float64", "epochs=2", "algorithm.batch_size=700")
-    join, ucq = run(*common), run(*common, "scenario=ucq")
-    assert len(ucq.strategy.clients) == 6  # fact and d1 in 2 shards each
-    np.testing.assert_allclose(history(ucq), history(join), rtol=1e-9)
-    np.testing.assert_allclose(history(ucq, "train_loss"), history(join, "train_loss"), rtol=1e-9)
-    for t in ("fact", "d1", "d2", "d3"):
-        for shard in [k for k in ucq.strategy.clients if k[0] == t]:  # every shard holds the same model
-            for name, value in join.theta((t, 0)).items():
-                np.testing.assert_allclose(ucq.theta(shard)[name], value, rtol=1e-9, atol=1e-12)
-    h = ucq.strategy.results.history
-    n_batches = -(-ucq.strategy.train.N // 700)
-    assert h[-1].rounds_inner - h[0].rounds_inner == n_batches  # one coordinator round per batch
-    assert h[-1].rounds - h[0].rounds == 2 * n_batches  # two round trips per batch
-
-
-def test_tp_ucq_sgd_reproduces_tp_join_sgd_on_movielens():
-    """ratings and users in 2 shards each; users' one-hot ids come from federated preprocessing (digest order),
-    so the columns are permuted: from zero weights the trajectory is the same."""
-    common = ("algorithm=sgd", "dataset=movielens", "precision=float64", "epochs=2", "model.init=zeros",
-              "algorithm.batch_size=20000")
-    join, ucq = run(*common), run(*common, "scenario=ucq")
-    np.testing.assert_allclose(history(ucq), history(join), rtol=1e-9)
-    np.testing.assert_allclose(history(ucq, "train_loss"), history(join, "train_loss"), rtol=1e-9)
 
 
 def test_tp_ucq_admm_converges_to_tp_join_admm():
@@ -59,8 +34,14 @@ def test_tp_ucq_admm_converges_to_tp_join_admm():
 
 
 def test_tp_ucq_admm_inner_loop_accounting_and_early_stop():
-    r = run("algorithm=admm", "dataset=synthetic", "scenario=ucq", "epochs=3", "algorithm.inner_rounds=10",
-            "algorithm.inner_tol=1e-3")
+    r = run(
+        "algorithm=admm",
+        "dataset=synthetic",
+        "scenario=ucq",
+        "epochs=3",
+        "algorithm.inner_rounds=10",
+        "algorithm.inner_tol=1e-3",
+    )
     used = r.strategy.inner_rounds_used
     assert all(1 <= u <= 10 for u in used) and min(used) < 10  # stops early once the shards agree
     h = r.strategy.results.history
@@ -85,10 +66,13 @@ def shop_with_shards(tmp_path) -> dict:
     region = np.array(["a"] * 25 + ["b"] * 25 + ["c"] * 10)
     segment = rng.choice(["x", "y"], n_cust).astype(object)
     segment[:5] = "vip"
-    customers = pd.DataFrame({"cust": np.arange(n_cust), "region": region, "age": rng.integers(18, 80, n_cust),
-                              "segment": segment})
+    customers = pd.DataFrame(
+        {"cust": np.arange(n_cust), "region": region, "age": rng.integers(18, 80, n_cust), "segment": segment}
+    )
     products = pd.DataFrame({"sku": np.arange(n_prod), "price": rng.gamma(2.0, 10.0, n_prod)})
-    orders = pd.DataFrame({"cust": rng.integers(0, 50, n), "sku": rng.integers(0, n_prod, n), "qty": rng.integers(1, 5, n)})
+    orders = pd.DataFrame(
+        {"cust": rng.integers(0, 50, n), "sku": rng.integers(0, n_prod, n), "qty": rng.integers(1, 5, n)}
+    )
     vip = np.isin(orders["cust"], np.arange(5))
     orders["spend"] = orders["qty"] * products["price"].to_numpy()[orders["sku"]] + 20 * vip + rng.normal(0, 1, n)
     for name, frame in (("customers", customers), ("products", products), ("orders", orders)):
@@ -97,13 +81,20 @@ def shop_with_shards(tmp_path) -> dict:
         "name": "shop",
         "tables": {
             "orders": {"source": "orders.csv", "numeric": ["qty"], "shards": {"parts": 2, "seed": 1}},
-            "customers": {"source": "customers.csv", "numeric": ["age"], "categorical": ["segment"],
-                          "binned": {"age": 4}, "shards": {"by": "region", "values": ["a", "b", "c"]}},
+            "customers": {
+                "source": "customers.csv",
+                "numeric": ["age"],
+                "categorical": ["segment"],
+                "binned": {"age": 4},
+                "shards": {"by": "region", "values": ["a", "b", "c"]},
+            },
             "products": {"source": "products.csv", "numeric": ["price"]},
         },
         "label": {"table": "orders", "column": "spend", "task": "regression"},
-        "joins": [{"left": "orders", "right": "customers", "on": "cust"},
-                  {"left": "orders", "right": "products", "on": "sku"}],
+        "joins": [
+            {"left": "orders", "right": "customers", "on": "cust"},
+            {"left": "orders", "right": "products", "on": "sku"},
+        ],
         "split": {"test_fraction": 0.2, "seed": 1},
     }
 
@@ -113,7 +104,11 @@ def test_shard_without_join_rows_and_category_of_one_shard(tmp_path, algorithm):
     dataset = shop_with_shards(tmp_path)
     common = (SMALL_SHARD_SKETCHES, f"algorithm={algorithm}", "precision=float64", "epochs=3", "model.init=zeros")
     # three shards, one of them outside the join, agree more slowly: run the consensus loop to 1e-11
-    extra = ("algorithm.batch_size=256",) if algorithm == "sgd" else ("algorithm.inner_rounds=3000", "algorithm.inner_tol=1e-11")
+    extra = (
+        ("algorithm.batch_size=256",)
+        if algorithm == "sgd"
+        else ("algorithm.inner_rounds=3000", "algorithm.inner_tol=1e-11")
+    )
     join = run(*common, *extra[:1] if algorithm == "sgd" else (), dataset=dataset, base_dir=tmp_path)
     ucq = run(*common, *extra, "scenario=ucq", dataset=dataset, base_dir=tmp_path)
     assert ("customers", 2) in ucq.strategy.clients
@@ -146,8 +141,11 @@ def test_binning_of_small_shards_is_refused_by_default(tmp_path):
     """Without lowering min_sketch_rows the customers shards (10-25 rows) refuse to send age's sketch."""
     from strategies.transport import RunError
 
-    with pytest.raises(RunError, match=r"table 'customers' shard \d: column 'age' has \d+ observed fit values.*"
-                                       r"min_sketch_rows=2048.*table owner can lower min_sketch_rows"):
+    with pytest.raises(
+        RunError,
+        match=r"table 'customers' shard \d: column 'age' has \d+ observed fit values.*"
+        r"min_sketch_rows=2048.*table owner can lower min_sketch_rows",
+    ):
         run("algorithm=sgd", "scenario=ucq", "epochs=1", dataset=shop_with_shards(tmp_path), base_dir=tmp_path)
 
 
@@ -187,8 +185,11 @@ def test_general_form_consensus_reaches_the_join_where_categories_live_in_one_sh
     common = (SMALL_SHARD_SKETCHES, "algorithm=admm", "precision=float64", "epochs=4", "model.init=zeros")
     join = history(run(*common, dataset=dataset, base_dir=tmp_path))[-1]
     general = history(run(*common, "scenario=ucq", dataset=dataset, base_dir=tmp_path))[-1]
-    monkeypatch.setattr(union, "used_parameters", lambda model, cols: torch.ones(
-        sum(p.numel() for p in model.parameters()), dtype=torch.bool))
+    monkeypatch.setattr(
+        union,
+        "used_parameters",
+        lambda model, cols: torch.ones(sum(p.numel() for p in model.parameters()), dtype=torch.bool),
+    )
     plain = history(run(*common, "scenario=ucq", dataset=dataset, base_dir=tmp_path))[-1]
     gap, gap_plain = abs(general / join - 1), abs(plain / join - 1)
     print(f"join {join:.6f} general {general:.6f} ({gap:.2e}) plain {plain:.6f} ({gap_plain:.2e})")
