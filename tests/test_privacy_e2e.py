@@ -323,7 +323,10 @@ def test_impossible_settings_fail_before_training(overrides, match, monkeypatch,
     [("algorithm=sgd",), ("algorithm=admm",), ("algorithm=sgd", "scenario=ucq"), ("algorithm=admm", "scenario=ucq")],
     ids=["tp_join_sgd", "tp_join_admm", "tp_ucq_sgd", "tp_ucq_admm"],
 )
-def test_dpsgd_trains(overrides):
+def test_dpsgd_trains(overrides, monkeypatch):
+    # one fixed noise draw: the OS-entropy noise made this test fail now and then (tp_ucq_admm ended at 0.853x
+    # its first epoch's loss in one draw), a flaky verdict about the same code
+    same_entropy(monkeypatch)
     s = run(*overrides, "privacy=dpsgd", "epochs=4").strategy
     hist = s.results.history
     assert hist[-1].train_loss < 0.85 * hist[0].train_loss
