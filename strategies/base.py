@@ -12,7 +12,7 @@ way in: see the note above them.)
 The relational strategies share :class:`LoJStrategy`: a protocol runner over the transport that USES a
 :class:`~strategies.setup.JoinSetup` (the setup rounds and what they build), a
 :class:`~strategies.evaluation.RunRecord` (test evaluation, results, meters) and, when it checkpoints its
-epochs, a :class:`~strategies.checkpoints.EpochCheckpoints`.
+epochs, a :class:`~strategies.epoch_checkpoints.EpochCheckpoints`.
 
 Client keys are (table, shard). Before the protocol, :meth:`connect` asks every node which table and shard
 it holds. The same object runs under Flower (:class:`~strategies.transport.GridTransport`) and in-process
@@ -32,7 +32,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from strategies.checkpoints import NO_CHECKPOINTS, EpochCheckpoints, NoCheckpoints
+from strategies.epoch_checkpoints import NO_CHECKPOINTS, EpochCheckpoints, NoCheckpoints
 from strategies.evaluation import RunRecord
 from strategies.replies import check_round
 from strategies.setup import JoinSetup

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from strategies.checkpoints import Saved
+from strategies.epoch_checkpoints import Saved
 from strategies.transport import ClientKey, Kind, Payload, Reply
 from tpflower import privacy as dp
 from tpflower.comm import CommMeter, WanModel

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from strategies.checkpoints import Saved
+from strategies.epoch_checkpoints import Saved
 from strategies.transport import ClientKey, Reply
 from tpflower import privacy as dp
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed

@@ -69,7 +69,7 @@ def _scale_projections(n_joined: int):
 
 
 def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2) -> dict[str, Any]:
-    """TP-Join-ADMM's server side (d_c = 1, 4 tables) called directly, as strategies/loj.py's setup and
+    """TP-Join-ADMM's server side (d_c = 1, 4 tables) called directly, as strategies/setup.py's JoinSetup and
     strategies/join_admm.py's epoch call it: mapping build, train/test partition, labels, ADMM state, then
     epochs of scatter + update + test predictions. numpy allocations traced (tracemalloc): bytes per joined row
     of the mapping, of everything the server keeps after setup and an epoch, and the peaks of the build and of
@@ -90,7 +90,7 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
     t_build = time.perf_counter() - t0
     _, build_peak = tracemalloc.get_traced_memory()
     mapping_bytes = sum(p.nbytes for p in mapping.p.values())
-    del projections  # the server drops the digests once the mapping is built (LoJStrategy.setup)
+    del projections  # the server drops the digests once the mapping is built (JoinSetup.build)
     tracemalloc.reset_peak()
     N = mapping.N
     train, test = mapping.partition(holdout_mask(spec, n_rows[label])[mapping.p[label]])
