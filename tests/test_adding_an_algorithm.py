@@ -76,7 +76,7 @@ def toy_family(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
     yield
     for name in ("tpflower.phases.toy", "strategies.toy"):
-        __import__("sys").modules.pop(name, None)
+        sys.modules.pop(name, None)
 
 
 def test_a_new_family_runs_with_no_edit_elsewhere(toy_family):
