@@ -159,7 +159,11 @@ def column_kind(dtype: Any) -> str:
     """A column's feature role by its dtype: numeric (numbers, booleans), categorical (strings), else the dtype."""
     if pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_numeric_dtype(dtype):
         return "numeric"
-    if isinstance(dtype, pd.CategoricalDtype) or pd.api.types.is_string_dtype(dtype) or pd.api.types.is_object_dtype(dtype):
+    if (
+        isinstance(dtype, pd.CategoricalDtype)
+        or pd.api.types.is_string_dtype(dtype)
+        or pd.api.types.is_object_dtype(dtype)
+    ):
         return "categorical"
     return str(dtype)
 
