@@ -14,9 +14,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from simulations.run import compile_query as compile_run_query
+from simulations.sql import compiled_yaml
 from tpflower.datasets import compile_sql, load_dataset, load_spec, load_table, shard_rows
 from tpflower.relation import load_relation
-from tpflower.schema import parse_spec
+from tpflower.schema import SpecError, parse_spec
 from tpflower.sql import QueryError, compile_query, row_mask
 
 CONF = Path(__file__).parents[1] / "conf" / "dataset"
@@ -329,3 +330,15 @@ def test_union_all_refusals(branches, expected):
 def test_union_all_branches_must_select_alike():
     sql = BASE + " WHERE o.region = 'eu' UNION ALL " + BASE.replace("c.age", "c.segment") + " WHERE o.region = 'us'"
     assert re.search(POSITION + "UNION ALL branch 2 selects or joins differently", refused(sql))
+
+
+def test_union_keyword_position():
+    assert refused(BASE + " UNION " + BASE).startswith(f"SQL line 1, column {len(BASE) + 2}: UNION (distinct)")
+
+
+def test_compiled_yaml_is_the_spec_a_deployment_takes(tmp_path):
+    text = compiled_yaml(["dataset=sql"])
+    assert text.startswith("# query: SELECT r.rating AS label")
+    assert parse_spec(OmegaConf.create(text)) == parse_spec({**yaml("movielens"), "name": "sql"})
+    with pytest.raises(SpecError, match="is a SQL query: compile it into a dataset spec first"):
+        load_spec(yaml("sql"))

@@ -240,6 +240,11 @@ def load_dataset(
 
 def load_spec(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> RelationalSpec:
     """The server's view: the parsed spec only (it never loads a table). Federated runs need label.table."""
+    if to_dict(cfg).get("sql"):
+        raise SpecError(
+            f"dataset {to_dict(cfg).get('name', 'dataset')!r} is a SQL query: compile it into a dataset spec first "
+            "(python -m simulations.run does; for a deployment: python -m simulations.sql dataset=NAME > NAME.yaml)"
+        )
     spec, _, _ = _spec_and_loader(cfg, base_dir)
     if spec.label.table is None:
         raise SpecError(f"dataset {spec.name!r}: federated runs need label.table (the table that owns the label)")

@@ -29,7 +29,7 @@ from sqlglot.errors import ParseError
 
 from tpflower.schema import SpecError
 from tpflower.sql.predicate import row_mask
-from tpflower.sql.query import Branch, Columns, QueryError, refuse, resolve_branch
+from tpflower.sql.query import Branch, Columns, QueryError, at, refuse, resolve_branch
 
 ROLES = ("numeric", "categorical")
 
@@ -49,19 +49,27 @@ def parse_query(sql: str, columns: Columns) -> tuple[list[Branch], list[exp.Expr
     def flatten(node: exp.Expression) -> None:
         if isinstance(node, exp.Union):
             if node.args.get("distinct"):
-                raise refuse(sql, node, "UNION (distinct) is not supported; write UNION ALL")
+                raise QueryError(f"SQL {_keyword(sql, node)}: UNION (distinct) is not supported; write UNION ALL")
             for key in ("order", "limit", "offset", "with_"):
                 if node.args.get(key):
                     raise refuse(sql, node.args[key], f"{key.upper().rstrip('_')} on a UNION is not supported")
             flatten(node.this)
             flatten(node.expression)
         elif isinstance(node, exp.SetOperation):
-            raise refuse(sql, node, f"{type(node).__name__.upper()} is not supported (UNION ALL only)")
+            raise QueryError(
+                f"SQL {_keyword(sql, node)}: {type(node).__name__.upper()} is not supported (UNION ALL only)"
+            )
         else:
             selects.append(node)
 
     flatten(root)
     return [resolve_branch(sql, s, columns) for s in selects], selects, root.sql()
+
+
+def _keyword(sql: str, node: exp.SetOperation) -> str:
+    """The position of a set operation's keyword (UNION, INTERSECT, EXCEPT): the last one before its right side."""
+    right = min((n.meta["start"] for n in node.expression.walk() if "start" in n.meta), default=len(sql))
+    return at(sql, max(sql.upper().rfind(type(node).__name__.upper(), 0, right), 0))
 
 
 def _shards(sql: str, branches: list[Branch], selects: list[exp.Expression]) -> tuple[dict, dict]:

@@ -51,8 +51,12 @@ def position(sql: str, node: exp.Expression) -> str:
     starts = [n.meta["start"] for n in node.walk() if "start" in n.meta]
     if not starts:
         return "position unknown"
-    s = min(starts)
-    return f"line {sql.count(chr(10), 0, s) + 1}, column {s - (sql.rfind(chr(10), 0, s) + 1) + 1}"
+    return at(sql, min(starts))
+
+
+def at(sql: str, offset: int) -> str:
+    """``line L, column C`` of character ``offset`` of ``sql`` (1-based)."""
+    return f"line {sql.count(chr(10), 0, offset) + 1}, column {offset - (sql.rfind(chr(10), 0, offset) + 1) + 1}"
 
 
 def refuse(sql: str, node: exp.Expression, what: str) -> QueryError:
