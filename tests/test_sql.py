@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from simulations.run import compile_query as compile_run_query
 from simulations.sql import compiled_yaml
 from tpflower.datasets import compile_sql, load_dataset, load_spec, load_table, shard_rows
+from tpflower.owner import Refusal, load_owner_settings, simulation_owner
 from tpflower.relation import load_relation
 from tpflower.schema import SpecError, parse_spec
 from tpflower.sql import QueryError, compile_query, row_mask
@@ -342,3 +343,27 @@ def test_compiled_yaml_is_the_spec_a_deployment_takes(tmp_path):
     assert parse_spec(OmegaConf.create(text)) == parse_spec({**yaml("movielens"), "name": "sql"})
     with pytest.raises(SpecError, match="is a SQL query: compile it into a dataset spec first"):
         load_spec(yaml("sql"))
+
+
+def test_the_owner_decides_its_rows_a_run_cannot_filter_them_otherwise(shop):
+    """The curious server submits a run whose query picks a few rows of an owner's table: the node refuses."""
+    cfg = {"dataset": compile_sql(shop_sql(SHOP_SQL), base_dir=shop), "privacy": {"name": "none"}, "seed": 0}
+    owner = simulation_owner(cfg, parse_spec(cfg["dataset"]), "customers", shop)
+    assert owner.where is None
+    narrowed = compile_sql(shop_sql(SHOP_SQL + " WHERE c.cust = 7"), base_dir=shop)
+    with pytest.raises(
+        Refusal, match=r"table 'customers' refuses the run: the run filters its rows with where 'cust = 7'"
+    ):
+        owner.check_spec(parse_spec(narrowed), narrowed, shop)
+    settings = shop / "customers.yaml"
+    settings.write_text(
+        f"source: {shop / 'customers.csv'}\nwhere: \"segment IN ('a', 'b')\"\n"
+        "columns: {keys: [cust], numeric: [age], categorical: [segment]}\n"
+        f"secret_file: {shop / 'key'}\n"
+    )
+    (shop / "key").write_text("k" * 64)
+    node = load_owner_settings(settings, "customers")
+    own = compile_sql(shop_sql(SHOP_SQL + " WHERE c.segment IN ('a', 'b')"), base_dir=shop)
+    node.check_spec(parse_spec(own), own, shop)  # the owner's own filter: accepted
+    with pytest.raises(Refusal, match="this node serves the rows where"):
+        node.check_spec(parse_spec(cfg["dataset"]), cfg["dataset"], shop)
