@@ -367,3 +367,13 @@ def test_the_owner_decides_its_rows_a_run_cannot_filter_them_otherwise(shop):
     node.check_spec(parse_spec(own), own, shop)  # the owner's own filter: accepted
     with pytest.raises(Refusal, match="this node serves the rows where"):
         node.check_spec(parse_spec(cfg["dataset"]), cfg["dataset"], shop)
+
+
+def test_implicit_join_in_where_is_the_same_join():
+    implicit = "SELECT o.spend AS label, o.qty, c.age FROM orders o, customers c WHERE c.cust = o.cust AND o.qty > 1"
+    explicit = BASE + " WHERE o.qty > 1"
+    assert (
+        compile_query(implicit, COLUMNS, {"name": "shop"})["joins"]
+        == compile_query(explicit, COLUMNS, {"name": "shop"})["joins"]
+        == [{"left": "orders", "right": "customers", "on": [["cust", "cust"]]}]
+    )

@@ -11,9 +11,9 @@ rest of ``cfg`` (loader, sources, regions, shards, split, ...) is kept. The mapp
   categorical and a numeric CAST or ``tables.T.numeric`` numeric.
 * WHERE / ON conjuncts over one table: that table's ``where``, applied by its owner to its own rows.
 * UNION ALL of branches that differ only in ``t.c = value`` conjuncts: table t in shards by c, one per value
-  (the union scenario, TablePuppet Sec. 5; docs/algorithms.md). The branches must cover every combination of
-  the shard values of tables not joined on their shard column, so that the union of the joins is the join of
-  the unions.
+  (the union scenario: docs/algorithms.md, sections TP-UCQ-SGD and TP-UCQ-ADMM). The branches must cover
+  every combination of the shard values of tables not joined on their shard column, so that the union of the
+  joins is the join of the unions.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A branch is a select-project-join query: ``SELECT cols FROM t1 [JOIN t2 ON equalities | USING (cols)] ...
 [WHERE conjuncts]``. Equalities between two tables' columns are the join edges (the join tree of TablePuppet
-Sec. 2, docs/algorithms.md); a conjunct over one table's columns is that table's row filter, pushed to its
-owner. Everything else is refused with a :class:`QueryError` naming the construct and its line and column.
+Sec. 2; docs/algorithms.md, section Table mapping); a conjunct over one table's columns is that table's row
+filter, pushed to its owner. Everything else is refused with a :class:`QueryError` naming the construct and its line and column.
 """
 
 from __future__ import annotations
