@@ -377,3 +377,12 @@ def test_implicit_join_in_where_is_the_same_join():
         == compile_query(explicit, COLUMNS, {"name": "shop"})["joins"]
         == [{"left": "orders", "right": "customers", "on": [["cust", "cust"]]}]
     )
+
+
+def test_label_from_the_config_is_not_a_feature():
+    cfg = {"name": "shop", "label": {"column": "spend", "task": "regression"}}
+    compiled = compile_query("SELECT o.spend, o.qty, c.age " + BASE.split(" c.age ")[1], COLUMNS, cfg)
+    assert compiled["label"] == {"table": "orders", "column": "spend", "task": "regression"}
+    assert compiled["tables"]["orders"]["numeric"] == ["qty"]
+    with pytest.raises(QueryError, match="label column 'region' is in tables"):
+        compile_query(BASE.replace("o.spend AS label", "o.spend"), COLUMNS, {"label": {"column": "region"}})

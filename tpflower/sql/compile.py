@@ -161,7 +161,7 @@ def _roles(
     return roles
 
 
-def _label(branch: Branch, cfg: Mapping[str, Any]) -> tuple[str, str]:
+def _label(branch: Branch, columns: Columns, cfg: Mapping[str, Any]) -> tuple[str, str]:
     """(table, column) of the label: the SELECT's ``AS label`` or the config's ``label``."""
     chosen = [p for p in branch.projected if p.label]
     raw = dict(cfg.get("label") or {})
@@ -177,15 +177,14 @@ def _label(branch: Branch, cfg: Mapping[str, Any]) -> tuple[str, str]:
     if not raw.get("column"):
         raise QueryError("SQL: no label: select one column AS label (or set dataset.label.column)")
     table = raw.get("table")
-    holders = [p.table for p in branch.projected if p.column == raw["column"]] or list(branch.tables)
+    holders = [t for t in branch.tables if raw["column"] in columns[t]]
     if table is None:
-        if len(set(holders)) != 1:
-            raise QueryError(
-                f"SQL: label column {raw['column']!r} could be in tables {holders}; set dataset.label.table"
-            )
+        if len(holders) != 1:
+            where = f"is in tables {holders}; set dataset.label.table" if holders else "is in no table of the query"
+            raise QueryError(f"SQL: label column {raw['column']!r} {where}")
         table = holders[0]
-    if table not in branch.tables:
-        raise QueryError(f"SQL: the label's table {table!r} is not in the query")
+    if table not in holders:
+        raise QueryError(f"SQL: dataset.label: table {table!r} of the query has no column {raw['column']!r}")
     return table, str(raw["column"])
 
 
@@ -202,7 +201,7 @@ def compile_query(sql: str, columns: Columns, cfg: Mapping[str, Any]) -> dict[st
     extra = [t for t in settings if t not in branch.tables]
     if extra:
         raise QueryError(f"SQL: dataset.tables declares {extra} but the query does not use them")
-    label_table, label_column = _label(branch, cfg)
+    label_table, label_column = _label(branch, columns, cfg)
     roles = _roles(branch, columns, settings, (label_table, label_column))
     order = list(settings) + [t for t in branch.tables if t not in settings]
     tables: dict[str, dict[str, Any]] = {}
