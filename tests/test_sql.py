@@ -386,3 +386,12 @@ def test_label_from_the_config_is_not_a_feature():
     assert compiled["tables"]["orders"]["numeric"] == ["qty"]
     with pytest.raises(QueryError, match="label column 'region' is in tables"):
         compile_query(BASE.replace("o.spend AS label", "o.spend"), COLUMNS, {"label": {"column": "region"}})
+
+
+def test_union_all_of_tables_joined_on_their_shard_column_takes_one_value_per_branch():
+    base = BASE.replace("o.cust = c.cust", "o.cust = c.cust AND o.region = c.region")
+    branch = base + " WHERE o.region = '{}' AND c.region = '{}'"
+    compiled = compile_query(" UNION ALL ".join(branch.format(v, v) for v in ("us", "eu")), COLUMNS, {"name": "s"})
+    assert compiled["tables"]["customers"]["shards"] == {"by": "region", "values": ["us", "eu"]}
+    mixed = " UNION ALL ".join(branch.format(a, b) for a, b in (("eu", "eu"), ("us", "us"), ("eu", "us")))
+    assert re.search(POSITION + "UNION ALL branch 3 is empty: 'customers' and 'orders' are joined", refused(mixed))

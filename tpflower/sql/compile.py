@@ -104,10 +104,17 @@ def _shards(sql: str, branches: list[Branch], selects: list[exp.Expression]) -> 
             if p[t][0] != picks[0][t][0]:
                 raise refuse(sql, selects[k], f"UNION ALL branch {k + 1} shards {t!r} by another column")
     # tables joined on their shard columns form a group: one value per branch for the whole group
-    group = {t: t for t in sharded}
+    parent = {t: t for t in sharded}
+
+    def root(t: str) -> str:
+        while parent[t] != t:
+            t = parent[t]
+        return t
+
     for e in first.edges:
-        if e.left in group and e.right in group and (picks[0][e.left][0], picks[0][e.right][0]) in e.on:
-            group[e.right] = group[e.left] = min(group[e.left], group[e.right])
+        if e.left in parent and e.right in parent and (picks[0][e.left][0], picks[0][e.right][0]) in e.on:
+            parent[root(e.right)] = root(e.left)
+    group = {t: root(t) for t in sharded}
     groups = list(dict.fromkeys(group.values()))
     combos = []
     for k, p in enumerate(picks):
