@@ -395,3 +395,13 @@ def test_union_all_of_tables_joined_on_their_shard_column_takes_one_value_per_br
     assert compiled["tables"]["customers"]["shards"] == {"by": "region", "values": ["us", "eu"]}
     mixed = " UNION ALL ".join(branch.format(a, b) for a, b in (("eu", "eu"), ("us", "us"), ("eu", "us")))
     assert re.search(POSITION + "UNION ALL branch 3 is empty: 'customers' and 'orders' are joined", refused(mixed))
+
+
+def test_unknown_table_lists_the_loaders_tables_and_quoted_columns_stay_quoted():
+    with pytest.raises(QueryError, match=r"unknown table 'stores'; the tables are \['movies', 'ratings', 'users'\]"):
+        compile_sql({**yaml("sql"), "sql": "SELECT s.x AS label FROM stores s"})
+    columns = {"t": {"my col": "numeric", "y": "numeric"}}
+    compiled = compile_query('SELECT t.y AS label FROM t WHERE t."my col" > 1', columns, {})
+    assert compiled["tables"]["t"]["where"] == '"my col" > 1'
+    assert row_mask("t", pd.DataFrame({"my col": [0, 2]}), compiled["tables"]["t"]["where"]).tolist() == [False, True]
+    assert re.search(POSITION + "unknown table or alias 'x'", refused("SELECT o.spend AS label, x.* FROM orders o"))

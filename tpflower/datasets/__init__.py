@@ -189,17 +189,14 @@ def compile_sql(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> d
         cfg = {**cfg, **{k: v for k, v in described.items() if k == "split" and cfg.get(k) is None}}
     settings = cfg.get("tables") or {}
     columns: dict[str, dict[str, str]] = {}
-    for name in query_tables(str(cfg["sql"])):
+    if loader_name is not None:  # every table of the loader: an unknown table's refusal lists them all
+        for name, frame in _run_loader(loader_name, json.dumps(kwargs, sort_keys=True)).items():
+            columns[name] = {str(c): column_kind(frame[c].dtype) for c in frame.columns}
+    for name in query_tables(str(cfg["sql"])):  # a table with a source file: its file's columns
         source = (settings.get(name) or {}).get("source")
         if source is not None:
             frame = read_table(name, source, base_dir)
-        elif loader_name is not None:
-            frame = _run_loader(loader_name, json.dumps(kwargs, sort_keys=True)).get(name)
-            if frame is None:
-                continue  # not a table of the loader: the query's unknown table
-        else:
-            continue
-        columns[name] = {str(c): column_kind(frame[c].dtype) for c in frame.columns}
+            columns[name] = {str(c): column_kind(frame[c].dtype) for c in frame.columns}
     return compile_query(str(cfg["sql"]), columns, cfg)
 
 

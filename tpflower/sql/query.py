@@ -182,7 +182,10 @@ def _projected(sql: str, scope: _Scope, item: exp.Expression) -> list[Projected]
     if isinstance(item, exp.Star) or (isinstance(item, exp.Column) and isinstance(item.this, exp.Star)):
         if label or hint:
             raise refuse(sql, item, "* cannot be the label or cast")
-        tables = [scope.alias[item.table]] if isinstance(item, exp.Column) and item.table else scope.order
+        qualifier = item.table if isinstance(item, exp.Column) else ""
+        if qualifier and qualifier not in scope.alias:
+            raise refuse(sql, item, f"unknown table or alias {qualifier!r}")
+        tables = [scope.alias[qualifier]] if qualifier else scope.order
         return [Projected(t, c, star=True) for t in tables for c in scope.columns[t]]
     if not isinstance(item, exp.Column):
         raise refuse(sql, item, "computed columns are not supported (select an owner's column)")
@@ -192,7 +195,9 @@ def _projected(sql: str, scope: _Scope, item: exp.Expression) -> list[Projected]
 
 def _unqualified(node: exp.Expression) -> exp.Expression:
     """The predicate with its column references stripped of their table (it runs at the owner)."""
-    return node.copy().transform(lambda n: exp.column(n.name) if isinstance(n, exp.Column) else n)
+    return node.copy().transform(
+        lambda n: exp.column(n.name, quoted=n.this.args.get("quoted")) if isinstance(n, exp.Column) else n
+    )
 
 
 def resolve_branch(sql: str, select: exp.Expression, columns: Columns) -> Branch:
