@@ -14,7 +14,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from simulations.run import compile_query as compile_run_query
+from simulations.run import run_job
 from simulations.sql import compiled_yaml
+from tpflower.config import compose_config
 from tpflower.datasets import compile_sql, load_dataset, load_spec, load_table, shard_rows
 from tpflower.owner import Refusal, load_owner_settings, simulation_owner
 from tpflower.relation import load_relation
@@ -405,3 +407,14 @@ def test_unknown_table_lists_the_loaders_tables_and_quoted_columns_stay_quoted()
     assert compiled["tables"]["t"]["where"] == '"my col" > 1'
     assert row_mask("t", pd.DataFrame({"my col": [0, 2]}), compiled["tables"]["t"]["where"]).tolist() == [False, True]
     assert re.search(POSITION + "unknown table or alias 'x'", refused("SELECT o.spend AS label, x.* FROM orders o"))
+
+
+@pytest.mark.slow
+def test_a_run_on_the_query_trains_as_the_run_on_its_yaml(tmp_path, capsys):
+    results = {}
+    for name in ("sql", "movielens"):
+        cfg = compose_config(f"dataset={name}", "epochs=1", "runtime=inprocess", "algorithm=sgd")
+        results[name] = run_job(cfg, tmp_path / name)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("query: SELECT r.rating AS label")
+    assert results["sql"].history[-1].test_metric == results["movielens"].history[-1].test_metric
