@@ -219,7 +219,12 @@ def test_row_mask_predicates():
     frame = pd.DataFrame({"x": [1.0, 2.0, np.nan, 4.0], "s": ["ab", "b", "ac", None]})
     assert row_mask("t", frame, "x BETWEEN 2 AND 4").tolist() == [False, True, False, True]
     assert row_mask("t", frame, "s LIKE 'a%'").tolist() == [True, False, True, False]
-    assert row_mask("t", frame, "x IS NULL OR NOT s = 'b'").tolist() == [True, False, True, True]
+    # SQL's three-valued logic: NOT of an unknown is unknown, and an unknown row is not kept
+    assert row_mask("t", frame, "x IS NULL OR NOT s = 'b'").tolist() == [True, False, True, False]
+    assert row_mask("t", frame, "NOT x > 1").tolist() == [True, False, False, False]
+    assert row_mask("t", frame, "s IS NOT NULL AND x <> 2 OR x = NULL").tolist() == [True, False, False, False]
+    with pytest.raises(SpecError, match="where compares values of different types"):
+        row_mask("t", frame, "s > 3")
     assert row_mask("t", frame, "x * 2 >= 4 AND x <> 4").tolist() == [False, True, False, False]
 
 

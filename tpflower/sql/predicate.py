@@ -1,8 +1,8 @@
 """A table owner's row filter: a SQL predicate over its own columns, evaluated vectorized on its frame.
 
 The filter is the ``where`` of a table in the dataset spec (a training query's WHERE conjuncts on that table,
-pushed to its owner). Comparisons, IN, BETWEEN, IS NULL, LIKE, AND / OR / NOT and arithmetic are supported;
-a comparison with a missing value is false (the row is dropped, as SQL's WHERE drops an unknown).
+pushed to its owner). Comparisons, IN, BETWEEN, IS NULL, LIKE, AND / OR / NOT and arithmetic are supported,
+in SQL's three-valued logic: a comparison with a missing value is unknown, and WHERE keeps the true rows only.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def _value(table: str, frame: pd.DataFrame, node: exp.Expression) -> pd.Series |
         return node.this if node.is_string else float(node.this) if "." in node.this else int(node.this)
     if isinstance(node, exp.Boolean):
         return bool(node.this)
+    if isinstance(node, exp.Null):
+        return None
     if isinstance(node, exp.Neg):
         return -_value(table, frame, node.this)  # type: ignore[operator]
     if type(node) in ARITH:
@@ -63,39 +65,58 @@ def _value(table: str, frame: pd.DataFrame, node: exp.Expression) -> pd.Series |
     raise SpecError(f"table {table!r}: where does not support {node.sql()!r}")
 
 
-def _mask(table: str, frame: pd.DataFrame, node: exp.Expression) -> np.ndarray:
-    """The rows where ``node`` is true (missing values compare false)."""
+def _missing(n: int, *values: object) -> np.ndarray:
+    """Rows where any of ``values`` (columns or constants) is missing."""
+    out = np.zeros(n, dtype=bool)
+    for v in values:
+        out |= pd.isna(v).to_numpy() if isinstance(v, pd.Series) else np.full(n, v is None)
+    return out
+
+
+def _truth(table: str, frame: pd.DataFrame, node: exp.Expression) -> tuple[np.ndarray, np.ndarray]:
+    """(true, unknown) per row: SQL's three-valued logic, a comparison with a missing value being unknown."""
     n = len(frame)
     if isinstance(node, exp.Paren):
-        return _mask(table, frame, node.this)
-    if isinstance(node, exp.And):
-        return _mask(table, frame, node.this) & _mask(table, frame, node.expression)
-    if isinstance(node, exp.Or):
-        return _mask(table, frame, node.this) | _mask(table, frame, node.expression)
+        return _truth(table, frame, node.this)
+    if isinstance(node, (exp.And, exp.Or)):
+        (t1, u1), (t2, u2) = _truth(table, frame, node.this), _truth(table, frame, node.expression)
+        if isinstance(node, exp.And):
+            true = t1 & t2
+            return true, (u1 | u2) & ~((~t1 & ~u1) | (~t2 & ~u2))
+        true = t1 | t2
+        return true, (u1 | u2) & ~true
     if isinstance(node, exp.Not):
-        return ~_mask(table, frame, node.this)
+        t, u = _truth(table, frame, node.this)
+        return ~t & ~u, u
+    if isinstance(node, exp.Boolean):
+        return np.full(n, bool(node.this)), np.zeros(n, dtype=bool)
     if isinstance(node, exp.Is):
-        value = pd.Series(_value(table, frame, node.this), index=frame.index)
         if not isinstance(node.expression, exp.Null):
             raise SpecError(f"table {table!r}: where supports IS NULL only, got {node.sql()!r}")
-        return value.isna().to_numpy()
-    if type(node) in COMPARE:
-        out = COMPARE[type(node)](_value(table, frame, node.this), _value(table, frame, node.expression))
-        return np.broadcast_to(np.asarray(pd.Series(out).fillna(False), dtype=bool), (n,)).copy()
-    if isinstance(node, exp.In):
-        values = [_value(table, frame, v) for v in node.expressions]
-        return pd.Series(_value(table, frame, node.this), index=frame.index).isin(values).to_numpy()
-    if isinstance(node, exp.Between):
+        return _missing(n, _value(table, frame, node.this)), np.zeros(n, dtype=bool)
+    if type(node) in COMPARE or isinstance(node, (exp.In, exp.Between, exp.Like)):
         value = _value(table, frame, node.this)
-        low, high = _value(table, frame, node.args["low"]), _value(table, frame, node.args["high"])
-        return np.asarray(((value >= low) & (value <= high)), dtype=bool)  # type: ignore[operator]
-    if isinstance(node, exp.Like):
-        pattern = str(_value(table, frame, node.expression))
-        regex = "^" + "".join(".*" if c == "%" else "." if c == "_" else _escape(c) for c in pattern) + "$"
-        value = pd.Series(_value(table, frame, node.this), index=frame.index).astype("string")
-        return value.str.match(regex).fillna(False).to_numpy(dtype=bool)
-    if isinstance(node, exp.Boolean):
-        return np.full(n, bool(node.this))
+        if type(node) in COMPARE:
+            other = _value(table, frame, node.expression)
+            unknown = _missing(n, value, other)
+            try:
+                out = COMPARE[type(node)](value, other) if not unknown.all() else False
+            except TypeError:
+                raise SpecError(f"table {table!r}: where compares values of different types: {node.sql()}") from None
+        elif isinstance(node, exp.In):
+            unknown = _missing(n, value)
+            out = pd.Series(value, index=frame.index).isin([_value(table, frame, v) for v in node.expressions])
+        elif isinstance(node, exp.Between):
+            low, high = _value(table, frame, node.args["low"]), _value(table, frame, node.args["high"])
+            unknown = _missing(n, value, low, high)
+            out = (value >= low) & (value <= high)  # type: ignore[operator]
+        else:
+            pattern = str(_value(table, frame, node.expression))
+            regex = "^" + "".join(".*" if c == "%" else "." if c == "_" else _escape(c) for c in pattern) + "$"
+            unknown = _missing(n, value)
+            out = pd.Series(value, index=frame.index).astype("string").str.match(regex)
+        true = np.broadcast_to(np.asarray(pd.Series(out).fillna(False), dtype=bool), (n,)) & ~unknown
+        return true, unknown
     raise SpecError(f"table {table!r}: where does not support {node.sql()!r}")
 
 
@@ -105,7 +126,7 @@ def _escape(c: str) -> str:
 
 def row_mask(table: str, frame: pd.DataFrame, where: str) -> np.ndarray:
     """The rows of ``frame`` that the owner keeps under ``where`` (a boolean array of len(frame))."""
-    return _mask(table, frame, parse_predicate(table, where))
+    return _truth(table, frame, parse_predicate(table, where))[0]
 
 
 def filter_rows(table: str, frame: pd.DataFrame, where: str | None) -> pd.DataFrame:
