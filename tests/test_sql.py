@@ -423,3 +423,17 @@ def test_a_run_on_the_query_trains_as_the_run_on_its_yaml(tmp_path, capsys):
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("query: SELECT r.rating AS label")
     assert results["sql"].history[-1].test_metric == results["movielens"].history[-1].test_metric
+
+
+def test_roles_by_dtype_with_casts_and_table_overrides():
+    sql = "SELECT o.spend AS label, o.qty, CAST(o.oid AS CATEGORY), CAST(o.region AS DOUBLE), c.age, c.segment " + (
+        "FROM orders o JOIN customers c USING (cust)"
+    )
+    cfg = {"tables": {"orders": {"region": "us-east"}, "customers": {"categorical": ["age"]}}}
+    tables = compile_query(sql, COLUMNS, cfg)["tables"]
+    assert tables["orders"] == {"region": "us-east", "numeric": ["qty", "region"], "categorical": ["oid"]}
+    assert tables["customers"] == {"numeric": [], "categorical": ["age", "segment"]}
+    with pytest.raises(QueryError, match=r"dataset.tables.customers.numeric names \['region'\], which the query"):
+        compile_query(sql, COLUMNS, {"tables": {"customers": {"numeric": ["region"]}}})
+    with pytest.raises(QueryError, match="a CAST must be to CATEGORY"):
+        compile_query(sql.replace("AS DOUBLE", "AS DATE"), COLUMNS, {})
