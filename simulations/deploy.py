@@ -142,6 +142,7 @@ def write_client_configs(
         settings = {
             "table": table,
             **({"source": owner.source} if owner.source else {"loader": owner.loader}),  # source: an absolute path
+            **({"where": owner.where} if owner.where else {}),
             "columns": {
                 "keys": list(e.keys),
                 "numeric": list(e.numeric),

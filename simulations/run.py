@@ -17,14 +17,14 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from simulations.federated import run_flower_simulation, run_in_process
 from strategies.transport import RunError
 from tpflower.app.server_app import build_strategy
 from tpflower.checks import DataProblems, errors
 from tpflower.config import CONF_DIR, register_algorithm_defaults
-from tpflower.datasets import check_dataset, load_spec, release_tables
+from tpflower.datasets import check_dataset, compile_sql, load_spec, release_tables
 from tpflower.owner import redact_run_dir, simulation_secret
 from tpflower.registry import entry_of
 from tpflower.results import RunResults
@@ -37,6 +37,7 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
     """Run one configured job and write its results.json into ``run_dir``."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    compile_query(cfg, base_dir)
     # the spec parsed and the strategy built once, here: its settings are checked before any table is loaded,
     # and the runners run this very object
     spec = load_spec(cfg.dataset, base_dir=base_dir)
@@ -51,6 +52,17 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
         results = run_flower_simulation(cfg, run_dir, base_dir, strategy=strategy)
     assert results is not None
     return results
+
+
+def compile_query(cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print) -> None:
+    """A dataset declared as SQL (``dataset.sql``) becomes, in place, the spec it compiles to (tpflower.sql);
+    the normalized query is the run's first line."""
+    if not cfg.dataset.get("sql"):
+        return
+    compiled = compile_sql(cfg.dataset, base_dir)
+    log(f"query: {compiled['query']}")
+    with open_dict(cfg):
+        cfg.dataset = OmegaConf.create(compiled)
 
 
 def check_data(cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print) -> None:

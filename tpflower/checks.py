@@ -140,7 +140,7 @@ def _missing(
 def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list[Problem]:
     """Every problem of table ``name`` that its owner can see alone (its frame and the run's spec)."""
     t = spec.table(name)
-    src = t.source
+    src = t.source if t.where is None else None  # a filtered table's rows are counted among the kept: no file line
     out: list[Problem] = []
     label, label_here = spec.label.column, spec.label.table == name
     if len(frame) == 0:

@@ -4,6 +4,7 @@ The party that submits or serves a run is not trusted with an owner's data. In a
 node config names the owner's settings file (``--node-config "table='ratings' client-config='/path/r.yaml'"``)::
 
     source: /data/ratings.csv        # the table's file (.csv/.parquet); or  loader: movielens  (a bundled table)
+    where: "rating_year >= 2000"     # optional: the rows it serves (a SQL predicate; the run's must be the same)
     columns:                         # what this node exposes; the run's spec for the table must stay inside
       keys: [movieId, userId]
       numeric: [rating_year, rating_month]
@@ -101,6 +102,7 @@ class OwnerSettings:
     min_sketch_rows: int = DEFAULT_MIN_SKETCH_ROWS
     origin: str = "simulation"  # where the settings come from (shown in refusals)
     state_dir: str | None = None  # node-local checkpoints of this node's state (None: none kept, no resume)
+    where: str | None = None  # the rows it serves (a SQL predicate, tpflower.sql); None: all of them
 
     def refuse(self, what: str) -> Refusal:
         return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {self.origin})")
@@ -125,6 +127,11 @@ class OwnerSettings:
                 )
             if "path" in (dataset.get("loader") or {}):
                 raise self.refuse("the run names a loader path; this node's bundled table has none")
+        if t.where != self.where:
+            raise self.refuse(
+                f"the run filters its rows with where {t.where!r}; this node serves "
+                f"{'all its rows' if self.where is None else 'the rows where ' + repr(self.where)}"
+            )
         e = self.exposed
         for kind, asked_cols, allowed in (
             ("join key", spec.key_columns(self.table), e.keys),
@@ -237,6 +244,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         "secret_file",
         "min_sketch_rows",
         "state_dir",
+        "where",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -254,6 +262,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         source=None if raw.get("source") is None else str(resolve_path(raw["source"], base).resolve()),
         loader=None if raw.get("loader") is None else str(raw["loader"]),
         min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
+        where=None if raw.get("where") is None else str(raw["where"]),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),
@@ -292,6 +301,7 @@ def simulation_owner(
         source=None if t.source is None else str(resolve_path(t.source, base_dir).resolve()),
         loader=(dataset.get("loader") or {}).get("name"),
         min_sketch_rows=int(cfg.get("min_sketch_rows") or DEFAULT_MIN_SKETCH_ROWS),
+        where=t.where,
     )
 
 

@@ -60,6 +60,7 @@ class TableSpec:
     region: str | None = None  # None: the network config's default link (conf/network default_link)
     binned: tuple[tuple[str, int], ...] = ()  # numeric columns that also get one-hot quantile bins (column, bins)
     unique: bool = False  # its key (the columns its parent joins it on) names one row at most: a duplicate is an error
+    where: str | None = None  # a SQL predicate over its columns: the owner keeps only those rows (tpflower.sql)
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -215,7 +216,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     tables = []
     for tname, t in raw_tables.items():
         t = dict(t or {})
-        unknown = set(t) - {"source", "numeric", "categorical", "shards", "region", "binned", "unique"}
+        unknown = set(t) - {"source", "numeric", "categorical", "shards", "region", "binned", "unique", "where"}
         if unknown:
             raise SpecError(f"table {tname!r}: unknown settings {sorted(unknown)}")
         shards = t.get("shards")
@@ -248,6 +249,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
                 shards=shard_spec,
                 region=None if t.get("region") is None else str(t["region"]),
                 unique=bool(t.get("unique", False)),
+                where=None if t.get("where") is None else str(t["where"]),
             )
         )
     label = cfg.get("label") or {}

@@ -21,6 +21,7 @@ from tpflower.checks import DROP_POLICIES, DataProblems, Problem, dataset_proble
 from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
 from tpflower.datasets.files import read_table, resolve_path
 from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec, to_dict
+from tpflower.sql import compile_query, filter_rows, query_tables
 
 Loader = Callable[..., dict[str, pd.DataFrame]]
 Describer = Callable[..., dict[str, Any]]
@@ -40,6 +41,8 @@ __all__ = [
     "DESCRIBERS",
     "LOADERS",
     "check_dataset",
+    "column_kind",
+    "compile_sql",
     "load_dataset",
     "load_spec",
     "load_table",
@@ -96,7 +99,7 @@ def _frame(
     """One table's frame (RangeIndex) from its source file or the loader; ``loaded`` None: the loader makes
     this table alone (a client's load), else ``loaded`` holds the loader's tables (all of them)."""
     if table.source is not None:
-        return read_table(table.name, table.source, base_dir), loaded
+        return filter_rows(table.name, read_table(table.name, table.source, base_dir), table.where), loaded
     if loader_name is None:
         raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
     frames = loaded if loaded is not None else load_tables(loader_name, kwargs, (table.name,))
@@ -105,7 +108,7 @@ def _frame(
             f"table {table.name!r} has no source file and loader {loader_name!r} gives no such table; "
             f"it gives {sorted(frames)}"
         )
-    return frames[table.name].reset_index(drop=True), loaded
+    return filter_rows(table.name, frames[table.name].reset_index(drop=True), table.where), loaded
 
 
 def load_tables(loader_name: str, kwargs: Mapping[str, Any], tables: tuple[str, ...]) -> dict[str, pd.DataFrame]:
@@ -152,6 +155,51 @@ def _frames(
     return frames, problems
 
 
+def column_kind(dtype: Any) -> str:
+    """A column's feature role by its dtype: numeric (numbers, booleans), categorical (strings), else the dtype."""
+    if pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_numeric_dtype(dtype):
+        return "numeric"
+    if (
+        isinstance(dtype, pd.CategoricalDtype)
+        or pd.api.types.is_string_dtype(dtype)
+        or pd.api.types.is_object_dtype(dtype)
+    ):
+        return "categorical"
+    return str(dtype)
+
+
+def compile_sql(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> dict[str, Any]:
+    """The dataset config with its ``sql`` query compiled into tables, label and joins (tpflower.sql); a config
+    without ``sql`` is returned as a plain dict. Reads the columns of the query's tables (each from its source
+    file or the loader); a loader's ``describe`` supplies the table settings (regions, shards) and the label's
+    task the config leaves out."""
+    cfg = to_dict(cfg)
+    if not cfg.get("sql"):
+        return cfg
+    loader_name, kwargs = _loader_call(cfg, base_dir)
+    if loader_name in DESCRIBERS:
+        described = DESCRIBERS[loader_name](**kwargs)
+        if cfg.get("tables") is None:
+            cfg["tables"] = {
+                t: {k: v for k, v in (s or {}).items() if k not in ("numeric", "categorical")}
+                for t, s in described.get("tables", {}).items()
+            }
+        if cfg.get("label") is None and described.get("label"):
+            cfg["label"] = {"task": described["label"].get("task", "regression")}
+        cfg = {**cfg, **{k: v for k, v in described.items() if k == "split" and cfg.get(k) is None}}
+    settings = cfg.get("tables") or {}
+    columns: dict[str, dict[str, str]] = {}
+    if loader_name is not None:  # every table of the loader: an unknown table's refusal lists them all
+        for name, frame in _run_loader(loader_name, json.dumps(kwargs, sort_keys=True)).items():
+            columns[name] = {str(c): column_kind(frame[c].dtype) for c in frame.columns}
+    for name in query_tables(str(cfg["sql"])):  # a table with a source file: its file's columns
+        source = (settings.get(name) or {}).get("source")
+        if source is not None:
+            frame = read_table(name, source, base_dir)
+            columns[name] = {str(c): column_kind(frame[c].dtype) for c in frame.columns}
+    return compile_query(str(cfg["sql"]), columns, cfg)
+
+
 def check_dataset(
     cfg: Mapping[str, Any],
     base_dir: str | Path | None = None,
@@ -189,6 +237,11 @@ def load_dataset(
 
 def load_spec(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> RelationalSpec:
     """The server's view: the parsed spec only (it never loads a table). Federated runs need label.table."""
+    if to_dict(cfg).get("sql"):
+        raise SpecError(
+            f"dataset {to_dict(cfg).get('name', 'dataset')!r} is a SQL query: compile it into a dataset spec first "
+            "(python -m simulations.run does; for a deployment: python -m simulations.sql dataset=NAME > NAME.yaml)"
+        )
     spec, _, _ = _spec_and_loader(cfg, base_dir)
     if spec.label.table is None:
         raise SpecError(f"dataset {spec.name!r}: federated runs need label.table (the table that owns the label)")

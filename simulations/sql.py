@@ -1,0 +1,50 @@
+"""Print the dataset YAML a training query compiles to (tpflower.sql), for review by the table owners and for a
+deployment, whose nodes take a plain dataset spec::
+
+    python -m simulations.sql dataset=nycflights13_sql
+    python -m simulations.sql dataset=sql 'dataset.sql="SELECT r.rating AS label, m.genre FROM ratings r JOIN movies m USING (movieId)"'
+    python -m simulations.sql --config-dir ~/mydata/conf dataset=shop_sql > ~/mydata/conf/dataset/shop.yaml
+
+The first line is the normalized query as a YAML comment; the output is a dataset config (``dataset=NAME``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from tpflower.config import compose_config
+from tpflower.datasets import compile_sql
+from tpflower.schema import SpecError
+
+
+def compiled_yaml(overrides: Sequence[str], config_dir: str | None = None, base_dir: str | Path | None = None) -> str:
+    """The compiled dataset config of the run config ``overrides`` select, as YAML text."""
+    if config_dir is not None:
+        overrides = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]", *overrides]
+    cfg = compose_config(*overrides)
+    if not cfg.dataset.get("sql"):
+        raise SpecError(f"dataset {cfg.dataset.get('name')!r} has no sql: it is a dataset spec already")
+    compiled = compile_sql(cfg.dataset, base_dir)
+    return f"# query: {compiled['query']}\n{OmegaConf.to_yaml(OmegaConf.create(compiled))}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config-dir", help="a folder with dataset/NAME.yaml files (as simulations.run takes)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. dataset=sql dataset.sql=...")
+    args = parser.parse_args(argv)
+    try:
+        print(compiled_yaml(args.overrides, args.config_dir, base_dir=Path.cwd()), end="")
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
