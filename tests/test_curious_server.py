@@ -100,6 +100,20 @@ def test_stronger_privacy_is_honoured_and_weaker_keys_are_refused(tmp_path):
     assert hello(deployed_app, node(tmp_path, "d1", owner, f"{SYNTHETIC} privacy=none"))["table"] == "d1"
 
 
+@pytest.mark.parametrize("algorithm", ["celu", "kmeans", "coreset", "coreset_kmeans"])
+def test_an_algorithm_without_dp_is_refused_under_a_dp_floor_by_the_nodes_own_registry(tmp_path, algorithm):
+    # the owner's floor is DP-SGD; the run asks for it but picks an algorithm that does not implement it: the
+    # node looks the algorithm up in its own installed registry (not the run's word) and refuses the keys round
+    from tpflower.privacy import privacy_message
+
+    floor = f"{SYNTHETIC} privacy=dpsgd"
+    attack = f"algorithm={algorithm} dataset=synthetic privacy=dpsgd"
+    context = node(tmp_path, "d1", floor, attack)
+    assert hello(deployed_app, context)["table"] == "d1"
+    msg = {"phase": "keys", **privacy_message(dict(compose_config(*attack.split()).privacy))}
+    refused(deployed_app, context, "feature DP \\(DP-SGD\\) cannot be honoured by algorithm", "train", config=msg)
+
+
 @pytest.mark.parametrize(
     "attack, table, match",
     [

@@ -150,12 +150,13 @@ def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
     # fact and d1 took their DP steps of epoch 4 before d2 died: redoing epoch 4 costs them budget again,
     # so they run out at the last epoch and refuse (the ledger never goes back; nothing is released unaccounted)
     crashed_run(tmp_path, *DPSGD)
-    with pytest.raises(
-        RunError,
-        match=r"table 'fact' shard 0: .*DP steps exceed the \d+ the noise was calibrated "
-        r"for \(privacy budget exhausted\)",
-    ):
-        run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path, log=quiet)
+    for _ in range(2):  # the refusing node keeps serving: its cached model carries no Opacus hooks into the
+        with pytest.raises(  # next resume, which is refused for the budget again (not for the model's state)
+            RunError,
+            match=r"table 'fact' shard 0: .*DP steps exceed the \d+ the noise was calibrated "
+            r"for \(privacy budget exhausted\)",
+        ):
+            run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path, log=quiet)
 
 
 def test_every_registered_algorithm_resumes():

@@ -80,19 +80,23 @@ class LocalDP:
         )  # no seed: the noise generator is seeded from the OS entropy
 
     def done(self, trainer: DPLocalTrainer, metrics: dict[str, Any]) -> None:
-        """Store the accountant history, report the epsilon spent, remove the Opacus hooks from the model."""
-        planned = int(self.client.state.scalar("dp_steps"))
-        if trainer.steps > planned:  # nothing of this step leaves the client
-            raise RuntimeError(
-                f"table {self.client.settings.table!r} shard {self.client.settings.shard}: {trainer.steps} DP steps "
-                f"exceed the "
-                f"{planned} the noise was calibrated for (privacy budget exhausted)"
-            )
-        history = np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3)
-        self.client.state.put("dp_history", history)
-        checkpoint.record_dp_step(self.client, history)
-        metrics["eps"] = trainer.epsilon(float(self.client.privacy()["delta"]))
-        trainer.close()
+        """Store the accountant history, report the epsilon spent, remove the Opacus hooks from the model.
+
+        The hooks come off whatever happens: a refused step must not leave them on the node's cached model
+        (the node keeps serving, and its next DP step would wrap the model twice)."""
+        try:
+            planned = int(self.client.state.scalar("dp_steps"))
+            if trainer.steps > planned:  # nothing of this step leaves the client
+                raise RuntimeError(
+                    f"table {self.client.settings.table!r} shard {self.client.settings.shard}: {trainer.steps} DP "
+                    f"steps exceed the {planned} the noise was calibrated for (privacy budget exhausted)"
+                )
+            history = np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3)
+            self.client.state.put("dp_history", history)
+            checkpoint.record_dp_step(self.client, history)
+            metrics["eps"] = trainer.epsilon(float(self.client.privacy()["delta"]))
+        finally:
+            trainer.close()
 
     def sample_generator(self) -> torch.Generator:
         """Row sampling of a DP theta-update: fresh per call, seeded from the OS entropy."""

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord
 
-from tpflower import fedprep
+from tpflower import fedprep, registry
 from tpflower import privacy as dp
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
@@ -82,7 +82,16 @@ def accept_privacy(client: TableClient, config: Mapping[str, Any]) -> None:
     run = dp.privacy_from_message(config)
     s = client.settings
     s.owner.check_privacy(run, label_owner=client.data.y is not None)
-    dp.validate_privacy(run, client.algorithm, s.spec.label.task, feature_dp=True, label_dp=True)
+    # what the algorithm supports is the node's own registry's word (the run cannot claim DP it does not do)
+    entry = registry.by_name(client.algorithm)
+    dp.validate_privacy(
+        run,
+        client.algorithm,
+        s.spec.label.task,
+        feature_dp=entry.feature_dp,
+        label_dp=entry.label_dp,
+        why_not=entry.why_no_feature_dp,
+    )
     client.state.records["privacy"] = ConfigRecord(dict(dp.privacy_message(run)))
 
 
