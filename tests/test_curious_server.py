@@ -100,6 +100,28 @@ def test_stronger_privacy_is_honoured_and_weaker_keys_are_refused(tmp_path):
     assert hello(deployed_app, node(tmp_path, "d1", owner, f"{SYNTHETIC} privacy=none"))["table"] == "d1"
 
 
+def test_a_wide_output_is_refused_beyond_the_owners_max_outputs(tmp_path):
+    # h = X theta with theta the server can know and d_c >= d_i columns would spell out X from one reply; the run
+    # declares a multiclass label so that a wide output passes the label's own check
+    attack = f"{SYNTHETIC} dataset.loader.task=multiclass dataset.loader.n_classes=16"
+    context = node(tmp_path, "d1", SYNTHETIC, attack)
+    assert hello(deployed_app, context)["table"] == "d1"
+    n = len(unpack_reply(call(deployed_app, context, "train", {}, {"phase": "keys"}).content)[0]["row_ids"])
+    wide = {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 16}
+    refused(
+        deployed_app,
+        context,
+        "asks for 16 outputs per row; this node's owner allows at most 1",
+        "train",
+        {"G": np.ones(n)},
+        wide,
+    )
+    # the owner who allows a multiclass run's width says so in its settings
+    allowing = node(tmp_path / "allow", "d1", SYNTHETIC, attack, edit=lambda s: s.update(max_outputs=16))
+    call(deployed_app, allowing, "train", {}, {"phase": "keys"})
+    call(deployed_app, allowing, "train", {"G": np.ones(n)}, wide)
+
+
 @pytest.mark.parametrize("algorithm", ["celu", "kmeans", "coreset", "coreset_kmeans"])
 def test_an_algorithm_without_dp_is_refused_under_a_dp_floor_by_the_nodes_own_registry(tmp_path, algorithm):
     # the owner's floor is DP-SGD; the run asks for it but picks an algorithm that does not implement it: the

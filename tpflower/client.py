@@ -178,6 +178,12 @@ class TableClient(NumPyClient):
             raise ProtocolRefusal(
                 f"table {self.settings.table!r}: d_out {asked} for a {self.settings.spec.label.task} label"
             )
+        bound = self.settings.owner.max_outputs
+        if bound is not None and d_out > bound:
+            raise ProtocolRefusal(
+                f"table {self.settings.table!r}: the run asks for {d_out} outputs per row; this node's owner "
+                f"allows at most {bound} (max_outputs in its settings)"
+            )
         self.state.set_scalar("d_out", d_out)
         return d_out
 

@@ -103,6 +103,10 @@ class OwnerSettings:
     origin: str = "simulation"  # where the settings come from (shown in refusals)
     state_dir: str | None = None  # node-local checkpoints of this node's state (None: none kept, no resume)
     where: str | None = None  # the rows it serves (a SQL predicate, tpflower.sql); None: all of them
+    # outputs per row one reply may carry (the width d_c of its predictions); None: no bound (a simulation,
+    # whose user owns every table). A deployed node's default is 1, the width of regression and binary labels:
+    # more outputs per row than the model's own would let one reply spell out the row (h = X theta, d_c >= d_i)
+    max_outputs: int | None = None
 
     def refuse(self, what: str) -> Refusal:
         return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {self.origin})")
@@ -225,6 +229,16 @@ def node_secret(secret_file: str | Path | None, table: str, where: str) -> bytes
     return value.encode()
 
 
+#: a deployed node's bound on the outputs per row of a reply when its settings name none
+DEFAULT_MAX_OUTPUTS = 1
+
+
+def _max_outputs(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{where}: max_outputs must be a whole number >= 1, got {value!r}")
+    return value
+
+
 def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
     """A deployed node's settings file (module docstring); paths in it are relative to the file."""
     path = Path(path).expanduser().resolve()
@@ -245,6 +259,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         "min_sketch_rows",
         "state_dir",
         "where",
+        "max_outputs",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -263,6 +278,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         loader=None if raw.get("loader") is None else str(raw["loader"]),
         min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
         where=None if raw.get("where") is None else str(raw["where"]),
+        max_outputs=_max_outputs(raw.get("max_outputs", DEFAULT_MAX_OUTPUTS), where),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),
