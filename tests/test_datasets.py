@@ -284,6 +284,10 @@ def test_shard_rows_partitions():
         shard_rows(TableSpec("t", shards=ShardSpec(by="c")), pd.DataFrame({"c": ["a", None]}))
     with pytest.raises(SpecError, match="'t'"):
         shard_rows(TableSpec("t", shards=ShardSpec(parts=8)), frame)
+    # a refusal travels to the server: it counts the rows outside the declared values, never shows one
+    with pytest.raises(SpecError, match="'c': 5 rows hold a value that is not among") as refusal:
+        shard_rows(TableSpec("t", shards=ShardSpec(by="c", values=("a",))), frame)
+    assert "'b'" not in str(refusal.value)
 
 
 # ----------------------------------------------------------------------------------------- movielens1m
