@@ -1,4 +1,5 @@
-"""The one place tpflower reaches into Flower internals: a faster message fetch for the simulation engine.
+"""The one place tpflower reaches into Flower internals: faster polling in the simulation engine and in a
+SuperNode.
 
 Flower's simulation engine (flwr/server/superlink/fleet/vce/vce_api.py, ``add_messages_to_queue``) looks for
 new messages for the virtual nodes every 0.1 s; a TablePuppet SGD epoch has one round per mini-batch, so that
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from importlib.metadata import version
 from queue import Queue
 from typing import Any
@@ -53,4 +55,47 @@ def install_fast_fetch(flwr_version: str | None = None, only_if_loaded: bool = F
     from flwr.server.superlink.fleet.vce import vce_api  # noqa: PLC0415  the engine: about 1 s (docstring above)
 
     vce_api.add_messages_to_queue = fast_fetch_loop
+    return True
+
+
+class _FastSleepTime:
+    """Flower 1.41's SuperNode loop (supernode/start_client_internal.py) with its hard-coded sleeps shortened:
+    the 3 s after a pull that found no message becomes a backoff from :data:`NODE_MIN_WAIT_S` doubling to
+    :data:`NODE_MAX_WAIT_S`, and the 0.5 s waits for a reply and its content become :data:`NODE_MIN_WAIT_S`
+    (they also reset the idle backoff: a message is being answered). Everything else is the time module."""
+
+    def __init__(self) -> None:
+        self._idle = NODE_MIN_WAIT_S
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == 3:  # the empty pull
+            time.sleep(self._idle)
+            self._idle = min(2 * self._idle, NODE_MAX_WAIT_S)
+        elif seconds == 0.5:  # waiting for the ClientApp's reply or its object content
+            self._idle = NODE_MIN_WAIT_S
+            time.sleep(NODE_MIN_WAIT_S)
+        else:
+            time.sleep(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+NODE_MIN_WAIT_S, NODE_MAX_WAIT_S = 0.005, 0.1
+
+
+def install_fast_supernode(flwr_version: str | None = None) -> bool:
+    """Shorten the SuperNode's sleeps (:class:`_FastSleepTime`) if the installed Flower is one this was
+    written for; on any other version leave them and log one notice line."""
+    flwr_version = flwr_version or version("flwr")
+    if not flwr_version.startswith(WRITTEN_FOR):
+        log.warning(
+            "tpflower: Flower %s is not %s; keeping the SuperNode's own 3 s idle pull (slower rounds)",
+            flwr_version,
+            "/".join(v + "x" for v in WRITTEN_FOR),
+        )
+        return False
+    from flwr.supernode import start_client_internal  # noqa: PLC0415  only in the SuperNode's process
+
+    start_client_internal.time = _FastSleepTime()  # type: ignore[assignment]
     return True
