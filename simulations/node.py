@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-supernode", action="store_true", help="Flower's own SuperNode sleeps (3 s idle)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Runtime API call otherwise
 
     from simulations.deploy import free_port  # noqa: PLC0415  (argparse errors first: no heavy imports)
     from tpflower.app.node_service import OwnerNode, installed_app, serve, wait_for_runtime  # noqa: PLC0415

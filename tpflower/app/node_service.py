@@ -48,6 +48,7 @@ from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_f
 from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
 from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supercore.task_identity import TaskIdentity
 from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
 WRITTEN_FOR: tuple[str, ...] = ("1.41.",)
@@ -111,6 +112,8 @@ def runtime_client(address: str, token: str | None = None) -> RuntimeHttpClient:
 def pull_task(client: Any) -> tuple[Message, Context, Any]:
     """The task's message, context and run (FAB bytes received and dropped, never written or loaded)."""
     res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id  # as Flower's flwr-clientapp does
+    TaskIdentity.node_id = res.context.node_id
     context = context_from_proto(res.context)
     run = run_from_proto(res.run)
     pulled = client.PullMessages(PullAppMessagesRequest())
