@@ -1,5 +1,5 @@
-"""The one place tpflower reaches into Flower internals: faster polling in the simulation engine and in a
-SuperNode.
+"""Flower's hard-coded sleeps, shortened: the simulation engine's message fetch and a SuperNode's pull loop
+(the node service's Runtime API client is tpflower.app.node_service).
 
 Flower's simulation engine (flwr/server/superlink/fleet/vce/vce_api.py, ``add_messages_to_queue``) looks for
 new messages for the virtual nodes every 0.1 s; a TablePuppet SGD epoch has one round per mini-batch, so that
