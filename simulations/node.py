@@ -114,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--supernode-user", default=None, help="OS user to run the SuperNode as (when root)")
     parser.add_argument("--slow-supernode", action="store_true", help="Flower's own SuperNode sleeps (3 s idle)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Runtime API call otherwise
+    level = logging.DEBUG if os.environ.get("TPFLOWER_NODE_TRACE") == "1" else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
+    for noisy in ("httpx", "httpcore"):  # one line per Runtime API call otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
     from simulations.deploy import free_port  # noqa: PLC0415  (argparse errors first: no heavy imports)
     from tpflower.app.node_service import OwnerNode, installed_app, serve, wait_for_runtime  # noqa: PLC0415

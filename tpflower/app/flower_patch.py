@@ -10,6 +10,7 @@ polls with a backoff from 0.5 ms (right after a message) to 2 ms (idle). Written
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -82,6 +83,28 @@ class _FastSleepTime:
 
 
 NODE_MIN_WAIT_S, NODE_MAX_WAIT_S = 0.005, 0.1
+OBJECT_PULL_BACKOFF_S, OBJECT_PULL_CAP_S = 0.005, 0.1  # Flower: from 1 s to 10 s (supercore/constant.py)
+
+
+def fast_object_pulls(module: Any) -> None:
+    """``module``'s ``pull_objects`` (Flower's object pull with retries) retried after milliseconds, not 1 s:
+    a message is visible before its objects are pushed, so the first pull often misses by milliseconds."""
+    from flwr.supercore.inflatable.inflatable_utils import pull_objects  # noqa: PLC0415
+
+    module.pull_objects = functools.partial(
+        pull_objects, initial_backoff=OBJECT_PULL_BACKOFF_S, backoff_cap=OBJECT_PULL_CAP_S
+    )
+
+
+def install_fast_grid_pulls(flwr_version: str | None = None) -> bool:
+    """A deployed ServerApp's reply pulls (superlink/grid/http_grid.py) with millisecond object-pull retries,
+    if that grid is loaded in this process and the installed Flower is one this was written for."""
+    if "flwr.superlink.grid.http_grid" not in sys.modules:
+        return False
+    if not (flwr_version or version("flwr")).startswith(WRITTEN_FOR):
+        return False
+    fast_object_pulls(sys.modules["flwr.superlink.grid.http_grid"])
+    return True
 
 
 def install_fast_supernode(flwr_version: str | None = None) -> bool:
@@ -98,4 +121,5 @@ def install_fast_supernode(flwr_version: str | None = None) -> bool:
     from flwr.supernode import start_client_internal  # noqa: PLC0415  only in the SuperNode's process
 
     start_client_internal.time = _FastSleepTime()  # type: ignore[assignment]
+    fast_object_pulls(start_client_internal)
     return True

@@ -163,9 +163,13 @@ def serve_task(client: Any, owner: OwnerNode, respond: Respond, expected: tuple[
     beat = HeartbeatSender(make_task_heartbeat_fn_http(client))  # long handlers keep the token alive
     beat.start()
     try:
+        t0 = time.perf_counter()
         message, context, run = pull_task(client)
+        t1 = time.perf_counter()
         reply, details = answer(message, context, run, owner, respond, expected)
+        t2 = time.perf_counter()
         push_message(client, reply, context)
+        log.debug("task: pulled %.3f s, answered %.3f s, pushed %.3f s", t1 - t0, t2 - t1, time.perf_counter() - t2)
         status = SubStatus.COMPLETED if not details else SubStatus.FAILED
     finally:
         if beat.is_running:
