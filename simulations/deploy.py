@@ -1,8 +1,8 @@
 """Run the federated algorithms on real Flower infrastructure on this machine (127.0.0.1 only).
 
-Deployment runtime: one ``flower-superlink`` and one ``flower-supernode`` per client (table) of the configured
-dataset; the SuperNode of table T gets ``--node-config 'table="T" shard=0 client-config="..."'``, which the
-ClientApp reads. ``start`` writes each node's owner settings (tpflower.owner: its data source, the columns it
+Deployment runtime: one ``flower-superlink`` and, per client (table) of the configured dataset, the owner's
+node service (``python -m simulations.node``: a process-isolated ``flower-supernode`` whose tasks the owner's
+installed tpflower answers; it never runs the submitted app's code, docs/threat-model.md). ``start`` writes each node's owner settings (tpflower.owner: its data source, the columns it
 exposes, its privacy floor = the privacy of ``--overrides``) into STATE_DIR/clients/T-0.yaml and one join-key
 secret, shared by the nodes and never given to the SuperLink, into STATE_DIR/clients/key (mode 0600).
 ``flwr run`` builds a FAB from this directory and ships it to the SuperLink and the SuperNodes::
