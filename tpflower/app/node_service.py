@@ -39,7 +39,7 @@ from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
     PullAppMessagesRequest,
     PullTaskInputRequest,
 )
-from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+from flwr.supercore.heartbeat import make_task_heartbeat_fn_http
 from flwr.supercore.inflatable.inflatable_protobuf_utils import (
     make_confirm_message_received_fn_protobuf,
     make_pull_object_fn_protobuf,
@@ -56,6 +56,7 @@ APP_ID = "tpflower/tpflower"  # the FAB id of tpflower's app: [tool.flwr.app] pu
 TASK_TYPE = "flwr-clientapp"
 MIN_POLL_S, MAX_POLL_S = 0.002, 0.05
 OBJECT_PULL_BACKOFF_S = 0.005
+HEARTBEAT_S = 20.0  # Flower's clientapp: about every 30 s; a task token lapses after about 60 s without one
 log = logging.getLogger("tpflower")
 
 Respond = Callable[[str, RecordDict, Context], RecordDict]
@@ -95,11 +96,24 @@ class OwnerNode:
         return {"table": self.table, "shard": self.shard, "client-config": self.client_config}
 
 
-def runtime_client(address: str, token: str | None = None) -> RuntimeHttpClient:
-    """A Runtime API client for the SuperNode's loopback ``address`` (plain HTTP), with a task's token."""
+class TaskToken:
+    """The current task's token on every Runtime API call (none between tasks): one client, one connection,
+    for every task of the service."""
+
+    def __init__(self) -> None:
+        self.token: str | None = None
+
+    def intercept(self, context: Any, call_next: Any) -> Any:
+        if self.token:
+            return RuntimeTokenHttpInterceptor(self.token).intercept(context, call_next)
+        return call_next(context)
+
+
+def runtime_client(address: str, token: TaskToken | None = None) -> RuntimeHttpClient:
+    """A Runtime API client for the SuperNode's loopback ``address`` (plain HTTP), with the task's token."""
     interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")]
-    if token:
-        interceptors.append(RuntimeTokenHttpInterceptor(token))
+    if token is not None:
+        interceptors.append(token)
     return RuntimeHttpClient.from_server_address(
         server_address=address,
         insecure=True,
@@ -155,13 +169,31 @@ def answer(
         context.node_config = flower_config
 
 
+class KeepAlive:
+    """Task heartbeats every :data:`HEARTBEAT_S` while a task is answered (none for a task answered sooner,
+    which is nearly every one: the token lapses after about a minute without one)."""
+
+    def __init__(self, client: Any) -> None:
+        self._beat = make_task_heartbeat_fn_http(client)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self._beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def serve_task(client: Any, owner: OwnerNode, respond: Respond, expected: tuple[str, str]) -> str:
     """Claimed task -> reply pushed -> task output pushed (always, also on failure); returns its details."""
     context = None
     details = "the node service could not read the task"
     status = SubStatus.FAILED
-    beat = HeartbeatSender(make_task_heartbeat_fn_http(client))  # long handlers keep the token alive
-    beat.start()
+    beat = KeepAlive(client)  # a long handler keeps the task's token alive
     try:
         t0 = time.perf_counter()
         message, context, run = pull_task(client)
@@ -172,8 +204,7 @@ def serve_task(client: Any, owner: OwnerNode, respond: Respond, expected: tuple[
         log.debug("task: pulled %.3f s, answered %.3f s, pushed %.3f s", t1 - t0, t2 - t1, time.perf_counter() - t2)
         status = SubStatus.COMPLETED if not details else SubStatus.FAILED
     finally:
-        if beat.is_running:
-            beat.stop()
+        beat.stop()
         push_task_output(client=client, context=context, sub_status=status, details=details)
     return details
 
@@ -188,25 +219,26 @@ def serve(
     """Claim and answer the SuperNode's tasks until ``stop`` is set (one at a time, short backoff)."""
     expected = expected or installed_app()
     stop = stop or threading.Event()
-    poller = runtime_client(address)
+    token = TaskToken()
+    client = runtime_client(address, token)
     wait = MIN_POLL_S
     try:
         while not stop.is_set():
-            res = poller.AcquireTask(AcquireTaskRequest(supported_task_types=[TASK_TYPE]))
+            res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TASK_TYPE]))
             if res.HasField("task") and res.token:
-                client = runtime_client(address, res.token)
+                token.token = res.token
                 try:
                     serve_task(client, owner, respond, expected)
                 except Exception:  # one task's transport failure must not end the service
                     log.exception("%s: task %s failed", owner.name, res.task.task_id)
                 finally:
-                    client.close()
+                    token.token = None
                 wait = MIN_POLL_S
                 continue
             stop.wait(wait)
             wait = min(2 * wait, MAX_POLL_S)
     finally:
-        poller.close()
+        client.close()
 
 
 def wait_for_runtime(address: str, timeout: float, alive: Callable[[], bool]) -> None:
