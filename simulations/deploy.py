@@ -1,8 +1,8 @@
 """Run the federated algorithms on real Flower infrastructure on this machine (127.0.0.1 only).
 
-Deployment runtime: one ``flower-superlink`` and one ``flower-supernode`` per client (table) of the configured
-dataset; the SuperNode of table T gets ``--node-config 'table="T" shard=0 client-config="..."'``, which the
-ClientApp reads. ``start`` writes each node's owner settings (tpflower.owner: its data source, the columns it
+Deployment runtime: one ``flower-superlink`` and, per client (table) of the configured dataset, the owner's
+node service (``python -m simulations.node``: a process-isolated ``flower-supernode`` whose tasks the owner's
+installed tpflower answers; it never runs the submitted app's code, docs/threat-model.md). ``start`` writes each node's owner settings (tpflower.owner: its data source, the columns it
 exposes, its privacy floor = the privacy of ``--overrides``) into STATE_DIR/clients/T-0.yaml and one join-key
 secret, shared by the nodes and never given to the SuperLink, into STATE_DIR/clients/key (mode 0600).
 ``flwr run`` builds a FAB from this directory and ships it to the SuperLink and the SuperNodes::
@@ -378,6 +378,45 @@ def supernode_command(
     ]
 
 
+def node_command(
+    superlink_port: int,
+    runtime_port: int,
+    table: str,
+    shard: int,
+    client_config: str | Path,
+    ca: str | Path | None = None,
+    auth_key: str | Path | None = None,
+) -> list[str]:
+    """The owner's node service of one table shard (simulations.node): a process-isolated SuperNode whose
+    Runtime API is on 127.0.0.1:``runtime_port``, answered by the owner's installed tpflower only."""
+    security = (
+        ["--root-certificates", str(ca)] + (["--auth-supernode-private-key", str(auth_key)] if auth_key else [])
+        if ca
+        else ["--insecure"]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "simulations.node",
+        "--client-config",
+        str(client_config),
+        "--table",
+        table,
+        "--shard",
+        str(shard),
+        "--superlink",
+        f"{HOST}:{superlink_port}",
+        "--runtime-port",
+        str(runtime_port),
+        *security,
+    ]
+
+
+def node_env(env: dict[str, str]) -> dict[str, str]:
+    """The node service's environment: the deployment's, with this project first on the Python path."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(APP_DIR), env.get("PYTHONPATH", "")) if p)}
+
+
 def register_node(public_key: str | Path, connection: str, env: dict[str, str]) -> None:
     """``flwr supernode register PUBLIC_KEY CONNECTION``: the SuperLink accepts the node holding the private key."""
     done = subprocess.run(
@@ -490,9 +529,9 @@ def start(
             node_port = free_port()
             log = state / f"supernode-{table}-{shard}.log"
             proc = spawn(
-                supernode_command(dep.superlink_port, node_port, table, shard, client_config, dep.ca, auth_key),
+                node_command(dep.superlink_port, node_port, table, shard, client_config, dep.ca, auth_key),
                 log,
-                env,
+                node_env(env),
                 workdir,
             )
             dep.popens.append(proc)
@@ -520,7 +559,7 @@ def restart_node(dep: Deployment, name: str, cwd: str | Path | None = None) -> s
     """Start the recorded SuperNode ``name`` ("supernode T/Q") again with its recorded command (same key, so
     the same node id when authenticated; the same settings file, so the same node-local state)."""
     record = next(p for p in dep.processes if p["name"] == name)
-    proc = spawn(list(record["cmd"]), Path(record["log"]), dep.env(), cwd)
+    proc = spawn(list(record["cmd"]), Path(record["log"]), node_env(dep.env()), cwd)
     dep.popens.append(proc)
     record.update(pid=proc.pid, pgid=proc.pid)
     dep.save()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from simulations import deploy
 from tests.test_resume import checkpoint_epoch
@@ -273,3 +274,144 @@ def _wait_for_exit(proc, timeout: float) -> None:
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert proc.poll() is not None, "`flwr run` did not end after its node was killed"
+
+
+FOREIGN_PYPROJECT = """
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "foreign"
+version = "1.0.0"
+dependencies = ["flwr"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "attacker"
+
+[tool.flwr.app.components]
+serverapp = "foreign_app:server"
+clientapp = "foreign_app:client"
+
+[tool.flwr.app.config]
+targets = ""
+out = ""
+"""
+
+# a submitter's own app: its ClientApp answers every query with the owner's settings file, the secret file it
+# names and the first rows of its data source; its ServerApp collects the replies (and fails on error replies)
+FOREIGN_APP = """
+import json
+from pathlib import Path
+
+import yaml
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+client = ClientApp()
+server = ServerApp()
+
+
+@client.query()
+def steal(msg: Message, context: Context) -> Message:
+    loot = {}
+    for path in [context.node_config.get("client-config")] + str(context.run_config["targets"]).split(","):
+        if path and Path(str(path)).is_file():
+            text = Path(str(path)).read_text()
+            loot[str(path)] = text[:2000]
+            settings = yaml.safe_load(text) if str(path).endswith(".yaml") else None
+            for extra in ("secret_file", "source"):
+                if isinstance(settings, dict) and settings.get(extra):
+                    loot[settings[extra]] = Path(settings[extra]).read_text()[:2000]
+    return Message(RecordDict({"loot": ConfigRecord({"json": json.dumps(loot)})}), reply_to=msg)
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    import time
+
+    nodes = list(grid.get_node_ids())
+    while len(nodes) < 4:
+        time.sleep(1)
+        nodes = list(grid.get_node_ids())
+    asks = [Message(RecordDict({"q": ConfigRecord({"x": 1})}), dst_node_id=n, message_type="query") for n in nodes]
+    replies = list(grid.send_and_receive(asks, timeout=120))
+    found = [r.content["loot"]["json"] for r in replies if not r.has_error()]
+    refused = [str(r.error.reason) for r in replies if r.has_error()]
+    Path(str(context.run_config["out"])).write_text(json.dumps({"loot": found, "refused": refused}))
+    print("\\n".join(refused))
+    if refused:
+        raise RuntimeError("; ".join(refused))
+"""
+# float64 TP-Join-ADMM, 2 epochs, no privacy: the tpflower run after the foreign one (compared with in-process)
+AFTER_FOREIGN_RUN = "algorithm=admm dataset=synthetic epochs=2 precision=float64"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_foreign_app_is_refused_by_every_node_then_tpflower_runs_to_the_simulation_metrics(tmp_path):
+    """The owner's node service (simulations.node) never runs a submitter's app: a foreign FAB whose
+    ClientApp reads the node's settings, secret and data gets one refusal line per node (naming it) and no
+    byte of them; then tpflower's own app on the same deployment ends with the in-process metrics (1e-6)."""
+    from simulations.federated import run_in_process
+    from tpflower.config import compose_config
+
+    app_dir = tmp_path / "foreign"
+    app_dir.mkdir()
+    (app_dir / "pyproject.toml").write_text(FOREIGN_PYPROJECT)
+    (app_dir / "foreign_app.py").write_text(FOREIGN_APP)
+    dep = None
+    left: list[int] = ["not stopped"]  # type: ignore[list-item]
+    try:
+        dep = deploy.start(AFTER_FOREIGN_RUN, state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home", cwd=tmp_path)
+        clients = tmp_path / "deploy" / "clients"
+        secret = (clients / "key").read_text()
+        settings = [(clients / f"{t}-0.yaml") for t in SYNTHETIC_TABLES]
+        owned = [yaml.safe_load(p.read_text()) for p in settings]
+        sources = [Path(str(o["source"])) for o in owned if o.get("source")]  # synthetic: generated, no file
+        targets = ",".join(str(p) for p in [*settings, clients / "key", *sources])
+        out = tmp_path / "foreign-out.json"
+        cmd = [
+            "flwr",
+            "run",
+            str(app_dir),
+            dep.connection,
+            "--run-config",
+            f"targets={json.dumps(targets)} out={json.dumps(str(out))}",
+            "--stream",
+        ]
+        run_id, lines = deploy.stream_run(cmd, dep.env(), RUN_TIMEOUT_S)
+        assert run_id is not None, "\n".join(lines[-20:])
+        got = json.loads(out.read_text())
+        status = deploy.run_status(run_id, dep.connection, dep.env())
+        assert got["loot"] == [] and len(got["refused"]) == 4, got
+        for table in SYNTHETIC_TABLES:
+            assert any(f"node table {table!r} shard 0 refuses app attacker/foreign 1.0.0" in r for r in got["refused"])
+        assert status["status"] != "finished:completed" and "refuses app" in str(status.get("status-details"))
+        assert any("refuses app attacker/foreign" in line for line in lines)  # the submitter's own output
+        everything = out.read_text() + "\n".join(lines)
+        first_rows = [src.read_text().splitlines()[1] for src in sources if src.is_file()]
+        assert secret not in everything and not any(row in everything for row in first_rows)
+
+        run_dir = tmp_path / "run"
+        results = run_dir / "results.json"
+        run_id, lines = deploy.stream_run(
+            deploy.flwr_run_command(dep.connection, AFTER_FOREIGN_RUN, run_dir), dep.env(), RUN_TIMEOUT_S
+        )
+        assert results.is_file(), "\n".join(lines[-30:])
+        data = json.loads(results.read_text())
+    finally:
+        if dep is not None:
+            left = deploy.stop(dep)
+    assert left == []
+    simulated = run_in_process(compose_config(*AFTER_FOREIGN_RUN.split()), None, log=lambda _: None).strategy.results
+    np.testing.assert_allclose(
+        [h["test_metric"] for h in data["history"]], [h.test_metric for h in simulated.history], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        [h["train_loss"] for h in data["history"]], [h.train_loss for h in simulated.history], rtol=1e-6
+    )

@@ -57,3 +57,17 @@ def test_a_client_error_in_the_worker_is_the_nodes_error_line(deployed):
     call(node_app, context, "train", {}, {"phase": "keys"})
     with pytest.raises(node_worker.WorkerError, match="refuses phase 'keys': out of order"):
         call(node_app, context, "train", {}, {"phase": "keys"})
+
+
+def test_the_socket_directory_is_private_and_refused_when_not_ours(tmp_path):
+    folder = node_worker.private_dir(tmp_path / "w")
+    assert (folder.stat().st_mode & 0o777) == 0o700
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PermissionError, match="not a directory owned by"):
+        node_worker.private_dir(tmp_path / "link")
+    if os.getuid() == 0:  # root can make a directory another user owns
+        (tmp_path / "theirs").mkdir()
+        os.chown(tmp_path / "theirs", 65534, 65534)
+        with pytest.raises(PermissionError, match="not a directory owned by"):
+            node_worker.private_dir(tmp_path / "theirs")

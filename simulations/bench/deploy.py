@@ -1,9 +1,11 @@
-"""Deployment round time against Flower's own floor, side by side on one SuperLink and its SuperNodes.
+"""Deployed round time on the owner's node service, side by side with Flower's simulation engine.
 
-The floor: a no-op app (written to a temporary directory: a ServerApp that sends one empty message per
-node per round and waits for the replies, a ClientApp that answers at once) run on the same secure
-deployment (TLS + node authentication) right before tpflower's TP-Join-ADMM run; one ADMM epoch is one
-round. Used by ``python -m simulations.bench deploy`` (bench_results/deploy.json).
+On one secure deployment (``simulations.deploy start``: TLS + node authentication, one node service per
+table): the empty phase (the hello query to every node: no table work) timed round by round, then a
+TP-Join-SGD and a TP-Join-ADMM run whose epochs are timed from their history (epochs 2..); the same runs
+under the simulation engine in the same invocation. The empty-phase app is tpflower's identity (the node
+service refuses any other app) with a timing ServerApp; every node answers it with its installed tpflower.
+Used by ``python -m simulations.bench deploy`` (bench_results/deploy.json).
 """
 
 from __future__ import annotations
@@ -13,18 +15,20 @@ import json
 import statistics
 import subprocess
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from simulations import deploy
+from simulations.bench.loj import run_algorithm
 
-NOOP_PYPROJECT = """[build-system]
+EMPTY_PYPROJECT = """[build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
 
 [project]
-name = "noop"
-version = "0.1.0"
+name = "tpflower"
+version = "{version}"
 dependencies = []
 
 [tool.hatch.build.targets.wheel]
@@ -34,16 +38,20 @@ packages = ["."]
 publisher = "tpflower"
 
 [tool.flwr.app.components]
-serverapp = "noop:server"
-clientapp = "noop:client"
+serverapp = "empty_rounds:server"
+clientapp = "empty_rounds:client"
 
 [tool.flwr.app.config]
+overrides = "algorithm=admm"
+run-dir = ""
+base-dir = ""
 rounds = 10
 nodes = 1
 out = ""
 """
 
-NOOP_APP = '''"""A no-op Flower app: the floor of a deployment round."""
+EMPTY_APP = '''"""The empty phase, timed: rounds of tpflower's hello query to every node (the nodes answer with their own
+installed tpflower; this file's ClientApp is never run by a node service)."""
 import json
 import time
 from pathlib import Path
@@ -52,6 +60,9 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from tpflower.app.flower_patch import install_fast_grid_pulls
+
+install_fast_grid_pulls()  # as tpflower's own ServerApp does
 server = ServerApp()
 client = ClientApp()
 
@@ -64,18 +75,16 @@ def main(grid: Grid, context: Context) -> None:
     times = []
     for r in range(rounds):
         start = time.perf_counter()
-        pending = set(grid.push_messages([Message(RecordDict({"c": ConfigRecord({"r": r})}), n, "train") for n in ids]))
+        hello = RecordDict({"config": ConfigRecord({"phase": "hello"})})
+        pending = set(grid.push_messages([Message(RecordDict(hello), n, "query") for n in ids]))
         while pending:  # pulled as tpflower's GridTransport does (millisecond polling)
             for reply in grid.pull_messages(list(pending)):
+                if reply.has_error():
+                    raise RuntimeError(reply.error.reason)
                 pending.discard(reply.metadata.reply_to_message_id)
-            time.sleep(0.005)
+            time.sleep(0.002)
         times.append(time.perf_counter() - start)
     Path(str(context.run_config["out"])).write_text(json.dumps(times))
-
-
-@client.train()
-def train(msg: Message, context: Context) -> Message:
-    return Message(RecordDict({"c": ConfigRecord({"ok": 1})}), reply_to=msg)
 '''
 
 
@@ -85,57 +94,74 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed: {(done.stdout + done.stderr)[-2000:]}")
 
 
-def deploy_case(name: str, overrides: str, epochs: int = 6, rounds: int = 6, timeout: float = 3600.0) -> dict[str, Any]:
-    """Floor round and TP-Join-ADMM epoch (medians, epochs 2..) on one deployment of ``overrides``' tables."""
+GOALS = {"empty_round_s": 0.3, "tp_join_sgd": 3.0, "tp_join_admm": 2.0}  # deployed / simulation engine
+# mini-batches of 8192 rows (28 rounds per movielens epoch instead of 221 at the default 1024): the same
+# per-round overhead, measured in minutes rather than a quarter of an hour per deployed epoch
+EXTRA = {"sgd": ("algorithm.batch_size=8192",), "admm": ()}
+
+
+def _epochs(history: list[dict[str, Any]]) -> list[float]:
+    walls = [h["wall_time_s"] for h in history]
+    return [b - a for a, b in itertools.pairwise(walls)]
+
+
+def deploy_case(
+    name: str, dataset: str, admm_epochs: int = 6, sgd_epochs: int = 3, rounds: int = 20, timeout: float = 3600.0
+) -> dict[str, Any]:
+    """Empty-phase rounds, TP-Join-SGD and TP-Join-ADMM epochs (medians, epochs 2..) on one deployment of
+    ``dataset``'s tables, and the same epochs under the simulation engine."""
+    overrides = f"algorithm=sgd dataset={dataset}"
+    runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tpflower-bench-") as tmp:
         root = Path(tmp)
-        noop = root / "noop"
-        noop.mkdir()
-        (noop / "pyproject.toml").write_text(NOOP_PYPROJECT)
-        (noop / "noop.py").write_text(NOOP_APP)
+        app = root / "empty"
+        app.mkdir()
+        (app / "pyproject.toml").write_text(EMPTY_PYPROJECT.format(version=version("tpflower")))
+        (app / "empty_rounds.py").write_text(EMPTY_APP)
         dep = deploy.start(overrides, state_dir=root / "deploy", home=root / "home", cwd=root)
         try:
             nodes = len(dep.processes) - 1
-            floor_out = root / "floor.json"
-            _run(
-                [
-                    "flwr",
-                    "run",
-                    str(noop),
-                    dep.connection,
-                    "--stream",
-                    "--run-config",
-                    f'rounds={rounds + 1} nodes={nodes} out="{floor_out}"',
-                ],
-                dep.env(),
-                timeout,
-            )
-            floor = json.loads(floor_out.read_text())[1:]  # the first round starts the nodes' app processes
-            run_dir = root / "run"
-            _run(deploy.flwr_run_command(dep.connection, f"{overrides} epochs={epochs}", run_dir), dep.env(), timeout)
-            history = json.loads((run_dir / "results.json").read_text())["history"]
-            walls = [h["wall_time_s"] for h in history]
-            epoch_s = [b - a for a, b in itertools.pairwise(walls)]
+            out = root / "empty.json"
+            config = f"overrides={json.dumps(overrides)} rounds={rounds + 1} nodes={nodes} out={json.dumps(str(out))}"
+            _run(["flwr", "run", str(app), dep.connection, "--stream", "--run-config", config], dep.env(), timeout)
+            empty = json.loads(out.read_text())[1:]  # the first round loads each node's config and table
+            for algorithm, epochs in (("sgd", sgd_epochs), ("admm", admm_epochs)):
+                run_dir = root / f"run-{algorithm}"
+                job = " ".join([f"algorithm={algorithm} dataset={dataset} epochs={epochs}", *EXTRA[algorithm]])
+                _run(deploy.flwr_run_command(dep.connection, job, run_dir), dep.env(), timeout)
+                result = json.loads((run_dir / "results.json").read_text())
+                runs[result["algorithm"]] = {"job": job, "deployed_epoch_s": _epochs(result["history"])}
         finally:
             deploy.stop(dep)
-    floor_s, admm_s = statistics.median(floor), statistics.median(epoch_s)
+    for algorithm, epochs in (("sgd", sgd_epochs), ("admm", admm_epochs)):
+        sim = run_algorithm(
+            {
+                "algorithm": algorithm,
+                "dataset": dataset,
+                "epochs": epochs,
+                "runtime": "flower",
+                "overrides": EXTRA[algorithm],
+            }
+        )
+        row = runs[sim["algorithm"]]
+        row["simulation_epoch_s"] = sim["epoch_wall_s"]
+        row["rounds_per_epoch"] = sim["rounds_per_epoch"]
+        row["median_deployed_epoch_s"] = statistics.median(row["deployed_epoch_s"])
+        row["deployed_over_simulation"] = round(row["median_deployed_epoch_s"] / sim["epoch_wall_s"], 2)
+        row["goal"] = GOALS[sim["algorithm"]]
     return {
         "case": name,
-        "overrides": overrides,
+        "dataset": dataset,
         "nodes": nodes,
-        "floor_round_s": floor,
-        "admm_epoch_s": epoch_s,
-        "median_floor_s": floor_s,
-        "median_admm_epoch_s": admm_s,
-        "above_floor_s": admm_s - floor_s,
+        "empty_round_s": empty,
+        "median_empty_round_s": statistics.median(empty),
+        "empty_round_goal_s": GOALS["empty_round_s"],
+        "algorithms": runs,
     }
 
 
-DEPLOY_CASES = {
-    "movielens": "algorithm=admm dataset=movielens",
-    "star_2m": "algorithm=admm dataset=synthetic dataset.loader.schema=star dataset.loader.n_fact=2000000",
-}
+DEPLOY_CASES = {"movielens": "movielens"}
 
 
 def deploy_suite(cases: list[str], epochs: int) -> dict[str, Any]:
-    return {"case": "deploy", "runs": [deploy_case(c, DEPLOY_CASES[c], epochs=epochs) for c in cases]}
+    return {"case": "deploy", "runs": [deploy_case(c, DEPLOY_CASES[c], admm_epochs=epochs) for c in cases]}

@@ -1,6 +1,9 @@
 """The ClientApp entry point Flower loads (pyproject ``[tool.flwr.app.components]``), thin on purpose.
 
-A deployed node (its node config names its owner's ``client-config``) hands every message to its node worker
+tpflower's own deployments never run this on a node: the owner's node service (tpflower.app.node_service,
+``python -m simulations.node``) answers with the installed tpflower and never loads a FAB. On a stock
+``flower-supernode`` whose node config names its owner's ``client-config``, this entry point hands every
+message to its node worker
 (tpflower.app.node_worker), a long-lived process that keeps the imports and the prepared table, so the
 ``flwr-clientapp`` process Flower starts per message imports only Flower and this module. Elsewhere (the
 simulation engine, whose actors live across messages) the full ClientApp (tpflower.app.client_app) answers

@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -55,10 +56,23 @@ def socket_path(node_config: dict[str, Any]) -> Path:
     """The node's worker socket: in a private directory, named by the app's code and the node config (short:
     Unix socket paths are limited to about 100 bytes)."""
     ident = json.dumps([str(code_dir()), sorted((str(k), str(v)) for k, v in node_config.items())])
-    folder = Path(tempfile.gettempdir()) / f"tpflower-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(folder, 0o700)
+    folder = private_dir(Path(tempfile.gettempdir()) / f"tpflower-{os.getuid()}")
     return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.sock"
+
+
+def private_dir(folder: Path) -> Path:
+    """``folder`` created 0700; refused if it is a symlink, not a directory, or owned by another user (someone
+    else's directory in a shared /tmp could stand in for the worker's socket)."""
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"node worker directory {folder} is not a directory owned by uid {os.getuid()}")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(folder, 0o700)
+    return folder
 
 
 # ------------------------------------------------------------------------------------------------ frames
@@ -127,7 +141,8 @@ def _connect(path: Path) -> socket.socket | None:
 
 def _start(path: Path) -> socket.socket:
     """Start the node's worker (one at a time: a lock next to the socket) and connect to it."""
-    with open(path.with_suffix(".lock"), "w") as lock:
+    fd = os.open(path.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         conn = _connect(path)  # another message's process may have started it meanwhile
         if conn is not None:

@@ -1,0 +1,181 @@
+"""A table owner's node: ``python -m simulations.node --client-config owner.yaml --superlink HOST:PORT ...``.
+
+Starts the owner's SuperNode with process isolation (``flower-supernode --isolation process``: it runs no
+app of its own and serves a Runtime API on loopback) and this process, the node service
+(tpflower.app.node_service), which answers every message of every run with the tpflower the owner installed.
+It never installs, imports or runs code from a run's app bundle (FAB); a run whose app is not this tpflower
+version is refused with one line naming the node and the app. The settings file, its secret and the data
+are read only by this process (docs/threat-model.md "The node service"): run the SuperNode as an OS user
+that cannot read them (``--supernode-user``, when started as root) or start the two yourself
+(``--runtime-port`` with ``--no-supernode``).
+
+    python -m simulations.node --client-config clients/ratings-0.yaml --superlink 10.0.0.5:9092 \\
+        --root-certificates ca.crt --auth-supernode-private-key clients/ratings-0.key
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+HOST = "127.0.0.1"
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """The SuperNode ends when its node service does (also on SIGKILL): Linux prctl(PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def supernode_command(
+    superlink: str,
+    runtime_port: int,
+    node_config: str,
+    root_certificates: str | None,
+    auth_key: str | None,
+    fast: bool = True,
+) -> list[str]:
+    """The owner's SuperNode: process isolation, Runtime API on 127.0.0.1:``runtime_port``; TLS verified
+    against ``root_certificates`` (else plain text) and authenticated by ``auth_key`` when given."""
+    security = (
+        ["--root-certificates", root_certificates] + (["--auth-supernode-private-key", auth_key] if auth_key else [])
+        if root_certificates
+        else ["--insecure"]
+    )
+    program = [sys.executable, "-m", "tpflower.app.supernode"] if fast else ["flower-supernode"]
+    return [
+        *program,
+        *security,
+        "--superlink",
+        superlink,
+        "--isolation",
+        "process",
+        "--host",
+        HOST,
+        "--port",
+        str(runtime_port),
+        "--node-config",
+        node_config,
+    ]
+
+
+def owner_table(client_config: str | Path, table: str | None) -> str:
+    """The table the settings file serves (its ``table`` key), or ``table`` when given."""
+    if table:
+        return table
+    try:
+        raw = yaml.safe_load(Path(client_config).read_text()) or {}
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read --client-config {client_config}: {exc.strerror}") from None
+    if not isinstance(raw, dict) or not raw.get("table"):
+        raise SystemExit(f"error: --client-config {client_config} names no table; pass --table")
+    return str(raw["table"])
+
+
+def _as_user(name: str | None):  # pragma: no cover - needs root
+    if not name:
+        return None
+    entry = pwd.getpwnam(name)
+
+    def switch() -> None:
+        _die_with_parent()
+        os.setgroups([])
+        os.setgid(entry.pw_gid)
+        os.setuid(entry.pw_uid)
+
+    return switch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simulations.node", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--client-config", required=True, help="the owner's settings file (tpflower.owner)")
+    parser.add_argument("--superlink", help="the SuperLink's Fleet API, HOST:PORT")
+    parser.add_argument("--table", default=None, help="the table served (default: the settings file's `table`)")
+    parser.add_argument("--shard", type=int, default=0)
+    parser.add_argument("--root-certificates", default=None, help="the SuperLink operator's CA (TLS)")
+    parser.add_argument("--auth-supernode-private-key", default=None, help="this node's registered private key")
+    parser.add_argument("--insecure", action="store_true", help="plain text to the SuperLink (no TLS)")
+    parser.add_argument("--runtime-port", type=int, default=None, help="the SuperNode's loopback Runtime API port")
+    parser.add_argument("--no-supernode", action="store_true", help="attach to a SuperNode started separately")
+    parser.add_argument("--supernode-user", default=None, help="OS user to run the SuperNode as (when root)")
+    parser.add_argument("--slow-supernode", action="store_true", help="Flower's own SuperNode sleeps (3 s idle)")
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if os.environ.get("TPFLOWER_NODE_TRACE") == "1" else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
+    for noisy in ("httpx", "httpcore"):  # one line per Runtime API call otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    from simulations.deploy import free_port  # noqa: PLC0415  (argparse errors first: no heavy imports)
+    from tpflower.app.node_service import OwnerNode, installed_app, serve, wait_for_runtime  # noqa: PLC0415
+    from tpflower.owner import SECRET_ENV  # noqa: PLC0415
+
+    table = owner_table(args.client_config, args.table)
+    owner = OwnerNode(table, args.shard, str(Path(args.client_config).resolve()))
+    port = args.runtime_port or free_port()
+    address = f"{HOST}:{port}"
+    stop = threading.Event()
+    supernode = None
+    if not args.no_supernode:
+        if not args.superlink:
+            parser.error("--superlink HOST:PORT is required unless --no-supernode")
+        if not args.insecure and not args.root_certificates:
+            parser.error("--root-certificates CA is required (or --insecure for plain text)")
+        cmd = supernode_command(
+            args.superlink,
+            port,
+            f'table="{table}" shard={args.shard}',  # no path of the owner's: the SuperNode never reads them
+            None if args.insecure else args.root_certificates,
+            args.auth_supernode_private_key,
+            fast=not args.slow_supernode,
+        )
+        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # the secret stays with the service
+        supernode = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_as_user(args.supernode_user) or _die_with_parent
+        )
+
+        def watch() -> None:
+            supernode.wait()
+            stop.set()
+            time.sleep(5.0)  # the service's loop ends with the SuperNode; a call stuck in retries does not
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    app_id, app_version = installed_app()
+    print(f"node {owner.name}: serving {app_id} {app_version} on the SuperNode's Runtime API {address}", flush=True)
+    try:
+        wait_for_runtime(address, 120.0, lambda: supernode is None or supernode.poll() is None)
+        from tpflower.app.client_app import app  # noqa: PLC0415  torch, pandas, Hydra: once, kept across runs
+
+        serve(address, owner, app.respond, stop=stop)  # type: ignore[attr-defined]
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if supernode is not None and supernode.poll() is None:
+            supernode.terminate()
+            try:
+                supernode.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                supernode.kill()
+    if supernode is not None and supernode.returncode not in (0, -signal.SIGTERM, None):
+        print(f"node {owner.name}: the SuperNode exited with code {supernode.returncode}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
