@@ -33,12 +33,23 @@ from tpflower.blind import point_digests
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
 from tpflower.losses import LabelScale, output_dim, standardizes_label
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
-from tpflower.owner import mapping_keys
 from tpflower.records import numbered, unnumbered
 from tpflower.relation import summary_line
 from tpflower.schema import RelationalSpec, validate_key_kinds
 
 Send = Callable[..., dict[ClientKey, Reply]]
+
+
+def key_mode(replies: Mapping[ClientKey, Reply]) -> str:
+    """How the owners mapped their join keys (each node's own choice, reported in its keys reply): hmac or
+    blind; owners that disagree stop the run here, naming the tables of each mode."""
+    modes: dict[str, set[str]] = {}
+    for (table, _), (_, metrics) in replies.items():
+        modes.setdefault(str(metrics.get("keys", "hmac")), set()).add(table)
+    if len(modes) > 1:
+        named = "; ".join(f"{', '.join(sorted(t))} by {m}" for m, t in sorted(modes.items()))
+        raise ValueError(f"the table owners map their join keys differently ({named}): set one `keys` on every node")
+    return next(iter(modes), "hmac")
 
 
 class RecordOpener(Protocol):
@@ -115,10 +126,9 @@ class JoinSetup(Saved):
         """Round 1 (keys) builds the mapping, the partition and the labels and opens ``record``; then the
         feature-DP plan (``plan_feature_dp``, on the table-row mapping), the federated preprocessing rounds
         and, for a VFL baseline (``expand``), round ``expand``."""
-        mode = mapping_keys(self.cfg)
-        message = {"phase": "keys", "run_id": run_id, "keys": mode, **dp.privacy_message(self.privacy)}
+        message = {"phase": "keys", "run_id": run_id, **dp.privacy_message(self.privacy)}
         replies = self.send({k: ({}, message) for k in self.clients})
-        if mode == "blind":
+        if key_mode(replies) == "blind":
             self.blind_rounds(replies)
         record.t0 = time.perf_counter()
         y_train = self.build(replies)

@@ -15,10 +15,10 @@ import pytest
 from flwr.app import RecordDict
 from nacl import bindings as sodium
 
-from strategies.setup import JoinSetup
+from strategies.setup import JoinSetup, key_mode
 from tests.mapping_reference import SECRET, mapping_of
 from tests.test_conformance import call
-from tests.test_curious_server import SYNTHETIC, node, refused
+from tests.test_curious_server import SYNTHETIC, node
 from tests.test_privacy_e2e import Recorded, raw_columns
 from tests.test_schema_mapping import STAR, frames_star_mn, spec_of
 from tpflower.app.client_app import app as deployed_app
@@ -222,14 +222,18 @@ def test_a_deployed_blind_node_needs_no_secret_and_keeps_its_scalar_0600(tmp_pat
         settings.pop("secret_file")
         settings["keys"] = "blind"
 
-    context = node(tmp_path, "d1", SYNTHETIC, SYNTHETIC, edit=blind)
-    refused(deployed_app, context, "the run maps join keys by 'hmac'; this node maps them by 'blind'", "train",
-            config={"phase": "keys"})  # fmt: skip
     context = node(tmp_path / "again", "d1", SYNTHETIC, SYNTHETIC, edit=blind)
-    arrays = unpack_reply(call(deployed_app, context, "train", {}, {"phase": "keys", "keys": "blind"}).content)[0]
+    arrays = unpack_reply(call(deployed_app, context, "train", {}, {"phase": "keys"}).content)[0]
     assert {"row_ids", "code.0", "blind.0"} <= set(arrays) and not any(n.startswith("digest") for n in arrays)
     files = list(Path(tmp_path / "again").rglob(SCALAR_FILE))
     assert len(files) == 1
     assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600
     scalar = bytes.fromhex(files[0].read_text())
     assert scalar not in b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
+
+
+def test_owners_that_map_keys_differently_stop_the_run_naming_the_tables():
+    replies = {("fact", 0): ({}, {"keys": "blind"}), ("A", 0): ({}, {"keys": "hmac"}), ("B", 0): ({}, {})}
+    with pytest.raises(ValueError, match=r"\(A, B by hmac; fact by blind\): set one `keys` on every node"):
+        key_mode(replies)
+    assert key_mode({("fact", 0): ({}, {"keys": "blind"})}) == "blind"

@@ -1,6 +1,6 @@
 """Setup and evaluation phases shared by every LoJ algorithm (TablePuppet Sec. 3.1.1, 4.3, 4.4).
 
-keys      {keys}              -> {row_ids, digest.<join>..., (label owner) y, is_test}   keys=hmac (default)
+keys      {}                  -> {row_ids, digest.<join>..., (label owner) y, is_test}   keys=hmac (default)
                                  {row_ids, code.<join>, blind.<join>..., ...}          keys=blind: per row the
                                  code of its key value, per distinct value H(k)^a (shuffled; tpflower.blind)
                                  with label DP: y holds the randomized labels of the TRAINING rows only
@@ -37,9 +37,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
     s, data = client.settings, client.data
     accept_privacy(client, config)
     check_unique_key(client)
-    mode = str(config.get("keys") or "hmac")
-    if mode != s.owner.keys:
-        raise s.owner.refuse(f"the run maps join keys by {mode!r}; this node maps them by {s.owner.keys!r}")
+    mode = s.owner.keys  # the owner's choice (its settings; in a simulation mapping.keys), never the server's
     client.state.set_scalar("keys", mode)
     if mode == "blind":
         scalar = blinding_scalar(client)
@@ -55,6 +53,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
         "shard": s.shard,
         "region": s.region,
         "n_rows": len(data.row_ids),
+        "keys": mode,
         "key_kinds": ",".join(f"{c}={k}" for c, k in s.key_kinds.items()),
     }
     if data.y is not None:
