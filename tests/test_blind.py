@@ -12,9 +12,11 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 from flwr.app import RecordDict
 from nacl import bindings as sodium
 
+from simulations.deploy import deployment_overrides, write_client_configs
 from strategies.setup import JoinSetup, key_mode
 from tests.mapping_reference import SECRET, mapping_of
 from tests.test_conformance import call
@@ -237,3 +239,12 @@ def test_owners_that_map_keys_differently_stop_the_run_naming_the_tables():
     with pytest.raises(ValueError, match=r"\(fact by blind; A, B by hmac\): set one `keys` on every node"):
         key_mode(replies)
     assert key_mode({("fact", 0): ({}, {"keys": "blind"})}) == "blind"
+
+
+def test_a_deployment_writes_blind_owners_without_a_shared_secret(tmp_path):
+    paths = write_client_configs(deployment_overrides("dataset=synthetic"), tmp_path)
+    settings = [yaml.safe_load(p.read_text()) for p in paths.values()]
+    assert {s["keys"] for s in settings} == {"blind"} and not (tmp_path / "key").exists()
+    assert len({s["secret_file"] for s in settings}) == len(settings)  # each owner its own, none shared
+    hmac_paths = write_client_configs(deployment_overrides("dataset=synthetic mapping.keys=hmac"), tmp_path / "h")
+    assert {yaml.safe_load(p.read_text())["secret_file"] for p in hmac_paths.values()} == {str(tmp_path / "h" / "key")}
