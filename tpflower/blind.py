@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,19 @@ from tpflower.mapping import DIGEST_WORDS, canonical_tuples, key_codes
 POINT_BYTES = 32
 SCALAR_FILE = "blind.key"
 _DOMAIN = b"tpflower join key v1\x1f"
+
+
+#: values per task of :func:`_parallel` (libsodium releases the GIL: the node's cores share the work)
+TASK_VALUES = 4096
+
+
+def _parallel(fn: Callable[[Sequence[bytes]], list[bytes]], items: Sequence[bytes]) -> list[bytes]:
+    """``fn`` over consecutive slices of ``items`` on the node's cores, results in order."""
+    if len(items) <= TASK_VALUES:
+        return fn(items)
+    parts = [items[i : i + TASK_VALUES] for i in range(0, len(items), TASK_VALUES)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return [x for part in pool.map(fn, parts) for x in part]
 
 
 def new_scalar() -> bytes:
@@ -54,8 +68,7 @@ def node_scalar(state_dir: str | Path) -> bytes:
     return value
 
 
-def hash_to_group(encoded: Sequence[bytes]) -> list[bytes]:
-    """H(k) for canonical key encodings: the sum of two Elligator maps of SHA-512(domain, k)."""
+def _hash_to_group(encoded: Sequence[bytes]) -> list[bytes]:
     out = []
     for e in encoded:
         h = hashlib.sha512(_DOMAIN + e).digest()
@@ -65,6 +78,25 @@ def hash_to_group(encoded: Sequence[bytes]) -> list[bytes]:
             )
         )
     return out
+
+
+def hash_to_group(encoded: Sequence[bytes]) -> list[bytes]:
+    """H(k) for canonical key encodings: the sum of two Elligator maps of SHA-512(domain, k)."""
+    return _parallel(_hash_to_group, encoded)
+
+
+def _multiply(scalar: bytes, points: Sequence[bytes]) -> list[bytes]:
+    """Every point raised to ``scalar`` (in parallel); libsodium refuses a byte string that is not a point of
+    the prime-order group (ValueError with the position of the first one)."""
+
+    def part(chunk: Sequence[bytes]) -> list[bytes]:
+        return [sodium.crypto_scalarmult_ed25519_noclamp(scalar, p) for p in chunk]
+
+    try:
+        return _parallel(part, points)
+    except Exception:  # libsodium refuses small-order and invalid points
+        bad = next((i for i, p in enumerate(points) if not sodium.crypto_core_ed25519_is_valid_point(p)), "?")
+        raise ValueError(f"blinded key {bad} is not a point of the group") from None
 
 
 def as_array(points: Sequence[bytes]) -> np.ndarray:
@@ -79,12 +111,10 @@ def reblind(points: np.ndarray, scalar: bytes, where: str) -> np.ndarray:
     if points.ndim != 2 or points.shape[1] != POINT_BYTES:
         raise ValueError(f"{where}: blinded keys must be an (n, {POINT_BYTES}) byte array, got {points.shape}")
     blob = points.tobytes()
-    out = []
-    for i in range(0, len(blob), POINT_BYTES):
-        try:
-            out.append(sodium.crypto_scalarmult_ed25519_noclamp(scalar, blob[i : i + POINT_BYTES]))
-        except Exception:
-            raise ValueError(f"{where}: blinded key {i // POINT_BYTES} is not a point of the group") from None
+    try:
+        out = _multiply(scalar, [blob[i : i + POINT_BYTES] for i in range(0, len(blob), POINT_BYTES)])
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     return as_array(out)
 
 
@@ -92,9 +122,7 @@ def blind_keys(frame: pd.DataFrame, columns: Sequence[str], scalar: bytes) -> tu
     """(codes, points): each row's position in the shuffled list of its table's distinct key tuples, and that
     list as H(k)^scalar ((n_distinct, 32) uint8). The shuffle uses OS entropy."""
     codes, tuples, kinds = key_codes(frame, columns)
-    points = as_array(
-        [sodium.crypto_scalarmult_ed25519_noclamp(scalar, p) for p in hash_to_group(canonical_tuples(tuples, kinds))]
-    )
+    points = as_array(_multiply(scalar, hash_to_group(canonical_tuples(tuples, kinds))))
     order = np.random.default_rng(int.from_bytes(os.urandom(16), "little")).permutation(len(points))
     rank = np.empty(len(points), dtype=np.int64)
     rank[order] = np.arange(len(points))
