@@ -248,3 +248,30 @@ def test_a_deployment_writes_blind_owners_without_a_shared_secret(tmp_path):
     assert len({s["secret_file"] for s in settings}) == len(settings)  # each owner its own, none shared
     hmac_paths = write_client_configs(deployment_overrides("dataset=synthetic mapping.keys=hmac"), tmp_path / "h")
     assert {yaml.safe_load(p.read_text())["secret_file"] for p in hmac_paths.values()} == {str(tmp_path / "h" / "key")}
+
+
+def test_the_server_checks_blind_replies():
+    from strategies.replies import ReplyError, check_reply
+
+    pts = np.zeros((3, 32), dtype=np.uint8)
+    ok = {"row_ids": np.arange(4), "code.0": np.array([0, 1, 2, 2], dtype=np.int32), "blind.0": pts}
+    check_reply(("A", 0), ({}, {"phase": "keys"}), (ok, {}), None, None)
+    bad = {**ok, "code.0": np.array([0, 1, 2, 3], dtype=np.int32)}
+    with pytest.raises(ReplyError, match="'code.0' must hold codes into its 3 blinded values"):
+        check_reply(("A", 0), ({}, {"phase": "keys"}), (bad, {}), None, None)
+    sent = ({"pts.0.1": pts}, {"phase": "reblind"})
+    with pytest.raises(ReplyError, match=r"'pts.0.1' has 2 rows; the round asked for 3 \(one per value sent\)"):
+        check_reply(("A", 0), sent, ({"pts.0.1": pts[:2]}, {}), None, None)
+    with pytest.raises(ReplyError, match="the round sent"):
+        check_reply(("A", 0), sent, ({"pts.0.2": pts}, {}), None, None)
+
+
+def test_reblind_refuses_a_join_its_table_is_not_in_and_non_points():
+    frames = frames_star_mn()
+    spec = validate_tables(spec_of(**STAR), frames)
+    run = Transcript(spec, frames)
+    client = run.clients[("A", 0)]
+    with pytest.raises(ValueError, match=r"reblind sends 'pts.1.0'; it re-blinds only the keys of its joins"):
+        reblind_keys(client, {"pts.1.0": np.zeros((1, 32), np.uint8)}, {"phase": "reblind"})
+    with pytest.raises(ValueError, match="blinded key 0 is not a point of the group"):
+        reblind_keys(client, {"pts.0.0": np.zeros((1, 32), np.uint8)}, {"phase": "reblind"})
