@@ -17,7 +17,10 @@ from flwr.app import RecordDict
 from nacl import bindings as sodium
 
 from simulations.deploy import deployment_overrides, write_client_configs
+from simulations.federated import run_flower_simulation, run_in_process
+from strategies.replies import ReplyError, check_reply
 from strategies.setup import JoinSetup, key_mode
+from tests.conftest import make_cfg
 from tests.mapping_reference import SECRET, mapping_of
 from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, node
@@ -251,7 +254,6 @@ def test_a_deployment_writes_blind_owners_without_a_shared_secret(tmp_path):
 
 
 def test_the_server_checks_blind_replies():
-    from strategies.replies import ReplyError, check_reply
 
     pts = np.zeros((3, 32), dtype=np.uint8)
     ok = {"row_ids": np.arange(4), "code.0": np.array([0, 1, 2, 2], dtype=np.int32), "blind.0": pts}
@@ -275,3 +277,15 @@ def test_reblind_refuses_a_join_its_table_is_not_in_and_non_points():
         reblind_keys(client, {"pts.1.0": np.zeros((1, 32), np.uint8)}, {"phase": "reblind"})
     with pytest.raises(ValueError, match="blinded key 0 is not a point of the group"):
         reblind_keys(client, {"pts.0.0": np.zeros((1, 32), np.uint8)}, {"phase": "reblind"})
+
+
+@pytest.mark.slow
+def test_a_blind_flower_simulation_trains_as_the_hmac_run(tmp_path):
+    """keys=blind through Flower's simulation engine (keys, reblind and training messages): the same iterates
+    as the HMAC run in process (the mapping is the same, p_i in the same order)."""
+    overrides = ["algorithm=admm", "dataset=synthetic", "epochs=2"]
+    blind = run_flower_simulation(make_cfg(*overrides, "mapping.keys=blind"), tmp_path, log=lambda _: None)
+    hmac_run = run_in_process(make_cfg(*overrides, "mapping.keys=hmac"), None, log=lambda _: None).strategy.results
+    np.testing.assert_allclose(
+        [h.test_metric for h in blind.history], [h.test_metric for h in hmac_run.history], rtol=1e-6
+    )
