@@ -45,7 +45,7 @@ def key_mode(replies: Mapping[ClientKey, Reply]) -> str:
     blind; owners that disagree stop the run here, naming the tables of each mode."""
     modes: dict[str, set[str]] = {}
     for (table, _), (_, metrics) in replies.items():
-        modes.setdefault(str(metrics.get("keys", "hmac")), set()).add(table)
+        modes.setdefault("blind" if metrics.get("blind_keys") else "hmac", set()).add(table)
     if len(modes) > 1:
         named = "; ".join(f"{', '.join(sorted(t))} by {m}" for m, t in sorted(modes.items()))
         raise ValueError(f"the table owners map their join keys differently ({named}): set one `keys` on every node")

@@ -238,10 +238,10 @@ def test_a_deployed_blind_node_needs_no_secret_and_keeps_its_scalar_0600(tmp_pat
 
 
 def test_owners_that_map_keys_differently_stop_the_run_naming_the_tables():
-    replies = {("fact", 0): ({}, {"keys": "blind"}), ("A", 0): ({}, {"keys": "hmac"}), ("B", 0): ({}, {})}
+    replies = {("fact", 0): ({}, {"blind_keys": 1}), ("A", 0): ({}, {"blind_keys": 0}), ("B", 0): ({}, {})}
     with pytest.raises(ValueError, match=r"\(fact by blind; A, B by hmac\): set one `keys` on every node"):
         key_mode(replies)
-    assert key_mode({("fact", 0): ({}, {"keys": "blind"})}) == "blind"
+    assert key_mode({("fact", 0): ({}, {"blind_keys": 1})}) == "blind"
 
 
 def test_a_deployment_writes_blind_owners_without_a_shared_secret(tmp_path):

@@ -53,7 +53,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
         "shard": s.shard,
         "region": s.region,
         "n_rows": len(data.row_ids),
-        "keys": mode,
+        "blind_keys": int(mode == "blind"),  # the owner's key mode (a number: metrics carry no free text)
         "key_kinds": ",".join(f"{c}={k}" for c, k in s.key_kinds.items()),
     }
     if data.y is not None:
