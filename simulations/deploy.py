@@ -2,9 +2,12 @@
 
 Deployment runtime: one ``flower-superlink`` and, per client (table) of the configured dataset, the owner's
 node service (``python -m simulations.node``: a process-isolated ``flower-supernode`` whose tasks the owner's
-installed tpflower answers; it never runs the submitted app's code, docs/threat-model.md). ``start`` writes each node's owner settings (tpflower.owner: its data source, the columns it
-exposes, its privacy floor = the privacy of ``--overrides``) into STATE_DIR/clients/T-0.yaml and one join-key
-secret, shared by the nodes and never given to the SuperLink, into STATE_DIR/clients/key (mode 0600).
+installed tpflower answers; it never runs the submitted app's code, docs/threat-model.md). ``start`` writes
+each node's owner settings (tpflower.owner: its data source, the columns it exposes, its privacy floor = the
+privacy of ``--overrides``, ``keys: blind``: each node blinds its join keys with its own scalar, no secret shared
+by the owners) into STATE_DIR/clients/T-0.yaml, and the owner's own secret for its shards' preprocessing into
+STATE_DIR/clients/T.key (mode 0600). ``--overrides "mapping.keys=hmac"``: one join-key secret shared by the nodes
+(never given to the SuperLink) in STATE_DIR/clients/key instead.
 ``flwr run`` builds a FAB from this directory and ships it to the SuperLink and the SuperNodes::
 
     python -m simulations.deploy start --overrides "dataset=synthetic"      # SuperLink + 4 SuperNodes
@@ -121,6 +124,12 @@ def clients_of(overrides: str, base_dir: str | Path | None = None) -> list[tuple
     return load_spec(cfg.dataset, base_dir=base_dir).clients(str(cfg.scenario.name))
 
 
+def deployment_overrides(overrides: str) -> str:
+    """The owners' settings of a deployment map join keys by blinding (no shared secret) unless the overrides
+    name ``mapping.keys``."""
+    return overrides if "mapping.keys=" in overrides else f"{overrides} mapping.keys=blind".strip()
+
+
 def write_client_configs(
     overrides: str, directory: Path, base_dir: str | Path | None = None
 ) -> dict[tuple[str, int], Path]:
@@ -131,13 +140,16 @@ def write_client_configs(
     cfg = config_from_run_config({"overrides": overrides})
     spec = load_spec(cfg.dataset, base_dir=base_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    key = directory / "key"
-    key.touch(mode=0o600)
-    key.write_text(secrets.token_hex(32))
     container = OmegaConf.to_container(cfg, resolve=True)
     paths = {}
     for table, shard in spec.clients(str(cfg.scenario.name)):
         owner = simulation_owner(container, spec, table, base_dir)
+        # keys=hmac: one join-key secret all owners share; keys=blind: no shared secret (each node blinds with its
+        # own scalar), only the owner's own secret for its shards' preprocessing, one per table
+        key = directory / ("key" if owner.keys == "hmac" else f"{table}.key")
+        if not key.exists():
+            key.touch(mode=0o600)
+            key.write_text(secrets.token_hex(32))
         e = owner.exposed
         settings = {
             "table": table,
@@ -150,6 +162,7 @@ def write_client_configs(
                 **({"label": e.label} if e.label else {}),
             },
             "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
+            "keys": owner.keys,
             "secret_file": str(key),
         }
         paths[(table, shard)] = directory / f"{table}-{shard}.yaml"
@@ -491,7 +504,7 @@ def start(
             raise RuntimeError(
                 f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop` first"
             )
-    client_configs = write_client_configs(overrides, state / "clients", base_dir)
+    client_configs = write_client_configs(deployment_overrides(overrides), state / "clients", base_dir)
     if insecure:
         print(
             "WARNING: insecure deployment: plain-text traffic and no SuperNode authentication "

@@ -9,7 +9,8 @@ uses it. A bad reply stops the run with one line naming the table, shard and pha
 - the arrays a phase must return are there (:data:`REQUIRED`);
 - coreset phases: sensitivities ``sens`` and k-means ``labels`` one per row asked (or per client row),
   ``total`` and ``cost`` one finite number, centres ``C`` finite;
-- ``keys``: row ids unique and non-negative, one digest (and label, test flag) per row id;
+- ``keys``: row ids unique and non-negative, one digest (and label, test flag) per row id; keys=blind: one code
+  per row id into its list of (n, 32) blinded values; ``reblind``: the lists sent, one value per value sent;
 - model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table; a consensus shard's
   ``used`` mask: 0/1, shaped like its ``theta``.
 """
@@ -127,6 +128,12 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
             )
     if phase == "keys":
         check_keys(key, out)
+    if phase == "reblind":  # the lists it was sent, each blinded once more: same names, same lengths
+        if set(out) != set(arrays):
+            raise ReplyError(f"{_who(key, phase)}: reply arrays {sorted(out)}; the round sent {sorted(arrays)}")
+        for name, points in out.items():
+            check_points(key, phase, name, np.asarray(points))
+            _rows(key, phase, name, np.asarray(points), len(arrays[name]), "one per value sent")
     if "used" in out:
         used, theta = np.asarray(out["used"]), np.asarray(out.get("theta"))
         if used.shape != theta.shape or not np.isin(used, (0, 1)).all():
@@ -145,12 +152,29 @@ def check_keys(key: ClientKey, out: Mapping[str, np.ndarray]) -> None:
     if ids.size and (ids.min() < 0 or np.unique(ids).size != ids.size):
         raise ReplyError(f"{_who(key, 'keys')}: row_ids must be distinct and non-negative")
     for name, a in out.items():
-        if name.startswith("digest.") or name == "is_test":
+        if name.startswith(("digest.", "code.")) or name == "is_test":
             _rows(key, "keys", name, np.asarray(a), ids.size, "one per row id")
+        if name.startswith("code."):  # keys=blind: each row's code into its list of blinded values
+            points = np.asarray(out.get("blind." + name[5:], np.zeros((0, 32), np.uint8)))
+            check_points(key, "keys", "blind." + name[5:], points)
+            codes = np.asarray(a)
+            if codes.dtype.kind not in "iu" or (codes.size and (codes.min() < 0 or codes.max() >= len(points))):
+                raise ReplyError(
+                    f"{_who(key, 'keys')}: reply array {name!r} must hold codes into its {len(points)} blinded values"
+                )
     if "y" in out and "is_test" in out:
         n_train = int(np.count_nonzero(np.asarray(out["is_test"]) == 0))
         if len(out["y"]) not in (ids.size, n_train):
             _rows(key, "keys", "y", np.asarray(out["y"]), ids.size, "one label per row id, or per training row")
+
+
+def check_points(key: ClientKey, phase: str, name: str, points: np.ndarray) -> None:
+    """keys=blind: a list of blinded key values is an (n, 32) byte array."""
+    if points.ndim != 2 or points.shape[1] != 32 or points.dtype != np.uint8:
+        raise ReplyError(
+            f"{_who(key, phase)}: reply array {name!r} must be (n, 32) bytes (blinded keys), got {points.dtype} "
+            f"{points.shape}"
+        )
 
 
 def check_round(

@@ -29,6 +29,7 @@ import numpy as np
 from strategies.epoch_checkpoints import Saved
 from strategies.transport import ClientKey, Reply
 from tpflower import privacy as dp
+from tpflower.blind import point_digests
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
 from tpflower.losses import LabelScale, output_dim, standardizes_label
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
@@ -37,6 +38,18 @@ from tpflower.relation import summary_line
 from tpflower.schema import RelationalSpec, validate_key_kinds
 
 Send = Callable[..., dict[ClientKey, Reply]]
+
+
+def key_mode(replies: Mapping[ClientKey, Reply]) -> str:
+    """How the owners mapped their join keys (each node's own choice, reported in its keys reply): hmac or
+    blind; owners that disagree stop the run here, naming the tables of each mode."""
+    modes: dict[str, set[str]] = {}
+    for (table, _), (_, metrics) in replies.items():
+        modes.setdefault("blind" if metrics.get("blind_keys") else "hmac", set()).add(table)
+    if len(modes) > 1:
+        named = "; ".join(f"{', '.join(sorted(t))} by {m}" for m, t in sorted(modes.items()))
+        raise ValueError(f"the table owners map their join keys differently ({named}): set one `keys` on every node")
+    return next(iter(modes), "hmac")
 
 
 class RecordOpener(Protocol):
@@ -113,9 +126,10 @@ class JoinSetup(Saved):
         """Round 1 (keys) builds the mapping, the partition and the labels and opens ``record``; then the
         feature-DP plan (``plan_feature_dp``, on the table-row mapping), the federated preprocessing rounds
         and, for a VFL baseline (``expand``), round ``expand``."""
-        replies = self.send(
-            {k: ({}, {"phase": "keys", "run_id": run_id, **dp.privacy_message(self.privacy)}) for k in self.clients}
-        )
+        message = {"phase": "keys", "run_id": run_id, **dp.privacy_message(self.privacy)}
+        replies = self.send({k: ({}, message) for k in self.clients})
+        if key_mode(replies) == "blind":
+            self.blind_rounds(replies)
         record.t0 = time.perf_counter()
         y_train = self.build(replies)
         regions = {k: str(r[1]["region"]) for k, r in replies.items()}
@@ -133,6 +147,31 @@ class JoinSetup(Saved):
         self.federated_preprocessing()
         if expand:
             self.expand()
+
+    def blind_rounds(self, replies: Mapping[ClientKey, Reply]) -> None:
+        """keys=blind (docs/algorithms.md, Blinded keys): route every client's blinded key values of a join to
+        the other clients of that join's tables, one hop per round, until each list is blinded by all of them;
+        then put the digests of the fully blinded values per row (``digest.<join>``, gathered by the rows'
+        codes) in place of the codes and lists, as in keys=hmac."""
+        current: dict[tuple[ClientKey, int], np.ndarray] = {}
+        members: dict[int, list[ClientKey]] = {}
+        for k, j in enumerate(self.spec.joins):
+            members[k] = sorted(c for c in replies if c[0] in (j.left, j.right))
+            for c in members[k]:
+                current[(c, k)] = replies[c][0].pop(f"blind.{k}")
+        for hop in range(1, max(len(m) for m in members.values())):
+            messages: dict[ClientKey, dict[str, np.ndarray]] = {}
+            for k, m in members.items():
+                for i, origin in enumerate(m[:] if hop < len(m) else []):
+                    messages.setdefault(m[(i + hop) % len(m)], {})[f"pts.{k}.{i}"] = current[(origin, k)]
+            back = self.send({c: (arrays, {"phase": "reblind"}) for c, arrays in messages.items()})
+            for arrays, _ in back.values():
+                for name, points in arrays.items():
+                    _, k, i = name.split(".")
+                    current[(members[int(k)][int(i)], int(k))] = points
+        for (c, k), points in current.items():
+            codes = replies[c][0].pop(f"code.{k}")
+            replies[c][0][f"digest.{k}"] = point_digests(points)[codes]
 
     def build(self, replies: Mapping[ClientKey, Reply]) -> np.ndarray:
         """The mapping, routers, partition and labels from the keys round's replies; returns the raw training

@@ -37,14 +37,8 @@ def _canonical(value: object, kind: str) -> bytes:
     return b"s" + str(value).encode("utf-8")
 
 
-def key_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes) -> np.ndarray:
-    """Keyed digests of the key tuple ``frame[columns]`` per row: a (n, 2) uint64 array.
-
-    HMAC-SHA256(secret, canonical key tuple), first 128 bits. The HMAC runs once per distinct key, not
-    per row: rows are factorized first and the digests gathered back.
-    """
-    if not secret:
-        raise ValueError("the join-key secret is empty; set mapping.secret (shared by the clients)")
+def key_codes(frame: pd.DataFrame, columns: Sequence[str]) -> tuple[np.ndarray, Sequence[tuple], list[str]]:
+    """(codes, distinct key tuples, key kinds) of the key tuple ``frame[columns]``: row r holds tuple codes[r]."""
     kinds = [key_kind(frame[c].dtype) for c in columns]
     if len(columns) == 1:
         codes, uniques = pd.factorize(frame[columns[0]], sort=False)
@@ -54,10 +48,25 @@ def key_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes) -> n
         tuples = list(uniq)
     if len(codes) and codes.min() < 0:
         raise SpecError(f"key columns {list(columns)} hold missing values; keys must be complete")
+    return codes, tuples, kinds
+
+
+def canonical_tuples(tuples: Sequence[tuple], kinds: Sequence[str]) -> list[bytes]:
+    """The canonical byte encoding of each key tuple (equal across tables for equal keys)."""
     sep = b"\x1f"
-    blob = b"".join(
-        hmac.digest(secret, sep.join(_canonical(v, k) for v, k in zip(t, kinds)), hashlib.sha256)[:16] for t in tuples
-    )
+    return [sep.join(_canonical(v, k) for v, k in zip(t, kinds)) for t in tuples]
+
+
+def key_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes) -> np.ndarray:
+    """Keyed digests of the key tuple ``frame[columns]`` per row: a (n, 2) uint64 array.
+
+    HMAC-SHA256(secret, canonical key tuple), first 128 bits. The HMAC runs once per distinct key, not
+    per row: rows are factorized first and the digests gathered back.
+    """
+    if not secret:
+        raise ValueError("the join-key secret is empty; set mapping.secret (shared by the clients)")
+    codes, tuples, kinds = key_codes(frame, columns)
+    blob = b"".join(hmac.digest(secret, e, hashlib.sha256)[:16] for e in canonical_tuples(tuples, kinds))
     per_key = np.frombuffer(blob, dtype="<u8").reshape(-1, DIGEST_WORDS)
     return per_key[codes]
 

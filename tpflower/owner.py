@@ -13,6 +13,8 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     privacy:                         # the floor: the weakest privacy this node accepts (missing bounds: the
       name: label                    # defaults of conf/privacy/<name>.yaml)
       label_epsilon: 5.66            # largest label epsilon accepted (classification: label_lambda, smallest)
+    keys: blind                      # join keys blinded with this node's own scalar (state_dir/blind.key,
+                                     # created on first use; no shared secret); default hmac: the secret below
     secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
     min_sketch_rows: 2048            # union preprocessing: fewest values a shard summarizes by order statistics
     state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run (default: state/<file name>
@@ -107,6 +109,7 @@ class OwnerSettings:
     # whose user owns every table). A deployed node's default is 1, the width of regression and binary labels:
     # more outputs per row than the model's own would let one reply spell out the row (h = X theta, d_c >= d_i)
     max_outputs: int | None = None
+    keys: str = "hmac"  # how the node maps its join keys: hmac (the shared secret) or blind (its own scalar)
 
     def refuse(self, what: str) -> Refusal:
         return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {self.origin})")
@@ -260,6 +263,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         "state_dir",
         "where",
         "max_outputs",
+        "keys",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -269,11 +273,19 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         raise SpecError(f"{where}: set exactly one of source (the table's file) or loader (a bundled table)")
     base = path.parent
     secret_file = raw.get("secret_file")
+    keys = str(raw.get("keys", "hmac"))
+    if keys not in KEY_MODES:
+        raise SpecError(f"{where}: keys must be one of {list(KEY_MODES)}, got {keys!r}")
+    # blind: no shared secret (the join-key scalar is the node's own, in state_dir); a secret_file is still read
+    # when given (the shards of one table share it for federated preprocessing)
+    needs_secret = bool(keys == "hmac" or secret_file is not None or os.environ.get(SECRET_ENV))
     return OwnerSettings(
         table=table,
         exposed=Exposed.from_dict(raw.get("columns") or {}, where),
         privacy=privacy_floor(raw.get("privacy"), where),
-        secret=node_secret(None if secret_file is None else resolve_path(secret_file, base), table, where),
+        secret=node_secret(None if secret_file is None else resolve_path(secret_file, base), table, where)
+        if needs_secret
+        else b"",
         source=None if raw.get("source") is None else str(resolve_path(raw["source"], base).resolve()),
         loader=None if raw.get("loader") is None else str(raw["loader"]),
         min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
@@ -282,7 +294,19 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),
+        keys=keys,
     )
+
+
+KEY_MODES = ("hmac", "blind")
+
+
+def mapping_keys(cfg: Mapping[str, Any]) -> str:
+    """The run's ``mapping.keys`` (hmac or blind; default hmac), checked."""
+    keys = str((cfg.get("mapping") or {}).get("keys") or "hmac")
+    if keys not in KEY_MODES:
+        raise SpecError(f"mapping.keys must be one of {list(KEY_MODES)}, got {keys!r}")
+    return keys
 
 
 def simulation_secret(cfg: Mapping[str, Any]) -> bytes:
@@ -318,6 +342,7 @@ def simulation_owner(
         loader=(dataset.get("loader") or {}).get("name"),
         min_sketch_rows=int(cfg.get("min_sketch_rows") or DEFAULT_MIN_SKETCH_ROWS),
         where=t.where,
+        keys=mapping_keys(cfg),
     )
 
 

@@ -2,6 +2,7 @@
 (simulations/bench/SUITE.py); the command line in simulations/bench/__main__.py, shared helpers in common.py.
 
     python -m simulations.bench mapping [--n-joined 10000000]      -> bench_results/mapping.json
+    python -m simulations.bench setup [--n-joined 10000000]        -> bench_results/setup.json
     python -m simulations.bench loj [--epochs 3]                   -> bench_results/loj.json
     python -m simulations.bench flower                             -> bench_results/flower.json
     python -m simulations.bench celu [--datasets ...] [--seeds 3]  -> bench_results/celu.json

@@ -37,6 +37,7 @@ def _deploy(a: argparse.Namespace) -> dict[str, Any]:
 
 SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "mapping": lambda a: _suite("mapping").mapping_suite(a.n_joined),
+    "setup": lambda a: _suite("setup_time").setup_suite(a.n_joined),
     "loj": lambda a: _suite("loj").loj_suite(a.epochs),
     "flower": lambda a: _suite("flower").flower_suite(),
     "convergence": _convergence,
@@ -51,7 +52,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=sorted(SUITES))
-    ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping: joined rows")
+    ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping, setup: joined rows")
     ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
     ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
     ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")

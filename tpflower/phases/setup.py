@@ -1,7 +1,11 @@
 """Setup and evaluation phases shared by every LoJ algorithm (TablePuppet Sec. 3.1.1, 4.3, 4.4).
 
-keys      {}                  -> {row_ids, digest.<join>..., (label owner) y, is_test}
+keys      {}                  -> {row_ids, digest.<join>..., (label owner) y, is_test}   keys=hmac (default)
+                                 {row_ids, code.<join>, blind.<join>..., ...}          keys=blind: per row the
+                                 code of its key value, per distinct value H(k)^a (shuffled; tpflower.blind)
                                  with label DP: y holds the randomized labels of the TRAINING rows only
+reblind   {pts.<join>.<j>...} -> {pts.<join>.<j>...}  keys=blind: another owner's blinded keys of a join this
+                                 table takes part in, raised to this node's scalar (same order)
 stats     {columns, sketch}   -> {summary.*}: preprocessing summary of its fit rows (several shards, Sec. 4.4)
 rule      {rule.*}            -> {}  the merged preprocessing rule replaces the local fit
 expand    {p}                 -> {}  VFL: from now on the client's rows are the N joined rows
@@ -20,6 +24,7 @@ from flwr.app import ConfigRecord
 
 from tpflower import fedprep, registry
 from tpflower import privacy as dp
+from tpflower.blind import blind_keys, new_scalar, node_scalar, reblind
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
 from tpflower.losses import metrics as eval_metrics
@@ -32,13 +37,23 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
     s, data = client.settings, client.data
     accept_privacy(client, config)
     check_unique_key(client)
-    proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
-    out: Arrays = {"row_ids": proj.row_ids, **{f"digest.{k}": d for k, d in sorted(proj.digests.items())}}
+    mode = s.owner.keys  # the owner's choice (its settings; in a simulation mapping.keys), never the server's
+    client.state.set_scalar("keys", mode)
+    if mode == "blind":
+        scalar = blinding_scalar(client)
+        out: Arrays = {"row_ids": np.asarray(data.row_ids, dtype=np.int64)}
+        for k, j in enumerate(s.spec.joins):
+            if s.table in (j.left, j.right):
+                out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(data.keys, j.columns_of(s.table), scalar)
+    else:
+        proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
+        out = {"row_ids": proj.row_ids, **{f"digest.{k}": d for k, d in sorted(proj.digests.items())}}
     metrics: dict[str, Any] = {
         "table": s.table,
         "shard": s.shard,
         "region": s.region,
         "n_rows": len(data.row_ids),
+        "blind_keys": int(mode == "blind"),  # the owner's key mode (a number: metrics carry no free text)
         "key_kinds": ",".join(f"{c}={k}" for c, k in s.key_kinds.items()),
     }
     if data.y is not None:
@@ -54,6 +69,42 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
         out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
         metrics["n_classes"] = int(data.n_classes or 0)
     return out, metrics
+
+
+def blinding_scalar(client: TableClient) -> bytes:
+    """This node's private scalar (tpflower.blind): in the owner's state_dir (blind.key, 0600) when it has one,
+    else in the node's memory for the run (a simulated node). It never leaves the node."""
+    s = client.settings
+    if s.owner.state_dir is not None:
+        return node_scalar(s.owner.state_dir)
+    stored = client.state.scalar("blind.scalar")
+    if stored is None:
+        stored = new_scalar().hex()
+        client.state.set_scalar("blind.scalar", stored)
+    return bytes.fromhex(str(stored))
+
+
+def reblind_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """keys=blind: raise other owners' blinded key values (``pts.<join>.<j>``) to this node's scalar, in the
+    order sent. Only joins this table takes part in; anything but points of the group is refused."""
+    s = client.settings
+    mine = {str(k) for k, j in enumerate(s.spec.joins) if s.table in (j.left, j.right)}
+    scalar = blinding_scalar(client)
+    out: Arrays = {}
+    for name, points in arrays.items():
+        parts = name.split(".")
+        if len(parts) != 3 or parts[0] != "pts" or parts[1] not in mine:
+            raise ProtocolRefusal(
+                f"table {s.table!r} shard {s.shard}: reblind sends {name!r}; it re-blinds only the keys of its "
+                f"joins ({', '.join('pts.' + k + '.*' for k in sorted(mine))})"
+            )
+        out[name] = reblind(points, scalar, f"table {s.table!r} shard {s.shard}, {name}")
+    return out, {}
+
+
+def blinds_keys(client: TableClient) -> bool:
+    """The clients of a run that maps keys by blinding (keys=blind in its keys message)."""
+    return client.state.scalar("keys") == "blind"
 
 
 def check_unique_key(client: TableClient) -> None:
@@ -192,6 +243,7 @@ def reference_score(
 #: most one more with order statistics, then the rule) only on the shards of a sharded table.
 SETUP: tuple[Stage, ...] = (
     Stage("keys", {"keys": Phase(keys)}),
+    Stage("reblind", {"reblind": Phase(reblind_keys, blinds_keys)}, calls=None),
     Stage("stats", {"stats": Phase(stats, sharded)}, calls=2),
     Stage("rule", {"rule": Phase(rule, sharded)}),
 )
