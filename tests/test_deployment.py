@@ -369,11 +369,13 @@ def test_a_foreign_app_is_refused_by_every_node_then_tpflower_runs_to_the_simula
     try:
         dep = deploy.start(AFTER_FOREIGN_RUN, state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home", cwd=tmp_path)
         clients = tmp_path / "deploy" / "clients"
-        secret = (clients / "key").read_text()
+        key_files = sorted(clients.glob("*key"))  # keys: blind: each owner's own T.key; hmac: the shared key
+        assert key_files
+        secrets_ = [k.read_text() for k in key_files]
         settings = [(clients / f"{t}-0.yaml") for t in SYNTHETIC_TABLES]
         owned = [yaml.safe_load(p.read_text()) for p in settings]
         sources = [Path(str(o["source"])) for o in owned if o.get("source")]  # synthetic: generated, no file
-        targets = ",".join(str(p) for p in [*settings, clients / "key", *sources])
+        targets = ",".join(str(p) for p in [*settings, *key_files, *sources])
         out = tmp_path / "foreign-out.json"
         cmd = [
             "flwr",
@@ -395,7 +397,7 @@ def test_a_foreign_app_is_refused_by_every_node_then_tpflower_runs_to_the_simula
         assert any("refuses app attacker/foreign" in line for line in lines)  # the submitter's own output
         everything = out.read_text() + "\n".join(lines)
         first_rows = [src.read_text().splitlines()[1] for src in sources if src.is_file()]
-        assert secret not in everything and not any(row in everything for row in first_rows)
+        assert not any(s in everything for s in secrets_) and not any(row in everything for row in first_rows)
 
         run_dir = tmp_path / "run"
         results = run_dir / "results.json"
