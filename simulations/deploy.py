@@ -361,6 +361,14 @@ def superlink_command(port: int, tls: ServerTLS | None) -> list[str]:
     ]
 
 
+def node_security(ca: str | Path | None, auth_key: str | Path | None) -> list[str]:
+    """A SuperNode's flags: TLS verified against ``ca`` and authenticated by its private key ``auth_key``, or
+    plain text when ``ca`` is None."""
+    if not ca:
+        return ["--insecure"]
+    return ["--root-certificates", str(ca)] + (["--auth-supernode-private-key", str(auth_key)] if auth_key else [])
+
+
 def supernode_command(
     superlink_port: int,
     port: int,
@@ -372,11 +380,7 @@ def supernode_command(
 ) -> list[str]:
     """flower-supernode of one table shard: TLS verified against ``ca`` and authenticated by its private key
     ``auth_key`` (registered with the SuperLink), or plain text when ``ca`` is None."""
-    security = (
-        ["--root-certificates", str(ca)] + (["--auth-supernode-private-key", str(auth_key)] if auth_key else [])
-        if ca
-        else ["--insecure"]
-    )
+    security = node_security(ca, auth_key)
     return [
         "flower-supernode",
         *security,
@@ -402,11 +406,7 @@ def node_command(
 ) -> list[str]:
     """The owner's node service of one table shard (simulations.node): a process-isolated SuperNode whose
     Runtime API is on 127.0.0.1:``runtime_port``, answered by the owner's installed tpflower only."""
-    security = (
-        ["--root-certificates", str(ca)] + (["--auth-supernode-private-key", str(auth_key)] if auth_key else [])
-        if ca
-        else ["--insecure"]
-    )
+    security = node_security(ca, auth_key)
     return [
         sys.executable,
         "-m",
