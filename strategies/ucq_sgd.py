@@ -20,11 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.base import LoJStrategy
-from strategies.join_sgd import eval_point, sgd_aggregate, sgd_dp_plan, sgd_rounds, sgd_schedule
+from strategies.join_sgd import EMPTY, eval_point, sgd_aggregate, sgd_dp_plan, sgd_rounds, sgd_schedule
 from tpflower.batches import joined_predictions
 from tpflower.phases.join_sgd import SGDParams
-
-EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class TPUCQSGD(LoJStrategy):

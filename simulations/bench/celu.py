@@ -2,7 +2,7 @@
 
     python -m simulations.bench celu [--datasets movielens,nycflights13_delayed] [--seeds 3] [--epochs 2]
         [--eval-every 10] [--variants vanilla,fedbcd,celu,...] [--full-variants vanilla,fedbcd,celu]
-        [--jobs 2] [--flower-seed 0] [--out bench_results/celu.json]            -> bench_results/celu.json
+        [--jobs 2] [--flower-seed=0] [--out bench_results/celu.json]            -> bench_results/celu.json
     python -m simulations.bench.celu plot bench_results/celu.json docs/celu_rounds.png
     python -m simulations.bench.celu summarize bench_results/celu.json   # the table from the cases present
 
@@ -128,7 +128,7 @@ def celu_case(
 def flower_case(
     dataset: str, model: str, variant: str, runtime: str, overrides: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """One epoch (seed 0) under ``runtime`` (flower: Flower's simulation engine; inprocess): wall seconds per
+    """One epoch (seed=0) under ``runtime`` (flower: Flower's simulation engine; inprocess): wall seconds per
     exchange round, setup excluded (the first evaluation's wall time counts from the first round)."""
     from simulations.run import run_job  # noqa: PLC0415  torch, flwr: in the case's process only (common.py)
 

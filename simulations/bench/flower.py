@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from simulations.bench.common import run_isolated
-from simulations.bench.loj import run_algorithm
+from simulations.bench.loj import runtime_pair
 from tpflower.config import compose_config
 
 
@@ -122,12 +122,7 @@ def flower_suite() -> dict[str, Any]:
         ("admm", "movielens", 6),
         ("admm", "nycflights13", 6),
     ):
-        pair = {}
-        for runtime in ("inprocess", "flower"):
-            pair[runtime] = run_algorithm(
-                {"algorithm": algorithm, "dataset": dataset, "epochs": ep, "runtime": runtime}
-            )
-            print(json.dumps(pair[runtime]), flush=True)
+        pair = runtime_pair(algorithm, dataset, ep)
         pairs.append(
             {
                 "algorithm": pair["flower"]["algorithm"],

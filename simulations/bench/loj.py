@@ -55,12 +55,7 @@ def loj_suite(epochs: int = 3) -> dict[str, Any]:
             print(json.dumps(runs[-1]), flush=True)
     overhead = []
     for algorithm, dataset, ep in (("admm", "movielens", 6), ("admm", "nycflights13", 6), ("sgd", "movielens", 2)):
-        pair = {}
-        for runtime in ("inprocess", "flower"):
-            pair[runtime] = run_algorithm(
-                {"algorithm": algorithm, "dataset": dataset, "epochs": ep, "runtime": runtime}
-            )
-            print(json.dumps(pair[runtime]), flush=True)
+        pair = runtime_pair(algorithm, dataset, ep)
         overhead.append(
             {
                 "algorithm": pair["flower"]["algorithm"],
@@ -77,6 +72,17 @@ def loj_suite(epochs: int = 3) -> dict[str, Any]:
             }
         )
     return {"case": "loj", "epochs": epochs, "runs": runs, "flower_overhead": overhead}
+
+
+def runtime_pair(algorithm: str, dataset: str, epochs: int) -> dict[str, dict[str, Any]]:
+    """The same run in-process and under Flower's simulation engine, one after the other (each case printed)."""
+    pair = {}
+    for runtime in ("inprocess", "flower"):
+        pair[runtime] = run_algorithm(
+            {"algorithm": algorithm, "dataset": dataset, "epochs": epochs, "runtime": runtime}
+        )
+        print(json.dumps(pair[runtime]), flush=True)
+    return pair
 
 
 def run_algorithm(args: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,22 @@ MIN_WAIT_S, MAX_WAIT_S = 0.0005, 0.002
 log = logging.getLogger("tpflower")
 
 
+def supported(flwr_version: str | None = None, keeping: str | None = None) -> bool:
+    """Whether the installed Flower (or ``flwr_version``) is one this module was written for; if not and
+    ``keeping`` names what Flower keeps instead, log that in one notice line."""
+    flwr_version = flwr_version or version("flwr")
+    if flwr_version.startswith(WRITTEN_FOR):
+        return True
+    if keeping is not None:
+        log.warning(
+            "tpflower: Flower %s is not %s; keeping %s (slower rounds)",
+            flwr_version,
+            "/".join(v + "x" for v in WRITTEN_FOR),
+            keeping,
+        )
+    return False
+
+
 def fast_fetch_loop(state: Any, queue: Queue, nodes_mapping: dict, f_stop: threading.Event) -> None:
     """Flower 1.41's add_messages_to_queue (same calls, same order), with a millisecond backoff."""
     wait = MIN_WAIT_S
@@ -45,13 +61,7 @@ def install_fast_fetch(flwr_version: str | None = None, only_if_loaded: bool = F
     engine there would add about 1 s to its start)."""
     if only_if_loaded and "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules:
         return False
-    flwr_version = flwr_version or version("flwr")
-    if not flwr_version.startswith(WRITTEN_FOR):
-        log.warning(
-            "tpflower: Flower %s is not %s; keeping Flower's own 0.1 s simulation fetch loop (slower rounds)",
-            flwr_version,
-            "/".join(v + "x" for v in WRITTEN_FOR),
-        )
+    if not supported(flwr_version, "Flower's own 0.1 s simulation fetch loop"):
         return False
     from flwr.server.superlink.fleet.vce import vce_api  # noqa: PLC0415  the engine: about 1 s (docstring above)
 
@@ -101,7 +111,7 @@ def install_fast_grid_pulls(flwr_version: str | None = None) -> bool:
     if that grid is loaded in this process and the installed Flower is one this was written for."""
     if "flwr.superlink.grid.http_grid" not in sys.modules:
         return False
-    if not (flwr_version or version("flwr")).startswith(WRITTEN_FOR):
+    if not supported(flwr_version):
         return False
     fast_object_pulls(sys.modules["flwr.superlink.grid.http_grid"])
     return True
@@ -110,13 +120,7 @@ def install_fast_grid_pulls(flwr_version: str | None = None) -> bool:
 def install_fast_supernode(flwr_version: str | None = None) -> bool:
     """Shorten the SuperNode's sleeps (:class:`_FastSleepTime`) if the installed Flower is one this was
     written for; on any other version leave them and log one notice line."""
-    flwr_version = flwr_version or version("flwr")
-    if not flwr_version.startswith(WRITTEN_FOR):
-        log.warning(
-            "tpflower: Flower %s is not %s; keeping the SuperNode's own 3 s idle pull (slower rounds)",
-            flwr_version,
-            "/".join(v + "x" for v in WRITTEN_FOR),
-        )
+    if not supported(flwr_version, "the SuperNode's own 3 s idle pull"):
         return False
     from flwr.supernode import start_client_internal  # noqa: PLC0415  only in the SuperNode's process
 

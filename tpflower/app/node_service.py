@@ -16,7 +16,7 @@ and the prepared table stay in this process across messages and runs (tpflower.a
 The service polls for tasks with a short backoff (:data:`MIN_POLL_S` right after a task, doubling to
 :data:`MAX_POLL_S` when idle) and pulls message objects with a millisecond backoff (Flower's default
 starts at 1 s). Uses Flower internals (supernode/runtime/run_clientapp.py's helpers, the Runtime HTTP
-client): written for the Flower versions in :data:`WRITTEN_FOR`, which the node CLI checks.
+client): written for the Flower versions in tpflower.app.flower_patch.WRITTEN_FOR, to which pyproject pins flwr.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
-WRITTEN_FOR: tuple[str, ...] = ("1.41.",)
 APP_ID = "tpflower/tpflower"  # the FAB id of tpflower's app: [tool.flwr.app] publisher / [project] name
 TASK_TYPE = "flwr-clientapp"
 MIN_POLL_S, MAX_POLL_S = 0.002, 0.05
