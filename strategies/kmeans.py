@@ -69,6 +69,7 @@ class DistDimKMeans(DISStrategy):
     kind = "kmeans"
     uses_coreset = False
     one_shot = True
+    predictor = False  # no saved parts yet: a cluster id per new row is not implemented (docs/prediction.md)
 
     def protocol(self) -> None:
         self.setup()

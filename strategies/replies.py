@@ -46,6 +46,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "kmeans_local": ("labels", "C"),
     "kmeans_assign": ("labels",),
     "kmeans_cost": ("cost",),
+    # prediction (strategies/predict.py)
+    "predict_keys": ("row_ids",),
+    "predict_rows": ("h",),
 }
 #: per-row replies of the coreset phases: (array, the request's array naming its rows); none sent: every row
 ROW_REPLIES = (("sens", "rows"), ("labels", "rows"))

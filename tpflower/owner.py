@@ -17,8 +17,11 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
                                      # created on first use; no shared secret); default hmac: the secret below
     secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
     min_sketch_rows: 2048            # union preprocessing: fewest values a shard summarizes by order statistics
-    state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run (default: state/<file name>
-                                     # next to this file)
+    state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run, and its saved model parts
+                                     # (default: state/<file name> next to this file)
+    serve_predictions: true          # answer prediction requests for a model it trained (default true)
+    max_prediction_rows: 100000      # most rows one prediction request may score on this node (default 100000)
+    prediction_rows: /data/new.csv   # the query owner: the new rows it asks predictions for (docs/prediction.md)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
@@ -110,6 +113,10 @@ class OwnerSettings:
     # more outputs per row than the model's own would let one reply spell out the row (h = X theta, d_c >= d_i)
     max_outputs: int | None = None
     keys: str = "hmac"  # how the node maps its join keys: hmac (the shared secret) or blind (its own scalar)
+    serve_predictions: bool = True  # answers prediction requests for a model it trained and still holds
+    # rows one prediction request may score on this node; None: no bound (a simulation, whose user owns every table)
+    max_prediction_rows: int | None = None
+    prediction_rows: str | None = None  # the query owner's file of new rows to predict (it alone reads it)
 
     def refuse(self, what: str) -> Refusal:
         return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {self.origin})")
@@ -234,11 +241,24 @@ def node_secret(secret_file: str | Path | None, table: str, where: str) -> bytes
 
 #: a deployed node's bound on the outputs per row of a reply when its settings name none
 DEFAULT_MAX_OUTPUTS = 1
+DEFAULT_MAX_PREDICTION_ROWS = 100_000  # a deployed node's bound on the rows of one prediction request
 
 
 def _max_outputs(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecError(f"{where}: max_outputs must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _flag(value: Any, name: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{where}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _whole(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{where}: {name} must be a whole number >= 1, got {value!r}")
     return value
 
 
@@ -264,6 +284,9 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         "where",
         "max_outputs",
         "keys",
+        "serve_predictions",
+        "max_prediction_rows",
+        "prediction_rows",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -291,6 +314,13 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
         where=None if raw.get("where") is None else str(raw["where"]),
         max_outputs=_max_outputs(raw.get("max_outputs", DEFAULT_MAX_OUTPUTS), where),
+        serve_predictions=_flag(raw.get("serve_predictions", True), "serve_predictions", where),
+        max_prediction_rows=_whole(
+            raw.get("max_prediction_rows", DEFAULT_MAX_PREDICTION_ROWS), "max_prediction_rows", where
+        ),
+        prediction_rows=None
+        if raw.get("prediction_rows") is None
+        else str(resolve_path(raw["prediction_rows"], base).resolve()),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),

@@ -1,0 +1,152 @@
+"""Federated prediction over the join, server side (docs/prediction.md; client: tpflower/phases/predict.py).
+
+A trained model is split by construction: f(x_j) = sum_i f_i(theta_i; x_{i, p_i(j)}) (docs/algorithms.md,
+Notation), and theta_i stays with the owner of table i. To score new rows, the query owner (by default the
+label table's) holds them with their join keys and features, the other owners the rows they serve now. The
+request runs like training's setup and one evaluation round:
+
+1. ``predict_keys``: every node sends row ids and keyed digests of its rows' join keys (keys=blind: the blinded
+   values, then the same re-blinding hops as training, strategies.setup.JoinSetup.blind_rounds), and the id of
+   the part it holds, checked against model.json.
+2. The server joins the digests into p_i (tpflower.mapping.build_mapping, as in training): one joined row per
+   new row and partner; new rows that join no partner are reported, not dropped silently.
+3. ``predict_rows``: each node scores the distinct rows U_i the joined rows use, h_i = f_i(theta_i; x_u);
+   the server sums H_j = sum_i h_i[p_i(j)] and applies the inverse label transform of model.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from strategies.base import TablePuppetStrategy
+from strategies.model_record import label_scale_of
+from strategies.setup import JoinSetup, ShardRouter, key_mode
+from strategies.transport import ClientKey, RunError
+from tpflower.batches import joined_predictions
+from tpflower.mapping import KeyProjection, build_mapping
+from tpflower.schema import RelationalSpec, SpecError
+
+
+@dataclass
+class Predictions:
+    """The scored new rows: ``rows[j]`` the query row (its position in the rows file) of joined row j,
+    ``H[j]`` its prediction in the label's units (classification: the scores, logits), ``unjoined`` the
+    query rows that joined no partner; ``p[t][j]`` the row of table t in joined row j (the query table's: the
+    query row), the server's mapping."""
+
+    task: str
+    rows: np.ndarray
+    H: np.ndarray
+    unjoined: np.ndarray
+    p: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def frame(self) -> pd.DataFrame:
+        """One line per joined new row: ``row``, ``prediction`` and, for classification, class probabilities
+        (binary: ``p_1``; multiclass: ``p_0`` ... ``p_{C-1}``)."""
+        out = pd.DataFrame({"row": self.rows.astype(np.int64)})
+        H = np.asarray(self.H, dtype=np.float64).reshape(len(self.rows), -1)
+        if self.task == "regression":
+            out["prediction"] = H[:, 0]
+        elif self.task == "binary":
+            p1 = 1.0 / (1.0 + np.exp(-H[:, 0]))
+            out["prediction"], out["p_1"] = (H[:, 0] > 0).astype(np.int64), p1
+        else:
+            e = np.exp(H - H.max(axis=1, keepdims=True))
+            P = e / e.sum(axis=1, keepdims=True)
+            out["prediction"] = H.argmax(axis=1)
+            for c in range(P.shape[1]):
+                out[f"p_{c}"] = P[:, c]
+        return out
+
+
+class FederatedPrediction(TablePuppetStrategy):
+    """One prediction request for the model of ``record`` (model.json): the new rows are held by the query
+    client ``query`` (its owner's rows file), every other table's clients serve their current rows."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        spec: RelationalSpec,
+        record: Mapping[str, Any],
+        query: ClientKey,
+        log: Callable[[str], None] = print,
+    ):
+        scenario = str(cfg.scenario.name)
+        super().__init__(spec.clients(scenario), log)
+        if query[0] != spec.label_table:
+            raise ValueError(
+                f"the new rows belong to table {query[0]!r}: a prediction joins from the label table "
+                f"{spec.label_table!r}, whose owner supplies them"
+            )
+        if query not in self.clients:
+            raise ValueError(f"table {query[0]!r} has no shard {query[1]} (clients: {self.clients})")
+        self.cfg, self.spec, self.record, self.query = cfg, spec, record, query
+        self.d_out = int(record["d_out"])
+        self.task = str(record["task"])
+        self.parts = {(p["table"], int(p["shard"])): p["part"] for p in record["parts"]}
+        self.results: Predictions | None = None
+        self.finished = False
+
+    @property
+    def members(self) -> list[ClientKey]:
+        """The clients of the request: the query shard of the label table, every client of the other tables."""
+        return [k for k in self.clients if k[0] != self.query[0] or k == self.query]
+
+    def protocol(self) -> None:
+        run_id = str(self.record["run_id"])
+        replies = self.send(
+            {k: ({}, {"phase": "predict_keys", "run_id": run_id, "query": int(k == self.query)}) for k in self.members}
+        )
+        for key, (_, m) in sorted(replies.items()):
+            if str(m.get("part")) != self.parts.get(key):
+                raise RunError(
+                    f"table {key[0]!r} shard {key[1]}: its saved part {m.get('part')} is not the part "
+                    f"{self.parts.get(key)} of run {run_id} in model.json (retrained or replaced since)"
+                )
+        if key_mode(replies) == "blind":
+            JoinSetup(self.send, self.spec, self.cfg, self.members, {}, self.log).blind_rounds(replies)
+        n_query = len(replies[self.query][0]["row_ids"])
+        projections = {t: [] for t in self.spec.table_names}
+        for (t, _), (arrays, _) in replies.items():
+            digests = {k: arrays[f"digest.{k}"] for k, j in enumerate(self.spec.joins) if t in (j.left, j.right)}
+            projections[t].append(KeyProjection(t, np.asarray(arrays["row_ids"], dtype=np.int64), digests))
+        try:
+            mapping = build_mapping(self.spec, projections)
+        except SpecError:  # no new row joins: every one is reported
+            self.results = Predictions(
+                self.task, np.zeros(0, np.int64), np.zeros((0, self.d_out)), np.arange(n_query, dtype=np.int64)
+            )
+            self.finished = True
+            return
+        routers = {
+            t: ShardRouter(
+                {q: np.asarray(r[0]["row_ids"], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
+                mapping.n_rows[t],
+            )
+            for t in self.spec.table_names
+        }
+        distinct = {t: np.unique(mapping.p[t], return_inverse=True) for t in self.spec.table_names}
+        messages = {}
+        for t, (U, _) in distinct.items():
+            for q, pos in routers[t].split(U).items():
+                messages[(t, q)] = ({"rows": pos}, {"phase": "predict_rows"})
+        scored = self.send(messages, "eval")
+        h = {
+            t: routers[t].gather(U, {q: r[0]["h"] for (tt, q), r in scored.items() if tt == t})
+            for t, (U, _) in distinct.items()
+        }
+        H = joined_predictions({t: inv.ravel() for t, (_, inv) in distinct.items()}, h)
+        rows = np.asarray(mapping.p[self.query[0]], dtype=np.int64)
+        self.results = Predictions(
+            self.task,
+            rows,
+            label_scale_of(self.record).to_label(H),
+            np.setdiff1d(np.arange(n_query), rows),
+            dict(mapping.p),
+        )
+        self.finished = True
