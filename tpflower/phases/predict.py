@@ -147,7 +147,7 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             bad = pd.to_numeric(col, errors="coerce").isna() & col.notna()
             first = int(np.flatnonzero(bad.to_numpy())[0]) if bad.any() else 0
             raise SpecError(
-                f"{where}: column {c!r} of table {table!r} is numeric, but row {first} holds {col.iloc[first]!r}"
+                f"{where}: column {c!r} of table {table!r} is numeric, but row {first} holds {col.iloc[first]!r}, not a number"
             )
     if len(frame) == 0:
         raise SpecError(f"{where}: no rows")
