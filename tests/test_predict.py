@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from flwr.app import Context, RecordDict
+from flwr.app import Context
 
 from simulations.federated import run_in_process
 from simulations.predict import main as predict_main
