@@ -19,12 +19,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import pandas as pd
 from omegaconf import OmegaConf, open_dict
 
 from simulations.federated import run_flower_simulation, run_in_process
 from strategies.model_record import read_model_record
-from strategies.predict import FederatedPrediction, Predictions
+from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Predictions, write_predictions
 from strategies.transport import RunError
 from tpflower.datasets import load_spec
 from tpflower.schema import SpecError
@@ -63,17 +62,6 @@ def predict_run(
     return strategy.results
 
 
-def write_predictions(pred: Predictions, out: Path, log: Callable[[str], None] = print) -> None:
-    """The predictions CSV, and OUT.unjoined.csv with the new rows that joined no partner (if any)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pred.frame().to_csv(out, index=False)
-    log(f"predictions: {out} ({len(pred.rows)} joined rows)")
-    if len(pred.unjoined):
-        side = out.with_suffix(".unjoined.csv")
-        pd.DataFrame({"row": pred.unjoined}).to_csv(side, index=False)
-        log(f"{len(pred.unjoined)} new row(s) joined no partner and have no prediction: their row numbers in {side}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.predict", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", help="the training run's directory (model.json, node-state/)")
@@ -89,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RunError, SpecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
-    out = Path(args.out) if args.out else Path(args.run_dir) / "predictions.csv"
+    out = Path(args.out) if args.out else Path(args.run_dir) / PREDICTIONS_FILE
     write_predictions(pred, out)
     print(f"{len(pred.rows) + len(pred.unjoined)} new rows scored in {time.perf_counter() - t0:.1f} s")
     return 0

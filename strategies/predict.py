@@ -18,18 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from strategies.base import TablePuppetStrategy
-from strategies.model_record import label_scale_of
+from strategies.model_record import label_scale_of, read_model_record
 from strategies.setup import JoinSetup, ShardRouter, key_mode
 from strategies.transport import ClientKey, RunError
 from tpflower.batches import joined_predictions
+from tpflower.datasets import load_spec
 from tpflower.mapping import KeyProjection, build_mapping
 from tpflower.schema import RelationalSpec, SpecError
+
+PREDICTIONS_FILE = "predictions.csv"
 
 
 @dataclass
@@ -91,6 +95,22 @@ class FederatedPrediction(TablePuppetStrategy):
         self.parts = {(p["table"], int(p["shard"])): p["part"] for p in record["parts"]}
         self.results: Predictions | None = None
         self.finished = False
+        self.out: Path | None = None  # a deployed request: the server writes the predictions here
+
+    @classmethod
+    def from_run_dir(
+        cls, cfg: Any, run_dir: str | Path, base_dir: str | Path | None = None, log: Callable[[str], None] = print
+    ) -> FederatedPrediction:
+        """The request of a deployed ServerApp (config ``predict.run_id``, ``predict.shard``): the model of
+        ``run_dir`` (its model.json), the predictions written to RUN_DIR/predictions.csv."""
+        record = read_model_record(run_dir)
+        asked = str(cfg.predict.get("run_id") or "")
+        if asked != str(record["run_id"]):
+            raise ValueError(f"predict.run_id={asked}, but the model in {run_dir} is run {record['run_id']}")
+        spec = load_spec(cfg.dataset, base_dir=base_dir)
+        strategy = cls(cfg, spec, record, (spec.label_table, int(cfg.predict.get("shard", 0))), log)
+        strategy.out = Path(run_dir) / PREDICTIONS_FILE
+        return strategy
 
     @property
     def members(self) -> list[ClientKey]:
@@ -122,6 +142,8 @@ class FederatedPrediction(TablePuppetStrategy):
                 self.task, np.zeros(0, np.int64), np.zeros((0, self.d_out)), np.arange(n_query, dtype=np.int64)
             )
             self.finished = True
+            if self.out is not None:
+                write_predictions(self.results, self.out, self.log)
             return
         routers = {
             t: ShardRouter(
@@ -150,3 +172,16 @@ class FederatedPrediction(TablePuppetStrategy):
             dict(mapping.p),
         )
         self.finished = True
+        if self.out is not None:
+            write_predictions(self.results, self.out, self.log)
+
+
+def write_predictions(pred: Predictions, out: Path, log: Callable[[str], None] = print) -> None:
+    """The predictions CSV, and OUT.unjoined.csv with the new rows that joined no partner (if any)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pred.frame().to_csv(out, index=False)
+    log(f"predictions: {out} ({len(pred.rows)} joined rows)")
+    if len(pred.unjoined):
+        side = out.with_suffix(".unjoined.csv")
+        pd.DataFrame({"row": pred.unjoined}).to_csv(side, index=False)
+        log(f"{len(pred.unjoined)} new row(s) joined no partner and have no prediction: their row numbers in {side}")

@@ -257,3 +257,27 @@ def test_flower_engine_prediction_equals_in_process(regression_run, tmp_path):
     b = predict_run(run_dir, spec_rows, runtime="flower", **QUIET)
     np.testing.assert_array_equal(a.rows, b.rows)
     np.testing.assert_allclose(a.H, b.H, rtol=0, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_deployment_trains_then_restarted_nodes_predict_as_the_simulation(tmp_path):
+    """simulations.deploy run trains (TLS, node authentication, blinded keys; the nodes save their parts under
+    their owners' state_dir), stops every process; simulations.deploy predict starts the nodes again and the
+    label owner's new rows are scored like the in-process simulation of the same config scores them."""
+    from simulations import deploy
+
+    overrides = "algorithm=admm dataset=synthetic epochs=2 precision=float64"
+    run_dir, state = tmp_path / "run", tmp_path / "deploy"
+    deploy.run(overrides, run_dir, state, home=tmp_path / "flwr-home")
+    assert (run_dir / "model.json").is_file()
+    cfg = make_cfg(*overrides.split())
+    _, frame = load_table(cfg.dataset, "fact")
+    rows = tmp_path / "new.csv"
+    frame.drop(columns=["y"]).iloc[:500].to_csv(rows, index=False)
+    out = deploy.predict(overrides, run_dir, rows, state, home=tmp_path / "flwr-home")
+    deployed = pd.read_csv(out)
+    run_in_process(cfg, tmp_path / "sim", **QUIET)
+    simulated = predict_run(tmp_path / "sim", rows, **QUIET).frame()
+    np.testing.assert_array_equal(deployed["row"], simulated["row"])
+    np.testing.assert_allclose(deployed["prediction"], simulated["prediction"], rtol=1e-6)
