@@ -653,6 +653,33 @@ def setup_keys() -> str | None:
     )
 
 
+def prediction() -> str | None:
+    """The predict suite: federated prediction throughput against one ADMM epoch, side by side."""
+    d = load("predict.json")
+    if d is None:
+        return None
+    rows = [
+        [
+            f"predict {d['new_rows']:,} new rows ({d['joined_rows']:,} joined, {d['unjoined_rows']:,} unjoined)",
+            f"{d['predict_s']:.2f} s",
+            f"**{d['rows_per_s']:,} rows/s**",
+        ],
+        ["one TP-Join-ADMM epoch (the second)", f"{d['admm_epoch_s']:.2f} s", ""],
+    ]
+    return "\n\n".join(
+        [
+            "## Prediction: new rows against one ADMM epoch\n\nFederated prediction "
+            "([prediction.md](prediction.md)) of new rows of the label table "
+            f"({d['data']} `{d['query_table']}`: its rows as new rows, keys and features only), in-process (the same "
+            "strategy and ClientApp as under Flower, no transport): the keys round and the mapping, one scoring round, "
+            f"the sum. It takes {d['predict_over_epoch']:.2f}x the time of one TP-Join-ADMM epoch on the same data, "
+            "measured in the same process.",
+            command("python -m simulations.bench predict   # -> bench_results/predict.json"),
+            table(["", "wall time", "throughput"], rows),
+        ]
+    )
+
+
 SECTIONS: list[Callable[[], str | None]] = [
     loj,
     convergence,
@@ -661,6 +688,7 @@ SECTIONS: list[Callable[[], str | None]] = [
     coresets,
     mapping_and_scale,
     setup_keys,
+    prediction,
     flower,
 ]
 
@@ -677,7 +705,8 @@ def render() -> str:
         "[learning over join](#learning-over-join-cost-per-epoch), "
         "[ADMM convergence](#admm-convergence-with-the-shipped-defaults), [privacy](#privacy), "
         "[CELU-VFL](#celu-vfl-rounds-to-target), [coresets](#coresets-for-vfl-over-joins), "
-        "[mapping and scale](#table-mapping-and-scale), [Flower's overhead](#flowers-overhead)."
+        "[mapping and scale](#table-mapping-and-scale), "
+        "[prediction](#prediction-new-rows-against-one-admm-epoch), [Flower's overhead](#flowers-overhead)."
     )
     regenerate = command(
         "python -m simulations.report           # rewrites this file from bench_results/*.json",

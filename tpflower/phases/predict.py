@@ -151,7 +151,7 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             )
     if len(frame) == 0:
         raise SpecError(f"{where}: no rows")
-    return frame.drop(columns=label).reset_index(drop=True)
+    return frame.drop(columns=label, errors="ignore").reset_index(drop=True)
 
 
 def request_rows(client: TableClient, part: ModelPart, query: bool) -> tuple[pd.DataFrame, np.ndarray]:
