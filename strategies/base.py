@@ -338,6 +338,10 @@ class LoJStrategy(TablePuppetStrategy):
         self.finished = True
         self.record.write(self.run_dir)
 
+    def model_extra(self) -> dict[str, Any]:
+        """What model.json holds beyond the common record (k-means: its centres)."""
+        return {}
+
     def save_model(self) -> None:
         """The save round (``save_part``, not training traffic) and the server's model record, model.json."""
         assert self.run_dir is not None
@@ -346,6 +350,7 @@ class LoJStrategy(TablePuppetStrategy):
         if not all(parts.values()):
             return  # nodes without a state_dir keep no part: there is no model to record
         record = model_record(self.cfg, self.run_id, self.algorithm, self.task, self.d_out, self.label_scale, parts)
+        record.update(self.model_extra())
         self.log(f"model: {write_model_record(record, self.run_dir)}")
 
     # ------------------------------------------------------------------------------------------ checkpoints

@@ -25,10 +25,12 @@ import numpy as np
 import pandas as pd
 
 from strategies.base import TablePuppetStrategy
+from strategies.kmeans import cell_points, grid_cells
 from strategies.model_record import label_scale_of, read_model_record
 from strategies.setup import JoinSetup, ShardRouter, key_mode
 from strategies.transport import ClientKey, RunError
 from tpflower.batches import joined_predictions
+from tpflower.clustering import sq_distances
 from tpflower.datasets import load_spec
 from tpflower.mapping import KeyProjection, build_mapping
 from tpflower.schema import RelationalSpec, SpecError
@@ -53,8 +55,10 @@ class Predictions:
         """One line per joined new row: ``row``, ``prediction`` and, for classification, class probabilities
         (binary: ``p_1``; multiclass: ``p_0`` ... ``p_{C-1}``)."""
         out = pd.DataFrame({"row": self.rows.astype(np.int64)})
-        H = np.asarray(self.H, dtype=np.float64).reshape(len(self.rows), -1)
-        if self.task == "regression":
+        H = np.asarray(self.H, dtype=np.float64).reshape(len(self.rows), -1) if len(self.rows) else self.H
+        if self.task == "cluster":
+            out["cluster"] = np.asarray(self.H).reshape(-1).astype(np.int64)
+        elif self.task == "regression":
             out["prediction"] = H[:, 0]
         elif self.task == "binary":
             p1 = 1.0 / (1.0 + np.exp(-H[:, 0]))
@@ -90,8 +94,9 @@ class FederatedPrediction(TablePuppetStrategy):
         if query not in self.clients:
             raise ValueError(f"table {query[0]!r} has no shard {query[1]} (clients: {self.clients})")
         self.cfg, self.spec, self.record, self.query = cfg, spec, record, query
-        self.d_out = int(record["d_out"])
-        self.task = str(record["task"])
+        self.clusters = record.get("predicts") == "cluster"  # k-means: a cluster id per joined row
+        self.d_out = None if self.clusters else int(record["d_out"])
+        self.task = "cluster" if self.clusters else str(record["task"])
         self.parts = {(p["table"], int(p["shard"])): p["part"] for p in record["parts"]}
         self.results: Predictions | None = None
         self.finished = False
@@ -139,7 +144,7 @@ class FederatedPrediction(TablePuppetStrategy):
             mapping = build_mapping(self.spec, projections)
         except SpecError:  # no new row joins: every one is reported
             self.results = Predictions(
-                self.task, np.zeros(0, np.int64), np.zeros((0, self.d_out)), np.arange(n_query, dtype=np.int64)
+                self.task, np.zeros(0, np.int64), np.zeros((0, self.d_out or 1)), np.arange(n_query, dtype=np.int64)
             )
             self.finished = True
             if self.out is not None:
@@ -158,22 +163,32 @@ class FederatedPrediction(TablePuppetStrategy):
             for q, pos in routers[t].split(U).items():
                 messages[(t, q)] = ({"rows": pos}, {"phase": "predict_rows"})
         scored = self.send(messages, "eval")
+        name = "labels" if self.clusters else "h"
         h = {
-            t: routers[t].gather(U, {q: r[0]["h"] for (tt, q), r in scored.items() if tt == t})
+            t: routers[t].gather(U, {q: r[0][name] for (tt, q), r in scored.items() if tt == t})
             for t, (U, _) in distinct.items()
         }
-        H = joined_predictions({t: inv.ravel() for t, (_, inv) in distinct.items()}, h)
+        inv = {t: i.ravel() for t, (_, i) in distinct.items()}
+        H = self.cluster_ids(h, inv) if self.clusters else joined_predictions(inv, h)
         rows = np.asarray(mapping.p[self.query[0]], dtype=np.int64)
         self.results = Predictions(
             self.task,
             rows,
-            label_scale_of(self.record).to_label(H),
+            H if self.clusters else label_scale_of(self.record).to_label(H),
             np.setdiff1d(np.arange(n_query), rows),
             dict(mapping.p),
         )
         self.finished = True
         if self.out is not None:
             write_predictions(self.results, self.out, self.log)
+
+    def cluster_ids(self, labels: Mapping[str, np.ndarray], inv: Mapping[str, np.ndarray]) -> np.ndarray:
+        """k-means (DistDim): each joined row's grid cell from its tables' local labels, and the final centre
+        nearest to the cell's point, as the run assigns its joined rows (strategies/kmeans.py)."""
+        local = {t: np.asarray(c, dtype=np.float64) for t, c in self.record["local_centres"].items()}
+        C = np.asarray(self.record["centres"], dtype=np.float64)
+        cells, cell_of = grid_cells([np.asarray(labels[t])[inv[t]] for t in local], C.shape[0])
+        return sq_distances(cell_points(cells, list(local.values())), C).argmin(1)[cell_of]
 
 
 def write_predictions(pred: Predictions, out: Path, log: Callable[[str], None] = print) -> None:

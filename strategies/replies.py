@@ -48,7 +48,6 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "kmeans_cost": ("cost",),
     # prediction (strategies/predict.py)
     "predict_keys": ("row_ids",),
-    "predict_rows": ("h",),
 }
 #: per-row replies of the coreset phases: (array, the request's array naming its rows); none sent: every row
 ROW_REPLIES = (("sens", "rows"), ("labels", "rows"))

@@ -29,8 +29,9 @@ from tpflower.datasets import load_table, shard_rows
 from tpflower.mapping import holdout_mask
 from tpflower.records import unpack_reply
 
-#: every registered algorithm that trains a predictor (k-means has no saved parts yet: docs/prediction.md)
-PREDICTORS = [e for e in registry.entries() if e.federated and e.strategy.predictor]
+#: every registered algorithm that trains a predictor of the label; k-means predicts a cluster id (below)
+PREDICTORS = [e for e in registry.entries() if e.federated and e.family != "kmeans"]
+CLUSTERINGS = [e for e in registry.entries() if e.family == "kmeans"]
 QUIET = {"log": lambda _: None}
 
 
@@ -94,6 +95,29 @@ def test_predictions_of_the_test_rows_are_the_runs_final_test_predictions(entry,
     assert_same_as_the_run(strategy, preds)
 
 
+@pytest.mark.parametrize("entry", CLUSTERINGS, ids=[e.name for e in CLUSTERINGS])
+def test_kmeans_predicts_the_cluster_the_run_assigned(entry, tmp_path):
+    """The label table's rows, scored as new rows, fall in the clusters the run assigned their joined rows
+    (DistDim: each table's nearest local centre, the grid cell's nearest final centre)."""
+    extra = ["algorithm.m=500"] if "m" in entry.params.__dataclass_fields__ else []
+    strategy = train(tmp_path / "run", *overrides_of(entry), "algorithm.k=4", "algorithm.restarts=2", *extra)
+    record = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert record["predicts"] == "cluster" and len(record["centres"]) == 4
+    _, frame = load_table(strategy.cfg.dataset, "fact")
+    ids = np.arange(len(frame))
+    frame.drop(columns=["y"]).to_csv(tmp_path / "rows.csv", index=False)
+    out = tmp_path / "clusters.csv"
+    assert predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "rows.csv"), "--out", str(out)]) == 0
+    assert list(pd.read_csv(out).columns) == ["row", "cluster"]
+    pred = predict_run(tmp_path / "run", tmp_path / "rows.csv", **QUIET)
+    m = strategy.mapping
+    tables = list(m.p)
+    run_keys, keys = joined_keys(m.p, tables), joined_keys({**pred.p, "fact": ids[pred.rows]}, tables)
+    a, b = np.lexsort(run_keys.T[::-1]), np.lexsort(keys.T[::-1])
+    np.testing.assert_array_equal(run_keys[a], keys[b])
+    np.testing.assert_array_equal(np.asarray(pred.H)[b], np.asarray(strategy.assignment)[a])
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One multiclass TP-Join-ADMM run for the tests below (its test rows, the run)."""
@@ -118,7 +142,7 @@ def test_classification_writes_classes_and_probabilities_and_matches_the_run(tra
 
 def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
     strategy, run_dir, rows, _ = trained
-    frame = pd.read_csv(rows)
+    frame = pd.read_csv(rows).drop(columns=[strategy.spec.label.column])  # new rows come without labels
     join = next(j for j in strategy.spec.joins if strategy.spec.label_table in (j.left, j.right))
     column = join.columns_of(strategy.spec.label_table)[0]
     frame.loc[[3, 7], column] = frame[column].max() + 10_000  # no dimension row has this key

@@ -58,6 +58,7 @@ class ModelPart:
     categorical: tuple[str, ...]
     bin_edges: dict[str, np.ndarray] = field(default_factory=dict)
     theta: dict[str, np.ndarray] = field(default_factory=dict)
+    centres: np.ndarray | None = None  # k-means: the table's local centres (k x d_i) instead of theta
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -81,10 +82,13 @@ class ModelPart:
             "categorical": list(self.categorical),
             "bins": list(self.bin_edges),
             "theta": list(self.theta),
+            "centres": self.centres is not None,
         }
         arrays = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)}
         arrays.update({f"theta.{k}": np.asarray(v) for k, v in self.theta.items()})
         arrays.update({f"edges.{k}": np.asarray(v, dtype=np.float64) for k, v in self.bin_edges.items()})
+        if self.centres is not None:
+            arrays["centres"] = np.asarray(self.centres, dtype=np.float64)
         atomic_write(path, lambda f: np.savez(f, **arrays))  # mkstemp: the file is 0600
         os.chmod(path, 0o600)
         return part_id(path)
@@ -99,6 +103,7 @@ class ModelPart:
             meta = json.loads(bytes(z["meta"]).decode())
             theta = {k: z[f"theta.{k}"] for k in meta["theta"]}
             edges = {k: z[f"edges.{k}"] for k in meta["bins"]}
+            centres = z["centres"] if meta.get("centres") else None
         return cls(
             run_id=meta["run_id"],
             algorithm=meta["algorithm"],
@@ -114,6 +119,7 @@ class ModelPart:
             categorical=tuple(meta["categorical"]),
             bin_edges=edges,
             theta=theta,
+            centres=centres,
         )
 
     # ------------------------------------------------------------------------------------------ use
@@ -148,6 +154,13 @@ class ModelPart:
         model = self.module(spec)
         with torch.no_grad():
             return model(torch.as_tensor(X, dtype=torch_dtype(self.precision))).numpy().astype(np.float64)
+
+    def cluster_labels(self, X: np.ndarray) -> np.ndarray:
+        """k-means: each row's nearest local centre, computed as the run's Lloyd steps compute it
+        (tpflower.clustering: ||c||^2 - 2 x.c, the same argmin and ties)."""
+        assert self.centres is not None
+        X, C = np.asarray(X, dtype=np.float64), self.centres
+        return ((C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)).argmin(1)
 
 
 def part_id(path: Path) -> str:

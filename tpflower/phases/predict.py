@@ -13,7 +13,7 @@ A prediction request is a protocol of its own (:data:`PREDICT`), never mixed wit
                                  keyed digests of their join keys, as in training's keys phase
   reblind       as in setup (keys=blind)
   predict_rows  {rows}        -> {h}: f_i(theta_i; x_u) of its rows ``rows`` with the saved theta_i and the
-                                 saved preprocessing
+                                 saved preprocessing; k-means: {labels}, each row's nearest local centre
 
 The owner decides (tpflower.owner): a node answers only for a run whose part it still holds, only when its
 settings say ``serve_predictions: true``, with the saved output width within its ``max_outputs``, and scores at
@@ -33,6 +33,7 @@ import pandas as pd
 
 from tpflower.blind import blind_keys
 from tpflower.client import TableClient
+from tpflower.clustering import label_dtype
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
 from tpflower.mapping import project_keys
 from tpflower.model_part import ModelPart, part_id, part_path
@@ -52,8 +53,8 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     """Store this node's part of the run's model under its owner's state_dir; reply its part id."""
     s = client.settings
     run_id = client.state.scalar("run_id")
-    theta = client.state.records.get("theta")
-    if s.owner.state_dir is None or theta is None or run_id is None:
+    theta, centres = client.state.records.get("theta"), client.state.get("kmeans.C")
+    if s.owner.state_dir is None or (theta is None and centres is None) or run_id is None:
         return {}, {"part": ""}
     if str(config.get("run_id", run_id)) != str(run_id):
         raise ProtocolRefusal(f"{_where(client)}: save_part names run {config.get('run_id')!r}, not its run")
@@ -67,14 +68,15 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
         shard=s.shard,
         model=dict(s.model),
         width=local.width,
-        d_out=int(client.state.scalar("d_out")),
+        d_out=int(client.state.scalar("d_out", 0)),  # k-means: 0 (it predicts a cluster)
         precision=s.precision,
         seed=s.seed,
         preprocessing=local.preprocessor.stats(),
         numeric=tuple(t.numeric),
         categorical=tuple(t.categorical),
         bin_edges={k: np.asarray(v, dtype=np.float64) for k, v in (local.bin_edges or {}).items()},
-        theta={k: v.cpu().numpy() for k, v in theta.to_torch_state_dict().items()},
+        theta={} if theta is None else {k: v.cpu().numpy() for k, v in theta.to_torch_state_dict().items()},
+        centres=None if theta is not None else np.asarray(centres, dtype=np.float64),
     )
     return {}, {"part": part.save(s.owner.state_dir)}
 
@@ -209,7 +211,10 @@ def predict_rows(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     check_count(client, len(rows))
     if len(rows) and (rows.min() < 0 or rows.max() >= len(frame)):
         raise ProtocolRefusal(f"{_where(client)}: predict_rows asks for rows outside its {len(frame)} rows")
-    return {"h": part.predict(client.settings.spec, part.features(frame.iloc[rows]))}, {}
+    X = part.features(frame.iloc[rows])
+    if part.centres is not None:  # k-means: the nearest local centre of each row (DistDim: one label per row)
+        return {"labels": part.cluster_labels(X).astype(label_dtype(len(part.centres)))}, {}
+    return {"h": part.predict(client.settings.spec, X)}, {}
 
 
 #: a prediction request: the keys of the rows, (keys=blind) the re-blinding hops, one scoring round
