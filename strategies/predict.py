@@ -26,7 +26,7 @@ import pandas as pd
 
 from strategies.base import TablePuppetStrategy
 from strategies.kmeans import cell_points, grid_cells
-from strategies.model_record import label_scale_of, read_model_record
+from strategies.model_record import dataset_digest, label_scale_of, read_model_record
 from strategies.setup import JoinSetup, ShardRouter, key_mode
 from strategies.transport import ClientKey, RunError
 from tpflower.batches import joined_predictions
@@ -112,6 +112,12 @@ class FederatedPrediction(TablePuppetStrategy):
         asked = str(cfg.predict.get("run_id") or "")
         if asked != str(record["run_id"]):
             raise ValueError(f"predict.run_id={asked}, but the model in {run_dir} is run {record['run_id']}")
+        if dataset_digest(cfg) != record.get("dataset_digest"):
+            raise ValueError(
+                f"the request's dataset spec is not the one the model in {run_dir} was trained on (dataset "
+                f"{record.get('dataset')!r}, digest {str(record.get('dataset_digest'))[:12]}): submit it with the "
+                "training run's overrides"
+            )
         spec = load_spec(cfg.dataset, base_dir=base_dir)
         strategy = cls(cfg, spec, record, (spec.label_table, int(cfg.predict.get("shard", 0))), log)
         strategy.out = Path(run_dir) / PREDICTIONS_FILE

@@ -305,3 +305,16 @@ def test_a_deployment_trains_then_restarted_nodes_predict_as_the_simulation(tmp_
     simulated = predict_run(tmp_path / "sim", rows, **QUIET).frame()
     np.testing.assert_array_equal(deployed["row"], simulated["row"])
     np.testing.assert_allclose(deployed["prediction"], simulated["prediction"], rtol=1e-6)
+
+
+def test_a_deployed_request_names_another_dataset_spec_or_run(regression_run):
+    from strategies.predict import FederatedPrediction
+
+    run_id, run_dir = regression_run
+    same = make_cfg(*SYNTHETIC.split(), f"+predict.run_id='{run_id}'")
+    assert FederatedPrediction.from_run_dir(same, run_dir, **QUIET).out == run_dir / "predictions.csv"
+    other = make_cfg(*SYNTHETIC.split(), "dataset.loader.noise=0.5", f"+predict.run_id='{run_id}'")
+    with pytest.raises(ValueError, match="is not the one the model in .* was trained on"):
+        FederatedPrediction.from_run_dir(other, run_dir, **QUIET)
+    with pytest.raises(ValueError, match="predict.run_id=00ff, but the model"):
+        FederatedPrediction.from_run_dir(make_cfg(*SYNTHETIC.split(), "+predict.run_id='00ff'"), run_dir, **QUIET)
