@@ -27,6 +27,7 @@ from tpflower.local_table import ShardData
 from tpflower.losses import loss_np
 from tpflower.owner import OwnerSettings
 from tpflower.privacy.budget import BudgetExhausted, OwnerBudget, owner_bound
+from tpflower.privacy.settings import label_range
 from tpflower.state import ClientState
 
 #: logits are clipped to [-LOGIT_BOUND, LOGIT_BOUND] for the released loss (bounds one row's loss)
@@ -67,7 +68,7 @@ def setting(privacy: Mapping[str, Any], task: str, n_classes: int | None, y: np.
     if task != "regression":
         return {"task": task, "n_classes": int(n_classes or 2), "label_lambda": float(privacy["label_lambda"])}
     rng = privacy.get("label_range")
-    lo, hi = (float(np.min(y)), float(np.max(y))) if rng is None else dp.label_range("label DP", rng)
+    lo, hi = (float(np.min(y)), float(np.max(y))) if rng is None else label_range("label DP", rng)
     if not lo < hi:
         hi = lo + 1.0  # constant labels: any positive width
     return {"task": task, "label_epsilon": float(privacy["label_epsilon"]), "label_range": [lo, hi]}

@@ -164,7 +164,7 @@ class LocalDP:
         try:
             planned = int(self.client.state.scalar("dp_steps"))
             if trainer.steps > planned:  # nothing of this step leaves the client
-                raise RuntimeError(
+                raise BudgetExhausted(
                     f"{self.where}: {trainer.steps} DP steps exceed the {planned} the noise was calibrated for "
                     "(privacy budget exhausted)"
                 )
@@ -175,8 +175,8 @@ class LocalDP:
             def check(run_after: list[list[float]], owner_after: list[list[float]]) -> None:
                 if steps_of(run_after) > planned:
                     raise BudgetExhausted(
-                        f"{self.where}: this run has taken {steps_of(run_after)} DP steps in all (restarts and "
-                        f"resumes included); its noise was calibrated for {planned} (privacy budget exhausted)"
+                        f"{self.where}: {steps_of(run_after)} DP steps exceed the {planned} the noise was calibrated "
+                        "for (privacy budget exhausted), counting every process of this run (restarts, resumes)"
                     )
                 spent = dp.rdp_epsilon(run_after, delta)
                 if spent > epsilon * (1 + EPS_TOLERANCE):
