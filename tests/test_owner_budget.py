@@ -112,13 +112,17 @@ def test_a_run_chosen_label_range_does_not_narrow_the_randomization(tmp_path):
     assert attack_rate < 0.4  # vs 77.6% when each run drew afresh under its own range
 
 
-def test_the_owner_resets_its_label_draw(tmp_path):
+def test_the_owner_resets_its_label_draw(tmp_path, capsys):
+    """The draw is the owner's file (0600, in its state_dir); only the owner's reset makes a new one."""
+    from simulations.node import main
+
     context = node(tmp_path, "fact", LABEL, LABEL)
     before = keys(context, LABEL)[0]["y"]
-    state_dir = make_client(cfg(LABEL), context).settings.owner.state_dir
     files = sorted((tmp_path / "clients").rglob("*-labels-*.npz"))
     assert len(files) == 1 and oct(files[0].stat().st_mode & 0o777) == "0o600"
-    assert reset_label_draws(state_dir) == files
+    assert main(["--client-config", context.node_config["client-config"], "--reset-label-dp"]) == 0
+    assert "removed 1 label-DP draw(s) of table 'fact'" in capsys.readouterr().out
+    assert not files[0].exists() and reset_label_draws(tmp_path / "clients") == []
     after = keys(fresh(context), LABEL)[0]["y"]
     assert not np.array_equal(before, after)
 
