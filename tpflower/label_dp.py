@@ -28,14 +28,31 @@ from tpflower.losses import loss_np
 from tpflower.owner import OwnerSettings
 from tpflower.privacy.budget import BudgetExhausted, OwnerBudget, owner_bound
 from tpflower.privacy.settings import label_range
+from tpflower.schema import RelationalSpec
 from tpflower.state import ClientState
 
 #: logits are clipped to [-LOGIT_BOUND, LOGIT_BOUND] for the released loss (bounds one row's loss)
 LOGIT_BOUND = 10.0
 
 
+class LabelSettings(typing.Protocol):
+    """The client settings the label-DP services read (the client operator's ClientSettings)."""
+
+    @property
+    def spec(self) -> RelationalSpec: ...
+
+    @property
+    def table(self) -> str: ...
+
+    @property
+    def shard(self) -> int: ...
+
+    @property
+    def owner(self) -> OwnerSettings: ...
+
+
 class LabelClient(typing.Protocol):
-    """What the label-DP services need of a client (TableClient provides it)."""
+    """What the label-DP services need of the label owner's client (TableClient provides it)."""
 
     @property
     def state(self) -> ClientState: ...
@@ -43,23 +60,20 @@ class LabelClient(typing.Protocol):
     @property
     def data(self) -> ShardData: ...
 
+    @property
+    def settings(self) -> LabelSettings: ...
+
     def privacy(self) -> Mapping[str, Any]: ...
 
 
-def owner_of(client: Any) -> OwnerSettings:
-    return client.settings.owner
-
-
-def where_of(client: Any) -> str:
+def where_of(client: LabelClient) -> str:
     return f"table {client.settings.table!r} shard {client.settings.shard}"
 
 
-def budget_of(client: Any) -> OwnerBudget | None:
+def budget_of(client: LabelClient) -> OwnerBudget | None:
     """This shard's budget files, when its owner keeps a state_dir (a simulated node without a run dir: none)."""
-    owner = owner_of(client)
-    return (
-        None if owner.state_dir is None else OwnerBudget(owner.state_dir, client.settings.table, client.settings.shard)
-    )
+    s = client.settings
+    return None if s.owner.state_dir is None else OwnerBudget(s.owner.state_dir, s.table, s.shard)
 
 
 def setting(privacy: Mapping[str, Any], task: str, n_classes: int | None, y: np.ndarray) -> dict[str, Any]:
@@ -74,15 +88,15 @@ def setting(privacy: Mapping[str, Any], task: str, n_classes: int | None, y: np.
     return {"task": task, "label_epsilon": float(privacy["label_epsilon"]), "label_range": [lo, hi]}
 
 
-def base_setting(client: Any) -> dict[str, Any]:
+def base_setting(client: LabelClient) -> dict[str, Any]:
     """The owner's setting (its floor), or the run's when the floor has no label DP (the labels are then not
     the owner's to protect)."""
-    floor, run = owner_of(client).privacy, client.privacy()
+    floor, run = client.settings.owner.privacy, client.privacy()
     data, task = client.data, client.settings.spec.label.task
     return setting(floor if dp.uses_label_dp(floor) else run, task, data.n_classes, data.y)
 
 
-def training_labels(client: Any) -> np.ndarray:
+def training_labels(client: LabelClient) -> np.ndarray:
     """The randomized labels of this shard's training rows (the ``keys`` reply under label DP)."""
     data, task = client.data, client.settings.spec.label.task
     base = base_setting(client)
@@ -136,10 +150,10 @@ def released_metrics(
     return {"loss": max(loss, 0.0), "accuracy": float(np.clip(accuracy, 0.0, 1.0))}
 
 
-def evaluation_metrics(client: Any, H: np.ndarray, rows: np.ndarray) -> dict[str, float]:
+def evaluation_metrics(client: LabelClient, H: np.ndarray, rows: np.ndarray) -> dict[str, float]:
     """One released evaluation of predictions ``H`` of the test rows ``rows``: charged, then noised."""
     data, task = client.data, client.settings.spec.label.task
-    floor, run = owner_of(client).privacy, client.privacy()
+    floor, run = client.settings.owner.privacy, client.privacy()
     epsilon = owner_bound(floor, run, "eval_epsilon")
     charge(client, epsilon)
     base = base_setting(client)
@@ -149,9 +163,9 @@ def evaluation_metrics(client: Any, H: np.ndarray, rows: np.ndarray) -> dict[str
     return released_metrics(task, H, y, multiplicity, None if rng is None else tuple(rng), epsilon, dp.label_rng())
 
 
-def charge(client: Any, epsilon: float) -> None:
+def charge(client: LabelClient, epsilon: float) -> None:
     """Charge one release to the owner's evaluation budget (its ledger; a node without a state_dir: this run)."""
-    floor, run = owner_of(client).privacy, client.privacy()
+    floor, run = client.settings.owner.privacy, client.privacy()
     total = owner_bound(floor, run, "total_eval_epsilon")
     budget = budget_of(client)
     if budget is not None:
