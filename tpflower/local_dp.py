@@ -12,6 +12,7 @@ from the OS entropy.
 
 from __future__ import annotations
 
+import math
 import secrets
 import typing
 from collections.abc import Callable, Mapping
@@ -68,8 +69,9 @@ class LocalDP:
             )
         priv = self.client.privacy()
         steps = int(config["dp_steps"])
-        q = float(config["dp_q"]) if self.paper_accounting else max(float(config["dp_q"]), float(own_rate()))
-        q = min(max(q, 1e-12), 1.0)
+        q = min(max(float(config["dp_q"]), 1e-12), 1.0)
+        if not self.paper_accounting:
+            q = self.credible_rate(q, float(own_rate()))
         # no step planned (a shard without active rows): sigma is never used; done() refuses any step
         sigma = dp.noise_multiplier_for(priv["epsilon"], priv["delta"], q, steps) if steps >= 1 else 0.0
         if steps >= 1:
@@ -86,10 +88,19 @@ class LocalDP:
 
     def step_rate(self, n_rows: int) -> float:
         """The q a DP step over ``n_rows`` of this client's table rows is accounted at: the calibrated q, or the
-        share of its rows the step actually holds when larger (an understated plan is accounted as observed)."""
+        share of its rows the step actually holds when that is beyond chance (an understated plan)."""
         q = float(self.client.state.scalar("dp_q"))
-        observed = int(n_rows) / max(len(self.client.local.X), 1)
-        return q if self.paper_accounting or observed <= q * (1 + 1e-9) else min(observed, 1.0)
+        if self.paper_accounting:
+            return q
+        return self.credible_rate(q, int(n_rows) / max(len(self.client.local.X), 1))
+
+    def credible_rate(self, q: float, observed: float) -> float:
+        """``q``, unless the share of rows ``observed`` in one step is beyond what sampling at rate q gives by
+        chance (more than q + 4 sd + 1 / n of a binomial share of the n table rows): then ``observed``. An
+        honest plan's q is each row's worst inclusion probability, so its steps fluctuate below the bound."""
+        n = max(len(self.client.local.X), 1)
+        slack = 4.0 * math.sqrt(q * (1.0 - q) / n) + 1.0 / n
+        return q if observed <= q + slack else min(observed, 1.0)
 
     def batch_rate(self, rows: np.ndarray) -> float:
         """SGD: the share of this client's table rows in a batch of its ``rows`` (joined rows under VFL)."""
