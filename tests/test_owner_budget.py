@@ -71,7 +71,7 @@ def update(context: Context, n: int, **config) -> dict:
 
 def test_label_recovery_over_many_fresh_runs_stays_at_the_single_run_rate(tmp_path):
     """Fresh runs (and runs asking for stronger label DP, 1.5x lambda) get the one stored draw: a majority vote
-    over 30 of them recovers no more training labels than one run (keep probability at lambda 0.5: 76%)."""
+    over 30 of them recovers no more training labels than one run (binary keep probability at lambda 0.5: 93%)."""
     context = node(tmp_path, "fact", LABEL, LABEL)
     assert hello(deployed_app, context)["table"] == "fact"
     first = keys(context, LABEL)[0]

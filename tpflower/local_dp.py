@@ -56,10 +56,11 @@ class LocalDP:
         return dp.uses_feature_dp(self.client.privacy())
 
     def init(self, config: Mapping[str, Any], own_rate: Callable[[], float]) -> None:
-        """Feature DP: sigma for the run's planned local steps, computed once and stored, at the sample rate
-        ``q = max(dp_q, own_rate())``: ``own_rate`` gives what the node itself observes (ADMM: its own Poisson rate
-        b / n_a; SGD: the share of its rows in the first batch), so an understated ``dp_q`` buys no smaller
-        sigma. The plan is refused when it would take the owner's ledger beyond ``privacy.total_epsilon``."""
+        """Feature DP: sigma for the run's planned local steps, computed once and stored, at the plan's
+        ``dp_q`` unless ``own_rate()`` (what the node itself observes: ADMM its own Poisson rate b / n_a, SGD the
+        share of its rows in the first batch) is beyond chance for it (:meth:`credible_rate`): an understated
+        ``dp_q`` buys no smaller sigma. The plan is refused when it would take the owner's ledger beyond
+        ``privacy.total_epsilon``."""
         if not self.on or self.client.state.scalar("dp_sigma") is not None:
             return
         if "dp_steps" not in config or "dp_q" not in config:
