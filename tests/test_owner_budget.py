@@ -5,6 +5,8 @@ file, pattern of tests/test_curious_server.py) and the node bounds what all of t
 from __future__ import annotations
 
 import functools
+import multiprocessing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,6 +170,25 @@ def test_concurrent_resumes_of_one_checkpoint_share_the_runs_ledger(tmp_path):
     for c in (a, b):
         with pytest.raises(ValueError, match="8 DP steps exceed the 6"):
             update(c, n)
+
+
+def charge_steps(state_dir: str, steps: int) -> None:
+    budget = OwnerBudget(state_dir, "d1", 0)
+    for _ in range(steps):
+        budget.charge_dp([[1.0, 0.1, 1.0]], Path(state_dir) / "run-ledger.npy", lambda run, owner: None)
+
+
+def test_concurrent_processes_charge_the_ledgers_under_one_lock(tmp_path):
+    """Two processes charging one node's ledgers at once lose no step (the file lock serializes them)."""
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=charge_steps, args=(str(tmp_path), 40)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert OwnerBudget(tmp_path, "d1", 0).read()["dp"] == [[1.0, 0.1, 80.0]]
+    assert np.load(tmp_path / "run-ledger.npy").tolist() == [[1.0, 0.1, 80.0]]
 
 
 def test_the_owner_total_epsilon_bounds_every_run_together(tmp_path):
