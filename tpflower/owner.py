@@ -13,6 +13,8 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     privacy:                         # the floor: the weakest privacy this node accepts (missing bounds: the
       name: label                    # defaults of conf/privacy/<name>.yaml)
       label_epsilon: 5.66            # largest label epsilon accepted (classification: label_lambda, smallest)
+      total_epsilon: 10              # feature DP: all runs together (default 10 x epsilon; docs/settings.md)
+      eval_epsilon: 1                # label DP: one released evaluation metric; total_eval_epsilon: all of them
     keys: blind                      # join keys blinded with this node's own scalar (state_dir/blind.key,
                                      # created on first use; no shared secret); default hmac: the secret below
     secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
@@ -209,7 +211,18 @@ def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     if not (PRIVACY_DIR / f"{name}.yaml").is_file():
         known = sorted(p.stem for p in PRIVACY_DIR.glob("*.yaml"))
         raise SpecError(f"{where}: privacy.name must be one of {known}, got {name!r}")
+    for key in BUDGET_KEYS:
+        value = raw.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+        ):
+            raise SpecError(f"{where}: privacy.{key} must be a positive number, got {value!r}")
     return {**_privacy_defaults(name), **raw}
+
+
+#: the owner's budget over all runs (tpflower.privacy.budget; defaults in docs/settings.md): feature DP's
+#: total epsilon, one label-DP evaluation's epsilon and the total of all evaluations
+BUDGET_KEYS = ("total_epsilon", "eval_epsilon", "total_eval_epsilon")
 
 
 @cache

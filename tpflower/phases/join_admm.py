@@ -250,8 +250,9 @@ def theta_update(
 
 def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Store G_i, N and rho (the server resolves algorithm.rho=auto); predict every row."""
-    ADMMState(np.asarray(arrays["G"], dtype=np.float64), int(config["N"]), float(config["rho"])).save(client.state)
-    client.dp.init(config)
+    G = np.asarray(arrays["G"], dtype=np.float64)
+    ADMMState(G, int(config["N"]), float(config["rho"])).save(client.state)
+    client.dp.init(config, lambda: client.dp.admm_rate(G))
     model = client.model(config)
     client.state.save_model(model)
     # theta: the consensus ADMM's starting point (union scenario)
