@@ -68,10 +68,11 @@ class TPJoinLBFGS(LoJStrategy):
             c = (len(G) - 1) // 2
             gnorm = float(np.sqrt(max(G[-1, -1], 0.0)))
             g0 = loop.get("g0") or gnorm
+            loop = {**loop, "t": 0.0}  # the clients took the step
             if gnorm == 0.0 or (p.tol > 0 and gnorm <= p.tol * g0):
                 self.stop(it - 1, "tol", f"gradient norm {gnorm:.3g} <= tol {p.tol:g} x {g0:.3g}")
                 break
-            keep = keep_pairs(G, c, loop["t"] > 0 and c > 0, p.memory)
+            keep = keep_pairs(G, c, it > 1 and c > 0, p.memory)
             delta = two_loop(G, c, keep)
             slope = float(delta @ G[:, -1])  # g.d
             if slope >= 0:  # not a descent direction (round-off): restart from steepest descent
@@ -82,7 +83,7 @@ class TPJoinLBFGS(LoJStrategy):
             if accepted is None:
                 self.record_point(it, loop["h"], loop["F"])
                 self.stop(it, "line search", f"no step of {p.max_trials} trials met Armijo's condition")
-                self.end_epoch(it, {**loop, "t": 0.0, "stopped": True})
+                self.end_epoch(it, {**loop, "stopped": True})
                 break
             t, h, F, R = accepted
             self.record_point(it, h, F)
@@ -94,6 +95,8 @@ class TPJoinLBFGS(LoJStrategy):
                 self.stop(it, "epochs", f"gradient norm {gnorm:.3g} before the last step")
             loop = {"h": h, "F": F, "R": R, "t": t, "g0": g0, "stopped": small}
             self.end_epoch(it, loop)
+        if loop["t"]:  # the last accepted step, which no gradient message took
+            self.send(self.messages(lambda _: ({}, {"phase": "lbfgs_take", "t": loop["t"]})))
         self.finish()
 
     def start_lbfgs(self) -> dict:

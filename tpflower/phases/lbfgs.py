@@ -16,6 +16,7 @@ the direction as coefficients over that basis. No block of theta, g, s or y leav
                                                (s = t d, y = g - g_prev) as the memory's last candidate
   lbfgs_trial {delta, pairs}, t     -> {h}     d = [S, Y, g] delta, the memory keeps the pairs ``pairs``;
               (later trials: t only)           h = f_i(theta_i + t d; rows), R_i at that point
+  lbfgs_take  t                     -> {}      the run's end: theta += t d (the last accepted step)
 """
 
 from __future__ import annotations
@@ -114,18 +115,21 @@ def lbfgs_start(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     return {"h": client.predict(model, None)}, client.reg_metrics(model)
 
 
+def take_step(client: TableClient, model: torch.nn.Module, st: LBFGSState, t: float) -> None:
+    """theta += t d: the step the server accepted (the trial point becomes the iterate)."""
+    if st.d is None:
+        raise RuntimeError(f"table {client.settings.table!r}: a step t={t} without a direction")
+    set_flat(model, flat(model) + t * st.d)
+    client.state.save_model(model)
+
+
 def lbfgs_grad(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Take the accepted step t d, then g_i at the new theta; the partial Gram matrix of [S, Y, g]."""
     st = LBFGSState.of(client, "lbfgs_grad")
     model = client.model(config)
     t = float(config["t"])
-    theta = flat(model)
     if t:
-        if st.d is None:
-            raise RuntimeError(f"table {client.settings.table!r}: a step t={t} without a direction")
-        theta = theta + t * st.d
-        set_flat(model, theta)
-        client.state.save_model(model)
+        take_step(client, model, st, t)
     Y = np.asarray(arrays["Y"])
     g = gradient(
         model,
@@ -171,8 +175,22 @@ def lbfgs_trial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     return out, metrics
 
 
+def lbfgs_take(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """The run's last accepted step (the next gradient message would have taken it)."""
+    st = LBFGSState.of(client, "lbfgs_take")
+    model = client.model(config)
+    take_step(client, model, st, float(config["t"]))
+    st.d = None
+    st.save(client.state)
+    return {}, client.reg_metrics(model)
+
+
 START = Stage("start", {"lbfgs_start": Phase(lbfgs_start)})
-TRAIN: dict[str, Phase] = {"lbfgs_grad": Phase(lbfgs_grad), "lbfgs_trial": Phase(lbfgs_trial)}
+TRAIN: dict[str, Phase] = {
+    "lbfgs_grad": Phase(lbfgs_grad),
+    "lbfgs_trial": Phase(lbfgs_trial),
+    "lbfgs_take": Phase(lbfgs_take),
+}
 
 register(
     AlgorithmEntry(
