@@ -46,7 +46,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "deploy": _deploy,
     "coreset": lambda a: _suite("coreset").coreset_suite(a),
     "lbfgs": lambda a: _suite("lbfgs").lbfgs_suite(
-        [tuple(c.split("/")) for c in a.cases.split(",")] if a.cases else list(_suite("lbfgs").LBFGS_CASES)
+        [tuple(c.split("/")) for c in a.cases.split(",")] if a.cases else list(_suite("lbfgs").LBFGS_CASES), a.epochs
     ),
     "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
 }

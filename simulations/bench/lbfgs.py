@@ -1,7 +1,7 @@
 """L-BFGS over the join against TP-Join-SGD: round trips until the test metric is within 1% of the centralized
 model's (the same model trained on the materialized join with the shipped defaults), side by side.
 
-    python -m simulations.bench lbfgs [--datasets nycflights13_delayed,movielens]  -> bench_results/lbfgs.json
+    python -m simulations.bench lbfgs [--cases nycflights13_delayed/mlp,...] [--epochs 3]  -> bench_results/lbfgs.json
 
 Per dataset and model (linear: logistic regression on a binary label; MLP): the centralized baseline's final
 test metric is the target; TP-Join-SGD (shipped defaults, evaluated every few rounds) and L-BFGS (shipped
@@ -65,7 +65,8 @@ def first_within(run: dict[str, Any], target: float) -> dict[str, Any] | None:
     return next((h for h in run["history"] if within(run["metric_name"], h["metric"], target)), None)
 
 
-def lbfgs_suite(cases: list[tuple[str, str]], epochs: int = 10, iterations: int = 50) -> dict[str, Any]:
+def lbfgs_suite(cases: list[tuple[str, str]], epochs: int = 3, iterations: int = 30) -> dict[str, Any]:
+    """Per case: the centralized baseline and TP-Join-SGD for ``epochs`` epochs, L-BFGS for ``iterations``."""
     rows: dict[str, Any] = {}
     for data, model in cases:
         runs = {
