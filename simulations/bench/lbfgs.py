@@ -21,7 +21,6 @@ from simulations.bench.common import run_isolated
 LBFGS_CASES: tuple[tuple[str, str], ...] = (
     ("nycflights13_delayed", "linear"),
     ("nycflights13_delayed", "mlp"),
-    ("movielens", "mlp"),
 )
 SGD_EVAL_EVERY = 5  # rounds between TP-Join-SGD's evaluations (its resolution in rounds)
 
