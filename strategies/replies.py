@@ -36,6 +36,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "sgd_step": ("h",),
     "sgd_apply": ("h",),
     "sgd_partial": ("g",),
+    "lbfgs_start": ("h",),
+    "lbfgs_grad": ("gram",),
+    "lbfgs_trial": ("h",),
     # coresets and k-means (strategies/coreset.py, kmeans.py)
     "sensitivity": ("total",),
     "sample": ("rows",),

@@ -46,6 +46,9 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "deploy": _deploy,
     "coreset": lambda a: _suite("coreset").coreset_suite(a),
     "predict": lambda a: _suite("predict").predict_suite(a.n_joined if a.n_joined != 10_000_000 else 100_000),
+    "lbfgs": lambda a: _suite("lbfgs").lbfgs_suite(
+        [tuple(c.split("/")) for c in a.cases.split(",")] if a.cases else list(_suite("lbfgs").LBFGS_CASES), a.epochs
+    ),
     "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
 }
 
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
     ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
     ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
+    ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL cases (default: lbfgs.LBFGS_CASES)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)

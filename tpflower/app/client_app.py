@@ -30,6 +30,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
+from tpflower.auto import resolve
 from tpflower.checkpoint import run_key
 from tpflower.checks import DataProblems
 from tpflower.config import compose_config
@@ -270,7 +271,10 @@ def client_app_for(
 
 @lru_cache(maxsize=8)
 def _compose(overrides: str) -> DictConfig:
-    return compose_config(*overrides.split())
+    """The run config of ``overrides``, ``algorithm=auto`` resolved (tpflower.auto: as the server resolves it)."""
+    cfg = compose_config(*overrides.split())
+    resolve(cfg)
+    return cfg
 
 
 @lru_cache(maxsize=8)

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from tpflower.app.client_app import config_from_run_config  # at import time: see the note in server_app_for
 from tpflower.app.flower_patch import install_fast_fetch, install_fast_grid_pulls
+from tpflower.auto import resolve
 from tpflower.datasets import load_spec
 from tpflower.registry import entries, entry_of, prediction_strategy
 from tpflower.schema import RelationalSpec
@@ -33,9 +34,11 @@ def build_strategy(
     spec: RelationalSpec | None = None,
 ) -> Any:
     """The registered strategy of cfg's algorithm and scenario, federated or not (strategies/FAMILY.py, found
-    by the registry); ``spec``: the dataset's spec if already loaded. Bad settings raise ValueError here."""
-    entry = entry_of(cfg)
+    by the registry); ``spec``: the dataset's spec if already loaded. Bad settings raise ValueError here.
+    ``algorithm=auto`` is resolved here, in ``cfg`` (tpflower.auto), and the choice is the run's first line."""
     spec = spec if spec is not None else load_spec(cfg.dataset, base_dir=base_dir)
+    resolve(cfg, spec, log=log)
+    entry = entry_of(cfg)
     return entry.strategy(
         cfg,
         spec,
@@ -56,6 +59,7 @@ def make_strategy(
 ) -> Strategy:
     """The registered Flower strategy of cfg's algorithm and scenario (a strategies.base.TablePuppetStrategy);
     bad settings, and an algorithm that does not run federated (centralized), raise ValueError here."""
+    resolve(cfg, spec, base_dir, log=log)  # algorithm=auto: said once, here (build_strategy finds it resolved)
     entry = entry_of(cfg)
     if not entry.federated:
         scenario = str(cfg.scenario.name)
