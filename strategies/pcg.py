@@ -8,7 +8,8 @@ joined rows and s_i = P_i^T (W H) (the segment sums, as a TP-Join-SGD round send
 from the tables' partial inner products: beta_k = r_k.z_k / r_{k-1}.z_{k-1},
 ||p_k||^2 = ||z_k||^2 + 2 beta_k z_k.p_{k-1} + beta_k^2 ||p_{k-1}||^2,
 p_k.A p_k = ||H||_W^2 / N + beta ||p_k||^2 and alpha_k = r_k.z_k / p_k.A p_k. One round trip per iteration
-(s, alpha, beta down; T z, T theta and four partial dots up); the union adds one round per iteration between
+(s, alpha, beta down; T z and four partial dots up: the traffic of a TP-Join-ADMM epoch). The model's
+outputs follow as T theta_{k+1} = T theta_k + alpha_k T p_k; the union adds one round per iteration between
 the server and the shards of sharded tables (their partial products T_q^T s_q, summed by the server).
 Exact in at most d iterations in exact arithmetic.
 """
@@ -132,6 +133,7 @@ class PCGSolver(LoJStrategy):
         return {
             "hz": self.gather(replies, "h"),
             "hp": zero,
+            "htheta": zero,
             "pp": 0.0,
             "dots": [rz, zz, zp, rr],
             "rz_prev": 0.0,
@@ -152,12 +154,14 @@ class PCGSolver(LoJStrategy):
             p_Ap = float(np.dot(self.weighted(H), H)) / self.pcg_N + beta_ridge * pp
             alpha = rz / p_Ap
             s = self.segment_sums(H)
+            # float64 whatever the run's precision (float32 segment sums stall CG near the solution)
             rows = {t: {"s": s[t]} for t in self.spec.table_names}
             g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
             config = {"phase": "pcg_step", "epoch": it, "alpha": alpha, "beta": beta, **self.checkpoint_config(it)}
             replies = self.send(self.pcg_messages(rows, g, config))
             dots = self.dots(replies)
-            htheta = self.gather(replies, "h_eval")
+            # T theta_{k+1} = T theta_k + alpha T p_k: the server follows the model's outputs itself
+            htheta = {t: loop["htheta"][t] + alpha * hp[t] for t in hp}
             relative = float(np.sqrt(max(dots[3], 0.0) / loop["rr0"]))
             H_theta = joined_predictions(self.pcg_map.p, htheta).astype(np.float64)
             losses = loss_np(self.task, H_theta, self.pcg_y.reshape(H_theta.shape)).ravel()
@@ -173,6 +177,7 @@ class PCGSolver(LoJStrategy):
             loop = {
                 "hz": self.gather(replies, "h"),
                 "hp": hp,
+                "htheta": htheta,
                 "pp": pp,
                 "dots": list(dots),
                 "rz_prev": rz,

@@ -10,7 +10,7 @@ round trip per iteration: the server never needs p_{k+1} itself, only its per-ro
 T_i p_{k+1,i} = T_i z_{k+1,i} + beta_k T_i p_{k,i}, and p.Ap from ||A p||_W^2 and the partial norms of p:
 
   pcg_setup {G, s | gram, g}       -> {h = T z, dots}   r = T^T s / N (s = P_i^T W y), z = M^-1 r, p = 0
-  pcg_step  {s | g}, alpha, beta   -> {h = T z, h_eval = T theta, dots}
+  pcg_step  {s | g}, alpha, beta   -> {h = T z, dots}   (the server follows T theta += alpha T p itself)
         p = z + beta p;  Ap = T^T s / N + beta_ridge p  (s = P_i^T W A p);  theta += alpha p;  r -= alpha Ap;
         z = M^-1 r;  dots = [r.z, z.z, z.p, r.r]  (partial inner products over this table's block)
 
@@ -161,7 +161,7 @@ def pcg_setup(
 
 def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """p = z + beta p; Ap = T^T s / N + beta_ridge p (or g / N + beta_ridge p with the shards' sum g);
-    theta += alpha p, r -= alpha Ap, z = M^-1 r; the new T z, T theta and the partial dots."""
+    theta += alpha p, r -= alpha Ap, z = M^-1 r; the new T z and the partial dots."""
     st = PCGState.of(client)
     client.state.set_scalar(PARTIAL, 0)
     model = client.model(config)
@@ -178,8 +178,7 @@ def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     st.save(client.state)
     set_theta(model, st.theta)
     client.state.save_model(model)
-    out = {"h": wire(client, T @ st.z), "h_eval": wire(client, T @ st.theta), "dots": _dots(st, st.p)}
-    return out, client.reg_metrics(model)
+    return {"h": wire(client, T @ st.z), "dots": _dots(st, st.p)}, client.reg_metrics(model)
 
 
 START = Stage("start", {"pcg_setup": Phase(pcg_setup)})
