@@ -675,12 +675,15 @@ def schema_matrix() -> str | None:
     return "\n\n".join(
         [
             (
-                f"## Schema matrix: round trips to the exact solution\n\nEach cell: round trips (training rounds) "
+                f"## Schema matrix: round trips to the exact solution\n\nEach cell: round trips (training rounds, the "
+                "algorithm's setup round included) "
                 f"until the test metric is within 0.1% of the reference (exact ridge test RMSE; the centralized "
                 f"model's accuracy for classification) / the gap after {d['epochs']} epochs (PCG: iterations), "
                 "shipped defaults, in-process, linear model. Synthetic cells: `dim` rows per dimension table, `dup` "
                 "fact rows per dimension row (joined rows = dim x dup), `corr` the correlation of the dimension "
-                "features with the fact table's. Last column: kB per round trip of PCG / of an ADMM epoch."
+                "features with the fact table's. Last column: kB per round trip of PCG / of an ADMM epoch after the first (float32 "
+                "runs: PCG's s travels in float64, hence 1.5x; equal in float64 runs). Old ADMM defaults: "
+                "`algorithm.relax=1 algorithm.rho_patience=0`."
                 + (" Only the --quick cells ran." if d.get("quick") else "")
             ),
             command(
