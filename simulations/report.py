@@ -717,10 +717,55 @@ def lbfgs() -> str | None:
     )
 
 
+def schema_matrix() -> str | None:
+    d = load("convergence-matrix.json")
+    if d is None:
+        return None
+    names = {"pcg": "PCG", "admm": "ADMM", "admm_old": "ADMM (old defaults)", "sgd": "TP-Join-SGD"}
+    rows = []
+    for name, c in d["cells"].items():
+        summ = c["summary"]
+        cells = []
+        for alg in names:
+            a = summ.get(alg)
+            if a is None:
+                cells.append("n/a")
+                continue
+            r = a["rounds_to_0.1pct"]
+            flag = " (below constant)" if a["below_constant"] else ""
+            cells.append(f"{r if r is not None else '>' + str(a['rounds'])} / {pct(a['gap_after'])}{flag}")
+        bpr = [f"{summ[a]['bytes_per_round'] / 1e3:.0f}" for a in ("pcg", "admm") if a in summ]
+        rows.append([name, f"{c['n_joined']:,}", c["metric"], f"{c['reference']:.4g}", *cells, " / ".join(bpr)])
+    return "\n\n".join(
+        [
+            (
+                f"## Schema matrix: round trips to the exact solution\n\nEach cell: round trips (training rounds, the "
+                "algorithm's setup round included) "
+                f"until the test metric is within 0.1% of the reference (exact ridge test RMSE; the centralized "
+                f"model's accuracy for classification) / the gap after {d['epochs']} epochs (PCG: iterations), "
+                "shipped defaults, in-process, linear model. Synthetic cells: `dim` rows per dimension table, `dup` "
+                "fact rows per dimension row (joined rows = dim x dup), `corr` the correlation of the dimension "
+                "features with the fact table's. Last column: kB per round trip of PCG / of an ADMM epoch after the first (float32 "
+                "runs: PCG's s travels in float64, hence 1.5x; equal in float64 runs). Old ADMM defaults: "
+                "`algorithm.relax=1 algorithm.rho_patience=0`."
+                + (" Only the --quick cells ran." if d.get("quick") else "")
+            ),
+            command(
+                "python -m simulations.bench convergence --matrix --quick   # -> bench_results/convergence-matrix.json"
+            ),
+            table(
+                ["cell", "N", "metric", "reference", *names.values(), "kB / round (PCG / ADMM)"],
+                rows,
+            ),
+        ]
+    )
+
+
 SECTIONS: list[Callable[[], str | None]] = [
     loj,
     convergence,
     lbfgs,
+    schema_matrix,
     privacy,
     celu,
     coresets,
@@ -742,7 +787,8 @@ def render() -> str:
         "the math behind the names is in [algorithms.md](algorithms.md).\n\nContents: "
         "[learning over join](#learning-over-join-cost-per-epoch), "
         "[ADMM convergence](#admm-convergence-with-the-shipped-defaults), "
-        "[L-BFGS](#l-bfgs-against-tp-join-sgd-round-trips-to-the-centralized-metric), [privacy](#privacy), "
+        "[L-BFGS](#l-bfgs-against-tp-join-sgd-round-trips-to-the-centralized-metric), "
+        "[schema matrix](#schema-matrix-round-trips-to-the-exact-solution), [privacy](#privacy), "
         "[CELU-VFL](#celu-vfl-rounds-to-target), [coresets](#coresets-for-vfl-over-joins), "
         "[mapping and scale](#table-mapping-and-scale), "
         "[prediction](#prediction-new-rows-against-one-admm-epoch), [Flower's overhead](#flowers-overhead)."

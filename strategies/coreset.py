@@ -29,6 +29,7 @@ import numpy as np
 from strategies.base import LoJStrategy
 from strategies.join_admm import ADMMServer, admm_rho
 from strategies.join_sgd import sgd_rounds
+from strategies.pcg import PCGSolver
 from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
 from tpflower.losses import loss_grad_np, loss_np
 from tpflower.mapping import TableMapping, index_dtype, segment_sum
@@ -178,9 +179,10 @@ class DISStrategy(LoJStrategy):
         return Coreset.of_draws(joined, total / (m * g), total)  # w_j = G / (m g_j)
 
 
-class CoresetRidge(DISStrategy):
+class CoresetRidge(PCGSolver, DISStrategy):
     """algorithm=coreset: ridge (VRLR) on a DIS coreset of the training join, trained by weighted
-    TP-Join-ADMM or TP-Join-SGD; sampling=uniform is the baseline.
+    TP-Join-ADMM, TP-Join-SGD or PCG on the weighted normal equations (train=pcg, strategies/pcg.py);
+    sampling=uniform is the baseline.
 
     Resumable: the construction and the training's first round run once (``begin``); every epoch checkpoints
     the coreset, the training loop's state and the run record, and each client its state (its bounds on the
@@ -203,6 +205,9 @@ class CoresetRidge(DISStrategy):
         done, loop = self.begin(self.start_coreset)
         if alg.train == "admm":
             self._train_admm(done, loop)
+        elif alg.train == "pcg":
+            self._pcg_problem()
+            self.pcg_loop(done, loop)
         else:
             self._train_sgd(done, loop)
         self.finish()
@@ -217,7 +222,30 @@ class CoresetRidge(DISStrategy):
         self.S = self.train.subset(core.rows)  # p_i|S: the global table rows of the coreset's joined rows
         self.y_S = self.y_train[core.rows].astype(np.float64)
         self.test_plan = BatchPlan.of(self.test, np.arange(self.test.N))
+        if alg.train == "pcg":
+            return self._start_pcg()
         return self._start_admm(core) if alg.train == "admm" else self._start_sgd()
+
+    def _pcg_problem(self) -> TableMapping:
+        """PCG on sum_j w_j 1/2 (H_j - y_j)^2 / N + beta/2 ||theta||^2 over the coreset's rows (local mapping)."""
+        plan = BatchPlan.of(self.S, np.arange(self.S.N))
+        self.pcg_map = TableMapping(plan.inv, {t: len(U) for t, U in plan.U.items()})
+        self.pcg_w, self.pcg_N, self.pcg_y = self.coreset.weights, self.train.N, self.y_S.ravel()
+        return plan
+
+    def _start_pcg(self) -> dict:
+        plan = self._pcg_problem()
+        self.setup_phase = "coreset_pcg_setup"
+        loop = self.pcg_start({t: {"rows": plan.U[t]} for t in plan.U})
+        # from now on each client answers for its coreset rows only: the replies are checked against that count
+        self.client_rows = {k: len(plan.U[k[0]]) for k in self.clients}
+        return loop
+
+    def pcg_test_predictions(self, htheta: Mapping[str, np.ndarray]) -> np.ndarray:
+        return self._evaluate()
+
+    def pcg_extra(self) -> dict[str, float]:
+        return self._extra()
 
     def _evaluate(self) -> np.ndarray:
         """Test predictions: f_i on the test rows U_i (an evaluation round, not training traffic; the clients

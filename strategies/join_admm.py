@@ -28,21 +28,35 @@ from tpflower.privacy import admm_steps
 ADMM_VARIANTS = ("sharing", "paper")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Balancing:
     """Residual balancing (Boyd et al. 2011, Sec. 3.4.1, Eq. 3.13): rho <- tau rho when the primal residual
-    exceeds mu times the dual one, rho <- rho / tau in the opposite case, else unchanged."""
+    exceeds mu times the dual one, rho <- rho / tau in the opposite case, else unchanged. With ``patience``
+    k > 0 a persistent imbalance also counts: a ratio beyond ``mu_persistent`` (< mu) in the same direction for
+    k iterations in a row changes rho too (then the count restarts); the ratio of a stalled ADMM sits just
+    under mu for many iterations."""
 
     mu: float = 10.0
     tau: float = 2.0
     warmup: int = 3  # iterations before the first change: their dual residual is the start's transient
+    mu_persistent: float = 2.0
+    patience: int = 0  # 0: the paper's rule alone
+    run: int = 0  # signed count of consecutive iterations beyond mu_persistent (+ primal, - dual)
 
     def factor(self, primal: float, dual: float) -> float:
         """The factor rho is multiplied by (tau, 1 / tau or 1)."""
         if primal > self.mu * dual:
+            self.run = 0
             return self.tau
         if dual > self.mu * primal:
+            self.run = 0
             return 1.0 / self.tau
+        if self.patience > 0:
+            side = 1 if primal > self.mu_persistent * dual else -1 if dual > self.mu_persistent * primal else 0
+            self.run = self.run + side if side and side * self.run >= 0 else side
+            if abs(self.run) >= self.patience:
+                self.run = 0
+                return self.tau if side > 0 else 1.0 / self.tau
         return 1.0
 
 
@@ -103,6 +117,7 @@ class ADMMServer:
         balancing: Balancing | None = None,
         tol: float = 0.0,
         dtype: np.dtype | type = np.float64,
+        relax: float = 1.0,
     ):
         if variant not in ADMM_VARIANTS:
             raise ValueError(f"algorithm.variant must be one of {ADMM_VARIANTS}, got {variant!r}")
@@ -115,6 +130,7 @@ class ADMMServer:
         self.set_rho(rho)
         self.balancing = balancing if variant == "sharing" else None
         self.tol = float(tol)
+        self.relax = float(relax)
         self.dtype = np.dtype(dtype)
         self.lam = np.zeros((mapping.N, d_c), dtype=self.dtype)
         self.D = np.zeros((mapping.N, d_c), dtype=self.dtype)  # z - H at the latest update
@@ -155,14 +171,20 @@ class ADMMServer:
         prev = self._h
         dh = None if prev is None else {t: h64[t] - prev[t] for t in p}
         loss = primal_sq = x_sq = z_sq = dual_sq = lam_sq = 0.0
+        relaxed = self.relax != 1.0 and prev is not None
         for s in chunks(self.mapping.N):
             xs = {t: h[t][p_t[s]] for t, p_t in p.items()}  # each table's predictions on these rows, as sent
             H = sum_in_first_dtype(list(xs.values())).astype(np.float64)  # = joined_predictions(p, h)[s]
             y = self.y[s]
             lam = self.lam[s].astype(np.float64)
-            z = z_update(self.task, H, y, lam, r)  # Eq. 7
+            H_hat = H
+            if relaxed:  # over-relaxation (Boyd Sec. 3.4.3): z and lambda see H^ = a H + (1 - a) z_prev
+                assert prev is not None
+                z_prev = sum(prev[t][p_t[s]].astype(np.float64) for t, p_t in p.items()) + self.D[s]
+                H_hat = self.relax * H + (1 - self.relax) * z_prev
+            z = z_update(self.task, H_hat, y, lam, r)  # Eq. 7
             D = z - H
-            lam -= r * D  # Eq. 8: lambda + r (H - z)
+            lam -= r * (z - H_hat)  # Eq. 8: lambda + r (H^ - z)
             loss += float(loss_np(self.task, H, y).sum())
             primal_sq += float(np.sum(D * D))
             lam_sq += float(np.sum(lam * lam))
@@ -449,7 +471,9 @@ class TPJoinADMM(LoJStrategy):
     def admm_server(self) -> ADMMServer:
         """The server's z, lambda and rho (algorithm.rho, adapt_rho, rho_mu, rho_tau, tol)."""
         alg = self.params
-        balancing = Balancing(alg.rho_mu, alg.rho_tau, alg.rho_warmup) if alg.adapt_rho else None
+        balancing = None
+        if alg.adapt_rho:
+            balancing = Balancing(alg.rho_mu, alg.rho_tau, alg.rho_warmup, alg.rho_mu_persistent, alg.rho_patience)
         self.admm = ADMMServer(
             self.task,
             self.y_train,
@@ -460,6 +484,7 @@ class TPJoinADMM(LoJStrategy):
             balancing,
             alg.tol,
             dtype=self.state_dtype,
+            relax=alg.relax,
         )
         return self.admm
 

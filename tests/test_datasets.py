@@ -336,3 +336,23 @@ def test_movielens_helpers():
 def test_registry():
     assert {"movielens", "movielens1m", "nycflights13", "synthetic"} <= set(LOADERS)
     assert all(callable(f) for f in LOADERS.values())
+
+
+def test_synthetic_correlation_and_imbalance_knobs():
+    """correlation c: a parent's feature k is c z + sqrt(1 - c^2) x with z its child's key-mean feature k, so
+    the fact table's features correlate with the dimension rows they join (and 0 leaves the tables as before);
+    imbalance: multiclass labels skew towards the first classes."""
+    syn = synthetic
+    plain = syn.generate("star", n_fact=4000, dim_rows=20, n_dims=1, fanout=1)
+    zero = syn.generate("star", n_fact=4000, dim_rows=20, n_dims=1, fanout=1, correlation=0.0)
+    pd.testing.assert_frame_equal(plain["fact"], zero["fact"])
+    t = syn.generate("star", n_fact=4000, dim_rows=20, n_dims=1, fanout=1, correlation=0.9)
+    dim = t["d1"].set_index("k1").loc[t["fact"]["k1"]]
+    r = np.corrcoef(t["fact"]["x0"], dim["x0"].to_numpy())[0, 1]
+    assert 0.85 < r < 0.95, r
+    pd.testing.assert_frame_equal(
+        t["d1"], syn.generate("star", 4000, 20, 1, fanout=1, correlation=0.9, tables=["d1"])["d1"]
+    )
+    y = syn.generate("star", 3000, 20, 1, task="multiclass", n_classes=5, imbalance=1.0)["fact"]["y"]
+    counts = np.bincount(y, minlength=5)
+    assert counts[0] > 2 * counts[4], counts

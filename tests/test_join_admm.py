@@ -125,6 +125,51 @@ def test_balancing_factor_is_boyd_eq_3_13():
     assert b.factor(primal=10.0, dual=1.0) == 1.0 and b.factor(primal=1.0, dual=10.0) == 1.0
 
 
+def test_a_persistent_imbalance_changes_rho_after_patience_iterations():
+    """The stall: the residual ratio stays just under mu (10) for many iterations. With patience k, a ratio
+    beyond mu_persistent in the same direction k times in a row changes rho; patience 0 is Boyd's rule alone."""
+    b = Balancing(mu=10.0, tau=2.0, mu_persistent=2.0, patience=3)
+    assert [b.factor(primal=9.0, dual=1.0) for _ in range(4)] == [1.0, 1.0, 2.0, 1.0]
+    assert [b.factor(primal=1.0, dual=5.0) for _ in range(3)] == [1.0, 1.0, 0.5]
+    # an interrupted run starts again: ratios flipping side never change rho
+    assert {b.factor(primal=9.0 if k % 2 else 1.0, dual=1.0 if k % 2 else 9.0) for k in range(8)} == {1.0}
+    old = Balancing(mu=10.0, tau=2.0)
+    assert {old.factor(primal=9.0, dual=1.0) for _ in range(10)} == {1.0}
+
+
+def test_over_relaxation_against_a_hand_computation():
+    """Boyd Sec. 3.4.3: from the second update on, z and lambda see H^ = a H + (1 - a) z_prev."""
+    mapping = TableMapping({"a": np.array([0, 1, 2]), "b": np.array([0, 0, 1])}, {"a": 3, "b": 2})
+    y = np.array([1.0, -2.0, 0.5])
+    rho, M, a = 2.0, 2, 1.6
+    server = ADMMServer("regression", y, mapping, 1, rho, relax=a)
+    z, lam, r = np.zeros(3), np.zeros(3), rho / M
+    for k, h in enumerate(
+        (
+            {"a": np.array([[0.5], [0.1], [-0.3]]), "b": np.array([[0.2], [0.4]])},
+            {"a": np.array([[0.9], [-1.0], [0.2]]), "b": np.array([[0.1], [0.3]])},
+        )
+    ):
+        server.update(h)
+        H = h["a"][mapping.p["a"], 0] + h["b"][mapping.p["b"], 0]
+        H_hat = H if k == 0 else a * H + (1 - a) * z
+        z = (y + lam + r * H_hat) / (1 + r)
+        lam = lam + r * (H_hat - z)
+        np.testing.assert_allclose(server.z[:, 0], z, rtol=1e-12)
+        np.testing.assert_allclose(server.lam[:, 0], lam, rtol=1e-12)
+
+
+def test_over_relaxed_admm_reaches_the_ridge_optimum():
+    cfg = make_cfg("dataset=synthetic", "model.bias=none", "standardize_label=false")
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
+    beta = float(cfg.model.beta)
+    w, _ = exact_ridge(rel, beta, intercept=False)
+    resid = rel.joined_features(rel.train) @ w - rel.labels(rel.train)
+    optimum = 0.5 * np.mean(resid**2) + beta * 0.5 * np.sum(w**2)
+    hist = admm_history("epochs=80", "model.bias=none", "algorithm.relax=1.5", "algorithm.rho=1.0")
+    assert hist[-1].extra["objective"] == pytest.approx(optimum, rel=1e-8)
+
+
 def test_admm_server_residuals_and_rho_against_a_hand_computation():
     """Two tables, N = 3 joined rows (table b's row 0 used twice): the sharing problem's residuals (Boyd Sec. 3.3,
     7.3) computed by hand per table and joined row, and the rho change of Eq. 3.13 after the warm-up."""
@@ -132,6 +177,7 @@ def test_admm_server_residuals_and_rho_against_a_hand_computation():
     y = np.array([1.0, -2.0, 0.5])
     rho, M = 2.0, 2
     server = ADMMServer("regression", y, mapping, 1, rho, balancing=Balancing(10.0, 2.0, warmup=1), tol=0.1)
+    # the paper's update (no over-relaxation) is what this hand computation follows
     h1 = {"a": np.array([[0.5], [0.1], [-0.3]]), "b": np.array([[0.2], [0.4]])}
     h2 = {"a": np.array([[0.9], [-1.0], [0.2]]), "b": np.array([[0.1], [0.3]])}
     # by hand, row by row

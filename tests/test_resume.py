@@ -83,6 +83,8 @@ SGD = ("algorithm.batch_size=4000",)
         (("algorithm=coreset", "algorithm.m=300", "algorithm.train=sgd", "algorithm.batch_size=100"), None),
         (("algorithm=pcg", "algorithm.tol=0"), "d2"),
         (("algorithm=lbfgs", "algorithm.tol=0", "model=mlp"), "d2"),
+        (("algorithm=pcg", "algorithm.tol=0", "scenario=ucq"), None),
+        (("algorithm=coreset", "algorithm.m=300", "algorithm.train=pcg", "algorithm.tol=0"), "d2"),
     ],
     ids=[
         "admm",
@@ -97,6 +99,8 @@ SGD = ("algorithm.batch_size=4000",)
         "coreset-sgd",
         "pcg",
         "lbfgs",
+        "ucq-pcg",
+        "coreset-pcg",
     ],
 )
 def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path, overrides, crash_at):

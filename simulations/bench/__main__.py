@@ -25,6 +25,8 @@ def _suite(name: str) -> ModuleType:
 
 def _convergence(a: argparse.Namespace) -> dict[str, Any]:
     convergence = _suite("convergence")
+    if a.matrix:
+        return convergence.matrix_suite(a.epochs if a.epochs != 3 else 10, a.quick, not a.no_bundled)
     datasets = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(convergence.CONVERGENCE_DATA)
     return convergence.convergence_suite(a.epochs if a.epochs != 3 else 10, datasets, a.mlp)
 
@@ -65,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
     ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
     ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
+    ap.add_argument("--matrix", action="store_true", help="convergence: the schema matrix (convergence-matrix.json)")
+    ap.add_argument("--quick", action="store_true", help="convergence --matrix: the quick cells only")
+    ap.add_argument("--no-bundled", action="store_true", help="convergence --matrix: without the bundled datasets")
     ap.add_argument("--model", default="mlp", help="celu: model")
     ap.add_argument(
         "--variants",
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
     result["machine"] = machine_info()
-    out = a.out or Path("bench_results") / f"{result['case'] if a.case == 'coreset' else a.case}.json"
+    out = a.out or Path("bench_results") / f"{result['case'] if a.case in ('coreset', 'convergence') else a.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

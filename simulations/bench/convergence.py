@@ -112,3 +112,165 @@ def convergence_suite(epochs: int, datasets: list[str], mlp: bool) -> dict[str, 
 
 def _run_case(args: dict[str, Any]) -> dict[str, Any]:
     return run_isolated("simulations.bench.convergence", "convergence_case", args)
+
+
+# ---------------------------------------------------------------------------------------------- schema matrix
+#: the algorithms of a matrix cell: name -> overrides (ADMM with its shipped defaults and with the paper's
+#: residual balancing, the old defaults)
+MATRIX_ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "pcg": ("algorithm=pcg", "algorithm.tol=0"),
+    "admm": ("algorithm=admm", "algorithm.tol=0"),
+    "admm_old": ("algorithm=admm", "algorithm.tol=0", "algorithm.relax=1", "algorithm.rho_patience=0"),
+    "sgd": ("algorithm=sgd",),
+}
+
+
+def cell_overrides(cell: dict[str, Any]) -> list[str]:
+    """A matrix cell as synthetic-dataset overrides: ``dup`` fact rows per dimension row (fanout 1), so
+    n_fact = dim_rows * dup joined rows."""
+    n_fact = int(cell["dim_rows"]) * int(cell["dup"])
+    loader = {
+        "schema": cell["schema"],
+        "n_fact": n_fact,
+        "dim_rows": cell["dim_rows"],
+        "n_dims": cell.get("n_dims", 3),
+        "fanout": 1,
+        "task": cell.get("task", "regression"),
+        "n_classes": cell.get("n_classes", 3),
+        "noise": cell.get("noise", 0.5),
+        "seed": cell.get("seed", 0),
+    }
+    out = ["dataset=synthetic", *(f"dataset.loader.{k}={v}" for k, v in loader.items())]
+    out += [f"+dataset.loader.correlation={cell.get('correlation', 0.0)}"]
+    out += [f"+dataset.loader.label_scale={cell.get('label_scale', 1.0)}"]
+    return out
+
+
+def rounds_within(history: list[dict[str, float]], target: float, rel: float, lower_is_better: bool) -> int | None:
+    """Round trips (cumulative training rounds) of the first epoch within ``rel`` of ``target``; None if none."""
+    for h in history:
+        m = h["metric"]
+        if (m <= (1 + rel) * target) if lower_is_better else (m >= (1 - rel) * target):
+            return int(h["rounds"])
+    return None
+
+
+def matrix_cell(overrides: list[str], epochs: int, algorithms: list[str]) -> dict[str, Any]:
+    """One cell, every algorithm in this process (in-process runs): the exact ridge (regression) or the
+    centralized model's metric, each algorithm's metric and training round trips per epoch, the constant
+    predictor's metric, and bytes per training round trip."""
+    from simulations.federated import run_in_process  # noqa: PLC0415
+    from strategies.centralized import constant_predictor_metric, train_centralized  # noqa: PLC0415
+    from tpflower.owner import simulation_secret  # noqa: PLC0415
+    from tpflower.relation import load_relation  # noqa: PLC0415
+    from tpflower.results import new_run_results  # noqa: PLC0415
+
+    base = compose_config(*overrides, "epochs=1")
+    out: dict[str, Any] = {"algorithms": {}}
+    rel = load_relation(base.dataset, simulation_secret(base), verbose=False)
+    task = rel.spec.label.task
+    central = ["algorithm=centralized", "algorithm.solver=exact"] if task == "regression" else ["algorithm=centralized"]
+    cfg = compose_config(*overrides, *central, f"epochs={1 if task == 'regression' else epochs}")
+    results = new_run_results(cfg, "centralized", rel.spec, rel.mapping)
+    train_centralized(cfg, rel, results, log=lambda _: None)
+    out.update(
+        task=task,
+        metric=results.metric,
+        n_joined=int(rel.mapping.N),
+        table_rows={t: int(n) for t, n in rel.mapping.n_rows.items()},
+        reference=results.history[-1].test_metric,
+        constant_metric=float(constant_predictor_metric(rel)[results.metric]),
+    )
+    for name in algorithms:
+        if name == "pcg" and task != "regression":
+            continue
+        cfg = compose_config(*overrides, *MATRIX_ALGORITHMS[name], f"epochs={epochs}")
+        t0 = time.perf_counter()
+        res = run_in_process(cfg, None, log=lambda _: None).strategy.results
+        hist = [{"metric": h.test_metric, "rounds": h.rounds, "bytes": h.bytes_up + h.bytes_down} for h in res.history]
+        out["algorithms"][name] = {"history": hist, "wall_s": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+def _cell(schema: str, dim_rows: int, dup: int, correlation: float, **more: Any) -> dict[str, Any]:
+    return {"schema": schema, "dim_rows": dim_rows, "dup": dup, "correlation": correlation, **more}
+
+
+#: the schema matrix (--quick: the first QUICK cells); joined rows = dim_rows * dup
+MATRIX_CELLS: list[dict[str, Any]] = [
+    _cell("star", 20, 1000, 0.9, n_dims=2),  # small dimension tables correlated with the fact table
+    _cell("star", 20, 15, 0.0),  # 300 joined rows
+    _cell("chain", 50, 200, 0.95),
+    _cell("snowflake", 1000, 10, 0.0),
+    _cell("snowflake", 100, 100, 0.9, label_scale=10000.0),
+    _cell("star", 100, 3, 0.5, label_scale=0.001),
+    _cell("star", 20, 50, 0.5, task="binary"),
+    _cell("star", 60, 5, 0.0, task="multiclass", n_classes=5, imbalance=1.0),  # 300 rows, 5 imbalanced classes
+    _cell("chain", 1000, 1, 0.5),
+    _cell("snowflake", 2000, 20, 0.95),
+    _cell("star", 100000, 1, 0.0),
+    _cell("snowflake", 100000, 10, 0.5),  # 1,000,000 joined rows
+]
+QUICK = 8
+#: every bundled dataset (overrides)
+BUNDLED: dict[str, tuple[str, ...]] = {
+    "movielens": ("dataset=movielens",),
+    "nycflights13": ("dataset=nycflights13",),
+    "nycflights13_delayed": ("dataset=nycflights13_delayed",),
+    "movielens1m": ("dataset=movielens1m",),
+}
+
+
+def cell_name(cell: dict[str, Any]) -> str:
+    extra = "".join(f" {k}={v}" for k, v in cell.items() if k not in ("schema", "dim_rows", "dup", "correlation"))
+    return f"{cell['schema']} dim={cell['dim_rows']} dup={cell['dup']} corr={cell['correlation']}{extra}"
+
+
+def summarize(cell: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """Per algorithm: round trips to within 0.1% and 1% of the reference, the final gap, bytes per round trip,
+    whether it ends below the constant predictor."""
+    lower = cell["metric"] in ("rmse", "mse", "mae", "logloss")
+    ref, const = cell["reference"], cell.get("constant_metric")
+    out = {}
+    for name, run in cell["algorithms"].items():
+        hist = run["history"]
+        last = hist[-1]
+        worse_than_constant = None
+        if const is not None:
+            worse_than_constant = bool(last["metric"] > const if lower else last["metric"] < const)
+        out[name] = {
+            "rounds_to_0.1pct": rounds_within(hist, ref, 1e-3, lower),
+            "rounds_to_1pct": rounds_within(hist, ref, 1e-2, lower),
+            "gap_after": round(last["metric"] / ref - 1, 6),
+            "rounds": last["rounds"],
+            # steady state: the training round trips after the first epoch's (setup rounds excluded)
+            "bytes_per_round": round(
+                (last["bytes"] - hist[0]["bytes"]) / max(last["rounds"] - hist[0]["rounds"], 1)
+                if len(hist) > 1
+                else last["bytes"] / max(last["rounds"], 1)
+            ),
+            "below_constant": worse_than_constant,
+        }
+    return out
+
+
+def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
+    """The schema matrix (docs/results.md): every cell (the first QUICK with ``quick``) and, with ``bundled``,
+    every bundled dataset; PCG, ADMM (shipped and old defaults), TP-Join-SGD against the exact ridge (or the
+    centralized model's metric for classification)."""
+    cases = {cell_name(c): cell_overrides(c) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
+    if bundled:
+        cases.update({k: list(v) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
+    rows: dict[str, Any] = {}
+    for name, overrides in cases.items():
+        t0 = time.perf_counter()
+        cell = run_isolated(
+            "simulations.bench.convergence",
+            "matrix_cell",
+            {"overrides": overrides, "epochs": epochs, "algorithms": list(MATRIX_ALGORITHMS)},
+        )
+        cell["summary"] = summarize(cell, epochs)
+        cell["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows[name] = cell
+        print(name, json.dumps(cell["summary"]), flush=True)
+    return {"case": "convergence-matrix", "epochs": epochs, "quick": quick, "cells": rows}

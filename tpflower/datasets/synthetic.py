@@ -18,6 +18,11 @@ dimension, the MEAN effective score of the child rows with the matching key. The
 gives the label: regression y = S + noise N(0, 1); binary y = 1[S + noise Logistic > 0];
 multiclass y = argmax(S + noise Gumbel). With fanout 1 and a linear label, y is exactly a sum of per-table
 linear models of the joined row plus noise.
+
+``correlation`` c in [0, 1): a parent row's feature k becomes c z + sqrt(1 - c^2) x, z the standardized mean of
+feature k (mod width) over its child dimensions' matching rows (key means), so small dimension tables carry
+features correlated with the fact table's (the case where block methods slow down). ``label_scale`` multiplies
+a regression label (other units); ``imbalance`` k lowers class c's multiclass score by k c (imbalanced classes).
 """
 
 from __future__ import annotations
@@ -109,6 +114,8 @@ def describe(
     seed: int = 0,
     shards: Mapping[str, int] | None = None,
     label_scale: float = 1.0,  # generate() only: the tables' spec does not depend on it
+    correlation: float = 0.0,  # generate() only
+    imbalance: float = 0.0,  # generate() only
 ) -> dict[str, Any]:
     """The spec parts (tables, label, joins) matching :func:`generate` called with the same arguments.
 
@@ -162,6 +169,29 @@ def _children(lay: Layout, t: int) -> list[int]:
     return [i for i, p in enumerate(lay.parents, start=1) if p == t]
 
 
+def _descendants(lay: Layout, t: int) -> list[int]:
+    out = []
+    for c in _children(lay, t):
+        out += [c, *_descendants(lay, c)]
+    return out
+
+
+def _correlate(lay: Layout, draws: dict[int, _Draws], c: float) -> None:
+    """Children before parents (children have larger indices): each parent's feature k becomes
+    c z + sqrt(1 - c^2) x, z the standardized mean over its children of their key-mean feature k (mod width)."""
+    for t in sorted(draws, reverse=True):
+        x = draws[t].features
+        kids = [i for i in _children(lay, t) if lay.widths[i] > 0]
+        if not kids or x.shape[1] == 0:
+            continue
+        z = np.zeros_like(x)
+        for i in kids:
+            means = _key_mean(draws[i].own_keys, draws[i].features, lay.dim_rows[i - 1])[draws[t].foreign[i]]
+            z += means[:, np.arange(x.shape[1]) % means.shape[1]]
+        z = (z - z.mean(0)) / np.where(z.std(0) > 0, z.std(0), 1.0)
+        draws[t].features = c * z + math.sqrt(1.0 - c * c) * x
+
+
 @dataclass
 class _Draws:
     """What table t draws from its own random stream, in this order: its key values (a dimension), its
@@ -197,6 +227,8 @@ def generate(
     shards: Mapping[str, int] | None = None,  # describe() only: the tables do not depend on it
     label_scale: float = 1.0,
     tables: Sequence[str] | None = None,
+    correlation: float = 0.0,
+    imbalance: float = 0.0,
 ) -> dict[str, pd.DataFrame]:
     """Generate the tables (see the module docstring); deterministic in ``seed``, vectorized throughout.
 
@@ -217,6 +249,8 @@ def generate(
         raise SpecError(f"synthetic: task must be one of {TASKS}, got {task!r}")
     if task == "multiclass" and int(n_classes) < 2:
         raise SpecError(f"synthetic: multiclass needs n_classes >= 2, got {n_classes}")
+    if not 0.0 <= float(correlation) < 1.0:
+        raise SpecError(f"synthetic: correlation must be in [0, 1), got {correlation}")
     wanted = list(lay.names) if tables is None else list(tables)
     unknown = [t for t in wanted if t not in lay.names]
     if unknown:
@@ -225,8 +259,12 @@ def generate(
     # one stream per table, then one for the teacher's weights and one for the label noise
     seeds = np.random.SeedSequence(int(seed)).spawn(len(lay.names) + 2)
     rows = [int(n_fact)] + [m * int(fanout) for m in lay.dim_rows]
-    need = range(len(lay.names)) if FACT in wanted else [lay.names.index(t) for t in wanted]
-    draws = {t: _draw(lay, t, np.random.default_rng(seeds[t]), rows[t], int(fanout)) for t in need}
+    need = set(range(len(lay.names))) if FACT in wanted else {lay.names.index(t) for t in wanted}
+    if correlation:  # a table's features then depend on its descendants'
+        need |= {i for t in list(need) for i in _descendants(lay, t)}
+    draws = {t: _draw(lay, t, np.random.default_rng(seeds[t]), rows[t], int(fanout)) for t in sorted(need)}
+    if correlation:
+        _correlate(lay, draws, float(correlation))
 
     y = None
     if FACT in wanted:
@@ -242,7 +280,8 @@ def generate(
         elif task == "binary":
             y = (total[:, 0] + noise * noise_rng.logistic(size=rows[0]) > 0).astype(np.int64)
         else:
-            y = np.argmax(total + noise * noise_rng.gumbel(size=total.shape), axis=1).astype(np.int64)
+            logits = total + noise * noise_rng.gumbel(size=total.shape) - float(imbalance) * np.arange(d_c)
+            y = np.argmax(logits, axis=1).astype(np.int64)
 
     frames: dict[str, pd.DataFrame] = {}
     for name in wanted:

@@ -42,7 +42,7 @@ from tpflower.clustering import sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
 from tpflower.mapping import index_dtype
 from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive, positive_int
-from tpflower.phases import join_sgd, setup
+from tpflower.phases import join_sgd, pcg, setup
 from tpflower.phases.join_admm import theta_update
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
@@ -67,7 +67,8 @@ class CoresetParams(AlgorithmParams):
     sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
     mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
     leverage_ridge: float = param(nonnegative, 64.0)  # ridge leverage scores, lam = leverage_ridge N / m; 0: Alg. 2
-    train: str = param(one_of("admm", "sgd"), "admm")
+    train: str = param(one_of("admm", "sgd", "pcg"), "admm")  # pcg: block-Jacobi PCG on the weighted ridge problem
+    tol: float = param(nonnegative, 1e-8)  # train=pcg: stop once ||r|| <= tol ||r_0|| (0: never)
     rho: float | str = param(or_word(positive, "auto"), "auto")  # train=admm
     variant: str = param(one_of("sharing", "paper"), "sharing")
     local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # MLP theta-update (train=admm), as TP-Join-ADMM
@@ -370,6 +371,13 @@ def coreset_admm_update(
     return {"h": client.predict(model, s.rows)}, client.reg_metrics(model)
 
 
+def coreset_pcg_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """PCG's setup (tpflower/phases/pcg.py) on the coreset's rows U_i^S, G = their summed weights."""
+    rows = _rows(client, arrays, "coreset_pcg_setup")
+    admit_training_rows(client, rows, "coreset_pcg_setup")
+    return pcg.pcg_setup(client, arrays, config, rows=rows)
+
+
 def _sgd_rows(client: TableClient, arrays: Arrays, phase: str) -> None:
     """TP-Join-SGD's phases on the coreset: the rows of the next batch are coreset rows; no evaluation rows
     (the evaluation is coreset_predict's)."""
@@ -423,6 +431,10 @@ def sgd_client(client: TableClient) -> bool:
     return getattr(client.settings.algorithm, "train", "") == "sgd"
 
 
+def pcg_client(client: TableClient) -> bool:
+    return getattr(client.settings.algorithm, "train", "") == "pcg"
+
+
 # the once-per-run bounds are the handlers' (clear errors): their stages take any number of messages
 DIS: tuple[Stage, ...] = (
     Stage("sensitivity", {"sensitivity": Phase(sensitivity, dis_client)}, calls=None),
@@ -431,11 +443,16 @@ DIS: tuple[Stage, ...] = (
 )
 RIDGE_START = Stage(
     "start",
-    {"coreset_admm_setup": Phase(coreset_admm_setup, admm_client), "predict": Phase(coreset_sgd_predict, sgd_client)},
+    {
+        "coreset_admm_setup": Phase(coreset_admm_setup, admm_client),
+        "predict": Phase(coreset_sgd_predict, sgd_client),
+        "coreset_pcg_setup": Phase(coreset_pcg_setup, pcg_client),
+    },
 )
 RIDGE_TRAIN: dict[str, Phase] = {
     "coreset_admm_update": Phase(coreset_admm_update, admm_client),
     "sgd_step": Phase(coreset_sgd_step, sgd_client),
+    "pcg_step": Phase(pcg.pcg_step, pcg_client),
     "coreset_predict": Phase(coreset_predict, spaced=True),
 }
 

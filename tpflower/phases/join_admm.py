@@ -161,6 +161,14 @@ def admm_update_lbfgs(
     opt.step(closure)
 
 
+def relaxation(what: str, value) -> float:
+    """An over-relaxation factor in (0, 2) (Boyd et al. 2011, Sec. 3.4.3)."""
+    out = positive(what, value)
+    if out >= 2:
+        raise ValueError(f"{what} must be in (0, 2), got {value!r}")
+    return out
+
+
 @dataclass(frozen=True)
 class ADMMParams(AlgorithmParams):
     """TP-Join-ADMM, TP-UCQ-ADMM, VFL-ADMM (conf/algorithm/admm.yaml)."""
@@ -170,6 +178,9 @@ class ADMMParams(AlgorithmParams):
     rho_mu: float = param(above_one, 10.0)  # rebalance once one residual exceeds mu times the other
     rho_tau: float = param(above_one, 2.0)  # ... by this factor
     rho_warmup: int = param(nonnegative_int, 3)  # iterations before the first change (the start's transient)
+    rho_mu_persistent: float = param(above_one, 2.0)  # ... or beyond this ratio for rho_patience iterations
+    rho_patience: int = param(nonnegative_int, 3)  # 0: Boyd's rule alone (the paper's)
+    relax: float = param(relaxation, 1.5)  # over-relaxation (Boyd Sec. 3.4.3): H^ = a H + (1 - a) z_prev; 1: off
     tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
     variant: str = param(one_of("sharing", "paper"), "sharing")
     local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)

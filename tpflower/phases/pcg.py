@@ -1,16 +1,23 @@
-"""Block-Jacobi preconditioned conjugate gradient over the join, client side (docs/algorithms.md, section
-"pcg"; Hestenes & Stiefel 1952, preconditioned as in Saad, Iterative Methods, Alg. 9.1).
+"""Block-Jacobi preconditioned conjugate gradient over the join, the union and a weighted coreset, client side
+(docs/algorithms.md, section "pcg"; Hestenes & Stiefel 1952, preconditioned as in Saad, Iterative Methods,
+Alg. 9.1).
 
-Linear regression with ridge penalty over the join solves the normal equations
-``(A^T A / N + beta I) theta = A^T y / N`` with ``A = [P_1 T_1 ... P_M T_M]`` (T_i = [X_i, 1] with a bias).
-Each table keeps its own blocks of the CG vectors (theta_i, r_i, z_i, p_i) and its preconditioner block
-``M_i = T_i^T diag(G_i) T_i / N + beta I`` (Cholesky-factored once), so no parameter vector, search direction
-or feature moment leaves the node; the server sees what TP-Join-ADMM's server sees (per-row outputs of the
-table's own rows) plus a few scalars:
+Linear regression with ridge penalty solves the normal equations ``(A^T W A / N + beta I) theta = A^T W y / N``
+with ``A = [P_1 T_1 ... P_M T_M]`` (T_i = [X_i, 1] with a bias; W the joined rows' weights: 1, or a coreset's
+w_j). Each table keeps its own blocks of the CG vectors (theta_i, r_i, z_i, p_i) and its preconditioner block
+``M_i = T_i^T diag(G_i) T_i / N + beta I`` (G_i the summed weights of its rows; Cholesky-factored once). One
+round trip per iteration: the server never needs p_{k+1} itself, only its per-row outputs
+T_i p_{k+1,i} = T_i z_{k+1,i} + beta_k T_i p_{k,i}, and p.Ap from ||A p||_W^2 and the partial norms of p:
 
-  pcg_setup {G, s}   -> {h = T z, dots = [r.z, r.r]}        s = P_i^T y: r = T^T s / N, z = M^-1 r, p = z
-  pcg_apply {s}, beta -> {dots = [p.Ap]}                     p = z + beta p; s = P_i^T (A p): Ap = T^T s / N + beta p
-  pcg_step  alpha     -> {h = T z, h_eval = T theta, dots}   theta += alpha p, r -= alpha Ap, z = M^-1 r
+  pcg_setup {G, s | gram, g}       -> {h = T z, dots}   r = T^T s / N (s = P_i^T W y), z = M^-1 r, p = 0
+  pcg_step  {s | g}, alpha, beta   -> {h = T z, dots}   (the server follows T theta += alpha T p itself)
+        p = z + beta p;  Ap = T^T s / N + beta_ridge p  (s = P_i^T W A p);  theta += alpha p;  r -= alpha Ap;
+        z = M^-1 r;  dots = [r.z, z.z, z.p, r.r]  (partial inner products over this table's block)
+
+The union (a table split over shards): each shard sends its partial products T_q^T diag(G_q) T_q and
+T_q^T s_q (``pcg_gram`` once, ``pcg_partial`` per iteration); the server, the shards' coordinator as in
+TP-UCQ-SGD/ADMM, sums them and sends the sums (``gram``, ``g``) with the next message; every shard then holds
+the same block vectors.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import scipy.linalg
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Stage
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, sharded
 from tpflower.params import AlgorithmParams, nonnegative, param
 from tpflower.phases import setup
 from tpflower.records import Arrays
@@ -37,6 +44,9 @@ WHY_NO_FEATURE_DP = (
 )
 
 
+PARTIAL = "pcg.partial"  # 1 between a shard's pcg_partial and its pcg_step
+
+
 @dataclass(frozen=True)
 class PCGParams(AlgorithmParams):
     """algorithm.* of algorithm=pcg (conf/algorithm/pcg.yaml)."""
@@ -46,16 +56,16 @@ class PCGParams(AlgorithmParams):
 
 @dataclass
 class PCGState(StateRecord):
-    """This table's blocks of the CG vectors and its preconditioner's Cholesky factor (all float64)."""
+    """This table's blocks of the CG vectors and its preconditioner's Cholesky factor (all float64); ``rows``:
+    the table rows the problem covers (a coreset's), None for all."""
 
     L: np.ndarray | None = None  # lower Cholesky factor of M_i
     theta: np.ndarray | None = None
     r: np.ndarray | None = None
     z: np.ndarray | None = None
     p: np.ndarray | None = None
-    Ap: np.ndarray | None = None
-    w: np.ndarray | None = None  # M_i^-1 Ap
     N: int = 0
+    rows: np.ndarray | None = None
 
     @classmethod
     def of(cls, client: TableClient) -> PCGState:
@@ -65,13 +75,14 @@ class PCGState(StateRecord):
         return state
 
 
-def design(client: TableClient, model: torch.nn.Module) -> np.ndarray:
-    """T_i: the table's feature rows with a column of ones when its linear model has a bias (float64)."""
+def design(client: TableClient, model: torch.nn.Module, rows: np.ndarray | None = None) -> np.ndarray:
+    """T_i: the table's feature rows (``rows``, default all) with a column of ones when its linear model has a
+    bias (float64)."""
     if not isinstance(model, torch.nn.Linear) or model.out_features != 1:
         raise ValueError(
             f"table {client.settings.table!r}: algorithm=pcg solves linear ridge regression (model=linear, one output)"
         )
-    X = np.asarray(client.rows_X(None), dtype=np.float64)
+    X = np.asarray(client.rows_X(rows), dtype=np.float64)
     return np.concatenate([X, np.ones((len(X), 1))], axis=1) if model.bias is not None else X
 
 
@@ -89,55 +100,100 @@ def wire(client: TableClient, values: np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=str(client.dtype).removeprefix("torch.")).reshape(-1, 1)
 
 
-def pcg_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Factor M_i, start from theta = 0: r = T^T s / N (s = P_i^T y), z = M^-1 r, p = z."""
+def _vector(arrays: Arrays, name: str) -> np.ndarray:
+    return np.asarray(arrays[name], np.float64).ravel()
+
+
+def _counts(client: TableClient, arrays: Arrays, n: int) -> np.ndarray:
+    G = _vector(arrays, "G")
+    if G.shape != (n,) or not np.all(np.isfinite(G)) or (G < 0).any():
+        raise ValueError(f"table {client.settings.table!r}: G must hold one count >= 0 per row ({n} rows)")
+    return G
+
+
+def pcg_gram(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard's partial products for its table's preconditioner and r_0: T_q^T diag(G_q) T_q and T_q^T s_q."""
+    T = design(client, client.model(config))
+    G = _counts(client, arrays, len(T))
+    return {"gram": (T.T * G) @ T, "g": T.T @ _vector(arrays, "s")}, {}
+
+
+def pcg_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard's partial product T_q^T s_q of the table's block of A^T W A p (s_q = P_q^T W A p): at most one
+    per step (a second one before the step is refused)."""
+    st = PCGState.of(client)
+    if client.state.scalar(PARTIAL, 0):
+        raise ProtocolRefusal(f"table {client.settings.table!r}: one pcg_partial per pcg_step; a second is refused")
+    client.state.set_scalar(PARTIAL, 1)
+    T = design(client, client.model(config), st.rows)
+    return {"g": T.T @ _vector(arrays, "s")}, {}
+
+
+def _dots(st: PCGState, p_prev: np.ndarray) -> np.ndarray:
+    return np.array([st.r @ st.z, st.z @ st.z, st.z @ p_prev, st.r @ st.r])
+
+
+def pcg_setup(
+    client: TableClient, arrays: Arrays, config: Mapping[str, Any], rows: np.ndarray | None = None
+) -> tuple[Arrays, dict[str, Any]]:
+    """Factor M_i, start from theta = 0: r = T^T s / N (s = P_i^T W y), z = M^-1 r, p = 0. A shard of a
+    sharded table gets the sums over its table's shards (``gram``, ``g``) instead of (G, s)."""
     model = client.model(config)
-    T = design(client, model)
-    G, s, N = np.asarray(arrays["G"], np.float64), np.asarray(arrays["s"], np.float64).ravel(), int(config["N"])
-    beta = float(client.settings.model["beta"])
-    L = np.linalg.cholesky((T.T * G) @ T / N + beta * np.eye(T.shape[1]))
-    r = T.T @ s / N
+    T = design(client, model, rows)
+    N, beta, d = int(config["N"]), float(client.settings.model["beta"]), T.shape[1]
+    if "gram" in arrays:
+        gram, g = np.asarray(arrays["gram"], np.float64), _vector(arrays, "g")
+        if gram.shape != (d, d) or g.shape != (d,):
+            raise ValueError(f"table {client.settings.table!r}: gram must be {d}x{d} and g of length {d}")
+    else:
+        G = _counts(client, arrays, len(T))
+        gram, g = (T.T * G) @ T, T.T @ _vector(arrays, "s")
+    L = np.linalg.cholesky((gram + gram.T) / (2 * N) + beta * np.eye(d))
+    r = g / N
     z = scipy.linalg.cho_solve((L, True), r)
     zero = np.zeros_like(r)
-    PCGState(L, zero, r, z, z.copy(), zero, zero, N).save(client.state)
+    st = PCGState(L, zero, r, z, zero, N, rows)
+    st.save(client.state)
     set_theta(model, zero)
     client.state.save_model(model)
-    return {"h": wire(client, T @ z), "dots": np.array([r @ z, r @ r])}, {}
-
-
-def pcg_apply(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """p = z + beta p (beta of the previous iteration), then Ap = T^T s / N + beta_ridge p and w = M^-1 Ap."""
-    st = PCGState.of(client)
-    T = design(client, client.model(config))
-    st.p = st.z + float(config["beta"]) * st.p
-    st.Ap = T.T @ np.asarray(arrays["s"], np.float64).ravel() / st.N + float(client.settings.model["beta"]) * st.p
-    st.w = scipy.linalg.cho_solve((st.L, True), st.Ap)
-    st.save(client.state)
-    return {"dots": np.array([st.p @ st.Ap])}, {}
+    return {"h": wire(client, T @ z), "dots": _dots(st, zero)}, {}
 
 
 def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """theta += alpha p, r -= alpha Ap, z -= alpha w (= M^-1 r); the new T z, T theta and r.z, r.r."""
+    """p = z + beta p; Ap = T^T s / N + beta_ridge p (or g / N + beta_ridge p with the shards' sum g);
+    theta += alpha p, r -= alpha Ap, z = M^-1 r; the new T z and the partial dots."""
     st = PCGState.of(client)
+    client.state.set_scalar(PARTIAL, 0)
     model = client.model(config)
-    T = design(client, model)
-    alpha = float(config["alpha"])
+    T = design(client, model, st.rows)
+    alpha, beta = float(config["alpha"]), float(config["beta"])
+    g = _vector(arrays, "g") if "g" in arrays else T.T @ _vector(arrays, "s")
+    if g.shape != st.r.shape:
+        raise ValueError(f"table {client.settings.table!r}: g must have length {len(st.r)}, got {len(g)}")
+    st.p = st.z + beta * st.p
+    Ap = g / st.N + float(client.settings.model["beta"]) * st.p
     st.theta = st.theta + alpha * st.p
-    st.r = st.r - alpha * st.Ap
-    st.z = st.z - alpha * st.w
+    st.r = st.r - alpha * Ap
+    st.z = scipy.linalg.cho_solve((st.L, True), st.r)
     st.save(client.state)
     set_theta(model, st.theta)
     client.state.save_model(model)
-    out = {
-        "h": wire(client, T @ st.z),
-        "h_eval": wire(client, T @ st.theta),
-        "dots": np.array([st.r @ st.z, st.r @ st.r]),
-    }
-    return out, client.reg_metrics(model)
+    return {"h": wire(client, T @ st.z), "dots": _dots(st, st.p)}, client.reg_metrics(model)
 
 
 START = Stage("start", {"pcg_setup": Phase(pcg_setup)})
-TRAIN: dict[str, Phase] = {"pcg_apply": Phase(pcg_apply), "pcg_step": Phase(pcg_step)}
+TRAIN: dict[str, Phase] = {"pcg_step": Phase(pcg_step)}
+GRAM = Stage("gram", {"pcg_gram": Phase(pcg_gram, sharded)})
+# the union: a shard's partial product, at most once per step (pcg_partial refuses a second)
+UCQ_TRAIN: dict[str, Phase] = {**TRAIN, "pcg_partial": Phase(pcg_partial, sharded)}
+
+
+def ucq_protocol() -> Protocol:
+    """The union's client protocol: setup, the shards' Gram blocks (once), pcg_setup, then the steps."""
+    stages = list(setup.loj_protocol(START, UCQ_TRAIN).stages)
+    stages.insert(stages.index(START), GRAM)
+    return Protocol(tuple(stages))
+
 
 register(
     AlgorithmEntry(
@@ -150,6 +206,20 @@ register(
         PCGParams,
         feature_dp=False,
         why_no_feature_dp=WHY_NO_FEATURE_DP,
-        summary="block-Jacobi preconditioned CG on the ridge normal equations over the join",
+        summary="block-Jacobi preconditioned CG on the ridge normal equations over the join, one round trip each",
+    )
+)
+register(
+    AlgorithmEntry(
+        "tp_ucq_pcg",
+        "pcg",
+        "ucq",
+        "pcg",
+        "TPUCQPCG",
+        ucq_protocol(),
+        PCGParams,
+        feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
+        summary="block-Jacobi preconditioned CG over the union: the shards' partial products summed",
     )
 )
