@@ -29,7 +29,8 @@ from tpflower.privacy import privacy_message
         ("multiclass", "mlp", "none", "join", "lbfgs"),
         ("regression", "linear", "dpsgd", "join", "admm"),
         ("binary", "mlp", "label_dpsgd", "join", "admm"),
-        ("regression", "linear", "none", "ucq", "admm"),
+        ("regression", "linear", "none", "ucq", "pcg"),
+        ("binary", "linear", "none", "ucq", "admm"),
     ],
 )
 def test_auto_chooses_by_model_label_privacy_and_scenario(task, model, privacy, scenario, selector):

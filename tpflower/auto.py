@@ -3,9 +3,9 @@ chosen before anything else reads the config (docs/algorithms.md, section "auto"
 
 - feature DP (privacy=dpsgd or label_dpsgd): ``admm`` (TP-Join/UCQ-ADMM, DP-SGD local steps; pcg and lbfgs
   exchange exact full-batch quantities and refuse it);
-- learning over a union (scenario=ucq): ``admm`` (pcg and lbfgs run over the join only);
-- linear regression: ``pcg`` (the ridge normal equations, exact in at most d iterations);
-- any other model or label: ``lbfgs`` (full-batch L-BFGS over the join).
+- linear regression: ``pcg`` (the ridge normal equations, exact in at most d iterations), over a join or a union;
+- any other model or label: ``lbfgs`` (full-batch L-BFGS over the join); over a union (scenario=ucq), where
+  lbfgs does not run, ``admm``.
 
 Label DP composes with all of them. :func:`resolve` replaces ``cfg.algorithm`` in place by the chosen
 algorithm's settings (its defaults, then any ``+algorithm.KEY`` given with auto) and records the choice in
@@ -33,10 +33,10 @@ def choose(task: str, model: str, privacy: Mapping[str, Any] | None, scenario: s
     """The selector ``algorithm=auto`` resolves to, and why (module docstring)."""
     if uses_feature_dp(privacy or {}):
         return "admm", "feature DP: DP-SGD local steps"
-    if scenario != "join":
-        return "admm", f"scenario={scenario}"
     if task == "regression" and model == "linear":
         return "pcg", "linear regression without feature DP"
+    if scenario != "join":
+        return "admm", f"{model} model, {task} label, scenario={scenario}"
     return "lbfgs", f"{model} model, {task} label, without feature DP"
 
 
