@@ -83,7 +83,8 @@ class Transcript:
         projections: dict[str, list[KeyProjection]] = {t: [] for t in spec.table_names}
         for (t, _), (arrays, _) in replies.items():
             digests = {int(n.split(".")[1]): d for n, d in arrays.items() if n.startswith("digest.")}
-            projections[t].append(KeyProjection(t, arrays["row_ids"], digests))
+            codes = {k: arrays[f"code.{k}"] for k in digests}
+            projections[t].append(KeyProjection(t, arrays["row_ids"], codes, digests))
         self.mapping: TableMapping = build_mapping(spec, projections)
 
     def scalar(self, table: str, shard: int = 0) -> bytes:

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 from nacl import bindings as sodium
 
-from tpflower.mapping import DIGEST_WORDS, canonical_tuples, key_codes
+from tpflower.mapping import DIGEST_WORDS, canonical_tuples, code_dtype, key_codes, shuffled
 
 POINT_BYTES = 32
 SCALAR_FILE = "blind.key"
@@ -168,14 +168,13 @@ def reblind(points: np.ndarray, scalar: bytes, where: str) -> np.ndarray:
 
 
 def blind_keys(frame: pd.DataFrame, columns: Sequence[str], scalar: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, points): each row's position in the shuffled list of its table's distinct key tuples, and that
-    list as H(k)^scalar ((n_distinct, 32) uint8). The shuffle uses OS entropy."""
+    """(codes, points): each row's position (:func:`tpflower.mapping.code_dtype`) in the shuffled list of its
+    table's distinct key tuples, and that list as H(k)^scalar ((n_distinct, 32) uint8). The shuffle uses OS
+    entropy."""
     codes, tuples, kinds = key_codes(frame, columns)
     points = as_array(_multiply(scalar, hash_to_group(canonical_tuples(tuples, kinds))))
-    order = np.random.default_rng(int.from_bytes(os.urandom(16), "little")).permutation(len(points))
-    rank = np.empty(len(points), dtype=np.int64)
-    rank[order] = np.arange(len(points))
-    return rank[codes].astype(np.int32 if len(points) < 2**31 else np.int64), points[order]
+    rank, order = shuffled(len(points))
+    return rank.astype(code_dtype(len(points)))[codes], points[order]
 
 
 def point_digests(points: np.ndarray) -> np.ndarray:
