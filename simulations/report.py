@@ -548,6 +548,18 @@ def mapping_and_scale() -> str | None:
                     rows,
                 ),
             ]
+        for fm in s.get("fact_table_mapping", []):
+            parts.append(
+                f"**The keys round and the mapping alone on a fact table of {fm['n_joined']:,} rows** (fanout 1): the "
+                f"clients' key projections are {fm['digests_received_mb']:.0f} MB, {fm['keys_bytes_per_fact_row']} bytes "
+                "per fact row (row id and one 2- or 4-byte code per key; per-row 16-byte digests and int64 row ids were "
+                f"56); the server's build took {fm['build_s']:.1f} s, a traced peak of "
+                f"{fm['build_traced_peak_mb'] / 1e3:.1f} GB for a result of {fm['result_mb'] / 1e3:.1f} GB; process peak "
+                f"RSS {fm['peak_rss_mb'] / 1e3:.1f} GB with the clients' tables made in the same process "
+                f"({fm['peak_rss_before_build_mb'] / 1e3:.1f} GB before the build)."
+            )
+        if s.get("notes_fact_table"):
+            parts.append(f"Fact-table notes (from the JSON): {s['notes_fact_table']}")
         mp = s.get("mapping")
         if mp:
             parts += [

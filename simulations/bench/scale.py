@@ -2,7 +2,8 @@
 engine at each N, and the table mapping alone at a large N.
 
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
-                                      [--fact-n 100000000]            -> bench_results/scale.json
+                                      [--fact-n 100000000] [--fact-mapping-n 100000000]
+                                                                  -> bench_results/scale.json
 
 ``--fact-n``: TP-Join-ADMM, 2 epochs, on a fact table of that many rows (fanout 1, so N = its rows). A section
 given as empty (``--scale-n ''``, ``--mapping-n 0``, ...) keeps its entries of the last scale.json.
@@ -58,10 +59,10 @@ def scale_overrides(n_joined: int, fanout: int = SCALE_FANOUT) -> list[str]:
     return ["dataset=synthetic", *(f"dataset.loader.{k}={v}" for k, v in loader.items() if k != "name")]
 
 
-def _scale_projections(n_joined: int):
+def _scale_projections(n_joined: int, fanout: int = SCALE_FANOUT):
     """The clients' part of the keys round, each table made alone: the spec, every table's key projection, the
     label table's labels and every table's row count (what the server receives)."""
-    loader = scale_loader(n_joined)
+    loader = scale_loader(n_joined, fanout)
     kwargs = {k: v for k, v in loader.items() if k != "name"}
     spec = load_spec({"name": "scale", "loader": loader, "split": {"test_fraction": 0.15, "seed": 42}})
     projections, n_rows, y_rows = {}, {}, None
@@ -176,12 +177,12 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
     }
 
 
-def mapping_scale_case(n_joined: int) -> dict[str, Any]:
-    """The table mapping alone at N joined rows of the scale schema: the server's build from the clients'
-    digests (time, traced peak, process peak RSS; the clients' tables and digests are made in the same process
-    first, one table at a time)."""
+def mapping_scale_case(n_joined: int, fanout: int = SCALE_FANOUT) -> dict[str, Any]:
+    """The table mapping alone at N joined rows of the scale schema (``fanout`` 1: a fact table of N rows): the
+    server's build from the clients' codes and digests (time, traced peak, process peak RSS; the clients' tables
+    and key projections are made in the same process first, one table at a time)."""
     t0 = time.perf_counter()
-    spec, projections, n_rows, _ = _scale_projections(n_joined)
+    spec, projections, n_rows, _ = _scale_projections(n_joined, fanout)
     t_clients = time.perf_counter() - t0
     rss_before = peak_rss_mb()
     tracemalloc.start()
@@ -197,6 +198,8 @@ def mapping_scale_case(n_joined: int) -> dict[str, Any]:
     return {
         "case": "mapping_scale",
         "n_joined": mapping.N,
+        "fanout": fanout,
+        "keys_bytes_per_fact_row": round(digest_mb * 1e6 / n_rows[spec.label_table], 2),
         "tables": n_rows,
         "clients_generate_and_digest_s": round(t_clients, 1),
         "build_s": round(t_build, 2),
@@ -292,11 +295,18 @@ def simulation_case(
 
 
 def scale_suite(
-    ns: list[int], epochs: int, mapping_n: int, server_ns: list[int], fact_ns: Sequence[int] = (), fact_epochs: int = 2
+    ns: list[int],
+    epochs: int,
+    mapping_n: int,
+    server_ns: list[int],
+    fact_ns: Sequence[int] = (),
+    fact_epochs: int = 2,
+    fact_mapping_ns: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Bytes per joined row of the server state (float32 and float64), TP-Join-ADMM under
     Flower's simulation engine at each N, the mapping alone at ``mapping_n``, and TP-Join-ADMM on a fact table
-    of each N in ``fact_ns`` rows (fanout 1, ``fact_epochs`` epochs). Each case in a fresh process; a section
+    of each N in ``fact_ns`` rows (fanout 1, ``fact_epochs`` epochs), and the mapping alone on a fact table of
+    each N in ``fact_mapping_ns`` rows. Each case in a fresh process; a section
     not run this time (empty list, 0) keeps its entries of the last bench_results/scale.json."""
     last_path = Path("bench_results/scale.json")
     last = json.loads(last_path.read_text()) if last_path.is_file() else {}
@@ -319,6 +329,11 @@ def scale_suite(
     if mapping_n:
         out["mapping"] = _run_case("mapping_scale_case", {"n_joined": mapping_n})
         print(json.dumps(out["mapping"]), flush=True)
+    if fact_mapping_ns:
+        out["fact_table_mapping"] = []
+    for n in fact_mapping_ns:  # the keys round's projections and the mapping alone: what the server receives
+        out["fact_table_mapping"].append(_run_case("mapping_scale_case", {"n_joined": n, "fanout": 1}))
+        print(json.dumps(out["fact_table_mapping"][-1]), flush=True)
     if fact_ns:
         out["fact_table"] = []
     for n in fact_ns:
