@@ -9,8 +9,9 @@ uses it. A bad reply stops the run with one line naming the table, shard and pha
 - the arrays a phase must return are there (:data:`REQUIRED`);
 - coreset phases: sensitivities ``sens`` and k-means ``labels`` one per row asked (or per client row),
   ``total`` and ``cost`` one finite number, centres ``C`` finite;
-- ``keys``: row ids unique and non-negative, one digest (and label, test flag) per row id; keys=blind: one code
-  per row id into its list of (n, 32) blinded values; ``reblind``: the lists sent, one value per value sent;
+- ``keys``: row ids unique and non-negative, per join key one code (and label, test flag) per row id into its
+  list of (n, 2) uint64 digests (hmac) or (n, 32) blinded values (blind), no list without codes; ``reblind``:
+  the lists sent, one value per value sent;
 - model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table; a consensus shard's
   ``used`` mask: 0/1, shaped like its ``theta``.
 """
@@ -149,23 +150,35 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
 
 
 def check_keys(key: ClientKey, out: Mapping[str, np.ndarray]) -> None:
-    """The keys reply: row ids (unique, >= 0), one digest per row id for every join key; labels and test
-    flags per row (all rows, or the training rows when the labels are randomized)."""
+    """The keys reply: row ids (unique, >= 0), for every join key one code per row id into that key's list of
+    digests (hmac) or blinded values (blind); labels and test flags per row (all rows, or the training rows when
+    the labels are randomized)."""
     ids = np.asarray(out["row_ids"])
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
         raise ReplyError(f"{_who(key, 'keys')}: row_ids must be a vector of integers, got {ids.dtype} {ids.shape}")
     if ids.size and (ids.min() < 0 or np.unique(ids).size != ids.size):
         raise ReplyError(f"{_who(key, 'keys')}: row_ids must be distinct and non-negative")
     for name, a in out.items():
-        if name.startswith(("digest.", "code.")) or name == "is_test":
+        if name.startswith(("digest.", "blind.")) and "code." + name.split(".", 1)[1] not in out:
+            raise ReplyError(f"{_who(key, 'keys')}: reply array {name!r} comes without the rows' codes")
+        if name.startswith("code.") or name == "is_test":
             _rows(key, "keys", name, np.asarray(a), ids.size, "one per row id")
-        if name.startswith("code."):  # keys=blind: each row's code into its list of blinded values
-            points = np.asarray(out.get("blind." + name[5:], np.zeros((0, 32), np.uint8)))
-            check_points(key, "keys", "blind." + name[5:], points)
+        if name.startswith("code."):  # each row's code into its join's list: digests (hmac) or blinded values
+            k = name[5:]
+            if "blind." + k in out:
+                values, what = np.asarray(out["blind." + k]), "blinded values"
+                check_points(key, "keys", "blind." + k, values)
+            else:
+                values, what = np.asarray(out.get("digest." + k, np.zeros((0, 2), np.uint64))), "digests"
+                if values.ndim != 2 or values.shape[1] != 2 or values.dtype != np.uint64:
+                    raise ReplyError(
+                        f"{_who(key, 'keys')}: reply array {'digest.' + k!r} must be (n, 2) uint64 (one digest per "
+                        f"key value), got {values.dtype} {values.shape}"
+                    )
             codes = np.asarray(a)
-            if codes.dtype.kind not in "iu" or (codes.size and (codes.min() < 0 or codes.max() >= len(points))):
+            if codes.dtype.kind not in "iu" or (codes.size and (codes.min() < 0 or codes.max() >= len(values))):
                 raise ReplyError(
-                    f"{_who(key, 'keys')}: reply array {name!r} must hold codes into its {len(points)} blinded values"
+                    f"{_who(key, 'keys')}: reply array {name!r} must hold codes into its {len(values)} {what}"
                 )
     if "y" in out and "is_test" in out:
         n_train = int(np.count_nonzero(np.asarray(out["is_test"]) == 0))

@@ -151,8 +151,8 @@ class JoinSetup(Saved):
     def blind_rounds(self, replies: Mapping[ClientKey, Reply]) -> None:
         """keys=blind (docs/algorithms.md, Blinded keys): route every client's blinded key values of a join to
         the other clients of that join's tables, one hop per round, until each list is blinded by all of them;
-        then put the digests of the fully blinded values per row (``digest.<join>``, gathered by the rows'
-        codes) in place of the codes and lists, as in keys=hmac."""
+        then put the digests of the fully blinded values (``digest.<join>``, one per value, the rows' codes
+        point into them) in place of the lists, as in keys=hmac."""
         current: dict[tuple[ClientKey, int], np.ndarray] = {}
         members: dict[int, list[ClientKey]] = {}
         for k, j in enumerate(self.spec.joins):
@@ -170,8 +170,7 @@ class JoinSetup(Saved):
                     _, k, i = name.split(".")
                     current[(members[int(k)][int(i)], int(k))] = points
         for (c, k), points in current.items():
-            codes = replies[c][0].pop(f"code.{k}")
-            replies[c][0][f"digest.{k}"] = point_digests(points)[codes]
+            replies[c][0][f"digest.{k}"] = point_digests(points)
 
     def build(self, replies: Mapping[ClientKey, Reply]) -> np.ndarray:
         """The mapping, routers, partition and labels from the keys round's replies; returns the raw training
@@ -182,20 +181,23 @@ class JoinSetup(Saved):
             joins = [k for k, j in enumerate(self.spec.joins) if table in (j.left, j.right)]
             projections[table].append(
                 KeyProjection(
-                    table, np.asarray(arrays["row_ids"], dtype=np.int64), {k: arrays[f"digest.{k}"] for k in joins}
+                    table,
+                    np.asarray(arrays["row_ids"]),
+                    {k: arrays[f"code.{k}"] for k in joins},
+                    {k: arrays[f"digest.{k}"] for k in joins},
                 )
             )
         mapping = build_mapping(self.spec, projections)
         self.routers = {
             t: ShardRouter(
-                {q: np.asarray(r[0]["row_ids"], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
+                {q: np.asarray(r[0]["row_ids"]) for (tt, q), r in replies.items() if tt == t},
                 mapping.n_rows[t],
             )
             for t in self.spec.table_names
         }
         self.client_rows = {k: len(r[0]["row_ids"]) for k, r in replies.items()}
-        for r in replies.values():  # the digests have served their purpose: free them before N-sized state
-            for name in [n for n in r[0] if n.startswith("digest.")]:
+        for r in replies.values():  # codes and digests have served their purpose: free them before N-sized state
+            for name in [n for n in r[0] if n.startswith(("digest.", "code."))]:
                 del r[0][name]
         y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[self.spec.label_table])
         # train and test are views of the mapping, reordered in place: train rows first, then test rows
@@ -345,7 +347,8 @@ class ShardRouter:
 
     def __init__(self, row_ids_by_shard: Mapping[int, np.ndarray], n_rows: int):
         self.shards = sorted(row_ids_by_shard)
-        self.ids = {q: np.asarray(ids, dtype=np.int64) for q, ids in row_ids_by_shard.items()}  # in shard order
+        width = index_dtype(n_rows)  # int32 below 2^31 rows: 4 bytes per row, whatever the reply's integer type
+        self.ids = {q: np.asarray(ids).astype(width, copy=False) for q, ids in row_ids_by_shard.items()}
         self.shard_of = np.full(n_rows, -1, dtype=np.int32)
         self.position = np.full(n_rows, -1, dtype=index_dtype(n_rows))
         for q, ids in row_ids_by_shard.items():

@@ -57,8 +57,8 @@ def pandas_build_mapping(spec: RelationalSpec, projections: Mapping[str, list[Ke
     for t in spec.table_names:
         per_join: dict[int, np.ndarray] = {}
         for proj in projections[t]:
-            for k, d in proj.digests.items():
-                per_join.setdefault(k, np.zeros((n_rows[t], 2), dtype=np.uint64))[proj.row_ids] = d
+            for k in proj.digests:
+                per_join.setdefault(k, np.zeros((n_rows[t], 2), dtype=np.uint64))[proj.row_ids] = proj.row_digests(k)
         digests[t] = per_join
     join_index = {j: k for k, j in enumerate(spec.joins)}
     root = spec.label_table

@@ -3,6 +3,8 @@ nothing a colluding owner and server can match against a third owner's keys."""
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
 import stat
 from collections.abc import Mapping
@@ -26,6 +28,7 @@ from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, node
 from tests.test_privacy_e2e import Recorded, raw_columns
 from tests.test_schema_mapping import STAR, frames_star_mn, spec_of
+from tpflower import blind
 from tpflower.app.client_app import app as deployed_app
 from tpflower.blind import SCALAR_FILE, as_array, blind_keys, hash_to_group, point_digests
 from tpflower.config import compose_config
@@ -80,7 +83,8 @@ class Transcript:
         projections: dict[str, list[KeyProjection]] = {t: [] for t in spec.table_names}
         for (t, _), (arrays, _) in replies.items():
             digests = {int(n.split(".")[1]): d for n, d in arrays.items() if n.startswith("digest.")}
-            projections[t].append(KeyProjection(t, arrays["row_ids"], digests))
+            codes = {k: arrays[f"code.{k}"] for k in digests}
+            projections[t].append(KeyProjection(t, arrays["row_ids"], codes, digests))
         self.mapping: TableMapping = build_mapping(spec, projections)
 
     def scalar(self, table: str, shard: int = 0) -> bytes:
@@ -166,7 +170,7 @@ def test_a_colluding_owner_and_server_recover_no_key_of_a_third_owner():
     a_scalar = run.scalar("A")
     guesses = {
         *plain,
-        *(sodium.crypto_scalarmult_ed25519_noclamp(a_scalar, p) for p in plain),
+        *(sodium.crypto_scalarmult(a_scalar, p) for p in plain),
     }
     seen = {bytes(row) for k, arr in run.seen if k == 1 for row in arr}  # every point of B's join (fact-B)
     seen |= {bytes(d) for d in point_digests(as_array(list(seen))).view(np.uint8).reshape(-1, 16)}
@@ -209,7 +213,7 @@ def test_scalars_never_leave_the_nodes_and_no_key_column_is_sent():
         for s in scalars.values():
             assert s not in blob and s.hex().encode() not in blob, f"a scalar in {key}'s {phase} reply"
         if phase == "keys":
-            assert all(arrays[n].dtype == np.int32 for n in arrays if n.startswith("code."))
+            assert all(arrays[n].dtype == np.uint16 for n in arrays if n.startswith("code."))  # few distinct keys
     for _, _, arrays, config in rec.got:  # nor in what the server sends
         blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values()) + repr(config).encode()
         assert not any(s in blob for s in scalars.values())
@@ -289,3 +293,23 @@ def test_a_blind_flower_simulation_trains_as_the_hmac_run(tmp_path):
     np.testing.assert_allclose(
         [h.test_metric for h in blind.history], [h.test_metric for h in hmac_run.history], rtol=1e-6
     )
+
+
+# ------------------------------------------------------------------------------- the group
+
+
+def test_hash_to_group_is_libsodiums_point_in_montgomery_form_and_blinding_commutes():
+    """H(k) is the u-coordinate of libsodium's hash to edwards25519 (converted as libsodium converts a public
+    key); X25519 blinding commutes, and distinct keys give distinct blinded values."""
+    encoded = [f"i{v}".encode() for v in range(300)]
+    u = hash_to_group(encoded)
+    for e, point in zip(encoded[:20], u[:20]):
+        h = hashlib.sha512(blind._DOMAIN + e).digest()
+        ed = ctypes.create_string_buffer(32)
+        assert blind._FROM_HASH(ed, h) == 0 and sodium.crypto_core_ed25519_is_valid_point(ed.raw)
+        assert point == sodium.crypto_sign_ed25519_pk_to_curve25519(ed.raw)
+    a, b = blind.new_scalar(), blind.new_scalar()
+    ab = blind.reblind(blind.reblind(as_array(u), a, "t"), b, "t")
+    ba = blind.reblind(blind.reblind(as_array(u), b, "t"), a, "t")
+    np.testing.assert_array_equal(ab, ba)
+    assert len({bytes(r) for r in ab}) == len(encoded) and not np.array_equal(ab, as_array(u))

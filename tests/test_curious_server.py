@@ -172,12 +172,13 @@ def test_another_source_label_or_column_is_refused(tmp_path, attack, table, matc
 def test_a_known_secret_in_the_run_config_is_not_used(tmp_path):
     context = node(tmp_path, "d1", SYNTHETIC, f"{SYNTHETIC} mapping.secret=known-to-the-server")
     reply = call(deployed_app, context, "train", {}, {"phase": "keys"})
-    digests = unpack_reply(reply.content)[0]["digest.0"]
+    sent = unpack_reply(reply.content)[0]
+    digests = sent["digest.0"][sent["code.0"]]  # per row
     spec, frames = load_dataset(compose_config("dataset=synthetic").dataset)
     rows = np.arange(len(frames["d1"]))
 
     def digest_with(secret: bytes) -> np.ndarray:
-        return project_keys(spec, "d1", frames["d1"], rows, secret).digests[0]
+        return project_keys(spec, "d1", frames["d1"], rows, secret).row_digests(0)
 
     own = (tmp_path / "clients" / "key").read_text().encode()
     np.testing.assert_array_equal(digests, digest_with(own))

@@ -115,11 +115,15 @@ def test_a_bad_reply_stops_the_run_naming_table_shard_and_phase(algorithm, phase
         )
 
 
-def test_keys_with_repeated_row_ids_or_a_digest_short_are_refused():
+def test_keys_with_repeated_row_ids_or_a_code_or_digest_short_are_refused():
     with pytest.raises(ReplyError, match=r"table 'd2' shard 0, phase 'keys': row_ids must be distinct"):
         run_tampered("d2", "keys", lambda o: {**o, "row_ids": np.zeros_like(o["row_ids"])})
-    with pytest.raises(ReplyError, match=r"table 'fact' shard 0, phase 'keys': reply array 'digest\.0' has"):
-        run_tampered("fact", "keys", lambda o: {**o, "digest.0": o["digest.0"][1:]})
+    with pytest.raises(ReplyError, match=r"table 'fact' shard 0, phase 'keys': reply array 'code\.0' has"):
+        run_tampered("fact", "keys", lambda o: {**o, "code.0": o["code.0"][1:]})
+    with pytest.raises(ReplyError, match=r"'code\.0' must hold codes into its \d+ digests"):
+        run_tampered("fact", "keys", lambda o: {**o, "digest.0": o["digest.0"][:-1]})
+    with pytest.raises(ReplyError, match=r"'digest\.0' comes without the rows' codes"):
+        run_tampered("fact", "keys", lambda o: {k: v for k, v in o.items() if k != "code.0"})
 
 
 def test_the_width_of_predictions_is_d_out():

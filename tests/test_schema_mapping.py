@@ -9,7 +9,14 @@ import pandas as pd
 import pytest
 
 from tests.mapping_reference import SECRET, assert_mapping_equals_merge, mapping_of
-from tpflower.mapping import batch_segments, key_digests, segment_sum, split_mapping
+from tpflower.mapping import (
+    batch_segments,
+    code_dtype,
+    distinct_digests,
+    key_digests,
+    segment_sum,
+    split_mapping,
+)
 from tpflower.schema import SpecError, parse_spec, validate_tables
 
 
@@ -114,6 +121,23 @@ def test_digests_are_keyed_not_plain_sha256():
     assert not np.array_equal(d[0], plain) and not np.array_equal(d[0], plain_raw)
     other = key_digests(frame, ["k"], b"another-secret")
     assert not np.array_equal(d, other)  # the server cannot recompute digests without the secret
+
+
+def test_keys_travel_as_narrow_codes_and_one_digest_per_distinct_value():
+    """The keys reply's memory per row: a uint16 code per row while a key has at most 2^16 distinct values
+    (uint32 beyond), one 16-byte digest per distinct value; gathered back, the per-row digests."""
+    frame = pd.DataFrame({"k": np.arange(200_000) % 65_536})
+    codes, digests = distinct_digests(frame, ["k"], SECRET)
+    assert codes.dtype == np.uint16 and digests.shape == (65_536, 2)
+    np.testing.assert_array_equal(digests[codes], key_digests(frame, ["k"], SECRET))
+    assert distinct_digests(frame.assign(k=np.arange(200_000)), ["k"], SECRET)[0].dtype == np.uint32
+    assert [code_dtype(n) for n in (1, 2**16, 2**16 + 1, 2**32, 2**32 + 1)] == [
+        np.uint16,
+        np.uint16,
+        np.uint32,
+        np.uint32,
+        np.uint64,
+    ]
 
 
 def test_mapping_invariant_to_secret_and_int_widths():

@@ -1,8 +1,9 @@
 """Table mapping (TablePuppet Sec. 3.1.1): p_i, G_i and segment sums, built from keyed digests of join keys.
 
-Clients send, per row, a keyed digest of each join key they take part in plus the row id (a
-:class:`KeyProjection`); the server joins those along the join tree of the spec and obtains, for every
-table i, p_i: [N] -> [n_i] (joined row j comes from row p_i(j) of T_i). Features never take part.
+Clients send the row ids and, for each join key they take part in, per row a narrow integer code of its key
+value and per distinct value one keyed digest (a :class:`KeyProjection`: 2 or 4 bytes per row and key, not a
+16-byte digest); the server joins those along the join tree of the spec and obtains, for every table i,
+p_i: [N] -> [n_i] (joined row j comes from row p_i(j) of T_i). Features never take part.
 
 Digests are HMAC-SHA256 under a secret that the clients share and the server does not know, truncated to
 128 bits, so the server can test keys for equality but cannot dictionary-attack them (docs/algorithms.md, Privacy).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -58,46 +60,84 @@ def canonical_tuples(tuples: Sequence[tuple], kinds: Sequence[str]) -> list[byte
 
 
 def key_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes) -> np.ndarray:
-    """Keyed digests of the key tuple ``frame[columns]`` per row: a (n, 2) uint64 array.
+    """Keyed digests of the key tuple ``frame[columns]`` per row: a (n, 2) uint64 array (see
+    :func:`distinct_digests`, gathered back to the rows)."""
+    codes, per_key = distinct_digests(frame, columns, secret)
+    return per_key[codes]
 
-    HMAC-SHA256(secret, canonical key tuple), first 128 bits. The HMAC runs once per distinct key, not
-    per row: rows are factorized first and the digests gathered back.
+
+def code_dtype(n_distinct: int) -> np.dtype:
+    """The narrowest unsigned dtype of the codes 0..n_distinct-1 of a key column: uint16, uint32 or uint64."""
+    for dtype in (np.uint16, np.uint32):
+        if n_distinct <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    return np.dtype(np.uint64)
+
+
+def distinct_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, digests): each row's code (:func:`code_dtype`) into the table's distinct key tuples of
+    ``frame[columns]`` (in a random order, :func:`shuffled`), and one keyed digest per distinct tuple
+    ((n_distinct, 2) uint64).
+
+    HMAC-SHA256(secret, canonical key tuple), first 128 bits: the HMAC runs once per distinct key, not per row.
     """
     if not secret:
         raise ValueError("the join-key secret is empty; set mapping.secret (shared by the clients)")
     codes, tuples, kinds = key_codes(frame, columns)
     blob = b"".join(hmac.digest(secret, e, hashlib.sha256)[:16] for e in canonical_tuples(tuples, kinds))
     per_key = np.frombuffer(blob, dtype="<u8").reshape(-1, DIGEST_WORDS)
-    return per_key[codes]
+    rank, order = shuffled(len(per_key))
+    return rank.astype(code_dtype(len(per_key)))[codes], per_key[order]
+
+
+def shuffled(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, order) of a random permutation of n distinct values (OS entropy): value v goes to position
+    rank[v] of the list ``values[order]``. The codes a client sends then follow neither its rows' order nor its
+    key values."""
+    order = np.random.default_rng(int.from_bytes(os.urandom(16), "little")).permutation(n)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    return rank, order
 
 
 @dataclass
 class KeyProjection:
     """What one client (a table, or one shard of it) sends for table mapping: no features, no raw keys.
 
-    row_ids: global row ids of the table (int64, shape (n,)); digests[k]: (n, 2) uint64 digests of the
-    key columns of join k of the spec (only joins that involve this table).
+    row_ids: global row ids of the table (shape (n,)); per join k of the spec that involves this table,
+    codes[k]: each row's code (a narrow unsigned integer, shape (n,)) into digests[k], one 128-bit digest per
+    distinct key value ((n_distinct, 2) uint64; keyed HMAC digests, or digests of fully blinded values).
     """
 
     table: str
     row_ids: np.ndarray
+    codes: dict[int, np.ndarray]
     digests: dict[int, np.ndarray]
 
+    def row_digests(self, k: int) -> np.ndarray:
+        """The digest of every row's key of join k ((n, 2) uint64)."""
+        return self.digests[k][self.codes[k]]
+
     def arrays(self) -> list[np.ndarray]:
-        """Flat ndarray payload (row ids, then digests in join order) for a Flower message."""
-        return [self.row_ids] + [self.digests[k] for k in sorted(self.digests)]
+        """Flat ndarray payload (row ids, then codes and digests in join order) for a Flower message."""
+        return [self.row_ids] + [a for k in sorted(self.codes) for a in (self.codes[k], self.digests[k])]
 
 
 def project_keys(
     spec: RelationalSpec, table: str, frame: pd.DataFrame, row_ids: np.ndarray, secret: bytes
 ) -> KeyProjection:
-    """The client side of table mapping: digests of every join key that ``table`` takes part in."""
-    digests = {
-        k: key_digests(frame, j.columns_of(table), secret)
-        for k, j in enumerate(spec.joins)
-        if table in (j.left, j.right)
-    }
-    return KeyProjection(table=table, row_ids=np.asarray(row_ids, dtype=np.int64), digests=digests)
+    """The client side of table mapping: codes and digests of every join key that ``table`` takes part in."""
+    codes, digests = {}, {}
+    for k, j in enumerate(spec.joins):
+        if table in (j.left, j.right):
+            codes[k], digests[k] = distinct_digests(frame, j.columns_of(table), secret)
+    return KeyProjection(table, narrow_ids(row_ids), codes, digests)
+
+
+def narrow_ids(row_ids: np.ndarray) -> np.ndarray:
+    """Row ids in the narrowest :func:`index_dtype` that holds them (int32 below 2^31)."""
+    row_ids = np.asarray(row_ids)
+    return row_ids.astype(index_dtype(int(row_ids.max()) + 1 if row_ids.size else 0), copy=False)
 
 
 # -------------------------------------------------------------------------------------------- mapping
@@ -231,14 +271,16 @@ def batch_segments(p_batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return U, inverse.reshape(-1)
 
 
-def _union_shards(table: str, projections: Sequence[KeyProjection], n_rows: int) -> dict[int, np.ndarray]:
-    """Per join k: digests indexed by global row id, from all shards of one table (a table sent whole by one
-    client, rows in order, is used as sent: no copy)."""
+def _union_shards(
+    table: str, projections: Sequence[KeyProjection], n_rows: int
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per join k: (codes indexed by global row id, digests), from all shards of one table: each shard's codes
+    are moved past the digests of the shards before it. A table sent whole by one client, rows in order, is
+    used as sent: no copy."""
     if len(projections) == 1 and len(projections[0].row_ids) == n_rows:
-        ids = projections[0].row_ids
+        ids, proj = projections[0].row_ids, projections[0]
         if n_rows == 0 or (ids[0] == 0 and ids[-1] == n_rows - 1 and bool(np.all(np.diff(ids) == 1))):
-            return dict(projections[0].digests)
-    out: dict[int, np.ndarray] = {}
+            return {k: (proj.codes[k], proj.digests[k]) for k in proj.codes}
     covered = np.zeros(n_rows, dtype=bool)
     for proj in projections:
         if proj.row_ids.size and (proj.row_ids.min() < 0 or proj.row_ids.max() >= n_rows):
@@ -246,11 +288,17 @@ def _union_shards(table: str, projections: Sequence[KeyProjection], n_rows: int)
         if covered[proj.row_ids].any():
             raise SpecError(f"table {table!r}: two shards sent the same row id")
         covered[proj.row_ids] = True
-        for k, d in proj.digests.items():
-            arr = out.setdefault(k, np.zeros((n_rows, DIGEST_WORDS), dtype=np.uint64))
-            arr[proj.row_ids] = d
     if not covered.all():
         raise SpecError(f"table {table!r}: rows {np.flatnonzero(~covered)[:5].tolist()}... were sent by no shard")
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for k in projections[0].codes:
+        n_codes = sum(len(p.digests[k]) for p in projections)
+        codes = np.zeros(n_rows, dtype=code_dtype(n_codes))
+        offset = 0
+        for proj in projections:
+            codes[proj.row_ids] = proj.codes[k].astype(codes.dtype) + codes.dtype.type(offset)
+            offset += len(proj.digests[k])
+        out[k] = (codes, np.concatenate([p.digests[k] for p in projections]))
     return out
 
 
@@ -272,6 +320,16 @@ def _digest_codes(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.n
     del both
     codes = codes.astype(index_dtype(len(uniq)), copy=False)
     return codes[:n_left], codes[n_left:], len(uniq)
+
+
+def _edge_codes(
+    left: tuple[np.ndarray, np.ndarray], right: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per-row equality codes of one join edge from both sides' (row codes, distinct digests): the digests
+    (one per distinct value, few) are coded jointly, then gathered by the rows' codes (one narrow integer per
+    row in, one :func:`index_dtype` integer per row out)."""
+    code_left, code_right, n_codes = _digest_codes(left[1], right[1])
+    return code_left[left[0]], code_right[right[0]], n_codes
 
 
 class _EdgeIndex:
@@ -339,7 +397,7 @@ def build_mapping(
     edges = []
     for edge, known, new in order:
         k = join_index[edge]
-        edges.append((known, new, *_digest_codes(digests[known][k], digests[new][k])))
+        edges.append((known, new, *_edge_codes(digests[known][k], digests[new][k])))
     del digests
     count = _completions(edges, n_rows)
     N = int(count[root].sum())

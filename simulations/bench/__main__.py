@@ -43,7 +43,9 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "loj": lambda a: _suite("loj").loj_suite(a.epochs),
     "flower": lambda a: _suite("flower").flower_suite(),
     "convergence": _convergence,
-    "scale": lambda a: _suite("scale").scale_suite(ints(a.scale_n), a.epochs, a.mapping_n, ints(a.server_n)),
+    "scale": lambda a: _suite("scale").scale_suite(
+        ints(a.scale_n), a.epochs, a.mapping_n, ints(a.server_n), ints(a.fact_n), 2, ints(a.fact_mapping_n)
+    ),
     "celu": lambda a: _suite("celu").run_suite(a),
     "deploy": _deploy,
     "coreset": lambda a: _suite("coreset").coreset_suite(a),
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--server-n", default="10000000", help="scale: N of the server-state measurement (float32 and float64)"
     )
+    ap.add_argument(
+        "--fact-n", default="100000000", help="scale: fact-table rows of the fanout-1 TP-Join-ADMM runs ('': none)"
+    )
+    ap.add_argument("--fact-mapping-n", default="100000000", help="scale: fact-table rows of the mapping alone ('')")
     ap.add_argument("--mapping-n", type=int, default=100_000_000, help="scale: N of the mapping alone (0: skip)")
     ap.add_argument("--dataset", default="movielens", help="coreset: the dataset")
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -53,10 +54,12 @@ def run_isolated(module: str, call: str, args: dict[str, Any], echo_stderr: bool
 class TreeMonitor:
     """Samples the memory of a process and all its descendants (from /proc) every ``interval`` seconds: the
     peaks of the root's RSS, of the tree's summed RSS and of its summed PSS (shared pages split between the
-    processes that map them: Ray's object store counted once)."""
+    processes that map them: Ray's object store counted once). With ``limit_mb``, a tree whose PSS passes it is
+    killed (``killed_at_mb``), before it takes the machine's memory from everything else."""
 
-    def __init__(self, pid: int, interval: float = 0.5):
-        self.pid, self.interval = pid, interval
+    def __init__(self, pid: int, interval: float = 0.5, limit_mb: float | None = None):
+        self.pid, self.interval, self.limit_mb = pid, interval, limit_mb
+        self.killed_at_mb: float | None = None  # the tree's PSS when it passed ``limit_mb`` and was killed
         self.peak = {"root_rss_mb": 0.0, "tree_rss_mb": 0.0, "tree_pss_mb": 0.0, "processes": 0}
         self.samples: list[tuple[float, float, float]] = []  # (t, root RSS, tree PSS) in MB
         self._stop = threading.Event()
@@ -114,6 +117,13 @@ class TreeMonitor:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.sample()
+            if self.limit_mb is not None and self.killed_at_mb is None and self.samples[-1][2] > self.limit_mb:
+                self.killed_at_mb = float(self.samples[-1][2])
+                for pid in self.tree():  # the watched process and its descendants only
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
             self._stop.wait(self.interval)
 
     def stop(self) -> dict[str, float]:

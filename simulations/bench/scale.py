@@ -2,7 +2,11 @@
 engine at each N, and the table mapping alone at a large N.
 
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
+                                      [--fact-n 100000000] [--fact-mapping-n 100000000]
                                                                   -> bench_results/scale.json
+
+``--fact-n``: TP-Join-ADMM, 2 epochs, on a fact table of that many rows (fanout 1, so N = its rows). A section
+given as empty (``--scale-n ''``, ``--mapping-n 0``, ...) keeps its entries of the last scale.json.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,32 +34,35 @@ from tpflower.mapping import build_mapping, holdout_mask, project_keys
 #: fact row joins 2 x 2 x 2 rows: N = 8 n_fact (4 tables; conf/dataset/synthetic.yaml's widths and dim_rows)
 SCALE_DIMS, SCALE_FANOUT = 3, 2
 SCALE_N = (1_000_000, 10_000_000, 40_000_000, 100_000_000)
+#: the goal for the fanout-1 fact-table runs: the whole process tree under 16 GB (a run passing it is killed)
+FACT_LIMIT_MB = 16_000
 
 
-def scale_loader(n_joined: int) -> dict[str, Any]:
-    """The synthetic loader settings of the scale benchmark at N = ``n_joined`` joined rows."""
+def scale_loader(n_joined: int, fanout: int = SCALE_FANOUT) -> dict[str, Any]:
+    """The synthetic loader settings of the scale benchmark at N = ``n_joined`` joined rows (``fanout`` 1: the
+    fact table itself has N rows, no duplication by the join)."""
     return {
         "name": "synthetic",
         "schema": "star",
-        "n_fact": n_joined // SCALE_FANOUT**SCALE_DIMS,
+        "n_fact": n_joined // fanout**SCALE_DIMS,
         "n_dims": SCALE_DIMS,
-        "fanout": SCALE_FANOUT,
+        "fanout": fanout,
         "dim_rows": 200,
         "widths": 4,
         "seed": 0,
     }
 
 
-def scale_overrides(n_joined: int) -> list[str]:
+def scale_overrides(n_joined: int, fanout: int = SCALE_FANOUT) -> list[str]:
     """Hydra overrides selecting that dataset (conf/dataset/synthetic.yaml with a star schema)."""
-    loader = scale_loader(n_joined)
+    loader = scale_loader(n_joined, fanout)
     return ["dataset=synthetic", *(f"dataset.loader.{k}={v}" for k, v in loader.items() if k != "name")]
 
 
-def _scale_projections(n_joined: int):
+def _scale_projections(n_joined: int, fanout: int = SCALE_FANOUT):
     """The clients' part of the keys round, each table made alone: the spec, every table's key projection, the
     label table's labels and every table's row count (what the server receives)."""
-    loader = scale_loader(n_joined)
+    loader = scale_loader(n_joined, fanout)
     kwargs = {k: v for k, v in loader.items() if k != "name"}
     spec = load_spec({"name": "scale", "loader": loader, "split": {"test_fraction": 0.15, "seed": 42}})
     projections, n_rows, y_rows = {}, {}, None
@@ -169,12 +177,12 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
     }
 
 
-def mapping_scale_case(n_joined: int) -> dict[str, Any]:
-    """The table mapping alone at N joined rows of the scale schema: the server's build from the clients'
-    digests (time, traced peak, process peak RSS; the clients' tables and digests are made in the same process
-    first, one table at a time)."""
+def mapping_scale_case(n_joined: int, fanout: int = SCALE_FANOUT) -> dict[str, Any]:
+    """The table mapping alone at N joined rows of the scale schema (``fanout`` 1: a fact table of N rows): the
+    server's build from the clients' codes and digests (time, traced peak, process peak RSS; the clients' tables
+    and key projections are made in the same process first, one table at a time)."""
     t0 = time.perf_counter()
-    spec, projections, n_rows, _ = _scale_projections(n_joined)
+    spec, projections, n_rows, _ = _scale_projections(n_joined, fanout)
     t_clients = time.perf_counter() - t0
     rss_before = peak_rss_mb()
     tracemalloc.start()
@@ -190,6 +198,8 @@ def mapping_scale_case(n_joined: int) -> dict[str, Any]:
     return {
         "case": "mapping_scale",
         "n_joined": mapping.N,
+        "fanout": fanout,
+        "keys_bytes_per_fact_row": round(digest_mb * 1e6 / n_rows[spec.label_table], 2),
         "tables": n_rows,
         "clients_generate_and_digest_s": round(t_clients, 1),
         "build_s": round(t_build, 2),
@@ -202,8 +212,16 @@ def mapping_scale_case(n_joined: int) -> dict[str, Any]:
     }
 
 
-def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", timeout_s: float = 3600) -> dict[str, Any]:
-    """TP-Join-ADMM (linear, float32) on the scale schema at N joined rows: ``python -m simulations.run`` in a
+def simulation_case(
+    n_joined: int,
+    epochs: int = 3,
+    runtime: str = "flower",
+    timeout_s: float = 3600,
+    fanout: int = SCALE_FANOUT,
+    limit_mb: float | None = None,
+) -> dict[str, Any]:
+    """TP-Join-ADMM (linear, float32) on the scale schema at N joined rows (``fanout`` 1: a fact table of N
+    rows): ``python -m simulations.run`` in a
     child process under Flower's simulation engine, its process tree watched (TreeMonitor). Setup time is the
     time from the start to the first epoch line minus that epoch's own time (imports, the data check, Ray's
     start, the clients' loads and digests, the keys round, the mapping, the ADMM setup round)."""
@@ -213,7 +231,7 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
             "-m",
             "simulations.run",
             "algorithm=admm",
-            *scale_overrides(n_joined),
+            *scale_overrides(n_joined, fanout),
             f"epochs={epochs}",
             f"runtime={runtime}",
             "algorithm.tol=0",
@@ -231,7 +249,7 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
             cwd=root,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
         )
-        monitor = TreeMonitor(proc.pid)
+        monitor = TreeMonitor(proc.pid, limit_mb=limit_mb)
         lines: list[tuple[float, str]] = []
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -251,7 +269,8 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
     out = {
         "case": "simulation",
         "n_joined": n_joined,
-        "n_fact": scale_loader(n_joined)["n_fact"],
+        "n_fact": scale_loader(n_joined, fanout)["n_fact"],
+        "fanout": fanout,
         "runtime": runtime,
         "epochs": len(history),
         "returncode": proc.returncode,
@@ -267,6 +286,7 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
         "tree_peak_pss_mb": peaks["tree_pss_mb"],
         "tree_peak_rss_sum_mb": peaks["tree_rss_mb"],
         "processes": peaks["processes"],
+        "killed_at_tree_pss_mb": monitor.killed_at_mb,
         "memory_timeline": monitor.samples[:: max(1, len(monitor.samples) // 200)],
     }
     if proc.returncode != 0:
@@ -274,26 +294,52 @@ def simulation_case(n_joined: int, epochs: int = 3, runtime: str = "flower", tim
     return out
 
 
-def scale_suite(ns: list[int], epochs: int, mapping_n: int, server_ns: list[int]) -> dict[str, Any]:
+def scale_suite(
+    ns: list[int],
+    epochs: int,
+    mapping_n: int,
+    server_ns: list[int],
+    fact_ns: Sequence[int] = (),
+    fact_epochs: int = 2,
+    fact_mapping_ns: Sequence[int] = (),
+) -> dict[str, Any]:
     """Bytes per joined row of the server state (float32 and float64), TP-Join-ADMM under
-    Flower's simulation engine at each N, and the mapping alone at ``mapping_n``. Each case in a fresh process."""
+    Flower's simulation engine at each N, the mapping alone at ``mapping_n``, and TP-Join-ADMM on a fact table
+    of each N in ``fact_ns`` rows (fanout 1, ``fact_epochs`` epochs), and the mapping alone on a fact table of
+    each N in ``fact_mapping_ns`` rows. Each case in a fresh process; a section
+    not run this time (empty list, 0) keeps its entries of the last bench_results/scale.json."""
+    last_path = Path("bench_results/scale.json")
+    last = json.loads(last_path.read_text()) if last_path.is_file() else {}
     out: dict[str, Any] = {
+        **last,
         "case": "scale",
         "schema": {k: v for k, v in scale_loader(0).items() if k != "n_fact"},
-        "server_state": [],
-        "simulation": [],
-        "mapping": None,
     }
+    if server_ns:
+        out["server_state"] = []
     for n in server_ns:
         for precision in ("float32", "float64"):
             out["server_state"].append(_run_case("server_state_case", {"n_joined": n, "precision": precision}))
             print(json.dumps(out["server_state"][-1]), flush=True)
+    if ns:
+        out["simulation"] = []
     for n in ns:
         out["simulation"].append(simulation_case(n, epochs))
         print(json.dumps({k: v for k, v in out["simulation"][-1].items() if k != "memory_timeline"}), flush=True)
     if mapping_n:
         out["mapping"] = _run_case("mapping_scale_case", {"n_joined": mapping_n})
         print(json.dumps(out["mapping"]), flush=True)
+    if fact_mapping_ns:
+        out["fact_table_mapping"] = []
+    for n in fact_mapping_ns:  # the keys round's projections and the mapping alone: what the server receives
+        out["fact_table_mapping"].append(_run_case("mapping_scale_case", {"n_joined": n, "fanout": 1}))
+        print(json.dumps(out["fact_table_mapping"][-1]), flush=True)
+    if fact_ns:
+        out["fact_table"] = []
+    for n in fact_ns:
+        out["fact_table"].append(simulation_case(n, fact_epochs, timeout_s=5400, fanout=1, limit_mb=FACT_LIMIT_MB))
+        print(json.dumps({k: v for k, v in out["fact_table"][-1].items() if k != "memory_timeline"}), flush=True)
+    out.pop("machine", None)
     return out
 
 

@@ -5,11 +5,13 @@ python -m simulations.bench setup [--n-joined 10000000]      -> bench_results/se
 
 Every owner runs in this one process, one after the other (a deployment runs them in parallel, one per node):
 ``keys_s`` is the sum of the owners' keys replies, ``reblind_s`` of their reblind replies, ``server_s`` the
-server's digests of the blinded values and its mapping build. Each case runs in a fresh process.
+server's digests of the blinded values and its mapping build; ``cpu_s`` the CPU seconds of all of it (every
+thread), which other work on the machine does not inflate. Each case runs in a fresh process.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -24,7 +26,7 @@ from strategies.setup import JoinSetup
 from tpflower.blind import blind_keys
 from tpflower.config import compose_config
 from tpflower.datasets import load_dataset, synthetic
-from tpflower.mapping import KeyProjection, TableMapping, build_mapping, project_keys
+from tpflower.mapping import KeyProjection, TableMapping, build_mapping, narrow_ids, project_keys
 from tpflower.phases.setup import blinding_scalar, reblind_keys
 from tpflower.schema import RelationalSpec, parse_spec, validate_tables
 from tpflower.state import ClientState
@@ -56,7 +58,7 @@ def setup_once(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], mode: s
             c = SimpleNamespace(settings=SimpleNamespace(spec=spec, table=t, shard=0, owner=owner))
             c.state = ClientState(RecordDict())
             clients[(t, 0)] = c
-            out: dict[str, np.ndarray] = {"row_ids": np.arange(len(frames[t]), dtype=np.int64)}
+            out: dict[str, np.ndarray] = {"row_ids": narrow_ids(np.arange(len(frames[t])))}
             for k, j in enumerate(spec.joins):
                 if t in (j.left, j.right):
                     out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(frames[t], j.columns_of(t), blinding_scalar(c))
@@ -72,10 +74,10 @@ def setup_once(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], mode: s
         t0 = time.perf_counter()
         JoinSetup(send, spec, {}, list(clients), {}).blind_rounds(replies)
         times["server_s"] = time.perf_counter() - t0 - times["reblind_s"]
-        projections = {
-            t: [KeyProjection(t, a["row_ids"], {int(n[7:]): d for n, d in a.items() if n.startswith("digest.")})]
-            for (t, _), (a, _) in replies.items()
-        }
+        projections = {}
+        for (t, _), (a, _) in replies.items():
+            digests = {int(n[7:]): d for n, d in a.items() if n.startswith("digest.")}
+            projections[t] = [KeyProjection(t, a["row_ids"], {k: a[f"code.{k}"] for k in digests}, digests)]
     t0 = time.perf_counter()
     mapping = build_mapping(spec, projections)
     times["server_s"] += time.perf_counter() - t0
@@ -94,7 +96,9 @@ def setup_case(data: str, mode: str, n_joined: int = 10_000_000) -> dict[str, An
         + int(frames[j.right][list(j.columns_of(j.right))].drop_duplicates().shape[0])
         for j in spec.joins
     }
+    load, cpu0 = os.getloadavg()[0], time.process_time()
     mapping, times = setup_once(spec, frames, mode)
+    cpu_s = time.process_time() - cpu0  # every thread of this process: the work, whatever else shares the CPUs
     total = sum(times.values())
     return {
         "data": data,
@@ -104,6 +108,8 @@ def setup_case(data: str, mode: str, n_joined: int = 10_000_000) -> dict[str, An
         "n_joined": mapping.N,
         **times,
         "setup_s": round(total, 2),
+        "cpu_s": round(cpu_s, 2),
+        "load_avg_1min": round(load, 2),
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
 
@@ -117,4 +123,11 @@ def setup_suite(n_joined: int, data: tuple[str, ...] = ("movielens", "star")) ->
     ]
     by = {(c["data"], c["mode"]): c for c in cases}
     ratio = {d: round(by[(d, "blind")]["setup_s"] / max(by[(d, "hmac")]["setup_s"], 1e-9), 2) for d in data}
-    return {"case": "setup", "n_joined_star": n_joined, "cases": cases, "blind_over_hmac": ratio}
+    cpu = {d: round(by[(d, "blind")]["cpu_s"] / max(by[(d, "hmac")]["cpu_s"], 1e-9), 2) for d in data}
+    return {
+        "case": "setup",
+        "n_joined_star": n_joined,
+        "cases": cases,
+        "blind_over_hmac": ratio,
+        "blind_over_hmac_cpu": cpu,
+    }

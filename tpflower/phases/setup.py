@@ -1,6 +1,8 @@
 """Setup and evaluation phases shared by every LoJ algorithm (TablePuppet Sec. 3.1.1, 4.3, 4.4).
 
-keys      {}                  -> {row_ids, digest.<join>..., (label owner) y, is_test}   keys=hmac (default)
+keys      {}                  -> {row_ids, code.<join>, digest.<join>..., (label owner) y, is_test}  keys=hmac:
+                                 per row the code (uint16/uint32) of its key value, per distinct value its
+                                 keyed digest (tpflower.mapping.distinct_digests)
                                  {row_ids, code.<join>, blind.<join>..., ...}          keys=blind: per row the
                                  code of its key value, per distinct value H(k)^a (shuffled; tpflower.blind)
                                  with label DP: y holds the randomized labels of the TRAINING rows only
@@ -27,12 +29,13 @@ from tpflower import privacy as dp
 from tpflower.blind import blind_keys, new_scalar, node_scalar, reblind
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
-from tpflower.mapping import project_keys
+from tpflower.mapping import narrow_ids, project_keys
 from tpflower.records import Arrays, numbered, unnumbered
 
 
 def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Row ids and keyed digests of the join keys (Sec. 3.1.1); the label owner adds its labels."""
+    """Row ids, and per join key each row's code and per distinct value a keyed digest or blinded value
+    (Sec. 3.1.1); the label owner adds its labels."""
     s, data = client.settings, client.data
     accept_privacy(client, config)
     check_unique_key(client)
@@ -40,13 +43,15 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
     client.state.set_scalar("keys", mode)
     if mode == "blind":
         scalar = blinding_scalar(client)
-        out: Arrays = {"row_ids": np.asarray(data.row_ids, dtype=np.int64)}
+        out: Arrays = {"row_ids": narrow_ids(data.row_ids)}
         for k, j in enumerate(s.spec.joins):
             if s.table in (j.left, j.right):
                 out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(data.keys, j.columns_of(s.table), scalar)
     else:
         proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
-        out = {"row_ids": proj.row_ids, **{f"digest.{k}": d for k, d in sorted(proj.digests.items())}}
+        out = {"row_ids": proj.row_ids}
+        for k in sorted(proj.codes):
+            out[f"code.{k}"], out[f"digest.{k}"] = proj.codes[k], proj.digests[k]
     metrics: dict[str, Any] = {
         "table": s.table,
         "shard": s.shard,
