@@ -144,8 +144,10 @@ class FederatedPrediction(TablePuppetStrategy):
         n_query = len(replies[self.query][0]["row_ids"])
         projections = {t: [] for t in self.spec.table_names}
         for (t, _), (arrays, _) in replies.items():
-            digests = {k: arrays[f"digest.{k}"] for k, j in enumerate(self.spec.joins) if t in (j.left, j.right)}
-            projections[t].append(KeyProjection(t, np.asarray(arrays["row_ids"], dtype=np.int64), digests))
+            joins = [k for k, j in enumerate(self.spec.joins) if t in (j.left, j.right)]
+            codes = {k: arrays[f"code.{k}"] for k in joins}
+            digests = {k: arrays[f"digest.{k}"] for k in joins}
+            projections[t].append(KeyProjection(t, np.asarray(arrays["row_ids"], dtype=np.int64), codes, digests))
         try:
             mapping = build_mapping(self.spec, projections)
         except SpecError:  # no new row joins: every one is reported

@@ -31,13 +31,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tpflower.blind import blind_keys
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
-from tpflower.mapping import project_keys
 from tpflower.model_part import ModelPart, part_id, part_path
-from tpflower.phases.setup import blinding_scalar, blinds_keys, reblind_keys
+from tpflower.phases.setup import blinds_keys, key_arrays, reblind_keys
 from tpflower.records import Arrays
 from tpflower.schema import SpecError, key_kind
 
@@ -188,17 +186,7 @@ def predict_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     client.state.set_scalar("predict.run_id", run_id)
     client.state.set_scalar("predict.query", int(query))
     mode = s.owner.keys
-    client.state.set_scalar("keys", mode)
-    keys = frame[list(s.spec.key_columns(s.table))]
-    out: Arrays = {"row_ids": row_ids}
-    if mode == "blind":
-        scalar = blinding_scalar(client)
-        for k, j in enumerate(s.spec.joins):
-            if s.table in (j.left, j.right):
-                out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(keys, j.columns_of(s.table), scalar)
-    else:
-        proj = project_keys(s.spec, s.table, keys, row_ids, s.secret)
-        out.update({f"digest.{k}": d for k, d in sorted(proj.digests.items())})
+    out = key_arrays(client, frame[list(s.spec.key_columns(s.table))], row_ids)
     return out, {"n_rows": len(frame), "part": pid, "d_out": part.d_out, "blind_keys": int(mode == "blind")}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ConfigRecord
@@ -32,6 +32,29 @@ from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_own
 from tpflower.mapping import narrow_ids, project_keys
 from tpflower.records import Arrays, numbered, unnumbered
 
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def key_arrays(client: TableClient, keys: pd.DataFrame, row_ids: np.ndarray) -> Arrays:
+    """The mapping payload of ``keys`` (the rows' join-key columns): ``row_ids``, and per join of this table
+    each row's ``code.<join>`` and per distinct value a keyed digest (``digest.<join>``, keys=hmac) or a blinded
+    value (``blind.<join>``, keys=blind) by the owner's key mode, which is recorded in the node's state."""
+    s = client.settings
+    client.state.set_scalar("keys", s.owner.keys)
+    if s.owner.keys == "blind":
+        scalar = blinding_scalar(client)
+        out: Arrays = {"row_ids": narrow_ids(row_ids)}
+        for k, j in enumerate(s.spec.joins):
+            if s.table in (j.left, j.right):
+                out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(keys, j.columns_of(s.table), scalar)
+        return out
+    proj = project_keys(s.spec, s.table, keys, row_ids, s.secret)
+    out = {"row_ids": proj.row_ids}
+    for k in sorted(proj.codes):
+        out[f"code.{k}"], out[f"digest.{k}"] = proj.codes[k], proj.digests[k]
+    return out
+
 
 def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Row ids, and per join key each row's code and per distinct value a keyed digest or blinded value
@@ -40,18 +63,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
     accept_privacy(client, config)
     check_unique_key(client)
     mode = s.owner.keys  # the owner's choice (its settings; in a simulation mapping.keys), never the server's
-    client.state.set_scalar("keys", mode)
-    if mode == "blind":
-        scalar = blinding_scalar(client)
-        out: Arrays = {"row_ids": narrow_ids(data.row_ids)}
-        for k, j in enumerate(s.spec.joins):
-            if s.table in (j.left, j.right):
-                out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(data.keys, j.columns_of(s.table), scalar)
-    else:
-        proj = project_keys(s.spec, s.table, data.keys, data.row_ids, s.secret)
-        out = {"row_ids": proj.row_ids}
-        for k in sorted(proj.codes):
-            out[f"code.{k}"], out[f"digest.{k}"] = proj.codes[k], proj.digests[k]
+    out = key_arrays(client, data.keys, data.row_ids)
     metrics: dict[str, Any] = {
         "table": s.table,
         "shard": s.shard,
