@@ -30,9 +30,11 @@ from tpflower.schema import RelationalSpec
 EVAL_CHUNK = 65536  # rows of the join materialized at once when predicting
 
 
-def build_joined_model(rel: Relation, model_cfg: Any, seed: int, dtype: torch.dtype) -> JoinedModel:
+def build_joined_model(rel: Relation, model_cfg: Any, seed: int, dtype: torch.dtype, secret: bytes) -> JoinedModel:
+    """The sum of the local models, each started where its simulated owner starts it (``secret``: the
+    simulation's, tpflower.owner.simulation_secret)."""
     local = {
-        t: build_local_model(model_cfg, rel.spec, t, rel.tables[t].width, rel.d_out, seed, dtype)
+        t: build_local_model(model_cfg, rel.spec, t, rel.tables[t].width, rel.d_out, seed, dtype, secret)
         for t in rel.spec.table_names
     }
     return JoinedModel(local, {t: rel.tables[t].width for t in rel.spec.table_names})
@@ -115,7 +117,7 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     dtype = torch_dtype(cfg.precision)
     task = rel.spec.label.task
     metric = primary_metric(task)
-    model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype)
+    model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype, simulation_secret(cfg))
     beta = float(cfg.model.beta)
     start = time.perf_counter()
     solver = cfg.algorithm.get("solver", "sgd")

@@ -28,7 +28,7 @@ MAX_ABS = 1e12
 #: arrays a reply to each phase must hold (other phases: whatever they hold is checked as above)
 REQUIRED: dict[str, tuple[str, ...]] = {
     "keys": ("row_ids",),
-    "admm_setup": ("h", "theta"),
+    "admm_setup": (),
     "admm_update": ("h",),
     "admm_shard": ("theta",),
     "admm_consensus": ("h",),

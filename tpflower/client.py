@@ -29,6 +29,7 @@ from flwr.common import RecordDict
 
 from tpflower import checkpoint
 from tpflower import privacy as dp
+from tpflower.blind import node_scalar
 from tpflower.fedprep import GlobalRule, apply_rule
 from tpflower.guard import Protocol, ProtocolRefusal
 from tpflower.local_dp import LocalDP
@@ -158,10 +159,23 @@ class TableClient(NumPyClient):
         s, key = self.settings, (self.local.width, d_out)
         model = self.data.models.get(key)
         if model is None or not self.state.load_model(model):
-            model = build_local_model(s.model, s.spec, s.table, self.local.width, d_out, s.seed, self.dtype)
+            model = build_local_model(
+                s.model, s.spec, s.table, self.local.width, d_out, s.seed, self.dtype, *self.init_key()
+            )
             self.state.load_model(model)
             self.data.models[key] = model
         return model.to(self.device)
+
+    def init_key(self) -> tuple[bytes, str]:
+        """(secret, nonce) of theta_i^0 (tpflower.models.init_seed): the owner's secret, or without one (blinded
+        keys) its blinding scalar; a deployed node adds the run id. Never sent: the server cannot rebuild the
+        initial model, so h = f_i(theta_i^0; X) does not give X away (docs/threat-model.md)."""
+        owner = self.settings.owner
+        secret = owner.secret
+        if not secret and owner.state_dir is not None:
+            secret = node_scalar(owner.state_dir)
+        deployed = owner.origin != "simulation"
+        return secret, str(self.state.scalar("run_id") or "") if deployed else ""
 
     def output_width(self, config: Mapping[str, Any]) -> int:
         """d_c, fixed by the first training message: a server that widens it later (to read more outputs per

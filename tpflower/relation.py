@@ -19,7 +19,7 @@ from tpflower.datasets import load_dataset
 from tpflower.local_table import LocalTable, prepare_local_table
 from tpflower.losses import output_dim
 from tpflower.mapping import TableMapping, build_mapping, project_keys, split_mapping
-from tpflower.models import local_model, model_seed
+from tpflower.models import init_seed, local_model
 from tpflower.schema import RelationalSpec
 
 
@@ -83,9 +83,18 @@ def has_bias(model_cfg: Mapping[str, Any], table: str, label_table: str) -> bool
 
 
 def build_local_model(
-    model_cfg: Mapping[str, Any], spec: RelationalSpec, table: str, d_in: int, d_out: int, seed: int, dtype: torch.dtype
+    model_cfg: Mapping[str, Any],
+    spec: RelationalSpec,
+    table: str,
+    d_in: int,
+    d_out: int,
+    seed: int,
+    dtype: torch.dtype,
+    secret: bytes,
+    nonce: str = "",
 ) -> torch.nn.Module:
-    """f_i for one table, identical wherever it is built (client, centralized baseline) for the same seed."""
+    """f_i for one table, identical wherever it is built (client, centralized baseline) for the same seed and
+    the same owner's secret (:func:`tpflower.models.init_seed`: a server without the secret cannot rebuild it)."""
     return local_model(
         d_in,
         d_out,
@@ -94,5 +103,5 @@ def build_local_model(
         bias=has_bias(model_cfg, table, spec.label_table),
         init=model_cfg.get("init", "default"),
         dtype=dtype,
-        seed=model_seed(seed, table),
+        seed=init_seed(secret, seed, table, nonce),
     )

@@ -260,10 +260,34 @@ def _keep_G(client: TableClient, arrays: Arrays, phase: str) -> np.ndarray:
         )
     kept = client.state.get("coreset.G")
     if kept is None:
+        check_G(client, G, phase)
         client.state.put("coreset.G", G)
     elif not np.array_equal(kept, G):
         raise CoresetRefusal(f"{_where(client, phase)}: G differs from the G_i this client received earlier in the run")
     return G
+
+
+def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
+    """G_i as the join gives it: whole counts, equal on rows with equal join keys (G_iu depends on the row's
+    keys only), and, for a coreset, at least min_group_rows joined rows per coreset row: m <= sum G_i / g."""
+    where, keys = _where(client, phase), client.data.keys
+    if (np.round(G) != G).any():
+        raise CoresetRefusal(f"{where}: G must hold whole counts of joined rows")
+    train = np.ones(len(G), dtype=bool) if client.data.is_test is None else ~client.data.is_test
+    if (G[~train] > 0).any():
+        raise CoresetRefusal(f"{where}: G counts {int((G[~train] > 0).sum())} test row(s); the training join has none")
+    if keys.shape[1] and train.any():  # the label table's test rows: G = 0 whatever their keys
+        codes = keys[train].groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
+        first = np.zeros(codes.max() + 1)
+        first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
+        if (first[codes] != G[train]).any():
+            raise CoresetRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
+    m, g = _m(client), int(client.settings.owner.min_group_rows)
+    if m and m * g > float(G.sum()):
+        raise CoresetRefusal(
+            f"{where}: a coreset of m = {m} rows from {G.sum():g} joined rows; each covers at least "
+            f"min_group_rows = {g} of them (its owner's setting), so m <= {int(G.sum()) // g}"
+        )
 
 
 def admit_training_rows(client: TableClient, rows: np.ndarray, phase: str) -> None:
