@@ -22,7 +22,8 @@ from tests.test_curious_server import SYNTHETIC, hello, node, refused
 from tpflower.app.client_app import app as deployed_app
 from tpflower.app.client_app import client_app_for, make_client
 from tpflower.config import compose_config
-from tpflower.models import model_seed
+from tpflower.datasets import load_spec
+from tpflower.models import local_model, model_seed
 from tpflower.owner import DEFAULT_MIN_GROUP_ROWS, load_owner_settings
 from tpflower.records import unpack_reply
 from tpflower.relation import has_bias
@@ -77,14 +78,8 @@ def test_admm_setup_carries_no_model_and_a_wide_first_prediction_does_not_give_X
     assert X.shape[1] < 16  # wide enough: with the start known, one reply spells out X
 
     def start(seed: int) -> tuple[np.ndarray, np.ndarray | None]:
-        g = torch.Generator().manual_seed(seed)
-        layer = torch.nn.Linear(X.shape[1], 16, bias=has_bias(cfg.model, "d1", "fact"), dtype=torch.float64)
-        bound = 1 / np.sqrt(X.shape[1])
-        with torch.no_grad():
-            layer.weight.uniform_(-bound, bound, generator=g)
-            if layer.bias is not None:
-                layer.bias.uniform_(-bound, bound, generator=g)
-        return layer.weight.numpy().copy(), None if layer.bias is None else layer.bias.numpy().copy()
+        layer = local_model(X.shape[1], 16, bias=has_bias(cfg.model, "d1", "fact"), dtype=torch.float64, seed=seed)
+        return layer.weight.detach().numpy(), None if layer.bias is None else layer.bias.detach().numpy()
 
     # the attacker's best guess: the start main built from the run's own seed
     assert relative_error(recovered(h, *start(model_seed(int(cfg.seed), "d1"))), X) > 0.5
@@ -140,8 +135,9 @@ def test_kmeans_on_ten_chosen_rows_is_refused_and_an_honest_k_is_answered(tmp_pa
         {"G": G},
         {"phase": "kmeans_local"},
     )
-    G[np.arange(10) * 37] = 0
-    G[:10] = 2  # whole key groups (d1 holds two rows per key), still ten rows: the bound on k refuses it
+    context, n = kmeans_node(tmp_path / "groups", 10)  # a refused phase still moves the guard: a fresh run
+    G = np.zeros(n, dtype=np.uint8)
+    G[:10] = 2  # ten rows again, without any key shared with the others: the bound on k alone refuses it
     refused(deployed_app, context, "k = 10 centres over 10 weighted rows", "train", {"G": G}, {"phase": "kmeans_local"})
     context, n = kmeans_node(tmp_path / "honest", 10)
     out = unpack_reply(
@@ -189,7 +185,8 @@ def test_a_run_cannot_resplit_a_deployed_table_or_shard_it_by_an_unexposed_colum
         ("dataset.tables.ratings.shards.parts=80000", r"the run splits it into shards \(parts 80000, seed 0\)"),
         ("dataset.tables.ratings.shards.seed=7", r"a run cannot re-split a deployed table"),
         (
-            "~dataset.tables.ratings.shards.parts +dataset.tables.ratings.shards.by=timestamp",
+            "~dataset.tables.ratings.shards.parts +dataset.tables.ratings.shards.by=timestamp "
+            "+dataset.tables.ratings.shards.values=[a,b]",
             "the run splits it into shards by column 'timestamp', which this node does not expose",
         ),
     ):
@@ -205,10 +202,20 @@ def test_a_run_cannot_resplit_a_deployed_table_or_shard_it_by_an_unexposed_colum
 
 def test_a_simulation_shards_only_by_an_exposed_column():
     cfg = compose_config(
-        *UCQ.split(), "~dataset.tables.ratings.shards.parts", "+dataset.tables.ratings.shards.by=timestamp"
+        *UCQ.split(),
+        "~dataset.tables.ratings.shards.parts",
+        "+dataset.tables.ratings.shards.by=timestamp",
+        "+dataset.tables.ratings.shards.values=[a,b]",
     )
-    context = Context(run_id=0, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
-    refused(client_app_for(cfg), context, "shards by column 'timestamp', which this node does not expose")
+    app, refusals = client_app_for(cfg), []
+    for pid in range(len(load_spec(cfg.dataset).clients("ucq"))):
+        context = Context(run_id=0, node_id=1, node_config={"partition-id": pid}, state=RecordDict(), run_config={})
+        try:
+            assert hello(app, context)["table"] != "ratings"
+        except ValueError as exc:
+            refusals.append(str(exc))
+    assert len(refusals) == 2  # both shards of ratings; movies and the users' shards serve
+    assert all("shards by column 'timestamp', which this node does not expose" in r for r in refusals)
 
 
 def sharded_fact(overrides: str) -> tuple[object, Context]:
