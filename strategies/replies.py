@@ -40,7 +40,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "sensitivity": ("total",),
     "sample": ("rows",),
     "weigh": ("sens",),
-    "coreset_admm_setup": ("h",),
+    "coreset_admm_setup": (),
     "coreset_admm_update": ("h",),
     "coreset_predict": ("h",),
     "kmeans_local": ("labels", "C"),

@@ -5,8 +5,8 @@ DIS (Alg. 1), sampling=sensitivity only:
   sample       {a}       -> {rows}    a_i <= m base rows, i.i.d. with replacement, P(u) = G_iu g_u / total
   weigh        {rows}    -> {sens}    g at the distinct rows p_i(j), j in S
 Ridge on the coreset (algorithm=coreset):
-  coreset_admm_setup  {rows, G}  -> {h}   the coreset's rows U_i^S and G^S_iu = sum of the weights of their
-                                          joined rows; predict them
+  coreset_admm_setup  {rows, G}  -> {}    the coreset's rows U_i^S and G^S_iu = sum of the weights of their
+                                          joined rows (theta_i^0 stays on the node)
   coreset_admm_update {Y}        -> {h}   Eq. 16 on U_i^S with G^S (closed form for linear models)
   predict / sgd_step                      TP-Join-SGD's phases (tpflower.phases.join_sgd) on the coreset's rows
   coreset_predict     {rows}     -> {h}   evaluation: f_i on the test rows (no state change)
@@ -366,7 +366,8 @@ def weigh(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
 
 
 def coreset_admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Store U_i^S, G^S, N and rho; predict the coreset's rows."""
+    """Store U_i^S, G^S, N and rho; build theta_i^0 and keep it (ADMM starts from x^0 = 0: nothing of the
+    initial model leaves, as in join_admm.admm_setup)."""
     rows = _rows(client, arrays, "coreset_admm_setup")
     G = np.asarray(arrays["G"], dtype=np.float64)
     if G.shape != rows.shape or (G < 0).any():
@@ -375,7 +376,7 @@ def coreset_admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str,
     CoresetADMMState(rows, G, int(config["N"]), float(config["rho"])).save(client.state)
     model = client.model(config)
     client.state.save_model(model)
-    return {"h": client.predict(model, rows)}, client.reg_metrics(model)
+    return {}, {}
 
 
 def coreset_admm_update(
