@@ -273,7 +273,10 @@ def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
     where, keys = _where(client, phase), client.data.keys
     if (np.round(G) != G).any():
         raise CoresetRefusal(f"{where}: G must hold whole counts of joined rows")
-    train = np.ones(len(G), dtype=bool) if client.data.is_test is None else ~client.data.is_test
+    # a model trained on the labels joins the training rows only: the label owner's test rows have G = 0 (k-means
+    # ignores labels and clusters every joined row)
+    labelled = client.data.is_test is not None and isinstance(client.settings.algorithm, CoresetParams)
+    train = ~client.data.is_test if labelled else np.ones(len(G), dtype=bool)
     if (G[~train] > 0).any():
         raise CoresetRefusal(f"{where}: G counts {int((G[~train] > 0).sum())} test row(s); the training join has none")
     if keys.shape[1] and train.any():  # the label table's test rows: G = 0 whatever their keys
