@@ -75,6 +75,10 @@ class ClientSettings:
     def min_sketch_rows(self) -> int:
         return self.owner.min_sketch_rows
 
+    @property
+    def min_group_rows(self) -> int:
+        return self.owner.min_group_rows
+
 
 class TableClient(NumPyClient):
     """One table's (or shard's) client operator, answering the phases of one algorithm."""

@@ -285,7 +285,7 @@ def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
         first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
         if (first[codes] != G[train]).any():
             raise CoresetRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
-    m, g = _m(client), int(client.settings.owner.min_group_rows)
+    m, g = _m(client), int(client.settings.min_group_rows)
     if m and m * g > float(G.sum()):
         raise CoresetRefusal(
             f"{where}: a coreset of m = {m} rows from {G.sum():g} joined rows; each covers at least "

@@ -75,7 +75,7 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         if _m(client):
             raise CoresetRefusal(f"{_where(client, 'kmeans_local')}: coreset k-means clusters the coreset's rows only")
         w = _keep_G(client, arrays, "kmeans_local")
-    k, g = int(s.algorithm.k), int(s.owner.min_group_rows)
+    k, g = int(s.algorithm.k), int(s.min_group_rows)
     active = w > 0
     if k * g > int(active.sum()):
         raise CoresetRefusal(
@@ -145,10 +145,10 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         raise ValueError(f"{where}: counts must name rows of the table, centres of C and be >= 1")
     if len(np.unique(rows * len(C) + centres)) != len(rows):
         raise CoresetRefusal(f"{where}: a (row, centre) pair appears twice in the counts")
-    if 0 < int((G > 0).sum()) < client.settings.owner.min_group_rows:
+    if 0 < int((G > 0).sum()) < client.settings.min_group_rows:
         raise CoresetRefusal(
             f"{where}: the cost would cover {int((G > 0).sum())} rows; this node's owner releases aggregates of at "
-            f"least min_group_rows = {client.settings.owner.min_group_rows} rows"
+            f"least min_group_rows = {client.settings.min_group_rows} rows"
         )
     per_row = np.bincount(rows, weights=counts, minlength=len(X))
     bad = per_row != G

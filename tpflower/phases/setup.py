@@ -155,11 +155,12 @@ def stats(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
     at least ``min_group_rows`` fit rows (or none), and a sketch only columns the rule needs (sketch_needed)."""
     s, t = client.settings, client.settings.spec.table(client.settings.table)
     _, sketch = fedprep.check_stats_request(config, t.numeric, t.categorical, table=s.table, shard=s.shard)
-    n_fit = len(client.data.fit_positions)
-    if 0 < n_fit < s.owner.min_group_rows:
+    fit = client.data.fit_positions  # None: every row; else positions or a boolean mask
+    n_fit = len(client.data.rows) if fit is None else int(np.count_nonzero(fit) if fit.dtype == bool else fit.size)
+    if 0 < n_fit < s.min_group_rows:
         raise ProtocolRefusal(
             f"table {s.table!r} shard {s.shard}: a summary of {n_fit} fit rows; this node's owner releases "
-            f"aggregates of at least min_group_rows = {s.owner.min_group_rows} rows"
+            f"aggregates of at least min_group_rows = {s.min_group_rows} rows"
         )
     summary = fedprep.local_summary(
         client.data.rows,
@@ -235,10 +236,10 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
                 f"{where}: evaluate over {n_asked} of its {n_test} test rows; it scores at "
                 f"least {EVAL_COVERAGE:.0%} of its test split"
             )
-        if 0 < n_asked < client.settings.owner.min_group_rows:
+        if 0 < n_asked < client.settings.min_group_rows:
             raise ProtocolRefusal(
                 f"{where}: evaluate over {n_asked} test rows; this node's owner releases aggregates of at least "
-                f"min_group_rows = {client.settings.owner.min_group_rows} rows"
+                f"min_group_rows = {client.settings.min_group_rows} rows"
             )
         client.state.put("evaluate_rows", ordered)
     elif not np.array_equal(first, ordered):
