@@ -30,11 +30,9 @@ from tpflower.schema import RelationalSpec
 EVAL_CHUNK = 65536  # rows of the join materialized at once when predicting
 
 
-def build_joined_model(rel: Relation, model_cfg: Any, seed: int, dtype: torch.dtype, secret: bytes) -> JoinedModel:
-    """The sum of the local models, each started where its simulated owner starts it (``secret``: the
-    simulation's, tpflower.owner.simulation_secret)."""
+def build_joined_model(rel: Relation, model_cfg: Any, seed: int, dtype: torch.dtype) -> JoinedModel:
     local = {
-        t: build_local_model(model_cfg, rel.spec, t, rel.tables[t].width, rel.d_out, seed, dtype, secret)
+        t: build_local_model(model_cfg, rel.spec, t, rel.tables[t].width, rel.d_out, seed, dtype)
         for t in rel.spec.table_names
     }
     return JoinedModel(local, {t: rel.tables[t].width for t in rel.spec.table_names})
@@ -117,7 +115,7 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     dtype = torch_dtype(cfg.precision)
     task = rel.spec.label.task
     metric = primary_metric(task)
-    model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype, simulation_secret(cfg))
+    model = build_joined_model(rel, cfg.model, int(cfg.seed), dtype)
     beta = float(cfg.model.beta)
     start = time.perf_counter()
     solver = cfg.algorithm.get("solver", "sgd")

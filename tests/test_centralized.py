@@ -135,7 +135,7 @@ def test_predict_matches_sum_of_local_models():
 
     from strategies.centralized import build_joined_model
 
-    model = build_joined_model(rel, central_cfg().model, seed=0, dtype=torch.float64, secret=SECRET)
+    model = build_joined_model(rel, central_cfg().model, seed=0, dtype=torch.float64)
     H = predict(model, rel, rel.test, torch.float64)
     parts = [
         model.local[t](torch.as_tensor(rel.tables[t].X[rel.test.p[t]])).detach().numpy() for t in rel.spec.table_names

@@ -48,9 +48,8 @@ def init_seed(secret: bytes, seed: int, table: str, nonce: str = "") -> int:
     table and ``nonce`` (a deployed node: the run id), in [0, 2**63).
 
     A server without the secret cannot recompute theta_i^0, so no reply pairs outputs with a model it knows
-    (docs/threat-model.md). Every shard of a table holds the same secret (same theta_i^0, Eq. 17-19), and a
-    simulation's secret derives from its seed (tpflower.owner.simulation_secret), so the centralized baseline
-    builds the same start and runs stay reproducible.
+    (docs/threat-model.md). Every shard of a table holds the same secret and sees the same run id (same
+    theta_i^0, Eq. 17-19). A deployed node's; a simulation keeps :func:`model_seed` (tpflower.relation).
     """
     message = f"tpflower init\x1f{int(seed)}\x1f{table}\x1f{nonce}".encode()
     return int.from_bytes(hmac.digest(bytes(secret), message, hashlib.sha256)[:8], "big") % 2**63

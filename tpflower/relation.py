@@ -19,7 +19,7 @@ from tpflower.datasets import load_dataset
 from tpflower.local_table import LocalTable, prepare_local_table
 from tpflower.losses import output_dim
 from tpflower.mapping import TableMapping, build_mapping, project_keys, split_mapping
-from tpflower.models import init_seed, local_model
+from tpflower.models import init_seed, local_model, model_seed
 from tpflower.schema import RelationalSpec
 
 
@@ -90,11 +90,13 @@ def build_local_model(
     d_out: int,
     seed: int,
     dtype: torch.dtype,
-    secret: bytes,
-    nonce: str = "",
+    owner_key: tuple[bytes, str] | None = None,
 ) -> torch.nn.Module:
-    """f_i for one table, identical wherever it is built (client, centralized baseline) for the same seed and
-    the same owner's secret (:func:`tpflower.models.init_seed`: a server without the secret cannot rebuild it)."""
+    """f_i for one table, identical wherever it is built (client, centralized baseline) for the same seed.
+
+    ``owner_key`` = (secret, nonce): a deployed node's theta_i^0 from :func:`tpflower.models.init_seed`, which a
+    server without the owner's secret cannot rebuild; None (a simulation, whose user plays every party and whose
+    secret derives from the seed anyway): :func:`tpflower.models.model_seed`, as the centralized baseline."""
     return local_model(
         d_in,
         d_out,
@@ -103,5 +105,5 @@ def build_local_model(
         bias=has_bias(model_cfg, table, spec.label_table),
         init=model_cfg.get("init", "default"),
         dtype=dtype,
-        seed=init_seed(secret, seed, table, nonce),
+        seed=model_seed(seed, table) if owner_key is None else init_seed(owner_key[0], seed, table, owner_key[1]),
     )
