@@ -92,7 +92,7 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         restarts=int(s.algorithm.restarts),
     )
     sizes = np.bincount(labels[active], minlength=len(C))
-    if (sizes < g).any():  # an empty centre keeps its seeding, a row: also refused
+    if g > 1 and (sizes < g).any():  # an empty centre keeps its seeding, a row: also refused
         raise CoresetRefusal(
             f"{_where(client, 'kmeans_local')}: {int((sizes < g).sum())} of its {len(C)} centres cover fewer than "
             f"min_group_rows = {g} rows (smallest: {int(sizes.min())}); a smaller k (or a smaller min_group_rows "
