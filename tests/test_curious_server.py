@@ -639,7 +639,8 @@ def test_kmeans_cost_once_per_run_also_after_a_whole_run():
     )
 
 
-CORESET = "algorithm=coreset dataset=synthetic algorithm.m=50"
+# the tests below send G = 1 per row (399 joined rows, not the join's 16,000): m = 50 needs min_group_rows <= 7
+CORESET = "algorithm=coreset dataset=synthetic algorithm.m=50 min_group_rows=5"
 
 
 def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tpflower.client import TableClient
-from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
+from tpflower.clustering import label_dtype, merge_small_clusters, sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, Stage
 from tpflower.params import AlgorithmParams, nonnegative, one_of, param, positive_int
 from tpflower.phases import coreset, setup
@@ -63,7 +63,7 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     s = client.settings
     X = np.asarray(client.local.X, dtype=np.float64)
     # every centre is the weighted mean of at least min_group_rows of its rows (the owner's setting): k is
-    # bounded by it and a clustering with a smaller centre is refused
+    # bounded by it, and a centre of fewer rows is merged into its neighbours (k shrinks)
     if "rows" in arrays:
         rows = _rows(client, arrays, "kmeans_local")
         w = np.asarray(arrays["w"], dtype=np.float64)
@@ -91,13 +91,7 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         float(s.algorithm.tol),
         restarts=int(s.algorithm.restarts),
     )
-    sizes = np.bincount(labels[active], minlength=len(C))
-    if g > 1 and (sizes < g).any():  # an empty centre keeps its seeding, a row: also refused
-        raise CoresetRefusal(
-            f"{_where(client, 'kmeans_local')}: {int((sizes < g).sum())} of its {len(C)} centres cover fewer than "
-            f"min_group_rows = {g} rows (smallest: {int(sizes.min())}); a smaller k (or a smaller min_group_rows "
-            "in its owner's settings) releases them"
-        )
+    C, labels = merge_small_clusters(X, w, C, labels, g)  # an empty centre keeps its seeding, a row: merged too
     client.state.put("kmeans.C", C)
     return {"labels": labels.astype(label_dtype(len(C))), "C": C}, {}
 
