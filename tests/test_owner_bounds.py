@@ -259,3 +259,20 @@ def test_order_statistics_only_of_columns_the_rule_needs(tmp_path):
         "train",
         config={"phase": "stats", "columns": columns, "sketch": "x0"},
     )
+
+
+def test_small_centres_are_merged_and_a_clustering_without_one_comes_back_unchanged():
+    from tpflower.clustering import merge_small_clusters, sq_distances
+
+    rng = np.random.default_rng(0)
+    X = np.vstack([rng.normal(0, 1, (60, 2)), rng.normal(8, 1, (60, 2)), [[40.0, 40.0]]])  # one outlier row
+    w = np.ones(len(X))
+    C = np.array([X[:60].mean(0), X[60:120].mean(0), X[120]])
+    labels = sq_distances(X, C).argmin(1)
+    merged, new_labels = merge_small_clusters(X, w, C, labels, 20)
+    assert len(merged) == 2 and np.bincount(new_labels).min() >= 20
+    for c in range(2):  # each released centre is the weighted mean of its rows, the outlier's row inside one
+        np.testing.assert_allclose(merged[c], X[new_labels == c].mean(0), rtol=1e-12)
+    same, same_labels = merge_small_clusters(X[:120], w[:120], C[:2], labels[:120], 20)
+    np.testing.assert_array_equal(same, C[:2])
+    np.testing.assert_array_equal(same_labels, labels[:120])
