@@ -639,8 +639,7 @@ def test_kmeans_cost_once_per_run_also_after_a_whole_run():
     )
 
 
-# the tests below send G = 1 per row (399 joined rows, not the join's 16,000): m = 50 needs min_group_rows <= 7
-CORESET = "algorithm=coreset dataset=synthetic algorithm.m=50 min_group_rows=5"
+CORESET = "algorithm=coreset dataset=synthetic algorithm.m=50"
 
 
 def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:

@@ -155,7 +155,8 @@ def test_a_coreset_as_large_as_the_table_is_refused(tmp_path):
     refused(
         deployed_app,
         context,
-        f"a coreset of m = 2000 rows from {int(train.sum())} joined rows; each covers at least min_group_rows",
+        f"a coreset of m = 2000 rows from {int(train.sum())} joined rows; a coreset is a sample, .* so m <= "
+        f"{int(train.sum()) // 2}",
         "train",
         {"G": G},
         {"phase": "sensitivity", "kind": "ridge", "N": int(train.sum())},

@@ -50,6 +50,9 @@ from tpflower.relation import has_bias
 from tpflower.state import StateRecord
 
 ALPHA = 2.0  # VKMC sensitivity constant (VFL coresets Alg. 3 with alpha = 2)
+#: a coreset row stands for at least this many joined rows on average (m <= N / MIN_COVER). Not min_group_rows:
+#: 20 would refuse the default m = 2000 on the bundled synthetic join (13,600 joined training rows)
+MIN_COVER = 2
 
 
 def fraction(what: str, value) -> float:
@@ -269,7 +272,8 @@ def _keep_G(client: TableClient, arrays: Arrays, phase: str) -> np.ndarray:
 
 def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
     """G_i as the join gives it: whole counts, equal on rows with equal join keys (G_iu depends on the row's
-    keys only), and, for a coreset, at least min_group_rows joined rows per coreset row: m <= sum G_i / g."""
+    keys only), none on the label owner's test rows for a coreset trained on labels, and a coreset that is a
+    sample: m <= sum G_i / MIN_COVER (m = N would weigh every joined row)."""
     where, keys = _where(client, phase), client.data.keys
     if (np.round(G) != G).any():
         raise CoresetRefusal(f"{where}: G must hold whole counts of joined rows")
@@ -285,11 +289,11 @@ def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
         first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
         if (first[codes] != G[train]).any():
             raise CoresetRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
-    m, g = _m(client), int(client.settings.min_group_rows)
-    if m and m * g > float(G.sum()):
+    m = _m(client)
+    if m and m * MIN_COVER > float(G.sum()):
         raise CoresetRefusal(
-            f"{where}: a coreset of m = {m} rows from {G.sum():g} joined rows; each covers at least "
-            f"min_group_rows = {g} of them (its owner's setting), so m <= {int(G.sum()) // g}"
+            f"{where}: a coreset of m = {m} rows from {G.sum():g} joined rows; a coreset is a sample, each of its "
+            f"rows standing for at least {MIN_COVER} joined rows on average, so m <= {int(G.sum()) // MIN_COVER}"
         )
 
 
