@@ -131,10 +131,14 @@ def deployment_overrides(overrides: str) -> str:
 
 
 def write_client_configs(
-    overrides: str, directory: Path, base_dir: str | Path | None = None
+    overrides: str,
+    directory: Path,
+    base_dir: str | Path | None = None,
+    prediction_rows: dict[tuple[str, int], str] | None = None,
 ) -> dict[tuple[str, int], Path]:
     """One owner settings file per client of the run ``overrides`` describes (what each table's owner would
-    write on its own node: tpflower.owner), and one fresh join-key secret they share (mode 0600)."""
+    write on its own node: tpflower.owner), and one fresh join-key secret they share (mode 0600).
+    ``prediction_rows``: the query owner's file of new rows, by client (docs/prediction.md)."""
     from tpflower.app.client_app import config_from_run_config  # noqa: PLC0415  flwr: see clients_of
 
     cfg = config_from_run_config({"overrides": overrides})
@@ -164,6 +168,11 @@ def write_client_configs(
             "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
             "keys": owner.keys,
             "secret_file": str(key),
+            **(
+                {"prediction_rows": prediction_rows[(table, shard)]}
+                if (table, shard) in (prediction_rows or {})
+                else {}
+            ),
         }
         shards = spec.table(table).shards
         if str(cfg.scenario.name) == "ucq" and shards is not None:  # the owner's split of its file (a run's is refused)
@@ -493,6 +502,7 @@ def start(
     cwd: str | Path | None = None,
     timeout: float = 60.0,
     insecure: bool = False,
+    prediction_rows: dict[tuple[str, int], str] | None = None,
 ) -> Deployment:
     """Start a SuperLink on 127.0.0.1:`port` (a free one if None) and one SuperNode per client of the run
     `overrides` describes, each on a free port; register connection `connection` in $FLWR_HOME/config.toml.
@@ -511,7 +521,7 @@ def start(
             raise RuntimeError(
                 f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop` first"
             )
-    client_configs = write_client_configs(deployment_overrides(overrides), state / "clients", base_dir)
+    client_configs = write_client_configs(deployment_overrides(overrides), state / "clients", base_dir, prediction_rows)
     if insecure:
         print(
             "WARNING: insecure deployment: plain-text traffic and no SuperNode authentication "
@@ -698,6 +708,56 @@ def run(
             print(f"processes still alive: {left}", file=sys.stderr)
 
 
+def predict(
+    overrides: str,
+    run_dir: str | Path,
+    rows: str | Path,
+    state_dir: str | Path = DEFAULT_STATE_DIR,
+    port: int | None = None,
+    home: str | Path | None = None,
+    timeout: float = 1800.0,
+    insecure: bool = False,
+    shard: int = 0,
+) -> Path:
+    """A prediction request for the model a deployment trained into ``run_dir`` (docs/prediction.md): start
+    the nodes again (same ``state_dir``: their saved parts), the label owner's settings naming ``rows`` as its
+    new rows, `flwr run` the request (``predict.run_id``: the run of RUN_DIR/model.json), stop. Returns
+    RUN_DIR/predictions.csv, written by the ServerApp; raises RunFailed otherwise."""
+    from strategies.model_record import read_model_record  # noqa: PLC0415  torch: only for this command
+    from strategies.predict import PREDICTIONS_FILE  # noqa: PLC0415
+
+    run_dir = Path(run_dir).resolve()
+    record = read_model_record(run_dir)
+    spec = load_spec(config_of(overrides).dataset)
+    out = run_dir / PREDICTIONS_FILE
+    before = out.stat().st_mtime_ns if out.is_file() else None
+    job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.shard={int(shard)}"
+    query = {(spec.label_table, int(shard)): str(Path(rows).resolve())}
+    dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query)
+    try:
+        cmd = flwr_run_command(dep.connection, job, run_dir)
+        print("$", " ".join(cmd), flush=True)
+        run_id, lines = stream_run(cmd, dep.env(), timeout)
+        if run_id is None:
+            raise RunFailed("`flwr run` did not start a run:\n" + "\n".join(lines[-20:]))
+        status = run_status(run_id, dep.connection, dep.env())
+        written = out.is_file() and out.stat().st_mtime_ns != before
+        if status.get("status") != "finished:completed" or not written:
+            why = str(status.get("status-details") or "").removeprefix("ServerApp failed with exception: ")
+            raise RunFailed(f"prediction run {run_id} {status.get('status')}" + (f": {why}" if why else ""))
+        return out
+    finally:
+        left = stop(dep)
+        if left:
+            print(f"processes still alive: {left}", file=sys.stderr)
+
+
+def config_of(overrides: str) -> Any:
+    from tpflower.app.client_app import config_from_run_config  # noqa: PLC0415  flwr: see clients_of
+
+    return config_from_run_config({"overrides": deployment_overrides(overrides)})
+
+
 # ---------------------------------------------------------------------------------------------- local SuperLink
 
 
@@ -757,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     p_stop = sub.add_parser("stop", help="stop the deployment recorded in --state-dir")
     p_run = sub.add_parser("run", help="start, `flwr run` one job (waits for it), stop")
     p_local = sub.add_parser("stop-local", help="stop the local simulation SuperLink `flwr run .` left running")
+    p_predict = sub.add_parser("predict", help="start, `flwr run` a prediction request for RUN_DIR's model, stop")
     p_clients = sub.add_parser("clients", help="the tables (SuperNodes) of a run and its `flwr run .` command")
     p_pki = sub.add_parser(
         "pki", help="the SuperLink operator's CA and SuperLink certificate (ca.crt goes to everyone)"
@@ -770,7 +831,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_keygen = sub.add_parser("keygen", help="a table owner's SuperNode key pair (KEY, 0600, and KEY.pub to register)")
     p_keygen.add_argument("key", help="path of the private key to write")
-    for p in (p_start, p_run, p_clients):
+    p_predict.add_argument("--run-dir", required=True, help="the training run's directory (model.json)")
+    p_predict.add_argument("--rows", required=True, help="the label owner's new rows (CSV or Parquet)")
+    p_predict.add_argument("--shard", type=int, default=0, help="the label table's shard whose owner holds them")
+    for p in (p_start, p_run, p_clients, p_predict):
         p.add_argument(
             "--overrides",
             default="algorithm=admm",
@@ -779,15 +843,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--port", type=int, default=None, help="SuperLink port on 127.0.0.1 (default: a free one)")
     p_run.add_argument("--run-dir", required=True, help="directory for results.json")
     p_run.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
-    for p in (p_start, p_run):
+    for p in (p_start, p_run, p_predict):
         p.add_argument(
             "--insecure",
             action="store_true",
             help="plain text and no SuperNode authentication (default: TLS + node authentication)",
         )
-    for p in (p_start, p_stop, p_run):
+    for p in (p_start, p_stop, p_run, p_predict):
         p.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="deployment.json and the process logs")
-    for p in (p_start, p_run, p_local):
+    for p in (p_start, p_run, p_local, p_predict):
         p.add_argument("--flwr-home", default=None, help="Flower home (default: $FLWR_HOME or ~/.flwr)")
     args = parser.parse_args(argv)
 
@@ -819,6 +883,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"results: {results}")
         except RunFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    elif args.command == "predict":
+        try:
+            out = predict(
+                args.overrides,
+                args.run_dir,
+                args.rows,
+                args.state_dir,
+                args.port,
+                args.flwr_home,
+                insecure=args.insecure,
+                shard=args.shard,
+            )
+            print(f"predictions: {out}")
+        except (RunFailed, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     elif args.command == "clients":

@@ -100,6 +100,17 @@ def _as_user(name: str | None):  # pragma: no cover - needs root
     return switch
 
 
+def reset_label_dp(client_config: str, table: str | None) -> int:
+    """The owner's reset of its label-DP draws (docs/settings.md, Privacy): a new draw at the next run."""
+    from tpflower.owner import load_owner_settings  # noqa: PLC0415  (argparse errors first: no heavy imports)
+    from tpflower.privacy.budget import reset_label_draws  # noqa: PLC0415
+
+    owner = load_owner_settings(client_config, owner_table(client_config, table))
+    removed = reset_label_draws(owner.state_dir or ".")
+    print(f"removed {len(removed)} label-DP draw(s) of table {owner.table!r}; the next run draws afresh")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.node", description=__doc__.split("\n\n")[0])
     parser.add_argument("--client-config", required=True, help="the owner's settings file (tpflower.owner)")
@@ -113,7 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-supernode", action="store_true", help="attach to a SuperNode started separately")
     parser.add_argument("--supernode-user", default=None, help="OS user to run the SuperNode as (when root)")
     parser.add_argument("--slow-supernode", action="store_true", help="Flower's own SuperNode sleeps (3 s idle)")
+    parser.add_argument(
+        "--reset-label-dp",
+        action="store_true",
+        help="delete this node's stored label-DP draws (the next run draws afresh, spending the label budget "
+        "again) and exit",
+    )
     args = parser.parse_args(argv)
+    if args.reset_label_dp:
+        return reset_label_dp(args.client_config, args.table)
     level = logging.DEBUG if os.environ.get("TPFLOWER_NODE_TRACE") == "1" else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
     for noisy in ("httpx", "httpcore"):  # one line per Runtime API call otherwise

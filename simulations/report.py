@@ -653,14 +653,80 @@ def setup_keys() -> str | None:
     )
 
 
+def prediction() -> str | None:
+    """The predict suite: federated prediction throughput against one ADMM epoch, side by side."""
+    d = load("predict.json")
+    if d is None:
+        return None
+    rows = [
+        [
+            f"predict {d['new_rows']:,} new rows ({d['joined_rows']:,} joined, {d['unjoined_rows']:,} unjoined)",
+            f"{d['predict_s']:.2f} s",
+            f"**{d['rows_per_s']:,} rows/s**",
+        ],
+        ["one TP-Join-ADMM epoch (the second)", f"{d['admm_epoch_s']:.2f} s", ""],
+    ]
+    return "\n\n".join(
+        [
+            "## Prediction: new rows against one ADMM epoch\n\nFederated prediction "
+            "([prediction.md](prediction.md)) of new rows of the label table "
+            f"({d['data']} `{d['query_table']}`: its rows as new rows, keys and features only), in-process (the same "
+            "strategy and ClientApp as under Flower, no transport): the keys round and the mapping, one scoring round, "
+            f"the sum. It takes {d['predict_over_epoch']:.2f}x the time of one TP-Join-ADMM epoch on the same data, "
+            "measured in the same process.",
+            command("python -m simulations.bench predict   # -> bench_results/predict.json"),
+            table(["", "wall time", "throughput"], rows),
+        ]
+    )
+
+
+def lbfgs() -> str | None:
+    d = load("lbfgs.json")
+    if d is None:
+        return None
+    rows = []
+    for name, c in d["cases"].items():
+        row = [name, c["metric"], metric_digits(c["centralized"])]
+        for alg in ("tp_join_sgd", "tp_join_lbfgs"):
+            r = c[alg]
+            hit = "not reached" if r["rounds_to_1pct"] is None else str(r["rounds_to_1pct"])
+            row += [hit, f"{metric_digits(r['final'])} ({r['rounds']})"]
+        rows.append(row)
+    return "\n\n".join(
+        [
+            (
+                "## L-BFGS against TP-Join-SGD: round trips to the centralized metric\n\nShipped defaults, in-process: "
+                f"the centralized baseline and TP-Join-SGD for {d['epochs_sgd']} epochs (SGD evaluated every 5 rounds), "
+                f"L-BFGS for at most {d['iterations_lbfgs']} iterations. Rounds (setup rounds included) until the test "
+                "metric is within 1% of the centralized model's; final metric (rounds) at the end of each run."
+            ),
+            command("python -m simulations.bench lbfgs   # -> bench_results/lbfgs.json"),
+            table(
+                [
+                    "dataset/model",
+                    "metric",
+                    "centralized",
+                    "TP-Join-SGD rounds to 1%",
+                    "SGD final (rounds)",
+                    "L-BFGS rounds to 1%",
+                    "L-BFGS final (rounds)",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 SECTIONS: list[Callable[[], str | None]] = [
     loj,
     convergence,
+    lbfgs,
     privacy,
     celu,
     coresets,
     mapping_and_scale,
     setup_keys,
+    prediction,
     flower,
 ]
 
@@ -675,9 +741,11 @@ def render() -> str:
         "The headline accuracy table (learning over join, 10 epochs) is in the [README](../README.md#results); "
         "the math behind the names is in [algorithms.md](algorithms.md).\n\nContents: "
         "[learning over join](#learning-over-join-cost-per-epoch), "
-        "[ADMM convergence](#admm-convergence-with-the-shipped-defaults), [privacy](#privacy), "
+        "[ADMM convergence](#admm-convergence-with-the-shipped-defaults), "
+        "[L-BFGS](#l-bfgs-against-tp-join-sgd-round-trips-to-the-centralized-metric), [privacy](#privacy), "
         "[CELU-VFL](#celu-vfl-rounds-to-target), [coresets](#coresets-for-vfl-over-joins), "
-        "[mapping and scale](#table-mapping-and-scale), [Flower's overhead](#flowers-overhead)."
+        "[mapping and scale](#table-mapping-and-scale), "
+        "[prediction](#prediction-new-rows-against-one-admm-epoch), [Flower's overhead](#flowers-overhead)."
     )
     regenerate = command(
         "python -m simulations.report           # rewrites this file from bench_results/*.json",

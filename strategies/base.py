@@ -34,6 +34,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.epoch_checkpoints import NO_CHECKPOINTS, EpochCheckpoints, NoCheckpoints
 from strategies.evaluation import RunRecord
+from strategies.model_record import model_record, write_model_record
 from strategies.replies import check_round
 from strategies.setup import JoinSetup
 from strategies.transport import MESSAGE_TYPE, ClientKey, GridTransport, Kind, Payload, Reply, RunError, Transport
@@ -227,6 +228,7 @@ class LoJStrategy(TablePuppetStrategy):
     resumable = False  # the protocol checkpoints every epoch: the strategy gets an EpochCheckpoints
     one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
     checkpointed: tuple[str, ...] = ()  # the strategy's own attributes an epoch's checkpoint keeps
+    predictor = True  # the nodes save their parts of the trained f_i at the end (model.json; simulations.predict)
 
     def __init__(
         self,
@@ -329,9 +331,27 @@ class LoJStrategy(TablePuppetStrategy):
         self.record.record_epoch(self.algorithm, epoch, H_test, train_loss, extra)
 
     def finish(self) -> None:
-        """Write results.json (atomically) once the protocol has run to its end."""
+        """Once the protocol has run to its end: every node saves its part of the model and model.json is
+        written (a predictor with a run dir; docs/prediction.md), then results.json (atomically)."""
+        if self.predictor and self.run_dir is not None:
+            self.save_model()
         self.finished = True
         self.record.write(self.run_dir)
+
+    def model_extra(self) -> dict[str, Any]:
+        """What model.json holds beyond the common record (k-means: its centres)."""
+        return {}
+
+    def save_model(self) -> None:
+        """The save round (``save_part``, not training traffic) and the server's model record, model.json."""
+        assert self.run_dir is not None
+        replies = self.send({k: ({}, {"phase": "save_part", "run_id": self.run_id}) for k in self.clients}, "eval")
+        parts = {k: str(m.get("part", "")) for k, (_, m) in replies.items()}
+        if not all(parts.values()):
+            return  # nodes without a state_dir keep no part: there is no model to record
+        record = model_record(self.cfg, self.run_id, self.algorithm, self.task, self.d_out, self.label_scale, parts)
+        record.update(self.model_extra())
+        self.log(f"model: {write_model_record(record, self.run_dir)}")
 
     # ------------------------------------------------------------------------------------------ checkpoints
 

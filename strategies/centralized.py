@@ -226,10 +226,12 @@ class Centralized:
 
 def randomize_training_labels(rel: Relation, privacy: Any) -> None:
     """Label DP for the centralized baseline: the training labels randomized exactly as the federated label
-    owner does (noise from the OS entropy); test labels stay true."""
+    owner does (one draw over every row, of which the training rows are kept; noise from the OS entropy); test
+    labels stay true."""
     label = rel.label
     assert label.y is not None and label.is_test is not None
     train = ~label.is_test
     y = label.y.copy()
-    y[train] = dp.randomize_labels(label.y[train], rel.spec.label.task, privacy, dp.label_rng(), label.n_classes)
+    noisy = dp.randomize_labels(label.y, rel.spec.label.task, privacy, dp.label_rng(), label.n_classes)
+    y[train] = noisy[train]
     label.y = y

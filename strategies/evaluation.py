@@ -63,6 +63,7 @@ class RunRecord(Saved):
         self.results: RunResults | None = None
         self.comm: CommMeter | None = None
         self.eps_spent: dict[ClientKey, float] = {}  # feature DP: the latest epsilon each client reported
+        self.test_predictions: np.ndarray | None = None  # the latest evaluation's test predictions (label units)
         self.t0 = time.perf_counter()
 
     def elapsed(self) -> float:
@@ -170,7 +171,8 @@ class RunRecord(Saved):
         holds (the randomized ones under label DP)."""
         assert self.results is not None and self.comm is not None
         scale = self.setup.label_scale
-        test = self.test_metrics(scale.to_label(H_test))
+        self.test_predictions = scale.to_label(H_test)  # the latest, in the label's units (docs/prediction.md)
+        test = self.test_metrics(self.test_predictions)
         train_loss = scale.loss(train_loss)
         if "objective" in (extra or {}):
             extra = {**(extra or {}), "objective": scale.loss(extra["objective"])}  # type: ignore[index]

@@ -23,6 +23,8 @@ k - 1 >= d_i (differences of squared distances are linear in x). Labels are igno
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from strategies.coreset import DISStrategy, compact_counts, row_ids
@@ -92,6 +94,7 @@ class DistDimKMeans(DISStrategy):
             point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[p] for t, p in mapping.p.items()]
             weights = np.ones(mapping.N)
         local_C = [np.asarray(replies[(t, 0)][0]["C"], dtype=np.float64) for t in mapping.p]
+        self.local_centres = dict(zip(mapping.p, local_C))
         cells, inv = grid_cells(point_labels, k)
         cell_w = np.bincount(inv, weights=weights, minlength=len(cells))
         points = cell_points(cells, local_C)
@@ -122,6 +125,15 @@ class DistDimKMeans(DISStrategy):
         )  # type: ignore[arg-type]
         self.record.add(rec, METRIC)
         self.finish()
+
+    def model_extra(self) -> dict[str, Any]:
+        """model.json of k-means: a prediction is a cluster id, from the final centres and each table's local
+        centres (the grid the server clustered; both held by the server in the run; docs/prediction.md)."""
+        return {
+            "predicts": "cluster",
+            "centres": self.centres.tolist(),
+            "local_centres": {t: C.tolist() for t, C in self.local_centres.items()},
+        }
 
     def full_join_assignment(
         self, C: np.ndarray, local_C: list[np.ndarray], row_labels: list[np.ndarray]

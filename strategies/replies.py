@@ -36,6 +36,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "sgd_step": ("h",),
     "sgd_apply": ("h",),
     "sgd_partial": ("g",),
+    "lbfgs_start": ("h",),
+    "lbfgs_grad": ("gram",),
+    "lbfgs_trial": ("h",),
     # coresets and k-means (strategies/coreset.py, kmeans.py)
     "sensitivity": ("total",),
     "sample": ("rows",),
@@ -46,6 +49,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "kmeans_local": ("labels", "C"),
     "kmeans_assign": ("labels",),
     "kmeans_cost": ("cost",),
+    # prediction (strategies/predict.py)
+    "predict_keys": ("row_ids",),
 }
 #: per-row replies of the coreset phases: (array, the request's array naming its rows); none sent: every row
 ROW_REPLIES = (("sens", "rows"), ("labels", "rows"))

@@ -51,7 +51,7 @@ def test_runs_with_finite_metrics_and_sends_no_raw_key_or_feature(entry):
     assert all(math.isfinite(h.test_metric) and math.isfinite(h.train_loss) for h in results.history)
     assert results.history[-1].rounds > 0 and results.history[-1].bytes_up > 0
     # every phase a client was asked for is one its algorithm declares
-    assert {phase for _, phase, _, _ in rec.got} <= set(entry.protocol.handlers) | {"hello"}
+    assert {phase for _, phase, _, _ in rec.got} <= set(entry.protocol.handlers) | {"hello", "save_part"}
     keys, features, _ = raw_columns(rec)
     assert_absent(rec, keys)
     assert_absent(rec, features)

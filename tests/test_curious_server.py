@@ -122,7 +122,7 @@ def test_a_wide_output_is_refused_beyond_the_owners_max_outputs(tmp_path):
     call(deployed_app, allowing, "train", {"G": np.ones(n)}, wide)
 
 
-@pytest.mark.parametrize("algorithm", ["celu", "kmeans", "coreset", "coreset_kmeans"])
+@pytest.mark.parametrize("algorithm", ["celu", "kmeans", "coreset", "coreset_kmeans", "lbfgs"])
 def test_an_algorithm_without_dp_is_refused_under_a_dp_floor_by_the_nodes_own_registry(tmp_path, algorithm):
     # the owner's floor is DP-SGD; the run asks for it but picks an algorithm that does not implement it: the
     # node looks the algorithm up in its own installed registry (not the run's word) and refuses the keys round
@@ -470,8 +470,12 @@ def mixed_dataset(tmp_path: Path) -> dict:
             ("algorithm=vfl_admm", "privacy=label", "epochs=1"),
             {"keys", "expand", "admm_setup", "admm_update", "evaluate"},
         ),
+        (
+            ("algorithm=lbfgs", "privacy=label", "epochs=2"),
+            {"keys", "lbfgs_start", "lbfgs_grad", "lbfgs_trial", "lbfgs_take", "evaluate"},
+        ),
     ],
-    ids=["tp_ucq_admm-label", "tp_ucq_sgd-label", "vfl_admm-label"],
+    ids=["tp_ucq_admm-label", "tp_ucq_sgd-label", "vfl_admm-label", "tp_join_lbfgs-label"],
 )
 def test_audit_every_phase_on_categorical_missing_and_binned_columns(tmp_path, overrides, phases):
     rec = Recorded(*overrides, dataset=mixed_dataset(tmp_path))

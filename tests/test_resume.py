@@ -82,6 +82,7 @@ SGD = ("algorithm.batch_size=4000",)
         (("algorithm=coreset", "algorithm.m=300"), "d2"),
         (("algorithm=coreset", "algorithm.m=300", "algorithm.train=sgd", "algorithm.batch_size=100"), None),
         (("algorithm=pcg", "algorithm.tol=0"), "d2"),
+        (("algorithm=lbfgs", "algorithm.tol=0", "model=mlp"), "d2"),
     ],
     ids=[
         "admm",
@@ -95,6 +96,7 @@ SGD = ("algorithm.batch_size=4000",)
         "coreset-admm",
         "coreset-sgd",
         "pcg",
+        "lbfgs",
     ],
 )
 def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path, overrides, crash_at):

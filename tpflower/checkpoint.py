@@ -26,7 +26,6 @@ epoch never hands out privacy budget twice (the plan's step limit still holds).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -127,28 +126,17 @@ class NodeStore:
 
     @property
     def ledger(self) -> Path:
+        """Every DP step of this run, in any process (written under the owner's lock: tpflower.privacy.budget)."""
         return self.dir / "dp-ledger.npy"
 
     def ledger_history(self) -> np.ndarray | None:
         """The DP accountant history of every step this client ever took in this run."""
         return np.load(self.ledger) if self.ledger.is_file() else None
 
-    def advance_ledger(self, history: np.ndarray) -> None:
-        """Record the accountant history after a DP step; the ledger never goes back to fewer steps."""
-        old = self.ledger_history()
-        if old is None or steps(history) >= steps(old):
-            atomic_write(self.ledger, _npy(history))
-
 
 def steps(history: np.ndarray) -> int:
     """DP steps in an accountant history (rows of (noise multiplier, sample rate, steps))."""
     return int(np.asarray(history).reshape(-1, 3)[:, 2].sum())
-
-
-def _npy(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(a))
-    return buf.getvalue()
 
 
 class NodeState(typing.Protocol):
@@ -212,13 +200,11 @@ def after_message(client: CheckpointedClient, config: Mapping[str, Any]) -> None
         store.save(int(config["checkpoint"]), client.state.records)
 
 
-def record_dp_step(client: CheckpointedClient, history: np.ndarray) -> None:
-    """Advance the DP ledger of the current run (if this node keeps checkpoints)."""
+def run_ledger(client: CheckpointedClient) -> Path | None:
+    """The DP ledger of the current run (None if this node keeps no checkpoints or the run has no id)."""
     run_id = client.state.scalar("run_id")
-    if run_id is not None:
-        store = store_of(client, {"run_id": run_id})
-        if store is not None:
-            store.advance_ledger(history)
+    store = None if run_id is None else store_of(client, {"run_id": run_id})
+    return None if store is None else store.ledger
 
 
 def resume(client: CheckpointedClient, config: Mapping[str, Any]) -> tuple[dict, dict[str, Any]]:

@@ -2,17 +2,20 @@
 
 The first training message (``predict`` / ``admm_setup``) carries ``dp_steps`` and ``dp_q`` (the local DP
 steps of the whole run and the per-step sample rate of a table row, planned by the server); :meth:`LocalDP.init`
-derives sigma from them ONCE and stores it. Every update is then a DP step of a
-:class:`~tpflower.privacy.trainer.DPLocalTrainer` rebuilt per message from theta and the accountant history in
-``context.state`` (:meth:`LocalDP.trainer`); :meth:`LocalDP.done` refuses a step beyond the plan and reports
-``eps`` (spent at ``delta``). Noise and sampling generators are seeded from the OS entropy.
+derives sigma from them ONCE and stores it, never at a smaller q than the node observes itself. Every update is
+then a DP step of a :class:`~tpflower.privacy.trainer.DPLocalTrainer` rebuilt per message from theta and the
+accountant history in ``context.state`` (:meth:`LocalDP.trainer`); :meth:`LocalDP.done` charges it to the run's
+and the owner's ledgers (tpflower.privacy.budget), refuses a step beyond the plan, beyond the accepted epsilon
+or beyond the owner's total, and reports ``eps`` (spent at ``delta``). Noise and sampling generators are seeded
+from the OS entropy.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,8 +25,12 @@ from tpflower import checkpoint
 from tpflower import privacy as dp
 from tpflower.local_table import LocalTable
 from tpflower.mapping import segment_sum
+from tpflower.privacy.budget import BudgetExhausted, OwnerBudget, added, merged, owner_bound, steps_of
 from tpflower.privacy.trainer import DPLocalTrainer
 from tpflower.state import ClientState
+
+#: slack on the epsilon checks: Opacus calibrates sigma to within 0.01 of the target epsilon
+EPS_TOLERANCE = 0.02
 
 
 class DPClient(checkpoint.CheckpointedClient, typing.Protocol):
@@ -48,8 +55,12 @@ class LocalDP:
         """Whether the run's (accepted) privacy has feature DP."""
         return dp.uses_feature_dp(self.client.privacy())
 
-    def init(self, config: Mapping[str, Any]) -> None:
-        """Feature DP: sigma for the run's planned local steps and sample rate, computed once and stored."""
+    def init(self, config: Mapping[str, Any], own_rate: Callable[[], float]) -> None:
+        """Feature DP: sigma for the run's planned local steps, computed once and stored, at the plan's
+        ``dp_q`` unless ``own_rate()`` (what the node itself observes: ADMM its own Poisson rate b / n_a, SGD the
+        share of its rows in the first batch) is beyond chance for it (:meth:`credible_rate`): an understated
+        ``dp_q`` buys no smaller sigma. The plan is refused when it would take the owner's ledger beyond
+        ``privacy.total_epsilon``."""
         if not self.on or self.client.state.scalar("dp_sigma") is not None:
             return
         if "dp_steps" not in config or "dp_q" not in config:
@@ -58,12 +69,85 @@ class LocalDP:
                 "(dp_steps, dp_q)"
             )
         priv = self.client.privacy()
-        steps, q = int(config["dp_steps"]), float(config["dp_q"])
+        steps = int(config["dp_steps"])
+        q = min(max(float(config["dp_q"]), 1e-12), 1.0)
+        if not self.paper_accounting:
+            q = self.credible_rate(q, float(own_rate()))
         # no step planned (a shard without active rows): sigma is never used; done() refuses any step
         sigma = dp.noise_multiplier_for(priv["epsilon"], priv["delta"], q, steps) if steps >= 1 else 0.0
+        if steps >= 1:
+            self.check_total([[float(sigma), q, float(steps)]])
         self.client.state.set_scalar("dp_sigma", float(sigma))
         self.client.state.set_scalar("dp_q", q)
         self.client.state.set_scalar("dp_steps", steps)
+
+    @property
+    def paper_accounting(self) -> bool:
+        """The owner's floor accepts the paper's q = B / N (``sample_rate: batch``): the plan's q is then used
+        as sent. Otherwise (the default, worst_row) the node accounts the sampling it observes."""
+        return str(self.client.settings.owner.privacy.get("sample_rate", "worst_row")) == "batch"
+
+    def step_rate(self, n_rows: int) -> float:
+        """The q a DP step over ``n_rows`` of this client's table rows is accounted at: the calibrated q, or the
+        share of its rows the step actually holds when that is beyond chance (an understated plan)."""
+        q = float(self.client.state.scalar("dp_q"))
+        if self.paper_accounting:
+            return q
+        return self.credible_rate(q, int(n_rows) / max(len(self.client.local.X), 1))
+
+    def credible_rate(self, q: float, observed: float) -> float:
+        """``q``, unless the share of rows ``observed`` in one step is beyond what sampling at rate q gives by
+        chance (more than q + 4 sd + 1 / n of a binomial share of the n table rows): then ``observed``. An
+        honest plan's q is each row's worst inclusion probability, so its steps fluctuate below the bound."""
+        n = max(len(self.client.local.X), 1)
+        slack = 4.0 * math.sqrt(q * (1.0 - q) / n) + 1.0 / n
+        return q if observed <= q + slack else min(observed, 1.0)
+
+    def batch_rate(self, rows: np.ndarray) -> float:
+        """SGD: the share of this client's table rows in a batch of its ``rows`` (joined rows under VFL)."""
+        expand = self.client.state.get("expand")
+        table_rows = np.unique(rows if expand is None else expand[np.asarray(rows, dtype=np.int64)])
+        return len(table_rows) / max(len(self.client.local.X), 1)
+
+    def admm_rate(self, G: np.ndarray) -> float:
+        """ADMM: the node's own Poisson rate ``min(1, b / n_a)`` over its active table rows (Eq. 16)."""
+        _, G_t, _ = self.admm_rows(np.asarray(G, dtype=np.float64), np.zeros((len(G), 1)))
+        n_a = int(np.count_nonzero(G_t))
+        return min(1.0, self.client.settings.algorithm.local_batch_size / n_a) if n_a else 1.0
+
+    # ------------------------------------------------------------------------------------------ the budget
+
+    def bounds(self) -> tuple[float, float, float]:
+        """(the run's accepted epsilon, its delta, the owner's total_epsilon) and the floor's delta."""
+        floor, run = self.client.settings.owner.privacy, self.client.privacy()
+        return float(run["epsilon"]), float(run["delta"]), owner_bound(floor, run, "total_epsilon")
+
+    def owner_delta(self) -> float:
+        floor, run = self.client.settings.owner.privacy, self.client.privacy()
+        return float(floor.get("delta") or run["delta"])
+
+    def check_total(self, plan: list[list[float]]) -> None:
+        """Refuse a plan that would take the owner's ledger (every earlier run) beyond its total budget."""
+        budget = self.budget()
+        if budget is None:
+            return
+        _, _, total = self.bounds()
+        with budget.locked():
+            before, after = budget.spent(self.owner_delta()), budget.spent(self.owner_delta(), plan)
+        if after > total * (1 + EPS_TOLERANCE):
+            raise BudgetExhausted(
+                f"{self.where}: this run's DP plan would bring its owner's feature-DP budget to epsilon "
+                f"{after:.3g} (spent before: {before:.3g}); the owner allows {total:.3g} over all runs "
+                "(privacy.total_epsilon)"
+            )
+
+    def budget(self) -> OwnerBudget | None:
+        s = self.client.settings
+        return None if s.owner.state_dir is None else OwnerBudget(s.owner.state_dir, s.table, s.shard)
+
+    @property
+    def where(self) -> str:
+        return f"table {self.client.settings.table!r} shard {self.client.settings.shard}"
 
     def trainer(self, model: torch.nn.Module) -> DPLocalTrainer:
         """A DP-SGD trainer around ``model`` (theta already loaded), with the accountant history of the run."""
@@ -80,21 +164,55 @@ class LocalDP:
         )  # no seed: the noise generator is seeded from the OS entropy
 
     def done(self, trainer: DPLocalTrainer, metrics: dict[str, Any]) -> None:
-        """Store the accountant history, report the epsilon spent, remove the Opacus hooks from the model.
+        """Charge the steps of this message, store the run's accountant history, report the epsilon spent;
+        remove the Opacus hooks from the model.
 
+        The steps are charged, under the owner's lock, to this run's ledger (every process of the run: fresh,
+        restarted with the same run id, resumed, concurrent) and to the owner ledger (every run). Refused, so
+        that nothing of the step leaves the node: more steps than the plan, a run epsilon (at the sampling the
+        node observed) above the accepted one, or an owner total above ``privacy.total_epsilon``.
         The hooks come off whatever happens: a refused step must not leave them on the node's cached model
         (the node keeps serving, and its next DP step would wrap the model twice)."""
         try:
             planned = int(self.client.state.scalar("dp_steps"))
             if trainer.steps > planned:  # nothing of this step leaves the client
-                raise RuntimeError(
-                    f"table {self.client.settings.table!r} shard {self.client.settings.shard}: {trainer.steps} DP "
-                    f"steps exceed the {planned} the noise was calibrated for (privacy budget exhausted)"
+                raise BudgetExhausted(
+                    f"{self.where}: {trainer.steps} DP steps exceed the {planned} the noise was calibrated for "
+                    "(privacy budget exhausted)"
                 )
-            history = np.asarray(trainer.accountant_state(), dtype=np.float64).reshape(-1, 3)
+            before = self.client.state.get("dp_history")
+            new = added([] if before is None else before.tolist(), trainer.accountant_state())
+            epsilon, delta, total = self.bounds()
+
+            def check(run_after: list[list[float]], owner_after: list[list[float]]) -> None:
+                if steps_of(run_after) > planned:
+                    raise BudgetExhausted(
+                        f"{self.where}: {steps_of(run_after)} DP steps exceed the {planned} the noise was calibrated "
+                        "for (privacy budget exhausted), counting every process of this run (restarts, resumes)"
+                    )
+                spent = dp.rdp_epsilon(run_after, delta)
+                if spent > epsilon * (1 + EPS_TOLERANCE):
+                    raise BudgetExhausted(
+                        f"{self.where}: at the sampling this node observes the run would spend epsilon "
+                        f"{spent:.3g} > the accepted {epsilon:.3g} (an understated DP plan)"
+                    )
+                if owner_after is not run_after:
+                    owner = dp.rdp_epsilon(owner_after, self.owner_delta())
+                    if owner > total * (1 + EPS_TOLERANCE):
+                        raise BudgetExhausted(
+                            f"{self.where}: this step would bring its owner's feature-DP budget to epsilon "
+                            f"{owner:.3g}; the owner allows {total:.3g} over all runs (privacy.total_epsilon)"
+                        )
+
+            budget = self.budget()
+            if budget is None:  # a simulated node without a run dir: this run is all its owner ever runs
+                run_after = merged(([] if before is None else before.tolist()) + new)
+                check(run_after, run_after)
+            else:
+                run_after = budget.charge_dp(new, checkpoint.run_ledger(self.client), check)
+            history = np.asarray(run_after, dtype=np.float64).reshape(-1, 3)
             self.client.state.put("dp_history", history)
-            checkpoint.record_dp_step(self.client, history)
-            metrics["eps"] = trainer.epsilon(float(self.client.privacy()["delta"]))
+            metrics["eps"] = dp.rdp_epsilon(run_after, delta)
         finally:
             trainer.close()
 

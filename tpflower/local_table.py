@@ -32,6 +32,9 @@ class LocalTable:
     y: np.ndarray | None = None
     is_test: np.ndarray | None = None
     n_classes: int | None = None
+    # the fitted preprocessing that built X (own fit or global rule): a saved model part keeps it
+    preprocessor: TablePreprocessor | None = None
+    bin_edges: Mapping[str, np.ndarray] | None = None
 
     @property
     def width(self) -> int:
@@ -93,6 +96,8 @@ def prepare_local_table(
         y=y,
         is_test=is_test,
         n_classes=n_classes,
+        preprocessor=pre,
+        bin_edges=dict(bin_edges) if t.binned and bin_edges is not None else {},
     )
 
 

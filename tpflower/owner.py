@@ -13,16 +13,21 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     privacy:                         # the floor: the weakest privacy this node accepts (missing bounds: the
       name: label                    # defaults of conf/privacy/<name>.yaml)
       label_epsilon: 5.66            # largest label epsilon accepted (classification: label_lambda, smallest)
+      total_epsilon: 10              # feature DP: all runs together (default 10 x epsilon; docs/settings.md)
+      eval_epsilon: 1                # label DP: one released evaluation metric; total_eval_epsilon: all of them
     keys: blind                      # join keys blinded with this node's own scalar (state_dir/blind.key,
                                      # created on first use; no shared secret); default hmac: the secret below
     secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
     min_sketch_rows: 2048            # union preprocessing: fewest values a shard summarizes by order statistics
     min_group_rows: 20               # fewest of its rows any aggregate it releases covers (k-means centres and
-                                     # costs, shard summaries, evaluation metrics; k and coreset m bounded by it)
+                                     # costs, shard summaries, evaluation metrics; k bounded by it)
     shards: {parts: 2, seed: 0}      # union: the split of its file its nodes serve (each node: its shard of it);
                                      # none: the node serves its whole file. A run cannot re-split it
-    state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run (default: state/<file name>
-                                     # next to this file)
+    state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run, and its saved model parts
+                                     # (default: state/<file name> next to this file)
+    serve_predictions: true          # answer prediction requests for a model it trained (default true)
+    max_prediction_rows: 100000      # most rows one prediction request may score on this node (default 100000)
+    prediction_rows: /data/new.csv   # the query owner: the new rows it asks predictions for (docs/prediction.md)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
@@ -117,9 +122,13 @@ class OwnerSettings:
     max_outputs: int | None = None
     keys: str = "hmac"  # how the node maps its join keys: hmac (the shared secret) or blind (its own scalar)
     # fewest of its rows any aggregate it releases covers: a k-means centre or cost, a shard summary, an
-    # evaluation metric; k <= rows in the join / min_group_rows, coreset m <= joined rows / min_group_rows
+    # evaluation metric; k <= rows in the join / min_group_rows
     min_group_rows: int = DEFAULT_MIN_GROUP_ROWS
     shards: ShardSpec | None = None  # deployed: the split of its file its nodes serve (None: the whole file)
+    serve_predictions: bool = True  # answers prediction requests for a model it trained and still holds
+    # rows one prediction request may score on this node; None: no bound (a simulation, whose user owns every table)
+    max_prediction_rows: int | None = None
+    prediction_rows: str | None = None  # the query owner's file of new rows to predict (it alone reads it)
 
     @property
     def deployed(self) -> bool:
@@ -244,7 +253,18 @@ def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     if not (PRIVACY_DIR / f"{name}.yaml").is_file():
         known = sorted(p.stem for p in PRIVACY_DIR.glob("*.yaml"))
         raise SpecError(f"{where}: privacy.name must be one of {known}, got {name!r}")
+    for key in BUDGET_KEYS:
+        value = raw.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+        ):
+            raise SpecError(f"{where}: privacy.{key} must be a positive number, got {value!r}")
     return {**_privacy_defaults(name), **raw}
+
+
+#: the owner's budget over all runs (tpflower.privacy.budget; defaults in docs/settings.md): feature DP's
+#: total epsilon, one label-DP evaluation's epsilon and the total of all evaluations
+BUDGET_KEYS = ("total_epsilon", "eval_epsilon", "total_eval_epsilon")
 
 
 @cache
@@ -276,6 +296,7 @@ def node_secret(secret_file: str | Path | None, table: str, where: str) -> bytes
 
 #: a deployed node's bound on the outputs per row of a reply when its settings name none
 DEFAULT_MAX_OUTPUTS = 1
+DEFAULT_MAX_PREDICTION_ROWS = 100_000  # a deployed node's bound on the rows of one prediction request
 
 
 def _min_group_rows(value: Any, where: str) -> int:
@@ -287,6 +308,18 @@ def _min_group_rows(value: Any, where: str) -> int:
 def _max_outputs(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecError(f"{where}: max_outputs must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _flag(value: Any, name: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{where}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _whole(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{where}: {name} must be a whole number >= 1, got {value!r}")
     return value
 
 
@@ -314,6 +347,9 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         "keys",
         "min_group_rows",
         "shards",
+        "serve_predictions",
+        "max_prediction_rows",
+        "prediction_rows",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -343,6 +379,13 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         max_outputs=_max_outputs(raw.get("max_outputs", DEFAULT_MAX_OUTPUTS), where),
         min_group_rows=_min_group_rows(raw.get("min_group_rows", DEFAULT_MIN_GROUP_ROWS), where),
         shards=parse_shards(raw.get("shards"), f"{where}: shards"),
+        serve_predictions=_flag(raw.get("serve_predictions", True), "serve_predictions", where),
+        max_prediction_rows=_whole(
+            raw.get("max_prediction_rows", DEFAULT_MAX_PREDICTION_ROWS), "max_prediction_rows", where
+        ),
+        prediction_rows=None
+        if raw.get("prediction_rows") is None
+        else str(resolve_path(raw["prediction_rows"], base).resolve()),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),

@@ -93,6 +93,11 @@ def lookup(algorithm: str, scenario: str) -> AlgorithmEntry:
     raise ValueError(f"algorithm {algorithm!r} is not a federated algorithm; choose one of {for_scenario}")
 
 
+def prediction_strategy() -> type:
+    """The server side of a prediction request (strategies/predict.py; imported by name: server side only)."""
+    return importlib.import_module(f"{STRATEGIES_PACKAGE}.predict").FederatedPrediction
+
+
 def entry_of(cfg: Any) -> AlgorithmEntry:
     return lookup(str(cfg.algorithm.name), str(cfg.scenario.name))
 

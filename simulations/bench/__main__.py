@@ -45,6 +45,10 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "celu": lambda a: _suite("celu").run_suite(a),
     "deploy": _deploy,
     "coreset": lambda a: _suite("coreset").coreset_suite(a),
+    "predict": lambda a: _suite("predict").predict_suite(a.n_joined if a.n_joined != 10_000_000 else 100_000),
+    "lbfgs": lambda a: _suite("lbfgs").lbfgs_suite(
+        [tuple(c.split("/")) for c in a.cases.split(",")] if a.cases else list(_suite("lbfgs").LBFGS_CASES), a.epochs
+    ),
     "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
 }
 
@@ -52,7 +56,12 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=sorted(SUITES))
-    ap.add_argument("--n-joined", type=int, default=10_000_000, help="mapping, setup: joined rows")
+    ap.add_argument(
+        "--n-joined",
+        type=int,
+        default=10_000_000,
+        help="mapping, setup: joined rows (predict: new rows, default 100000)",
+    )
     ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
     ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
     ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
     ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
     ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
+    ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL cases (default: lbfgs.LBFGS_CASES)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)

@@ -30,6 +30,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
+from tpflower.auto import resolve
 from tpflower.checkpoint import run_key
 from tpflower.checks import DataProblems
 from tpflower.config import compose_config
@@ -88,6 +89,7 @@ def owner_checked(
         owner = replace(
             simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root),  # type: ignore[arg-type]
             state_dir=state_dir,
+            prediction_rows=simulated_query_rows(cfg, table, shard),
         )
     owner.check_spec(spec, dataset, root)
     owner.check_shards(spec, str(cfg.scenario.name))
@@ -98,6 +100,15 @@ def owner_checked(
     if owner.source is not None and isinstance(dataset.get("tables"), dict):
         dataset["tables"][table] = {**(dataset["tables"].get(table) or {}), "source": owner.source}
     return CheckedNode(table, shard, owner, dataset, spec)
+
+
+def simulated_query_rows(cfg: DictConfig, table: str, shard: int) -> str | None:
+    """A simulated prediction (simulations.predict): the query owner's file of new rows (``predict.rows``,
+    the user owns every table); None on every other node, and in training."""
+    predict = cfg.get("predict") or {}
+    if predict.get("rows") and (str(predict.get("table")), int(predict.get("shard", 0))) == (table, shard):
+        return str(predict["rows"])
+    return None
 
 
 def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[str, int]:
@@ -147,7 +158,11 @@ def make_client(
             _SETTINGS.popitem(last=False)
     settings, data = _SETTINGS[cache_key]
     entry = entry_of(cfg)
-    return TableClient(data, settings, context.state, entry.protocol, entry.name)
+    from tpflower.phases.predict import PREDICT, with_save  # noqa: PLC0415  torch (see TYPE_CHECKING)
+
+    # a prediction request (config `predict`) is a protocol of its own; training ends with the save stage
+    protocol = PREDICT if cfg.get("predict") else with_save(entry.protocol)
+    return TableClient(data, settings, context.state, protocol, entry.name)
 
 
 def _settings(
@@ -256,7 +271,10 @@ def client_app_for(
 
 @lru_cache(maxsize=8)
 def _compose(overrides: str) -> DictConfig:
-    return compose_config(*overrides.split())
+    """The run config of ``overrides``, ``algorithm=auto`` resolved (tpflower.auto: as the server resolves it)."""
+    cfg = compose_config(*overrides.split())
+    resolve(cfg)
+    return cfg
 
 
 @lru_cache(maxsize=8)

@@ -3,7 +3,8 @@
 The strategy is looked up in tpflower.registry (algorithm x scenario), validated (its typed settings, the
 run settings, privacy) before any node is contacted, and its start() runs the protocol. Under `flwr run .` the
 run config's ``overrides`` string holds the Hydra overrides and ``run-dir`` the directory for results.json
-(default outputs/flwr/ALGORITHM-DATASET).
+(default outputs/flwr/ALGORITHM-DATASET). With ``predict.run_id`` in the config the run is a prediction request
+for the model of that run dir instead (strategies/predict.py; docs/prediction.md).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from omegaconf import DictConfig
 
 from tpflower.app.client_app import config_from_run_config  # at import time: see the note in server_app_for
 from tpflower.app.flower_patch import install_fast_fetch, install_fast_grid_pulls
+from tpflower.auto import resolve
 from tpflower.datasets import load_spec
-from tpflower.registry import entries, entry_of
+from tpflower.registry import entries, entry_of, prediction_strategy
 from tpflower.schema import RelationalSpec
 
 
@@ -32,9 +34,11 @@ def build_strategy(
     spec: RelationalSpec | None = None,
 ) -> Any:
     """The registered strategy of cfg's algorithm and scenario, federated or not (strategies/FAMILY.py, found
-    by the registry); ``spec``: the dataset's spec if already loaded. Bad settings raise ValueError here."""
-    entry = entry_of(cfg)
+    by the registry); ``spec``: the dataset's spec if already loaded. Bad settings raise ValueError here.
+    ``algorithm=auto`` is resolved here, in ``cfg`` (tpflower.auto), and the choice is the run's first line."""
     spec = spec if spec is not None else load_spec(cfg.dataset, base_dir=base_dir)
+    resolve(cfg, spec, log=log)
+    entry = entry_of(cfg)
     return entry.strategy(
         cfg,
         spec,
@@ -55,6 +59,7 @@ def make_strategy(
 ) -> Strategy:
     """The registered Flower strategy of cfg's algorithm and scenario (a strategies.base.TablePuppetStrategy);
     bad settings, and an algorithm that does not run federated (centralized), raise ValueError here."""
+    resolve(cfg, spec, base_dir, log=log)  # algorithm=auto: said once, here (build_strategy finds it resolved)
     entry = entry_of(cfg)
     if not entry.federated:
         scenario = str(cfg.scenario.name)
@@ -83,7 +88,12 @@ def server_app_for(
         run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
         out = run_dir or context.run_config.get("run-dir") or default_run_dir(run_cfg)
         root = base_dir if base_dir is not None else context.run_config.get("base-dir") or None
-        run = strategy if strategy is not None else make_strategy(run_cfg, out, root, log=log)
+        if strategy is not None:
+            run = strategy
+        elif run_cfg.get("predict"):  # a prediction request for the model in the run dir (docs/prediction.md)
+            run = prediction_strategy().from_run_dir(run_cfg, out, root, log=log)
+        else:
+            run = make_strategy(run_cfg, out, root, log=log)
         if created is not None:
             created.append(run)
         nodes = run_cfg.get("nodes") or {}

@@ -252,8 +252,9 @@ def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     """Store G_i, N and rho (the server resolves algorithm.rho=auto) and build theta_i^0. Nothing of the model
     leaves: ADMM starts from x^0 = 0 (Boyd Sec. 3.1), so the server needs no prediction of theta_i^0, and
     theta_i^0 next to f_i(theta_i^0; X) would give X away (docs/threat-model.md, A deviating server)."""
-    ADMMState(np.asarray(arrays["G"], dtype=np.float64), int(config["N"]), float(config["rho"])).save(client.state)
-    client.dp.init(config)
+    G = np.asarray(arrays["G"], dtype=np.float64)
+    ADMMState(G, int(config["N"]), float(config["rho"])).save(client.state)
+    client.dp.init(config, lambda: client.dp.admm_rate(G))
     model = client.model(config)
     client.state.save_model(model)
     return {}, {"n_params": int(client.theta(model).size)}

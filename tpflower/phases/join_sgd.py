@@ -90,7 +90,7 @@ def predict_rows(client: TableClient, model, arrays: Arrays) -> Arrays:
 
 
 def predict(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    client.dp.init(config)
+    client.dp.init(config, lambda: client.dp.batch_rate(np.asarray(arrays["rows"], dtype=np.int64)))
     model = client.model(config)
     client.state.save_model(model)
     return predict_rows(client, model, arrays), client.reg_metrics(model)
@@ -106,7 +106,8 @@ def sgd_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     if client.dp.on:  # DP-SGD: per TABLE row clipped terms of Eq. 12, Gaussian noise
         rows, Y_rows = client.dp.table_rows(pending, Y)
         trainer = client.dp.trainer(model)
-        trainer.sgd_step(client.tensor(client.local.X[rows]), client.tensor(Y_rows), batch, lr, beta)
+        q = client.dp.step_rate(len(rows))  # the share of its rows this step holds, when above the plan's q
+        trainer.sgd_step(client.tensor(client.local.X[rows]), client.tensor(Y_rows), batch, lr, beta, q)
         client.dp.done(trainer, privacy)
     else:
         local_sgd_step(model, client.tensor(client.rows_X(pending)), client.tensor(Y), batch, lr, beta)

@@ -22,12 +22,11 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord
 
-from tpflower import fedprep, registry
+from tpflower import fedprep, label_dp, registry
 from tpflower import privacy as dp
 from tpflower.blind import blind_keys, new_scalar, node_scalar, reblind
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
-from tpflower.losses import metrics as eval_metrics
 from tpflower.mapping import project_keys
 from tpflower.records import Arrays, numbered, unnumbered
 
@@ -60,11 +59,9 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
         y = data.y
         priv = client.privacy()
         if dp.uses_label_dp(priv):
-            # label DP, once, before the labels leave: the training rows' labels randomized
-            # (tpflower.privacy.randomize_labels), the test rows' labels not sent at all (see evaluate)
-            train = ~data.is_test
-            rng = dp.label_rng()  # OS entropy: nothing the server knows regenerates the noise
-            y = dp.randomize_labels(data.y[train], s.spec.label.task, priv, rng, data.n_classes)
+            # label DP: the training rows' labels randomized once per owner setting and the same draw served
+            # to every run (tpflower.label_dp); the test rows' labels not sent at all (see evaluate)
+            y = label_dp.training_labels(client)
             metrics["labels"] = "train_randomized"
         out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
         metrics["n_classes"] = int(data.n_classes or 0)
@@ -212,16 +209,13 @@ for the metric of one row, or of a few, to read their labels."""
 def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Label DP: the test labels never leave the label owner. The server sends its test predictions H of this
     client's test rows ``rows`` (positions in its rows); the client returns the metrics against its true
-    labels (tpflower.losses.metrics) and the row count, for the server to combine over shards.
+    labels, as differentially private releases charged to its owner's budget (tpflower.label_dp), and the row
+    count, for the server to combine over shards.
 
     The guard: rows within the test split, covering at least EVAL_COVERAGE of it, and the same rows (with
     their multiplicities) at every evaluation; the protocol allows one evaluation per training step."""
     H, rows = arrays["H"], np.asarray(arrays["rows"], dtype=np.int64)
-    data, task, where = (
-        client.data,
-        client.settings.spec.label.task,
-        f"table {client.settings.table!r} shard {client.settings.shard}",
-    )
+    data, where = client.data, f"table {client.settings.table!r} shard {client.settings.shard}"
     if data.y is None or data.is_test is None:
         raise RuntimeError(f"{where} holds no labels: it cannot evaluate")
     if len(H) != len(rows):
@@ -244,17 +238,16 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
         client.state.put("evaluate_rows", ordered)
     elif not np.array_equal(first, ordered):
         raise ProtocolRefusal(f"{where}: evaluate over other test rows than its first evaluation")
-    out = reference_score(arrays, rows, data.y, task, first is None, where)
+    out = reference_score(client, arrays, rows, first is None, where)
     if len(rows) == 0:
         return {}, {"n": 0}
-    return {}, {"n": len(rows), **eval_metrics(task, np.asarray(H), data.y[rows]), **out}
+    return {}, {"n": len(rows), **label_dp.evaluation_metrics(client, np.asarray(H), rows), **out}
 
 
-def reference_score(
-    arrays: Arrays, rows: np.ndarray, y: np.ndarray, task: str, first: bool, where: str
-) -> dict[str, Any]:
+def reference_score(client: TableClient, arrays: Arrays, rows: np.ndarray, first: bool, where: str) -> dict[str, Any]:
     """The constant predictor's metrics (``ref_*``) when the server sends one (``H_ref``): at the first
-    evaluation only, and only a constant one (every row the same prediction), so it learns one number more."""
+    evaluation only, and only a constant one (every row the same prediction), so it learns one number more
+    (released like every metric: differentially private, charged; tpflower.label_dp)."""
     if "H_ref" not in arrays:
         return {}
     H_ref = np.asarray(arrays["H_ref"])
@@ -264,7 +257,7 @@ def reference_score(
         )
     if len(rows) == 0:
         return {}
-    return {f"ref_{k}": v for k, v in eval_metrics(task, H_ref, y[rows]).items()}
+    return {f"ref_{k}": v for k, v in label_dp.evaluation_metrics(client, H_ref, rows).items()}
 
 
 #: The setup stages of every LoJ algorithm, in order; federated preprocessing (stats: a first summary and at

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from tpflower.client import TableClient
 from tpflower.guard import Phase
 from tpflower.phases import join_sgd, setup
@@ -30,7 +32,8 @@ def sgd_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     X, beta, count = client.tensor(client.rows_X(pending)), float(client.settings.model["beta"]), float(config["count"])
     if client.dp.on:  # Eq. 18 with clipped per-row terms and this shard's own Gaussian noise
         trainer = client.dp.trainer(model)
-        g = trainer.partial_gradient(X, client.tensor(Y), beta * count)
+        q = client.dp.step_rate(len(np.unique(pending)))  # observed, when above the plan's q
+        g = trainer.partial_gradient(X, client.tensor(Y), beta * count, q)
         privacy: dict[str, Any] = {}
         client.dp.done(trainer, privacy)
         return {"g": g.detach().cpu().numpy()}, privacy

@@ -1,0 +1,87 @@
+"""Use a trained model: ``python -m simulations.predict RUN_DIR --rows FILE [--out predictions.csv]``.
+
+Federated prediction in simulation (docs/prediction.md): the nodes of the training run in RUN_DIR come back
+with their saved parts (RUN_DIR/node-state), the label table's owner supplies the new rows FILE (CSV or
+Parquet: the table's join keys and feature columns), the other owners the tables they serve now; the server
+(strategies/predict.py) joins the keys, sums the parts' outputs and writes one line per joined new row. New
+rows that join no partner are counted and their row numbers written to OUT.unjoined.csv. Bad input (a rows
+file without the key columns, with a column the model did not train on, with wrong types; a missing part):
+one line on stderr, exit status 1, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from omegaconf import OmegaConf, open_dict
+
+from simulations.federated import run_flower_simulation, run_in_process
+from strategies.model_record import read_model_record
+from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Predictions, write_predictions
+from strategies.transport import RunError
+from tpflower.datasets import load_spec
+from tpflower.schema import SpecError
+
+
+def predict_run(
+    run_dir: str | Path,
+    rows: str | Path,
+    shard: int = 0,
+    runtime: str = "inprocess",
+    base_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+) -> Predictions:
+    """Score the new rows ``rows`` with the model of ``run_dir`` (its model.json and its nodes' parts); the
+    label table's shard ``shard`` holds them. ``runtime``: inprocess, or flower (the simulation engine)."""
+    for name in ("flwr", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    run_dir = Path(run_dir).resolve()
+    record = read_model_record(run_dir)
+    rows_path = Path(rows).resolve()
+    if not rows_path.is_file():
+        raise ValueError(f"rows file {rows}: no such file")
+    cfg = OmegaConf.create(record["config"])
+    base = str(base_dir) if base_dir is not None else os.getcwd()
+    spec = load_spec(cfg.dataset, base_dir=base)
+    with open_dict(cfg):
+        cfg.predict = {"run_id": record["run_id"], "rows": str(rows_path), "table": spec.label_table, "shard": shard}
+    strategy = FederatedPrediction(cfg, spec, record, (spec.label_table, int(shard)), log)
+    if runtime == "inprocess":
+        run_in_process(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
+    elif runtime == "flower":
+        run_flower_simulation(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
+    else:
+        raise ValueError(f"--runtime must be inprocess or flower, got {runtime!r}")
+    assert strategy.results is not None
+    return strategy.results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simulations.predict", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", help="the training run's directory (model.json, node-state/)")
+    parser.add_argument("--rows", required=True, help="the new rows (CSV or Parquet) of the label table")
+    parser.add_argument("--out", help="the predictions CSV (default RUN_DIR/predictions.csv)")
+    parser.add_argument("--shard", type=int, default=0, help="the label table's shard that holds the rows")
+    parser.add_argument("--runtime", choices=("inprocess", "flower"), default="inprocess")
+    parser.add_argument("--base-dir", help="where relative dataset paths start (default: the current directory)")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        pred = predict_run(args.run_dir, args.rows, args.shard, args.runtime, args.base_dir)
+    except (RunError, SpecError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    out = Path(args.out) if args.out else Path(args.run_dir) / PREDICTIONS_FILE
+    write_predictions(pred, out)
+    print(f"{len(pred.rows) + len(pred.unjoined)} new rows scored in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Federated prediction over the join, server side (docs/prediction.md; client: tpflower/phases/predict.py).
+
+A trained model is split by construction: f(x_j) = sum_i f_i(theta_i; x_{i, p_i(j)}) (docs/algorithms.md,
+Notation), and theta_i stays with the owner of table i. To score new rows, the query owner (by default the
+label table's) holds them with their join keys and features, the other owners the rows they serve now. The
+request runs like training's setup and one evaluation round:
+
+1. ``predict_keys``: every node sends row ids and keyed digests of its rows' join keys (keys=blind: the blinded
+   values, then the same re-blinding hops as training, strategies.setup.JoinSetup.blind_rounds), and the id of
+   the part it holds, checked against model.json.
+2. The server joins the digests into p_i (tpflower.mapping.build_mapping, as in training): one joined row per
+   new row and partner; new rows that join no partner are reported, not dropped silently.
+3. ``predict_rows``: each node scores the distinct rows U_i the joined rows use, h_i = f_i(theta_i; x_u);
+   the server sums H_j = sum_i h_i[p_i(j)] and applies the inverse label transform of model.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from strategies.base import TablePuppetStrategy
+from strategies.kmeans import cell_points, grid_cells
+from strategies.model_record import dataset_digest, label_scale_of, read_model_record
+from strategies.setup import JoinSetup, ShardRouter, key_mode
+from strategies.transport import ClientKey, RunError
+from tpflower.batches import joined_predictions
+from tpflower.clustering import sq_distances
+from tpflower.datasets import load_spec
+from tpflower.mapping import KeyProjection, build_mapping
+from tpflower.schema import RelationalSpec, SpecError
+
+PREDICTIONS_FILE = "predictions.csv"
+
+
+@dataclass
+class Predictions:
+    """The scored new rows: ``rows[j]`` the query row (its position in the rows file) of joined row j,
+    ``H[j]`` its prediction in the label's units (classification: the scores, logits), ``unjoined`` the
+    query rows that joined no partner; ``p[t][j]`` the row of table t in joined row j (the query table's: the
+    query row), the server's mapping."""
+
+    task: str
+    rows: np.ndarray
+    H: np.ndarray
+    unjoined: np.ndarray
+    p: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def frame(self) -> pd.DataFrame:
+        """One line per joined new row: ``row``, ``prediction`` and, for classification, class probabilities
+        (binary: ``p_1``; multiclass: ``p_0`` ... ``p_{C-1}``)."""
+        out = pd.DataFrame({"row": self.rows.astype(np.int64)})
+        H = np.asarray(self.H, dtype=np.float64).reshape(len(self.rows), -1) if len(self.rows) else self.H
+        if self.task == "cluster":
+            out["cluster"] = np.asarray(self.H).reshape(-1).astype(np.int64)
+        elif self.task == "regression":
+            out["prediction"] = H[:, 0]
+        elif self.task == "binary":
+            p1 = 1.0 / (1.0 + np.exp(-H[:, 0]))
+            out["prediction"], out["p_1"] = (H[:, 0] > 0).astype(np.int64), p1
+        else:
+            e = np.exp(H - H.max(axis=1, keepdims=True))
+            P = e / e.sum(axis=1, keepdims=True)
+            out["prediction"] = H.argmax(axis=1)
+            for c in range(P.shape[1]):
+                out[f"p_{c}"] = P[:, c]
+        return out
+
+
+class FederatedPrediction(TablePuppetStrategy):
+    """One prediction request for the model of ``record`` (model.json): the new rows are held by the query
+    client ``query`` (its owner's rows file), every other table's clients serve their current rows."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        spec: RelationalSpec,
+        record: Mapping[str, Any],
+        query: ClientKey,
+        log: Callable[[str], None] = print,
+    ):
+        scenario = str(cfg.scenario.name)
+        super().__init__(spec.clients(scenario), log)
+        if query[0] != spec.label_table:
+            raise ValueError(
+                f"the new rows belong to table {query[0]!r}: a prediction joins from the label table "
+                f"{spec.label_table!r}, whose owner supplies them"
+            )
+        if query not in self.clients:
+            raise ValueError(f"table {query[0]!r} has no shard {query[1]} (clients: {self.clients})")
+        self.cfg, self.spec, self.record, self.query = cfg, spec, record, query
+        self.clusters = record.get("predicts") == "cluster"  # k-means: a cluster id per joined row
+        self.d_out = None if self.clusters else int(record["d_out"])
+        self.task = "cluster" if self.clusters else str(record["task"])
+        self.parts = {(p["table"], int(p["shard"])): p["part"] for p in record["parts"]}
+        self.results: Predictions | None = None
+        self.finished = False
+        self.out: Path | None = None  # a deployed request: the server writes the predictions here
+
+    @classmethod
+    def from_run_dir(
+        cls, cfg: Any, run_dir: str | Path, base_dir: str | Path | None = None, log: Callable[[str], None] = print
+    ) -> FederatedPrediction:
+        """The request of a deployed ServerApp (config ``predict.run_id``, ``predict.shard``): the model of
+        ``run_dir`` (its model.json), the predictions written to RUN_DIR/predictions.csv."""
+        record = read_model_record(run_dir)
+        asked = str(cfg.predict.get("run_id") or "")
+        if asked != str(record["run_id"]):
+            raise ValueError(f"predict.run_id={asked}, but the model in {run_dir} is run {record['run_id']}")
+        if dataset_digest(cfg) != record.get("dataset_digest"):
+            raise ValueError(
+                f"the request's dataset spec is not the one the model in {run_dir} was trained on (dataset "
+                f"{record.get('dataset')!r}, digest {str(record.get('dataset_digest'))[:12]}): submit it with the "
+                "training run's overrides"
+            )
+        spec = load_spec(cfg.dataset, base_dir=base_dir)
+        strategy = cls(cfg, spec, record, (spec.label_table, int(cfg.predict.get("shard", 0))), log)
+        strategy.out = Path(run_dir) / PREDICTIONS_FILE
+        return strategy
+
+    @property
+    def members(self) -> list[ClientKey]:
+        """The clients of the request: the query shard of the label table, every client of the other tables."""
+        return [k for k in self.clients if k[0] != self.query[0] or k == self.query]
+
+    def protocol(self) -> None:
+        run_id = str(self.record["run_id"])
+        replies = self.send(
+            {k: ({}, {"phase": "predict_keys", "run_id": run_id, "query": int(k == self.query)}) for k in self.members}
+        )
+        for key, (_, m) in sorted(replies.items()):
+            if str(m.get("part")) != self.parts.get(key):
+                raise RunError(
+                    f"table {key[0]!r} shard {key[1]}: its saved part {m.get('part')} is not the part "
+                    f"{self.parts.get(key)} of run {run_id} in model.json (retrained or replaced since)"
+                )
+        if key_mode(replies) == "blind":
+            JoinSetup(self.send, self.spec, self.cfg, self.members, {}, self.log).blind_rounds(replies)
+        n_query = len(replies[self.query][0]["row_ids"])
+        projections = {t: [] for t in self.spec.table_names}
+        for (t, _), (arrays, _) in replies.items():
+            digests = {k: arrays[f"digest.{k}"] for k, j in enumerate(self.spec.joins) if t in (j.left, j.right)}
+            projections[t].append(KeyProjection(t, np.asarray(arrays["row_ids"], dtype=np.int64), digests))
+        try:
+            mapping = build_mapping(self.spec, projections)
+        except SpecError:  # no new row joins: every one is reported
+            self.results = Predictions(
+                self.task, np.zeros(0, np.int64), np.zeros((0, self.d_out or 1)), np.arange(n_query, dtype=np.int64)
+            )
+            self.finished = True
+            if self.out is not None:
+                write_predictions(self.results, self.out, self.log)
+            return
+        routers = {
+            t: ShardRouter(
+                {q: np.asarray(r[0]["row_ids"], dtype=np.int64) for (tt, q), r in replies.items() if tt == t},
+                mapping.n_rows[t],
+            )
+            for t in self.spec.table_names
+        }
+        distinct = {t: np.unique(mapping.p[t], return_inverse=True) for t in self.spec.table_names}
+        messages = {}
+        for t, (U, _) in distinct.items():
+            for q, pos in routers[t].split(U).items():
+                messages[(t, q)] = ({"rows": pos}, {"phase": "predict_rows"})
+        scored = self.send(messages, "eval")
+        name = "labels" if self.clusters else "h"
+        h = {
+            t: routers[t].gather(U, {q: r[0][name] for (tt, q), r in scored.items() if tt == t})
+            for t, (U, _) in distinct.items()
+        }
+        inv = {t: i.ravel() for t, (_, i) in distinct.items()}
+        H = self.cluster_ids(h, inv) if self.clusters else joined_predictions(inv, h)
+        rows = np.asarray(mapping.p[self.query[0]], dtype=np.int64)
+        self.results = Predictions(
+            self.task,
+            rows,
+            H if self.clusters else label_scale_of(self.record).to_label(H),
+            np.setdiff1d(np.arange(n_query), rows),
+            dict(mapping.p),
+        )
+        self.finished = True
+        if self.out is not None:
+            write_predictions(self.results, self.out, self.log)
+
+    def cluster_ids(self, labels: Mapping[str, np.ndarray], inv: Mapping[str, np.ndarray]) -> np.ndarray:
+        """k-means (DistDim): each joined row's grid cell from its tables' local labels, and the final centre
+        nearest to the cell's point, as the run assigns its joined rows (strategies/kmeans.py)."""
+        local = {t: np.asarray(c, dtype=np.float64) for t, c in self.record["local_centres"].items()}
+        C = np.asarray(self.record["centres"], dtype=np.float64)
+        cells, cell_of = grid_cells([np.asarray(labels[t])[inv[t]] for t in local], C.shape[0])
+        return sq_distances(cell_points(cells, list(local.values())), C).argmin(1)[cell_of]
+
+
+def write_predictions(pred: Predictions, out: Path, log: Callable[[str], None] = print) -> None:
+    """The predictions CSV, and OUT.unjoined.csv with the new rows that joined no partner (if any)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pred.frame().to_csv(out, index=False)
+    log(f"predictions: {out} ({len(pred.rows)} joined rows)")
+    if len(pred.unjoined):
+        side = out.with_suffix(".unjoined.csv")
+        pd.DataFrame({"row": pred.unjoined}).to_csv(side, index=False)
+        log(f"{len(pred.unjoined)} new row(s) joined no partner and have no prediction: their row numbers in {side}")

@@ -1,0 +1,64 @@
+"""algorithm=auto (tpflower/auto.py): the choice by model, label, privacy and scenario; the same choice on the
+server and on every node (which resolves the run config itself); the choice printed first and recorded."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from simulations.federated import run_in_process
+from tests.conftest import make_cfg
+from tests.test_conformance import call
+from tests.test_curious_server import SYNTHETIC, hello, node, refused
+from tpflower.app.client_app import _compose
+from tpflower.app.client_app import app as deployed_app
+from tpflower.auto import choose
+from tpflower.config import compose_config
+from tpflower.privacy import privacy_message
+
+
+@pytest.mark.parametrize(
+    ("task", "model", "privacy", "scenario", "selector"),
+    [
+        ("regression", "linear", "none", "join", "pcg"),
+        ("regression", "linear", "label", "join", "pcg"),
+        ("regression", "mlp", "none", "join", "lbfgs"),
+        ("binary", "linear", "label", "join", "lbfgs"),
+        ("multiclass", "mlp", "none", "join", "lbfgs"),
+        ("regression", "linear", "dpsgd", "join", "admm"),
+        ("binary", "mlp", "label_dpsgd", "join", "admm"),
+        ("regression", "linear", "none", "ucq", "admm"),
+    ],
+)
+def test_auto_chooses_by_model_label_privacy_and_scenario(task, model, privacy, scenario, selector):
+    assert choose(task, model, {"name": privacy}, scenario)[0] == selector
+
+
+def test_auto_is_resolved_printed_first_and_recorded(tmp_path):
+    lines: list[str] = []
+    cfg = make_cfg("algorithm=auto", "dataset=synthetic", "model=mlp", "epochs=2", "+algorithm.memory=4")
+    run = run_in_process(cfg, tmp_path, log=lines.append)
+    assert lines[0] == "algorithm=auto: lbfgs (mlp model, regression label, without feature DP)"
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert record["algorithm"] == "tp_join_lbfgs" == run.strategy.algorithm
+    assert record["config"]["algorithm"]["name"] == "lbfgs" and record["config"]["algorithm"]["memory"] == 4
+    assert record["config"]["algorithm_auto"].startswith("lbfgs:")
+    # a run config (flwr run, a deployed node) resolves the same way on every side
+    assert _compose("algorithm=auto dataset=synthetic model=mlp").algorithm.name == "lbfgs"
+    assert _compose("algorithm=auto dataset=synthetic").algorithm.name == "pcg"
+    with pytest.raises(ValueError, match="algorithm.rho is not a setting of algorithm 'pcg'"):
+        run_in_process(make_cfg("algorithm=auto", "dataset=synthetic", "+algorithm.rho=2"), None, log=lines.append)
+
+
+def test_a_node_resolves_auto_itself_and_refuses_the_exact_phases_under_its_dp_floor(tmp_path):
+    # the owner's floor is DP-SGD; the run asks for algorithm=auto with DP-SGD: the node resolves auto by its own
+    # rules (admm: DP-SGD local steps) and refuses a curious server's exact PCG / L-BFGS phases
+    attack = "algorithm=auto dataset=synthetic privacy=dpsgd"
+    context = node(tmp_path, "d1", f"{SYNTHETIC} privacy=dpsgd", attack)
+    assert hello(deployed_app, context)["table"] == "d1"
+    msg = {"phase": "keys", **privacy_message(dict(compose_config(*attack.split()).privacy))}
+    call(deployed_app, context, "train", {}, msg)
+    for phase, arrays in (("pcg_setup", {"G": np.ones(400), "s": np.ones(400)}), ("lbfgs_start", {})):
+        refused(deployed_app, context, f"refuses phase '{phase}'", "train", arrays, {"phase": phase, "N": 1})

@@ -1,0 +1,320 @@
+"""Saved model parts and federated prediction (docs/prediction.md): the predictions of a run's own test rows
+are its final test predictions (float64, every registered predictor, in-process; one Flower engine smoke);
+unseen keys are reported; a missing part names its table; bad rows files give one line and no file; the
+owner's settings (serve_predictions, max_prediction_rows, max_outputs) hold on the deployed client path."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from flwr.app import Context
+
+from simulations.federated import run_in_process
+from simulations.predict import main as predict_main
+from simulations.predict import predict_run
+from tests.conftest import make_cfg
+from tests.test_conformance import call
+from tests.test_curious_server import SYNTHETIC, hello, node, refused
+from tpflower import registry
+from tpflower.app.client_app import app as deployed_app
+from tpflower.datasets import load_table, shard_rows
+from tpflower.mapping import holdout_mask
+from tpflower.records import unpack_reply
+
+#: every registered algorithm that trains a predictor of the label; k-means predicts a cluster id (below)
+PREDICTORS = [e for e in registry.entries() if e.federated and e.family != "kmeans"]
+CLUSTERINGS = [e for e in registry.entries() if e.family == "kmeans"]
+QUIET = {"log": lambda _: None}
+
+
+def overrides_of(entry: registry.AlgorithmEntry) -> list[str]:
+    extra = ["algorithm.batch_size=512"] if "batch_size" in entry.params.__dataclass_fields__ else []
+    return [f"algorithm={entry.selector}", f"scenario={entry.scenario}", "dataset=synthetic", *extra]
+
+
+def train(run_dir: Path, *overrides: str):
+    """A float64 run of one epoch with its run dir (model.json, node-state/)."""
+    cfg = make_cfg(*overrides, "epochs=1", "precision=float64")
+    return run_in_process(cfg, run_dir, **QUIET).strategy
+
+
+def held_out_rows(strategy, tmp_path: Path, shard: int | None = None) -> tuple[Path, np.ndarray]:
+    """The label table's test rows (of one shard) as a CSV, and their label-table row ids."""
+    spec, frame = load_table(strategy.cfg.dataset, strategy.spec.label_table)
+    ids = np.flatnonzero(holdout_mask(spec, len(frame)))
+    if shard is not None:
+        ids = np.intersect1d(ids, shard_rows(spec.table(spec.label_table), frame)[shard])
+    path = tmp_path / f"rows-{shard}.csv"
+    frame.iloc[ids].to_csv(path, index=False)
+    return path, ids
+
+
+def joined_keys(p: dict[str, np.ndarray], tables: list[str]) -> np.ndarray:
+    return np.stack([np.asarray(p[t], dtype=np.int64) for t in tables], axis=1)
+
+
+def assert_same_as_the_run(strategy, preds: list) -> None:
+    """Every joined test row of the run has the same prediction (to 1e-9) as the prediction run gave it."""
+    m, n_train = strategy.join.mapping, strategy.train.N
+    tables = list(m.p)
+    run_keys = joined_keys({t: m.p[t][n_train:] for t in tables}, tables)
+    H_run = np.asarray(strategy.record.test_predictions, dtype=np.float64).reshape(len(run_keys), -1)
+    keys = np.concatenate(
+        [joined_keys({**pred.p, strategy.spec.label_table: ids[pred.rows]}, tables) for pred, ids in preds]
+    )
+    H = np.concatenate([pred.H for pred, _ in preds]).reshape(len(keys), -1)
+    a, b = np.lexsort(run_keys.T[::-1]), np.lexsort(keys.T[::-1])
+    np.testing.assert_array_equal(run_keys[a], keys[b])
+    np.testing.assert_allclose(H[b], H_run[a], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("entry", PREDICTORS, ids=[e.name for e in PREDICTORS])
+def test_predictions_of_the_test_rows_are_the_runs_final_test_predictions(entry, tmp_path):
+    strategy = train(tmp_path / "run", *overrides_of(entry))
+    record = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert record["run_id"] == strategy.run_id and record["algorithm"] == entry.name
+    assert {(p["table"], p["shard"]) for p in record["parts"]} == set(strategy.clients)
+    assert not {"theta", "preprocessing"} & set(json.dumps(record).replace('"', " ").split())  # no owner parameter
+    for part in (tmp_path / "run" / "node-state" / "models" / strategy.run_id).iterdir():
+        assert stat.S_IMODE(part.stat().st_mode) == 0o600
+    shards = [None] if entry.scenario == "join" else strategy.routers[strategy.spec.label_table].shards
+    preds = []
+    for q in shards:
+        rows, ids = held_out_rows(strategy, tmp_path, q)
+        pred = predict_run(tmp_path / "run", rows, shard=q or 0, **QUIET)
+        assert len(pred.unjoined) == 0
+        preds.append((pred, ids))
+    assert_same_as_the_run(strategy, preds)
+
+
+@pytest.mark.parametrize("entry", CLUSTERINGS, ids=[e.name for e in CLUSTERINGS])
+def test_kmeans_predicts_the_cluster_the_run_assigned(entry, tmp_path):
+    """The label table's rows, scored as new rows, fall in the clusters the run assigned their joined rows
+    (DistDim: each table's nearest local centre, the grid cell's nearest final centre)."""
+    extra = ["algorithm.m=500"] if "m" in entry.params.__dataclass_fields__ else []
+    strategy = train(tmp_path / "run", *overrides_of(entry), "algorithm.k=4", "algorithm.restarts=2", *extra)
+    record = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert record["predicts"] == "cluster" and len(record["centres"]) == 4
+    _, frame = load_table(strategy.cfg.dataset, "fact")
+    ids = np.arange(len(frame))
+    frame.drop(columns=["y"]).to_csv(tmp_path / "rows.csv", index=False)
+    out = tmp_path / "clusters.csv"
+    assert predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "rows.csv"), "--out", str(out)]) == 0
+    assert list(pd.read_csv(out).columns) == ["row", "cluster"]
+    pred = predict_run(tmp_path / "run", tmp_path / "rows.csv", **QUIET)
+    m = strategy.mapping
+    tables = list(m.p)
+    run_keys, keys = joined_keys(m.p, tables), joined_keys({**pred.p, "fact": ids[pred.rows]}, tables)
+    a, b = np.lexsort(run_keys.T[::-1]), np.lexsort(keys.T[::-1])
+    np.testing.assert_array_equal(run_keys[a], keys[b])
+    np.testing.assert_array_equal(np.asarray(pred.H)[b], np.asarray(strategy.assignment)[a])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One multiclass TP-Join-ADMM run for the tests below (its test rows, the run)."""
+    tmp = tmp_path_factory.mktemp("multiclass")
+    strategy = train(tmp / "run", "algorithm=admm", "dataset=synthetic", "dataset.loader.task=multiclass")
+    rows, ids = held_out_rows(strategy, tmp)
+    return strategy, tmp / "run", rows, ids
+
+
+def test_classification_writes_classes_and_probabilities_and_matches_the_run(trained, tmp_path):
+    strategy, run_dir, rows, ids = trained
+    out = tmp_path / "p.csv"
+    assert predict_main([str(run_dir), "--rows", str(rows), "--out", str(out)]) == 0
+    frame = pd.read_csv(out)
+    d = strategy.d_out
+    assert list(frame.columns) == ["row", "prediction", *[f"p_{c}" for c in range(d)]]
+    P = frame[[f"p_{c}" for c in range(d)]].to_numpy()
+    np.testing.assert_allclose(P.sum(axis=1), 1.0, atol=1e-12)
+    np.testing.assert_array_equal(frame["prediction"].to_numpy(), P.argmax(axis=1))
+    assert_same_as_the_run(strategy, [(predict_run(run_dir, rows, **QUIET), ids)])
+
+
+def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
+    strategy, run_dir, rows, _ = trained
+    frame = pd.read_csv(rows).drop(columns=[strategy.spec.label.column])  # new rows come without labels
+    join = next(j for j in strategy.spec.joins if strategy.spec.label_table in (j.left, j.right))
+    column = join.columns_of(strategy.spec.label_table)[0]
+    frame.loc[[3, 7], column] = frame[column].max() + 10_000  # no dimension row has this key
+    frame.to_csv(tmp_path / "unseen.csv", index=False)
+    out = tmp_path / "p.csv"
+    assert predict_main([str(run_dir), "--rows", str(tmp_path / "unseen.csv"), "--out", str(out)]) == 0
+    assert pd.read_csv(tmp_path / "p.unjoined.csv")["row"].tolist() == [3, 7]
+    assert not {3, 7} & set(pd.read_csv(out)["row"])
+    assert set(pd.read_csv(out)["row"]) == set(range(len(frame))) - {3, 7}
+
+
+def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
+    key = spec.key_columns(spec.label_table)[0]
+    numeric = spec.table(spec.label_table).numeric[0]
+    if how == "missing key":
+        return frame.drop(columns=[key])
+    if how == "unknown column":
+        return frame.assign(favourite_colour="blue")
+    frame = frame.astype({numeric: object})
+    frame.loc[2, numeric] = "twelve"
+    return frame
+
+
+@pytest.mark.parametrize(
+    "how, line",
+    [
+        ("missing key", r"no key column\(s\) \['\w+'\] of table 'fact'"),
+        ("unknown column", r"column\(s\) \['favourite_colour'\] the model of table 'fact' did not train on"),
+        ("wrong type", r"column '\w+' of table 'fact' is numeric, but row 2 holds 'twelve', not a number"),
+    ],
+)
+def test_a_bad_rows_file_is_one_line_and_nothing_is_written(trained, tmp_path, capsys, how, line):
+    strategy, run_dir, rows, _ = trained
+    bad = tmp_path / "bad.csv"
+    bad_rows(pd.read_csv(rows), how, strategy.spec).to_csv(bad, index=False)
+    capsys.readouterr()
+    assert predict_main([str(run_dir), "--rows", str(bad), "--out", str(tmp_path / "p.csv")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: table 'fact' shard 0: rows file"), err
+    assert re.search(line, err), err
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_a_deleted_part_is_named(trained, tmp_path, capsys):
+    strategy, run_dir, rows, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / "node-state" / "models" / strategy.run_id / "d2-0.npz").unlink()
+    assert predict_main([str(copy), "--rows", str(rows), "--out", str(tmp_path / "p.csv")]) == 1
+    err = capsys.readouterr().err
+    assert f"table 'd2' shard 0: no saved model part of run {strategy.run_id}" in err
+    assert not (tmp_path / "p.csv").exists()
+
+
+# ------------------------------------------------------------------------------------ the curious server
+
+
+def deployed(tmp_path: Path, run_dir: Path, run_id: str, table: str, edit=None) -> Context:
+    """A deployed node of ``table`` (its owner's settings file, ``edit`` applied) holding its part of the run,
+    serving a prediction request the (untrusted) server submitted."""
+
+    def settings(s: dict) -> None:
+        s["state_dir"] = str(tmp_path / "state")
+        if edit:
+            edit(s)
+
+    context = node(tmp_path, table, SYNTHETIC, f"{SYNTHETIC} precision=float64 +predict.run_id={run_id}", settings)
+    target = tmp_path / "state" / "models" / run_id
+    target.mkdir(parents=True)
+    shutil.copy(run_dir / "node-state" / "models" / run_id / f"{table}-0.npz", target)
+    return context
+
+
+@pytest.fixture(scope="module")
+def regression_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("regression")
+    strategy = train(tmp / "run", *SYNTHETIC.split())
+    return strategy.run_id, tmp / "run"
+
+
+def test_a_deployed_node_scores_its_rows_with_its_saved_part(regression_run, tmp_path):
+    run_id, run_dir = regression_run
+    context = deployed(tmp_path, run_dir, run_id, "d1")
+    assert hello(deployed_app, context)["table"] == "d1"
+    keys = unpack_reply(call(deployed_app, context, "train", {}, {"phase": "predict_keys", "run_id": run_id}).content)
+    n = len(keys[0]["row_ids"])
+    h = unpack_reply(call(deployed_app, context, "train", {"rows": np.arange(n)}, {"phase": "predict_rows"}).content)
+    assert h[0]["h"].shape == (n, 1)
+
+
+def test_the_owners_settings_bound_what_a_prediction_request_gets(regression_run, tmp_path):
+    run_id, run_dir = regression_run
+    ask = {"phase": "predict_keys", "run_id": run_id}
+    # the owner does not serve predictions
+    off = deployed(tmp_path / "off", run_dir, run_id, "d1", lambda s: s.update(serve_predictions=False))
+    refused(deployed_app, off, "does not serve predictions", "train", {}, ask)
+    # a run whose part it does not hold (another run id, or the part deleted)
+    other = deployed(tmp_path / "other", run_dir, run_id, "d1")
+    refused(deployed_app, other, "no saved model part of run 00ff", "train", {}, {**ask, "run_id": "00ff"})
+    # more rows than the owner scores per request
+    few = deployed(tmp_path / "few", run_dir, run_id, "d1", lambda s: s.update(max_prediction_rows=5))
+    call(deployed_app, few, "train", {}, ask)
+    refused(
+        deployed_app, few, "scores at most 5 per request", "train", {"rows": np.arange(6)}, {"phase": "predict_rows"}
+    )
+    # the query role without rows of its own owner's: the server cannot make a node read a file
+    query = deployed(tmp_path / "query", run_dir, run_id, "d1")
+    refused(deployed_app, query, "no new rows to predict", "train", {}, {**ask, "query": 1})
+    # training phases and out-of-order phases are outside the prediction protocol
+    order = deployed(tmp_path / "order", run_dir, run_id, "d1")
+    refused(
+        deployed_app, order, "not a phase of this algorithm", "train", {"Y": np.zeros((3, 1))}, {"phase": "admm_update"}
+    )
+    refused(deployed_app, order, "stage 'predict_keys'", "train", {"rows": np.arange(2)}, {"phase": "predict_rows"})
+
+
+def test_a_saved_part_holds_no_row_and_is_the_owners_alone(regression_run):
+    run_id, run_dir = regression_run
+    part = run_dir / "node-state" / "models" / run_id / "fact-0.npz"
+    assert stat.S_IMODE(part.stat().st_mode) == 0o600
+    assert stat.S_IMODE(part.parent.stat().st_mode) == 0o700
+    with np.load(part, allow_pickle=False) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        assert all(z[k].size < 100 for k in z.files if k != "meta")  # parameters and statistics, no rows
+    assert meta["run_id"] == run_id and meta["table"] == "fact" and yaml.safe_dump(meta)
+
+
+@pytest.mark.slow
+def test_flower_engine_prediction_equals_in_process(regression_run, tmp_path):
+    run_id, run_dir = regression_run
+    spec_rows = tmp_path / "rows.csv"
+    cfg = make_cfg(*SYNTHETIC.split())
+    spec, frame = load_table(cfg.dataset, "fact")
+    frame.iloc[:300].to_csv(spec_rows, index=False)
+    a = predict_run(run_dir, spec_rows, **QUIET)
+    b = predict_run(run_dir, spec_rows, runtime="flower", **QUIET)
+    np.testing.assert_array_equal(a.rows, b.rows)
+    np.testing.assert_allclose(a.H, b.H, rtol=0, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_deployment_trains_then_restarted_nodes_predict_as_the_simulation(tmp_path):
+    """simulations.deploy run trains (TLS, node authentication, blinded keys; the nodes save their parts under
+    their owners' state_dir), stops every process; simulations.deploy predict starts the nodes again and the
+    label owner's new rows are scored like the in-process simulation of the same config scores them."""
+    from simulations import deploy
+
+    overrides = "algorithm=admm dataset=synthetic epochs=2 precision=float64"
+    run_dir, state = tmp_path / "run", tmp_path / "deploy"
+    deploy.run(overrides, run_dir, state, home=tmp_path / "flwr-home")
+    assert (run_dir / "model.json").is_file()
+    cfg = make_cfg(*overrides.split())
+    _, frame = load_table(cfg.dataset, "fact")
+    rows = tmp_path / "new.csv"
+    frame.drop(columns=["y"]).iloc[:500].to_csv(rows, index=False)
+    out = deploy.predict(overrides, run_dir, rows, state, home=tmp_path / "flwr-home")
+    deployed = pd.read_csv(out)
+    run_in_process(cfg, tmp_path / "sim", **QUIET)
+    simulated = predict_run(tmp_path / "sim", rows, **QUIET).frame()
+    np.testing.assert_array_equal(deployed["row"], simulated["row"])
+    np.testing.assert_allclose(deployed["prediction"], simulated["prediction"], rtol=1e-6)
+
+
+def test_a_deployed_request_names_another_dataset_spec_or_run(regression_run):
+    from strategies.predict import FederatedPrediction
+
+    run_id, run_dir = regression_run
+    same = make_cfg(*SYNTHETIC.split(), f"+predict.run_id='{run_id}'")
+    assert FederatedPrediction.from_run_dir(same, run_dir, **QUIET).out == run_dir / "predictions.csv"
+    other = make_cfg(*SYNTHETIC.split(), "dataset.loader.noise=0.5", f"+predict.run_id='{run_id}'")
+    with pytest.raises(ValueError, match="is not the one the model in .* was trained on"):
+        FederatedPrediction.from_run_dir(other, run_dir, **QUIET)
+    with pytest.raises(ValueError, match="predict.run_id=00ff, but the model"):
+        FederatedPrediction.from_run_dir(make_cfg(*SYNTHETIC.split(), "+predict.run_id='00ff'"), run_dir, **QUIET)

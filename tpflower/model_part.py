@@ -1,0 +1,167 @@
+"""A node's saved part of a trained model (docs/prediction.md): what it needs to compute f_i(theta_i; x) of
+new rows after the run, and nothing of anyone else's.
+
+One file per run and table shard, ``STATE_DIR/models/<run_id>/<table>-<shard>.npz`` under the owner's
+state_dir (a simulation: RUN_DIR/node-state), written atomically, mode 0600 in a 0700 directory. It holds the
+trained parameters theta_i (torch state dict), the fitted preprocessing (imputation medians, means, stds,
+one-hot categories, bin edges) and the model spec (kind, width, outputs, precision); read back with
+``allow_pickle=False``. Its part id is the SHA-256 of the file (first 16 hex digits): the server's model
+record lists the ids, so a prediction notices a part that was replaced. Deleting the file withdraws the part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from tpflower.checkpoint import atomic_write
+from tpflower.fedprep import bin_transform
+from tpflower.models import torch_dtype
+from tpflower.preprocess import TablePreprocessor
+from tpflower.relation import build_local_model
+from tpflower.schema import RelationalSpec
+
+MODELS_DIR = "models"
+
+
+def part_path(state_dir: str | Path, run_id: str, table: str, shard: int) -> Path:
+    """Where the part of (table, shard) of run ``run_id`` lives under ``state_dir``."""
+    if not run_id or not all(c in "0123456789abcdef" for c in run_id):
+        raise ValueError(f"table {table!r}: run id {run_id!r} is not a run id (hex digits)")
+    return Path(state_dir) / MODELS_DIR / run_id / f"{table}-{int(shard)}.npz"
+
+
+@dataclass
+class ModelPart:
+    """One table shard's part of a trained model (module docstring)."""
+
+    run_id: str
+    algorithm: str
+    table: str
+    shard: int
+    model: Mapping[str, Any]  # the run's model config (kind, hidden, bias, init, beta)
+    width: int  # d_i: the preprocessed feature width
+    d_out: int  # outputs per row
+    precision: str
+    seed: int
+    preprocessing: dict[str, Any]  # TablePreprocessor.stats() (numeric and categorical columns)
+    numeric: tuple[str, ...]
+    categorical: tuple[str, ...]
+    bin_edges: dict[str, np.ndarray] = field(default_factory=dict)
+    theta: dict[str, np.ndarray] = field(default_factory=dict)
+    centres: np.ndarray | None = None  # k-means: the table's local centres (k x d_i) instead of theta
+
+    # ------------------------------------------------------------------------------------------ storage
+
+    def save(self, state_dir: str | Path) -> str:
+        """Write the part (0600) and return its part id."""
+        path = part_path(state_dir, self.run_id, self.table, self.shard)
+        for d in (Path(state_dir), path.parent.parent, path.parent):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        meta = {
+            "run_id": self.run_id,
+            "algorithm": self.algorithm,
+            "table": self.table,
+            "shard": self.shard,
+            "model": dict(self.model),
+            "width": self.width,
+            "d_out": self.d_out,
+            "precision": self.precision,
+            "seed": self.seed,
+            "preprocessing": {k: dict(v) for k, v in self.preprocessing.items()},
+            "numeric": list(self.numeric),
+            "categorical": list(self.categorical),
+            "bins": list(self.bin_edges),
+            "theta": list(self.theta),
+            "centres": self.centres is not None,
+        }
+        arrays = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)}
+        arrays.update({f"theta.{k}": np.asarray(v) for k, v in self.theta.items()})
+        arrays.update({f"edges.{k}": np.asarray(v, dtype=np.float64) for k, v in self.bin_edges.items()})
+        if self.centres is not None:
+            arrays["centres"] = np.asarray(self.centres, dtype=np.float64)
+        atomic_write(path, lambda f: np.savez(f, **arrays))  # mkstemp: the file is 0600
+        os.chmod(path, 0o600)
+        return part_id(path)
+
+    @classmethod
+    def load(cls, state_dir: str | Path, run_id: str, table: str, shard: int) -> ModelPart | None:
+        """The saved part, or None when there is none (never trained here, or deleted by its owner)."""
+        path = part_path(state_dir, run_id, table, shard)
+        if not path.is_file():
+            return None
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            theta = {k: z[f"theta.{k}"] for k in meta["theta"]}
+            edges = {k: z[f"edges.{k}"] for k in meta["bins"]}
+            centres = z["centres"] if meta.get("centres") else None
+        return cls(
+            run_id=meta["run_id"],
+            algorithm=meta["algorithm"],
+            table=meta["table"],
+            shard=int(meta["shard"]),
+            model=meta["model"],
+            width=int(meta["width"]),
+            d_out=int(meta["d_out"]),
+            precision=meta["precision"],
+            seed=int(meta["seed"]),
+            preprocessing=meta["preprocessing"],
+            numeric=tuple(meta["numeric"]),
+            categorical=tuple(meta["categorical"]),
+            bin_edges=edges,
+            theta=theta,
+            centres=centres,
+        )
+
+    # ------------------------------------------------------------------------------------------ use
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The feature columns the part was trained on (numeric, categorical, binned)."""
+        return self.numeric + self.categorical + tuple(c for c in self.bin_edges if c not in self.numeric)
+
+    def features(self, frame: pd.DataFrame) -> np.ndarray:
+        """The preprocessed features of ``frame``'s rows with the fitted preprocessing of training (the same
+        transform as training's, row by row), in the run's precision."""
+        pre = TablePreprocessor.from_stats(self.numeric, self.categorical, table=self.table, **self.preprocessing)
+        X = pre.transform(frame)
+        if self.bin_edges:
+            X = np.concatenate([X, bin_transform(frame, self.bin_edges, table=self.table)], axis=1)
+        if X.shape[1] != self.width:
+            raise ValueError(
+                f"table {self.table!r}: the saved preprocessing gives {X.shape[1]} features, not {self.width}"
+            )
+        return X.astype(np.float32 if self.precision == "float32" else np.float64, copy=False)
+
+    def module(self, spec: RelationalSpec) -> torch.nn.Module:
+        """f_i with the saved theta_i."""
+        dtype = torch_dtype(self.precision)
+        model = build_local_model(self.model, spec, self.table, self.width, self.d_out, self.seed, dtype)
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in self.theta.items()})
+        return model
+
+    def predict(self, spec: RelationalSpec, X: np.ndarray) -> np.ndarray:
+        """f_i(theta_i; X), float64."""
+        model = self.module(spec)
+        with torch.no_grad():
+            return model(torch.as_tensor(X, dtype=torch_dtype(self.precision))).numpy().astype(np.float64)
+
+    def cluster_labels(self, X: np.ndarray) -> np.ndarray:
+        """k-means: each row's nearest local centre, computed as the run's Lloyd steps compute it
+        (tpflower.clustering: ||c||^2 - 2 x.c, the same argmin and ties)."""
+        assert self.centres is not None
+        X, C = np.asarray(X, dtype=np.float64), self.centres
+        return ((C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)).argmin(1)
+
+
+def part_id(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]

@@ -1,0 +1,208 @@
+"""L-BFGS over the join, client side (docs/algorithms.md, section "L-BFGS"; Nocedal & Wright, Numerical
+Optimization, Alg. 7.4 and 7.5; the two-loop recursion on inner products as in Chen et al. 2014, "Large-scale
+L-BFGS using MapReduce").
+
+The objective is TablePuppet Eq. 2 over the whole training join, F(theta) = (1/N) sum_j l(H_j; y_j) +
+beta sum_i R_i(theta_i), for any loss and local model (linear or MLP). Its parameter vector is the
+concatenation of the tables' theta_i: table i keeps its own block of theta, of the gradient g and of the
+L-BFGS memory (the pairs s_k = theta_{k+1} - theta_k, y_k = g_{k+1} - g_k), and sends only per-row outputs
+(as TP-Join-SGD with B = [N]) and the partial inner products of its blocks (the Gram matrix of
+[s_0..s_{c-1}, y_0..y_{c-1}, g]); the server sums them and runs the two-loop recursion on scalars, returning
+the direction as coefficients over that basis. No block of theta, g, s or y leaves the table.
+
+  lbfgs_start {}                    -> {h}     h = f_i(theta_i; rows) for every row of the table, R_i
+  lbfgs_grad  {Y}, t                -> {gram}  theta += t d (the accepted step; t = 0: none), the gradient
+                                               g_i = J_i^T Y / N + beta theta_i (Y = S_i dl/dH), the new pair
+                                               (s = t d, y = g - g_prev) as the memory's last candidate
+  lbfgs_trial {delta, pairs}, t     -> {h}     d = [S, Y, g] delta, the memory keeps the pairs ``pairs``;
+              (later trials: t only)           h = f_i(theta_i + t d; rows), R_i at that point
+  lbfgs_take  t                     -> {}      the run's end: theta += t d (the last accepted step)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpflower.client import TableClient
+from tpflower.guard import Phase, Stage
+from tpflower.models import l2_penalty
+from tpflower.params import AlgorithmParams, nonnegative, param, positive_int, probability
+from tpflower.phases import setup
+from tpflower.records import Arrays
+from tpflower.registry import AlgorithmEntry, register
+from tpflower.state import StateRecord
+
+WHY_NO_FEATURE_DP = (
+    "L-BFGS takes exact full-batch gradient steps and exchanges exact inner products of the gradient blocks; "
+    "there is no per-row step to clip and noise. Run algorithm=admm or sgd with privacy=dpsgd"
+)
+
+
+@dataclass(frozen=True)
+class LBFGSParams(AlgorithmParams):
+    """algorithm.* of algorithm=lbfgs (conf/algorithm/lbfgs.yaml)."""
+
+    memory: int = param(positive_int, 10)  # m: the (s, y) pairs kept
+    # stop once ||g|| <= tol ||g_0|| or (F_k - F_{k+1}) <= tol max(|F_k|, |F_{k+1}|, 1); 0: never
+    tol: float = param(nonnegative, 1e-9)
+    c1: float = param(probability, 1e-4)  # Armijo's sufficient decrease: F(theta + t d) <= F + c1 t g.d
+    backtrack: float = param(probability, 0.5)  # t *= backtrack after a rejected trial
+    max_trials: int = param(positive_int, 20)  # trial steps per iteration before the line search gives up
+
+
+@dataclass
+class LBFGSState(StateRecord):
+    """This table's blocks (float64): the memory S, Yk (d_i x c, oldest first; the last column may be the
+    candidate pair not yet accepted by the server), the gradient g at theta and the direction d."""
+
+    S: np.ndarray | None = None
+    Yk: np.ndarray | None = None
+    g: np.ndarray | None = None
+    d: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, client: TableClient, phase: str) -> LBFGSState:
+        state = cls.load(client.state)
+        if state is None:
+            raise RuntimeError(f"table {client.settings.table!r}: {phase} before lbfgs_start")
+        return state
+
+
+def flat(model: torch.nn.Module) -> np.ndarray:
+    """theta_i as one float64 vector (the model's parameters in their order)."""
+    params = list(model.parameters())
+    if not params:
+        return np.zeros(0)
+    return torch.nn.utils.parameters_to_vector(params).detach().cpu().double().numpy()
+
+
+def set_flat(model: torch.nn.Module, theta: np.ndarray) -> None:
+    params = list(model.parameters())
+    if params:
+        with torch.no_grad():
+            vec = torch.as_tensor(theta, dtype=params[0].dtype, device=params[0].device)
+            torch.nn.utils.vector_to_parameters(vec, params)
+
+
+def gradient(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, N: int, beta: float) -> np.ndarray:
+    """g_i = (1/N) sum_u Y_iu^T dh_iu/dtheta_i + beta dR_i/dtheta_i (Eq. 12-13 with B = [N]), float64."""
+    params = list(model.parameters())
+    if not params:
+        return np.zeros(0)
+    model.zero_grad()
+    ((Y * model(X)).sum() / N + beta * l2_penalty(model)).backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return torch.cat([g.reshape(-1) for g in grads]).detach().cpu().double().numpy()
+
+
+def basis(state: LBFGSState) -> np.ndarray:
+    """[s_0..s_{c-1}, y_0..y_{c-1}, g] as columns (d_i x (2c + 1))."""
+    assert state.S is not None and state.Yk is not None and state.g is not None
+    return np.column_stack([state.S, state.Yk, state.g])
+
+
+def lbfgs_start(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """theta_0 (the seeded initialisation), an empty memory; the outputs of every row of the table."""
+    model = client.model(config)
+    client.state.save_model(model)
+    d = len(flat(model))
+    LBFGSState(np.zeros((d, 0)), np.zeros((d, 0)), None, None).save(client.state)
+    return {"h": client.predict(model, None)}, client.reg_metrics(model)
+
+
+def take_step(client: TableClient, model: torch.nn.Module, st: LBFGSState, t: float) -> None:
+    """theta += t d: the step the server accepted (the trial point becomes the iterate)."""
+    if st.d is None:
+        raise RuntimeError(f"table {client.settings.table!r}: a step t={t} without a direction")
+    set_flat(model, flat(model) + t * st.d)
+    client.state.save_model(model)
+
+
+def lbfgs_grad(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Take the accepted step t d, then g_i at the new theta; the partial Gram matrix of [S, Y, g]."""
+    st = LBFGSState.of(client, "lbfgs_grad")
+    model = client.model(config)
+    t = float(config["t"])
+    if t:
+        take_step(client, model, st, t)
+    Y = np.asarray(arrays["Y"])
+    g = gradient(
+        model,
+        client.tensor(client.rows_X(None)),
+        client.tensor(Y),
+        int(config["N"]),
+        float(client.settings.model["beta"]),
+    )
+    if st.g is not None and t:  # the new pair, a candidate until the server keeps it (lbfgs_trial's pairs)
+        st.S = np.column_stack([st.S, t * st.d])
+        st.Yk = np.column_stack([st.Yk, g - st.g])
+    st.g, st.d = g, None
+    st.save(client.state)
+    B = basis(st)
+    return {"gram": B.T @ B}, {}
+
+
+def lbfgs_trial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """The direction (first trial of an iteration: d = [S, Y, g] delta, then keep the memory's ``pairs``), and
+    the outputs of every row at theta + t d, with R_i there."""
+    st = LBFGSState.of(client, "lbfgs_trial")
+    model = client.model(config)
+    if "delta" in arrays:
+        B = basis(st)
+        delta = np.asarray(arrays["delta"], dtype=np.float64).ravel()
+        pairs = np.asarray(arrays["pairs"], dtype=np.int64).ravel()
+        c = st.S.shape[1]
+        if len(delta) != B.shape[1] or (pairs.size and (pairs.min() < 0 or pairs.max() >= c)):
+            raise ValueError(
+                f"table {client.settings.table!r}: lbfgs_trial with {len(delta)} coefficients and pairs "
+                f"{pairs.tolist()} for a memory of {c} pairs"
+            )
+        st.d = B @ delta
+        st.S, st.Yk = st.S[:, pairs], st.Yk[:, pairs]
+        st.save(client.state)
+    if st.d is None:
+        raise RuntimeError(f"table {client.settings.table!r}: lbfgs_trial without a direction")
+    theta = flat(model)
+    set_flat(model, theta + float(config["t"]) * st.d)
+    out = {"h": client.predict(model, None)}
+    metrics = client.reg_metrics(model)
+    set_flat(model, theta)  # the trial point is not taken until the server accepts it (lbfgs_grad's t)
+    return out, metrics
+
+
+def lbfgs_take(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """The run's last accepted step (the next gradient message would have taken it)."""
+    st = LBFGSState.of(client, "lbfgs_take")
+    model = client.model(config)
+    take_step(client, model, st, float(config["t"]))
+    st.d = None
+    st.save(client.state)
+    return {}, client.reg_metrics(model)
+
+
+START = Stage("start", {"lbfgs_start": Phase(lbfgs_start)})
+TRAIN: dict[str, Phase] = {
+    "lbfgs_grad": Phase(lbfgs_grad),
+    "lbfgs_trial": Phase(lbfgs_trial),
+    "lbfgs_take": Phase(lbfgs_take),
+}
+
+register(
+    AlgorithmEntry(
+        "tp_join_lbfgs",
+        "lbfgs",
+        "join",
+        "lbfgs",
+        "TPJoinLBFGS",
+        setup.loj_protocol(START, TRAIN),
+        LBFGSParams,
+        feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
+        summary="full-batch L-BFGS over the join (two-loop recursion on the tables' partial inner products)",
+    )
+)

@@ -1,0 +1,227 @@
+"""Saved model parts and federated prediction, client side (docs/prediction.md; server: strategies/predict.py).
+
+At the end of a training run (a stage after training, every predictor's protocol):
+
+  save_part     {}            -> {} {part}: this node stores its part (tpflower.model_part) under its owner's
+                                 state_dir, named by the run; ``part`` its id ("" without a state_dir or theta)
+
+A prediction request is a protocol of its own (:data:`PREDICT`), never mixed with training:
+
+  predict_keys  {} {run_id, query} -> {row_ids, digest.<join>...} (keys=blind: code/blind, then reblind):
+                                 the query owner (``query``: 1) reads the new rows of its settings'
+                                 ``prediction_rows`` file, every other node takes the rows it serves now;
+                                 keyed digests of their join keys, as in training's keys phase
+  reblind       as in setup (keys=blind)
+  predict_rows  {rows}        -> {h}: f_i(theta_i; x_u) of its rows ``rows`` with the saved theta_i and the
+                                 saved preprocessing; k-means: {labels}, each row's nearest local centre
+
+The owner decides (tpflower.owner): a node answers only for a run whose part it still holds, only when its
+settings say ``serve_predictions: true``, with the saved output width within its ``max_outputs``, and scores at
+most ``max_prediction_rows`` rows per request. New rows are checked before anything leaves the node: key
+columns present and of the kind training joined them as, no column the model did not train on, numbers where
+training had numbers; one line naming the file, the table and the column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tpflower.blind import blind_keys
+from tpflower.client import TableClient
+from tpflower.clustering import label_dtype
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
+from tpflower.mapping import project_keys
+from tpflower.model_part import ModelPart, part_id, part_path
+from tpflower.phases.setup import blinding_scalar, blinds_keys, reblind_keys
+from tpflower.records import Arrays
+from tpflower.schema import SpecError, key_kind
+
+
+def _where(client: TableClient) -> str:
+    return f"table {client.settings.table!r} shard {client.settings.shard}"
+
+
+# ------------------------------------------------------------------------------------------------ saving
+
+
+def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Store this node's part of the run's model under its owner's state_dir; reply its part id."""
+    s = client.settings
+    run_id = client.state.scalar("run_id")
+    theta, centres = client.state.records.get("theta"), client.state.get("kmeans.C")
+    if s.owner.state_dir is None or (theta is None and centres is None) or run_id is None:
+        return {}, {"part": ""}
+    if str(config.get("run_id", run_id)) != str(run_id):
+        raise ProtocolRefusal(f"{_where(client)}: save_part names run {config.get('run_id')!r}, not its run")
+    local = client.local
+    assert local.preprocessor is not None
+    t = s.spec.table(s.table)
+    part = ModelPart(
+        run_id=str(run_id),
+        algorithm=client.algorithm,
+        table=s.table,
+        shard=s.shard,
+        model=dict(s.model),
+        width=local.width,
+        d_out=int(client.state.scalar("d_out", 0)),  # k-means: 0 (it predicts a cluster)
+        precision=s.precision,
+        seed=s.seed,
+        preprocessing=local.preprocessor.stats(),
+        numeric=tuple(t.numeric),
+        categorical=tuple(t.categorical),
+        bin_edges={k: np.asarray(v, dtype=np.float64) for k, v in (local.bin_edges or {}).items()},
+        theta={} if theta is None else {k: v.cpu().numpy() for k, v in theta.to_torch_state_dict().items()},
+        centres=None if theta is not None else np.asarray(centres, dtype=np.float64),
+    )
+    return {}, {"part": part.save(s.owner.state_dir)}
+
+
+#: the last stage of every predictor's training protocol
+SAVE = Stage("save", {"save_part": Phase(save_part)})
+
+
+def with_save(protocol: Protocol) -> Protocol:
+    """A training protocol followed by the save stage."""
+    return Protocol(protocol.stages + (SAVE,))
+
+
+# ------------------------------------------------------------------------------------------------ predicting
+
+
+def saved_part(client: TableClient, run_id: str) -> tuple[ModelPart, str]:
+    """This node's part of run ``run_id`` and its id, if its owner serves predictions and still holds it."""
+    s, where = client.settings, _where(client)
+    if not s.owner.serve_predictions:
+        raise ProtocolRefusal(f"{where}: its owner does not serve predictions (serve_predictions: false)")
+    part = None if s.owner.state_dir is None else ModelPart.load(s.owner.state_dir, run_id, s.table, s.shard)
+    if part is None:
+        raise SpecError(
+            f"{where}: no saved model part of run {run_id} on this node (its owner deleted it, or the node did "
+            "not train that run)"
+        )
+    bound = s.owner.max_outputs
+    if bound is not None and part.d_out > bound:
+        raise ProtocolRefusal(
+            f"{where}: the model has {part.d_out} outputs per row; this node's owner allows at most {bound} "
+            "(max_outputs in its settings)"
+        )
+    assert s.owner.state_dir is not None
+    return part, part_id(part_path(s.owner.state_dir, run_id, s.table, s.shard))
+
+
+def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
+    """The query owner's new rows, checked against what the model was trained on (module docstring)."""
+    s = client.settings
+    spec, table, where = s.spec, s.table, f"rows file {path}"
+    suffix = Path(path).suffix.lower()
+    try:
+        frame = pd.read_parquet(path) if suffix == ".parquet" else pd.read_csv(path)
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
+    keys = list(spec.key_columns(table))
+    missing = [c for c in keys if c not in frame.columns]
+    if missing:
+        raise SpecError(f"{where}: no key column(s) {missing} of table {table!r} (the rows join by {keys})")
+    label = [spec.label.column] if spec.label.table == table else []
+    allowed = set(keys) | set(part.columns) | set(label)
+    unknown = [c for c in frame.columns if c not in allowed]
+    if unknown:
+        raise SpecError(
+            f"{where}: column(s) {unknown} the model of table {table!r} did not train on "
+            f"(it takes {sorted(set(keys) | set(part.columns))})"
+        )
+    absent = [c for c in part.columns if c not in frame.columns]
+    if absent:
+        raise SpecError(f"{where}: no feature column(s) {absent} of table {table!r}")
+    for c in keys:
+        kind = key_kind(frame[c].dtype)
+        trained = s.key_kinds.get(c)
+        if trained is not None and kind != trained:
+            raise SpecError(f"{where}: key column {c!r} holds {kind} values; table {table!r} joins it as {trained}")
+    for c in (*part.numeric, *part.bin_edges):
+        col = frame[c]
+        if not (pd.api.types.is_numeric_dtype(col) or pd.api.types.is_bool_dtype(col)):
+            bad = pd.to_numeric(col, errors="coerce").isna() & col.notna()
+            first = int(np.flatnonzero(bad.to_numpy())[0]) if bad.any() else 0
+            raise SpecError(
+                f"{where}: column {c!r} of table {table!r} is numeric, but row {first} holds {col.iloc[first]!r}, not a number"
+            )
+    if len(frame) == 0:
+        raise SpecError(f"{where}: no rows")
+    return frame.drop(columns=label, errors="ignore").reset_index(drop=True)
+
+
+def request_rows(client: TableClient, part: ModelPart, query: bool) -> tuple[pd.DataFrame, np.ndarray]:
+    """The rows of this request and their row ids: the query owner's new rows (ids 0..n-1), or the rows this
+    node serves now (its table, or its shard with the table's row ids)."""
+    s = client.settings
+    if not query:
+        return client.data.rows, np.asarray(client.data.row_ids, dtype=np.int64)
+    if s.owner.prediction_rows is None:
+        raise SpecError(f"{_where(client)}: no new rows to predict (prediction_rows in its owner's settings)")
+    frame = read_rows(s.owner.prediction_rows, client, part)
+    return frame, np.arange(len(frame), dtype=np.int64)
+
+
+def check_count(client: TableClient, n: int) -> None:
+    bound = client.settings.owner.max_prediction_rows
+    if bound is not None and n > bound:
+        raise ProtocolRefusal(
+            f"{_where(client)}: a prediction request of {n} rows; this node's owner scores at most {bound} per "
+            "request (max_prediction_rows in its settings)"
+        )
+
+
+def predict_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Row ids and keyed digests of the join keys of the request's rows (module docstring)."""
+    s = client.settings
+    run_id, query = str(config.get("run_id", "")), bool(config.get("query", 0))
+    part, pid = saved_part(client, run_id)
+    frame, row_ids = request_rows(client, part, query)
+    if query:
+        check_count(client, len(frame))
+    client.state.set_scalar("predict.run_id", run_id)
+    client.state.set_scalar("predict.query", int(query))
+    mode = s.owner.keys
+    client.state.set_scalar("keys", mode)
+    keys = frame[list(s.spec.key_columns(s.table))]
+    out: Arrays = {"row_ids": row_ids}
+    if mode == "blind":
+        scalar = blinding_scalar(client)
+        for k, j in enumerate(s.spec.joins):
+            if s.table in (j.left, j.right):
+                out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(keys, j.columns_of(s.table), scalar)
+    else:
+        proj = project_keys(s.spec, s.table, keys, row_ids, s.secret)
+        out.update({f"digest.{k}": d for k, d in sorted(proj.digests.items())})
+    return out, {"n_rows": len(frame), "part": pid, "d_out": part.d_out, "blind_keys": int(mode == "blind")}
+
+
+def predict_rows(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """h = f_i(theta_i; x_u) of the request's rows ``rows`` (positions among this node's request rows)."""
+    run_id, query = str(client.state.scalar("predict.run_id")), bool(client.state.scalar("predict.query"))
+    part, _ = saved_part(client, run_id)
+    frame, _ = request_rows(client, part, query)
+    rows = np.asarray(arrays["rows"], dtype=np.int64)
+    check_count(client, len(rows))
+    if len(rows) and (rows.min() < 0 or rows.max() >= len(frame)):
+        raise ProtocolRefusal(f"{_where(client)}: predict_rows asks for rows outside its {len(frame)} rows")
+    X = part.features(frame.iloc[rows])
+    if part.centres is not None:  # k-means: the nearest local centre of each row (DistDim: one label per row)
+        return {"labels": part.cluster_labels(X).astype(label_dtype(len(part.centres)))}, {}
+    return {"h": part.predict(client.settings.spec, X)}, {}
+
+
+#: a prediction request: the keys of the rows, (keys=blind) the re-blinding hops, one scoring round
+PREDICT = Protocol(
+    (
+        Stage("predict_keys", {"predict_keys": Phase(predict_keys)}),
+        Stage("reblind", {"reblind": Phase(reblind_keys, blinds_keys)}, calls=None),
+        Stage("predict_rows", {"predict_rows": Phase(predict_rows)}),
+    )
+)

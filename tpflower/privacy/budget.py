@@ -1,0 +1,212 @@
+"""One privacy budget per owner, across runs (docs/settings.md, Privacy; docs/threat-model.md).
+
+Everything here lives in the owner's ``state_dir/budget/`` (files 0600, written atomically, under one file lock
+per table shard, so concurrent runs on one node are serialized):
+
+* ``<table>-<shard>-ledger.json``: the owner ledger. ``dp``: the accountant history ``[[sigma, q, steps], ...]``
+  of EVERY feature-DP step this node ever released, whatever run it belonged to (fresh, restarted with the same
+  run id, resumed, concurrent); the owner's total epsilon is the RDP composition of all of it and may not
+  exceed ``privacy.total_epsilon``. ``eval_epsilon``: the epsilon spent by label-DP evaluations (pure DP,
+  summed), bounded by ``privacy.total_eval_epsilon``.
+* ``<table>-<shard>-labels-<digest>.npz``: the label-DP draw of the training labels (TablePuppet Eq. 25), made
+  once per (table, shard, label column, label-DP setting) and served to every later run. A new draw only when
+  the owner deletes the file (``python -m simulations.node --client-config F --reset-label-dp``).
+
+No torch here: the RDP arithmetic is :func:`tpflower.privacy.accounting.rdp_epsilon` (Opacus on first use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tpflower.params import positive_finite
+from tpflower.privacy.accounting import rdp_epsilon
+
+BUDGET_DIR = "budget"
+#: the default of ``privacy.total_epsilon``: this many runs at the floor's per-run epsilon
+DEFAULT_RUNS = 10
+#: the default of ``privacy.eval_epsilon``: the epsilon of one label-DP evaluation (Laplace noise on the metric)
+DEFAULT_EVAL_EPSILON = 1.0
+#: the default of ``privacy.total_eval_epsilon``: ten runs of ten evaluations (plus the reference) each
+DEFAULT_TOTAL_EVAL_EPSILON = 110.0
+
+
+class BudgetExhausted(ValueError):
+    """A release would exceed what the owner allows (nothing of it leaves the node)."""
+
+
+# ------------------------------------------------------------------------------------------------ settings
+
+
+def owner_bound(floor: Mapping[str, Any], run: Mapping[str, Any], key: str) -> float:
+    """The owner's ``privacy.<key>`` (``total_epsilon``, ``eval_epsilon``, ``total_eval_epsilon``), checked,
+    else its documented default (``total_epsilon``: DEFAULT_RUNS times the floor's epsilon, or the run's when
+    the floor has no feature DP). The run's word is never read for these."""
+    if floor.get(key) is not None:
+        return positive_finite(f"privacy.{key}", floor[key])
+    if key == "total_epsilon":
+        return DEFAULT_RUNS * float(floor.get("epsilon") or run.get("epsilon") or 1.0)
+    if key == "eval_epsilon":
+        return DEFAULT_EVAL_EPSILON
+    if key == "total_eval_epsilon":
+        return DEFAULT_TOTAL_EVAL_EPSILON
+    raise KeyError(key)
+
+
+# ------------------------------------------------------------------------------------------------ histories
+
+
+def merged(history: Iterable[Sequence[float]]) -> list[list[float]]:
+    """An accountant history with the steps of equal ``(sigma, q)`` added up (RDP composes additively)."""
+    out: dict[tuple[float, float], int] = {}
+    for sigma, q, n in history:
+        out[(float(sigma), float(q))] = out.get((float(sigma), float(q)), 0) + int(n)
+    return [[s, q, float(n)] for (s, q), n in out.items() if n > 0]
+
+
+def added(before: Iterable[Sequence[float]], after: Iterable[Sequence[float]]) -> list[list[float]]:
+    """The steps in ``after`` that are not in ``before`` (per ``(sigma, q)``): what one message released."""
+    old = {(s, q): n for s, q, n in merged(before)}
+    return [[s, q, n - old.get((s, q), 0.0)] for s, q, n in merged(after) if n > old.get((s, q), 0.0)]
+
+
+def steps_of(history: Iterable[Sequence[float]]) -> int:
+    return int(sum(int(n) for _, _, n in history))
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def private_write(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` atomically, readable by the owner only (0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp: mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(a))
+    return buf.getvalue()
+
+
+class OwnerBudget:
+    """The budget files of one table shard under its owner's ``state_dir`` (module docstring)."""
+
+    def __init__(self, state_dir: str | Path, table: str, shard: int):
+        self.dir = Path(state_dir) / BUDGET_DIR
+        self.name = f"{table}-{int(shard)}"
+        self.ledger = self.dir / f"{self.name}-ledger.json"
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive access to this shard's budget (an OS file lock: concurrent runs and processes wait)."""
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def read(self) -> dict[str, Any]:
+        if not self.ledger.is_file():
+            return {"dp": [], "eval_epsilon": 0.0}
+        return json.loads(self.ledger.read_text())
+
+    def write(self, ledger: Mapping[str, Any]) -> None:
+        private_write(self.ledger, json.dumps(dict(ledger), sort_keys=True).encode())
+
+    # -------------------------------------------------------------------------------------------- feature DP
+
+    def spent(self, delta: float, plus: Iterable[Sequence[float]] = ()) -> float:
+        """The owner's total feature-DP epsilon at ``delta`` over every run, with ``plus`` added."""
+        return rdp_epsilon(merged(list(self.read()["dp"]) + list(plus)), delta)
+
+    def charge_dp(
+        self,
+        new: list[list[float]],
+        run_ledger: Path | None,
+        check: Callable[[list[list[float]], list[list[float]]], None],
+    ) -> list[list[float]]:
+        """Charge the steps ``new`` to this run's ledger (``run_ledger``, an .npy of every step of the run in any
+        process; None: the run has no id) and to the owner ledger, under the lock. ``check(run_after,
+        owner_after)`` raises to refuse (then nothing is written). Returns the run's history after."""
+        with self.locked():
+            run_old = np.load(run_ledger).tolist() if run_ledger is not None and run_ledger.is_file() else []
+            run_after = merged(run_old + new)
+            ledger = self.read()
+            owner_after = merged(list(ledger["dp"]) + new)
+            check(run_after, owner_after)
+            if run_ledger is not None:
+                private_write(run_ledger, npy_bytes(np.asarray(run_after, dtype=np.float64).reshape(-1, 3)))
+            self.write({**ledger, "dp": owner_after})
+        return run_after
+
+    # -------------------------------------------------------------------------------------------- label DP
+
+    def charge_eval(self, epsilon: float, total: float, where: str) -> float:
+        """Charge one label-DP evaluation of ``epsilon``; refused beyond ``total``. Returns the total after."""
+        with self.locked():
+            ledger = self.read()
+            after = float(ledger.get("eval_epsilon", 0.0)) + float(epsilon)
+            if after > total * (1 + 1e-12):
+                raise BudgetExhausted(
+                    f"{where}: this evaluation would bring the label-DP evaluations of this node to epsilon "
+                    f"{after:.3g}; its owner allows {total:.3g} over all runs (privacy.total_eval_epsilon)"
+                )
+            self.write({**ledger, "eval_epsilon": after})
+        return after
+
+    def labels_path(self, key: Mapping[str, Any]) -> Path:
+        digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()[:16]
+        return self.dir / f"{self.name}-labels-{digest}.npz"
+
+    def stored_labels(
+        self, key: Mapping[str, Any], y: np.ndarray, row_ids: np.ndarray, draw: Callable[[], np.ndarray], where: str
+    ) -> np.ndarray:
+        """The randomized labels for ``key`` (the setting they were drawn under): the stored draw, else
+        ``draw()`` once, stored. A draw over other rows or other labels is refused (the owner resets it)."""
+        path = self.labels_path(key)
+        fingerprint = hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest()
+        with self.locked():
+            if path.is_file():
+                with np.load(path) as saved:
+                    if str(saved["fingerprint"]) != fingerprint or not np.array_equal(saved["row_ids"], row_ids):
+                        raise BudgetExhausted(
+                            f"{where}: its labels changed since the label-DP draw kept in its state_dir; a new draw "
+                            "is the owner's decision (python -m simulations.node --client-config FILE --reset-label-dp)"
+                        )
+                    return saved["y"]
+            noisy = np.asarray(draw())
+            buf = io.BytesIO()
+            np.savez(buf, y=noisy, row_ids=np.asarray(row_ids), fingerprint=np.asarray(fingerprint))
+            private_write(path, buf.getvalue())
+            return noisy
+
+
+def reset_label_draws(state_dir: str | Path) -> list[Path]:
+    """Delete every stored label-DP draw under ``state_dir`` (the owner's reset); returns the files removed."""
+    removed = sorted((Path(state_dir) / BUDGET_DIR).glob("*-labels-*.npz"))
+    for path in removed:
+        path.unlink()
+    return removed
