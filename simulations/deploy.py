@@ -174,6 +174,13 @@ def write_client_configs(
                 else {}
             ),
         }
+        shards = spec.table(table).shards
+        if str(cfg.scenario.name) == "ucq" and shards is not None:  # the owner's split of its file (a run's is refused)
+            settings["shards"] = (
+                {"by": shards.by, **({"values": list(shards.values)} if shards.values else {})}
+                if shards.by is not None
+                else {"parts": shards.parts, "seed": shards.seed}
+            )
         paths[(table, shard)] = directory / f"{table}-{shard}.yaml"
         paths[(table, shard)].write_text(yaml.safe_dump(settings, sort_keys=False))
     return paths

@@ -270,11 +270,11 @@ class CoresetRidge(PCGSolver, DISStrategy):
         admm = WeightedADMMServer(self.task, self.y_S, local, self.d_out, rho, self.params.variant, core.weights)
         GS = admm.G()
         config = {"phase": "coreset_admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": rho}
-        replies = self.send(self.messages(lambda t: ({"rows": plan.U[t], "G": GS[t]}, config)))
+        self.send(self.messages(lambda t: ({"rows": plan.U[t], "G": GS[t]}, config)))
         # from now on each client predicts its coreset rows only: the replies are checked against that count
         self.client_rows = {k: len(plan.U[k[0]]) for k in self.clients}
-        # ADMM starts from x^0 = 0 (as TP-Join-ADMM): not from the initial models' random predictions
-        h = {t: np.zeros_like(v) for t, v in self.outputs(replies).items()}
+        # ADMM starts from x^0 = 0 (as TP-Join-ADMM); the initial models stay on the nodes
+        h = {t: np.zeros((len(U), self.d_out), dtype=self.cfg.precision) for t, U in plan.U.items()}
         return {"admm": admm, "h": h}
 
     def _train_admm(self, done: int, loop: dict) -> None:

@@ -461,10 +461,10 @@ class TPJoinADMM(LoJStrategy):
         admm = self.admm_server()
         G = admm.G()
         config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": admm.rho}
-        replies = self.send(self.messages(lambda t: ({"G": G[t]}, {**config, **self.dp_config((t, 0))})))
-        # ADMM starts from x^0 = 0, z^0 = 0, lambda^0 = 0 (Boyd Sec. 3.1): not from the initial models' predictions,
-        # whose random part would have to be undone (the theta-update of Eq. 16 does not depend on them)
-        h = {t: np.zeros_like(v) for t, v in self.outputs(replies).items()}
+        self.send(self.messages(lambda t: ({"G": G[t]}, {**config, **self.dp_config((t, 0))})))
+        # ADMM starts from x^0 = 0, z^0 = 0, lambda^0 = 0 (Boyd Sec. 3.1): not from the initial models' predictions
+        # (the theta-update of Eq. 16 does not depend on them; the nodes keep theta_i^0 and send nothing of it)
+        h = {t: np.zeros((len(g), self.d_out), dtype=self.cfg.precision) for t, g in G.items()}
         admm.update(h)
         return {"admm": admm, "h": h}
 

@@ -29,7 +29,7 @@ MAX_ABS = 1e12
 #: arrays a reply to each phase must hold (other phases: whatever they hold is checked as above)
 REQUIRED: dict[str, tuple[str, ...]] = {
     "keys": ("row_ids",),
-    "admm_setup": ("h", "theta"),
+    "admm_setup": (),
     "admm_update": ("h",),
     "admm_shard": ("theta",),
     "admm_consensus": ("h",),
@@ -44,7 +44,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "sensitivity": ("total",),
     "sample": ("rows",),
     "weigh": ("sens",),
-    "coreset_admm_setup": ("h",),
+    "coreset_admm_setup": (),
     "coreset_admm_update": ("h",),
     "coreset_predict": ("h",),
     "kmeans_local": ("labels", "C"),

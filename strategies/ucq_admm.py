@@ -30,7 +30,7 @@ def consensus_step(
     theta: dict[int, np.ndarray],
     u: dict[int, np.ndarray],
     used: dict[int, np.ndarray],
-    w_prev: np.ndarray,
+    w_prev: np.ndarray | None,
     rho_c: float,
     beta: float,
 ) -> tuple[np.ndarray, dict[int, np.ndarray], float]:
@@ -40,12 +40,14 @@ def consensus_step(
     of Q moves at once instead of by 1/Q per inner round. With every weight used by every shard this is
     Eq. 20: w = Q rho' (mean theta^q + mean u^q) / (beta + Q rho'). The minimiser is the same (a shard's loss
     does not depend on the weights it does not use). Returns w, the primal residuals theta^q - w on the
-    weights q uses (0 elsewhere) and the dual residual rho' sqrt(sum_q ||w - w_prev||^2 on q's weights)."""
+    weights q uses (0 elsewhere) and the dual residual rho' sqrt(sum_q ||w - w_prev||^2 on q's weights); inf
+    when ``w_prev`` is None (the first step: w^0 = theta_i^0 stays on the shards)."""
     count = sum(m.astype(np.float64) for m in used.values())
     total = sum(np.where(used[q], theta[q] + u[q], 0.0) for q in theta)
     w = rho_c * total / (beta + count * rho_c)
     primal = {q: np.where(used[q], theta[q] - w, 0.0) for q in theta}
-    return w, primal, rho_c * float(np.sqrt(np.sum(count * (w - w_prev) ** 2)))
+    dual = np.inf if w_prev is None else rho_c * float(np.sqrt(np.sum(count * (w - w_prev) ** 2)))
+    return w, primal, dual
 
 
 class TPUCQADMM(TPJoinADMM):
@@ -65,14 +67,16 @@ class TPUCQADMM(TPJoinADMM):
         for epoch in range(last_done + 1, int(self.cfg.epochs) + 1):
             rho = admm.rho
             Y = {t: routers[t].scatter_all(y) for t, y in admm.scatter(h).items()}
-            if epoch == 1 or not alg.warm_dual or not u:
-                u = {k: np.zeros_like(w[k[0]]) for k in self.clients if k[0] in multi}
+            if epoch == 1 or not alg.warm_dual or not u:  # 0.0: before the first consensus (w unknown, None)
+                u = {k: 0.0 if w[k[0]] is None else np.zeros_like(w[k[0]]) for k in self.clients if k[0] in multi}
             for r in range(inner_rounds):
                 messages = {}
                 for k in self.clients:
                     t, q = k
                     if t in multi:
-                        arrays = ({"Y": Y[t][q]} if r == 0 else {}) | {"v": w[t] - u[k]}
+                        # no v in the run's first step: the shards take v = theta_i^0, their common start (Eq. 22)
+                        v = {} if w[t] is None else {"v": w[t] - u[k]}
+                        arrays = ({"Y": Y[t][q]} if r == 0 else {}) | v
                         messages[k] = (arrays, {"phase": "admm_shard", "rho_c": rho_c[t], "rho": rho, "epoch": epoch})
                     elif r == 0:  # a table with one shard: its last message of the epoch (it checkpoints)
                         messages[k] = (
@@ -92,7 +96,7 @@ class TPUCQADMM(TPJoinADMM):
                     used = {
                         k: np.asarray(replies[k][0]["used"], dtype=bool)
                         if "used" in replies[k][0]
-                        else np.ones(w[k[0]].shape, dtype=bool)
+                        else np.ones(np.shape(replies[k][0]["theta"]), dtype=bool)
                         for k in self.clients
                         if k[0] in multi
                     }
@@ -107,7 +111,7 @@ class TPUCQADMM(TPJoinADMM):
                         u[(t, q)] = np.where(used[(t, q)], u[(t, q)], 0.0) + primal[q]
                     residual = max(residual, max(float(np.linalg.norm(p)) for p in primal.values()))
                     dual = max(dual, dual_t)
-                    if inner_balance is not None and r + 1 < inner_rounds:
+                    if inner_balance is not None and r + 1 < inner_rounds and np.isfinite(dual_t):
                         primal_norm = float(np.sqrt(sum(float(np.sum(p**2)) for p in primal.values())))
                         f = inner_balance.factor(primal_norm, dual_t)  # Boyd Eq. 3.13
                         if f != 1.0:
@@ -138,7 +142,7 @@ class TPUCQADMM(TPJoinADMM):
                     **residual_extra(res, rho),
                     "inner_rounds": r + 1,
                     "inner_residual": residual,
-                    "inner_dual": dual,
+                    "inner_dual": dual if np.isfinite(dual) else None,
                     **({"rho_inner": max(rho_c.values())} if rho_c else {}),
                 },
             )
@@ -159,10 +163,12 @@ class TPUCQADMM(TPJoinADMM):
         config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": admm.rho}
         replies = self.send(self.shard_messages(lambda k: ({"G": G[k[0]][k[1]]}, {**config, **self.dp_config(k)})))
         # as TP-Join-ADMM: ADMM starts from x^0 = 0 (Boyd Sec. 3.1)
-        h = {t: np.zeros_like(v) for t, v in self._gather_all(replies).items()}
-        # all shards of a table start from the same theta (same seed): the consensus model starts there too
-        w = {t: np.asarray(replies[(t, routers[t].shards[0])][0]["theta"], dtype=np.float64) for t in multi}
-        rho_c = {t: self.consensus_rho(alg.rho_inner, admm.rho, t, len(w[t])) for t in multi}
+        h = {t: np.zeros((len(g), self.d_out), dtype=self.cfg.precision) for t, g in admm.G().items()}
+        # all shards of a table start from the same theta_i^0 (the owner's secret), which stays on the shards: the
+        # consensus model starts there too, so the first consensus step takes v = theta_i^0 on the shards (w: None)
+        w = {t: None for t in multi}
+        n_params = {t: int(replies[(t, routers[t].shards[0])][1]["n_params"]) for t in multi}
+        rho_c = {t: self.consensus_rho(alg.rho_inner, admm.rho, t, n_params[t]) for t in multi}
         self.inner_rounds_used: list[int] = []
         admm.update(h)
         return {"admm": admm, "h": h, "w": w, "rho_c": rho_c, "u": {}}
@@ -186,9 +192,3 @@ class TPUCQADMM(TPJoinADMM):
         """As TP-Join-ADMM's, with inner_rounds theta-updates per epoch for the shards of sharded tables."""
         rounds = self.params.inner_rounds
         return {k: admm_dp_plan(self, k, rounds if len(self.routers[k[0]].shards) > 1 else 1) for k in self.clients}
-
-    def _gather_all(self, replies) -> dict[str, np.ndarray]:
-        return {
-            t: self.routers[t].gather_all({q: replies[(t, q)][0]["h"] for q in self.routers[t].shards})
-            for t in self.spec.table_names
-        }

@@ -756,12 +756,13 @@ def test_coreset_training_and_evaluation_rows_are_bounded():
 def test_the_consensus_mask_tells_the_server_only_what_theta_shows_and_is_not_sent_under_feature_dp():
     """TP-UCQ-ADMM's shards send which weights their rows use (general-form consensus). A curious server
     learns nothing new from it: a weight the mask calls unused comes back as the v it sent (movielens users,
-    each in one shard of two). Under feature DP theta is noisy, so no mask leaves a shard."""
-    rec = Recorded("dataset=movielens", "scenario=ucq", "algorithm=admm", "epochs=1", "precision=float64")
+    each in one shard of two; the run's first step sends no v: it is theta_i^0, which stays on the shards). Under
+    feature DP theta is noisy, so no mask leaves a shard."""
+    rec = Recorded("dataset=movielens", "scenario=ucq", "algorithm=admm", "epochs=2", "precision=float64")
     got = {(k, i): arrays for i, (k, phase, arrays, _) in enumerate(rec.got) if phase == "admm_shard"}
     unused_weights = 0
     for i, (key, phase, out, _) in enumerate(rec.sent):
-        if phase == "admm_shard" and "used" in out:
+        if phase == "admm_shard" and "used" in out and "v" in got[(key, i)]:
             unused = np.asarray(out["used"]) == 0
             unused_weights += int(unused.sum())
             np.testing.assert_allclose(out["theta"][unused], got[(key, i)]["v"][unused], rtol=0, atol=1e-12)

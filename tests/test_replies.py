@@ -82,9 +82,9 @@ def dropped(out):
         ("admm", "admm_update", long, r"table 'd1' shard 0, phase 'admm_update': reply array 'h' has \d+ rows"),
         (
             "admm",
-            "admm_setup",
+            "admm_update",
             huge,
-            r"table 'd1' shard 0, phase 'admm_setup': reply array 'h' holds 1 non-finite or "
+            r"table 'd1' shard 0, phase 'admm_update': reply array 'h' holds 1 non-finite or "
             r"out-of-range value\(s\) .*1e\+30 at index \(3, 0\)",
         ),
         (

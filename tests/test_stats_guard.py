@@ -31,6 +31,7 @@ from tpflower.fedprep import (
     sketch_columns_needed,
     uniform_bin_edges,
 )
+from tpflower.owner import DEFAULT_MIN_GROUP_ROWS
 from tpflower.preprocess import TablePreprocessor
 from tpflower.records import unnumbered
 
@@ -190,9 +191,10 @@ class StandIn:
     """What the stats handler reads of a TableClient: settings (spec, table, shard, secret) and data."""
 
     def __init__(self, spec: Any, shard: int, frame: pd.DataFrame, rows: np.ndarray, **settings: Any):
-        settings.setdefault("min_sketch_rows", fedprep.DEFAULT_MIN_SKETCH_ROWS)  # the owner's default
+        settings.setdefault("min_sketch_rows", fedprep.DEFAULT_MIN_SKETCH_ROWS)  # the owner's defaults
+        settings.setdefault("min_group_rows", DEFAULT_MIN_GROUP_ROWS)
         self.settings = SimpleNamespace(spec=spec, table="ratings", shard=shard, secret=SECRET, **settings)
-        self.data = SimpleNamespace(rows=frame, fit_positions=rows)
+        self.data = SimpleNamespace(rows=frame, fit_positions=rows, frame=frame)
 
 
 def spec_of(binned: tuple[tuple[str, int], ...] = ()) -> Any:

@@ -52,9 +52,10 @@ def test_tp_ucq_admm_inner_loop_accounting_and_early_stop():
     assert h[-1].train_loss < h[0].train_loss
 
 
-#: The shop's customers shards hold 10-25 rows, far below the default min_sketch_rows (2048): the binned age
-#: column's sketch would be refused; its owners lower the threshold (their setting; here the run config's).
-SMALL_SHARD_SKETCHES = "min_sketch_rows=1"
+#: The shop's customers shards hold 10-25 rows, far below the default min_sketch_rows (2048) and, region c, the
+#: default min_group_rows (20): the binned age column's sketch and that shard's summary would be refused; its
+#: owners lower the thresholds (their settings; here the run config's).
+SMALL_SHARDS = ("min_sketch_rows=1", "min_group_rows=5")
 
 
 def shop_with_shards(tmp_path) -> dict:
@@ -84,7 +85,7 @@ def shop_with_shards(tmp_path) -> dict:
             "customers": {
                 "source": "customers.csv",
                 "numeric": ["age"],
-                "categorical": ["segment"],
+                "categorical": ["segment", "region"],  # a shard column is an exposed one
                 "binned": {"age": 4},
                 "shards": {"by": "region", "values": ["a", "b", "c"]},
             },
@@ -102,7 +103,7 @@ def shop_with_shards(tmp_path) -> dict:
 @pytest.mark.parametrize("algorithm", ["sgd", "admm"])
 def test_shard_without_join_rows_and_category_of_one_shard(tmp_path, algorithm):
     dataset = shop_with_shards(tmp_path)
-    common = (SMALL_SHARD_SKETCHES, f"algorithm={algorithm}", "precision=float64", "epochs=3", "model.init=zeros")
+    common = (*SMALL_SHARDS, f"algorithm={algorithm}", "precision=float64", "epochs=3", "model.init=zeros")
     # three shards, one of them outside the join, agree more slowly: run the consensus loop to 1e-11
     extra = (
         ("algorithm.batch_size=256",)
@@ -126,7 +127,7 @@ def test_binning_by_federated_rule_equals_binning_of_the_union(tmp_path):
     from tpflower.relation import load_relation
 
     dataset = shop_with_shards(tmp_path)
-    cfg = make_cfg(SMALL_SHARD_SKETCHES, "algorithm=admm", "scenario=ucq", "epochs=1", dataset=dataset)
+    cfg = make_cfg(*SMALL_SHARDS, "algorithm=admm", "scenario=ucq", "epochs=1", dataset=dataset)
     ucq = run_in_process(cfg, None, base_dir=tmp_path, log=lambda _: None)
     union = load_relation(cfg.dataset, b"x", base_dir=tmp_path, verbose=False).tables["customers"]
     bins = [k for k, name in enumerate(union.feature_names) if name.startswith("age#bin")]
@@ -146,7 +147,14 @@ def test_binning_of_small_shards_is_refused_by_default(tmp_path):
         match=r"table 'customers' shard \d: column 'age' has \d+ observed fit values.*"
         r"min_sketch_rows=2048.*table owner can lower min_sketch_rows",
     ):
-        run("algorithm=sgd", "scenario=ucq", "epochs=1", dataset=shop_with_shards(tmp_path), base_dir=tmp_path)
+        run(
+            "algorithm=sgd",
+            "scenario=ucq",
+            "epochs=1",
+            "min_group_rows=5",
+            dataset=shop_with_shards(tmp_path),
+            base_dir=tmp_path,
+        )
 
 
 def test_consensus_step_is_eq20_when_every_shard_uses_every_weight_and_general_form_otherwise():
@@ -182,7 +190,7 @@ def test_general_form_consensus_reaches_the_join_where_categories_live_in_one_sh
     weight over the shards that use it (the default) matches TP-Join-ADMM within the default 10 inner rounds;
     the plain average of Eq. 20 over all shards (what feature-DP shards get) lags."""
     dataset = shop_with_shards(tmp_path)
-    common = (SMALL_SHARD_SKETCHES, "algorithm=admm", "precision=float64", "epochs=4", "model.init=zeros")
+    common = (*SMALL_SHARDS, "algorithm=admm", "precision=float64", "epochs=4", "model.init=zeros")
     join = history(run(*common, dataset=dataset, base_dir=tmp_path))[-1]
     general = history(run(*common, "scenario=ucq", dataset=dataset, base_dir=tmp_path))[-1]
     monkeypatch.setattr(

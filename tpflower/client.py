@@ -29,6 +29,7 @@ from flwr.common import RecordDict
 
 from tpflower import checkpoint
 from tpflower import privacy as dp
+from tpflower.blind import node_scalar
 from tpflower.fedprep import GlobalRule, apply_rule
 from tpflower.guard import Protocol, ProtocolRefusal
 from tpflower.local_dp import LocalDP
@@ -73,6 +74,10 @@ class ClientSettings:
     @property
     def min_sketch_rows(self) -> int:
         return self.owner.min_sketch_rows
+
+    @property
+    def min_group_rows(self) -> int:
+        return self.owner.min_group_rows
 
 
 class TableClient(NumPyClient):
@@ -158,10 +163,25 @@ class TableClient(NumPyClient):
         s, key = self.settings, (self.local.width, d_out)
         model = self.data.models.get(key)
         if model is None or not self.state.load_model(model):
-            model = build_local_model(s.model, s.spec, s.table, self.local.width, d_out, s.seed, self.dtype)
+            model = build_local_model(
+                s.model, s.spec, s.table, self.local.width, d_out, s.seed, self.dtype, self.init_key()
+            )
             self.state.load_model(model)
             self.data.models[key] = model
         return model.to(self.device)
+
+    def init_key(self) -> tuple[bytes, str] | None:
+        """(secret, nonce) of a deployed node's theta_i^0 (tpflower.models.init_seed): its owner's secret, or
+        without one (blinded keys) its blinding scalar, and the run id. Never sent: the server cannot rebuild the
+        initial model, so h = f_i(theta_i^0; X) does not give X away (docs/threat-model.md). None in a
+        simulation (the user plays every party; theta_i^0 from the run seed, as the centralized baseline's)."""
+        owner = self.settings.owner
+        if not owner.deployed:
+            return None
+        secret = owner.secret
+        if not secret and owner.state_dir is not None:
+            secret = node_scalar(owner.state_dir)
+        return secret, str(self.state.scalar("run_id") or "")
 
     def output_width(self, config: Mapping[str, Any]) -> int:
         """d_c, fixed by the first training message: a server that widens it later (to read more outputs per

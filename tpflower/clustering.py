@@ -87,3 +87,28 @@ def _lloyd(
         prev = cost
     labels, cost = assign(C)
     return C, labels, cost
+
+
+def merge_small_clusters(
+    X: np.ndarray, w: np.ndarray, C: np.ndarray, labels: np.ndarray, min_rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Centres that each cover at least ``min_rows`` rows of positive weight (the owner's min_group_rows): while
+    some centre covers fewer, the smallest is dropped, every row goes to its nearest remaining centre and the
+    centres become the weighted means of their rows (one Lloyd update). A clustering without a small centre comes
+    back unchanged; k shrinks by one per dropped centre (at most k - 1 rounds, over centres, not rows)."""
+    active = w > 0
+    if min_rows <= 1:  # every non-empty centre covers a row; an empty one keeps its seeding (no bound asked)
+        return C, labels
+    if int(active.sum()) < min_rows:
+        raise ValueError(f"{int(active.sum())} weighted rows cannot fill one centre of {min_rows} rows")
+    C, labels = np.array(C, dtype=np.float64), np.asarray(labels)
+    while True:
+        sizes = np.bincount(labels[active], minlength=len(C))
+        if sizes.min() >= min_rows:
+            return C, labels
+        keep = np.arange(len(C)) != int(sizes.argmin())
+        labels = sq_distances(X, C[keep]).argmin(1)
+        member = sparse.csr_matrix((w, (labels, np.arange(len(X)))), shape=(int(keep.sum()), len(X)))
+        mass = np.asarray(member.sum(1)).reshape(-1)
+        sums = np.asarray(member @ X)
+        C = np.where(mass[:, None] > 0, sums / np.maximum(mass, 1e-300)[:, None], C[keep])

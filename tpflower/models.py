@@ -10,6 +10,8 @@ The regulariser is ``R_i(theta_i) = 1/2 ||theta_i||^2`` over all parameters, bia
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import warnings
 import zlib
@@ -39,6 +41,18 @@ def model_seed(seed: int, table: str) -> int:
     initial weights.
     """
     return (int(seed) * 1000003 + zlib.crc32(str(table).encode("utf-8"))) % 2**31
+
+
+def init_seed(secret: bytes, seed: int, table: str, nonce: str = "") -> int:
+    """The seed of table i's initial theta_i: HMAC-SHA256 keyed by the node's own secret over the run seed, the
+    table and ``nonce`` (a deployed node: the run id), in [0, 2**63).
+
+    A server without the secret cannot recompute theta_i^0, so no reply pairs outputs with a model it knows
+    (docs/threat-model.md). Every shard of a table holds the same secret and sees the same run id (same
+    theta_i^0, Eq. 17-19). A deployed node's; a simulation keeps :func:`model_seed` (tpflower.relation).
+    """
+    message = f"tpflower init\x1f{int(seed)}\x1f{table}\x1f{nonce}".encode()
+    return int.from_bytes(hmac.digest(bytes(secret), message, hashlib.sha256)[:8], "big") % 2**63
 
 
 def local_model(

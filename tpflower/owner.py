@@ -19,6 +19,10 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
                                      # created on first use; no shared secret); default hmac: the secret below
     secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
     min_sketch_rows: 2048            # union preprocessing: fewest values a shard summarizes by order statistics
+    min_group_rows: 20               # fewest of its rows any aggregate it releases covers (k-means centres and
+                                     # costs, shard summaries, evaluation metrics; k bounded by it)
+    shards: {parts: 2, seed: 0}      # union: the split of its file its nodes serve (each node: its shard of it);
+                                     # none: the node serves its whole file. A run cannot re-split it
     state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run, and its saved model parts
                                      # (default: state/<file name> next to this file)
     serve_predictions: true          # answer prediction requests for a model it trained (default true)
@@ -47,10 +51,12 @@ import yaml
 
 from tpflower.datasets.files import resolve_path
 from tpflower.fedprep import DEFAULT_MIN_SKETCH_ROWS
-from tpflower.schema import RelationalSpec, SpecError
+from tpflower.schema import RelationalSpec, ShardSpec, SpecError, parse_shards
 
 SECRET_ENV = "TPFLOWER_KEY_SECRET"
 REDACTED = "<redacted>"
+#: fewest of a node's rows one released aggregate covers (docs/settings.md: min_group_rows)
+DEFAULT_MIN_GROUP_ROWS = 20
 PRIVACY_DIR = Path(__file__).resolve().parents[1] / "conf" / "privacy"
 #: floor bounds: (field, direction) -- "max": the run's value may not exceed the floor's; "min": not below
 _LABEL_BOUNDS = (("label_epsilon", "max"), ("label_lambda", "min"))
@@ -115,13 +121,23 @@ class OwnerSettings:
     # more outputs per row than the model's own would let one reply spell out the row (h = X theta, d_c >= d_i)
     max_outputs: int | None = None
     keys: str = "hmac"  # how the node maps its join keys: hmac (the shared secret) or blind (its own scalar)
+    # fewest of its rows any aggregate it releases covers: a k-means centre or cost, a shard summary, an
+    # evaluation metric; k <= rows in the join / min_group_rows
+    min_group_rows: int = DEFAULT_MIN_GROUP_ROWS
+    shards: ShardSpec | None = None  # deployed: the split of its file its nodes serve (None: the whole file)
     serve_predictions: bool = True  # answers prediction requests for a model it trained and still holds
     # rows one prediction request may score on this node; None: no bound (a simulation, whose user owns every table)
     max_prediction_rows: int | None = None
     prediction_rows: str | None = None  # the query owner's file of new rows to predict (it alone reads it)
 
+    @property
+    def deployed(self) -> bool:
+        return self.origin != "simulation"
+
     def refuse(self, what: str) -> Refusal:
-        return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {self.origin})")
+        # a deployed node's refusal travels to the server: it names the setting, never its file's path
+        settings = "its owner's settings file" if self.deployed else self.origin
+        return Refusal(f"table {self.table!r} refuses the run: {what} (settings: {settings})")
 
     # -------------------------------------------------------------------------------------------- checks
 
@@ -132,21 +148,22 @@ class OwnerSettings:
             asked = str(resolve_path(t.source, base_dir).resolve())
             if asked != self.source:
                 raise self.refuse(
-                    f"the run names source {t.source!r} for it; this node serves {self.source or 'the bundled table'}"
+                    f"the run names source {t.source!r} for it; this node serves "
+                    f"{'its own file' if self.source else 'the bundled table'}"
                 )
         else:
             asked_loader = (dataset.get("loader") or {}).get("name")
             if self.loader is None or asked_loader != self.loader:
                 raise self.refuse(
                     f"the run asks for the bundled table of loader {asked_loader!r}; this node serves "
-                    f"{self.source or ('loader ' + repr(self.loader))}"
+                    f"{'its own file' if self.source else 'loader ' + repr(self.loader)}"
                 )
             if "path" in (dataset.get("loader") or {}):
                 raise self.refuse("the run names a loader path; this node's bundled table has none")
         if t.where != self.where:
             raise self.refuse(
                 f"the run filters its rows with where {t.where!r}; this node serves "
-                f"{'all its rows' if self.where is None else 'the rows where ' + repr(self.where)}"
+                f"{'all its rows' if self.where is None else 'the rows where its own predicate holds'}"
             )
         e = self.exposed
         for kind, asked_cols, allowed in (
@@ -164,6 +181,24 @@ class OwnerSettings:
             raise self.refuse(
                 f"the run asks for label column {spec.label.column!r}; this node exposes "
                 f"{'no label' if e.label is None else 'label ' + repr(e.label)}"
+            )
+
+    def check_shards(self, spec: RelationalSpec, scenario: str) -> None:
+        """Union shards (scenario ucq): ``shards.by`` must be a column the node exposes (its values decide the
+        rows of each shard), and a deployed node serves its owner's split of its file (``shards``; none: the
+        whole file): a run cannot re-split it. The refusal names no value of the column."""
+        t = spec.table(self.table)
+        if scenario != "ucq" or (t.shards is None and not self.deployed):
+            return
+        if t.shards is not None and t.shards.by is not None and t.shards.by not in self.exposed.all:
+            raise self.refuse(
+                f"the run splits it into shards by column {t.shards.by!r}, which this node does not expose"
+            )
+        if self.deployed and t.shards != self.shards:
+            raise self.refuse(
+                f"the run splits it into shards ({_shard_words(t.shards)}); this node serves "
+                f"{'its whole file' if self.shards is None else 'its owner split of its file'} "
+                "(shards in its settings): a run cannot re-split a deployed table"
             )
 
     def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
@@ -199,6 +234,13 @@ class OwnerSettings:
                 f"privacy.sample_rate={run.get('sample_rate')} understates duplicated rows; this node's "
                 "floor accounts the worst row (sample_rate=worst_row)"
             )
+
+
+def _shard_words(shards: ShardSpec | None) -> str:
+    """A run's shards setting in words (the run's own, never the node's values)."""
+    if shards is None:
+        return "none"
+    return f"by {shards.by!r}" if shards.by is not None else f"parts {shards.parts}, seed {shards.seed}"
 
 
 # ------------------------------------------------------------------------------------------------ building
@@ -257,6 +299,12 @@ DEFAULT_MAX_OUTPUTS = 1
 DEFAULT_MAX_PREDICTION_ROWS = 100_000  # a deployed node's bound on the rows of one prediction request
 
 
+def _min_group_rows(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{where}: min_group_rows must be a whole number >= 1, got {value!r}")
+    return value
+
+
 def _max_outputs(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecError(f"{where}: max_outputs must be a whole number >= 1, got {value!r}")
@@ -297,6 +345,8 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         "where",
         "max_outputs",
         "keys",
+        "min_group_rows",
+        "shards",
         "serve_predictions",
         "max_prediction_rows",
         "prediction_rows",
@@ -327,6 +377,8 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
         where=None if raw.get("where") is None else str(raw["where"]),
         max_outputs=_max_outputs(raw.get("max_outputs", DEFAULT_MAX_OUTPUTS), where),
+        min_group_rows=_min_group_rows(raw.get("min_group_rows", DEFAULT_MIN_GROUP_ROWS), where),
+        shards=parse_shards(raw.get("shards"), f"{where}: shards"),
         serve_predictions=_flag(raw.get("serve_predictions", True), "serve_predictions", where),
         max_prediction_rows=_whole(
             raw.get("max_prediction_rows", DEFAULT_MAX_PREDICTION_ROWS), "max_prediction_rows", where
@@ -384,6 +436,7 @@ def simulation_owner(
         source=None if t.source is None else str(resolve_path(t.source, base_dir).resolve()),
         loader=(dataset.get("loader") or {}).get("name"),
         min_sketch_rows=int(cfg.get("min_sketch_rows") or DEFAULT_MIN_SKETCH_ROWS),
+        min_group_rows=_min_group_rows(cfg.get("min_group_rows") or DEFAULT_MIN_GROUP_ROWS, "the run config"),
         where=t.where,
         keys=mapping_keys(cfg),
     )

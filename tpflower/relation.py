@@ -19,7 +19,7 @@ from tpflower.datasets import load_dataset
 from tpflower.local_table import LocalTable, prepare_local_table
 from tpflower.losses import output_dim
 from tpflower.mapping import TableMapping, build_mapping, project_keys, split_mapping
-from tpflower.models import local_model, model_seed
+from tpflower.models import init_seed, local_model, model_seed
 from tpflower.schema import RelationalSpec
 
 
@@ -83,9 +83,20 @@ def has_bias(model_cfg: Mapping[str, Any], table: str, label_table: str) -> bool
 
 
 def build_local_model(
-    model_cfg: Mapping[str, Any], spec: RelationalSpec, table: str, d_in: int, d_out: int, seed: int, dtype: torch.dtype
+    model_cfg: Mapping[str, Any],
+    spec: RelationalSpec,
+    table: str,
+    d_in: int,
+    d_out: int,
+    seed: int,
+    dtype: torch.dtype,
+    owner_key: tuple[bytes, str] | None = None,
 ) -> torch.nn.Module:
-    """f_i for one table, identical wherever it is built (client, centralized baseline) for the same seed."""
+    """f_i for one table, identical wherever it is built (client, centralized baseline) for the same seed.
+
+    ``owner_key`` = (secret, nonce): a deployed node's theta_i^0 from :func:`tpflower.models.init_seed`, which a
+    server without the owner's secret cannot rebuild; None (a simulation, whose user plays every party and whose
+    secret derives from the seed anyway): :func:`tpflower.models.model_seed`, as the centralized baseline."""
     return local_model(
         d_in,
         d_out,
@@ -94,5 +105,5 @@ def build_local_model(
         bias=has_bias(model_cfg, table, spec.label_table),
         init=model_cfg.get("init", "default"),
         dtype=dtype,
-        seed=model_seed(seed, table),
+        seed=model_seed(seed, table) if owner_key is None else init_seed(owner_key[0], seed, table, owner_key[1]),
     )

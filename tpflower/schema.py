@@ -48,6 +48,24 @@ class ShardSpec:
         return int(self.parts) if self.parts is not None else (len(self.values) if self.values else None)
 
 
+def parse_shards(shards: Mapping[str, Any] | None, where: str) -> ShardSpec | None:
+    """A ``shards`` setting ({by, values} or {parts, seed}) as a ShardSpec; None when empty."""
+    if not shards:
+        return None
+    values = shards.get("values")
+    spec = ShardSpec(
+        by=shards.get("by"),
+        parts=shards.get("parts"),
+        seed=int(shards.get("seed", 0)),
+        values=tuple(str(v) for v in values) if values else None,
+    )
+    if (spec.by is None) == (spec.parts is None):
+        raise SpecError(f"{where}: shards take exactly one of 'by' (a column) or 'parts' (a count)")
+    if spec.parts is not None and int(spec.parts) < 1:
+        raise SpecError(f"{where}: shards.parts must be >= 1, got {spec.parts}")
+    return spec
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One vertical table: where it comes from and which columns are features."""
@@ -219,20 +237,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
         unknown = set(t) - {"source", "numeric", "categorical", "shards", "region", "binned", "unique", "where"}
         if unknown:
             raise SpecError(f"table {tname!r}: unknown settings {sorted(unknown)}")
-        shards = t.get("shards")
-        shard_spec = None
-        if shards:
-            values = shards.get("values")
-            shard_spec = ShardSpec(
-                by=shards.get("by"),
-                parts=shards.get("parts"),
-                seed=int(shards.get("seed", 0)),
-                values=tuple(str(v) for v in values) if values else None,
-            )
-            if (shard_spec.by is None) == (shard_spec.parts is None):
-                raise SpecError(f"table {tname!r}: shards take exactly one of 'by' (a column) or 'parts' (a count)")
-            if shard_spec.parts is not None and int(shard_spec.parts) < 1:
-                raise SpecError(f"table {tname!r}: shards.parts must be >= 1, got {shard_spec.parts}")
+        shard_spec = parse_shards(t.get("shards"), f"table {tname!r}")
         binned = tuple((str(c), int(b)) for c, b in (t.get("binned") or {}).items())
         for col, bins in binned:
             if col not in (t.get("numeric") or ()):

@@ -92,6 +92,7 @@ def owner_checked(
             prediction_rows=simulated_query_rows(cfg, table, shard),
         )
     owner.check_spec(spec, dataset, root)
+    owner.check_shards(spec, str(cfg.scenario.name))
     owner.check_privacy(
         OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"},
         label_owner=spec.label.table == table,
@@ -171,9 +172,8 @@ def _settings(
 
     root = str(base_dir) if base_dir else None
     scenario = str(cfg.scenario.name)
-    table, shard, owner, dataset, run_spec = owner_checked(cfg, node_config, base_dir, state_dir)
-    shards = run_spec.table(table).shards
-    kept = owner.exposed.all + ((shards.by,) if shards is not None and shards.by else ())
+    table, shard, owner, dataset, _ = owner_checked(cfg, node_config, base_dir, state_dir)
+    kept = owner.exposed.all  # a shard column is an exposed one (OwnerSettings.check_shards)
     try:
         spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
     except DataProblems as exc:

@@ -5,8 +5,8 @@ DIS (Alg. 1), sampling=sensitivity only:
   sample       {a}       -> {rows}    a_i <= m base rows, i.i.d. with replacement, P(u) = G_iu g_u / total
   weigh        {rows}    -> {sens}    g at the distinct rows p_i(j), j in S
 Ridge on the coreset (algorithm=coreset):
-  coreset_admm_setup  {rows, G}  -> {h}   the coreset's rows U_i^S and G^S_iu = sum of the weights of their
-                                          joined rows; predict them
+  coreset_admm_setup  {rows, G}  -> {}    the coreset's rows U_i^S and G^S_iu = sum of the weights of their
+                                          joined rows (theta_i^0 stays on the node)
   coreset_admm_update {Y}        -> {h}   Eq. 16 on U_i^S with G^S (closed form for linear models)
   predict / sgd_step                      TP-Join-SGD's phases (tpflower.phases.join_sgd) on the coreset's rows
   coreset_predict     {rows}     -> {h}   evaluation: f_i on the test rows (no state change)
@@ -50,6 +50,9 @@ from tpflower.relation import has_bias
 from tpflower.state import StateRecord
 
 ALPHA = 2.0  # VKMC sensitivity constant (VFL coresets Alg. 3 with alpha = 2)
+#: a coreset row stands for at least this many joined rows on average (m <= N / MIN_COVER). Not min_group_rows:
+#: 20 would refuse the default m = 2000 on the bundled synthetic join (13,600 joined training rows)
+MIN_COVER = 2
 
 
 def fraction(what: str, value) -> float:
@@ -261,10 +264,38 @@ def _keep_G(client: TableClient, arrays: Arrays, phase: str) -> np.ndarray:
         )
     kept = client.state.get("coreset.G")
     if kept is None:
+        check_G(client, G, phase)
         client.state.put("coreset.G", G)
     elif not np.array_equal(kept, G):
         raise CoresetRefusal(f"{_where(client, phase)}: G differs from the G_i this client received earlier in the run")
     return G
+
+
+def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
+    """G_i as the join gives it: whole counts, equal on rows with equal join keys (G_iu depends on the row's
+    keys only), none on the label owner's test rows for a coreset trained on labels, and a coreset that is a
+    sample: m <= sum G_i / MIN_COVER (m = N would weigh every joined row)."""
+    where, keys = _where(client, phase), client.data.keys
+    if (np.round(G) != G).any():
+        raise CoresetRefusal(f"{where}: G must hold whole counts of joined rows")
+    # a model trained on the labels joins the training rows only: the label owner's test rows have G = 0 (k-means
+    # ignores labels and clusters every joined row)
+    labelled = client.data.is_test is not None and isinstance(client.settings.algorithm, CoresetParams)
+    train = ~client.data.is_test if labelled else np.ones(len(G), dtype=bool)
+    if (G[~train] > 0).any():
+        raise CoresetRefusal(f"{where}: G counts {int((G[~train] > 0).sum())} test row(s); the training join has none")
+    if keys.shape[1] and train.any():  # the label table's test rows: G = 0 whatever their keys
+        codes = keys[train].groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
+        first = np.zeros(codes.max() + 1)
+        first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
+        if (first[codes] != G[train]).any():
+            raise CoresetRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
+    m = _m(client)
+    if m and m * MIN_COVER > float(G.sum()):
+        raise CoresetRefusal(
+            f"{where}: a coreset of m = {m} rows from {G.sum():g} joined rows; a coreset is a sample, each of its "
+            f"rows standing for at least {MIN_COVER} joined rows on average, so m <= {int(G.sum()) // MIN_COVER}"
+        )
 
 
 def admit_training_rows(client: TableClient, rows: np.ndarray, phase: str) -> None:
@@ -343,7 +374,8 @@ def weigh(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
 
 
 def coreset_admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Store U_i^S, G^S, N and rho; predict the coreset's rows."""
+    """Store U_i^S, G^S, N and rho; build theta_i^0 and keep it (ADMM starts from x^0 = 0: nothing of the
+    initial model leaves, as in join_admm.admm_setup)."""
     rows = _rows(client, arrays, "coreset_admm_setup")
     G = np.asarray(arrays["G"], dtype=np.float64)
     if G.shape != rows.shape or (G < 0).any():
@@ -352,7 +384,7 @@ def coreset_admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str,
     CoresetADMMState(rows, G, int(config["N"]), float(config["rho"])).save(client.state)
     model = client.model(config)
     client.state.save_model(model)
-    return {"h": client.predict(model, rows)}, client.reg_metrics(model)
+    return {}, {}
 
 
 def coreset_admm_update(

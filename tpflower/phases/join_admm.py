@@ -1,6 +1,6 @@
 """TP-Join-ADMM and VFL-ADMM, client side (TablePuppet Eq. 14-16).
 
-admm_setup   {G}  -> {h, theta}  store G_i (Eq. 15, constant), N and rho; predict every row
+admm_setup   {G}  -> {}          store G_i (Eq. 15, constant), N and rho; build theta_i^0 (kept on the node)
 admm_update  {Y}  -> {h}         theta_i = argmin Eq. 16 (closed form for linear models); predict every row;
                                  config ``rho``: the epoch's penalty (residual balancing changes it)
 """
@@ -260,14 +260,15 @@ def theta_update(
 
 
 def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Store G_i, N and rho (the server resolves algorithm.rho=auto); predict every row."""
+    """Store G_i, N and rho (the server resolves algorithm.rho=auto) and build theta_i^0. Nothing of the model
+    leaves: ADMM starts from x^0 = 0 (Boyd Sec. 3.1), so the server needs no prediction of theta_i^0, and
+    theta_i^0 next to f_i(theta_i^0; X) would give X away (docs/threat-model.md, A deviating server)."""
     G = np.asarray(arrays["G"], dtype=np.float64)
     ADMMState(G, int(config["N"]), float(config["rho"])).save(client.state)
     client.dp.init(config, lambda: client.dp.admm_rate(G))
     model = client.model(config)
     client.state.save_model(model)
-    # theta: the consensus ADMM's starting point (union scenario)
-    return {"h": client.predict(model, None), "theta": client.theta(model)}, client.reg_metrics(model)
+    return {}, {"n_params": int(client.theta(model).size)}
 
 
 def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:

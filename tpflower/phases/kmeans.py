@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tpflower.client import TableClient
-from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
+from tpflower.clustering import label_dtype, merge_small_clusters, sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, Stage
 from tpflower.params import AlgorithmParams, nonnegative, one_of, param, positive_int
 from tpflower.phases import coreset, setup
@@ -62,6 +62,8 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     {G}: all its rows weighted by G_iu (the full join); {rows, w}: the coreset's rows with their weights."""
     s = client.settings
     X = np.asarray(client.local.X, dtype=np.float64)
+    # every centre is the weighted mean of at least min_group_rows of its rows (the owner's setting): k is
+    # bounded by it, and a centre of fewer rows is merged into its neighbours (k shrinks)
     if "rows" in arrays:
         rows = _rows(client, arrays, "kmeans_local")
         w = np.asarray(arrays["w"], dtype=np.float64)
@@ -73,15 +75,23 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         if _m(client):
             raise CoresetRefusal(f"{_where(client, 'kmeans_local')}: coreset k-means clusters the coreset's rows only")
         w = _keep_G(client, arrays, "kmeans_local")
+    k, g = int(s.algorithm.k), int(s.min_group_rows)
+    active = w > 0
+    if k * g > int(active.sum()):
+        raise CoresetRefusal(
+            f"{_where(client, 'kmeans_local')}: k = {k} centres over {int(active.sum())} weighted rows; each centre "
+            f"covers at least min_group_rows = {g} of them (its owner's setting), so k <= {int(active.sum()) // g}"
+        )
     C, labels = weighted_kmeans(
         X,
         w,
-        int(s.algorithm.k),
+        k,
         client_rng(s.seed, s.table, 3),
         int(s.algorithm.iters),
         float(s.algorithm.tol),
         restarts=int(s.algorithm.restarts),
     )
+    C, labels = merge_small_clusters(X, w, C, labels, g)  # an empty centre keeps its seeding, a row: merged too
     client.state.put("kmeans.C", C)
     return {"labels": labels.astype(label_dtype(len(C))), "C": C}, {}
 
@@ -129,6 +139,11 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         raise ValueError(f"{where}: counts must name rows of the table, centres of C and be >= 1")
     if len(np.unique(rows * len(C) + centres)) != len(rows):
         raise CoresetRefusal(f"{where}: a (row, centre) pair appears twice in the counts")
+    if 0 < int((G > 0).sum()) < client.settings.min_group_rows:
+        raise CoresetRefusal(
+            f"{where}: the cost would cover {int((G > 0).sum())} rows; this node's owner releases aggregates of at "
+            f"least min_group_rows = {client.settings.min_group_rows} rows"
+        )
     per_row = np.bincount(rows, weights=counts, minlength=len(X))
     bad = per_row != G
     if bad.any():

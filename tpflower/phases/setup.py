@@ -165,9 +165,17 @@ def stats(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
 
     Refused (ValueError) unless ``columns`` names exactly the table's feature columns and ``sketch`` (default:
     none) only numeric ones (fedprep.check_stats_request); min, max and order statistics only for ``sketch``,
-    and only from at least ``min_sketch_rows`` observed values (the table owner's setting)."""
+    and only from at least ``min_sketch_rows`` observed values (the table owner's setting); the summary covers
+    at least ``min_group_rows`` fit rows (or none), and a sketch only columns the rule needs (sketch_needed)."""
     s, t = client.settings, client.settings.spec.table(client.settings.table)
     _, sketch = fedprep.check_stats_request(config, t.numeric, t.categorical, table=s.table, shard=s.shard)
+    fit = client.data.fit_positions  # None: every row; else positions or a boolean mask
+    n_fit = len(client.data.rows) if fit is None else int(np.count_nonzero(fit) if fit.dtype == bool else fit.size)
+    if 0 < n_fit < s.min_group_rows:
+        raise ProtocolRefusal(
+            f"table {s.table!r} shard {s.shard}: a summary of {n_fit} fit rows; this node's owner releases "
+            f"aggregates of at least min_group_rows = {s.min_group_rows} rows"
+        )
     summary = fedprep.local_summary(
         client.data.rows,
         t.numeric,
@@ -179,7 +187,22 @@ def stats(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
         sketch_columns=sketch,
         min_sketch_rows=s.min_sketch_rows,
     )
+    unneeded = [c for c in sketch if c not in sketch_needed(client)]
+    if unneeded:
+        raise ProtocolRefusal(
+            f"table {s.table!r} shard {s.shard}: stats asks for order statistics of column(s) {unneeded}, which "
+            "the preprocessing rule does not need (it needs those of binned columns and columns with missing values)"
+        )
     return numbered("summary", summary.arrays()), {}
+
+
+def sketch_needed(client: TableClient) -> set[str]:
+    """The numeric columns whose order statistics the global rule needs (fedprep.sketch_columns_needed): the
+    binned ones and those with a missing value in the table (the node holds the whole file it splits, so it
+    knows the other shards' gaps too)."""
+    t = client.settings.spec.table(client.settings.table)
+    frame = client.data.frame
+    return {c for c, _ in t.binned} | {c for c in t.numeric if bool(frame[c].isna().any())}
 
 
 def rule(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -223,6 +246,11 @@ def evaluate(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
             raise ProtocolRefusal(
                 f"{where}: evaluate over {n_asked} of its {n_test} test rows; it scores at "
                 f"least {EVAL_COVERAGE:.0%} of its test split"
+            )
+        if 0 < n_asked < client.settings.min_group_rows:
+            raise ProtocolRefusal(
+                f"{where}: evaluate over {n_asked} test rows; this node's owner releases aggregates of at least "
+                f"min_group_rows = {client.settings.min_group_rows} rows"
             )
         client.state.put("evaluate_rows", ordered)
     elif not np.array_equal(first, ordered):

@@ -2,8 +2,10 @@
 
 sgd_partial     {Y}                  -> {g}            Eq. 18: unnormalised partial gradient on the pending rows
 sgd_apply       {g, rows, (eval_rows)} -> {h, (h_eval)} Eq. 19: the coordinator's step, then predict
-admm_shard      {(Y), v}             -> {theta, (used)} Eq. 22: consensus step with v = w - u^q (Y with an epoch's
-                                                       first; with it, without feature DP, the parameters its rows use)
+admm_shard      {(Y), (v)}           -> {theta, (used)} Eq. 22: consensus step with v = w - u^q (Y with an epoch's
+                                                       first; with it, without feature DP, the parameters its rows use);
+                                                       no v only in the run's first step: v = theta_i^0 (w^0, which the
+                                                       server does not know)
 admm_consensus  {w}                  -> {h}            Eq. 20: theta = w, predict every row
 """
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, sharded, unsharded
+from tpflower.guard import Phase, ProtocolRefusal, sharded, unsharded
 from tpflower.models import used_parameters
 from tpflower.phases import join_admm, setup
 from tpflower.phases.join_admm import ADMMParams, ADMMState, admm_update, epoch_rho, theta_update
@@ -37,9 +39,15 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     """Eq. 22: theta^q = argmin (1/N) sum_{u in shard} [Y_u^T f + rho G_u/2 ||f||^2] + rho'/2 ||theta - v||^2."""
     if "Y" in arrays:
         ShardY(np.asarray(arrays["Y"])).save(client.state)
-    v = np.asarray(arrays["v"], dtype=np.float64)
     Y, s = (ShardY.load(client.state) or ShardY()).Y, ADMMState.of(client)
     model = client.model(config)
+    if "v" in arrays:
+        v = np.asarray(arrays["v"], dtype=np.float64)
+    elif client.state.scalar("ucq.started", 0):
+        raise ProtocolRefusal(f"table {client.settings.table!r}: admm_shard without v after the run's first step")
+    else:  # the run's first step: the consensus starts at theta_i^0, which stays on the node
+        v = client.theta(model).astype(np.float64)
+    client.state.set_scalar("ucq.started", 1)
     rho_c, rho = float(config["rho_c"]), epoch_rho(config, s)
     X = client.rows_X(None)
     alg = client.settings.algorithm

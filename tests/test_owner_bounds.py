@@ -1,0 +1,279 @@
+"""What one reply may reveal is the owner's to bound: a deviating server against the deployed client path.
+
+Each attack is replayed in-process against the real ClientApp on a deployed node (its owner's settings file
+written by simulations.deploy; the run config and every message are the attacker's), as in
+tests/test_curious_server.py, and must end refused, or bounded with the bound in the assertion:
+the initial model stays on the node (no reply pairs outputs with a model the server can rebuild), every
+released aggregate covers at least the owner's ``min_group_rows`` rows, and a run cannot re-split a deployed
+table, shard it by an unexposed column or read order statistics the preprocessing rule does not need.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+from tests.test_conformance import call
+from tests.test_curious_server import SYNTHETIC, hello, node, refused
+from tpflower.app.client_app import app as deployed_app
+from tpflower.app.client_app import client_app_for, make_client
+from tpflower.config import compose_config
+from tpflower.datasets import load_spec
+from tpflower.models import local_model, model_seed
+from tpflower.owner import DEFAULT_MIN_GROUP_ROWS, load_owner_settings
+from tpflower.records import unpack_reply
+from tpflower.relation import has_bias
+
+WIDE = "dataset.loader.task=multiclass dataset.loader.n_classes=16"
+
+
+def keys_round(context: Context) -> dict:
+    return unpack_reply(call(deployed_app, context, "train", {}, {"phase": "keys"}).content)[0]
+
+
+def features(overrides: str, context: Context) -> np.ndarray:
+    """The node's own feature matrix (what the attacker wants)."""
+    return np.asarray(make_client(compose_config(*overrides.split()), context).local.X, dtype=np.float64)
+
+
+def recovered(h: np.ndarray, W: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """The attacker's X from h = X W^T + b for a W it believes it knows: least squares, row by row."""
+    return np.linalg.lstsq(W, (h - (0.0 if b is None else b)).T, rcond=None)[0].T
+
+
+def relative_error(X_hat: np.ndarray, X: np.ndarray) -> float:
+    return float(np.linalg.norm(X_hat - X) / np.linalg.norm(X))
+
+
+# ------------------------------------------------------------------------------------ the initial model
+
+
+def test_admm_setup_carries_no_model_and_a_wide_first_prediction_does_not_give_X_away(tmp_path):
+    """An owner that allows 16 outputs per row (a multiclass run's width) answers one message with h = X
+    W0^T + b0 for its 9 x 4 table: with W0 known (main seeded it from the run's seed alone) that is X exactly.
+    Now W0 derives from the owner's secret: the attacker's rebuild of it recovers X with relative error > 0.5,
+    and admm_setup sends nothing of the model at all."""
+    allow = lambda s: s.update(max_outputs=16)  # noqa: E731
+    admm = f"{SYNTHETIC} {WIDE}"
+    context = node(tmp_path / "admm", "d1", SYNTHETIC, admm, edit=allow)
+    n = len(keys_round(context)["row_ids"])
+    reply = call(
+        deployed_app, context, "train", {"G": np.ones(n)}, {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 16}
+    )
+    arrays, metrics = unpack_reply(reply.content)
+    assert arrays == {} and set(metrics) == {"n_params"}
+
+    sgd = f"algorithm=sgd dataset=synthetic {WIDE}"
+    context = node(tmp_path / "sgd", "d1", "algorithm=sgd dataset=synthetic", sgd, edit=allow)
+    rows = np.arange(len(keys_round(context)["row_ids"]))
+    h = unpack_reply(call(deployed_app, context, "train", {"rows": rows}, {"phase": "predict", "d_out": 16}).content)[
+        0
+    ]["h"].astype(np.float64)
+    X = features(sgd, context)
+    cfg = compose_config(*sgd.split())
+    assert X.shape[1] < 16  # wide enough: with the start known, one reply spells out X
+
+    def start(seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+        layer = local_model(X.shape[1], 16, bias=has_bias(cfg.model, "d1", "fact"), dtype=torch.float64, seed=seed)
+        return layer.weight.detach().numpy(), None if layer.bias is None else layer.bias.detach().numpy()
+
+    # the attacker's best guess: the start main built from the run's own seed
+    assert relative_error(recovered(h, *start(model_seed(int(cfg.seed), "d1"))), X) > 0.5
+    # the same attack with the node's real start (which needs the owner's secret) is exact: the bound is the secret's
+    model = make_client(cfg, context).model({"d_out": 16})
+    W, b = model.weight.detach().double().numpy(), None if model.bias is None else model.bias.detach().double().numpy()
+    assert relative_error(recovered(h, W, b), X) < 1e-5
+
+
+def test_the_start_depends_on_the_owners_secret_and_the_run(tmp_path):
+    owner = load_owner_settings(node(tmp_path, "d1", SYNTHETIC, SYNTHETIC).node_config["client-config"], "d1")
+    from tpflower.models import init_seed
+
+    assert init_seed(owner.secret, 0, "d1", "run-a") != init_seed(b"known-to-the-server", 0, "d1", "run-a")
+    assert init_seed(owner.secret, 0, "d1", "run-a") != init_seed(owner.secret, 0, "d1", "run-b")
+    assert init_seed(owner.secret, 0, "d1", "run-a") == init_seed(owner.secret, 0, "d1", "run-a")
+
+
+# ------------------------------------------------------------------------------------ group sizes
+
+
+KMEANS = "algorithm=kmeans dataset=synthetic precision=float64"
+
+
+def kmeans_node(tmp_path, k: int) -> tuple[Context, int]:
+    context = node(tmp_path, "d1", KMEANS, f"{KMEANS} algorithm.k={k}")
+    return context, len(keys_round(context)["row_ids"])
+
+
+def test_kmeans_with_k_equal_to_the_rows_is_refused(tmp_path):
+    context, n = kmeans_node(tmp_path, 400)
+    assert n == 400
+    refused(
+        deployed_app,
+        context,
+        f"k = 400 centres over 400 weighted rows; each centre covers at least min_group_rows = "
+        f"{DEFAULT_MIN_GROUP_ROWS} of them .* so k <= 20",
+        "train",
+        {"G": np.full(n, 2, dtype=np.uint8)},
+        {"phase": "kmeans_local"},
+    )
+
+
+def test_kmeans_on_ten_chosen_rows_is_refused_and_an_honest_k_is_answered(tmp_path):
+    context, n = kmeans_node(tmp_path / "attack", 10)
+    G = np.zeros(n, dtype=np.uint8)
+    G[np.arange(10) * 37] = 2  # ten rows of the server's choice, one centre each
+    refused(
+        deployed_app,
+        context,
+        "k = 10 centres over 10 weighted rows|G differs between rows with the same join keys",
+        "train",
+        {"G": G},
+        {"phase": "kmeans_local"},
+    )
+    context, n = kmeans_node(tmp_path / "groups", 10)  # a refused phase still moves the guard: a fresh run
+    G = np.zeros(n, dtype=np.uint8)
+    G[:10] = 2  # ten rows again, without any key shared with the others: the bound on k alone refuses it
+    refused(deployed_app, context, "k = 10 centres over 10 weighted rows", "train", {"G": G}, {"phase": "kmeans_local"})
+    context, n = kmeans_node(tmp_path / "honest", 10)
+    out = unpack_reply(
+        call(deployed_app, context, "train", {"G": np.full(n, 2, dtype=np.uint8)}, {"phase": "kmeans_local"}).content
+    )[0]
+    assert np.bincount(out["labels"], minlength=10).min() >= DEFAULT_MIN_GROUP_ROWS
+
+
+def test_a_coreset_as_large_as_the_table_is_refused(tmp_path):
+    attack = "algorithm=coreset dataset=synthetic algorithm.m=2000 algorithm.leverage_ridge=0"
+    context = node(tmp_path, "fact", "algorithm=coreset dataset=synthetic", attack)
+    keys = keys_round(context)
+    train = ~keys["is_test"].astype(bool)
+    G = train.astype(np.uint8)  # each training row once: m = 2000 would be every row
+    refused(
+        deployed_app,
+        context,
+        f"a coreset of m = 2000 rows from {int(train.sum())} joined rows; a coreset is a sample, .* so m <= "
+        f"{int(train.sum()) // 2}",
+        "train",
+        {"G": G},
+        {"phase": "sensitivity", "kind": "ridge", "N": int(train.sum())},
+    )
+    # G on the test rows (whose sensitivities would carry their labels) is no join's G
+    honest = "algorithm=coreset dataset=synthetic algorithm.m=50"
+    context = node(tmp_path / "test-rows", "fact", "algorithm=coreset dataset=synthetic", honest)
+    keys_round(context)
+    n = len(G)
+    refused(
+        deployed_app,
+        context,
+        "G counts .* test row\\(s\\); the training join has none",
+        "train",
+        {"G": np.ones(n, dtype=np.uint8)},
+        {"phase": "sensitivity", "kind": "ridge", "N": n},
+    )
+
+
+# ------------------------------------------------------------------------------------ union shards
+
+UCQ = "algorithm=admm dataset=movielens scenario=ucq"
+
+
+def test_a_run_cannot_resplit_a_deployed_table_or_shard_it_by_an_unexposed_column(tmp_path):
+    for attack, match in (
+        ("dataset.tables.ratings.shards.parts=80000", r"the run splits it into shards \(parts 80000, seed 0\)"),
+        ("dataset.tables.ratings.shards.seed=7", r"a run cannot re-split a deployed table"),
+        (
+            "~dataset.tables.ratings.shards.parts +dataset.tables.ratings.shards.by=timestamp "
+            "+dataset.tables.ratings.shards.values=[a,b]",
+            "the run splits it into shards by column 'timestamp', which this node does not expose",
+        ),
+    ):
+        context = node(tmp_path / str(abs(hash(attack))), "ratings", UCQ, f"{UCQ} {attack}")
+        with pytest.raises(ValueError) as refusal:
+            call(deployed_app, context, "query", {}, {"phase": "hello"})
+        line = str(refusal.value)
+        assert re.search(match, line), line
+        assert str(tmp_path) not in line and "\n" not in line  # no owner's file path, one line
+    # the owner's own split is served
+    assert hello(deployed_app, node(tmp_path / "honest", "ratings", UCQ, UCQ))["table"] == "ratings"
+
+
+def test_a_simulation_shards_only_by_an_exposed_column():
+    cfg = compose_config(
+        *UCQ.split(),
+        "~dataset.tables.ratings.shards.parts",
+        "+dataset.tables.ratings.shards.by=timestamp",
+        "+dataset.tables.ratings.shards.values=[a,b]",
+    )
+    app, refusals = client_app_for(cfg), []
+    for pid in range(len(load_spec(cfg.dataset).clients("ucq"))):
+        context = Context(run_id=0, node_id=1, node_config={"partition-id": pid}, state=RecordDict(), run_config={})
+        try:
+            assert hello(app, context)["table"] != "ratings"
+        except ValueError as exc:
+            refusals.append(str(exc))
+    assert len(refusals) == 2  # both shards of ratings; movies and the users' shards serve
+    assert all("shards by column 'timestamp', which this node does not expose" in r for r in refusals)
+
+
+def sharded_fact(overrides: str) -> tuple[object, Context]:
+    cfg = compose_config(*overrides.split())
+    app = client_app_for(cfg)
+    for partition in range(1000):
+        context = Context(
+            run_id=0, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={}
+        )
+        if hello(app, context)["table"] == "fact":
+            keys = unpack_reply(call(app, context, "train", {}, {"phase": "keys"}).content)[0]
+            if (~keys["is_test"].astype(bool)).sum() > 0:
+                return app, context
+    raise AssertionError("no fact shard with training rows")
+
+
+def test_tiny_shards_release_no_summary():
+    # five-row shards (a simulation: a deployed node refuses the re-split itself): a summary would be a row's values
+    app, context = sharded_fact(f"{SYNTHETIC} scenario=ucq dataset.loader.shards.fact=400")
+    columns = ",".join(f"x{j}" for j in range(4))
+    refused(
+        app,
+        context,
+        "a summary of [1-5] fit rows; .* min_group_rows = 20",
+        "train",
+        config={"phase": "stats", "columns": columns},
+    )
+
+
+def test_order_statistics_only_of_columns_the_rule_needs(tmp_path):
+    # the owner lowered min_sketch_rows; still, a column neither binned nor with a missing value keeps its
+    # order statistics (the rule needs none of them): refused
+    ucq = f"{SYNTHETIC} scenario=ucq"
+    context = node(tmp_path, "fact", ucq, ucq, edit=lambda s: s.update(min_sketch_rows=10))
+    keys_round(context)
+    columns = ",".join(f"x{j}" for j in range(4))
+    refused(
+        deployed_app,
+        context,
+        r"order statistics of column\(s\) \['x0'\], which the preprocessing rule does not need",
+        "train",
+        config={"phase": "stats", "columns": columns, "sketch": "x0"},
+    )
+
+
+def test_small_centres_are_merged_and_a_clustering_without_one_comes_back_unchanged():
+    from tpflower.clustering import merge_small_clusters, sq_distances
+
+    rng = np.random.default_rng(0)
+    X = np.vstack([rng.normal(0, 1, (60, 2)), rng.normal(8, 1, (60, 2)), [[40.0, 40.0]]])  # one outlier row
+    w = np.ones(len(X))
+    C = np.array([X[:60].mean(0), X[60:120].mean(0), X[120]])
+    labels = sq_distances(X, C).argmin(1)
+    merged, new_labels = merge_small_clusters(X, w, C, labels, 20)
+    assert len(merged) == 2 and np.bincount(new_labels).min() >= 20
+    for c in range(2):  # each released centre is the weighted mean of its rows, the outlier's row inside one
+        np.testing.assert_allclose(merged[c], X[new_labels == c].mean(0), rtol=1e-12)
+    same, same_labels = merge_small_clusters(X[:120], w[:120], C[:2], labels[:120], 20)
+    np.testing.assert_array_equal(same, C[:2])
+    np.testing.assert_array_equal(same_labels, labels[:120])
