@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from strategies.transport import ClientKey
-from tpflower.checkpoint import atomic_write
+from tpflower.files import atomic_write
 from tpflower.losses import LabelScale
 from tpflower.owner import redact
 

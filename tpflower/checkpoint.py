@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
-import tempfile
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +38,7 @@ from flwr.common import RecordDict
 from omegaconf import DictConfig, OmegaConf
 
 from tpflower import privacy as dp  # torch-free: the hello path imports this module
+from tpflower.files import atomic_write
 from tpflower.guard import GuardData, ProtocolRefusal
 from tpflower.owner import OwnerSettings, redact
 from tpflower.records import recorddict_bytes, recorddict_of
@@ -82,25 +81,6 @@ def run_key(cfg: Any) -> str:
     container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     assert isinstance(container, dict)
     return json.dumps({k: v for k, v in container.items() if k not in IGNORED_CONFIG_KEYS}, sort_keys=True, default=str)
-
-
-def atomic_write(path: Path, data: bytes | Callable[[Any], None]) -> None:
-    """Write ``data`` (bytes, or a function writing to the open binary file) to ``path`` so that a reader
-    (or a crash) sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(data, bytes):
-                f.write(data)
-            else:
-                data(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class NodeStore:

@@ -23,8 +23,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tpflower.checkpoint import atomic_write
 from tpflower.fedprep import bin_transform
+from tpflower.files import atomic_write
 from tpflower.models import torch_dtype
 from tpflower.preprocess import TablePreprocessor
 from tpflower.relation import build_local_model

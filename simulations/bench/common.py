@@ -130,3 +130,20 @@ class TreeMonitor:
         self._stop.set()
         self._thread.join()
         return {k: round(v, 1) for k, v in self.peak.items()}
+
+
+def run_results(cfg: Any) -> Any:
+    """One in-process run of ``cfg`` (the centralized baseline too) with no log: its RunResults. Call it in a
+    case's own process: it imports torch and flwr."""
+    from simulations.federated import run_in_process  # noqa: PLC0415
+    from strategies.centralized import train_centralized  # noqa: PLC0415
+    from tpflower.owner import simulation_secret  # noqa: PLC0415
+    from tpflower.relation import load_relation  # noqa: PLC0415
+    from tpflower.results import new_run_results  # noqa: PLC0415
+
+    if str(cfg.algorithm.name) != "centralized":
+        return run_in_process(cfg, None, log=lambda _: None).strategy.results
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
+    results = new_run_results(cfg, "centralized", rel.spec, rel.mapping)
+    train_centralized(cfg, rel, results, log=lambda _: None)
+    return results

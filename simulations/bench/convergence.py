@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from simulations.bench.common import run_isolated
+from simulations.bench.common import run_isolated, run_results
 from tpflower.config import compose_config
 
 #: the datasets of the convergence table (overrides); synthetic labels in three units
@@ -33,20 +33,10 @@ CONVERGENCE_DATA: dict[str, tuple[str, ...]] = {
 def convergence_case(data: str, overrides: list[str], epochs: int) -> dict[str, Any]:
     """Shipped defaults: the test metric per epoch of one run (in-process), and where and why it stopped."""
     # torch, flwr: imported in the case's own process only, never in the suite's (see common.py)
-    from simulations.federated import run_in_process  # noqa: PLC0415
-    from strategies.centralized import train_centralized  # noqa: PLC0415
-    from tpflower.owner import simulation_secret  # noqa: PLC0415
-    from tpflower.relation import load_relation  # noqa: PLC0415
-    from tpflower.results import new_run_results  # noqa: PLC0415
 
     cfg = compose_config(*CONVERGENCE_DATA[data], f"epochs={epochs}", *overrides)
     t0 = time.perf_counter()
-    if str(cfg.algorithm.name) == "centralized":
-        rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
-        results = new_run_results(cfg, "centralized", rel.spec, rel.mapping)
-        train_centralized(cfg, rel, results, log=lambda _: None)
-    else:
-        results = run_in_process(cfg, None, log=lambda _: None).strategy.results
+    results = run_results(cfg)
     return {
         "metric": [h.test_metric for h in results.history],
         "stopped": results.stopped,

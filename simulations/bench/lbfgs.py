@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any
 
-from simulations.bench.common import run_isolated
+from simulations.bench.common import run_isolated, run_results
 
 #: (dataset, model) cases; nycflights13_delayed has a binary label (linear = logistic regression)
 LBFGS_CASES: tuple[tuple[str, str], ...] = (
@@ -28,22 +28,12 @@ SGD_EVAL_EVERY = 5  # rounds between TP-Join-SGD's evaluations (its resolution i
 def lbfgs_case(data: str, model: str, algorithm: str, epochs: int) -> dict[str, Any]:
     """One run in-process with the shipped defaults: its evaluations (epoch, rounds, bytes, metric)."""
     # torch, flwr: imported in the case's own process only, never in the suite's (see common.py)
-    from simulations.federated import run_in_process  # noqa: PLC0415
-    from strategies.centralized import train_centralized  # noqa: PLC0415
     from tpflower.config import compose_config  # noqa: PLC0415
-    from tpflower.owner import simulation_secret  # noqa: PLC0415
-    from tpflower.relation import load_relation  # noqa: PLC0415
-    from tpflower.results import new_run_results  # noqa: PLC0415
 
     extra = [f"algorithm.eval_every={SGD_EVAL_EVERY}"] if algorithm == "sgd" else []
     cfg = compose_config(f"dataset={data}", f"model={model}", f"algorithm={algorithm}", f"epochs={epochs}", *extra)
     t0 = time.perf_counter()
-    if algorithm == "centralized":
-        rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
-        results = new_run_results(cfg, "centralized", rel.spec, rel.mapping)
-        train_centralized(cfg, rel, results, log=lambda _: None)
-    else:
-        results = run_in_process(cfg, None, log=lambda _: None).strategy.results
+    results = run_results(cfg)
     return {
         "metric_name": results.metric,
         "history": [

@@ -85,7 +85,7 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
     # torch and flwr (strategies.join_admm, tpflower.losses, tpflower.checkpoint): imported here, not at the
     # top, so that the mapping_scale case's peak RSS (same module, its own process) does not count them
     from strategies.join_admm import ADMMServer  # noqa: PLC0415
-    from tpflower.checkpoint import atomic_write  # noqa: PLC0415
+    from tpflower.files import atomic_write  # noqa: PLC0415
     from tpflower.losses import LabelScale, metrics  # noqa: PLC0415
 
     spec, projections, n_rows, y_rows = _scale_projections(n_joined)
@@ -142,7 +142,7 @@ def server_state_case(n_joined: int, precision: str = "float32", epochs: int = 2
         protocol=pickle.HIGHEST_PROTOCOL,
     )
     t_pickle, checkpoint_bytes = time.perf_counter() - t0, len(blob)
-    with tempfile.TemporaryDirectory() as tmp:  # and writes (fsync'ed, tpflower.checkpoint.atomic_write)
+    with tempfile.TemporaryDirectory() as tmp:  # and writes (fsync'ed, tpflower.files.atomic_write)
         t0 = time.perf_counter()
         atomic_write(Path(tmp) / "checkpoint.pkl", blob)
         t_write = time.perf_counter() - t0

@@ -23,13 +23,13 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tpflower.files import atomic_write
 from tpflower.params import positive_finite
 from tpflower.privacy.accounting import rdp_epsilon
 
@@ -89,18 +89,8 @@ def steps_of(history: Iterable[Sequence[float]]) -> int:
 
 
 def private_write(path: Path, data: bytes) -> None:
-    """``data`` to ``path`` atomically, readable by the owner only (0600)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp: mode 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """``data`` to ``path`` atomically, readable by the owner only (0600, in a 0700 folder)."""
+    atomic_write(path, data, dir_mode=0o700)
 
 
 def npy_bytes(a: np.ndarray) -> bytes:
