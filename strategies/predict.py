@@ -151,12 +151,11 @@ class FederatedPrediction(TablePuppetStrategy):
         try:
             mapping = build_mapping(self.spec, projections)
         except SpecError:  # no new row joins: every one is reported
-            self.results = Predictions(
-                self.task, np.zeros(0, np.int64), np.zeros((0, self.d_out or 1)), np.arange(n_query, dtype=np.int64)
+            self.finish(
+                Predictions(
+                    self.task, np.zeros(0, np.int64), np.zeros((0, self.d_out or 1)), np.arange(n_query, dtype=np.int64)
+                )
             )
-            self.finished = True
-            if self.out is not None:
-                write_predictions(self.results, self.out, self.log)
             return
         routers = {
             t: ShardRouter(
@@ -179,16 +178,25 @@ class FederatedPrediction(TablePuppetStrategy):
         inv = {t: i.ravel() for t, (_, i) in distinct.items()}
         H = self.cluster_ids(h, inv) if self.clusters else joined_predictions(inv, h)
         rows = np.asarray(mapping.p[self.query[0]], dtype=np.int64)
-        self.results = Predictions(
-            self.task,
-            rows,
-            H if self.clusters else label_scale_of(self.record).to_label(H),
-            np.setdiff1d(np.arange(n_query), rows),
-            dict(mapping.p),
+        self.finish(
+            Predictions(
+                self.task,
+                rows,
+                H if self.clusters else label_scale_of(self.record).to_label(H),
+                np.setdiff1d(np.arange(n_query), rows),
+                dict(mapping.p),
+            )
         )
+
+    def finish(self, predictions: Predictions) -> None:
+        """The predictions to the query owner (its node keeps them), then to ``out`` if the server has one."""
+        self.results = predictions
+        frame = predictions.frame()
+        delivery = {f"col.{c}": frame[c].to_numpy() for c in frame.columns} | {"unjoined": predictions.unjoined}
+        self.send({self.query: (delivery, {"phase": "deliver"})})
         self.finished = True
         if self.out is not None:
-            write_predictions(self.results, self.out, self.log)
+            write_predictions(predictions, self.out, self.log)
 
     def cluster_ids(self, labels: Mapping[str, np.ndarray], inv: Mapping[str, np.ndarray]) -> np.ndarray:
         """k-means (DistDim): each joined row's grid cell from its tables' local labels, and the final centre

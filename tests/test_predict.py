@@ -152,6 +152,12 @@ def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
     assert pd.read_csv(tmp_path / "p.unjoined.csv")["row"].tolist() == [3, 7]
     assert not {3, 7} & set(pd.read_csv(out)["row"])
     assert set(pd.read_csv(out)["row"]) == set(range(len(frame))) - {3, 7}
+    # the query owner's node keeps the same predictions and unjoined rows, its own alone (0600)
+    run_id = json.loads((run_dir / "model.json").read_text())["run_id"]
+    kept = run_dir / "node-state" / "predictions" / f"{run_id}.csv"
+    pd.testing.assert_frame_equal(pd.read_csv(kept), pd.read_csv(out))
+    assert pd.read_csv(kept.with_suffix(".unjoined.csv"))["row"].tolist() == [3, 7]
+    assert kept.stat().st_mode & 0o777 == 0o600
 
 
 def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
@@ -257,6 +263,13 @@ def test_the_owners_settings_bound_what_a_prediction_request_gets(regression_run
         deployed_app, order, "not a phase of this algorithm", "train", {"Y": np.zeros((3, 1))}, {"phase": "admm_update"}
     )
     refused(deployed_app, order, "stage 'predict_keys'", "train", {"rows": np.arange(2)}, {"phase": "predict_rows"})
+    # the predictions go to the query owner only: a node that is not it refuses to be handed them
+    other_node = deployed(tmp_path / "deliver", run_dir, run_id, "d1")
+    call(deployed_app, other_node, "train", {}, ask)
+    call(deployed_app, other_node, "train", {"rows": np.arange(2)}, {"phase": "predict_rows"})
+    refused(
+        deployed_app, other_node, "to the query owner only", "train", {"col.row": np.arange(2)}, {"phase": "deliver"}
+    )
 
 
 def test_a_saved_part_holds_no_row_and_is_the_owners_alone(regression_run):

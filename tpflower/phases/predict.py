@@ -14,6 +14,10 @@ A prediction request is a protocol of its own (:data:`PREDICT`), never mixed wit
   reblind       as in setup (keys=blind)
   predict_rows  {rows}        -> {h}: f_i(theta_i; x_u) of its rows ``rows`` with the saved theta_i and the
                                  saved preprocessing; k-means: {labels}, each row's nearest local centre
+  deliver       {col.<name>..., unjoined} -> {} {written}: the query owner only; it writes the predictions
+                                 (one column per array, ``row`` its new row's number) to
+                                 STATE_DIR/predictions/<run>.csv and the new rows that joined nothing to
+                                 <run>.unjoined.csv (0600)
 
 The owner decides (tpflower.owner): a node answers only for a run whose part it still holds, only when its
 settings say ``serve_predictions: true``, with the saved output width within its ``max_outputs``, and scores at
@@ -33,6 +37,7 @@ import pandas as pd
 
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
+from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
 from tpflower.model_part import ModelPart, part_id, part_path
 from tpflower.phases.setup import blinds_keys, key_arrays, reblind_keys
@@ -185,6 +190,7 @@ def predict_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         check_count(client, len(frame))
     client.state.set_scalar("predict.run_id", run_id)
     client.state.set_scalar("predict.query", int(query))
+    client.state.set_scalar("predict.n_rows", len(frame))
     mode = s.owner.keys
     out = key_arrays(client, frame[list(s.spec.key_columns(s.table))], row_ids)
     return out, {"n_rows": len(frame), "part": pid, "d_out": part.d_out, "blind_keys": int(mode == "blind")}
@@ -205,11 +211,39 @@ def predict_rows(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     return {"h": part.predict(client.settings.spec, X)}, {}
 
 
-#: a prediction request: the keys of the rows, (keys=blind) the re-blinding hops, one scoring round
+def predictions_path(state_dir: str | Path, run_id: str) -> Path:
+    """Where the query owner's node keeps the latest predictions of run ``run_id``."""
+    return Path(state_dir) / "predictions" / f"{run_id}.csv"
+
+
+def deliver(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """The query owner receives the predictions of its new rows (module docstring) and keeps them, 0600."""
+    s = client.settings
+    if not client.state.scalar("predict.query"):
+        raise ProtocolRefusal(f"{_where(client)}: deliver goes to the query owner only")
+    n_rows = int(client.state.scalar("predict.n_rows", 0))
+    unjoined = np.asarray(arrays.get("unjoined", np.zeros(0, np.int64)), dtype=np.int64)
+    frame = pd.DataFrame({name.removeprefix("col."): a for name, a in arrays.items() if name.startswith("col.")})
+    if "row" not in frame:
+        raise ProtocolRefusal(f"{_where(client)}: deliver without the rows' numbers (col.row)")
+    rows = np.concatenate([frame["row"].to_numpy(dtype=np.int64), unjoined])
+    if len(rows) and (rows.min() < 0 or rows.max() >= n_rows):
+        raise ProtocolRefusal(f"{_where(client)}: deliver names rows outside its {n_rows} new rows")
+    if s.owner.state_dir is None:
+        return {}, {"written": 0}
+    out = predictions_path(s.owner.state_dir, str(client.state.scalar("predict.run_id")))
+    atomic_write(out, frame.to_csv(index=False).encode(), dir_mode=0o700)
+    atomic_write(out.with_suffix(".unjoined.csv"), pd.DataFrame({"row": unjoined}).to_csv(index=False).encode())
+    return {}, {"written": len(frame)}
+
+
+#: a prediction request: the keys of the rows, (keys=blind) the re-blinding hops, one scoring round, the
+#: predictions to the query owner
 PREDICT = Protocol(
     (
         Stage("predict_keys", {"predict_keys": Phase(predict_keys)}),
         Stage("reblind", {"reblind": Phase(reblind_keys, blinds_keys)}, calls=None),
         Stage("predict_rows", {"predict_rows": Phase(predict_rows)}),
+        Stage("deliver", {"deliver": Phase(deliver)}),
     )
 )
