@@ -718,9 +718,11 @@ def predict(
     timeout: float = 1800.0,
     insecure: bool = False,
     shard: int = 0,
+    table: str | None = None,
 ) -> Path:
     """A prediction request for the model a deployment trained into ``run_dir`` (docs/prediction.md): start
-    the nodes again (same ``state_dir``: their saved parts), the label owner's settings naming ``rows`` as its
+    the nodes again (same ``state_dir``: their saved parts), the query owner's (``table``, default the label
+    table's) settings naming ``rows`` as its
     new rows, `flwr run` the request (``predict.run_id``: the run of RUN_DIR/model.json), stop. Returns
     RUN_DIR/predictions.csv, written by the ServerApp; raises RunFailed otherwise."""
     from strategies.model_record import read_model_record  # noqa: PLC0415  torch: only for this command
@@ -731,8 +733,9 @@ def predict(
     spec = load_spec(config_of(overrides).dataset)
     out = run_dir / PREDICTIONS_FILE
     before = out.stat().st_mtime_ns if out.is_file() else None
-    job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.shard={int(shard)}"
-    query = {(spec.label_table, int(shard)): str(Path(rows).resolve())}
+    table = table or spec.label_table
+    job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.table={table} +predict.shard={int(shard)}"
+    query = {(table, int(shard)): str(Path(rows).resolve())}
     dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query)
     try:
         cmd = flwr_run_command(dep.connection, job, run_dir)
@@ -832,8 +835,9 @@ def main(argv: list[str] | None = None) -> int:
     p_keygen = sub.add_parser("keygen", help="a table owner's SuperNode key pair (KEY, 0600, and KEY.pub to register)")
     p_keygen.add_argument("key", help="path of the private key to write")
     p_predict.add_argument("--run-dir", required=True, help="the training run's directory (model.json)")
-    p_predict.add_argument("--rows", required=True, help="the label owner's new rows (CSV or Parquet)")
-    p_predict.add_argument("--shard", type=int, default=0, help="the label table's shard whose owner holds them")
+    p_predict.add_argument("--rows", required=True, help="the query owner's new rows (CSV or Parquet)")
+    p_predict.add_argument("--table", help="the query table (default: the label table)")
+    p_predict.add_argument("--shard", type=int, default=0, help="the query table's shard whose owner holds them")
     for p in (p_start, p_run, p_clients, p_predict):
         p.add_argument(
             "--overrides",
@@ -896,6 +900,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.flwr_home,
                 insecure=args.insecure,
                 shard=args.shard,
+                table=args.table,
             )
             print(f"predictions: {out}")
         except (RunFailed, ValueError) as exc:

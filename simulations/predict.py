@@ -1,8 +1,8 @@
 """Use a trained model: ``python -m simulations.predict RUN_DIR --rows FILE [--out predictions.csv]``.
 
 Federated prediction in simulation (docs/prediction.md): the nodes of the training run in RUN_DIR come back
-with their saved parts (RUN_DIR/node-state), the label table's owner supplies the new rows FILE (CSV or
-Parquet: the table's join keys and feature columns), the other owners the tables they serve now; the server
+with their saved parts (RUN_DIR/node-state), the query table's owner (--table, default the label table's)
+supplies the new rows FILE (CSV or Parquet: the table's join keys and feature columns), the other owners the tables they serve now; the server
 (strategies/predict.py) joins the keys, sums the parts' outputs and writes one line per joined new row. New
 rows that join no partner are counted and their row numbers written to OUT.unjoined.csv. Bad input (a rows
 file without the key columns, with a column the model did not train on, with wrong types; a missing part):
@@ -36,9 +36,10 @@ def predict_run(
     runtime: str = "inprocess",
     base_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
+    table: str | None = None,
 ) -> Predictions:
     """Score the new rows ``rows`` with the model of ``run_dir`` (its model.json and its nodes' parts); the
-    label table's shard ``shard`` holds them. ``runtime``: inprocess, or flower (the simulation engine)."""
+    shard ``shard`` of table ``table`` (default: the label table) holds them. ``runtime``: inprocess, or flower (the simulation engine)."""
     for name in ("flwr", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     run_dir = Path(run_dir).resolve()
@@ -49,9 +50,12 @@ def predict_run(
     cfg = OmegaConf.create(record["config"])
     base = str(base_dir) if base_dir is not None else os.getcwd()
     spec = load_spec(cfg.dataset, base_dir=base)
+    table = table or spec.label_table
+    if table not in spec.table_names:
+        raise ValueError(f"--table {table!r}: no such table (tables: {', '.join(spec.table_names)})")
     with open_dict(cfg):
-        cfg.predict = {"run_id": record["run_id"], "rows": str(rows_path), "table": spec.label_table, "shard": shard}
-    strategy = FederatedPrediction(cfg, spec, record, (spec.label_table, int(shard)), log)
+        cfg.predict = {"run_id": record["run_id"], "rows": str(rows_path), "table": table, "shard": shard}
+    strategy = FederatedPrediction(cfg, spec, record, (table, int(shard)), log)
     if runtime == "inprocess":
         run_in_process(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
     elif runtime == "flower":
@@ -65,15 +69,16 @@ def predict_run(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.predict", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", help="the training run's directory (model.json, node-state/)")
-    parser.add_argument("--rows", required=True, help="the new rows (CSV or Parquet) of the label table")
+    parser.add_argument("--rows", required=True, help="the new rows (CSV or Parquet) of the query table")
+    parser.add_argument("--table", help="the query table whose owner holds the new rows (default: the label table)")
     parser.add_argument("--out", help="the predictions CSV (default RUN_DIR/predictions.csv)")
-    parser.add_argument("--shard", type=int, default=0, help="the label table's shard that holds the rows")
+    parser.add_argument("--shard", type=int, default=0, help="the query table's shard that holds the rows")
     parser.add_argument("--runtime", choices=("inprocess", "flower"), default="inprocess")
     parser.add_argument("--base-dir", help="where relative dataset paths start (default: the current directory)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        pred = predict_run(args.run_dir, args.rows, args.shard, args.runtime, args.base_dir)
+        pred = predict_run(args.run_dir, args.rows, args.shard, args.runtime, args.base_dir, table=args.table)
     except (RunError, SpecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

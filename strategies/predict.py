@@ -86,11 +86,6 @@ class FederatedPrediction(TablePuppetStrategy):
     ):
         scenario = str(cfg.scenario.name)
         super().__init__(spec.clients(scenario), log)
-        if query[0] != spec.label_table:
-            raise ValueError(
-                f"the new rows belong to table {query[0]!r}: a prediction joins from the label table "
-                f"{spec.label_table!r}, whose owner supplies them"
-            )
         if query not in self.clients:
             raise ValueError(f"table {query[0]!r} has no shard {query[1]} (clients: {self.clients})")
         self.cfg, self.spec, self.record, self.query = cfg, spec, record, query
@@ -119,13 +114,14 @@ class FederatedPrediction(TablePuppetStrategy):
                 "training run's overrides"
             )
         spec = load_spec(cfg.dataset, base_dir=base_dir)
-        strategy = cls(cfg, spec, record, (spec.label_table, int(cfg.predict.get("shard", 0))), log)
+        query = (str(cfg.predict.get("table") or spec.label_table), int(cfg.predict.get("shard", 0)))
+        strategy = cls(cfg, spec, record, query, log)
         strategy.out = Path(run_dir) / PREDICTIONS_FILE
         return strategy
 
     @property
     def members(self) -> list[ClientKey]:
-        """The clients of the request: the query shard of the label table, every client of the other tables."""
+        """The clients of the request: the query shard of the query table, every client of the other tables."""
         return [k for k in self.clients if k[0] != self.query[0] or k == self.query]
 
     def protocol(self) -> None:

@@ -140,6 +140,27 @@ def test_classification_writes_classes_and_probabilities_and_matches_the_run(tra
     assert_same_as_the_run(strategy, [(predict_run(run_dir, rows, **QUIET), ids)])
 
 
+def test_new_rows_of_another_table_score_every_joined_row_they_take_part_in(trained, tmp_path):
+    """The query table need not be the label table: a dimension table's rows as new rows join the rows the
+    other tables serve now, and every joined row gets the prediction it gets from the label table's side."""
+    strategy, run_dir, _, _ = trained
+    spec = strategy.spec
+    dim = next(t for t in spec.table_names if t != spec.label_table)
+    both = []
+    for table in (spec.label_table, dim):
+        _, frame = load_table(strategy.cfg.dataset, table)
+        rows = tmp_path / f"{table}.csv"
+        frame.drop(columns=[spec.label.column], errors="ignore").to_csv(rows, index=False)  # every row, in order
+        both.append(predict_run(run_dir, rows, table=table, **QUIET))
+    (by_label, by_dim), tables = both, list(spec.table_names)
+    assert len(by_dim.rows) == len(by_label.rows) > 0 and len(by_dim.unjoined) == 0
+    k1, k2 = joined_keys(by_label.p, tables), joined_keys(by_dim.p, tables)
+    a, b = np.lexsort(k1.T[::-1]), np.lexsort(k2.T[::-1])
+    np.testing.assert_array_equal(k1[a], k2[b])
+    np.testing.assert_allclose(np.asarray(by_dim.H)[b], np.asarray(by_label.H)[a], rtol=0, atol=1e-9)
+    assert predict_main([str(run_dir), "--rows", str(tmp_path / "fact.csv"), "--table", "nope"]) == 1
+
+
 def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
     strategy, run_dir, rows, _ = trained
     frame = pd.read_csv(rows).drop(columns=[strategy.spec.label.column])  # new rows come without labels
