@@ -106,7 +106,8 @@ def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
     assert not [p for p in written if secret in p.read_text(errors="replace")]  # nor in Flower's log
     lines = ok.stdout.splitlines()
     assert lines[0].startswith("[synthetic] tables:") and lines[-1] == f"results: {run_dir / 'results.json'}"
-    assert all(line.startswith("epoch ") for line in lines[1:-1]) and len(lines) == 4
+    assert lines[-2] == f"model: {run_dir / 'model.json'}"  # the model record (docs/prediction.md)
+    assert all(line.startswith("epoch ") for line in lines[1:-2]) and len(lines) == 5
     assert ok.stderr == ""
     bad_shop(tmp_path)
     bad = run_cli(

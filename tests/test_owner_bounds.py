@@ -183,7 +183,7 @@ UCQ = "algorithm=admm dataset=movielens scenario=ucq"
 
 def test_a_run_cannot_resplit_a_deployed_table_or_shard_it_by_an_unexposed_column(tmp_path):
     for attack, match in (
-        ("dataset.tables.ratings.shards.parts=80000", r"the run splits it into shards \(parts 80000, seed 0\)"),
+        ("dataset.tables.ratings.shards.parts=80000", r"the run splits it into shards \(parts 80000, seed=0\)"),
         ("dataset.tables.ratings.shards.seed=7", r"a run cannot re-split a deployed table"),
         (
             "~dataset.tables.ratings.shards.parts +dataset.tables.ratings.shards.by=timestamp "

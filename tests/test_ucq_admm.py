@@ -190,7 +190,9 @@ def test_general_form_consensus_reaches_the_join_where_categories_live_in_one_sh
     weight over the shards that use it (the default) matches TP-Join-ADMM within the default 10 inner rounds;
     the plain average of Eq. 20 over all shards (what feature-DP shards get) lags."""
     dataset = shop_with_shards(tmp_path)
-    common = (*SMALL_SHARDS, "algorithm=admm", "precision=float64", "epochs=4", "model.init=zeros")
+    # the paper's update (no over-relaxation): the comparison is of the consensus forms alone; with relax=1.5
+    # the general form is 1.2e-3 from the join after 4 epochs (plain: 3.9e-3)
+    common = (*SMALL_SHARDS, "algorithm=admm", "algorithm.relax=1", "precision=float64", "epochs=4", "model.init=zeros")
     join = history(run(*common, dataset=dataset, base_dir=tmp_path))[-1]
     general = history(run(*common, "scenario=ucq", dataset=dataset, base_dir=tmp_path))[-1]
     monkeypatch.setattr(

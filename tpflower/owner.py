@@ -240,7 +240,7 @@ def _shard_words(shards: ShardSpec | None) -> str:
     """A run's shards setting in words (the run's own, never the node's values)."""
     if shards is None:
         return "none"
-    return f"by {shards.by!r}" if shards.by is not None else f"parts {shards.parts}, seed {shards.seed}"
+    return f"by {shards.by!r}" if shards.by is not None else f"parts {shards.parts}, seed={shards.seed}"
 
 
 # ------------------------------------------------------------------------------------------------ building
