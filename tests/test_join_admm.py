@@ -49,13 +49,19 @@ def test_admm_paper_variant_diverges_with_an_intercept_per_table():
     assert objective[-1] > 1e10 * objective[0]
 
 
-def test_admm_variants_reach_the_ridge_optimum_without_intercepts():
+def ridge_optimum_without_intercepts() -> float:
+    """The ridge objective's minimum on the synthetic join (no intercepts, raw label), from the exact solution."""
     cfg = make_cfg("dataset=synthetic", "model.bias=none", "standardize_label=false")
     rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
     beta = float(cfg.model.beta)
     w, _ = exact_ridge(rel, beta, intercept=False)
     resid = rel.joined_features(rel.train) @ w - rel.labels(rel.train)
     optimum = 0.5 * np.mean(resid**2) + beta * 0.5 * np.sum(w**2)
+    return float(optimum)
+
+
+def test_admm_variants_reach_the_ridge_optimum_without_intercepts():
+    optimum = ridge_optimum_without_intercepts()
     for variant in ("sharing", "paper"):
         hist = admm_history("epochs=80", "model.bias=none", f"algorithm.variant={variant}", "algorithm.rho=1.0")
         assert hist[-1].extra["objective"] == pytest.approx(optimum, rel=1e-8), variant
@@ -160,12 +166,7 @@ def test_over_relaxation_against_a_hand_computation():
 
 
 def test_over_relaxed_admm_reaches_the_ridge_optimum():
-    cfg = make_cfg("dataset=synthetic", "model.bias=none", "standardize_label=false")
-    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
-    beta = float(cfg.model.beta)
-    w, _ = exact_ridge(rel, beta, intercept=False)
-    resid = rel.joined_features(rel.train) @ w - rel.labels(rel.train)
-    optimum = 0.5 * np.mean(resid**2) + beta * 0.5 * np.sum(w**2)
+    optimum = ridge_optimum_without_intercepts()
     hist = admm_history("epochs=80", "model.bias=none", "algorithm.relax=1.5", "algorithm.rho=1.0")
     assert hist[-1].extra["objective"] == pytest.approx(optimum, rel=1e-8)
 
