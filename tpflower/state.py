@@ -70,6 +70,14 @@ class StateRecord:
         values.update(dict(scalars or {}))
         return cls(**{f.name: values.get(f.name) for f in fields(cls)})
 
+    @classmethod
+    def required(cls: type[S], state: ClientState, table: str, missing: str) -> S:
+        """The state, or a RuntimeError naming the table and the step that came before its setup (``missing``)."""
+        found = cls.load(state)
+        if found is None:
+            raise RuntimeError(f"table {table!r}: {missing}")
+        return found
+
     def save(self, state: ClientState) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         arrays = {k: Array(np.ascontiguousarray(v)) for k, v in values.items() if isinstance(v, np.ndarray)}

@@ -204,10 +204,7 @@ class ADMMState(StateRecord):
 
     @classmethod
     def of(cls, client: TableClient) -> ADMMState:
-        state = cls.load(client.state)
-        if state is None:
-            raise RuntimeError(f"table {client.settings.table!r}: an ADMM update before admm_setup")
-        return state
+        return cls.required(client.state, client.settings.table, "an ADMM update before admm_setup")
 
 
 def epoch_rho(config: Mapping[str, Any], state: ADMMState) -> float:

@@ -67,10 +67,7 @@ class LBFGSState(StateRecord):
 
     @classmethod
     def of(cls, client: TableClient, phase: str) -> LBFGSState:
-        state = cls.load(client.state)
-        if state is None:
-            raise RuntimeError(f"table {client.settings.table!r}: {phase} before lbfgs_start")
-        return state
+        return cls.required(client.state, client.settings.table, f"{phase} before lbfgs_start")
 
 
 def flat(model: torch.nn.Module) -> np.ndarray:

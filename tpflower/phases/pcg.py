@@ -69,10 +69,7 @@ class PCGState(StateRecord):
 
     @classmethod
     def of(cls, client: TableClient) -> PCGState:
-        state = cls.load(client.state)
-        if state is None:
-            raise RuntimeError(f"table {client.settings.table!r}: a PCG step before pcg_setup")
-        return state
+        return cls.required(client.state, client.settings.table, "a PCG step before pcg_setup")
 
 
 def design(client: TableClient, model: torch.nn.Module, rows: np.ndarray | None = None) -> np.ndarray:
