@@ -681,27 +681,33 @@ def run(
     run_dir = Path(run_dir).resolve()
     if resume:
         overrides = f"{overrides} resume=true"
-    results = run_dir / "results.json"
-    before = results.stat().st_mtime_ns if results.is_file() else None
     dep = start(overrides, state_dir, port, home, insecure=insecure)
+    return submit(dep, overrides, run_dir, run_dir / "results.json", "run", timeout)
+
+
+def submit(dep: Deployment, job: str, run_dir: Path, out: Path, what: str, timeout: float) -> Path:
+    """`flwr run` the overrides ``job`` on the started deployment ``dep`` and stop it (always); returns
+    ``out``, the file the ServerApp writes into ``run_dir``. Raises :class:`RunFailed` unless the SuperLink
+    reports the run completed and the run wrote ``out`` anew (an earlier run's file never counts)."""
+    before = out.stat().st_mtime_ns if out.is_file() else None
     try:
-        cmd = flwr_run_command(dep.connection, overrides, run_dir)
+        cmd = flwr_run_command(dep.connection, job, run_dir)
         print("$", " ".join(cmd), flush=True)
         run_id, lines = stream_run(cmd, dep.env(), timeout)
         if run_id is None:
             raise RunFailed("`flwr run` did not start a run:\n" + "\n".join(lines[-20:]))
         status = run_status(run_id, dep.connection, dep.env())
-        written = results.is_file() and results.stat().st_mtime_ns != before
+        written = out.is_file() and out.stat().st_mtime_ns != before
         if status.get("status") != "finished:completed" or not written:
             # the ServerApp's exception is the run's status detail: the one line naming the table at fault
             why = str(status.get("status-details") or "").removeprefix("ServerApp failed with exception: ")
             raise RunFailed(
-                f"run {run_id} {status.get('status')}"
+                f"{what} {run_id} {status.get('status')}"
                 + (f": {why}" if why else "")
-                + ("" if written else f"; no new {results}")
+                + ("" if written else f"; no new {out}")
                 + f" (logs in {dep.state_dir})"
             )
-        return results
+        return out
     finally:
         left = stop(dep)
         if left:
@@ -731,28 +737,11 @@ def predict(
     run_dir = Path(run_dir).resolve()
     record = read_model_record(run_dir)
     spec = load_spec(config_of(overrides).dataset)
-    out = run_dir / PREDICTIONS_FILE
-    before = out.stat().st_mtime_ns if out.is_file() else None
     table = table or spec.label_table
     job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.table={table} +predict.shard={int(shard)}"
     query = {(table, int(shard)): str(Path(rows).resolve())}
     dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query)
-    try:
-        cmd = flwr_run_command(dep.connection, job, run_dir)
-        print("$", " ".join(cmd), flush=True)
-        run_id, lines = stream_run(cmd, dep.env(), timeout)
-        if run_id is None:
-            raise RunFailed("`flwr run` did not start a run:\n" + "\n".join(lines[-20:]))
-        status = run_status(run_id, dep.connection, dep.env())
-        written = out.is_file() and out.stat().st_mtime_ns != before
-        if status.get("status") != "finished:completed" or not written:
-            why = str(status.get("status-details") or "").removeprefix("ServerApp failed with exception: ")
-            raise RunFailed(f"prediction run {run_id} {status.get('status')}" + (f": {why}" if why else ""))
-        return out
-    finally:
-        left = stop(dep)
-        if left:
-            print(f"processes still alive: {left}", file=sys.stderr)
+    return submit(dep, job, run_dir, run_dir / PREDICTIONS_FILE, "prediction run", timeout)
 
 
 def config_of(overrides: str) -> Any:
