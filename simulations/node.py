@@ -139,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     from simulations.deploy import free_port  # noqa: PLC0415  (argparse errors first: no heavy imports)
-    from tpflower.app.node_service import OwnerNode, installed_app, serve, wait_for_runtime  # noqa: PLC0415
+    from tpflower.app.flower_patch import DOORBELL_ENV, supported  # noqa: PLC0415
+    from tpflower.app.node_service import (  # noqa: PLC0415
+        OwnerNode,
+        installed_app,
+        open_doorbell,
+        serve,
+        wait_for_runtime,
+    )
     from tpflower.owner import SECRET_ENV  # noqa: PLC0415
 
     table = owner_table(args.client_config, args.table)
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     port = args.runtime_port or free_port()
     address = f"{HOST}:{port}"
     stop = threading.Event()
-    supernode = None
+    supernode = bell = None
     if not args.no_supernode:
         if not args.superlink:
             parser.error("--superlink HOST:PORT is required unless --no-supernode")
@@ -162,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             fast=not args.slow_supernode,
         )
         env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # the secret stays with the service
+        if not args.slow_supernode and supported():  # the fast SuperNode rings when a task is ready
+            bell = open_doorbell()
+            env[DOORBELL_ENV] = str(bell.getsockname()[1])
         supernode = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_as_user(args.supernode_user) or _die_with_parent
         )
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_runtime(address, 120.0, lambda: supernode is None or supernode.poll() is None)
         from tpflower.app.client_app import app  # noqa: PLC0415  torch, pandas, Hydra: once, kept across runs
 
-        serve(address, owner, app.respond, stop=stop)  # type: ignore[attr-defined]
+        serve(address, owner, app.respond, stop=stop, bell=bell)  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         pass
     finally:

@@ -56,11 +56,13 @@ import json
 import time
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from strategies.transport import GridTransport
 from tpflower.app.flower_patch import install_fast_grid_pulls
+from tpflower.records import HELLO_PHASE, error_reason, pack_payload
 
 install_fast_grid_pulls()  # as tpflower's own ServerApp does
 server = ServerApp()
@@ -72,17 +74,13 @@ def main(grid: Grid, context: Context) -> None:
     rounds, nodes = int(context.run_config["rounds"]), int(context.run_config["nodes"])
     while len(ids := sorted(grid.get_node_ids())) < nodes:
         time.sleep(0.2)
-    times = []
-    for r in range(rounds):
+    transport, times = GridTransport(grid), []
+    for r in range(rounds):  # each round as strategies.base sends it: the hello query, tpflower's own transport
         start = time.perf_counter()
-        hello = RecordDict({"config": ConfigRecord({"phase": "hello"})})
-        pending = set(grid.push_messages([Message(RecordDict(hello), n, "query") for n in ids]))
-        while pending:  # pulled as tpflower's GridTransport does (millisecond polling)
-            for reply in grid.pull_messages(list(pending)):
-                if reply.has_error():
-                    raise RuntimeError(reply.error.reason)
-                pending.discard(reply.metadata.reply_to_message_id)
-            time.sleep(0.002)
+        hello = [Message(pack_payload({}, {"phase": HELLO_PHASE}), n, "query") for n in ids]
+        for reply in transport.exchange(hello):
+            if reply.has_error():
+                raise RuntimeError(error_reason(reply))
         times.append(time.perf_counter() - start)
     Path(str(context.run_config["out"])).write_text(json.dumps(times))
 '''

@@ -1,5 +1,6 @@
 """Flower's hard-coded sleeps, shortened: the simulation engine's message fetch and a SuperNode's pull loop
-(the node service's Runtime API client is tpflower.app.node_service).
+(the node service's Runtime API client is tpflower.app.node_service); and a process-isolated SuperNode's task
+input without the app bundle's bytes, which the node service never reads.
 
 Flower's simulation engine (flwr/server/superlink/fleet/vce/vce_api.py, ``add_messages_to_queue``) looks for
 new messages for the virtual nodes every 0.1 s; a TablePuppet SGD epoch has one round per mini-batch, so that
@@ -126,4 +127,109 @@ def install_fast_supernode(flwr_version: str | None = None) -> bool:
 
     start_client_internal.time = _FastSleepTime()  # type: ignore[assignment]
     fast_object_pulls(start_client_internal)
+    return True
+
+
+def identity_only_task_input(pull_task_input: Any) -> Any:
+    """Flower 1.41's Runtime ``pull_task_input`` handler (supernode/servicer/runtime/runtime_handlers.py) with
+    the FAB's content left out of the response: its hash, verifications and the run (app id and version,
+    which the node service checks) stay. Flower sends the whole FAB (about 1 MB) with every task; the node
+    service answers with the owner's installed tpflower and drops it unread."""
+
+    @functools.wraps(pull_task_input)
+    def pull(request: Any, state: Any, task: Any) -> Any:
+        response = pull_task_input(request, state, task)
+        response.fab.content = b""
+        return response
+
+    return pull
+
+
+def install_identity_only_task_input(flwr_version: str | None = None) -> bool:
+    """Leave the FAB's bytes out of the SuperNode's task inputs (:func:`identity_only_task_input`) if the
+    installed Flower is one this was written for; else keep them and log one notice line. Only for a SuperNode
+    whose tasks the node service answers (``--isolation process``): a ClientApp process would need the FAB."""
+    if not supported(flwr_version, "the FAB's bytes in every task input"):
+        return False
+    from flwr.supernode.servicer.runtime import runtime_handlers  # noqa: PLC0415  only in the SuperNode's process
+
+    runtime_handlers.pull_task_input = identity_only_task_input(runtime_handlers.pull_task_input)
+    return True
+
+
+DOORBELL_ENV = "TPFLOWER_TASK_DOORBELL"  # the node service's loopback UDP port, in its SuperNode's environment
+DEFERRED_TASK_ID = -1  # what the deferred create_task hands Flower's code until the task exists
+
+
+class _DeferredTaskState:
+    """A SuperNode's NodeState for one ``_pull_and_store_message`` call, whose ``create_task`` is recorded
+    (and done by :func:`tasks_when_ready` once the message's objects are stored); everything else is the state."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+        self.task: tuple[tuple, dict] | None = None
+
+    def create_task(self, *args: Any, **kwargs: Any) -> int:
+        self.task = (args, kwargs)
+        return DEFERRED_TASK_ID
+
+    def finish_task(self, task_id: int, *args: Any, **kwargs: Any) -> bool:
+        if task_id == DEFERRED_TASK_ID:  # the message's objects failed to arrive: the task is never created
+            self.task = None
+            return True
+        return bool(self._state.finish_task(task_id, *args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+def tasks_when_ready(pull_and_store: Any, ring: Any = None) -> Any:
+    """Flower 1.41's ``_pull_and_store_message`` (supernode/start_client_internal.py: create the task, then
+    pull the message's objects from the SuperLink) with the task created once every object is stored, then
+    ``ring()`` (the node service's doorbell). Flower creates it first, so the node service claimed a task whose
+    objects were still arriving and pulled them with retries (about twice the requests per message)."""
+
+    @functools.wraps(pull_and_store)
+    def pull(*args: Any, state: Any, **kwargs: Any) -> Any:
+        deferred = _DeferredTaskState(state)
+        run_id = pull_and_store(*args, state=deferred, **kwargs)
+        if run_id is not None and deferred.task is not None:
+            task_args, task_kwargs = deferred.task
+            if state.create_task(*task_args, **task_kwargs) is None:
+                log.error("tpflower: the SuperNode could not create the task of a message of run %s", run_id)
+            elif ring is not None:
+                ring()
+        return run_id
+
+    return pull
+
+
+def doorbell(port: int) -> Any:
+    """A function that tells the node service on 127.0.0.1:``port`` (UDP) that a task is waiting. The datagram
+    carries nothing; any local process could send one, and all it does is make the service ask for a task."""
+    import socket  # noqa: PLC0415
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def ring() -> None:
+        try:
+            sock.sendto(b"t", ("127.0.0.1", port))
+        except OSError:  # the service polls anyway, only slower
+            pass
+
+    return ring
+
+
+def install_tasks_when_ready(flwr_version: str | None = None, port: int | None = None) -> bool:
+    """Create a SuperNode's tasks once their message is complete (:func:`tasks_when_ready`), ringing the node
+    service's doorbell on ``port`` if given, if the installed Flower is one this was written for; else keep
+    Flower's order and log one notice line. Only for a SuperNode whose tasks the node service answers."""
+    if not supported(flwr_version, "tasks created before their message's objects arrive"):
+        return False
+    from flwr.supernode import start_client_internal  # noqa: PLC0415  only in the SuperNode's process
+
+    ring = doorbell(port) if port else None
+    start_client_internal._pull_and_store_message = tasks_when_ready(  # type: ignore[attr-defined]
+        start_client_internal._pull_and_store_message, ring
+    )
     return True
