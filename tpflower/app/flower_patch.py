@@ -233,3 +233,76 @@ def install_tasks_when_ready(flwr_version: str | None = None, port: int | None =
         start_client_internal._pull_and_store_message, ring
     )
     return True
+
+
+class PathGate:
+    """A Starlette middleware run only for the requests it acts on: any other HTTP request goes straight to the
+    next layer (a pure ASGI hop instead of a BaseHTTPMiddleware pass-through, which costs an anyio task group
+    and a streamed response per layer and request)."""
+
+    def __init__(self, app: Any, middleware: type, acts_on: Any, **kwargs: Any) -> None:
+        self.app = app
+        self.middleware = middleware(app, **kwargs)
+        self.acts_on = acts_on
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not self.acts_on(scope["path"]):
+            await self.app(scope, receive, send)
+        else:
+            await self.middleware(scope, receive, send)
+
+
+def _control_path(path: str) -> bool:
+    return path.startswith("/v1/control/")
+
+
+def _fleet_path(path: str) -> bool:
+    return path.startswith("/v1/fleet/")
+
+
+def _tracing(_path: str) -> bool:
+    import os  # noqa: PLC0415
+
+    return os.getenv("FLWR_TRACING_ENABLED") == "1"  # what RuntimeTracingMiddleware checks per request
+
+
+def gated_middleware(middleware: list[Any]) -> list[Any]:
+    """Flower 1.41's SuperLink middleware (superlink/main.py ``_get_middleware``: nine BaseHTTPMiddleware layers
+    on every request), same order, with each layer that acts only on the Control API, only on the Fleet API or
+    only when tracing is on behind a :class:`PathGate` saying so (its own code returns ``call_next`` at once for
+    any other request: superlink/routers/control/middlewares.py, fleet/middlewares.py, fleet/node_auth.py,
+    supercore/routers/runtime/tracing.py). A Fleet request then passes four layers (error translation,
+    protobuf translation, node authentication, fleet event log), a ServerApp's Runtime request two."""
+    from flwr.supercore.routers.runtime.tracing import RuntimeTracingMiddleware  # noqa: PLC0415
+    from flwr.superlink.routers.control import middlewares as control  # noqa: PLC0415
+    from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware  # noqa: PLC0415
+    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware  # noqa: PLC0415
+    from starlette.middleware import Middleware  # noqa: PLC0415
+
+    acts_on = {
+        control.ControlSensitiveResponseMiddleware: _control_path,
+        control.ControlAuthenticationMiddleware: _control_path,
+        control.ControlLicenseMiddleware: _control_path,
+        control.ControlEventLogMiddleware: _control_path,
+        RuntimeTracingMiddleware: _tracing,
+        NodeAuthMiddleware: _fleet_path,
+        FleetEventLogMiddleware: _fleet_path,
+    }
+    return [
+        Middleware(PathGate, middleware=m.cls, acts_on=acts_on[m.cls], **m.kwargs)
+        if m.cls in acts_on and not m.args
+        else m
+        for m in middleware
+    ]
+
+
+def install_gated_superlink_middleware(flwr_version: str | None = None) -> bool:
+    """Gate the SuperLink's middleware by path (:func:`gated_middleware`) if the installed Flower is one this
+    was written for; else keep Flower's stack and log one notice line. In the SuperLink's process only."""
+    if not supported(flwr_version, "every SuperLink middleware layer on every request"):
+        return False
+    from flwr.superlink import main as superlink_main  # noqa: PLC0415
+
+    flowers = superlink_main._get_middleware
+    superlink_main._get_middleware = functools.wraps(flowers)(lambda: gated_middleware(flowers()))
+    return True
