@@ -6,6 +6,9 @@ SuperNode's; the SuperNode adapter patches only the Flower version it was writte
 from __future__ import annotations
 
 import logging
+import os
+import pwd
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -266,3 +269,38 @@ def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(caplog):
     with caplog.at_level(logging.WARNING, logger="tpflower"):
         assert flower_patch.install_gated_superlink_middleware("9.9.0") is False
     assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
+
+
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="switching the SuperNode's OS user needs root")
+
+
+def test_the_supernode_interpreter_is_checked_before_anything_starts():
+    from simulations.node import supernode_command, supernode_start_problem
+
+    assert supernode_start_problem(sys.executable, None, dict(os.environ)) is None
+    problem = supernode_start_problem("/nonexistent/python3", None, dict(os.environ))
+    assert problem is not None and "\n" not in problem and "/nonexistent/python3" in problem
+    assert "--supernode-python" in problem and "--no-supernode" in problem
+    cmd = supernode_command("127.0.0.1:9092", 9094, 'table="d1" shard=0', None, None, python="/opt/py/bin/python3")
+    assert cmd[:3] == ["/opt/py/bin/python3", "-m", "tpflower.app.supernode"] and "--insecure" in cmd
+
+
+@AS_ROOT
+def test_a_supernode_user_runs_the_supernode_as_that_user():
+    import subprocess
+
+    from simulations.node import _as_user
+
+    uid = subprocess.run(["id", "-u"], preexec_fn=_as_user("nobody"), capture_output=True, text=True, check=True)
+    assert uid.stdout.strip() == str(pwd.getpwnam("nobody").pw_uid)
+
+
+@AS_ROOT
+def test_a_supernode_user_who_cannot_run_the_interpreter_stops_the_node_with_one_line(tmp_path, capsys):
+    from simulations.node import main
+
+    # this venv's interpreter sits under /root (0700 here): the user 'nobody' cannot run it
+    args = ["--client-config", str(tmp_path / "d1.yaml"), "--table", "d1", "--superlink", "127.0.0.1:1", "--insecure"]
+    assert main([*args, "--supernode-user", "nobody"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "user 'nobody'" in err and "--supernode-python" in err

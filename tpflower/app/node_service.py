@@ -212,11 +212,11 @@ def serve_task(client: Any, owner: OwnerNode, respond: Respond, expected: tuple[
     return details
 
 
-def open_doorbell() -> socket.socket:
-    """The service's doorbell: a UDP socket on 127.0.0.1 (its port goes to the SuperNode, in
-    tpflower.app.flower_patch.DOORBELL_ENV). A ring only makes the service ask the SuperNode for a task."""
+def open_doorbell(port: int = 0) -> socket.socket:
+    """The service's doorbell: a UDP socket on 127.0.0.1:``port`` (a free one for 0; its port goes to the
+    SuperNode, in tpflower.app.flower_patch.DOORBELL_ENV). A ring only makes the service ask for a task."""
     bell = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    bell.bind(("127.0.0.1", 0))
+    bell.bind(("127.0.0.1", port))
     bell.setblocking(False)
     return bell
 
