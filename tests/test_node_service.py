@@ -127,6 +127,16 @@ def test_supernode_adapter_only_on_the_version_it_was_written_for(monkeypatch, c
         flower_patch.NODE_MIN_WAIT_S,
         flower_patch.NODE_MIN_WAIT_S,
     ]
+    slept.clear()
+    for _ in range(8):  # within a run (a message answered just now): the pull waits stay short
+        fast.sleep(3)
+    assert max(slept) == flower_patch.NODE_RUN_MAX_WAIT_S
+    now = flower_patch.time.monotonic()
+    monkeypatch.setattr(flower_patch.time, "monotonic", lambda: now + flower_patch.NODE_RUN_S + 1)
+    slept.clear()
+    for _ in range(8):  # idle: they grow to the longer cap
+        fast.sleep(3)
+    assert max(slept) == flower_patch.NODE_MAX_WAIT_S
 
 
 def test_task_inputs_carry_the_apps_identity_not_its_bytes(monkeypatch, caplog):

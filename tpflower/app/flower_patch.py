@@ -73,18 +73,23 @@ def install_fast_fetch(flwr_version: str | None = None, only_if_loaded: bool = F
 class _FastSleepTime:
     """Flower 1.41's SuperNode loop (supernode/start_client_internal.py) with its hard-coded sleeps shortened:
     the 3 s after a pull that found no message becomes a backoff from :data:`NODE_MIN_WAIT_S` doubling to
-    :data:`NODE_MAX_WAIT_S`, and the 0.5 s waits for a reply and its content become :data:`NODE_MIN_WAIT_S`
-    (they also reset the idle backoff: a message is being answered). Everything else is the time module."""
+    :data:`NODE_RUN_MAX_WAIT_S` within :data:`NODE_RUN_S` of the last message (a run's next round comes soon),
+    to :data:`NODE_MAX_WAIT_S` after; the 0.5 s waits for a reply and its content become
+    :data:`NODE_MIN_WAIT_S` (they also reset the idle backoff: a message is being answered). Everything else
+    is the time module."""
 
     def __init__(self) -> None:
         self._idle = NODE_MIN_WAIT_S
+        self._answered = -float("inf")
 
     def sleep(self, seconds: float) -> None:
         if seconds == 3:  # the empty pull
             time.sleep(self._idle)
-            self._idle = min(2 * self._idle, NODE_MAX_WAIT_S)
+            in_run = time.monotonic() - self._answered < NODE_RUN_S
+            self._idle = min(2 * self._idle, NODE_RUN_MAX_WAIT_S if in_run else NODE_MAX_WAIT_S)
         elif seconds == 0.5:  # waiting for the ClientApp's reply or its object content
             self._idle = NODE_MIN_WAIT_S
+            self._answered = time.monotonic()
             time.sleep(NODE_MIN_WAIT_S)
         else:
             time.sleep(seconds)
@@ -94,6 +99,7 @@ class _FastSleepTime:
 
 
 NODE_MIN_WAIT_S, NODE_MAX_WAIT_S = 0.005, 0.1
+NODE_RUN_S, NODE_RUN_MAX_WAIT_S = 2.0, 0.02  # within a run: at most 20 ms from a message to its pull
 OBJECT_PULL_BACKOFF_S, OBJECT_PULL_CAP_S = 0.005, 0.1  # Flower: from 1 s to 10 s (supercore/constant.py)
 
 
