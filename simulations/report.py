@@ -658,6 +658,14 @@ def flower() -> str | None:
             ),
             command("python -m simulations.bench deploy   # -> bench_results/deploy.json"),
             table(["", "deployed", "simulation engine", "ratio", "goal"], rows),
+            " ".join(
+                f"CPU seconds per empty round on {r['dataset']} (rounds 2..; all {r['nodes']} nodes together; "
+                f"1-minute load {r['load_avg_1min']:.1f} at the start): "
+                + ", ".join(f"{role} {cpu:.3f}" for role, cpu in r["empty_round_cpu_s"].items())
+                + f" ({sum(r['empty_round_cpu_s'].values()):.2f} in all, on 2 cores)."
+                for r in d["runs"]
+                if "empty_round_cpu_s" in r
+            ),
             TEXT["deploy"],
         ]
     return "\n\n".join(p for p in parts if p) if parts else None
