@@ -314,3 +314,30 @@ def test_a_supernode_user_who_cannot_run_the_interpreter_stops_the_node_with_one
     assert main([*args, "--supernode-user", "nobody"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "user 'nobody'" in err and "--supernode-python" in err
+
+
+def test_the_supernode_waits_most_of_a_steady_rounds_gap_in_one_sleep(monkeypatch):
+    from flwr.supernode import start_client_internal
+
+    monkeypatch.setattr(start_client_internal, "time", start_client_internal.time)  # restored after the test
+    assert flower_patch.install_fast_supernode() is True
+    fast, clock = start_client_internal.time, [100.0]
+    monkeypatch.setattr(flower_patch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(flower_patch.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    def round_with_gap(gap: float) -> tuple[int, float]:
+        """Answer a message, then pull until the next one, which comes ``gap`` s later: (empty pulls, delay)."""
+        fast.sleep(0.5)
+        arrives, pulls = clock[0] + gap, 0
+        while clock[0] < arrives:  # Flower's loop: pull (nothing yet), sleep(3)
+            fast.sleep(3)
+            pulls += 1
+        return pulls, clock[0] - arrives
+
+    first, delay = round_with_gap(0.3)
+    assert delay <= flower_patch.NODE_RUN_MAX_WAIT_S
+    steady = [round_with_gap(0.3) for _ in range(3)]
+    assert all(pulls <= first // 2 for pulls, _ in steady)  # the pace is learnt: half the requests or fewer
+    assert all(d <= flower_patch.NODE_RUN_MAX_WAIT_S for _, d in steady)  # and no later pickup
+    pulls, delay = round_with_gap(0.05)  # a quicker round after slow ones: picked up after the learnt wait
+    assert delay <= flower_patch.NODE_GAP_FRACTION * 0.3 + flower_patch.NODE_RUN_MAX_WAIT_S
