@@ -1039,7 +1039,7 @@ TEXT: dict[str, str] = {
         "with every task input; the SuperNode's idle pulls are at most 20 ms apart during a run, its first wait after a reply most of its last wait for a message; the SuperLink "
         "skips the middleware layers that do not act on a request (nine BaseHTTPMiddleware layers ran on every "
         "request: Fleet requests now pass four, a ServerApp's two; the SuperLink's CPU per empty round fell from "
-        "about 0.3 s to 0.2 s). Counted per empty round on this deployment (a counting hook in each HTTP client, "
+        "about 0.3 s to 0.15-0.2 s). Counted per empty round on this deployment (a counting hook in each HTTP client, "
         "60 rounds at load 9): about 67 requests reach the SuperLink (the ServerApp about 26: one push of the "
         "messages and five objects, about 7 polls for replies, ten object pulls, three confirmations; each "
         "SuperNode about 14: five or six idle pulls, three object pulls, a confirmation, the reply and its three "
