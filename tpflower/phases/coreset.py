@@ -50,9 +50,17 @@ from tpflower.relation import has_bias
 from tpflower.state import StateRecord
 
 ALPHA = 2.0  # VKMC sensitivity constant (VFL coresets Alg. 3 with alpha = 2)
-#: a coreset row stands for at least this many joined rows on average (m <= N / MIN_COVER). Not min_group_rows:
-#: 20 would refuse the default m = 2000 on the bundled synthetic join (13,600 joined training rows)
-MIN_COVER = 2
+#: the coreset size of ``algorithm.m: auto`` where the join is large enough (the paper's largest m but one)
+DEFAULT_M = 2000
+
+
+def coreset_size(m: int | str, joined: float, min_group_rows: int) -> int:
+    """The coreset size a run uses: ``m``, or for ``auto`` min(DEFAULT_M, joined // min_group_rows), so that
+    each coreset row stands for at least ``min_group_rows`` joined rows on average (the owner's bound on every
+    aggregate; at 0 the join is too small for a coreset under that bound and the nodes refuse)."""
+    if m == "auto":
+        return min(DEFAULT_M, int(joined) // int(min_group_rows))
+    return int(m)
 
 
 def fraction(what: str, value) -> float:
@@ -66,7 +74,8 @@ def fraction(what: str, value) -> float:
 class CoresetParams(AlgorithmParams):
     """algorithm=coreset (conf/algorithm/coreset.yaml): ridge on a DIS coreset of the training join."""
 
-    m: int = param(positive_int, 2000)  # coreset size (draws, with replacement)
+    # coreset size (draws, with replacement); auto: min(2000, joined rows / min_group_rows) (coreset_size)
+    m: int | str = param(or_word(positive_int, "auto"), "auto")
     sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
     mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
     leverage_ridge: float = param(nonnegative, 64.0)  # ridge leverage scores, lam = leverage_ridge N / m; 0: Alg. 2
@@ -225,8 +234,13 @@ def _where(client: TableClient, phase: str) -> str:
 
 
 def _m(client: TableClient) -> int:
-    """The coreset size m of the client's own settings (k-means on the full join: no bound from m)."""
-    return int(getattr(client.settings.algorithm, "m", 0) or 0)
+    """The coreset size m: once DIS gave G_i, the size check_G admitted; before (uniform sampling, whose rows
+    are the server's draw) the run's m, ``auto`` at most DEFAULT_M (k-means on the full join: 0, no m)."""
+    admitted = client.state.scalar("coreset.m", 0)
+    if admitted:
+        return int(admitted)
+    m = getattr(client.settings.algorithm, "m", 0) or 0
+    return DEFAULT_M if m == "auto" else int(m)
 
 
 def _rows(client: TableClient, arrays: Arrays, phase: str, name: str = "rows", in_join: bool = True) -> np.ndarray:
@@ -274,7 +288,7 @@ def _keep_G(client: TableClient, arrays: Arrays, phase: str) -> np.ndarray:
 def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
     """G_i as the join gives it: whole counts, equal on rows with equal join keys (G_iu depends on the row's
     keys only), none on the label owner's test rows for a coreset trained on labels, and a coreset that is a
-    sample: m <= sum G_i / MIN_COVER (m = N would weigh every joined row)."""
+    sample of at most sum G_i / min_group_rows rows (the owner's bound; m = N would weigh every joined row)."""
     where, keys = _where(client, phase), client.data.keys
     if (np.round(G) != G).any():
         raise CoresetRefusal(f"{where}: G must hold whole counts of joined rows")
@@ -290,12 +304,19 @@ def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
         first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
         if (first[codes] != G[train]).any():
             raise CoresetRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
-    m = _m(client)
-    if m and m * MIN_COVER > float(G.sum()):
+    asked = getattr(client.settings.algorithm, "m", None)
+    if asked is None:  # k-means on the full join: no coreset
+        return
+    g, joined = client.settings.min_group_rows, int(G.sum())
+    m = coreset_size(asked, joined, g)
+    if m < 1 or m * g > joined:
+        size = "algorithm.m = auto" if asked == "auto" else f"m = {m}"
         raise CoresetRefusal(
-            f"{where}: a coreset of m = {m} rows from {G.sum():g} joined rows; a coreset is a sample, each of its "
-            f"rows standing for at least {MIN_COVER} joined rows on average, so m <= {int(G.sum()) // MIN_COVER}"
+            f"{where}: a coreset ({size}) of {joined} joined rows; each coreset row stands for at least "
+            f"min_group_rows = {g} joined rows (its owner's setting), so m <= {joined // g}"
+            + (": the join is too small for a coreset under that bound" if joined < g else "")
         )
+    client.state.set_scalar("coreset.m", m)
 
 
 def admit_training_rows(client: TableClient, rows: np.ndarray, phase: str) -> None:

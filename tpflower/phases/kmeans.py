@@ -20,7 +20,7 @@ import numpy as np
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype, merge_small_clusters, sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, Stage
-from tpflower.params import AlgorithmParams, nonnegative, one_of, param, positive_int
+from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive_int
 from tpflower.phases import coreset, setup
 from tpflower.phases.coreset import (
     CoresetRefusal,
@@ -50,7 +50,7 @@ class KMeansParams(AlgorithmParams):
 class CoresetKMeansParams(KMeansParams):
     """algorithm=coreset_kmeans (conf/algorithm/coreset_kmeans.yaml): DistDim on a DIS coreset."""
 
-    m: int = param(positive_int, 2000)
+    m: int | str = param(or_word(positive_int, "auto"), "auto")  # auto: coreset.coreset_size
     sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
     mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
 
