@@ -648,9 +648,10 @@ CORESET = "algorithm=coreset dataset=synthetic algorithm.m=50"
 
 
 def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:
-    """A coreset client through DIS rounds 1 and 2 (G = 1 on every row but row 0, which is not in the join)."""
+    """A coreset client through DIS rounds 1 and 2 (G = 3 on every row but row 0, which is not in the join:
+    1,197 joined rows, enough for m = 50 rows of min_group_rows = 20)."""
     app, context, n = coreset_client(overrides)
-    G = np.ones(n, dtype=np.uint8)
+    G = np.full(n, 3, dtype=np.uint8)
     G[0] = 0
     call(app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": int(G.sum())})
     call(app, context, "train", {"a": np.array([10])}, {"phase": "sample"})
@@ -659,7 +660,8 @@ def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:
 
 def test_dis_bounds_the_rows_a_server_asks_about():
     app, context, n = coreset_client(CORESET)
-    call(app, context, "train", {"G": np.ones(n, dtype=np.uint8)}, {"phase": "sensitivity", "kind": "ridge", "N": n})
+    G = np.full(n, 3, dtype=np.uint8)
+    call(app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": 3 * n})
     refused(
         app, context, r"a_i = 51 draws; at most algorithm.m = 50", "train", {"a": np.array([51])}, {"phase": "sample"}
     )

@@ -334,3 +334,28 @@ def test_small_centres_are_merged_and_a_clustering_without_one_comes_back_unchan
     same, same_labels = merge_small_clusters(X[:120], w[:120], C[:2], labels[:120], 20)
     np.testing.assert_array_equal(same, C[:2])
     np.testing.assert_array_equal(same_labels, labels[:120])
+
+
+# ------------------------------------------------------------------------------------ setup errors
+
+
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda s: s.update(bogus=1), r"its owner's settings file: unknown keys \['bogus'\]"),
+        (
+            lambda s: s.update(keys="hmac", secret_file="/nonexistent/owner/key"),
+            r"cannot read secret_file '<a path>' \(its owner's settings file\): No such file or directory",
+        ),
+        (lambda s: s.update(privacy={"name": "nope"}), r"privacy.name must be one of \[.*\], got 'nope'"),
+    ],
+)
+def test_a_settings_problem_reaches_the_server_without_the_owners_paths(tmp_path, caplog, edit, problem):
+    """The line the server gets names the table and the problem; the paths stay in the owner's own log."""
+    context = node(tmp_path, "d1", SYNTHETIC, SYNTHETIC, edit=edit)
+    with caplog.at_level("ERROR", logger="tpflower"), pytest.raises(ValueError) as refusal:
+        call(deployed_app, context, "query", {}, {"phase": "hello"})
+    line = str(refusal.value)
+    assert re.search(rf"^table 'd1': .*{problem}", line), line
+    assert str(tmp_path) not in line and "/nonexistent" not in line and "\n" not in line
+    assert str(context.node_config["client-config"]) in caplog.text  # the owner's log keeps where it is

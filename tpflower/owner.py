@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -323,9 +325,41 @@ def _whole(value: Any, name: str, where: str) -> int:
     return value
 
 
+class OwnerSettingsError(SpecError):
+    """A problem in an owner's settings file or secret. ``str()`` is the line that may reach the server (the
+    table and the problem; no path of the owner's machine); ``local`` the same line with its paths, which the
+    node writes to its own log."""
+
+    def __init__(self, line: str, local: str):
+        super().__init__(line)
+        self.local = local
+
+
+#: an absolute path in an error line (what a line bound for the server must not carry)
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~])/[^\s'\",;()\[\]]+")
+
+
+def server_line(local: str, settings_path: Path, table: str) -> str:
+    """``local`` without the owner's paths: the settings file named as such, any other absolute path (its
+    secret_file, a state_dir) as ``<a path>``; prefixed with the table when the line does not name it."""
+    line = _ABSOLUTE_PATH.sub("<a path>", local.replace(str(settings_path), "its owner's settings file"))
+    return line if line.startswith("table ") else f"table {table!r}: {line}"
+
+
 def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
-    """A deployed node's settings file (module docstring); paths in it are relative to the file."""
-    path = Path(path).expanduser().resolve()
+    """A deployed node's settings file (module docstring); paths in it are relative to the file. A problem is
+    one :class:`OwnerSettingsError`: the server-bound line names the table and the problem, the owner's log
+    (logger ``tpflower``) the line with its paths."""
+    resolved = Path(path).expanduser().resolve()
+    try:
+        return _read_owner_settings(resolved, table)
+    except SpecError as exc:
+        local = str(exc)
+        logging.getLogger("tpflower").error("%s", local)
+        raise OwnerSettingsError(server_line(local, resolved, table), local) from None
+
+
+def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
     where = str(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
