@@ -359,3 +359,44 @@ def test_a_settings_problem_reaches_the_server_without_the_owners_paths(tmp_path
     assert re.search(rf"^table 'd1': .*{problem}", line), line
     assert str(tmp_path) not in line and "/nonexistent" not in line and "\n" not in line
     assert str(context.node_config["client-config"]) in caplog.text  # the owner's log keeps where it is
+
+
+# ------------------------------------------------------------------------------------ coresets under label DP
+
+
+def test_coreset_sensitivities_under_a_label_dp_floor_use_only_the_released_randomized_labels(tmp_path):
+    """Under the owner's label-DP floor a coreset's label owner computes its leverage sensitivities (ridge
+    Alg. 2, ``leverage_ridge = 0``: the plain scores, the most label-revealing) from the randomized training
+    labels it released in the keys round, never from its own labels, and no test row (G_iu = 0 there): the
+    sensitivities are post-processing of that release. Was: raw labels, test rows included (96.7% of the
+    test labels read back exactly)."""
+    from tpflower.phases.coreset import leverage_sensitivities
+    from tpflower.privacy import privacy_message
+
+    floor = f"{SYNTHETIC} privacy=label privacy.label_range=[-20,20]"
+    run = "algorithm=coreset dataset=synthetic privacy=label privacy.label_range=[-20,20] algorithm.leverage_ridge=0"
+    context = node(tmp_path, "fact", floor, run)
+    msg = {"phase": "keys", **privacy_message(dict(compose_config(*run.split()).privacy))}
+    keys = unpack_reply(call(deployed_app, context, "train", {}, msg).content)[0]
+    train = ~keys["is_test"].astype(bool)
+    G = train.astype(np.uint8)
+    N = int(G.sum())
+    call(deployed_app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": N})
+    base = unpack_reply(call(deployed_app, context, "train", {"a": np.array([40])}, {"phase": "sample"}).content)[0]
+    rows = np.unique(base["rows"]).astype(np.int32)
+    sens = unpack_reply(call(deployed_app, context, "train", {"rows": rows}, {"phase": "weigh"}).content)[0]["sens"]
+    client = make_client(compose_config(*run.split()), context)
+    X = np.asarray(client.local.X, dtype=np.float64)
+    bias = [np.ones(len(X))] if has_bias(client.settings.model, "fact", "fact") else []
+
+    def scores(y: np.ndarray) -> np.ndarray:
+        g = leverage_sensitivities(X, G, np.column_stack([*bias, y]), 0.0)
+        g[G > 0] += 1.0 / N
+        return g[rows]
+
+    released = np.zeros(len(X))
+    released[train] = keys["y"]
+    raw = np.asarray(client.data.y, dtype=np.float64)
+    assert not np.allclose(keys["y"], raw[train])  # the release is randomized
+    np.testing.assert_allclose(sens, scores(released), rtol=1e-4)  # float32 on the wire
+    assert np.abs(sens - scores(raw)).max() > 1e-3 * np.abs(sens).max()

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from tpflower import privacy as dp
 from tpflower.client import TableClient
 from tpflower.clustering import sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
@@ -354,7 +355,7 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         if client.data.y is not None:  # the label owner: its intercept (if its model has one) and y
             if has_bias(s.model, s.table, s.spec.label_table):
                 extra.append(np.ones(len(X)))
-            extra.append(np.asarray(client.data.y, dtype=np.float64))
+            extra.append(sensitivity_labels(client))
         lam = ridge_lambda(s.algorithm.leverage_ridge, int(config["N"]), _m(client))
         g = leverage_sensitivities(X, G, np.column_stack(extra) if extra else None, lam)
         if client.data.y is not None:  # + 1/N once per joined row, for the regulariser (the authors' code)
@@ -365,6 +366,20 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     g = mix_uniform(G, g, int(config["N"]), float(getattr(s.algorithm, "mix", 0.0)))
     DISState(G, g).save(client.state)
     return {"total": np.array([local_total(G, g)])}, {}
+
+
+def sensitivity_labels(client: TableClient) -> np.ndarray:
+    """The labels the label owner's sensitivities see: its own, or under label DP only the randomized training
+    labels it released in the keys round (the test rows, whose G_iu is 0, get 0): the sensitivities are then
+    post-processing of that release and say nothing more of a label."""
+    if not dp.uses_label_dp(client.privacy()):
+        return np.asarray(client.data.y, dtype=np.float64)
+    sent = client.state.get("labels.sent")
+    if sent is None:
+        raise RuntimeError(f"{_where(client, 'sensitivity')}: label DP, but no labels were released in keys")
+    y = np.zeros(len(client.data.y), dtype=np.float64)
+    y[~client.data.is_test] = np.asarray(sent, dtype=np.float64)
+    return y
 
 
 def sample(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -507,6 +522,7 @@ RIDGE_TRAIN: dict[str, Phase] = {
     "sgd_step": Phase(coreset_sgd_step, sgd_client),
     "pcg_step": Phase(pcg.pcg_step, pcg_client),
     "coreset_predict": Phase(coreset_predict, spaced=True),
+    **setup.EVALUATE,  # label DP: the label owner scores the test predictions (tpflower.label_dp)
 }
 
 
@@ -522,7 +538,7 @@ register(
         RIDGE_PROTOCOL,
         CoresetParams,
         feature_dp=False,
-        label_dp=False,
+        label_dp=True,  # the sensitivities use the released randomized labels only (sensitivity_labels)
         summary="VFL coreset (DIS, Alg. 1-2) over the join, ridge by weighted TP-Join-ADMM/SGD",
     )
 )

@@ -80,6 +80,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
             # to every run (tpflower.label_dp); the test rows' labels not sent at all (see evaluate)
             y = label_dp.training_labels(client)
             metrics["labels"] = "train_randomized"
+            client.state.put("labels.sent", np.asarray(y))  # what later phases may use of the labels (coresets)
         out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
         metrics["n_classes"] = int(data.n_classes or 0)
     return out, metrics
