@@ -41,6 +41,7 @@ from tpflower import privacy as dp
 from tpflower.client import TableClient
 from tpflower.clustering import sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
+from tpflower.join_counts import check_join_counts
 from tpflower.mapping import index_dtype
 from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive, positive_int
 from tpflower.phases import join_sgd, pcg, setup
@@ -271,40 +272,26 @@ def _rows(client: TableClient, arrays: Arrays, phase: str, name: str = "rows", i
 
 
 def _keep_G(client: TableClient, arrays: Arrays, phase: str) -> np.ndarray:
-    """G_i, one count >= 0 per row; kept the first time, and any later G must be the same."""
-    G = np.asarray(arrays["G"], dtype=np.float64)
-    if G.shape != (len(client.local.X),) or (G < 0).any() or not np.isfinite(G).all():
-        raise ValueError(
-            f"{_where(client, phase)}: G must hold one count >= 0 per row ({len(client.local.X)}), got shape {G.shape}"
-        )
+    """G_i, checked against the join (tpflower.join_counts) and kept: any later G must be the same."""
     kept = client.state.get("coreset.G")
+    G = check_join_counts(client, arrays["G"], _where(client, phase), training_join=_labelled(client))
     if kept is None:
         check_G(client, G, phase)
         client.state.put("coreset.G", G)
-    elif not np.array_equal(kept, G):
-        raise CoresetRefusal(f"{_where(client, phase)}: G differs from the G_i this client received earlier in the run")
     return G
 
 
+def _labelled(client: TableClient) -> bool:
+    """A model trained on the labels joins the training rows only: the label owner's test rows have G = 0
+    (k-means ignores labels and clusters every joined row)."""
+    return client.data.is_test is not None and isinstance(client.settings.algorithm, CoresetParams)
+
+
 def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
-    """G_i as the join gives it: whole counts, equal on rows with equal join keys (G_iu depends on the row's
-    keys only), none on the label owner's test rows for a coreset trained on labels, and a coreset that is a
-    sample of at most sum G_i / min_group_rows rows (the owner's bound; m = N would weigh every joined row)."""
-    where, keys = _where(client, phase), client.data.keys
-    if (np.round(G) != G).any():
-        raise CoresetRefusal(f"{where}: G must hold whole counts of joined rows")
-    # a model trained on the labels joins the training rows only: the label owner's test rows have G = 0 (k-means
-    # ignores labels and clusters every joined row)
-    labelled = client.data.is_test is not None and isinstance(client.settings.algorithm, CoresetParams)
-    train = ~client.data.is_test if labelled else np.ones(len(G), dtype=bool)
-    if (G[~train] > 0).any():
-        raise CoresetRefusal(f"{where}: G counts {int((G[~train] > 0).sum())} test row(s); the training join has none")
-    if keys.shape[1] and train.any():  # the label table's test rows: G = 0 whatever their keys
-        codes = keys[train].groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
-        first = np.zeros(codes.max() + 1)
-        first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
-        if (first[codes] != G[train]).any():
-            raise CoresetRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
+    """G_i as the join gives it (tpflower.join_counts: whole counts, equal on rows with equal join keys, none
+    on the label owner's test rows for a coreset trained on labels), and a coreset that is a sample of at most
+    sum G_i / min_group_rows rows (the owner's bound; m = N would weigh every joined row)."""
+    where = _where(client, phase)
     asked = getattr(client.settings.algorithm, "m", None)
     if asked is None:  # k-means on the full join: no coreset
         return
