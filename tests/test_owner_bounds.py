@@ -24,9 +24,10 @@ from tpflower.app.client_app import app as deployed_app
 from tpflower.app.client_app import client_app_for, make_client
 from tpflower.config import compose_config
 from tpflower.datasets import load_spec
+from tpflower.fedprep import ShardSummary, merge_summaries
 from tpflower.models import local_model, model_seed
 from tpflower.owner import DEFAULT_MIN_GROUP_ROWS, load_owner_settings
-from tpflower.records import unpack_reply
+from tpflower.records import numbered, unnumbered, unpack_reply
 from tpflower.relation import has_bias
 
 WIDE = "dataset.loader.task=multiclass dataset.loader.n_classes=16"
@@ -400,3 +401,99 @@ def test_coreset_sensitivities_under_a_label_dp_floor_use_only_the_released_rand
     assert not np.allclose(keys["y"], raw[train])  # the release is randomized
     np.testing.assert_allclose(sens, scores(released), rtol=1e-4)  # float32 on the wire
     assert np.abs(sens - scores(raw)).max() > 1e-3 * np.abs(sens).max()
+
+
+# ------------------------------------------------------------------------------------ the join counts G_i
+
+
+def test_admm_setup_refuses_a_G_no_join_gives(tmp_path):
+    """admm_setup's G_i weighs every row's share of the local objective (Eq. 15-16); the label owner's node
+    checks it against the join it took part in: whole counts, none on its test rows, adding up to the N of the
+    message (tpflower.join_counts). An honest G is answered."""
+    admm = f"{SYNTHETIC} precision=float64"
+
+    def setup(where: str, make_G, N=None):
+        context = node(tmp_path / where, "fact", admm, admm)
+        keys = keys_round(context)
+        train = ~keys["is_test"].astype(bool)
+        G = make_G(train)
+        config = {"phase": "admm_setup", "N": float(G.sum()) if N is None else N, "rho": 1.0, "d_out": 1}
+        return context, G, config
+
+    def one_test_row(train):
+        G = train.astype(np.float64)
+        G[np.flatnonzero(~train)[0]] = 1.0
+        return G
+
+    for where, make_G, N, match in (
+        ("test-row", one_test_row, None, r"G counts 1 test row\(s\); the training join has none"),
+        ("fraction", lambda t: t * 0.5, None, "G must hold whole counts of joined rows"),
+        ("sum", lambda t: t.astype(np.float64), 5.0, r"N = 5 joined rows, but G adds up to \d+"),
+    ):
+        context, G, config = setup(where, make_G, N)
+        with pytest.raises(ValueError) as refusal:
+            call(deployed_app, context, "train", {"G": G}, config)
+        line = str(refusal.value)
+        assert re.search(rf"table 'fact' .*phase 'admm_setup': {match}", line), line
+    context, G, config = setup("honest", lambda t: t.astype(np.float64))
+    assert "n_params" in unpack_reply(call(deployed_app, context, "train", {"G": G}, config).content)[1]
+
+
+# ------------------------------------------------------------------------------------ the union's known models
+
+
+def test_ucq_admm_consensus_outputs_under_a_model_the_server_knows_spell_out_X(tmp_path):
+    """An inherent leak of TP-UCQ-ADMM (Eq. 20), measured: a shard predicts its rows with the consensus model
+    w, which the server computes (it averages the shards' thetas), so every admm_consensus reply is h = X w +
+    b for a w the server knows. A server following the protocol's message order (admm_shard, then
+    admm_consensus, once per step) with d_i + 1 models in general position solves for the shard's X exactly
+    (relative error < 1e-9; here with w of its choice, but the real consensus iterates do as well once d_i + 1
+    of them are independent). The owner's remedy is its `algorithms` allow-list (docs/threat-model.md)."""
+    ucq = f"{SYNTHETIC} scenario=ucq precision=float64"
+    context = node(tmp_path, "fact", ucq, ucq)
+    keys = keys_round(context)
+    n, G = len(keys["row_ids"]), (~keys["is_test"].astype(bool)).astype(np.float64)
+    # the union's preprocessing: this shard's summary, a rule from it (the server's to choose), then training
+    cfg = compose_config(*ucq.split())
+    t = load_spec(cfg.dataset).table("fact")
+    stats = {"phase": "stats", "columns": ",".join([*t.numeric, *t.categorical]), "sketch": ""}
+    summary = unpack_reply(call(deployed_app, context, "train", {}, stats).content)[0]
+    merged = merge_summaries([ShardSummary.from_arrays(unnumbered(summary, "summary"), t.numeric, t.categorical)])
+    rule = merged.arrays(with_sketch=False)
+    call(deployed_app, context, "train", numbered("rule", rule), {"phase": "rule", "rule_id": "attacker"})
+    config = {"phase": "admm_setup", "N": 2 * G.sum(), "rho": 1.0, "d_out": 1}  # two shards' rows
+    theta = unpack_reply(call(deployed_app, context, "train", {"G": G}, config).content)
+    assert theta[0] == {}
+    X = features(ucq, context)
+    d = X.shape[1] + 1  # weights and the intercept
+    rng = np.random.default_rng(0)
+    W = rng.normal(size=(d, d))
+    H = []
+    for k in range(d):
+        shard = {"phase": "admm_shard", "rho_c": 1.0, "rho": 1.0}
+        arrays = {"Y": np.zeros((n, 1))} if k == 0 else {"v": W[k - 1]}
+        call(deployed_app, context, "train", arrays, shard)
+        reply = call(deployed_app, context, "train", {"w": W[k]}, {"phase": "admm_consensus"})
+        H.append(unpack_reply(reply.content)[0]["h"][:, 0])
+    # h_k = [X 1] w_k for every row: d equations in d unknowns per row
+    X1 = np.linalg.solve(W, np.asarray(H)).T
+    assert relative_error(X1[:, :-1], X) < 1e-9
+
+
+def test_an_owner_refuses_the_algorithms_it_does_not_allow(tmp_path):
+    """The remedy for the union's known-model outputs: an owner that lists the algorithms it takes part in
+    (`algorithms`, registry names) refuses every other one at keys, before anything is sent."""
+    ucq = f"{SYNTHETIC} scenario=ucq"
+    allow = lambda s: s.update(algorithms=["tp_join_admm", "tp_join_pcg"])  # noqa: E731
+    context = node(tmp_path / "ucq", "fact", ucq, ucq, edit=allow)
+    refused(
+        deployed_app,
+        context,
+        r"table 'fact' refuses the run: algorithm 'tp_ucq_admm' is not among the algorithms its owner allows",
+        "train",
+        config={"phase": "keys"},
+    )
+    context = node(tmp_path / "join", "fact", SYNTHETIC, SYNTHETIC, edit=allow)
+    assert len(keys_round(context)["row_ids"]) > 0
+    bad = node(tmp_path / "bad", "fact", SYNTHETIC, SYNTHETIC, edit=lambda s: s.update(algorithms="tp_join_admm"))
+    refused(deployed_app, bad, r"algorithms must be a list of algorithm names")

@@ -28,6 +28,7 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     serve_predictions: true          # answer prediction requests for a model it trained (default true)
     max_prediction_rows: 100000      # most rows one prediction request may score on this node (default 100000)
     prediction_rows: /data/new.csv   # the query owner: the new rows it asks predictions for (docs/prediction.md)
+    algorithms: [tp_join_admm, tp_join_pcg]  # the algorithms it takes part in (registry names; default: every one)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
@@ -131,6 +132,8 @@ class OwnerSettings:
     # rows one prediction request may score on this node; None: no bound (a simulation, whose user owns every table)
     max_prediction_rows: int | None = None
     prediction_rows: str | None = None  # the query owner's file of new rows to predict (it alone reads it)
+    # the algorithms (registry names, as in results.json) it takes part in; None: every installed one
+    algorithms: tuple[str, ...] | None = None
 
     @property
     def deployed(self) -> bool:
@@ -202,6 +205,11 @@ class OwnerSettings:
                 f"{'its whole file' if self.shards is None else 'its owner split of its file'} "
                 "(shards in its settings): a run cannot re-split a deployed table"
             )
+
+    def check_algorithm(self, algorithm: str) -> None:
+        """The run's algorithm must be one its owner allows (``algorithms``; none named: every one)."""
+        if self.algorithms is not None and algorithm not in self.algorithms:
+            raise self.refuse(f"algorithm {algorithm!r} is not among the algorithms its owner allows (algorithms)")
 
     def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
         """The run's privacy must be at least the floor: label DP (label owner only) and feature DP."""
@@ -313,6 +321,14 @@ def _max_outputs(value: Any, where: str) -> int:
     return value
 
 
+def _algorithms(value: Any, where: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SpecError(f"{where}: algorithms must be a list of algorithm names (e.g. [tp_join_admm]), got {value!r}")
+    return tuple(value)
+
+
 def _flag(value: Any, name: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{where}: {name} must be true or false, got {value!r}")
@@ -384,6 +400,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         "serve_predictions",
         "max_prediction_rows",
         "prediction_rows",
+        "algorithms",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -420,6 +437,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         prediction_rows=None
         if raw.get("prediction_rows") is None
         else str(resolve_path(raw["prediction_rows"], base).resolve()),
+        algorithms=_algorithms(raw.get("algorithms"), where),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),
