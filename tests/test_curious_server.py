@@ -237,15 +237,15 @@ def test_out_of_protocol_and_out_of_order_phases_are_refused():
     )
     keys = unpack_reply(call(app, context, "train", {}, {"phase": "keys"}).content)[0]
     refused(app, context, "refuses phase 'keys': out of order", "train", config={"phase": "keys"})
-    n = len(keys["row_ids"])
+    G = 1.0 - keys["is_test"] if "is_test" in keys else np.ones(len(keys["row_ids"]))  # a join's G: no test row
     # the output width is fixed and one for a regression label: no widening to read more per message
     refused(
         app,
         context,
         f"table '{table}': d_out 7 for a regression label",
         "train",
-        {"G": np.ones(n)},
-        {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 7},
+        {"G": G},
+        {"phase": "admm_setup", "N": float(G.sum()), "rho": 1.0, "d_out": 7},
     )
 
 
@@ -319,7 +319,8 @@ def label_dp_owner(overrides: str = f"{SYNTHETIC} {BINARY} privacy=label") -> tu
         call(app, context, "train", {}, {"phase": "keys", **privacy_message(dict(cfg.privacy))}).content
     )
     n = len(arrays["row_ids"])
-    call(app, context, "train", {"G": np.ones(n)}, {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 1})
+    G = 1.0 - arrays["is_test"]  # the training join: no test row
+    call(app, context, "train", {"G": G}, {"phase": "admm_setup", "N": float(G.sum()), "rho": 1.0, "d_out": 1})
     call(app, context, "train", {"Y": np.zeros((n, 1))}, {"phase": "admm_update"})
     return app, context, {"is_test": arrays["is_test"].astype(bool), "y": arrays["y"]}
 

@@ -59,9 +59,11 @@ def truth(context: Context, overrides: str) -> tuple[np.ndarray, np.ndarray]:
 
 def train_ready(context: Context, overrides: str, **plan) -> int:
     """keys, then admm_setup (with the DP plan ``plan`` under feature DP): the table's row count."""
-    n = len(keys(context, overrides, **({"run_id": plan["run_id"]} if "run_id" in plan else {}))[0]["row_ids"])
-    setup = {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 1, **plan}
-    call(deployed_app, context, "train", {"G": np.ones(n)}, setup)
+    out = keys(context, overrides, **({"run_id": plan["run_id"]} if "run_id" in plan else {}))[0]
+    n = len(out["row_ids"])
+    G = np.ones(n) if "is_test" not in out else 1.0 - out["is_test"]  # the training join: no test row
+    setup = {"phase": "admm_setup", "N": float(G.sum()), "rho": 1.0, "d_out": 1, **plan}
+    call(deployed_app, context, "train", {"G": G}, setup)
     return n
 
 
