@@ -19,13 +19,15 @@ k-means (algorithm=kmeans | coreset_kmeans):
 
 Bounds (each refused with an error naming the table and the phase; the ledgers live in context.state, so
 they survive a resume): a row-indexed request names distinct rows of the table that occur in the join;
-``sample`` draws at most m rows (the client's own algorithm.m); ``weigh`` is answered once per run, about at
+G_i is a join's (tpflower.join_counts); m <= sum G_i / min_group_rows (the owner's bound; ``algorithm.m: auto``
+resolves within it, :func:`coreset_size`); ``sample`` draws at most m rows; ``weigh`` is answered once per run, about at
 most m rows; the training rows (coreset_admm_setup, predict / sgd_step, kmeans_local's rows) are at most m
 distinct rows per run and, after DIS, rows the client was asked to weigh; ``coreset_predict`` answers the same
 rows at every evaluation (fixed by the first) and no training step asks for evaluation rows; ``kmeans_cost``
 is answered once per run (two answers for different counts would difference out one row's distances).
 Only row ids, sensitivities, predictions (ridge) and, for k-means, centre labels, its own centres and one
-cost number leave a client; never a feature column, never a row's distances.
+cost number leave a client; never a feature column, never a row's distances. Under label DP the label
+owner's sensitivities see only the randomized training labels it released (:func:`sensitivity_labels`).
 """
 
 from __future__ import annotations
