@@ -20,9 +20,10 @@ from omegaconf import DictConfig
 
 from strategies.base import LoJStrategy
 from strategies.transport import ClientKey, DirectTransport
-from tpflower.app.client_app import client_app_for, node_identity
+from tpflower.app.client_app import client_app_for, make_client, node_identity
 from tpflower.app.flower_patch import install_fast_fetch
 from tpflower.app.server_app import make_strategy, server_app_for
+from tpflower.losses import metrics
 from tpflower.results import RunResults
 
 FLOWER_LOG = "flower.log"  # Flower's and Ray's own log lines go here (in the run dir), not to the console
@@ -88,10 +89,32 @@ def run_flower_simulation(
 class InProcessRun:
     strategy: LoJStrategy
     contexts: dict[ClientKey, Context]  # each client's Flower context; its state holds the final theta
+    base_dir: str | Path | None = None
+    run_dir: str | Path | None = None
 
     def theta(self, key: ClientKey) -> dict[str, np.ndarray]:
         """The final local model parameters of one client."""
         return {k: v.numpy() for k, v in self.contexts[key].state["theta"].to_torch_state_dict().items()}
+
+    def exact_test_metrics(self) -> dict[str, float]:
+        """The last evaluation's test predictions scored against the true test labels, by the harness, which
+        holds every table (one user plays every party). Under label DP the server only ever receives DP
+        releases of these metrics (tpflower.label_dp); the release noise never reaches training, so this is
+        the trained model's own quality, the number a run without the owner's evaluation bound would show."""
+        record, setup = self.strategy.record, self.strategy.record.setup
+        H = record.test_predictions
+        if H is None:
+            raise RuntimeError("the run made no evaluation: no test predictions to score")
+        if setup.y_test is not None:  # no label DP: the server's own metrics are exact already
+            return metrics(record.task, H, setup.y_test)
+        state_dir = None if self.run_dir is None else str(Path(self.run_dir).resolve() / "node-state")
+        order, labels = [], []
+        for key, (idx, pos) in setup.evaluation_split.items():
+            data = make_client(self.strategy.cfg, self.contexts[key], self.base_dir, state_dir=state_dir).data
+            order.append(np.asarray(idx))
+            labels.append(np.asarray(data.y)[np.asarray(pos)])
+        idx = np.concatenate(order)
+        return metrics(record.task, np.asarray(H)[idx], np.concatenate(labels))
 
 
 def in_process_contexts(strategy: LoJStrategy, base_dir: str | Path | None = None) -> dict[ClientKey, Context]:
@@ -120,4 +143,4 @@ def run_in_process(
     contexts = in_process_contexts(strategy, base_dir)
     app = client_app_for(cfg, base_dir, run_dir)
     strategy.run(DirectTransport(app, {c.node_id: c for c in contexts.values()}))
-    return InProcessRun(strategy, contexts)
+    return InProcessRun(strategy, contexts, base_dir, run_dir)

@@ -198,7 +198,10 @@ def privacy() -> str | None:
             (
                 "## Privacy\n\n10 epochs, epsilon 1, delta 1e-5, clipping C 1, lambda 0.5 (the paper's settings), one run per "
                 "cell with the shipped defaults, in-process. DP noise comes from the clients' unseeded generators, so a DP "
-                'cell changes from run to run; each is one run. "paper accounting" is `privacy.sample_rate=batch`.'
+                'cell changes from run to run; each is one run. "paper accounting" is `privacy.sample_rate=batch`. '
+                "Each cell is the final model's test metric scored by the harness, which holds every table; under "
+                "label DP the server gets only the label owner's DP release of it (`released_metric` in the JSON; "
+                "docs/threat-model.md, label-DP evaluation), whose noise never reaches training."
             ),
             command(
                 "python -m simulations.bench privacy --jobs 2   # -> bench_results/privacy.json",
@@ -400,7 +403,10 @@ def coresets() -> str | None:
                 "point of the clustering DistDim outputs (the induced assignment: an upper bound on the "
                 "nearest-centre cost); full = DistDim on the whole join. MB: payload bytes of all training "
                 'rounds, construction included (in brackets), evaluation excluded; "less traffic" = full MB '
-                "/ MB. In-process, float32."
+                "/ MB. In-process, float32. The k-means cases run with `min_group_rows=1`, the owners' opt-out "
+                "of the group bound: under the default 20, nycflights13's airlines (16 rows) refuse to release "
+                "any centre and its airports (100 rows in the join) at most 5, each refusal one line naming the "
+                "table and the bound (docs/settings.md, min_group_rows)."
             ),
             *parts,
             TEXT["coreset_more"],
@@ -932,7 +938,10 @@ TEXT: dict[str, str] = {
         "dpsgd cells on movielens). The paper's accounting, q = B / N (`privacy.sample_rate=batch`), gives a drop of "
         "the paper's order; it understates the privacy loss of duplicated rows and is offered for comparison only. "
         "DP-ADMM replaces the exact theta-update by noisy local DP-Adam steps, which costs more on movielens' "
-        "671-column one-hot user table (more local steps only add noise: `local_epochs=5` gave 1.076).\n\n"
+        "671-column one-hot user table (more local steps only add noise: `local_epochs=5` gave 1.076). The label "
+        "owner's DP release differs from the model's metric by its noise (nycflights13 ADMM label: 17.326 released, "
+        "17.479 model) and by clipping the predictions to the label range before scoring, which flatters a model "
+        "whose predictions leave it (movielens SGD label_dpsgd: 1.709 released, 1.951 model).\n\n"
         "`standardize_label: auto` exists because of this table: with the label standardized under feature DP "
         "too (`cells_before_auto` in the JSON), nycflights13 (label std 45 minutes) ended at TP-Join-SGD dpsgd "
         "101.6 RMSE (the constant predictor is 45.5): DP-SGD adds its noise to the parameters, and a unit of "

@@ -33,7 +33,8 @@ from strategies.pcg import PCGSolver
 from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
 from tpflower.losses import loss_grad_np, loss_np
 from tpflower.mapping import TableMapping, index_dtype, segment_sum
-from tpflower.phases.coreset import CoresetParams
+from tpflower.owner import DEFAULT_MIN_GROUP_ROWS
+from tpflower.phases.coreset import CoresetParams, coreset_size
 
 
 @dataclass
@@ -126,9 +127,18 @@ class DISStrategy(LoJStrategy):
         if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
             raise ValueError(f"algorithm={self.algorithm} runs on the join scenario (one client per table)")
 
-    def sample_coreset(self, mapping: TableMapping, m: int, sampling: str) -> Coreset:
-        """m draws over the joined rows of ``mapping`` (DIS or uniform); the construction's traffic is noted."""
+    def sample_coreset(self, mapping: TableMapping, m_asked: int | str, sampling: str) -> Coreset:
+        """m draws over the joined rows of ``mapping`` (DIS or uniform); the construction's traffic is noted.
+        ``algorithm.m: auto`` resolves to min(2000, N / min_group_rows) (the run's min_group_rows: a deployed
+        owner with a larger one refuses, naming its bound)."""
         assert self.comm is not None
+        g = int(self.cfg.get("min_group_rows") or DEFAULT_MIN_GROUP_ROWS)
+        m = coreset_size(m_asked, mapping.N, g)
+        if m < 1:
+            raise ValueError(
+                f"algorithm.m=auto: the join has {mapping.N} rows, fewer than min_group_rows = {g}: too few for "
+                "a coreset whose every row stands for min_group_rows joined rows"
+            )
         before = self.comm.snapshot()
         rng = np.random.default_rng([int(self.cfg.seed) & 0xFFFFFFFF, 0xC05E])
         if sampling == "uniform":  # the baseline: no client round, weights N / m
@@ -139,6 +149,7 @@ class DISStrategy(LoJStrategy):
         after = self.comm.snapshot()
         self.construction = {k: after[k] - before[k] for k in ("rounds", "bytes_up", "bytes_down")}
         self.construction["distinct_rows"] = float(len(core.rows))
+        self.construction["m"] = float(m)  # the draws (algorithm.m, auto resolved)
         return core
 
     def dis(self, mapping: TableMapping, m: int, rng: np.random.Generator) -> Coreset:
@@ -259,6 +270,7 @@ class CoresetRidge(PCGSolver, DISStrategy):
         c = self.construction
         return {
             "coreset_rows": c["distinct_rows"],
+            "coreset_m": c.get("m", c["distinct_rows"]),
             "construction_rounds": c["rounds"],
             "construction_bytes": c["bytes_up"] + c["bytes_down"],
         }

@@ -119,6 +119,7 @@ class DistDimKMeans(DISStrategy):
             extra={
                 "grid_cells": float(len(cells)),
                 "coreset_rows": self.construction["distinct_rows"],
+                "coreset_m": self.construction.get("m", self.construction["distinct_rows"]),
                 "construction_bytes": self.construction["bytes_up"] + self.construction["bytes_down"],
             },
             **self.comm.snapshot(),

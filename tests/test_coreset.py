@@ -244,3 +244,14 @@ def test_coreset_ridge_refuses_a_classification_label():
 
 
 # ------------------------------------------------------------------------------------------------ k-means
+
+
+def test_a_coreset_trains_under_label_dp_on_the_released_labels_only():
+    """privacy=label: the coreset is built and trained on the randomized training labels the label owner
+    released; its evaluation is the label owner's DP release; no label vector is in any payload."""
+    rec = Recorded("algorithm=coreset", "epochs=2", "privacy=label", "privacy.label_range=[-20,20]")
+    results = rec.strategy.results
+    assert len(results.history) == 2 and np.isfinite(results.history[-1].test_metric)
+    assert results.privacy["label_epsilon"] == pytest.approx(5.66, abs=0.01)
+    assert "evaluate" in {phase for _, phase, _, _ in rec.sent}
+    assert_absent(rec, raw_columns(rec)[2])

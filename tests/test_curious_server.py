@@ -237,15 +237,15 @@ def test_out_of_protocol_and_out_of_order_phases_are_refused():
     )
     keys = unpack_reply(call(app, context, "train", {}, {"phase": "keys"}).content)[0]
     refused(app, context, "refuses phase 'keys': out of order", "train", config={"phase": "keys"})
-    n = len(keys["row_ids"])
+    G = 1.0 - keys["is_test"] if "is_test" in keys else np.ones(len(keys["row_ids"]))  # a join's G: no test row
     # the output width is fixed and one for a regression label: no widening to read more per message
     refused(
         app,
         context,
         f"table '{table}': d_out 7 for a regression label",
         "train",
-        {"G": np.ones(n)},
-        {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 7},
+        {"G": G},
+        {"phase": "admm_setup", "N": float(G.sum()), "rho": 1.0, "d_out": 7},
     )
 
 
@@ -319,7 +319,8 @@ def label_dp_owner(overrides: str = f"{SYNTHETIC} {BINARY} privacy=label") -> tu
         call(app, context, "train", {}, {"phase": "keys", **privacy_message(dict(cfg.privacy))}).content
     )
     n = len(arrays["row_ids"])
-    call(app, context, "train", {"G": np.ones(n)}, {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 1})
+    G = 1.0 - arrays["is_test"]  # the training join: no test row
+    call(app, context, "train", {"G": G}, {"phase": "admm_setup", "N": float(G.sum()), "rho": 1.0, "d_out": 1})
     call(app, context, "train", {"Y": np.zeros((n, 1))}, {"phase": "admm_update"})
     return app, context, {"is_test": arrays["is_test"].astype(bool), "y": arrays["y"]}
 
@@ -648,9 +649,10 @@ CORESET = "algorithm=coreset dataset=synthetic algorithm.m=50"
 
 
 def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:
-    """A coreset client through DIS rounds 1 and 2 (G = 1 on every row but row 0, which is not in the join)."""
+    """A coreset client through DIS rounds 1 and 2 (G = 3 on every row but row 0, which is not in the join:
+    1,197 joined rows, enough for m = 50 rows of min_group_rows = 20)."""
     app, context, n = coreset_client(overrides)
-    G = np.ones(n, dtype=np.uint8)
+    G = np.full(n, 3, dtype=np.uint8)
     G[0] = 0
     call(app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": int(G.sum())})
     call(app, context, "train", {"a": np.array([10])}, {"phase": "sample"})
@@ -659,7 +661,8 @@ def dis_client(overrides: str = CORESET) -> tuple[object, Context, np.ndarray]:
 
 def test_dis_bounds_the_rows_a_server_asks_about():
     app, context, n = coreset_client(CORESET)
-    call(app, context, "train", {"G": np.ones(n, dtype=np.uint8)}, {"phase": "sensitivity", "kind": "ridge", "N": n})
+    G = np.full(n, 3, dtype=np.uint8)
+    call(app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": 3 * n})
     refused(
         app, context, r"a_i = 51 draws; at most algorithm.m = 50", "train", {"a": np.array([51])}, {"phase": "sample"}
     )

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
+from simulations.federated import run_in_process
+from tests.conftest import make_cfg
 from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, hello, node
 from tests.test_privacy_e2e import BINARY
@@ -57,9 +59,11 @@ def truth(context: Context, overrides: str) -> tuple[np.ndarray, np.ndarray]:
 
 def train_ready(context: Context, overrides: str, **plan) -> int:
     """keys, then admm_setup (with the DP plan ``plan`` under feature DP): the table's row count."""
-    n = len(keys(context, overrides, **({"run_id": plan["run_id"]} if "run_id" in plan else {}))[0]["row_ids"])
-    setup = {"phase": "admm_setup", "N": n, "rho": 1.0, "d_out": 1, **plan}
-    call(deployed_app, context, "train", {"G": np.ones(n)}, setup)
+    out = keys(context, overrides, **({"run_id": plan["run_id"]} if "run_id" in plan else {}))[0]
+    n = len(out["row_ids"])
+    G = np.ones(n) if "is_test" not in out else 1.0 - out["is_test"]  # the training join: no test row
+    setup = {"phase": "admm_setup", "N": float(G.sum()), "rho": 1.0, "d_out": 1, **plan}
+    call(deployed_app, context, "train", {"G": G}, setup)
     return n
 
 
@@ -277,3 +281,23 @@ def test_crafted_predictions_at_evaluate_recover_test_labels_at_the_dp_rate(tmp_
     # eps/2 = 0.5 per accuracy release, Laplace(2/n) noise on each of the two: a guess is right with
     # probability 1 - exp(-1/2) 1.25 / 2 = 0.62 (the exact metric: 100%); 48 guesses, 0.85 is 3 sd above
     assert right < 0.85, right
+
+
+def test_the_harness_scores_the_trained_model_exactly_beside_the_dp_release():
+    """The evaluation noise is the server's view only: the harness (it holds every table) scores the same last
+    test predictions exactly. With a huge eval_epsilon the release equals it; with the owner's default it is
+    the release minus Laplace noise of scale (hi - lo)^2 / n on the MSE, never more than 30 scales."""
+
+    base = ("algorithm=admm", "dataset=synthetic", "epochs=2", "privacy=label", "privacy.label_range=[-20,20]")
+    huge = run_in_process(
+        make_cfg(*base, "+privacy.eval_epsilon=1e12", "+privacy.total_eval_epsilon=1e14"), None, log=lambda _: None
+    )
+    released = huge.strategy.results.history[-1].test_metric
+    assert huge.exact_test_metrics()["rmse"] == pytest.approx(released, rel=1e-6)
+    honest = run_in_process(make_cfg(*base), None, log=lambda _: None)
+    exact, released = honest.exact_test_metrics()["rmse"], honest.strategy.results.history[-1].test_metric
+    n = sum(len(pos) for _, pos in honest.strategy.record.setup.evaluation_split.values())
+    assert exact != released  # the release is noised
+    assert abs(exact**2 - released**2) < 30 * 40.0**2 / n
+    plain = run_in_process(make_cfg(*base[:3]), None, log=lambda _: None)  # no label DP: the server's own metric
+    assert plain.exact_test_metrics()["rmse"] == plain.strategy.results.history[-1].test_metric

@@ -28,6 +28,7 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     serve_predictions: true          # answer prediction requests for a model it trained (default true)
     max_prediction_rows: 100000      # most rows one prediction request may score on this node (default 100000)
     prediction_rows: /data/new.csv   # the query owner: the new rows it asks predictions for (docs/prediction.md)
+    algorithms: [tp_join_admm, tp_join_pcg]  # the algorithms it takes part in (registry names; default: every one)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
@@ -40,7 +41,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -129,6 +132,8 @@ class OwnerSettings:
     # rows one prediction request may score on this node; None: no bound (a simulation, whose user owns every table)
     max_prediction_rows: int | None = None
     prediction_rows: str | None = None  # the query owner's file of new rows to predict (it alone reads it)
+    # the algorithms (registry names, as in results.json) it takes part in; None: every installed one
+    algorithms: tuple[str, ...] | None = None
 
     @property
     def deployed(self) -> bool:
@@ -200,6 +205,11 @@ class OwnerSettings:
                 f"{'its whole file' if self.shards is None else 'its owner split of its file'} "
                 "(shards in its settings): a run cannot re-split a deployed table"
             )
+
+    def check_algorithm(self, algorithm: str) -> None:
+        """The run's algorithm must be one its owner allows (``algorithms``; none named: every one)."""
+        if self.algorithms is not None and algorithm not in self.algorithms:
+            raise self.refuse(f"algorithm {algorithm!r} is not among the algorithms its owner allows (algorithms)")
 
     def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
         """The run's privacy must be at least the floor: label DP (label owner only) and feature DP."""
@@ -311,6 +321,14 @@ def _max_outputs(value: Any, where: str) -> int:
     return value
 
 
+def _algorithms(value: Any, where: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SpecError(f"{where}: algorithms must be a list of algorithm names (e.g. [tp_join_admm]), got {value!r}")
+    return tuple(value)
+
+
 def _flag(value: Any, name: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{where}: {name} must be true or false, got {value!r}")
@@ -323,9 +341,41 @@ def _whole(value: Any, name: str, where: str) -> int:
     return value
 
 
+class OwnerSettingsError(SpecError):
+    """A problem in an owner's settings file or secret. ``str()`` is the line that may reach the server (the
+    table and the problem; no path of the owner's machine); ``local`` the same line with its paths, which the
+    node writes to its own log."""
+
+    def __init__(self, line: str, local: str):
+        super().__init__(line)
+        self.local = local
+
+
+#: an absolute path in an error line (what a line bound for the server must not carry)
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~])/[^\s'\",;()\[\]]+")
+
+
+def server_line(local: str, settings_path: Path, table: str) -> str:
+    """``local`` without the owner's paths: the settings file named as such, any other absolute path (its
+    secret_file, a state_dir) as ``<a path>``; prefixed with the table when the line does not name it."""
+    line = _ABSOLUTE_PATH.sub("<a path>", local.replace(str(settings_path), "its owner's settings file"))
+    return line if line.startswith("table ") else f"table {table!r}: {line}"
+
+
 def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
-    """A deployed node's settings file (module docstring); paths in it are relative to the file."""
-    path = Path(path).expanduser().resolve()
+    """A deployed node's settings file (module docstring); paths in it are relative to the file. A problem is
+    one :class:`OwnerSettingsError`: the server-bound line names the table and the problem, the owner's log
+    (logger ``tpflower``) the line with its paths."""
+    resolved = Path(path).expanduser().resolve()
+    try:
+        return _read_owner_settings(resolved, table)
+    except SpecError as exc:
+        local = str(exc)
+        logging.getLogger("tpflower").error("%s", local)
+        raise OwnerSettingsError(server_line(local, resolved, table), local) from None
+
+
+def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
     where = str(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -350,6 +400,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         "serve_predictions",
         "max_prediction_rows",
         "prediction_rows",
+        "algorithms",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -386,6 +437,7 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         prediction_rows=None
         if raw.get("prediction_rows") is None
         else str(resolve_path(raw["prediction_rows"], base).resolve()),
+        algorithms=_algorithms(raw.get("algorithms"), where),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),

@@ -19,13 +19,15 @@ k-means (algorithm=kmeans | coreset_kmeans):
 
 Bounds (each refused with an error naming the table and the phase; the ledgers live in context.state, so
 they survive a resume): a row-indexed request names distinct rows of the table that occur in the join;
-``sample`` draws at most m rows (the client's own algorithm.m); ``weigh`` is answered once per run, about at
+G_i is a join's (tpflower.join_counts); m <= sum G_i / min_group_rows (the owner's bound; ``algorithm.m: auto``
+resolves within it, :func:`coreset_size`); ``sample`` draws at most m rows; ``weigh`` is answered once per run, about at
 most m rows; the training rows (coreset_admm_setup, predict / sgd_step, kmeans_local's rows) are at most m
 distinct rows per run and, after DIS, rows the client was asked to weigh; ``coreset_predict`` answers the same
 rows at every evaluation (fixed by the first) and no training step asks for evaluation rows; ``kmeans_cost``
 is answered once per run (two answers for different counts would difference out one row's distances).
 Only row ids, sensitivities, predictions (ridge) and, for k-means, centre labels, its own centres and one
-cost number leave a client; never a feature column, never a row's distances.
+cost number leave a client; never a feature column, never a row's distances. Under label DP the label
+owner's sensitivities see only the randomized training labels it released (:func:`sensitivity_labels`).
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from tpflower import privacy as dp
 from tpflower.client import TableClient
 from tpflower.clustering import sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
+from tpflower.join_counts import check_join_counts
 from tpflower.mapping import index_dtype
 from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive, positive_int
 from tpflower.phases import join_sgd, pcg, setup
@@ -50,9 +54,17 @@ from tpflower.relation import has_bias
 from tpflower.state import StateRecord
 
 ALPHA = 2.0  # VKMC sensitivity constant (VFL coresets Alg. 3 with alpha = 2)
-#: a coreset row stands for at least this many joined rows on average (m <= N / MIN_COVER). Not min_group_rows:
-#: 20 would refuse the default m = 2000 on the bundled synthetic join (13,600 joined training rows)
-MIN_COVER = 2
+#: the coreset size of ``algorithm.m: auto`` where the join is large enough (the paper's largest m but one)
+DEFAULT_M = 2000
+
+
+def coreset_size(m: int | str, joined: float, min_group_rows: int) -> int:
+    """The coreset size a run uses: ``m``, or for ``auto`` min(DEFAULT_M, joined // min_group_rows), so that
+    each coreset row stands for at least ``min_group_rows`` joined rows on average (the owner's bound on every
+    aggregate; at 0 the join is too small for a coreset under that bound and the nodes refuse)."""
+    if m == "auto":
+        return min(DEFAULT_M, int(joined) // int(min_group_rows))
+    return int(m)
 
 
 def fraction(what: str, value) -> float:
@@ -66,7 +78,8 @@ def fraction(what: str, value) -> float:
 class CoresetParams(AlgorithmParams):
     """algorithm=coreset (conf/algorithm/coreset.yaml): ridge on a DIS coreset of the training join."""
 
-    m: int = param(positive_int, 2000)  # coreset size (draws, with replacement)
+    # coreset size (draws, with replacement); auto: min(2000, joined rows / min_group_rows) (coreset_size)
+    m: int | str = param(or_word(positive_int, "auto"), "auto")
     sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
     mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
     leverage_ridge: float = param(nonnegative, 64.0)  # ridge leverage scores, lam = leverage_ridge N / m; 0: Alg. 2
@@ -225,8 +238,13 @@ def _where(client: TableClient, phase: str) -> str:
 
 
 def _m(client: TableClient) -> int:
-    """The coreset size m of the client's own settings (k-means on the full join: no bound from m)."""
-    return int(getattr(client.settings.algorithm, "m", 0) or 0)
+    """The coreset size m: once DIS gave G_i, the size check_G admitted; before (uniform sampling, whose rows
+    are the server's draw) the run's m, ``auto`` at most DEFAULT_M (k-means on the full join: 0, no m)."""
+    admitted = client.state.scalar("coreset.m", 0)
+    if admitted:
+        return int(admitted)
+    m = getattr(client.settings.algorithm, "m", 0) or 0
+    return DEFAULT_M if m == "auto" else int(m)
 
 
 def _rows(client: TableClient, arrays: Arrays, phase: str, name: str = "rows", in_join: bool = True) -> np.ndarray:
@@ -256,46 +274,39 @@ def _rows(client: TableClient, arrays: Arrays, phase: str, name: str = "rows", i
 
 
 def _keep_G(client: TableClient, arrays: Arrays, phase: str) -> np.ndarray:
-    """G_i, one count >= 0 per row; kept the first time, and any later G must be the same."""
-    G = np.asarray(arrays["G"], dtype=np.float64)
-    if G.shape != (len(client.local.X),) or (G < 0).any() or not np.isfinite(G).all():
-        raise ValueError(
-            f"{_where(client, phase)}: G must hold one count >= 0 per row ({len(client.local.X)}), got shape {G.shape}"
-        )
+    """G_i, checked against the join (tpflower.join_counts) and kept: any later G must be the same."""
     kept = client.state.get("coreset.G")
+    G = check_join_counts(client, arrays["G"], _where(client, phase), training_join=_labelled(client))
     if kept is None:
         check_G(client, G, phase)
         client.state.put("coreset.G", G)
-    elif not np.array_equal(kept, G):
-        raise CoresetRefusal(f"{_where(client, phase)}: G differs from the G_i this client received earlier in the run")
     return G
 
 
+def _labelled(client: TableClient) -> bool:
+    """A model trained on the labels joins the training rows only: the label owner's test rows have G = 0
+    (k-means ignores labels and clusters every joined row)."""
+    return client.data.is_test is not None and isinstance(client.settings.algorithm, CoresetParams)
+
+
 def check_G(client: TableClient, G: np.ndarray, phase: str) -> None:
-    """G_i as the join gives it: whole counts, equal on rows with equal join keys (G_iu depends on the row's
-    keys only), none on the label owner's test rows for a coreset trained on labels, and a coreset that is a
-    sample: m <= sum G_i / MIN_COVER (m = N would weigh every joined row)."""
-    where, keys = _where(client, phase), client.data.keys
-    if (np.round(G) != G).any():
-        raise CoresetRefusal(f"{where}: G must hold whole counts of joined rows")
-    # a model trained on the labels joins the training rows only: the label owner's test rows have G = 0 (k-means
-    # ignores labels and clusters every joined row)
-    labelled = client.data.is_test is not None and isinstance(client.settings.algorithm, CoresetParams)
-    train = ~client.data.is_test if labelled else np.ones(len(G), dtype=bool)
-    if (G[~train] > 0).any():
-        raise CoresetRefusal(f"{where}: G counts {int((G[~train] > 0).sum())} test row(s); the training join has none")
-    if keys.shape[1] and train.any():  # the label table's test rows: G = 0 whatever their keys
-        codes = keys[train].groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
-        first = np.zeros(codes.max() + 1)
-        first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
-        if (first[codes] != G[train]).any():
-            raise CoresetRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
-    m = _m(client)
-    if m and m * MIN_COVER > float(G.sum()):
+    """G_i as the join gives it (tpflower.join_counts: whole counts, equal on rows with equal join keys, none
+    on the label owner's test rows for a coreset trained on labels), and a coreset that is a sample of at most
+    sum G_i / min_group_rows rows (the owner's bound; m = N would weigh every joined row)."""
+    where = _where(client, phase)
+    asked = getattr(client.settings.algorithm, "m", None)
+    if asked is None:  # k-means on the full join: no coreset
+        return
+    g, joined = client.settings.min_group_rows, int(G.sum())
+    m = coreset_size(asked, joined, g)
+    if m < 1 or m * g > joined:
+        size = "algorithm.m = auto" if asked == "auto" else f"m = {m}"
         raise CoresetRefusal(
-            f"{where}: a coreset of m = {m} rows from {G.sum():g} joined rows; a coreset is a sample, each of its "
-            f"rows standing for at least {MIN_COVER} joined rows on average, so m <= {int(G.sum()) // MIN_COVER}"
+            f"{where}: a coreset ({size}) of {joined} joined rows; each coreset row stands for at least "
+            f"min_group_rows = {g} joined rows (its owner's setting), so m <= {joined // g}"
+            + (": the join is too small for a coreset under that bound" if joined < g else "")
         )
+    client.state.set_scalar("coreset.m", m)
 
 
 def admit_training_rows(client: TableClient, rows: np.ndarray, phase: str) -> None:
@@ -333,7 +344,7 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         if client.data.y is not None:  # the label owner: its intercept (if its model has one) and y
             if has_bias(s.model, s.table, s.spec.label_table):
                 extra.append(np.ones(len(X)))
-            extra.append(np.asarray(client.data.y, dtype=np.float64))
+            extra.append(sensitivity_labels(client))
         lam = ridge_lambda(s.algorithm.leverage_ridge, int(config["N"]), _m(client))
         g = leverage_sensitivities(X, G, np.column_stack(extra) if extra else None, lam)
         if client.data.y is not None:  # + 1/N once per joined row, for the regulariser (the authors' code)
@@ -344,6 +355,20 @@ def sensitivity(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     g = mix_uniform(G, g, int(config["N"]), float(getattr(s.algorithm, "mix", 0.0)))
     DISState(G, g).save(client.state)
     return {"total": np.array([local_total(G, g)])}, {}
+
+
+def sensitivity_labels(client: TableClient) -> np.ndarray:
+    """The labels the label owner's sensitivities see: its own, or under label DP only the randomized training
+    labels it released in the keys round (the test rows, whose G_iu is 0, get 0): the sensitivities are then
+    post-processing of that release and say nothing more of a label."""
+    if not dp.uses_label_dp(client.privacy()):
+        return np.asarray(client.data.y, dtype=np.float64)
+    sent = client.state.get("labels.sent")
+    if sent is None:
+        raise RuntimeError(f"{_where(client, 'sensitivity')}: label DP, but no labels were released in keys")
+    y = np.zeros(len(client.data.y), dtype=np.float64)
+    y[~client.data.is_test] = np.asarray(sent, dtype=np.float64)
+    return y
 
 
 def sample(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -486,6 +511,7 @@ RIDGE_TRAIN: dict[str, Phase] = {
     "sgd_step": Phase(coreset_sgd_step, sgd_client),
     "pcg_step": Phase(pcg.pcg_step, pcg_client),
     "coreset_predict": Phase(coreset_predict, spaced=True),
+    **setup.EVALUATE,  # label DP: the label owner scores the test predictions (tpflower.label_dp)
 }
 
 
@@ -501,7 +527,7 @@ register(
         RIDGE_PROTOCOL,
         CoresetParams,
         feature_dp=False,
-        label_dp=False,
+        label_dp=True,  # the sensitivities use the released randomized labels only (sensitivity_labels)
         summary="VFL coreset (DIS, Alg. 1-2) over the join, ridge by weighted TP-Join-ADMM/SGD",
     )
 )

@@ -16,6 +16,7 @@ import torch
 
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Stage
+from tpflower.join_counts import check_join_counts
 from tpflower.models import l2_penalty
 from tpflower.params import (
     AlgorithmParams,
@@ -260,7 +261,11 @@ def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     """Store G_i, N and rho (the server resolves algorithm.rho=auto) and build theta_i^0. Nothing of the model
     leaves: ADMM starts from x^0 = 0 (Boyd Sec. 3.1), so the server needs no prediction of theta_i^0, and
     theta_i^0 next to f_i(theta_i^0; X) would give X away (docs/threat-model.md, A deviating server)."""
-    G = np.asarray(arrays["G"], dtype=np.float64)
+    s = client.settings
+    where = f"table {s.table!r} shard {s.shard} (algorithm {client.algorithm!r}), phase 'admm_setup'"
+    # G_i as a join gives it (tpflower.join_counts); a shard of a union's table holds part of the N rows
+    N = None if s.federated_prep else config["N"]
+    G = check_join_counts(client, arrays["G"], where, training_join=True, N=N)
     ADMMState(G, int(config["N"]), float(config["rho"])).save(client.state)
     client.dp.init(config, lambda: client.dp.admm_rate(G))
     model = client.model(config)

@@ -20,7 +20,7 @@ import numpy as np
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype, merge_small_clusters, sq_distances, weighted_kmeans
 from tpflower.guard import Phase, Protocol, Stage
-from tpflower.params import AlgorithmParams, nonnegative, one_of, param, positive_int
+from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive_int
 from tpflower.phases import coreset, setup
 from tpflower.phases.coreset import (
     CoresetRefusal,
@@ -50,7 +50,7 @@ class KMeansParams(AlgorithmParams):
 class CoresetKMeansParams(KMeansParams):
     """algorithm=coreset_kmeans (conf/algorithm/coreset_kmeans.yaml): DistDim on a DIS coreset."""
 
-    m: int = param(positive_int, 2000)
+    m: int | str = param(or_word(positive_int, "auto"), "auto")  # auto: coreset.coreset_size
     sampling: str = param(one_of("sensitivity", "uniform"), "sensitivity")
     mix: float = param(fraction, 0.0)  # share of uniform sampling in DIS: P = (1 - mix) g_j / G + mix / N
 
@@ -77,10 +77,16 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         w = _keep_G(client, arrays, "kmeans_local")
     k, g = int(s.algorithm.k), int(s.min_group_rows)
     active = w > 0
-    if k * g > int(active.sum()):
+    n_active = int(active.sum())
+    if k * g > n_active:
+        bound = (
+            f"so k <= {n_active // g} (algorithm.k)"
+            if n_active >= g
+            else "so it releases no centre (its owner may lower min_group_rows)"
+        )
         raise CoresetRefusal(
-            f"{_where(client, 'kmeans_local')}: k = {k} centres over {int(active.sum())} weighted rows; each centre "
-            f"covers at least min_group_rows = {g} of them (its owner's setting), so k <= {int(active.sum()) // g}"
+            f"{_where(client, 'kmeans_local')}: k = {k} centres over {n_active} weighted rows; each centre "
+            f"covers at least min_group_rows = {g} of them (its owner's setting), {bound}"
         )
     C, labels = weighted_kmeans(
         X,

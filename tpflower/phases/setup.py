@@ -80,6 +80,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
             # to every run (tpflower.label_dp); the test rows' labels not sent at all (see evaluate)
             y = label_dp.training_labels(client)
             metrics["labels"] = "train_randomized"
+            client.state.put("labels.sent", np.asarray(y))  # what later phases may use of the labels (coresets)
         out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
         metrics["n_classes"] = int(data.n_classes or 0)
     return out, metrics
@@ -146,6 +147,7 @@ def accept_privacy(client: TableClient, config: Mapping[str, Any]) -> None:
     later phases. Weaker than the floor, or impossible: refused before anything is sent."""
     run = dp.privacy_from_message(config)
     s = client.settings
+    s.owner.check_algorithm(client.algorithm)
     s.owner.check_privacy(run, label_owner=client.data.y is not None)
     # what the algorithm supports is the node's own registry's word (the run cannot claim DP it does not do)
     entry = registry.by_name(client.algorithm)

@@ -1,0 +1,73 @@
+"""The G_i a server sends, checked against what the node knows of the join it took part in.
+
+G_iu is the number of joined rows row u of table i takes part in (TablePuppet Eq. 15; VFL coresets Alg. 1).
+The server computes it from every table's keys, so a node cannot recompute it; what it can check, it does:
+
+* one whole count >= 0 per row of its table (a VFL expansion: per expanded row);
+* equal on rows with equal join keys: G_iu depends on the row's key values only (a dimension table's rows
+  each have their own key, so there the check holds for any G: the bound a node cannot give);
+* none on the label owner's test rows when the join is the training join (ADMM, coresets): the test rows are
+  joined apart;
+* the counts add up to the joined rows N the run's messages name, and stay the same for the whole run (every
+  phase that carries G_i gets the first one again).
+
+A G that fails is no join's: the phase is refused (:class:`JoinCountsRefusal`, one line naming the table and
+the phase) before anything computed from it leaves the node.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpflower.guard import ProtocolRefusal
+
+#: where a node keeps the first G_i of the run (any later phase's G_i must equal it)
+STATE_KEY = "join.G"
+
+
+class JoinCountsRefusal(ProtocolRefusal):
+    """G_i is not the counts of any join the node took part in."""
+
+
+def check_join_counts(
+    client,
+    G: np.ndarray,
+    where: str,
+    *,
+    training_join: bool,
+    N: float | None = None,
+) -> np.ndarray:
+    """``G`` (one count per row of ``client``'s table) as float64, or :class:`JoinCountsRefusal` (module
+    docstring). ``training_join``: the label owner's test rows must have G = 0; ``N``: the joined rows G must
+    add up to. The first G of a run is kept: a later one must be the same."""
+    G = np.asarray(G, dtype=np.float64)
+    n = len(client.data.row_ids)
+    expanded = client.state.get("expand")
+    rows = n if expanded is None else len(expanded)
+    if G.shape != (rows,) or not np.isfinite(G).all() or (G < 0).any():
+        raise JoinCountsRefusal(f"{where}: G must hold one count >= 0 per row ({rows}), got shape {G.shape}")
+    if (np.round(G) != G).any():
+        raise JoinCountsRefusal(f"{where}: G must hold whole counts of joined rows")
+    if N is not None and float(N) != float(G.sum()):
+        raise JoinCountsRefusal(f"{where}: N = {N:g} joined rows, but G adds up to {G.sum():g}")
+    kept = client.state.get(STATE_KEY)
+    if kept is not None:
+        if not np.array_equal(kept, G):
+            raise JoinCountsRefusal(f"{where}: G differs from the G_i this node received earlier in the run")
+        return G
+    if expanded is None:  # per table row: the label owner's test rows and the key check
+        is_test = client.data.is_test
+        train = ~is_test if (training_join and is_test is not None) else np.ones(n, dtype=bool)
+        if (G[~train] > 0).any():
+            raise JoinCountsRefusal(
+                f"{where}: G counts {int((G[~train] > 0).sum())} test row(s); the training join has none"
+            )
+        keys = client.data.keys
+        if keys.shape[1] and train.any():
+            codes = keys[train].groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
+            first = np.zeros(codes.max() + 1)
+            first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
+            if (first[codes] != G[train]).any():
+                raise JoinCountsRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
+    client.state.put(STATE_KEY, G)
+    return G
