@@ -798,7 +798,13 @@ def schema_matrix() -> str | None:
     d = load("convergence-matrix.json")
     if d is None:
         return None
-    names = {"pcg": "PCG", "admm": "ADMM", "admm_old": "ADMM (old defaults)", "sgd": "TP-Join-SGD"}
+    names = {
+        "pcg": "PCG",
+        "admm": "ADMM",
+        "admm_prev": "ADMM (previous defaults)",
+        "admm_old": "ADMM (old defaults)",
+        "sgd": "TP-Join-SGD",
+    }
     rows = []
     for name, c in d["cells"].items():
         summ = c["summary"]
@@ -823,8 +829,10 @@ def schema_matrix() -> str | None:
                 "shipped defaults, in-process, linear model. Synthetic cells: `dim` rows per dimension table, `dup` "
                 "fact rows per dimension row (joined rows = dim x dup), `corr` the correlation of the dimension "
                 "features with the fact table's. Last column: kB per round trip of PCG / of an ADMM epoch after the first (float32 "
-                "runs: PCG's s travels in float64, hence 1.5x; equal in float64 runs). Old ADMM defaults: "
-                "`algorithm.relax=1 algorithm.rho_patience=0`."
+                "runs: PCG's s travels in float64, hence 1.5x; equal in float64 runs). ADMM: the shipped defaults "
+                "(Anderson acceleration, memory 10, fixed rho = 1 for regression); previous defaults: "
+                "`algorithm.anderson=0` (over-relaxation 1.5, persistent residual balancing, rho = 3); old defaults: "
+                "`algorithm.anderson=0 algorithm.relax=1 algorithm.rho_patience=0`."
                 + (" Only the --quick cells ran." if d.get("quick") else "")
             ),
             command(

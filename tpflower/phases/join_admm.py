@@ -185,7 +185,7 @@ class ADMMParams(AlgorithmParams):
     # Anderson acceleration of the server's iteration (strategies/anderson.py): memory m; 0: off (the paper's
     # iteration); auto: 10 over a join with the sharing variant, linear models and no feature DP, else 0
     anderson: int | str = param(or_word(nonnegative_int, "auto"), "auto")
-    anderson_mb: float = param(positive, 2000.0)  # auto: the largest memory whose window fits in this
+    anderson_mb: float = param(positive, 1000.0)  # auto: the largest memory whose window fits in this
     tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
     variant: str = param(one_of("sharing", "paper"), "sharing")
     local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)
