@@ -163,6 +163,7 @@ def convergence() -> str | None:
             (
                 "### MLP against linear\n\nTest RMSE after the same epochs, shipped defaults, from the same command "
                 "(MLP: one hidden layer of 16; the ADMM theta-update of an MLP by L-BFGS, 20 steps)."
+                + (f" {d['mlp_vs_linear_note']}" if d.get("mlp_vs_linear_note") else "")
             ),
             table(["dataset", "algorithm", "linear", "mlp", "mlp vs linear"], rows),
             TEXT["mlp"],
