@@ -352,7 +352,8 @@ class Deployment:
 
 
 def superlink_command(port: int, tls: ServerTLS | None) -> list[str]:
-    """flower-superlink on 127.0.0.1:`port`: TLS with SuperNode authentication, or plain text (tls None)."""
+    """flower-superlink on 127.0.0.1:`port`: TLS with SuperNode authentication, or plain text (tls None); run
+    as tpflower.app.superlink (Flower's SuperLink, its per-request middleware gated by path)."""
     security = (
         [
             "--ssl-ca-certfile",
@@ -367,7 +368,9 @@ def superlink_command(port: int, tls: ServerTLS | None) -> list[str]:
         else ["--insecure"]
     )
     return [
-        "flower-superlink",
+        sys.executable,
+        "-m",
+        "tpflower.app.superlink",
         *security,
         "--disable-runtime-dependency-installation",
         "--host",
@@ -542,7 +545,7 @@ def start(
     workdir = cwd or Path.cwd()
     try:
         log = state / "superlink.log"
-        proc = spawn(superlink_command(dep.superlink_port, tls), log, env, workdir)
+        proc = spawn(superlink_command(dep.superlink_port, tls), log, node_env(env), workdir)
         dep.popens.append(proc)
         dep.processes.append(
             {"name": "superlink", "pid": proc.pid, "pgid": proc.pid, "cmd": proc.args, "log": str(log)}

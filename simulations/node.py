@@ -31,6 +31,9 @@ import yaml
 
 HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
+STOCK_SUPERNODE = (
+    "import sys; from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; flower_supernode()"
+)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -48,15 +51,20 @@ def supernode_command(
     root_certificates: str | None,
     auth_key: str | None,
     fast: bool = True,
+    python: str | None = None,
 ) -> list[str]:
     """The owner's SuperNode: process isolation, Runtime API on 127.0.0.1:``runtime_port``; TLS verified
-    against ``root_certificates`` (else plain text) and authenticated by ``auth_key`` when given."""
+    against ``root_certificates`` (else plain text) and authenticated by ``auth_key`` when given; run by
+    ``python`` (default: this interpreter)."""
     security = (
         ["--root-certificates", root_certificates] + (["--auth-supernode-private-key", auth_key] if auth_key else [])
         if root_certificates
         else ["--insecure"]
     )
-    program = [sys.executable, "-m", "tpflower.app.supernode"] if fast else ["flower-supernode"]
+    if fast:
+        program = [python or sys.executable, "-m", "tpflower.app.supernode"]
+    else:  # Flower's own program, by that interpreter if given
+        program = [python, "-c", STOCK_SUPERNODE] if python else ["flower-supernode"]
     return [
         *program,
         *security,
@@ -100,6 +108,35 @@ def _as_user(name: str | None):  # pragma: no cover - needs root
     return switch
 
 
+def supernode_start_problem(python: str, user: str | None, env: dict[str, str]) -> str | None:
+    """None if ``python`` (as ``user``, when given) can import Flower's SuperNode and tpflower's adapter, else
+    one line saying why not and what to do: a SuperNode as another OS user needs an interpreter that user can
+    run (this venv's may sit in a directory only its owner can enter)."""
+    probe = [python, "-c", "import flwr.supernode.cli, tpflower.app.supernode"]
+    who = f"user {user!r}" if user else "this user"
+    try:
+        done = subprocess.run(
+            probe,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=_as_user(user),
+        )
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    else:
+        if done.returncode == 0:
+            return None
+        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+    return (
+        f"error: the SuperNode cannot start as {who} with {python}: {reason}; pass --supernode-python an "
+        "interpreter that user can run with flwr and tpflower installed, or start the SuperNode yourself "
+        "(--no-supernode; docs/deployment.md)"
+    )
+
+
 def reset_label_dp(client_config: str, table: str | None) -> int:
     """The owner's reset of its label-DP draws (docs/settings.md, Privacy): a new draw at the next run."""
     from tpflower.owner import load_owner_settings  # noqa: PLC0415  (argparse errors first: no heavy imports)
@@ -123,6 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime-port", type=int, default=None, help="the SuperNode's loopback Runtime API port")
     parser.add_argument("--no-supernode", action="store_true", help="attach to a SuperNode started separately")
     parser.add_argument("--supernode-user", default=None, help="OS user to run the SuperNode as (when root)")
+    parser.add_argument(
+        "--supernode-python",
+        default=None,
+        help="the interpreter that runs the SuperNode (default: this one); with --supernode-user, one that user "
+        "can run, with flwr and tpflower installed",
+    )
+    parser.add_argument(
+        "--doorbell-port",
+        type=int,
+        default=None,
+        help="with --no-supernode: the loopback UDP port the SuperNode started as `python -m tpflower.app.supernode` "
+        "with TPFLOWER_TASK_DOORBELL=PORT rings when a task is ready (else the service polls)",
+    )
     parser.add_argument("--slow-supernode", action="store_true", help="Flower's own SuperNode sleeps (3 s idle)")
     parser.add_argument(
         "--reset-label-dp",
@@ -139,7 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     from simulations.deploy import free_port  # noqa: PLC0415  (argparse errors first: no heavy imports)
-    from tpflower.app.node_service import OwnerNode, installed_app, serve, wait_for_runtime  # noqa: PLC0415
+    from tpflower.app.flower_patch import DOORBELL_ENV, supported  # noqa: PLC0415
+    from tpflower.app.node_service import (  # noqa: PLC0415
+        OwnerNode,
+        installed_app,
+        open_doorbell,
+        serve,
+        wait_for_runtime,
+    )
     from tpflower.owner import SECRET_ENV  # noqa: PLC0415
 
     table = owner_table(args.client_config, args.table)
@@ -147,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     port = args.runtime_port or free_port()
     address = f"{HOST}:{port}"
     stop = threading.Event()
-    supernode = None
+    supernode = bell = None
     if not args.no_supernode:
         if not args.superlink:
             parser.error("--superlink HOST:PORT is required unless --no-supernode")
@@ -160,8 +217,17 @@ def main(argv: list[str] | None = None) -> int:
             None if args.insecure else args.root_certificates,
             args.auth_supernode_private_key,
             fast=not args.slow_supernode,
+            python=args.supernode_python,
         )
         env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # the secret stays with the service
+        if args.supernode_user or args.supernode_python:
+            problem = supernode_start_problem(cmd[0], args.supernode_user, env)
+            if problem:
+                print(problem, file=sys.stderr, flush=True)
+                return 2
+        if not args.slow_supernode and supported():  # the fast SuperNode rings when a task is ready
+            bell = open_doorbell()
+            env[DOORBELL_ENV] = str(bell.getsockname()[1])
         supernode = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_as_user(args.supernode_user) or _die_with_parent
         )
@@ -173,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(1)
 
         threading.Thread(target=watch, daemon=True).start()
+    elif args.doorbell_port:
+        bell = open_doorbell(args.doorbell_port)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     app_id, app_version = installed_app()
     print(f"node {owner.name}: serving {app_id} {app_version} on the SuperNode's Runtime API {address}", flush=True)
@@ -180,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_runtime(address, 120.0, lambda: supernode is None or supernode.poll() is None)
         from tpflower.app.client_app import app  # noqa: PLC0415  torch, pandas, Hydra: once, kept across runs
 
-        serve(address, owner, app.respond, stop=stop)  # type: ignore[attr-defined]
+        serve(address, owner, app.respond, stop=stop, bell=bell)  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         pass
     finally:

@@ -659,6 +659,14 @@ def flower() -> str | None:
             ),
             command("python -m simulations.bench deploy   # -> bench_results/deploy.json"),
             table(["", "deployed", "simulation engine", "ratio", "goal"], rows),
+            " ".join(
+                f"CPU seconds per empty round on {r['dataset']} (rounds 2..; all {r['nodes']} nodes together; "
+                f"1-minute load {r['load_avg_1min']:.1f} at the start): "
+                + ", ".join(f"{role} {cpu:.3f}" for role, cpu in r["empty_round_cpu_s"].items())
+                + f" ({sum(r['empty_round_cpu_s'].values()):.2f} in all, on 2 cores)."
+                for r in d["runs"]
+                if "empty_round_cpu_s" in r
+            ),
             TEXT["deploy"],
         ]
     return "\n\n".join(p for p in parts if p) if parts else None
@@ -1035,21 +1043,30 @@ TEXT: dict[str, str] = {
         "imports, loading and hashing the table): **the 10 s goal for the first epoch line is missed**."
     ),
     "deploy": (
-        "Every message of a deployed round passes the ServerApp -> SuperLink (HTTPS) -> the SuperNode's pull -> "
-        "its Runtime API on loopback -> the node service (claim the task, pull its input, context and message, "
-        "answer, push the reply and the task output: about eight HTTP calls) -> SuperNode -> SuperLink -> "
-        "ServerApp, each hop a Python HTTP server and client on the same 2 cores as every node. tpflower shortens "
-        "every sleep it can reach: its own task poll (2-50 ms backoff), the SuperNode's 3 s idle pull and 0.5 s "
-        "reply polling (5-100 ms, Flower 1.41 only), and the 1 s first retry of object pulls in the SuperNode and "
-        "the ServerApp (5 ms). **All three goals are missed**: an empty round still takes about 0.7 s and an SGD "
-        "round about 1.4 s, and where it goes is not yet broken down (an earlier run of this suite, before the "
-        "node service kept one Runtime API connection and skipped the per-task heartbeat: empty round 0.95 s, "
-        "SGD 34 s / epoch at 25.7x, ADMM 1.32 s at 7.6x; the machine's load from other work moves these by "
-        "tens of percent). The node service's own share, from `TPFLOWER_NODE_TRACE=1` (pull / answer / push "
-        "seconds per message) on a 4-node synthetic deployment: 0.1-0.5 s to pull a task's input (the SuperNode "
-        "creates the task before it has pulled the message's objects from the SuperLink), 3-30 ms to answer, "
-        "0.04-0.3 s to push the reply; the rest is the SuperNode's and the ServerApp's exchanges with the "
-        "SuperLink. Prefer ADMM (one round per epoch) in a deployment."
+        "Every message of a deployed round passes ServerApp -> SuperLink (HTTPS) -> the SuperNode's pull -> its "
+        "Runtime API on loopback -> the node service -> SuperNode -> SuperLink -> ServerApp, every hop a Python "
+        "HTTP client and server (Flower 1.41's APIs are protobuf over HTTP, FastAPI) on the same 2 cores, and "
+        "Flower sends a message as a tree of objects, one request each per leg. What tpflower cut (this table; "
+        "before: empty round 0.68 s, TP-Join-SGD 38.18 s / epoch at 44.55x, TP-Join-ADMM 1.65 s at 8.98x, at a "
+        "lower load): every message is one record, three objects instead of 4 + arrays (5 + arrays for a "
+        "reply); the SuperNode creates a task once its message's objects have all arrived (the node service's "
+        "first object pulls had missed, about twice the pulls) and rings the node service's loopback doorbell "
+        "(its idle task polls, about 10 per round per node, are gone); the FAB's bytes (1.4 MB) no longer come "
+        "with every task input; the SuperNode's idle pulls are at most 20 ms apart during a run, its first wait after a reply most of its last wait for a message; the SuperLink "
+        "skips the middleware layers that do not act on a request (nine BaseHTTPMiddleware layers ran on every "
+        "request: Fleet requests now pass four, a ServerApp's two; the SuperLink's CPU per empty round fell from "
+        "about 0.3 s to 0.15-0.2 s). Counted per empty round on this deployment (a counting hook in each HTTP client, "
+        "60 rounds at load 9): about 67 requests reach the SuperLink (the ServerApp about 26: one push of the "
+        "messages and five objects, about 7 polls for replies, ten object pulls, three confirmations; each "
+        "SuperNode about 14: five or six idle pulls, three object pulls, a confirmation, the reply and its three "
+        "objects) at about 2.9 ms of SuperLink CPU each, most of it in Starlette/FastAPI and anyio (py-spy; the node "
+        "signature check is under 1%), and each node service makes 12 loopback requests per message (claim, task "
+        "input, message, three object pulls, confirmation, the reply and its three objects, task output; 27 "
+        "before). **The goals are missed**: about 22 of these requests are sequential in a round (push, the "
+        "SuperNode's pull, the node service's claim-pull-answer-push, the SuperNode's push, the ServerApp's pull), "
+        "5-15 ms each on 2 cores shared with the other processes: 0.3-0.5 s per round whatever the payload, "
+        "against the 84 ms a TP-Join-SGD round may take for 3x (28 rounds per movielens epoch at batch 8192), and "
+        "0.3 s for a whole ADMM epoch at 2x. Prefer ADMM (one round per epoch) in a deployment."
     ),
 }
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 from flwr.app import Context, Message, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from strategies.transport import DirectTransport
 from tests.conftest import make_cfg
@@ -19,7 +20,7 @@ from tpflower import registry
 from tpflower.app.client_app import client_app_for
 from tpflower.app.server_app import make_strategy
 from tpflower.config import CONF_DIR
-from tpflower.records import pack_payload, unpack_reply
+from tpflower.records import PAYLOAD, pack_payload, unpack_reply
 
 ENTRIES = [e for e in registry.entries() if e.federated]
 
@@ -93,10 +94,11 @@ def test_handlers_answer_hello_and_keys_with_named_records():
     hello = unpack_reply(call(app, context, "query", {}, {"phase": "hello"}).content)
     assert hello == ({}, {"table": "d1", "shard": 0})
     reply = call(app, context, "train", {}, {"phase": "keys"})
-    arrays = set(reply.content.array_records["arrays"])
-    assert arrays == {"row_ids", "code.0", "digest.0", "code.2", "digest.2"}  # d1 is in joins 0 and 2
-    assert reply.content.metric_records["metrics"]["n_rows"] == 400
-    assert reply.content.config_records["info"]["table"] == "d1"
+    arrays, metrics = unpack_reply(reply.content)
+    assert set(arrays) == {"row_ids", "code.0", "digest.0", "code.2", "digest.2"}  # d1 is in joins 0 and 2
+    assert metrics["n_rows"] == 400 and metrics["table"] == "d1"
+    # one record, so three objects on the wire (Message, RecordDict, the record) whatever the arrays
+    assert list(reply.content) == [PAYLOAD] and len(get_all_nested_objects(reply)) == 3
 
 
 def test_a_phase_of_another_algorithm_is_refused_naming_it():

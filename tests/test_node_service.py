@@ -6,6 +6,10 @@ SuperNode's; the SuperNode adapter patches only the Flower version it was writte
 from __future__ import annotations
 
 import logging
+import os
+import pwd
+import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -123,3 +127,217 @@ def test_supernode_adapter_only_on_the_version_it_was_written_for(monkeypatch, c
         flower_patch.NODE_MIN_WAIT_S,
         flower_patch.NODE_MIN_WAIT_S,
     ]
+    slept.clear()
+    for _ in range(8):  # within a run (a message answered just now): the pull waits stay short
+        fast.sleep(3)
+    assert max(slept) == flower_patch.NODE_RUN_MAX_WAIT_S
+    now = flower_patch.time.monotonic()
+    monkeypatch.setattr(flower_patch.time, "monotonic", lambda: now + flower_patch.NODE_RUN_S + 1)
+    slept.clear()
+    for _ in range(8):  # idle: they grow to the longer cap
+        fast.sleep(3)
+    assert max(slept) == flower_patch.NODE_MAX_WAIT_S
+
+
+def test_task_inputs_carry_the_apps_identity_not_its_bytes(monkeypatch, caplog):
+    from flwr.proto.fab_pb2 import Fab  # pylint: disable=E0611
+    from flwr.proto.run_pb2 import Run  # pylint: disable=E0611
+    from flwr.proto.runtime_pb2 import PullTaskInputResponse  # pylint: disable=E0611
+    from flwr.supernode.servicer.runtime import runtime_handlers
+
+    def flowers(request, state, task):
+        run = Run(run_id=3, fab_id="tpflower/tpflower", fab_version=installed_app()[1], fab_hash="ab" * 32)
+        return PullTaskInputResponse(run=run, fab=Fab(hash_str="ab" * 32, content=b"x" * 1000), task_id=9)
+
+    got = flower_patch.identity_only_task_input(flowers)(None, None, None)
+    assert got.fab.content == b"" and got.fab.hash_str == "ab" * 32 and got.task_id == 9
+    assert (got.run.fab_id, got.run.fab_version) == installed_app()  # what the node service's refusal reads
+    with caplog.at_level(logging.WARNING, logger="tpflower"):
+        assert flower_patch.install_identity_only_task_input("9.9.0") is False
+    assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
+    monkeypatch.setattr(runtime_handlers, "pull_task_input", flowers)
+    assert flower_patch.install_identity_only_task_input() is True
+    assert runtime_handlers.pull_task_input(None, None, None).fab.content == b""
+
+
+def test_the_supernode_patches_task_inputs_only_when_process_isolated():
+    from tpflower.app.supernode import process_isolated
+
+    assert process_isolated(["--insecure", "--isolation", "process", "--port", "1"])
+    assert process_isolated(["--isolation=process"])
+    assert not process_isolated(["--isolation", "subprocess"]) and not process_isolated(["--insecure"])
+
+
+class RecordingState:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def create_task(self, **kwargs):
+        self.calls.append("create_task")
+        return 11
+
+    def store_message(self, message) -> None:
+        self.calls.append("store_message")
+
+    def finish_task(self, task_id, sub_status, details) -> bool:
+        self.calls.append(f"finish_task {task_id}")
+        return True
+
+
+def flowers_pull_and_store(objects_arrive: bool):
+    """Flower 1.41's order in _pull_and_store_message: the task first, then the message and its objects."""
+
+    def pull_and_store(*, state, receive):
+        task_id = state.create_task(task_type="clientapp", run_id=5, fab_hash="h")
+        state.store_message(receive())
+        if not objects_arrive:
+            state.finish_task(task_id, sub_status="failed", details="Pulling message objects failed")
+            return None
+        return 5
+
+    return pull_and_store
+
+
+def test_a_task_is_created_once_its_message_has_arrived_and_the_doorbell_rings():
+    rings = []
+    state = RecordingState()
+    pull = flower_patch.tasks_when_ready(flowers_pull_and_store(True), lambda: rings.append(1))
+    assert pull(state=state, receive=lambda: "message") == 5
+    assert state.calls == ["store_message", "create_task"] and rings == [1]
+    state = RecordingState()  # objects that never arrive: no task to claim, no ring, nothing to finish
+    pull = flower_patch.tasks_when_ready(flowers_pull_and_store(False), lambda: rings.append(2))
+    assert pull(state=state, receive=lambda: "message") is None
+    assert state.calls == ["store_message"] and rings == [1]
+
+
+def test_the_doorbell_wakes_the_service_and_only_makes_it_ask():
+    bell = node_service.open_doorbell()
+    try:
+        assert node_service.wait_for_ring(bell, 0.01) is False
+        ring = flower_patch.doorbell(bell.getsockname()[1])
+        ring()
+        ring()
+        assert node_service.wait_for_ring(bell, 2.0) is True
+        assert node_service.wait_for_ring(bell, 0.01) is False  # both rings taken at once
+    finally:
+        bell.close()
+
+
+def test_the_service_asks_for_a_task_at_each_ring(monkeypatch):
+    asked = []
+    stop = threading.Event()
+
+    class Client:
+        def AcquireTask(self, request):  # Flower's method name
+            asked.append(request)
+            if len(asked) == 3:
+                stop.set()
+            return SimpleNamespace(HasField=lambda name: False, token="")
+
+        def close(self) -> None:
+            pass
+
+    rung = []
+    monkeypatch.setattr(node_service, "runtime_client", lambda address, token: Client())
+    monkeypatch.setattr(node_service, "wait_for_ring", lambda bell, timeout: rung.append(timeout) or True)
+    node_service.serve("127.0.0.1:1", OWNER, never_called, installed_app(), stop=stop, bell=object())
+    assert len(asked) == 3 and rung == [node_service.DOORBELL_WAIT_S] * 3  # no polling between rings
+
+
+def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(caplog):
+    from flwr.superlink import main as superlink_main
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.base import BaseHTTPMiddleware
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    flowers = superlink_main._get_middleware()
+    gated = flower_patch.gated_middleware(flowers)
+    assert [getattr(m.kwargs.get("middleware"), "__name__", m.cls.__name__) for m in gated] == [
+        m.cls.__name__ for m in flowers
+    ]
+    kept = [m.cls.__name__ for m in gated if m.cls is not flower_patch.PathGate]
+    assert kept == ["BaseHTTPMiddleware", "ProtobufTranslationMiddleware"]  # error and protobuf translation
+
+    class Tag(BaseHTTPMiddleware):
+        async def dispatch(self, request, call_next):
+            response = await call_next(request)
+            response.headers["x-tag"] = "1"
+            return response
+
+    app = Starlette(
+        routes=[
+            Route(p, lambda r: PlainTextResponse("ok"), methods=["POST"]) for p in ("/v1/fleet/x", "/v1/runtime/y")
+        ],
+        middleware=[Middleware(flower_patch.PathGate, middleware=Tag, acts_on=flower_patch._fleet_path)],
+    )
+    client = TestClient(app)
+    assert client.post("/v1/fleet/x").headers.get("x-tag") == "1"
+    assert "x-tag" not in client.post("/v1/runtime/y").headers and client.post("/v1/runtime/y").text == "ok"
+    with caplog.at_level(logging.WARNING, logger="tpflower"):
+        assert flower_patch.install_gated_superlink_middleware("9.9.0") is False
+    assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
+
+
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="switching the SuperNode's OS user needs root")
+
+
+def test_the_supernode_interpreter_is_checked_before_anything_starts():
+    from simulations.node import supernode_command, supernode_start_problem
+
+    assert supernode_start_problem(sys.executable, None, dict(os.environ)) is None
+    problem = supernode_start_problem("/nonexistent/python3", None, dict(os.environ))
+    assert problem is not None and "\n" not in problem and "/nonexistent/python3" in problem
+    assert "--supernode-python" in problem and "--no-supernode" in problem
+    cmd = supernode_command("127.0.0.1:9092", 9094, 'table="d1" shard=0', None, None, python="/opt/py/bin/python3")
+    assert cmd[:3] == ["/opt/py/bin/python3", "-m", "tpflower.app.supernode"] and "--insecure" in cmd
+
+
+@AS_ROOT
+def test_a_supernode_user_runs_the_supernode_as_that_user():
+    import subprocess
+
+    from simulations.node import _as_user
+
+    uid = subprocess.run(["id", "-u"], preexec_fn=_as_user("nobody"), capture_output=True, text=True, check=True)
+    assert uid.stdout.strip() == str(pwd.getpwnam("nobody").pw_uid)
+
+
+@AS_ROOT
+def test_a_supernode_user_who_cannot_run_the_interpreter_stops_the_node_with_one_line(tmp_path, capsys):
+    from simulations.node import main
+
+    # this venv's interpreter sits under /root (0700 here): the user 'nobody' cannot run it
+    args = ["--client-config", str(tmp_path / "d1.yaml"), "--table", "d1", "--superlink", "127.0.0.1:1", "--insecure"]
+    assert main([*args, "--supernode-user", "nobody"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "user 'nobody'" in err and "--supernode-python" in err
+
+
+def test_the_supernode_waits_most_of_a_steady_rounds_gap_in_one_sleep(monkeypatch):
+    from flwr.supernode import start_client_internal
+
+    monkeypatch.setattr(start_client_internal, "time", start_client_internal.time)  # restored after the test
+    assert flower_patch.install_fast_supernode() is True
+    fast, clock = start_client_internal.time, [100.0]
+    monkeypatch.setattr(flower_patch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(flower_patch.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    def round_with_gap(gap: float) -> tuple[int, float]:
+        """Answer a message, then pull until the next one, which comes ``gap`` s later: (empty pulls, delay)."""
+        fast.sleep(0.5)
+        arrives, pulls = clock[0] + gap, 0
+        while clock[0] < arrives:  # Flower's loop: pull (nothing yet), sleep(3)
+            fast.sleep(3)
+            pulls += 1
+        return pulls, clock[0] - arrives
+
+    first, delay = round_with_gap(0.3)
+    assert delay <= flower_patch.NODE_RUN_MAX_WAIT_S
+    steady = [round_with_gap(0.3) for _ in range(3)]
+    assert all(pulls <= first // 2 for pulls, _ in steady)  # the pace is learnt: half the requests or fewer
+    assert all(d <= flower_patch.NODE_RUN_MAX_WAIT_S for _, d in steady)  # and no later pickup
+    pulls, delay = round_with_gap(0.05)  # a quicker round after slow ones: picked up after the learnt wait
+    assert delay <= flower_patch.NODE_GAP_FRACTION * 0.3 + flower_patch.NODE_RUN_MAX_WAIT_S

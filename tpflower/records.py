@@ -1,58 +1,87 @@
-"""Payloads in Flower records (flwr.app): named arrays and scalars, both directions.
+"""Payloads in Flower records (flwr.app): named arrays and scalars, both directions, in ONE record.
 
-  server -> client  RecordDict{"arrays": ArrayRecord, "config": ConfigRecord}
-  client -> server  RecordDict{"arrays": ArrayRecord, "metrics": MetricRecord, "info": ConfigRecord}
+  server -> client  RecordDict{"payload": ConfigRecord{"a/NAME": npy bytes, ..., "v/KEY": config value, ...}}
+  client -> server  RecordDict{"payload": ConfigRecord{"a/NAME": npy bytes, ..., "v/KEY": metric or info, ...}}
 
-("info" holds the few string-valued reply fields, e.g. the table a node holds.) Used by the ClientApp and by
-the strategies alike; bytes_up/down count the serialized arrays (:func:`record_bytes`).
+Flower sends a Message as a tree of objects, each pushed and pulled in its own request (Message -> RecordDict
+-> each record -> each Array -> its chunks), four times per message on a deployment (pushed to the SuperLink,
+pulled by the SuperNode, by the node service, and back the same way for the reply). One ConfigRecord holding
+every array as its ``np.save`` bytes (what Flower's Array holds, ``allow_pickle=False``) and every scalar keeps
+each message at three objects whatever the number of arrays: exact (the arrays' bytes, dtype and shape), and
+the same on every runtime. Used by the ClientApp and by the strategies alike; bytes_up/down count the
+serialized arrays (:func:`record_bytes`).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
 
 Arrays = dict[str, np.ndarray]
 
+PAYLOAD = "payload"  # the one record of every tpflower message and reply
+ARRAY, VALUE = "a/", "v/"  # key prefixes in it: an array's npy bytes, a config / metric / info value
 
-def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in arrays.items()})
+
+def npy_bytes(a: np.ndarray) -> bytes:
+    """``a`` as ``np.save`` writes it (Flower's Array.from_numpy_ndarray: no pickles)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(a), allow_pickle=False)
+    return buffer.getvalue()
 
 
-def record_arrays(record: ArrayRecord | None) -> Arrays:
-    return {} if record is None else {name: a.numpy() for name, a in record.items()}
+def npy_array(data: bytes) -> np.ndarray:
+    """The array :func:`npy_bytes` wrote (never unpickles)."""
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def pack(arrays: Mapping[str, np.ndarray], values: Mapping[str, Any]) -> RecordDict:
+    """Named arrays and scalar values as one ConfigRecord (three objects on the wire: see the module doc)."""
+    record: dict[str, Any] = {ARRAY + name: npy_bytes(a) for name, a in arrays.items()}
+    record.update((VALUE + key, value) for key, value in values.items())
+    return RecordDict({PAYLOAD: ConfigRecord(record)})
+
+
+def unpack(content: RecordDict) -> tuple[Arrays, dict[str, Any]]:
+    """The (arrays, values) that :func:`pack` wrote; ({}, {}) for a message without a payload record."""
+    record = content.config_records.get(PAYLOAD)
+    if record is None:
+        return {}, {}
+    arrays = {key[len(ARRAY) :]: npy_array(v) for key, v in record.items() if key.startswith(ARRAY)}
+    values = {key[len(VALUE) :]: v for key, v in record.items() if key.startswith(VALUE)}
+    return arrays, values
 
 
 def record_bytes(content: RecordDict) -> int:
     """Bytes of the arrays a message carries (the serialized ndarrays: what bytes_up/down count)."""
-    rec = content.array_records.get("arrays")
-    return 0 if rec is None else int(sum(len(a.data) for a in rec.values()))
+    record = content.config_records.get(PAYLOAD)
+    if record is None:
+        return 0
+    return int(sum(len(v) for key, v in record.items() if key.startswith(ARRAY)))
 
 
 def pack_payload(arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> RecordDict:
-    return RecordDict({"arrays": array_record(arrays), "config": ConfigRecord(dict(config))})
+    """A server -> client message: the arrays and the config (the phase and its scalars)."""
+    return pack(arrays, config)
 
 
 def unpack_payload(content: RecordDict) -> tuple[Arrays, dict[str, Any]]:
-    return record_arrays(content.array_records.get("arrays")), dict(content.config_records.get("config") or {})
+    return unpack(content)
 
 
 def pack_reply(arrays: Mapping[str, np.ndarray], metrics: Mapping[str, Any]) -> RecordDict:
-    """Numbers go to the MetricRecord, strings to the "info" ConfigRecord."""
-    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    info = {k: v for k, v in metrics.items() if k not in numbers}
-    return RecordDict({"arrays": array_record(arrays), "metrics": MetricRecord(numbers), "info": ConfigRecord(info)})
+    """A client -> server reply: the arrays and the metrics (numbers, and the few strings, e.g. the table)."""
+    return pack(arrays, metrics)
 
 
 def unpack_reply(content: RecordDict) -> tuple[Arrays, dict[str, Any]]:
-    metrics = dict(content.metric_records.get("metrics") or {})
-    metrics.update(dict(content.config_records.get("info") or {}))
-    return record_arrays(content.array_records.get("arrays")), metrics
+    return unpack(content)
 
 
 def error_reason(reply: Message) -> str:

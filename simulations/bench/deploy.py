@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -48,23 +49,44 @@ base-dir = ""
 rounds = 10
 nodes = 1
 out = ""
+state-dir = ""
 """
 
 EMPTY_APP = '''"""The empty phase, timed: rounds of tpflower's hello query to every node (the nodes answer with their own
 installed tpflower; this file's ClientApp is never run by a node service)."""
 import json
+import os
 import time
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from strategies.transport import GridTransport
 from tpflower.app.flower_patch import install_fast_grid_pulls
+from tpflower.records import HELLO_PHASE, error_reason, pack_payload
 
 install_fast_grid_pulls()  # as tpflower's own ServerApp does
 server = ServerApp()
 client = ClientApp()
+ROLES = {"tpflower.app.superlink": "superlink", "simulations.node": "node services", "tpflower.app.supernode": "supernodes"}
+
+
+def cpu_by_role(state_dir: str) -> dict[str, float]:
+    """CPU seconds so far of this deployment's processes (their command lines name its state dir) by role,
+    and this ServerApp's."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {"serverapp": sum(os.times()[:2])}
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\\0")
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        role = next((r for m, r in ROLES.items() if m in argv), None)
+        if role and any(state_dir in a for a in argv):
+            out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / tick
+    return out
 
 
 @server.main()
@@ -72,19 +94,20 @@ def main(grid: Grid, context: Context) -> None:
     rounds, nodes = int(context.run_config["rounds"]), int(context.run_config["nodes"])
     while len(ids := sorted(grid.get_node_ids())) < nodes:
         time.sleep(0.2)
-    times = []
+    transport, times = GridTransport(grid), []
+    cpu = {}
     for r in range(rounds):
+        if r == 1:  # rounds 2..: the first loads each node's config and table
+            cpu = cpu_by_role(str(context.run_config["state-dir"]))  # each round as strategies.base sends it: the hello query, tpflower's own transport
         start = time.perf_counter()
-        hello = RecordDict({"config": ConfigRecord({"phase": "hello"})})
-        pending = set(grid.push_messages([Message(RecordDict(hello), n, "query") for n in ids]))
-        while pending:  # pulled as tpflower's GridTransport does (millisecond polling)
-            for reply in grid.pull_messages(list(pending)):
-                if reply.has_error():
-                    raise RuntimeError(reply.error.reason)
-                pending.discard(reply.metadata.reply_to_message_id)
-            time.sleep(0.002)
+        hello = [Message(pack_payload({}, {"phase": HELLO_PHASE}), n, "query") for n in ids]
+        for reply in transport.exchange(hello):
+            if reply.has_error():
+                raise RuntimeError(error_reason(reply))
         times.append(time.perf_counter() - start)
-    Path(str(context.run_config["out"])).write_text(json.dumps(times))
+    after = cpu_by_role(str(context.run_config["state-dir"]))
+    cpu = {role: (after[role] - cpu.get(role, 0.0)) / (rounds - 1) for role in after}
+    Path(str(context.run_config["out"])).write_text(json.dumps({"times": times, "cpu_s_per_round": cpu}))
 '''
 
 
@@ -111,6 +134,7 @@ def deploy_case(
     """Empty-phase rounds, TP-Join-SGD and TP-Join-ADMM epochs (medians, epochs 2..) on one deployment of
     ``dataset``'s tables, and the same epochs under the simulation engine."""
     overrides = f"algorithm=sgd dataset={dataset}"
+    load = os.getloadavg()[0]
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tpflower-bench-") as tmp:
         root = Path(tmp)
@@ -122,9 +146,13 @@ def deploy_case(
         try:
             nodes = len(dep.processes) - 1
             out = root / "empty.json"
-            config = f"overrides={json.dumps(overrides)} rounds={rounds + 1} nodes={nodes} out={json.dumps(str(out))}"
+            config = (
+                f"overrides={json.dumps(overrides)} rounds={rounds + 1} nodes={nodes} out={json.dumps(str(out))} "
+                f"state-dir={json.dumps(str(root / 'deploy'))}"
+            )
             _run(["flwr", "run", str(app), dep.connection, "--stream", "--run-config", config], dep.env(), timeout)
-            empty = json.loads(out.read_text())[1:]  # the first round loads each node's config and table
+            measured = json.loads(out.read_text())
+            empty = measured["times"][1:]  # the first round loads each node's config and table
             for algorithm, epochs in (("sgd", sgd_epochs), ("admm", admm_epochs)):
                 run_dir = root / f"run-{algorithm}"
                 job = " ".join([f"algorithm={algorithm} dataset={dataset} epochs={epochs}", *EXTRA[algorithm]])
@@ -155,6 +183,8 @@ def deploy_case(
         "nodes": nodes,
         "empty_round_s": empty,
         "median_empty_round_s": statistics.median(empty),
+        "empty_round_cpu_s": {k: round(v, 4) for k, v in measured["cpu_s_per_round"].items()},
+        "load_avg_1min": load,
         "empty_round_goal_s": GOALS["empty_round_s"],
         "algorithms": runs,
     }

@@ -265,7 +265,7 @@ def client_app_for(
     app.query()(handler)
     app.train()(handler)
     app.evaluate()(handler)
-    app.respond = respond  # type: ignore[attr-defined]  # for a deployed node's worker (tpflower.app.node_worker)
+    app.respond = respond  # type: ignore[attr-defined]  # for the owner's node service (tpflower.app.node_service)
     return app
 
 

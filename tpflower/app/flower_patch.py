@@ -1,5 +1,6 @@
 """Flower's hard-coded sleeps, shortened: the simulation engine's message fetch and a SuperNode's pull loop
-(the node service's Runtime API client is tpflower.app.node_service).
+(the node service's Runtime API client is tpflower.app.node_service); and a process-isolated SuperNode's task
+input without the app bundle's bytes, which the node service never reads.
 
 Flower's simulation engine (flwr/server/superlink/fleet/vce/vce_api.py, ``add_messages_to_queue``) looks for
 new messages for the virtual nodes every 0.1 s; a TablePuppet SGD epoch has one round per mini-batch, so that
@@ -72,18 +73,37 @@ def install_fast_fetch(flwr_version: str | None = None, only_if_loaded: bool = F
 class _FastSleepTime:
     """Flower 1.41's SuperNode loop (supernode/start_client_internal.py) with its hard-coded sleeps shortened:
     the 3 s after a pull that found no message becomes a backoff from :data:`NODE_MIN_WAIT_S` doubling to
-    :data:`NODE_MAX_WAIT_S`, and the 0.5 s waits for a reply and its content become :data:`NODE_MIN_WAIT_S`
-    (they also reset the idle backoff: a message is being answered). Everything else is the time module."""
+    :data:`NODE_RUN_MAX_WAIT_S` within :data:`NODE_RUN_S` of the last message (a run's next round comes soon),
+    to :data:`NODE_MAX_WAIT_S` after; the 0.5 s waits for a reply and its content become
+    :data:`NODE_MIN_WAIT_S` (they also reset the idle backoff: a message is being answered). Within a run, the
+    first wait after a reply is :data:`NODE_GAP_FRACTION` of the last wait for a message (at most
+    :data:`NODE_GAP_MAX_S`): a run's rounds come at a steady pace, and every empty pull is a request to the
+    SuperLink. Everything else is the time module."""
 
     def __init__(self) -> None:
         self._idle = NODE_MIN_WAIT_S
+        self._answered = -float("inf")
+        self._idle_since: float | None = None  # the first empty pull after the last message
+        self._woke = 0.0  # the end of the last wait after an empty pull
+        self._gap = 0.0  # the last wait for a message: first empty pull to the last one that found none
 
     def sleep(self, seconds: float) -> None:
         if seconds == 3:  # the empty pull
-            time.sleep(self._idle)
-            self._idle = min(2 * self._idle, NODE_MAX_WAIT_S)
+            now = time.monotonic()
+            in_run = now - self._answered < NODE_RUN_S
+            wait = self._idle
+            if self._idle_since is None:  # the first empty pull since a message
+                self._idle_since = now
+                wait = max(wait, min(NODE_GAP_FRACTION * self._gap, NODE_GAP_MAX_S)) if in_run else wait
+            time.sleep(wait)
+            self._woke = time.monotonic()
+            self._idle = min(2 * self._idle, NODE_RUN_MAX_WAIT_S if in_run else NODE_MAX_WAIT_S)
         elif seconds == 0.5:  # waiting for the ClientApp's reply or its object content
+            if self._idle_since is not None:  # a message came: how long this node waited for it
+                self._gap = max(self._woke - self._idle_since, 0.0)
+                self._idle_since = None
             self._idle = NODE_MIN_WAIT_S
+            self._answered = time.monotonic()
             time.sleep(NODE_MIN_WAIT_S)
         else:
             time.sleep(seconds)
@@ -93,6 +113,8 @@ class _FastSleepTime:
 
 
 NODE_MIN_WAIT_S, NODE_MAX_WAIT_S = 0.005, 0.1
+NODE_RUN_S, NODE_RUN_MAX_WAIT_S = 2.0, 0.02  # within a run: at most 20 ms from a message to its pull
+NODE_GAP_FRACTION, NODE_GAP_MAX_S = 0.6, 0.25
 OBJECT_PULL_BACKOFF_S, OBJECT_PULL_CAP_S = 0.005, 0.1  # Flower: from 1 s to 10 s (supercore/constant.py)
 
 
@@ -126,4 +148,182 @@ def install_fast_supernode(flwr_version: str | None = None) -> bool:
 
     start_client_internal.time = _FastSleepTime()  # type: ignore[assignment]
     fast_object_pulls(start_client_internal)
+    return True
+
+
+def identity_only_task_input(pull_task_input: Any) -> Any:
+    """Flower 1.41's Runtime ``pull_task_input`` handler (supernode/servicer/runtime/runtime_handlers.py) with
+    the FAB's content left out of the response: its hash, verifications and the run (app id and version,
+    which the node service checks) stay. Flower sends the whole FAB (about 1 MB) with every task; the node
+    service answers with the owner's installed tpflower and drops it unread."""
+
+    @functools.wraps(pull_task_input)
+    def pull(request: Any, state: Any, task: Any) -> Any:
+        response = pull_task_input(request, state, task)
+        response.fab.content = b""
+        return response
+
+    return pull
+
+
+def install_identity_only_task_input(flwr_version: str | None = None) -> bool:
+    """Leave the FAB's bytes out of the SuperNode's task inputs (:func:`identity_only_task_input`) if the
+    installed Flower is one this was written for; else keep them and log one notice line. Only for a SuperNode
+    whose tasks the node service answers (``--isolation process``): a ClientApp process would need the FAB."""
+    if not supported(flwr_version, "the FAB's bytes in every task input"):
+        return False
+    from flwr.supernode.servicer.runtime import runtime_handlers  # noqa: PLC0415  only in the SuperNode's process
+
+    runtime_handlers.pull_task_input = identity_only_task_input(runtime_handlers.pull_task_input)
+    return True
+
+
+DOORBELL_ENV = "TPFLOWER_TASK_DOORBELL"  # the node service's loopback UDP port, in its SuperNode's environment
+DEFERRED_TASK_ID = -1  # what the deferred create_task hands Flower's code until the task exists
+
+
+class _DeferredTaskState:
+    """A SuperNode's NodeState for one ``_pull_and_store_message`` call, whose ``create_task`` is recorded
+    (and done by :func:`tasks_when_ready` once the message's objects are stored); everything else is the state."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+        self.task: tuple[tuple, dict] | None = None
+
+    def create_task(self, *args: Any, **kwargs: Any) -> int:
+        self.task = (args, kwargs)
+        return DEFERRED_TASK_ID
+
+    def finish_task(self, task_id: int, *args: Any, **kwargs: Any) -> bool:
+        if task_id == DEFERRED_TASK_ID:  # the message's objects failed to arrive: the task is never created
+            self.task = None
+            return True
+        return bool(self._state.finish_task(task_id, *args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+def tasks_when_ready(pull_and_store: Any, ring: Any = None) -> Any:
+    """Flower 1.41's ``_pull_and_store_message`` (supernode/start_client_internal.py: create the task, then
+    pull the message's objects from the SuperLink) with the task created once every object is stored, then
+    ``ring()`` (the node service's doorbell). Flower creates it first, so the node service claimed a task whose
+    objects were still arriving and pulled them with retries (about twice the requests per message)."""
+
+    @functools.wraps(pull_and_store)
+    def pull(*args: Any, state: Any, **kwargs: Any) -> Any:
+        deferred = _DeferredTaskState(state)
+        run_id = pull_and_store(*args, state=deferred, **kwargs)
+        if run_id is not None and deferred.task is not None:
+            task_args, task_kwargs = deferred.task
+            if state.create_task(*task_args, **task_kwargs) is None:
+                log.error("tpflower: the SuperNode could not create the task of a message of run %s", run_id)
+            elif ring is not None:
+                ring()
+        return run_id
+
+    return pull
+
+
+def doorbell(port: int) -> Any:
+    """A function that tells the node service on 127.0.0.1:``port`` (UDP) that a task is waiting. The datagram
+    carries nothing; any local process could send one, and all it does is make the service ask for a task."""
+    import socket  # noqa: PLC0415
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def ring() -> None:
+        try:
+            sock.sendto(b"t", ("127.0.0.1", port))
+        except OSError:  # the service polls anyway, only slower
+            pass
+
+    return ring
+
+
+def install_tasks_when_ready(flwr_version: str | None = None, port: int | None = None) -> bool:
+    """Create a SuperNode's tasks once their message is complete (:func:`tasks_when_ready`), ringing the node
+    service's doorbell on ``port`` if given, if the installed Flower is one this was written for; else keep
+    Flower's order and log one notice line. Only for a SuperNode whose tasks the node service answers."""
+    if not supported(flwr_version, "tasks created before their message's objects arrive"):
+        return False
+    from flwr.supernode import start_client_internal  # noqa: PLC0415  only in the SuperNode's process
+
+    ring = doorbell(port) if port else None
+    start_client_internal._pull_and_store_message = tasks_when_ready(  # type: ignore[attr-defined]
+        start_client_internal._pull_and_store_message, ring
+    )
+    return True
+
+
+class PathGate:
+    """A Starlette middleware run only for the requests it acts on: any other HTTP request goes straight to the
+    next layer (a pure ASGI hop instead of a BaseHTTPMiddleware pass-through, which costs an anyio task group
+    and a streamed response per layer and request)."""
+
+    def __init__(self, app: Any, middleware: type, acts_on: Any, **kwargs: Any) -> None:
+        self.app = app
+        self.middleware = middleware(app, **kwargs)
+        self.acts_on = acts_on
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not self.acts_on(scope["path"]):
+            await self.app(scope, receive, send)
+        else:
+            await self.middleware(scope, receive, send)
+
+
+def _control_path(path: str) -> bool:
+    return path.startswith("/v1/control/")
+
+
+def _fleet_path(path: str) -> bool:
+    return path.startswith("/v1/fleet/")
+
+
+def _tracing(_path: str) -> bool:
+    import os  # noqa: PLC0415
+
+    return os.getenv("FLWR_TRACING_ENABLED") == "1"  # what RuntimeTracingMiddleware checks per request
+
+
+def gated_middleware(middleware: list[Any]) -> list[Any]:
+    """Flower 1.41's SuperLink middleware (superlink/main.py ``_get_middleware``: nine BaseHTTPMiddleware layers
+    on every request), same order, with each layer that acts only on the Control API, only on the Fleet API or
+    only when tracing is on behind a :class:`PathGate` saying so (its own code returns ``call_next`` at once for
+    any other request: superlink/routers/control/middlewares.py, fleet/middlewares.py, fleet/node_auth.py,
+    supercore/routers/runtime/tracing.py). A Fleet request then passes four layers (error translation,
+    protobuf translation, node authentication, fleet event log), a ServerApp's Runtime request two."""
+    from flwr.supercore.routers.runtime.tracing import RuntimeTracingMiddleware  # noqa: PLC0415
+    from flwr.superlink.routers.control import middlewares as control  # noqa: PLC0415
+    from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware  # noqa: PLC0415
+    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware  # noqa: PLC0415
+    from starlette.middleware import Middleware  # noqa: PLC0415
+
+    acts_on = {
+        control.ControlSensitiveResponseMiddleware: _control_path,
+        control.ControlAuthenticationMiddleware: _control_path,
+        control.ControlLicenseMiddleware: _control_path,
+        control.ControlEventLogMiddleware: _control_path,
+        RuntimeTracingMiddleware: _tracing,
+        NodeAuthMiddleware: _fleet_path,
+        FleetEventLogMiddleware: _fleet_path,
+    }
+    return [
+        Middleware(PathGate, middleware=m.cls, acts_on=acts_on[m.cls], **m.kwargs)
+        if m.cls in acts_on and not m.args
+        else m
+        for m in middleware
+    ]
+
+
+def install_gated_superlink_middleware(flwr_version: str | None = None) -> bool:
+    """Gate the SuperLink's middleware by path (:func:`gated_middleware`) if the installed Flower is one this
+    was written for; else keep Flower's stack and log one notice line. In the SuperLink's process only."""
+    if not supported(flwr_version, "every SuperLink middleware layer on every request"):
+        return False
+    from flwr.superlink import main as superlink_main  # noqa: PLC0415
+
+    flowers = superlink_main._get_middleware
+    superlink_main._get_middleware = functools.wraps(flowers)(lambda: gated_middleware(flowers()))
     return True

@@ -13,15 +13,18 @@ without one would block the SuperNode for every later run.
 The node config the handler sees is the owner's (table, shard, client-config given to this process), not
 the SuperNode's: the settings file, its secret and the data are read only here. Imports, the composed config
 and the prepared table stay in this process across messages and runs (tpflower.app.client_app's caches).
-The service polls for tasks with a short backoff (:data:`MIN_POLL_S` right after a task, doubling to
-:data:`MAX_POLL_S` when idle) and pulls message objects with a millisecond backoff (Flower's default
-starts at 1 s). Uses Flower internals (supernode/runtime/run_clientapp.py's helpers, the Runtime HTTP
+The service learns of a task from its doorbell, a loopback UDP socket that the owner's fast SuperNode
+(tpflower.app.supernode) rings once a message has fully arrived (:data:`DOORBELL_WAIT_S` between asks
+otherwise); without one it polls with a short backoff (:data:`MIN_POLL_S` right after a task, doubling to
+:data:`MAX_POLL_S` when idle). It pulls message objects with a millisecond backoff (Flower's default starts at
+1 s). Uses Flower internals (supernode/runtime/run_clientapp.py's helpers, the Runtime HTTP
 client): written for the Flower versions in tpflower.app.flower_patch.WRITTEN_FOR, to which pyproject pins flwr.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -54,6 +57,7 @@ from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 APP_ID = "tpflower/tpflower"  # the FAB id of tpflower's app: [tool.flwr.app] publisher / [project] name
 TASK_TYPE = "flwr-clientapp"
 MIN_POLL_S, MAX_POLL_S = 0.002, 0.05
+DOORBELL_WAIT_S = 0.5  # with a doorbell: ask for a task at least this often (a lost ring costs this much)
 OBJECT_PULL_BACKOFF_S = 0.005
 HEARTBEAT_S = 20.0  # Flower's clientapp: about every 30 s; a task token lapses after about 60 s without one
 log = logging.getLogger("tpflower")
@@ -208,14 +212,38 @@ def serve_task(client: Any, owner: OwnerNode, respond: Respond, expected: tuple[
     return details
 
 
+def open_doorbell(port: int = 0) -> socket.socket:
+    """The service's doorbell: a UDP socket on 127.0.0.1:``port`` (a free one for 0; its port goes to the
+    SuperNode, in tpflower.app.flower_patch.DOORBELL_ENV). A ring only makes the service ask for a task."""
+    bell = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    bell.bind(("127.0.0.1", port))
+    bell.setblocking(False)
+    return bell
+
+
+def wait_for_ring(bell: socket.socket, timeout: float) -> bool:
+    """Wait up to ``timeout`` for a ring; True if one came (every ring waiting is taken)."""
+    ready, _, _ = select.select([bell], [], [], timeout)
+    if not ready:
+        return False
+    try:
+        while bell.recv(64):
+            pass
+    except BlockingIOError:
+        pass
+    return True
+
+
 def serve(
     address: str,
     owner: OwnerNode,
     respond: Respond,
     expected: tuple[str, str] | None = None,
     stop: threading.Event | None = None,
+    bell: socket.socket | None = None,
 ) -> None:
-    """Claim and answer the SuperNode's tasks until ``stop`` is set (one at a time, short backoff)."""
+    """Claim and answer the SuperNode's tasks until ``stop`` is set (one at a time): asked for when ``bell``
+    rings (every :data:`DOORBELL_WAIT_S` at least), else polled with a short backoff."""
     expected = expected or installed_app()
     stop = stop or threading.Event()
     token = TaskToken()
@@ -233,6 +261,9 @@ def serve(
                 finally:
                     token.token = None
                 wait = MIN_POLL_S
+                continue
+            if bell is not None:
+                wait_for_ring(bell, DOORBELL_WAIT_S)
                 continue
             stop.wait(wait)
             wait = min(2 * wait, MAX_POLL_S)
