@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import expit, logsumexp, softmax
 
+from strategies.anderson import Anderson
 from strategies.base import LoJStrategy
 from tpflower.batches import joined_predictions, sum_in_first_dtype
 from tpflower.losses import check_np, loss_np
@@ -118,6 +119,7 @@ class ADMMServer:
         tol: float = 0.0,
         dtype: np.dtype | type = np.float64,
         relax: float = 1.0,
+        anderson: int = 0,
     ):
         if variant not in ADMM_VARIANTS:
             raise ValueError(f"algorithm.variant must be one of {ADMM_VARIANTS}, got {variant!r}")
@@ -139,6 +141,10 @@ class ADMMServer:
         self._h: dict[str, np.ndarray] | None = None  # the predictions of the latest update (n_i x d_c each)
         self._loss = float("nan")  # mean loss at the latest update's H
         self._primal = float("nan")  # ||H - z|| at the latest update
+        # Anderson acceleration of the iteration over the server's state (h_i, D, lambda): :meth:`accelerate`
+        self.anderson = Anderson(anderson) if anderson > 0 else None
+        self._w: list[np.ndarray] | None = None  # the state the latest update started from
+        self._anderson_rho = self.rho
 
     def set_rho(self, rho: float) -> None:
         """The penalty of the next iterations (lambda is unscaled: nothing else changes)."""
@@ -169,6 +175,8 @@ class ADMMServer:
         p, M, r = self.mapping.p, self.M, self.r
         h64 = {t: np.asarray(v, dtype=np.float64) for t, v in h.items()}
         prev = self._h
+        if self.anderson is not None and prev is not None:  # the iterate this update maps (update overwrites D, lam)
+            self._w = [*(prev[t] for t in p), self.D.copy(), self.lam.copy()]
         dh = None if prev is None else {t: h64[t] - prev[t] for t in p}
         loss = primal_sq = x_sq = z_sq = dual_sq = lam_sq = 0.0
         relaxed = self.relax != 1.0 and prev is not None
@@ -218,6 +226,39 @@ class ADMMServer:
         if self.balancing is not None and res.dual is not None and self.iteration > self.balancing.warmup:
             self.set_rho(self.rho * self.balancing.factor(res.primal, res.dual))  # Boyd Eq. 3.13
         return res
+
+    def accelerate(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """After :meth:`update` (h: the outputs it received): the outputs the next :meth:`scatter` uses.
+
+        Without acceleration, ``h`` itself. With ``anderson`` = m > 0: one iteration of TP-Join-ADMM is a map G of
+        the server's state w = (h_1..h_M, D, lambda): the clients' theta-update (Eq. 16) depends on their Y_i
+        alone (closed form for a linear model), and Y_i, the next z and lambda depend on w alone. Safeguarded
+        Anderson acceleration (strategies/anderson.py) replaces w by a combination of the last m + 1 values of G
+        (h_i, D and lambda alike) when that lowers the fixed-point residual ||G(w) - w||, measured over the joined
+        training rows (h_i weighted by G_iu, lambda scaled by 1 / r). Post-processing of values the server holds:
+        no message changes, the fixed point is ADMM's. A new rho (residual balancing) is a new map: the window
+        restarts. The outputs returned are in the dtype of ``h``; the server's D, lambda follow the combination."""
+        aa = self.anderson
+        if aa is None or self._w is None:  # off, or the setup's update (no iterate mapped yet)
+            return dict(h)
+        p = list(self.mapping.p)
+        # G(w): the outputs as received (h_i in the state's dtype: lossless, they arrived in it), D and lambda
+        g = [*(self._h[t].astype(self.dtype) for t in p), self.D.copy(), self.lam.copy()]  # type: ignore[index]
+        if self.rho != self._anderson_rho or not aa.weights:
+            fresh = not aa.weights
+            self._anderson_rho = self.rho
+            aa.restart([*(self.mapping.G(t).astype(np.float64)[:, None] for t in p), 1.0, 1.0 / self.r**2])
+            if not fresh:  # this pair belongs to the previous rho's map
+                return dict(h)
+        nxt = aa.step(self._w, g)
+        self._w = None
+        if nxt is g:
+            return dict(h)
+        out = {t: np.asarray(v, dtype=h[t].dtype) for t, v in zip(p, nxt[: len(p)], strict=True)}
+        self._h = {t: v.astype(np.float64) for t, v in out.items()}
+        self.D = np.array(nxt[len(p)], dtype=self.dtype)
+        self.lam = np.array(nxt[len(p) + 1], dtype=self.dtype)
+        return out
 
     def scatter(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Residuals s_ij and Y_iu = sum_{j in G_i(u)} (lambda_j + rho s_ij) (Eq. 14) at the latest update;
@@ -412,11 +453,16 @@ def _damped_newton(
 #: algorithm.rho=auto: the penalty that reached the exact solution fastest on the bundled data (README):
 #: the squared loss has curvature 1, the logistic/softmax losses at most 1/4 and far less once fitted.
 AUTO_RHO = {"regression": 3.0, "binary": 0.1, "multiclass": 0.1}
+#: ... with Anderson acceleration (fixed rho): measured on the schema matrix (docs/results.md), where rho = 1
+#: left the correlated cells 1.5-2 times closer to the exact ridge after 10 epochs than rho = 3
+AUTO_RHO_ANDERSON = {"regression": 1.0, "binary": 0.1, "multiclass": 0.1}
 
 
-def admm_rho(value, task: str) -> float:
-    """algorithm.rho: a positive number, or `auto` (by task, AUTO_RHO)."""
-    return AUTO_RHO[task] if value == "auto" else float(value)
+def admm_rho(value, task: str, anderson: bool = False) -> float:
+    """algorithm.rho: a positive number, or `auto` (by task: AUTO_RHO, or AUTO_RHO_ANDERSON with acceleration)."""
+    if value == "auto":
+        return (AUTO_RHO_ANDERSON if anderson else AUTO_RHO)[task]
+    return float(value)
 
 
 class TPJoinADMM(LoJStrategy):
@@ -450,6 +496,7 @@ class TPJoinADMM(LoJStrategy):
                 {"objective": train_loss + float(self.cfg.model.beta) * reg, **residual_extra(res, rho)},
             )
             stop = self.stop_early(epoch, res)
+            h = admm.accelerate(h)  # the state the next epoch starts from (h itself without acceleration)
             self.end_epoch(epoch, {"admm": admm, "h": h, "stopped": stop})
             if stop:
                 break
@@ -469,24 +516,53 @@ class TPJoinADMM(LoJStrategy):
         return {"admm": admm, "h": h}
 
     def admm_server(self) -> ADMMServer:
-        """The server's z, lambda and rho (algorithm.rho, adapt_rho, rho_mu, rho_tau, tol)."""
+        """The server's z, lambda and rho (algorithm.rho, adapt_rho, rho_mu, rho_tau, tol, relax, anderson)."""
         alg = self.params
+        memory = self.anderson_memory()
         balancing = None
-        if alg.adapt_rho:
+        if self.balancing_on(memory):
             balancing = Balancing(alg.rho_mu, alg.rho_tau, alg.rho_warmup, alg.rho_mu_persistent, alg.rho_patience)
         self.admm = ADMMServer(
             self.task,
             self.y_train,
             self.train,
             self.d_out,
-            admm_rho(alg.rho, self.task),
+            admm_rho(alg.rho, self.task, memory > 0),
             alg.variant,
             balancing,
             alg.tol,
             dtype=self.state_dtype,
             relax=alg.relax,
+            anderson=memory,
         )
         return self.admm
+
+    def balancing_on(self, anderson: int) -> bool:
+        """algorithm.adapt_rho: true, false, or auto: residual balancing without Anderson acceleration only (a new
+        rho is a new map, which restarts the acceleration's window: measured slower on the schema matrix)."""
+        value = self.params.adapt_rho
+        return anderson == 0 if value == "auto" else bool(value)
+
+    #: algorithm.anderson=auto's memory where it applies (measured on the schema matrix, docs/results.md)
+    ANDERSON_AUTO = 10
+
+    def anderson_memory(self) -> int:
+        """algorithm.anderson: a memory m >= 0, or auto: ANDERSON_AUTO for the sharing variant with linear models
+        and no feature DP (where it was measured), at most what fits in algorithm.anderson_mb, else 0 (the paper's
+        iteration), with a line saying why."""
+        alg = self.params
+        if alg.anderson != "auto":
+            return int(alg.anderson)
+        if alg.variant != "sharing" or str(self.cfg.model.kind) != "linear" or self.feature_dp:
+            return 0
+        fits = anderson_fit(self.train, self.d_out, np.dtype(self.state_dtype).itemsize, alg.anderson_mb)
+        memory = min(self.ANDERSON_AUTO, fits)
+        if memory < self.ANDERSON_AUTO:
+            self.log(
+                f"algorithm.anderson=auto: memory {memory} (0: off), the most whose window fits algorithm.anderson_mb="
+                f"{alg.anderson_mb:g} MB at {self.train.N:,} joined training rows"
+            )
+        return memory
 
     def stop_early(self, epoch: int, res: Residuals, inner: str = "") -> bool:
         """Record in results.stopped whether training stops after ``epoch``: "tol" (both residuals below
@@ -505,6 +581,14 @@ class TPJoinADMM(LoJStrategy):
         """Per client: epochs x local_epochs x ceil(n_a / b) local DP steps at q = min(1, b / n_a), n_a = its
         rows that occur in the training join (the client's own Poisson sampling, DPLocalTrainer.admm_update)."""
         return {k: admm_dp_plan(self, k, 1) for k in self.clients}
+
+
+def anderson_fit(mapping: TableMapping, d_c: int, itemsize: int, budget_mb: float) -> int:
+    """The largest Anderson memory m whose server state fits ``budget_mb``: 2 (m + 1) iterates in the window plus
+    two (the iterate before an update and its image), each of (sum_i n_i + 2 N) d_c values; 0 if m < 1 does."""
+    iterate = (sum(int(n) for n in mapping.n_rows.values()) + 2 * int(mapping.N)) * d_c * itemsize
+    m = int(budget_mb * 1e6 // (2 * iterate)) - 2
+    return max(m, 0) if m >= 1 else 0
 
 
 def residual_extra(res: Residuals, rho: float) -> dict[str, float]:

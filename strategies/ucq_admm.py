@@ -62,7 +62,7 @@ class TPUCQADMM(TPJoinADMM):
         self.admm = admm
         routers = self.routers
         multi = [t for t in self.spec.table_names if t in w]
-        inner_balance = Balancing(alg.rho_mu, alg.rho_tau, 0) if alg.adapt_rho else None
+        inner_balance = Balancing(alg.rho_mu, alg.rho_tau, 0) if self.balancing_on(0) else None
         last_done = done if not loop.get("stopped") else int(self.cfg.epochs)
         for epoch in range(last_done + 1, int(self.cfg.epochs) + 1):
             rho = admm.rho
@@ -151,6 +151,16 @@ class TPUCQADMM(TPJoinADMM):
             if stop:
                 break
         self.finish()
+
+    def anderson_memory(self) -> int:
+        """0: the union's iteration has inner consensus rounds whose state lives on the shards (w, u), which the
+        server-side Anderson acceleration of TP-Join-ADMM does not cover; an explicit memory is refused."""
+        if self.params.anderson not in ("auto", 0):
+            raise ValueError(
+                f"algorithm.anderson={self.params.anderson} applies over a join (scenario=join); "
+                "over a union use algorithm.anderson=0 or auto"
+            )
+        return 0
 
     def start_ucq(self) -> dict:
         """Setup, the admm_setup round; the consensus models start at the shards' common initial theta."""

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from simulations.federated import run_in_process
+from strategies.anderson import Anderson
 from strategies.centralized import exact_ridge, train_centralized
-from strategies.join_admm import ADMMServer, Balancing
+from strategies.join_admm import ADMMServer, Balancing, anderson_fit
 from tests.conftest import make_cfg
 from tests.test_join_sgd import run_federated
 from tpflower.mapping import TableMapping
@@ -18,8 +19,9 @@ from tpflower.owner import simulation_secret
 from tpflower.relation import load_relation
 from tpflower.results import new_run_results
 
-#: fixed-rho ADMM on the raw label: no residual balancing, no stopping rule (their own tests are above)
-FIXED_RHO = ("algorithm.adapt_rho=false", "algorithm.tol=0", "standardize_label=false")
+#: fixed-rho ADMM on the raw label: no residual balancing, no stopping rule (their own tests are above), the
+#: paper's iteration (no Anderson acceleration: its own tests are below)
+FIXED_RHO = ("algorithm.adapt_rho=false", "algorithm.tol=0", "standardize_label=false", "algorithm.anderson=0")
 
 
 def admm_history(*overrides: str):
@@ -253,9 +255,17 @@ def test_adapt_rho_false_keeps_rho_fixed():
         "algorithm.tol=0",
         "algorithm.rho=10",
         "algorithm.adapt_rho=false",
+        "algorithm.anderson=0",
     )
     assert {h.extra["rho"] for h in s.results.history} == {10.0}
-    adapted = federated("algorithm=admm", *synthetic("chain", 1), "epochs=8", "algorithm.tol=0", "algorithm.rho=10")
+    adapted = federated(
+        "algorithm=admm",
+        *synthetic("chain", 1),
+        "epochs=8",
+        "algorithm.tol=0",
+        "algorithm.rho=10",
+        "algorithm.anderson=0",
+    )
     assert adapted.results.history[-1].extra["rho"] < 10.0  # rho too large: balancing lowers it
     assert adapted.results.history[-1].test_metric < s.results.history[-1].test_metric
 
@@ -273,3 +283,126 @@ def test_mlp_does_not_diverge_on_a_label_in_grams(algorithm):
     constant = 1e4 * 1.3  # well above the label's spread (std about 1.2e4): a diverged run is far beyond it
     assert all(np.isfinite(h.test_metric) and np.isfinite(h.train_loss) for h in hist)
     assert hist[-1].test_metric < constant and hist[-1].train_loss < hist[0].train_loss * 1.01
+
+
+# ------------------------------------------------------------------------------------ Anderson acceleration
+
+
+def test_anderson_solves_an_affine_fixed_point_in_n_plus_one_steps():
+    """Full-memory type-II Anderson on G(w) = A w + b is GMRES on (I - A) w = b (Walker & Ni 2011): exact after
+    about n + 1 evaluations in R^n (here n + 3: the Gram matrix's regularization), where the plain iteration is
+    still far away."""
+    rng = np.random.default_rng(0)
+    n = 6
+    Q = np.linalg.qr(rng.standard_normal((n, n)))[0]
+    A = Q @ np.diag(np.linspace(0.5, 0.95, n)) @ Q.T  # a contraction with slow modes
+    b = rng.standard_normal(n)
+    fixed = np.linalg.solve(np.eye(n) - A, b)
+    aa = Anderson(n + 3)
+    aa.restart([1.0])
+    w = plain = np.zeros(n)
+    for _ in range(n + 3):
+        w = aa.step([w], [A @ w + b])[0]
+        plain = A @ plain + b
+    np.testing.assert_allclose(w, fixed, rtol=1e-8)
+    assert np.linalg.norm(plain - fixed) > 0.1 * np.linalg.norm(fixed)
+    assert aa.rejected == 0
+
+
+def test_anderson_falls_back_to_the_plain_step_when_the_residual_grows():
+    """The safeguard: an extrapolated iterate whose residual is not below the last accepted one is replaced by the
+    plain step G(w) of the last accepted iterate w, and the window restarts."""
+    aa = Anderson(3)
+    aa.restart([1.0])
+    g1 = [np.array([1.0, 0.0])]
+    assert aa.step([np.zeros(2)], g1) is g1  # one pair: the plain step
+    ext = aa.step(g1, [np.array([1.5, 0.5])])  # two pairs: an extrapolation
+    assert aa.extrapolated
+    fallback = aa.fallback
+    out = aa.step(ext, [ext[0] + 100.0])  # its residual (100 sqrt 2) exceeds the accepted one's
+    assert out is fallback and aa.rejected == 1 and not aa.extrapolated and aa.g == []
+
+
+def anderson_admm(*overrides: str):
+    return run_federated(
+        "algorithm=admm",
+        "dataset=synthetic",
+        "precision=float64",
+        "algorithm.adapt_rho=false",
+        "algorithm.tol=0",
+        "standardize_label=false",
+        "model.bias=none",
+        *overrides,
+    ).strategy
+
+
+def test_anderson_accelerated_admm_reaches_the_ridge_optimum():
+    """The accelerated iteration has ADMM's fixed point: the exact ridge solution (float64) to 1e-9, from each
+    variable the server holds; and it gets there in fewer epochs than the paper's iteration."""
+    cfg = make_cfg("dataset=synthetic", "model.bias=none", "standardize_label=false")
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
+    w, _ = exact_ridge(rel, float(cfg.model.beta), intercept=False)
+    H = rel.joined_features(rel.train) @ w
+    optimum = ridge_optimum_without_intercepts()
+    s = anderson_admm("epochs=60", "algorithm.anderson=10", "algorithm.rho=1.0")
+    assert s.admm.anderson is not None and s.admm.anderson.accepted > 0
+    assert s.results.history[-1].extra["objective"] == pytest.approx(optimum, rel=1e-9)
+    np.testing.assert_allclose(s.admm.z[:, 0], H, rtol=0, atol=1e-9 * np.abs(H).max())
+    np.testing.assert_allclose(s.admm.lam[:, 0], H - rel.labels(rel.train), rtol=0, atol=1e-9 * np.abs(H).max())
+    gap = {}
+    for m in (0, 10):
+        hist = anderson_admm("epochs=15", f"algorithm.anderson={m}", "algorithm.rho=1.0").results.history
+        gap[m] = hist[-1].extra["objective"] / optimum - 1
+    assert gap[10] < 0.1 * gap[0], gap
+
+
+def test_anderson_auto_applies_to_linear_models_over_a_join_without_feature_dp():
+    s = federated("algorithm=admm", "dataset=synthetic", "epochs=2")
+    assert s.admm.anderson is not None and s.admm.anderson.memory == 10
+    assert s.admm.balancing is None and s.admm.rho == 1.0  # auto: fixed rho, AUTO_RHO_ANDERSON
+    for overrides in (("model=mlp",), ("algorithm.variant=paper",), ("scenario=ucq",)):
+        off = federated("algorithm=admm", "dataset=synthetic", "epochs=1", *overrides)
+        assert off.admm.anderson is None, overrides
+        assert off.admm.rho == 3.0 or "model=mlp" in overrides, overrides  # the paper's iteration's penalty
+    assert federated("algorithm=admm", "dataset=synthetic", "epochs=1", "algorithm.anderson=0").admm.balancing
+
+
+def test_anderson_memory_fits_its_budget():
+    mapping = TableMapping({"a": np.arange(1000), "b": np.zeros(1000, dtype=np.int64)}, {"a": 1000, "b": 1})
+    iterate = (1001 + 2 * 1000) * 8  # bytes of one iterate, d_c = 1, float64
+    assert anderson_fit(mapping, 1, 8, 2 * 12 * iterate / 1e6) == 10  # 2 (m + 1) + 2 iterates
+    assert anderson_fit(mapping, 1, 8, 2 * 3.5 * iterate / 1e6) == 1
+    assert anderson_fit(mapping, 1, 8, 2 * 2.5 * iterate / 1e6) == 0
+
+
+def test_anderson_over_a_union_is_refused_with_a_line():
+    with pytest.raises(ValueError, match="algorithm.anderson=5 applies over a join"):
+        federated("algorithm=admm", "dataset=synthetic", "scenario=ucq", "epochs=1", "algorithm.anderson=5")
+
+
+def test_anderson_under_feature_dp_releases_nothing_new(monkeypatch):
+    """Under feature DP (DP-SGD theta-updates) the acceleration is post-processing on the server of the outputs
+    the nodes released: the nodes send the same messages (names, shapes, dtypes) and spend the same budget
+    as without it, and the run still trains. Off by default there (auto), on when asked."""
+    from tests.test_privacy_e2e import Recorded, same_entropy
+
+    runs = {}
+    for m in (0, 5):
+        same_entropy(monkeypatch)
+        runs[m] = Recorded("algorithm=admm", "privacy=dpsgd", "epochs=4", f"algorithm.anderson={m}")
+    assert runs[5].strategy.admm.anderson is not None and runs[0].strategy.admm.anderson is None
+
+    def shapes(rec):
+        return [
+            (k, phase, {n: (np.shape(v), np.asarray(v).dtype) for n, v in out.items()}) for k, phase, out, _ in rec.sent
+        ]
+
+    assert shapes(runs[5]) == shapes(runs[0])
+    assert [set(m) for *_, m in runs[5].sent] == [set(m) for *_, m in runs[0].sent]
+    assert runs[5].strategy.dp_plan == runs[0].strategy.dp_plan
+    eps = {m: r.strategy.results.privacy["feature_epsilon"] for m, r in runs.items()}
+    assert eps[5] == eps[0] and 0.98 <= eps[5] <= 1.0
+    hist = runs[5].strategy.results.history
+    assert hist[-1].train_loss < 0.85 * hist[0].train_loss
+    auto = federated("algorithm=admm", "dataset=synthetic", "privacy=dpsgd", "epochs=1")
+    assert auto.admm.anderson is None  # auto: off under feature DP (not measured there)

@@ -23,7 +23,8 @@ def history(r, key: str = "test_metric") -> list[float]:
 
 
 def test_tp_ucq_admm_converges_to_tp_join_admm():
-    common = ("algorithm=admm", "dataset=synthetic", "precision=float64", "epochs=4")
+    # the union's iteration is the join's without Anderson acceleration (which the union does not run)
+    common = ("algorithm=admm", "dataset=synthetic", "precision=float64", "epochs=4", "algorithm.anderson=0")
     join = run(*common)
     ucq = run(*common, "scenario=ucq", "algorithm.inner_rounds=400", "algorithm.inner_tol=1e-11")
     # stated tolerance: with the inner loop run to max_q ||theta^q - w|| < 1e-11, the iterates agree to 1e-7
@@ -108,9 +109,10 @@ def test_shard_without_join_rows_and_category_of_one_shard(tmp_path, algorithm):
     extra = (
         ("algorithm.batch_size=256",)
         if algorithm == "sgd"
-        else ("algorithm.inner_rounds=3000", "algorithm.inner_tol=1e-11")
+        else ("algorithm.inner_rounds=3000", "algorithm.inner_tol=1e-11", "algorithm.anderson=0")
     )
-    join = run(*common, *extra[:1] if algorithm == "sgd" else (), dataset=dataset, base_dir=tmp_path)
+    # ADMM: the union's iteration is the join's without Anderson acceleration (which the union does not run)
+    join = run(*common, *extra[:1] if algorithm == "sgd" else extra[2:], dataset=dataset, base_dir=tmp_path)
     ucq = run(*common, *extra, "scenario=ucq", dataset=dataset, base_dir=tmp_path)
     assert ("customers", 2) in ucq.strategy.clients
     assert ucq.strategy.mapping.G("customers")[ucq.strategy.routers["customers"].ids[2]].sum() == 0
@@ -192,7 +194,15 @@ def test_general_form_consensus_reaches_the_join_where_categories_live_in_one_sh
     dataset = shop_with_shards(tmp_path)
     # the paper's update (no over-relaxation): the comparison is of the consensus forms alone; with relax=1.5
     # the general form is 1.2e-3 from the join after 4 epochs (plain: 3.9e-3)
-    common = (*SMALL_SHARDS, "algorithm=admm", "algorithm.relax=1", "precision=float64", "epochs=4", "model.init=zeros")
+    common = (
+        *SMALL_SHARDS,
+        "algorithm=admm",
+        "algorithm.relax=1",
+        "algorithm.anderson=0",  # the union's iteration: the join's without Anderson acceleration
+        "precision=float64",
+        "epochs=4",
+        "model.init=zeros",
+    )
     join = history(run(*common, dataset=dataset, base_dir=tmp_path))[-1]
     general = history(run(*common, "scenario=ucq", dataset=dataset, base_dir=tmp_path))[-1]
     monkeypatch.setattr(

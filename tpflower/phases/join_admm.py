@@ -175,13 +175,18 @@ class ADMMParams(AlgorithmParams):
     """TP-Join-ADMM, TP-UCQ-ADMM, VFL-ADMM (conf/algorithm/admm.yaml)."""
 
     rho: float | str = param(or_word(positive, "auto"), "auto")
-    adapt_rho: bool = param(boolean, True)  # residual balancing (Boyd Sec. 3.4.1), also of rho_inner
+    # residual balancing (Boyd Sec. 3.4.1), also of rho_inner; auto: on unless Anderson acceleration is
+    adapt_rho: bool | str = param(or_word(boolean, "auto"), "auto")
     rho_mu: float = param(above_one, 10.0)  # rebalance once one residual exceeds mu times the other
     rho_tau: float = param(above_one, 2.0)  # ... by this factor
     rho_warmup: int = param(nonnegative_int, 3)  # iterations before the first change (the start's transient)
     rho_mu_persistent: float = param(above_one, 2.0)  # ... or beyond this ratio for rho_patience iterations
     rho_patience: int = param(nonnegative_int, 3)  # 0: Boyd's rule alone (the paper's)
     relax: float = param(relaxation, 1.5)  # over-relaxation (Boyd Sec. 3.4.3): H^ = a H + (1 - a) z_prev; 1: off
+    # Anderson acceleration of the server's iteration (strategies/anderson.py): memory m; 0: off (the paper's
+    # iteration); auto: 10 over a join with the sharing variant, linear models and no feature DP, else 0
+    anderson: int | str = param(or_word(nonnegative_int, "auto"), "auto")
+    anderson_mb: float = param(positive, 1000.0)  # auto: the largest memory whose window fits in this
     tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
     variant: str = param(one_of("sharing", "paper"), "sharing")
     local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)
