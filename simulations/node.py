@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         open_doorbell,
         serve,
         wait_for_runtime,
+        warmed,
     )
     from tpflower.owner import SECRET_ENV  # noqa: PLC0415
 
@@ -246,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"node {owner.name}: serving {app_id} {app_version} on the SuperNode's Runtime API {address}", flush=True)
     try:
         wait_for_runtime(address, 120.0, lambda: supernode is None or supernode.poll() is None)
-        from tpflower.app.client_app import app  # noqa: PLC0415  torch, pandas, Hydra: once, kept across runs
+        from tpflower.app.client_app import app, warm_up  # noqa: PLC0415  pandas, Hydra: once, kept across runs
 
-        serve(address, owner, app.respond, stop=stop, bell=bell)  # type: ignore[attr-defined]
+        serve(address, owner, warmed(app.respond, warm_up), stop=stop, bell=bell)  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         pass
     finally:
