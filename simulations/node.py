@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 HOST = "127.0.0.1"
+WARMED = "torch and the training code imported"  # the node's log line once its warm-up is done
 PR_SET_PDEATHSIG = 1
 STOCK_SUPERNODE = (
     "import sys; from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; flower_supernode()"
@@ -249,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_runtime(address, 120.0, lambda: supernode is None or supernode.poll() is None)
         from tpflower.app.client_app import app, warm_up  # noqa: PLC0415  pandas, Hydra: once, kept across runs
 
-        serve(address, owner, warmed(app.respond, warm_up), stop=stop, bell=bell)  # type: ignore[attr-defined]
+        def warm() -> None:
+            began = time.perf_counter()
+            warm_up()
+            print(f"node {owner.name}: {WARMED} ({time.perf_counter() - began:.1f} s)", flush=True)
+
+        serve(address, owner, warmed(app.respond, warm), stop=stop, bell=bell)  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         pass
     finally:

@@ -16,7 +16,6 @@ import logging
 import sys
 import threading
 import time
-from collections import deque
 from importlib.metadata import version
 from queue import Queue
 from typing import Any
@@ -77,16 +76,16 @@ class _FastSleepTime:
     :data:`NODE_RUN_MAX_WAIT_S` within :data:`NODE_RUN_S` of the last message (a run's next round comes soon),
     to :data:`NODE_MAX_WAIT_S` after; the 0.5 s waits for a reply and its content become
     :data:`NODE_MIN_WAIT_S` (they also reset the idle backoff: a message is being answered). Within a run, the
-    first wait after a reply is :data:`NODE_GAP_FRACTION` of the shortest of the last :data:`NODE_GAP_MEMORY`
-    waits for a message (at most :data:`NODE_GAP_MAX_S`): a run's rounds come at a steady pace, and every empty
-    pull is a request to the SuperLink. Everything else is the time module."""
+    first wait after a reply is :data:`NODE_GAP_FRACTION` of the last wait for a message (at most
+    :data:`NODE_GAP_MAX_S`): a run's rounds come at a steady pace, and every empty pull is a request to the
+    SuperLink. Everything else is the time module."""
 
     def __init__(self) -> None:
         self._idle = NODE_MIN_WAIT_S
         self._answered = -float("inf")
         self._idle_since: float | None = None  # the first empty pull after the last message
         self._woke = 0.0  # the end of the last wait after an empty pull
-        self._gaps: deque[float] = deque(maxlen=NODE_GAP_MEMORY)  # waits for a message: first empty pull to last
+        self._gap = 0.0  # the last wait for a message: first empty pull to the last one that found none
 
     def sleep(self, seconds: float) -> None:
         if seconds == 3:  # the empty pull
@@ -95,14 +94,13 @@ class _FastSleepTime:
             wait = self._idle
             if self._idle_since is None:  # the first empty pull since a message
                 self._idle_since = now
-                learnt = NODE_GAP_FRACTION * min(self._gaps, default=0.0)
-                wait = max(wait, min(learnt, NODE_GAP_MAX_S)) if in_run else wait
+                wait = max(wait, min(NODE_GAP_FRACTION * self._gap, NODE_GAP_MAX_S)) if in_run else wait
             time.sleep(wait)
             self._woke = time.monotonic()
             self._idle = min(2 * self._idle, NODE_RUN_MAX_WAIT_S if in_run else NODE_MAX_WAIT_S)
         elif seconds == 0.5:  # waiting for the ClientApp's reply or its object content
             if self._idle_since is not None:  # a message came: how long this node waited for it
-                self._gaps.append(max(self._woke - self._idle_since, 0.0))
+                self._gap = max(self._woke - self._idle_since, 0.0)
                 self._idle_since = None
             self._idle = NODE_MIN_WAIT_S
             self._answered = time.monotonic()
@@ -116,7 +114,7 @@ class _FastSleepTime:
 
 NODE_MIN_WAIT_S, NODE_MAX_WAIT_S = 0.005, 0.1
 NODE_RUN_S, NODE_RUN_MAX_WAIT_S = 2.0, 0.02  # within a run: at most 20 ms from a message to its pull
-NODE_GAP_FRACTION, NODE_GAP_MAX_S, NODE_GAP_MEMORY = 0.8, 1.0, 4
+NODE_GAP_FRACTION, NODE_GAP_MAX_S = 0.6, 0.25
 OBJECT_PULL_BACKOFF_S, OBJECT_PULL_CAP_S = 0.005, 0.1  # Flower: from 1 s to 10 s (supercore/constant.py)
 
 
