@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 HOST = "127.0.0.1"
+WARMED = "torch and the training code imported"  # the node's log line once its warm-up is done
 PR_SET_PDEATHSIG = 1
 STOCK_SUPERNODE = (
     "import sys; from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; flower_supernode()"
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         open_doorbell,
         serve,
         wait_for_runtime,
+        warmed,
     )
     from tpflower.owner import SECRET_ENV  # noqa: PLC0415
 
@@ -246,9 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"node {owner.name}: serving {app_id} {app_version} on the SuperNode's Runtime API {address}", flush=True)
     try:
         wait_for_runtime(address, 120.0, lambda: supernode is None or supernode.poll() is None)
-        from tpflower.app.client_app import app  # noqa: PLC0415  torch, pandas, Hydra: once, kept across runs
+        from tpflower.app.client_app import app, warm_up  # noqa: PLC0415  pandas, Hydra: once, kept across runs
 
-        serve(address, owner, app.respond, stop=stop, bell=bell)  # type: ignore[attr-defined]
+        def warm() -> None:
+            began = time.perf_counter()
+            warm_up()
+            print(f"node {owner.name}: {WARMED} ({time.perf_counter() - began:.1f} s)", flush=True)
+
+        serve(address, owner, warmed(app.respond, warm), stop=stop, bell=bell)  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         pass
     finally:

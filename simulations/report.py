@@ -1075,7 +1075,14 @@ TEXT: dict[str, str] = {
         "SuperNode's pull, the node service's claim-pull-answer-push, the SuperNode's push, the ServerApp's pull), "
         "5-15 ms each on 2 cores shared with the other processes: 0.3-0.5 s per round whatever the payload, "
         "against the 84 ms a TP-Join-SGD round may take for 3x (28 rounds per movielens epoch at batch 8192), and "
-        "0.3 s for a whole ADMM epoch at 2x. Prefer ADMM (one round per epoch) in a deployment."
+        "0.3 s for a whole ADMM epoch at 2x. Prefer ADMM (one round per epoch) in a deployment. Since: the "
+        "ServerApp's first reply pull of a round comes after 0.8 of the shortest of the last four rounds of its "
+        "kind (message type and phase; in a model of these rounds with 30 ms requests, 2.5 pulls per round "
+        "instead of 7.5, no later pickup); the node service imports torch and builds a throwaway optimizer in a "
+        "thread as it starts (the first training message waited for ~1.5 s of torch.optim imports, 4 s under "
+        "load), and the bench times its rounds once every node has finished that. A SuperNode first idle wait of "
+        "0.8 of the shortest of its last four gaps was measured (side by side, load 10-20) with no fewer pulls "
+        "and slower rounds, and dropped."
     ),
 }
 

@@ -10,6 +10,7 @@ the first step, which asks every node which table and shard it holds.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -18,7 +19,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from tpflower.records import Arrays
+from tpflower.records import PAYLOAD, VALUE, Arrays
 
 ClientKey = tuple[str, int]  # (table, shard)
 Payload = tuple[Arrays, dict[str, Any]]  # (named arrays, config) of one message
@@ -49,27 +50,48 @@ class Transport:
         raise NotImplementedError
 
 
+def round_kind(messages: list[Message]) -> tuple[str, ...]:
+    """What makes rounds alike in duration: their message type and phase (tpflower.records' ``v/phase``)."""
+    kinds = set()
+    for msg in messages:
+        record = msg.content.config_records.get(PAYLOAD)
+        kinds.add((msg.metadata.message_type, str(record.get(VALUE + "phase", "")) if record is not None else ""))
+    return tuple(sorted(f"{t}/{p}" for t, p in kinds))
+
+
 class GridTransport(Transport):
     """Flower's Grid (simulation engine or SuperLink): push the round's messages, pull the replies in our own
     loop (Grid.send_and_receive sleeps a fixed 0.1 s between pulls). The next pull comes after a tenth of the
     time this round has waited so far (0.5 ms at least, 0.5 s at most): sub-millisecond for the simulation
     engine's rounds, a few pulls per second for a deployment's seconds-long rounds, where every pull is a
-    request to the SuperLink."""
+    request to the SuperLink. Once :data:`LEARN_AFTER` rounds of a kind (:func:`round_kind`) have been
+    timed, the first pull of the next comes after :data:`LEARNT_FRACTION` of the shortest of the last
+    :data:`LEARN_MEMORY` (a run's rounds of one kind take about as long; the shortest bounds how late a
+    quicker round's replies can be picked up)."""
 
     MIN_WAIT_S, MAX_WAIT_S, WAIT_FRACTION = 0.0005, 0.5, 0.1
+    LEARN_AFTER, LEARN_MEMORY, LEARNT_FRACTION = 2, 4, 0.8
 
     def __init__(self, grid: Grid, timeout_s: float = 600.0):
         self.grid = grid
         self.timeout_s = timeout_s
+        self._took: dict[tuple[str, ...], deque[float]] = {}
+
+    def first_wait(self, kind: tuple[str, ...]) -> float:
+        """How long to wait before the first reply pull of a round of ``kind`` (0 until learnt)."""
+        took = self._took.get(kind, ())
+        return self.LEARNT_FRACTION * min(took) if len(took) >= self.LEARN_AFTER else 0.0
 
     def node_ids(self) -> list[int]:
         return list(self.grid.get_node_ids())
 
     def exchange(self, messages: list[Message]) -> list[Message]:
+        kind = round_kind(messages)
+        start = time.monotonic()
         pending = {mid: msg.metadata.dst_node_id for mid, msg in zip(self.grid.push_messages(messages), messages)}
         replies: list[Message] = []
-        start = time.monotonic()
         deadline = start + self.timeout_s
+        time.sleep(max(self.first_wait(kind) - (time.monotonic() - start), 0.0))
         while pending:
             got = list(self.grid.pull_messages(list(pending)))
             for reply in got:
@@ -86,6 +108,7 @@ class GridTransport(Transport):
                 raise RunError(f"no reply within {self.timeout_s:.0f} s from {late}")
             waited = time.monotonic() - start
             time.sleep(min(max(self.WAIT_FRACTION * waited, self.MIN_WAIT_S), self.MAX_WAIT_S))
+        self._took.setdefault(kind, deque(maxlen=self.LEARN_MEMORY)).append(time.monotonic() - start)
         return replies
 
 

@@ -341,3 +341,33 @@ def test_the_supernode_waits_most_of_a_steady_rounds_gap_in_one_sleep(monkeypatc
     assert all(d <= flower_patch.NODE_RUN_MAX_WAIT_S for _, d in steady)  # and no later pickup
     pulls, delay = round_with_gap(0.05)  # a quicker round after slow ones: picked up after the learnt wait
     assert delay <= flower_patch.NODE_GAP_FRACTION * 0.3 + flower_patch.NODE_RUN_MAX_WAIT_S
+
+
+def test_the_warm_up_runs_beside_hello_queries_and_before_any_other_message():
+    release, started, answered = threading.Event(), threading.Event(), []
+
+    def warm_up() -> None:  # stands in for torch's imports: holds until released
+        started.set()
+        release.wait(5)
+
+    respond = node_service.warmed(lambda kind, content, context: answered.append(kind) or content, warm_up)
+    assert started.wait(5)
+    respond("query", RecordDict(), None)  # answered while the warm-up runs
+    assert answered == ["query"]
+    train = threading.Thread(target=respond, args=("train", RecordDict(), None))
+    train.start()
+    train.join(0.2)
+    assert train.is_alive() and answered == ["query"]  # a training message waits for the warm-up
+    release.set()
+    train.join(5)
+    assert answered == ["query", "train"]
+
+
+def test_the_warm_up_imports_the_training_code_and_torch_optim():
+    import subprocess
+
+    code = (
+        "import sys; from tpflower.app.client_app import warm_up; assert 'tpflower.client' not in sys.modules; "
+        "warm_up(); assert 'tpflower.client' in sys.modules and 'torch._dynamo' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

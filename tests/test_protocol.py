@@ -187,6 +187,74 @@ def test_a_silent_node_times_out_naming_its_table():
         Echo(KEYS).start(FakeGrid({1: ("fact", 0), 2: ("dim", 0)}, delay_pulls=1, silent={1}), timeout=0.05)
 
 
+class Clock:
+    """A fake monotonic clock whose sleep advances it (strategies.transport's time, in these tests)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class TimedGrid:
+    """A Grid whose replies are ready ``took[phase]`` seconds (of ``clock``) after their round was pushed;
+    counts its reply pulls."""
+
+    def __init__(self, clock: Clock, took: dict[str, float]) -> None:
+        self.clock, self.took, self.app = clock, took, answering({1: ("fact", 0), 2: ("dim", 0)})
+        self.pulls, self.ready, self.pending = 0, 0.0, {}
+
+    def push_messages(self, messages):
+        phase = unpack_payload(messages[0].content)[1]["phase"]
+        self.ready = self.clock.now + self.took[phase]
+        for k, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"m{self.pulls}-{k}"
+            self.pending[f"m{self.pulls}-{k}"] = msg
+        return list(self.pending)
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        if self.clock.now < self.ready:
+            return []
+        out = [self.app(self.pending.pop(mid), None) for mid in list(message_ids)]
+        return out
+
+
+@pytest.mark.usefixtures("serverapp_identity")
+def test_grid_transport_learns_a_rounds_pace_and_pulls_less(monkeypatch):
+    from strategies import transport as transport_module
+    from strategies.transport import GridTransport
+    from tpflower.records import pack_payload
+
+    clock = Clock()
+    monkeypatch.setattr(transport_module, "time", clock)
+    grid = TimedGrid(clock, {"echo": 0.3, "quick": 0.05})
+    transport = GridTransport(grid, timeout_s=5)
+
+    def round_of(phase: str) -> tuple[int, float]:
+        """One round: (reply pulls, how long after the replies were ready they were picked up)."""
+        pulls = grid.pulls
+        messages = [Message(pack_payload({"x": np.zeros(2)}, {"phase": phase}), n, "train") for n in (1, 2)]
+        assert len(transport.exchange(messages)) == 2
+        return grid.pulls - pulls, clock.now - grid.ready
+
+    unlearnt = [round_of("echo") for _ in range(GridTransport.LEARN_AFTER)]
+    learnt = [round_of("echo") for _ in range(3)]
+    assert all(pulls <= unlearnt[0][0] // 3 for pulls, _ in learnt)  # a third of the requests or fewer
+    step = GridTransport.WAIT_FRACTION * (0.3 + max(d for _, d in unlearnt))  # the unlearnt pull's pace at 0.3 s
+    assert all(d <= step + 1e-9 for _, d in unlearnt + learnt)  # and no later pickup than that pace gives
+    pulls, delay = round_of("quick")  # another kind of round is not held back by the echo rounds' pace
+    assert delay <= 0.1 * 0.05 + 1e-9
+    round_of("quick")
+    grid.took["echo"] = 0.1  # a quicker echo round: picked up after the learnt wait at the latest
+    pulls, delay = round_of("echo")
+    assert delay <= GridTransport.LEARNT_FRACTION * (0.3 + step) - 0.1 + 1e-9
+
+
 # ------------------------------------------------------------------------------------------ typed settings
 
 

@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+import time
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,19 @@ def main(grid: Grid, context: Context) -> None:
 '''
 
 
+def wait_for_warm_up(dep: deploy.Deployment, timeout: float = 300.0) -> None:
+    """Until every node service has logged the end of its torch warm-up (simulations.node.WARMED), so that
+    the measured rounds do not share the CPUs with it."""
+    from simulations.node import WARMED  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    logs = [Path(p["log"]) for p in dep.processes if p["name"] != "superlink"]
+    while not all(log.exists() and WARMED in log.read_text(errors="replace") for log in logs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the node services did not finish their warm-up within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
     done = subprocess.run(cmd, env=env, cwd=deploy.APP_DIR, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -144,6 +158,7 @@ def deploy_case(
         (app / "empty_rounds.py").write_text(EMPTY_APP)
         dep = deploy.start(overrides, state_dir=root / "deploy", home=root / "home", cwd=root)
         try:
+            wait_for_warm_up(dep)
             nodes = len(dep.processes) - 1
             out = root / "empty.json"
             config = (

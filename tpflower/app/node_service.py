@@ -212,6 +212,27 @@ def serve_task(client: Any, owner: OwnerNode, respond: Respond, expected: tuple[
     return details
 
 
+def warmed(respond: Respond, warm_up: Callable[[], None]) -> Respond:
+    """``respond`` with ``warm_up`` (torch's imports) run at once in a thread: the hello queries are answered
+    meanwhile, any other message after it (never two imports of one module at once)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            warm_up()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="warm-up", daemon=True).start()
+
+    def answer(message_type: str, content: RecordDict, context: Context) -> RecordDict:
+        if message_type != "query":
+            done.wait()
+        return respond(message_type, content, context)
+
+    return answer
+
+
 def open_doorbell(port: int = 0) -> socket.socket:
     """The service's doorbell: a UDP socket on 127.0.0.1:``port`` (a free one for 0; its port goes to the
     SuperNode, in tpflower.app.flower_patch.DOORBELL_ENV). A ring only makes the service ask for a task."""
