@@ -4,9 +4,11 @@ server and on every node (which resolves the run config itself); the choice prin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
 from simulations.federated import run_in_process
 from tests.conftest import make_cfg
@@ -14,8 +16,9 @@ from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, hello, node, refused
 from tpflower.app.client_app import _compose
 from tpflower.app.client_app import app as deployed_app
-from tpflower.auto import choose
-from tpflower.config import compose_config
+from tpflower.auto import choose, resolve
+from tpflower.config import CONF_DIR, compose_config
+from tpflower.datasets import load_spec
 from tpflower.privacy import privacy_message
 
 
@@ -63,3 +66,27 @@ def test_a_node_resolves_auto_itself_and_refuses_the_exact_phases_under_its_dp_f
     call(deployed_app, context, "train", {}, msg)
     for phase, arrays in (("pcg_setup", {"G": np.ones(400), "s": np.ones(400)}), ("lbfgs_start", {})):
         refused(deployed_app, context, f"refuses phase '{phase}'", "train", arrays, {"phase": phase, "N": 1})
+
+
+BUNDLED = ("movielens", "movielens1m", "nycflights13", "nycflights13_delayed", "synthetic")
+
+
+def test_auto_is_the_shipped_default_and_make_run_trains_pcg_on_movielens():
+    cfg = compose_config()  # `make run`: no overrides
+    assert (cfg.algorithm.name, cfg.dataset.name, cfg.model.kind) == ("auto", "movielens", "linear")
+    assert resolve(cfg, log=None) == "pcg" and cfg.algorithm.name == "pcg"
+    assert _compose("").algorithm.name == "pcg"  # a node (or the ServerApp) given no overrides
+    project = tomllib.loads((Path(CONF_DIR).parent / "pyproject.toml").read_text())
+    assert project["tool"]["flwr"]["app"]["config"]["overrides"] == "algorithm=auto"  # `flwr run .`'s default
+
+
+@pytest.mark.parametrize("dataset", BUNDLED)
+@pytest.mark.parametrize(("model", "privacy", "scenario"), [("linear", "none", "join"), ("mlp", "label", "ucq")])
+def test_the_default_resolves_alike_on_the_server_and_on_every_node(dataset, model, privacy, scenario):
+    # the server resolves the composed config with the dataset's parsed spec; a node (and a deployed ServerApp)
+    # the run config's overrides string: the same choice, the one choose() makes for the dataset's label
+    overrides = f"dataset={dataset} model={model} privacy={privacy} scenario={scenario}"
+    cfg = compose_config(*overrides.split())
+    spec = load_spec(cfg.dataset)
+    assert resolve(cfg, log=None) == _compose(overrides).algorithm.name
+    assert cfg.algorithm.name == choose(spec.label.task, model, {"name": privacy}, scenario)[0]

@@ -146,7 +146,8 @@ def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_exampl
     from simulations.federated import run_in_process
 
     def run(*overrides):
-        return run_in_process(compose_config("dataset=movielens", "epochs=1", *overrides), None, log=lambda _: None)
+        cfg = compose_config("algorithm=admm", "dataset=movielens", "epochs=1", *overrides)  # ADMM: algorithm.rho
+        return run_in_process(cfg, None, log=lambda _: None)
 
     with pytest.raises(
         RuntimeError,
