@@ -104,7 +104,7 @@ def unnumbered(arrays: Mapping[str, np.ndarray], prefix: str) -> list[np.ndarray
 
 
 def recorddict_bytes(records: RecordDict) -> bytes:
-    """A RecordDict as Flower's own wire format (its protobuf), e.g. for a checkpoint or a node's worker."""
+    """A RecordDict as Flower's own wire format (its protobuf): a node's checkpoint file."""
     return recorddict_to_proto(records).SerializeToString()
 
 
