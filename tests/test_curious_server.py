@@ -122,13 +122,13 @@ def test_a_wide_output_is_refused_beyond_the_owners_max_outputs(tmp_path):
     call(deployed_app, allowing, "train", {"G": np.ones(n)}, wide)
 
 
-@pytest.mark.parametrize("algorithm", ["celu", "kmeans", "coreset", "coreset_kmeans", "lbfgs"])
+@pytest.mark.parametrize("algorithm", ["celu", "kmeans", "coreset", "coreset_kmeans", "lbfgs", "lbfgs scenario=ucq"])
 def test_an_algorithm_without_dp_is_refused_under_a_dp_floor_by_the_nodes_own_registry(tmp_path, algorithm):
     # the owner's floor is DP-SGD; the run asks for it but picks an algorithm that does not implement it: the
     # node looks the algorithm up in its own installed registry (not the run's word) and refuses the keys round
     from tpflower.privacy import privacy_message
 
-    floor = f"{SYNTHETIC} privacy=dpsgd"
+    floor = f"{SYNTHETIC} privacy=dpsgd" + (" scenario=ucq" if "scenario=ucq" in algorithm else "")  # its shards
     attack = f"algorithm={algorithm} dataset=synthetic privacy=dpsgd"
     context = node(tmp_path, "d1", floor, attack)
     assert hello(deployed_app, context)["table"] == "d1"
@@ -476,8 +476,12 @@ def mixed_dataset(tmp_path: Path) -> dict:
             ("algorithm=lbfgs", "privacy=label", "epochs=2"),
             {"keys", "lbfgs_start", "lbfgs_grad", "lbfgs_trial", "lbfgs_take", "evaluate"},
         ),
+        (
+            ("algorithm=lbfgs", "scenario=ucq", "privacy=label", "epochs=2"),
+            {"keys", "stats", "rule", "lbfgs_start", "lbfgs_partial", "lbfgs_trial", "lbfgs_take", "evaluate"},
+        ),  # both tables sharded: partial gradients
     ],
-    ids=["tp_ucq_admm-label", "tp_ucq_sgd-label", "vfl_admm-label", "tp_join_lbfgs-label"],
+    ids=["tp_ucq_admm-label", "tp_ucq_sgd-label", "vfl_admm-label", "tp_join_lbfgs-label", "tp_ucq_lbfgs-label"],
 )
 def test_audit_every_phase_on_categorical_missing_and_binned_columns(tmp_path, overrides, phases):
     rec = Recorded(*overrides, dataset=mixed_dataset(tmp_path))

@@ -1,5 +1,6 @@
-"""L-BFGS over the join (tpflower/phases/lbfgs.py, strategies/lbfgs.py): the same iterates as a centralized
-L-BFGS with the same line search on the materialized join, its blocks kept on the tables, its refusals."""
+"""L-BFGS over the join and the union (tpflower/phases/lbfgs.py, strategies/lbfgs.py): the same iterates as a
+centralized L-BFGS with the same line search on the materialized join, its blocks kept on the tables (the
+union: the shards' partial gradients to the coordinator, once per iteration), its refusals."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import torch
 
 from simulations.federated import run_in_process
 from strategies.centralized import build_joined_model, label_scale_of
-from strategies.lbfgs import two_loop
+from strategies.lbfgs import shard_gram, two_loop
 from tests.conftest import make_cfg
+from tests.test_conformance import call
+from tests.test_curious_server import refused
 from tests.test_privacy_e2e import Recorded
+from tpflower.app.client_app import client_app_for
 from tpflower.app.server_app import make_strategy
+from tpflower.config import compose_config
 from tpflower.losses import loss_torch
 from tpflower.models import l2_penalty
 from tpflower.owner import simulation_secret
@@ -73,21 +78,32 @@ def centralized_lbfgs(cfg, iterations: int) -> tuple[dict[str, torch.nn.Module],
 
 
 @pytest.mark.parametrize(
-    "task,model",
-    [("regression", "linear"), ("regression", "mlp"), ("binary", "linear"), ("multiclass", "mlp")],
+    "task,model,scenario",
+    [
+        ("regression", "linear", "join"),
+        ("regression", "mlp", "join"),
+        ("binary", "linear", "join"),
+        ("multiclass", "mlp", "join"),
+        ("regression", "linear", "ucq"),
+        ("regression", "mlp", "ucq"),
+        ("binary", "linear", "ucq"),
+        ("multiclass", "mlp", "ucq"),
+    ],
 )
-def test_lbfgs_equals_centralized_lbfgs_on_the_materialized_join(task, model):
+def test_lbfgs_equals_centralized_lbfgs_on_the_materialized_join(task, model, scenario):
+    """Over the union (fact and d1 in 2 shards each) every shard holds the centralized iterate."""
     iterations = 6
     cfg = make_cfg(
         "algorithm=lbfgs", "dataset=synthetic", f"dataset.loader.task={task}", f"model={model}",
-        "precision=float64", "algorithm.tol=0", f"epochs={iterations}", "algorithm.memory=3",
+        "precision=float64", "algorithm.tol=0", f"epochs={iterations}", "algorithm.memory=3", f"scenario={scenario}",
     )  # fmt: skip
     run = run_in_process(cfg, None, log=quiet)
     local, losses = centralized_lbfgs(cfg, iterations)
     for t, module in local.items():
-        theta = run.theta((t, 0))
-        for name, value in module.state_dict().items():
-            np.testing.assert_allclose(theta[name], value.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"{t}.{name}")
+        for key in [k for k in run.strategy.clients if k[0] == t]:
+            theta = run.theta(key)
+            for name, value in module.state_dict().items():
+                np.testing.assert_allclose(theta[name], value.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"{key}.{name}")
     objective = [h.extra["objective"] for h in run.strategy.results.history]
     scale = run.strategy.label_scale
     np.testing.assert_allclose(objective, [scale.loss(F) for F in losses[1:]], rtol=1e-9)
@@ -132,11 +148,75 @@ def test_no_block_leaves_a_table_only_outputs_and_inner_products():
     assert len(rec.strategy.results.history) == 3
 
 
+def test_shard_gram_equals_the_gram_matrix_of_the_completed_basis():
+    rng = np.random.default_rng(1)
+    d, c = 6, 2
+    S, Yk, r, s, g_prev = rng.normal(size=(d, c)), rng.normal(size=(d, c)), *rng.normal(size=(3, d))
+    parts = rng.normal(size=(3, d))  # three shards' partial gradients
+    a = parts.sum(axis=0)
+    for candidate in (False, True):
+        V = np.column_stack([S, Yk, r] + ([s, r - g_prev] if candidate else []))
+        Va = sum(V.T @ p for p in parts)
+        g = a + r
+        B = np.column_stack([S, s, Yk, g - g_prev, g] if candidate else [S, Yk, g])
+        np.testing.assert_allclose(shard_gram(V.T @ V, Va, a @ a, c, candidate), B.T @ B, rtol=1e-12, atol=1e-12)
+
+
+def test_the_union_takes_the_joins_round_trips_and_its_shards_send_one_partial_gradient_each():
+    common = ("algorithm=lbfgs", "dataset=synthetic", "epochs=3", "algorithm.memory=2", "algorithm.tol=0")
+    join, rec = Recorded(*common), Recorded(*common, "scenario=ucq")
+    training = [
+        [h.rounds - r.history[0].rounds for h in r.history] for r in (join.strategy.results, rec.strategy.results)
+    ]
+    assert training[0] == training[1]  # the same round trips per iteration (setup rounds aside)
+    assert rec.strategy.results.history[-1].rounds_inner == 0
+    for key, phase, arrays, _ in [m for m in rec.sent if m[1].startswith("lbfgs_")]:
+        n = rec.strategy.client_rows[key]
+        for name, a in arrays.items():  # outputs of its own rows, inner products, a shard's partial gradient
+            assert (
+                (name == "h" and len(a) == n)
+                or (name == "gram" and a.shape[0] == a.shape[1] <= 7)
+                or (name == "g" and a.shape == (5 if key[0] == "fact" else 4,))  # theta_i: 4 features (+ intercept)
+                or (name == "cross" and a.ndim == 1 and a.size <= 7)
+                or (name == "layout" and a.shape == (2,))
+            ), (key, phase, name)
+    for key in rec.strategy.clients:
+        phases = [phase for k, phase, _, _ in rec.got if k == key]
+        sharded = len(rec.strategy.routers[key[0]].shards) > 1
+        assert phases.count("lbfgs_partial") == (3 if sharded else 0)
+        assert phases.count("lbfgs_grad") == (0 if sharded else 3)
+
+
+def test_a_curious_server_gets_one_partial_gradient_per_iteration():
+    cfg = compose_config("algorithm=lbfgs", "dataset=synthetic", "scenario=ucq", "epochs=1")
+    run = run_in_process(cfg, None, log=quiet)
+    key = next(k for k in run.contexts if k[0] == "fact")
+    app, context = client_app_for(cfg), run.contexts[key]
+    n = run.strategy.client_rows[key]
+    probe = np.zeros((n, 1))
+    probe[0] = 1.0  # Y = e_u would give the server row u's features in the partial gradient
+    config = {"phase": "lbfgs_partial", "t": 0.0, "N": 1}
+    call(app, context, "train", {"Y": probe}, config)  # the one of the coming iteration
+    refused(app, context, "one lbfgs_partial per iteration", "train", {"Y": probe}, config)
+    refused(app, context, "refuses phase 'lbfgs_grad': it is answered by tables with one shard only", "train",
+            {"Y": probe}, {"phase": "lbfgs_grad", "t": 0.0, "N": 1})  # fmt: skip
+    refused(app, context, "carries the summed gradient", "train", {}, {"phase": "lbfgs_trial", "t": 1.0})
+    single = next(k for k in run.contexts if k[0] == "d2")
+    refused(app, run.contexts[single], "refuses phase 'lbfgs_partial': it is answered by the shards", "train",
+            {"Y": np.zeros((run.strategy.client_rows[single], 1))}, config)  # fmt: skip
+    refused(app, run.contexts[single], "a summed gradient but no lbfgs_partial", "train",
+            {"delta": np.zeros(1), "pairs": np.zeros(0), "g": np.zeros(4)}, {"phase": "lbfgs_trial", "t": 1.0})  # fmt: skip
+    join = compose_config("algorithm=lbfgs", "dataset=synthetic", "epochs=1")
+    run = run_in_process(join, None, log=quiet)
+    refused(client_app_for(join), run.contexts[next(iter(run.contexts))], "refuses phase 'lbfgs_partial': not a phase",
+            "train", {"Y": probe}, config)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
         (("privacy=dpsgd",), "cannot be honoured by algorithm 'tp_join_lbfgs'"),
-        (("scenario=ucq",), "has no ucq version"),
+        (("privacy=dpsgd", "scenario=ucq"), "cannot be honoured by algorithm 'tp_ucq_lbfgs'"),
         (("algorithm.backtrack=1",), "algorithm.backtrack must be in \\(0, 1\\)"),
     ],
 )

@@ -17,6 +17,20 @@ the direction as coefficients over that basis. No block of theta, g, s or y leav
   lbfgs_trial {delta, pairs}, t     -> {h}     d = [S, Y, g] delta, the memory keeps the pairs ``pairs``;
               (later trials: t only)           h = f_i(theta_i + t d; rows), R_i at that point
   lbfgs_take  t                     -> {}      the run's end: theta += t d (the last accepted step)
+
+The union (TP-UCQ: a table split by rows over shards, every shard holding the same theta_i and the same
+memory): a shard answers lbfgs_partial instead of lbfgs_grad, in the same round trip, with its partial data
+gradient a_q = J_q^T Y_q / N over its rows (as TP-UCQ-SGD's Eq. 18) and the inner products the server needs
+to assemble its table's Gram matrix without a second round: V^T a_q and V^T V for V = [S, Y, r, (s, u)], with
+r = beta dR/dtheta_i at the new theta, s = t d the candidate step and u = r - g_prev. The server (the shards'
+coordinator) sums a = sum_q a_q and sends it with the iteration's first lbfgs_trial, where every shard
+completes g = a + r and the candidate pair's y = g - g_prev:
+
+  lbfgs_partial {Y}, t              -> {g, cross, gram, layout}   a shard: theta += t d; a_q, V^T a_q, V^T V,
+                                               [c, candidate]; once per iteration (a second before the
+                                               iteration's first lbfgs_trial is refused)
+  lbfgs_trial {delta, pairs, g}, t  -> {h}     a shard's first trial of an iteration also carries a; the
+                                               shard sets g = a + r, y = g - g_prev, then as above
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Stage
+from tpflower.guard import Phase, ProtocolRefusal, Stage, sharded, unsharded
 from tpflower.models import l2_penalty
 from tpflower.params import AlgorithmParams, nonnegative, param, positive_int, probability
 from tpflower.phases import setup
@@ -64,6 +78,7 @@ class LBFGSState(StateRecord):
     Yk: np.ndarray | None = None
     g: np.ndarray | None = None
     d: np.ndarray | None = None
+    r: np.ndarray | None = None  # a shard after lbfgs_partial: beta dR/dtheta, until the summed a arrives
 
     @classmethod
     def of(cls, client: TableClient, phase: str) -> LBFGSState:
@@ -93,6 +108,17 @@ def gradient(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, N: int, b
         return np.zeros(0)
     model.zero_grad()
     ((Y * model(X)).sum() / N + beta * l2_penalty(model)).backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return torch.cat([g.reshape(-1) for g in grads]).detach().cpu().double().numpy()
+
+
+def penalty_gradient(model: torch.nn.Module, beta: float) -> np.ndarray:
+    """r = beta dR_i/dtheta_i at the model's theta, float64."""
+    params = list(model.parameters())
+    if not params:
+        return np.zeros(0)
+    model.zero_grad()
+    (beta * l2_penalty(model)).backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     return torch.cat([g.reshape(-1) for g in grads]).detach().cpu().double().numpy()
 
@@ -144,10 +170,66 @@ def lbfgs_grad(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     return {"gram": B.T @ B}, {}
 
 
+def lbfgs_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard of a sharded table: take the accepted step t d, then its partial data gradient
+    a_q = J_q^T Y_q / N over its rows and the products V^T a_q, V^T V of V = [S, Y, r, (s, u)] (module
+    docstring); the candidate step s joins S now, its y with the summed a (lbfgs_trial)."""
+    st = LBFGSState.of(client, "lbfgs_partial")
+    if st.r is not None:
+        raise ProtocolRefusal(
+            f"table {client.settings.table!r} shard {client.settings.shard}: one lbfgs_partial per iteration; "
+            "a second before the iteration's lbfgs_trial is refused"
+        )
+    model = client.model(config)
+    t = float(config["t"])
+    if t:
+        take_step(client, model, st, t)
+    a = gradient(
+        model, client.tensor(client.rows_X(None)), client.tensor(np.asarray(arrays["Y"])), int(config["N"]), 0.0
+    )
+    r = penalty_gradient(model, float(client.settings.model["beta"]))
+    assert st.S is not None and st.Yk is not None
+    candidate = st.g is not None and bool(t)
+    columns = [st.S, st.Yk, r[:, None]]
+    if candidate:
+        assert st.d is not None and st.g is not None
+        columns += [t * st.d[:, None], (r - st.g)[:, None]]
+    V = np.column_stack(columns)
+    layout = np.array([st.S.shape[1], int(candidate)], dtype=np.int64)
+    if candidate:
+        st.S = np.column_stack([st.S, t * st.d])
+    st.d, st.r = None, r
+    st.save(client.state)
+    return {"g": a, "cross": V.T @ a, "gram": V.T @ V, "layout": layout}, {}
+
+
+def complete_gradient(client: TableClient, st: LBFGSState, arrays: Arrays) -> None:
+    """A shard's first trial after lbfgs_partial: g = a + r with the server's sum a of the shards' partial
+    gradients, and the candidate pair's y = g - g_prev."""
+    where = f"table {client.settings.table!r} shard {client.settings.shard}"
+    if st.r is None:
+        if "g" in arrays:
+            raise ProtocolRefusal(f"{where}: lbfgs_trial with a summed gradient but no lbfgs_partial before it")
+        return
+    if "g" not in arrays or "delta" not in arrays:
+        raise ProtocolRefusal(f"{where}: the first lbfgs_trial after lbfgs_partial carries the summed gradient g")
+    a = np.asarray(arrays["g"], dtype=np.float64).ravel()
+    if a.shape != st.r.shape:
+        raise ValueError(f"{where}: the summed gradient has {a.size} entries, theta_i {st.r.size}")
+    assert st.S is not None and st.Yk is not None
+    g = a + st.r
+    if st.S.shape[1] > st.Yk.shape[1]:  # the candidate pair of lbfgs_partial's step
+        assert st.g is not None
+        st.Yk = np.column_stack([st.Yk, g - st.g])
+    st.g, st.r = g, None
+
+
 def lbfgs_trial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """The direction (first trial of an iteration: d = [S, Y, g] delta, then keep the memory's ``pairs``), and
-    the outputs of every row at theta + t d, with R_i there."""
+    the outputs of every row at theta + t d, with R_i there. A shard completes its gradient first
+    (:func:`complete_gradient`)."""
     st = LBFGSState.of(client, "lbfgs_trial")
+    complete_gradient(client, st, arrays)
     model = client.model(config)
     if "delta" in arrays:
         B = basis(st)
@@ -189,6 +271,14 @@ TRAIN: dict[str, Phase] = {
     "lbfgs_take": Phase(lbfgs_take),
 }
 
+# the union: tables with one shard answer lbfgs_grad, the shards of a sharded table lbfgs_partial
+UCQ_TRAIN: dict[str, Phase] = {
+    "lbfgs_grad": Phase(lbfgs_grad, unsharded),
+    "lbfgs_partial": Phase(lbfgs_partial, sharded),
+    "lbfgs_trial": Phase(lbfgs_trial),
+    "lbfgs_take": Phase(lbfgs_take),
+}
+
 register(
     AlgorithmEntry(
         "tp_join_lbfgs",
@@ -201,5 +291,19 @@ register(
         feature_dp=False,
         why_no_feature_dp=WHY_NO_FEATURE_DP,
         summary="full-batch L-BFGS over the join (two-loop recursion on the tables' partial inner products)",
+    )
+)
+register(
+    AlgorithmEntry(
+        "tp_ucq_lbfgs",
+        "lbfgs",
+        "ucq",
+        "lbfgs",
+        "TPUCQLBFGS",
+        setup.loj_protocol(START, UCQ_TRAIN),
+        LBFGSParams,
+        feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
+        summary="full-batch L-BFGS over the union: the shards' partial gradients summed, 2 round trips an iteration",
     )
 )
