@@ -33,7 +33,9 @@ from tpflower.privacy import privacy_message
         ("regression", "linear", "dpsgd", "join", "admm"),
         ("binary", "mlp", "label_dpsgd", "join", "admm"),
         ("regression", "linear", "none", "ucq", "pcg"),
-        ("binary", "linear", "none", "ucq", "admm"),
+        ("binary", "linear", "none", "ucq", "lbfgs"),
+        ("multiclass", "mlp", "label", "ucq", "lbfgs"),
+        ("binary", "mlp", "dpsgd", "ucq", "admm"),
     ],
 )
 def test_auto_chooses_by_model_label_privacy_and_scenario(task, model, privacy, scenario, selector):
@@ -51,6 +53,7 @@ def test_auto_is_resolved_printed_first_and_recorded(tmp_path):
     assert record["config"]["algorithm_auto"].startswith("lbfgs:")
     # a run config (flwr run, a deployed node) resolves the same way on every side
     assert _compose("algorithm=auto dataset=synthetic model=mlp").algorithm.name == "lbfgs"
+    assert _compose("algorithm=auto dataset=synthetic model=mlp scenario=ucq").algorithm.name == "lbfgs"
     assert _compose("algorithm=auto dataset=synthetic").algorithm.name == "pcg"
     with pytest.raises(ValueError, match="algorithm.rho is not a setting of algorithm 'pcg'"):
         run_in_process(make_cfg("algorithm=auto", "dataset=synthetic", "+algorithm.rho=2"), None, log=lines.append)

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
     ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
     ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
-    ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL cases (default: lbfgs.LBFGS_CASES)")
+    ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL[/ucq] cases (default: lbfgs.LBFGS_CASES)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)

