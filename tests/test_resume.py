@@ -85,6 +85,7 @@ SGD = ("algorithm.batch_size=4000",)
         (("algorithm=pcg", "algorithm.tol=0"), "d2"),
         (("algorithm=lbfgs", "algorithm.tol=0", "model=mlp"), "d2"),
         (("algorithm=pcg", "algorithm.tol=0", "scenario=ucq"), None),
+        (("algorithm=lbfgs", "algorithm.tol=0", "model=mlp", "scenario=ucq"), None),
         (("algorithm=coreset", "algorithm.m=300", "algorithm.train=pcg", "algorithm.tol=0"), "d2"),
     ],
     ids=[
@@ -101,6 +102,7 @@ SGD = ("algorithm.batch_size=4000",)
         "pcg",
         "lbfgs",
         "ucq-pcg",
+        "ucq-lbfgs",
         "coreset-pcg",
     ],
 )
