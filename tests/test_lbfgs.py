@@ -13,8 +13,9 @@ from strategies.centralized import build_joined_model, label_scale_of
 from strategies.lbfgs import shard_gram, two_loop
 from tests.conftest import make_cfg
 from tests.test_conformance import call
-from tests.test_curious_server import refused
+from tests.test_curious_server import hello, node, refused
 from tests.test_privacy_e2e import Recorded
+from tpflower.app.client_app import app as deployed_app
 from tpflower.app.client_app import client_app_for
 from tpflower.app.server_app import make_strategy
 from tpflower.config import compose_config
@@ -210,6 +211,15 @@ def test_a_curious_server_gets_one_partial_gradient_per_iteration():
     run = run_in_process(join, None, log=quiet)
     refused(client_app_for(join), run.contexts[next(iter(run.contexts))], "refuses phase 'lbfgs_partial': not a phase",
             "train", {"Y": probe}, config)  # fmt: skip
+
+
+def test_a_deployed_shard_computes_no_partial_gradient_before_the_runs_start(tmp_path):
+    owner = "algorithm=lbfgs dataset=synthetic scenario=ucq"
+    context = node(tmp_path, "fact", owner, owner)  # a shard of fact, deployed with its owner's settings
+    assert hello(deployed_app, context)["table"] == "fact"
+    call(deployed_app, context, "train", {}, {"phase": "keys"})
+    refused(deployed_app, context, "refuses phase 'lbfgs_partial': stage 'stats' .* comes first", "train",
+            {"Y": np.ones((5, 1))}, {"phase": "lbfgs_partial", "t": 0.0, "N": 1})  # fmt: skip
 
 
 @pytest.mark.parametrize(
