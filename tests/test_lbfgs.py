@@ -197,6 +197,8 @@ def test_a_curious_server_gets_one_partial_gradient_per_iteration():
     probe = np.zeros((n, 1))
     probe[0] = 1.0  # Y = e_u would give the server row u's features in the partial gradient
     config = {"phase": "lbfgs_partial", "t": 0.0, "N": 1}
+    # one Y broadcast over every row would sum the rows' features: refused before anything is computed
+    refused(app, context, r"lbfgs_partial with Y of shape \(1, 1\) for \d+ rows", "train", {"Y": probe[:1]}, config)
     call(app, context, "train", {"Y": probe}, config)  # the one of the coming iteration
     refused(app, context, "one lbfgs_partial per iteration", "train", {"Y": probe}, config)
     refused(app, context, "refuses phase 'lbfgs_grad': it is answered by tables with one shard only", "train",

@@ -123,6 +123,17 @@ def penalty_gradient(model: torch.nn.Module, beta: float) -> np.ndarray:
     return torch.cat([g.reshape(-1) for g in grads]).detach().cpu().double().numpy()
 
 
+def rows_and_derivatives(client: TableClient, arrays: Arrays, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """X of every row of the client and Y, one row of derivatives per row (never broadcast over the rows)."""
+    X, Y = client.rows_X(None), np.asarray(arrays["Y"])
+    if Y.ndim != 2 or len(Y) != len(X):
+        raise ValueError(
+            f"table {client.settings.table!r} shard {client.settings.shard}: {phase} with Y of shape {Y.shape} "
+            f"for {len(X)} rows"
+        )
+    return client.tensor(X), client.tensor(Y)
+
+
 def basis(state: LBFGSState) -> np.ndarray:
     """[s_0..s_{c-1}, y_0..y_{c-1}, g] as columns (d_i x (2c + 1))."""
     assert state.S is not None and state.Yk is not None and state.g is not None
@@ -150,17 +161,11 @@ def lbfgs_grad(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     """Take the accepted step t d, then g_i at the new theta; the partial Gram matrix of [S, Y, g]."""
     st = LBFGSState.of(client, "lbfgs_grad")
     model = client.model(config)
+    X, Y = rows_and_derivatives(client, arrays, "lbfgs_grad")
     t = float(config["t"])
     if t:
         take_step(client, model, st, t)
-    Y = np.asarray(arrays["Y"])
-    g = gradient(
-        model,
-        client.tensor(client.rows_X(None)),
-        client.tensor(Y),
-        int(config["N"]),
-        float(client.settings.model["beta"]),
-    )
+    g = gradient(model, X, Y, int(config["N"]), float(client.settings.model["beta"]))
     if st.g is not None and t:  # the new pair, a candidate until the server keeps it (lbfgs_trial's pairs)
         st.S = np.column_stack([st.S, t * st.d])
         st.Yk = np.column_stack([st.Yk, g - st.g])
@@ -181,12 +186,11 @@ def lbfgs_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]
             "a second before the iteration's lbfgs_trial is refused"
         )
     model = client.model(config)
+    X, Y = rows_and_derivatives(client, arrays, "lbfgs_partial")
     t = float(config["t"])
     if t:
         take_step(client, model, st, t)
-    a = gradient(
-        model, client.tensor(client.rows_X(None)), client.tensor(np.asarray(arrays["Y"])), int(config["N"]), 0.0
-    )
+    a = gradient(model, X, Y, int(config["N"]), 0.0)
     r = penalty_gradient(model, float(client.settings.model["beta"]))
     assert st.S is not None and st.Yk is not None
     candidate = st.g is not None and bool(t)
