@@ -62,6 +62,7 @@ name: toy
 @pytest.fixture
 def toy_family(tmp_path, monkeypatch):
     """The new family's four pieces in directories of their own, put on the packages' paths."""
+    registry.load_all()  # the shipped families register in the real table first: the copy below is restored
     (tmp_path / "phases").mkdir()
     (tmp_path / "phases" / "toy.py").write_text(textwrap.dedent(CLIENT))
     (tmp_path / "strategies").mkdir()
