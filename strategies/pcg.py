@@ -242,27 +242,27 @@ class PCGSolver(LoJStrategy):
         k = len(past)
         dots = loop["dots"]
         rz = np.array([dots[t][0] for t in tables])
-        ZtP = [np.zeros((c, c)) for _ in range(k)]  # Z^T P_j: row l from table l
+        ZtP = [np.zeros((c, c)) for _ in range(k)]  # Z^T P_j: row col from the table in that column
         Ptr = [np.zeros(c) for _ in range(k)]  # P_j^T r: summed over the tables
-        for l, t in enumerate(tables):
+        for col, t in enumerate(tables):
             v = dots[t][3:]
             if v.shape != (2 * c * k,):
                 raise RuntimeError(f"pcg: table {t!r} sent {v.size} window dots, expected {2 * c * k}")
             v = v.reshape(k, 2, c)
             for j in range(k):
-                ZtP[j][l] = v[j, 0]
+                ZtP[j][col] = v[j, 0]
                 Ptr[j] += v[j, 1]
         AZ = np.zeros((self.pcg_map.N, c))
-        for l, t in enumerate(tables):
-            AZ[:, l] = np.asarray(loop["hz"][t], np.float64).ravel()[self.pcg_map.p[t]]
+        for col, t in enumerate(tables):
+            AZ[:, col] = np.asarray(loop["hz"][t], np.float64).ravel()[self.pcg_map.p[t]]
         WAZ = AZ if self.pcg_w is None else self.pcg_w[:, None] * AZ
         C = [past[j]["Qp"] @ (past[j]["AP"].T @ WAZ / N + beta * ZtP[j].T) for j in range(k)]
         C = [np.asarray(Cj, dtype).astype(np.float64) for Cj in C]
         AP = AZ - sum((past[j]["AP"] @ C[j] for j in range(k)), np.zeros_like(AZ))
         TP = {}
-        for l, t in enumerate(tables):
+        for col, t in enumerate(tables):
             out = np.zeros((len(loop["hz"][t]), c))
-            out[:, l] = np.asarray(loop["hz"][t], np.float64).ravel()
+            out[:, col] = np.asarray(loop["hz"][t], np.float64).ravel()
             TP[t] = out - sum((past[j]["TP"][t] @ C[j] for j in range(k)), np.zeros_like(out))
         # Euclidean products: P^T P_i = Z^T P_i - sum_j C_j^T P_j^T P_i, P^T P = Z^T P - sum_j C_j^T (P_j^T P)
         blocks = [[S[j * c : (j + 1) * c, i * c : (i + 1) * c] for i in range(k)] for j in range(k)]
