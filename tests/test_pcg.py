@@ -19,6 +19,7 @@ from tpflower.config import compose_config
 from tpflower.owner import simulation_secret
 from tpflower.phases.pcg import PCGState
 from tpflower.relation import has_bias, load_relation
+from tpflower.state import ClientState
 
 
 def quiet(_: str) -> None:
@@ -188,3 +189,21 @@ def test_schema_matrix_small_cells(cell, most):
     # scalars whatever the rows (alpha and C down, the partial dots up: under 1 kB per table)
     extra = summary["pcg"]["bytes_per_round"] - summary["admm"]["bytes_per_round"]
     assert 0 <= extra <= 1000 * len(out["table_rows"]), (extra, summary)
+
+
+def test_a_step_with_the_wrong_number_of_direction_coefficients_is_refused():
+    """One direction per table: pcg_step needs alpha and one M x M block C_j per window block the table holds."""
+    cfg = compose_config("algorithm=pcg", "dataset=synthetic", "epochs=2", "algorithm.tol=0")
+    run = run_in_process(cfg, None, log=quiet)
+    key = next(k for k in run.contexts if k[0] == "fact")
+    n, c = run.strategy.client_rows[key], len(run.strategy.spec.table_names)
+    held = len(PCGState.load(ClientState(run.contexts[key].state)).P)  # the window blocks after two steps
+    assert held == 2
+    refused(
+        client_app_for(cfg),
+        run.contexts[key],
+        f"coef must hold alpha and {held} {c}x{c} blocks",
+        "train",
+        {"s": np.zeros(n), "coef": np.zeros(c + (held - 1) * c * c)},
+        {"phase": "pcg_step", "epoch": 3},
+    )
