@@ -166,7 +166,7 @@ class PCGSolver(LoJStrategy):
             s = self.segment_sums(H)
             dtype = self.state_dtype  # the run's precision, as ADMM's Y (float64 runs stay exact)
             rows = {t: {"s": s[t].astype(dtype)} for t in self.spec.table_names}
-            g = {t: {"g": v["g"].astype(dtype)} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
+            g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
             config = {"phase": "pcg_step", "epoch": it, "alpha": alpha, "beta": beta, **self.checkpoint_config(it)}
             replies = self.send(self.pcg_messages(rows, g, config))
             dots = self.dots(replies)
@@ -297,7 +297,7 @@ class PCGSolver(LoJStrategy):
             H = step["AP"] @ alpha
             s = self.segment_sums(H)
             rows = {t: {"s": s[t].astype(dtype)} for t in tables}
-            g = {t: {"g": v["g"].astype(dtype)} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
+            g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
             small = {"coef": np.concatenate([alpha, C.reshape(-1)]).astype(dtype)}  # alpha, then C_1..C_k
             msgs = self.pcg_messages(rows, g, {"phase": "pcg_step", "epoch": it, **self.checkpoint_config(it)})
             replies = self.send({k: ({**a, **small}, cfg) for k, (a, cfg) in msgs.items()})
