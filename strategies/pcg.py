@@ -145,8 +145,9 @@ class PCGSolver(LoJStrategy):
         }
 
     def pcg_window(self) -> int:
-        """algorithm.window: the multipreconditioned CG's window (0: the classic recurrence)."""
-        return int(getattr(self.params, "window", 0))
+        """algorithm.window: the multipreconditioned CG's window (0: the classic recurrence); PCGParams' default
+        where the algorithm's settings have none (a coreset's train=pcg)."""
+        return int(getattr(self.params, "window", PCGParams.window))
 
     def pcg_loop(self, done: int, loop: dict) -> None:
         if "window" in loop:
