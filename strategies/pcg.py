@@ -127,6 +127,9 @@ class PCGSolver(LoJStrategy):
         grams = self.shard_sums({t: {"G": G[t], "s": s[t]} for t in G}, "pcg_gram", "train")
         rows = {t: {"G": G[t], "s": s[t], **(extra or {}).get(t, {})} for t in self.spec.table_names}
         config = {"phase": self.setup_phase, "N": self.pcg_N, "d_out": self.d_out}
+        window = self.pcg_window()
+        if window:
+            return self.mpcg_start(rows, grams, {**config, "window": window, "cols": len(self.spec.table_names)})
         replies = self.send(self.pcg_messages(rows, grams, config))
         rz, zz, zp, rr = self.dots(replies)
         zero = {t: np.zeros_like(h, dtype=np.float64) for t, h in self.gather(replies, "h").items()}
@@ -141,7 +144,15 @@ class PCGSolver(LoJStrategy):
             "stopped": rr == 0.0,
         }
 
+    def pcg_window(self) -> int:
+        """algorithm.window: the multipreconditioned CG's window (0: the classic recurrence); PCGParams' default
+        where the algorithm's settings have none (a coreset's train=pcg)."""
+        return int(getattr(self.params, "window", PCGParams.window))
+
     def pcg_loop(self, done: int, loop: dict) -> None:
+        if "window" in loop:
+            self.mpcg_loop(done, loop)
+            return
         beta_ridge = float(self.cfg.model.beta)
         for it in range(done + 1, int(self.cfg.epochs) + 1):
             if loop.get("stopped"):
@@ -154,8 +165,8 @@ class PCGSolver(LoJStrategy):
             p_Ap = float(np.dot(self.weighted(H), H)) / self.pcg_N + beta_ridge * pp
             alpha = rz / p_Ap
             s = self.segment_sums(H)
-            # float64 whatever the run's precision (float32 segment sums stall CG near the solution)
-            rows = {t: {"s": s[t]} for t in self.spec.table_names}
+            dtype = self.state_dtype  # the run's precision, as ADMM's Y (float64 runs stay exact)
+            rows = {t: {"s": s[t].astype(dtype)} for t in self.spec.table_names}
             g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
             config = {"phase": "pcg_step", "epoch": it, "alpha": alpha, "beta": beta, **self.checkpoint_config(it)}
             replies = self.send(self.pcg_messages(rows, g, config))
@@ -184,6 +195,132 @@ class PCGSolver(LoJStrategy):
                 "rr0": loop["rr0"],
                 "stopped": stop,
             }
+            self.record_stop(it, relative, stop)
+            self.end_epoch(it, loop)
+
+    # ------------------------------------------------------------------------------------------ one direction per table
+
+    def mpcg_start(self, rows, grams, config: dict) -> dict:
+        """pcg_setup with ``window``: each table is told its column of the direction blocks."""
+        col = {t: i for i, t in enumerate(self.spec.table_names)}
+        msgs = self.pcg_messages(rows, grams, config)
+        msgs = {k: (a, {**c, "col": col[k[0]]}) for k, (a, c) in msgs.items()}
+        replies = self.send(msgs)
+        dots = self.table_dots(replies)
+        rr = sum(float(v[2]) for v in dots.values())
+        htheta = {t: np.zeros(len(h), np.float64) for t, h in self.gather(replies, "h").items()}
+        return {
+            "window": int(config["window"]),
+            "hz": self.gather(replies, "h"),
+            "dots": dots,
+            "htheta": htheta,
+            "past": [],  # per window iteration: A P_j over the joined rows, T_i P_j per table, pinv(P_j^T K P_j)
+            "S": np.zeros((0, 0)),  # the Euclidean Gram of the window's direction blocks, P_i^T P_j
+            "rr0": rr,
+            "stopped": rr == 0.0,
+        }
+
+    def table_dots(self, replies: Mapping[ClientKey, Reply]) -> dict[str, np.ndarray]:
+        """Each table's partial inner products (one shard per table: the shards hold the same block vectors)."""
+        out = {t: np.asarray(replies[(t, r.shards[0])][0]["dots"], np.float64).ravel() for t, r in self.routers.items()}
+        bad = [t for t, v in out.items() if not np.all(np.isfinite(v))]
+        if bad:
+            raise RuntimeError(f"pcg: non-finite inner products from table {bad[0]!r}")
+        return out
+
+    def mpcg_direction(self, loop: dict, dtype) -> dict:
+        """The next direction block from the tables' T_i z_i and partial dots (Bridson & Greif 2006, Alg. 2):
+        Z = [z_1 e_1 .. z_M e_M] (the block-Jacobi preconditioned residual split by table), A-orthogonalized
+        against the window's blocks, P = Z - sum_j P_j C_j with C_j = (P_j^T K P_j)^+ P_j^T K Z, and the step
+        alpha = (P^T K P)^+ P^T r that minimizes the K-norm error over x + span(P) (K = A^T W A / N + beta I).
+        Everything from values the server holds: A Z from the outputs, the K-products from A P over the joined
+        rows and the Euclidean ones (beta's term) from the tables' partial dots and the window's Gram S.
+        C and alpha are rounded to ``dtype``, the precision they travel in, before the server uses them: the
+        server's A P, T_i P and step are those of the tables' P."""
+        tables = list(self.spec.table_names)
+        c, N, beta = len(tables), self.pcg_N, float(self.cfg.model.beta)
+        past, S = loop["past"], loop["S"]
+        k = len(past)
+        dots = loop["dots"]
+        rz = np.array([dots[t][0] for t in tables])
+        ZtP = [np.zeros((c, c)) for _ in range(k)]  # Z^T P_j: row col from the table in that column
+        Ptr = [np.zeros(c) for _ in range(k)]  # P_j^T r: summed over the tables
+        for col, t in enumerate(tables):
+            v = dots[t][3:]
+            if v.shape != (2 * c * k,):
+                raise RuntimeError(f"pcg: table {t!r} sent {v.size} window dots, expected {2 * c * k}")
+            v = v.reshape(k, 2, c)
+            for j in range(k):
+                ZtP[j][col] = v[j, 0]
+                Ptr[j] += v[j, 1]
+        AZ = np.zeros((self.pcg_map.N, c))
+        for col, t in enumerate(tables):
+            AZ[:, col] = np.asarray(loop["hz"][t], np.float64).ravel()[self.pcg_map.p[t]]
+        WAZ = AZ if self.pcg_w is None else self.pcg_w[:, None] * AZ
+        C = [past[j]["Qp"] @ (past[j]["AP"].T @ WAZ / N + beta * ZtP[j].T) for j in range(k)]
+        C = [np.asarray(Cj, dtype).astype(np.float64) for Cj in C]
+        AP = AZ - sum((past[j]["AP"] @ C[j] for j in range(k)), np.zeros_like(AZ))
+        TP = {}
+        for col, t in enumerate(tables):
+            out = np.zeros((len(loop["hz"][t]), c))
+            out[:, col] = np.asarray(loop["hz"][t], np.float64).ravel()
+            TP[t] = out - sum((past[j]["TP"][t] @ C[j] for j in range(k)), np.zeros_like(out))
+        # Euclidean products: P^T P_i = Z^T P_i - sum_j C_j^T P_j^T P_i, P^T P = Z^T P - sum_j C_j^T (P_j^T P)
+        blocks = [[S[j * c : (j + 1) * c, i * c : (i + 1) * c] for i in range(k)] for j in range(k)]
+        PtPi = [ZtP[i] - sum((C[j].T @ blocks[j][i] for j in range(k)), np.zeros((c, c))) for i in range(k)]
+        ZtPnew = np.diag([dots[t][1] for t in tables]) - sum((ZtP[j] @ C[j] for j in range(k)), np.zeros((c, c)))
+        PtP = ZtPnew - sum((C[j].T @ PtPi[j].T for j in range(k)), np.zeros((c, c)))
+        Pr = rz - sum((C[j].T @ Ptr[j] for j in range(k)), np.zeros(c))
+        WAP = AP if self.pcg_w is None else self.pcg_w[:, None] * AP
+        Q = AP.T @ WAP / N + beta * (PtP + PtP.T) / 2
+        Q = (Q + Q.T) / 2
+        Qp = np.linalg.pinv(Q, rcond=1e-13, hermitian=True)
+        alpha = np.asarray(Qp @ Pr, dtype).astype(np.float64)
+        S_new = np.zeros(((k + 1) * c, (k + 1) * c))
+        S_new[: k * c, : k * c] = S
+        for i in range(k):  # P^T P_i and its transpose
+            S_new[k * c :, i * c : (i + 1) * c] = PtPi[i]
+            S_new[i * c : (i + 1) * c, k * c :] = PtPi[i].T
+        S_new[k * c :, k * c :] = (PtP + PtP.T) / 2
+        return {"C": np.array(C).reshape(k, c, c), "alpha": alpha, "AP": AP, "TP": TP, "Qp": Qp, "S": S_new}
+
+    def mpcg_loop(self, done: int, loop: dict) -> None:
+        """The iterations of the multipreconditioned CG: one round trip each (s, C, alpha down; T z and the
+        partial dots up), as the classic recurrence's."""
+        beta_ridge, tables = float(self.cfg.model.beta), list(self.spec.table_names)
+        c, window = len(tables), int(loop["window"])
+        for it in range(done + 1, int(self.cfg.epochs) + 1):
+            if loop.get("stopped"):
+                break
+            dtype = self.state_dtype  # the messages in the run's precision, as ADMM's (float64 runs stay exact)
+            step = self.mpcg_direction(loop, dtype)
+            C, alpha = step["C"], step["alpha"]
+            H = step["AP"] @ alpha
+            s = self.segment_sums(H)
+            rows = {t: {"s": s[t].astype(dtype)} for t in tables}
+            g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
+            small = {"coef": np.concatenate([alpha, C.reshape(-1)]).astype(dtype)}  # alpha, then C_1..C_k
+            msgs = self.pcg_messages(rows, g, {"phase": "pcg_step", "epoch": it, **self.checkpoint_config(it)})
+            replies = self.send({k: ({**a, **small}, cfg) for k, (a, cfg) in msgs.items()})
+            dots = self.table_dots(replies)
+            htheta = {t: loop["htheta"][t] + step["TP"][t] @ alpha for t in tables}
+            rr = sum(float(v[2]) for v in dots.values())
+            relative = float(np.sqrt(max(rr, 0.0) / loop["rr0"]))
+            H_theta = joined_predictions(self.pcg_map.p, {t: v[:, None] for t, v in htheta.items()})
+            losses = loss_np(self.task, H_theta, self.pcg_y.reshape(H_theta.shape)).ravel()
+            train_loss = float(np.sum(self.weighted(losses))) / self.pcg_N
+            reg = sum(float(replies[(t, r.shards[0])][1].get("R", 0.0)) for t, r in self.routers.items())
+            self.record_epoch(
+                it,
+                self.pcg_test_predictions({t: v[:, None] for t, v in htheta.items()}),
+                train_loss,
+                {"objective": train_loss + beta_ridge * reg, "relative_residual": relative, **self.pcg_extra()},
+            )
+            stop = rr == 0.0 or (self.params.tol > 0 and relative <= self.params.tol)
+            past = [*loop["past"], {"AP": step["AP"], "TP": step["TP"], "Qp": step["Qp"]}][-window:]
+            S = step["S"][-window * c :, -window * c :]
+            loop = {**loop, "hz": self.gather(replies, "h"), "dots": dots, "htheta": htheta, "past": past, "S": S}
+            loop["stopped"] = stop
             self.record_stop(it, relative, stop)
             self.end_epoch(it, loop)
 

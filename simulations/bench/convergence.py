@@ -110,6 +110,8 @@ def _run_case(args: dict[str, Any]) -> dict[str, Any]:
 #: with the paper's iteration and Boyd's residual balancing, the old defaults)
 MATRIX_ALGORITHMS: dict[str, tuple[str, ...]] = {
     "pcg": ("algorithm=pcg", "algorithm.tol=0"),
+    # the classic block-Jacobi PCG recurrence (one search direction, not one per table)
+    "pcg_classic": ("algorithm=pcg", "algorithm.tol=0", "algorithm.window=0"),
     "admm": ("algorithm=admm", "algorithm.tol=0"),
     "admm_prev": ("algorithm=admm", "algorithm.tol=0", "algorithm.anderson=0"),
     "admm_old": (
@@ -180,7 +182,7 @@ def matrix_cell(overrides: list[str], epochs: int, algorithms: list[str]) -> dic
         constant_metric=float(constant_predictor_metric(rel)[results.metric]),
     )
     for name in algorithms:
-        if name == "pcg" and task != "regression":
+        if name.startswith("pcg") and task != "regression":
             continue
         cfg = compose_config(*overrides, *MATRIX_ALGORITHMS[name], f"epochs={epochs}")
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ import torch
 
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, sharded
-from tpflower.params import AlgorithmParams, nonnegative, param
+from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
@@ -52,6 +52,9 @@ class PCGParams(AlgorithmParams):
     """algorithm.* of algorithm=pcg (conf/algorithm/pcg.yaml)."""
 
     tol: float = param(nonnegative, 1e-8)  # stop once ||r|| <= tol ||r_0|| (normal equations' residual); 0: never
+    # one search direction per table (multipreconditioned CG, Bridson & Greif 2006), A-orthogonalized against the
+    # last ``window`` iterations' directions; 0: one direction, the classic block-Jacobi PCG recurrence
+    window: int = param(nonnegative_int, 4)
 
 
 @dataclass
@@ -66,6 +69,12 @@ class PCGState(StateRecord):
     p: np.ndarray | None = None
     N: int = 0
     rows: np.ndarray | None = None
+    # multipreconditioned CG (window > 0): the table's blocks of the last ``window`` direction blocks P_j (k x d x c)
+    # and its column among the c = M directions
+    P: np.ndarray | None = None
+    window: int = 0
+    col: int = 0
+    cols: int = 0
 
     @classmethod
     def of(cls, client: TableClient) -> PCGState:
@@ -130,6 +139,36 @@ def _dots(st: PCGState, p_prev: np.ndarray) -> np.ndarray:
     return np.array([st.r @ st.z, st.z @ st.z, st.z @ p_prev, st.r @ st.r])
 
 
+def _multi_dots(st: PCGState) -> np.ndarray:
+    """Multipreconditioned CG's partial inner products over this table's block: [r.z, z.z, r.r], then per window
+    direction block P_j (oldest first) P_j^T z and P_j^T r (c values each)."""
+    head = [st.r @ st.z, st.z @ st.z, st.r @ st.r]
+    assert st.P is not None
+    tail = [np.concatenate([Pj.T @ st.z, Pj.T @ st.r]) for Pj in st.P]
+    return np.concatenate([head, *tail])
+
+
+def _multi_step(client: TableClient, st: PCGState, arrays: Arrays, g: np.ndarray) -> None:
+    """P_k = Z - sum_j P_j C_j (Z: z in this table's column, C_j the server's A-orthogonalization coefficients);
+    theta += P_k alpha; r -= A P_k alpha (g = T^T P^T W A P_k alpha); the window keeps the last ``window`` P's."""
+    assert st.P is not None and st.z is not None and st.r is not None and st.theta is not None
+    k, c = len(st.P), st.cols
+    coef = _vector(arrays, "coef")
+    if coef.shape != (c + k * c * c,) or not np.all(np.isfinite(coef)):
+        raise ValueError(
+            f"table {client.settings.table!r}: coef must hold alpha and {k} {c}x{c} blocks C_j ({c + k * c * c} "
+            f"finite values), got {coef.size}"
+        )
+    alpha, C = coef[:c], coef[c:].reshape(k, c, c)
+    P = np.zeros((len(st.z), c))
+    P[:, st.col] = st.z
+    P -= np.einsum("kdc,kce->de", st.P, C)
+    step = P @ alpha
+    st.theta = st.theta + step
+    st.r = st.r - (g / st.N + float(client.settings.model["beta"]) * step)
+    st.P = np.concatenate([st.P, P[None]])[-st.window :]
+
+
 def pcg_setup(
     client: TableClient, arrays: Arrays, config: Mapping[str, Any], rows: np.ndarray | None = None
 ) -> tuple[Arrays, dict[str, Any]]:
@@ -149,11 +188,14 @@ def pcg_setup(
     r = g / N
     z = scipy.linalg.cho_solve((L, True), r)
     zero = np.zeros_like(r)
-    st = PCGState(L, zero, r, z, zero, N, rows)
+    window, col, cols = (int(config.get(k, 0)) for k in ("window", "col", "cols"))
+    if window and not 0 <= col < cols:
+        raise ValueError(f"table {client.settings.table!r}: direction column {col} is not one of {cols}")
+    st = PCGState(L, zero, r, z, zero, N, rows, np.zeros((0, d, cols)), window, col, cols)
     st.save(client.state)
     set_theta(model, zero)
     client.state.save_model(model)
-    return {"h": wire(client, T @ z), "dots": _dots(st, zero)}, {}
+    return {"h": wire(client, T @ z), "dots": _multi_dots(st) if window else _dots(st, zero)}, {}
 
 
 def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -163,19 +205,23 @@ def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     client.state.set_scalar(PARTIAL, 0)
     model = client.model(config)
     T = design(client, model, st.rows)
-    alpha, beta = float(config["alpha"]), float(config["beta"])
     g = _vector(arrays, "g") if "g" in arrays else T.T @ _vector(arrays, "s")
     if g.shape != st.r.shape:
         raise ValueError(f"table {client.settings.table!r}: g must have length {len(st.r)}, got {len(g)}")
-    st.p = st.z + beta * st.p
-    Ap = g / st.N + float(client.settings.model["beta"]) * st.p
-    st.theta = st.theta + alpha * st.p
-    st.r = st.r - alpha * Ap
+    if st.window:
+        _multi_step(client, st, arrays, g)
+    else:
+        alpha, beta = float(config["alpha"]), float(config["beta"])
+        st.p = st.z + beta * st.p
+        Ap = g / st.N + float(client.settings.model["beta"]) * st.p
+        st.theta = st.theta + alpha * st.p
+        st.r = st.r - alpha * Ap
     st.z = scipy.linalg.cho_solve((st.L, True), st.r)
     st.save(client.state)
     set_theta(model, st.theta)
     client.state.save_model(model)
-    return {"h": wire(client, T @ st.z), "dots": _dots(st, st.p)}, client.reg_metrics(model)
+    dots = _multi_dots(st) if st.window else _dots(st, st.p)
+    return {"h": wire(client, T @ st.z), "dots": dots}, client.reg_metrics(model)
 
 
 START = Stage("start", {"pcg_setup": Phase(pcg_setup)})
