@@ -264,3 +264,15 @@ def test_the_supernodes_tracing_layer_is_skipped_while_tracing_is_off(monkeypatc
     assert gated == flowers and RuntimeTracingMiddleware in gated  # same layers, same order
     assert [m.cls for m in app.user_middleware].count(flower_patch.PathGate) == 1
     assert TestClient(app).get("/health").status_code < 500  # the app still answers
+
+
+def test_node_services_sharing_a_machine_split_its_cores():
+    from simulations import deploy, node
+
+    assert [deploy.node_threads(n, cpus=2) for n in (1, 2, 3, 5)] == [2, 1, 1, 1]
+    assert deploy.node_threads(3, cpus=8) == 2
+    cmd = deploy.node_command(9092, 9094, "ratings", 0, "c.yaml", "ca.crt", "n.key", torch_threads=1)
+    assert cmd[cmd.index("--torch-threads") + 1] == "1"
+    assert "--torch-threads" not in deploy.node_command(9092, 9094, "ratings", 0, "c.yaml", "ca.crt", "n.key")
+    with pytest.raises(SystemExit):
+        node.main(["--client-config", "c.yaml", "--torch-threads", "0"])
