@@ -276,3 +276,28 @@ def test_node_services_sharing_a_machine_split_its_cores():
     assert "--torch-threads" not in deploy.node_command(9092, 9094, "ratings", 0, "c.yaml", "ca.crt", "n.key")
     with pytest.raises(SystemExit):
         node.main(["--client-config", "c.yaml", "--torch-threads", "0"])
+
+
+def test_after_a_task_the_service_asks_again_only_at_a_ring(monkeypatch):
+    from types import SimpleNamespace
+
+    from tpflower.app import node_service
+
+    events, stop = [], threading.Event()
+
+    class Client:
+        def AcquireTask(self, request):  # Flower's method name
+            events.append("ask")
+            if events.count("ask") == 3:
+                stop.set()
+            first = events.count("ask") == 1
+            return SimpleNamespace(HasField=lambda name: first, token="t" if first else "", task=SimpleNamespace())
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(node_service, "runtime_client", lambda address, token: Client())
+    monkeypatch.setattr(node_service, "serve_task", lambda *args: events.append("task") or "")
+    monkeypatch.setattr(node_service, "wait_for_ring", lambda bell, timeout: events.append("ring") or True)
+    node_service.serve("127.0.0.1:1", None, None, ("a", "1"), stop=stop, bell=object())
+    assert events == ["ask", "task", "ring", "ask", "ring", "ask", "ring"]  # no ask without a ring in between
