@@ -422,10 +422,13 @@ def node_command(
     client_config: str | Path,
     ca: str | Path | None = None,
     auth_key: str | Path | None = None,
+    torch_threads: int | None = None,
 ) -> list[str]:
     """The owner's node service of one table shard (simulations.node): a process-isolated SuperNode whose
-    Runtime API is on 127.0.0.1:``runtime_port``, answered by the owner's installed tpflower only."""
+    Runtime API is on 127.0.0.1:``runtime_port``, answered by the owner's installed tpflower only;
+    ``torch_threads``: its share of the machine's cores (default: torch's, every core)."""
     security = node_security(ca, auth_key)
+    threads = ["--torch-threads", str(torch_threads)] if torch_threads else []
     return [
         sys.executable,
         "-m",
@@ -441,7 +444,15 @@ def node_command(
         "--runtime-port",
         str(runtime_port),
         *security,
+        *threads,
     ]
+
+
+def node_threads(nodes: int, cpus: int | None = None) -> int:
+    """Each of ``nodes`` node services on one machine: its share of the ``cpus`` cores (at least one) for
+    torch's parallel work. With torch's default every service would start a thread per core, and the nodes'
+    threads would outnumber the cores and wait on each other (OpenMP threads spin while they wait)."""
+    return max(1, (cpus or os.cpu_count() or 1) // max(nodes, 1))
 
 
 def node_env(env: dict[str, str]) -> dict[str, str]:
@@ -554,6 +565,7 @@ def start(
         _wait_http(f"{'https' if tls else 'http'}://{dep.address}/health", proc, log, timeout, dep.ca)
         write_connection(Path(dep.flwr_home), connection, dep.address, dep.ca)
         nodes = []
+        threads = node_threads(len(client_configs))
         for (table, shard), client_config in client_configs.items():
             auth_key = None
             if tls is not None:
@@ -562,7 +574,7 @@ def start(
             node_port = free_port()
             log = state / f"supernode-{table}-{shard}.log"
             proc = spawn(
-                node_command(dep.superlink_port, node_port, table, shard, client_config, dep.ca, auth_key),
+                node_command(dep.superlink_port, node_port, table, shard, client_config, dep.ca, auth_key, threads),
                 log,
                 node_env(env),
                 workdir,

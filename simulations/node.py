@@ -176,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--slow-supernode", action="store_true", help="Flower's own SuperNode sleeps (3 s idle)")
     parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="threads for torch's (and OpenMP's) parallel work in this service (default: torch's, one per core); "
+        "nodes that share a machine's cores each take their share (simulations.deploy start does)",
+    )
+    parser.add_argument(
         "--reset-label-dp",
         action="store_true",
         help="delete this node's stored label-DP draws (the next run draws afresh, spending the label budget "
@@ -184,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reset_label_dp:
         return reset_label_dp(args.client_config, args.table)
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            parser.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
+        # read as torch (and its OpenMP runtime) loads, for every thread: torch is not imported yet
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.torch_threads)
     level = logging.DEBUG if os.environ.get("TPFLOWER_NODE_TRACE") == "1" else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
     for noisy in ("httpx", "httpcore"):  # one line per Runtime API call otherwise

@@ -19,6 +19,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from tpflower.app.flower_patch import HELD_PULL_S
 from tpflower.records import PAYLOAD, VALUE, Arrays
 
 ClientKey = tuple[str, int]  # (table, shard)
@@ -67,7 +68,9 @@ class GridTransport(Transport):
     request to the SuperLink. Once :data:`LEARN_AFTER` rounds of a kind (:func:`round_kind`) have been
     timed, the first pull of the next comes after :data:`LEARNT_FRACTION` of the shortest of the last
     :data:`LEARN_MEMORY` (a run's rounds of one kind take about as long; the shortest bounds how late a
-    quicker round's replies can be picked up)."""
+    quicker round's replies can be picked up). A SuperLink that holds pulls until the replies are there
+    (tpflower.app.held_pulls) is seen by a pull taking :data:`HELD_PULL_S` or longer: then every pull comes at
+    once, the link does the waiting."""
 
     MIN_WAIT_S, MAX_WAIT_S, WAIT_FRACTION = 0.0005, 0.5, 0.1
     LEARN_AFTER, LEARN_MEMORY, LEARNT_FRACTION = 2, 4, 0.8
@@ -76,11 +79,13 @@ class GridTransport(Transport):
         self.grid = grid
         self.timeout_s = timeout_s
         self._took: dict[tuple[str, ...], deque[float]] = {}
+        self.link_holds = False  # the last telling pull was held (see the class doc)
 
     def first_wait(self, kind: tuple[str, ...]) -> float:
-        """How long to wait before the first reply pull of a round of ``kind`` (0 until learnt)."""
+        """How long to wait before the first reply pull of a round of ``kind`` (0 until learnt, and with a
+        link that holds pulls)."""
         took = self._took.get(kind, ())
-        return self.LEARNT_FRACTION * min(took) if len(took) >= self.LEARN_AFTER else 0.0
+        return self.LEARNT_FRACTION * min(took) if len(took) >= self.LEARN_AFTER and not self.link_holds else 0.0
 
     def node_ids(self) -> list[int]:
         return list(self.grid.get_node_ids())
@@ -93,7 +98,9 @@ class GridTransport(Transport):
         deadline = start + self.timeout_s
         time.sleep(max(self.first_wait(kind) - (time.monotonic() - start), 0.0))
         while pending:
+            asked = time.monotonic()
             got = list(self.grid.pull_messages(list(pending)))
+            took = time.monotonic() - asked
             for reply in got:
                 node = pending.pop(reply.metadata.reply_to_message_id, None)
                 if node is not None and reply.has_error():
@@ -101,13 +108,17 @@ class GridTransport(Transport):
                     # it is about the node the message was for, so name that node
                     reply.metadata.__dict__["_src_node_id"] = node
             replies.extend(got)
+            if took >= HELD_PULL_S:
+                self.link_holds = True
             if not pending:
                 break
+            self.link_holds = took >= HELD_PULL_S  # came back short: held, or answered at once
             if time.monotonic() > deadline:
                 late = ", ".join(self.name(node) for node in pending.values())
                 raise RunError(f"no reply within {self.timeout_s:.0f} s from {late}")
-            waited = time.monotonic() - start
-            time.sleep(min(max(self.WAIT_FRACTION * waited, self.MIN_WAIT_S), self.MAX_WAIT_S))
+            if not self.link_holds:
+                waited = time.monotonic() - start
+                time.sleep(min(max(self.WAIT_FRACTION * waited, self.MIN_WAIT_S), self.MAX_WAIT_S))
         self._took.setdefault(kind, deque(maxlen=self.LEARN_MEMORY)).append(time.monotonic() - start)
         return replies
 

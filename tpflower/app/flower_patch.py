@@ -78,7 +78,9 @@ class _FastSleepTime:
     :data:`NODE_MIN_WAIT_S` (they also reset the idle backoff: a message is being answered). Within a run, the
     first wait after a reply is :data:`NODE_GAP_FRACTION` of the last wait for a message (at most
     :data:`NODE_GAP_MAX_S`): a run's rounds come at a steady pace, and every empty pull is a request to the
-    SuperLink. Everything else is the time module."""
+    SuperLink. A pull that took :data:`HELD_PULL_S` or longer to come back empty was held by the SuperLink
+    (tpflower.app.held_pulls: it waited for a message itself): the next pull comes after :data:`NODE_HELD_WAIT_S`.
+    Everything else is the time module."""
 
     def __init__(self) -> None:
         self._idle = NODE_MIN_WAIT_S
@@ -86,9 +88,13 @@ class _FastSleepTime:
         self._idle_since: float | None = None  # the first empty pull after the last message
         self._woke = 0.0  # the end of the last wait after an empty pull
         self._gap = 0.0  # the last wait for a message: first empty pull to the last one that found none
+        self.pull_s = 0.0  # how long the last pull took (:func:`timed_pulls`)
 
     def sleep(self, seconds: float) -> None:
-        if seconds == 3:  # the empty pull
+        if seconds == 3 and self.pull_s >= HELD_PULL_S:  # an empty pull the SuperLink held: pull again now
+            self._idle_since = None
+            time.sleep(NODE_HELD_WAIT_S)
+        elif seconds == 3:  # the empty pull
             now = time.monotonic()
             in_run = now - self._answered < NODE_RUN_S
             wait = self._idle
@@ -115,6 +121,8 @@ class _FastSleepTime:
 NODE_MIN_WAIT_S, NODE_MAX_WAIT_S = 0.005, 0.1
 NODE_RUN_S, NODE_RUN_MAX_WAIT_S = 2.0, 0.02  # within a run: at most 20 ms from a message to its pull
 NODE_GAP_FRACTION, NODE_GAP_MAX_S = 0.6, 0.25
+HELD_PULL_S = 0.2  # an empty pull (or a ServerApp's short one) this long was held by the SuperLink
+NODE_HELD_WAIT_S = 0.001
 OBJECT_PULL_BACKOFF_S, OBJECT_PULL_CAP_S = 0.005, 0.1  # Flower: from 1 s to 10 s (supercore/constant.py)
 
 
@@ -146,9 +154,27 @@ def install_fast_supernode(flwr_version: str | None = None) -> bool:
         return False
     from flwr.supernode import start_client_internal  # noqa: PLC0415  only in the SuperNode's process
 
-    start_client_internal.time = _FastSleepTime()  # type: ignore[assignment]
+    sleeper = _FastSleepTime()
+    start_client_internal.time = sleeper  # type: ignore[assignment]
+    start_client_internal._pull_and_store_message = timed_pulls(  # type: ignore[attr-defined]
+        start_client_internal._pull_and_store_message, sleeper
+    )
     fast_object_pulls(start_client_internal)
     return True
+
+
+def timed_pulls(pull_and_store: Any, sleeper: _FastSleepTime) -> Any:
+    """Flower's ``_pull_and_store_message`` telling ``sleeper`` how long it took (``pull_s``)."""
+
+    @functools.wraps(pull_and_store)
+    def pull(*args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return pull_and_store(*args, **kwargs)
+        finally:
+            sleeper.pull_s = time.monotonic() - start
+
+    return pull
 
 
 def identity_only_task_input(pull_task_input: Any) -> Any:
@@ -257,9 +283,9 @@ def install_tasks_when_ready(flwr_version: str | None = None, port: int | None =
 
 
 class PathGate:
-    """A Starlette middleware run only for the requests it acts on: any other HTTP request goes straight to the
-    next layer (a pure ASGI hop instead of a BaseHTTPMiddleware pass-through, which costs an anyio task group
-    and a streamed response per layer and request)."""
+    """A Starlette middleware run only for the requests it acts on (``acts_on(scope)``): any other HTTP request
+    goes straight to the next layer (a pure ASGI hop instead of a BaseHTTPMiddleware pass-through, which costs
+    an anyio task group and a streamed response per layer and request)."""
 
     def __init__(self, app: Any, middleware: type, acts_on: Any, **kwargs: Any) -> None:
         self.app = app
@@ -267,21 +293,28 @@ class PathGate:
         self.acts_on = acts_on
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not self.acts_on(scope["path"]):
+        if scope["type"] == "http" and not self.acts_on(scope):
             await self.app(scope, receive, send)
         else:
             await self.middleware(scope, receive, send)
 
 
-def _control_path(path: str) -> bool:
-    return path.startswith("/v1/control/")
+def _control_path(scope: Any) -> bool:
+    return str(scope["path"]).startswith("/v1/control/")
 
 
-def _fleet_path(path: str) -> bool:
-    return path.startswith("/v1/fleet/")
+def _fleet_path(scope: Any) -> bool:
+    return str(scope["path"]).startswith("/v1/fleet/")
 
 
-def _tracing(_path: str) -> bool:
+def _fleet_event_log(scope: Any) -> bool:
+    """A Fleet request on a SuperLink with an event log plugin (what FleetEventLogMiddleware checks first)."""
+    app = scope.get("app")
+    plugin = getattr(getattr(app, "state", None), "fleet_event_log_plugin", None)
+    return _fleet_path(scope) and plugin is not None
+
+
+def _tracing(_scope: Any) -> bool:
     import os  # noqa: PLC0415
 
     return os.getenv("FLWR_TRACING_ENABLED") == "1"  # what RuntimeTracingMiddleware checks per request
@@ -292,8 +325,9 @@ def gated_middleware(middleware: list[Any]) -> list[Any]:
     on every request), same order, with each layer that acts only on the Control API, only on the Fleet API or
     only when tracing is on behind a :class:`PathGate` saying so (its own code returns ``call_next`` at once for
     any other request: superlink/routers/control/middlewares.py, fleet/middlewares.py, fleet/node_auth.py,
-    supercore/routers/runtime/tracing.py). A Fleet request then passes four layers (error translation,
-    protobuf translation, node authentication, fleet event log), a ServerApp's Runtime request two."""
+    supercore/routers/runtime/tracing.py; the fleet event log acts only with an event log plugin, which a
+    SuperLink without one never has). A Fleet request then passes three layers (error translation, protobuf
+    translation, node authentication), a ServerApp's Runtime request two."""
     from flwr.supercore.routers.runtime.tracing import RuntimeTracingMiddleware  # noqa: PLC0415
     from flwr.superlink.routers.control import middlewares as control  # noqa: PLC0415
     from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware  # noqa: PLC0415
@@ -307,7 +341,7 @@ def gated_middleware(middleware: list[Any]) -> list[Any]:
         control.ControlEventLogMiddleware: _control_path,
         RuntimeTracingMiddleware: _tracing,
         NodeAuthMiddleware: _fleet_path,
-        FleetEventLogMiddleware: _fleet_path,
+        FleetEventLogMiddleware: _fleet_event_log,
     }
     return [
         Middleware(PathGate, middleware=m.cls, acts_on=acts_on[m.cls], **m.kwargs)
@@ -326,4 +360,36 @@ def install_gated_superlink_middleware(flwr_version: str | None = None) -> bool:
 
     flowers = superlink_main._get_middleware
     superlink_main._get_middleware = functools.wraps(flowers)(lambda: gated_middleware(flowers()))
+    return True
+
+
+def gated_supernode_app(create_app: Any) -> Any:
+    """Flower 1.41's SuperNode Runtime API app (supernode/main.py ``create_app``: three BaseHTTPMiddleware
+    layers on every request) with its tracing layer behind a :class:`PathGate` (it acts only when tracing is
+    on): a node service's request then passes two layers (error and protobuf translation)."""
+    from flwr.supercore.routers.runtime.tracing import RuntimeTracingMiddleware  # noqa: PLC0415
+    from starlette.middleware import Middleware  # noqa: PLC0415
+
+    @functools.wraps(create_app)
+    def create(*args: Any, **kwargs: Any) -> Any:
+        app = create_app(*args, **kwargs)
+        app.user_middleware = [
+            Middleware(PathGate, middleware=m.cls, acts_on=_tracing)
+            if m.cls is RuntimeTracingMiddleware and not m.args and not m.kwargs
+            else m
+            for m in app.user_middleware
+        ]
+        return app
+
+    return create
+
+
+def install_gated_supernode_middleware(flwr_version: str | None = None) -> bool:
+    """Gate the SuperNode Runtime API's tracing layer (:func:`gated_supernode_app`) if the installed Flower is
+    one this was written for; else keep Flower's stack and log one notice line. In the SuperNode's process."""
+    if not supported(flwr_version, "every SuperNode middleware layer on every request"):
+        return False
+    from flwr.supernode import main as supernode_main  # noqa: PLC0415  only in the SuperNode's process
+
+    supernode_main.create_app = gated_supernode_app(supernode_main.create_app)
     return True

@@ -264,7 +264,8 @@ def serve(
     bell: socket.socket | None = None,
 ) -> None:
     """Claim and answer the SuperNode's tasks until ``stop`` is set (one at a time): asked for when ``bell``
-    rings (every :data:`DOORBELL_WAIT_S` at least), else polled with a short backoff."""
+    rings (every :data:`DOORBELL_WAIT_S` at least; after a task too, whose SuperNode creates the next one
+    only after the reply, and rings), else polled with a short backoff."""
     expected = expected or installed_app()
     stop = stop or threading.Event()
     token = TaskToken()
@@ -282,8 +283,9 @@ def serve(
                 finally:
                     token.token = None
                 wait = MIN_POLL_S
-                continue
-            if bell is not None:
+                if bell is None:
+                    continue
+            if bell is not None:  # also right after a task: the SuperNode's next one comes with a ring
                 wait_for_ring(bell, DOORBELL_WAIT_S)
                 continue
             stop.wait(wait)

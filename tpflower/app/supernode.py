@@ -1,4 +1,5 @@
-"""``flower-supernode`` with its hard-coded sleeps shortened (tpflower.app.flower_patch.install_fast_supernode):
+"""``flower-supernode`` with its hard-coded sleeps shortened (tpflower.app.flower_patch.install_fast_supernode)
+and its Runtime API's tracing layer skipped while tracing is off (install_gated_supernode_middleware):
 ``python -m tpflower.app.supernode ARGS`` takes flower-supernode's arguments. The node service
 (simulations.node) starts the owner's SuperNode this way; it runs Flower's code only. With
 ``--isolation process`` (the node service answers its tasks) its task inputs carry the app bundle's identity
@@ -17,6 +18,7 @@ from flwr.supernode.cli import flower_supernode
 from tpflower.app.flower_patch import (
     DOORBELL_ENV,
     install_fast_supernode,
+    install_gated_supernode_middleware,
     install_identity_only_task_input,
     install_tasks_when_ready,
 )
@@ -31,6 +33,7 @@ def process_isolated(argv: list[str]) -> bool:
 
 def main() -> None:
     install_fast_supernode()
+    install_gated_supernode_middleware()
     if process_isolated(sys.argv[1:]):
         install_identity_only_task_input()
         install_tasks_when_ready(port=int(os.environ.get(DOORBELL_ENV) or 0) or None)
