@@ -287,6 +287,7 @@ def simulation_case(
         "tree_peak_rss_sum_mb": peaks["tree_rss_mb"],
         "processes": peaks["processes"],
         "killed_at_tree_pss_mb": monitor.killed_at_mb,
+        "process_peaks": monitor.processes(),
         "memory_timeline": monitor.samples[:: max(1, len(monitor.samples) // 200)],
     }
     if proc.returncode != 0:
