@@ -50,11 +50,11 @@ def encode_labels(spec: RelationalSpec, values: pd.Series) -> tuple[np.ndarray, 
 
 
 def fit_rows(spec: RelationalSpec, name: str, n_table_rows: int, row_ids: np.ndarray) -> np.ndarray | None:
-    """Positions (within ``row_ids``) that preprocessing may fit on: the label table's rows outside the test
-    split; every row of the other tables (they hold no labels). None means all."""
+    """The rows (a boolean mask over ``row_ids``: 1 byte a row) that preprocessing may fit on: the label
+    table's rows outside the test split; every row of the other tables (they hold no labels). None means all."""
     if name != spec.label_table:
         return None
-    return np.flatnonzero(~holdout_mask(spec, n_table_rows)[row_ids])
+    return ~holdout_mask(spec, n_table_rows)[row_ids]
 
 
 def prepare_local_table(

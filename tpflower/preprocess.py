@@ -226,10 +226,13 @@ class TablePreprocessor:
 
     def observed_values(self, frame: pd.DataFrame, col: str, positions: np.ndarray | None) -> np.ndarray:
         """The non-missing values of numeric column ``col`` on the fit rows ``positions`` (None: all rows)."""
-        x = self._numeric_values(frame, col)
+        column = self._numeric_column(frame, col)
         if positions is not None:
-            x = x[positions]
-        return x[~np.isnan(x)]
+            column = column[positions]  # the fit rows first, in the column's own dtype
+        x = np.asarray(column, dtype=np.float64)
+        self._check_finite(col, x)
+        missing = np.isnan(x)
+        return x[~missing] if missing.any() else x
 
     def _numeric_column(self, frame: pd.DataFrame, col: str) -> np.ndarray:
         """The column's values as they are held (no copy where possible; missing values as NaN)."""

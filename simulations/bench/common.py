@@ -107,8 +107,13 @@ class TreeMonitor:
         return f"{comm}: {script}"[:80]
 
     def processes(self, min_mb: float = 50.0) -> list[dict[str, Any]]:
-        """Every process of the tree whose PSS peaked above ``min_mb``: name, peak PSS and when (s from start)."""
-        rows = [e for e in self.by_process.values() if e["peak_pss_mb"] >= min_mb]
+        """Every process of the tree whose PSS peaked above ``min_mb``: name, peak PSS and when (s from start),
+        and its PSS over time (``pss``: (s, MB), at most about 100 samples)."""
+        rows = [
+            {**e, "pss": e["pss"][:: max(1, len(e["pss"]) // 100)]}
+            for e in self.by_process.values()
+            if e["peak_pss_mb"] >= min_mb
+        ]
         return sorted(rows, key=lambda e: -e["peak_pss_mb"])
 
     def tree(self) -> list[int]:
@@ -133,7 +138,8 @@ class TreeMonitor:
         for pid, (_, pss) in zip(pids, mem):
             entry = self.by_process.get(pid)
             if entry is None:
-                entry = self.by_process[pid] = {"name": self._name(pid), "peak_pss_mb": 0.0, "at_s": now}
+                entry = self.by_process[pid] = {"name": self._name(pid), "peak_pss_mb": 0.0, "at_s": now, "pss": []}
+            entry["pss"].append((now, round(pss / 1024)))
             if pss / 1024 > entry["peak_pss_mb"]:
                 entry["peak_pss_mb"], entry["at_s"] = round(pss / 1024, 1), now
         self.samples.append((round(time.perf_counter() - self._t0, 1), round(root_rss), round(tree_pss)))
