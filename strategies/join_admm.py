@@ -21,6 +21,7 @@ from scipy.special import expit, logsumexp, softmax
 from strategies.anderson import Anderson
 from strategies.base import LoJStrategy
 from tpflower.batches import joined_predictions, sum_in_first_dtype
+from tpflower.join_counts import count_dtype
 from tpflower.losses import check_np, loss_np
 from tpflower.mapping import SegmentSums, TableMapping, chunks
 from tpflower.phases.join_admm import ADMMParams
@@ -152,8 +153,9 @@ class ADMMServer:
         self.r = self.rho / self.M if self.variant == "sharing" else self.rho
 
     def G(self) -> dict[str, np.ndarray]:
-        """G_iu (Eq. 15): constant, sent once."""
-        return {t: self.mapping.G(t).astype(np.float64) for t in self.mapping.p}
+        """G_iu (Eq. 15): constant, sent once; whole counts in the narrowest unsigned dtype (1 byte a row for
+        counts below 256)."""
+        return {t: (g := self.mapping.G(t)).astype(count_dtype(g), copy=False) for t in self.mapping.p}
 
     @property
     def z(self) -> np.ndarray:

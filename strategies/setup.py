@@ -236,13 +236,15 @@ class JoinSetup(Saved):
         for (t, q), (arrays, reply_metrics) in replies.items():
             if t != self.spec.label_table:
                 continue
-            ids, y, flags = np.asarray(arrays["row_ids"], dtype=np.int64), arrays["y"], arrays["is_test"].astype(bool)
+            ids, y, flags = np.asarray(arrays["row_ids"]), arrays["y"], arrays["is_test"].astype(bool)
             randomized = reply_metrics.get("labels") == "train_randomized"
             if randomized != self.label_dp:
                 raise RuntimeError(
                     f"label table {t!r} shard {q}: privacy={self.privacy.get('name')} but the label owner sent "
                     f"{'randomized training labels' if randomized else 'its raw labels'}"
                 )
+            if not randomized and len(ids) == n_label_rows == len(y) and self.routers[t].whole:
+                return y, flags, max(n_classes, int(reply_metrics.get("n_classes", 0))) or None  # rows in order
             if y_rows is None:
                 y_rows = np.zeros(n_label_rows, dtype=y.dtype)
             if randomized:  # training rows only, in the order of the shard's rows; test labels stay with it

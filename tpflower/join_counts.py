@@ -117,4 +117,3 @@ def _same_per_key(keys, train: np.ndarray, G: np.ndarray) -> bool:
     first = np.zeros(codes.max() + 1)
     first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
     return not (first[codes] != G[train]).any()
-
