@@ -213,7 +213,8 @@ class ADMMServer:
             self.D[s] = D
         N = self.mapping.N
         # the outputs as received, in their dtype (float32 in a float32 run: a lossless copy of what was sent)
-        self._h = {t: np.array(v) for t, v in h.items()}
+        # (a read-only array, as a message's arrays are, is kept as it is: nothing can change it)
+        self._h = {t: v if not v.flags.writeable else np.array(v) for t, v in map(_as_array, h.items())}
         self._loss = loss / N if N else float("nan")
         self._primal = float(np.sqrt(primal_sq))
         # rho of this iteration: the one the clients' theta-update used (before any change below)
@@ -466,6 +467,10 @@ def admm_rho(value, task: str, anderson: bool = False) -> float:
     if value == "auto":
         return (AUTO_RHO_ANDERSON if anderson else AUTO_RHO)[task]
     return float(value)
+
+
+def _as_array(item: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
+    return item[0], np.asarray(item[1])
 
 
 class TPJoinADMM(LoJStrategy):

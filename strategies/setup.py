@@ -354,13 +354,21 @@ class ShardRouter:
         self.shards = sorted(row_ids_by_shard)
         self.n_rows = int(n_rows)
         width = index_dtype(n_rows)  # int32 below 2^31 rows: 4 bytes per row, whatever the reply's integer type
-        self.ids = {q: np.asarray(ids).astype(width, copy=False) for q, ids in row_ids_by_shard.items()}
-        only = self.ids[self.shards[0]] if len(self.shards) == 1 else None
+        ids = {q: np.asarray(a).astype(width, copy=False) for q, a in row_ids_by_shard.items()}
+        only = ids[self.shards[0]] if len(self.shards) == 1 else None
         self.whole = only is not None and len(only) == self.n_rows and _is_range(only)
+        self._ids = None if self.whole else ids  # a whole table's are 0..n-1: made when asked for
         self._shard_of: np.ndarray | None = None
         self._position: np.ndarray | None = None
         if not self.whole:
             self._build()
+
+    @property
+    def ids(self) -> dict[int, np.ndarray]:
+        """Each shard's global row ids, in shard order."""
+        if self._ids is None:
+            return {self.shards[0]: np.arange(self.n_rows, dtype=index_dtype(self.n_rows))}
+        return self._ids
 
     def _build(self) -> None:
         self._shard_of = np.full(self.n_rows, -1, dtype=np.int32)
