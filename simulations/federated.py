@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import Context, RecordDict
@@ -53,9 +54,11 @@ def run_flower_simulation(
     base_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
     strategy: LoJStrategy | None = None,
+    largest_table: int | None = None,
 ) -> RunResults:
     """One virtual SuperNode per table shard, client resources from conf/resources; Flower's log to flower.log.
-    ``strategy``: the strategy built for ``cfg`` already (else built here), run by the ServerApp."""
+    ``strategy``: the strategy built for ``cfg`` already (else built here), run by the ServerApp.
+    ``largest_table``: the row count of the largest table, when known (:func:`simulation_actors`)."""
     # Flower 1.41 deprecates run_simulation in favour of `flwr run` (a CLI that starts a SuperLink process and
     # reads the app's pyproject), but it is the only in-Python way to start the simulation engine with a
     # config composed by Hydra: kept here, in this one function, with its notice sent to flower.log.
@@ -69,6 +72,10 @@ def run_flower_simulation(
     if strategy is None:
         strategy = make_strategy(cfg, run_dir, base_dir, log=log)
     num = len(strategy.clients)
+    init_args: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
+    actors = simulation_actors(cfg, largest_table)
+    if actors is not None:  # Ray's logical CPUs: the pool has CPUs / num_cpus actors
+        init_args["num_cpus"] = actors * max(float(cfg.resources.num_cpus), 1.0)
     log_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="tpflower-"))
     with flower_logs_to(log_dir / FLOWER_LOG):
         run_simulation(
@@ -77,12 +84,31 @@ def run_flower_simulation(
             num_supernodes=num,
             backend_config={
                 "client_resources": resources,
-                "init_args": {"logging_level": logging.ERROR, "log_to_driver": False},
+                "init_args": init_args,
             },
         )
     if not created or created[0].results is None or not created[0].finished:
         raise RuntimeError(f"the Flower simulation ended before the algorithm finished; see {log_dir / FLOWER_LOG}")
     return created[0].results
+
+
+#: resources.actors=auto: a table of at least this many rows gets the simulation one Ray actor
+ONE_ACTOR_ROWS = 5_000_000
+
+
+def simulation_actors(cfg: DictConfig, largest_table: int | None) -> int | None:
+    """How many Ray actors run the virtual nodes (None: Flower's default, the CPUs / resources.num_cpus).
+
+    Every actor process that serves a node loads and keeps that node's table (tpflower.app.client_app's
+    caches), and Flower hands a node's messages to whichever actor is idle: with two actors a large table is
+    held twice. ``resources.actors``: a number caps the actors; ``auto`` (default) means one actor when the
+    largest table has at least ONE_ACTOR_ROWS rows (each table then held once), else Flower's default."""
+    setting = (cfg.get("resources") or {}).get("actors", "auto")
+    if setting is None or str(setting) == "auto":
+        return 1 if largest_table is not None and largest_table >= ONE_ACTOR_ROWS else None
+    if int(setting) < 1:
+        raise ValueError(f"resources.actors must be auto or >= 1, got {setting}")
+    return int(setting)
 
 
 @dataclass

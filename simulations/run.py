@@ -42,14 +42,14 @@ def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) 
     # and the runners run this very object
     spec = load_spec(cfg.dataset, base_dir=base_dir)
     strategy = build_strategy(cfg, run_dir, base_dir, log=lambda line: print(line, flush=True), spec=spec)
-    check_data(cfg, base_dir)  # and every table, all problems at once
+    n_rows = check_data(cfg, base_dir)  # and every table, all problems at once
     if not entry_of(cfg).federated:
         return strategy.run_local(base_dir)
     release_tables()  # the server holds no table during the run: each client loads its own
     if cfg.get("runtime", "flower") == "inprocess":
         results = run_in_process(cfg, run_dir, base_dir, strategy=strategy).strategy.results
     else:
-        results = run_flower_simulation(cfg, run_dir, base_dir, strategy=strategy)
+        results = run_flower_simulation(cfg, run_dir, base_dir, strategy=strategy, largest_table=max(n_rows.values()))
     assert results is not None
     return results
 
@@ -65,14 +65,18 @@ def compile_query(cfg: DictConfig, base_dir: str | Path | None = None, log: Call
         cfg.dataset = OmegaConf.create(compiled)
 
 
-def check_data(cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print) -> None:
+def check_data(
+    cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print
+) -> dict[str, int]:
     """Load and check every table before anything runs (the user owns them all in a simulation): raise
-    DataProblems with every error found; print each warning (e.g. a join that drops labelled rows)."""
-    spec, _, problems = check_dataset(cfg.dataset, base_dir)
+    DataProblems with every error found; print each warning (e.g. a join that drops labelled rows). Returns
+    each table's row count."""
+    spec, frames, problems = check_dataset(cfg.dataset, base_dir)
     if errors(problems):
         raise DataProblems(errors(problems), spec.name)
     for p in problems:
         log(f"warning: {p.line()}")
+    return {t: len(f) for t, f in frames.items()}
 
 
 def log_file(run_dir: Path) -> Path:

@@ -21,6 +21,7 @@ from scipy.special import expit, logsumexp, softmax
 from strategies.anderson import Anderson
 from strategies.base import LoJStrategy
 from tpflower.batches import joined_predictions, sum_in_first_dtype
+from tpflower.join_counts import count_dtype
 from tpflower.losses import check_np, loss_np
 from tpflower.mapping import SegmentSums, TableMapping, chunks
 from tpflower.phases.join_admm import ADMMParams
@@ -152,8 +153,9 @@ class ADMMServer:
         self.r = self.rho / self.M if self.variant == "sharing" else self.rho
 
     def G(self) -> dict[str, np.ndarray]:
-        """G_iu (Eq. 15): constant, sent once."""
-        return {t: self.mapping.G(t).astype(np.float64) for t in self.mapping.p}
+        """G_iu (Eq. 15): constant, sent once; whole counts in the narrowest unsigned dtype (1 byte a row for
+        counts below 256)."""
+        return {t: (g := self.mapping.G(t)).astype(count_dtype(g), copy=False) for t in self.mapping.p}
 
     @property
     def z(self) -> np.ndarray:
@@ -173,11 +175,10 @@ class ADMMServer:
         One pass over chunks of joined rows: H (in the clients' dtype, as they sent it, then float64), z, lambda,
         the loss and every residual sum; H and z exist only per chunk."""
         p, M, r = self.mapping.p, self.M, self.r
-        h64 = {t: np.asarray(v, dtype=np.float64) for t, v in h.items()}
         prev = self._h
         if self.anderson is not None and prev is not None:  # the iterate this update maps (update overwrites D, lam)
             self._w = [*(prev[t] for t in p), self.D.copy(), self.lam.copy()]
-        dh = None if prev is None else {t: h64[t] - prev[t] for t in p}
+        first = prev is None
         loss = primal_sq = x_sq = z_sq = dual_sq = lam_sq = 0.0
         relaxed = self.relax != 1.0 and prev is not None
         for s in chunks(self.mapping.N):
@@ -197,24 +198,27 @@ class ADMMServer:
             primal_sq += float(np.sum(D * D))
             lam_sq += float(np.sum(lam * lam))
             shift = D / M
-            if dh is not None:
+            if not first:
                 shift_change = shift - self.D[s].astype(np.float64) / M  # ((z - z_prev) - (H - H_prev)) / M
             for t, p_t in p.items():
-                x = xs[t].astype(np.float64)  # = h64[t][p_t[s]]
+                x = xs[t].astype(np.float64)  # h_i[p_i] in float64 (exact: h arrived in a float dtype)
                 x_sq += float(np.sum(x * x))
+                if not first:
+                    assert prev is not None
+                    d = (x - prev[t][p_t[s]].astype(np.float64)) + shift_change  # (h_i - h_i_prev)[p_i]
+                    dual_sq += float(np.sum(d * d))
                 x += shift  # z_i = x_i + (z - H) / M
                 z_sq += float(np.sum(x * x))
-                if dh is not None:
-                    d = dh[t][p_t[s]] + shift_change
-                    dual_sq += float(np.sum(d * d))
             self.lam[s] = lam
             self.D[s] = D
         N = self.mapping.N
-        self._h = {t: v.copy() if v is h[t] else v for t, v in h64.items()}  # the caller keeps its h
+        # the outputs as received, in their dtype (float32 in a float32 run: a lossless copy of what was sent)
+        # (a read-only array, as a message's arrays are, is kept as it is: nothing can change it)
+        self._h = {t: v if not v.flags.writeable else np.array(v) for t, v in map(_as_array, h.items())}
         self._loss = loss / N if N else float("nan")
         self._primal = float(np.sqrt(primal_sq))
         # rho of this iteration: the one the clients' theta-update used (before any change below)
-        dual = None if dh is None else self.rho * float(np.sqrt(dual_sq))
+        dual = None if first else self.rho * float(np.sqrt(dual_sq))
         root = np.sqrt(M * self.D.size) * self.tol  # sqrt(p) eps_abs (p = n = M N d_c here)
         x_scale = float(np.sqrt(max(x_sq, z_sq)))
         y_scale = float(np.sqrt(M)) * float(np.sqrt(lam_sq))
@@ -255,7 +259,7 @@ class ADMMServer:
         if nxt is g:
             return dict(h)
         out = {t: np.asarray(v, dtype=h[t].dtype) for t, v in zip(p, nxt[: len(p)], strict=True)}
-        self._h = {t: v.astype(np.float64) for t, v in out.items()}
+        self._h = {t: np.array(v) for t, v in out.items()}
         self.D = np.array(nxt[len(p)], dtype=self.dtype)
         self.lam = np.array(nxt[len(p) + 1], dtype=self.dtype)
         return out
@@ -463,6 +467,10 @@ def admm_rho(value, task: str, anderson: bool = False) -> float:
     if value == "auto":
         return (AUTO_RHO_ANDERSON if anderson else AUTO_RHO)[task]
     return float(value)
+
+
+def _as_array(item: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
+    return item[0], np.asarray(item[1])
 
 
 class TPJoinADMM(LoJStrategy):

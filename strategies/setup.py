@@ -236,13 +236,15 @@ class JoinSetup(Saved):
         for (t, q), (arrays, reply_metrics) in replies.items():
             if t != self.spec.label_table:
                 continue
-            ids, y, flags = np.asarray(arrays["row_ids"], dtype=np.int64), arrays["y"], arrays["is_test"].astype(bool)
+            ids, y, flags = np.asarray(arrays["row_ids"]), arrays["y"], arrays["is_test"].astype(bool)
             randomized = reply_metrics.get("labels") == "train_randomized"
             if randomized != self.label_dp:
                 raise RuntimeError(
                     f"label table {t!r} shard {q}: privacy={self.privacy.get('name')} but the label owner sent "
                     f"{'randomized training labels' if randomized else 'its raw labels'}"
                 )
+            if not randomized and len(ids) == n_label_rows == len(y) and self.routers[t].whole:
+                return y, flags, max(n_classes, int(reply_metrics.get("n_classes", 0))) or None  # rows in order
             if y_rows is None:
                 y_rows = np.zeros(n_label_rows, dtype=y.dtype)
             if randomized:  # training rows only, in the order of the shard's rows; test labels stay with it
@@ -343,43 +345,97 @@ class JoinSetup(Saved):
 
 
 class ShardRouter:
-    """Row ownership of one table: shard_of[u] and position[u] (row u's position within its shard)."""
+    """Row ownership of one table: shard_of[u] and position[u] (row u's position within its shard).
+
+    A table sent whole by one client, rows in order (the join scenario), needs neither: its router maps every
+    row to itself, and builds shard_of and position only when asked for them."""
 
     def __init__(self, row_ids_by_shard: Mapping[int, np.ndarray], n_rows: int):
         self.shards = sorted(row_ids_by_shard)
+        self.n_rows = int(n_rows)
         width = index_dtype(n_rows)  # int32 below 2^31 rows: 4 bytes per row, whatever the reply's integer type
-        self.ids = {q: np.asarray(ids).astype(width, copy=False) for q, ids in row_ids_by_shard.items()}
-        self.shard_of = np.full(n_rows, -1, dtype=np.int32)
-        self.position = np.full(n_rows, -1, dtype=index_dtype(n_rows))
-        for q, ids in row_ids_by_shard.items():
-            self.shard_of[ids] = q
-            self.position[ids] = np.arange(len(ids))
+        ids = {q: np.asarray(a).astype(width, copy=False) for q, a in row_ids_by_shard.items()}
+        only = ids[self.shards[0]] if len(self.shards) == 1 else None
+        self.whole = only is not None and len(only) == self.n_rows and _is_range(only)
+        self._ids = None if self.whole else ids  # a whole table's are 0..n-1: made when asked for
+        self._shard_of: np.ndarray | None = None
+        self._position: np.ndarray | None = None
+        if not self.whole:
+            self._build()
+
+    @property
+    def ids(self) -> dict[int, np.ndarray]:
+        """Each shard's global row ids, in shard order."""
+        if self._ids is None:
+            return {self.shards[0]: np.arange(self.n_rows, dtype=index_dtype(self.n_rows))}
+        return self._ids
+
+    def _build(self) -> None:
+        self._shard_of = np.full(self.n_rows, -1, dtype=np.int32)
+        self._position = np.full(self.n_rows, -1, dtype=index_dtype(self.n_rows))
+        for q, ids in self.ids.items():
+            self._shard_of[ids] = q
+            self._position[ids] = np.arange(len(ids))
+
+    @property
+    def shard_of(self) -> np.ndarray:
+        if self._shard_of is None:
+            self._build()
+        assert self._shard_of is not None
+        return self._shard_of
+
+    @property
+    def position(self) -> np.ndarray:
+        if self._position is None:
+            self._build()
+        assert self._position is not None
+        return self._position
 
     def split(self, rows: np.ndarray) -> dict[int, np.ndarray]:
         """Table rows -> {shard: positions of those rows within the shard}, in the order of ``rows``."""
+        if self.whole:
+            return {self.shards[0]: np.asarray(rows)}
         owner = self.shard_of[rows]
         return {q: self.position[rows[owner == q]] for q in self.shards}
 
     def masks(self, rows: np.ndarray) -> dict[int, np.ndarray]:
+        if self.whole:
+            return {self.shards[0]: np.ones(len(rows), dtype=bool)}
         owner = self.shard_of[rows]
         return {q: owner == q for q in self.shards}
 
     def scatter_all(self, values: np.ndarray) -> dict[int, np.ndarray]:
         """A per-row array of the whole table, cut into each shard's rows (in shard order)."""
+        if self.whole:
+            return {self.shards[0]: values}
         return {q: values[ids] for q, ids in self.ids.items()}
 
     def gather_all(self, parts: Mapping[int, np.ndarray]) -> np.ndarray:
         """Each shard's per-row reply (in shard order) put back over the whole table."""
+        if self.whole:
+            return parts[self.shards[0]]
         first = next(iter(parts.values()))
-        out = np.empty((len(self.shard_of),) + first.shape[1:], dtype=first.dtype)
+        out = np.empty((self.n_rows,) + first.shape[1:], dtype=first.dtype)
         for q, ids in self.ids.items():
             out[ids] = parts[q]
         return out
 
     def gather(self, rows: np.ndarray, parts: Mapping[int, np.ndarray]) -> np.ndarray:
         """The shards' replies for ``split(rows)`` put back in the order of ``rows``."""
+        if self.whole:
+            return parts[self.shards[0]]
         first = next(iter(parts.values()))
         out = np.empty((len(rows),) + first.shape[1:], dtype=first.dtype)
         for q, mask in self.masks(rows).items():
             out[mask] = parts[q]
         return out
+
+
+def _is_range(ids: np.ndarray) -> bool:
+    """Whether ``ids`` is 0, 1, ..., len - 1 (checked in chunks: no N-sized temporary)."""
+    step = 1 << 20
+    for start in range(0, len(ids), step):
+        part = ids[start : start + step]
+        if not np.array_equal(part, np.arange(start, start + len(part), dtype=part.dtype)):
+            return False
+    return True

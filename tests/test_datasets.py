@@ -153,7 +153,9 @@ def test_synthetic_schemas_plant_a_linear_label(schema, joins):
     assert {(j.left, j.right) for j in spec.joins} == joins
     assert [len(frames[t]) for t in spec.table_names] == [500, 20, 30, 40]
     assert [len(spec.table(t).numeric) for t in spec.table_names] == [2, 3, 4, 5]
-    assert all(frames[t][c].dtype == np.int64 for t in spec.table_names for c in spec.key_columns(t))
+    # keys in the narrowest signed integer dtype (int8 for up to 128 values), features float32
+    assert all(frames[t][c].dtype == np.int8 for t in spec.table_names for c in spec.key_columns(t))
+    assert all(frames[t][c].dtype == np.float32 for t in spec.table_names for c in spec.table(t).numeric)
     joined = materialize(spec, frames)
     assert len(joined) == 500  # fanout 1: every fact row joins exactly one row per dimension
     x = joined[[f"{t}.{c}" for t in spec.table_names for c in spec.table(t).numeric]].to_numpy()

@@ -53,7 +53,7 @@ def held_out_rows(strategy, tmp_path: Path, shard: int | None = None) -> tuple[P
     if shard is not None:
         ids = np.intersect1d(ids, shard_rows(spec.table(spec.label_table), frame)[shard])
     path = tmp_path / f"rows-{shard}.csv"
-    frame.iloc[ids].to_csv(path, index=False)
+    frame.iloc[ids].to_csv(path, index=False, float_format="%.17g")
     return path, ids
 
 
@@ -105,7 +105,7 @@ def test_kmeans_predicts_the_cluster_the_run_assigned(entry, tmp_path):
     assert record["predicts"] == "cluster" and len(record["centres"]) == 4
     _, frame = load_table(strategy.cfg.dataset, "fact")
     ids = np.arange(len(frame))
-    frame.drop(columns=["y"]).to_csv(tmp_path / "rows.csv", index=False)
+    frame.drop(columns=["y"]).to_csv(tmp_path / "rows.csv", index=False, float_format="%.17g")
     out = tmp_path / "clusters.csv"
     assert predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "rows.csv"), "--out", str(out)]) == 0
     assert list(pd.read_csv(out).columns) == ["row", "cluster"]
@@ -150,7 +150,9 @@ def test_new_rows_of_another_table_score_every_joined_row_they_take_part_in(trai
     for table in (spec.label_table, dim):
         _, frame = load_table(strategy.cfg.dataset, table)
         rows = tmp_path / f"{table}.csv"
-        frame.drop(columns=[spec.label.column], errors="ignore").to_csv(rows, index=False)  # every row, in order
+        frame.drop(columns=[spec.label.column], errors="ignore").to_csv(
+            rows, index=False, float_format="%.17g"
+        )  # every row, in order
         both.append(predict_run(run_dir, rows, table=table, **QUIET))
     (by_label, by_dim), tables = both, list(spec.table_names)
     assert len(by_dim.rows) == len(by_label.rows) > 0 and len(by_dim.unjoined) == 0
@@ -167,7 +169,7 @@ def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
     join = next(j for j in strategy.spec.joins if strategy.spec.label_table in (j.left, j.right))
     column = join.columns_of(strategy.spec.label_table)[0]
     frame.loc[[3, 7], column] = frame[column].max() + 10_000  # no dimension row has this key
-    frame.to_csv(tmp_path / "unseen.csv", index=False)
+    frame.to_csv(tmp_path / "unseen.csv", index=False, float_format="%.17g")
     out = tmp_path / "p.csv"
     assert predict_main([str(run_dir), "--rows", str(tmp_path / "unseen.csv"), "--out", str(out)]) == 0
     assert pd.read_csv(tmp_path / "p.unjoined.csv")["row"].tolist() == [3, 7]
@@ -310,7 +312,7 @@ def test_flower_engine_prediction_equals_in_process(regression_run, tmp_path):
     spec_rows = tmp_path / "rows.csv"
     cfg = make_cfg(*SYNTHETIC.split())
     spec, frame = load_table(cfg.dataset, "fact")
-    frame.iloc[:300].to_csv(spec_rows, index=False)
+    frame.iloc[:300].to_csv(spec_rows, index=False, float_format="%.17g")
     a = predict_run(run_dir, spec_rows, **QUIET)
     b = predict_run(run_dir, spec_rows, runtime="flower", **QUIET)
     np.testing.assert_array_equal(a.rows, b.rows)
@@ -332,7 +334,7 @@ def test_a_deployment_trains_then_restarted_nodes_predict_as_the_simulation(tmp_
     cfg = make_cfg(*overrides.split())
     _, frame = load_table(cfg.dataset, "fact")
     rows = tmp_path / "new.csv"
-    frame.drop(columns=["y"]).iloc[:500].to_csv(rows, index=False)
+    frame.drop(columns=["y"]).iloc[:500].to_csv(rows, index=False, float_format="%.17g")
     out = deploy.predict(overrides, run_dir, rows, state, home=tmp_path / "flwr-home")
     deployed = pd.read_csv(out)
     run_in_process(cfg, tmp_path / "sim", **QUIET)

@@ -18,6 +18,7 @@ sends test labels. Feature DP: :class:`~tpflower.local_dp.LocalDP`. All noise co
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -215,7 +216,11 @@ class TableClient(NumPyClient):
         return self.local.X if rows is None else self.local.X[rows]
 
     def tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(array, dtype=self.dtype, device=self.device)
+        """``array`` as a tensor of the run's dtype on the client's device (no copy where torch can share it;
+        a message's arrays are read-only views of its bytes, which torch only reads)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.as_tensor(array, dtype=self.dtype, device=self.device)
 
     @staticmethod
     def theta(model: torch.nn.Module) -> np.ndarray:

@@ -63,11 +63,57 @@ def check_join_counts(
                 f"{where}: G counts {int((G[~train] > 0).sum())} test row(s); the training join has none"
             )
         keys = client.data.keys
-        if keys.shape[1] and train.any():
-            codes = keys[train].groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
-            first = np.zeros(codes.max() + 1)
-            first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
-            if (first[codes] != G[train]).any():
-                raise JoinCountsRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
-    client.state.put(STATE_KEY, G)
+        if keys.shape[1] and train.any() and not _same_per_key(keys, train, G):
+            raise JoinCountsRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
+    client.state.put(STATE_KEY, G.astype(count_dtype(G), copy=False))  # whole counts: the narrowest dtype
     return G
+
+
+def count_dtype(G: np.ndarray) -> np.dtype:
+    """The narrowest unsigned dtype holding the whole counts ``G`` (>= 0) exactly: uint8 .. uint64."""
+    top = int(G.max()) if len(G) else 0
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if top <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.uint64)
+
+
+#: rows per chunk of the per-key check of G over integer keys
+CHECK_CHUNK = 1 << 20
+
+
+def _same_per_key(keys, train: np.ndarray, G: np.ndarray) -> bool:
+    """Whether G is equal on the training rows with the same key tuple. Integer key columns whose value ranges
+    multiply to at most a few per row: one code per tuple (mixed radix), checked chunk by chunk (a few MB of
+    temporaries); other keys: grouped by pandas (the rows' key tuples factorized)."""
+    columns = [keys[c].to_numpy() for c in keys.columns]
+    if all(c.dtype.kind in "iu" for c in columns) and len(train):
+        lows = [int(c.min()) for c in columns]
+        spans = [int(c.max()) - lo + 1 for c, lo in zip(columns, lows)]
+        if int(np.prod(spans, dtype=object)) <= 4 * len(train) + 1024:
+            n_codes = int(np.prod(spans, dtype=object))
+            first = np.zeros(n_codes)
+            starts = list(range(0, len(train), CHECK_CHUNK))
+
+            def codes_of(s: slice) -> np.ndarray:
+                code = np.zeros(s.stop - s.start, dtype=np.int64)
+                for c, lo, span in zip(columns, lows, spans):
+                    code *= span
+                    code += c[s].astype(np.int64) - lo
+                return code
+
+            # one training row's G per tuple (whichever write lands: all must equal it)
+            for start in starts:
+                s = slice(start, min(start + CHECK_CHUNK, len(train)))
+                live = train[s]
+                first[codes_of(s)[live]] = G[s][live]
+            for start in starts:
+                s = slice(start, min(start + CHECK_CHUNK, len(train)))
+                live = train[s]
+                if (first[codes_of(s)[live]] != G[s][live]).any():
+                    return False
+            return True
+    codes = keys[train].groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
+    first = np.zeros(codes.max() + 1)
+    first[codes[::-1]] = G[train][::-1]  # each key tuple's G at its first training row
+    return not (first[codes] != G[train]).any()

@@ -50,11 +50,11 @@ def encode_labels(spec: RelationalSpec, values: pd.Series) -> tuple[np.ndarray, 
 
 
 def fit_rows(spec: RelationalSpec, name: str, n_table_rows: int, row_ids: np.ndarray) -> np.ndarray | None:
-    """Positions (within ``row_ids``) that preprocessing may fit on: the label table's rows outside the test
-    split; every row of the other tables (they hold no labels). None means all."""
+    """The rows (a boolean mask over ``row_ids``: 1 byte a row) that preprocessing may fit on: the label
+    table's rows outside the test split; every row of the other tables (they hold no labels). None means all."""
     if name != spec.label_table:
         return None
-    return np.flatnonzero(~holdout_mask(spec, n_table_rows)[row_ids])
+    return ~holdout_mask(spec, n_table_rows)[row_ids]
 
 
 def prepare_local_table(
@@ -64,12 +64,14 @@ def prepare_local_table(
     rows: np.ndarray | None = None,
     preprocessor: TablePreprocessor | None = None,
     bin_edges: Mapping[str, np.ndarray] | None = None,
+    dtype: np.dtype | type = np.float64,
 ) -> LocalTable:
     """Preprocess one table (or the shard ``rows`` of it) with statistics from its training rows only.
 
     The label table fits on its rows outside the test split; other tables hold no labels and fit on all rows.
     A fitted ``preprocessor`` and ``bin_edges`` (the global rule of federated preprocessing) replace the local
-    fit. Binned columns (``binned`` in the spec) add one-hot quantile bins after the other features.
+    fit. Binned columns (``binned`` in the spec) add one-hot quantile bins after the other features. ``X`` is
+    built in ``dtype`` (the run's precision) directly.
     """
     t = spec.table(name)
     row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
@@ -80,12 +82,12 @@ def prepare_local_table(
         local, fit_rows(spec, name, len(frame), row_ids)
     )
     y, n_classes = encode_labels(spec, local[spec.label.column]) if is_label else (None, None)
-    X, names = pre.transform(local), list(pre.feature_names)
+    X, names = pre.transform(local, dtype), list(pre.feature_names)
     if t.binned:
         if bin_edges is None:
             positions = fit_rows(spec, name, len(frame), row_ids)
             bin_edges = {c: local_quantile_edges(pre.observed_values(local, c, positions), b) for c, b in t.binned}
-        X = np.concatenate([X, bin_transform(local, bin_edges, table=name)], axis=1)
+        X = np.concatenate([X, bin_transform(local, bin_edges, table=name).astype(dtype, copy=False)], axis=1)
         names += bin_feature_names(bin_edges)
     return LocalTable(
         name=name,
@@ -140,7 +142,7 @@ class ShardData:
         if rule_id not in self._tables:
             pre, edges = rule() if rule else (None, None)
             local = prepare_local_table(
-                self.spec, self.name, self.frame, None if self.whole else self.row_ids, pre, edges
+                self.spec, self.name, self.frame, None if self.whole else self.row_ids, pre, edges, self.dtype
             )
             local.X = local.X.astype(self.dtype, copy=False)  # the run's precision: no conversion per message
             self._tables[rule_id] = local

@@ -324,52 +324,70 @@ def _digest_codes(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.n
 
 def _edge_codes(
     left: tuple[np.ndarray, np.ndarray], right: tuple[np.ndarray, np.ndarray]
-) -> tuple[np.ndarray, np.ndarray, int]:
+) -> tuple[_RowCodes, _RowCodes, int]:
     """Per-row equality codes of one join edge from both sides' (row codes, distinct digests): the digests
-    (one per distinct value, few) are coded jointly, then gathered by the rows' codes (one narrow integer per
-    row in, one :func:`index_dtype` integer per row out)."""
+    (one per distinct value, few) are coded jointly; each row's code is its value's, looked up on demand
+    (:class:`_RowCodes`: the rows' narrow codes as sent and one code per distinct value, no per-row copy)."""
     code_left, code_right, n_codes = _digest_codes(left[1], right[1])
-    return code_left[left[0]], code_right[right[0]], n_codes
+    return _RowCodes(left[0], code_left), _RowCodes(right[0], code_right), n_codes
+
+
+class _RowCodes:
+    """The equality codes of a table's rows on one edge: ``of[value]`` of each row's ``value`` (its code into
+    the distinct digests). Indexing gathers (``codes[rows]``); ``len``: the rows."""
+
+    def __init__(self, value: np.ndarray, of: np.ndarray):
+        self.value, self.of = value, of
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __getitem__(self, rows: np.ndarray | slice) -> np.ndarray:
+        return self.of[self.value[rows]]
+
+    def all(self) -> np.ndarray:
+        return self.of[self.value]
 
 
 class _EdgeIndex:
     """One join edge, on the table level: for each row u of the known table, its partners in the new table,
-    ``order[start[u] : start[u] + count[u]]`` (the new table's rows in their own order). Only ``alive`` new rows
-    (rows that complete their own subtree of the join) are partners."""
+    ``order[first[c] : first[c] + per_code[c]]`` with c = u's code (the new table's rows in their own order).
+    Only ``alive`` new rows (rows that complete their own subtree of the join) are partners. Everything is per
+    code or per new row: a known row's code is looked up when its joined rows are expanded."""
 
-    def __init__(self, code_known: np.ndarray, code_new: np.ndarray, n_codes: int, alive: np.ndarray):
+    def __init__(self, code_known: _RowCodes, code_new: _RowCodes, n_codes: int, alive: np.ndarray):
         live = np.flatnonzero(alive)
         live_codes = code_new[live]
-        per_code = np.bincount(live_codes, minlength=n_codes)
-        first = np.zeros(n_codes, dtype=np.int64)
-        np.cumsum(per_code[:-1], out=first[1:])
-        width = index_dtype(len(code_new) + 1)
-        self.count = per_code[code_known].astype(width)
-        self.start = first[code_known].astype(width)
+        self.per_code = np.bincount(live_codes, minlength=n_codes)
+        self.first = np.zeros(n_codes, dtype=np.int64)
+        np.cumsum(self.per_code[:-1], out=self.first[1:])
+        self.code_known = code_known
         self.order = live[np.argsort(live_codes, kind="stable")].astype(index_dtype(len(code_new)))
 
     def expand(self, joined: dict[str, np.ndarray], known: str, new: str) -> dict[str, np.ndarray]:
         """The joined rows after this join: each joined row followed by its partners in ``new``, in order."""
-        rows = joined[known]
-        count = self.count[rows].astype(np.int64)
+        codes = self.code_known[joined[known]]
+        count = self.per_code[codes].astype(np.int64)
         m = int(count.sum())
         out = {t: np.repeat(p, count) for t, p in joined.items()}
-        # the k-th partner of a joined row is order[start + k]: start repeated, plus the rank within the repeat
-        pos = np.repeat(self.start[rows].astype(np.int64) - (np.cumsum(count) - count), count)
+        # the k-th partner of a joined row is order[first + k]: first repeated, plus the rank within the repeat
+        pos = np.repeat(self.first[codes] - (np.cumsum(count) - count), count)
         pos += np.arange(m, dtype=np.int64)
         out[new] = self.order[pos]
         return out
 
 
 def _completions(
-    edges: Sequence[tuple[str, str, np.ndarray, np.ndarray, int]], n_rows: Mapping[str, int]
+    edges: Sequence[tuple[str, str, _RowCodes, _RowCodes, int]], n_rows: Mapping[str, int], chunk: int
 ) -> dict[str, np.ndarray]:
     """Per table row: how many joined rows its subtree of ``edges`` yields (children first; 0: it drops out).
-    Counts are exact integers (bincount sums them in float64, exact below 2^53)."""
+    Counts are exact integers (bincount sums them in float64, exact below 2^53); a known table's counts are
+    multiplied chunk by chunk of its rows."""
     count = {t: np.ones(n, dtype=np.int64) for t, n in n_rows.items()}
     for known, new, code_known, code_new, n_codes in reversed(edges):
-        per_code = np.bincount(code_new, weights=count[new], minlength=n_codes)
-        count[known] *= per_code[code_known].astype(np.int64)
+        per_code = np.bincount(code_new.all(), weights=count[new], minlength=n_codes).astype(np.int64)
+        for s in chunks(n_rows[known], chunk):
+            count[known][s] *= per_code[code_known[s]]
     return count
 
 
@@ -384,11 +402,12 @@ def build_mapping(
     rows that drop out are never expanded), and each edge groups the new table's rows by code. The label
     table's rows are then expanded through every edge in ranges of about ``chunk`` (CHUNK_ROWS) joined rows,
     straight into the result arrays, allocated once: peak memory is the result (N x M indices of
-    :func:`index_dtype`) plus O(sum n_i + chunk); no join of digest columns, no intermediate join. Joined rows
-    come in the order of the label table's rows, each followed by its partners in table order, edge after
-    edge (pandas' inner merge order). Raises SpecError naming the first join (in join order) after which the
-    join is empty.
+    :func:`index_dtype`) plus the label table's row counts (8 bytes a row) plus O(chunk) and the codes as sent;
+    no per-row copy of the codes, no join of digest columns, no intermediate join. Joined rows come in the
+    order of the label table's rows, each followed by its partners in table order, edge after edge (pandas'
+    inner merge order). Raises SpecError naming the first join (in join order) after which the join is empty.
     """
+    size = int(chunk or CHUNK_ROWS)
     n_rows = {t: int(sum(len(p.row_ids) for p in projections[t])) for t in spec.table_names}
     digests = {t: _union_shards(t, projections[t], n_rows[t]) for t in spec.table_names}
     join_index = {j: k for k, j in enumerate(spec.joins)}
@@ -399,30 +418,33 @@ def build_mapping(
         k = join_index[edge]
         edges.append((known, new, *_edge_codes(digests[known][k], digests[new][k])))
     del digests
-    count = _completions(edges, n_rows)
+    count = _completions(edges, n_rows, size)
     N = int(count[root].sum())
     if N == 0:
         for k, (edge, _, _) in enumerate(order):  # the first join after which the join is empty
-            if int(_completions(edges[: k + 1], n_rows)[root].sum()) == 0:
+            if int(_completions(edges[: k + 1], n_rows, size)[root].sum()) == 0:
                 raise SpecError(f"join {edge} matched no rows: the join comes out empty (check the key values)")
     index = [
         _EdgeIndex(code_known, code_new, n_codes, count[new] > 0) for known, new, code_known, code_new, n_codes in edges
     ]
     del edges
-    roots = np.flatnonzero(count[root] > 0)
-    ends = np.cumsum(count[root][roots])  # joined rows up to and including each live label row
+    per_root = count.pop(root)  # joined rows of each label-table row
     del count
     p = {t: np.empty(N, dtype=index_dtype(n_rows[t])) for t in spec.table_names}
-    size, at, a = int(chunk or CHUNK_ROWS), 0, 0
-    while a < len(roots):
-        b = max(a + 1, int(np.searchsorted(ends, at + size, side="right")))  # at least one label row
-        joined = {root: roots[a:b].astype(p[root].dtype)}
-        for (_, known, new), edge_index in zip(order, index):
-            joined = edge_index.expand(joined, known, new)
-        m = len(joined[root])
-        for t, rows in joined.items():
-            p[t][at : at + m] = rows
-        at, a = at + m, b
+    at = 0
+    for block in chunks(len(per_root), size):  # label rows in blocks; each block in ranges of ~size joined rows
+        live = np.flatnonzero(per_root[block] > 0) + block.start
+        ends = np.cumsum(per_root[live])  # joined rows of this block up to and including each live label row
+        a, done = 0, 0
+        while a < len(live):
+            b = max(a + 1, int(np.searchsorted(ends, done + size, side="right")))  # at least one label row
+            joined = {root: live[a:b].astype(p[root].dtype)}
+            for (_, known, new), edge_index in zip(order, index):
+                joined = edge_index.expand(joined, known, new)
+            m = len(joined[root])
+            for t, rows in joined.items():
+                p[t][at : at + m] = rows
+            at, done, a = at + m, done + m, b
     assert at == N
     return TableMapping(p=p, n_rows=n_rows)
 

@@ -128,18 +128,23 @@ class TablePreprocessor:
         self.medians, self.means, self.stds, self.categories = medians, means, stds, categories
         return self
 
-    def transform(self, frame: pd.DataFrame) -> np.ndarray:
-        """The feature matrix of every row of ``frame``: float64, shape ``(len(frame), width)``, C-contiguous."""
+    def transform(self, frame: pd.DataFrame, dtype: np.dtype | type = np.float64) -> np.ndarray:
+        """The feature matrix of every row of ``frame``: shape ``(len(frame), width)``, C-contiguous, in
+        ``dtype`` (float32: each value computed in float64, then rounded). Numeric columns are standardized
+        in chunks of rows: a few MB of float64 temporaries whatever the table's size."""
         self._check_fitted()
         self._check_columns(frame)
         assert self.medians is not None and self.means is not None
         assert self.stds is not None and self.categories is not None
         n = len(frame)
-        out = np.zeros((n, self.width), dtype=np.float64)
+        out = np.zeros((n, self.width), dtype=dtype)
         for k, col in enumerate(self.numeric):
-            x = self._numeric_values(frame, col)
-            x = np.where(np.isnan(x), self.medians[col], x)
-            out[:, k] = (x - self.means[col]) / self.stds[col]
+            column = self._numeric_column(frame, col)
+            self._check_finite(col, column)
+            for start in range(0, n, TRANSFORM_CHUNK):
+                x = np.array(column[start : start + TRANSFORM_CHUNK], dtype=np.float64)
+                x = np.where(np.isnan(x), self.medians[col], x)
+                out[start : start + TRANSFORM_CHUNK, k] = (x - self.means[col]) / self.stds[col]
         offset = len(self.numeric)
         rows = np.arange(n)
         for col in self.categorical:
@@ -221,23 +226,39 @@ class TablePreprocessor:
 
     def observed_values(self, frame: pd.DataFrame, col: str, positions: np.ndarray | None) -> np.ndarray:
         """The non-missing values of numeric column ``col`` on the fit rows ``positions`` (None: all rows)."""
-        x = self._numeric_values(frame, col)
+        column = self._numeric_column(frame, col)
         if positions is not None:
-            x = x[positions]
-        return x[~np.isnan(x)]
+            column = column[positions]  # the fit rows first, in the column's own dtype
+        x = np.asarray(column, dtype=np.float64)
+        self._check_finite(col, x)
+        missing = np.isnan(x)
+        return x[~missing] if missing.any() else x
 
-    def _numeric_values(self, frame: pd.DataFrame, col: str) -> np.ndarray:
+    def _numeric_column(self, frame: pd.DataFrame, col: str) -> np.ndarray:
+        """The column's values as they are held (no copy where possible; missing values as NaN)."""
         series = frame[col]
         if not (pd.api.types.is_numeric_dtype(series.dtype) or pd.api.types.is_bool_dtype(series.dtype)):
             raise SpecError(
                 f"table {self.table!r}: numeric column {col!r} has non-numeric dtype {series.dtype}; "
                 "declare it categorical or convert it"
             )
-        x = np.array(series.to_numpy(dtype=np.float64, na_value=np.nan), dtype=np.float64)
-        n_inf = int(np.isinf(x).sum())
+        if isinstance(series.dtype, np.dtype) and series.dtype.kind in "fiu":
+            return series.to_numpy()
+        return series.to_numpy(dtype=np.float64, na_value=np.nan)
+
+    def _check_finite(self, col: str, x: np.ndarray) -> None:
+        n_inf = int(np.isinf(x).sum()) if x.dtype.kind == "f" else 0
         if n_inf:
             raise SpecError(f"table {self.table!r}: numeric column {col!r} has {n_inf} infinite value(s)")
+
+    def _numeric_values(self, frame: pd.DataFrame, col: str) -> np.ndarray:
+        x = np.array(self._numeric_column(frame, col), dtype=np.float64)
+        self._check_finite(col, x)
         return x
+
+
+#: rows per chunk of :meth:`TablePreprocessor.transform`'s numeric pass
+TRANSFORM_CHUNK = 1 << 20
 
 
 def _column_names(columns: Sequence[str], kind: str, table: str) -> tuple[str, ...]:

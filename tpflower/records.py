@@ -37,8 +37,21 @@ def npy_bytes(a: np.ndarray) -> bytes:
 
 
 def npy_array(data: bytes) -> np.ndarray:
-    """The array :func:`npy_bytes` wrote (never unpickles)."""
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    """The array :func:`npy_bytes` wrote (never unpickles): a read-only view of ``data``, no copy (the
+    message's bytes are the array's memory; a receiver that changes an array copies it first)."""
+    buffer = io.BytesIO(data)
+    version = np.lib.format.read_magic(buffer)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(buffer)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(buffer)
+    else:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    if dtype.hasobject:
+        raise ValueError("an array of Python objects in a message: refused (no pickles)")
+    count = int(np.prod(shape, dtype=np.int64))
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=buffer.tell())
+    return flat.reshape(shape, order="F" if fortran else "C")
 
 
 def pack(arrays: Mapping[str, np.ndarray], values: Mapping[str, Any]) -> RecordDict:

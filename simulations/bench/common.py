@@ -62,6 +62,7 @@ class TreeMonitor:
         self.killed_at_mb: float | None = None  # the tree's PSS when it passed ``limit_mb`` and was killed
         self.peak = {"root_rss_mb": 0.0, "tree_rss_mb": 0.0, "tree_pss_mb": 0.0, "processes": 0}
         self.samples: list[tuple[float, float, float]] = []  # (t, root RSS, tree PSS) in MB
+        self.by_process: dict[int, dict[str, Any]] = {}  # pid -> {"name", "peak_pss_mb", "at_s"}
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -94,6 +95,27 @@ class TreeMonitor:
             pass
         return rss, pss
 
+    @staticmethod
+    def _name(pid: int) -> str:
+        """A process's name as Ray sets it (``ray::ClientAppActor...``, ``raylet``) or its command line's start."""
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            return "?"
+        script = next((Path(a).name for a in argv[1:] if a.endswith(".py")), " ".join(argv[1:4]))
+        return f"{comm}: {script}"[:80]
+
+    def processes(self, min_mb: float = 50.0) -> list[dict[str, Any]]:
+        """Every process of the tree whose PSS peaked above ``min_mb``: name, peak PSS and when (s from start),
+        and its PSS over time (``pss``: (s, MB), at most about 100 samples)."""
+        rows = [
+            {**e, "pss": e["pss"][:: max(1, len(e["pss"]) // 100)]}
+            for e in self.by_process.values()
+            if e["peak_pss_mb"] >= min_mb
+        ]
+        return sorted(rows, key=lambda e: -e["peak_pss_mb"])
+
     def tree(self) -> list[int]:
         kids, out, todo = self._children(), [], [self.pid]
         while todo:
@@ -112,6 +134,14 @@ class TreeMonitor:
         pk["tree_rss_mb"] = max(pk["tree_rss_mb"], tree_rss)
         pk["tree_pss_mb"] = max(pk["tree_pss_mb"], tree_pss)
         pk["processes"] = max(pk["processes"], len(pids))
+        now = round(time.perf_counter() - self._t0, 1)
+        for pid, (_, pss) in zip(pids, mem):
+            entry = self.by_process.get(pid)
+            if entry is None:
+                entry = self.by_process[pid] = {"name": self._name(pid), "peak_pss_mb": 0.0, "at_s": now, "pss": []}
+            entry["pss"].append((now, round(pss / 1024)))
+            if pss / 1024 > entry["peak_pss_mb"]:
+                entry["peak_pss_mb"], entry["at_s"] = round(pss / 1024, 1), now
         self.samples.append((round(time.perf_counter() - self._t0, 1), round(root_rss), round(tree_pss)))
 
     def _run(self) -> None:

@@ -219,6 +219,7 @@ def simulation_case(
     timeout_s: float = 3600,
     fanout: int = SCALE_FANOUT,
     limit_mb: float | None = None,
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """TP-Join-ADMM (linear, float32) on the scale schema at N joined rows (``fanout`` 1: a fact table of N
     rows): ``python -m simulations.run`` in a
@@ -235,6 +236,7 @@ def simulation_case(
             f"epochs={epochs}",
             f"runtime={runtime}",
             "algorithm.tol=0",
+            *overrides,
             f"hydra.run.dir={tmp}",
         ]
         t0 = time.perf_counter()
@@ -287,6 +289,7 @@ def simulation_case(
         "tree_peak_rss_sum_mb": peaks["tree_rss_mb"],
         "processes": peaks["processes"],
         "killed_at_tree_pss_mb": monitor.killed_at_mb,
+        "process_peaks": monitor.processes(),
         "memory_timeline": monitor.samples[:: max(1, len(monitor.samples) // 200)],
     }
     if proc.returncode != 0:

@@ -1,7 +1,8 @@
 """Synthetic relational data with a planted label: star, chain or snowflake joins of a fact table.
 
 Tables: ``fact`` (n_fact rows, the label ``y``) and dimensions ``d1``..``d{n_dims}``. Every table has numeric
-features x0..x{w-1} (standard normal, float64). Dimension ``di`` is keyed by ``ki`` (int64; with
+features x0..x{w-1} (standard normal, stored as float32). Dimension ``di`` is keyed by ``ki`` (the narrowest
+signed integer dtype of its ``dim_rows`` values, e.g. int16 for 200; with
 ``composite=True`` by the pair ``ki_a``, ``ki_b`` and the join is on both columns); its parent table holds the
 same column(s) as a foreign key, drawn uniformly from the dimension's ``dim_rows`` key values.
 
@@ -146,15 +147,23 @@ def _key_frame(lay: Layout, dim: int, values: np.ndarray) -> dict[str, np.ndarra
 
 
 def _score(x: np.ndarray, kind: str, d_c: int, rng: np.random.Generator) -> np.ndarray:
-    """Per-row score (n x d_c) of one table under a random linear or one-hidden-layer tanh teacher."""
-    w = x.shape[1]
+    """Per-row score (n x d_c, float64) of one table under a random linear or one-hidden-layer tanh teacher;
+    ``x`` is the table's (width, n) feature columns, used in float64 chunk by chunk."""
+    w, n = x.shape
     if w == 0:
-        return np.zeros((x.shape[0], d_c))
+        return np.zeros((n, d_c))
     if kind == "linear":
-        return x @ (rng.standard_normal((w, d_c)) / math.sqrt(w))
-    a = rng.standard_normal((w, HIDDEN)) * (2.0 / math.sqrt(w))
-    b = rng.standard_normal((HIDDEN, d_c)) / math.sqrt(HIDDEN)
-    return np.tanh(x @ a) @ b
+        weights = rng.standard_normal((w, d_c)) / math.sqrt(w)
+        layer = lambda rows: rows @ weights  # noqa: E731
+    else:
+        a = rng.standard_normal((w, HIDDEN)) * (2.0 / math.sqrt(w))
+        b = rng.standard_normal((HIDDEN, d_c)) / math.sqrt(HIDDEN)
+        layer = lambda rows: np.tanh(rows @ a) @ b  # noqa: E731
+    out = np.empty((n, d_c))
+    for start in range(0, n, GEN_CHUNK):
+        stop = min(start + GEN_CHUNK, n)
+        out[start:stop] = layer(x[:, start:stop].T.astype(np.float64))
+    return out
 
 
 def _key_mean(keys: np.ndarray, scores: np.ndarray, n_keys: int) -> np.ndarray:
@@ -180,34 +189,58 @@ def _correlate(lay: Layout, draws: dict[int, _Draws], c: float) -> None:
     """Children before parents (children have larger indices): each parent's feature k becomes
     c z + sqrt(1 - c^2) x, z the standardized mean over its children of their key-mean feature k (mod width)."""
     for t in sorted(draws, reverse=True):
-        x = draws[t].features
+        x = draws[t].features.T.astype(np.float64)
         kids = [i for i in _children(lay, t) if lay.widths[i] > 0]
         if not kids or x.shape[1] == 0:
             continue
         z = np.zeros_like(x)
         for i in kids:
-            means = _key_mean(draws[i].own_keys, draws[i].features, lay.dim_rows[i - 1])[draws[t].foreign[i]]
+            child = draws[i].features.T.astype(np.float64)
+            means = _key_mean(draws[i].own_keys, child, lay.dim_rows[i - 1])[draws[t].foreign[i]]
             z += means[:, np.arange(x.shape[1]) % means.shape[1]]
         z = (z - z.mean(0)) / np.where(z.std(0) > 0, z.std(0), 1.0)
-        draws[t].features = c * z + math.sqrt(1.0 - c * c) * x
+        draws[t].features = np.ascontiguousarray((c * z + math.sqrt(1.0 - c * c) * x).T, dtype=np.float32)
 
 
 @dataclass
 class _Draws:
     """What table t draws from its own random stream, in this order: its key values (a dimension), its
-    features, then a foreign key per child dimension (ascending)."""
+    features, then a foreign key per child dimension (ascending). Features are stored float32, one contiguous
+    column each (``features[k]``: feature k of every row); keys in the narrowest signed integer dtype."""
 
     own_keys: np.ndarray | None
-    features: np.ndarray
+    features: np.ndarray  # (width, rows) float32
     foreign: dict[int, np.ndarray]
+
+
+#: rows per chunk of the generator's row-wise passes (draws, scores, label): its temporaries stay a few MB
+GEN_CHUNK = 1 << 20
+
+
+def key_dtype(n_values: int) -> np.dtype:
+    """The narrowest signed integer dtype that holds key values 0..n_values-1."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if n_values - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
 
 
 def _draw(lay: Layout, t: int, stream: np.random.Generator, rows: int, fanout: int) -> _Draws:
     own = None
     if t > 0:
-        own = stream.permutation(np.repeat(np.arange(lay.dim_rows[t - 1], dtype=np.int64), fanout))
-    features = stream.standard_normal((rows, lay.widths[t]))
-    foreign = {i: stream.integers(0, lay.dim_rows[i - 1], size=rows, dtype=np.int64) for i in _children(lay, t)}
+        m = lay.dim_rows[t - 1]
+        own = stream.permutation(np.repeat(np.arange(m, dtype=np.int64), fanout)).astype(key_dtype(m))
+    w = lay.widths[t]
+    features = np.empty((w, rows), dtype=np.float32)
+    for start in range(0, rows, GEN_CHUNK):  # the same stream as one (rows, w) draw, row-major
+        stop = min(start + GEN_CHUNK, rows)
+        features[:, start:stop] = stream.standard_normal((stop - start, w)).T
+    foreign = {}
+    for i in _children(lay, t):
+        m = lay.dim_rows[i - 1]
+        # uint32 draws equal int64 ones (both 32-bit bounded draws) at half the transient memory
+        dtype = np.uint32 if m <= 2**32 else np.int64
+        foreign[i] = stream.integers(0, m, size=rows, dtype=dtype).astype(key_dtype(m))
     return _Draws(own, features, foreign)
 
 
@@ -272,28 +305,42 @@ def generate(
         effective = [_score(draws[t].features, label, d_c, weight_rng) for t in range(len(lay.names))]
         for i in range(len(lay.names) - 1, 0, -1):  # children have larger indices than their parents
             p = lay.parents[i - 1]
-            effective[p] += _key_mean(draws[i].own_keys, effective[i], lay.dim_rows[i - 1])[draws[p].foreign[i]]
+            means = _key_mean(draws[i].own_keys, effective[i], lay.dim_rows[i - 1])
+            for start in range(0, rows[p], GEN_CHUNK):
+                stop = min(start + GEN_CHUNK, rows[p])
+                effective[p][start:stop] += means[draws[p].foreign[i][start:stop]]
         total = effective[0]
         del effective
-        if task == "regression":
-            y = float(label_scale) * (total[:, 0] + noise * noise_rng.standard_normal(rows[0]))
-        elif task == "binary":
-            y = (total[:, 0] + noise * noise_rng.logistic(size=rows[0]) > 0).astype(np.int64)
-        else:
+        if task == "multiclass":
             logits = total + noise * noise_rng.gumbel(size=total.shape) - float(imbalance) * np.arange(d_c)
             y = np.argmax(logits, axis=1).astype(np.int64)
+        else:  # in place, chunk by chunk (the noise stream drawn in order: the same values as one draw)
+            y = total.reshape(-1)
+            binary = np.empty(rows[0], dtype=np.int64) if task == "binary" else None
+            for start in range(0, rows[0], GEN_CHUNK):
+                stop = min(start + GEN_CHUNK, rows[0])
+                if binary is None:
+                    y[start:stop] = float(label_scale) * (
+                        y[start:stop] + noise * noise_rng.standard_normal(stop - start)
+                    )
+                else:
+                    binary[start:stop] = y[start:stop] + noise * noise_rng.logistic(size=stop - start) > 0
+            if binary is not None:
+                y = binary
+        del total
 
     frames: dict[str, pd.DataFrame] = {}
     for name in wanted:
         t = lay.names.index(name)
-        d = draws[t]
+        d = draws.pop(t)  # the frame takes the arrays over: no copy (one block per column)
         cols: dict[str, np.ndarray] = {}
         if t > 0:
             cols.update(_key_frame(lay, t, d.own_keys))
         for child, values in d.foreign.items():
             cols.update(_key_frame(lay, child, values))
-        cols.update({f"x{k}": d.features[:, k] for k in range(lay.widths[t])})
+        cols.update({f"x{k}": d.features[k] for k in range(lay.widths[t])})
         if t == 0:
             cols["y"] = y
-        frames[name] = pd.DataFrame(cols)
+        frames[name] = pd.DataFrame(cols, copy=False)
+        del d, cols
     return frames

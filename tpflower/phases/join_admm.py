@@ -16,7 +16,8 @@ import torch
 
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Stage
-from tpflower.join_counts import check_join_counts
+from tpflower.join_counts import check_join_counts, count_dtype
+from tpflower.mapping import chunks
 from tpflower.models import l2_penalty
 from tpflower.params import (
     AlgorithmParams,
@@ -51,17 +52,24 @@ def admm_update_linear(
     (rho X1^T diag(G) X1 / N + beta I) Theta = -X1^T Y / N, with X1 = [X, 1] when the model has a bias.
     With ``prox = (v, rho')`` it solves one shard's consensus step instead (Eq. 22): the regulariser moves
     to the coordinator and rho'/2 ||Theta - v||^2 takes its place, v = w - u^q in flat parameter order.
-    Solved in float64; the rows with G = 0 only enter through X1^T Y (where Y is 0 too).
+    Solved in float64, X1^T diag(G) X1 and X1^T Y summed over chunks of rows; the rows with G = 0 only enter
+    through X1^T Y (where Y is 0 too).
     """
-    X1 = np.concatenate([X, np.ones((len(X), 1))], axis=1) if model.bias is not None else X
-    d1, d_c = X1.shape[1], Y.shape[1]
-    rhs = -(X1.T @ Y) / N
+    bias = model.bias is not None
+    d1, d_c = X.shape[1] + int(bias), Y.shape[1]
+    gram, xty = np.zeros((d1, d1)), np.zeros((d1, d_c))
+    for s in chunks(len(X)):  # X1 = [X, 1] in float64 per chunk of rows only (X stays in the run's dtype)
+        X1 = np.ones((s.stop - s.start, d1))
+        X1[:, : X.shape[1]] = X[s]
+        gram += (X1.T * G[s]) @ X1
+        xty += X1.T @ np.asarray(Y[s], dtype=np.float64)
+    rhs = -xty / N
     if prox is None:
-        A = (rho / N) * (X1.T * G) @ X1 + beta * np.eye(d1)
+        A = (rho / N) * gram + beta * np.eye(d1)
     else:
         v, rho_c = prox
-        A = (rho / N) * (X1.T * G) @ X1 + rho_c * np.eye(d1)
-        rhs = rhs + rho_c * flat_to_theta(v, X.shape[1], d_c, model.bias is not None)
+        A = (rho / N) * gram + rho_c * np.eye(d1)
+        rhs = rhs + rho_c * flat_to_theta(v, X.shape[1], d_c, bias)
     Theta = np.linalg.solve(A, rhs)  # (d [+1]) x d_c
     with torch.no_grad():
         d = X.shape[1]
@@ -238,7 +246,7 @@ def theta_update(
     the consensus step of a shard (Eq. 22), rho'/2 ||theta - v||^2 added."""
     alg = client.settings.algorithm
     if isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
-        admm_update_linear(model, X, G, np.asarray(Y, dtype=np.float64), N, rho, beta, prox=prox)
+        admm_update_linear(model, X, G, np.asarray(Y), N, rho, beta, prox=prox)
         return
     prox_t = None if prox is None else (client.tensor(prox[0]), prox[1])
     if alg.local_solver == "lbfgs":
@@ -271,7 +279,7 @@ def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     # G_i as a join gives it (tpflower.join_counts); a shard of a union's table holds part of the N rows
     N = None if s.federated_prep else config["N"]
     G = check_join_counts(client, arrays["G"], where, training_join=True, N=N)
-    ADMMState(G, int(config["N"]), float(config["rho"])).save(client.state)
+    ADMMState(G.astype(count_dtype(G), copy=False), int(config["N"]), float(config["rho"])).save(client.state)
     client.dp.init(config, lambda: client.dp.admm_rate(G))
     model = client.model(config)
     client.state.save_model(model)

@@ -1,0 +1,76 @@
+"""The memory-lean paths of a large fact table: the same results whatever their chunk sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from simulations.federated import ONE_ACTOR_ROWS, simulation_actors
+from strategies.replies import _distinct
+from strategies.setup import ShardRouter
+from tpflower import preprocess
+from tpflower.datasets import synthetic
+from tpflower.join_counts import count_dtype
+from tpflower.records import npy_array, npy_bytes
+
+KW = dict(schema="snowflake", n_fact=1000, n_dims=3, dim_rows=[5, 300, 7], widths=[3, 2, 0, 1], fanout=2, seed=4)
+
+
+@pytest.mark.parametrize("task", ["regression", "binary", "multiclass"])
+def test_the_generator_draws_the_same_tables_in_any_chunk_size(monkeypatch, task):
+    whole = synthetic.generate(**KW, task=task)
+    monkeypatch.setattr(synthetic, "GEN_CHUNK", 7)
+    chunked = synthetic.generate(**KW, task=task)
+    for t, frame in whole.items():
+        pd.testing.assert_frame_equal(chunked[t], frame)
+    fact = whole["fact"]
+    assert fact["k1"].dtype == np.int8 and fact["k2"].dtype == np.int16  # 5 and 300 key values
+    assert fact["x0"].dtype == np.float32
+
+
+def test_the_transform_in_float32_rounds_the_float64_transform(monkeypatch):
+    frame = pd.DataFrame({"a": np.arange(50, dtype=np.float32) / 7, "b": np.r_[np.nan, np.arange(49.0)], "c": 3})
+    pre = preprocess.TablePreprocessor(["a", "b", "c"], [], table="t").fit(frame)
+    full = pre.transform(frame)
+    monkeypatch.setattr(preprocess, "TRANSFORM_CHUNK", 6)
+    np.testing.assert_array_equal(pre.transform(frame), full)
+    np.testing.assert_array_equal(pre.transform(frame, np.float32), full.astype(np.float32))
+
+
+def test_resources_actors():
+    cfg = OmegaConf.create({"resources": {"num_cpus": 1, "actors": "auto"}})
+    assert simulation_actors(cfg, ONE_ACTOR_ROWS) == 1
+    assert simulation_actors(cfg, ONE_ACTOR_ROWS - 1) is None and simulation_actors(cfg, None) is None
+    assert simulation_actors(OmegaConf.create({"resources": {"actors": 3}}), 10**9) == 3
+    with pytest.raises(ValueError, match="resources.actors"):
+        simulation_actors(OmegaConf.create({"resources": {"actors": 0}}), 1)
+
+
+def test_distinct_row_ids_by_bitmap_and_by_sort():
+    assert _distinct(np.array([3, 0, 2, 1])) and not _distinct(np.array([3, 0, 3, 1]))
+    assert _distinct(np.array([10**9, 5])) and not _distinct(np.array([10**9, 5, 10**9]))  # sparse: sorted
+
+
+def test_a_whole_tables_router_maps_rows_to_themselves():
+    whole = ShardRouter({0: np.arange(6, dtype=np.int32)}, 6)
+    split = ShardRouter({0: np.array([4, 0, 2]), 1: np.array([1, 5, 3])}, 6)
+    assert whole.whole and not split.whole
+    rows = np.array([5, 1, 1, 0])
+    assert whole.split(rows)[0].tolist() == rows.tolist()
+    assert whole.shard_of.tolist() == [0] * 6 and whole.position.tolist() == list(range(6))  # built when asked
+    values = np.arange(6.0) * 10
+    assert whole.gather_all(whole.scatter_all(values)).tolist() == values.tolist()
+    assert split.gather_all(split.scatter_all(values)).tolist() == values.tolist()
+
+
+def test_message_arrays_are_read_only_views_equal_to_what_was_sent():
+    for a in [np.arange(10, dtype=np.int16), np.ones((3, 2), order="F"), np.zeros((0, 2), np.uint64)]:
+        b = npy_array(npy_bytes(a))
+        assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b) and not b.flags.writeable
+
+
+def test_count_dtype():
+    assert count_dtype(np.array([0, 255])) == np.uint8 and count_dtype(np.array([256])) == np.uint16
+    assert count_dtype(np.array([2**20])) == np.uint32 and count_dtype(np.zeros(0)) == np.uint8
