@@ -705,6 +705,7 @@ def setup_keys() -> str | None:
     if cpu:
         ratios += " (CPU seconds: " + ", ".join(f"{k} {v:.1f}x" for k, v in cpu.items()) + ")"
     star = next((c for c in d["cases"] if c["data"] == "star" and c["mode"] == "blind"), None)
+    hmac_ml = next((c["setup_s"] for c in d["cases"] if c["data"] == "movielens" and c["mode"] == "hmac"), 0.0)
     goals = [
         f"<= 2x on movielens: {'met' if d['blind_over_hmac'].get('movielens', 99) <= 2 else 'not met'}",
         f"<= 5 minutes at 10M joined rows: {'met' if star and star['setup_s'] <= 300 else 'not met'} in wall time"
@@ -719,9 +720,11 @@ def setup_keys() -> str | None:
         "([algorithms.md](algorithms.md#blinded-keys)), every owner in one process one after the other (a "
         "deployment runs them in parallel, one per node); each case in a fresh process. Blind over HMAC: "
         f"{ratios}. Goals: {'; '.join(goals)}. Blinding costs, per distinct key value of a two-table join, "
-        "one hash to the group and two X25519 scalar multiplications (about 30 + 2 x 38 us of CPU here), "
+        "one hash to the group and two X25519 scalar multiplications (about 30 + 2 x 32 us of CPU here), "
         "against one HMAC (about 2 us): on movielens' 19,474 distinct values that is about 2 CPU seconds, "
-        "1 s on both cores at best, while the whole HMAC setup takes a quarter of a second. ``CPU`` counts "
+        f"1 s on both cores at best, while the whole HMAC setup takes {hmac_ml:.2f} s: the goal would need the "
+        "group operations some 10x faster than libsodium's and OpenSSL's X25519 (both about 32 us per scalar "
+        "multiplication on this machine). ``CPU`` counts "
         "every thread; ``load`` is the machine's 1-minute load average when the case started (other work "
         "on the 2 cores inflates the wall times, not the CPU seconds).",
         command(f"python -m simulations.bench setup --n-joined {d['n_joined_star']}   # -> bench_results/setup.json"),
