@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from strategies.epoch_checkpoints import Saved
+from strategies.replies import ReplyError, check_keys
 from strategies.transport import ClientKey, Reply
 from tpflower import privacy as dp
 from tpflower.blind import point_digests
@@ -38,6 +39,17 @@ from tpflower.relation import summary_line
 from tpflower.schema import RelationalSpec, validate_key_kinds
 
 Send = Callable[..., dict[ClientKey, Reply]]
+
+KEYS_CHUNK_ROWS = 1 << 22
+"""Rows per message of a keys reply (mapping.keys_chunk_rows): a larger table sends its keys in chunks."""
+
+
+def keys_chunk_rows(cfg: Any) -> int:
+    """The run's ``mapping.keys_chunk_rows`` (default :data:`KEYS_CHUNK_ROWS`), a positive integer."""
+    value = int((cfg.get("mapping") or {}).get("keys_chunk_rows") or KEYS_CHUNK_ROWS)
+    if value < 1:
+        raise ValueError(f"mapping.keys_chunk_rows must be a positive number of rows, got {value}")
+    return value
 
 
 def key_mode(replies: Mapping[ClientKey, Reply]) -> str:
@@ -126,8 +138,9 @@ class JoinSetup(Saved):
         """Round 1 (keys) builds the mapping, the partition and the labels and opens ``record``; then the
         feature-DP plan (``plan_feature_dp``, on the table-row mapping), the federated preprocessing rounds
         and, for a VFL baseline (``expand``), round ``expand``."""
-        message = {"phase": "keys", "run_id": run_id, **dp.privacy_message(self.privacy)}
-        replies = self.send({k: ({}, message) for k in self.clients})
+        message = {"phase": "keys", "run_id": run_id, "chunk_rows": keys_chunk_rows(self.cfg)}
+        replies = self.send({k: ({}, {**message, **dp.privacy_message(self.privacy)}) for k in self.clients})
+        self.gather_chunks(replies)
         if key_mode(replies) == "blind":
             self.blind_rounds(replies)
         record.t0 = time.perf_counter()
@@ -147,6 +160,62 @@ class JoinSetup(Saved):
         self.federated_preprocessing()
         if expand:
             self.expand()
+
+    def gather_chunks(self, replies: Mapping[ClientKey, Reply]) -> None:
+        """Keys replies in chunks (metrics ``n_chunks`` > 1): ask each such client for chunk 1, 2, ... in
+        successive rounds (only the clients with that many chunks) and write every chunk into the whole
+        arrays, allocated once from chunk 0 and the counts in its metrics; then check the whole reply as a
+        one-message reply is checked (strategies.replies.check_keys)."""
+        n_chunks = {k: int(m.get("n_chunks", 1)) for k, (_, m) in replies.items()}
+        chunked = [k for k, n in n_chunks.items() if n > 1]
+        if not chunked:
+            return
+        whole: dict[ClientKey, dict[str, np.ndarray]] = {}
+        filled: dict[ClientKey, dict[str, int]] = {}
+        for key in chunked:
+            arrays, metrics = replies[key]
+            whole[key], filled[key] = {}, {}
+            for name, a in arrays.items():
+                a = np.asarray(a)
+                if name.startswith(("digest.", "blind.")):
+                    n = int(metrics[f"n_values.{name.split('.', 1)[1]}"])
+                else:
+                    n = int(metrics["n_y"]) if name == "y" else int(metrics["n_rows"])
+                whole[key][name] = np.empty((n,) + a.shape[1:], dtype=a.dtype)
+                filled[key][name] = 0
+            self._fill(key, whole[key], filled[key], arrays)
+        for j in range(1, max(n_chunks.values())):
+            back = self.send({k: ({}, {"phase": "keys_chunk", "chunk": j}) for k in chunked if n_chunks[k] > j})
+            for key, (arrays, _) in back.items():
+                self._fill(key, whole[key], filled[key], arrays)
+                arrays.clear()
+        for key in chunked:
+            short = [n for n, a in whole[key].items() if filled[key][n] != len(a)]
+            if short:
+                raise ReplyError(
+                    f"table {key[0]!r} shard {key[1]}: its keys chunks hold {filled[key][short[0]]} of the "
+                    f"{len(whole[key][short[0]])} entries of {short[0]!r} it announced"
+                )
+            check_keys(key, whole[key])
+            replies[key][0].clear()
+            replies[key][0].update(whole[key])
+
+    @staticmethod
+    def _fill(key: ClientKey, whole: dict[str, np.ndarray], filled: dict[str, int], arrays: Mapping) -> None:
+        """Write one keys chunk after the entries received before it."""
+        if set(arrays) != set(whole):
+            raise ReplyError(
+                f"table {key[0]!r} shard {key[1]}: a keys chunk holds {sorted(arrays)}, not {sorted(whole)}"
+            )
+        for name, a in arrays.items():
+            at, a = filled[name], np.asarray(a)
+            if at + len(a) > len(whole[name]) or a.shape[1:] != whole[name].shape[1:]:
+                raise ReplyError(
+                    f"table {key[0]!r} shard {key[1]}: keys chunk array {name!r} ({a.dtype} {a.shape}) does not fit "
+                    f"the {whole[name].shape} it announced after {at} entries"
+                )
+            whole[name][at : at + len(a)] = a
+            filled[name] = at + len(a)
 
     def blind_rounds(self, replies: Mapping[ClientKey, Reply]) -> None:
         """keys=blind (docs/algorithms.md, Blinded keys): route every client's blinded key values of a join to

@@ -167,13 +167,15 @@ def reblind(points: np.ndarray, scalar: bytes, where: str) -> np.ndarray:
     return as_array(out)
 
 
-def blind_keys(frame: pd.DataFrame, columns: Sequence[str], scalar: bytes) -> tuple[np.ndarray, np.ndarray]:
+def blind_keys(
+    frame: pd.DataFrame, columns: Sequence[str], scalar: bytes, seed: bytes | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(codes, points): each row's position (:func:`tpflower.mapping.code_dtype`) in the shuffled list of its
     table's distinct key tuples, and that list as H(k)^scalar ((n_distinct, 32) uint8). The shuffle uses OS
-    entropy."""
+    entropy, or the node's secret ``seed`` (the same list again)."""
     codes, tuples, kinds = key_codes(frame, columns)
     points = as_array(_multiply(scalar, hash_to_group(canonical_tuples(tuples, kinds))))
-    rank, order = shuffled(len(points))
+    rank, order = shuffled(len(points), seed)
     return rank.astype(code_dtype(len(points)))[codes], points[order]
 
 

@@ -95,11 +95,17 @@ def label_dp_owner(client: GuardedClient) -> bool:
     return client.data.y is not None and uses_label_dp(client.privacy())
 
 
+def chunked_keys(client: GuardedClient) -> bool:
+    """Clients whose keys reply came in more than one chunk (tpflower.phases.setup.keys_chunk)."""
+    return int(client.state.scalar("keys.chunks", 1)) > 1
+
+
 _ROLE_NAMES = {
     every: "every client",
     sharded: "the shards of a sharded table",
     unsharded: "tables with one shard",
     label_dp_owner: "the label owner under label DP",
+    chunked_keys: "a table whose keys reply is chunked",
 }
 
 

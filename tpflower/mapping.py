@@ -74,10 +74,12 @@ def code_dtype(n_distinct: int) -> np.dtype:
     return np.dtype(np.uint64)
 
 
-def distinct_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes) -> tuple[np.ndarray, np.ndarray]:
+def distinct_digests(
+    frame: pd.DataFrame, columns: Sequence[str], secret: bytes, seed: bytes | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(codes, digests): each row's code (:func:`code_dtype`) into the table's distinct key tuples of
-    ``frame[columns]`` (in a random order, :func:`shuffled`), and one keyed digest per distinct tuple
-    ((n_distinct, 2) uint64).
+    ``frame[columns]`` (in a random order, :func:`shuffled` with ``seed``), and one keyed digest per distinct
+    tuple ((n_distinct, 2) uint64).
 
     HMAC-SHA256(secret, canonical key tuple), first 128 bits: the HMAC runs once per distinct key, not per row.
     """
@@ -86,15 +88,15 @@ def distinct_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes)
     codes, tuples, kinds = key_codes(frame, columns)
     blob = b"".join(hmac.digest(secret, e, hashlib.sha256)[:16] for e in canonical_tuples(tuples, kinds))
     per_key = np.frombuffer(blob, dtype="<u8").reshape(-1, DIGEST_WORDS)
-    rank, order = shuffled(len(per_key))
+    rank, order = shuffled(len(per_key), seed)
     return rank.astype(code_dtype(len(per_key)))[codes], per_key[order]
 
 
-def shuffled(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(rank, order) of a random permutation of n distinct values (OS entropy): value v goes to position
-    rank[v] of the list ``values[order]``. The codes a client sends then follow neither its rows' order nor its
-    key values."""
-    order = np.random.default_rng(int.from_bytes(os.urandom(16), "little")).permutation(n)
+def shuffled(n: int, seed: bytes | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, order) of a random permutation of n distinct values (OS entropy, or the node's secret ``seed``: the
+    same permutation again, for a node that recomputes its keys reply): value v goes to position rank[v] of the
+    list ``values[order]``. The codes a client sends then follow neither its rows' order nor its key values."""
+    order = np.random.default_rng(int.from_bytes(seed or os.urandom(16), "little")).permutation(n)
     rank = np.empty(n, dtype=np.int64)
     rank[order] = np.arange(n)
     return rank, order
@@ -124,14 +126,25 @@ class KeyProjection:
 
 
 def project_keys(
-    spec: RelationalSpec, table: str, frame: pd.DataFrame, row_ids: np.ndarray, secret: bytes
+    spec: RelationalSpec,
+    table: str,
+    frame: pd.DataFrame,
+    row_ids: np.ndarray,
+    secret: bytes,
+    seed: bytes | None = None,
 ) -> KeyProjection:
-    """The client side of table mapping: codes and digests of every join key that ``table`` takes part in."""
+    """The client side of table mapping: codes and digests of every join key that ``table`` takes part in
+    (shuffled by :func:`join_seed` of ``seed``, else by OS entropy)."""
     codes, digests = {}, {}
     for k, j in enumerate(spec.joins):
         if table in (j.left, j.right):
-            codes[k], digests[k] = distinct_digests(frame, j.columns_of(table), secret)
+            codes[k], digests[k] = distinct_digests(frame, j.columns_of(table), secret, join_seed(seed, k))
     return KeyProjection(table, narrow_ids(row_ids), codes, digests)
+
+
+def join_seed(seed: bytes | None, k: int) -> bytes | None:
+    """The shuffle seed of join ``k`` derived from a node's secret ``seed`` (None: OS entropy)."""
+    return None if seed is None else hashlib.sha256(seed + k.to_bytes(4, "little")).digest()[:16]
 
 
 def narrow_ids(row_ids: np.ndarray) -> np.ndarray:

@@ -1,11 +1,15 @@
 """Setup and evaluation phases shared by every LoJ algorithm (TablePuppet Sec. 3.1.1, 4.3, 4.4).
 
-keys      {}                  -> {row_ids, code.<join>, digest.<join>..., (label owner) y, is_test}  keys=hmac:
+keys      {chunk_rows}        -> {row_ids, code.<join>, digest.<join>..., (label owner) y, is_test}  keys=hmac:
                                  per row the code (uint16/uint32) of its key value, per distinct value its
                                  keyed digest (tpflower.mapping.distinct_digests)
                                  {row_ids, code.<join>, blind.<join>..., ...}          keys=blind: per row the
                                  code of its key value, per distinct value H(k)^a (shuffled; tpflower.blind)
-                                 with label DP: y holds the randomized labels of the TRAINING rows only
+                                 with label DP: y holds the randomized labels of the TRAINING rows only.
+                                 A table of more than chunk_rows rows (the run's mapping.keys_chunk_rows) sends
+                                 chunk 0 here (rows and values 0..chunk_rows-1; metrics n_chunks, n_values.<join>)
+keys_chunk {chunk}            -> the same arrays for rows and values j*chunk_rows.. of chunk j = 1, 2, ... (in
+                                 order, each once, none beyond the table: else refused)
 reblind   {pts.<join>.<j>...} -> {pts.<join>.<j>...}  keys=blind: another owner's blinded keys of a join this
                                  table takes part in, raised to this node's scalar (same order)
 stats     {columns, sketch}   -> {summary.*}: preprocessing summary of its fit rows (several shards, Sec. 4.4)
@@ -17,7 +21,9 @@ evaluate  {H, rows}           -> {}  label DP: the label owner scores the test p
 
 from __future__ import annotations
 
+import os
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -28,18 +34,19 @@ from tpflower import fedprep, label_dp, registry
 from tpflower import privacy as dp
 from tpflower.blind import blind_keys, new_scalar, node_scalar, reblind
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, label_dp_owner, sharded
-from tpflower.mapping import narrow_ids, project_keys
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, label_dp_owner, sharded
+from tpflower.mapping import join_seed, narrow_ids, project_keys
 from tpflower.records import Arrays, numbered, unnumbered
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
-def key_arrays(client: TableClient, keys: pd.DataFrame, row_ids: np.ndarray) -> Arrays:
+def key_arrays(client: TableClient, keys: pd.DataFrame, row_ids: np.ndarray, seed: bytes | None = None) -> Arrays:
     """The mapping payload of ``keys`` (the rows' join-key columns): ``row_ids``, and per join of this table
     each row's ``code.<join>`` and per distinct value a keyed digest (``digest.<join>``, keys=hmac) or a blinded
-    value (``blind.<join>``, keys=blind) by the owner's key mode, which is recorded in the node's state."""
+    value (``blind.<join>``, keys=blind) by the owner's key mode, which is recorded in the node's state. The
+    values' shuffle: OS entropy, or the node's secret ``seed`` (the same payload again)."""
     s = client.settings
     client.state.set_scalar("keys", s.owner.keys)
     if s.owner.keys == "blind":
@@ -47,9 +54,10 @@ def key_arrays(client: TableClient, keys: pd.DataFrame, row_ids: np.ndarray) -> 
         out: Arrays = {"row_ids": narrow_ids(row_ids)}
         for k, j in enumerate(s.spec.joins):
             if s.table in (j.left, j.right):
-                out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(keys, j.columns_of(s.table), scalar)
+                cols = j.columns_of(s.table)
+                out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(keys, cols, scalar, join_seed(seed, k))
         return out
-    proj = project_keys(s.spec, s.table, keys, row_ids, s.secret)
+    proj = project_keys(s.spec, s.table, keys, row_ids, s.secret, seed)
     out = {"row_ids": proj.row_ids}
     for k in sorted(proj.codes):
         out[f"code.{k}"], out[f"digest.{k}"] = proj.codes[k], proj.digests[k]
@@ -58,20 +66,98 @@ def key_arrays(client: TableClient, keys: pd.DataFrame, row_ids: np.ndarray) -> 
 
 def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Row ids, and per join key each row's code and per distinct value a keyed digest or blinded value
-    (Sec. 3.1.1); the label owner adds its labels."""
-    s, data = client.settings, client.data
+    (Sec. 3.1.1); the label owner adds its labels. More rows than the message's ``chunk_rows``: chunk 0 of
+    the payload, the rest by :func:`keys_chunk` (metrics ``n_chunks``, and ``n_values.<join>``, ``n_y``)."""
+    s = client.settings
     accept_privacy(client, config)
     check_unique_key(client)
     mode = s.owner.keys  # the owner's choice (its settings; in a simulation mapping.keys), never the server's
-    out = key_arrays(client, data.keys, data.row_ids)
-    metrics: dict[str, Any] = {
-        "table": s.table,
-        "shard": s.shard,
-        "region": s.region,
-        "n_rows": len(data.row_ids),
-        "blind_keys": int(mode == "blind"),  # the owner's key mode (a number: metrics carry no free text)
-        "key_kinds": ",".join(f"{c}={k}" for c, k in s.key_kinds.items()),
-    }
+    chunk_rows = int(config.get("chunk_rows") or 0)  # 0: one message (a server that does not chunk)
+    if chunk_rows < 0:
+        raise ProtocolRefusal(f"table {s.table!r} shard {s.shard}: keys asks for chunks of {chunk_rows} rows")
+    n = len(client.data.row_ids)
+    n_chunks = max(1, -(-n // chunk_rows)) if chunk_rows else 1
+    seed = os.urandom(16) if n_chunks > 1 else None  # never leaves the node: the shuffle, to recompute the payload
+    out, metrics = keys_payload(client, seed)
+    metrics.update({"table": s.table, "shard": s.shard, "region": s.region, "n_rows": n})
+    metrics["blind_keys"] = int(mode == "blind")  # the owner's key mode (a number: metrics carry no free text)
+    metrics["key_kinds"] = ",".join(f"{c}={k}" for c, k in s.key_kinds.items())
+    if n_chunks == 1:
+        return out, metrics
+    assert seed is not None
+    token = os.urandom(16).hex()
+    for name, value in (("token", token), ("seed", seed.hex()), ("chunk_rows", chunk_rows)):
+        client.state.set_scalar(f"keys.{name}", value)
+    client.state.set_scalar("keys.chunks", n_chunks)
+    client.state.set_scalar("keys.next", 1)
+    _remember(token, out)
+    metrics["n_chunks"] = n_chunks
+    values = {name.split(".", 1)[1]: len(a) for name, a in out.items() if name.startswith(("digest.", "blind."))}
+    metrics.update({f"n_values.{k}": n_k for k, n_k in values.items()})
+    if "y" in out:
+        metrics["n_y"] = len(out["y"])
+    return key_chunk(out, 0, chunk_rows), metrics
+
+
+def keys_chunk(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Chunk ``chunk`` (1, 2, ...) of this node's keys payload (:func:`key_chunk`): in order, each once, none
+    beyond its table. The payload is the one chunk 0 came from (kept in this process; recomputed from the
+    node's secret shuffle seed when another process answers)."""
+    s, state = client.settings, client.state
+    n_chunks, expected = int(state.scalar("keys.chunks", 1)), int(state.scalar("keys.next", 1))
+    j = int(config.get("chunk", -1))
+    where = f"table {s.table!r} shard {s.shard}"
+    if j >= n_chunks or j < 1:
+        raise ProtocolRefusal(
+            f"{where}: keys_chunk asks for chunk {j}; its {len(client.data.row_ids)} rows make chunks 1..{n_chunks - 1}"
+        )
+    if j != expected:
+        raise ProtocolRefusal(f"{where}: keys_chunk asks for chunk {j} out of order or twice (next: chunk {expected})")
+    token = str(state.scalar("keys.token"))
+    out = _PAYLOADS.get(token)
+    if out is None:
+        out, _ = keys_payload(client, bytes.fromhex(str(state.scalar("keys.seed"))))
+        _remember(token, out)
+    state.set_scalar("keys.next", j + 1)
+    chunk = key_chunk(out, j, int(state.scalar("keys.chunk_rows")))
+    if j == n_chunks - 1:
+        _PAYLOADS.pop(token, None)
+    return chunk, {}
+
+
+_PAYLOADS: OrderedDict[str, Arrays] = OrderedDict()  # keys payloads being sent in chunks, by the node's token
+_PAYLOADS_MAX = 16  # nodes one process serves at once (as tpflower.app.client_app's table cache)
+
+
+def _remember(token: str, out: Arrays) -> None:
+    _PAYLOADS[token] = out
+    while len(_PAYLOADS) > _PAYLOADS_MAX:
+        _PAYLOADS.popitem(last=False)
+
+
+def key_chunk(out: Arrays, j: int, chunk_rows: int) -> Arrays:
+    """Chunk ``j`` of a keys payload: rows j*chunk_rows.. (row ids, codes, test flags; labels of those rows, or
+    under label DP of the training rows among them) and per join values j*chunk_rows.. (digests or blinded
+    values; a table's distinct values are at most its rows, so ceil(rows / chunk_rows) chunks carry them all)."""
+    n = len(out["row_ids"])
+    lo, hi = j * chunk_rows, min((j + 1) * chunk_rows, n)
+    chunk: Arrays = {}
+    for name, a in out.items():
+        if name == "y" and len(a) != n:  # label DP: the training rows' labels only
+            train = np.asarray(out["is_test"]) == 0
+            a_lo = int(np.count_nonzero(train[:lo]))
+            chunk[name] = a[a_lo : a_lo + int(np.count_nonzero(train[lo:hi]))]
+        else:
+            chunk[name] = a[lo:hi] if not name.startswith(("digest.", "blind.")) else a[lo : (j + 1) * chunk_rows]
+    return chunk
+
+
+def keys_payload(client: TableClient, seed: bytes | None) -> tuple[Arrays, dict[str, Any]]:
+    """The whole keys payload of this node (:func:`key_arrays`, and the label owner's labels) and the metrics
+    that describe its labels."""
+    data = client.data
+    out = key_arrays(client, data.keys, data.row_ids, seed)
+    metrics: dict[str, Any] = {}
     if data.y is not None:
         y = data.y
         priv = client.privacy()
@@ -283,6 +369,7 @@ def reference_score(client: TableClient, arrays: Arrays, rows: np.ndarray, first
 #: most one more with order statistics, then the rule) only on the shards of a sharded table.
 SETUP: tuple[Stage, ...] = (
     Stage("keys", {"keys": Phase(keys)}),
+    Stage("keys_chunk", {"keys_chunk": Phase(keys_chunk, chunked_keys)}, calls=None),
     Stage("reblind", {"reblind": Phase(reblind_keys, blinds_keys)}, calls=None),
     Stage("stats", {"stats": Phase(stats, sharded)}, calls=2),
     Stage("rule", {"rule": Phase(rule, sharded)}),
