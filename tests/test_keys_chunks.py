@@ -10,6 +10,7 @@ from simulations.federated import run_in_process
 from tests.conftest import make_cfg
 from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, node, refused
+from tpflower import label_dp
 from tpflower.app.client_app import app as deployed_app
 from tpflower.phases import setup as setup_phases
 from tpflower.records import unpack_reply
@@ -21,13 +22,25 @@ def setup_of(*overrides: str):
     return run.strategy.join
 
 
-@pytest.mark.parametrize("keys", ["hmac", "blind"])
-@pytest.mark.parametrize("scenario", ["join", "ucq"])
-def test_chunked_keys_give_the_same_mapping(keys, scenario, monkeypatch):
+@pytest.mark.parametrize(
+    "keys, scenario, privacy",
+    [
+        ("hmac", "join", "none"),
+        ("blind", "join", "none"),
+        ("hmac", "ucq", "none"),
+        ("blind", "ucq", "none"),
+        ("hmac", "join", "label"),  # label DP: the training rows' labels only, chunked by the training rows
+    ],
+)
+def test_chunked_keys_give_the_same_mapping(keys, scenario, privacy, monkeypatch):
     """7-row chunks: every table of the synthetic dataset (hundreds of rows, shards in the union) sends its
     keys in many rounds; p_i, the train/test partition and the labels equal those of one message per client."""
-    common = ("dataset=synthetic", f"scenario={scenario}", f"mapping.keys={keys}")
+    common = ("dataset=synthetic", f"scenario={scenario}", f"mapping.keys={keys}", f"privacy={privacy}")
+    common += ("privacy.label_range=[-20,20]",) if privacy == "label" else ()
+    draws = iter(range(1_000_000))  # label DP: the n-th draw of a run the same in both runs; a redraw differs
+    monkeypatch.setattr(label_dp.dp, "label_rng", lambda: np.random.default_rng(next(draws)))
     whole = setup_of(*common)
+    draws = iter(range(1_000_000))
     served: list[int] = []
     real = setup_phases.key_chunk
 
@@ -46,7 +59,10 @@ def test_chunked_keys_give_the_same_mapping(keys, scenario, monkeypatch):
         for t in a.p:
             np.testing.assert_array_equal(a.p[t], b.p[t], err_msg=f"p[{t}]")
     np.testing.assert_array_equal(whole.y_train, chunked.y_train)
-    np.testing.assert_array_equal(whole.y_test, chunked.y_test)
+    np.testing.assert_array_equal(np.asarray(whole.y_test), np.asarray(chunked.y_test))
+    for k, (idx, pos) in whole.evaluation_split.items():  # label DP: the test rows the label owner scores
+        np.testing.assert_array_equal(idx, chunked.evaluation_split[k][0])
+        np.testing.assert_array_equal(pos, chunked.evaluation_split[k][1])
     assert whole.client_rows == chunked.client_rows
     for t, router in whole.routers.items():
         assert router.shards == chunked.routers[t].shards

@@ -163,8 +163,10 @@ def keys_payload(client: TableClient, seed: bytes | None) -> tuple[Arrays, dict[
         priv = client.privacy()
         if dp.uses_label_dp(priv):
             # label DP: the training rows' labels randomized once per owner setting and the same draw served
-            # to every run (tpflower.label_dp); the test rows' labels not sent at all (see evaluate)
-            y = label_dp.training_labels(client)
+            # to every run (tpflower.label_dp); the test rows' labels not sent at all (see evaluate). A payload
+            # recomputed for its later chunks serves the labels chunk 0 came from.
+            sent = client.state.get("labels.sent") if seed is not None else None
+            y = label_dp.training_labels(client) if sent is None else sent
             metrics["labels"] = "train_randomized"
             client.state.put("labels.sent", np.asarray(y))  # what later phases may use of the labels (coresets)
         out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
