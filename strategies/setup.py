@@ -2,7 +2,8 @@
 shards of a table (:class:`ShardRouter`).
 
 Setup (TablePuppet Sec. 3.1.1): every client sends row ids and keyed digests of its join keys, the label
-owner also its labels and test-split flags; the server checks the key kinds agree, joins the digests into
+owner also its labels and test-split flags (a table of more than mapping.keys_chunk_rows rows in chunks, one
+round each: :meth:`JoinSetup.gather_chunks`); the server checks the key kinds agree, joins the digests into
 p_i, and splits the joined rows into train and test by the label-table row. Tables with several shards then
 merge their shards' preprocessing summaries into one rule (Sec. 4.4). VFL baselines finally send each client
 its p_i once ("expand") and continue on the identity mapping over the N joined rows.

@@ -3,10 +3,14 @@ both scenarios; the client refuses chunk requests out of order, twice or beyond 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from simulations.federated import run_in_process
+from strategies.replies import ReplyError
+from strategies.setup import JoinSetup
 from tests.conftest import make_cfg
 from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, node, refused
@@ -120,3 +124,34 @@ def test_a_curious_server_gets_chunks_in_order_once_and_within_the_table(tmp_pat
         "train",
         config={"phase": "keys_chunk", "chunk": 1},
     )
+
+
+def test_the_server_refuses_chunks_that_do_not_fill_what_chunk_0_announced():
+    """A client whose later chunks hold fewer rows than its chunk 0 announced, or another array, stops the run
+    at the keys round with one line naming it; whole chunks are put together in order and checked."""
+    codes, digests = np.arange(10, dtype=np.uint16) % 4, np.arange(8, dtype=np.uint64).reshape(4, 2)
+    rows = {"row_ids": np.arange(10, dtype=np.int32), "code.0": codes}
+    first = {"n_rows": 10, "n_chunks": 3, "n_values.0": 4}
+
+    def chunk(j: int, drop: int = 0) -> dict:
+        out = {n: a[4 * j : 4 * j + 4 - drop] for n, a in rows.items()}
+        return {**out, "digest.0": digests[4 * j : 4 * j + 4]}
+
+    def gather(later):
+        replies = {("d1", 0): (chunk(0), dict(first))}
+        send = lambda messages: {k: (later(c["chunk"]), {}) for k, (_, c) in messages.items()}  # noqa: E731
+        JoinSetup(send, SimpleNamespace(label=SimpleNamespace(task="regression")), {}, [("d1", 0)], {}).gather_chunks(
+            replies
+        )
+        return replies[("d1", 0)][0]
+
+    got = gather(chunk)
+    np.testing.assert_array_equal(got["row_ids"], rows["row_ids"])
+    np.testing.assert_array_equal(got["code.0"], codes)
+    np.testing.assert_array_equal(got["digest.0"], digests)
+    with pytest.raises(ReplyError, match="table 'd1' shard 0: its keys chunks hold 9 of the 10 entries of 'row_ids'"):
+        gather(lambda j: chunk(j, drop=int(j == 1)))
+    with pytest.raises(ReplyError, match="table 'd1' shard 0: a keys chunk holds"):
+        gather(lambda j: {n: a for n, a in chunk(j).items() if n != "code.0"})
+    with pytest.raises(ReplyError, match="table 'd1' shard 0: keys chunk array 'row_ids'"):
+        gather(lambda j: {**chunk(j), "row_ids": np.arange(5, dtype=np.int32)})
