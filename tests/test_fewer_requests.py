@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0
 from flwr.proto.message_pb2 import Metadata, ObjectTree  # pylint: disable=E0611
 from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullAppMessagesResponse  # pylint: disable=E0611
 
-from tests.test_protocol import Clock, answering, serverapp_identity  # noqa: F401  (a fixture)
+from tests.test_protocol import Clock, TimedGrid, serverapp_identity  # noqa: F401  (a fixture)
 from tpflower.app import flower_patch, held_pulls
 from tpflower.app.held_pulls import Bell, held_fleet_pull, held_runtime_pull, ringing
 
@@ -189,28 +190,17 @@ def test_the_supernode_pulls_again_at_once_after_a_held_empty_pull(monkeypatch):
     assert slept == [flower_patch.NODE_HELD_WAIT_S, flower_patch.NODE_MIN_WAIT_S]
 
 
-class HoldingGrid:
+class HoldingGrid(TimedGrid):
     """A Grid on a SuperLink that holds pulls: a pull comes back when every reply is ready or after ``hold``
     seconds (of ``clock``); replies are ready ``took`` s after their round was pushed."""
 
     def __init__(self, clock: Clock, took: float, hold: float = 0.5) -> None:
-        self.clock, self.took, self.hold = clock, took, hold
-        self.app = answering({1: ("fact", 0), 2: ("dim", 0)})
-        self.pulls, self.ready, self.pending = 0, 0.0, {}
-
-    def push_messages(self, messages):
-        self.ready = self.clock.now + self.took
-        for k, msg in enumerate(messages):
-            msg.metadata.__dict__["_message_id"] = f"m{self.pulls}-{k}"
-            self.pending[f"m{self.pulls}-{k}"] = msg
-        return list(self.pending)
+        super().__init__(clock, defaultdict(lambda: took))
+        self.hold = hold
 
     def pull_messages(self, message_ids):
-        self.pulls += 1
         self.clock.now = min(max(self.ready, self.clock.now), self.clock.now + self.hold)
-        if self.clock.now < self.ready:
-            return []
-        return [self.app(self.pending.pop(mid), None) for mid in list(message_ids)]
+        return super().pull_messages(message_ids)
 
 
 @pytest.mark.usefixtures("serverapp_identity")
