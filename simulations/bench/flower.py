@@ -37,7 +37,8 @@ def empty_rounds_case(rounds: int = 200, dataset: str = "movielens") -> dict[str
     from tpflower.records import HELLO_PHASE, pack_payload  # noqa: PLC0415
 
     cfg = compose_config(f"dataset={dataset}")
-    clients = make_strategy(cfg, None, log=lambda _: None).clients
+    built = make_strategy(cfg, None, log=lambda _: None)  # its clients and config name the nodes
+    clients = built.clients
     timing: dict[str, float] = {}
 
     class EmptyRounds(TablePuppetStrategy):
@@ -52,7 +53,7 @@ def empty_rounds_case(rounds: int = 200, dataset: str = "movielens") -> dict[str
 
     inproc = EmptyRounds(clients, log=lambda _: None)
     inproc.runtime = "inprocess"
-    contexts = in_process_contexts(inproc)
+    contexts = in_process_contexts(built)
     inproc.run(DirectTransport(client_app_for(cfg), {c.node_id: c for c in contexts.values()}))
 
     app = ServerApp()
