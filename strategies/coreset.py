@@ -31,6 +31,7 @@ from strategies.join_admm import ADMMServer, admm_rho
 from strategies.join_sgd import sgd_rounds
 from strategies.pcg import PCGSolver
 from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
+from tpflower.join_counts import compact_counts
 from tpflower.losses import loss_grad_np, loss_np
 from tpflower.mapping import TableMapping, index_dtype, segment_sum
 from tpflower.owner import DEFAULT_MIN_GROUP_ROWS
@@ -52,15 +53,6 @@ class Coreset:
         """Collapse repeated draws: a joined row drawn r times carries the sum of its r weights."""
         rows, inv = np.unique(joined, return_inverse=True)
         return cls(rows, np.bincount(inv.reshape(-1), weights=w, minlength=len(rows)), len(joined), float(total))
-
-
-def compact_counts(G: np.ndarray) -> np.ndarray:
-    """G_i in the narrowest unsigned integer type that holds it (what the sensitivity round sends)."""
-    top = int(G.max()) if len(G) else 0
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if top <= np.iinfo(dtype).max:
-            return G.astype(dtype)
-    return G.astype(np.uint64)
 
 
 def row_ids(rows: np.ndarray, n_rows: int) -> np.ndarray:

@@ -21,7 +21,7 @@ from scipy.special import expit, logsumexp, softmax
 from strategies.anderson import Anderson
 from strategies.base import LoJStrategy
 from tpflower.batches import joined_predictions, sum_in_first_dtype
-from tpflower.join_counts import count_dtype
+from tpflower.join_counts import compact_counts
 from tpflower.losses import check_np, loss_np
 from tpflower.mapping import SegmentSums, TableMapping, chunks
 from tpflower.phases.join_admm import ADMMParams
@@ -155,7 +155,7 @@ class ADMMServer:
     def G(self) -> dict[str, np.ndarray]:
         """G_iu (Eq. 15): constant, sent once; whole counts in the narrowest unsigned dtype (1 byte a row for
         counts below 256)."""
-        return {t: (g := self.mapping.G(t)).astype(count_dtype(g), copy=False) for t in self.mapping.p}
+        return {t: compact_counts(self.mapping.G(t)) for t in self.mapping.p}
 
     @property
     def z(self) -> np.ndarray:

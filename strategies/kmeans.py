@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from strategies.coreset import DISStrategy, compact_counts, row_ids
+from strategies.coreset import DISStrategy, row_ids
 from tpflower.batches import BatchPlan
 from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
+from tpflower.join_counts import compact_counts
 from tpflower.mapping import segment_sum
 from tpflower.phases.kmeans import CoresetKMeansParams, KMeansParams
 from tpflower.results import EpochRecord

@@ -65,7 +65,7 @@ def check_join_counts(
         keys = client.data.keys
         if keys.shape[1] and train.any() and not _same_per_key(keys, train, G):
             raise JoinCountsRefusal(f"{where}: G differs between rows with the same join keys; no join gives that")
-    client.state.put(STATE_KEY, G.astype(count_dtype(G), copy=False))  # whole counts: the narrowest dtype
+    client.state.put(STATE_KEY, compact_counts(G))  # whole counts: the narrowest dtype
     return G
 
 
@@ -76,6 +76,11 @@ def count_dtype(G: np.ndarray) -> np.dtype:
         if top <= np.iinfo(dtype).max:
             return np.dtype(dtype)
     return np.dtype(np.uint64)
+
+
+def compact_counts(G: np.ndarray) -> np.ndarray:
+    """``G`` in :func:`count_dtype` (no copy if it is in that dtype already): how G_i is kept and sent."""
+    return G.astype(count_dtype(G), copy=False)
 
 
 #: rows per chunk of the per-key check of G over integer keys

@@ -16,7 +16,7 @@ import torch
 
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Stage
-from tpflower.join_counts import check_join_counts, count_dtype
+from tpflower.join_counts import check_join_counts, compact_counts
 from tpflower.mapping import chunks
 from tpflower.models import l2_penalty
 from tpflower.params import (
@@ -279,7 +279,7 @@ def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     # G_i as a join gives it (tpflower.join_counts); a shard of a union's table holds part of the N rows
     N = None if s.federated_prep else config["N"]
     G = check_join_counts(client, arrays["G"], where, training_join=True, N=N)
-    ADMMState(G.astype(count_dtype(G), copy=False), int(config["N"]), float(config["rho"])).save(client.state)
+    ADMMState(compact_counts(G), int(config["N"]), float(config["rho"])).save(client.state)
     client.dp.init(config, lambda: client.dp.admm_rate(G))
     model = client.model(config)
     client.state.save_model(model)
