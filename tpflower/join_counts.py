@@ -71,11 +71,7 @@ def check_join_counts(
 
 def count_dtype(G: np.ndarray) -> np.dtype:
     """The narrowest unsigned dtype holding the whole counts ``G`` (>= 0) exactly: uint8 .. uint64."""
-    top = int(G.max()) if len(G) else 0
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if top <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    return np.dtype(np.uint64)
+    return np.min_scalar_type(int(G.max()) if len(G) else 0)
 
 
 def compact_counts(G: np.ndarray) -> np.ndarray:
