@@ -7,7 +7,8 @@ request runs like training's setup and one evaluation round:
 
 1. ``predict_keys``: every node sends row ids and keyed digests of its rows' join keys (keys=blind: the blinded
    values, then the same re-blinding hops as training, strategies.setup.JoinSetup.blind_rounds), and the id of
-   the part it holds, checked against model.json.
+   the part it holds, checked against model.json; in chunks of mapping.keys_chunk_rows rows, as training's keys
+   reply (strategies.key_chunks).
 2. The server joins the digests into p_i (tpflower.mapping.build_mapping, as in training): one joined row per
    new row and partner; new rows that join no partner are reported, not dropped silently.
 3. ``predict_rows``: each node scores the distinct rows U_i the joined rows use, h_i = f_i(theta_i; x_u);
@@ -25,9 +26,10 @@ import numpy as np
 import pandas as pd
 
 from strategies.base import TablePuppetStrategy
+from strategies.key_chunks import gather_chunks
 from strategies.kmeans import cell_points, grid_cells
 from strategies.model_record import dataset_digest, label_scale_of, read_model_record
-from strategies.setup import JoinSetup, ShardRouter, key_mode
+from strategies.setup import JoinSetup, ShardRouter, key_mode, keys_chunk_rows
 from strategies.transport import ClientKey, RunError
 from tpflower.batches import joined_predictions
 from tpflower.clustering import sq_distances
@@ -125,16 +127,16 @@ class FederatedPrediction(TablePuppetStrategy):
         return [k for k in self.clients if k[0] != self.query[0] or k == self.query]
 
     def protocol(self) -> None:
-        run_id = str(self.record["run_id"])
-        replies = self.send(
-            {k: ({}, {"phase": "predict_keys", "run_id": run_id, "query": int(k == self.query)}) for k in self.members}
-        )
+        run_id, chunk_rows = str(self.record["run_id"]), keys_chunk_rows(self.cfg)
+        ask = {"phase": "predict_keys", "run_id": run_id, "chunk_rows": chunk_rows}
+        replies = self.send({k: ({}, {**ask, "query": int(k == self.query)}) for k in self.members})
         for key, (_, m) in sorted(replies.items()):
             if str(m.get("part")) != self.parts.get(key):
                 raise RunError(
                     f"table {key[0]!r} shard {key[1]}: its saved part {m.get('part')} is not the part "
                     f"{self.parts.get(key)} of run {run_id} in model.json (retrained or replaced since)"
                 )
+        gather_chunks(self.send, replies, chunk_rows)
         if key_mode(replies) == "blind":
             JoinSetup(self.send, self.spec, self.cfg, self.members, {}, self.log).blind_rounds(replies)
         n_query = len(replies[self.query][0]["row_ids"])

@@ -132,7 +132,7 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
                 f"{_who(key, phase)}: reply array {name!r} holds {np.asarray(out[name]).size} values; "
                 "the round asked for one number"
             )
-    if phase == "keys" and int(reply[1].get("n_chunks", 1)) == 1:  # a chunked one: when whole (strategies.setup)
+    if phase in ("keys", "predict_keys") and int(reply[1].get("n_chunks", 1)) == 1:  # chunked: strategies.key_chunks
         check_keys(key, out)
     if phase == "reblind":  # the lists it was sent, each blinded once more: same names, same lengths
         if set(out) != set(arrays):

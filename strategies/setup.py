@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from strategies.epoch_checkpoints import Saved
-from strategies.replies import ReplyError, check_keys
+from strategies.key_chunks import gather_chunks, reblind_chunks
 from strategies.transport import ClientKey, Reply
 from tpflower import privacy as dp
 from tpflower.blind import point_digests
@@ -163,64 +163,13 @@ class JoinSetup(Saved):
             self.expand()
 
     def gather_chunks(self, replies: Mapping[ClientKey, Reply]) -> None:
-        """Keys replies in chunks (metrics ``n_chunks`` > 1): ask each such client for chunk 1, 2, ... in
-        successive rounds (only the clients with that many chunks) and write every chunk into the whole
-        arrays, allocated once from chunk 0 and the counts in its metrics; then check the whole reply as a
-        one-message reply is checked (strategies.replies.check_keys)."""
-        n_chunks = {k: int(m.get("n_chunks", 1)) for k, (_, m) in replies.items()}
-        chunked = [k for k, n in n_chunks.items() if n > 1]
-        if not chunked:
-            return
-        whole: dict[ClientKey, dict[str, np.ndarray]] = {}
-        filled: dict[ClientKey, dict[str, int]] = {}
-        for key in chunked:
-            arrays, metrics = replies[key]
-            whole[key], filled[key] = {}, {}
-            for name, a in arrays.items():
-                a = np.asarray(a)
-                if name.startswith(("digest.", "blind.")):
-                    n = int(metrics[f"n_values.{name.split('.', 1)[1]}"])
-                else:
-                    n = int(metrics["n_y"]) if name == "y" else int(metrics["n_rows"])
-                whole[key][name] = np.empty((n,) + a.shape[1:], dtype=a.dtype)
-                filled[key][name] = 0
-            self._fill(key, whole[key], filled[key], arrays)
-        for j in range(1, max(n_chunks.values())):
-            back = self.send({k: ({}, {"phase": "keys_chunk", "chunk": j}) for k in chunked if n_chunks[k] > j})
-            for key, (arrays, _) in back.items():
-                self._fill(key, whole[key], filled[key], arrays)
-                arrays.clear()
-        for key in chunked:
-            short = [n for n, a in whole[key].items() if filled[key][n] != len(a)]
-            if short:
-                raise ReplyError(
-                    f"table {key[0]!r} shard {key[1]}: its keys chunks hold {filled[key][short[0]]} of the "
-                    f"{len(whole[key][short[0]])} entries of {short[0]!r} it announced"
-                )
-            check_keys(key, whole[key])
-            replies[key][0].clear()
-            replies[key][0].update(whole[key])
-
-    @staticmethod
-    def _fill(key: ClientKey, whole: dict[str, np.ndarray], filled: dict[str, int], arrays: Mapping) -> None:
-        """Write one keys chunk after the entries received before it."""
-        if set(arrays) != set(whole):
-            raise ReplyError(
-                f"table {key[0]!r} shard {key[1]}: a keys chunk holds {sorted(arrays)}, not {sorted(whole)}"
-            )
-        for name, a in arrays.items():
-            at, a = filled[name], np.asarray(a)
-            if at + len(a) > len(whole[name]) or a.shape[1:] != whole[name].shape[1:]:
-                raise ReplyError(
-                    f"table {key[0]!r} shard {key[1]}: keys chunk array {name!r} ({a.dtype} {a.shape}) does not fit "
-                    f"the {whole[name].shape} it announced after {at} entries"
-                )
-            whole[name][at : at + len(a)] = a
-            filled[name] = at + len(a)
+        """Keys replies in chunks: the later chunks gathered and bounded (strategies.key_chunks)."""
+        gather_chunks(self.send, replies, keys_chunk_rows(self.cfg))
 
     def blind_rounds(self, replies: Mapping[ClientKey, Reply]) -> None:
         """keys=blind (docs/algorithms.md, Blinded keys): route every client's blinded key values of a join to
-        the other clients of that join's tables, one hop per round, until each list is blinded by all of them;
+        the other clients of that join's tables, one hop per round (lists in chunks of mapping.keys_chunk_rows
+        values, one round each: strategies.key_chunks.reblind_chunks), until each list is blinded by all of them;
         then put the digests of the fully blinded values (``digest.<join>``, one per value, the rows' codes
         point into them) in place of the lists, as in keys=hmac."""
         current: dict[tuple[ClientKey, int], np.ndarray] = {}
@@ -234,8 +183,8 @@ class JoinSetup(Saved):
             for k, m in members.items():
                 for i, origin in enumerate(m[:] if hop < len(m) else []):
                     messages.setdefault(m[(i + hop) % len(m)], {})[f"pts.{k}.{i}"] = current[(origin, k)]
-            back = self.send({c: (arrays, {"phase": "reblind"}) for c, arrays in messages.items()})
-            for arrays, _ in back.values():
+            back = reblind_chunks(self.send, messages, keys_chunk_rows(self.cfg))
+            for arrays in back.values():
                 for name, points in arrays.items():
                     _, k, i = name.split(".")
                     current[(members[int(k)][int(i)], int(k))] = points

@@ -295,6 +295,34 @@ def test_the_owners_settings_bound_what_a_prediction_request_gets(regression_run
     )
 
 
+def test_a_curious_server_gets_predict_keys_chunks_in_order_once_and_within_the_rows(regression_run, tmp_path):
+    """A deployed node answers predict_keys in 50-row chunks: keys_chunk out of order, twice or beyond its
+    rows is refused (table and shard named); the chunks put together are its rows, codes and digests."""
+    run_id, run_dir = regression_run
+    context = deployed(tmp_path, run_dir, run_id, "d1")
+    ask = {"phase": "predict_keys", "run_id": run_id, "chunk_rows": 50}
+    first, metrics = unpack_reply(call(deployed_app, context, "train", {}, ask).content)
+    n, n_chunks = int(metrics["n_rows"]), int(metrics["n_chunks"])
+    assert n_chunks == -(-n // 50) > 2 and len(first["row_ids"]) == 50
+    where = "table 'd1' shard 0: keys_chunk asks for chunk"
+    refused(deployed_app, context, f"{where} 2 out of order", "train", {}, {"phase": "keys_chunk", "chunk": 2})
+    parts = [first]
+    for j in range(1, n_chunks):
+        parts.append(
+            unpack_reply(call(deployed_app, context, "train", {}, {"phase": "keys_chunk", "chunk": j}).content)[0]
+        )
+    refused(deployed_app, context, f"{where} 1 out of order or twice", "train", {}, {"phase": "keys_chunk", "chunk": 1})
+    beyond = {"phase": "keys_chunk", "chunk": n_chunks}
+    refused(deployed_app, context, f"{where} {n_chunks}; its {n} rows make", "train", {}, beyond)
+    np.testing.assert_array_equal(np.concatenate([p["row_ids"] for p in parts]), np.arange(n))
+    codes, digests = (np.concatenate([p[f"{a}.0"] for p in parts]) for a in ("code", "digest"))
+    assert len(digests) == metrics["n_values.0"] and codes.max() == len(digests) - 1 and len(codes) == n
+    rows = np.arange(3)
+    assert unpack_reply(call(deployed_app, context, "train", {"rows": rows}, {"phase": "predict_rows"}).content)[0][
+        "h"
+    ].shape == (3, 1)
+
+
 def test_a_saved_part_holds_no_row_and_is_the_owners_alone(regression_run):
     run_id, run_dir = regression_run
     part = run_dir / "node-state" / "models" / run_id / "fact-0.npz"

@@ -179,6 +179,12 @@ def blind_keys(
     return rank.astype(code_dtype(len(points)))[codes], points[order]
 
 
+def blind_encoded(encoded: Sequence[bytes], scalar: bytes) -> np.ndarray:
+    """H(k)^scalar of canonical key encodings ((n, 32) uint8, in order): hashed and multiplied slice by slice
+    on the node's cores."""
+    return as_array(_multiply(scalar, hash_to_group(encoded)))
+
+
 def point_digests(points: np.ndarray) -> np.ndarray:
     """128-bit digests of fully blinded points ((n, 2) uint64), the form the server's mapping build joins on."""
     blob = np.ascontiguousarray(points, dtype=np.uint8).tobytes()

@@ -53,6 +53,26 @@ def key_codes(frame: pd.DataFrame, columns: Sequence[str]) -> tuple[np.ndarray, 
     return codes, tuples, kinds
 
 
+def encode_values(values: pd.Index, kind: str) -> list[bytes]:
+    """The canonical encodings of the values of one key column of kind ``kind``, the same bytes as
+    :func:`_canonical` value by value (one formatting per value, no dispatch per value)."""
+    if kind in ("integer", "bool"):
+        return [b"i%d" % v for v in values.tolist()]
+    if kind == "float":
+        return [b"f%r" % v for v in map(float, values.tolist())]
+    if kind == "datetime":
+        return [b"t" + pd.Timestamp(v).isoformat().encode() for v in values]
+    return [b"s" + str(v).encode("utf-8") for v in values.tolist()]
+
+
+def hmac_digests(encoded: Sequence[bytes], secret: bytes) -> np.ndarray:
+    """Keyed digests of canonical key encodings: HMAC-SHA256(secret, e), first 128 bits ((n, 2) uint64)."""
+    if not secret:
+        raise ValueError("the join-key secret is empty; set mapping.secret (shared by the clients)")
+    blob = b"".join(hmac.digest(secret, e, hashlib.sha256)[:16] for e in encoded)
+    return np.frombuffer(blob, dtype="<u8").reshape(-1, DIGEST_WORDS).copy()
+
+
 def canonical_tuples(tuples: Sequence[tuple], kinds: Sequence[str]) -> list[bytes]:
     """The canonical byte encoding of each key tuple (equal across tables for equal keys)."""
     sep = b"\x1f"
@@ -86,8 +106,7 @@ def distinct_digests(
     if not secret:
         raise ValueError("the join-key secret is empty; set mapping.secret (shared by the clients)")
     codes, tuples, kinds = key_codes(frame, columns)
-    blob = b"".join(hmac.digest(secret, e, hashlib.sha256)[:16] for e in canonical_tuples(tuples, kinds))
-    per_key = np.frombuffer(blob, dtype="<u8").reshape(-1, DIGEST_WORDS)
+    per_key = hmac_digests(canonical_tuples(tuples, kinds), secret)
     rank, order = shuffled(len(per_key), seed)
     return rank.astype(code_dtype(len(per_key)))[codes], per_key[order]
 

@@ -7,11 +7,13 @@ At the end of a training run (a stage after training, every predictor's protocol
 
 A prediction request is a protocol of its own (:data:`PREDICT`), never mixed with training:
 
-  predict_keys  {} {run_id, query} -> {row_ids, digest.<join>...} (keys=blind: code/blind, then reblind):
-                                 the query owner (``query``: 1) reads the new rows of its settings'
-                                 ``prediction_rows`` file, every other node takes the rows it serves now;
-                                 keyed digests of their join keys, as in training's keys phase
-  reblind       as in setup (keys=blind)
+  predict_keys  {} {run_id, query, chunk_rows} -> {row_ids, code.<join>, digest.<join>...} (keys=blind:
+                                 code/blind, then reblind): the query owner (``query``: 1) reads the new
+                                 rows of its settings' ``prediction_rows`` file, every other node takes the
+                                 rows it serves now; codes and keyed digests of their join keys, as in
+                                 training's keys phase (more rows than chunk_rows: chunk 0)
+  keys_chunk    as in setup: the later chunks, in order, each once, none beyond the rows
+  reblind       as in setup (keys=blind; lists in chunks)
   predict_rows  {rows}        -> {h}: f_i(theta_i; x_u) of its rows ``rows`` with the saved theta_i and the
                                  saved preprocessing; k-means: {labels}, each row's nearest local centre
   deliver       {col.<name>..., unjoined} -> {} {written}: the query owner only; it writes the predictions
@@ -38,9 +40,10 @@ import pandas as pd
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
 from tpflower.files import atomic_write
-from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys
+from tpflower.keys_payload import KeysPayload
 from tpflower.model_part import ModelPart, part_id, part_path
-from tpflower.phases.setup import blinds_keys, key_arrays, reblind_keys
+from tpflower.phases.setup import REBUILD, blinds_keys, chunked_reply, key_payload, keys_chunk, reblind_keys
 from tpflower.records import Arrays
 from tpflower.schema import SpecError, key_kind
 
@@ -181,7 +184,9 @@ def check_count(client: TableClient, n: int) -> None:
 
 
 def predict_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Row ids and keyed digests of the join keys of the request's rows (module docstring)."""
+    """Row ids and keyed digests (or blinded values) of the join keys of the request's rows (module
+    docstring); more rows than the message's ``chunk_rows``: chunk 0, the rest by ``keys_chunk`` (as training's
+    keys reply, tpflower.phases.setup.chunked_reply)."""
     s = client.settings
     run_id, query = str(config.get("run_id", "")), bool(config.get("query", 0))
     part, pid = saved_part(client, run_id)
@@ -192,8 +197,18 @@ def predict_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     client.state.set_scalar("predict.query", int(query))
     client.state.set_scalar("predict.n_rows", len(frame))
     mode = s.owner.keys
-    out = key_arrays(client, frame[list(s.spec.key_columns(s.table))], row_ids)
-    return out, {"n_rows": len(frame), "part": pid, "d_out": part.d_out, "blind_keys": int(mode == "blind")}
+    out, metrics = chunked_reply(client, config, lambda seed: key_payload(client, frame, row_ids, seed), "predict")
+    return out, {**metrics, "part": pid, "d_out": part.d_out, "blind_keys": int(mode == "blind")}
+
+
+def predict_payload(client: TableClient, seed: bytes, rebuilt: bool) -> KeysPayload:
+    """The keys payload of a prediction request again (for a later chunk): the request's rows read anew."""
+    part, _ = saved_part(client, str(client.state.scalar("predict.run_id")))
+    frame, row_ids = request_rows(client, part, bool(client.state.scalar("predict.query")))
+    return key_payload(client, frame, row_ids, seed)
+
+
+REBUILD["predict"] = predict_payload
 
 
 def predict_rows(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -242,6 +257,7 @@ def deliver(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> t
 PREDICT = Protocol(
     (
         Stage("predict_keys", {"predict_keys": Phase(predict_keys)}),
+        Stage("keys_chunk", {"keys_chunk": Phase(keys_chunk, chunked_keys)}, calls=None),
         Stage("reblind", {"reblind": Phase(reblind_keys, blinds_keys)}, calls=None),
         Stage("predict_rows", {"predict_rows": Phase(predict_rows)}),
         Stage("deliver", {"deliver": Phase(deliver)}),

@@ -9,9 +9,12 @@ keys      {chunk_rows}        -> {row_ids, code.<join>, digest.<join>..., (label
                                  A table of more than chunk_rows rows (the run's mapping.keys_chunk_rows) sends
                                  chunk 0 here (rows and values 0..chunk_rows-1; metrics n_chunks, n_values.<join>)
 keys_chunk {chunk}            -> the same arrays for rows and values j*chunk_rows.. of chunk j = 1, 2, ... (in
-                                 order, each once, none beyond the table: else refused)
+                                 order, each once, none beyond the table: else refused), each chunk built
+                                 when asked for (tpflower.keys_payload)
 reblind   {pts.<join>.<j>...} -> {pts.<join>.<j>...}  keys=blind: another owner's blinded keys of a join this
-                                 table takes part in, raised to this node's scalar (same order)
+          {chunk, chunk_rows,    table takes part in, raised to this node's scalar (same order); a list of
+           n.<list>}             more values than chunk_rows in chunks (each list once, its chunks in order,
+                                 none beyond its length n.<list>: else refused)
 stats     {columns, sketch}   -> {summary.*}: preprocessing summary of its fit rows (several shards, Sec. 4.4)
 rule      {rule.*}            -> {}  the merged preprocessing rule replaces the local fit
 expand    {p}                 -> {}  VFL: from now on the client's rows are the N joined rows
@@ -24,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,36 +35,106 @@ from flwr.app import ConfigRecord
 
 from tpflower import fedprep, label_dp, registry
 from tpflower import privacy as dp
-from tpflower.blind import blind_keys, new_scalar, node_scalar, reblind
+from tpflower.blind import new_scalar, node_scalar, reblind
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, label_dp_owner, sharded
-from tpflower.mapping import join_seed, narrow_ids, project_keys
+from tpflower.keys_payload import KeysPayload
 from tpflower.records import Arrays, numbered, unnumbered
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
-def key_arrays(client: TableClient, keys: pd.DataFrame, row_ids: np.ndarray, seed: bytes | None = None) -> Arrays:
-    """The mapping payload of ``keys`` (the rows' join-key columns): ``row_ids``, and per join of this table
-    each row's ``code.<join>`` and per distinct value a keyed digest (``digest.<join>``, keys=hmac) or a blinded
-    value (``blind.<join>``, keys=blind) by the owner's key mode, which is recorded in the node's state. The
-    values' shuffle: OS entropy, or the node's secret ``seed`` (the same payload again)."""
+def key_payload(
+    client: TableClient,
+    keys: pd.DataFrame,
+    row_ids: np.ndarray,
+    seed: bytes | None = None,
+    labels: bool = False,
+    rebuilt: bool = False,
+) -> KeysPayload:
+    """The mapping payload of ``keys`` (the rows' join-key columns) and ``row_ids``, built chunk by chunk
+    (tpflower.keys_payload): per join of this table each row's code and per distinct value a keyed digest
+    (keys=hmac) or a blinded value (keys=blind) by the owner's key mode, which is recorded in the node's
+    state; with ``labels`` the label owner's labels and test flags. The values' shuffle: OS entropy, or the
+    node's secret ``seed`` (the same payload again; ``rebuilt``: for a later chunk, with the labels sent
+    before)."""
     s = client.settings
     client.state.set_scalar("keys", s.owner.keys)
-    if s.owner.keys == "blind":
-        scalar = blinding_scalar(client)
-        out: Arrays = {"row_ids": narrow_ids(row_ids)}
-        for k, j in enumerate(s.spec.joins):
-            if s.table in (j.left, j.right):
-                cols = j.columns_of(s.table)
-                out[f"code.{k}"], out[f"blind.{k}"] = blind_keys(keys, cols, scalar, join_seed(seed, k))
-        return out
-    proj = project_keys(s.spec, s.table, keys, row_ids, s.secret, seed)
-    out = {"row_ids": proj.row_ids}
-    for k in sorted(proj.codes):
-        out[f"code.{k}"], out[f"digest.{k}"] = proj.codes[k], proj.digests[k]
+    mode = "blind" if s.owner.keys == "blind" else "hmac"
+    scalar = blinding_scalar(client) if mode == "blind" else b""
+    y = is_test = None
+    if labels and client.data.y is not None:
+        y, is_test = sent_labels(client, rebuilt), client.data.is_test
+    return KeysPayload(
+        s.spec, s.table, keys, row_ids, mode, s.secret if mode == "hmac" else b"", scalar, seed, y, is_test
+    )
+
+
+def sent_labels(client: TableClient, rebuilt: bool) -> np.ndarray:
+    """The labels the label owner sends: its rows' labels, or under label DP the training rows' labels
+    randomized once per owner setting, the same draw served to every run (tpflower.label_dp; the test rows'
+    labels are not sent at all, see evaluate). A payload ``rebuilt`` for its later chunks serves the labels
+    chunk 0 came from."""
+    data = client.data
+    assert data.y is not None
+    if not dp.uses_label_dp(client.privacy()):
+        return data.y
+    sent = client.state.get("labels.sent") if rebuilt else None
+    y = label_dp.training_labels(client) if sent is None else sent
+    client.state.put("labels.sent", np.asarray(y))  # what later phases may use of the labels (coresets)
+    return y
+
+
+def label_metrics(client: TableClient) -> dict[str, Any]:
+    """What the keys reply says of its labels (the label owner only)."""
+    data = client.data
+    if data.y is None:
+        return {}
+    out: dict[str, Any] = {"n_classes": int(data.n_classes or 0)}
+    if dp.uses_label_dp(client.privacy()):
+        out["labels"] = "train_randomized"
     return out
+
+
+def train_payload(client: TableClient, seed: bytes | None, rebuilt: bool = False) -> KeysPayload:
+    """This node's keys payload of training: its table's rows, keys and (label owner) labels."""
+    return key_payload(client, client.data.keys, client.data.row_ids, seed, labels=True, rebuilt=rebuilt)
+
+
+#: Rebuilds a node's keys payload from its secret shuffle seed (another process answers a later chunk).
+Rebuild = Callable[[TableClient, bytes, bool], KeysPayload]
+
+
+def chunked_reply(
+    client: TableClient, config: Mapping[str, Any], build: Callable[[bytes | None], KeysPayload], source: str
+) -> tuple[Arrays, dict[str, Any]]:
+    """The reply of a keys phase: the whole payload, or with more rows than the message's ``chunk_rows`` its
+    chunk 0 (metrics ``n_chunks`` and ``n_values.<join>``, ``n_y``), the rest by :func:`keys_chunk`. ``build``
+    makes the payload from a shuffle seed; ``source`` names what :func:`keys_chunk` rebuilds it from."""
+    s = client.settings
+    chunk_rows = int(config.get("chunk_rows") or 0)  # 0: one message (a server that does not chunk)
+    if chunk_rows < 0:
+        raise ProtocolRefusal(f"table {s.table!r} shard {s.shard}: keys asks for chunks of {chunk_rows} rows")
+    seed = os.urandom(16)  # never leaves the node: the shuffle, to recompute the payload for a later chunk
+    payload = build(seed)
+    n = payload.n_rows
+    n_chunks = max(1, -(-n // chunk_rows)) if chunk_rows else 1
+    metrics: dict[str, Any] = {"n_rows": n}
+    if n_chunks == 1:
+        return payload.whole(), metrics
+    token = os.urandom(16).hex()
+    for name, value in (("token", token), ("seed", seed.hex()), ("chunk_rows", chunk_rows), ("source", source)):
+        client.state.set_scalar(f"keys.{name}", value)
+    client.state.set_scalar("keys.chunks", n_chunks)
+    client.state.set_scalar("keys.n_rows", n)
+    client.state.set_scalar("keys.next", 1)
+    _remember(token, payload)
+    metrics["n_chunks"] = n_chunks
+    metrics.update({f"n_values.{k}": n_k for k, n_k in payload.n_values().items()})
+    if payload.y is not None:
+        metrics["n_y"] = len(payload.y)
+    return payload.chunk(0, chunk_rows), metrics
 
 
 def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -72,106 +145,59 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
     accept_privacy(client, config)
     check_unique_key(client)
     mode = s.owner.keys  # the owner's choice (its settings; in a simulation mapping.keys), never the server's
-    chunk_rows = int(config.get("chunk_rows") or 0)  # 0: one message (a server that does not chunk)
-    if chunk_rows < 0:
-        raise ProtocolRefusal(f"table {s.table!r} shard {s.shard}: keys asks for chunks of {chunk_rows} rows")
-    n = len(client.data.row_ids)
-    n_chunks = max(1, -(-n // chunk_rows)) if chunk_rows else 1
-    seed = os.urandom(16) if n_chunks > 1 else None  # never leaves the node: the shuffle, to recompute the payload
-    out, metrics = keys_payload(client, seed)
-    metrics.update({"table": s.table, "shard": s.shard, "region": s.region, "n_rows": n})
+    out, metrics = chunked_reply(client, config, lambda seed: train_payload(client, seed), "train")
+    metrics.update(label_metrics(client))
+    metrics.update({"table": s.table, "shard": s.shard, "region": s.region})
     metrics["blind_keys"] = int(mode == "blind")  # the owner's key mode (a number: metrics carry no free text)
     metrics["key_kinds"] = ",".join(f"{c}={k}" for c, k in s.key_kinds.items())
-    if n_chunks == 1:
-        return out, metrics
-    assert seed is not None
-    token = os.urandom(16).hex()
-    for name, value in (("token", token), ("seed", seed.hex()), ("chunk_rows", chunk_rows)):
-        client.state.set_scalar(f"keys.{name}", value)
-    client.state.set_scalar("keys.chunks", n_chunks)
-    client.state.set_scalar("keys.next", 1)
-    _remember(token, out)
-    metrics["n_chunks"] = n_chunks
-    values = {name.split(".", 1)[1]: len(a) for name, a in out.items() if name.startswith(("digest.", "blind."))}
-    metrics.update({f"n_values.{k}": n_k for k, n_k in values.items()})
-    if "y" in out:
-        metrics["n_y"] = len(out["y"])
-    return key_chunk(out, 0, chunk_rows), metrics
+    return out, metrics
+
+
+#: how :func:`keys_chunk` rebuilds a payload, by the ``source`` its keys phase recorded (training's keys
+#: here; a prediction request's predict_keys registers its own in tpflower.phases.predict)
+REBUILD: dict[str, Rebuild] = {"train": train_payload}
 
 
 def keys_chunk(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Chunk ``chunk`` (1, 2, ...) of this node's keys payload (:func:`key_chunk`): in order, each once, none
-    beyond its table. The payload is the one chunk 0 came from (kept in this process; recomputed from the
-    node's secret shuffle seed when another process answers)."""
+    """Chunk ``chunk`` (1, 2, ...) of this node's keys payload (:meth:`KeysPayload.chunk`): in order, each
+    once, none beyond its table. The payload is the one chunk 0 came from (kept in this process; rebuilt from
+    the node's secret shuffle seed when another process answers); each chunk is built when asked for."""
     s, state = client.settings, client.state
     n_chunks, expected = int(state.scalar("keys.chunks", 1)), int(state.scalar("keys.next", 1))
     j = int(config.get("chunk", -1))
     where = f"table {s.table!r} shard {s.shard}"
     if j >= n_chunks or j < 1:
-        raise ProtocolRefusal(
-            f"{where}: keys_chunk asks for chunk {j}; its {len(client.data.row_ids)} rows make chunks 1..{n_chunks - 1}"
-        )
+        n = int(state.scalar("keys.n_rows", 0))
+        raise ProtocolRefusal(f"{where}: keys_chunk asks for chunk {j}; its {n} rows make chunks 1..{n_chunks - 1}")
     if j != expected:
         raise ProtocolRefusal(f"{where}: keys_chunk asks for chunk {j} out of order or twice (next: chunk {expected})")
     token = str(state.scalar("keys.token"))
-    out = _PAYLOADS.get(token)
-    if out is None:
-        out, _ = keys_payload(client, bytes.fromhex(str(state.scalar("keys.seed"))))
-        _remember(token, out)
+    payload = _PAYLOADS.get(token)
+    if payload is None:
+        seed = bytes.fromhex(str(state.scalar("keys.seed")))
+        payload = REBUILD[str(state.scalar("keys.source", "train"))](client, seed, True)
+        _remember(token, payload)
     state.set_scalar("keys.next", j + 1)
-    chunk = key_chunk(out, j, int(state.scalar("keys.chunk_rows")))
+    chunk_rows = int(state.scalar("keys.chunk_rows"))
+    chunk = key_chunk(payload, j, chunk_rows)
     if j == n_chunks - 1:
         _PAYLOADS.pop(token, None)
     return chunk, {}
 
 
-_PAYLOADS: OrderedDict[str, Arrays] = OrderedDict()  # keys payloads being sent in chunks, by the node's token
+def key_chunk(payload: KeysPayload, j: int, chunk_rows: int) -> Arrays:
+    """Chunk ``j`` of a keys payload: rows and listed values j*chunk_rows .. (j+1)*chunk_rows - 1."""
+    return payload.chunk(j * chunk_rows, (j + 1) * chunk_rows)
+
+
+_PAYLOADS: OrderedDict[str, KeysPayload] = OrderedDict()  # keys payloads being sent in chunks, by the node's token
 _PAYLOADS_MAX = 16  # nodes one process serves at once (as tpflower.app.client_app's table cache)
 
 
-def _remember(token: str, out: Arrays) -> None:
-    _PAYLOADS[token] = out
+def _remember(token: str, payload: KeysPayload) -> None:
+    _PAYLOADS[token] = payload
     while len(_PAYLOADS) > _PAYLOADS_MAX:
         _PAYLOADS.popitem(last=False)
-
-
-def key_chunk(out: Arrays, j: int, chunk_rows: int) -> Arrays:
-    """Chunk ``j`` of a keys payload: rows j*chunk_rows.. (row ids, codes, test flags; labels of those rows, or
-    under label DP of the training rows among them) and per join values j*chunk_rows.. (digests or blinded
-    values; a table's distinct values are at most its rows, so ceil(rows / chunk_rows) chunks carry them all)."""
-    n = len(out["row_ids"])
-    lo, hi = j * chunk_rows, min((j + 1) * chunk_rows, n)
-    chunk: Arrays = {}
-    for name, a in out.items():
-        if name == "y" and len(a) != n:  # label DP: the training rows' labels only
-            train = np.asarray(out["is_test"]) == 0
-            a_lo = int(np.count_nonzero(train[:lo]))
-            chunk[name] = a[a_lo : a_lo + int(np.count_nonzero(train[lo:hi]))]
-        else:
-            chunk[name] = a[lo:hi] if not name.startswith(("digest.", "blind.")) else a[lo : (j + 1) * chunk_rows]
-    return chunk
-
-
-def keys_payload(client: TableClient, seed: bytes | None) -> tuple[Arrays, dict[str, Any]]:
-    """The whole keys payload of this node (:func:`key_arrays`, and the label owner's labels) and the metrics
-    that describe its labels."""
-    data = client.data
-    out = key_arrays(client, data.keys, data.row_ids, seed)
-    metrics: dict[str, Any] = {}
-    if data.y is not None:
-        y = data.y
-        priv = client.privacy()
-        if dp.uses_label_dp(priv):
-            # label DP: the training rows' labels randomized once per owner setting and the same draw served
-            # to every run (tpflower.label_dp); the test rows' labels not sent at all (see evaluate). A payload
-            # recomputed for its later chunks serves the labels chunk 0 came from.
-            sent = client.state.get("labels.sent") if seed is not None else None
-            y = label_dp.training_labels(client) if sent is None else sent
-            metrics["labels"] = "train_randomized"
-            client.state.put("labels.sent", np.asarray(y))  # what later phases may use of the labels (coresets)
-        out["y"], out["is_test"] = y, data.is_test.astype(np.uint8)
-        metrics["n_classes"] = int(data.n_classes or 0)
-    return out, metrics
 
 
 def blinding_scalar(client: TableClient) -> bytes:
@@ -189,20 +215,63 @@ def blinding_scalar(client: TableClient) -> bytes:
 
 def reblind_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """keys=blind: raise other owners' blinded key values (``pts.<join>.<j>``) to this node's scalar, in the
-    order sent. Only joins this table takes part in; anything but points of the group is refused."""
+    order sent. Only joins this table takes part in; anything but points of the group is refused. The server
+    sends a list in chunks (config ``chunk`` j, ``chunk_rows`` c, ``n.<list>`` its length; none: the whole
+    list in one message): chunk j holds values j*c .. (j+1)*c - 1; each list is re-blinded once, its chunks in
+    order, none beyond its length (:func:`check_reblind_chunk`)."""
     s = client.settings
     mine = {str(k) for k, j in enumerate(s.spec.joins) if s.table in (j.left, j.right)}
     scalar = blinding_scalar(client)
     out: Arrays = {}
-    for name, points in arrays.items():
+    for name in arrays:
         parts = name.split(".")
         if len(parts) != 3 or parts[0] != "pts" or parts[1] not in mine:
             raise ProtocolRefusal(
                 f"table {s.table!r} shard {s.shard}: reblind sends {name!r}; it re-blinds only the keys of its "
                 f"joins ({', '.join('pts.' + k + '.*' for k in sorted(mine))})"
             )
+    moves = [check_reblind_chunk(client, name, len(points), config) for name, points in arrays.items()]
+    for move in moves:  # every list checked before the node's position in any of them moves on
+        for key, value in move.items():
+            client.state.set_scalar(key, value)
+    for name, points in arrays.items():
         out[name] = reblind(points, scalar, f"table {s.table!r} shard {s.shard}, {name}")
     return out, {}
+
+
+def check_reblind_chunk(client: TableClient, name: str, n_points: int, config: Mapping[str, Any]) -> dict[str, int]:
+    """A reblind chunk of list ``name`` holding ``n_points`` values: the list announced with the same length
+    and chunk size at every chunk, chunk 0 first and then 1, 2, ... each once (a list once done is not taken
+    again), exactly the values of that chunk. Returns the node's new position in the list (state scalars)."""
+    s, state = client.settings, client.state
+    where = f"table {s.table!r} shard {s.shard}: reblind"
+    j = int(config.get("chunk", 0))
+    chunk_rows = int(config.get("chunk_rows") or 0)  # 0: the whole list in one message
+    total = int(config.get(f"n.{name}", n_points))
+    expected = int(state.scalar(f"reblind.{name}.next", 0))
+    if chunk_rows < 0 or total < 0 or (chunk_rows == 0 and j != 0):
+        raise ProtocolRefusal(f"{where} announces {name!r} as {total} values in chunks of {chunk_rows}")
+    if j != expected:
+        again = "again (each list is re-blinded once)" if j == 0 else "out of order or twice"
+        raise ProtocolRefusal(f"{where} sends chunk {j} of {name!r} {again} (next: chunk {expected})")
+    if j > 0 and (
+        total != int(state.scalar(f"reblind.{name}.n", -1))
+        or chunk_rows != int(state.scalar(f"reblind.{name}.rows", -1))
+    ):
+        raise ProtocolRefusal(f"{where}: chunk {j} of {name!r} announces another length or chunk size than chunk 0")
+    lo = j * chunk_rows
+    if j > 0 and lo >= total:
+        raise ProtocolRefusal(f"{where} sends chunk {j} of {name!r}, beyond its {total} values")
+    want = total if chunk_rows == 0 else min(chunk_rows, total - lo)
+    if n_points != want:
+        raise ProtocolRefusal(
+            f"{where}: chunk {j} of {name!r} holds {n_points} values; a list of {total} in chunks of "
+            f"{chunk_rows or total} holds {want} there"
+        )
+    move = {f"reblind.{name}.next": j + 1}
+    if j == 0:
+        move.update({f"reblind.{name}.n": total, f"reblind.{name}.rows": chunk_rows})
+    return move
 
 
 def blinds_keys(client: TableClient) -> bool:
