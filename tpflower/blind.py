@@ -45,14 +45,27 @@ _Y_BITS = (1 << 255) - 1  # an edwards25519 encoding: y, and the sign of x in th
 
 #: values per task of :func:`_parallel` (libsodium releases the GIL: the node's cores share the work)
 TASK_VALUES = 4096
+#: threads of :func:`_parallel`; None: the CPUs this process may run on (its affinity mask)
+THREADS: int | None = None
+
+
+def threads() -> int:
+    """The threads blinding runs on: :data:`THREADS`, else the CPUs this process may run on."""
+    if THREADS is not None:
+        return max(1, int(THREADS))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - a platform without affinity masks
+        return os.cpu_count() or 1
 
 
 def _parallel(fn: Callable[[Sequence[bytes]], list[bytes]], items: Sequence[bytes]) -> list[bytes]:
-    """``fn`` over consecutive slices of ``items`` on the node's cores, results in order."""
-    if len(items) <= TASK_VALUES:
+    """``fn`` over consecutive slices of ``items`` on the node's cores (:func:`threads`), results in order."""
+    n_threads = threads()
+    if len(items) <= TASK_VALUES or n_threads == 1:
         return fn(items)
     parts = [items[i : i + TASK_VALUES] for i in range(0, len(items), TASK_VALUES)]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=n_threads) as pool:
         return [x for part in pool.map(fn, parts) for x in part]
 
 
@@ -129,15 +142,17 @@ def hash_to_group(encoded: Sequence[bytes]) -> list[bytes]:
 def _multiply(scalar: bytes, points: Sequence[bytes]) -> list[bytes]:
     """X25519(scalar, point) for every point (in parallel); libsodium refuses a small-order point (its
     product is zero): ValueError with the position of the first one."""
-
-    def part(chunk: Sequence[bytes]) -> list[bytes]:
-        return [sodium.crypto_scalarmult(scalar, p) for p in chunk]
-
     try:
-        return _parallel(part, points)
+        return _parallel(lambda part: _times(scalar, part), points)
     except Exception:  # libsodium's non-zero return (a small-order point), raised by PyNaCl
         bad = next((i for i, p in enumerate(points) if _small_order(scalar, p)), "?")
         raise ValueError(f"blinded key {bad} is not a point of the group") from None
+
+
+def _times(scalar: bytes, points: Sequence[bytes]) -> list[bytes]:
+    """X25519(scalar, point) of every point, in this thread."""
+    mult = sodium.crypto_scalarmult
+    return [mult(scalar, p) for p in points]
 
 
 def _small_order(scalar: bytes, point: bytes) -> bool:
@@ -180,9 +195,9 @@ def blind_keys(
 
 
 def blind_encoded(encoded: Sequence[bytes], scalar: bytes) -> np.ndarray:
-    """H(k)^scalar of canonical key encodings ((n, 32) uint8, in order): hashed and multiplied slice by slice
-    on the node's cores."""
-    return as_array(_multiply(scalar, hash_to_group(encoded)))
+    """H(k)^scalar of canonical key encodings ((n, 32) uint8, in order): each slice hashed to the group and
+    multiplied in one task on the node's cores (H(k) is never small-order: no check needed)."""
+    return as_array(_parallel(lambda part: _times(scalar, _hash_to_group(part)), encoded))
 
 
 def point_digests(points: np.ndarray) -> np.ndarray:

@@ -39,7 +39,9 @@ def _deploy(a: argparse.Namespace) -> dict[str, Any]:
 
 SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "mapping": lambda a: _suite("mapping").mapping_suite(a.n_joined),
-    "setup": lambda a: _suite("setup_time").setup_suite(a.n_joined),
+    "setup": lambda a: _suite("setup_time").setup_suite(
+        a.n_joined, tuple(d for d in a.setup_data.split(",") if d), a.keys_memory_n
+    ),
     "loj": lambda a: _suite("loj").loj_suite(a.epochs),
     "flower": lambda a: _suite("flower").flower_suite(),
     "convergence": _convergence,
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=10_000_000,
         help="mapping, setup: joined rows (predict: new rows, default 100000)",
+    )
+    ap.add_argument("--setup-data", default="movielens,star", help="setup: data sets ('': keep the last ones)")
+    ap.add_argument(
+        "--keys-memory-n", type=int, default=10_000_000, help="setup: fact rows of the keys memory (0: keep)"
     )
     ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
     ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
