@@ -53,7 +53,7 @@ class Transcript:
         self.rows: dict[tuple[str, int], np.ndarray] = {}
         for t in spec.table_names:
             for q, ids in enumerate(np.array_split(np.arange(len(frames[t])), shards.get(t, 1))):
-                owner = SimpleNamespace(state_dir=None, keys="blind")
+                owner = SimpleNamespace(state_dir=None, keys="blind", threads=None)
                 settings = SimpleNamespace(spec=spec, table=t, shard=q, owner=owner)
                 self.clients[(t, q)] = SimpleNamespace(settings=settings, state=ClientState(RecordDict()))
                 self.rows[(t, q)] = ids
@@ -313,3 +313,34 @@ def test_hash_to_group_is_libsodiums_point_in_montgomery_form_and_blinding_commu
     ba = blind.reblind(blind.reblind(as_array(u), b, "t"), a, "t")
     np.testing.assert_array_equal(ab, ba)
     assert len({bytes(r) for r in ab}) == len(encoded) and not np.array_equal(ab, as_array(u))
+
+
+def test_blinding_on_any_number_of_threads_gives_the_same_values_and_the_owner_sets_them(tmp_path, monkeypatch):
+    """tpflower.blind splits its work over threads (libsodium releases the GIL): 1, 2 or 3 threads give the
+    same blinded values; a node's owner sets them (``threads``; default: the CPUs the node may run on), and a
+    count that is not a whole number >= 1 is refused with one line."""
+    encoded = [f"i{v}".encode() for v in range(3 * blind.TASK_VALUES + 5)]
+    scalar = blind.new_scalar()
+    values = [blind.blind_encoded(encoded, scalar, n) for n in (1, 2, 3)]
+    for v in values[1:]:
+        np.testing.assert_array_equal(v, values[0])
+    np.testing.assert_array_equal(blind.reblind(values[0], scalar, "t", 1), blind.reblind(values[0], scalar, "t", 2))
+    assert blind.threads(None) == len(os.sched_getaffinity(0)) and blind.threads(3) == 3
+    used: list[int | None] = []
+    real = blind._parallel
+    monkeypatch.setattr(blind, "_parallel", lambda fn, items, n=None: used.append(n) or real(fn, items, n))
+
+    def settings(threads):
+        def edit(s: dict) -> None:
+            s.pop("secret_file")
+            s.update(keys="blind", threads=threads)
+
+        return edit
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    context = node(tmp_path / "one", "d1", SYNTHETIC, SYNTHETIC, edit=settings(1))
+    call(deployed_app, context, "train", {}, {"phase": "keys"})
+    assert used and set(used) == {1}
+    bad = node(tmp_path / "zero", "d1", SYNTHETIC, SYNTHETIC, edit=settings(0))
+    with pytest.raises(ValueError, match=r"threads must be a whole number >= 1, got 0"):
+        call(deployed_app, bad, "query", {}, {"phase": "hello"})

@@ -45,23 +45,24 @@ _Y_BITS = (1 << 255) - 1  # an edwards25519 encoding: y, and the sign of x in th
 
 #: values per task of :func:`_parallel` (libsodium releases the GIL: the node's cores share the work)
 TASK_VALUES = 4096
-#: threads of :func:`_parallel`; None: the CPUs this process may run on (its affinity mask)
-THREADS: int | None = None
 
 
-def threads() -> int:
-    """The threads blinding runs on: :data:`THREADS`, else the CPUs this process may run on."""
-    if THREADS is not None:
-        return max(1, int(THREADS))
+def threads(asked: int | None = None) -> int:
+    """The threads blinding runs on: ``asked`` (the owner's ``threads`` setting), else the CPUs this process
+    may run on (its affinity mask)."""
+    if asked is not None:
+        return max(1, int(asked))
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - a platform without affinity masks
         return os.cpu_count() or 1
 
 
-def _parallel(fn: Callable[[Sequence[bytes]], list[bytes]], items: Sequence[bytes]) -> list[bytes]:
-    """``fn`` over consecutive slices of ``items`` on the node's cores (:func:`threads`), results in order."""
-    n_threads = threads()
+def _parallel(
+    fn: Callable[[Sequence[bytes]], list[bytes]], items: Sequence[bytes], n_threads: int | None = None
+) -> list[bytes]:
+    """``fn`` over consecutive slices of ``items`` on ``n_threads`` threads (:func:`threads`), in order."""
+    n_threads = threads(n_threads)
     if len(items) <= TASK_VALUES or n_threads == 1:
         return fn(items)
     parts = [items[i : i + TASK_VALUES] for i in range(0, len(items), TASK_VALUES)]
@@ -133,17 +134,17 @@ def _hash_to_group(encoded: Sequence[bytes]) -> list[bytes]:
     return edwards_to_montgomery(points)
 
 
-def hash_to_group(encoded: Sequence[bytes]) -> list[bytes]:
+def hash_to_group(encoded: Sequence[bytes], n_threads: int | None = None) -> list[bytes]:
     """H(k) for canonical key encodings: libsodium's hash to edwards25519 of SHA-512(domain, k), as a
     Curve25519 u-coordinate."""
-    return _parallel(_hash_to_group, encoded)
+    return _parallel(_hash_to_group, encoded, n_threads)
 
 
-def _multiply(scalar: bytes, points: Sequence[bytes]) -> list[bytes]:
+def _multiply(scalar: bytes, points: Sequence[bytes], n_threads: int | None = None) -> list[bytes]:
     """X25519(scalar, point) for every point (in parallel); libsodium refuses a small-order point (its
     product is zero): ValueError with the position of the first one."""
     try:
-        return _parallel(lambda part: _times(scalar, part), points)
+        return _parallel(lambda part: _times(scalar, part), points, n_threads)
     except Exception:  # libsodium's non-zero return (a small-order point), raised by PyNaCl
         bad = next((i for i, p in enumerate(points) if _small_order(scalar, p)), "?")
         raise ValueError(f"blinded key {bad} is not a point of the group") from None
@@ -168,15 +169,15 @@ def as_array(points: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(points), dtype=np.uint8).reshape(-1, POINT_BYTES).copy()
 
 
-def reblind(points: np.ndarray, scalar: bytes, where: str) -> np.ndarray:
-    """Raise every point (u-coordinate) of a (n, 32) uint8 array to ``scalar``; a small-order point is
-    refused (ValueError naming ``where``)."""
+def reblind(points: np.ndarray, scalar: bytes, where: str, n_threads: int | None = None) -> np.ndarray:
+    """Raise every point (u-coordinate) of a (n, 32) uint8 array to ``scalar`` (on ``n_threads`` threads,
+    :func:`threads`); a small-order point is refused (ValueError naming ``where``)."""
     points = np.ascontiguousarray(points, dtype=np.uint8)
     if points.ndim != 2 or points.shape[1] != POINT_BYTES:
         raise ValueError(f"{where}: blinded keys must be an (n, {POINT_BYTES}) byte array, got {points.shape}")
     blob = points.tobytes()
     try:
-        out = _multiply(scalar, [blob[i : i + POINT_BYTES] for i in range(0, len(blob), POINT_BYTES)])
+        out = _multiply(scalar, [blob[i : i + POINT_BYTES] for i in range(0, len(blob), POINT_BYTES)], n_threads)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     return as_array(out)
@@ -194,10 +195,10 @@ def blind_keys(
     return rank.astype(code_dtype(len(points)))[codes], points[order]
 
 
-def blind_encoded(encoded: Sequence[bytes], scalar: bytes) -> np.ndarray:
+def blind_encoded(encoded: Sequence[bytes], scalar: bytes, n_threads: int | None = None) -> np.ndarray:
     """H(k)^scalar of canonical key encodings ((n, 32) uint8, in order): each slice hashed to the group and
-    multiplied in one task on the node's cores (H(k) is never small-order: no check needed)."""
-    return as_array(_parallel(lambda part: _times(scalar, _hash_to_group(part)), encoded))
+    multiplied in one task on ``n_threads`` threads (:func:`threads`; H(k) is never small-order)."""
+    return as_array(_parallel(lambda part: _times(scalar, _hash_to_group(part)), encoded, n_threads))
 
 
 def point_digests(points: np.ndarray) -> np.ndarray:

@@ -109,7 +109,8 @@ class KeysPayload:
     """The keys payload of rows ``keys`` (the rows' join-key columns) with global ids ``row_ids``, for the
     joins of ``table`` in ``spec``: ``mode`` hmac (``secret``) or blind (``scalar``); ``y`` and ``is_test``:
     the label owner's labels (all rows', or under label DP the training rows' only) and test flags. The
-    shuffles come from ``seed`` (the node's secret; None: OS entropy)."""
+    shuffles come from ``seed`` (the node's secret; None: OS entropy); ``threads``: of the blinding
+    (tpflower.blind.threads)."""
 
     def __init__(
         self,
@@ -123,8 +124,9 @@ class KeysPayload:
         seed: bytes | None = None,
         y: np.ndarray | None = None,
         is_test: np.ndarray | None = None,
+        threads: int | None = None,
     ):
-        self.mode, self.secret, self.scalar = mode, secret, scalar
+        self.mode, self.secret, self.scalar, self.threads = mode, secret, scalar, threads
         self.row_ids = np.asarray(row_ids)
         self.n_rows = len(self.row_ids)
         self.id_dtype = index_dtype(int(self.row_ids.max()) + 1 if self.n_rows else 0)
@@ -147,7 +149,7 @@ class KeysPayload:
 
         encoded = self.lists[k].encoded(lo, hi)
         if self.mode == "blind":
-            return blind_encoded(encoded, self.scalar) if encoded else as_array([])
+            return blind_encoded(encoded, self.scalar, self.threads) if encoded else as_array([])
         return hmac_digests(encoded, self.secret)
 
     def chunk(self, lo: int, hi: int) -> Arrays:

@@ -29,6 +29,7 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     max_prediction_rows: 100000      # most rows one prediction request may score on this node (default 100000)
     prediction_rows: /data/new.csv   # the query owner: the new rows it asks predictions for (docs/prediction.md)
     algorithms: [tp_join_admm, tp_join_pcg]  # the algorithms it takes part in (registry names; default: every one)
+    threads: 2                       # CPU threads its key blinding uses (default: the CPUs the node may run on)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
@@ -134,6 +135,7 @@ class OwnerSettings:
     prediction_rows: str | None = None  # the query owner's file of new rows to predict (it alone reads it)
     # the algorithms (registry names, as in results.json) it takes part in; None: every installed one
     algorithms: tuple[str, ...] | None = None
+    threads: int | None = None  # CPU threads of its key blinding (tpflower.blind); None: the CPUs it may run on
 
     @property
     def deployed(self) -> bool:
@@ -401,6 +403,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         "max_prediction_rows",
         "prediction_rows",
         "algorithms",
+        "threads",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -438,6 +441,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         if raw.get("prediction_rows") is None
         else str(resolve_path(raw["prediction_rows"], base).resolve()),
         algorithms=_algorithms(raw.get("algorithms"), where),
+        threads=None if raw.get("threads") is None else _whole(raw["threads"], "threads", where),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),

@@ -66,7 +66,7 @@ def setup_once(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], mode: s
         clients, replies = {}, {}
         t0 = time.perf_counter()
         for t in spec.table_names:
-            owner = SimpleNamespace(state_dir=None, keys="blind")
+            owner = SimpleNamespace(state_dir=None, keys="blind", threads=None)
             c = SimpleNamespace(settings=SimpleNamespace(spec=spec, table=t, shard=0, owner=owner))
             c.state = ClientState(RecordDict())
             clients[(t, 0)] = c

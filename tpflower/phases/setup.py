@@ -66,9 +66,8 @@ def key_payload(
     y = is_test = None
     if labels and client.data.y is not None:
         y, is_test = sent_labels(client, rebuilt), client.data.is_test
-    return KeysPayload(
-        s.spec, s.table, keys, row_ids, mode, s.secret if mode == "hmac" else b"", scalar, seed, y, is_test
-    )
+    secret = s.secret if mode == "hmac" else b""
+    return KeysPayload(s.spec, s.table, keys, row_ids, mode, secret, scalar, seed, y, is_test, s.owner.threads)
 
 
 def sent_labels(client: TableClient, rebuilt: bool) -> np.ndarray:
@@ -235,7 +234,7 @@ def reblind_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
         for key, value in move.items():
             client.state.set_scalar(key, value)
     for name, points in arrays.items():
-        out[name] = reblind(points, scalar, f"table {s.table!r} shard {s.shard}, {name}")
+        out[name] = reblind(points, scalar, f"table {s.table!r} shard {s.shard}, {name}", s.owner.threads)
     return out, {}
 
 
