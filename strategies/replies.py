@@ -132,7 +132,7 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
                 f"{_who(key, phase)}: reply array {name!r} holds {np.asarray(out[name]).size} values; "
                 "the round asked for one number"
             )
-    if phase in ("keys", "predict_keys") and int(reply[1].get("n_chunks", 1)) == 1:  # chunked: strategies.key_chunks
+    if phase in ("keys", "predict_keys") and _chunks(key, phase, reply[1]) == 1:  # chunked: strategies.key_chunks
         check_keys(key, out)
     if phase == "reblind":  # the lists it was sent, each blinded once more: same names, same lengths
         if set(out) != set(arrays):
@@ -147,6 +147,18 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
                 f"{_who(key, phase)}: reply array 'used' must be a 0/1 mask shaped like 'theta' "
                 f"{theta.shape}, got {used.dtype} {used.shape}"
             )
+
+
+def _chunks(key: ClientKey, phase: str, metrics: Mapping) -> int:
+    """The chunks a keys reply announces (``n_chunks``, default 1): a whole number >= 1."""
+    value = metrics.get("n_chunks", 1)
+    try:
+        ok = float(value) == int(value) >= 1
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ReplyError(f"{_who(key, phase)}: its reply announces n_chunks={value!r}, not a number of chunks")
+    return int(value)
 
 
 def check_keys(key: ClientKey, out: Mapping[str, np.ndarray]) -> None:

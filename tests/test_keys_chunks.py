@@ -14,7 +14,7 @@ from simulations.predict import predict_run
 from strategies import predict as predict_strategy
 from strategies import setup as setup_strategy
 from strategies.key_chunks import gather_chunks
-from strategies.replies import ReplyError
+from strategies.replies import ReplyError, check_reply
 from strategies.setup import JoinSetup
 from strategies.transport import DirectTransport, RunError
 from tests.conftest import make_cfg
@@ -363,3 +363,12 @@ def test_a_prediction_request_in_chunks_gives_the_same_predictions(keys, tmp_pat
     np.testing.assert_allclose(chunked.H, whole.H, rtol=0, atol=1e-12)
     for t, p in whole.p.items():
         np.testing.assert_array_equal(chunked.p[t], p, err_msg=t)
+
+
+@pytest.mark.parametrize("n_chunks", ["many", 0, 2.5, -3])
+def test_a_keys_reply_announcing_no_number_of_chunks_is_refused_at_the_door(n_chunks):
+    chunk, first, _, _ = chunked_reply_of()
+    with pytest.raises(
+        ReplyError, match=rf"table 'd1' shard 0, phase 'keys': its reply announces n_chunks={n_chunks!r}"
+    ):
+        check_reply(("d1", 0), ({}, {"phase": "keys"}), (chunk(0), {**first, "n_chunks": n_chunks}), None, None)
