@@ -299,6 +299,16 @@ def test_a_curious_server_gets_reblind_chunks_in_order_once_and_within_the_list(
         return {"arrays": {name: values}, "config": config}
 
     where = "table 'd1' shard 0: reblind"
+    for bad in ({"chunk_rows": -7}, {"chunk_rows": 0, "chunk": 1}):  # no chunk size, or a later chunk of none
+        config = {**ask(0, pts[:7])["config"], **bad}
+        refused(
+            deployed_app,
+            context,
+            f"{where} announces 'pts.0.1' as 17 values in chunks of",
+            "train",
+            {"pts.0.1": pts[:7]},
+            config,
+        )
     refused(deployed_app, context, f"{where} sends chunk 1 of 'pts.0.1' out of order", "train", **ask(1, pts[7:14]))
     refused(
         deployed_app,
