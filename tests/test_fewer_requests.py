@@ -250,7 +250,7 @@ def test_the_supernodes_tracing_layer_is_skipped_while_tracing_is_off(monkeypatc
     flowers = [m.cls for m in supernode_main.create_app().user_middleware]
     assert flower_patch.install_gated_supernode_middleware() is True
     app = supernode_main.create_app()
-    gated = [m.kwargs.get("middleware", m.cls) for m in app.user_middleware]
+    gated = [m.kwargs["layer"] for m in app.user_middleware]
     assert gated == flowers and RuntimeTracingMiddleware in gated  # same layers, same order
     assert [m.cls for m in app.user_middleware].count(flower_patch.PathGate) == 1
     assert TestClient(app).get("/health").status_code < 500  # the app still answers

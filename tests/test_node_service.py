@@ -255,10 +255,8 @@ def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(caplog):
 
     flowers = superlink_main._get_middleware()
     gated = flower_patch.gated_middleware(flowers)
-    assert [getattr(m.kwargs.get("middleware"), "__name__", m.cls.__name__) for m in gated] == [
-        m.cls.__name__ for m in flowers
-    ]
-    kept = [m.cls.__name__ for m in gated if m.cls is not flower_patch.PathGate]
+    assert [m.kwargs["layer"] for m in gated] == [m.cls for m in flowers]  # same layers, same order
+    kept = [m.kwargs["layer"].__name__ for m in gated if m.cls is flower_patch.UnaryLayer]
     assert kept == ["BaseHTTPMiddleware", "ProtobufTranslationMiddleware"]  # error and protobuf translation
 
     class Tag(BaseHTTPMiddleware):
@@ -271,7 +269,11 @@ def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(caplog):
         routes=[
             Route(p, lambda r: PlainTextResponse("ok"), methods=["POST"]) for p in ("/v1/fleet/x", "/v1/runtime/y")
         ],
-        middleware=[Middleware(flower_patch.PathGate, middleware=Tag, acts_on=flower_patch._fleet_path)],
+        middleware=[
+            Middleware(
+                flower_patch.PathGate, middleware=flower_patch.UnaryLayer, acts_on=flower_patch._fleet_path, layer=Tag
+            )
+        ],
     )
     client = TestClient(app)
     assert client.post("/v1/fleet/x").headers.get("x-tag") == "1"
@@ -279,6 +281,45 @@ def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(caplog):
     with caplog.at_level(logging.WARNING, logger="tpflower"):
         assert flower_patch.install_gated_superlink_middleware("9.9.0") is False
     assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
+
+
+def test_a_unary_layer_runs_its_dispatch_as_starlette_would():
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.base import BaseHTTPMiddleware
+    from starlette.responses import PlainTextResponse, Response, StreamingResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    class Layer(BaseHTTPMiddleware):  # reads the body, may answer by itself, changes the reply
+        async def dispatch(self, request, call_next):
+            body = await request.body()
+            if body == b"refuse":
+                return PlainTextResponse("refused", status_code=403)
+            response = await call_next(request)
+            response.headers["x-read"] = str(len(body))
+            return response
+
+    async def echo(request):
+        if await request.body() == b"fail":
+            raise ValueError("handler failed")
+        return Response(b"got " + await request.body(), headers={"x-handler": "1"})
+
+    def stream(_request):
+        return StreamingResponse(iter([b"a", b"b"]))
+
+    routes = [Route("/v1/fleet/echo", echo, methods=["POST"]), Route("/v1/control/stream", stream, methods=["POST"])]
+    stacks = {
+        kind: TestClient(Starlette(routes=routes, middleware=[m]), raise_server_exceptions=False)
+        for kind, m in (("starlette", Middleware(Layer)), ("unary", Middleware(flower_patch.UnaryLayer, layer=Layer)))
+    }
+    for body in (b"x" * 70_000, b"refuse", b"fail"):
+        starlette, unary = (stacks[k].post("/v1/fleet/echo", content=body) for k in ("starlette", "unary"))
+        assert (unary.status_code, unary.content) == (starlette.status_code, starlette.content)
+        assert unary.headers.get("x-read") == starlette.headers.get("x-read")
+        assert unary.headers.get("x-handler") == starlette.headers.get("x-handler")
+    assert stacks["unary"].post("/v1/fleet/echo", content=b"hi").headers["x-read"] == "2"
+    assert stacks["unary"].post("/v1/control/stream").content == b"ab"  # not unary: the layer's own plumbing
 
 
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="switching the SuperNode's OS user needs root")

@@ -52,15 +52,31 @@ def _config(cfg: Any) -> dict[str, Any]:
     return redact(json.loads(run_key(cfg)))
 
 
+def _written_by() -> str:
+    from importlib.metadata import version  # noqa: PLC0415
+
+    return f"tpflower {version('tpflower')}"
+
+
 def save_checkpoint(path: Path, cfg: Any, state: dict[str, Any]) -> None:
-    record = {"config": _config(cfg), **state}
+    record = {"config": _config(cfg), "written_by": _written_by(), **state}
     atomic_write(path, lambda f: pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def load_checkpoint(path: Path, cfg: Any) -> dict[str, Any]:
-    """The checkpoint in ``path``, if it was made by a run of the same config (resume settings aside)."""
-    with open(path, "rb") as f:
-        state = pickle.load(f)
+    """The checkpoint in ``path``, if this tpflower wrote it for a run of the same config (resume settings
+    aside); a checkpoint of another tpflower (its objects pickled in another layout) is refused in one line."""
+    another = (
+        f"the checkpoint {path} was written by another tpflower than this one ({_written_by()}) and cannot be "
+        "resumed: start the run again in a new run dir (or with resume=false)"
+    )
+    try:
+        with open(path, "rb") as f:
+            state = pickle.load(f)
+    except (AttributeError, ImportError, TypeError, EOFError, pickle.UnpicklingError) as err:
+        raise ValueError(f"{another} ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or state.get("written_by") != _written_by():
+        raise ValueError(another)
     if state.get("config") != _config(cfg):
         old, new = state["config"], _config(cfg)
         differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))

@@ -299,6 +299,60 @@ class PathGate:
             await self.middleware(scope, receive, send)
 
 
+class UnaryLayer:
+    """A BaseHTTPMiddleware ``layer`` run for a Fleet or Runtime API request (unary protobuf calls) without
+    Starlette's per-request plumbing (middleware/base.py: an anyio task group, a memory stream and a streamed
+    response per layer and request): the layer's own ``dispatch`` gets a ``call_next`` that runs the rest of
+    the stack to its end and returns the response whole. Any other request (the Control API's log streams,
+    the streamed ``/responses``) keeps the layer's own plumbing."""
+
+    def __init__(self, app: Any, layer: type, **kwargs: Any) -> None:
+        self.app = app
+        self.layer = layer(app, **kwargs)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not str(scope["path"]).startswith(("/v1/fleet/", "/v1/runtime/")):
+            await self.layer(scope, receive, send)
+            return
+        from starlette.middleware.base import _CachedRequest  # noqa: PLC0415
+        from starlette.responses import Response  # noqa: PLC0415
+
+        request = _CachedRequest(scope, receive)  # replays a body the layer read to the layers below
+
+        async def call_next(_request: Any) -> Response:
+            start: dict[str, Any] = {}
+            body: list[bytes] = []
+
+            async def keep(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    start.update(message)
+                elif message["type"] == "http.response.body":
+                    body.append(message.get("body", b""))
+
+            await self.app(scope, request.wrapped_receive, keep)
+            if not start:
+                raise RuntimeError("No response returned.")
+            response = Response(b"".join(body), status_code=start["status"])
+            response.raw_headers = list(start["headers"])
+            return response
+
+        response = await self.layer.dispatch_func(request, call_next)
+        await response(scope, request.wrapped_receive, send)
+
+
+def unary(m: Any, acts_on: Any = None) -> Any:
+    """Starlette ``Middleware`` entry ``m`` (a BaseHTTPMiddleware layer) as a :class:`UnaryLayer`, behind a
+    :class:`PathGate` when ``acts_on`` says which requests it acts on; any other entry unchanged."""
+    from starlette.middleware import Middleware  # noqa: PLC0415
+    from starlette.middleware.base import BaseHTTPMiddleware  # noqa: PLC0415
+
+    if m.args or not issubclass(m.cls, BaseHTTPMiddleware):
+        return m
+    if acts_on is None:
+        return Middleware(UnaryLayer, layer=m.cls, **m.kwargs)
+    return Middleware(PathGate, middleware=UnaryLayer, acts_on=acts_on, layer=m.cls, **m.kwargs)
+
+
 def _control_path(scope: Any) -> bool:
     return str(scope["path"]).startswith("/v1/control/")
 
@@ -332,7 +386,6 @@ def gated_middleware(middleware: list[Any]) -> list[Any]:
     from flwr.superlink.routers.control import middlewares as control  # noqa: PLC0415
     from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware  # noqa: PLC0415
     from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware  # noqa: PLC0415
-    from starlette.middleware import Middleware  # noqa: PLC0415
 
     acts_on = {
         control.ControlSensitiveResponseMiddleware: _control_path,
@@ -343,12 +396,7 @@ def gated_middleware(middleware: list[Any]) -> list[Any]:
         NodeAuthMiddleware: _fleet_path,
         FleetEventLogMiddleware: _fleet_event_log,
     }
-    return [
-        Middleware(PathGate, middleware=m.cls, acts_on=acts_on[m.cls], **m.kwargs)
-        if m.cls in acts_on and not m.args
-        else m
-        for m in middleware
-    ]
+    return [unary(m, acts_on.get(m.cls)) for m in middleware]
 
 
 def install_gated_superlink_middleware(flwr_version: str | None = None) -> bool:
@@ -368,16 +416,12 @@ def gated_supernode_app(create_app: Any) -> Any:
     layers on every request) with its tracing layer behind a :class:`PathGate` (it acts only when tracing is
     on): a node service's request then passes two layers (error and protobuf translation)."""
     from flwr.supercore.routers.runtime.tracing import RuntimeTracingMiddleware  # noqa: PLC0415
-    from starlette.middleware import Middleware  # noqa: PLC0415
 
     @functools.wraps(create_app)
     def create(*args: Any, **kwargs: Any) -> Any:
         app = create_app(*args, **kwargs)
         app.user_middleware = [
-            Middleware(PathGate, middleware=m.cls, acts_on=_tracing)
-            if m.cls is RuntimeTracingMiddleware and not m.args and not m.kwargs
-            else m
-            for m in app.user_middleware
+            unary(m, _tracing if m.cls is RuntimeTracingMiddleware else None) for m in app.user_middleware
         ]
         return app
 
