@@ -106,18 +106,21 @@ def _run_case(args: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- schema matrix
-#: the algorithms of a matrix cell: name -> overrides (ADMM with its shipped defaults (Anderson acceleration, fixed
-#: rho); with the previous defaults (no acceleration: over-relaxation 1.5, persistent residual balancing, rho 3);
-#: with the paper's iteration and Boyd's residual balancing, the old defaults)
+#: the algorithms of a matrix cell: name -> overrides (ADMM with its shipped defaults (per-table subspace
+#: acceleration for regression, Anderson acceleration for classification, fixed rho); with the previous defaults
+#: (Anderson acceleration for regression too); with no acceleration (over-relaxation 1.5, persistent residual
+#: balancing, rho 3); with the paper's iteration and Boyd's residual balancing, the old defaults)
 MATRIX_ALGORITHMS: dict[str, tuple[str, ...]] = {
     "pcg": ("algorithm=pcg", "algorithm.tol=0"),
     # the classic block-Jacobi PCG recurrence (one search direction, not one per table)
     "pcg_classic": ("algorithm=pcg", "algorithm.tol=0", "algorithm.window=0"),
     "admm": ("algorithm=admm", "algorithm.tol=0"),
-    "admm_prev": ("algorithm=admm", "algorithm.tol=0", "algorithm.anderson=0"),
+    "admm_anderson": ("algorithm=admm", "algorithm.tol=0", "algorithm.subspace=0"),
+    "admm_prev": ("algorithm=admm", "algorithm.tol=0", "algorithm.subspace=0", "algorithm.anderson=0"),
     "admm_old": (
         "algorithm=admm",
         "algorithm.tol=0",
+        "algorithm.subspace=0",
         "algorithm.anderson=0",
         "algorithm.relax=1",
         "algorithm.rho_patience=0",
