@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from tpflower.mapping import TableMapping, chunks
+from tpflower.mapping import TableMapping, segment_sum
 
 #: eigenvalues of the Ritz system below this fraction of its largest are dropped (the outputs of a converging run
 #: become nearly dependent). The system is formed in float64 whatever the run's precision (float32 outputs are
@@ -34,49 +34,70 @@ RCOND = 1e-12
 
 
 class TableSubspace:
-    """The last ``memory`` pairs (Y_i, h_i) per table and the Ritz point of the ridge objective over their span."""
+    """The last ``memory`` pairs (Y_i, h_i) per table and the Ritz point of the ridge objective over their span.
+
+    The system is kept up to date as pairs arrive: a new output v of table b meets every stored output of table a
+    through w_ab = S_a(v[p_b]) (the segment sums of v over a's rows, G_b v when a = b), so an epoch costs O(N M^2
+    + m sum_i n_i) at the server (M tables), not O(N (M m)^2)."""
 
     def __init__(self, memory: int, mapping: TableMapping, y: np.ndarray):
         if memory < 1:
             raise ValueError(f"subspace memory must be >= 1, got {memory}")
         self.memory, self.mapping = int(memory), mapping
-        self.y = np.asarray(y, dtype=np.float64).reshape(-1)
-        self.Y: list[dict[str, np.ndarray]] = []  # the messages, as sent (n_i x 1 each)
-        self.h: list[dict[str, np.ndarray]] = []  # the outputs they produced, as received
+        self.tables = list(mapping.p)
+        self.G = {t: mapping.G(t).astype(np.float64) for t in self.tables}
+        y = np.asarray(y, dtype=np.float64).reshape(-1)
+        self.ys = {t: segment_sum(mapping.p[t], y, mapping.n_rows[t]) for t in self.tables}  # S_i y
+        # the outputs h_i^(k) and the messages Y_i^(k) that produced them, row k (float64), and their rho
+        self.V = {t: np.zeros((memory, mapping.n_rows[t])) for t in self.tables}
+        self.W = {t: np.zeros((memory, mapping.n_rows[t])) for t in self.tables}
         self.rho: list[float] = []
+        n = memory * len(self.tables)
+        self.data = np.zeros((n, n))  # J^T J / N over the slots (table-major: table b, slot k at b m + k)
+        self.beta = np.zeros((n, n))  # blockdiag(B_i): beta Theta_i^T Theta_i
+        self.rhs = np.zeros(n)  # J^T y / N
 
     def add(self, Y: Mapping[str, np.ndarray], h: Mapping[str, np.ndarray], rho: float) -> None:
         """One epoch's pair: the Y_i the tables received with penalty ``rho`` and the h_i they replied."""
-        self.Y.append({t: np.asarray(v) for t, v in Y.items()})
-        self.h.append({t: np.asarray(v) for t, v in h.items()})
-        self.rho.append(float(rho))
-        if len(self.h) > self.memory:
-            self.Y.pop(0)
-            self.h.pop(0)
+        m, M = self.memory, len(self.tables)
+        if len(self.rho) == m:  # the oldest slot leaves: shift every table's rows and block by one slot
             self.rho.pop(0)
-
-    def basis(self, table: str) -> np.ndarray:
-        """The table's stored outputs as columns (n_i x k, float64)."""
-        return np.stack([np.asarray(h[table], dtype=np.float64).reshape(-1) for h in self.h], axis=1)
+            for arr in (*self.V.values(), *self.W.values()):
+                arr[:-1] = arr[1:]
+            keep = np.array([b * m + k for b in range(M) for k in range(1, m)])
+            to = np.array([b * m + k for b in range(M) for k in range(m - 1)])
+            for mat in (self.data, self.beta):
+                mat[np.ix_(to, to)] = mat[np.ix_(keep, keep)]
+            self.rhs[to] = self.rhs[keep]
+        k, N, p, n_rows = len(self.rho), self.mapping.N, self.mapping.p, self.mapping.n_rows
+        self.rho.append(float(rho))
+        rhos = np.asarray(self.rho)
+        for t in self.tables:
+            self.V[t][k] = np.asarray(h[t]).reshape(-1)
+            self.W[t][k] = np.asarray(Y[t]).reshape(-1)
+        for b, tb in enumerate(self.tables):
+            v = self.V[tb][k]
+            self.rhs[b * m + k] = float(v @ self.ys[tb]) / N
+            joined = v[p[tb]]
+            for a, ta in enumerate(self.tables):
+                w = self.G[tb] * v if a == b else segment_sum(p[ta], joined, n_rows[ta])
+                col = self.V[ta][: k + 1] @ w / N  # (h_a^(j))^T S_a(v[p_b]) / N for every slot j of a
+                self.data[a * m : a * m + k + 1, b * m + k] = col
+                self.data[b * m + k, a * m : a * m + k + 1] = col
+            # B_b[k, j] = -(Y^(k)^T h^(j) + rho_k h^(k)^T G h^(j)) / N, symmetrized (module doc)
+            Vb, Wb = self.V[tb][: k + 1], self.W[tb][: k + 1]
+            GV = Vb @ (self.G[tb] * v)  # h^(j)^T G h^(k) for every slot j
+            kj = -(Vb @ Wb[k] + rhos[k] * GV) / N
+            jk = -(Wb @ v + rhos[: k + 1] * GV) / N
+            self.beta[b * m : b * m + k + 1, b * m + k] = 0.5 * (kj + jk)
+            self.beta[b * m + k, b * m : b * m + k + 1] = 0.5 * (kj + jk)
 
     def point(self) -> dict[str, np.ndarray]:
         """h_i* (n_i x 1, float64) of the Ritz point c* = argmin F (module doc)."""
-        p, N, k = self.mapping.p, self.mapping.N, len(self.h)
-        tables = list(p)
-        V = {t: self.basis(t) for t in tables}
-        rho = np.asarray(self.rho)
-        n = k * len(tables)
-        K, rhs = np.zeros((n, n)), np.zeros(n)
-        for b, t in enumerate(tables):  # beta Theta_i^T Theta_i from the theta-update's normal equations
-            G = self.mapping.G(t).astype(np.float64)
-            Ys = np.stack([np.asarray(Y[t], dtype=np.float64).reshape(-1) for Y in self.Y], axis=1)
-            B = -(Ys.T @ V[t] + rho[:, None] * ((V[t].T * G) @ V[t])) / N
-            K[b * k : (b + 1) * k, b * k : (b + 1) * k] = 0.5 * (B + B.T)
-        for s in chunks(N):  # the data term over the joined rows, chunk by chunk
-            J = np.concatenate([V[t][p[t][s]] for t in tables], axis=1)
-            K += J.T @ J / N
-            rhs += J.T @ self.y[s] / N
+        m, k = self.memory, len(self.rho)
+        idx = np.array([b * m + j for b in range(len(self.tables)) for j in range(k)])
+        K = self.data[np.ix_(idx, idx)] + self.beta[np.ix_(idx, idx)]
         w, U = np.linalg.eigh(0.5 * (K + K.T))
         keep = w > RCOND * max(float(w[-1]), np.finfo(np.float64).tiny)
-        c = U[:, keep] @ ((U[:, keep].T @ rhs) / w[keep])
-        return {t: (V[t] @ c[b * k : (b + 1) * k])[:, None] for b, t in enumerate(tables)}
+        c = U[:, keep] @ ((U[:, keep].T @ self.rhs[idx]) / w[keep])
+        return {t: (c[b * k : (b + 1) * k] @ self.V[t][:k])[:, None] for b, t in enumerate(self.tables)}
