@@ -242,7 +242,7 @@ class ADMMServer:
     def accelerate(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """After :meth:`update` (h: the outputs it received): the outputs the next :meth:`scatter` uses.
 
-        Without acceleration, ``h`` itself. With ``anderson`` = m > 0: one iteration of TP-Join-ADMM is a map G of
+        Without acceleration, ``h`` itself; with ``subspace`` > 0, :meth:`ritz`. With ``anderson`` = m > 0: one iteration of TP-Join-ADMM is a map G of
         the server's state w = (h_1..h_M, D, lambda): the clients' theta-update (Eq. 16) depends on their Y_i
         alone (closed form for a linear model), and Y_i, the next z and lambda depend on w alone. Safeguarded
         Anderson acceleration (strategies/anderson.py) replaces w by a combination of the last m + 1 values of G
