@@ -20,6 +20,7 @@ from scipy.special import expit, logsumexp, softmax
 
 from strategies.anderson import Anderson
 from strategies.base import LoJStrategy
+from strategies.subspace import TableSubspace
 from tpflower.batches import joined_predictions, sum_in_first_dtype
 from tpflower.join_counts import compact_counts
 from tpflower.losses import check_np, loss_np
@@ -121,6 +122,7 @@ class ADMMServer:
         dtype: np.dtype | type = np.float64,
         relax: float = 1.0,
         anderson: int = 0,
+        subspace: int = 0,
     ):
         if variant not in ADMM_VARIANTS:
             raise ValueError(f"algorithm.variant must be one of {ADMM_VARIANTS}, got {variant!r}")
@@ -128,6 +130,8 @@ class ADMMServer:
             raise ValueError(f"algorithm.rho must be > 0, got {rho}")
         if len(y) != mapping.N:
             raise ValueError(f"ADMMServer: {len(y)} labels for {mapping.N} joined rows")
+        if subspace and (task != "regression" or variant != "sharing" or d_c != 1 or anderson):
+            raise ValueError("algorithm.subspace applies to regression with the sharing variant, without anderson")
         self.task, self.y, self.mapping, self.variant = task, y, mapping, variant
         self.M = len(mapping.p)
         self.set_rho(rho)
@@ -146,6 +150,10 @@ class ADMMServer:
         self.anderson = Anderson(anderson) if anderson > 0 else None
         self._w: list[np.ndarray] | None = None  # the state the latest update started from
         self._anderson_rho = self.rho
+        # per-table subspace acceleration (strategies/subspace.py): the pairs (Y_i, h_i) of the last epochs
+        self.subspace = TableSubspace(subspace, mapping, y) if subspace > 0 else None
+        self._Y: dict[str, np.ndarray] | None = None  # the latest scatter's messages and their rho
+        self._Y_rho = self.rho
 
     def set_rho(self, rho: float) -> None:
         """The penalty of the next iterations (lambda is unscaled: nothing else changes)."""
@@ -234,7 +242,7 @@ class ADMMServer:
     def accelerate(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """After :meth:`update` (h: the outputs it received): the outputs the next :meth:`scatter` uses.
 
-        Without acceleration, ``h`` itself. With ``anderson`` = m > 0: one iteration of TP-Join-ADMM is a map G of
+        Without acceleration, ``h`` itself; with ``subspace`` > 0, :meth:`ritz`. With ``anderson`` = m > 0: one iteration of TP-Join-ADMM is a map G of
         the server's state w = (h_1..h_M, D, lambda): the clients' theta-update (Eq. 16) depends on their Y_i
         alone (closed form for a linear model), and Y_i, the next z and lambda depend on w alone. Safeguarded
         Anderson acceleration (strategies/anderson.py) replaces w by a combination of the last m + 1 values of G
@@ -242,6 +250,8 @@ class ADMMServer:
         training rows (h_i weighted by G_iu, lambda scaled by 1 / r). Post-processing of values the server holds:
         no message changes, the fixed point is ADMM's. A new rho (residual balancing) is a new map: the window
         restarts. The outputs returned are in the dtype of ``h``; the server's D, lambda follow the combination."""
+        if self.subspace is not None:
+            return self.ritz(h)
         aa = self.anderson
         if aa is None or self._w is None:  # off, or the setup's update (no iterate mapped yet)
             return dict(h)
@@ -264,6 +274,25 @@ class ADMMServer:
         self.lam = np.array(nxt[len(p) + 1], dtype=self.dtype)
         return out
 
+    def ritz(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Per-table subspace acceleration (strategies/subspace.py), after :meth:`update` (h: the outputs the
+        latest scatter's Y produced): the Ritz point h* of the ridge objective over the span of each table's last
+        outputs, and the server's state at it (z = H*: D = 0; lambda = H* - y). Returns h* in the dtype of h."""
+        sub = self.subspace
+        assert sub is not None
+        if self._Y is None:  # the setup's update: no message sent yet
+            return dict(h)
+        sub.add(self._Y, h, self._Y_rho)
+        self._Y = None
+        out = {t: np.asarray(v, dtype=h[t].dtype) for t, v in sub.point().items()}
+        self._h = {t: np.array(v) for t, v in out.items()}
+        p = self.mapping.p
+        for s in chunks(self.mapping.N):
+            H = sum_in_first_dtype([out[t][p_t[s]] for t, p_t in p.items()]).astype(np.float64)
+            self.D[s] = 0.0
+            self.lam[s] = H - self.y[s].reshape(H.shape)  # dl/dz at z = H* (squared loss, Eq. 8's dual)
+        return out
+
     def scatter(self, h: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Residuals s_ij and Y_iu = sum_{j in G_i(u)} (lambda_j + rho s_ij) (Eq. 14) at the latest update;
         Y_i for every table, in the dtype of h. Chunked: per chunk, one term array per table."""
@@ -281,7 +310,10 @@ class ADMMServer:
                 s_t *= self.rho
                 s_t += lam
                 sums[t].add(p_t[s], s_t)
-        return {t: sums[t].result(h[t].dtype) for t in p}
+        Y = {t: sums[t].result(h[t].dtype) for t in p}
+        if self.subspace is not None:  # the pair (Y_i, its theta-update's output) enters the subspace
+            self._Y, self._Y_rho = Y, self.rho
+        return Y
 
     def primal_residual(self) -> float:
         """||H - z|| over the training rows, after the latest step (the ADMM convergence check)."""
@@ -524,35 +556,65 @@ class TPJoinADMM(LoJStrategy):
         return {"admm": admm, "h": h}
 
     def admm_server(self) -> ADMMServer:
-        """The server's z, lambda and rho (algorithm.rho, adapt_rho, rho_mu, rho_tau, tol, relax, anderson)."""
+        """The server's z, lambda and rho (algorithm.rho, adapt_rho, rho_mu, rho_tau, tol, relax, anderson,
+        subspace)."""
         alg = self.params
-        memory = self.anderson_memory()
+        subspace = self.subspace_memory()
+        memory = self.anderson_memory() if not (subspace and alg.anderson == "auto") else 0
         balancing = None
-        if self.balancing_on(memory):
+        if self.balancing_on(memory + subspace):
             balancing = Balancing(alg.rho_mu, alg.rho_tau, alg.rho_warmup, alg.rho_mu_persistent, alg.rho_patience)
         self.admm = ADMMServer(
             self.task,
             self.y_train,
             self.train,
             self.d_out,
-            admm_rho(alg.rho, self.task, memory > 0),
+            admm_rho(alg.rho, self.task, memory + subspace > 0),
             alg.variant,
             balancing,
             alg.tol,
             dtype=self.state_dtype,
             relax=alg.relax,
             anderson=memory,
+            subspace=subspace,
         )
         return self.admm
 
     def balancing_on(self, anderson: int) -> bool:
-        """algorithm.adapt_rho: true, false, or auto: residual balancing without Anderson acceleration only (a new
-        rho is a new map, which restarts the acceleration's window: measured slower on the schema matrix)."""
+        """algorithm.adapt_rho: true, false, or auto: residual balancing without acceleration (Anderson or subspace)
+        only (a new rho is a new map, which restarts Anderson's window: measured slower on the schema matrix)."""
         value = self.params.adapt_rho
         return anderson == 0 if value == "auto" else bool(value)
 
     #: algorithm.anderson=auto's memory where it applies (measured on the schema matrix, docs/results.md)
     ANDERSON_AUTO = 10
+    #: algorithm.subspace=auto's memory where it applies (measured on the schema matrix, docs/results.md)
+    SUBSPACE_AUTO = 10
+
+    def subspace_memory(self) -> int:
+        """algorithm.subspace: a memory m >= 0, or auto: SUBSPACE_AUTO for regression with linear models, the
+        sharing variant and no feature DP, unless algorithm.anderson is set (0: the paper's iteration, m: Anderson
+        acceleration); else 0."""
+        alg = self.params
+        why = self.subspace_obstacle()
+        if alg.subspace != "auto":
+            if int(alg.subspace) > 0 and why:
+                raise ValueError(f"algorithm.subspace={alg.subspace} needs {why}; use algorithm.subspace=0")
+            return int(alg.subspace)
+        return 0 if why or alg.anderson != "auto" else self.SUBSPACE_AUTO  # anderson=0: the paper's iteration
+
+    def subspace_obstacle(self) -> str:
+        """What the subspace acceleration needs and this run lacks ("" if nothing): its Ritz system holds for the
+        closed-form theta-update of a linear model under the squared loss (strategies/subspace.py)."""
+        if self.task != "regression" or self.d_out != 1:
+            return "a regression label"
+        if str(self.cfg.model.kind) != "linear":
+            return "model=linear"
+        if self.params.variant != "sharing":
+            return "algorithm.variant=sharing"
+        if self.feature_dp:
+            return "no feature DP (its theta-update is DP-SGD, not the closed form)"
+        return ""
 
     def anderson_memory(self) -> int:
         """algorithm.anderson: a memory m >= 0, or auto: ANDERSON_AUTO for the sharing variant with linear models

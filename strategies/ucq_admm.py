@@ -162,6 +162,16 @@ class TPUCQADMM(TPJoinADMM):
             )
         return 0
 
+    def subspace_memory(self) -> int:
+        """0: as :meth:`anderson_memory` (the union's consensus state lives on the shards); an explicit memory is
+        refused."""
+        if self.params.subspace not in ("auto", 0):
+            raise ValueError(
+                f"algorithm.subspace={self.params.subspace} applies over a join (scenario=join); "
+                "over a union use algorithm.subspace=0 or auto"
+            )
+        return 0
+
     def start_ucq(self) -> dict:
         """Setup, the admm_setup round; the consensus models start at the shards' common initial theta."""
         self.setup()

@@ -9,6 +9,7 @@ import pytest
 from simulations.bench.convergence import cell_overrides, matrix_cell, summarize
 from simulations.federated import run_in_process
 from strategies.centralized import exact_ridge
+from strategies.pcg import TOL_FLOOR_EPS
 from tests.conftest import make_cfg
 from tests.test_conformance import call
 from tests.test_curious_server import refused
@@ -207,3 +208,24 @@ def test_a_step_with_the_wrong_number_of_direction_coefficients_is_refused():
         {"s": np.zeros(n), "coef": np.zeros(c + (held - 1) * c * c)},
         {"phase": "pcg_step", "epoch": 3},
     )
+
+
+@pytest.mark.parametrize("window", [4, 0])
+def test_a_float32_run_stops_at_its_precision_floor(window):
+    """float32 messages leave a relative residual far above algorithm.tol=1e-8: the tolerance is floored at
+    TOL_FLOOR_EPS machine epsilons of the run's precision, so the run stops early instead of running every
+    iteration; a float64 run keeps its tol."""
+    cell = cell_overrides(SMALL_CELLS[1][0])
+    runs = {}
+    for precision in ("float32", "float64"):
+        overrides = (f"algorithm.window={window}", "algorithm.tol=1e-8", f"precision={precision}", "epochs=60")
+        cfg = compose_config(*cell, "algorithm=pcg", *overrides)
+        runs[precision] = run_in_process(cfg, None, log=quiet).strategy
+    s32, s64 = runs["float32"], runs["float64"]
+    floor = TOL_FLOOR_EPS * float(np.finfo(np.float32).eps)
+    assert s32.stop_tol() == pytest.approx(floor) and s64.stop_tol() == 1e-8
+    stopped = s32.results.stopped
+    assert stopped["reason"] == "tol" and stopped["epoch"] < 60 and "floored" in stopped["detail"], stopped
+    assert s32.results.history[-1].extra["relative_residual"] <= floor
+    assert s64.results.stopped["reason"] == "tol" and "floored" not in s64.results.stopped["detail"]
+    assert s64.results.history[-1].extra["relative_residual"] <= 1e-8

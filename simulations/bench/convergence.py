@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from simulations.bench.common import run_isolated, run_results
@@ -105,18 +106,21 @@ def _run_case(args: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- schema matrix
-#: the algorithms of a matrix cell: name -> overrides (ADMM with its shipped defaults (Anderson acceleration, fixed
-#: rho); with the previous defaults (no acceleration: over-relaxation 1.5, persistent residual balancing, rho 3);
-#: with the paper's iteration and Boyd's residual balancing, the old defaults)
+#: the algorithms of a matrix cell: name -> overrides (ADMM with its shipped defaults (per-table subspace
+#: acceleration for regression, Anderson acceleration for classification, fixed rho); with the previous defaults
+#: (Anderson acceleration for regression too); with no acceleration (over-relaxation 1.5, persistent residual
+#: balancing, rho 3); with the paper's iteration and Boyd's residual balancing, the old defaults)
 MATRIX_ALGORITHMS: dict[str, tuple[str, ...]] = {
     "pcg": ("algorithm=pcg", "algorithm.tol=0"),
     # the classic block-Jacobi PCG recurrence (one search direction, not one per table)
     "pcg_classic": ("algorithm=pcg", "algorithm.tol=0", "algorithm.window=0"),
     "admm": ("algorithm=admm", "algorithm.tol=0"),
-    "admm_prev": ("algorithm=admm", "algorithm.tol=0", "algorithm.anderson=0"),
+    "admm_anderson": ("algorithm=admm", "algorithm.tol=0", "algorithm.subspace=0"),
+    "admm_prev": ("algorithm=admm", "algorithm.tol=0", "algorithm.subspace=0", "algorithm.anderson=0"),
     "admm_old": (
         "algorithm=admm",
         "algorithm.tol=0",
+        "algorithm.subspace=0",
         "algorithm.anderson=0",
         "algorithm.relax=1",
         "algorithm.rho_patience=0",
@@ -221,6 +225,19 @@ BUNDLED: dict[str, tuple[str, ...]] = {
 }
 
 
+#: the files a loader reads from its ``loader.path`` folder (datasets not shipped with tpflower)
+LOADER_FILES: dict[str, tuple[str, ...]] = {"movielens1m": ("ratings.dat", "movies.dat", "users.dat")}
+
+
+def absent_data(overrides: list[str]) -> str | None:
+    """Why a dataset cannot load on this machine (the files its loader needs are absent), else None."""
+    loader = compose_config(*overrides).dataset.get("loader") or {}
+    files = LOADER_FILES.get(str(loader.get("name")), ())
+    folder = Path(str(loader.get("path", "."))).expanduser()
+    absent = [f for f in files if not (folder / f).is_file()]
+    return f"{', '.join(absent)} not found in {str(folder)!r}" if absent else None
+
+
 def cell_name(cell: dict[str, Any]) -> str:
     extra = "".join(f" {k}={v}" for k, v in cell.items() if k not in ("schema", "dim_rows", "dup", "correlation"))
     return f"{cell['schema']} dim={cell['dim_rows']} dup={cell['dup']} corr={cell['correlation']}{extra}"
@@ -262,7 +279,13 @@ def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
     if bundled:
         cases.update({k: list(v) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
     rows: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
     for name, overrides in cases.items():
+        why = absent_data(overrides)
+        if why is not None:
+            skipped[name] = why
+            print(f"{name}: skipped ({why})", flush=True)
+            continue
         t0 = time.perf_counter()
         cell = run_isolated(
             "simulations.bench.convergence",
@@ -273,4 +296,4 @@ def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
         cell["wall_s"] = round(time.perf_counter() - t0, 1)
         rows[name] = cell
         print(name, json.dumps(cell["summary"]), flush=True)
-    return {"case": "convergence-matrix", "epochs": epochs, "quick": quick, "cells": rows}
+    return {"case": "convergence-matrix", "epochs": epochs, "quick": quick, "cells": rows, "skipped": skipped}

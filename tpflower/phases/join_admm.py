@@ -195,6 +195,9 @@ class ADMMParams(AlgorithmParams):
     # iteration); auto: 10 over a join with the sharing variant, linear models and no feature DP, else 0
     anderson: int | str = param(or_word(nonnegative_int, "auto"), "auto")
     anderson_mb: float = param(positive, 1000.0)  # auto: the largest memory whose window fits in this
+    # per-table subspace acceleration (strategies/subspace.py): the last m outputs of each table; 0: off;
+    # auto: 10 for regression with linear models, the sharing variant and no feature DP (then anderson is off)
+    subspace: int | str = param(or_word(nonnegative_int, "auto"), "auto")
     tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
     variant: str = param(one_of("sharing", "paper"), "sharing")
     local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)
