@@ -145,17 +145,17 @@ def test_a_checkpoint_of_another_tpflower_is_refused_in_one_line(tmp_path):
 
     from tpflower.checkpoint import CHECKPOINT
 
-    crashed_run(tmp_path)
+    crashed_run(tmp_path, TO_EPOCH_4)
     path = tmp_path / CHECKPOINT
     record = pickle.loads(path.read_bytes())
     path.write_bytes(pickle.dumps({**record, "written_by": "tpflower 0.0.1"}))
     with pytest.raises(ValueError, match=r"written by another tpflower .* new run dir") as refused:
-        run_in_process(compose_config(*RUN, "resume=true"), tmp_path, log=quiet)
+        run_in_process(compose_config(*RUN, TO_EPOCH_4, "resume=true"), tmp_path, log=quiet)
     assert "\n" not in str(refused.value)
     moved = pickle.dumps({**record, "meters": collections.OrderedDict()})  # an object whose class moved:
     path.write_bytes(moved.replace(b"collections", b"collectionz"))
     with pytest.raises(ValueError, match=r"written by another tpflower .*ModuleNotFoundError"):
-        run_in_process(compose_config(*RUN, "resume=true"), tmp_path, log=quiet)
+        run_in_process(compose_config(*RUN, TO_EPOCH_4, "resume=true"), tmp_path, log=quiet)
 
 
 def test_a_node_without_its_checkpoint_refuses_to_resume(tmp_path):
