@@ -1171,7 +1171,7 @@ TEXT: dict[str, str] = {
         "whole `context.state` through Ray with every message, and on 2 cores the actors, Ray's own processes and "
         "the ServerApp share the CPUs. The first epoch line waits for the imports of the main process (~5 s), "
         "Ray's start and the actors' first messages (torch imports, loading and hashing the table): **the 10 s goal "
-        "for the first epoch line is missed** (11.6 s in this run, 19 s in the previous one under load)."
+        "for the first epoch line is missed** (10.4 s in this run, 11.6 s and 19 s in the previous two)."
     ),
     "schema_matrix": (
         "Reading the matrix. PCG with one search direction per table reaches 0.1% of the exact ridge test RMSE in "
