@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from strategies.replies import ReplyError, check_keys
+from strategies.replies import ReplyError, check_keys, whole_number
 from strategies.transport import ClientKey, Reply
 
 Send = Callable[..., dict[ClientKey, Reply]]
@@ -44,11 +44,7 @@ def _who(key: ClientKey) -> str:
 def _count(key: ClientKey, metrics: Mapping[str, Any], name: str) -> int:
     """A non-negative whole number the client announced in its metrics."""
     value = metrics.get(name)
-    try:
-        ok = value is not None and float(value) == int(value) and 0 <= int(value) <= MAX_COUNT
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
+    if not whole_number(value, 0, MAX_COUNT):
         raise ReplyError(f"{_who(key)}: its keys reply announces {name}={value!r}, not a count of entries")
     return int(value)  # type: ignore[arg-type]
 

@@ -19,6 +19,7 @@ uses it. A bad reply stops the run with one line naming the table, shard and pha
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -149,14 +150,18 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
             )
 
 
+def whole_number(value: Any, low: int, high: int | None = None) -> bool:
+    """Whether a number a client announced in its metrics is a whole number in low..high (None: no bound)."""
+    try:
+        return value is not None and float(value) == int(value) >= low and (high is None or int(value) <= high)
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _chunks(key: ClientKey, phase: str, metrics: Mapping) -> int:
     """The chunks a keys reply announces (``n_chunks``, default 1): a whole number >= 1."""
     value = metrics.get("n_chunks", 1)
-    try:
-        ok = float(value) == int(value) >= 1
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
+    if not whole_number(value, 1):
         raise ReplyError(f"{_who(key, phase)}: its reply announces n_chunks={value!r}, not a number of chunks")
     return int(value)
 

@@ -19,12 +19,14 @@ import pandas as pd
 
 from tpflower.mapping import (
     CHUNK_ROWS,
+    KEY_SEP,
     chunks,
     code_dtype,
     encode_values,
     hmac_digests,
     index_dtype,
     join_seed,
+    require_secret,
     shuffled,
 )
 from tpflower.records import Arrays
@@ -102,7 +104,7 @@ class DistinctKeys:
             encode_values(level.take((ids // stride) % max(len(level), 1)), kind)
             for level, stride, kind in zip(self.levels, self.strides, self.kinds)
         ]
-        return [b"\x1f".join(t) for t in zip(*parts)]
+        return [KEY_SEP.join(t) for t in zip(*parts)]
 
 
 class KeysPayload:
@@ -135,8 +137,8 @@ class KeysPayload:
             for k, j in enumerate(spec.joins)
             if table in (j.left, j.right)
         }
-        if mode == "hmac" and self.lists and not secret:
-            raise ValueError("the join-key secret is empty; set mapping.secret (shared by the clients)")
+        if mode == "hmac" and self.lists:
+            require_secret(secret)
         self.y, self.is_test = y, is_test
 
     def n_values(self) -> dict[int, int]:

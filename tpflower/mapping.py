@@ -23,6 +23,7 @@ import pandas as pd
 from tpflower.schema import RelationalSpec, SpecError, key_kind
 
 DIGEST_WORDS = 2  # a digest is 128 bits = two uint64 words
+KEY_SEP = b"\x1f"  # between the canonical encodings of a composite key's values
 
 
 # -------------------------------------------------------------------------------------------- digests
@@ -65,18 +66,22 @@ def encode_values(values: pd.Index, kind: str) -> list[bytes]:
     return [b"s" + str(v).encode("utf-8") for v in values.tolist()]
 
 
-def hmac_digests(encoded: Sequence[bytes], secret: bytes) -> np.ndarray:
-    """Keyed digests of canonical key encodings: HMAC-SHA256(secret, e), first 128 bits ((n, 2) uint64)."""
+def require_secret(secret: bytes) -> None:
+    """The join-key secret of keys=hmac: refused when empty (ValueError)."""
     if not secret:
         raise ValueError("the join-key secret is empty; set mapping.secret (shared by the clients)")
+
+
+def hmac_digests(encoded: Sequence[bytes], secret: bytes) -> np.ndarray:
+    """Keyed digests of canonical key encodings: HMAC-SHA256(secret, e), first 128 bits ((n, 2) uint64)."""
+    require_secret(secret)
     blob = b"".join(hmac.digest(secret, e, hashlib.sha256)[:16] for e in encoded)
     return np.frombuffer(blob, dtype="<u8").reshape(-1, DIGEST_WORDS).copy()
 
 
 def canonical_tuples(tuples: Sequence[tuple], kinds: Sequence[str]) -> list[bytes]:
     """The canonical byte encoding of each key tuple (equal across tables for equal keys)."""
-    sep = b"\x1f"
-    return [sep.join(_canonical(v, k) for v, k in zip(t, kinds)) for t in tuples]
+    return [KEY_SEP.join(_canonical(v, k) for v, k in zip(t, kinds)) for t in tuples]
 
 
 def key_digests(frame: pd.DataFrame, columns: Sequence[str], secret: bytes) -> np.ndarray:
@@ -103,8 +108,7 @@ def distinct_digests(
 
     HMAC-SHA256(secret, canonical key tuple), first 128 bits: the HMAC runs once per distinct key, not per row.
     """
-    if not secret:
-        raise ValueError("the join-key secret is empty; set mapping.secret (shared by the clients)")
+    require_secret(secret)
     codes, tuples, kinds = key_codes(frame, columns)
     per_key = hmac_digests(canonical_tuples(tuples, kinds), secret)
     rank, order = shuffled(len(per_key), seed)

@@ -2,7 +2,7 @@
 
 keys      {chunk_rows}        -> {row_ids, code.<join>, digest.<join>..., (label owner) y, is_test}  keys=hmac:
                                  per row the code (uint16/uint32) of its key value, per distinct value its
-                                 keyed digest (tpflower.mapping.distinct_digests)
+                                 keyed digest (tpflower.keys_payload)
                                  {row_ids, code.<join>, blind.<join>..., ...}          keys=blind: per row the
                                  code of its key value, per distinct value H(k)^a (shuffled; tpflower.blind)
                                  with label DP: y holds the randomized labels of the TRAINING rows only.
