@@ -3,7 +3,8 @@
 All shards of table i hold the same theta_i. Per mini-batch: the shards predict their rows of U_i; the
 LoJ operator computes Y_i and scatters each shard its part; each shard returns its unnormalised partial
 gradient (Eq. 18); the coordinator (the server) sums them and divides by |B| (Eq. 17) and every shard
-applies the same step (Eq. 19), then predicts its rows of the next batch. Two round trips per batch; the
+applies the same step (Eq. 19), then predicts its rows of the next batch. A table with one shard takes no
+gradient from the server: it applies its own partial gradient divided by |B| (``batch_rows``), the same step. Two round trips per batch; the
 first (partial gradients) is the union's coordinator round and is counted in rounds_inner. Without DP the
 trajectory equals TP-Join-SGD's.
 
@@ -61,11 +62,16 @@ class TPUCQSGD(LoJStrategy):
                 self.shard_messages(
                     lambda k: (
                         {
-                            "g": g[k[0]],
+                            # a table with one shard applies its own gradient / |B| (it takes no server g)
+                            **({"g": g[k[0]]} if len(self.routers[k[0]].shards) > 1 else {}),
                             "rows": nsplit[k[0]][k[1]] if nsplit else EMPTY,
                             **({"eval_rows": eval_split[k[0]][k[1]]} if point is not None else {}),
                         },
-                        {"phase": "sgd_apply", **(self.checkpoint_config(epoch) if last else {})},
+                        {
+                            "phase": "sgd_apply",
+                            "batch_rows": len(rows),
+                            **(self.checkpoint_config(epoch) if last else {}),
+                        },
                     )
                 )
             )

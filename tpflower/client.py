@@ -39,6 +39,7 @@ from tpflower.models import l2_penalty, torch_dtype
 from tpflower.owner import OwnerSettings
 from tpflower.records import Arrays
 from tpflower.relation import build_local_model
+from tpflower.releases import charge_exact_release
 from tpflower.schema import RelationalSpec, key_kind
 from tpflower.state import ClientState
 
@@ -85,9 +86,16 @@ class TableClient(NumPyClient):
     """One table's (or shard's) client operator, answering the phases of one algorithm."""
 
     def __init__(
-        self, data: ShardData, settings: ClientSettings, state: RecordDict, protocol: Protocol, algorithm: str = ""
+        self,
+        data: ShardData,
+        settings: ClientSettings,
+        state: RecordDict,
+        protocol: Protocol,
+        algorithm: str = "",
+        release_family: str = "",
     ):
         self.data = data
+        self.release_family = release_family  # the ledger's family of its exact releases (tpflower.releases)
         self.settings = settings
         self.state = ClientState(state)
         self.protocol = protocol
@@ -99,15 +107,20 @@ class TableClient(NumPyClient):
 
     def handle(self, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
         """Answer one message: ``config["phase"]`` names the phase, ``arrays`` its named arrays. The protocol
-        guard (tpflower.guard) refuses a phase outside the algorithm's protocol before anything is computed.
+        guard (tpflower.guard) refuses a phase outside the algorithm's protocol, or an array the phase does not
+        accept at its position, before anything is computed; a reply the phase declares an exact release is
+        charged to the owner's ledger first (tpflower.releases).
         ``resume`` (a fresh client taking its checkpointed state) and checkpoints: tpflower.checkpoint."""
         phase = str(config.get("phase"))
         if phase == "resume":
             return checkpoint.resume(self, config)
-        handler = self.protocol.admit(self, phase)
+        declared = self.protocol.admit_phase(self, phase, arrays)
         if config.get("run_id") and self.state.scalar("run_id") is None:
             self.state.set_scalar("run_id", str(config["run_id"]))
-        out = handler(self, arrays, config)
+        if declared.exact and not (declared.dp_noised and self.dp.on):
+            charge_exact_release(self, phase)
+        out = declared.handler(self, arrays, config)
+        self.protocol.replied(self, phase)
         checkpoint.after_message(self, config)
         return out
 

@@ -7,12 +7,25 @@ anything else: a phase of another algorithm or scenario, a setup phase once trai
 for other clients (e.g. ``admm_shard`` on a table with one shard), a stage skipped, a phase marked
 ``spaced`` twice in a row (``evaluate``: at most once per evaluation point; ``admm_consensus``: once per
 consensus). Nothing of a refused message is computed, so nothing leaves the client.
+
+Each phase also declares its inputs (:class:`Inputs`): the arrays it accepts at its position. A union-only
+array (a sum the server, the shards' coordinator, forms over a sharded table's shards: PCG's ``gram`` and
+``g``, L-BFGS's summed gradient ``g``) is accepted only on a shard of a sharded table and only right after
+this shard answered its own partial products (the phase the declaration names); any other array is refused
+before the handler runs. Each phase declares too whether its reply is an exact release (``exact``: computed
+from the owner's features on arrays the server supplied, without DP noise; ``dp_noised``: not when the run
+uses feature DP), which the client charges to its owner's ledger of exact releases (tpflower.releases).
+
+One refusal rule (:func:`refusal`): the line the server receives names the table and the kind of problem,
+never the table's contents (no widths, counts, row numbers or values); the owner's node log keeps the detail;
+a simulation, where the user plays every owner, shows it in the line.
 """
 
 from __future__ import annotations
 
+import logging
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +52,9 @@ class GuardSettings(typing.Protocol):
 
     @property
     def federated_prep(self) -> bool: ...
+
+    @property
+    def owner(self) -> Any: ...  # the owner's settings (tpflower.owner.OwnerSettings): ``deployed``
 
 
 class GuardData(typing.Protocol):
@@ -77,6 +93,24 @@ class ProtocolRefusal(ValueError):
     """A message outside the protocol the client signed up for."""
 
 
+_LOG = logging.getLogger("tpflower")
+
+
+def refusal(client: GuardedClient, kind: str, detail: str = "") -> ProtocolRefusal:
+    """The one refusal rule of a node: the line the server receives names the table (and shard) and ``kind``,
+    the kind of problem, which must state nothing of the table's contents (no widths, counts, row numbers or
+    values); ``detail`` (what was wrong, with the numbers) goes to the owner's node log on a deployed node and
+    into the line in a simulation, where the user plays every owner."""
+    s = client.settings
+    line = f"table {s.table!r} shard {s.shard}: {kind}"
+    if not detail:
+        return ProtocolRefusal(line)
+    if s.owner.deployed:
+        _LOG.error("%s (%s)", line, detail)
+        return ProtocolRefusal(f"{line} (the detail is in this node's log)")
+    return ProtocolRefusal(f"{line} ({detail})")
+
+
 def every(client: GuardedClient) -> bool:
     return True
 
@@ -110,10 +144,53 @@ _ROLE_NAMES = {
 
 
 @dataclass(frozen=True)
+class Inputs:
+    """The arrays a phase accepts at its position in the protocol (the guard refuses any other before the
+    handler runs). ``names``: from every client that answers the phase; ``prefixes``: numbered or named
+    families of arrays (``rule.<i>``, ``pts.<join>.<j>``); ``union``: union-only arrays, each with the phase
+    that must come right before it on the same shard (its own partial products, which the server sums over
+    the table's shards), accepted only on a shard of a sharded table."""
+
+    names: frozenset[str] = frozenset()
+    prefixes: tuple[str, ...] = ()
+    union: tuple[tuple[str, str], ...] = ()
+
+    def union_after(self, name: str) -> tuple[str, ...]:
+        """The phases after which the union-only array ``name`` may come (none: it is not one)."""
+        return tuple(after for n, after in self.union if n == name)
+
+    def accepts(self, name: str) -> bool:
+        return name in self.names or any(name.startswith(p) for p in self.prefixes)
+
+    @property
+    def all_names(self) -> frozenset[str]:
+        return self.names | {n for n, _ in self.union}
+
+
+def takes(
+    *names: str, prefixes: Iterable[str] = (), union: Mapping[str, str | tuple[str, ...]] | None = None
+) -> Inputs:
+    """The inputs of a phase: ``takes("G", "s", union={"gram": "pcg_gram"})`` (a union-only array may name
+    several phases it can follow)."""
+    pairs = [(n, a) for n, after in (union or {}).items() for a in ((after,) if isinstance(after, str) else after)]
+    return Inputs(frozenset(names), tuple(prefixes), tuple(sorted(pairs)))
+
+
+#: a phase that takes no array (its settings travel in the config)
+NOTHING = Inputs()
+
+
+@dataclass(frozen=True)
 class Phase:
     handler: PhaseHandler
     who: Role = every
     spaced: bool = False  # never twice in a row, never first in its stage
+    inputs: Inputs = NOTHING  # the arrays it accepts at its position
+    # its reply is an exact release: computed from the owner's features on server-supplied arrays (charged to the
+    # owner's ledger of exact releases, tpflower.releases); ``dp_noised``: not when the run uses feature DP (the
+    # reply then comes from a model the DP noise hides from the server)
+    exact: bool = False
+    dp_noised: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,8 +210,20 @@ class Protocol:
     def handlers(self) -> dict[str, PhaseHandler]:
         return {name: p.handler for s in self.stages for name, p in s.phases.items()}
 
-    def admit(self, client: GuardedClient, phase: str) -> PhaseHandler:
+    def phases(self) -> dict[str, Phase]:
+        return {name: p for s in self.stages for name, p in s.phases.items()}
+
+    def admit(self, client: GuardedClient, phase: str, arrays: Iterable[str] = ()) -> PhaseHandler:
         """The handler of ``phase`` if the protocol allows it now (the position moves on); else refuse."""
+        return self.admit_phase(client, phase, arrays).handler
+
+    def replied(self, client: GuardedClient, phase: str) -> None:
+        """``phase`` was answered (its handler returned): a union-only input declared after it may come next."""
+        client.state.set_scalar("guard.replied", phase)
+
+    def admit_phase(self, client: GuardedClient, phase: str, arrays: Iterable[str] = ()) -> Phase:
+        """The :class:`Phase` of ``phase`` if the protocol allows it now with the arrays named ``arrays`` (the
+        position moves on); else refuse, naming the phase (and the array)."""
         state = client.state
         cur, calls = int(state.scalar("guard.stage", -1)), int(state.scalar("guard.calls", 0))
         last = state.scalar("guard.last", "")
@@ -143,7 +232,7 @@ class Protocol:
         def refuse(why: str) -> ProtocolRefusal:
             return ProtocolRefusal(f"{where} refuses phase {phase!r}: {why}")
 
-        def admitted(index: int, n: int, p: Phase) -> PhaseHandler:
+        def admitted(index: int, n: int, p: Phase) -> Phase:
             if not p.who(client):
                 raise refuse(f"it is answered by {_ROLE_NAMES.get(p.who, p.who.__name__)} only")
             if p.spaced and (n == 1 or last == phase):
@@ -151,10 +240,26 @@ class Protocol:
             state.set_scalar("guard.stage", index)
             state.set_scalar("guard.calls", n)
             state.set_scalar("guard.last", phase)
-            return p.handler
+            state.set_scalar("guard.replied", "")
+            return p
+
+        names = sorted(str(n) for n in arrays)
+
+        def check_input(p: Phase, name: str) -> None:
+            if p.inputs.accepts(name):
+                return
+            after = p.inputs.union_after(name)
+            if not after:
+                raise refuse(f"array {name!r} is not an input of this phase")
+            if not sharded(client):
+                raise refuse(f"array {name!r} is a sum over the shards of a sharded table; this table has one shard")
+            if last not in after or state.scalar("guard.replied", "") != last:
+                raise refuse(f"array {name!r} comes only right after this shard's own {' or '.join(after)}")
 
         if phase not in self.handlers:
             raise refuse(f"not a phase of this algorithm (it answers {sorted(self.handlers)})")
+        for name in names:  # first: an array the phase never takes at this position is refused wherever it comes
+            check_input(self.phases()[phase], name)
         if cur >= 0:
             stage = self.stages[cur]
             if phase in stage.phases and (stage.calls is None or calls < stage.calls):

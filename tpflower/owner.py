@@ -30,6 +30,8 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     prediction_rows: /data/new.csv   # the query owner: the new rows it asks predictions for (docs/prediction.md)
     algorithms: [tp_join_admm, tp_join_pcg]  # the algorithms it takes part in (registry names; default: every one)
     threads: 2                       # CPU threads its key blinding uses (default: the CPUs the node may run on)
+    exact_releases: {pcg: 2000}      # exact releases it answers per algorithm family over all runs (default:
+                                     # tpflower.releases.DEFAULT_CAPS, 20 default runs; docs/threat-model.md)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
@@ -136,6 +138,8 @@ class OwnerSettings:
     # the algorithms (registry names, as in results.json) it takes part in; None: every installed one
     algorithms: tuple[str, ...] | None = None
     threads: int | None = None  # CPU threads of its key blinding (tpflower.blind); None: the CPUs it may run on
+    # exact releases it answers per algorithm family over all runs (tpflower.releases); None: the defaults
+    exact_releases: Mapping[str, int] | None = None
 
     @property
     def deployed(self) -> bool:
@@ -331,6 +335,16 @@ def _algorithms(value: Any, where: str) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _release_caps(value: Any, where: str) -> dict[str, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in value.items()
+    ):
+        raise SpecError(f"{where}: exact_releases must map algorithm families to whole numbers >= 0, got {value!r}")
+    return dict(value)
+
+
 def _flag(value: Any, name: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{where}: {name} must be true or false, got {value!r}")
@@ -404,6 +418,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         "prediction_rows",
         "algorithms",
         "threads",
+        "exact_releases",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -442,6 +457,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         else str(resolve_path(raw["prediction_rows"], base).resolve()),
         algorithms=_algorithms(raw.get("algorithms"), where),
         threads=None if raw.get("threads") is None else _whole(raw["threads"], "threads", where),
+        exact_releases=_release_caps(raw.get("exact_releases"), where),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),

@@ -159,10 +159,12 @@ def make_client(
     settings, data = _SETTINGS[cache_key]
     entry = entry_of(cfg)
     from tpflower.phases.predict import PREDICT, with_save  # noqa: PLC0415  torch (see TYPE_CHECKING)
+    from tpflower.releases import PREDICTION  # noqa: PLC0415  the ledger: not on the hello path
 
     # a prediction request (config `predict`) is a protocol of its own; training ends with the save stage
-    protocol = PREDICT if cfg.get("predict") else with_save(entry.protocol)
-    return TableClient(data, settings, context.state, protocol, entry.name)
+    if cfg.get("predict"):
+        return TableClient(data, settings, context.state, PREDICT, entry.name, PREDICTION)
+    return TableClient(data, settings, context.state, with_save(entry.protocol), entry.name, entry.family)
 
 
 def _settings(

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Stage
+from tpflower.guard import Phase, Stage, takes
 from tpflower.models import l2_penalty
 from tpflower.params import degrees, nonnegative_int, one_of, or_word, param, positive, positive_int
 from tpflower.phases import setup
@@ -228,8 +228,10 @@ def sgd_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     return predict_and_keep(client, model, arrays), {**client.reg_metrics(model), "local_steps": taken}
 
 
-START = Stage("start", {"predict": Phase(predict)})
-TRAIN: dict[str, Phase] = {"sgd_step": Phase(sgd_step)}
+START = Stage("start", {"predict": Phase(predict, inputs=takes("rows", "eval_rows"), exact=True, dp_noised=True)})
+TRAIN: dict[str, Phase] = {
+    "sgd_step": Phase(sgd_step, inputs=takes("Y", "rows", "eval_rows"), exact=True, dp_noised=True)
+}
 
 
 WHY_NO_FEATURE_DP = (

@@ -42,7 +42,7 @@ import numpy as np
 from tpflower import privacy as dp
 from tpflower.client import TableClient
 from tpflower.clustering import sq_distances, weighted_kmeans
-from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, takes
 from tpflower.join_counts import check_join_counts
 from tpflower.mapping import index_dtype
 from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive, positive_int
@@ -494,23 +494,23 @@ def pcg_client(client: TableClient) -> bool:
 
 # the once-per-run bounds are the handlers' (clear errors): their stages take any number of messages
 DIS: tuple[Stage, ...] = (
-    Stage("sensitivity", {"sensitivity": Phase(sensitivity, dis_client)}, calls=None),
-    Stage("sample", {"sample": Phase(sample, dis_client)}),
-    Stage("weigh", {"weigh": Phase(weigh, dis_client)}, calls=None),
+    Stage("sensitivity", {"sensitivity": Phase(sensitivity, dis_client, inputs=takes("G"), exact=True)}, calls=None),
+    Stage("sample", {"sample": Phase(sample, dis_client, inputs=takes("a"), exact=True)}),
+    Stage("weigh", {"weigh": Phase(weigh, dis_client, inputs=takes("rows"), exact=True)}, calls=None),
 )
 RIDGE_START = Stage(
     "start",
     {
-        "coreset_admm_setup": Phase(coreset_admm_setup, admm_client),
-        "predict": Phase(coreset_sgd_predict, sgd_client),
-        "coreset_pcg_setup": Phase(coreset_pcg_setup, pcg_client),
+        "coreset_admm_setup": Phase(coreset_admm_setup, admm_client, inputs=takes("rows", "G")),
+        "predict": Phase(coreset_sgd_predict, sgd_client, inputs=takes("rows"), exact=True),
+        "coreset_pcg_setup": Phase(coreset_pcg_setup, pcg_client, inputs=takes("rows", "G", "s"), exact=True),
     },
 )
 RIDGE_TRAIN: dict[str, Phase] = {
-    "coreset_admm_update": Phase(coreset_admm_update, admm_client),
-    "sgd_step": Phase(coreset_sgd_step, sgd_client),
-    "pcg_step": Phase(pcg.pcg_step, pcg_client),
-    "coreset_predict": Phase(coreset_predict, spaced=True),
+    "coreset_admm_update": Phase(coreset_admm_update, admm_client, inputs=takes("Y"), exact=True),
+    "sgd_step": Phase(coreset_sgd_step, sgd_client, inputs=takes("Y", "rows"), exact=True),
+    "pcg_step": Phase(pcg.pcg_step, pcg_client, inputs=takes("s", "coef"), exact=True),
+    "coreset_predict": Phase(coreset_predict, spaced=True, inputs=takes("rows"), exact=True),
     **setup.EVALUATE,  # label DP: the label owner scores the test predictions (tpflower.label_dp)
 }
 

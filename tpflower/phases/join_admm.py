@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Stage
+from tpflower.guard import Phase, Stage, takes
 from tpflower.join_counts import check_join_counts, compact_counts
 from tpflower.mapping import chunks
 from tpflower.models import l2_penalty
@@ -319,8 +319,8 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     return {"h": client.predict(model, None)}, {**client.reg_metrics(model), **privacy}
 
 
-START = Stage("start", {"admm_setup": Phase(admm_setup)})
-TRAIN: dict[str, Phase] = {"admm_update": Phase(admm_update)}
+START = Stage("start", {"admm_setup": Phase(admm_setup, inputs=takes("G"))})
+TRAIN: dict[str, Phase] = {"admm_update": Phase(admm_update, inputs=takes("Y"), exact=True, dp_noised=True)}
 
 
 register(

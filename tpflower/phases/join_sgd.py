@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Stage
+from tpflower.guard import Phase, Stage, takes
 from tpflower.models import l2_penalty
 from tpflower.params import AlgorithmParams, or_word, param, positive, positive_int
 from tpflower.phases import setup
@@ -115,8 +115,12 @@ def sgd_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     return predict_rows(client, model, arrays), {**client.reg_metrics(model), **privacy}
 
 
-START = Stage("start", {"predict": Phase(predict)})
-TRAIN: dict[str, Phase] = {"sgd_step": Phase(sgd_step)}
+#: the rows of the next batch (and the test rows at an evaluation point); with Y_i of the pending rows
+ROWS = takes("rows", "eval_rows")
+START = Stage("start", {"predict": Phase(predict, inputs=ROWS, exact=True, dp_noised=True)})
+TRAIN: dict[str, Phase] = {
+    "sgd_step": Phase(sgd_step, inputs=takes("Y", "rows", "eval_rows"), exact=True, dp_noised=True)
+}
 
 
 register(

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import scipy.optimize
 
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype, merge_small_clusters, sq_distances, weighted_kmeans
-from tpflower.guard import Phase, Protocol, Stage
+from tpflower.guard import Phase, Protocol, Stage, refusal, takes
 from tpflower.params import AlgorithmParams, nonnegative, one_of, or_word, param, positive_int
 from tpflower.phases import coreset, setup
 from tpflower.phases.coreset import (
@@ -132,7 +133,11 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     C = np.asarray(arrays["C"], dtype=np.float64)
     k = int(client.settings.algorithm.k)
     if C.ndim != 2 or C.shape[1] != X.shape[1] or not 1 <= C.shape[0] <= k or not np.isfinite(C).all():
-        raise ValueError(f"{where}: C must be at most k = {k} finite centres of width {X.shape[1]}, got {C.shape}")
+        raise refusal(client, "kmeans_cost: C must be at most k finite centres of this table's width", f"{C.shape}")
+    if not built_from(C, client.state.get("kmeans.C")):
+        raise refusal(
+            client, "kmeans_cost: C must be built from this table's own released local centres (their weighted means)"
+        )
     rows, centres, counts = (np.asarray(arrays[n]) for n in ("rows", "centres", "counts"))
     if not (rows.ndim == centres.ndim == counts.ndim == 1 and len(rows) == len(centres) == len(counts)):
         raise ValueError(f"{where}: rows, centres and counts must be vectors of one length")
@@ -164,10 +169,35 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     return {"cost": np.array([float((counts * d2).sum())])}, {}
 
 
-KMEANS_LOCAL = Stage("kmeans_local", {"kmeans_local": Phase(kmeans_local)})
+#: how far (relative to the local centres' scale) a final centre may lie from their convex hull: rounding only
+HULL_TOLERANCE = 1e-9
 
 
-KMEANS_COST = Stage("kmeans_cost", {"kmeans_cost": Phase(kmeans_cost)}, calls=None)
+def built_from(C: np.ndarray, local: np.ndarray | None) -> bool:
+    """Every row of C is a weighted mean (a convex combination) of the local centres ``local`` this table
+    released in kmeans_local, as DistDim's final centres are (their block of this table: the mean of the local
+    centres of its grid cells): a server cannot ask for the cost against centres of its choosing."""
+    if local is None or not len(local):
+        return False
+    local = np.asarray(local, dtype=np.float64)
+    scale = 1.0 + float(np.abs(local).max())
+    weight = 1e3 * scale  # the row of ones (sum of the weights = 1), weighted to hold nearly exactly
+    A = np.vstack([local.T, np.full((1, len(local)), weight)])
+    for c in C:
+        w, residual = scipy.optimize.nnls(A, np.concatenate([c, [weight]]))
+        if residual > HULL_TOLERANCE * scale * np.sqrt(len(c) + 1):
+            return False
+    return True
+
+
+KMEANS_LOCAL = Stage("kmeans_local", {"kmeans_local": Phase(kmeans_local, inputs=takes("G", "rows", "w"), exact=True)})
+
+
+KMEANS_COST = Stage(
+    "kmeans_cost",
+    {"kmeans_cost": Phase(kmeans_cost, inputs=takes("rows", "centres", "counts", "C"), exact=True)},
+    calls=None,
+)
 
 
 KMEANS: tuple[Stage, ...] = (KMEANS_LOCAL, KMEANS_COST)
@@ -175,7 +205,7 @@ KMEANS: tuple[Stage, ...] = (KMEANS_LOCAL, KMEANS_COST)
 
 CORESET_KMEANS: tuple[Stage, ...] = (
     KMEANS_LOCAL,
-    Stage("kmeans_assign", {"kmeans_assign": Phase(kmeans_assign)}),
+    Stage("kmeans_assign", {"kmeans_assign": Phase(kmeans_assign, inputs=takes("G"), exact=True)}),
     KMEANS_COST,
 )
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, ProtocolRefusal, Stage, sharded, unsharded
+from tpflower.guard import Phase, ProtocolRefusal, Stage, refusal, sharded, takes, unsharded
 from tpflower.models import l2_penalty
 from tpflower.params import AlgorithmParams, nonnegative, param, positive_int, probability
 from tpflower.phases import setup
@@ -127,10 +127,7 @@ def rows_and_derivatives(client: TableClient, arrays: Arrays, phase: str) -> tup
     """X of every row of the client and Y, one row of derivatives per row (never broadcast over the rows)."""
     X, Y = client.rows_X(None), np.asarray(arrays["Y"])
     if Y.ndim != 2 or len(Y) != len(X):
-        raise ValueError(
-            f"table {client.settings.table!r} shard {client.settings.shard}: {phase} with Y of shape {Y.shape} "
-            f"for {len(X)} rows"
-        )
+        raise refusal(client, f"{phase}: Y must hold one row of derivatives per row", f"{Y.shape} for {len(X)} rows")
     return client.tensor(X), client.tensor(Y)
 
 
@@ -219,7 +216,7 @@ def complete_gradient(client: TableClient, st: LBFGSState, arrays: Arrays) -> No
         raise ProtocolRefusal(f"{where}: the first lbfgs_trial after lbfgs_partial carries the summed gradient g")
     a = np.asarray(arrays["g"], dtype=np.float64).ravel()
     if a.shape != st.r.shape:
-        raise ValueError(f"{where}: the summed gradient has {a.size} entries, theta_i {st.r.size}")
+        raise refusal(client, "lbfgs_trial: the summed gradient is not this table's size", f"{a.size} vs {st.r.size}")
     assert st.S is not None and st.Yk is not None
     g = a + st.r
     if st.S.shape[1] > st.Yk.shape[1]:  # the candidate pair of lbfgs_partial's step
@@ -241,9 +238,10 @@ def lbfgs_trial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         pairs = np.asarray(arrays["pairs"], dtype=np.int64).ravel()
         c = st.S.shape[1]
         if len(delta) != B.shape[1] or (pairs.size and (pairs.min() < 0 or pairs.max() >= c)):
-            raise ValueError(
-                f"table {client.settings.table!r}: lbfgs_trial with {len(delta)} coefficients and pairs "
-                f"{pairs.tolist()} for a memory of {c} pairs"
+            raise refusal(
+                client,
+                "lbfgs_trial: delta and pairs do not fit this table's memory",
+                f"{len(delta)} coefficients, pairs {pairs.tolist()}, {c} pairs kept",
             )
         st.d = B @ delta
         st.S, st.Yk = st.S[:, pairs], st.Yk[:, pairs]
@@ -269,17 +267,20 @@ def lbfgs_take(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
 
 
 START = Stage("start", {"lbfgs_start": Phase(lbfgs_start)})
+# a shard's first trial of an iteration carries the server's sum g of the shards' partial gradients: only on a
+# shard of a sharded table, right after its own lbfgs_partial
+TRIAL = Phase(lbfgs_trial, inputs=takes("delta", "pairs", union={"g": "lbfgs_partial"}), exact=True)
 TRAIN: dict[str, Phase] = {
-    "lbfgs_grad": Phase(lbfgs_grad),
-    "lbfgs_trial": Phase(lbfgs_trial),
+    "lbfgs_grad": Phase(lbfgs_grad, inputs=takes("Y"), exact=True),
+    "lbfgs_trial": TRIAL,
     "lbfgs_take": Phase(lbfgs_take),
 }
 
 # the union: tables with one shard answer lbfgs_grad, the shards of a sharded table lbfgs_partial
 UCQ_TRAIN: dict[str, Phase] = {
-    "lbfgs_grad": Phase(lbfgs_grad, unsharded),
-    "lbfgs_partial": Phase(lbfgs_partial, sharded),
-    "lbfgs_trial": Phase(lbfgs_trial),
+    "lbfgs_grad": Phase(lbfgs_grad, unsharded, inputs=takes("Y"), exact=True),
+    "lbfgs_partial": Phase(lbfgs_partial, sharded, inputs=takes("Y"), exact=True),
+    "lbfgs_trial": TRIAL,
     "lbfgs_take": Phase(lbfgs_take),
 }
 

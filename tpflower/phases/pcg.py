@@ -31,7 +31,7 @@ import scipy.linalg
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, sharded
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, refusal, sharded, takes
 from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param
 from tpflower.phases import setup
 from tpflower.records import Arrays
@@ -113,7 +113,7 @@ def _vector(arrays: Arrays, name: str) -> np.ndarray:
 def _counts(client: TableClient, arrays: Arrays, n: int) -> np.ndarray:
     G = _vector(arrays, "G")
     if G.shape != (n,) or not np.all(np.isfinite(G)) or (G < 0).any():
-        raise ValueError(f"table {client.settings.table!r}: G must hold one count >= 0 per row ({n} rows)")
+        raise refusal(client, "pcg: G must hold one finite count >= 0 per row", f"{G.shape} for {n} rows")
     return G
 
 
@@ -155,9 +155,10 @@ def _multi_step(client: TableClient, st: PCGState, arrays: Arrays, g: np.ndarray
     k, c = len(st.P), st.cols
     coef = _vector(arrays, "coef")
     if coef.shape != (c + k * c * c,) or not np.all(np.isfinite(coef)):
-        raise ValueError(
-            f"table {client.settings.table!r}: coef must hold alpha and {k} {c}x{c} blocks C_j ({c + k * c * c} "
-            f"finite values), got {coef.size}"
+        raise refusal(
+            client,
+            "pcg_step: coef must hold alpha and one block C_j per window direction, all finite",
+            f"{c + k * c * c} values expected, got {coef.size}",
         )
     alpha, C = coef[:c], coef[c:].reshape(k, c, c)
     P = np.zeros((len(st.z), c))
@@ -179,8 +180,12 @@ def pcg_setup(
     N, beta, d = int(config["N"]), float(client.settings.model["beta"]), T.shape[1]
     if "gram" in arrays:
         gram, g = np.asarray(arrays["gram"], np.float64), _vector(arrays, "g")
-        if gram.shape != (d, d) or g.shape != (d,):
-            raise ValueError(f"table {client.settings.table!r}: gram must be {d}x{d} and g of length {d}")
+        if gram.shape != (d, d) or g.shape != (d,) or not (np.isfinite(gram).all() and np.isfinite(g).all()):
+            raise refusal(
+                client,
+                "pcg_setup: gram and g are not this table's size or not finite",
+                f"d = {d}: {gram.shape}, {g.shape}",
+            )
     else:
         G = _counts(client, arrays, len(T))
         gram, g = (T.T * G) @ T, T.T @ _vector(arrays, "s")
@@ -206,8 +211,8 @@ def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     model = client.model(config)
     T = design(client, model, st.rows)
     g = _vector(arrays, "g") if "g" in arrays else T.T @ _vector(arrays, "s")
-    if g.shape != st.r.shape:
-        raise ValueError(f"table {client.settings.table!r}: g must have length {len(st.r)}, got {len(g)}")
+    if g.shape != st.r.shape or not np.isfinite(g).all():
+        raise refusal(client, "pcg_step: g is not this table's size or not finite", f"{len(st.r)} vs {g.shape}")
     if st.window:
         _multi_step(client, st, arrays, g)
     else:
@@ -224,11 +229,17 @@ def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     return {"h": wire(client, T @ st.z), "dots": dots}, client.reg_metrics(model)
 
 
-START = Stage("start", {"pcg_setup": Phase(pcg_setup)})
-TRAIN: dict[str, Phase] = {"pcg_step": Phase(pcg_step)}
-GRAM = Stage("gram", {"pcg_gram": Phase(pcg_gram, sharded)})
+# the server's sums over a sharded table's shards (gram, g) only on such a shard, right after its own partial
+# products (pcg_gram, pcg_partial); a table with one shard computes them itself from (G, s)
+START = Stage(
+    "start",
+    {"pcg_setup": Phase(pcg_setup, inputs=takes("G", "s", union={"gram": "pcg_gram", "g": "pcg_gram"}), exact=True)},
+)
+STEP = Phase(pcg_step, inputs=takes("s", "coef", union={"g": "pcg_partial"}), exact=True)
+TRAIN: dict[str, Phase] = {"pcg_step": STEP}
+GRAM = Stage("gram", {"pcg_gram": Phase(pcg_gram, sharded, inputs=takes("G", "s"), exact=True)})
 # the union: a shard's partial product, at most once per step (pcg_partial refuses a second)
-UCQ_TRAIN: dict[str, Phase] = {**TRAIN, "pcg_partial": Phase(pcg_partial, sharded)}
+UCQ_TRAIN: dict[str, Phase] = {**TRAIN, "pcg_partial": Phase(pcg_partial, sharded, inputs=takes("s"), exact=True)}
 
 
 def ucq_protocol() -> Protocol:

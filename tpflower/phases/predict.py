@@ -40,10 +40,10 @@ import pandas as pd
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
 from tpflower.files import atomic_write
-from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, takes
 from tpflower.keys_payload import KeysPayload
 from tpflower.model_part import ModelPart, part_id, part_path
-from tpflower.phases.setup import REBUILD, blinds_keys, chunked_reply, key_payload, keys_chunk, reblind_keys
+from tpflower.phases.setup import REBLIND, REBUILD, chunked_reply, key_payload, keys_chunk
 from tpflower.records import Arrays
 from tpflower.schema import SpecError, key_kind
 
@@ -258,8 +258,8 @@ PREDICT = Protocol(
     (
         Stage("predict_keys", {"predict_keys": Phase(predict_keys)}),
         Stage("keys_chunk", {"keys_chunk": Phase(keys_chunk, chunked_keys)}, calls=None),
-        Stage("reblind", {"reblind": Phase(reblind_keys, blinds_keys)}, calls=None),
-        Stage("predict_rows", {"predict_rows": Phase(predict_rows)}),
-        Stage("deliver", {"deliver": Phase(deliver)}),
+        Stage("reblind", {"reblind": REBLIND}, calls=None),
+        Stage("predict_rows", {"predict_rows": Phase(predict_rows, inputs=takes("rows"), exact=True)}),
+        Stage("deliver", {"deliver": Phase(deliver, inputs=takes("unjoined", prefixes=["col."]))}),
     )
 )

@@ -37,7 +37,7 @@ from tpflower import fedprep, label_dp, registry
 from tpflower import privacy as dp
 from tpflower.blind import new_scalar, node_scalar, reblind
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, label_dp_owner, sharded
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, label_dp_owner, sharded, takes
 from tpflower.keys_payload import KeysPayload
 from tpflower.records import Arrays, numbered, unnumbered
 
@@ -435,21 +435,25 @@ def reference_score(client: TableClient, arrays: Arrays, rows: np.ndarray, first
     return {f"ref_{k}": v for k, v in label_dp.evaluation_metrics(client, H_ref, rows).items()}
 
 
+#: another owner's blinded keys of a join this table takes part in (training and prediction alike)
+REBLIND = Phase(reblind_keys, blinds_keys, inputs=takes(prefixes=["pts."]))
 #: The setup stages of every LoJ algorithm, in order; federated preprocessing (stats: a first summary and at
 #: most one more with order statistics, then the rule) only on the shards of a sharded table.
 SETUP: tuple[Stage, ...] = (
     Stage("keys", {"keys": Phase(keys)}),
     Stage("keys_chunk", {"keys_chunk": Phase(keys_chunk, chunked_keys)}, calls=None),
-    Stage("reblind", {"reblind": Phase(reblind_keys, blinds_keys)}, calls=None),
+    Stage("reblind", {"reblind": REBLIND}, calls=None),
     Stage("stats", {"stats": Phase(stats, sharded)}, calls=2),
-    Stage("rule", {"rule": Phase(rule, sharded)}),
+    Stage("rule", {"rule": Phase(rule, sharded, inputs=takes(prefixes=["rule."]))}),
 )
 #: Label DP: the label owner scores the test predictions, once per training step (a phase of the training stage).
-EVALUATE: dict[str, Phase] = {"evaluate": Phase(evaluate, label_dp_owner, spaced=True)}
+EVALUATE: dict[str, Phase] = {
+    "evaluate": Phase(evaluate, label_dp_owner, spaced=True, inputs=takes("H", "rows", "H_ref"))
+}
 
 
 def loj_protocol(start: Stage, train: Mapping[str, Phase], vfl: bool = False) -> Protocol:
     """Setup (with expand for the VFL baselines), the algorithm's start stage, then its training stage
     (any number of messages; evaluate among them)."""
-    expand_stage = (Stage("expand", {"expand": Phase(expand)}),) if vfl else ()
+    expand_stage = (Stage("expand", {"expand": Phase(expand, inputs=takes("p"))}),) if vfl else ()
     return Protocol(SETUP + expand_stage + (start, Stage("train", {**train, **EVALUATE}, calls=None)))

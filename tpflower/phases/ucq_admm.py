@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, ProtocolRefusal, sharded, unsharded
+from tpflower.guard import Phase, ProtocolRefusal, sharded, takes, unsharded
 from tpflower.models import used_parameters
 from tpflower.phases import join_admm, setup
 from tpflower.phases.join_admm import ADMMParams, ADMMState, admm_update, epoch_rho, theta_update
@@ -96,9 +96,17 @@ def admm_consensus(client: TableClient, arrays: Arrays, config: Mapping[str, Any
 #: a table with one shard makes TP-Join-ADMM's update; the shards of a sharded table the consensus steps, and
 #: take the consensus model once per consensus
 ADMM_TRAIN: dict[str, Phase] = {
-    "admm_update": Phase(admm_update, unsharded),
-    "admm_shard": Phase(admm_shard, sharded),
-    "admm_consensus": Phase(admm_consensus, sharded, spaced=True),
+    "admm_update": Phase(admm_update, unsharded, inputs=takes("Y"), exact=True, dp_noised=True),
+    # v and w are the server's sums over the table's shards (the consensus): a shard takes v (= w - u) right
+    # after its own theta^q or its consensus reply, and w right after its own theta^q (h = X w under the server's w: exact even under DP)
+    "admm_shard": Phase(
+        admm_shard,
+        sharded,
+        inputs=takes("Y", union={"v": ("admm_shard", "admm_consensus")}),
+        exact=True,
+        dp_noised=True,
+    ),
+    "admm_consensus": Phase(admm_consensus, sharded, spaced=True, inputs=takes(union={"w": "admm_shard"}), exact=True),
 }
 
 

@@ -6,7 +6,8 @@ shard the same aggregate step (Eq. 19); each shard then predicts its rows of the
 shard answer the join's phases unchanged.
 
   sgd_partial     {Y}                  -> {g}            Eq. 18: unnormalised partial gradient on the pending rows
-  sgd_apply       {g, rows, (eval_rows)} -> {h, (h_eval)} Eq. 19: the coordinator's step, then predict
+  sgd_apply       {(g), rows, (eval_rows)} -> {h, (h_eval)} Eq. 19: the coordinator's step (g: a shard of a
+                                       sharded table; one shard: its own gradient / batch_rows), then predict
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase
+from tpflower.guard import Phase, ProtocolRefusal, takes
 from tpflower.phases import join_sgd, setup
 from tpflower.phases.join_sgd import SGDParams, SGDState, apply_step, predict_rows, sgd_partial_gradient
 from tpflower.records import Arrays
@@ -36,20 +37,46 @@ def sgd_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         g = trainer.partial_gradient(X, client.tensor(Y), beta * count, q)
         privacy: dict[str, Any] = {}
         client.dp.done(trainer, privacy)
-        return {"g": g.detach().cpu().numpy()}, privacy
+        return kept(client, g.detach().cpu().numpy()), privacy
     g = sgd_partial_gradient(model, X, client.tensor(Y), count, beta)
-    return {"g": g.detach().cpu().numpy()}, {}
+    return kept(client, g.detach().cpu().numpy()), {}
+
+
+def kept(client: TableClient, g: np.ndarray) -> Arrays:
+    """The partial gradient as sent; a table with one shard keeps it for its sgd_apply (its whole gradient)."""
+    if not client.settings.federated_prep:
+        client.state.put(OWN_GRADIENT, g)
+    return {"g": g}
+
+
+OWN_GRADIENT = "ucq_sgd.g"
 
 
 def sgd_apply(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Eq. 19: the coordinator's aggregate gradient, the same step on every shard; then predict."""
+    """Eq. 19: the coordinator's aggregate gradient (a shard of a sharded table), or this table's own partial
+    gradient divided by |B| (a table with one shard: the server's sum over its one shard), the same step on
+    every shard; then predict."""
     model = client.model(config)
-    apply_step(model, client.tensor(arrays["g"]), client.settings.algorithm.lr)
+    if "g" in arrays:
+        g = np.asarray(arrays["g"])
+    else:
+        own = client.state.get(OWN_GRADIENT)
+        if own is None:
+            raise ProtocolRefusal(f"table {client.settings.table!r}: sgd_apply before its sgd_partial")
+        g = own / int(config["batch_rows"])  # as the coordinator's Eq. 17: the sum over its one shard / |B|
+    apply_step(model, client.tensor(g), client.settings.algorithm.lr)
     client.state.save_model(model)
     return predict_rows(client, model, arrays), client.reg_metrics(model)
 
 
-SGD_TRAIN: dict[str, Phase] = {"sgd_partial": Phase(sgd_partial), "sgd_apply": Phase(sgd_apply)}
+SGD_TRAIN: dict[str, Phase] = {
+    "sgd_partial": Phase(sgd_partial, inputs=takes("Y"), exact=True, dp_noised=True),
+    # the server's sum g over a sharded table's shards only on such a shard, right after its own sgd_partial;
+    # a table with one shard applies the gradient it computed itself (its own reply, kept)
+    "sgd_apply": Phase(
+        sgd_apply, inputs=takes("rows", "eval_rows", union={"g": "sgd_partial"}), exact=True, dp_noised=True
+    ),
+}
 
 
 register(

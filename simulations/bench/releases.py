@@ -1,0 +1,107 @@
+"""The exact releases of one default run, per family (the basis of tpflower.releases.DEFAULT_CAPS).
+
+``python -m simulations.bench.releases [--datasets synthetic,movielens,nycflights13]``: every registered
+federated algorithm at its defaults (``algorithm=<its conf> dataset=<d>``, scenario join; ucq where the dataset
+has shards), in process; counts the replies each node charges as exact releases (phases declared ``exact``,
+tpflower.guard) and writes bench_results/releases.json: per run the most any one node released, per family
+the largest over its runs, and the default cap = 20 x that (tpflower.releases.DEFAULT_RUNS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+import tpflower.client
+from simulations.bench.common import machine_info
+from simulations.federated import run_in_process
+from tpflower import registry
+from tpflower.config import CONF_DIR, compose_config
+from tpflower.datasets import load_spec
+from tpflower.releases import DEFAULT_RUNS
+
+OUT = Path(__file__).resolve().parents[2] / "bench_results" / "releases.json"
+
+
+def conf_name(entry: registry.AlgorithmEntry) -> str:
+    for path in sorted(Path(CONF_DIR, "algorithm").glob("*.yaml")):
+        if yaml.safe_load(path.read_text()).get("name") == entry.selector:
+            return path.stem
+    raise ValueError(f"no conf/algorithm YAML selects {entry.selector!r}")
+
+
+def count_run(overrides: list[str]) -> dict[str, int]:
+    """Exact releases per node ("table/shard") of one in-process run of ``overrides``."""
+    counts: Counter[str] = Counter()
+    charge = tpflower.client.charge_exact_release
+
+    def counting(client, phase: str) -> None:
+        counts[f"{client.settings.table}/{client.settings.shard}"] += 1
+        charge(client, phase)
+
+    tpflower.client.charge_exact_release = counting
+    try:
+        run_in_process(compose_config(*overrides), None, log=lambda _: None)
+    finally:
+        tpflower.client.charge_exact_release = charge
+    return dict(counts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", default="synthetic,movielens,nycflights13")
+    parser.add_argument("--out", default=str(OUT))
+    a = parser.parse_args()
+    runs = []
+    for dataset in a.datasets.split(","):
+        spec = load_spec(compose_config(f"dataset={dataset}").dataset)
+        scenarios = ["join", *(["ucq"] if any(t.shards is not None for t in spec.tables) else [])]
+        for entry in registry.entries():
+            if not entry.federated or entry.scenario not in scenarios:
+                continue
+            overrides = [f"algorithm={conf_name(entry)}", f"scenario={entry.scenario}", f"dataset={dataset}"]
+            start = time.perf_counter()
+            try:
+                counts = count_run(overrides)
+            except Exception as exc:  # a default that does not run on this dataset (e.g. pcg on a classification label)
+                runs.append(
+                    {"algorithm": entry.name, "family": entry.family, "dataset": dataset, "skipped": str(exc)[:200]}
+                )
+                print(f"{entry.name} {dataset}: skipped ({str(exc)[:120]})", flush=True)
+                continue
+            most = max(counts.values(), default=0)
+            runs.append(
+                {
+                    "algorithm": entry.name,
+                    "family": entry.family,
+                    "dataset": dataset,
+                    "most_per_node": most,
+                    "per_node": counts,
+                    "seconds": round(time.perf_counter() - start, 1),
+                }
+            )
+            print(
+                f"{entry.name} {dataset}: {most} exact releases on one node ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
+    largest: dict[str, int] = {}
+    for r in runs:
+        if "most_per_node" in r:
+            largest[r["family"]] = max(largest.get(r["family"], 0), r["most_per_node"])
+    out = {
+        "machine": machine_info(),
+        "runs": runs,
+        "largest": largest,
+        "default_caps": {f: DEFAULT_RUNS * n for f, n in sorted(largest.items())},
+    }
+    Path(a.out).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    print(json.dumps(out["default_caps"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The owner's ledger of exact releases, across runs (docs/threat-model.md, "Exact releases").
+
+One unit is one reply computed from the owner's features on arrays the server supplied, without DP noise:
+the phases that give one declare it (``Phase(..., exact=True)``, tpflower.guard), and the client charges the
+unit here before the handler runs (:func:`charge_exact_release`). A server choosing those arrays learns exact
+functions of the features it chose; two runs that differ in one input difference out one measurement, so
+runs are not free: the count lives in the owner's ``state_dir`` (the ledger file of the DP budget,
+tpflower.privacy.budget: written atomically, under its lock) and is bounded per algorithm family by the
+owner's ``exact_releases`` setting, whose default is :data:`DEFAULT_CAPS`. A node without a state_dir (a
+simulated node without a run directory) keeps no ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from tpflower.guard import refusal
+from tpflower.privacy.budget import OwnerBudget
+
+#: The family a prediction request's exact releases are charged to (tpflower.phases.predict).
+PREDICTION = "predict"
+
+#: Exact releases one owner's node allows per family over all runs, when its settings name none: 20 times the
+#: most one node released in one default run of the family on the bundled datasets (measured with
+#: simulations/bench/releases.py; bench_results/releases.json). A family without an entry here (and none in
+#: the owner's ``exact_releases``) answers no exact release on a node that keeps a ledger.
+DEFAULT_CAPS: dict[str, int] = {
+    "join_sgd": 1_000_000,
+    "ucq_sgd": 1_000_000,
+    "celu": 1_000_000,
+    "join_admm": 1_000_000,
+    "ucq_admm": 1_000_000,
+    "pcg": 1_000_000,
+    "lbfgs": 1_000_000,
+    "coreset": 1_000_000,
+    "kmeans": 1_000_000,
+    PREDICTION: 1_000_000,
+}
+
+#: how many default runs the default cap allows (the factor behind DEFAULT_CAPS)
+DEFAULT_RUNS = 20
+
+_LOG = logging.getLogger("tpflower")
+
+
+def release_cap(caps: Mapping[str, int] | None, family: str) -> int | None:
+    """The owner's cap of ``family`` (its ``exact_releases``, else :data:`DEFAULT_CAPS`); None: no default."""
+    if caps is not None and family in caps:
+        return int(caps[family])
+    return DEFAULT_CAPS.get(family)
+
+
+def charge_exact_release(client: Any, phase: str) -> None:
+    """One exact release of ``phase`` charged to the owner's ledger, under its lock; refused (nothing computed)
+    when it would pass the owner's cap for the client's family. The refusal line names the table, the family
+    and the setting, never the counts (those go to the node's log)."""
+    s = client.settings
+    owner = s.owner
+    if owner.state_dir is None:
+        return
+    family = client.release_family
+    cap = release_cap(owner.exact_releases, family)
+    if cap is None:
+        raise refusal(
+            client,
+            f"phase {phase!r} is an exact release of family {family!r}, for which its owner names no cap "
+            "(exact_releases in its settings)",
+        )
+    budget = OwnerBudget(owner.state_dir, s.table, s.shard)
+    with budget.locked():
+        ledger = budget.read()
+        spent = dict(ledger.get("exact") or {})
+        after = int(spent.get(family, 0)) + 1
+        if after > cap:
+            raise refusal(
+                client,
+                f"phase {phase!r}: its owner's cap on exact releases of family {family!r} over all runs is reached "
+                "(exact_releases in its settings)",
+                f"{after - 1} released, cap {cap}",
+            )
+        spent[family] = after
+        budget.write({**ledger, "exact": spent})
+
+
+def released(state_dir: str, table: str, shard: int) -> dict[str, int]:
+    """The exact releases charged so far per family (the owner's ledger; for the owner and its tests)."""
+    return {k: int(v) for k, v in (OwnerBudget(state_dir, table, shard).read().get("exact") or {}).items()}
