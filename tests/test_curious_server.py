@@ -296,7 +296,8 @@ def test_consensus_model_once_per_consensus():
     refused(
         app,
         run.contexts[key],
-        "refuses phase 'admm_consensus': at most once per step",
+        # a second consensus in a row: its w does not follow the shard's own theta^q (the guard's input check)
+        "refuses phase 'admm_consensus': array 'w' comes only right after this shard's own admm_shard",
         "train",
         {"w": np.zeros(width)},
         {"phase": "admm_consensus"},

@@ -117,9 +117,12 @@ class TableClient(NumPyClient):
         declared = self.protocol.admit_phase(self, phase, arrays)
         if config.get("run_id") and self.state.scalar("run_id") is None:
             self.state.set_scalar("run_id", str(config["run_id"]))
-        if declared.exact and not (declared.dp_noised and self.dp.on):
-            charge_exact_release(self, phase)
+        exact = declared.exact and not (declared.dp_noised and self.dp.on)
+        if exact:
+            charge_exact_release(self, phase, dry_run=True)  # at the cap already: refused before computing
         out = declared.handler(self, arrays, config)
+        if exact:
+            charge_exact_release(self, phase)  # a refused phase releases nothing and is not charged
         self.protocol.replied(self, phase)
         checkpoint.after_message(self, config)
         return out

@@ -1,8 +1,9 @@
 """The owner's ledger of exact releases, across runs (docs/threat-model.md, "Exact releases").
 
 One unit is one reply computed from the owner's features on arrays the server supplied, without DP noise:
-the phases that give one declare it (``Phase(..., exact=True)``, tpflower.guard), and the client charges the
-unit here before the handler runs (:func:`charge_exact_release`). A server choosing those arrays learns exact
+the phases that give one declare it (``Phase(..., exact=True)``, tpflower.guard), and the client checks the
+cap before the handler runs and charges the unit once the reply is computed, before it is sent
+(:func:`charge_exact_release`; a refused phase is not charged). A server choosing those arrays learns exact
 functions of the features it chose; two runs that differ in one input difference out one measurement, so
 runs are not free: the count lives in the owner's ``state_dir`` (the ledger file of the DP budget,
 tpflower.privacy.budget: written atomically, under its lock) and is bounded per algorithm family by the
@@ -52,10 +53,11 @@ def release_cap(caps: Mapping[str, int] | None, family: str) -> int | None:
     return DEFAULT_CAPS.get(family)
 
 
-def charge_exact_release(client: Any, phase: str) -> None:
-    """One exact release of ``phase`` charged to the owner's ledger, under its lock; refused (nothing computed)
-    when it would pass the owner's cap for the client's family. The refusal line names the table, the family
-    and the setting, never the counts (those go to the node's log)."""
+def charge_exact_release(client: Any, phase: str, dry_run: bool = False) -> None:
+    """One exact release of ``phase`` charged to the owner's ledger, under its lock, once its reply is computed
+    and before it is sent; refused (nothing leaves) when it would pass the owner's cap for the client's family.
+    ``dry_run``: only the check, before the phase computes anything. The refusal line names the table, the
+    family and the setting, never the counts (those go to the node's log)."""
     s = client.settings
     owner = s.owner
     if owner.state_dir is None:
@@ -80,6 +82,8 @@ def charge_exact_release(client: Any, phase: str) -> None:
                 "(exact_releases in its settings)",
                 f"{after - 1} released, cap {cap}",
             )
+        if dry_run:
+            return
         spent[family] = after
         budget.write({**ledger, "exact": spent})
 
