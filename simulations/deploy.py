@@ -66,6 +66,7 @@ from omegaconf import OmegaConf
 from simulations.pki import ServerTLS, make_node_keys, make_server_tls
 from tpflower.datasets import load_spec
 from tpflower.owner import SECRET_ENV, privacy_floor, simulation_owner
+from tpflower.signing import node_name, node_signing_key, verify_key_hex
 
 try:
     import tomllib
@@ -146,7 +147,11 @@ def write_client_configs(
     directory.mkdir(parents=True, exist_ok=True)
     container = OmegaConf.to_container(cfg, resolve=True)
     paths = {}
-    for table, shard in spec.clients(str(cfg.scenario.name)):
+    # each node's Ed25519 key for re-blinding lists, in its state_dir (the settings' default: state/<file stem>);
+    # every owner's settings name the others' verify keys (peers), as an out-of-band exchange would
+    clients = spec.clients(str(cfg.scenario.name))
+    verify = {node_name(t, q): verify_key_hex(node_signing_key(directory / "state" / f"{t}-{q}")) for t, q in clients}
+    for table, shard in clients:
         owner = simulation_owner(container, spec, table, base_dir)
         # keys=hmac: one join-key secret all owners share; keys=blind: no shared secret (each node blinds with its
         # own scalar), only the owner's own secret for its shards' preprocessing, one per table
@@ -168,6 +173,7 @@ def write_client_configs(
             "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
             "keys": owner.keys,
             "secret_file": str(key),
+            "peers": {name: hex_key for name, hex_key in verify.items() if name != node_name(table, shard)},
             **(
                 {"prediction_rows": prediction_rows[(table, shard)]}
                 if (table, shard) in (prediction_rows or {})

@@ -21,6 +21,7 @@ in order. The server allocates what it sent.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,17 @@ from strategies.replies import ReplyError, check_keys, whole_number
 from strategies.transport import ClientKey, Reply
 
 Send = Callable[..., dict[ClientKey, Reply]]
+
+
+@dataclass(frozen=True)
+class Signed:
+    """A re-blinding list's provenance (tpflower.signing): its origin node, the node that signed it last
+    (``table/shard``) and that node's signature of each chunk."""
+
+    origin: str
+    signer: str
+    signatures: list[str]
+
 
 #: the per-value width of a list array: keyed digests (hmac) and blinded values (blind)
 LIST_SHAPES = {"digest": ((2,), np.dtype(np.uint64)), "blind": ((32,), np.dtype(np.uint8))}
@@ -136,9 +148,11 @@ def gather_chunks(send: Send, replies: Mapping[ClientKey, Reply], chunk_rows: in
         _fill(key, whole[key], filled[key], arrays, 0, chunk_rows)
     for j in range(1, max(n_chunks.values(), default=1)):
         back = send({k: ({}, {"phase": "keys_chunk", "chunk": j}) for k in chunked if n_chunks[k] > j})
-        for key, (arrays, _) in back.items():
+        for key, (arrays, metrics) in back.items():
             _fill(key, whole[key], filled[key], arrays, j, chunk_rows)
             arrays.clear()
+            for name in [n for n in metrics if n.startswith("sig.")]:  # keys=blind: each chunk's list signatures
+                replies[key][1][name] = f"{replies[key][1].get(name, '')},{metrics[name]}"
     for key in chunked:
         short = [n for n, a in whole[key].items() if filled[key][n] != len(a)]
         if short:
@@ -184,12 +198,18 @@ def _fill(
 
 
 def reblind_chunks(
-    send: Send, lists: Mapping[ClientKey, Mapping[str, np.ndarray]], chunk_rows: int
-) -> dict[ClientKey, dict[str, np.ndarray]]:
+    send: Send,
+    lists: Mapping[ClientKey, Mapping[str, np.ndarray]],
+    chunk_rows: int,
+    signed: Mapping[ClientKey, Mapping[str, Signed]] | None = None,
+) -> tuple[dict[ClientKey, dict[str, np.ndarray]], dict[ClientKey, dict[str, list[str]]]]:
     """One re-blinding hop: each client's ``lists`` (``pts.<join>.<origin>``) raised to its scalar, sent in
     chunks of ``chunk_rows`` values (one round per chunk; a list of no values goes once, empty) and put back
-    together in order (each reply checked by strategies.replies.check_reply: the values sent, one each)."""
+    together in order (each reply checked by strategies.replies.check_reply: the values sent, one each).
+    ``signed``: per list its origin, its signer and the signer's signature of each chunk (tpflower.signing),
+    sent with the chunk; returned with the lists: the re-blinder's signatures of its chunks, for the next hop."""
     out = {c: {n: np.empty_like(np.asarray(p)) for n, p in arrays.items()} for c, arrays in lists.items()}
+    sigs: dict[ClientKey, dict[str, list[str]]] = {c: {n: [] for n in arrays} for c, arrays in lists.items()}
     longest = max((len(p) for arrays in lists.values() for p in arrays.values()), default=0)
     for j in range(max(1, -(-longest // chunk_rows))):
         lo = j * chunk_rows
@@ -199,8 +219,15 @@ def reblind_chunks(
             if part:
                 config = {"phase": "reblind", "chunk": j, "chunk_rows": chunk_rows}
                 config.update({f"n.{n}": len(arrays[n]) for n in part})
+                for n in part:
+                    s = (signed or {}).get(c, {}).get(n)
+                    if s is not None:
+                        config.update({f"origin.{n}": s.origin, f"signer.{n}": s.signer})
+                        if j < len(s.signatures):
+                            config[f"sig.{n}"] = s.signatures[j]
                 messages[c] = (part, config)
-        for c, (arrays, _) in send(messages).items():
+        for c, (arrays, metrics) in send(messages).items():
             for name, points in arrays.items():
                 out[c][name][lo : lo + len(points)] = points
-    return out
+                sigs[c][name].append(str(metrics.get(f"sig.{name}", "")))
+    return out, sigs

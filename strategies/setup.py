@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from strategies.epoch_checkpoints import Saved
-from strategies.key_chunks import gather_chunks, reblind_chunks
+from strategies.key_chunks import Signed, gather_chunks, reblind_chunks
 from strategies.transport import ClientKey, Reply
 from tpflower import privacy as dp
 from tpflower.blind import point_digests
@@ -38,6 +38,7 @@ from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_d
 from tpflower.records import numbered, unnumbered
 from tpflower.relation import summary_line
 from tpflower.schema import RelationalSpec, validate_key_kinds
+from tpflower.signing import node_name
 
 Send = Callable[..., dict[ClientKey, Reply]]
 
@@ -173,21 +174,29 @@ class JoinSetup(Saved):
         then put the digests of the fully blinded values (``digest.<join>``, one per value, the rows' codes
         point into them) in place of the lists, as in keys=hmac."""
         current: dict[tuple[ClientKey, int], np.ndarray] = {}
+        provenance: dict[tuple[ClientKey, int], Signed] = {}  # each list's origin, last signer, its signatures
         members: dict[int, list[ClientKey]] = {}
         for k, j in enumerate(self.spec.joins):
             members[k] = sorted(c for c in replies if c[0] in (j.left, j.right))
             for c in members[k]:
                 current[(c, k)] = replies[c][0].pop(f"blind.{k}")
+                sigs = str(replies[c][1].get(f"sig.{k}", ""))
+                provenance[(c, k)] = Signed(node_name(*c), node_name(*c), sigs.split(",") if sigs else [])
         for hop in range(1, max(len(m) for m in members.values())):
             messages: dict[ClientKey, dict[str, np.ndarray]] = {}
+            signed: dict[ClientKey, dict[str, Signed]] = {}
             for k, m in members.items():
                 for i, origin in enumerate(m[:] if hop < len(m) else []):
-                    messages.setdefault(m[(i + hop) % len(m)], {})[f"pts.{k}.{i}"] = current[(origin, k)]
-            back = reblind_chunks(self.send, messages, keys_chunk_rows(self.cfg))
-            for arrays in back.values():
+                    to = m[(i + hop) % len(m)]
+                    messages.setdefault(to, {})[f"pts.{k}.{i}"] = current[(origin, k)]
+                    signed.setdefault(to, {})[f"pts.{k}.{i}"] = provenance[(origin, k)]
+            back, sigs = reblind_chunks(self.send, messages, keys_chunk_rows(self.cfg), signed)
+            for c, arrays in back.items():
                 for name, points in arrays.items():
                     _, k, i = name.split(".")
-                    current[(members[int(k)][int(i)], int(k))] = points
+                    origin = members[int(k)][int(i)]
+                    current[(origin, int(k))] = points
+                    provenance[(origin, int(k))] = Signed(node_name(*origin), node_name(*c), sigs[c][name])
         for (c, k), points in current.items():
             replies[c][0][f"digest.{k}"] = point_digests(points)
 

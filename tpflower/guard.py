@@ -218,8 +218,10 @@ class Protocol:
         return self.admit_phase(client, phase, arrays).handler
 
     def replied(self, client: GuardedClient, phase: str) -> None:
-        """``phase`` was answered (its handler returned): a union-only input declared after it may come next."""
-        client.state.set_scalar("guard.replied", phase)
+        """``phase`` was answered (its handler returned): when it is a shard's own partial products (a phase a
+        union-only input follows), the server's sum over the shards may come with the next such message."""
+        if any(phase == after for p in self.phases().values() for _, after in p.inputs.union):
+            client.state.set_scalar("guard.partial", phase)
 
     def admit_phase(self, client: GuardedClient, phase: str, arrays: Iterable[str] = ()) -> Phase:
         """The :class:`Phase` of ``phase`` if the protocol allows it now with the arrays named ``arrays`` (the
@@ -240,7 +242,8 @@ class Protocol:
             state.set_scalar("guard.stage", index)
             state.set_scalar("guard.calls", n)
             state.set_scalar("guard.last", phase)
-            state.set_scalar("guard.replied", "")
+            if any(p.inputs.union_after(name) for name in names):
+                state.set_scalar("guard.partial", "")  # the sum is taken once per partial product
             return p
 
         names = sorted(str(n) for n in arrays)
@@ -253,7 +256,7 @@ class Protocol:
                 raise refuse(f"array {name!r} is not an input of this phase")
             if not sharded(client):
                 raise refuse(f"array {name!r} is a sum over the shards of a sharded table; this table has one shard")
-            if last not in after or state.scalar("guard.replied", "") != last:
+            if state.scalar("guard.partial", "") not in after:
                 raise refuse(f"array {name!r} comes only right after this shard's own {' or '.join(after)}")
 
         if phase not in self.handlers:

@@ -30,6 +30,9 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     prediction_rows: /data/new.csv   # the query owner: the new rows it asks predictions for (docs/prediction.md)
     algorithms: [tp_join_admm, tp_join_pcg]  # the algorithms it takes part in (registry names; default: every one)
     threads: 2                       # CPU threads its key blinding uses (default: the CPUs the node may run on)
+    peers: {orders/0: 3b6a27bc...}   # keys: blind: the Ed25519 verify keys of the federation's other nodes
+                                     # (table/shard: hex), exchanged out of band; it re-blinds only lists they
+                                     # signed (tpflower.signing; simulations.deploy fills them in)
     exact_releases: {pcg: 2000}      # exact releases it answers per algorithm family over all runs (default:
                                      # tpflower.releases.DEFAULT_CAPS, 20 default runs; docs/threat-model.md)
 
@@ -140,6 +143,9 @@ class OwnerSettings:
     threads: int | None = None  # CPU threads of its key blinding (tpflower.blind); None: the CPUs it may run on
     # exact releases it answers per algorithm family over all runs (tpflower.releases); None: the defaults
     exact_releases: Mapping[str, int] | None = None
+    # keys=blind: the verify keys of the nodes whose lists it re-blinds ("table/shard" -> hex); None: no peer
+    # (a deployed node then re-blinds nothing; a simulation, whose user plays every owner, checks no signature)
+    peers: Mapping[str, str] | None = None
 
     @property
     def deployed(self) -> bool:
@@ -345,6 +351,17 @@ def _release_caps(value: Any, where: str) -> dict[str, int] | None:
     return dict(value)
 
 
+def _peers(value: Any, where: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    ok = isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for k, v in value.items()
+    )
+    if not ok:
+        raise SpecError(f"{where}: peers must map node names (table/shard) to Ed25519 verify keys (64 hex digits)")
+    return dict(value)
+
+
 def _flag(value: Any, name: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{where}: {name} must be true or false, got {value!r}")
@@ -419,6 +436,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         "algorithms",
         "threads",
         "exact_releases",
+        "peers",
     }
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
@@ -458,6 +476,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         algorithms=_algorithms(raw.get("algorithms"), where),
         threads=None if raw.get("threads") is None else _whole(raw["threads"], "threads", where),
         exact_releases=_release_caps(raw.get("exact_releases"), where),
+        peers=_peers(raw.get("peers"), where),
         origin=where,
         # checkpoints for resuming a run: next to the settings file unless the owner says where
         state_dir=str(resolve_path(raw.get("state_dir") or f"state/{path.stem}", base).resolve()),

@@ -502,13 +502,14 @@ RIDGE_START = Stage(
     "start",
     {
         "coreset_admm_setup": Phase(coreset_admm_setup, admm_client, inputs=takes("rows", "G")),
-        "predict": Phase(coreset_sgd_predict, sgd_client, inputs=takes("rows"), exact=True),
+        # eval_rows: taken to be refused by the handler (the evaluation is coreset_predict's)
+        "predict": Phase(coreset_sgd_predict, sgd_client, inputs=takes("rows", "eval_rows"), exact=True),
         "coreset_pcg_setup": Phase(coreset_pcg_setup, pcg_client, inputs=takes("rows", "G", "s"), exact=True),
     },
 )
 RIDGE_TRAIN: dict[str, Phase] = {
     "coreset_admm_update": Phase(coreset_admm_update, admm_client, inputs=takes("Y"), exact=True),
-    "sgd_step": Phase(coreset_sgd_step, sgd_client, inputs=takes("Y", "rows"), exact=True),
+    "sgd_step": Phase(coreset_sgd_step, sgd_client, inputs=takes("Y", "rows", "eval_rows"), exact=True),
     "pcg_step": Phase(pcg.pcg_step, pcg_client, inputs=takes("s", "coef"), exact=True),
     "coreset_predict": Phase(coreset_predict, spaced=True, inputs=takes("rows"), exact=True),
     **setup.EVALUATE,  # label DP: the label owner scores the test predictions (tpflower.label_dp)

@@ -134,10 +134,6 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
     k = int(client.settings.algorithm.k)
     if C.ndim != 2 or C.shape[1] != X.shape[1] or not 1 <= C.shape[0] <= k or not np.isfinite(C).all():
         raise refusal(client, "kmeans_cost: C must be at most k finite centres of this table's width", f"{C.shape}")
-    if not built_from(C, client.state.get("kmeans.C")):
-        raise refusal(
-            client, "kmeans_cost: C must be built from this table's own released local centres (their weighted means)"
-        )
     rows, centres, counts = (np.asarray(arrays[n]) for n in ("rows", "centres", "counts"))
     if not (rows.ndim == centres.ndim == counts.ndim == 1 and len(rows) == len(centres) == len(counts)):
         raise ValueError(f"{where}: rows, centres and counts must be vectors of one length")
@@ -162,6 +158,10 @@ def kmeans_cost(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         raise CoresetRefusal(
             f"{where}: the counts of {int(bad.sum())} row(s) do not add up to the row's G_iu "
             f"(row {u}: {per_row[u]:g} vs G = {G[u]:g}); every row enters with all its joined rows"
+        )
+    if not built_from(C, client.state.get("kmeans.C")):
+        raise refusal(
+            client, "kmeans_cost: C must be built from this table's own released local centres (their weighted means)"
         )
     client.state.set_scalar("kmeans.cost_answered", 1)
     diff = X[rows] - C[centres]

@@ -127,7 +127,11 @@ def rows_and_derivatives(client: TableClient, arrays: Arrays, phase: str) -> tup
     """X of every row of the client and Y, one row of derivatives per row (never broadcast over the rows)."""
     X, Y = client.rows_X(None), np.asarray(arrays["Y"])
     if Y.ndim != 2 or len(Y) != len(X):
-        raise refusal(client, f"{phase}: Y must hold one row of derivatives per row", f"{Y.shape} for {len(X)} rows")
+        raise refusal(
+            client,
+            f"{phase}: Y must hold one row of derivatives per row",
+            f"{phase} with Y of shape {Y.shape} for {len(X)} rows",
+        )
     return client.tensor(X), client.tensor(Y)
 
 

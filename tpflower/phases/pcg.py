@@ -155,10 +155,9 @@ def _multi_step(client: TableClient, st: PCGState, arrays: Arrays, g: np.ndarray
     k, c = len(st.P), st.cols
     coef = _vector(arrays, "coef")
     if coef.shape != (c + k * c * c,) or not np.all(np.isfinite(coef)):
+        # k (the window) and c (the tables) are the run's, not the table's: the line may state them
         raise refusal(
-            client,
-            "pcg_step: coef must hold alpha and one block C_j per window direction, all finite",
-            f"{c + k * c * c} values expected, got {coef.size}",
+            client, f"coef must hold alpha and {k} {c}x{c} blocks C_j ({c + k * c * c} finite values), got {coef.size}"
         )
     alpha, C = coef[:c], coef[c:].reshape(k, c, c)
     P = np.zeros((len(st.z), c))

@@ -37,9 +37,20 @@ from tpflower import fedprep, label_dp, registry
 from tpflower import privacy as dp
 from tpflower.blind import new_scalar, node_scalar, reblind
 from tpflower.client import TableClient
-from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, label_dp_owner, sharded, takes
+from tpflower.guard import (
+    Phase,
+    Protocol,
+    ProtocolRefusal,
+    Stage,
+    chunked_keys,
+    label_dp_owner,
+    refusal,
+    sharded,
+    takes,
+)
 from tpflower.keys_payload import KeysPayload
 from tpflower.records import Arrays, numbered, unnumbered
+from tpflower.signing import SigningKey, node_name, node_signing_key, sign, statement, verifies
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -121,7 +132,8 @@ def chunked_reply(
     n_chunks = max(1, -(-n // chunk_rows)) if chunk_rows else 1
     metrics: dict[str, Any] = {"n_rows": n}
     if n_chunks == 1:
-        return payload.whole(), metrics
+        whole = payload.whole()
+        return whole, {**metrics, **signed_lists(client, payload, whole, 0)}
     token = os.urandom(16).hex()
     for name, value in (("token", token), ("seed", seed.hex()), ("chunk_rows", chunk_rows), ("source", source)):
         client.state.set_scalar(f"keys.{name}", value)
@@ -133,7 +145,8 @@ def chunked_reply(
     metrics.update({f"n_values.{k}": n_k for k, n_k in payload.n_values().items()})
     if payload.y is not None:
         metrics["n_y"] = len(payload.y)
-    return payload.chunk(0, chunk_rows), metrics
+    first = payload.chunk(0, chunk_rows)
+    return first, {**metrics, **signed_lists(client, payload, first, 0)}
 
 
 def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -181,7 +194,7 @@ def keys_chunk(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     chunk = key_chunk(payload, j, chunk_rows)
     if j == n_chunks - 1:
         _PAYLOADS.pop(token, None)
-    return chunk, {}
+    return chunk, signed_lists(client, payload, chunk, j * chunk_rows)
 
 
 def key_chunk(payload: KeysPayload, j: int, chunk_rows: int) -> Arrays:
@@ -212,6 +225,63 @@ def blinding_scalar(client: TableClient) -> bytes:
     return bytes.fromhex(str(stored))
 
 
+def signing_key(client: TableClient) -> SigningKey:
+    """This node's Ed25519 key for re-blinding lists (tpflower.signing): in the owner's state_dir, else (a
+    simulated node) in the node's memory for the run."""
+    s = client.settings
+    if s.owner.state_dir is not None:
+        return node_signing_key(s.owner.state_dir)
+    stored = client.state.scalar("sign.seed")
+    if stored is None:
+        stored = os.urandom(32).hex()
+        client.state.set_scalar("sign.seed", stored)
+    return SigningKey(bytes.fromhex(str(stored)))
+
+
+def signed_lists(client: TableClient, payload: KeysPayload, arrays: Arrays, lo: int) -> dict[str, str]:
+    """keys=blind: this node's signature of each list slice of a keys reply (``blind.<join>``, values lo..),
+    as metrics ``sig.<join>`` (hex), for the owners that re-blind it (tpflower.signing)."""
+    if payload.mode != "blind":
+        return {}
+    key, me = signing_key(client), node_name(client.settings.table, client.settings.shard)
+    n = payload.n_values()
+    return {
+        f"sig.{k}": sign(key, statement(me, me, int(k), n[int(k)], lo, np.asarray(arrays[f"blind.{k}"])))
+        for k in (name.split(".", 1)[1] for name in arrays if name.startswith("blind."))
+    }
+
+
+def check_signed(client: TableClient, name: str, points: np.ndarray, config: Mapping[str, Any]) -> str:
+    """A slice of list ``name`` (``pts.<join>.<j>``) is re-blinded only when another node of the federation
+    signed it: the signer's signature verifies against the verify key the owner's ``peers`` name for it, over
+    the list's origin, the join, its announced length, the slice's position and its values; origin and
+    signer are other nodes whose tables take part in that join. Each origin's list of a join is re-blinded
+    once per run. Returns the list's origin (a node name). A simulated node without peers checks nothing."""
+    s = client.settings
+    join = int(name.split(".")[1])
+    origin, signer = str(config.get(f"origin.{name}", "")), str(config.get(f"signer.{name}", ""))
+    peers = s.owner.peers
+    if peers is None and not s.owner.deployed:
+        return origin
+    if peers is None:
+        raise refusal(client, "reblind: its owner's settings name no peer keys (peers), so it re-blinds no list")
+    j = s.spec.joins[join]
+    me = node_name(s.table, s.shard)
+    tables = {n.rsplit("/", 1)[0] for n in (origin, signer)}
+    if me in (origin, signer) or not tables <= {j.left, j.right}:
+        raise refusal(client, f"reblind: list {name!r} is not another owner's list of this join")
+    chunk_rows, at = int(config.get("chunk_rows") or 0), int(config.get("chunk", 0))
+    n = int(config.get(f"n.{name}", len(points)))
+    message = statement(origin, signer, join, n, at * chunk_rows, points)
+    if signer not in peers or not verifies(peers[signer], str(config.get(f"sig.{name}", "")), message):
+        raise refusal(
+            client,
+            f"reblind: list {name!r} is not signed by a peer its owner's settings name (for this join, length "
+            "and position)",
+        )
+    return origin
+
+
 def reblind_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """keys=blind: raise other owners' blinded key values (``pts.<join>.<j>``) to this node's scalar, in the
     order sent. Only joins this table takes part in; anything but points of the group is refused. The server
@@ -230,12 +300,26 @@ def reblind_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
                 f"joins ({', '.join('pts.' + k + '.*' for k in sorted(mine))})"
             )
     moves = [check_reblind_chunk(client, name, len(points), config) for name, points in arrays.items()]
+    origins = {name: check_signed(client, name, np.asarray(points), config) for name, points in arrays.items()}
+    lists = [(origin, name.split(".")[1]) for name, origin in origins.items()]
+    for name, origin in origins.items():  # each origin's list of a join once per run
+        if int(config.get("chunk", 0)) == 0:
+            once = f"reblind.origin.{origin}.{name.split('.')[1]}"
+            if client.state.scalar(once) is not None or lists.count((origin, name.split(".")[1])) > 1:
+                raise refusal(client, f"reblind: a second list of one origin for one join in this run ({name!r})")
+            moves.append({once: 1})
     for move in moves:  # every list checked before the node's position in any of them moves on
         for key, value in move.items():
             client.state.set_scalar(key, value)
+    key, me = signing_key(client), node_name(s.table, s.shard)
+    chunk_rows, at = int(config.get("chunk_rows") or 0), int(config.get("chunk", 0))
+    metrics: dict[str, Any] = {}
     for name, points in arrays.items():
         out[name] = reblind(points, scalar, f"table {s.table!r} shard {s.shard}, {name}", s.owner.threads)
-    return out, {}
+        n = int(config.get(f"n.{name}", len(points)))
+        message = statement(origins[name], me, int(name.split(".")[1]), n, at * chunk_rows, np.asarray(out[name]))
+        metrics[f"sig.{name}"] = sign(key, message)  # the next owner re-blinds it only with this signature
+    return out, metrics
 
 
 def check_reblind_chunk(client: TableClient, name: str, n_points: int, config: Mapping[str, Any]) -> dict[str, int]:
