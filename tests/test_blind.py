@@ -53,7 +53,7 @@ class Transcript:
         self.rows: dict[tuple[str, int], np.ndarray] = {}
         for t in spec.table_names:
             for q, ids in enumerate(np.array_split(np.arange(len(frames[t])), shards.get(t, 1))):
-                owner = SimpleNamespace(state_dir=None, keys="blind", threads=None)
+                owner = SimpleNamespace(state_dir=None, keys="blind", threads=None, peers=None, deployed=False)
                 settings = SimpleNamespace(spec=spec, table=t, shard=q, owner=owner)
                 self.clients[(t, q)] = SimpleNamespace(settings=settings, state=ClientState(RecordDict()))
                 self.rows[(t, q)] = ids

@@ -114,7 +114,7 @@ class TableClient(NumPyClient):
         phase = str(config.get("phase"))
         if phase == "resume":
             return checkpoint.resume(self, config)
-        declared = self.protocol.admit_phase(self, phase, arrays)
+        declared = self.protocol.admit(self, phase, arrays)
         if config.get("run_id") and self.state.scalar("run_id") is None:
             self.state.set_scalar("run_id", str(config["run_id"]))
         exact = declared.exact and not (declared.dp_noised and self.dp.on)

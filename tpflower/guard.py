@@ -10,9 +10,10 @@ consensus). Nothing of a refused message is computed, so nothing leaves the clie
 
 Each phase also declares its inputs (:class:`Inputs`): the arrays it accepts at its position. A union-only
 array (a sum the server, the shards' coordinator, forms over a sharded table's shards: PCG's ``gram`` and
-``g``, L-BFGS's summed gradient ``g``) is accepted only on a shard of a sharded table and only right after
-this shard answered its own partial products (the phase the declaration names); any other array is refused
-before the handler runs. Each phase declares too whether its reply is an exact release (``exact``: computed
+``g``, L-BFGS's and TP-UCQ-SGD's summed gradient ``g``, TP-UCQ-ADMM's consensus ``v`` and ``w``) is accepted
+only on a shard of a sharded table, after this shard answered its own partial products (the phases the
+declaration names), once per such answer; any other array is refused, before the phase's position is even
+looked at and before the handler runs. Each phase declares too whether its reply is an exact release (``exact``: computed
 from the owner's features on arrays the server supplied, without DP noise; ``dp_noised``: not when the run
 uses feature DP), which the client charges to its owner's ledger of exact releases (tpflower.releases).
 
@@ -147,9 +148,9 @@ _ROLE_NAMES = {
 class Inputs:
     """The arrays a phase accepts at its position in the protocol (the guard refuses any other before the
     handler runs). ``names``: from every client that answers the phase; ``prefixes``: numbered or named
-    families of arrays (``rule.<i>``, ``pts.<join>.<j>``); ``union``: union-only arrays, each with the phase
-    that must come right before it on the same shard (its own partial products, which the server sums over
-    the table's shards), accepted only on a shard of a sharded table."""
+    families of arrays (``rule.<i>``, ``pts.<join>.<j>``); ``union``: union-only arrays, each with a phase
+    it follows on the same shard (its own partial products, which the server sums over the table's shards),
+    accepted only on a shard of a sharded table, once per answer of that phase."""
 
     names: frozenset[str] = frozenset()
     prefixes: tuple[str, ...] = ()
@@ -213,17 +214,13 @@ class Protocol:
     def phases(self) -> dict[str, Phase]:
         return {name: p for s in self.stages for name, p in s.phases.items()}
 
-    def admit(self, client: GuardedClient, phase: str, arrays: Iterable[str] = ()) -> PhaseHandler:
-        """The handler of ``phase`` if the protocol allows it now (the position moves on); else refuse."""
-        return self.admit_phase(client, phase, arrays).handler
-
     def replied(self, client: GuardedClient, phase: str) -> None:
         """``phase`` was answered (its handler returned): when it is a shard's own partial products (a phase a
         union-only input follows), the server's sum over the shards may come with the next such message."""
         if any(phase == after for p in self.phases().values() for _, after in p.inputs.union):
             client.state.set_scalar("guard.partial", phase)
 
-    def admit_phase(self, client: GuardedClient, phase: str, arrays: Iterable[str] = ()) -> Phase:
+    def admit(self, client: GuardedClient, phase: str, arrays: Iterable[str] = ()) -> Phase:
         """The :class:`Phase` of ``phase`` if the protocol allows it now with the arrays named ``arrays`` (the
         position moves on); else refuse, naming the phase (and the array)."""
         state = client.state
