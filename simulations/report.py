@@ -960,6 +960,39 @@ def schema_matrix() -> str | None:
     )
 
 
+# ------------------------------------------------------------------------------------- exact releases
+
+
+def exact_releases() -> str | None:
+    """The exact releases of one default run per family: the basis of the owners' default caps."""
+    d = load("releases.json")
+    if d is None:
+        return None
+    rows = [
+        [
+            r["algorithm"],
+            r["dataset"],
+            str(r["most_per_node"]) + (" (1 epoch x 10)" if r.get("extrapolated_from_one_epoch") else ""),
+        ]
+        for r in d["runs"]
+        if "most_per_node" in r
+    ]
+    caps = [[f, str(d["largest"][f]), str(c)] for f, c in sorted(d["default_caps"].items())]
+    return "\n\n".join(
+        [
+            "## Exact releases of a default run\n\nEvery registered algorithm at its defaults on the bundled "
+            "datasets, in-process: the most exact releases (replies computed from a node's features on arrays "
+            "the server chose, without DP noise) any one node gave in the run. The mini-batch families run one "
+            "epoch, extrapolated to the default 10 (their nodes answer the same messages every epoch; checked "
+            "exact on the synthetic schema). Each family's default cap in an owner's settings is 20 times its "
+            "largest run (tpflower.releases.DEFAULT_CAPS; [threat model](threat-model.md#exact-releases)).",
+            command("python -m simulations.bench.releases --check   # -> bench_results/releases.json"),
+            table(["algorithm", "dataset", "exact releases on one node"], rows),
+            table(["family", "largest default run", "default cap (20 runs)"], caps),
+        ]
+    )
+
+
 SECTIONS: list[Callable[[], str | None]] = [
     loj,
     convergence,
@@ -972,6 +1005,7 @@ SECTIONS: list[Callable[[], str | None]] = [
     setup_keys,
     prediction,
     flower,
+    exact_releases,
 ]
 
 
@@ -990,7 +1024,8 @@ def render() -> str:
         "[schema matrix](#schema-matrix-round-trips-to-the-exact-solution), [privacy](#privacy), "
         "[CELU-VFL](#celu-vfl-rounds-to-target), [coresets](#coresets-for-vfl-over-joins), "
         "[mapping and scale](#table-mapping-and-scale), "
-        "[prediction](#prediction-new-rows-against-one-admm-epoch), [Flower's overhead](#flowers-overhead)."
+        "[prediction](#prediction-new-rows-against-one-admm-epoch), [Flower's overhead](#flowers-overhead), "
+        "[exact releases](#exact-releases-of-a-default-run)."
     )
     regenerate = command(
         "python -m simulations.report           # rewrites this file from bench_results/*.json",

@@ -581,8 +581,10 @@ def test_kmeans_cost_gives_one_number_never_a_rows_distances():
     distances to them would give away the features (k - 1 >= d_i: differences are linear in x). The client
     answers ONE number over all its rows, each with all its G_iu joined rows."""
     app, context, G, labels, C_local = kmeans_client()
-    n, d = len(G), C_local.shape[1]
-    C = np.random.default_rng(0).normal(size=(10, d))  # centres the server chose (k - 1 = 9 >= d)
+    n = len(G)
+    # centres the server chose among the weighted means of the node's own local centres (any other C is refused:
+    # test_kmeans_cost_only_against_centres_built_from_the_nodes_own), 10 of them (k - 1 = 9 >= d_i)
+    C = np.random.default_rng(0).dirichlet(np.ones(len(C_local)), size=10) @ C_local
     # one row isolated (its distance to a centre of the server's choice): the other rows' counts are missing
     refused(
         app,

@@ -27,6 +27,7 @@ from tpflower.app.client_app import client_app_for
 from tpflower.app.server_app import make_strategy
 from tpflower.phases import setup as setup_phases
 from tpflower.records import unpack_payload, unpack_reply
+from tpflower.signing import SIGNING_KEY_FILE, node_signing_key, sign, statement
 
 
 def setup_of(*overrides: str):
@@ -283,6 +284,15 @@ def blind_node(tmp_path):
     return context
 
 
+def signed_by_peer(directory: Path, name: str, values: np.ndarray, total: int, lo: int) -> dict[str, str]:
+    """The provenance config of list ``name`` as the node fact/0 of ``directory``'s deployment signs it (its
+    key in its state_dir, simulations.deploy): d1 re-blinds only lists a peer signed (tpflower.signing)."""
+    (key_file,) = directory.rglob(f"fact-0/{SIGNING_KEY_FILE}")
+    message = statement("fact/0", "fact/0", int(name.split(".")[1]), total, lo, values)
+    signature = sign(node_signing_key(key_file.parent), message)
+    return {f"origin.{name}": "fact/0", f"signer.{name}": "fact/0", f"sig.{name}": signature}
+
+
 def points(n: int, seed: int = 0) -> np.ndarray:
     return blind.as_array(blind.hash_to_group([f"i{seed}-{v}".encode() for v in range(n)]))
 
@@ -296,6 +306,7 @@ def test_a_curious_server_gets_reblind_chunks_in_order_once_and_within_the_list(
 
     def ask(j: int, values: np.ndarray, total: int = 17, name: str = "pts.0.1", rows: int = 7) -> dict:
         config = {"phase": "reblind", "chunk": j, "chunk_rows": rows, f"n.{name}": total}
+        config.update(signed_by_peer(tmp_path / "a", name, values, total, j * rows))
         return {"arrays": {name: values}, "config": config}
 
     where = "table 'd1' shard 0: reblind"
@@ -334,10 +345,10 @@ def test_a_curious_server_gets_reblind_chunks_in_order_once_and_within_the_list(
     scalar = blind.node_scalar(key_file.parent)
     np.testing.assert_array_equal(np.concatenate(parts), blind.reblind(pts, scalar, "t"))
     # a server that does not chunk: the whole list in one message, once
-    one = {"pts.0.1": pts}
-    out = unpack_reply(call(deployed_app, whole, "train", one, {"phase": "reblind"}).content)[0]["pts.0.1"]
+    one, signed = {"pts.0.1": pts}, {"phase": "reblind", **signed_by_peer(tmp_path / "b", "pts.0.1", pts, 17, 0)}
+    out = unpack_reply(call(deployed_app, whole, "train", one, signed).content)[0]["pts.0.1"]
     assert out.shape == pts.shape
-    refused(deployed_app, whole, f"{where} sends chunk 0 of 'pts.0.1' again", "train", one, {"phase": "reblind"})
+    refused(deployed_app, whole, f"{where} sends chunk 0 of 'pts.0.1' again", "train", one, signed)
 
 
 # ------------------------------------------------------------------------------- prediction requests in chunks

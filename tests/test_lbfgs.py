@@ -207,7 +207,7 @@ def test_a_curious_server_gets_one_partial_gradient_per_iteration():
     single = next(k for k in run.contexts if k[0] == "d2")
     refused(app, run.contexts[single], "refuses phase 'lbfgs_partial': it is answered by the shards", "train",
             {"Y": np.zeros((run.strategy.client_rows[single], 1))}, config)  # fmt: skip
-    refused(app, run.contexts[single], "a summed gradient but no lbfgs_partial", "train",
+    refused(app, run.contexts[single], "array 'g' is a sum over the shards of a sharded table; this table has one shard", "train",
             {"delta": np.zeros(1), "pairs": np.zeros(0), "g": np.zeros(4)}, {"phase": "lbfgs_trial", "t": 1.0})  # fmt: skip
     join = compose_config("algorithm=lbfgs", "dataset=synthetic", "epochs=1")
     run = run_in_process(join, None, log=quiet)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,9 +24,11 @@ from tpflower.app import client_app
 from tpflower.app.client_app import app as deployed_app
 from tpflower.app.client_app import make_client
 from tpflower.config import compose_config
+from tpflower.guard import ProtocolRefusal
 from tpflower.phases.predict import PREDICT, with_save
 from tpflower.records import unpack_reply
 from tpflower.releases import DEFAULT_CAPS, DEFAULT_RUNS, released
+from tpflower.state import ClientState
 
 #: every array name some phase of some protocol declares, and one no phase takes
 UNIVERSE = sorted(
@@ -54,7 +57,8 @@ def test_every_phase_refuses_every_array_it_must_not_accept(tmp_path, entry):
     message each, on a fresh node: each is refused in one line with no digit about the table, and nothing moves
     the node's position (a phase of the first stage is answered afterwards)."""
     overrides = " ".join(o for o in overrides_of(entry) if not o.startswith("algorithm.batch_size"))
-    tables = ["d1"] + (["fact"] if entry.scenario == "ucq" else [])  # fact: the synthetic schema's sharded table
+    # the synthetic schema: fact and d1 are sharded over the union, d2 is not; over the join none is
+    tables = ["d2", "fact"] if entry.scenario == "ucq" else ["d1"]
     for table in tables:
         context = node(tmp_path / table, table, overrides, overrides)
         protocol = with_save(entry.protocol)
@@ -67,11 +71,20 @@ def test_every_phase_refuses_every_array_it_must_not_accept(tmp_path, entry):
 
 
 def test_the_prediction_protocol_refuses_what_it_must_not_accept():
-    """The prediction request's phases (tpflower.phases.predict.PREDICT) declare their inputs as well."""
-    declared = {name: p.inputs for name, p in PREDICT.phases().items()}
-    assert declared["predict_rows"].all_names == {"rows"}
-    assert declared["deliver"].accepts("col.row") and not declared["deliver"].accepts("rows")
-    assert not any(i.union for i in declared.values())
+    """The prediction request's phases (tpflower.phases.predict.PREDICT) through the same guard: each phase
+    refuses every array it does not accept, in one line without a digit about the table."""
+    owner = SimpleNamespace(deployed=True)
+    settings = SimpleNamespace(table="movies", shard=0, federated_prep=False, owner=owner)
+    client = SimpleNamespace(state=ClientState(RecordDict()), settings=settings, algorithm="tp_join_admm")
+    for phase, declared in PREDICT.phases().items():
+        for name in UNIVERSE:
+            if declared.inputs.accepts(name):
+                continue
+            with pytest.raises(ProtocolRefusal) as refusal:
+                PREDICT.admit(client, phase, [name])
+            kind = PREFIX.sub("", str(refusal.value)).replace(repr(name), "")
+            assert "array" in kind and not re.search(r"\d", kind), str(refusal.value)
+    assert PREDICT.admit(client, "predict_keys").handler is PREDICT.phases()["predict_keys"].handler
 
 
 # ------------------------------------------------------------------------------------ union-only arrays

@@ -64,13 +64,16 @@ def main() -> None:
     parser.add_argument("--datasets", default="synthetic,movielens,nycflights13")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--check", action="store_true", help="check the one-epoch extrapolation on synthetic")
+    parser.add_argument("--skip", default="", help="algorithms not to run (comma-separated registry names)")
+    parser.add_argument("--merge", default="", help="earlier JSON outputs whose runs to keep (comma-separated)")
     a = parser.parse_args()
-    runs = []
+    runs = [r for path in a.merge.split(",") if path for r in json.loads(Path(path).read_text())["runs"]]
+    skip = set(a.skip.split(","))
     for dataset in a.datasets.split(","):
         spec = load_spec(compose_config(f"dataset={dataset}").dataset)
         scenarios = ["join", *(["ucq"] if any(t.shards is not None for t in spec.tables) else [])]
         for entry in registry.entries():
-            if not entry.federated or entry.scenario not in scenarios:
+            if not entry.federated or entry.scenario not in scenarios or entry.name in skip:
                 continue
             overrides = [f"algorithm={conf_name(entry)}", f"scenario={entry.scenario}", f"dataset={dataset}"]
             start = time.perf_counter()
@@ -90,6 +93,7 @@ def main() -> None:
                 print(f"{entry.name} {dataset}: skipped ({str(exc)[:120]})", flush=True)
                 continue
             most = max(counts.values(), default=0)
+            seconds = round(time.perf_counter() - start, 1)
             runs.append(
                 {
                     "algorithm": entry.name,
@@ -97,13 +101,17 @@ def main() -> None:
                     "dataset": dataset,
                     "most_per_node": most,
                     "per_node": counts,
-                    "seconds": round(time.perf_counter() - start, 1),
+                    "seconds": seconds,
+                    "extrapolated_from_one_epoch": per_epoch,
                 }
             )
-            print(
-                f"{entry.name} {dataset}: {most} exact releases on one node ({time.perf_counter() - start:.0f} s)",
-                flush=True,
-            )
+            print(f"{entry.name} {dataset}: {most} exact releases on one node ({seconds:.0f} s)", flush=True)
+            write(runs, a.out)  # after every run: a long suite keeps what it measured
+    write(runs, a.out)
+
+
+def write(runs: list[dict], out_path: str) -> None:
+    """The runs, each family's largest and its default cap (DEFAULT_RUNS x the largest) as JSON."""
     largest: dict[str, int] = {}
     for r in runs:
         if "most_per_node" in r:
@@ -114,8 +122,7 @@ def main() -> None:
         "largest": largest,
         "default_caps": {f: DEFAULT_RUNS * n for f, n in sorted(largest.items())},
     }
-    Path(a.out).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-    print(json.dumps(out["default_caps"]))
+    Path(out_path).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
