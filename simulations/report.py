@@ -985,7 +985,11 @@ def exact_releases() -> str | None:
             "the server chose, without DP noise) any one node gave in the run. The mini-batch families run one "
             "epoch, extrapolated to the default 10 (their nodes answer the same messages every epoch; checked "
             "exact on the synthetic schema). Each family's default cap in an owner's settings is 20 times its "
-            "largest run (tpflower.releases.DEFAULT_CAPS; [threat model](threat-model.md#exact-releases)).",
+            "largest run (tpflower.releases.DEFAULT_CAPS; [threat model](threat-model.md#exact-releases)). Not run: "
+            "the VFL baselines on movielens and nycflights13 (their nodes answer their TP-Join counterparts' messages: equal "
+            "counts on the other datasets). Skipped by the nodes themselves: k-means on nycflights13 (its 16 "
+            "airlines are fewer than min_group_rows x k) and the union's defaults on nycflights13 (its weather "
+            "shards hold fewer wind_gust values than min_sketch_rows).",
             command("python -m simulations.bench.releases --check   # -> bench_results/releases.json"),
             table(["algorithm", "dataset", "exact releases on one node"], rows),
             table(["family", "largest default run", "default cap (20 runs)"], caps),

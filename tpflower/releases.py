@@ -20,7 +20,8 @@ from typing import Any
 from tpflower.guard import refusal
 from tpflower.privacy.budget import OwnerBudget
 
-#: The family a prediction request's exact releases are charged to (tpflower.phases.predict).
+#: The family a prediction request's replies would be charged to (tpflower.phases.predict declares none exact:
+#: a request scores the owner's saved model, which the server does not choose, on the owner's new rows).
 PREDICTION = "predict"
 
 #: Exact releases one owner's node allows per family over all runs, when its settings name none: 20 times the
@@ -28,16 +29,15 @@ PREDICTION = "predict"
 #: simulations/bench/releases.py; bench_results/releases.json). A family without an entry here (and none in
 #: the owner's ``exact_releases``) answers no exact release on a node that keeps a ledger.
 DEFAULT_CAPS: dict[str, int] = {
-    "join_sgd": 1_000_000,
-    "ucq_sgd": 1_000_000,
-    "celu": 1_000_000,
-    "join_admm": 1_000_000,
-    "ucq_admm": 1_000_000,
-    "pcg": 1_000_000,
-    "lbfgs": 1_000_000,
-    "coreset": 1_000_000,
-    "kmeans": 1_000_000,
-    PREDICTION: 1_000_000,
+    "join_sgd": 45_220,  # TP-Join-SGD, VFL-SGD: 2,261 on nycflights13 (10 epochs of mini-batches)
+    "celu": 45_220,  # CELU-VFL: 2,261 on nycflights13
+    "ucq_sgd": 5_620,  # TP-UCQ-SGD: 281 on the synthetic schema (the only bundled union a default run takes)
+    "join_admm": 140,  # TP-Join-ADMM, VFL-ADMM: 7 on movielens and nycflights13
+    "ucq_admm": 2_200,  # TP-UCQ-ADMM: 110 on the synthetic schema (inner consensus rounds)
+    "pcg": 220,  # 11 on movielens and nycflights13
+    "lbfgs": 400,  # 20 on movielens and nycflights13
+    "coreset": 460,  # 23 (DIS and the ridge on the coreset)
+    "kmeans": 120,  # 6 (coreset k-means; DistDim: 2)
 }
 
 #: how many default runs the default cap allows (the factor behind DEFAULT_CAPS)
