@@ -7,8 +7,8 @@ cap before the handler runs and charges the unit once the reply is computed, bef
 functions of the features it chose; two runs that differ in one input difference out one measurement, so
 runs are not free: the count lives in the owner's ``state_dir`` (the ledger file of the DP budget,
 tpflower.privacy.budget: written atomically, under its lock) and is bounded per algorithm family by the
-owner's ``exact_releases`` setting, whose default is :data:`DEFAULT_CAPS`. A node without a state_dir (a
-simulated node without a run directory) keeps no ledger.
+owner's ``exact_releases`` setting, whose default is :data:`DEFAULT_CAPS`. A simulation, where the user plays
+every owner, keeps no ledger (its runs are bounded by nothing but the user's own settings).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def charge_exact_release(client: Any, phase: str, dry_run: bool = False) -> None
     family and the setting, never the counts (those go to the node's log)."""
     s = client.settings
     owner = s.owner
-    if owner.state_dir is None:
+    if owner.state_dir is None or not owner.deployed:  # a simulation: the user plays every owner
         return
     family = client.release_family
     cap = release_cap(owner.exact_releases, family)
