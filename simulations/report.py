@@ -520,44 +520,10 @@ def mapping_and_scale() -> str | None:
             ]
         facts = s.get("fact_table", [])
         if facts:
-            rows = [
-                [
-                    f"{x['n_fact']:,}",
-                    "finished" if x["returncode"] == 0 else f"stopped (exit {x['returncode']})",
-                    f"{x['setup_s']:.0f} s" if x.get("setup_s") is not None else "",
-                    f"{x['epoch_s']:.1f} s" if x.get("epoch_s") is not None else "",
-                    f"{x['total_s']:.0f} s",
-                    f"{x['server_process_peak_rss_mb'] / 1e3:.2f} GB",
-                    f"{x['tree_peak_pss_mb'] / 1e3:.1f} GB ({x['tree_peak_rss_sum_mb'] / 1e3:.1f} GB)"
-                    + (" killed at 16 GB" if x.get("killed_at_tree_pss_mb") else ""),
-                ]
-                for x in facts
-            ]
-            parts += [
-                (
-                    "**A fact table of N rows** (fanout 1: N joined rows without duplication; TP-Join-ADMM, "
-                    f"{facts[0]['epochs'] or 2} epochs, Flower's simulation engine; goal: the process tree under 16 GB "
-                    "at 100M rows; a tree passing 16 GB is killed)."
-                ),
-                command(
-                    "python -m simulations.bench scale --scale-n '' --server-n '' --mapping-n 0 --fact-n "
-                    + ",".join(str(x["n_fact"]) for x in facts)
-                    + "   # -> bench_results/scale.json (fact_table)"
-                ),
-                table(
-                    [
-                        "fact rows = N",
-                        "run",
-                        "setup",
-                        "per epoch",
-                        "total",
-                        "server process peak RSS",
-                        "tree peak PSS (RSS sum)",
-                    ],
-                    rows,
-                ),
-                TEXT["fact_table"],
-            ]
+            parts += fact_table_parts(facts)
+        budgets = s.get("budgets", [])
+        if budgets:
+            parts += budget_parts(budgets)
         for fm in s.get("fact_table_mapping", []):
             parts.append(
                 f"**The keys round and the mapping alone on a fact table of {fm['n_joined']:,} rows** (fanout 1): the "
@@ -584,6 +550,126 @@ def mapping_and_scale() -> str | None:
         if s.get("notes"):
             parts.append(f"Measurement notes (from the JSON): {s['notes']}")
     return "\n\n".join(parts) if parts else None
+
+
+def _peak_share(x: dict) -> str:
+    """The processes' shares of a run's tree peak (driver, client actors, Ray's own summed)."""
+    peak = x.get("peak_by_process")
+    if not peak:
+        return ""
+    named, ray = [], 0.0
+    for p in peak["processes"]:
+        name = p["name"]
+        if "simulations.run" in name:
+            named.append(f"driver {p['pss_mb'] / 1e3:.1f}")
+        elif "setup_worker" in name or "default_worker" in name or "ClientAppActor" in name:
+            named.append(f"actor {p['pss_mb'] / 1e3:.1f}")
+        else:
+            ray += p["pss_mb"]
+    return (
+        ", ".join(named + [f"Ray's others {(ray + peak.get('others_mb', 0)) / 1e3:.1f}"])
+        + f" GB at {peak['at_s']:.0f} s"
+    )
+
+
+def fact_table_parts(facts: list[dict]) -> list[str]:
+    """The fact-table runs (fanout 1, 2 epochs): the shipped default and TP-Join-ADMM, each process's share."""
+    rows = [
+        [
+            f"{x['n_fact']:,}",
+            x.get("resolved") or x.get("algorithm", "admm"),
+            "finished" if x["returncode"] == 0 else f"stopped (exit {x['returncode']})",
+            f"{x['setup_s']:.0f} s" if x.get("setup_s") is not None else "",
+            f"{x['epoch_s']:.1f} s" if x.get("epoch_s") is not None else "",
+            f"{x['total_s']:.0f} s",
+            f"**{x['tree_peak_pss_mb'] / 1e3:.1f} GB** ({x['tree_peak_rss_sum_mb'] / 1e3:.1f} GB)"
+            + (" killed at 16 GB" if x.get("killed_at_tree_pss_mb") else ""),
+            _peak_share(x),
+            f"{x['test_rmse']:.4f}" if x.get("test_rmse") is not None else "",
+            x.get("commit", ""),
+        ]
+        for x in facts
+    ]
+    return [
+        (
+            "**A fact table of N rows** (fanout 1: N joined rows without duplication; 2 epochs, Flower's simulation "
+            "engine; the shipped default `algorithm=auto`, which resolves to PCG, and TP-Join-ADMM with "
+            "`algorithm.tol=0`; goal: the process tree under 16 GB PSS at 100M rows; PSS sampled every 0.25 s and "
+            "summed over the run's processes, Ray's and its object store included; a tree passing 16 GB is killed)."
+        ),
+        command(
+            "python -m simulations.bench scale --scale-n '' --server-n '' --mapping-n 0 --fact-mapping-n '' "
+            "--budget-n '' --fact-n "
+            + ",".join(sorted({str(x["n_fact"]) for x in facts}))
+            + "   # -> bench_results/scale.json (fact_table)"
+        ),
+        table(
+            [
+                "fact rows = N",
+                "algorithm",
+                "run",
+                "setup",
+                "per epoch",
+                "total",
+                "tree peak PSS (RSS sum)",
+                "share of the peak",
+                "test rmse",
+                "commit",
+            ],
+            rows,
+        ),
+        TEXT["fact_table"],
+    ]
+
+
+def budget_parts(budgets: list[dict]) -> list[str]:
+    """The memory budget per family: measured bytes of server state per joined row and per table row."""
+    n = budgets[0]["n_joined"]
+    rows = [
+        [
+            b["family"],
+            f"{b['per_joined']:.1f}",
+            f"{b['budget_per_joined']:g}",
+            f"{b['per_table']:.1f}",
+            f"{b['budget_per_table']:g}",
+            "over" if b["over"] else "within",
+            b.get("note", ""),
+        ]
+        for b in budgets
+    ]
+    where = "; ".join(
+        f"{b['family']}: " + ", ".join(f"{k} {v / r['table_rows']:.1f}" for k, v in r["by_attribute"].items())
+        for b in budgets
+        for r in b["runs"]
+        if r["fanout"] == 1
+    )
+    return [
+        (
+            f"**Memory budget per algorithm family** (N = {n:,} joined rows of the star above, float32, 4 tables; "
+            "server state: every array the strategy and its loop keep at an epoch's end, each buffer once, after "
+            "enough epochs to fill the family's histories; two runs, fanout 2 and fanout 1, separate state = "
+            "per_joined N + per_table sum_i n_i). The documented budgets are simulations/bench/memory.py's FAMILIES "
+            "(adding a family is one entry there); the bench fails when a measured term exceeds its budget, and "
+            "tests/test_memory_budget.py checks every family at 1M joined rows."
+        ),
+        command(
+            "python -m simulations.bench scale --scale-n '' --server-n '' --mapping-n 0 --fact-mapping-n '' "
+            "--fact-n '' --budget-n 10000000   # -> bench_results/scale.json (budgets)"
+        ),
+        table(
+            [
+                "family",
+                "bytes / joined row",
+                "budget",
+                "bytes / table row",
+                "budget",
+                "verdict",
+                "histories",
+            ],
+            rows,
+        ),
+        f"Where the bytes are (fanout 1, bytes per table row = per joined row, by attribute): {where}.",
+    ]
 
 
 def flower() -> str | None:

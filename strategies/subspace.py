@@ -68,7 +68,8 @@ class TableSubspace:
         self.tables = list(mapping.p)
         self.G = {t: compact_counts(mapping.G(t)) for t in self.tables}
         y = np.asarray(y).reshape(-1)
-        self.ys = {t: segment_sum(mapping.p[t], y, mapping.n_rows[t]) for t in self.tables}  # S_i y (float64)
+        # S_i y, kept in ``dtype`` (the run's precision; exact in a float64 run)
+        self.ys = {t: segment_sum(mapping.p[t], y, mapping.n_rows[t]).astype(self.dtype) for t in self.tables}
         # the outputs h_i^(k) and the messages Y_i^(k) that produced them, oldest first, and their rho
         self.V: dict[str, list[np.ndarray]] = {t: [] for t in self.tables}
         self.W: dict[str, list[np.ndarray]] = {t: [] for t in self.tables}
@@ -98,7 +99,7 @@ class TableSubspace:
             self.W[t].append(self._kept(Y[t]))
         for b, tb in enumerate(self.tables):
             v = np.asarray(self.V[tb][k], np.float64)
-            self.rhs[b * m + k] = float(v @ self.ys[tb]) / N
+            self.rhs[b * m + k] = float(_dots([self.ys[tb]], v)[0]) / N
             Gv = self.G[tb] * v
             for a, ta in enumerate(self.tables):
                 w = Gv if a == b else self._cross(p[tb], p[ta], v, n_rows[ta])

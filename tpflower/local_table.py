@@ -147,5 +147,7 @@ class ShardData:
                 self.spec, self.name, self.frame, None if self.whole else self.row_ids, pre, edges, self.dtype
             )
             local.X = local.X.astype(self.dtype, copy=False)  # the run's precision: no conversion per message
+            if self.whole:  # the same ids 0..n-1: one array, not two
+                local.row_ids = self.row_ids
             self._tables[rule_id] = local
         return self._tables[rule_id]

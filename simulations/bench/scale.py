@@ -277,6 +277,7 @@ def simulation_case(
     per_epoch = float(np.mean(np.diff(walls))) if len(walls) > 1 else (walls[0] if walls else None)
     out = {
         "case": "simulation",
+        "commit": code_commit(root),
         "algorithm": algorithm,
         "resolved": record.get("algorithm"),
         "n_joined": n_joined,
@@ -305,6 +306,13 @@ def simulation_case(
     if proc.returncode != 0:
         out["tail"] = [line for _, line in lines[-15:]]
     return out
+
+
+def code_commit(root: str) -> str:
+    """The checkout's commit (short), with "+changes" when its tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def scale_suite(
