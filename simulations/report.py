@@ -1256,9 +1256,9 @@ TEXT: dict[str, str] = {
         "chunks of 2^20 rows; the final code uses 2^18."
     ),
     "fact_table": (
-        "Where the bytes went at 100M fact rows before (measured on the issue's command, the shipped default: the "
-        "run failed in setup at 21.3 and 22.5 GB, Ray's memory monitor killing every table's worker; TP-Join-ADMM "
-        "trained at a 20.2 GB peak): PCG's client built its design [X, 1] in float64 and its G-weighted copy "
+        "Where the bytes went at 100M fact rows before (the totals measured on the issue's command on the code "
+        "before: the shipped default failed in setup at 21.3 and 22.5 GB, Ray's memory monitor killing every "
+        "table's worker; TP-Join-ADMM trained at a 20.2 GB peak; the split read from that code): PCG's client built its design [X, 1] in float64 and its G-weighted copy "
         "(about 120 bytes a row, 12 GB for the fact table) to form its Gram once; PCG's server sent G and s in float64, "
         "held A Z and A P over the joined rows (M float64 values a joined row) and A P_j and T_i P_j for each of its "
         "4 window blocks (about 100 bytes per row and block); ADMM's subspace acceleration kept 10 float64 pairs "
