@@ -151,7 +151,7 @@ class ADMMServer:
         self._w: list[np.ndarray] | None = None  # the state the latest update started from
         self._anderson_rho = self.rho
         # per-table subspace acceleration (strategies/subspace.py): the pairs (Y_i, h_i) of the last epochs
-        self.subspace = TableSubspace(subspace, mapping, y) if subspace > 0 else None
+        self.subspace = TableSubspace(subspace, mapping, y, self.dtype) if subspace > 0 else None
         self._Y: dict[str, np.ndarray] | None = None  # the latest scatter's messages and their rho
         self._Y_rho = self.rho
 
@@ -601,7 +601,15 @@ class TPJoinADMM(LoJStrategy):
             if int(alg.subspace) > 0 and why:
                 raise ValueError(f"algorithm.subspace={alg.subspace} needs {why}; use algorithm.subspace=0")
             return int(alg.subspace)
-        return 0 if why or alg.anderson != "auto" else self.SUBSPACE_AUTO  # anderson=0: the paper's iteration
+        if why or alg.anderson != "auto":  # anderson=0: the paper's iteration
+            return 0
+        fits = subspace_fit(self.train, np.dtype(self.state_dtype).itemsize, alg.subspace_mb)
+        if fits < self.SUBSPACE_AUTO:
+            self.log(
+                f"algorithm.subspace=auto: memory {fits} (0: off), the most whose pairs fit algorithm.subspace_mb="
+                f"{alg.subspace_mb:g} MB at {sum(self.train.n_rows.values()):,} table rows"
+            )
+        return min(self.SUBSPACE_AUTO, fits)
 
     def subspace_obstacle(self) -> str:
         """What the subspace acceleration needs and this run lacks ("" if nothing): its Ritz system holds for the
@@ -659,6 +667,13 @@ def anderson_fit(mapping: TableMapping, d_c: int, itemsize: int, budget_mb: floa
     iterate = (sum(int(n) for n in mapping.n_rows.values()) + 2 * int(mapping.N)) * d_c * itemsize
     m = int(budget_mb * 1e6 // (2 * iterate)) - 2
     return max(m, 0) if m >= 1 else 0
+
+
+def subspace_fit(mapping: TableMapping, itemsize: int, budget_mb: float) -> int:
+    """The largest subspace memory m whose pairs fit ``budget_mb``: per slot, every table's output and message
+    (2 sum_i n_i values of ``itemsize`` bytes; strategies/subspace.py)."""
+    slot = 2 * sum(int(n) for n in mapping.n_rows.values()) * itemsize
+    return int(budget_mb * 1e6 // max(slot, 1))
 
 
 def residual_extra(res: Residuals, rho: float) -> dict[str, float]:

@@ -23,8 +23,9 @@ import numpy as np
 from strategies.base import LoJStrategy
 from strategies.transport import ClientKey, Reply
 from tpflower.batches import joined_predictions
+from tpflower.join_counts import compact_counts
 from tpflower.losses import loss_np
-from tpflower.mapping import TableMapping, segment_sum
+from tpflower.mapping import SegmentSums, TableMapping, chunks, segment_sum
 from tpflower.phases.pcg import PCGParams
 
 #: the stopping tolerance's floor, in machine epsilons of the run's precision: with float32 messages the relative
@@ -55,18 +56,49 @@ class PCGSolver(LoJStrategy):
 
     # ------------------------------------------------------------------------------------------ problem
 
-    def weighted(self, v: np.ndarray) -> np.ndarray:
-        return v if self.pcg_w is None else self.pcg_w * v
+    def weighted(self, v: np.ndarray, rows: slice = slice(None)) -> np.ndarray:
+        """W v for the problem's joined rows ``rows`` (v: their values)."""
+        return v if self.pcg_w is None else self.pcg_w[rows].reshape((-1,) + (1,) * (v.ndim - 1)) * v
 
     def segment_sums(self, v: np.ndarray) -> dict[str, np.ndarray]:
-        """s_i = P_i^T (W v) over the problem's joined rows, per table (its rows in the problem's order)."""
-        v = self.weighted(np.asarray(v, dtype=np.float64).ravel())
-        return {t: segment_sum(p, v, self.pcg_map.n_rows[t]) for t, p in self.pcg_map.p.items()}
+        """s_i = P_i^T (W v) over the problem's joined rows, per table (its rows in the problem's order), summed
+        over chunks of rows in float64 (no N-sized copy of v)."""
+        v = np.asarray(v).reshape(-1)
+        sums = {t: SegmentSums(n) for t, n in self.pcg_map.n_rows.items()}
+        for s in chunks(len(v)):
+            wv = self.weighted(np.asarray(v[s], np.float64), s)
+            for t, p in self.pcg_map.p.items():
+                sums[t].add(p[s], wv)
+        return {t: acc.result() for t, acc in sums.items()}
+
+    def joined_sums(self, h: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+        """With H = sum_i h_i[p_i] over the problem's joined rows (h_i: one value per table row): the segment
+        sums s_i = P_i^T (W H) and ||H||_W^2, over chunks of rows (H is never held whole)."""
+        sums = {t: SegmentSums(n) for t, n in self.pcg_map.n_rows.items()}
+        norm = 0.0
+        for s in chunks(self.pcg_map.N):
+            H = joined_predictions(self.pcg_map.p, h, s).astype(np.float64, copy=False).ravel()
+            WH = self.weighted(H, s)
+            norm += float(WH @ H)
+            for t, p in self.pcg_map.p.items():
+                sums[t].add(p[s], WH)
+        return {t: acc.result() for t, acc in sums.items()}, norm
+
+    def train_loss(self, htheta: Mapping[str, np.ndarray]) -> float:
+        """The weighted training loss of the outputs ``htheta`` over the problem's joined rows, chunk by chunk."""
+        total = 0.0
+        for s in chunks(self.pcg_map.N):
+            H = joined_predictions(self.pcg_map.p, htheta, s).astype(np.float64, copy=False)
+            y = np.asarray(self.pcg_y[s], np.float64).reshape(H.shape)
+            total += float(np.sum(self.weighted(loss_np(self.task, H, y).ravel(), s)))
+        return total / self.pcg_N
 
     def counts(self) -> dict[str, np.ndarray]:
-        """G_i: the summed weights of each table row's joined rows."""
-        ones = np.ones(len(self.pcg_y)) if self.pcg_w is None else self.pcg_w
-        return {t: segment_sum(p, ones, self.pcg_map.n_rows[t]) for t, p in self.pcg_map.p.items()}
+        """G_i: the summed weights of each table row's joined rows (unweighted: whole counts in the narrowest
+        unsigned dtype, as ADMM sends them)."""
+        if self.pcg_w is None:
+            return {t: compact_counts(self.pcg_map.G(t)) for t in self.pcg_map.p}
+        return {t: segment_sum(p, self.pcg_w, self.pcg_map.n_rows[t]) for t, p in self.pcg_map.p.items()}
 
     # ------------------------------------------------------------------------------------------ messages
 
@@ -150,9 +182,22 @@ class PCGSolver(LoJStrategy):
         }
 
     def pcg_window(self) -> int:
-        """algorithm.window: the multipreconditioned CG's window (0: the classic recurrence); PCGParams' default
-        where the algorithm's settings have none (a coreset's train=pcg)."""
-        return int(getattr(self.params, "window", PCGParams.window))
+        """algorithm.window: the multipreconditioned CG's window (0: the classic recurrence), at most what fits in
+        algorithm.window_mb (with a line saying so); PCGParams' defaults where the algorithm's settings have none
+        (a coreset's train=pcg)."""
+        asked = int(getattr(self.params, "window", PCGParams.window))
+        budget = float(getattr(self.params, "window_mb", PCGParams.window_mb))
+        fits = window_fit(self.pcg_map, np.dtype(self.pcg_history_dtype()).itemsize, budget)
+        if fits < asked:
+            self.log(
+                f"algorithm.window: {fits} (asked {asked}; 0: the classic recurrence), the most whose directions "
+                f"fit algorithm.window_mb={budget:g} MB at {sum(self.pcg_map.n_rows.values()):,} table rows"
+            )
+        return min(asked, fits)
+
+    def pcg_history_dtype(self) -> np.dtype:
+        """The precision of the window's T_i P_j: the run's (the outputs T_i z_i arrive in it)."""
+        return np.dtype(self.state_dtype)
 
     def pcg_loop(self, done: int, loop: dict) -> None:
         if "window" in loop:
@@ -166,10 +211,9 @@ class PCGSolver(LoJStrategy):
             beta = rz / loop["rz_prev"] if loop["rz_prev"] else 0.0
             hp = {t: np.asarray(loop["hz"][t], np.float64) + beta * loop["hp"][t] for t in loop["hz"]}
             pp = zz + 2 * beta * zp + beta * beta * loop["pp"]
-            H = joined_predictions(self.pcg_map.p, hp).ravel()
-            p_Ap = float(np.dot(self.weighted(H), H)) / self.pcg_N + beta_ridge * pp
+            s, HWH = self.joined_sums(hp)
+            p_Ap = HWH / self.pcg_N + beta_ridge * pp
             alpha = rz / p_Ap
-            s = self.segment_sums(H)
             dtype = self.state_dtype  # the run's precision, as ADMM's Y (float64 runs stay exact)
             rows = {t: {"s": s[t].astype(dtype)} for t in self.spec.table_names}
             g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
@@ -179,9 +223,7 @@ class PCGSolver(LoJStrategy):
             # T theta_{k+1} = T theta_k + alpha T p_k: the server follows the model's outputs itself
             htheta = {t: loop["htheta"][t] + alpha * hp[t] for t in hp}
             relative = float(np.sqrt(max(dots[3], 0.0) / loop["rr0"]))
-            H_theta = joined_predictions(self.pcg_map.p, htheta).astype(np.float64)
-            losses = loss_np(self.task, H_theta, self.pcg_y.reshape(H_theta.shape)).ravel()
-            train_loss = float(np.sum(self.weighted(losses))) / self.pcg_N
+            train_loss = self.train_loss(htheta)
             reg = sum(float(replies[(t, r.shards[0])][1].get("R", 0.0)) for t, r in self.routers.items())
             self.record_epoch(
                 it,
@@ -219,7 +261,7 @@ class PCGSolver(LoJStrategy):
             "hz": self.gather(replies, "h"),
             "dots": dots,
             "htheta": htheta,
-            "past": [],  # per window iteration: A P_j over the joined rows, T_i P_j per table, pinv(P_j^T K P_j)
+            "past": [],  # per window iteration: T_i P_j per table (the run's precision), pinv(P_j^T K P_j)
             "S": np.zeros((0, 0)),  # the Euclidean Gram of the window's direction blocks, P_i^T P_j
             "rr0": rr,
             "stopped": rr == 0.0,
@@ -258,26 +300,40 @@ class PCGSolver(LoJStrategy):
             for j in range(k):
                 ZtP[j][col] = v[j, 0]
                 Ptr[j] += v[j, 1]
-        AZ = np.zeros((self.pcg_map.N, c))
-        for col, t in enumerate(tables):
-            AZ[:, col] = np.asarray(loop["hz"][t], np.float64).ravel()[self.pcg_map.p[t]]
-        WAZ = AZ if self.pcg_w is None else self.pcg_w[:, None] * AZ
-        C = [past[j]["Qp"] @ (past[j]["AP"].T @ WAZ / N + beta * ZtP[j].T) for j in range(k)]
+        p, W = self.pcg_map.p, self.pcg_w
+        hz = {t: np.asarray(loop["hz"][t]).reshape(-1) for t in tables}
+        # A P_j^T W A Z over the joined rows, chunk by chunk: A Z's column of table t is (T_t z_t)[p_t] and
+        # A P_j = sum_t (T_t P_j)[p_t] (neither is held over all joined rows)
+        PtWZ = [np.zeros((c, c)) for _ in range(k)]
+        if k:
+            for s in chunks(self.pcg_map.N):
+                AZ = np.stack([hz[t][p[t][s]] for t in tables], axis=1).astype(np.float64)
+                WAZ = AZ if W is None else W[s, None] * AZ
+                for j in range(k):
+                    PtWZ[j] += joined_predictions(p, past[j]["TP"], s).astype(np.float64).T @ WAZ
+        C = [past[j]["Qp"] @ (PtWZ[j] / N + beta * ZtP[j].T) for j in range(k)]
         C = [np.asarray(Cj, dtype).astype(np.float64) for Cj in C]
-        AP = AZ - sum((past[j]["AP"] @ C[j] for j in range(k)), np.zeros_like(AZ))
-        TP = {}
+        TP = {}  # T_t P = Z_t - sum_j (T_t P_j) C_j, per chunk of the table's rows, kept in ``hist`` (the history's)
         for col, t in enumerate(tables):
-            out = np.zeros((len(loop["hz"][t]), c))
-            out[:, col] = np.asarray(loop["hz"][t], np.float64).ravel()
-            TP[t] = out - sum((past[j]["TP"][t] @ C[j] for j in range(k)), np.zeros_like(out))
+            out = np.empty((len(hz[t]), c), dtype=self.pcg_history_dtype())
+            for s in chunks(len(out)):
+                block = np.zeros((s.stop - s.start, c))
+                block[:, col] = hz[t][s]
+                for j in range(k):
+                    block -= np.asarray(past[j]["TP"][t][s], np.float64) @ C[j]
+                out[s] = block
+            TP[t] = out
+        QA = np.zeros((c, c))  # A P^T W A P, A P = sum_t (T_t P)[p_t] chunk by chunk
+        for s in chunks(self.pcg_map.N):
+            AP = joined_predictions(p, TP, s).astype(np.float64)
+            QA += AP.T @ (AP if W is None else W[s, None] * AP)
         # Euclidean products: P^T P_i = Z^T P_i - sum_j C_j^T P_j^T P_i, P^T P = Z^T P - sum_j C_j^T (P_j^T P)
         blocks = [[S[j * c : (j + 1) * c, i * c : (i + 1) * c] for i in range(k)] for j in range(k)]
         PtPi = [ZtP[i] - sum((C[j].T @ blocks[j][i] for j in range(k)), np.zeros((c, c))) for i in range(k)]
         ZtPnew = np.diag([dots[t][1] for t in tables]) - sum((ZtP[j] @ C[j] for j in range(k)), np.zeros((c, c)))
         PtP = ZtPnew - sum((C[j].T @ PtPi[j].T for j in range(k)), np.zeros((c, c)))
         Pr = rz - sum((C[j].T @ Ptr[j] for j in range(k)), np.zeros(c))
-        WAP = AP if self.pcg_w is None else self.pcg_w[:, None] * AP
-        Q = AP.T @ WAP / N + beta * (PtP + PtP.T) / 2
+        Q = QA / N + beta * (PtP + PtP.T) / 2
         Q = (Q + Q.T) / 2
         Qp = np.linalg.pinv(Q, rcond=1e-13, hermitian=True)
         alpha = np.asarray(Qp @ Pr, dtype).astype(np.float64)
@@ -287,7 +343,10 @@ class PCGSolver(LoJStrategy):
             S_new[k * c :, i * c : (i + 1) * c] = PtPi[i]
             S_new[i * c : (i + 1) * c, k * c :] = PtPi[i].T
         S_new[k * c :, k * c :] = (PtP + PtP.T) / 2
-        return {"C": np.array(C).reshape(k, c, c), "alpha": alpha, "AP": AP, "TP": TP, "Qp": Qp, "S": S_new}
+        h = {t: np.asarray(TP[t], np.float64) @ alpha for t in tables}  # T_t P alpha: this step's outputs
+        sums, _ = self.joined_sums(h)  # s_i = P_i^T W A P alpha
+        out = {"C": np.array(C).reshape(k, c, c), "alpha": alpha, "TP": TP, "Qp": Qp, "S": S_new}
+        return {**out, "h": h, "s": sums}
 
     def mpcg_loop(self, done: int, loop: dict) -> None:
         """The iterations of the multipreconditioned CG: one round trip each (s, C, alpha down; T z and the
@@ -299,21 +358,17 @@ class PCGSolver(LoJStrategy):
                 break
             dtype = self.state_dtype  # the messages in the run's precision, as ADMM's (float64 runs stay exact)
             step = self.mpcg_direction(loop, dtype)
-            C, alpha = step["C"], step["alpha"]
-            H = step["AP"] @ alpha
-            s = self.segment_sums(H)
+            C, alpha, s = step["C"], step["alpha"], step["s"]
             rows = {t: {"s": s[t].astype(dtype)} for t in tables}
             g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
             small = {"coef": np.concatenate([alpha, C.reshape(-1)]).astype(dtype)}  # alpha, then C_1..C_k
             msgs = self.pcg_messages(rows, g, {"phase": "pcg_step", "epoch": it, **self.checkpoint_config(it)})
             replies = self.send({k: ({**a, **small}, cfg) for k, (a, cfg) in msgs.items()})
             dots = self.table_dots(replies)
-            htheta = {t: loop["htheta"][t] + step["TP"][t] @ alpha for t in tables}
+            htheta = {t: loop["htheta"][t] + step["h"][t] for t in tables}
             rr = sum(float(v[2]) for v in dots.values())
             relative = float(np.sqrt(max(rr, 0.0) / loop["rr0"]))
-            H_theta = joined_predictions(self.pcg_map.p, {t: v[:, None] for t, v in htheta.items()})
-            losses = loss_np(self.task, H_theta, self.pcg_y.reshape(H_theta.shape)).ravel()
-            train_loss = float(np.sum(self.weighted(losses))) / self.pcg_N
+            train_loss = self.train_loss({t: v[:, None] for t, v in htheta.items()})
             reg = sum(float(replies[(t, r.shards[0])][1].get("R", 0.0)) for t, r in self.routers.items())
             self.record_epoch(
                 it,
@@ -322,7 +377,7 @@ class PCGSolver(LoJStrategy):
                 {"objective": train_loss + beta_ridge * reg, "relative_residual": relative, **self.pcg_extra()},
             )
             stop = rr == 0.0 or relative <= self.stop_tol()
-            past = [*loop["past"], {"AP": step["AP"], "TP": step["TP"], "Qp": step["Qp"]}][-window:]
+            past = [*loop["past"], {"TP": step["TP"], "Qp": step["Qp"]}][-window:]
             S = step["S"][-window * c :, -window * c :]
             loop = {**loop, "hz": self.gather(replies, "h"), "dots": dots, "htheta": htheta, "past": past, "S": S}
             loop["stopped"] = stop
@@ -361,6 +416,14 @@ class PCGSolver(LoJStrategy):
         raise ValueError(f"algorithm={self.algorithm} has no feature-DP plan")
 
 
+def window_fit(mapping: TableMapping, itemsize: int, budget_mb: float) -> int:
+    """The largest window whose server state fits ``budget_mb``: each direction block of the window and the one
+    being formed holds T_i P_j, c values per table row (c = the tables), in ``itemsize`` bytes each."""
+    c = len(mapping.n_rows)
+    block = sum(int(n) for n in mapping.n_rows.values()) * c * itemsize
+    return max(int(budget_mb * 1e6 // max(block, 1)) - 1, 0)
+
+
 class TPJoinPCG(PCGSolver):
     """algorithm=pcg over the join: the training join's rows, unweighted."""
 
@@ -378,7 +441,7 @@ class TPJoinPCG(PCGSolver):
 
     def pcg_problem(self) -> None:
         self.pcg_map, self.pcg_w, self.pcg_N = self.train, None, self.train.N
-        self.pcg_y = np.asarray(self.y_train, dtype=np.float64).ravel()
+        self.pcg_y = np.asarray(self.y_train).reshape(-1)  # in the run's precision (summed in float64)
 
     def start_pcg(self) -> dict:
         self.setup()

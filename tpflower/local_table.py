@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from tpflower.fedprep import bin_feature_names, bin_transform, local_quantile_edges
-from tpflower.mapping import holdout_mask
+from tpflower.mapping import holdout_mask, index_dtype
 from tpflower.preprocess import TablePreprocessor
 from tpflower.schema import RelationalSpec
 
@@ -74,7 +74,7 @@ def prepare_local_table(
     built in ``dtype`` (the run's precision) directly.
     """
     t = spec.table(name)
-    row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+    row_ids = np.arange(len(frame), dtype=index_dtype(len(frame))) if rows is None else np.asarray(rows, dtype=np.int64)
     local = frame if rows is None else frame.iloc[row_ids]  # the whole table: no copy
     is_label = name == spec.label_table
     is_test = holdout_mask(spec, len(frame))[row_ids] if is_label else None
@@ -121,7 +121,9 @@ class ShardData:
     ):
         self.spec, self.name, self.frame = spec, name, frame
         self.whole = rows is None  # the whole table (join scenario): its rows are the frame itself, no copy
-        self.row_ids = np.arange(len(frame), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+        self.row_ids = (
+            np.arange(len(frame), dtype=index_dtype(len(frame))) if rows is None else np.asarray(rows, dtype=np.int64)
+        )
         self.rows = self.frame if self.whole else self.frame.iloc[self.row_ids].reset_index(drop=True)
         self.keys = self.rows[list(spec.key_columns(name))]
         self.is_label = name == spec.label_table
@@ -145,5 +147,7 @@ class ShardData:
                 self.spec, self.name, self.frame, None if self.whole else self.row_ids, pre, edges, self.dtype
             )
             local.X = local.X.astype(self.dtype, copy=False)  # the run's precision: no conversion per message
+            if self.whole:  # the same ids 0..n-1: one array, not two
+                local.row_ids = self.row_ids
             self._tables[rule_id] = local
         return self._tables[rule_id]

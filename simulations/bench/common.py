@@ -51,18 +51,25 @@ def run_isolated(module: str, call: str, args: dict[str, Any], echo_stderr: bool
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+#: the memory monitor's sampling period (s): every bench measures a run's peak the same way
+SAMPLE_S = 0.25
+
+
 class TreeMonitor:
     """Samples the memory of a process and all its descendants (from /proc) every ``interval`` seconds: the
     peaks of the root's RSS, of the tree's summed RSS and of its summed PSS (shared pages split between the
-    processes that map them: Ray's object store counted once). With ``limit_mb``, a tree whose PSS passes it is
+    processes that map them: Ray's processes and its object store included, shared pages counted once), and each
+    process's PSS at the tree's PSS peak (:meth:`at_peak`). With ``limit_mb``, a tree whose PSS passes it is
     killed (``killed_at_mb``), before it takes the machine's memory from everything else."""
 
-    def __init__(self, pid: int, interval: float = 0.5, limit_mb: float | None = None):
+    def __init__(self, pid: int, interval: float = SAMPLE_S, limit_mb: float | None = None):
         self.pid, self.interval, self.limit_mb = pid, interval, limit_mb
         self.killed_at_mb: float | None = None  # the tree's PSS when it passed ``limit_mb`` and was killed
         self.peak = {"root_rss_mb": 0.0, "tree_rss_mb": 0.0, "tree_pss_mb": 0.0, "processes": 0}
         self.samples: list[tuple[float, float, float]] = []  # (t, root RSS, tree PSS) in MB
         self.by_process: dict[int, dict[str, Any]] = {}  # pid -> {"name", "peak_pss_mb", "at_s"}
+        self.peak_share: list[tuple[int, float]] = []  # (pid, PSS MB) of every process at the tree's PSS peak
+        self.peak_s = 0.0  # when the tree's PSS peaked (s from start)
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -116,6 +123,23 @@ class TreeMonitor:
         ]
         return sorted(rows, key=lambda e: -e["peak_pss_mb"])
 
+    def at_peak(self, min_mb: float = 20.0) -> dict[str, Any]:
+        """The tree's PSS peak split by process: when (s from start) and each process's share (name, PSS MB)
+        above ``min_mb``, largest first; the rest summed as "others"."""
+        rows = sorted(self.peak_share, key=lambda e: -e[1])
+        big = [
+            {"pid": pid, "name": self.by_process[pid]["name"], "pss_mb": round(mb, 1)}
+            for pid, mb in rows
+            if mb >= min_mb
+        ]
+        rest = sum(mb for _, mb in rows if mb < min_mb)
+        return {
+            "at_s": self.peak_s,
+            "tree_pss_mb": round(sum(mb for _, mb in rows), 1),
+            "processes": big,
+            "others_mb": round(rest, 1),
+        }
+
     def tree(self) -> list[int]:
         kids, out, todo = self._children(), [], [self.pid]
         while todo:
@@ -132,9 +156,11 @@ class TreeMonitor:
         pk = self.peak
         pk["root_rss_mb"] = max(pk["root_rss_mb"], root_rss)
         pk["tree_rss_mb"] = max(pk["tree_rss_mb"], tree_rss)
-        pk["tree_pss_mb"] = max(pk["tree_pss_mb"], tree_pss)
+        now = round(time.perf_counter() - self._t0, 2)
+        if tree_pss > pk["tree_pss_mb"]:
+            pk["tree_pss_mb"], self.peak_s = tree_pss, now
+            self.peak_share = [(pid, pss / 1024) for pid, (_, pss) in zip(pids, mem)]
         pk["processes"] = max(pk["processes"], len(pids))
-        now = round(time.perf_counter() - self._t0, 1)
         for pid, (_, pss) in zip(pids, mem):
             entry = self.by_process.get(pid)
             if entry is None:
@@ -142,7 +168,7 @@ class TreeMonitor:
             entry["pss"].append((now, round(pss / 1024)))
             if pss / 1024 > entry["peak_pss_mb"]:
                 entry["peak_pss_mb"], entry["at_s"] = round(pss / 1024, 1), now
-        self.samples.append((round(time.perf_counter() - self._t0, 1), round(root_rss), round(tree_pss)))
+        self.samples.append((now, round(root_rss), round(tree_pss)))
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -2,11 +2,14 @@
 engine at each N, and the table mapping alone at a large N.
 
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
-                                      [--fact-n 100000000] [--fact-mapping-n 100000000]
+                                      [--fact-n 100000000] [--fact-mapping-n 100000000] [--budget-n 1e7]
                                                                   -> bench_results/scale.json
 
-``--fact-n``: TP-Join-ADMM, 2 epochs, on a fact table of that many rows (fanout 1, so N = its rows). A section
-given as empty (``--scale-n ''``, ``--mapping-n 0``, ...) keeps its entries of the last scale.json.
+``--fact-n``: the shipped default (algorithm=auto: PCG) and TP-Join-ADMM, 2 epochs, on a fact table of that many
+rows (fanout 1, so N = its rows), the process tree killed at 16 GB. ``--budget-n``: every family's server state
+against its documented budget (simulations/bench/memory.py). A section given as empty (``--scale-n ''``,
+``--mapping-n 0``, ...) keeps its entries of the last scale.json. The bench exits non-zero, after writing its
+JSON, when a budget is exceeded or a fact-table run fails.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from simulations.bench.common import SECRET, TreeMonitor, peak_rss_mb, run_isolated
+from simulations.bench.memory import FAMILIES, budget_fit, over_budget
 from tpflower.batches import joined_predictions
 from tpflower.datasets import load_spec, load_tables
 from tpflower.mapping import build_mapping, holdout_mask, project_keys
@@ -220,10 +224,12 @@ def simulation_case(
     fanout: int = SCALE_FANOUT,
     limit_mb: float | None = None,
     overrides: Sequence[str] = (),
+    algorithm: str = "admm",
 ) -> dict[str, Any]:
-    """TP-Join-ADMM (linear, float32) on the scale schema at N joined rows (``fanout`` 1: a fact table of N
-    rows): ``python -m simulations.run`` in a
-    child process under Flower's simulation engine, its process tree watched (TreeMonitor). Setup time is the
+    """``algorithm`` (linear, float32; admm: TP-Join-ADMM with ``algorithm.tol=0``, auto: the shipped default,
+    PCG, with its own settings) on the scale schema at N joined rows (``fanout`` 1: a fact table of N rows):
+    ``python -m simulations.run`` in a child process under Flower's simulation engine, its process tree watched
+    (TreeMonitor: PSS every 0.25 s, each process's share at the peak). Setup time is the
     time from the start to the first epoch line minus that epoch's own time (imports, the data check, Ray's
     start, the clients' loads and digests, the keys round, the mapping, the ADMM setup round)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -231,11 +237,11 @@ def simulation_case(
             sys.executable,
             "-m",
             "simulations.run",
-            "algorithm=admm",
+            f"algorithm={algorithm}",
             *scale_overrides(n_joined, fanout),
             f"epochs={epochs}",
             f"runtime={runtime}",
-            "algorithm.tol=0",
+            *(["algorithm.tol=0"] if algorithm == "admm" else []),
             *overrides,
             f"hydra.run.dir={tmp}",
         ]
@@ -263,13 +269,17 @@ def simulation_case(
         total = time.perf_counter() - t0
         peaks = monitor.stop()
         results = Path(tmp) / "results.json"
-        history = json.loads(results.read_text())["history"] if results.is_file() else []
+        record = json.loads(results.read_text()) if results.is_file() else {}
+        history = record.get("history", [])
     epoch_lines = [t for t, line in lines if line.startswith("epoch ")]
     mapping_line = next((t for t, line in lines if "joined rows N=" in line), None)
     walls = [h["wall_time_s"] for h in history]
     per_epoch = float(np.mean(np.diff(walls))) if len(walls) > 1 else (walls[0] if walls else None)
     out = {
         "case": "simulation",
+        "commit": code_commit(root),
+        "algorithm": algorithm,
+        "resolved": record.get("algorithm"),
         "n_joined": n_joined,
         "n_fact": scale_loader(n_joined, fanout)["n_fact"],
         "fanout": fanout,
@@ -289,12 +299,20 @@ def simulation_case(
         "tree_peak_rss_sum_mb": peaks["tree_rss_mb"],
         "processes": peaks["processes"],
         "killed_at_tree_pss_mb": monitor.killed_at_mb,
+        "peak_by_process": monitor.at_peak(),
         "process_peaks": monitor.processes(),
         "memory_timeline": monitor.samples[:: max(1, len(monitor.samples) // 200)],
     }
     if proc.returncode != 0:
         out["tail"] = [line for _, line in lines[-15:]]
     return out
+
+
+def code_commit(root: str) -> str:
+    """The checkout's commit (short), with "+changes" when its tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def scale_suite(
@@ -305,12 +323,17 @@ def scale_suite(
     fact_ns: Sequence[int] = (),
     fact_epochs: int = 2,
     fact_mapping_ns: Sequence[int] = (),
+    budget_ns: Sequence[int] = (),
+    fact_algorithms: Sequence[str] = ("auto", "admm"),
 ) -> dict[str, Any]:
     """Bytes per joined row of the server state (float32 and float64), TP-Join-ADMM under
     Flower's simulation engine at each N, the mapping alone at ``mapping_n``, and TP-Join-ADMM on a fact table
     of each N in ``fact_ns`` rows (fanout 1, ``fact_epochs`` epochs), and the mapping alone on a fact table of
-    each N in ``fact_mapping_ns`` rows. Each case in a fresh process; a section
-    not run this time (empty list, 0) keeps its entries of the last bench_results/scale.json."""
+    each N in ``fact_mapping_ns`` rows, and the server state of every algorithm family at each N in
+    ``budget_ns`` against its documented budget (simulations/bench/memory.py). Each case in a fresh process; a
+    section not run this time (empty list, 0) keeps its entries of the last bench_results/scale.json.
+    ``failures``: a measured budget over the documented one, a fact-table run that failed or passed 16 GB (the
+    bench exits non-zero after writing its JSON)."""
     last_path = Path("bench_results/scale.json")
     last = json.loads(last_path.read_text()) if last_path.is_file() else {}
     out: dict[str, Any] = {
@@ -337,11 +360,45 @@ def scale_suite(
     for n in fact_mapping_ns:  # the keys round's projections and the mapping alone: what the server receives
         out["fact_table_mapping"].append(_run_case("mapping_scale_case", {"n_joined": n, "fanout": 1}))
         print(json.dumps(out["fact_table_mapping"][-1]), flush=True)
+    failures: list[str] = []
+    if budget_ns:
+        out["budgets"] = []
+    for n in budget_ns:  # every family at fanout 2 and 1: state = per_joined N + per_table sum_i n_i
+        for family in FAMILIES:
+            runs = [
+                run_isolated("simulations.bench.memory", "family_state", {"family": family, "n_joined": n, "fanout": f})
+                for f in (2, 1)
+            ]
+            fit = budget_fit(runs)
+            doc = FAMILIES[family]
+            entry = {
+                "family": family,
+                "n_joined": n,
+                **fit,
+                "budget_per_joined": doc.per_joined,
+                "budget_per_table": doc.per_table,
+                "note": doc.note,
+                "runs": runs,
+            }
+            entry["over"] = over_budget(family, fit)
+            failures += entry["over"]
+            out["budgets"].append(entry)
+            print(json.dumps({k: v for k, v in entry.items() if k != "runs"}), flush=True)
     if fact_ns:
         out["fact_table"] = []
     for n in fact_ns:
-        out["fact_table"].append(simulation_case(n, fact_epochs, timeout_s=5400, fanout=1, limit_mb=FACT_LIMIT_MB))
-        print(json.dumps({k: v for k, v in out["fact_table"][-1].items() if k != "memory_timeline"}), flush=True)
+        for algorithm in fact_algorithms:
+            run = simulation_case(n, fact_epochs, timeout_s=5400, fanout=1, limit_mb=FACT_LIMIT_MB, algorithm=algorithm)
+            out["fact_table"].append(run)
+            print(
+                json.dumps({k: v for k, v in run.items() if k not in ("memory_timeline", "process_peaks")}), flush=True
+            )
+            if run["returncode"] != 0 or run["killed_at_tree_pss_mb"] is not None:
+                failures.append(
+                    f"fact table of {n:,} rows, algorithm={algorithm}: exit {run['returncode']}, tree peak "
+                    f"{run['tree_peak_pss_mb']:.0f} MB PSS (killed at {run['killed_at_tree_pss_mb']})"
+                )
+    out["failures"] = failures
     out.pop("machine", None)
     return out
 

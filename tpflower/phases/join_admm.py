@@ -198,6 +198,7 @@ class ADMMParams(AlgorithmParams):
     # per-table subspace acceleration (strategies/subspace.py): the last m outputs of each table; 0: off;
     # auto: 10 for regression with linear models, the sharing variant and no feature DP (then anderson is off)
     subspace: int | str = param(or_word(nonnegative_int, "auto"), "auto")
+    subspace_mb: float = param(positive, 2000.0)  # auto: at most the memory whose pairs fit in this
     tol: float = param(nonnegative, 1e-3)  # stop once both residuals are below Boyd's Eq. 3.12 (0: never)
     variant: str = param(one_of("sharing", "paper"), "sharing")
     local_solver: str = param(one_of("lbfgs", "adam"), "lbfgs")  # theta-update of non-linear models (no DP)

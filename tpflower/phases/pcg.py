@@ -22,7 +22,7 @@ the same block vectors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,8 @@ import torch
 
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, refusal, sharded, takes
-from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param
+from tpflower.mapping import chunks
+from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param, positive
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
@@ -55,6 +56,9 @@ class PCGParams(AlgorithmParams):
     # one search direction per table (multipreconditioned CG, Bridson & Greif 2006), A-orthogonalized against the
     # last ``window`` iterations' directions; 0: one direction, the classic block-Jacobi PCG recurrence
     window: int = param(nonnegative_int, 4)
+    # the server's window state (T_i P_j: tables x table rows values per direction block) at most this; a window
+    # that does not fit is shortened (0: the classic recurrence), with a line saying so
+    window_mb: float = param(positive, 1000.0)
 
 
 @dataclass
@@ -81,15 +85,53 @@ class PCGState(StateRecord):
         return cls.required(client.state, client.settings.table, "a PCG step before pcg_setup")
 
 
-def design(client: TableClient, model: torch.nn.Module, rows: np.ndarray | None = None) -> np.ndarray:
+class Design:
     """T_i: the table's feature rows (``rows``, default all) with a column of ones when its linear model has a
-    bias (float64)."""
+    bias, never built whole: X stays in the run's precision and T's products are summed over chunks of rows in
+    float64 (the float64 T of a chunk only)."""
+
+    def __init__(self, X: np.ndarray, bias: bool):
+        self.X, self.bias = X, bias
+        self.d = X.shape[1] + int(bias)
+
+    def __len__(self) -> int:
+        return len(self.X)
+
+    def _chunks(self) -> Iterator[tuple[slice, np.ndarray]]:
+        for s in chunks(len(self.X)):
+            T = np.ones((s.stop - s.start, self.d))
+            T[:, : self.X.shape[1]] = self.X[s]
+            yield s, T
+
+    def gram(self, G: np.ndarray) -> np.ndarray:
+        """T^T diag(G) T."""
+        out = np.zeros((self.d, self.d))
+        for s, T in self._chunks():
+            out += (T.T * G[s]) @ T
+        return out
+
+    def tdot(self, v: np.ndarray) -> np.ndarray:
+        """T^T v (v: one value per row)."""
+        out = np.zeros(self.d)
+        for s, T in self._chunks():
+            out += T.T @ np.asarray(v[s], np.float64)
+        return out
+
+    def apply(self, z: np.ndarray, dtype: str) -> np.ndarray:
+        """T z as a column in ``dtype`` (computed in float64 per chunk)."""
+        out = np.empty((len(self.X), 1), dtype=dtype)
+        for s, T in self._chunks():
+            out[s, 0] = T @ z
+        return out
+
+
+def design(client: TableClient, model: torch.nn.Module, rows: np.ndarray | None = None) -> Design:
+    """T_i of the table's rows ``rows`` (default all) for its linear model (module doc)."""
     if not isinstance(model, torch.nn.Linear) or model.out_features != 1:
         raise ValueError(
             f"table {client.settings.table!r}: algorithm=pcg solves linear ridge regression (model=linear, one output)"
         )
-    X = np.asarray(client.rows_X(rows), dtype=np.float64)
-    return np.concatenate([X, np.ones((len(X), 1))], axis=1) if model.bias is not None else X
+    return Design(client.rows_X(rows), model.bias is not None)
 
 
 def set_theta(model: torch.nn.Linear, theta: np.ndarray) -> None:
@@ -101,17 +143,26 @@ def set_theta(model: torch.nn.Linear, theta: np.ndarray) -> None:
             model.bias.copy_(torch.as_tensor(theta[d:]))
 
 
-def wire(client: TableClient, values: np.ndarray) -> np.ndarray:
-    """Per-row outputs as a column in the run's precision."""
-    return np.asarray(values, dtype=str(client.dtype).removeprefix("torch.")).reshape(-1, 1)
+def wire(client: TableClient, T: Design, z: np.ndarray) -> np.ndarray:
+    """The per-row outputs T z as a column in the run's precision."""
+    return T.apply(z, str(client.dtype).removeprefix("torch."))
 
 
 def _vector(arrays: Arrays, name: str) -> np.ndarray:
     return np.asarray(arrays[name], np.float64).ravel()
 
 
+def _per_row(client: TableClient, arrays: Arrays, name: str, n: int) -> np.ndarray:
+    """Array ``name`` as sent (any precision), checked to hold one value per row of the ``n``."""
+    v = np.asarray(arrays[name]).reshape(-1)
+    if v.shape != (n,):
+        raise refusal(client, f"pcg: {name} must hold one value per row", f"{v.size} for {n} rows")
+    return v
+
+
 def _counts(client: TableClient, arrays: Arrays, n: int) -> np.ndarray:
-    G = _vector(arrays, "G")
+    """G as sent (narrow counts or float weights), checked: one finite value >= 0 per row."""
+    G = np.asarray(arrays["G"]).reshape(-1)
     if G.shape != (n,) or not np.all(np.isfinite(G)) or (G < 0).any():
         raise refusal(client, "pcg: G must hold one finite count >= 0 per row", f"{G.shape} for {n} rows")
     return G
@@ -121,7 +172,7 @@ def pcg_gram(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     """A shard's partial products for its table's preconditioner and r_0: T_q^T diag(G_q) T_q and T_q^T s_q."""
     T = design(client, client.model(config))
     G = _counts(client, arrays, len(T))
-    return {"gram": (T.T * G) @ T, "g": T.T @ _vector(arrays, "s")}, {}
+    return {"gram": T.gram(G), "g": T.tdot(_per_row(client, arrays, "s", len(T)))}, {}
 
 
 def pcg_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -132,7 +183,7 @@ def pcg_partial(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         raise ProtocolRefusal(f"table {client.settings.table!r}: one pcg_partial per pcg_step; a second is refused")
     client.state.set_scalar(PARTIAL, 1)
     T = design(client, client.model(config), st.rows)
-    return {"g": T.T @ _vector(arrays, "s")}, {}
+    return {"g": T.tdot(_per_row(client, arrays, "s", len(T)))}, {}
 
 
 def _dots(st: PCGState, p_prev: np.ndarray) -> np.ndarray:
@@ -176,7 +227,7 @@ def pcg_setup(
     sharded table gets the sums over its table's shards (``gram``, ``g``) instead of (G, s)."""
     model = client.model(config)
     T = design(client, model, rows)
-    N, beta, d = int(config["N"]), float(client.settings.model["beta"]), T.shape[1]
+    N, beta, d = int(config["N"]), float(client.settings.model["beta"]), T.d
     if "gram" in arrays:
         gram, g = np.asarray(arrays["gram"], np.float64), _vector(arrays, "g")
         if gram.shape != (d, d) or g.shape != (d,) or not (np.isfinite(gram).all() and np.isfinite(g).all()):
@@ -187,7 +238,7 @@ def pcg_setup(
             )
     else:
         G = _counts(client, arrays, len(T))
-        gram, g = (T.T * G) @ T, T.T @ _vector(arrays, "s")
+        gram, g = T.gram(G), T.tdot(_per_row(client, arrays, "s", len(T)))
     L = np.linalg.cholesky((gram + gram.T) / (2 * N) + beta * np.eye(d))
     r = g / N
     z = scipy.linalg.cho_solve((L, True), r)
@@ -199,7 +250,7 @@ def pcg_setup(
     st.save(client.state)
     set_theta(model, zero)
     client.state.save_model(model)
-    return {"h": wire(client, T @ z), "dots": _multi_dots(st) if window else _dots(st, zero)}, {}
+    return {"h": wire(client, T, z), "dots": _multi_dots(st) if window else _dots(st, zero)}, {}
 
 
 def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -209,7 +260,7 @@ def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     client.state.set_scalar(PARTIAL, 0)
     model = client.model(config)
     T = design(client, model, st.rows)
-    g = _vector(arrays, "g") if "g" in arrays else T.T @ _vector(arrays, "s")
+    g = _vector(arrays, "g") if "g" in arrays else T.tdot(_per_row(client, arrays, "s", len(T)))
     if g.shape != st.r.shape or not np.isfinite(g).all():
         raise refusal(client, "pcg_step: g is not this table's size or not finite", f"{len(st.r)} vs {g.shape}")
     if st.window:
@@ -225,7 +276,7 @@ def pcg_step(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> 
     set_theta(model, st.theta)
     client.state.save_model(model)
     dots = _multi_dots(st) if st.window else _dots(st, st.p)
-    return {"h": wire(client, T @ st.z), "dots": dots}, client.reg_metrics(model)
+    return {"h": wire(client, T, st.z), "dots": dots}, client.reg_metrics(model)
 
 
 # the server's sums over a sharded table's shards (gram, g) only on such a shard, right after its own partial

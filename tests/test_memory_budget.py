@@ -1,0 +1,42 @@
+"""The server's memory budget per algorithm family (simulations/bench/memory.py, docs/results.md): a change that
+makes the server keep a per-row array twice, or in float64 where the run is float32, fails here, not at a user's
+100 million rows. About 1M joined rows per family (the scale bench measures the same at 10M)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulations.bench.memory import FAMILIES, budget_fit, family_state, over_budget, state_bytes
+
+N = 1_000_000  # joined rows of the scale schema (fanout 2: 125,000 fact rows, 126,200 table rows)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_server_state_per_joined_row_within_the_family_budget(family):
+    run = family_state(family, N, fanout=2)
+    doc = FAMILIES[family]
+    budget = doc.per_joined * run["n_joined"] + doc.per_table * run["table_rows"]
+    per_row = run["state_bytes"] / run["n_joined"]
+    assert run["epochs"] == doc.epochs and run["test_metric"] < 1.0  # trained (constant predictor: 1.58)
+    assert run["state_bytes"] <= budget, (
+        f"{family}: {per_row:.1f} bytes of server state per joined row, over its budget of "
+        f"{budget / run['n_joined']:.1f} ({doc.per_joined:g} per joined row + {doc.per_table:g} per table row; "
+        f"by attribute: {run['by_attribute']})"
+    )
+
+
+def test_state_counts_an_array_and_its_views_once_and_fits_two_terms():
+    a = np.zeros(1000)
+    msg = bytes(800)
+    view = np.frombuffer(msg, dtype=np.float64)
+    assert state_bytes({"x": {"a": a, "b": a[10:], "c": [a[::2], view]}, "y": (view[3:], a)}) == {"x": 8800, "y": 0}
+    runs = [
+        {"n_joined": 100, "table_rows": 10, "state_bytes": 100 * 20 + 10 * 8},
+        {"n_joined": 100, "table_rows": 100, "state_bytes": 100 * 20 + 100 * 8},
+    ]
+    fit = budget_fit(runs)
+    assert fit == {"per_joined": 20.0, "per_table": 8.0}
+    assert over_budget("sgd", fit) == [
+        f"sgd: 8.0 bytes of server state per table row, documented budget {FAMILIES['sgd'].per_table:g}"
+    ]
