@@ -817,8 +817,8 @@ def stop_local(home: str | Path | None = None, timeout: float = 10.0) -> list[in
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.deploy", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m simulations.deploy") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_start = sub.add_parser("start", help="start a SuperLink and one SuperNode per table; returns at once")
     p_stop = sub.add_parser("stop", help="stop the deployment recorded in --state-dir")

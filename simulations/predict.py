@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 from omegaconf import OmegaConf, open_dict
 
 from simulations.federated import run_flower_simulation, run_in_process
@@ -26,7 +29,7 @@ from strategies.model_record import read_model_record
 from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Predictions, write_predictions
 from strategies.transport import RunError
 from tpflower.datasets import load_spec
-from tpflower.schema import SpecError
+from tpflower.schema import RelationalSpec, SpecError
 
 
 def predict_run(
@@ -53,6 +56,9 @@ def predict_run(
     table = table or spec.label_table
     if table not in spec.table_names:
         raise ValueError(f"--table {table!r}: no such table (tables: {', '.join(spec.table_names)})")
+    ignored = unused_columns(rows_path, spec, table)
+    if ignored:
+        log(f"rows file {rows}: column(s) {ignored} are no feature or key of table {table!r}: ignored")
     with open_dict(cfg):
         cfg.predict = {"run_id": record["run_id"], "rows": str(rows_path), "table": table, "shard": shard}
     strategy = FederatedPrediction(cfg, spec, record, (table, int(shard)), log)
@@ -66,8 +72,24 @@ def predict_run(
     return strategy.results
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.predict", description=__doc__.split("\n")[0])
+def unused_columns(path: Path, spec: RelationalSpec, table: str) -> list[str]:
+    """The columns of the rows file that the model of ``table`` does not take (neither join key, feature nor the
+    label); the query owner's node ignores them (tpflower.phases.predict.read_rows)."""
+    try:
+        if path.suffix.lower() == ".parquet":
+            columns = pq.read_schema(path).names
+        else:
+            columns = list(pd.read_csv(path, nrows=0).columns)
+    except (OSError, ValueError, pa.ArrowException):
+        return []  # an unreadable file: the node says why, in its one line
+    t = spec.table(table)
+    label = [spec.label.column] if spec.label.table == table else []
+    used = {*spec.key_columns(table), *t.features, *(c for c, _ in t.binned), *label}
+    return [c for c in columns if c not in used]
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.predict") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", help="the training run's directory (model.json, node-state/)")
     parser.add_argument("--rows", required=True, help="the new rows (CSV or Parquet) of the query table")
     parser.add_argument("--table", help="the query table whose owner holds the new rows (default: the label table)")

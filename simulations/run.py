@@ -33,23 +33,31 @@ from tpflower.schema import SpecError
 QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
 
 
-def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) -> RunResults:
-    """Run one configured job and write its results.json into ``run_dir``."""
+def print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_job(
+    cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None, log: Callable[[str], None] = print_line
+) -> RunResults:
+    """Run one configured job and write its results.json into ``run_dir``; ``log`` prints its progress lines."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    compile_query(cfg, base_dir)
+    compile_query(cfg, base_dir, log=log)
     # the spec parsed and the strategy built once, here: its settings are checked before any table is loaded,
     # and the runners run this very object
     spec = load_spec(cfg.dataset, base_dir=base_dir)
-    strategy = build_strategy(cfg, run_dir, base_dir, log=lambda line: print(line, flush=True), spec=spec)
-    n_rows = check_data(cfg, base_dir)  # and every table, all problems at once
+    strategy = build_strategy(cfg, run_dir, base_dir, log=log, spec=spec)
+    n_rows = check_data(cfg, base_dir, log=log)  # and every table, all problems at once
     if not entry_of(cfg).federated:
         return strategy.run_local(base_dir)
     release_tables()  # the server holds no table during the run: each client loads its own
     if cfg.get("runtime", "flower") == "inprocess":
-        results = run_in_process(cfg, run_dir, base_dir, strategy=strategy).strategy.results
+        results = run_in_process(cfg, run_dir, base_dir, log=log, strategy=strategy).strategy.results
     else:
-        results = run_flower_simulation(cfg, run_dir, base_dir, strategy=strategy, largest_table=max(n_rows.values()))
+        results = run_flower_simulation(
+            cfg, run_dir, base_dir, log=log, strategy=strategy, largest_table=max(n_rows.values())
+        )
     assert results is not None
     return results
 
@@ -87,17 +95,23 @@ def log_file(run_dir: Path) -> Path:
     return run_dir / "error.log"
 
 
-def report_failure(exc: BaseException, run_dir: Path) -> str:
-    """The console text of a failed run (no traceback); the full traceback is appended to the run's log file."""
+def failure_message(exc: BaseException, run_dir: Path) -> str:
+    """What a failed run says (no traceback; after ``error:`` on the console, the message of the Python API's
+    TpflowerError); the full traceback is appended to the run's log file."""
     path = log_file(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh:
         fh.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
     if isinstance(exc, DataProblems):
-        return f"error: {exc.report()}"
+        return exc.report()
     if isinstance(exc, (RunError, SpecError, ValueError)):
-        return f"error: {exc}"
-    return f"error: {type(exc).__name__}: {exc} (traceback in {path})"
+        return str(exc)
+    return f"{type(exc).__name__}: {exc} (traceback in {path})"
+
+
+def report_failure(exc: BaseException, run_dir: Path) -> str:
+    """The console text of a failed run: ``error:`` and :func:`failure_message`."""
+    return f"error: {failure_message(exc, run_dir)}"
 
 
 register_algorithm_defaults()  # before Hydra composes conf/algorithm/*.yaml, which extend these nodes

@@ -24,8 +24,8 @@ A prediction request is a protocol of its own (:data:`PREDICT`), never mixed wit
 The owner decides (tpflower.owner): a node answers only for a run whose part it still holds, only when its
 settings say ``serve_predictions: true``, with the saved output width within its ``max_outputs``, and scores at
 most ``max_prediction_rows`` rows per request. New rows are checked before anything leaves the node: key
-columns present and of the kind training joined them as, no column the model did not train on, numbers where
-training had numbers; one line naming the file, the table and the column.
+columns present and of the kind training joined them as, numbers where training had numbers (columns the
+model did not train on are ignored); one line naming the file, the table and the column.
 """
 
 from __future__ import annotations
@@ -133,14 +133,7 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     missing = [c for c in keys if c not in frame.columns]
     if missing:
         raise SpecError(f"{where}: no key column(s) {missing} of table {table!r} (the rows join by {keys})")
-    label = [spec.label.column] if spec.label.table == table else []
-    allowed = set(keys) | set(part.columns) | set(label)
-    unknown = [c for c in frame.columns if c not in allowed]
-    if unknown:
-        raise SpecError(
-            f"{where}: column(s) {unknown} the model of table {table!r} did not train on "
-            f"(it takes {sorted(set(keys) | set(part.columns))})"
-        )
+    frame = frame[[c for c in frame.columns if c in set(keys) | set(part.columns)]]  # other columns: ignored
     absent = [c for c in part.columns if c not in frame.columns]
     if absent:
         raise SpecError(f"{where}: no feature column(s) {absent} of table {table!r}")
@@ -159,7 +152,7 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             )
     if len(frame) == 0:
         raise SpecError(f"{where}: no rows")
-    return frame.drop(columns=label, errors="ignore").reset_index(drop=True)
+    return frame.reset_index(drop=True)
 
 
 def request_rows(client: TableClient, part: ModelPart, query: bool) -> tuple[pd.DataFrame, np.ndarray]:
