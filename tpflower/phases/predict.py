@@ -30,6 +30,7 @@ model did not train on are ignored); one line naming the file, the table and the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ import pandas as pd
 
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
+from tpflower.datasets import derive_rows
 from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys
 from tpflower.keys_payload import KeysPayload
@@ -129,10 +131,24 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
         frame = pd.read_parquet(path) if suffix == ".parquet" else pd.read_csv(path)
     except (OSError, ValueError) as exc:
         raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
+    if s.owner.loader is not None:  # rows in the format of the loader's source: its derived columns computed
+        frame = derive_rows(s.owner.loader, table, frame)
     keys = list(spec.key_columns(table))
     missing = [c for c in keys if c not in frame.columns]
     if missing:
         raise SpecError(f"{where}: no key column(s) {missing} of table {table!r} (the rows join by {keys})")
+    incomplete = frame[keys].isna().any(axis=1).to_numpy()
+    if incomplete.any():
+        detail = (
+            f"{where}: {int(incomplete.sum())} row(s) with a missing key in {keys} of table {table!r}, the first "
+            f"row {int(np.flatnonzero(incomplete)[0])} (0-based, header excluded); give every row its keys"
+        )
+        if s.owner.origin == "simulation":
+            raise SpecError(detail)
+        logging.getLogger("tpflower").error("%s", detail)  # the owner's log: rows and counts stay on the node
+        raise SpecError(
+            f"table {table!r} shard {s.shard}: the rows file has rows with a missing key (the node's log says which)"
+        )
     frame = frame[[c for c in frame.columns if c in set(keys) | set(part.columns)]]  # other columns: ignored
     absent = [c for c in part.columns if c not in frame.columns]
     if absent:
