@@ -20,6 +20,9 @@ import pandas as pd
 from tpflower.schema import RelationalSpec, SpecError, key_kind, resolve_label_table
 
 Severity = Literal["error", "warning"]
+NA_ATTR = (
+    "na_text"  # frame.attrs: {column: (count, first row, value)} of "n/a"-style text read as missing (datasets.files)
+)
 DROP_POLICIES: tuple[str, ...] = ("warn", "error", "ignore")
 DROP_THRESHOLD = 0.01  # a join that drops more than this share of the label table's rows is reported
 
@@ -165,6 +168,15 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                 role="label column",
             )
         )
+    for col in sorted(set(t.numeric) & set(t.categorical)):
+        out.append(
+            Problem(
+                name,
+                "is declared both numeric and categorical",
+                "list it under one of the two in the dataset config",
+                column=col,
+            )
+        )
     needed = list(
         dict.fromkeys(
             list(spec.key_columns(name))
@@ -226,6 +238,25 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                         "replace them by finite numbers or leave them empty",
                     )
                 )
+    na_text = frame.attrs.get(NA_ATTR) or {}
+    for col in (c for c in t.numeric if c in present and c in na_text):
+        n, row, value = na_text[col]
+        out.append(
+            Problem(
+                name,
+                _counted(n, f"values like {value!r} read as missing")
+                if spec.na_strings == "missing"
+                else _counted(n, f"text values like {value!r} for a missing number"),
+                "the median fills them (dataset.na_strings: error refuses them)"
+                if spec.na_strings == "missing"
+                else "leave the cells of unknown numbers empty (or set dataset.na_strings: missing)",
+                column=col,
+                role="numeric feature",
+                count=n,
+                example=f"first at {_at(row, t.source)}",
+                severity="warning" if spec.na_strings == "missing" else "error",
+            )
+        )
     for col in (c for c in spec.key_columns(name) if c in present):
         p = _missing(
             name,
