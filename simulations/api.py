@@ -27,8 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
+from simulations.job import failure_message, run_job
 from simulations.predict import predict_run
-from simulations.run import failure_message, run_job
+from simulations.run import choices, unknown_choice
 from tpflower.config import compose_config
 from tpflower.errors import TpflowerError
 from tpflower.results import RESULTS_FILE, ResultsError, read_results
@@ -100,6 +101,9 @@ def compose(
     if algorithm is not None:
         args.append(f"algorithm={algorithm}")
     args += [f"runtime={runtime}", *overrides, *overrides_of(settings)]
+    wrong = unknown_choice(choices(args)[0], [str(config_dir)] if config_dir is not None else [])
+    if wrong is not None:
+        raise TpflowerError(wrong)
     try:
         return compose_config(*args, dataset=spec)
     except (HydraException, OmegaConfBaseException) as exc:
@@ -149,6 +153,10 @@ def fit(
     path = Path(run_dir).expanduser().resolve() if run_dir is not None else default_run_dir(cfg, base)
     path.mkdir(parents=True, exist_ok=True)
     log = console_log(verbose)
+    engine = "Flower's simulation engine" if runtime == "flower" else f"runtime={runtime}"
+    log(
+        f"tpflower.fit: algorithm={cfg.algorithm.name} dataset={cfg.dataset.name} on {engine}; results: {path}/results.json"
+    )
     try:
         run_job(cfg, path, base_dir=str(base), log=log)
     except Exception as exc:

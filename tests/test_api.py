@@ -81,8 +81,18 @@ def test_a_bad_setting_and_a_typo_raise_one_line(tmp_path):
     with pytest.raises(tpflower.TpflowerError, match=r"^[^\n]*epochs") as info:
         tpflower.fit(dataset="synthetic", runtime="inprocess", epochs=-1, run_dir=tmp_path, verbose=False)
     assert "\n" not in str(info.value)
-    with pytest.raises(tpflower.TpflowerError, match="algorithm/nosuch"):
+    with pytest.raises(tpflower.TpflowerError) as typo:
         tpflower.fit(algorithm="nosuch", run_dir=tmp_path, verbose=False)
+    assert str(typo.value).startswith("algorithm=nosuch: no such algorithm; choose one of admm, auto, celu,")
+    assert " _admm" not in str(typo.value)
+
+
+def test_a_typo_in_a_choice_lists_the_public_choices_only(tmp_path):
+    done = cli("train", "algorithm=admn", "dataset=synthetic", cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: algorithm=admn: no such algorithm; choose one of admm, auto, celu, centralized,")
+    assert "_" not in line.split("choose one of")[1].replace("vfl_", "").replace("coreset_kmeans", "")
 
 
 def test_the_docs_example_trains_predicts_and_reloads(tmp_path):

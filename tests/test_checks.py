@@ -266,3 +266,20 @@ def test_na_text_in_a_numeric_column_is_counted_missing_or_refused_as_the_spec_s
         "table 'orders', numeric feature 'qty': 3 text values like 'n/a' for a missing number, first at row 3 (line "
         f"5 of {tmp_path / 'orders.csv'}); leave the cells of unknown numbers empty (or set dataset.na_strings: missing)"
     ]
+
+
+def test_rows_a_where_filter_removes_are_reported_as_filtered_not_missing(tmp_path):
+    dataset = shop(tmp_path)
+    dataset["tables"]["customers"]["where"] = "age >= 40"  # an intended filter: older customers only
+    _, _, problems = check_dataset(dataset)
+    (p,) = problems
+    assert p.severity == "warning"
+    assert "their partner rows in table 'customers' are filtered out by its WHERE (age >= 40)" in p.line()
+    assert "add the missing rows" not in p.line() and "the run trains on the rest" in p.line()
+    del dataset["tables"]["customers"]["where"]
+    customers = pd.read_csv(tmp_path / "customers.csv")
+    customers[customers["age"] >= 40].to_csv(tmp_path / "customers.csv", index=False)  # the rows really absent
+    (missing,) = check_dataset(dataset)[2]
+    assert (
+        "they have no partner row in table 'customers'" in missing.line() and "add the missing rows" in missing.line()
+    )

@@ -385,17 +385,18 @@ def dropped_row_problems(
                 )
             ]
         if lost > DROP_THRESHOLD * n and policy != "ignore":
-            out.append(
-                Problem(
-                    None,
-                    f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} "
-                    f"({lost / n:.1%}): they have no partner row in table {new!r}",
+            where = spec.table(new).where
+            head = f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} ({lost / n:.1%})"
+            if where is not None:  # the owner's filter (a WHERE of the query) removed their partners: intended
+                what = f"{head}: their partner rows in table {new!r} are filtered out by its WHERE ({where})"
+                fix = "the run trains on the rest (dataset.on_dropped_rows=ignore silences this line, =error refuses)"
+            else:
+                what = f"{head}: they have no partner row in table {new!r}"
+                fix = (
                     "add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest "
-                    "(=error to refuse)",
-                    count=lost,
-                    severity="error" if policy == "error" else "warning",
+                    "(=error to refuse)"
                 )
-            )
+            out.append(Problem(None, what, fix, count=lost, severity="error" if policy == "error" else "warning"))
     return out
 
 
