@@ -664,8 +664,9 @@ def run_status(run_id: int, connection: str, env: dict[str, str]) -> dict[str, A
 
 #: terminal colour and cursor codes (`flwr`'s rich console): dropped when the output is not a terminal
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-#: `flwr run`'s notes on the app's pyproject that are no run's business ([project] has no license field)
-NOISE = re.compile(r'Recommended property "license" missing')
+#: `flwr run`'s note on the app's pyproject that is no run's business ([project] has no license field),
+#: its heading, and a log prefix with nothing after it
+NOISE = re.compile(r'Recommended property "license" missing|^Flower App configuration warnings in |^[A-Z]+ :\s*$')
 
 
 def stream_run(
@@ -744,6 +745,8 @@ def submit(dep: Deployment, job: str, run_dir: Path, out: Path, what: str, timeo
                 + ("" if written else f"; no new {out}")
                 + f" (logs in {dep.state_dir})"
             )
+        if not any(str(out) in line for line in lines):  # the ServerApp's log names it, streamed above
+            print(f"{what}: wrote {out}", flush=True)
         return out
     finally:
         left = stop(dep)
@@ -909,7 +912,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
         return 1 if left else 0
     elif args.command == "run":
         try:
-            results = run(
+            run(
                 args.overrides,
                 args.run_dir,
                 args.state_dir,
@@ -918,13 +921,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
                 insecure=args.insecure,
                 resume=args.resume,
             )
-            print(f"results: {results}")
         except RunFailed as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     elif args.command == "predict":
         try:
-            out = predict(
+            predict(
                 args.overrides,
                 args.run_dir,
                 args.rows,
@@ -936,7 +938,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
                 table=args.table,
                 per_joined_row=args.per_joined_row,
             )
-            print(f"predictions: {out}")
         except (RunFailed, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

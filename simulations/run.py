@@ -13,12 +13,10 @@ import os
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_original_cwd
-from omegaconf import DictConfig
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # tpflower.config.CONF_DIR, without its imports
 JOB_MODULE = "simulations.job"
@@ -113,10 +111,12 @@ def announce(argv: list[str], now: datetime | None = None) -> tuple[str | None, 
     return f"{what} on {engine}; results: {run_dir}/results.json", argv
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
-def hydra_main(cfg: DictConfig) -> Any:
-    """Exit status 1 for a refused setting, bad data or a failed run, with the reason on stderr and the
-    traceback in the run's log file only (TPFLOWER_TRACEBACK=1: raise)."""
+def job(cfg: DictConfig) -> Any:
+    """The Hydra job: exit status 1 for a refused setting, bad data or a failed run, with the reason on stderr
+    and the traceback in the run's log file only (TPFLOWER_TRACEBACK=1: raise)."""
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415  start-up: after the first line
+    from hydra.utils import get_original_cwd  # noqa: PLC0415  start-up: after the first line
+
     from simulations.job import report_failure, run_job  # noqa: PLC0415  start-up: after the first line
     from tpflower.owner import redact_run_dir, simulation_secret  # noqa: PLC0415  start-up: after the first line
 
@@ -142,10 +142,12 @@ def main() -> Any:
     line, sys.argv[1:] = announce(sys.argv[1:])
     if line is not None:
         print(line, flush=True)
+    import hydra  # noqa: PLC0415  start-up: after the first line
+
     from tpflower.config import register_algorithm_defaults  # noqa: PLC0415  start-up: after the first line
 
     register_algorithm_defaults()
-    return hydra_main()
+    return hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)()
 
 
 if __name__ == "__main__":

@@ -111,8 +111,9 @@ def test_streamed_run_output_is_clean_when_not_a_terminal():
 
     script = (
         "print('\\x1b[32mINFO\\x1b[0m :      Starting'); print('epoch 1 | x'); print('epoch 1 | x'); "
+        "print(\"Flower App configuration warnings in '/app/pyproject.toml':\"); "
         "print('WARNING: Recommended property \"license\" missing in [project]'); "
-        "print('\\x1b[1mSuccessfully started run 7\\x1b[0m'); print('results: /r/results.json')"
+        "print('\\x1b[1mSuccessfully started run 7\\x1b[0m'); print('INFO :      '); print('results: /r/results.json')"
     )
     out = io.StringIO()
     run_id, lines = deploy.stream_run([sys.executable, "-c", script], dict(os.environ), 60, out)
