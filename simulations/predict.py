@@ -60,7 +60,8 @@ def predict_run(
     table = table or spec.label_table
     if table not in spec.table_names:
         raise ValueError(f"--table {table!r}: no such table (tables: {', '.join(spec.table_names)})")
-    ignored = unused_columns(rows_path, spec, table, (cfg.dataset.get("loader") or {}).get("name"))
+    loader = None if spec.table(table).source else (cfg.dataset.get("loader") or {}).get("name")  # as the node
+    ignored = unused_columns(rows_path, spec, table, loader)
     if ignored:
         log(
             f"{rows_name or f'rows file {rows}'}: column(s) {ignored} are no feature or key of table {table!r}: ignored"

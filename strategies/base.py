@@ -103,7 +103,8 @@ class TablePuppetStrategy(Strategy):
         start, said = time.monotonic(), 0.0
         if self.engine_t0 is not None:
             self.log(
-                f"engine: up in {time.perf_counter() - self.engine_t0:.1f} s; waiting for {len(self.clients)} nodes"
+                f"engine: ServerApp up in {time.perf_counter() - self.engine_t0:.1f} s; waiting for "
+                f"{len(self.clients)} nodes (Ray's actors import torch and tpflower)"
             )
         while True:
             new = sorted(set(self.transport.node_ids()) - set(self.keys))
