@@ -23,8 +23,9 @@ Secure by default: ``start`` makes a CA and the SuperLink's certificate (STATE_D
 key pair per SuperNode (STATE_DIR/clients/T-Q.key and .pub), registers the public keys with the SuperLink
 (``flwr supernode register``) and starts everything with TLS and SuperNode authentication; ``--insecure``
 (plain text, no authentication) only when asked. It writes the SuperLink connection ``local-deployment``
-(address 127.0.0.1:PORT, root-certificates = the CA) into ``$FLWR_HOME/config.toml`` (default ``~/.flwr``):
-Flower 1.41 reads connections from there, not from pyproject.toml. Every process is started in its own session
+(address 127.0.0.1:PORT, root-certificates = the CA) into ``FLWR_HOME/config.toml``, FLWR_HOME being
+``--flwr-home``, else ``$FLWR_HOME``, else STATE_DIR/flwr (the user's ~/.flwr is left alone): Flower 1.41 reads
+connections from there, not from pyproject.toml. Every process is started in its own session
 (process group) and carries the environment variable ``TPFLOWER_DEPLOY_TAG``; ``stop`` kills the recorded groups and then any process still carrying the
 tag (the SuperLink starts its ``flower-superexec`` in a session of its own). The state of a deployment (ports,
 pids, logs) is in ``STATE_DIR/deployment.json`` (default outputs/deploy).
@@ -57,7 +58,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import tomli_w
 import yaml
@@ -91,11 +92,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def flwr_home(explicit: str | Path | None = None) -> Path:
-    """Flower's home directory (config.toml, installed FABs, the local SuperLink's state): FLWR_HOME or ~/.flwr."""
+def flwr_home(explicit: str | Path | None = None, state_dir: str | Path | None = None) -> Path:
+    """Flower's home directory (config.toml, installed FABs, the local SuperLink's state): ``explicit``
+    (--flwr-home), else $FLWR_HOME, else STATE_DIR/flwr for a deployment (``state_dir``: its connection stays
+    out of the user's ~/.flwr), else ~/.flwr (the home `flwr run .` uses)."""
     if explicit:
         return Path(explicit).expanduser().resolve()
-    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser().resolve()
+    if os.environ.get("FLWR_HOME"):
+        return Path(os.environ["FLWR_HOME"]).expanduser().resolve()
+    return (Path(state_dir) / "flwr" if state_dir is not None else Path.home() / ".flwr").expanduser().resolve()
 
 
 def flower_env(home: Path, tag: str, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -552,7 +557,7 @@ def start(
     tls = None if insecure else make_server_tls(state / "pki")
     dep = Deployment(
         tag=uuid.uuid4().hex,
-        flwr_home=str(flwr_home(home)),
+        flwr_home=str(flwr_home(home, state)),
         state_dir=str(state),
         superlink_port=port or free_port(),
         connection=connection,
@@ -663,18 +668,36 @@ def run_status(run_id: int, connection: str, env: dict[str, str]) -> dict[str, A
         ) from None
 
 
-def stream_run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, list[str]]:
-    """Run ``flwr run ... --stream``, echoing its output; returns (the run id it started, its output lines)."""
+#: terminal colour and cursor codes (`flwr`'s rich console): dropped when the output is not a terminal
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+#: `flwr run`'s note on the app's pyproject that is no run's business ([project] has no license field),
+#: its heading, and a log prefix with nothing after it
+NOISE = re.compile(r'Recommended property "license" missing|^Flower App configuration warnings in |^[A-Z]+ :\s*$')
+
+
+def stream_run(
+    cmd: list[str], env: dict[str, str], timeout: float, out: TextIO | None = None
+) -> tuple[int | None, list[str]]:
+    """Run ``flwr run ... --stream``, echoing its output to ``out`` (default stdout), each line once, without
+    colour codes unless ``out`` is a terminal; returns (the run id it started, its output lines)."""
+    out = out or sys.stdout
+    tty = out.isatty()
+    if not tty:
+        env = {**env, "NO_COLOR": "1"}  # rich (flwr's console) writes no colour codes
     lines: list[str] = []
+    shown: set[str] = set()
     run_id = None
     with subprocess.Popen(
         cmd, env=env, cwd=APP_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     ) as proc:
         deadline = time.monotonic() + timeout
         assert proc.stdout is not None
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            lines.append(line.rstrip())
+        for raw in proc.stdout:
+            line = raw.rstrip("\n") if tty else ANSI.sub("", raw).rstrip()
+            if line.strip() and line not in shown and not NOISE.search(line):
+                shown.add(line)  # Flower's log stream may repeat lines (one per poll)
+                print(line, file=out, flush=True)
+            lines.append(ANSI.sub("", raw).rstrip())
             if run_id is None and (m := re.search(r"Successfully started run (\d+)", line)):
                 run_id = int(m.group(1))
             if time.monotonic() > deadline:
@@ -728,6 +751,8 @@ def submit(dep: Deployment, job: str, run_dir: Path, out: Path, what: str, timeo
                 + ("" if written else f"; no new {out}")
                 + f" (logs in {dep.state_dir})"
             )
+        if not any(str(out) in line for line in lines):  # the ServerApp's log names it, streamed above
+            print(f"{what}: wrote {out}", flush=True)
         return out
     finally:
         left = stop(dep)
@@ -746,6 +771,7 @@ def predict(
     insecure: bool = False,
     shard: int = 0,
     table: str | None = None,
+    per_joined_row: bool = False,
 ) -> Path:
     """A prediction request for the model a deployment trained into ``run_dir`` (docs/prediction.md): start
     the nodes again (same ``state_dir``: their saved parts), the query owner's (``table``, default the label
@@ -760,6 +786,7 @@ def predict(
     spec = load_spec(config_of(overrides).dataset)
     table = table or spec.label_table
     job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.table={table} +predict.shard={int(shard)}"
+    job += " +predict.per_joined_row=true" if per_joined_row else ""
     query = {(table, int(shard)): str(Path(rows).resolve())}
     dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query)
     return submit(dep, job, run_dir, run_dir / PREDICTIONS_FILE, "prediction run", timeout)
@@ -823,8 +850,8 @@ def stop_local(home: str | Path | None = None, timeout: float = 10.0) -> list[in
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.deploy", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m simulations.deploy") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_start = sub.add_parser("start", help="start a SuperLink and one SuperNode per table; returns at once")
     p_stop = sub.add_parser("stop", help="stop the deployment recorded in --state-dir")
@@ -848,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     p_predict.add_argument("--rows", required=True, help="the query owner's new rows (CSV or Parquet)")
     p_predict.add_argument("--table", help="the query table (default: the label table)")
     p_predict.add_argument("--shard", type=int, default=0, help="the query table's shard whose owner holds them")
+    p_predict.add_argument("--per-joined-row", action="store_true", help="a line per joined row, not per new row")
     for p in (p_start, p_run, p_clients, p_predict):
         p.add_argument(
             "--overrides",
@@ -866,7 +894,11 @@ def main(argv: list[str] | None = None) -> int:
     for p in (p_start, p_stop, p_run, p_predict):
         p.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="deployment.json and the process logs")
     for p in (p_start, p_run, p_local, p_predict):
-        p.add_argument("--flwr-home", default=None, help="Flower home (default: $FLWR_HOME or ~/.flwr)")
+        p.add_argument(
+            "--flwr-home",
+            default=None,
+            help="Flower home (default: $FLWR_HOME, else STATE_DIR/flwr; stop-local: ~/.flwr)",
+        )
     args = parser.parse_args(argv)
 
     if args.command == "start":
@@ -886,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if left else 0
     elif args.command == "run":
         try:
-            results = run(
+            run(
                 args.overrides,
                 args.run_dir,
                 args.state_dir,
@@ -895,13 +927,12 @@ def main(argv: list[str] | None = None) -> int:
                 insecure=args.insecure,
                 resume=args.resume,
             )
-            print(f"results: {results}")
         except RunFailed as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     elif args.command == "predict":
         try:
-            out = predict(
+            predict(
                 args.overrides,
                 args.run_dir,
                 args.rows,
@@ -911,8 +942,8 @@ def main(argv: list[str] | None = None) -> int:
                 insecure=args.insecure,
                 shard=args.shard,
                 table=args.table,
+                per_joined_row=args.per_joined_row,
             )
-            print(f"predictions: {out}")
         except (RunFailed, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,8 @@ def run_flower_simulation(
     # Flower 1.41 deprecates run_simulation in favour of `flwr run` (a CLI that starts a SuperLink process and
     # reads the app's pyproject), but it is the only in-Python way to start the simulation engine with a
     # config composed by Hydra: kept here, in this one function, with its notice sent to flower.log.
+    t0 = time.perf_counter()
+    log("engine: starting Flower's simulation engine (Ray)")
     from flwr.simulation import run_simulation  # noqa: PLC0415  Ray: only when the engine runs
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's future default, no warning per run
@@ -77,6 +80,7 @@ def run_flower_simulation(
     if actors is not None:  # Ray's logical CPUs: the pool has CPUs / num_cpus actors
         init_args["num_cpus"] = actors * max(float(cfg.resources.num_cpus), 1.0)
     log_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="tpflower-"))
+    strategy.engine_t0 = t0  # the strategy says when the engine is up and the nodes are in
     with flower_logs_to(log_dir / FLOWER_LOG):
         run_simulation(
             server_app=server_app_for(cfg, run_dir, base_dir, created, log=log, strategy=strategy),

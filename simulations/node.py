@@ -149,8 +149,8 @@ def reset_label_dp(client_config: str, table: str | None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.node", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m simulations.node") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--client-config", required=True, help="the owner's settings file (tpflower.owner)")
     parser.add_argument("--superlink", help="the SuperLink's Fleet API, HOST:PORT")
     parser.add_argument("--table", default=None, help="the table served (default: the settings file's `table`)")

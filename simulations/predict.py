@@ -2,12 +2,12 @@
 
 Federated prediction in simulation (docs/prediction.md): the nodes of the training run in RUN_DIR come back
 with their saved parts (RUN_DIR/node-state), the query table's owner (--table, default the label table's)
-supplies the new rows FILE (CSV or Parquet: the table's join keys and feature columns), the other owners the tables they serve now; the server
-(strategies/predict.py) joins the keys, sums the parts' outputs and writes one line per joined new row. New
-rows that join no partner are counted and their row numbers written to OUT.unjoined.csv. Bad input (a rows
-file without the key columns, with a column the model did not train on, with wrong types; a missing part):
-one line on stderr, exit status 1, nothing written.
-"""
+supplies the new rows FILE (CSV or Parquet, in the table's own format: its join keys and the columns its
+features come from; other columns are ignored with one line), the other owners the tables they serve now; the
+server (strategies/predict.py) joins the keys, sums the parts' outputs and writes one line per new row (the
+mean over its joined rows), or with --per-joined-row one per joined row. New rows that join no partner are
+counted and their row numbers written to OUT.unjoined.csv. Bad input (a rows file without the key columns, a
+missing key, wrong types; a missing part): one line on stderr, exit status 1, nothing written."""
 
 from __future__ import annotations
 
@@ -19,14 +19,17 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 from omegaconf import OmegaConf, open_dict
 
 from simulations.federated import run_flower_simulation, run_in_process
 from strategies.model_record import read_model_record
 from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Predictions, write_predictions
 from strategies.transport import RunError
-from tpflower.datasets import load_spec
-from tpflower.schema import SpecError
+from tpflower.datasets import derive_rows, load_spec
+from tpflower.schema import RelationalSpec, SpecError
 
 
 def predict_run(
@@ -37,9 +40,13 @@ def predict_run(
     base_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
     table: str | None = None,
+    per_joined_row: bool = False,
+    rows_name: str | None = None,
 ) -> Predictions:
     """Score the new rows ``rows`` with the model of ``run_dir`` (its model.json and its nodes' parts); the
-    shard ``shard`` of table ``table`` (default: the label table) holds them. ``runtime``: inprocess, or flower (the simulation engine)."""
+    shard ``shard`` of table ``table`` (default: the label table) holds them. ``runtime``: inprocess, or flower (the simulation engine).
+    ``per_joined_row``: the predictions' frame has a line per joined row, not one per new row. ``rows_name``:
+    what the notice of ignored columns calls the rows (default: the rows file)."""
     for name in ("flwr", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     run_dir = Path(run_dir).resolve()
@@ -53,8 +60,15 @@ def predict_run(
     table = table or spec.label_table
     if table not in spec.table_names:
         raise ValueError(f"--table {table!r}: no such table (tables: {', '.join(spec.table_names)})")
+    loader = None if spec.table(table).source else (cfg.dataset.get("loader") or {}).get("name")  # as the node
+    ignored = unused_columns(rows_path, spec, table, loader)
+    if ignored:
+        log(
+            f"{rows_name or f'rows file {rows}'}: column(s) {ignored} are no feature or key of table {table!r}: ignored"
+        )
     with open_dict(cfg):
         cfg.predict = {"run_id": record["run_id"], "rows": str(rows_path), "table": table, "shard": shard}
+        cfg.predict.per_joined_row = per_joined_row
     strategy = FederatedPrediction(cfg, spec, record, (table, int(shard)), log)
     if runtime == "inprocess":
         run_in_process(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
@@ -66,25 +80,63 @@ def predict_run(
     return strategy.results
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.predict", description=__doc__.split("\n")[0])
+def unused_columns(path: Path, spec: RelationalSpec, table: str, loader: str | None) -> list[str]:
+    """The columns of the rows file that the model of ``table`` does not take (neither join key, feature nor the
+    label); the query owner's node ignores them (tpflower.phases.predict.read_rows)."""
+    try:
+        if path.suffix.lower() == ".parquet":
+            columns = pq.read_schema(path).names
+        else:
+            columns = list(pd.read_csv(path, nrows=0).columns)
+    except (OSError, ValueError, pa.ArrowException):
+        return []  # an unreadable file: the node says why, in its one line
+    t = spec.table(table)
+    label = [spec.label.column] if spec.label.table == table else []
+    used = {*spec.key_columns(table), *t.features, *(c for c, _ in t.binned), *label}
+    if loader is not None:  # a column the loader derives features from is used too
+        header = pd.DataFrame(columns=columns)
+        derived = set(derive_rows(loader, table, header).columns)
+        used |= {
+            c for c in columns if set(derive_rows(loader, table, header.drop(columns=[c])).columns) != derived - {c}
+        }
+    return [c for c in columns if c not in used]
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.predict") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", help="the training run's directory (model.json, node-state/)")
     parser.add_argument("--rows", required=True, help="the new rows (CSV or Parquet) of the query table")
     parser.add_argument("--table", help="the query table whose owner holds the new rows (default: the label table)")
     parser.add_argument("--out", help="the predictions CSV (default RUN_DIR/predictions.csv)")
     parser.add_argument("--shard", type=int, default=0, help="the query table's shard that holds the rows")
+    parser.add_argument(
+        "--per-joined-row",
+        action="store_true",
+        help="a line per joined row (with the partner tables' rows), not one per new row (the mean over its joined rows)",
+    )
     parser.add_argument("--runtime", choices=("inprocess", "flower"), default="inprocess")
     parser.add_argument("--base-dir", help="where relative dataset paths start (default: the current directory)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        pred = predict_run(args.run_dir, args.rows, args.shard, args.runtime, args.base_dir, table=args.table)
+        pred = predict_run(
+            args.run_dir,
+            args.rows,
+            args.shard,
+            args.runtime,
+            args.base_dir,
+            table=args.table,
+            per_joined_row=args.per_joined_row,
+        )
     except (RunError, SpecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     out = Path(args.out) if args.out else Path(args.run_dir) / PREDICTIONS_FILE
     write_predictions(pred, out)
-    print(f"{len(pred.rows) + len(pred.unjoined)} new rows scored in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"{pred.n_rows + len(pred.unjoined)} new rows: {pred.n_rows} scored over {len(pred.rows)} joined rows, "
+        f"{len(pred.unjoined)} joined no partner; {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 

@@ -1,112 +1,125 @@
-"""Hydra entry point: ``python -m simulations.run algorithm=... dataset=... model=... epochs=K``.
+"""Hydra entry point: ``python -m simulations.run algorithm=... dataset=... model=... epochs=K`` (``tpflower train``).
 
 Writes results.json into the Hydra run dir (``hydra.run.dir=...`` moves it) and prints its path.
 Privacy settings (conf/privacy) are checked first, before any data is loaded (tpflower.privacy.validate_privacy).
+The first line, printed before torch and Flower are imported (seconds), says what runs and where its results
+go; the job itself is simulations.job (imported after it, also as ``simulations.run.run_job``).
 """
 
 from __future__ import annotations
 
-import logging
+import importlib
 import os
 import sys
-import traceback
-from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_original_cwd
-from omegaconf import DictConfig, OmegaConf, open_dict
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-from simulations.federated import run_flower_simulation, run_in_process
-from strategies.transport import RunError
-from tpflower.app.server_app import build_strategy
-from tpflower.checks import DataProblems, errors
-from tpflower.config import CONF_DIR, register_algorithm_defaults
-from tpflower.datasets import check_dataset, compile_sql, load_spec, release_tables
-from tpflower.owner import redact_run_dir, simulation_secret
-from tpflower.registry import entry_of
-from tpflower.results import RunResults
-from tpflower.schema import SpecError
-
-QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
-
-
-def run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None) -> RunResults:
-    """Run one configured job and write its results.json into ``run_dir``."""
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    compile_query(cfg, base_dir)
-    # the spec parsed and the strategy built once, here: its settings are checked before any table is loaded,
-    # and the runners run this very object
-    spec = load_spec(cfg.dataset, base_dir=base_dir)
-    strategy = build_strategy(cfg, run_dir, base_dir, log=lambda line: print(line, flush=True), spec=spec)
-    n_rows = check_data(cfg, base_dir)  # and every table, all problems at once
-    if not entry_of(cfg).federated:
-        return strategy.run_local(base_dir)
-    release_tables()  # the server holds no table during the run: each client loads its own
-    if cfg.get("runtime", "flower") == "inprocess":
-        results = run_in_process(cfg, run_dir, base_dir, strategy=strategy).strategy.results
-    else:
-        results = run_flower_simulation(cfg, run_dir, base_dir, strategy=strategy, largest_table=max(n_rows.values()))
-    assert results is not None
-    return results
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # tpflower.config.CONF_DIR, without its imports
+JOB_MODULE = "simulations.job"
+#: Hydra's flags after which no run starts (help, config printing) or runs sweep (their dirs are Hydra's)
+NO_FIRST_LINE = (
+    "-h",
+    "--help",
+    "--hydra-help",
+    "-c",
+    "--cfg",
+    "-i",
+    "--info",
+    "--version",
+    "-sc",
+    "--shell-completion",
+)
+MULTIRUN = ("-m", "--multirun")
+VALUE_FLAGS = ("-cd", "--config-dir", "-cp", "--config-path", "-cn", "--config-name", "-p", "--package")
 
 
-def compile_query(cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print) -> None:
-    """A dataset declared as SQL (``dataset.sql``) becomes, in place, the spec it compiles to (tpflower.sql);
-    the normalized query is the run's first line."""
-    if not cfg.dataset.get("sql"):
-        return
-    compiled = compile_sql(cfg.dataset, base_dir)
-    log(f"query: {compiled['query']}")
-    with open_dict(cfg):
-        cfg.dataset = OmegaConf.create(compiled)
+def __getattr__(name: str) -> Any:
+    """``simulations.run.run_job`` and the other job functions (simulations.job), imported on first use."""
+    if name in ("run_job", "check_data", "compile_query", "failure_message", "report_failure", "log_file"):
+        return getattr(importlib.import_module(JOB_MODULE), name)
+    raise AttributeError(f"module 'simulations.run' has no attribute {name!r}")
 
 
-def check_data(
-    cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print
-) -> dict[str, int]:
-    """Load and check every table before anything runs (the user owns them all in a simulation): raise
-    DataProblems with every error found; print each warning (e.g. a join that drops labelled rows). Returns
-    each table's row count."""
-    spec, frames, problems = check_dataset(cfg.dataset, base_dir)
-    if errors(problems):
-        raise DataProblems(errors(problems), spec.name)
-    for p in problems:
-        log(f"warning: {p.line()}")
-    return {t: len(f) for t, f in frames.items()}
+def choices(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The ``KEY=VALUE`` overrides of a command line (flags and their values aside) and its Hydra flags."""
+    overrides: dict[str, str] = {}
+    flags: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            flags.append(arg.split("=", 1)[0])
+            skip = arg in VALUE_FLAGS
+        elif "=" in arg:
+            key, value = arg.split("=", 1)
+            overrides[key.lstrip("+~")] = value
+    return overrides, flags
 
 
-def log_file(run_dir: Path) -> Path:
-    """The run's log file: Hydra's job log (RUN_DIR/run.log) when logging to a file, else RUN_DIR/error.log."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            return Path(handler.baseFilename)
-    return run_dir / "error.log"
+def unknown_choice(overrides: dict[str, str], config_dirs: list[str]) -> str | None:
+    """The line for a ``GROUP=NAME`` override that names no config of the group (conf/GROUP/NAME.yaml or a
+    ``--config-dir``'s): the public choices only (Hydra's own message also lists the algorithms' private
+    defaults nodes, ``_admm`` ..., that tpflower.config stores)."""
+    for group, name in overrides.items():
+        folders = [Path(CONF_DIR) / group, *(Path(d).expanduser() / group for d in config_dirs)]
+        if "." in group or not (Path(CONF_DIR) / group).is_dir():
+            continue
+        options = sorted(
+            {f.stem for d in folders if d.is_dir() for f in d.glob("*.yaml") if not f.stem.startswith("_")}
+        )
+        if name not in options:
+            return f"{group}={name}: no such {group}; choose one of {', '.join(options)}"
+    return None
 
 
-def report_failure(exc: BaseException, run_dir: Path) -> str:
-    """The console text of a failed run (no traceback); the full traceback is appended to the run's log file."""
-    path = log_file(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fh.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    if isinstance(exc, DataProblems):
-        return f"error: {exc.report()}"
-    if isinstance(exc, (RunError, SpecError, ValueError)):
-        return f"error: {exc}"
-    return f"error: {type(exc).__name__}: {exc} (traceback in {path})"
+def config_dirs_of(argv: list[str]) -> list[str]:
+    """The ``--config-dir`` / ``-cd`` folders of a command line."""
+    out = []
+    for k, arg in enumerate(argv):
+        if arg in ("-cd", "--config-dir") and k + 1 < len(argv):
+            out.append(argv[k + 1])
+        elif arg.startswith("--config-dir="):
+            out.append(arg.split("=", 1)[1])
+    return out
 
 
-register_algorithm_defaults()  # before Hydra composes conf/algorithm/*.yaml, which extend these nodes
+def announce(argv: list[str], now: datetime | None = None) -> tuple[str | None, list[str]]:
+    """The run's first line (what runs, where its results go) and the command line to give Hydra: without a
+    ``hydra.run.dir`` the run dir conf/config.yaml's pattern makes, fixed now so that the line names it."""
+    overrides, flags = choices(argv)
+    if any(f in NO_FIRST_LINE for f in flags):
+        return None, argv
+    algorithm, dataset = overrides.get("algorithm", "auto"), overrides.get("dataset", "movielens")
+    runtime = overrides.get("runtime", "flower")
+    engine = "Flower's simulation engine" if runtime == "flower" else f"runtime={runtime}"
+    more = [k for k in overrides if k not in ("algorithm", "dataset") and not k.startswith("hydra.")]
+    what = f"tpflower train: algorithm={algorithm} dataset={dataset}" + (
+        f" ({len(more)} more setting{'s' if len(more) > 1 else ''})" if more else ""
+    )
+    if any(f in MULTIRUN for f in flags):
+        return f"{what}, a sweep on {engine}; results under multirun/ (one dir per job)", argv
+    run_dir = overrides.get("hydra.run.dir")
+    if run_dir is None:
+        now = now or datetime.now()
+        run_dir = f"outputs/{now:%Y-%m-%d}/{now:%H-%M-%S}-{algorithm}-{dataset}"
+        argv = [*argv, f"hydra.run.dir={run_dir}"]
+    return f"{what} on {engine}; results: {run_dir}/results.json", argv
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> Any:
-    """Exit status 1 for a refused setting, bad data or a failed run, with the reason on stderr and the
-    traceback in the run's log file only (TPFLOWER_TRACEBACK=1: raise)."""
+def job(cfg: DictConfig) -> Any:
+    """The Hydra job: exit status 1 for a refused setting, bad data or a failed run, with the reason on stderr
+    and the traceback in the run's log file only (TPFLOWER_TRACEBACK=1: raise)."""
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415  start-up: after the first line
+    from hydra.utils import get_original_cwd  # noqa: PLC0415  start-up: after the first line
+
+    from simulations.job import report_failure, run_job  # noqa: PLC0415  start-up: after the first line
+    from tpflower.owner import redact_run_dir, simulation_secret  # noqa: PLC0415  start-up: after the first line
+
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     redact_run_dir(run_dir / ".hydra", simulation_secret(cfg))  # Hydra saved the command line: no secret in it
     try:
@@ -117,6 +130,24 @@ def main(cfg: DictConfig) -> Any:
         print(report_failure(exc, run_dir), file=sys.stderr, flush=True)
         sys.exit(1)
     return results.history[-1].test_metric if results.history else None
+
+
+def main() -> Any:
+    """The first line at once, then torch, Flower and the algorithms' defaults (Hydra's ConfigStore nodes that
+    conf/algorithm/*.yaml extend), then the Hydra job."""
+    wrong = unknown_choice(choices(sys.argv[1:])[0], config_dirs_of(sys.argv[1:]))
+    if wrong is not None:
+        print(f"error: {wrong}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    line, sys.argv[1:] = announce(sys.argv[1:])
+    if line is not None:
+        print(line, flush=True)
+    import hydra  # noqa: PLC0415  start-up: after the first line
+
+    from tpflower.config import register_algorithm_defaults  # noqa: PLC0415  start-up: after the first line
+
+    register_algorithm_defaults()
+    return hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)()
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ def compiled_yaml(overrides: Sequence[str], config_dir: str | None = None, base_
     return f"# query: {compiled['query']}\n{OmegaConf.to_yaml(OmegaConf.create(compiled))}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.sql") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--config-dir", help="a folder with dataset/NAME.yaml files (as simulations.run takes)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. dataset=sql dataset.sql=...")
     args = parser.parse_args(argv)

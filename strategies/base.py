@@ -53,6 +53,8 @@ class TablePuppetStrategy(Strategy):
     WAIT_LINE_S = 10.0  # while nodes are missing at the start, a line this often
     client_rows: Mapping[ClientKey, int] = {}  # each client's row count, once known: replies are checked against it
     d_out: int | None = None  # the prediction width, once known
+    # under Flower's simulation engine: when the engine was asked to start (the start-up stages get a line each)
+    engine_t0: float | None = None
 
     def __init__(self, clients: list[ClientKey], log: Callable[[str], None] = print):
         self.clients = clients
@@ -99,6 +101,11 @@ class TablePuppetStrategy(Strategy):
         run stops with one line naming them."""
         assert self.transport is not None
         start, said = time.monotonic(), 0.0
+        if self.engine_t0 is not None:
+            self.log(
+                f"engine: ServerApp up in {time.perf_counter() - self.engine_t0:.1f} s; waiting for "
+                f"{len(self.clients)} nodes (Ray's actors import torch and tpflower)"
+            )
         while True:
             new = sorted(set(self.transport.node_ids()) - set(self.keys))
             if new:
@@ -106,6 +113,8 @@ class TablePuppetStrategy(Strategy):
             missing = [k for k in self.clients if k not in self.nodes]
             waited = time.monotonic() - start
             if not missing:
+                if self.engine_t0 is not None or waited >= 1.0:
+                    self.log(f"nodes: {len(self.nodes)} of {len(self.clients)} connected in {waited:.1f} s")
                 return
             names = ", ".join(f"table {t!r} shard {q}" for t, q in missing)
             if waited > wait_s:
@@ -312,6 +321,11 @@ class LoJStrategy(TablePuppetStrategy):
 
     def setup(self) -> None:
         """The setup rounds (JoinSetup.run): keys, then federated preprocessing, and expand for VFL."""
+        if self.engine_t0 is not None:
+            keys = (self.cfg.get("mapping") or {}).get("keys", "hmac")
+            self.log(
+                f"keys: {len(self.clients)} nodes send their join keys (mapping.keys={keys}); the table mapping follows"
+            )
         self.join.run(
             self.run_id, self.record, self.algorithm, self.plan_feature_dp if self.feature_dp else None, self.expand
         )

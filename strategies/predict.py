@@ -45,33 +45,86 @@ class Predictions:
     """The scored new rows: ``rows[j]`` the query row (its position in the rows file) of joined row j,
     ``H[j]`` its prediction in the label's units (classification: the scores, logits), ``unjoined`` the
     query rows that joined no partner; ``p[t][j]`` the row of table t in joined row j (the query table's: the
-    query row), the server's mapping."""
+    query row), the server's mapping. ``per_joined_row``: :meth:`frame` gives a line per joined row."""
 
     task: str
     rows: np.ndarray
     H: np.ndarray
     unjoined: np.ndarray
     p: dict[str, np.ndarray] = field(default_factory=dict)
+    per_joined_row: bool = False
+    query_table: str = ""
+
+    @property
+    def n_rows(self) -> int:
+        """The new rows that joined some partner (each gets a prediction)."""
+        return len(np.unique(self.rows))
 
     def frame(self) -> pd.DataFrame:
-        """One line per joined new row: ``row``, ``prediction`` and, for classification, class probabilities
-        (binary: ``p_1``; multiclass: ``p_0`` ... ``p_{C-1}``)."""
+        """The predictions as written: one line per new row (:meth:`row_frame`), or with ``per_joined_row``
+        (and always for k-means, a cluster per joined row) one per joined row (:meth:`joined_frame`)."""
+        return self.joined_frame() if self.per_joined_row or self.task == "cluster" else self.row_frame()
+
+    def joined_frame(self) -> pd.DataFrame:
+        """One line per joined new row: ``row``, the partner tables' rows ``TABLE_row`` (per_joined_row),
+        ``prediction`` and, for classification, class probabilities (binary: ``p_1``; multiclass: ``p_0`` ...
+        ``p_{C-1}``)."""
         out = pd.DataFrame({"row": self.rows.astype(np.int64)})
+        if self.per_joined_row:
+            for t, p_t in self.p.items():
+                if t != self.query_table:
+                    out[f"{t}_row"] = np.asarray(p_t, dtype=np.int64)
         H = np.asarray(self.H, dtype=np.float64).reshape(len(self.rows), -1) if len(self.rows) else self.H
         if self.task == "cluster":
             out["cluster"] = np.asarray(self.H).reshape(-1).astype(np.int64)
         elif self.task == "regression":
             out["prediction"] = H[:, 0]
-        elif self.task == "binary":
-            p1 = 1.0 / (1.0 + np.exp(-H[:, 0]))
-            out["prediction"], out["p_1"] = (H[:, 0] > 0).astype(np.int64), p1
         else:
-            e = np.exp(H - H.max(axis=1, keepdims=True))
-            P = e / e.sum(axis=1, keepdims=True)
-            out["prediction"] = H.argmax(axis=1)
-            for c in range(P.shape[1]):
-                out[f"p_{c}"] = P[:, c]
+            P = probabilities(self.task, H)
+            out["prediction"] = classes(self.task, P)
+            for c, name in enumerate(probability_columns(self.task, P.shape[1])):
+                out[name] = P[:, c]
         return out
+
+    def row_frame(self) -> pd.DataFrame:
+        """One line per new row that joined: ``row``, ``joined_rows`` (how many joined rows it is part of) and
+        the mean over them of the prediction (regression) or of the class probabilities (classification; its
+        ``prediction`` the class of the largest mean probability)."""
+        U, inv = np.unique(self.rows.astype(np.int64), return_inverse=True)
+        counts = np.bincount(inv, minlength=len(U))
+        out = pd.DataFrame({"row": U, "joined_rows": counts.astype(np.int64)})
+        H = np.asarray(self.H, dtype=np.float64).reshape(len(self.rows), -1)
+
+        def mean(a: np.ndarray) -> np.ndarray:
+            return np.bincount(inv, weights=a, minlength=len(U)) / np.maximum(counts, 1)
+
+        if self.task == "regression":
+            out["prediction"] = mean(H[:, 0])
+            return out
+        P = probabilities(self.task, H)
+        P_mean = np.stack([mean(P[:, c]) for c in range(P.shape[1])], axis=1) if len(U) else P
+        out["prediction"] = classes(self.task, P_mean)
+        for c, name in enumerate(probability_columns(self.task, P_mean.shape[1])):
+            out[name] = P_mean[:, c]
+        return out
+
+
+def probabilities(task: str, H: np.ndarray) -> np.ndarray:
+    """Class probabilities of scores H: binary ``(n, 1)`` P(y = 1) (the logistic of H), multiclass ``(n, C)``
+    the softmax."""
+    if task == "binary":
+        return 1.0 / (1.0 + np.exp(-H[:, :1]))
+    e = np.exp(H - H.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def classes(task: str, P: np.ndarray) -> np.ndarray:
+    """The predicted class of each row's probabilities (binary: 1 iff P(y = 1) > 1/2, i.e. a positive score)."""
+    return (P[:, 0] > 0.5).astype(np.int64) if task == "binary" else P.argmax(axis=1).astype(np.int64)
+
+
+def probability_columns(task: str, width: int) -> list[str]:
+    return ["p_1"] if task == "binary" else [f"p_{c}" for c in range(width)]
 
 
 class FederatedPrediction(TablePuppetStrategy):
@@ -98,6 +151,8 @@ class FederatedPrediction(TablePuppetStrategy):
         self.results: Predictions | None = None
         self.finished = False
         self.out: Path | None = None  # a deployed request: the server writes the predictions here
+        # one line per joined row (with the partner tables' rows) instead of one per new row
+        self.per_joined_row = bool((cfg.get("predict") or {}).get("per_joined_row", False))
 
     @classmethod
     def from_run_dir(
@@ -151,7 +206,12 @@ class FederatedPrediction(TablePuppetStrategy):
         except SpecError:  # no new row joins: every one is reported
             self.finish(
                 Predictions(
-                    self.task, np.zeros(0, np.int64), np.zeros((0, self.d_out or 1)), np.arange(n_query, dtype=np.int64)
+                    self.task,
+                    np.zeros(0, np.int64),
+                    np.zeros((0, self.d_out or 1)),
+                    np.arange(n_query, dtype=np.int64),
+                    per_joined_row=self.per_joined_row,
+                    query_table=self.query[0],
                 )
             )
             return
@@ -183,6 +243,8 @@ class FederatedPrediction(TablePuppetStrategy):
                 H if self.clusters else label_scale_of(self.record).to_label(H),
                 np.setdiff1d(np.arange(n_query), rows),
                 dict(mapping.p),
+                self.per_joined_row,
+                self.query[0],
             )
         )
 
@@ -208,8 +270,9 @@ class FederatedPrediction(TablePuppetStrategy):
 def write_predictions(pred: Predictions, out: Path, log: Callable[[str], None] = print) -> None:
     """The predictions CSV, and OUT.unjoined.csv with the new rows that joined no partner (if any)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    pred.frame().to_csv(out, index=False)
-    log(f"predictions: {out} ({len(pred.rows)} joined rows)")
+    frame = pred.frame()
+    frame.to_csv(out, index=False)
+    log(f"predictions: {out} ({len(frame)} lines: {pred.n_rows} new rows over {len(pred.rows)} joined rows)")
     if len(pred.unjoined):
         side = out.with_suffix(".unjoined.csv")
         pd.DataFrame({"row": pred.unjoined}).to_csv(side, index=False)

@@ -231,3 +231,55 @@ def test_cli_reports_all_problems_without_traceback(tmp_path):
     assert "numeric feature 'age': 1 non-numeric value, first at row 3" in out.stderr and "'unknown'" in out.stderr
     assert "Traceback" in (run_dir / "run.log").read_text()  # the full trace went to the run's log file
     assert not (run_dir / "results.json").exists()
+
+
+def test_a_column_name_twice_in_a_header_is_refused(tmp_path):
+    dataset = shop(tmp_path)
+    (tmp_path / "customers.csv").write_text("cust,age,age\n1,30,31\n")
+    (line,) = lines(dataset)
+    assert "table 'customers' cannot be read" in line and "column name(s) ['age'] appear more than once" in line
+
+
+def test_a_column_declared_in_two_kinds_is_refused_before_start(tmp_path):
+    dataset = shop(tmp_path)
+    dataset["tables"]["orders"]["categorical"] = ["qty"]
+    assert lines(dataset) == [
+        "table 'orders', column 'qty': is declared both numeric and categorical; list it under one of the two in "
+        "the dataset config"
+    ]
+
+
+def test_na_text_in_a_numeric_column_is_counted_missing_or_refused_as_the_spec_says(tmp_path):
+    orders, customers = good(tmp_path)
+    orders = orders.astype({"qty": object})
+    orders.loc[[3, 8, 9], "qty"] = ["n/a", "NA", "n/a"]
+    dataset = shop(tmp_path, orders, customers)
+    spec, frames, problems = check_dataset(dataset)
+    assert [p.line() for p in problems] == [
+        "table 'orders', numeric feature 'qty': 3 values like 'n/a' read as missing, first at row 3 (line 5 of "
+        f"{tmp_path / 'orders.csv'}); the median fills them (dataset.na_strings: error refuses them)"
+    ]
+    assert problems[0].severity == "warning" and frames["orders"]["qty"].isna().sum() == 3
+    assert frames["orders"]["qty"].dtype == np.float64
+    refused = lines({**dataset, "na_strings": "error"})
+    assert refused == [
+        "table 'orders', numeric feature 'qty': 3 text values like 'n/a' for a missing number, first at row 3 (line "
+        f"5 of {tmp_path / 'orders.csv'}); leave the cells of unknown numbers empty (or set dataset.na_strings: missing)"
+    ]
+
+
+def test_rows_a_where_filter_removes_are_reported_as_filtered_not_missing(tmp_path):
+    dataset = shop(tmp_path)
+    dataset["tables"]["customers"]["where"] = "age >= 40"  # an intended filter: older customers only
+    _, _, problems = check_dataset(dataset)
+    (p,) = problems
+    assert p.severity == "warning"
+    assert "their partner rows in table 'customers' are filtered out by its WHERE (age >= 40)" in p.line()
+    assert "add the missing rows" not in p.line() and "the run trains on the rest" in p.line()
+    del dataset["tables"]["customers"]["where"]
+    customers = pd.read_csv(tmp_path / "customers.csv")
+    customers[customers["age"] >= 40].to_csv(tmp_path / "customers.csv", index=False)  # the rows really absent
+    (missing,) = check_dataset(dataset)[2]
+    assert (
+        "they have no partner row in table 'customers'" in missing.line() and "add the missing rows" in missing.line()
+    )

@@ -415,6 +415,13 @@ def test_simulation_secret_derives_from_the_seed_not_a_constant():
     assert simulation_secret(compose_config("mapping.secret=mine")) == b"mine"
 
 
+def test_the_users_key_secret_in_the_environment_is_the_simulations_secret(monkeypatch):
+    from tpflower.owner import simulation_secret
+
+    monkeypatch.setenv("TPFLOWER_KEY_SECRET", "from-the-environment")
+    assert simulation_secret(compose_config("seed=0")) == b"from-the-environment"
+
+
 # ------------------------------------------------------------------------------------ payload audit
 
 

@@ -96,6 +96,36 @@ def test_clients_of_synthetic_are_its_four_tables():
     assert deploy.clients_of(UCQ_OVERRIDES) == UCQ_CLIENTS
 
 
+def test_a_deployment_keeps_its_flower_config_under_its_state_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLWR_HOME", raising=False)
+    assert deploy.flwr_home(None, tmp_path / "state") == (tmp_path / "state" / "flwr").resolve()
+    assert deploy.flwr_home(tmp_path / "mine", tmp_path / "state") == (tmp_path / "mine").resolve()  # --flwr-home
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "env"))
+    assert deploy.flwr_home(None, tmp_path / "state") == (tmp_path / "env").resolve()  # the user's choice
+
+
+def test_streamed_run_output_is_clean_when_not_a_terminal():
+    """No colour codes off a terminal, each line once, no notes on the app's pyproject."""
+    import io
+    import sys
+
+    script = (
+        "print('\\x1b[32mINFO\\x1b[0m :      Starting'); print('epoch 1 | x'); print('epoch 1 | x'); "
+        "print(\"Flower App configuration warnings in '/app/pyproject.toml':\"); "
+        "print('WARNING: Recommended property \"license\" missing in [project]'); "
+        "print('\\x1b[1mSuccessfully started run 7\\x1b[0m'); print('INFO :      '); print('results: /r/results.json')"
+    )
+    out = io.StringIO()
+    run_id, lines = deploy.stream_run([sys.executable, "-c", script], dict(os.environ), 60, out)
+    assert run_id == 7 and "\x1b" not in out.getvalue()
+    assert out.getvalue().splitlines() == [
+        "INFO :      Starting",
+        "epoch 1 | x",
+        "Successfully started run 7",
+        "results: /r/results.json",
+    ]
+
+
 def test_fab_holds_the_app_and_not_the_venv_or_outputs():
     import io
     import zipfile

@@ -79,6 +79,10 @@ def test_modules_and_make_targets_exist(where: str, command: str) -> None:
         return
     if words[0] in PYTHONS and len(words) > 2 and words[1] == "-m":
         assert module_exists(words[2]), f"{where}: `{command}` names module {words[2]}, not in the repository"
+    if words[0] == "tpflower" and len(words) > 1 and not words[1].startswith("-"):
+        from simulations.cli import COMMANDS
+
+        assert words[1] in COMMANDS, f"{where}: `{command}`: no tpflower command {words[1]!r}"
     if words[0] == "make":
         targets = [w for w in words[1:] if "=" not in w and not w.startswith("-")]
         for t in targets:

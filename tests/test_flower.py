@@ -105,9 +105,16 @@ def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
     assert {"flower.log", "results.json", "config.yaml"} <= {p.name for p in written}
     assert not [p for p in written if secret in p.read_text(errors="replace")]  # nor in Flower's log
     lines = ok.stdout.splitlines()
-    assert lines[0].startswith("[synthetic] tables:") and lines[-1] == f"results: {run_dir / 'results.json'}"
+    assert lines[0] == (  # what runs and where its results go, before torch and Flower load
+        "tpflower train: algorithm=admm dataset=synthetic (2 more settings) on Flower's simulation engine; "
+        f"results: {run_dir}/results.json"
+    )
+    stages = ["data: 4 tables loaded and checked in", "engine: starting", "engine: ServerApp up", "nodes: 4 of 4"]
+    assert [line[: len(s)] for line, s in zip(lines[1:5], stages)] == stages  # a line per start-up stage
+    assert lines[5].startswith("keys: 4 nodes send their join keys") and lines[6].startswith("[synthetic] tables:")
+    assert lines[-1] == f"results: {run_dir / 'results.json'}"
     assert lines[-2] == f"model: {run_dir / 'model.json'}"  # the model record (docs/prediction.md)
-    assert all(line.startswith("epoch ") for line in lines[1:-2]) and len(lines) == 5
+    assert all(line.startswith("epoch ") for line in lines[7:-2]) and len(lines) == 11
     assert ok.stderr == ""
     bad_shop(tmp_path)
     bad = run_cli(
@@ -119,7 +126,11 @@ def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
         f"hydra.run.dir={tmp_path / 'bad'}",
         cwd=tmp_path,
     )
-    assert bad.returncode == 1 and bad.stdout == "" and "Traceback" not in bad.stderr
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stdout.splitlines() == [  # the first line only: nothing started
+        f"tpflower train: algorithm=admm dataset=bad_shop (1 more setting) on Flower's simulation engine; "
+        f"results: {tmp_path / 'bad'}/results.json"
+    ]
     # every table is checked before Flower starts: one report, one line per problem (tests/test_checks.py)
     assert bad.stderr.splitlines() == [
         "error: dataset 'bad_shop': 1 problem in the data; fix it and run again:",

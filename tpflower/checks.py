@@ -20,6 +20,9 @@ import pandas as pd
 from tpflower.schema import RelationalSpec, SpecError, key_kind, resolve_label_table
 
 Severity = Literal["error", "warning"]
+NA_ATTR = (
+    "na_text"  # frame.attrs: {column: (count, first row, value)} of "n/a"-style text read as missing (datasets.files)
+)
 DROP_POLICIES: tuple[str, ...] = ("warn", "error", "ignore")
 DROP_THRESHOLD = 0.01  # a join that drops more than this share of the label table's rows is reported
 
@@ -165,6 +168,15 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                 role="label column",
             )
         )
+    for col in sorted(set(t.numeric) & set(t.categorical)):
+        out.append(
+            Problem(
+                name,
+                "is declared both numeric and categorical",
+                "list it under one of the two in the dataset config",
+                column=col,
+            )
+        )
     needed = list(
         dict.fromkeys(
             list(spec.key_columns(name))
@@ -226,6 +238,25 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                         "replace them by finite numbers or leave them empty",
                     )
                 )
+    na_text = frame.attrs.get(NA_ATTR) or {}
+    for col in (c for c in t.numeric if c in present and c in na_text):
+        n, row, value = na_text[col]
+        out.append(
+            Problem(
+                name,
+                _counted(n, f"values like {value!r} read as missing")
+                if spec.na_strings == "missing"
+                else _counted(n, f"text values like {value!r} for a missing number"),
+                "the median fills them (dataset.na_strings: error refuses them)"
+                if spec.na_strings == "missing"
+                else "leave the cells of unknown numbers empty (or set dataset.na_strings: missing)",
+                column=col,
+                role="numeric feature",
+                count=n,
+                example=f"first at {_at(row, t.source)}",
+                severity="warning" if spec.na_strings == "missing" else "error",
+            )
+        )
     for col in (c for c in spec.key_columns(name) if c in present):
         p = _missing(
             name,
@@ -354,17 +385,18 @@ def dropped_row_problems(
                 )
             ]
         if lost > DROP_THRESHOLD * n and policy != "ignore":
-            out.append(
-                Problem(
-                    None,
-                    f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} "
-                    f"({lost / n:.1%}): they have no partner row in table {new!r}",
+            where = spec.table(new).where
+            head = f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} ({lost / n:.1%})"
+            if where is not None:  # the owner's filter (a WHERE of the query) removed their partners: intended
+                what = f"{head}: their partner rows in table {new!r} are filtered out by its WHERE ({where})"
+                fix = "the run trains on the rest (dataset.on_dropped_rows=ignore silences this line, =error refuses)"
+            else:
+                what = f"{head}: they have no partner row in table {new!r}"
+                fix = (
                     "add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest "
-                    "(=error to refuse)",
-                    count=lost,
-                    severity="error" if policy == "error" else "warning",
+                    "(=error to refuse)"
                 )
-            )
+            out.append(Problem(None, what, fix, count=lost, severity="error" if policy == "error" else "warning"))
     return out
 
 

@@ -123,6 +123,9 @@ class SplitSpec:
     seed: int = 42
 
 
+NA_STRING_POLICIES: tuple[str, ...] = ("missing", "error")
+
+
 @dataclass(frozen=True)
 class RelationalSpec:
     name: str
@@ -131,6 +134,9 @@ class RelationalSpec:
     joins: tuple[JoinSpec, ...]
     split: SplitSpec = SplitSpec()
     loader: Mapping[str, Any] = field(default_factory=dict)  # {"name": ..., **kwargs} of a bundled loader
+    # "n/a"-style text (pandas' missing-value strings: NA, n/a, null ...) in a numeric column: "missing" (read as
+    # missing values, one warning line per column) or "error" (refused)
+    na_strings: str = "missing"
 
     @property
     def table_names(self) -> tuple[str, ...]:
@@ -279,7 +285,10 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
         joins=tuple(joins),
         split=SplitSpec(test_fraction=float(split.get("test_fraction", 0.15)), seed=int(split.get("seed", 42))),
         loader=dict(cfg.get("loader") or {}),
+        na_strings=str(cfg.get("na_strings") or "missing"),
     )
+    if spec.na_strings not in NA_STRING_POLICIES:
+        raise SpecError(f"dataset.na_strings must be one of {list(NA_STRING_POLICIES)}, got {spec.na_strings!r}")
     validate_structure(spec)
     return spec
 
@@ -381,6 +390,7 @@ def resolve_label_table(spec: RelationalSpec, columns: Mapping[str, Sequence[str
         joins=spec.joins,
         split=spec.split,
         loader=spec.loader,
+        na_strings=spec.na_strings,
     )
 
 

@@ -44,6 +44,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     ),
     "loj": lambda a: _suite("loj").loj_suite(a.epochs),
     "flower": lambda a: _suite("flower").flower_suite(),
+    "startup": lambda a: _suite("startup").startup_suite(a.reps if a.reps != 10 else 3),
     "convergence": _convergence,
     "scale": lambda a: _suite("scale").scale_suite(
         ints(a.scale_n),
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mapping-n", type=int, default=100_000_000, help="scale: N of the mapping alone (0: skip)")
     ap.add_argument("--dataset", default="movielens", help="coreset: the dataset")
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
-    ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
+    ap.add_argument(
+        "--reps", type=int, default=10, help="coreset: repetitions per m and sampling (startup: repeats, default 3)"
+    )
     ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
     ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL[/ucq] cases (default: lbfgs.LBFGS_CASES)")
     ap.add_argument("--out", type=Path, default=None)

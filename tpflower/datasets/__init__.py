@@ -25,6 +25,7 @@ from tpflower.sql import compile_query, filter_rows, query_tables
 
 Loader = Callable[..., dict[str, pd.DataFrame]]
 Describer = Callable[..., dict[str, Any]]
+Deriver = Callable[[str, pd.DataFrame], pd.DataFrame]
 
 #: name -> loader(**kwargs, tables=None) -> {table name: frame} (tables: only those; every bundled loader takes it)
 LOADERS: dict[str, Loader] = {
@@ -33,6 +34,9 @@ LOADERS: dict[str, Loader] = {
     "nycflights13": nycflights13.load,
     "synthetic": synthetic.generate,
 }
+#: name -> derive(table, frame) -> frame: rows in the format of the loader's source (new rows to score, say)
+#: with the columns the loader derives from them added (movielens: the rating's time features)
+DERIVERS: dict[str, Deriver] = {"movielens": movielens.derive}
 #: name -> describe(**kwargs) -> spec parts (tables/label/joins/split) used where the config has none
 DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
 SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
@@ -43,6 +47,7 @@ __all__ = [
     "check_dataset",
     "column_kind",
     "compile_sql",
+    "derive_rows",
     "load_dataset",
     "load_spec",
     "load_table",
@@ -54,12 +59,22 @@ __all__ = [
 ]
 
 
-def register_loader(name: str, load: Loader, describe: Describer | None = None) -> None:
-    """Make ``load`` (and optionally ``describe``) available as ``loader: {name: NAME, ...}``. A ``load`` that
-    takes ``tables`` (a tuple of names) makes only those: each client then loads its own table alone."""
+def register_loader(name: str, load: Loader, describe: Describer | None = None, derive: Deriver | None = None) -> None:
+    """Make ``load`` (and optionally ``describe``, ``derive``) available as ``loader: {name: NAME, ...}``. A
+    ``load`` that takes ``tables`` (a tuple of names) makes only those: each client then loads its own table
+    alone. ``derive(table, frame)``: the loader's derived columns of rows in its source's format."""
     LOADERS[name] = load
     if describe is not None:
         DESCRIBERS[name] = describe
+    if derive is not None:
+        DERIVERS[name] = derive
+
+
+def derive_rows(loader: str, table: str, frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` (rows of ``table`` in the format of the loader's source) with the columns the loader derives
+    from them (its ``derive``); unchanged for a loader without one."""
+    derive = DERIVERS.get(loader)
+    return frame if derive is None else derive(table, frame)
 
 
 def _loader_call(cfg: Mapping[str, Any], base_dir: str | Path | None) -> tuple[str | None, dict[str, Any]]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from tpflower.checks import DataProblems, Problem
+from tpflower.checks import NA_ATTR, DataProblems, Problem
 from tpflower.schema import SpecError
 
 SUFFIXES: tuple[str, ...] = (".csv", ".parquet", ".pq")
@@ -45,7 +46,10 @@ def read_table(table: str, source: str | Path, base_dir: str | Path | None = Non
             ]
         )
     try:
-        frame = pd.read_csv(path) if suffix == ".csv" else pd.read_parquet(path)
+        if suffix == ".csv":
+            frame = read_csv_noting_na_strings(path)
+        else:
+            frame = pd.read_parquet(path)
     except pd.errors.EmptyDataError:
         raise _unreadable(
             table,
@@ -73,4 +77,51 @@ def read_table(table: str, source: str | Path, base_dir: str | Path | None = Non
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
             f"check that it is a valid {suffix[1:]} file",
         ) from None
+    names = header_names(path, suffix, frame)
+    twice = sorted({c for c in names if names.count(c) > 1})
+    if twice:
+        raise _unreadable(
+            table,
+            path,
+            f"the column name(s) {twice} appear more than once in its header",
+            "give every column its own name",
+        )
     return frame.reset_index(drop=True)
+
+
+#: the text pandas' read_csv reads as a missing value by default (its na_values documentation), the empty field aside
+NA_TEXT: frozenset[str] = frozenset(
+    ("#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A", "NA")
+    + ("NULL", "NaN", "None", "n/a", "nan", "null")
+)
+
+
+def read_csv_noting_na_strings(path: Path) -> pd.DataFrame:
+    """A CSV file read as pandas reads it (NA_TEXT values are missing), noting in ``frame.attrs[NA_ATTR]``
+    where such text stood in an otherwise numeric column: "n/a" in a column of numbers is worth a line."""
+    frame = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    noted: dict[str, tuple[int, int, str]] = {}
+    for col in frame.select_dtypes(include=["object", "string"]).columns:
+        s = frame[col]
+        is_na = s.isin(NA_TEXT).to_numpy()
+        if not is_na.any():
+            continue
+        rest = s[~is_na]
+        numbers = pd.to_numeric(rest, errors="coerce")
+        if (numbers.notna() | rest.isna()).all():  # the others are numbers: the column is numeric, as pandas reads it
+            first = int(np.flatnonzero(is_na)[0])
+            noted[str(col)] = (int(is_na.sum()), first, str(s.iloc[first]))
+            frame[col] = pd.to_numeric(s.mask(is_na))
+        else:
+            frame[col] = s.mask(is_na)
+    frame.attrs[NA_ATTR] = noted
+    return frame
+
+
+def header_names(path: Path, suffix: str, frame: pd.DataFrame) -> list[str]:
+    """The column names as the file's header has them (pandas renames a repeated CSV name to NAME.1)."""
+    if suffix == ".csv":
+        return [
+            str(c) for c in pd.read_csv(path, nrows=1, header=None, dtype=str, keep_default_na=False).iloc[0].tolist()
+        ]
+    return [str(c) for c in frame.columns]

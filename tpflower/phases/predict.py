@@ -24,12 +24,13 @@ A prediction request is a protocol of its own (:data:`PREDICT`), never mixed wit
 The owner decides (tpflower.owner): a node answers only for a run whose part it still holds, only when its
 settings say ``serve_predictions: true``, with the saved output width within its ``max_outputs``, and scores at
 most ``max_prediction_rows`` rows per request. New rows are checked before anything leaves the node: key
-columns present and of the kind training joined them as, no column the model did not train on, numbers where
-training had numbers; one line naming the file, the table and the column.
+columns present and of the kind training joined them as, numbers where training had numbers (columns the
+model did not train on are ignored); one line naming the file, the table and the column.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ import pandas as pd
 
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
+from tpflower.datasets import derive_rows
 from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, takes
 from tpflower.keys_payload import KeysPayload
@@ -129,18 +131,25 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
         frame = pd.read_parquet(path) if suffix == ".parquet" else pd.read_csv(path)
     except (OSError, ValueError) as exc:
         raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
+    if s.owner.loader is not None:  # rows in the format of the loader's source: its derived columns computed
+        frame = derive_rows(s.owner.loader, table, frame)
     keys = list(spec.key_columns(table))
     missing = [c for c in keys if c not in frame.columns]
     if missing:
         raise SpecError(f"{where}: no key column(s) {missing} of table {table!r} (the rows join by {keys})")
-    label = [spec.label.column] if spec.label.table == table else []
-    allowed = set(keys) | set(part.columns) | set(label)
-    unknown = [c for c in frame.columns if c not in allowed]
-    if unknown:
-        raise SpecError(
-            f"{where}: column(s) {unknown} the model of table {table!r} did not train on "
-            f"(it takes {sorted(set(keys) | set(part.columns))})"
+    incomplete = frame[keys].isna().any(axis=1).to_numpy()
+    if incomplete.any():
+        detail = (
+            f"{where}: {int(incomplete.sum())} row(s) with a missing key in {keys} of table {table!r}, the first "
+            f"row {int(np.flatnonzero(incomplete)[0])} (0-based, header excluded); give every row its keys"
         )
+        if s.owner.origin == "simulation":
+            raise SpecError(detail)
+        logging.getLogger("tpflower").error("%s", detail)  # the owner's log: rows and counts stay on the node
+        raise SpecError(
+            f"table {table!r} shard {s.shard}: the rows file has rows with a missing key (the node's log says which)"
+        )
+    frame = frame[[c for c in frame.columns if c in set(keys) | set(part.columns)]]  # other columns: ignored
     absent = [c for c in part.columns if c not in frame.columns]
     if absent:
         raise SpecError(f"{where}: no feature column(s) {absent} of table {table!r}")
@@ -159,7 +168,7 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             )
     if len(frame) == 0:
         raise SpecError(f"{where}: no rows")
-    return frame.drop(columns=label, errors="ignore").reset_index(drop=True)
+    return frame.reset_index(drop=True)
 
 
 def request_rows(client: TableClient, part: ModelPart, query: bool) -> tuple[pd.DataFrame, np.ndarray]:

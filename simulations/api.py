@@ -1,0 +1,259 @@
+"""tpflower's Python API (docs/python-api.md): ``tpflower.fit`` runs the job ``python -m simulations.run`` runs
+for the same settings and returns a :class:`Model`; ``tpflower.load`` opens a run dir again.
+
+The settings are the command line's Hydra overrides, spelled as keywords (``epochs=3``, ``model="mlp"``,
+``model__hidden=[32, 16]`` for ``model.hidden=[32,16]``) or given as the command line's strings
+(``overrides=["model.hidden=[32,16]"]``): both are composed by Hydra exactly as the command line is, so a fit
+and a ``tpflower train`` of the same overrides write the same results.json. Progress lines go to a rich
+console (a notebook cell or the terminal); a refused setting, bad data or a failed run raises TpflowerError
+with the command line's message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
+
+from simulations.job import failure_message, run_job
+from simulations.predict import predict_run
+from simulations.run import choices, unknown_choice
+from tpflower.config import compose_config
+from tpflower.errors import TpflowerError
+from tpflower.results import RESULTS_FILE, ResultsError, read_results
+
+SECONDARY_METRICS = ("auc",)  # test metrics an evaluation reports beside the primary one (tpflower.losses)
+PLAIN = re.compile(r"[\w.:/@+-]*")  # an override value Hydra reads as it is written (no quoting needed)
+
+
+def override_value(value: Any) -> str:
+    """A Python value in Hydra's override grammar: null, true/false, numbers, quoted strings, [lists], {dicts}."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    text = str(value)
+    if PLAIN.fullmatch(text) and text and text.lower() not in ("null", "true", "false"):
+        return text
+    quote = "'" if "'" not in text else '"'
+    return quote + text.replace("\\", "\\\\").replace(quote, "\\" + quote) + quote
+
+
+def overrides_of(settings: Mapping[str, Any]) -> list[str]:
+    """Keyword settings as Hydra overrides (``a__b=v`` -> ``a.b=v``, scikit-learn's nested-parameter spelling)."""
+    return [f"{key.replace('__', '.')}={override_value(value)}" for key, value in settings.items()]
+
+
+def console_log(verbose: bool) -> Callable[[str], None]:
+    """The progress lines' printer: a rich console (rendered in a notebook cell, plain text when not a
+    terminal), lines never wrapped nor coloured, so they read as the command line's."""
+    if not verbose:
+        return lambda _line: None
+    console = Console(soft_wrap=True, highlight=False, markup=False, emoji=False)
+    return lambda line: console.print(line)
+
+
+def compose(
+    dataset: str | Mapping[str, Any] | Path | None,
+    sql: str | None,
+    algorithm: str | None,
+    runtime: str,
+    overrides: Sequence[str],
+    settings: Mapping[str, Any],
+    config_dir: str | Path | None,
+) -> DictConfig:
+    """The run config the command line composes for the same choices (a dataset given as a spec or a YAML
+    file replaces the dataset group, as a ``--config-dir`` file would)."""
+    args: list[str] = []
+    if config_dir is not None:
+        args.append(f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]")
+    spec: dict[str, Any] | None = None
+    if isinstance(dataset, Path) or (isinstance(dataset, str) and dataset.endswith((".yaml", ".yml"))):
+        spec = dict(OmegaConf.to_container(OmegaConf.load(Path(dataset).expanduser())))  # type: ignore[arg-type]
+    elif isinstance(dataset, Mapping):
+        spec = dict(dataset)
+    elif dataset is not None:
+        args.append(f"dataset={dataset}")
+    if sql is not None:
+        if spec is not None:
+            spec["sql"] = sql
+        else:
+            args += [] if dataset is not None else ["dataset=sql"]
+            args.append(f"++dataset.sql={override_value(sql)}")
+    if algorithm is not None:
+        args.append(f"algorithm={algorithm}")
+    args += [f"runtime={runtime}", *overrides, *overrides_of(settings)]
+    wrong = unknown_choice(choices(args)[0], [str(config_dir)] if config_dir is not None else [])
+    if wrong is not None:
+        raise TpflowerError(wrong)
+    try:
+        return compose_config(*args, dataset=spec)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise TpflowerError(str(exc).strip()) from None
+
+
+def default_run_dir(cfg: DictConfig, base_dir: Path) -> Path:
+    """Where the command line's run would go (conf/config.yaml's hydra.run.dir): outputs/DATE/TIME-ALGORITHM-
+    DATASET under ``base_dir``; a suffix -2, -3 ... when a run started in the same second holds it already."""
+    now = datetime.now()
+    name = f"{now:%H-%M-%S}-{cfg.algorithm.name}-{cfg.dataset.name}"
+    path = base_dir / "outputs" / f"{now:%Y-%m-%d}" / name
+    k = 1
+    while path.exists():
+        k += 1
+        path = path.with_name(f"{name}-{k}")
+    return path
+
+
+def fit(
+    dataset: str | Mapping[str, Any] | Path | None = None,
+    *,
+    sql: str | None = None,
+    algorithm: str | None = None,
+    runtime: str = "flower",
+    run_dir: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    config_dir: str | Path | None = None,
+    base_dir: str | Path | None = None,
+    verbose: bool = True,
+    **settings: Any,
+) -> Model:
+    """Train one model over the join (or union) and return it; results.json, model.json and the owners' saved
+    parts are in its run dir.
+
+    ``dataset``: a bundled or ``config_dir`` dataset name (``dataset=NAME``), a dataset spec as a dict, or the
+    path of a spec's YAML file (docs/datasets.md); default conf/'s (movielens). ``sql``: the training set as a
+    query over the dataset's tables (with no ``dataset``: the bundled MovieLens tables, ``dataset=sql``).
+    ``algorithm``: ``algorithm=`` (default auto). ``runtime``: ``flower`` (Flower's simulation engine, as
+    ``make run``) or ``inprocess`` (the same strategy and ClientApp called directly: the fast path when you hold
+    every table). ``run_dir``: where the run writes (default outputs/DATE/TIME-ALGORITHM-DATASET, as the command
+    line). ``overrides``: Hydra override strings as typed on the command line; ``settings``: the same as
+    keywords (``epochs=3``, ``model="mlp"``, ``algorithm__rho=2``). ``base_dir``: where relative data paths
+    start (default: the working directory). Raises TpflowerError (the command line's message)."""
+    base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
+    cfg = compose(dataset, sql, algorithm, runtime, list(overrides), settings, config_dir)
+    path = Path(run_dir).expanduser().resolve() if run_dir is not None else default_run_dir(cfg, base)
+    path.mkdir(parents=True, exist_ok=True)
+    log = console_log(verbose)
+    engine = "Flower's simulation engine" if runtime == "flower" else f"runtime={runtime}"
+    log(
+        f"tpflower.fit: algorithm={cfg.algorithm.name} dataset={cfg.dataset.name} on {engine}; results: {path}/results.json"
+    )
+    try:
+        run_job(cfg, path, base_dir=str(base), log=log)
+    except Exception as exc:
+        if os.environ.get("TPFLOWER_TRACEBACK"):
+            raise
+        raise TpflowerError(failure_message(exc, path), path / "error.log") from None
+    return Model(path)
+
+
+def load(run_dir: str | Path) -> Model:
+    """The model of a finished run (its results.json; predict needs its model.json and node-state/ too)."""
+    return Model(run_dir)
+
+
+class Model:
+    """A trained model: its run dir's results.json (``results``, ``metrics``, ``history``) and, for prediction,
+    its model.json and the owners' saved parts (RUN_DIR/node-state in a simulation)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir).expanduser().resolve()
+        try:
+            self.results: dict[str, Any] = read_results(self.run_dir / RESULTS_FILE)
+        except ResultsError as exc:
+            raise TpflowerError(str(exc)) from None
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
+        return f"Model({self.results['algorithm']} on {self.results['dataset']}: {shown}; run_dir={self.run_dir})"
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The test metrics of the model the run kept: the primary one (``rmse`` or ``accuracy``) and, for a
+        binary label, ``auc``; empty when the run made no evaluation. ``history`` has every epoch's numbers."""
+        if not self.results["history"]:
+            return {}
+        last = self.results["history"][-1]
+        out = {self.results["metric"]: float(last["test_metric"])}
+        out.update({k: float(last[k]) for k in SECONDARY_METRICS if last.get(k) is not None})
+        return out
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """One line per evaluation (epoch, test_metric, train_loss, rounds, bytes, comm and wall times ...)."""
+        return pd.DataFrame(self.results["history"])
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """The run's whole config (secret redacted), as results.json records it (scikit-learn's name)."""
+        return json.loads(json.dumps(self.results.get("config", {})))
+
+    def predict(
+        self,
+        rows: pd.DataFrame | str | Path,
+        table: str | None = None,
+        shard: int = 0,
+        runtime: str = "inprocess",
+        base_dir: str | Path | None = None,
+        verbose: bool = True,
+        per_joined_row: bool = False,
+    ) -> pd.DataFrame:
+        """Score new rows of table ``table`` (default the label table) federated, as ``tpflower predict``
+        (docs/prediction.md): ``rows`` a DataFrame or a CSV / Parquet file in the table's own format (its join
+        keys and the columns its features come from; other columns are ignored). One line per new row: ``row``
+        (its position), ``joined_rows``, ``prediction`` (the mean over its joined rows; classification: the
+        class of the mean probabilities) and class probabilities; ``per_joined_row``: one line per joined row
+        with the partner tables' rows. New rows that join no partner get no line."""
+        log = console_log(verbose)
+        with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
+            if isinstance(rows, pd.DataFrame):
+                path = Path(tmp) / "rows.parquet"
+                rows.to_parquet(path, index=False)
+            else:
+                path = Path(rows)
+            try:
+                pred = predict_run(
+                    self.run_dir,
+                    path,
+                    shard,
+                    runtime,
+                    base_dir,
+                    log=log,
+                    table=table,
+                    per_joined_row=per_joined_row,
+                    rows_name="the rows" if isinstance(rows, pd.DataFrame) else None,
+                )
+            except Exception as exc:
+                if os.environ.get("TPFLOWER_TRACEBACK"):
+                    raise
+                raise TpflowerError(failure_message(exc, self.run_dir), self.run_dir / "error.log") from None
+        if len(pred.unjoined):
+            log(f"{len(pred.unjoined)} new row(s) joined no partner and have no prediction")
+        return pred.frame()
+
+    def save(self, path: str | Path) -> Model:
+        """Copy the run dir (results.json, model.json and, in a simulation, the owners' parts under
+        node-state/) to ``path``; returns the model there (``tpflower.load(path)`` opens it again)."""
+        target = Path(path).expanduser().resolve()
+        if target.exists():
+            raise TpflowerError(f"{target}: exists already; save to a new directory")
+        shutil.copytree(self.run_dir, target, symlinks=True)
+        return Model(target)

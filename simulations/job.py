@@ -1,0 +1,107 @@
+"""One training job: the data checked, the strategy built, the run under Flower's simulation engine or in-process
+(``runtime``), results.json written; and what a failed run says. The Hydra entry point is simulations.run, the
+Python API simulations.api."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from simulations.federated import run_flower_simulation, run_in_process
+from strategies.transport import RunError
+from tpflower.app.server_app import build_strategy
+from tpflower.checks import DataProblems, errors
+from tpflower.datasets import check_dataset, compile_sql, load_spec, release_tables
+from tpflower.registry import entry_of
+from tpflower.results import RunResults
+from tpflower.schema import SpecError
+
+QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
+
+
+def print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_job(
+    cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None, log: Callable[[str], None] = print_line
+) -> RunResults:
+    """Run one configured job and write its results.json into ``run_dir``; ``log`` prints its progress lines."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    compile_query(cfg, base_dir, log=log)
+    # the spec parsed and the strategy built once, here: its settings are checked before any table is loaded,
+    # and the runners run this very object
+    spec = load_spec(cfg.dataset, base_dir=base_dir)
+    strategy = build_strategy(cfg, run_dir, base_dir, log=log, spec=spec)
+    t0 = time.perf_counter()
+    n_rows = check_data(cfg, base_dir, log=log)  # and every table, all problems at once
+    log(f"data: {len(n_rows)} tables loaded and checked in {time.perf_counter() - t0:.1f} s")
+    if not entry_of(cfg).federated:
+        return strategy.run_local(base_dir)
+    release_tables()  # the server holds no table during the run: each client loads its own
+    if cfg.get("runtime", "flower") == "inprocess":
+        results = run_in_process(cfg, run_dir, base_dir, log=log, strategy=strategy).strategy.results
+    else:
+        results = run_flower_simulation(
+            cfg, run_dir, base_dir, log=log, strategy=strategy, largest_table=max(n_rows.values())
+        )
+    assert results is not None
+    return results
+
+
+def compile_query(cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print) -> None:
+    """A dataset declared as SQL (``dataset.sql``) becomes, in place, the spec it compiles to (tpflower.sql);
+    the normalized query is the run's first line."""
+    if not cfg.dataset.get("sql"):
+        return
+    compiled = compile_sql(cfg.dataset, base_dir)
+    log(f"query: {compiled['query']}")
+    with open_dict(cfg):
+        cfg.dataset = OmegaConf.create(compiled)
+
+
+def check_data(
+    cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print
+) -> dict[str, int]:
+    """Load and check every table before anything runs (the user owns them all in a simulation): raise
+    DataProblems with every error found; print each warning (e.g. a join that drops labelled rows). Returns
+    each table's row count."""
+    spec, frames, problems = check_dataset(cfg.dataset, base_dir)
+    if errors(problems):
+        raise DataProblems(errors(problems), spec.name)
+    for p in problems:
+        log(f"warning: {p.line()}")
+    return {t: len(f) for t, f in frames.items()}
+
+
+def log_file(run_dir: Path) -> Path:
+    """The run's log file: Hydra's job log (RUN_DIR/run.log) when logging to a file, else RUN_DIR/error.log."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return Path(handler.baseFilename)
+    return run_dir / "error.log"
+
+
+def failure_message(exc: BaseException, run_dir: Path) -> str:
+    """What a failed run says (no traceback; after ``error:`` on the console, the message of the Python API's
+    TpflowerError); the full traceback is appended to the run's log file."""
+    path = log_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    if isinstance(exc, DataProblems):
+        return exc.report()
+    if isinstance(exc, (RunError, SpecError, ValueError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc} (traceback in {path})"
+
+
+def report_failure(exc: BaseException, run_dir: Path) -> str:
+    """The console text of a failed run: ``error:`` and :func:`failure_message`."""
+    return f"error: {failure_message(exc, run_dir)}"

@@ -1,0 +1,156 @@
+"""The Python API (docs/python-api.md) and the ``tpflower`` command (simulations/cli.py): a fit is the command
+line's run (results.json equal but for times and paths, metrics bit-identical), an API error is the command
+line's message in one TpflowerError, the docs' example trains, predicts and reloads, importing tpflower loads
+no server code, and each ``tpflower`` subcommand is its module's command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import tpflower
+from simulations.api import override_value, overrides_of
+
+ROOT = Path(__file__).resolve().parents[1]
+TPFLOWER = Path(sys.executable).parent / "tpflower"  # the console script pip installed beside this python
+RUN_SPECIFIC = ("wall_time_s", "comm_time_s")  # the only fields two identical runs may differ in
+
+
+def comparable(run_dir: Path) -> dict:
+    """results.json without wall and modelled communication times and without run-dir paths."""
+    record = json.loads((run_dir / "results.json").read_text())
+    for rec in record["history"]:
+        for key in RUN_SPECIFIC:
+            rec.pop(key, None)
+    return json.loads(json.dumps(record).replace(str(run_dir), "RUN_DIR"))
+
+
+def cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(TPFLOWER), *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env or os.environ.copy()
+    )
+
+
+@pytest.mark.parametrize(
+    "runtime", ["inprocess", pytest.param("flower", marks=pytest.mark.slow)], ids=["inprocess", "flower"]
+)
+def test_fit_is_the_command_lines_run(runtime, tmp_path):
+    overrides = ["dataset=synthetic", "algorithm=sgd", "epochs=2", "algorithm.batch_size=512", f"runtime={runtime}"]
+    done = cli("train", *overrides, f"hydra.run.dir={tmp_path / 'cli'}")
+    assert done.returncode == 0, done.stderr
+    model = tpflower.fit(
+        dataset="synthetic",
+        algorithm="sgd",
+        epochs=2,
+        algorithm__batch_size=512,
+        runtime=runtime,
+        run_dir=tmp_path / "api",
+    )
+    assert comparable(tmp_path / "api") == comparable(tmp_path / "cli")
+    history = json.loads((tmp_path / "cli" / "results.json").read_text())["history"]
+    assert model.history["test_metric"].tolist() == [h["test_metric"] for h in history]  # bit-identical
+    assert model.metrics["rmse"] == history[-1]["test_metric"]
+    assert list(model.history["epoch"]) == [1, 2]
+
+
+def test_an_api_error_is_the_command_lines_message(tmp_path):
+    (tmp_path / "dataset").mkdir()
+    spec = tmp_path / "dataset" / "bad.yaml"
+    spec.write_text(
+        "name: bad\ntables:\n  t: {source: t.csv, numeric: [x]}\nlabel: {table: t, column: y, task: regression}\n"
+    )
+    (tmp_path / "t.csv").write_text("x,y\n1,2\nabc,3\n" + "".join(f"{i},{i}\n" for i in range(40)))
+    done = cli("train", f"--config-dir={tmp_path}", "dataset=bad", "runtime=inprocess", cwd=tmp_path)
+    assert done.returncode == 1
+    for dataset in ("bad", spec):  # by name in config_dir, or the spec's file
+        with pytest.raises(tpflower.TpflowerError) as info:
+            tpflower.fit(
+                dataset=dataset, config_dir=tmp_path, runtime="inprocess", run_dir=tmp_path / "api", base_dir=tmp_path
+            )
+        assert f"error: {info.value}" == done.stderr.strip()
+        assert info.value.__cause__ is None and info.value.__suppress_context__  # no wrapper chained below it
+
+
+def test_a_bad_setting_and_a_typo_raise_one_line(tmp_path):
+    with pytest.raises(tpflower.TpflowerError, match=r"^[^\n]*epochs") as info:
+        tpflower.fit(dataset="synthetic", runtime="inprocess", epochs=-1, run_dir=tmp_path, verbose=False)
+    assert "\n" not in str(info.value)
+    with pytest.raises(tpflower.TpflowerError) as typo:
+        tpflower.fit(algorithm="nosuch", run_dir=tmp_path, verbose=False)
+    assert str(typo.value).startswith("algorithm=nosuch: no such algorithm; choose one of admm, auto, celu,")
+    assert " _admm" not in str(typo.value)
+
+
+def test_a_typo_in_a_choice_lists_the_public_choices_only(tmp_path):
+    done = cli("train", "algorithm=admn", "dataset=synthetic", cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: algorithm=admn: no such algorithm; choose one of admm, auto, celu, centralized,")
+    assert "_" not in line.split("choose one of")[1].replace("vfl_", "").replace("coreset_kmeans", "")
+
+
+def test_the_docs_example_trains_predicts_and_reloads(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "python_api_example.py"), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "reloaded: same predictions" in done.stdout
+    assert "epoch   1 | test rmse=" in done.stdout  # the progress lines, as on the command line
+
+
+def test_predict_takes_a_frame_and_save_load_keep_the_model(tmp_path):
+    model = tpflower.fit(
+        dataset="synthetic", algorithm="admm", epochs=1, runtime="inprocess", run_dir=tmp_path / "run", verbose=False
+    )
+    from tpflower.datasets import load_table
+
+    _, fact = load_table(model.get_params()["dataset"], "fact")
+    rows = fact.head(50)
+    first = model.predict(rows, verbose=False)
+    copy = model.save(tmp_path / "copy")
+    again = tpflower.load(copy.run_dir).predict(rows, verbose=False)
+    pd.testing.assert_frame_equal(first, again)
+    assert len(first) > 0 and set(first["row"]) <= set(range(50))
+    with pytest.raises(tpflower.TpflowerError, match="exists already"):
+        model.save(tmp_path / "copy")
+
+
+def test_overrides_are_the_command_lines_spelling():
+    assert overrides_of({"epochs": 3, "model__hidden": [32, 16], "algorithm__tol": None, "x": True}) == [
+        "epochs=3",
+        "model.hidden=[32,16]",
+        "algorithm.tol=null",
+        "x=true",
+    ]
+    assert override_value("SELECT a FROM t WHERE b = 'x'") == "\"SELECT a FROM t WHERE b = 'x'\""
+    assert override_value("movielens") == "movielens"
+    assert override_value("null") == "'null'"
+
+
+def test_importing_tpflower_loads_no_server_code():
+    code = "import sys, tpflower; print(sorted({m.split('.')[0] for m in sys.modules} & {'strategies', 'simulations', 'torch', 'flwr'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_tpflower_command_dispatches_to_the_modules():
+    args = ["dataset=nycflights13_sql"]
+    module = subprocess.run(
+        [sys.executable, "-m", "simulations.sql", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert cli("sql", *args).stdout == module.stdout
+    helped = cli("--help")
+    assert helped.returncode == 0 and all(c in helped.stdout for c in ("train", "predict", "sql", "node", "deploy"))
+    assert "usage: tpflower predict" in cli("predict", "--help").stdout
+    wrong = cli("trian")
+    assert wrong.returncode == 2 and "no command 'trian'" in wrong.stderr

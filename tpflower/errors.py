@@ -1,0 +1,15 @@
+"""The one exception of tpflower's Python API (docs/python-api.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TpflowerError(Exception):
+    """A refused setting, bad data or a failed run, raised by ``tpflower.fit``, ``Model.predict`` and
+    ``tpflower.load``. Its message is what the command line prints after ``error:`` (one line; a data check's
+    report is its header and one line per problem); ``log`` is the file that holds the traceback, if any."""
+
+    def __init__(self, message: str, log: str | Path | None = None):
+        super().__init__(message)
+        self.log = Path(log) if log is not None else None
