@@ -37,6 +37,11 @@ def _deploy(a: argparse.Namespace) -> dict[str, Any]:
     return deploy.deploy_suite(cases, a.epochs if a.epochs != 3 else 6)
 
 
+def _adapters(a: argparse.Namespace) -> dict[str, Any]:
+    out = a.out or Path("bench_results/adapters.json")
+    return _suite("adapters").adapters_suite(a.variant, a.reps if a.reps != 10 else 3, a.epochs, out)
+
+
 SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "mapping": lambda a: _suite("mapping").mapping_suite(a.n_joined),
     "setup": lambda a: _suite("setup_time").setup_suite(
@@ -50,6 +55,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     ),
     "celu": lambda a: _suite("celu").run_suite(a),
     "deploy": _deploy,
+    "adapters": _adapters,
     "coreset": lambda a: _suite("coreset").coreset_suite(a),
     "predict": lambda a: _suite("predict").predict_suite(a.n_joined if a.n_joined != 10_000_000 else 100_000),
     "lbfgs": lambda a: _suite("lbfgs").lbfgs_suite(
@@ -110,6 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=10, help="coreset: repetitions per m and sampling")
     ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
     ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL[/ucq] cases (default: lbfgs.LBFGS_CASES)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="adapters: NAME=PYTHON[@CODE_ROOT][+ADAPTERS_OFF], repeatable (default: each adapter off in turn)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
