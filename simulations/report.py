@@ -960,6 +960,48 @@ def schema_matrix() -> str | None:
     )
 
 
+def flower_adapters() -> str | None:
+    """The adapters bench (simulations/bench/adapters.py): each adapter removed, and each supported Flower."""
+    parts = []
+    cols = (
+        ("empty_round_s", "deployed empty round"),
+        ("admm_epoch_s", "deployed ADMM epoch"),
+        ("sgd_epoch_s", "deployed SGD epoch"),
+        ("cpu_s_per_round", "CPU s / empty round"),
+        ("sim_empty_round_s", "simulation empty round"),
+        ("sim_admm_epoch_s", "simulation ADMM epoch"),
+    )
+    for name, title, cmd in (
+        ("adapters.json", "each adapter removed", "python -m simulations.bench adapters --variant ..."),
+        ("flower-versions.json", "each supported Flower", "python -m simulations.bench adapters --variant ..."),
+    ):
+        d = load(name)
+        if d is None:
+            continue
+        rows_in = d["variants"]
+        shown = [(k, h) for k, h in cols if any(k in r["median"] for r in rows_in)]
+        rows = [
+            [f"{r['variant']} ({', '.join(r['flwr'])}; {r['code']})"]
+            + [
+                f"{r['median'][k]:.3g} s" + (f" ({r['over_first'][k]:.2f}x)" if k in r["over_first"] else "")
+                if k in r["median"]
+                else "-"
+                for k, _ in shown
+            ]
+            + [f"{min(r['load_avg_1min']):.1f}-{max(r['load_avg_1min']):.1f}"]
+            for r in rows_in
+        ]
+        parts += [
+            f"### Flower's adapters: {title}\n\nMedians of {d['reps']} interleaved samples per variant (each "
+            "a fresh deployment and/or simulation), in parentheses the ratio to the first row; the 1-minute load "
+            "at each sample's start. What each adapter is and does: [deployment.md](deployment.md#flower-versions-"
+            "and-tpflowers-adapters).",
+            command(f"{cmd}   # -> bench_results/{name}"),
+            table(["variant (Flower; code)", *(h for _, h in shown), "load"], rows),
+        ]
+    return "\n\n".join(parts) if parts else None
+
+
 SECTIONS: list[Callable[[], str | None]] = [
     loj,
     convergence,
@@ -972,6 +1014,7 @@ SECTIONS: list[Callable[[], str | None]] = [
     setup_keys,
     prediction,
     flower,
+    flower_adapters,
 ]
 
 

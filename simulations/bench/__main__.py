@@ -39,7 +39,8 @@ def _deploy(a: argparse.Namespace) -> dict[str, Any]:
 
 def _adapters(a: argparse.Namespace) -> dict[str, Any]:
     out = a.out or Path("bench_results/adapters.json")
-    return _suite("adapters").adapters_suite(a.variant, a.reps if a.reps != 10 else 3, a.epochs, out)
+    reps = a.reps if a.reps != 10 else 3
+    return _suite("adapters").adapters_suite(a.variant, reps, a.epochs, out, a.parts, a.sgd_epochs)
 
 
 SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         help="adapters: NAME=PYTHON[@CODE_ROOT][+ADAPTERS_OFF], repeatable (default: each adapter off in turn)",
     )
+    ap.add_argument("--parts", default="sim,deploy", help="adapters: sim and/or deploy")
+    ap.add_argument("--sgd-epochs", type=int, default=2, help="adapters: deployed SGD epochs (< 2: none)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)

@@ -47,9 +47,12 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, str(Path(python or sys.executable).absolute()), str(Path(root or ROOT).resolve()), off)
 
 
-def sample(rounds: int, admm_epochs: int, sgd_epochs: int, sim_rounds: int, dataset: str) -> dict[str, Any]:
+def sample(
+    rounds: int, admm_epochs: int, sgd_epochs: int, sim_rounds: int, dataset: str, parts: str = "sim,deploy"
+) -> dict[str, Any]:
     """One sample of the code tree this process imports (run as a file: an older tree has its own bench
-    modules, whose helpers this uses)."""
+    modules, whose helpers this uses): the simulation engine's part and the deployment's, as ``parts`` says
+    (``sgd_epochs`` < 2: no deployed SGD run)."""
     import tempfile  # noqa: PLC0415
     from importlib.metadata import version  # noqa: PLC0415
 
@@ -59,10 +62,15 @@ def sample(rounds: int, admm_epochs: int, sgd_epochs: int, sim_rounds: int, data
     from simulations.bench.loj import run_algorithm  # noqa: PLC0415
 
     out: dict[str, Any] = {"flwr": version("flwr"), "load_avg_1min": os.getloadavg()[0]}
-    empty = run_isolated("simulations.bench.flower", "empty_rounds_case", {"rounds": sim_rounds, "dataset": dataset})
-    out["sim_empty_round_s"] = empty["s_per_round_flower"]
-    admm = {"algorithm": "admm", "dataset": dataset, "epochs": admm_epochs, "runtime": "flower", "overrides": ()}
-    out["sim_admm_epoch_s"] = run_algorithm(admm)["epoch_wall_s"]
+    if "sim" in parts:
+        empty = {"rounds": sim_rounds, "dataset": dataset}
+        out["sim_empty_round_s"] = run_isolated("simulations.bench.flower", "empty_rounds_case", empty)[
+            "s_per_round_flower"
+        ]
+        admm = {"algorithm": "admm", "dataset": dataset, "epochs": admm_epochs, "runtime": "flower", "overrides": ()}
+        out["sim_admm_epoch_s"] = run_algorithm(admm)["epoch_wall_s"]
+    if "deploy" not in parts:
+        return out
     overrides = f"algorithm=admm dataset={dataset}"
     with tempfile.TemporaryDirectory(prefix="tpflower-bench-") as tmp:
         root = Path(tmp)
@@ -157,17 +165,24 @@ def summary(variants: list[Variant], samples: dict[str, list[dict[str, Any]]]) -
     return rows
 
 
-def adapters_suite(variant_args: list[str], reps: int, epochs: int, out: Path | None) -> dict[str, Any]:
-    """The variants given, or this interpreter with all adapters on, then each off (one at a time), then all off."""
+def adapters_suite(
+    variant_args: list[str], reps: int, epochs: int, out: Path | None, parts: str = "sim,deploy", sgd_epochs: int = 2
+) -> dict[str, Any]:
+    """The variants given, or this interpreter with all adapters on, then each off (one at a time). ``parts``:
+    "sim" and/or "deploy" (the default: the deployment's for the variants given, else both); ``sgd_epochs``
+    < 2: no deployed SGD run."""
     from tpflower.app.flower_guard import ADAPTERS  # noqa: PLC0415
 
     if variant_args:
         variants = [parse_variant(t) for t in variant_args]
     else:
-        variants = [
-            Variant("all on"),
-            *(Variant(f"without {n}", off=n) for n in ADAPTERS),
-            Variant("all off", off="all"),
-        ]
-    args = {"rounds": 10, "admm_epochs": epochs, "sgd_epochs": 2, "sim_rounds": 100, "dataset": "movielens"}
+        variants = [Variant("all on"), *(Variant(f"without {n}", off=n) for n in ADAPTERS)]
+    args = {
+        "rounds": 10,
+        "admm_epochs": epochs,
+        "sgd_epochs": sgd_epochs,
+        "sim_rounds": 100,
+        "dataset": "movielens",
+        "parts": parts,
+    }
     return side_by_side(variants, reps, args, out)

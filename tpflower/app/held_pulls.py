@@ -1,6 +1,6 @@
 """A SuperLink whose message pulls wait for something to return (long polling), for up to :data:`HOLD_S`.
 
-Flower 1.41's SuperLink answers a pull at once, empty or not, and a message is visible before its objects are
+Flower's SuperLink (1.41, 1.42) answers a pull at once, empty or not, and a message is visible before its objects are
 pushed: a SuperNode polls for its next message (an empty pull every few milliseconds during a run, each one a
 TLS request the SuperLink authenticates) and then retries the object pulls that came too early; the ServerApp
 polls for its replies likewise. Here a SuperNode's pull (Fleet API ``pull-messages``) is answered once a
