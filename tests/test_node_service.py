@@ -140,29 +140,7 @@ def test_supernode_adapter_only_on_the_version_it_was_written_for(monkeypatch, c
     assert max(slept) == flower_patch.NODE_MAX_WAIT_S
 
 
-def test_task_inputs_carry_the_apps_identity_not_its_bytes(monkeypatch, caplog):
-    from flwr.proto.fab_pb2 import Fab  # pylint: disable=E0611
-    from flwr.proto.run_pb2 import Run  # pylint: disable=E0611
-    from flwr.proto.runtime_pb2 import PullTaskInputResponse  # pylint: disable=E0611
-    from flwr.supernode.servicer.runtime import runtime_handlers
-
-    def flowers(request, state, task):
-        run = Run(run_id=3, fab_id="tpflower/tpflower", fab_version=installed_app()[1], fab_hash="ab" * 32)
-        return PullTaskInputResponse(run=run, fab=Fab(hash_str="ab" * 32, content=b"x" * 1000), task_id=9)
-
-    got = flower_patch.identity_only_task_input(flowers)(None, None, None)
-    assert got.fab.content == b"" and got.fab.hash_str == "ab" * 32 and got.task_id == 9
-    assert (got.run.fab_id, got.run.fab_version) == installed_app()  # what the node service's refusal reads
-    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="tpflower"):
-        m.setattr(flower_guard, "CHECKED", {})
-        assert flower_patch.install_identity_only_task_input() is False
-    assert len(caplog.records) == 1 and "pull_task_input" in caplog.records[0].getMessage()
-    monkeypatch.setattr(runtime_handlers, "pull_task_input", flowers)
-    assert flower_patch.install_identity_only_task_input() is True
-    assert runtime_handlers.pull_task_input(None, None, None).fab.content == b""
-
-
-def test_the_supernode_patches_task_inputs_only_when_process_isolated():
+def test_the_supernode_defers_task_creation_only_when_process_isolated():
     from tpflower.app.supernode import process_isolated
 
     assert process_isolated(["--insecure", "--isolation", "process", "--port", "1"])

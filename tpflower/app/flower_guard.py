@@ -78,11 +78,6 @@ ADAPTERS: dict[str, Adapter] = {
             "Flower's 1 s first retry of a reply's object pull",
         ),
         Adapter(
-            "identity-only-task-input",
-            ("flwr.supernode.servicer.runtime.runtime_handlers:pull_task_input",),
-            "the FAB's bytes in every task input",
-        ),
-        Adapter(
             "gated-superlink-middleware",
             ("flwr.superlink.main:_get_middleware", *_GATED_LAYERS),
             "every SuperLink middleware layer on every request",
@@ -114,7 +109,6 @@ CHECKED: dict[str, dict[str, str]] = {
     "flwr.supernode.start_client_internal:_pull_and_store_message": {"ef0d3cf6b6541720": "1.41.0, 1.42.0"},
     "flwr.supercore.inflatable.inflatable_utils:pull_objects": {"edd40d769c5b62af": "1.41.0, 1.42.0"},
     "flwr.superlink.grid.http_grid:HttpGrid.pull_messages": {"c5907b4b852a2411": "1.41.0, 1.42.0"},
-    "flwr.supernode.servicer.runtime.runtime_handlers:pull_task_input": {"1671de8d073f1f13": "1.41.0, 1.42.0"},
     "flwr.superlink.main:_get_middleware": {"d2aaf3c04aff5f04": "1.41.0", "8d0651aff33b8dab": "1.42.0"},
     "flwr.superlink.routers.control.middlewares:ControlSensitiveResponseMiddleware.dispatch": {
         "4a1c6b969de761ff": "1.41.0, 1.42.0"

@@ -1,6 +1,6 @@
 """Flower's hard-coded sleeps, shortened: the simulation engine's message fetch and a SuperNode's pull loop
-(the node service's Runtime API client is tpflower.app.node_service); and a process-isolated SuperNode's task
-input without the app bundle's bytes, which the node service never reads.
+(the node service's Runtime API client is tpflower.app.node_service), its tasks created once their message has
+arrived, and the middleware of the SuperLink and the SuperNode run only where it acts.
 
 Flower's simulation engine (flwr/server/superlink/fleet/vce/vce_api.py, ``add_messages_to_queue``) looks for
 new messages for the virtual nodes every 0.1 s; a TablePuppet SGD epoch has one round per mini-batch, so that
@@ -160,33 +160,6 @@ def timed_pulls(pull_and_store: Any, sleeper: _FastSleepTime) -> Any:
             sleeper.pull_s = time.monotonic() - start
 
     return pull
-
-
-def identity_only_task_input(pull_task_input: Any) -> Any:
-    """Flower's SuperNode Runtime ``pull_task_input`` handler (supernode/servicer/runtime/runtime_handlers.py) with
-    the FAB's content left out of the response: its hash, verifications and the run (app id and version,
-    which the node service checks) stay. Flower sends the whole FAB (about 1 MB) with every task; the node
-    service answers with the owner's installed tpflower and drops it unread."""
-
-    @functools.wraps(pull_task_input)
-    def pull(request: Any, state: Any, task: Any) -> Any:
-        response = pull_task_input(request, state, task)
-        response.fab.content = b""
-        return response
-
-    return pull
-
-
-def install_identity_only_task_input() -> bool:
-    """Leave the FAB's bytes out of the SuperNode's task inputs (:func:`identity_only_task_input`) if Flower's
-    handler is the one this was checked against; else keep them and log one notice line. Only for a SuperNode
-    whose tasks the node service answers (``--isolation process``): a ClientApp process would need the FAB."""
-    if not enabled("identity-only-task-input"):
-        return False
-    from flwr.supernode.servicer.runtime import runtime_handlers  # noqa: PLC0415  only in the SuperNode's process
-
-    runtime_handlers.pull_task_input = identity_only_task_input(runtime_handlers.pull_task_input)
-    return True
 
 
 DOORBELL_ENV = "TPFLOWER_TASK_DOORBELL"  # the node service's loopback UDP port, in its SuperNode's environment
