@@ -981,7 +981,7 @@ def flower_adapters() -> str | None:
         rows_in = d["variants"]
         shown = [(k, h) for k, h in cols if any(k in r["median"] for r in rows_in)]
         rows = [
-            [f"{r['variant']} ({', '.join(r['flwr'])}; {r['code']})"]
+            [f"{r['variant']} ({', '.join(r['flwr'])})"]
             + [
                 f"{r['median'][k]:.3g} s" + (f" ({r['over_first'][k]:.2f}x)" if k in r["over_first"] else "")
                 if k in r["median"]
@@ -997,7 +997,7 @@ def flower_adapters() -> str | None:
             "at each sample's start. What each adapter is and does: [deployment.md](deployment.md#flower-versions-"
             "and-tpflowers-adapters).",
             command(f"{cmd}   # -> bench_results/{name}"),
-            table(["variant (Flower; code)", *(h for _, h in shown), "load"], rows),
+            table(["variant (Flower)", *(h for _, h in shown), "load"], rows),
         ]
     return "\n\n".join(parts) if parts else None
 
