@@ -973,6 +973,7 @@ def flower_adapters() -> str | None:
     )
     for name, title, cmd in (
         ("adapters.json", "each adapter removed", "python -m simulations.bench adapters --variant ..."),
+        ("adapters-fetch.json", "the fetch loop removed", "python -m simulations.bench adapters --parts sim ..."),
         ("flower-versions.json", "each supported Flower", "python -m simulations.bench adapters --variant ..."),
     ):
         d = load(name)
