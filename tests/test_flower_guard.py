@@ -42,6 +42,9 @@ def test_a_changed_function_turns_its_adapter_off_with_one_line(monkeypatch, cap
         assert enabled("fast-supernode") is True  # the others stay on
     (line,) = [r.getMessage() for r in caplog.records]
     assert target in line and "pulls answered at once" in line and "same results" in line
+    report = flower_guard.report()
+    assert any(r.startswith("held-pulls") and "off" in r for r in report)
+    assert any(target in r and "new code: read its diff" in r for r in report)
 
 
 def test_adapters_turned_off_by_hand_log_nothing(monkeypatch, caplog):

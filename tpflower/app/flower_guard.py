@@ -221,6 +221,7 @@ def report() -> list[str]:
         on, why = state(name)
         lines.append(f"{name:28} {'on ' if on else 'off'}  {'' if on else why}".rstrip())
         for target in adapter.targets:
-            checked = CHECKED.get(target, {}).get(code_hash(target), "never: read its diff")
-            lines.append(f"    {target} {code_hash(target)} (checked on {checked})")
+            checked = CHECKED.get(target, {}).get(code_hash(target))
+            seen = f"checked on {checked}" if checked else "new code: read its diff"
+            lines.append(f"    {target} {code_hash(target)} ({seen})")
     return lines
