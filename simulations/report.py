@@ -989,16 +989,16 @@ def flower_adapters() -> str | None:
                 else "-"
                 for k, _ in shown
             ]
-            + [f"{min(r['load_avg_1min']):.1f}-{max(r['load_avg_1min']):.1f}"]
+            + [str(len(r["samples"])), f"{min(r['load_avg_1min']):.1f}-{max(r['load_avg_1min']):.1f}"]
             for r in rows_in
         ]
         parts += [
-            f"### Flower's adapters: {title}\n\nMedians of {d['reps']} interleaved samples per variant (each "
-            "a fresh deployment and/or simulation), in parentheses the ratio to the first row; the 1-minute load "
-            "at each sample's start. What each adapter is and does: [deployment.md](deployment.md#flower-versions-"
+            f"### Flower's adapters: {title}\n\nMedians of interleaved samples (every variant once, then again; "
+            "each a fresh deployment and/or simulation), in parentheses the ratio to the first row; the 1-minute "
+            "load at each sample's start. What each adapter is and does: [deployment.md](deployment.md#flower-versions-"
             "and-tpflowers-adapters).",
             command(f"{cmd}   # -> bench_results/{name}"),
-            table(["variant (Flower)", *(h for _, h in shown), "load"], rows),
+            table(["variant (Flower)", *(h for _, h in shown), "samples", "load"], rows),
         ]
     return "\n\n".join(parts) if parts else None
 
