@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+FLOWER := $(shell sed -n 's/^ *"\(flwr\[simulation\][^"]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: run lint test bench clean
 
@@ -13,6 +14,8 @@ $(STAMP): pyproject.toml
 	# The CPU wheel of torch first: an unpinned torch would pull gigabytes of CUDA packages.
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[dev]'
+	# the newest Flower pyproject's pin allows, also in a .venv made under an older pin
+	$(BIN)/pip install --upgrade "$(FLOWER)"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -151,7 +151,7 @@ def reset_label_dp(client_config: str, table: str | None) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "python -m simulations.node") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--client-config", required=True, help="the owner's settings file (tpflower.owner)")
+    parser.add_argument("--client-config", help="the owner's settings file (tpflower.owner)")
     parser.add_argument("--superlink", help="the SuperLink's Fleet API, HOST:PORT")
     parser.add_argument("--table", default=None, help="the table served (default: the settings file's `table`)")
     parser.add_argument("--shard", type=int, default=0)
@@ -188,7 +188,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
         help="delete this node's stored label-DP draws (the next run draws afresh, spending the label budget "
         "again) and exit",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="print the state of each of tpflower's Flower adapters with the installed Flower and exit "
+        "(status 1 if any is off)",
+    )
     args = parser.parse_args(argv)
+    if args.check:
+        from tpflower.app.flower_guard import ADAPTERS, report, state  # noqa: PLC0415
+
+        print("\n".join(report()))
+        return 0 if all(state(name)[0] for name in ADAPTERS) else 1
+    if not args.client_config:
+        parser.error("--client-config is required")
     if args.reset_label_dp:
         return reset_label_dp(args.client_config, args.table)
     if args.torch_threads is not None:
@@ -202,7 +215,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     from simulations.deploy import free_port  # noqa: PLC0415  (argparse errors first: no heavy imports)
-    from tpflower.app.flower_patch import DOORBELL_ENV, supported  # noqa: PLC0415
+    from tpflower.app.flower_guard import enabled  # noqa: PLC0415
+    from tpflower.app.flower_patch import DOORBELL_ENV  # noqa: PLC0415
     from tpflower.app.node_service import (  # noqa: PLC0415
         OwnerNode,
         installed_app,
@@ -239,7 +253,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
             if problem:
                 print(problem, file=sys.stderr, flush=True)
                 return 2
-        if not args.slow_supernode and supported():  # the fast SuperNode rings when a task is ready
+        if not args.slow_supernode and enabled("tasks-when-ready", notice=False):  # it rings when a task is ready
             bell = open_doorbell()
             env[DOORBELL_ENV] = str(bell.getsockname()[1])
         supernode = subprocess.Popen(

@@ -1163,6 +1163,49 @@ def startup() -> str | None:
     )
 
 
+def flower_adapters() -> str | None:
+    """The adapters bench (simulations/bench/adapters.py): each adapter removed, and each supported Flower."""
+    parts = []
+    cols = (
+        ("empty_round_s", "deployed empty round"),
+        ("admm_epoch_s", "deployed ADMM epoch"),
+        ("sgd_epoch_s", "deployed SGD epoch"),
+        ("cpu_s_per_round", "CPU s / empty round"),
+        ("sim_empty_round_s", "simulation empty round"),
+        ("sim_admm_epoch_s", "simulation ADMM epoch"),
+    )
+    for name, title, cmd in (
+        ("adapters.json", "each adapter removed", "python -m simulations.bench adapters --variant ..."),
+        ("adapters-fetch.json", "the fetch loop removed", "python -m simulations.bench adapters --parts sim ..."),
+        ("flower-versions.json", "each supported Flower", "python -m simulations.bench adapters --variant ..."),
+    ):
+        d = load(name)
+        if d is None:
+            continue
+        rows_in = d["variants"]
+        shown = [(k, h) for k, h in cols if any(k in r["median"] for r in rows_in)]
+        rows = [
+            [f"{r['variant']} ({', '.join(r['flwr'])})"]
+            + [
+                f"{r['median'][k]:.3g} s" + (f" ({r['over_first'][k]:.2f}x)" if k in r["over_first"] else "")
+                if k in r["median"]
+                else "-"
+                for k, _ in shown
+            ]
+            + [str(len(r["samples"])), f"{min(r['load_avg_1min']):.1f}-{max(r['load_avg_1min']):.1f}"]
+            for r in rows_in
+        ]
+        parts += [
+            f"### Flower's adapters: {title}\n\nMedians of interleaved samples (every variant once, then again; "
+            "each a fresh deployment and/or simulation), in parentheses the ratio to the first row; the 1-minute "
+            "load at each sample's start. What each adapter is and does: [deployment.md](deployment.md#flower-versions-"
+            "and-tpflowers-adapters).",
+            command(f"{cmd}   # -> bench_results/{name}"),
+            table(["variant (Flower)", *(h for _, h in shown), "samples", "load"], rows),
+        ]
+    return "\n\n".join(parts) if parts else None
+
+
 SECTIONS: list[Callable[[], str | None]] = [
     loj,
     convergence,
@@ -1177,6 +1220,7 @@ SECTIONS: list[Callable[[], str | None]] = [
     flower,
     exact_releases,
     startup,
+    flower_adapters,
 ]
 
 
@@ -1410,8 +1454,7 @@ TEXT: dict[str, str] = {
         "SuperNode creates a task once its message's objects have all arrived and rings the node service's "
         "loopback doorbell, which asks for a task only at a ring (12 loopback requests per message: claim, task "
         "input, message, three object pulls, confirmation, the reply and its three objects, task output; 27 at "
-        "first, 13 with an empty claim after each task); the FAB's bytes (1.4 MB) no longer come with "
-        "every task input; the ServerApp's reply pulls are paced by its recent rounds of a kind; the SuperLink skips the middleware layers that do not act on a request (nine "
+        "first, 13 with an empty claim after each task); the ServerApp's reply pulls are paced by its recent rounds of a kind; the SuperLink skips the middleware layers that do not act on a request (nine "
         "BaseHTTPMiddleware layers ran on every request: Fleet requests now pass three, a ServerApp's two; the "
         "SuperNode's Runtime API two of three); the node service imports torch as it starts, and each node "
         "service of `simulations.deploy start` gets its share of the cores for torch (three services with a "

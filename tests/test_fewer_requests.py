@@ -18,7 +18,7 @@ from flwr.proto.message_pb2 import Metadata, ObjectTree  # pylint: disable=E0611
 from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullAppMessagesResponse  # pylint: disable=E0611
 
 from tests.test_protocol import Clock, TimedGrid, serverapp_identity  # noqa: F401  (a fixture)
-from tpflower.app import flower_patch, held_pulls
+from tpflower.app import flower_guard, flower_patch, held_pulls
 from tpflower.app.held_pulls import Bell, held_fleet_pull, held_runtime_pull, ringing
 
 
@@ -157,9 +157,10 @@ def test_held_pulls_only_on_the_version_they_were_written_for(monkeypatch, caplo
         for name in ("pull_messages", "push_messages", "push_object"):
             monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     flowers = fleet_handlers.pull_messages
-    with caplog.at_level(logging.WARNING, logger="tpflower"):
-        assert held_pulls.install_held_pulls("9.9.0") is False
-    assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="tpflower"):
+        m.setattr(flower_guard, "CHECKED", {})  # a Flower whose handlers changed
+        assert held_pulls.install_held_pulls() is False
+    assert len(caplog.records) == 1 and "fleet_handlers:pull_messages" in caplog.records[0].getMessage()
     assert fleet_handlers.pull_messages is flowers
     assert held_pulls.install_held_pulls() is True
     assert fleet_handlers.pull_messages.__wrapped__ is flowers
@@ -238,21 +239,22 @@ def test_the_fleet_event_log_layer_runs_only_with_an_event_log_plugin():
     assert not flower_patch._fleet_event_log({"type": "http", "path": "/v1/fleet/x"})  # no app: nothing to log to
 
 
-def test_the_supernodes_tracing_layer_is_skipped_while_tracing_is_off(monkeypatch, caplog):
-    from flwr.supercore.routers.runtime.tracing import RuntimeTracingMiddleware
+def test_the_supernodes_layers_run_unary_and_tracing_only_while_on(monkeypatch, caplog):
     from flwr.supernode import main as supernode_main
     from starlette.testclient import TestClient
 
     monkeypatch.setattr(supernode_main, "create_app", supernode_main.create_app)  # restored after the test
-    with caplog.at_level(logging.WARNING, logger="tpflower"):
-        assert flower_patch.install_gated_supernode_middleware("9.9.0") is False
-    assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="tpflower"):
+        m.setattr(flower_guard, "CHECKED", {})
+        assert flower_patch.install_gated_supernode_middleware() is False
+    assert len(caplog.records) == 1 and "create_app" in caplog.records[0].getMessage()
     flowers = [m.cls for m in supernode_main.create_app().user_middleware]
     assert flower_patch.install_gated_supernode_middleware() is True
     app = supernode_main.create_app()
     gated = [m.kwargs["layer"] for m in app.user_middleware]
-    assert gated == flowers and RuntimeTracingMiddleware in gated  # same layers, same order
-    assert [m.cls for m in app.user_middleware].count(flower_patch.PathGate) == 1
+    assert gated == flowers  # same layers, same order, none with Starlette's per-request plumbing
+    tracing = [c for c in flowers if c.__name__ == "RuntimeTracingMiddleware"]  # Flower 1.41 only
+    assert [m.cls for m in app.user_middleware].count(flower_patch.PathGate) == len(tracing)
     assert TestClient(app).get("/health").status_code < 500  # the app still answers
 
 

@@ -16,7 +16,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common.constant import SubStatus
 
-from tpflower.app import flower_patch, node_service
+from tpflower.app import flower_guard, flower_patch, node_service
 from tpflower.app.node_service import OwnerNode, answer, installed_app, refusal
 
 OWNER = OwnerNode("d1", 0, "/owner/d1-0.yaml")
@@ -108,9 +108,10 @@ def test_the_supernode_runs_process_isolated_without_the_owners_paths():
 def test_supernode_adapter_only_on_the_version_it_was_written_for(monkeypatch, caplog):
     from flwr.supernode import start_client_internal
 
-    with caplog.at_level(logging.WARNING, logger="tpflower"):
-        assert flower_patch.install_fast_supernode("9.9.0") is False
-    assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="tpflower"):
+        m.setattr(flower_guard, "CHECKED", {})  # a Flower whose loop changed: Flower's sleeps stay
+        assert flower_patch.install_fast_supernode() is False
+    assert len(caplog.records) == 1 and "start_client_internal" in caplog.records[0].getMessage()
     monkeypatch.setattr(start_client_internal, "time", start_client_internal.time)  # restored after the test
     assert flower_patch.install_fast_supernode() is True
     fast = start_client_internal.time
@@ -139,28 +140,7 @@ def test_supernode_adapter_only_on_the_version_it_was_written_for(monkeypatch, c
     assert max(slept) == flower_patch.NODE_MAX_WAIT_S
 
 
-def test_task_inputs_carry_the_apps_identity_not_its_bytes(monkeypatch, caplog):
-    from flwr.proto.fab_pb2 import Fab  # pylint: disable=E0611
-    from flwr.proto.run_pb2 import Run  # pylint: disable=E0611
-    from flwr.proto.runtime_pb2 import PullTaskInputResponse  # pylint: disable=E0611
-    from flwr.supernode.servicer.runtime import runtime_handlers
-
-    def flowers(request, state, task):
-        run = Run(run_id=3, fab_id="tpflower/tpflower", fab_version=installed_app()[1], fab_hash="ab" * 32)
-        return PullTaskInputResponse(run=run, fab=Fab(hash_str="ab" * 32, content=b"x" * 1000), task_id=9)
-
-    got = flower_patch.identity_only_task_input(flowers)(None, None, None)
-    assert got.fab.content == b"" and got.fab.hash_str == "ab" * 32 and got.task_id == 9
-    assert (got.run.fab_id, got.run.fab_version) == installed_app()  # what the node service's refusal reads
-    with caplog.at_level(logging.WARNING, logger="tpflower"):
-        assert flower_patch.install_identity_only_task_input("9.9.0") is False
-    assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
-    monkeypatch.setattr(runtime_handlers, "pull_task_input", flowers)
-    assert flower_patch.install_identity_only_task_input() is True
-    assert runtime_handlers.pull_task_input(None, None, None).fab.content == b""
-
-
-def test_the_supernode_patches_task_inputs_only_when_process_isolated():
+def test_the_supernode_defers_task_creation_only_when_process_isolated():
     from tpflower.app.supernode import process_isolated
 
     assert process_isolated(["--insecure", "--isolation", "process", "--port", "1"])
@@ -244,7 +224,7 @@ def test_the_service_asks_for_a_task_at_each_ring(monkeypatch):
     assert len(asked) == 3 and rung == [node_service.DOORBELL_WAIT_S] * 3  # no polling between rings
 
 
-def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(caplog):
+def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(monkeypatch, caplog):
     from flwr.superlink import main as superlink_main
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
@@ -258,6 +238,8 @@ def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(caplog):
     assert [m.kwargs["layer"] for m in gated] == [m.cls for m in flowers]  # same layers, same order
     kept = [m.kwargs["layer"].__name__ for m in gated if m.cls is flower_patch.UnaryLayer]
     assert kept == ["BaseHTTPMiddleware", "ProtobufTranslationMiddleware"]  # error and protobuf translation
+    gates = [m.kwargs["acts_on"] for m in gated if m.cls is flower_patch.PathGate]
+    assert len(gates) == len(flowers) - 2 and flower_patch._fleet_path in gates  # every other layer is gated
 
     class Tag(BaseHTTPMiddleware):
         async def dispatch(self, request, call_next):
@@ -278,9 +260,10 @@ def test_superlink_middleware_runs_only_for_the_requests_it_acts_on(caplog):
     client = TestClient(app)
     assert client.post("/v1/fleet/x").headers.get("x-tag") == "1"
     assert "x-tag" not in client.post("/v1/runtime/y").headers and client.post("/v1/runtime/y").text == "ok"
-    with caplog.at_level(logging.WARNING, logger="tpflower"):
-        assert flower_patch.install_gated_superlink_middleware("9.9.0") is False
-    assert len(caplog.records) == 1 and "9.9.0" in caplog.records[0].getMessage()
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="tpflower"):
+        m.setattr(flower_guard, "CHECKED", {})
+        assert flower_patch.install_gated_superlink_middleware() is False
+    assert len(caplog.records) == 1 and "_get_middleware" in caplog.records[0].getMessage()
 
 
 def test_a_unary_layer_runs_its_dispatch_as_starlette_would():

@@ -15,6 +15,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from strategies.base import TablePuppetStrategy
 from strategies.transport import DirectTransport, RunError
 from tests.conftest import make_cfg
+from tpflower.app import flower_guard
 from tpflower.app import flower_patch as flower_adapter
 from tpflower.app.server_app import make_strategy
 from tpflower.records import pack_reply, unpack_payload
@@ -292,17 +293,19 @@ def test_adapter_leaves_flower_alone_on_another_version(monkeypatch, caplog):
 
     sentinel = object()
     monkeypatch.setattr(vce_api, "add_messages_to_queue", sentinel)
+    monkeypatch.setattr(flower_guard, "CHECKED", {})  # a Flower whose fetch loop changed
     with caplog.at_level(logging.WARNING, logger="tpflower"):
-        assert flower_adapter.install_fast_fetch("1.42.0") is False
+        assert flower_adapter.install_fast_fetch() is False
     assert vce_api.add_messages_to_queue is sentinel
-    assert len(caplog.records) == 1 and "Flower 1.42.0 is not 1.41.x" in caplog.records[0].getMessage()
+    line = caplog.records[0].getMessage()
+    assert len(caplog.records) == 1 and "vce_api:add_messages_to_queue" in line and "0.1 s simulation fetch" in line
 
 
 def test_adapter_replaces_the_fetch_loop_on_the_version_it_was_written_for(monkeypatch):
     from flwr.server.superlink.fleet.vce import vce_api
 
     monkeypatch.setattr(vce_api, "add_messages_to_queue", None)
-    assert flower_adapter.install_fast_fetch("1.41.0") is True
+    assert flower_adapter.install_fast_fetch() is True
     assert vce_api.add_messages_to_queue is flower_adapter.fast_fetch_loop
 
 
@@ -310,7 +313,7 @@ def test_adapter_leaves_a_process_without_the_engine_alone(monkeypatch):
     import sys
 
     monkeypatch.delitem(sys.modules, "flwr.server.superlink.fleet.vce.vce_api", raising=False)
-    assert flower_adapter.install_fast_fetch("1.41.0", only_if_loaded=True) is False
+    assert flower_adapter.install_fast_fetch(only_if_loaded=True) is False
     assert "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules
 
 

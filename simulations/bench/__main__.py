@@ -37,6 +37,12 @@ def _deploy(a: argparse.Namespace) -> dict[str, Any]:
     return deploy.deploy_suite(cases, a.epochs if a.epochs != 3 else 6)
 
 
+def _adapters(a: argparse.Namespace) -> dict[str, Any]:
+    out = a.out or Path("bench_results/adapters.json")
+    reps = a.reps if a.reps != 10 else 3
+    return _suite("adapters").adapters_suite(a.variant, reps, a.epochs, out, a.parts, a.sgd_epochs)
+
+
 SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "mapping": lambda a: _suite("mapping").mapping_suite(a.n_joined),
     "setup": lambda a: _suite("setup_time").setup_suite(
@@ -59,6 +65,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     ),
     "celu": lambda a: _suite("celu").run_suite(a),
     "deploy": _deploy,
+    "adapters": _adapters,
     "coreset": lambda a: _suite("coreset").coreset_suite(a),
     "predict": lambda a: _suite("predict").predict_suite(a.n_joined if a.n_joined != 10_000_000 else 100_000),
     "lbfgs": lambda a: _suite("lbfgs").lbfgs_suite(
@@ -121,6 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
     ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL[/ucq] cases (default: lbfgs.LBFGS_CASES)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="adapters: NAME=PYTHON[@CODE_ROOT][+ADAPTERS_OFF], repeatable (default: each adapter off in turn)",
+    )
+    ap.add_argument("--parts", default="sim,deploy", help="adapters: sim and/or deploy")
+    ap.add_argument("--sgd-epochs", type=int, default=2, help="adapters: deployed SGD epochs (< 2: none)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)

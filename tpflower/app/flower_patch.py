@@ -1,12 +1,13 @@
 """Flower's hard-coded sleeps, shortened: the simulation engine's message fetch and a SuperNode's pull loop
-(the node service's Runtime API client is tpflower.app.node_service); and a process-isolated SuperNode's task
-input without the app bundle's bytes, which the node service never reads.
+(the node service's Runtime API client is tpflower.app.node_service), its tasks created once their message has
+arrived, and the middleware of the SuperLink and the SuperNode run only where it acts.
 
 Flower's simulation engine (flwr/server/superlink/fleet/vce/vce_api.py, ``add_messages_to_queue``) looks for
 new messages for the virtual nodes every 0.1 s; a TablePuppet SGD epoch has one round per mini-batch, so that
 sleep alone costs ~0.05 s per round. :func:`install_fast_fetch` replaces the loop with the same loop that
-polls with a backoff from 0.5 ms (right after a message) to 2 ms (idle). Written against Flower 1.41
-(``WRITTEN_FOR``); on any other version it leaves Flower's loop alone and logs one notice line.
+polls with a backoff from 0.5 ms (right after a message) to 2 ms (idle). Each install_* function runs only
+while the Flower code it relies on is the code it was checked against (tpflower.app.flower_guard); else it
+leaves Flower's code alone and logs one notice line.
 """
 
 from __future__ import annotations
@@ -16,33 +17,17 @@ import logging
 import sys
 import threading
 import time
-from importlib.metadata import version
 from queue import Queue
 from typing import Any
 
-WRITTEN_FOR: tuple[str, ...] = ("1.41.",)
+from tpflower.app.flower_guard import enabled
+
 MIN_WAIT_S, MAX_WAIT_S = 0.0005, 0.002
 log = logging.getLogger("tpflower")
 
 
-def supported(flwr_version: str | None = None, keeping: str | None = None) -> bool:
-    """Whether the installed Flower (or ``flwr_version``) is one this module was written for; if not and
-    ``keeping`` names what Flower keeps instead, log that in one notice line."""
-    flwr_version = flwr_version or version("flwr")
-    if flwr_version.startswith(WRITTEN_FOR):
-        return True
-    if keeping is not None:
-        log.warning(
-            "tpflower: Flower %s is not %s; keeping %s (slower rounds)",
-            flwr_version,
-            "/".join(v + "x" for v in WRITTEN_FOR),
-            keeping,
-        )
-    return False
-
-
 def fast_fetch_loop(state: Any, queue: Queue, nodes_mapping: dict, f_stop: threading.Event) -> None:
-    """Flower 1.41's add_messages_to_queue (same calls, same order), with a millisecond backoff."""
+    """Flower's add_messages_to_queue (same calls, same order), with a millisecond backoff."""
     wait = MIN_WAIT_S
     while not f_stop.is_set():
         found = False
@@ -54,15 +39,15 @@ def fast_fetch_loop(state: Any, queue: Queue, nodes_mapping: dict, f_stop: threa
         f_stop.wait(wait)
 
 
-def install_fast_fetch(flwr_version: str | None = None, only_if_loaded: bool = False) -> bool:
-    """Patch the simulation engine's fetch loop if the installed Flower is one this was written for.
+def install_fast_fetch(only_if_loaded: bool = False) -> bool:
+    """Patch the simulation engine's fetch loop if Flower's is the one this was checked against.
 
     ``only_if_loaded``: patch only if this process has already imported the engine (the simulation runtime
     does before it loads the ServerApp; a deployment's ServerApp process never does, and importing the
     engine there would add about 1 s to its start)."""
     if only_if_loaded and "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules:
         return False
-    if not supported(flwr_version, "Flower's own 0.1 s simulation fetch loop"):
+    if not enabled("fast-fetch"):
         return False
     from flwr.server.superlink.fleet.vce import vce_api  # noqa: PLC0415  the engine: about 1 s (docstring above)
 
@@ -71,7 +56,7 @@ def install_fast_fetch(flwr_version: str | None = None, only_if_loaded: bool = F
 
 
 class _FastSleepTime:
-    """Flower 1.41's SuperNode loop (supernode/start_client_internal.py) with its hard-coded sleeps shortened:
+    """Flower's SuperNode loop (supernode/start_client_internal.py) with its hard-coded sleeps shortened:
     the 3 s after a pull that found no message becomes a backoff from :data:`NODE_MIN_WAIT_S` doubling to
     :data:`NODE_RUN_MAX_WAIT_S` within :data:`NODE_RUN_S` of the last message (a run's next round comes soon),
     to :data:`NODE_MAX_WAIT_S` after; the 0.5 s waits for a reply and its content become
@@ -136,21 +121,21 @@ def fast_object_pulls(module: Any) -> None:
     )
 
 
-def install_fast_grid_pulls(flwr_version: str | None = None) -> bool:
+def install_fast_grid_pulls() -> bool:
     """A deployed ServerApp's reply pulls (superlink/grid/http_grid.py) with millisecond object-pull retries,
-    if that grid is loaded in this process and the installed Flower is one this was written for."""
+    if that grid is loaded in this process and its code is the one this was checked against."""
     if "flwr.superlink.grid.http_grid" not in sys.modules:
         return False
-    if not supported(flwr_version):
+    if not enabled("fast-grid-pulls"):
         return False
     fast_object_pulls(sys.modules["flwr.superlink.grid.http_grid"])
     return True
 
 
-def install_fast_supernode(flwr_version: str | None = None) -> bool:
-    """Shorten the SuperNode's sleeps (:class:`_FastSleepTime`) if the installed Flower is one this was
-    written for; on any other version leave them and log one notice line."""
-    if not supported(flwr_version, "the SuperNode's own 3 s idle pull"):
+def install_fast_supernode() -> bool:
+    """Shorten the SuperNode's sleeps (:class:`_FastSleepTime`) if its loop is the one this was checked
+    against; else leave them and log one notice line."""
+    if not enabled("fast-supernode"):
         return False
     from flwr.supernode import start_client_internal  # noqa: PLC0415  only in the SuperNode's process
 
@@ -175,33 +160,6 @@ def timed_pulls(pull_and_store: Any, sleeper: _FastSleepTime) -> Any:
             sleeper.pull_s = time.monotonic() - start
 
     return pull
-
-
-def identity_only_task_input(pull_task_input: Any) -> Any:
-    """Flower 1.41's Runtime ``pull_task_input`` handler (supernode/servicer/runtime/runtime_handlers.py) with
-    the FAB's content left out of the response: its hash, verifications and the run (app id and version,
-    which the node service checks) stay. Flower sends the whole FAB (about 1 MB) with every task; the node
-    service answers with the owner's installed tpflower and drops it unread."""
-
-    @functools.wraps(pull_task_input)
-    def pull(request: Any, state: Any, task: Any) -> Any:
-        response = pull_task_input(request, state, task)
-        response.fab.content = b""
-        return response
-
-    return pull
-
-
-def install_identity_only_task_input(flwr_version: str | None = None) -> bool:
-    """Leave the FAB's bytes out of the SuperNode's task inputs (:func:`identity_only_task_input`) if the
-    installed Flower is one this was written for; else keep them and log one notice line. Only for a SuperNode
-    whose tasks the node service answers (``--isolation process``): a ClientApp process would need the FAB."""
-    if not supported(flwr_version, "the FAB's bytes in every task input"):
-        return False
-    from flwr.supernode.servicer.runtime import runtime_handlers  # noqa: PLC0415  only in the SuperNode's process
-
-    runtime_handlers.pull_task_input = identity_only_task_input(runtime_handlers.pull_task_input)
-    return True
 
 
 DOORBELL_ENV = "TPFLOWER_TASK_DOORBELL"  # the node service's loopback UDP port, in its SuperNode's environment
@@ -231,7 +189,7 @@ class _DeferredTaskState:
 
 
 def tasks_when_ready(pull_and_store: Any, ring: Any = None) -> Any:
-    """Flower 1.41's ``_pull_and_store_message`` (supernode/start_client_internal.py: create the task, then
+    """Flower's ``_pull_and_store_message`` (supernode/start_client_internal.py: create the task, then
     pull the message's objects from the SuperLink) with the task created once every object is stored, then
     ``ring()`` (the node service's doorbell). Flower creates it first, so the node service claimed a task whose
     objects were still arriving and pulled them with retries (about twice the requests per message)."""
@@ -267,11 +225,11 @@ def doorbell(port: int) -> Any:
     return ring
 
 
-def install_tasks_when_ready(flwr_version: str | None = None, port: int | None = None) -> bool:
+def install_tasks_when_ready(port: int | None = None) -> bool:
     """Create a SuperNode's tasks once their message is complete (:func:`tasks_when_ready`), ringing the node
-    service's doorbell on ``port`` if given, if the installed Flower is one this was written for; else keep
-    Flower's order and log one notice line. Only for a SuperNode whose tasks the node service answers."""
-    if not supported(flwr_version, "tasks created before their message's objects arrive"):
+    service's doorbell on ``port`` if given, if Flower's function is the one this was checked against; else
+    keep Flower's order and log one notice line. Only for a SuperNode whose tasks the node service answers."""
+    if not enabled("tasks-when-ready"):
         return False
     from flwr.supernode import start_client_internal  # noqa: PLC0415  only in the SuperNode's process
 
@@ -374,35 +332,35 @@ def _tracing(_scope: Any) -> bool:
     return os.getenv("FLWR_TRACING_ENABLED") == "1"  # what RuntimeTracingMiddleware checks per request
 
 
+# what each gated layer acts on (its own dispatch returns ``call_next`` at once for any other request), by class
+# name: Flower 1.42 dropped RuntimeTracingMiddleware (the guard's hashes pin each dispatch's code)
+ACTS_ON = {
+    "ControlSensitiveResponseMiddleware": _control_path,
+    "ControlAuthenticationMiddleware": _control_path,
+    "ControlLicenseMiddleware": _control_path,
+    "ControlEventLogMiddleware": _control_path,
+    "RuntimeTracingMiddleware": _tracing,
+    "NodeAuthMiddleware": _fleet_path,
+    "FleetEventLogMiddleware": _fleet_event_log,
+}
+
+
 def gated_middleware(middleware: list[Any]) -> list[Any]:
-    """Flower 1.41's SuperLink middleware (superlink/main.py ``_get_middleware``: nine BaseHTTPMiddleware layers
-    on every request), same order, with each layer that acts only on the Control API, only on the Fleet API or
-    only when tracing is on behind a :class:`PathGate` saying so (its own code returns ``call_next`` at once for
-    any other request: superlink/routers/control/middlewares.py, fleet/middlewares.py, fleet/node_auth.py,
-    supercore/routers/runtime/tracing.py; the fleet event log acts only with an event log plugin, which a
-    SuperLink without one never has). A Fleet request then passes three layers (error translation, protobuf
-    translation, node authentication), a ServerApp's Runtime request two."""
-    from flwr.supercore.routers.runtime.tracing import RuntimeTracingMiddleware  # noqa: PLC0415
-    from flwr.superlink.routers.control import middlewares as control  # noqa: PLC0415
-    from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware  # noqa: PLC0415
-    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware  # noqa: PLC0415
-
-    acts_on = {
-        control.ControlSensitiveResponseMiddleware: _control_path,
-        control.ControlAuthenticationMiddleware: _control_path,
-        control.ControlLicenseMiddleware: _control_path,
-        control.ControlEventLogMiddleware: _control_path,
-        RuntimeTracingMiddleware: _tracing,
-        NodeAuthMiddleware: _fleet_path,
-        FleetEventLogMiddleware: _fleet_event_log,
-    }
-    return [unary(m, acts_on.get(m.cls)) for m in middleware]
+    """Flower's SuperLink middleware (superlink/main.py ``_get_middleware``: eight BaseHTTPMiddleware layers on
+    every request, nine with 1.41's tracing layer), same order, with each layer that acts only on the Control
+    API, only on the Fleet API or only when tracing is on behind a :class:`PathGate` saying so (its own code
+    returns ``call_next`` at once for any other request: superlink/routers/control/middlewares.py,
+    fleet/middlewares.py, fleet/node_auth.py, 1.41's supercore/routers/runtime/tracing.py; the fleet event log
+    acts only with an event log plugin, which a SuperLink without one never has). A Fleet request then passes
+    three layers (error translation, protobuf translation, node authentication), a ServerApp's Runtime
+    request two."""
+    return [unary(m, ACTS_ON.get(m.cls.__name__)) for m in middleware]
 
 
-def install_gated_superlink_middleware(flwr_version: str | None = None) -> bool:
-    """Gate the SuperLink's middleware by path (:func:`gated_middleware`) if the installed Flower is one this
-    was written for; else keep Flower's stack and log one notice line. In the SuperLink's process only."""
-    if not supported(flwr_version, "every SuperLink middleware layer on every request"):
+def install_gated_superlink_middleware() -> bool:
+    """Gate the SuperLink's middleware by path (:func:`gated_middleware`) if Flower's stack is the one this was
+    checked against; else keep Flower's stack and log one notice line. In the SuperLink's process only."""
+    if not enabled("gated-superlink-middleware"):
         return False
     from flwr.superlink import main as superlink_main  # noqa: PLC0415
 
@@ -412,26 +370,24 @@ def install_gated_superlink_middleware(flwr_version: str | None = None) -> bool:
 
 
 def gated_supernode_app(create_app: Any) -> Any:
-    """Flower 1.41's SuperNode Runtime API app (supernode/main.py ``create_app``: three BaseHTTPMiddleware
-    layers on every request) with its tracing layer behind a :class:`PathGate` (it acts only when tracing is
-    on): a node service's request then passes two layers (error and protobuf translation)."""
-    from flwr.supercore.routers.runtime.tracing import RuntimeTracingMiddleware  # noqa: PLC0415
+    """Flower's SuperNode Runtime API app (supernode/main.py ``create_app``: two BaseHTTPMiddleware layers on
+    every request, three with 1.41's tracing layer) with each layer a :class:`UnaryLayer` and the tracing layer
+    behind a :class:`PathGate` (it acts only when tracing is on): a node service's request then passes two
+    layers (error and protobuf translation) without Starlette's per-layer plumbing."""
 
     @functools.wraps(create_app)
     def create(*args: Any, **kwargs: Any) -> Any:
         app = create_app(*args, **kwargs)
-        app.user_middleware = [
-            unary(m, _tracing if m.cls is RuntimeTracingMiddleware else None) for m in app.user_middleware
-        ]
+        app.user_middleware = [unary(m, ACTS_ON.get(m.cls.__name__)) for m in app.user_middleware]
         return app
 
     return create
 
 
-def install_gated_supernode_middleware(flwr_version: str | None = None) -> bool:
-    """Gate the SuperNode Runtime API's tracing layer (:func:`gated_supernode_app`) if the installed Flower is
-    one this was written for; else keep Flower's stack and log one notice line. In the SuperNode's process."""
-    if not supported(flwr_version, "every SuperNode middleware layer on every request"):
+def install_gated_supernode_middleware() -> bool:
+    """Gate the SuperNode Runtime API's tracing layer (:func:`gated_supernode_app`) if Flower's app is the one
+    this was checked against; else keep Flower's stack and log one notice line. In the SuperNode's process."""
+    if not enabled("gated-supernode-middleware"):
         return False
     from flwr.supernode import main as supernode_main  # noqa: PLC0415  only in the SuperNode's process
 

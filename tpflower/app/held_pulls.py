@@ -1,6 +1,6 @@
 """A SuperLink whose message pulls wait for something to return (long polling), for up to :data:`HOLD_S`.
 
-Flower 1.41's SuperLink answers a pull at once, empty or not, and a message is visible before its objects are
+Flower's SuperLink (1.41, 1.42) answers a pull at once, empty or not, and a message is visible before its objects are
 pushed: a SuperNode polls for its next message (an empty pull every few milliseconds during a run, each one a
 TLS request the SuperLink authenticates) and then retries the object pulls that came too early; the ServerApp
 polls for its replies likewise. Here a SuperNode's pull (Fleet API ``pull-messages``) is answered once a
@@ -11,8 +11,8 @@ A push of a message or an object (either API) wakes the held pulls, which look a
 :data:`MAX_HELD` pulls are held at once (each holds one of the server's worker threads); any other is
 answered at once, as Flower does. Clients need no change; tpflower's own (the SuperNode's pull loop in
 tpflower.app.flower_patch, strategies.transport.GridTransport) see a held pull by its duration and pull again
-at once instead of waiting (flower_patch.HELD_PULL_S). Installed by tpflower.app.superlink for the Flower versions in
-flower_patch.WRITTEN_FOR; on any other version one log line and Flower's own handlers.
+at once instead of waiting (flower_patch.HELD_PULL_S). Installed by tpflower.app.superlink while Flower's handlers
+are the code this was checked against (tpflower.app.flower_guard); else one notice line and Flower's own handlers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from tpflower.app.flower_patch import supported
+from tpflower.app.flower_guard import enabled
 
 HOLD_S = 0.5  # longest a pull is held (well within a client's 30 s HTTP timeout)
 MAX_HELD = 16  # pulls held at once; the server's thread pool has 40 workers
@@ -142,10 +142,10 @@ def held_runtime_pull(pull_messages: Any, hold_s: float = HOLD_S, bell: Bell = B
     return pull
 
 
-def install_held_pulls(flwr_version: str | None = None, hold_s: float = HOLD_S) -> bool:
-    """Hold the SuperLink's message pulls (module doc) if the installed Flower is one this was written for;
-    else keep Flower's handlers and log one notice line. In the SuperLink's process only."""
-    if not supported(flwr_version, "pulls answered at once (clients poll)"):
+def install_held_pulls(hold_s: float = HOLD_S) -> bool:
+    """Hold the SuperLink's message pulls (module doc) if Flower's handlers are the ones this was checked
+    against; else keep them and log one notice line. In the SuperLink's process only."""
+    if not enabled("held-pulls"):
         return False
     from flwr.superlink.servicer.fleet import fleet_handlers  # noqa: PLC0415  only in the SuperLink's process
     from flwr.superlink.servicer.runtime import runtime_handlers  # noqa: PLC0415

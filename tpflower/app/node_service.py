@@ -1,7 +1,7 @@
 """The owner's node service: one long-lived process that answers every message of every run on a SuperNode,
 with the owner's installed tpflower client, and never runs code from the submitter's app bundle (FAB).
 
-Flower 1.41's extension point for separately managed ClientApps: ``flower-supernode --isolation process``
+Flower's extension point for separately managed ClientApps: ``flower-supernode --isolation process``
 starts no app process of its own; it serves a Runtime API on loopback and one outside process claims each
 task (one task per message). This module is that process. Per task (docs/threat-model.md "The node
 service"): ``AcquireTask`` -> ``PullTaskInput`` (context, run, FAB bytes, ignored) -> the message ->
@@ -17,8 +17,8 @@ The service learns of a task from its doorbell, a loopback UDP socket that the o
 (tpflower.app.supernode) rings once a message has fully arrived (:data:`DOORBELL_WAIT_S` between asks
 otherwise); without one it polls with a short backoff (:data:`MIN_POLL_S` right after a task, doubling to
 :data:`MAX_POLL_S` when idle). It pulls message objects with a millisecond backoff (Flower's default starts at
-1 s). Uses Flower internals (supernode/runtime/run_clientapp.py's helpers, the Runtime HTTP
-client): written for the Flower versions in tpflower.app.flower_patch.WRITTEN_FOR, to which pyproject pins flwr.
+1 s). Uses Flower's Runtime API client and flwr-clientapp's helpers (supernode/runtime/run_clientapp.py), as
+any outside ClientApp process does; tested on the Flower releases pyproject's pin allows (.ci/run tries each).
 """
 
 from __future__ import annotations

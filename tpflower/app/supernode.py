@@ -2,8 +2,7 @@
 and its Runtime API's tracing layer skipped while tracing is off (install_gated_supernode_middleware):
 ``python -m tpflower.app.supernode ARGS`` takes flower-supernode's arguments. The node service
 (simulations.node) starts the owner's SuperNode this way; it runs Flower's code only. With
-``--isolation process`` (the node service answers its tasks) its task inputs carry the app bundle's identity
-but not its bytes (flower_patch.install_identity_only_task_input), and a task is created once its message has
+``--isolation process`` (the node service answers its tasks) a task is created once its message has
 fully arrived, ringing the service's doorbell (the UDP port in $TPFLOWER_TASK_DOORBELL, if set:
 flower_patch.install_tasks_when_ready).
 """
@@ -19,7 +18,6 @@ from tpflower.app.flower_patch import (
     DOORBELL_ENV,
     install_fast_supernode,
     install_gated_supernode_middleware,
-    install_identity_only_task_input,
     install_tasks_when_ready,
 )
 
@@ -35,7 +33,6 @@ def main() -> None:
     install_fast_supernode()
     install_gated_supernode_middleware()
     if process_isolated(sys.argv[1:]):
-        install_identity_only_task_input()
         install_tasks_when_ready(port=int(os.environ.get(DOORBELL_ENV) or 0) or None)
     sys.argv[0] = "flower-supernode"
     flower_supernode()
