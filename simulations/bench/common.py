@@ -203,3 +203,28 @@ def run_results(cfg: Any) -> Any:
     results = new_run_results(cfg, "centralized", rel.spec, rel.mapping)
     train_centralized(cfg, rel, results, log=lambda _: None)
     return results
+
+
+#: the scale benchmarks' star schema: SCALE_DIMS dimension tables, each joined row fans out SCALE_FANOUT ways
+SCALE_DIMS, SCALE_FANOUT = 3, 2
+
+
+def scale_loader(n_joined: int, fanout: int = SCALE_FANOUT) -> dict[str, Any]:
+    """The synthetic loader settings of the scale benchmark at N = ``n_joined`` joined rows (``fanout`` 1: the
+    fact table itself has N rows, no duplication by the join)."""
+    return {
+        "name": "synthetic",
+        "schema": "star",
+        "n_fact": n_joined // fanout**SCALE_DIMS,
+        "n_dims": SCALE_DIMS,
+        "fanout": fanout,
+        "dim_rows": 200,
+        "widths": 4,
+        "seed": 0,
+    }
+
+
+def scale_overrides(n_joined: int, fanout: int = SCALE_FANOUT) -> list[str]:
+    """Hydra overrides selecting that dataset (conf/dataset/synthetic.yaml with a star schema)."""
+    loader = scale_loader(n_joined, fanout)
+    return ["dataset=synthetic", *(f"dataset.loader.{k}={v}" for k, v in loader.items() if k != "name")]

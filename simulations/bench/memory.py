@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from simulations.bench.common import scale_loader, scale_overrides
+
 
 @dataclass(frozen=True)
 class Family:
@@ -117,7 +119,6 @@ class StateProbe:
 def family_state(family: str, n_joined: int, fanout: int, epochs: int | None = None) -> dict[str, Any]:
     """One family's server state at the end of each epoch of an in-process run on the synthetic star of the
     scale bench at N = ``n_joined`` (``fanout`` 1: a fact table of N rows; 2: the scale schema)."""
-    from simulations.bench.scale import scale_loader, scale_overrides  # noqa: PLC0415
     from simulations.federated import run_in_process  # noqa: PLC0415
     from tpflower.app.server_app import make_strategy  # noqa: PLC0415
     from tpflower.config import compose_config  # noqa: PLC0415

@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from simulations.bench.common import SECRET, TreeMonitor, peak_rss_mb, run_isolated
+from simulations.bench.common import (
+    SCALE_FANOUT,
+    SECRET,
+    TreeMonitor,
+    peak_rss_mb,
+    run_isolated,
+    scale_loader,
+    scale_overrides,
+)
 from simulations.bench.memory import FAMILIES, budget_fit, over_budget
 from tpflower.batches import joined_predictions
 from tpflower.datasets import load_spec, load_tables
@@ -36,31 +44,9 @@ from tpflower.mapping import build_mapping, holdout_mask, project_keys
 
 #: the synthetic star schema of the scale benchmark: a fact table and 3 dimensions with 2 rows per key, so every
 #: fact row joins 2 x 2 x 2 rows: N = 8 n_fact (4 tables; conf/dataset/synthetic.yaml's widths and dim_rows)
-SCALE_DIMS, SCALE_FANOUT = 3, 2
 SCALE_N = (1_000_000, 10_000_000, 40_000_000, 100_000_000)
 #: the goal for the fanout-1 fact-table runs: the whole process tree under 16 GB (a run passing it is killed)
 FACT_LIMIT_MB = 16_000
-
-
-def scale_loader(n_joined: int, fanout: int = SCALE_FANOUT) -> dict[str, Any]:
-    """The synthetic loader settings of the scale benchmark at N = ``n_joined`` joined rows (``fanout`` 1: the
-    fact table itself has N rows, no duplication by the join)."""
-    return {
-        "name": "synthetic",
-        "schema": "star",
-        "n_fact": n_joined // fanout**SCALE_DIMS,
-        "n_dims": SCALE_DIMS,
-        "fanout": fanout,
-        "dim_rows": 200,
-        "widths": 4,
-        "seed": 0,
-    }
-
-
-def scale_overrides(n_joined: int, fanout: int = SCALE_FANOUT) -> list[str]:
-    """Hydra overrides selecting that dataset (conf/dataset/synthetic.yaml with a star schema)."""
-    loader = scale_loader(n_joined, fanout)
-    return ["dataset=synthetic", *(f"dataset.loader.{k}={v}" for k, v in loader.items() if k != "name")]
 
 
 def _scale_projections(n_joined: int, fanout: int = SCALE_FANOUT):

@@ -138,7 +138,7 @@ def keys_memory_case(n_fact: int, mode: str, chunk_rows: int) -> dict[str, Any]:
     docstring), the payload it sent and the round's wall time."""
     from flwr.app import Context  # noqa: PLC0415  (flwr, torch: not in the other cases' processes)
 
-    from simulations.bench.scale import scale_overrides  # noqa: PLC0415
+    from simulations.bench.common import scale_overrides  # noqa: PLC0415
     from tpflower.app.client_app import make_client  # noqa: PLC0415
 
     cfg = compose_config("algorithm=admm", *scale_overrides(n_fact, 1), f"mapping.keys={mode}")
