@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tpflower.guard import Protocol
 from tpflower.params import AlgorithmParams, one_of, or_word, param, positive
+from tpflower.phases.gbdt import GBDTParams
 from tpflower.registry import AlgorithmEntry, register
 
 #: Why the centralized baseline refuses feature DP (shown in the error).
@@ -45,5 +46,24 @@ for _scenario in ("join", "ucq"):  # the union is materialized like the join
             why_no_feature_dp=WHY_NO_FEATURE_DP,
             federated=False,
             summary="centralized baseline: SGD or exact ridge on the materialized join",
+        )
+    )
+
+
+# the central histogram GBDT on the materialized join: the reference of algorithm=gbdt, with gbdt's settings
+for _scenario in ("join", "ucq"):
+    register(
+        AlgorithmEntry(
+            "centralized_gbdt",
+            "centralized_gbdt",
+            _scenario,
+            "centralized",
+            "CentralizedGBDT",
+            Protocol(()),
+            GBDTParams,
+            feature_dp=False,
+            why_no_feature_dp=WHY_NO_FEATURE_DP,
+            federated=False,
+            summary="centralized baseline: histogram GBDT on the materialized join (gbdt's reference)",
         )
     )

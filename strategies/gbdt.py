@@ -1,0 +1,226 @@
+"""Histogram gradient boosting over the join, server side (docs/algorithms.md, Boosted trees over the join; client:
+tpflower/phases/gbdt.py; shared math and tree growth: tpflower/trees.py).
+
+The server holds the training labels (label-DP'd if so) and the current scores F of the joined training rows.
+Per boosting round it computes g and h (tpflower.trees.gradients) and grows the round's d_c trees best-first
+(tpflower.trees.grow_forest). Each expansion step is ONE round trip: every table receives, for each node being
+expanded (all trees of the round together), the per-table-row sums of g and h and the joined-row counts of the
+node's rows (segment sums over p_i: n_i numbers, not N); it answers its best gain per node and one side bit per
+(node, row). The server keeps, per node, the table of the largest gain (ties: the smallest table name) and, when
+it splits the node, routes the node's joined rows by that table's bits. Leaf values are the server's.
+
+Evaluation every ``eval_every`` trees (one routing round, not training traffic): each table answers the side of
+the test and validation rows at its splits of the new trees; the server walks the trees. Validation rows (the
+top-level ``validation_fraction`` of the training join, tpflower.validation) take no part in training; with
+``early_stopping`` > 0 the run stops after that many evaluations without a lower validation loss and keeps the
+trees of the best one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from strategies.base import LoJStrategy
+from tpflower.join_counts import compact_counts
+from tpflower.losses import loss_np
+from tpflower.mapping import index_dtype
+from tpflower.phases.gbdt import GBDTParams
+from tpflower.trees import (
+    Candidate,
+    Growth,
+    Node,
+    Tree,
+    add_leaves,
+    first_best,
+    gradients,
+    grow_forest,
+    init_scores,
+    leaf_values,
+)
+from tpflower.validation import validation_mask
+
+
+def node_rows(p: np.ndarray, g: np.ndarray, h: np.ndarray, n_rows: int) -> tuple[np.ndarray, ...]:
+    """The distinct table rows ``rows`` (ascending) of a node's joined rows (their table rows ``p``) with the
+    per-row sums of g and h and the counts: segment sums over p, dense (bincount over n_rows) for a node that
+    covers much of the table, by sorting otherwise."""
+    if 8 * len(p) >= n_rows:
+        C = np.bincount(p, minlength=n_rows)
+        rows = np.flatnonzero(C)
+        return (
+            rows,
+            np.bincount(p, weights=g, minlength=n_rows)[rows],
+            np.bincount(p, weights=h, minlength=n_rows)[rows],
+            C[rows],
+        )
+    rows, inv = np.unique(p, return_inverse=True)
+    return (
+        rows,
+        np.bincount(inv, weights=g, minlength=len(rows)),
+        np.bincount(inv, weights=h, minlength=len(rows)),
+        np.bincount(inv, minlength=len(rows)),
+    )
+
+
+class JoinGBDT(LoJStrategy):
+    """algorithm=gbdt over the join."""
+
+    algorithm = "gbdt"
+    params_type = GBDTParams
+
+    def protocol(self) -> None:
+        self.setup()
+        assert self.results is not None and self.comm is not None
+        alg: GBDTParams = self.params
+        train, label, task = self.train, self.spec.label_table, self.task
+        K = int(self.d_out)
+        y = np.asarray(self.y_train)
+        val = validation_mask(train.p[label], float(self.cfg.get("validation_fraction", 0) or 0), int(self.cfg.seed))
+        self.fit_rows = fit = np.flatnonzero(~val).astype(index_dtype(train.N))
+        self.growth = Growth(alg.max_leaves, alg.max_depth, alg.leaves_per_step, alg.learning_rate, alg.rule)
+        self.tables = sorted(train.p)
+        self.p_fit = {t: train.p[t][fit] for t in self.tables}
+        self.won: dict[str, list[int]] = {t: [] for t in self.tables}
+        self.send(
+            self.messages(
+                lambda t: (
+                    {"G": compact_counts(np.bincount(self.p_fit[t], minlength=train.n_rows[t]))},
+                    {"phase": "gbdt_bins", "d_out": K},
+                )
+            )
+        )
+        self.F0 = init_scores(task, y[fit], K)
+        F = np.tile(self.F0, (len(fit), 1))
+        # the rows evaluated by routing: the test rows, then the validation rows
+        val_rows = np.flatnonzero(val)
+        self.eval_p = {t: np.concatenate([self.test.p[t], train.p[t][val_rows]]) for t in self.tables}
+        self.eval_rows = {t: np.unique(p, return_inverse=True) for t, p in self.eval_p.items()}
+        F_eval = np.tile(self.F0, (self.test.N + len(val_rows), 1))
+        self.forest: list[list[Tree]] = []
+        y_fit, y_val = y[fit], y[val_rows]
+        best = (np.inf, 0, F_eval[: self.test.N].copy(), 0.0)
+        bad, next_id, evaluated = 0, 0, 0
+        for r in range(1, alg.trees + 1):
+            g, h = gradients(task, F, y_fit)
+            trees, perms, next_id = grow_forest(fit, g, h, self.growth, self.evaluate, next_id)
+            add_leaves(F, trees, perms)
+            for tree in trees:
+                for node in tree.internal():
+                    self.won[node.table].append(node.id)
+            self.forest.append(trees)
+            if r % alg.eval_every and r != alg.trees:
+                continue
+            F_eval += self.route(self.forest[evaluated:])
+            evaluated = len(self.forest)
+            extra: dict[str, float] = {"trees": float(r)}
+            if len(val_rows):
+                val_loss = float(loss_np(task, F_eval[self.test.N :], y_val).mean())
+                extra["val_loss"] = self.label_scale.loss(val_loss) if task == "regression" else val_loss
+                if val_loss < best[0]:
+                    best, bad = (val_loss, r, F_eval[: self.test.N].copy(), float(loss_np(task, F, y_fit).mean())), 0
+                else:
+                    bad += 1
+            train_loss = float(loss_np(task, F, y_fit).mean())
+            self.record_epoch(r, F_eval[: self.test.N], train_loss, extra)
+            if alg.early_stopping and bad >= alg.early_stopping:
+                self.log(f"early stopping: no lower validation loss in {bad} evaluations; keeping {best[1]} trees")
+                del self.forest[best[1] :]
+                self.record_epoch(best[1], best[2], best[3], {"trees": float(best[1])})
+                break
+        self.finish()
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    def evaluate(self, nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Any]:
+        """One expansion step: the nodes' per-table-row sums to every table, its best gain per node and side
+        bits back; per node the best table's candidate (ties: the smallest table name)."""
+        parts: dict[str, list[tuple[np.ndarray, ...]]] = {t: [] for t in self.tables}
+        for node in nodes:
+            seg = perms[node.out][node.start : node.end]
+            gk, hk = g[seg, node.out], h[seg, node.out]
+            for t in self.tables:
+                parts[t].append(node_rows(self.p_fit[t][seg], gk, hk, self.train.n_rows[t]))
+        ids = np.array([n.id for n in nodes], dtype=np.int64)
+        parent = np.array([n.parent for n in nodes], dtype=np.int64)
+
+        def message(t: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+            rows, G, H, C = (np.concatenate([p[i] for p in parts[t]]) for i in range(4))
+            won, self.won[t] = np.array(self.won[t], dtype=np.int64), []
+            return (
+                {
+                    "nodes": ids,
+                    "parent": parent,
+                    "sizes": np.array([len(p[0]) for p in parts[t]], dtype=np.int64),
+                    "rows": rows.astype(index_dtype(self.train.n_rows[t])),
+                    "G": G,
+                    "H": H,
+                    "C": compact_counts(C),
+                    "won": won,
+                },
+                {"phase": "gbdt_split"},
+            )
+
+        replies = self.send(self.messages(message))
+        out: list[Any] = []
+        answers = {t: replies[(t, 0)][0] for t in self.tables}
+        bits = {
+            t: np.unpackbits(np.asarray(a["bits"]), count=sum(len(p[0]) for p in parts[t])).astype(bool)
+            for t, a in answers.items()
+        }
+        offsets = {t: np.concatenate([[0], np.cumsum([len(p[0]) for p in parts[t]])]) for t in self.tables}
+        gains = np.stack([np.asarray(answers[t]["gain"], dtype=np.float64) for t in self.tables])
+        for i in range(len(nodes)):
+            k = first_best(gains[:, i])  # tables in name order: a tie keeps the smallest table name
+            best_gain, best_t = float(gains[k, i]), self.tables[k]
+            if not np.isfinite(best_gain):
+                out.append(None)
+                continue
+            rows_t = parts[best_t][i][0]
+            side = bits[best_t][offsets[best_t][i] : offsets[best_t][i + 1]]
+            p_t = self.p_fit[best_t]
+            out.append(Candidate(best_gain, best_t, lambda seg, r=rows_t, s=side, p=p_t: s[np.searchsorted(r, p[seg])]))
+        return out
+
+    # ------------------------------------------------------------------------------------------ evaluation
+
+    def route(self, rounds: list[list[Tree]]) -> np.ndarray:
+        """The sum of the leaf values of the trees ``rounds`` for every evaluated row (test, then validation):
+        one routing round (``kind=eval``), each table the side of its evaluated rows at its splits."""
+        splits: dict[str, list[int]] = {t: [] for t in self.tables}
+        for trees in rounds:
+            for tree in trees:
+                for node in tree.internal():
+                    splits[node.table].append(node.id)
+
+        def message(t: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+            won, self.won[t] = np.array(self.won[t], dtype=np.int64), []
+            rows = self.eval_rows[t][0]
+            return (
+                {
+                    "rows": rows.astype(index_dtype(self.train.n_rows[t])),
+                    "splits": np.array(splits[t], dtype=np.int64),
+                    "won": won,
+                },
+                {"phase": "gbdt_route"},
+            )
+
+        replies = self.send(self.messages(message), kind="eval")
+        column = {t: {s: i for i, s in enumerate(splits[t])} for t in self.tables}
+        side = {
+            t: np.unpackbits(np.asarray(replies[(t, 0)][0]["bits"]), axis=1, count=len(splits[t])).astype(bool)
+            for t in self.tables
+        }
+        n = len(next(iter(self.eval_p.values())))
+        inv = {t: self.eval_rows[t][1].reshape(-1) for t in self.tables}
+        out = np.zeros((n, int(self.d_out)))
+        for trees in rounds:
+            for tree in trees:
+                out[:, tree.out] += leaf_values(
+                    tree, n, lambda node, idx: side[node.table][inv[node.table][idx], column[node.table][node.id]]
+                )
+        return out
+
+    def model_extra(self) -> dict[str, Any]:
+        return {"predicts": "score"}
