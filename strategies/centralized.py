@@ -28,6 +28,7 @@ from tpflower.relation import Relation, build_local_model, load_relation, summar
 from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
 from tpflower.schema import RelationalSpec
 from tpflower.trees import (
+    BinLayout,
     Candidate,
     Growth,
     Node,
@@ -276,8 +277,8 @@ def central_gbdt(
     nb, rule = params.max_bins, params.rule
     edges = {t: [bin_edges(X[t][:, f], np.ones(len(y)), nb) for f in range(X[t].shape[1])] for t in tables}
     codes = {t: bin_codes(X[t], edges[t]) for t in tables}
+    layout = {t: BinLayout.of(edges[t]) for t in tables}
     eval_codes = {t: bin_codes(X_eval[t], edges[t]) for t in tables} if X_eval is not None else None
-    ones = np.ones(len(y))
 
     def evaluate(nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Candidate | None]:
         out: list[Candidate | None] = []
@@ -285,10 +286,12 @@ def central_gbdt(
             seg = perms[node.out][node.start : node.end]
             found = []
             for t in tables:  # in name order: a tie keeps the smallest table name
-                hist = histograms(codes[t], seg, g[seg, node.out], h[seg, node.out], ones[seg], nb)
-                found.append((t, *best_split(hist, rule)))
+                hk = None if task == "regression" else h[seg, node.out]
+                hist = histograms(codes[t], seg, g[seg, node.out], hk, None, layout[t].total)
+                found.append((t, *best_split(hist, layout[t], rule)))
             t, gain, f, b = found[first_best(np.array([c[1] for c in found]))]
-            best = None if f < 0 else Candidate(gain, t, lambda s, c=codes[t][f], b=b: c[s] <= b, (f, b))
+            k = -1 if f < 0 else int(layout[t].offsets[f]) + b  # "bin <= b" of feature f: flat code <= k
+            best = None if f < 0 else Candidate(gain, t, lambda s, c=codes[t][f], k=k: c[s] <= k, (f, k))
             out.append(best)
         return out
 

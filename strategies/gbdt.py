@@ -42,26 +42,21 @@ from tpflower.trees import (
 from tpflower.validation import validation_mask
 
 
-def node_rows(p: np.ndarray, g: np.ndarray, h: np.ndarray, n_rows: int) -> tuple[np.ndarray, ...]:
+def node_rows(p: np.ndarray, g: np.ndarray, h: np.ndarray | None, n_rows: int) -> tuple[np.ndarray | None, ...]:
     """The distinct table rows ``rows`` (ascending) of a node's joined rows (their table rows ``p``) with the
-    per-row sums of g and h and the counts: segment sums over p, dense (bincount over n_rows) for a node that
-    covers much of the table, by sorting otherwise."""
+    per-row sums of g and h (None: not asked) and the counts: segment sums over p, dense (bincount over n_rows)
+    for a node that covers much of the table, by sorting otherwise."""
     if 8 * len(p) >= n_rows:
         C = np.bincount(p, minlength=n_rows)
         rows = np.flatnonzero(C)
-        return (
-            rows,
-            np.bincount(p, weights=g, minlength=n_rows)[rows],
-            np.bincount(p, weights=h, minlength=n_rows)[rows],
-            C[rows],
-        )
+        G = np.bincount(p, weights=g, minlength=n_rows)[rows]
+        H = None if h is None else np.bincount(p, weights=h, minlength=n_rows)[rows]
+        return rows, G, H, C[rows]
     rows, inv = np.unique(p, return_inverse=True)
-    return (
-        rows,
-        np.bincount(inv, weights=g, minlength=len(rows)),
-        np.bincount(inv, weights=h, minlength=len(rows)),
-        np.bincount(inv, minlength=len(rows)),
-    )
+    inv = inv.reshape(-1)
+    G = np.bincount(inv, weights=g, minlength=len(rows))
+    H = None if h is None else np.bincount(inv, weights=h, minlength=len(rows))
+    return rows, G, H, np.bincount(inv, minlength=len(rows))
 
 
 class JoinGBDT(LoJStrategy):
@@ -82,11 +77,13 @@ class JoinGBDT(LoJStrategy):
         self.growth = Growth(alg.max_leaves, alg.max_depth, alg.leaves_per_step, alg.learning_rate, alg.rule)
         self.tables = sorted(train.p)
         self.p_fit = {t: train.p[t][fit] for t in self.tables}
+        counts = {t: np.bincount(self.p_fit[t], minlength=train.n_rows[t]) for t in self.tables}
+        self.injective = {t: bool(counts[t].max(initial=0) <= 1) for t in self.tables}
         self.won: dict[str, list[int]] = {t: [] for t in self.tables}
         self.send(
             self.messages(
                 lambda t: (
-                    {"G": compact_counts(np.bincount(self.p_fit[t], minlength=train.n_rows[t]))},
+                    {"G": compact_counts(counts[t])},
                     {"phase": "gbdt_bins", "d_out": K},
                 )
             )
@@ -135,52 +132,65 @@ class JoinGBDT(LoJStrategy):
 
     def evaluate(self, nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Any]:
         """One expansion step: the nodes' per-table-row sums to every table, its best gain per node and side
-        bits back; per node the best table's candidate (ties: the smallest table name)."""
-        parts: dict[str, list[tuple[np.ndarray, ...]]] = {t: [] for t in self.tables}
+        bits back; per node the best table's candidate (ties: the smallest table name). A table whose rows
+        each occur at most once in the training join gets its joined rows as they are (rows p_i[S_n], sums g
+        and h, counts 1) and answers its bits in that order; the squared error sends no H (h = 1: H = C)."""
+        regression = self.task == "regression"
+        parts: dict[str, list[tuple[Any, ...]]] = {t: [] for t in self.tables}
         for node in nodes:
             seg = perms[node.out][node.start : node.end]
-            gk, hk = g[seg, node.out], h[seg, node.out]
+            gk, hk = g[seg, node.out], None if regression else h[seg, node.out]
             for t in self.tables:
-                parts[t].append(node_rows(self.p_fit[t][seg], gk, hk, self.train.n_rows[t]))
+                p = self.p_fit[t][seg]
+                if self.injective[t]:
+                    parts[t].append((p, gk, hk, np.ones(len(p), dtype=np.uint8)))
+                else:
+                    parts[t].append(node_rows(p, gk, hk, self.train.n_rows[t]))
         ids = np.array([n.id for n in nodes], dtype=np.int64)
         parent = np.array([n.parent for n in nodes], dtype=np.int64)
+        dtype = self.state_dtype
 
         def message(t: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-            rows, G, H, C = (np.concatenate([p[i] for p in parts[t]]) for i in range(4))
-            won, self.won[t] = np.array(self.won[t], dtype=np.int64), []
-            return (
-                {
-                    "nodes": ids,
-                    "parent": parent,
-                    "sizes": np.array([len(p[0]) for p in parts[t]], dtype=np.int64),
-                    "rows": rows.astype(index_dtype(self.train.n_rows[t])),
-                    "G": G,
-                    "H": H,
-                    "C": compact_counts(C),
-                    "won": won,
-                },
-                {"phase": "gbdt_split"},
+            rows, G, H, C = (
+                np.concatenate([p[i] for p in parts[t]]) if i != 2 or not regression else None for i in range(4)
             )
+            won, self.won[t] = np.array(self.won[t], dtype=np.int64), []
+            arrays = {
+                "nodes": ids,
+                "parent": parent,
+                "sizes": np.array([len(p[0]) for p in parts[t]], dtype=np.int64),
+                "rows": rows.astype(index_dtype(self.train.n_rows[t]), copy=False),
+                "G": G.astype(dtype, copy=False),
+                "C": compact_counts(C),
+                "won": won,
+            }
+            if H is not None:
+                arrays["H"] = H.astype(dtype, copy=False)
+            return arrays, {"phase": "gbdt_split"}
 
         replies = self.send(self.messages(message))
         out: list[Any] = []
-        answers = {t: replies[(t, 0)][0] for t in self.tables}
+        sizes = {t: [len(p[0]) for p in parts[t]] for t in self.tables}
         bits = {
-            t: np.unpackbits(np.asarray(a["bits"]), count=sum(len(p[0]) for p in parts[t])).astype(bool)
-            for t, a in answers.items()
+            t: np.unpackbits(np.asarray(replies[(t, 0)][0]["bits"]), count=sum(sizes[t])).astype(bool)
+            for t in self.tables
         }
-        offsets = {t: np.concatenate([[0], np.cumsum([len(p[0]) for p in parts[t]])]) for t in self.tables}
-        gains = np.stack([np.asarray(answers[t]["gain"], dtype=np.float64) for t in self.tables])
+        offsets = {t: np.concatenate([[0], np.cumsum(sizes[t])]) for t in self.tables}
+        gains = np.stack([np.asarray(replies[(t, 0)][0]["gain"], dtype=np.float64) for t in self.tables])
         for i in range(len(nodes)):
             k = first_best(gains[:, i])  # tables in name order: a tie keeps the smallest table name
             best_gain, best_t = float(gains[k, i]), self.tables[k]
             if not np.isfinite(best_gain):
                 out.append(None)
                 continue
-            rows_t = parts[best_t][i][0]
             side = bits[best_t][offsets[best_t][i] : offsets[best_t][i + 1]]
-            p_t = self.p_fit[best_t]
-            out.append(Candidate(best_gain, best_t, lambda seg, r=rows_t, s=side, p=p_t: s[np.searchsorted(r, p[seg])]))
+            if self.injective[best_t]:  # the bits are in the node's row order already
+                out.append(Candidate(best_gain, best_t, lambda seg, s=side: s))
+            else:
+                rows_t, p_t = parts[best_t][i][0], self.p_fit[best_t]
+                out.append(
+                    Candidate(best_gain, best_t, lambda seg, r=rows_t, s=side, p=p_t: s[np.searchsorted(r, p[seg])])
+                )
         return out
 
     # ------------------------------------------------------------------------------------------ evaluation

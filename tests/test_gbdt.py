@@ -212,7 +212,6 @@ def test_split_inputs_must_be_consistent(trained):
         "sizes": np.array([2]),
         "rows": np.array([0, 1]),
         "G": np.array([0.5, -0.5]),
-        "H": np.array([1.0, 1.0]),
         "C": np.array([1, 1]),
         "won": np.zeros(0, dtype=np.int64),
     }
@@ -220,7 +219,7 @@ def test_split_inputs_must_be_consistent(trained):
         ("sizes", np.array([3]), "do not match"),
         ("G", np.array([np.nan, 1.0]), "not finite"),
         ("C", np.array([0, 1]), "no joined row"),
-        ("H", np.array([-1.0, 1.0]), "negative"),
+        ("H", np.array([1.0, 1.0]), "not the phase's inputs"),  # squared error: h = 1, H is the counts
         ("G", np.array([1, 2]), "not floating point"),
     ]:
         with pytest.raises(ProtocolRefusal, match=problem):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MAX_BINS = 256  # bin codes fit in uint8
+MAX_BINS = 256  # at most this many bins per feature
 
 
 def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndarray:
@@ -45,25 +45,52 @@ def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndar
     return (v[k] + v[k + 1]) / 2
 
 
+@dataclass(frozen=True)
+class BinLayout:
+    """The features' bins side by side in one flat histogram: feature f's bins are offsets[f] ..
+    offsets[f + 1] - 1 (len(edges[f]) + 1 bins each), so a node's histogram is one vector per statistic."""
+
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, edges: Sequence[np.ndarray]) -> BinLayout:
+        return cls(np.concatenate([[0], np.cumsum([len(e) + 1 for e in edges])]).astype(np.int64))
+
+    @property
+    def total(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """(feature, bin) of flat bin k."""
+        f = int(np.searchsorted(self.offsets, k, side="right")) - 1
+        return f, k - int(self.offsets[f])
+
+
 def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
-    """The bin of every value, feature-major: codes[f, u] = b such that X[u, f] lies in bin b, i.e.
-    X[u, f] <= edges[f][b'] iff codes[f, u] <= b' (uint8)."""
-    codes = np.empty((len(edges), X.shape[0]), dtype=np.uint8)
+    """The flat bin (:class:`BinLayout`) of every value, feature-major: codes[f, u] = offsets[f] + b where
+    X[u, f] lies in bin b of feature f, i.e. X[u, f] <= edges[f][b'] iff b <= b'."""
+    layout = BinLayout.of(edges)
+    codes = np.empty((len(edges), X.shape[0]), dtype=np.uint16 if layout.total < 2**16 else np.int32)
     for f, e in enumerate(edges):
-        codes[f] = np.searchsorted(e, X[:, f], side="left")
+        codes[f] = np.searchsorted(e, X[:, f], side="left") + layout.offsets[f]
     return codes
 
 
-def histograms(codes: np.ndarray, rows: np.ndarray, G: np.ndarray, H: np.ndarray, C: np.ndarray, nb: int) -> np.ndarray:
-    """hist[s, f, b] for the statistics s = (sum g, sum h, rows) of the rows ``rows`` (their per-row sums G,
-    H and counts C) falling in bin b of feature f: shape (3, d, nb)."""
-    d = codes.shape[0]
-    out = np.empty((3, d, nb))
-    for f in range(d):
+def histograms(
+    codes: np.ndarray, rows: np.ndarray, G: np.ndarray, H: np.ndarray | None, C: np.ndarray | None, total: int
+) -> np.ndarray:
+    """hist[s, k] for the statistics s = (sum g, sum h, rows) of the rows ``rows`` (their per-row sums G,
+    H and counts C) falling in flat bin k (:func:`bin_codes`): shape (3, total). ``C`` None: one joined row
+    each; ``H`` None: h = 1 (squared error), so the sums of h are the counts."""
+    out = np.zeros((3, total))
+    for f in range(codes.shape[0]):
         b = codes[f, rows]
-        out[0, f] = np.bincount(b, weights=G, minlength=nb)
-        out[1, f] = np.bincount(b, weights=H, minlength=nb)
-        out[2, f] = np.bincount(b, weights=C, minlength=nb)
+        out[0] += np.bincount(b, weights=G, minlength=total)
+        out[2] += np.bincount(b, weights=C, minlength=total)
+        if H is not None:
+            out[1] += np.bincount(b, weights=H, minlength=total)
+    if H is None:
+        out[1] = out[2]
     return out
 
 
@@ -96,28 +123,32 @@ def score(G: np.ndarray, H: np.ndarray, lam: float) -> np.ndarray:
         return np.where(H + lam > 0, G * G / (H + lam), 0.0)
 
 
-def best_split(hist: np.ndarray, rule: SplitRule) -> tuple[float, int, int]:
-    """(gain, feature, bin) of the best split "bin <= b goes left" of one node from its histograms (3, d, nb):
-    gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin Eq. 7); ties (:func:`first_best`) go
-    to the smallest feature, then the smallest bin. (-inf, -1, -1) when no split is valid."""
-    left = np.cumsum(hist, axis=2)[:, :, :-1]  # left side of "bin <= b", b = 0..nb-2
-    total = hist[:, :1, :].sum(axis=2, keepdims=True)  # every feature's bins add up to the node
+def best_split(hist: np.ndarray, layout: BinLayout, rule: SplitRule) -> tuple[float, int, int]:
+    """(gain, feature, bin) of the best split "bin <= b goes left" of one node from its flat histogram (3,
+    total): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin Eq. 7); ties
+    (:func:`first_best`) go to the smallest feature, then the smallest bin. (-inf, -1, -1) when no split is
+    valid."""
+    off = layout.offsets
+    cum = np.cumsum(hist, axis=1)
+    before = np.concatenate([np.zeros((3, 1)), cum[:, off[1:-1] - 1]], axis=1)  # sums before each feature
+    left = cum - np.repeat(before, np.diff(off), axis=1)  # left side of "bin <= b" within its feature
+    total = cum[:, off[1] - 1 : off[1]]  # every feature's bins add up to the node
     right = total - left
     lam = rule.lambda_l2
     ok = (
-        (hist[2, :, :-1] > 0)  # a bin of no rows splits as the bin before it: only the first of the two counts
+        (hist[2] > 0)  # a bin of no rows splits as the bin before it: only the first of the two counts
         & (left[2] >= rule.min_child_rows)
         & (right[2] >= rule.min_child_rows)
         & (left[1] >= rule.min_child_weight)
         & (right[1] >= rule.min_child_weight)
     )
+    ok[off[1:] - 1] = False  # "bin <= last bin" is no split
     if not ok.any():
         return -np.inf, -1, -1
     gain = 0.5 * (score(left[0], left[1], lam) + score(right[0], right[1], lam) - score(total[0], total[1], lam))
-    gain = np.where(ok, gain, -np.inf)
-    k = first_best(gain.reshape(-1))  # smallest feature, then smallest bin
-    f, b = divmod(k, gain.shape[1])
-    return float(gain[f, b]), f, b
+    k = first_best(np.where(ok, gain, -np.inf))  # smallest feature, then smallest bin
+    f, b = layout.locate(k)
+    return float(gain[k]), f, b
 
 
 # ---------------------------------------------------------------------------------------------- losses

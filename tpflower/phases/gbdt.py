@@ -35,7 +35,7 @@ from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
-from tpflower.trees import MAX_BINS, SplitRule, best_split, bin_codes, bin_edges, histograms
+from tpflower.trees import MAX_BINS, BinLayout, SplitRule, best_split, bin_codes, bin_edges, histograms
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,9 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays) -> dict[str, n
     names, vectors, integer or finite float dtypes, rows of this table, per-row arrays of one length, sizes that
     add up to the rows, one count per table row (gbdt_bins) and counts >= 1, hessian sums >= 0. Returns
     them as int64 / float64 arrays."""
-    expected = _INPUTS[phase]
+    expected = dict(_INPUTS[phase])
+    if phase == "gbdt_split" and client.settings.spec.label.task == "regression":
+        del expected["H"]  # squared error: h = 1, the counts are the hessian sums
     if set(arrays) != set(expected):
         raise _refuse(client, phase, "its arrays are not the phase's inputs", f"got {sorted(arrays)}")
     n_rows = len(client.local.X)
@@ -139,11 +141,17 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays) -> dict[str, n
         n = len(out["nodes"])
         if len(out["parent"]) != n or len(out["sizes"]) != n:
             raise _refuse(client, phase, "nodes, parent and sizes differ in length")
-        if not len(out["rows"]) == len(out["G"]) == len(out["H"]) == len(out["C"]) == int(out["sizes"].sum()):
+        if (
+            not len(out["rows"])
+            == len(out["G"])
+            == len(out.get("H", out["C"]))
+            == len(out["C"])
+            == int(out["sizes"].sum())
+        ):
             raise _refuse(client, phase, "rows, G, H and C do not match the node sizes")
         if len(out["C"]) and out["C"].min() < 1:
             raise _refuse(client, phase, "a row of a node has no joined row")
-        if len(out["H"]) and out["H"].min() < 0:
+        if "H" in out and len(out["H"]) and out["H"].min() < 0:
             raise _refuse(client, phase, "a hessian sum is negative")
         if len(np.unique(out["nodes"])) != n:
             raise _refuse(client, phase, "a node appears twice")
@@ -170,6 +178,17 @@ class OwnerTrees:
         if edges is None:
             raise _refuse(self.client, "gbdt", "no bins yet (gbdt_bins first)")
         return edges
+
+    @property
+    def layout(self) -> BinLayout:
+        if "layout" not in self.cache:
+            self.cache["layout"] = BinLayout.of(self.edges)
+        return self.cache["layout"]
+
+    def flat(self, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(feature, flat threshold code) of proposals or splits (rows of node, feature, bin)."""
+        f = splits[:, 1]
+        return f, self.layout.offsets[f] + splits[:, 2]
 
     @property
     def codes(self) -> np.ndarray:
@@ -207,19 +226,23 @@ def gbdt_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     a = check_inputs(client, "gbdt_split", arrays)
     owner = OwnerTrees(client)
     owner.accept(a["won"])
-    codes, nb = owner.codes, int(client.settings.algorithm.max_bins)
+    codes, layout = owner.codes, owner.layout
     rule = client.settings.algorithm.rule
     hists: dict[int, np.ndarray] = owner.cache.setdefault("hists", {})
     if (a["parent"] < 0).any():  # a new boosting round: the last round's proposals and histograms are done
         client.state.put("gbdt.proposals", np.zeros((0, 3), dtype=np.int64))
         hists.clear()
+    C = None if (a["C"] == 1).all() else a["C"].astype(np.float64)  # None: one joined row each
+    H = a.get("H")  # None: squared error, h = 1, so H is the count
     bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
     part = {int(n): slice(int(bounds[i]), int(bounds[i + 1])) for i, n in enumerate(a["nodes"])}
     parent_of = dict(zip(a["nodes"].tolist(), a["parent"].tolist()))
 
     def direct(n: int) -> np.ndarray:
         s = part[n]
-        return histograms(codes, a["rows"][s], a["G"][s], a["H"][s], a["C"][s], nb)
+        return histograms(
+            codes, a["rows"][s], a["G"][s], None if H is None else H[s], None if C is None else C[s], layout.total
+        )
 
     new: dict[int, np.ndarray] = {}
     for n in part:
@@ -239,11 +262,11 @@ def gbdt_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     bits = np.zeros(len(a["rows"]), dtype=bool)
     proposals = []
     for i, n in enumerate(part):
-        gain, f, b = best_split(new[n], rule)
+        gain, f, b = best_split(new[n], layout, rule)
         if f < 0:
             continue
         gains[i] = gain
-        bits[part[n]] = codes[f, a["rows"][part[n]]] <= b
+        bits[part[n]] = codes[f, a["rows"][part[n]]] <= layout.offsets[f] + b
         proposals.append((n, f, b))
     if proposals:
         client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), np.array(proposals)]))
@@ -259,9 +282,8 @@ def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     at = {int(n): i for i, n in enumerate(splits[:, 0])}
     if any(int(s) not in at for s in a["splits"]):
         raise _refuse(client, "gbdt_route", "splits names a split this table does not hold")
-    chosen = splits[[at[int(s)] for s in a["splits"]]].reshape(-1, 3)
-    codes = owner.codes
-    bits = codes[chosen[:, 1][None, :], a["rows"][:, None]] <= chosen[:, 2][None, :]
+    f, k = owner.flat(splits[[at[int(s)] for s in a["splits"]]].reshape(-1, 3))
+    bits = owner.codes[f[None, :], a["rows"][:, None]] <= k[None, :]
     return {"bits": np.packbits(bits, axis=1)}, {}
 
 
