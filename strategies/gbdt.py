@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from strategies.base import LoJStrategy
+from tpflower.fedprep import RankSketch
 from tpflower.join_counts import compact_counts
 from tpflower.losses import loss_np
 from tpflower.mapping import index_dtype
@@ -33,6 +34,7 @@ from tpflower.trees import (
     Node,
     Tree,
     add_leaves,
+    bin_edges,
     first_best,
     gradients,
     grow_forest,
@@ -80,14 +82,7 @@ class JoinGBDT(LoJStrategy):
         counts = {t: np.bincount(self.p_fit[t], minlength=train.n_rows[t]) for t in self.tables}
         self.injective = {t: bool(counts[t].max(initial=0) <= 1) for t in self.tables}
         self.won: dict[str, list[int]] = {t: [] for t in self.tables}
-        self.send(
-            self.messages(
-                lambda t: (
-                    {"G": compact_counts(counts[t])},
-                    {"phase": "gbdt_bins", "d_out": K},
-                )
-            )
-        )
+        self.bins(counts, K)
         self.F0 = init_scores(task, y[fit], K)
         F = np.tile(self.F0, (len(fit), 1))
         # the rows evaluated by routing: the test rows, then the validation rows
@@ -130,11 +125,56 @@ class JoinGBDT(LoJStrategy):
 
     # ------------------------------------------------------------------------------------------ one step
 
+    def sharded(self, t: str) -> bool:
+        return len(self.routers[t].shards) > 1
+
+    def bins(self, counts: dict[str, np.ndarray], d_out: int) -> None:
+        """Every client bins its columns (``gbdt_bins``, G_iu of its rows); a sharded table's shards answer rank
+        sketches of their G-weighted columns instead, which the server merges into the table's edges
+        (tpflower.trees.bin_edges on the merged sketch) and sends back (``gbdt_edges``)."""
+        replies = self.send(
+            {
+                (t, q): (
+                    {"G": compact_counts(self.routers[t].scatter_all(counts[t])[q])},
+                    {"phase": "gbdt_bins", "d_out": d_out},
+                )
+                for t, q in self.clients
+            }
+        )
+        self.shared_edges: dict[str, list[np.ndarray]] = {}
+        for t in [t for t in self.tables if self.sharded(t)]:
+            per_feature: list[list[RankSketch]] = []
+            for q in self.routers[t].shards:
+                a = replies[(t, q)][0]
+                cut = np.cumsum(np.asarray(a["sizes"], dtype=np.int64))[:-1]
+                values, weights = np.split(np.asarray(a["values"]), cut), np.split(np.asarray(a["weights"]), cut)
+                per_feature = per_feature or [[] for _ in values]
+                for f, (v, w) in enumerate(zip(values, weights)):
+                    per_feature[f].append(RankSketch(v.astype(np.float64), w.astype(np.int64)))
+            merged = [RankSketch.merge(sk) for sk in per_feature]
+            self.shared_edges[t] = [bin_edges(m.values, m.weights, self.params.max_bins) for m in merged]
+        if self.shared_edges:
+            self.send(
+                {
+                    (t, q): (
+                        {
+                            "edges": np.concatenate([np.zeros(0), *self.shared_edges[t]]),
+                            "sizes": np.array([len(e) for e in self.shared_edges[t]], dtype=np.int64),
+                        },
+                        {"phase": "gbdt_edges"},
+                    )
+                    for t, q in self.clients
+                    if t in self.shared_edges
+                }
+            )
+
     def evaluate(self, nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Any]:
         """One expansion step: the nodes' per-table-row sums to every table, its best gain per node and side
         bits back; per node the best table's candidate (ties: the smallest table name). A table whose rows
         each occur at most once in the training join gets its joined rows as they are (rows p_i[S_n], sums g
-        and h, counts 1) and answers its bits in that order; the squared error sends no H (h = 1: H = C)."""
+        and h, counts 1) and answers its bits in that order; the squared error sends no H (h = 1: H = C).
+        A sharded table's shards answer their parts of the histograms (``gbdt_hist``), and after the server
+        summed them, the split and their rows' bits (``gbdt_shard_split``): a second round trip."""
         regression = self.task == "regression"
         parts: dict[str, list[tuple[Any, ...]]] = {t: [] for t in self.tables}
         for node in nodes:
@@ -148,35 +188,54 @@ class JoinGBDT(LoJStrategy):
                     parts[t].append(node_rows(p, gk, hk, self.train.n_rows[t]))
         ids = np.array([n.id for n in nodes], dtype=np.int64)
         parent = np.array([n.parent for n in nodes], dtype=np.int64)
-        dtype = self.state_dtype
-
-        def message(t: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-            rows, G, H, C = (
-                np.concatenate([p[i] for p in parts[t]]) if i != 2 or not regression else None for i in range(4)
-            )
-            won, self.won[t] = np.array(self.won[t], dtype=np.int64), []
+        sizes = {t: np.array([len(p[0]) for p in parts[t]], dtype=np.int64) for t in self.tables}
+        cat = {t: [None if a[0] is None else np.concatenate(a) for a in zip(*parts[t])] for t in self.tables}
+        masks = {t: self.routers[t].masks(cat[t][0]) for t in self.tables}
+        positions = {t: self.routers[t].split(cat[t][0]) for t in self.tables}
+        won = {t: np.array(self.won[t], dtype=np.int64) for t in self.tables}
+        self.won = {t: [] for t in self.tables}
+        dtype, messages = self.state_dtype, {}
+        for t, q in self.clients:
+            mask = masks[t][q]
+            rows, G, H, C = cat[t]
+            node_of = np.repeat(np.arange(len(nodes)), sizes[t])[mask]
             arrays = {
                 "nodes": ids,
                 "parent": parent,
-                "sizes": np.array([len(p[0]) for p in parts[t]], dtype=np.int64),
-                "rows": rows.astype(index_dtype(self.train.n_rows[t]), copy=False),
-                "G": G.astype(dtype, copy=False),
-                "C": compact_counts(C),
-                "won": won,
+                "sizes": np.bincount(node_of, minlength=len(nodes)).astype(np.int64),
+                "rows": positions[t][q].astype(index_dtype(self.train.n_rows[t]), copy=False),
+                "G": G[mask].astype(dtype, copy=False),
+                "C": compact_counts(C[mask]),
+                "won": won[t],
             }
             if H is not None:
-                arrays["H"] = H.astype(dtype, copy=False)
-            return arrays, {"phase": "gbdt_split"}
-
-        replies = self.send(self.messages(message))
-        out: list[Any] = []
-        sizes = {t: [len(p[0]) for p in parts[t]] for t in self.tables}
-        bits = {
-            t: np.unpackbits(np.asarray(replies[(t, 0)][0]["bits"]), count=sum(sizes[t])).astype(bool)
-            for t in self.tables
-        }
+                arrays["H"] = H[mask].astype(dtype, copy=False)
+            messages[(t, q)] = (arrays, {"phase": "gbdt_hist" if self.sharded(t) else "gbdt_split"})
+        replies = self.send(messages)
+        shard_tables = [t for t in self.tables if self.sharded(t)]
+        if shard_tables:  # the shards' histograms summed, then each shard's split and bits
+            summed = {
+                t: sum(np.asarray(replies[(t, q)][0]["hist"]) for q in self.routers[t].shards) for t in shard_tables
+            }
+            replies.update(
+                self.send(
+                    {
+                        (t, q): ({"nodes": ids, "hist": summed[t]}, {"phase": "gbdt_shard_split"})
+                        for t, q in self.clients
+                        if t in summed
+                    }
+                )
+            )
+        bits: dict[str, np.ndarray] = {}
+        for t in self.tables:
+            full = np.zeros(len(cat[t][0]), dtype=bool)
+            for q, mask in masks[t].items():
+                full[mask] = np.unpackbits(np.asarray(replies[(t, q)][0]["bits"]), count=int(mask.sum())).astype(bool)
+            bits[t] = full
         offsets = {t: np.concatenate([[0], np.cumsum(sizes[t])]) for t in self.tables}
-        gains = np.stack([np.asarray(replies[(t, 0)][0]["gain"], dtype=np.float64) for t in self.tables])
+        first = {t: self.routers[t].shards[0] for t in self.tables}
+        gains = np.stack([np.asarray(replies[(t, first[t])][0]["gain"], dtype=np.float64) for t in self.tables])
+        out: list[Any] = []
         for i in range(len(nodes)):
             k = first_best(gains[:, i])  # tables in name order: a tie keeps the smallest table name
             best_gain, best_t = float(gains[k, i]), self.tables[k]
@@ -197,31 +256,40 @@ class JoinGBDT(LoJStrategy):
 
     def route(self, rounds: list[list[Tree]]) -> np.ndarray:
         """The sum of the leaf values of the trees ``rounds`` for every evaluated row (test, then validation):
-        one routing round (``kind=eval``), each table the side of its evaluated rows at its splits."""
+        one routing round (``kind=eval``), each table (each shard) the side of its evaluated rows at its
+        splits."""
         splits: dict[str, list[int]] = {t: [] for t in self.tables}
         for trees in rounds:
             for tree in trees:
                 for node in tree.internal():
                     splits[node.table].append(node.id)
-
-        def message(t: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-            won, self.won[t] = np.array(self.won[t], dtype=np.int64), []
-            rows = self.eval_rows[t][0]
-            return (
-                {
-                    "rows": rows.astype(index_dtype(self.train.n_rows[t])),
-                    "splits": np.array(splits[t], dtype=np.int64),
-                    "won": won,
-                },
-                {"phase": "gbdt_route"},
-            )
-
-        replies = self.send(self.messages(message), kind="eval")
+        won = {t: np.array(self.won[t], dtype=np.int64) for t in self.tables}
+        self.won = {t: [] for t in self.tables}
+        positions = {t: self.routers[t].split(self.eval_rows[t][0]) for t in self.tables}
+        replies = self.send(
+            {
+                (t, q): (
+                    {
+                        "rows": positions[t][q].astype(index_dtype(self.train.n_rows[t]), copy=False),
+                        "splits": np.array(splits[t], dtype=np.int64),
+                        "won": won[t],
+                    },
+                    {"phase": "gbdt_route"},
+                )
+                for t, q in self.clients
+            },
+            kind="eval",
+        )
         column = {t: {s: i for i, s in enumerate(splits[t])} for t in self.tables}
-        side = {
-            t: np.unpackbits(np.asarray(replies[(t, 0)][0]["bits"]), axis=1, count=len(splits[t])).astype(bool)
-            for t in self.tables
-        }
+        side: dict[str, np.ndarray] = {}
+        for t in self.tables:
+            rows = self.eval_rows[t][0]
+            side[t] = np.zeros((len(rows), len(splits[t])), dtype=bool)
+            for q, mask in self.routers[t].masks(rows).items() if splits[t] else ():
+                packed = np.asarray(replies[(t, q)][0]["bits"])
+                side[t][mask] = (
+                    np.unpackbits(packed, axis=1, count=len(splits[t])).astype(bool).reshape(-1, len(splits[t]))
+                )
         n = len(next(iter(self.eval_p.values())))
         inv = {t: self.eval_rows[t][1].reshape(-1) for t in self.tables}
         out = np.zeros((n, int(self.d_out)))
@@ -234,3 +302,11 @@ class JoinGBDT(LoJStrategy):
 
     def model_extra(self) -> dict[str, Any]:
         return {"predicts": "score"}
+
+
+class UnionGBDT(JoinGBDT):
+    """algorithm=gbdt scenario=ucq: over the union, a sharded table's shards bin on the edges the server merged
+    from their sketches and answer their parts of the histograms, summed by the server (two round trips per
+    step)."""
+
+    algorithm = "ucq_gbdt"

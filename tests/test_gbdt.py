@@ -95,11 +95,18 @@ def test_bin_edges_of_a_weighted_table_equal_those_of_its_joined_column():
             assert np.array_equal(codes <= b, joined <= e[b])
 
 
+def table_X(rec: Recorded, t: str) -> np.ndarray:
+    """Table t's feature matrix over its rows (a sharded table's shards put back in row order)."""
+    router = rec.strategy.routers[t]
+    parts = {q: np.asarray(rec.client((t, q)).local.X, dtype=np.float64) for q in router.shards}
+    return router.gather_all(parts)
+
+
 def central_of(rec: Recorded) -> tuple[list, np.ndarray]:
     """The central reference on the materialized join of the federated run's own training rows (the clients'
     feature matrices expanded by p_i), predicting its test and validation rows."""
     s = rec.strategy
-    X = {t: np.asarray(rec.client((t, 0)).local.X, dtype=np.float64) for t in s.tables}
+    X = {t: table_X(rec, t) for t in s.tables}
     fit = s.fit_rows
     forest, _, F_eval = central_gbdt(
         {t: X[t][s.train.p[t][fit]] for t in s.tables},
@@ -224,3 +231,20 @@ def test_split_inputs_must_be_consistent(trained):
     ]:
         with pytest.raises(ProtocolRefusal, match=problem):
             gbdt.gbdt_split(client, {**good, name: value}, {"phase": "gbdt_split"})
+
+
+def test_union_equals_the_join():
+    """Over the union (fact and d1 in two shards each) the shards bin on the edges the server merged from their
+    sketches (exact here: each shard holds fewer weighted values than the sketch size) and their histograms are
+    summed: the same trees as the central reference on the materialized union, as the join's are."""
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1")
+    rec = Recorded(*small("star", "regression", *shape), "scenario=ucq")
+    s = rec.strategy
+    assert s.algorithm == "ucq_gbdt" and set(s.shared_edges) == {"fact", "d1"}
+    forest, F_eval = central_of(rec)
+    assert_same_forest(forest, s.forest)
+    np.testing.assert_allclose(s.record.test_predictions, s.label_scale.to_label(F_eval[: s.test.N]), atol=1e-9, rtol=0)
+    join = Recorded(*small("star", "regression", *shape))
+    assert_same_forest(join.strategy.forest, s.forest)
+    phases = [ph for _, ph, _, _ in rec.got]
+    assert phases.count("gbdt_shard_split") == phases.count("gbdt_hist")  # two round trips per step

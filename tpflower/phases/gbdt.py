@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from tpflower.client import TableClient
-from tpflower.guard import Phase, ProtocolRefusal, Stage
+from tpflower.fedprep import DEFAULT_SKETCH_SIZE, RankSketch
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, sharded, unsharded
 from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param, positive, positive_int
 from tpflower.phases import setup
 from tpflower.records import Arrays
@@ -101,10 +102,12 @@ _INPUTS: dict[str, dict[str, str]] = {
         "won": "id",
     },
     "gbdt_route": {"rows": "row", "splits": "id", "won": "id"},
+    "gbdt_edges": {"edges": "float", "sizes": "count"},
+    "gbdt_shard_split": {"nodes": "id", "hist": "any"},
 }
 
 
-def check_inputs(client: TableClient, phase: str, arrays: Arrays) -> dict[str, np.ndarray]:
+def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str = "") -> dict[str, np.ndarray]:
     """Every input of a gbdt phase, checked in one place before anything is computed: exactly the phase's
     names, vectors, integer or finite float dtypes, rows of this table, per-row arrays of one length, sizes that
     add up to the rows, one count per table row (gbdt_bins) and counts >= 1, hessian sums >= 0. Returns
@@ -112,12 +115,15 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays) -> dict[str, n
     expected = dict(_INPUTS[phase])
     if phase == "gbdt_split" and client.settings.spec.label.task == "regression":
         del expected["H"]  # squared error: h = 1, the counts are the hessian sums
+    phase = as_phase or phase  # gbdt_hist takes gbdt_split's inputs
     if set(arrays) != set(expected):
         raise _refuse(client, phase, "its arrays are not the phase's inputs", f"got {sorted(arrays)}")
     n_rows = len(client.local.X)
     out: dict[str, np.ndarray] = {}
     for name, kind in expected.items():
         a = np.asarray(arrays[name])
+        if kind == "any":  # checked by the phase (shape against its own state)
+            continue
         if a.ndim != 1:
             raise _refuse(client, phase, f"{name} is not a vector", f"shape {a.shape}")
         if kind == "float":
@@ -137,7 +143,7 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays) -> dict[str, n
         out[name] = a
     if phase == "gbdt_bins" and len(out["G"]) != n_rows:
         raise _refuse(client, phase, "G does not hold one count per row of the table", f"{len(out['G'])} values")
-    if phase == "gbdt_split":
+    if phase in ("gbdt_split", "gbdt_hist"):
         n = len(out["nodes"])
         if len(out["parent"]) != n or len(out["sizes"]) != n:
             raise _refuse(client, phase, "nodes, parent and sizes differ in length")
@@ -212,30 +218,60 @@ class OwnerTrees:
 
 
 def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Bin every feature column on quantiles weighted by G_iu (tpflower.trees.bin_edges); keep the edges."""
+    """Bin every feature column on quantiles weighted by G_iu (tpflower.trees.bin_edges); keep the edges. A shard
+    of a sharded table keeps no edges of its own: it answers, per feature column, a rank sketch of its
+    G-weighted values (block maxima with block weights, as federated preprocessing's; exact with at most
+    DEFAULT_SKETCH_SIZE values), and the server's merged edges come back in ``gbdt_edges``."""
     G = check_inputs(client, "gbdt_bins", arrays)["G"]
     X = np.asarray(client.local.X, dtype=np.float64)
-    nb = int(client.settings.algorithm.max_bins)
-    client.state.put_list("gbdt.edges", [bin_edges(X[:, f], G, nb) for f in range(X.shape[1])])
     client.output_width(config)
+    if not client.settings.federated_prep:
+        nb = int(client.settings.algorithm.max_bins)
+        client.state.put_list("gbdt.edges", [bin_edges(X[:, f], G, nb) for f in range(X.shape[1])])
+        return {}, {}
+    live = int((G > 0).sum())
+    if 0 < live < client.settings.min_sketch_rows:
+        raise _refuse(
+            client,
+            "gbdt_bins",
+            "this shard holds fewer training rows than its owner's min_sketch_rows, so it sends no order "
+            "statistics for the shared bins (its owner may lower min_sketch_rows)",
+            f"{live} rows",
+        )
+    reps = G.astype(np.int64)
+    sketches = [RankSketch.build(np.repeat(X[:, f], reps), DEFAULT_SKETCH_SIZE) for f in range(X.shape[1])]
+    return {
+        "values": np.concatenate([sk.values for sk in sketches]) if sketches else np.zeros(0),
+        "weights": np.concatenate([sk.weights for sk in sketches]) if sketches else np.zeros(0, dtype=np.int64),
+        "sizes": np.array([len(sk.values) for sk in sketches], dtype=np.int64),
+    }, {}
+
+
+def gbdt_edges(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard of a sharded table: the table's bin edges, merged by the server from its shards' sketches."""
+    a = check_inputs(client, "gbdt_edges", arrays)
+    width = client.local.X.shape[1]
+    if len(a["sizes"]) != width or int(a["sizes"].sum()) != len(a["edges"]) or (a["sizes"] >= MAX_BINS).any():
+        raise _refuse(client, "gbdt_edges", "the edges do not fit the table's feature columns")
+    parts = np.split(a["edges"], np.cumsum(a["sizes"])[:-1])
+    if any((np.diff(e) <= 0).any() for e in parts):
+        raise _refuse(client, "gbdt_edges", "the edges of a column are not increasing")
+    client.state.put_list("gbdt.edges", parts)
     return {}, {}
 
 
-def gbdt_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """The table's best split per node and the side bit of each of the node's rows (module docstring)."""
-    a = check_inputs(client, "gbdt_split", arrays)
-    owner = OwnerTrees(client)
-    owner.accept(a["won"])
+def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
+    """The histograms of the message's nodes (node id -> (3, total)); of two siblings the one with fewer joined
+    rows is built from its rows, the other is the parent's minus it (parents' histograms kept between
+    messages of a boosting round)."""
     codes, layout = owner.codes, owner.layout
-    rule = client.settings.algorithm.rule
     hists: dict[int, np.ndarray] = owner.cache.setdefault("hists", {})
     if (a["parent"] < 0).any():  # a new boosting round: the last round's proposals and histograms are done
         client.state.put("gbdt.proposals", np.zeros((0, 3), dtype=np.int64))
         hists.clear()
     C = None if (a["C"] == 1).all() else a["C"].astype(np.float64)  # None: one joined row each
     H = a.get("H")  # None: squared error, h = 1, so H is the count
-    bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
-    part = {int(n): slice(int(bounds[i]), int(bounds[i + 1])) for i, n in enumerate(a["nodes"])}
+    part = node_parts(a)
     parent_of = dict(zip(a["nodes"].tolist(), a["parent"].tolist()))
 
     def direct(n: int) -> np.ndarray:
@@ -258,19 +294,72 @@ def gbdt_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     for n in {parent_of[m] for m in part}:
         hists.pop(n, None)
     hists.update(new)
+    return new
+
+
+def node_parts(a: Mapping[str, np.ndarray]) -> dict[int, slice]:
+    """Each node's slice of the concatenated per-row arrays (``sizes`` rows per node, in ``nodes`` order)."""
+    bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
+    return {int(n): slice(int(bounds[i]), int(bounds[i + 1])) for i, n in enumerate(a["nodes"])}
+
+
+def answer(
+    client: TableClient, owner: OwnerTrees, rows: np.ndarray, part: Mapping[int, slice], hists: Mapping[int, np.ndarray]
+) -> tuple[Arrays, dict[str, Any]]:
+    """The best split per node from its histogram (tpflower.trees.best_split) and the side bit of each of the
+    node's rows ``rows[part[n]]``; the proposals are kept for ``won``."""
+    codes, layout, rule = owner.codes, owner.layout, client.settings.algorithm.rule
     gains = np.full(len(part), -np.inf)
-    bits = np.zeros(len(a["rows"]), dtype=bool)
+    bits = np.zeros(len(rows), dtype=bool)
     proposals = []
     for i, n in enumerate(part):
-        gain, f, b = best_split(new[n], layout, rule)
+        gain, f, b = best_split(hists[n], layout, rule)
         if f < 0:
             continue
         gains[i] = gain
-        bits[part[n]] = codes[f, a["rows"][part[n]]] <= layout.offsets[f] + b
+        bits[part[n]] = codes[f, rows[part[n]]] <= layout.offsets[f] + b
         proposals.append((n, f, b))
     if proposals:
         client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), np.array(proposals)]))
     return {"gain": gains, "bits": np.packbits(bits)}, {}
+
+
+def gbdt_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """The table's best split per node and the side bit of each of the node's rows (module docstring)."""
+    a = check_inputs(client, "gbdt_split", arrays)
+    owner = OwnerTrees(client)
+    owner.accept(a["won"])
+    return answer(client, owner, a["rows"], node_parts(a), node_histograms(client, owner, a))
+
+
+def gbdt_hist(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard of a sharded table, first half of a step: its part of each node's histogram (the server sums
+    the shards'); the node's rows are kept for ``gbdt_shard_split``."""
+    a = check_inputs(client, "gbdt_split", arrays, "gbdt_hist")
+    owner = OwnerTrees(client)
+    owner.accept(a["won"])
+    hists = node_histograms(client, owner, a)
+    client.state.put("gbdt.pending_rows", a["rows"])  # in the node's state: the next message may reach another
+    client.state.put("gbdt.pending_nodes", np.stack([a["nodes"], a["sizes"]]))  # worker (Flower's simulation)
+    return {"hist": np.stack([hists[n] for n in node_parts(a)]) if len(a["nodes"]) else np.zeros((0, 3, 0))}, {}
+
+
+def gbdt_shard_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard of a sharded table, second half of a step: the table's best split per node from the summed
+    histograms (every shard finds the same) and the side bits of this shard's rows of the node."""
+    a = check_inputs(client, "gbdt_shard_split", arrays)
+    owner = OwnerTrees(client)
+    rows, pending = client.state.get("gbdt.pending_rows"), client.state.get("gbdt.pending_nodes")
+    if rows is None or pending is None or not len(pending):
+        raise _refuse(client, "gbdt_shard_split", "no histogram step before it")
+    client.state.put("gbdt.pending_nodes", np.zeros((0, 0), dtype=np.int64))  # answered once
+    part = node_parts({"nodes": pending[0], "sizes": pending[1]})
+    if list(part) != a["nodes"].tolist():
+        raise _refuse(client, "gbdt_shard_split", "its nodes are not those of the histogram step")
+    hist = np.asarray(arrays["hist"], dtype=np.float64)
+    if hist.shape != (len(part), 3, owner.layout.total) or not np.isfinite(hist).all():
+        raise _refuse(client, "gbdt_shard_split", "hist is not one finite histogram per node")
+    return answer(client, owner, rows, part, dict(zip(part, hist)))
 
 
 def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -288,7 +377,14 @@ def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
 
 
 BINS = Stage("gbdt_bins", {"gbdt_bins": Phase(gbdt_bins)})
-TRAIN = {"gbdt_split": Phase(gbdt_split), "gbdt_route": Phase(gbdt_route)}
+EDGES = Stage("gbdt_edges", {"gbdt_edges": Phase(gbdt_edges, sharded)})
+TRAIN = {
+    "gbdt_split": Phase(gbdt_split, unsharded),
+    "gbdt_hist": Phase(gbdt_hist, sharded),
+    "gbdt_shard_split": Phase(gbdt_shard_split, sharded),
+    "gbdt_route": Phase(gbdt_route),
+}
+PROTOCOL = Protocol(setup.SETUP + (BINS, EDGES, Stage("train", {**TRAIN, **setup.EVALUATE}, calls=None)))
 
 
 register(
@@ -298,10 +394,24 @@ register(
         "join",
         "gbdt",
         "JoinGBDT",
-        setup.loj_protocol(BINS, TRAIN),
+        PROTOCOL,
         GBDTParams,
         feature_dp=False,
         why_no_feature_dp=WHY_NO_FEATURE_DP,
         summary="histogram gradient boosting over the join: one round trip per expansion step",
+    )
+)
+register(
+    AlgorithmEntry(
+        "ucq_gbdt",
+        "gbdt",
+        "ucq",
+        "gbdt",
+        "UnionGBDT",
+        PROTOCOL,
+        GBDTParams,
+        feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
+        summary="histogram gradient boosting over the union: two round trips per step (shards' histograms summed)",
     )
 )
