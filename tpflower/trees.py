@@ -29,8 +29,10 @@ def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndar
 
     The distinct values of the rows with weight > 0 and their summed weights decide (so a table row of weight
     G_iu and G_iu joined copies of it give the same edges, bit for bit). With at most ``max_bins`` distinct
-    values each has its own bin; else the cuts fall where the cumulative weight crosses j/max_bins of the total.
-    Edges sit halfway between consecutive distinct values."""
+    values each has its own bin. Else, as LightGBM's binning, a value holding at least 1/max_bins of the
+    weight gets a bin of its own and the other values share the remaining bins by equal weight (quantiles of
+    their weight alone: a few heavy values do not leave the tail with a handful of bins). Edges sit halfway
+    between consecutive distinct values."""
     values = np.asarray(values, dtype=np.float64)
     weights = np.asarray(weights, dtype=np.float64)
     live = weights > 0
@@ -39,9 +41,19 @@ def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndar
         return np.zeros(0)
     if len(v) <= max_bins:
         return (v[:-1] + v[1:]) / 2
-    c = np.cumsum(np.bincount(inv.reshape(-1), weights=weights[live], minlength=len(v)))
-    k = np.unique(np.searchsorted(c, c[-1] * np.arange(1, max_bins) / max_bins, side="left"))
-    k = k[k < len(v) - 1]
+    w = np.bincount(inv.reshape(-1), weights=weights[live], minlength=len(v))
+    big = np.flatnonzero(w >= w.sum() / max_bins)
+    light = np.cumsum(np.where(w >= w.sum() / max_bins, 0.0, w))
+    budget = max(max_bins - 1 - 2 * len(big), 1)  # edges left for the light values
+    for _ in range(8):  # quantiles that fall on one value merge: ask for finer ones until the edges are used
+        cuts = np.searchsorted(light, light[-1] * np.arange(1, budget + 1) / (budget + 1), side="left")
+        k = np.unique(np.concatenate([cuts, big - 1, big]))  # k: an edge between v[k] and v[k + 1]
+        k = k[(k >= 0) & (k < len(v) - 1)]
+        if len(k) >= max_bins - 1:
+            break
+        budget += max_bins - 1 - len(k)
+    if len(k) > max_bins - 1:
+        k = k[np.unique(np.linspace(0, len(k) - 1, max_bins - 1).round().astype(np.int64))]
     return (v[k] + v[k + 1]) / 2
 
 

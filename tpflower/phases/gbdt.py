@@ -64,7 +64,7 @@ class GBDTParams(AlgorithmParams):
     max_depth: int = param(nonnegative_int, 0)  # 0: no bound
     leaves_per_step: int = param(positive_int, 8)  # leaves of highest gain split per step (1: strictly best-first)
     max_bins: int = param(max_bins, 255)
-    lambda_l2: float = param(nonnegative, 1.0)
+    lambda_l2: float = param(nonnegative, 0.0)
     min_child_weight: float = param(nonnegative, 1e-3)
     min_child_rows: int = param(positive_int, 20)
     min_gain: float = param(nonnegative, 0.0)
