@@ -18,6 +18,7 @@ trees of the best one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,39 @@ def node_rows(p: np.ndarray, g: np.ndarray, h: np.ndarray | None, n_rows: int) -
     return rows, G, H, np.bincount(inv, minlength=len(rows))
 
 
+def tree_record(tree: Tree) -> dict[str, Any]:
+    """One tree as model.json holds it: its output, root and nodes [id, table, left, right, leaf value]."""
+    return {
+        "out": tree.out,
+        "root": tree.root,
+        "nodes": [[n.id, n.table, n.children[0], n.children[1], n.value] for n in tree.nodes.values()],
+    }
+
+
+def forest_scores(
+    record: Mapping[str, Any], bits: Mapping[str, np.ndarray], inv: Mapping[str, np.ndarray]
+) -> np.ndarray:
+    """F of the joined rows of a prediction from model.json's trees: ``bits[t]`` the side of each of table t's
+    distinct rows at each of its splits (columns in ``record["split_ids"][t]`` order), ``inv[t]`` the distinct
+    row of every joined row."""
+    n = len(next(iter(inv.values())))
+    column = {t: {int(s): i for i, s in enumerate(ids)} for t, ids in record["split_ids"].items()}
+    F = np.tile(np.asarray(record["F0"], dtype=np.float64), (n, 1))
+    for trees in record["trees"]:
+        for rec in trees:
+            nodes = {
+                int(i): Node(
+                    int(i), int(rec["out"]), 0, 0, 0, 0.0, 0.0, table=str(t), children=(int(a), int(b)), value=float(v)
+                )
+                for i, t, a, b, v in rec["nodes"]
+            }
+            tree = Tree(int(rec["out"]), nodes, int(rec["root"]))
+            F[:, tree.out] += leaf_values(
+                tree, n, lambda node, idx: bits[node.table][inv[node.table][idx], column[node.table][node.id]]
+            )
+    return F
+
+
 class JoinGBDT(LoJStrategy):
     """algorithm=gbdt over the join."""
 
@@ -81,7 +115,8 @@ class JoinGBDT(LoJStrategy):
         self.p_fit = {t: train.p[t][fit] for t in self.tables}
         counts = {t: np.bincount(self.p_fit[t], minlength=train.n_rows[t]) for t in self.tables}
         self.injective = {t: bool(counts[t].max(initial=0) <= 1) for t in self.tables}
-        self.won: dict[str, list[int]] = {t: [] for t in self.tables}
+        self.won: dict[str, list[int]] = {t: [] for t in self.tables}  # taken splits the tables are not told yet
+        self.split_ids: dict[str, list[int]] = {t: [] for t in self.tables}  # every split each table holds
         self.bins(counts, K)
         self.F0 = init_scores(task, y[fit], K)
         F = np.tile(self.F0, (len(fit), 1))
@@ -101,6 +136,7 @@ class JoinGBDT(LoJStrategy):
             for tree in trees:
                 for node in tree.internal():
                     self.won[node.table].append(node.id)
+                    self.split_ids[node.table].append(node.id)
             self.forest.append(trees)
             if r % alg.eval_every and r != alg.trees:
                 continue
@@ -301,7 +337,14 @@ class JoinGBDT(LoJStrategy):
         return out
 
     def model_extra(self) -> dict[str, Any]:
-        return {"predicts": "score"}
+        """model.json of boosted trees: the tree structure (each node's id, its table, children and leaf
+        value), F_0 and each table's split ids (its saved part holds their features and thresholds)."""
+        return {
+            "predicts": "trees",
+            "F0": self.F0.tolist(),
+            "split_ids": {t: sorted(ids) for t, ids in self.split_ids.items()},
+            "trees": [[tree_record(tree) for tree in trees] for trees in self.forest],
+        }
 
 
 class UnionGBDT(JoinGBDT):

@@ -37,6 +37,8 @@ QUIET = {"log": lambda _: None}
 
 def overrides_of(entry: registry.AlgorithmEntry) -> list[str]:
     extra = ["algorithm.batch_size=512"] if "batch_size" in entry.params.__dataclass_fields__ else []
+    if "trees" in entry.params.__dataclass_fields__:  # boosted trees: a few, the union's shards sketch their columns
+        extra += ["algorithm.trees=3", "algorithm.eval_every=3", "min_sketch_rows=64"]
     return [f"algorithm={entry.selector}", f"scenario={entry.scenario}", "dataset=synthetic", *extra]
 
 
