@@ -148,8 +148,16 @@ def test_federated_trees_equal_the_central_reference_on_the_materialized_join(sc
 
 def test_validation_rows_take_no_part_and_early_stopping_keeps_the_best_trees():
     rec = Recorded(
-        *small("star", "regression", "algorithm.trees=30", "algorithm.learning_rate=0.9", "algorithm.early_stopping=1"),
-        "+validation_fraction=0.3",
+        *small(
+            "star",
+            "regression",
+            "algorithm.trees=30",
+            "algorithm.learning_rate=1",
+            "algorithm.early_stopping=1",
+            "algorithm.min_child_rows=1",
+            "algorithm.max_leaves=40",
+        ),
+        "validation_fraction=0.3",
     )
     s = rec.strategy
     val = np.ones(s.train.N, dtype=bool)
