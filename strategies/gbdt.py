@@ -112,7 +112,7 @@ class JoinGBDT(LoJStrategy):
         self.fit_rows = fit = np.flatnonzero(~val).astype(index_dtype(train.N))
         self.growth = Growth(alg.max_leaves, alg.max_depth, alg.leaves_per_step, alg.learning_rate, alg.rule)
         self.tables = sorted(train.p)
-        self.p_fit = {t: train.p[t][fit] for t in self.tables}
+        self.p_fit = {t: train.p[t] if not val.any() else train.p[t][fit] for t in self.tables}  # no copy: all fit
         counts = {t: np.bincount(self.p_fit[t], minlength=train.n_rows[t]) for t in self.tables}
         self.injective = {t: bool(counts[t].max(initial=0) <= 1) for t in self.tables}
         self.won: dict[str, list[int]] = {t: [] for t in self.tables}  # taken splits the tables are not told yet

@@ -267,7 +267,7 @@ def grow_forest(
     one round trip when federated). Returns the trees, each tree's row order (rows of a leaf contiguous;
     positions into ``rows``) and the next free node id."""
     d_out = g.shape[1]
-    perms = [np.arange(len(rows), dtype=np.int64) for _ in range(d_out)]
+    perms = [np.arange(len(rows), dtype=np.int32 if len(rows) < 2**31 else np.int64) for _ in range(d_out)]
     trees, next_id = [], first_id
     pending: list[Node] = []
     for k in range(d_out):
