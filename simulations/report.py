@@ -986,7 +986,10 @@ def gbdt() -> str | None:
                 f"{d['trees']} trees each, side by side in one sitting (load average {d['load']:.1f} at the end): "
                 "LightGBM 4.7 (2 threads) on the materialized join's training rows with gbdt's leaves, bins, "
                 "learning rate, lambda and minimum leaf rows; gbdt in-process (and under Flower's simulation "
-                "engine) with the shipped defaults, wall time after setup. Round trips and MB (both ways) per tree."
+                "engine) with the shipped defaults, wall time after setup. Round trips and MB (both ways) per tree. "
+                "LightGBM's OpenMP threads slow down sharply on a shared, loaded machine (it trains these 300 "
+                "trees in about 2 s on an idle one): its time here is no measure of its speed, so the ratio "
+                "against it only holds when both ran idle."
             ),
             command(f"python -m simulations.bench gbdt --trees {d['trees']}   # -> bench_results/gbdt.json"),
             table(
