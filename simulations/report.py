@@ -1163,6 +1163,55 @@ def startup() -> str | None:
     )
 
 
+def gbdt() -> str | None:
+    d = load("gbdt.json")
+    if d is None:
+        return None
+    rows = []
+    for name, c in d["cases"].items():
+        lg, ip, fl = c["lightgbm"], c["inprocess"], c.get("flower")
+        rows.append(
+            [
+                name,
+                metric_digits(lg["metric"]),
+                metric_digits(ip["metric"]),
+                f"{lg['wall_s']:.1f}",
+                f"{ip['wall_s']:.1f} ({c['inprocess_vs_lightgbm']}x)",
+                "" if fl is None else f"{fl['wall_s']:.1f} ({fl['wall_s'] / max(ip['wall_s'], 1e-9):.1f}x)",
+                f"{ip['rounds_per_tree']}",
+                f"{ip['mb_per_tree']}",
+            ]
+        )
+    return "\n\n".join(
+        [
+            (
+                "## Boosted trees over the join against central LightGBM\n\n"
+                f"{d['trees']} trees each, side by side in one sitting (load average {d['load']:.1f} at the end): "
+                "LightGBM 4.7 (2 threads) on the materialized join's training rows with gbdt's leaves, bins, "
+                "learning rate, lambda and minimum leaf rows; gbdt in-process (and under Flower's simulation "
+                "engine) with the shipped defaults, wall time after setup. Round trips and MB (both ways) per tree. "
+                "LightGBM's OpenMP threads slow down sharply on a shared, loaded machine (it trains these 300 "
+                "trees in about 2 s on an idle one): its time here is no measure of its speed, so the ratio "
+                "against it only holds when both ran idle."
+            ),
+            command(f"python -m simulations.bench gbdt --trees {d['trees']}   # -> bench_results/gbdt.json"),
+            table(
+                [
+                    "dataset",
+                    "LightGBM test",
+                    "gbdt test",
+                    "LightGBM s",
+                    "gbdt in-process s",
+                    "gbdt Flower s",
+                    "round trips / tree",
+                    "MB / tree",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def flower_adapters() -> str | None:
     """The adapters bench (simulations/bench/adapters.py): each adapter removed, and each supported Flower."""
     parts = []
@@ -1208,6 +1257,7 @@ def flower_adapters() -> str | None:
 
 SECTIONS: list[Callable[[], str | None]] = [
     loj,
+    gbdt,
     convergence,
     lbfgs,
     schema_matrix,

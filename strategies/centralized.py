@@ -8,7 +8,7 @@ regression the exact ridge solution, the best any linear model can do on these f
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +17,33 @@ import torch
 
 from tpflower import privacy as dp
 from tpflower.batches import batch_size_of, epoch_batches
-from tpflower.losses import LabelScale, loss_torch, metrics, primary_metric, standardizes_label
+from tpflower.losses import LabelScale, loss_np, loss_torch, metrics, primary_metric, standardizes_label
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.owner import simulation_secret
 from tpflower.params import run_settings
 from tpflower.phases.centralized import CentralizedParams
+from tpflower.phases.gbdt import GBDTParams
 from tpflower.reference import as_reference, constant_predictions, reference_text
 from tpflower.relation import Relation, build_local_model, load_relation, summary_line
 from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
 from tpflower.schema import RelationalSpec
+from tpflower.trees import (
+    BinLayout,
+    Candidate,
+    Growth,
+    Node,
+    Tree,
+    add_leaves,
+    best_split,
+    bin_codes,
+    bin_edges,
+    first_best,
+    gradients,
+    grow_forest,
+    histograms,
+    init_scores,
+    leaf_values,
+)
 
 EVAL_CHUNK = 65536  # rows of the join materialized at once when predicting
 
@@ -179,6 +197,7 @@ class Centralized:
     privacy checked in the constructor, before any table is loaded), run in one place by :meth:`run_local`."""
 
     algorithm = "centralized"
+    params_type: type = CentralizedParams
     resumable = False
     one_shot = False
 
@@ -195,7 +214,7 @@ class Centralized:
         self.cfg, self.spec, self.log = cfg, spec, log
         self.run_dir = Path(run_dir) if run_dir is not None else None
         run_settings(cfg)
-        self.params = CentralizedParams.from_cfg(cfg.algorithm)
+        self.params = self.params_type.from_cfg(cfg.algorithm)
         self.privacy = cfg.get("privacy") or {"name": "none"}
         dp.validate_privacy(
             self.privacy,
@@ -235,3 +254,108 @@ def randomize_training_labels(rel: Relation, privacy: Any) -> None:
     noisy = dp.randomize_labels(label.y, rel.spec.label.task, privacy, dp.label_rng(), label.n_classes)
     y[train] = noisy[train]
     label.y = y
+
+
+# ---------------------------------------------------------------------------------------------- boosted trees
+
+
+def central_gbdt(
+    X: Mapping[str, np.ndarray],
+    y: np.ndarray,
+    task: str,
+    d_out: int,
+    params: GBDTParams,
+    X_eval: Mapping[str, np.ndarray] | None = None,
+    on_round: Callable[[int, list[Tree], np.ndarray, np.ndarray], None] | None = None,
+) -> tuple[list[list[Tree]], np.ndarray, np.ndarray]:
+    """The central histogram GBDT (tpflower.trees) on the materialized join: ``X[t]`` the joined rows' features
+    of table t (training rows, labels ``y`` as training sees them), ``X_eval`` the same for rows to predict.
+    Bins on the joined columns (unit weights: the federated owners' G-weighted edges), the tie rule table,
+    feature, bin. ``on_round(r, trees, F, F_eval)`` after every round. Returns the rounds' trees and the final
+    scores of the training and evaluated rows."""
+    tables = sorted(X)
+    nb, rule = params.max_bins, params.rule
+    edges = {t: [bin_edges(X[t][:, f], np.ones(len(y)), nb) for f in range(X[t].shape[1])] for t in tables}
+    codes = {t: bin_codes(X[t], edges[t]) for t in tables}
+    layout = {t: BinLayout.of(edges[t]) for t in tables}
+    eval_codes = {t: bin_codes(X_eval[t], edges[t]) for t in tables} if X_eval is not None else None
+
+    def evaluate(nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Candidate | None]:
+        out: list[Candidate | None] = []
+        for node in nodes:
+            seg = perms[node.out][node.start : node.end]
+            found = []
+            for t in tables:  # in name order: a tie keeps the smallest table name
+                hk = None if task == "regression" else h[seg, node.out]
+                hist = histograms(codes[t], seg, g[seg, node.out], hk, None, layout[t].total)
+                found.append((t, *best_split(hist, layout[t], rule)))
+            t, gain, f, b = found[first_best(np.array([c[1] for c in found]))]
+            k = -1 if f < 0 else int(layout[t].offsets[f]) + b  # "bin <= b" of feature f: flat code <= k
+            best = None if f < 0 else Candidate(gain, t, lambda s, c=codes[t][f], k=k: c[s] <= k, (f, k))
+            out.append(best)
+        return out
+
+    growth = Growth(params.max_leaves, params.max_depth, params.leaves_per_step, params.learning_rate, rule)
+    F0 = init_scores(task, y, d_out)
+    F = np.tile(F0, (len(y), 1))
+    n_eval = 0 if eval_codes is None else len(next(iter(eval_codes.values()))[0])
+    F_eval = np.tile(F0, (n_eval, 1))
+    forest, next_id = [], 0
+    for r in range(1, params.trees + 1):
+        g, h = gradients(task, F, y)
+        trees, perms, next_id = grow_forest(np.arange(len(y)), g, h, growth, evaluate, next_id)
+        add_leaves(F, trees, perms)
+        if eval_codes is not None:
+            for tree in trees:
+                F_eval[:, tree.out] += leaf_values(
+                    tree, n_eval, lambda node, idx: eval_codes[node.table][node.split[0], idx] <= node.split[1]
+                )
+        forest.append(trees)
+        if on_round is not None:
+            on_round(r, trees, F, F_eval)
+    return forest, F, F_eval
+
+
+class CentralizedGBDT(Centralized):
+    """algorithm=centralized_gbdt: the central histogram GBDT on the materialized join (the federated gbdt's
+    reference: same bins, same growth, same tie rule; its settings are gbdt's)."""
+
+    algorithm = "centralized_gbdt"
+
+    params_type: type = GBDTParams
+
+    def run_local(self, base_dir: str | Path | None = None) -> RunResults:
+        cfg, params = self.cfg, self.params
+        rel = load_relation(cfg.dataset, simulation_secret(cfg), base_dir=base_dir, verbose=False)
+        if dp.uses_label_dp(self.privacy):
+            randomize_training_labels(rel, self.privacy)
+        task = rel.spec.label.task
+        results = new_run_results(cfg, self.algorithm, rel.spec, rel.mapping)
+        results.privacy = dp.privacy_summary(self.privacy, task)
+        results.reference = as_reference(constant_predictor_metric(rel))
+        self.log(f"{summary_line(rel.spec, rel.mapping)} | {reference_text(task, results.reference)}")
+        scale = label_scale_of(cfg, rel)
+        y = scale.scaled(rel.labels(rel.train))
+        X = {t: rel.tables[t].X[rel.train.p[t]].astype(np.float64) for t in rel.spec.table_names}
+        X_test = {t: rel.tables[t].X[rel.test.p[t]].astype(np.float64) for t in rel.spec.table_names}
+        metric, y_test, start = primary_metric(task), rel.labels(rel.test), time.perf_counter()
+
+        def on_round(r: int, trees: list[Tree], F: np.ndarray, F_test: np.ndarray) -> None:
+            if r % params.eval_every and r != params.trees:
+                return
+            test = metrics(task, scale.to_label(F_test), y_test)
+            rec = EpochRecord(
+                epoch=r,
+                test_metric=test[metric],
+                train_loss=scale.loss(float(loss_np(task, F, y).mean())),
+                wall_time_s=time.perf_counter() - start,
+                extra={"trees": float(r), **{f"test_{k}": v for k, v in test.items() if k not in (metric, "loss")}},
+            )
+            results.history.append(rec)
+            self.log(epoch_line(metric, rec))
+
+        central_gbdt(X, y, task, rel.d_out, params, X_test, on_round)
+        self.results = results
+        if self.run_dir is not None:
+            self.log(f"results: {write_results(results, self.run_dir)}")
+        return results

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from strategies.base import TablePuppetStrategy
+from strategies.gbdt import forest_scores
 from strategies.key_chunks import gather_chunks
 from strategies.kmeans import cell_points, grid_cells
 from strategies.model_record import dataset_digest, label_scale_of, read_model_record
@@ -145,6 +146,7 @@ class FederatedPrediction(TablePuppetStrategy):
             raise ValueError(f"table {query[0]!r} has no shard {query[1]} (clients: {self.clients})")
         self.cfg, self.spec, self.record, self.query = cfg, spec, record, query
         self.clusters = record.get("predicts") == "cluster"  # k-means: a cluster id per joined row
+        self.trees = record.get("predicts") == "trees"  # boosted trees: each table's side bits at its splits
         self.d_out = None if self.clusters else int(record["d_out"])
         self.task = "cluster" if self.clusters else str(record["task"])
         self.parts = {(p["table"], int(p["shard"])): p["part"] for p in record["parts"]}
@@ -228,13 +230,18 @@ class FederatedPrediction(TablePuppetStrategy):
             for q, pos in routers[t].split(U).items():
                 messages[(t, q)] = ({"rows": pos}, {"phase": "predict_rows"})
         scored = self.send(messages, "eval")
-        name = "labels" if self.clusters else "h"
+        name = "labels" if self.clusters else "bits" if self.trees else "h"
         h = {
             t: routers[t].gather(U, {q: r[0][name] for (tt, q), r in scored.items() if tt == t})
             for t, (U, _) in distinct.items()
         }
         inv = {t: i.ravel() for t, (_, i) in distinct.items()}
-        H = self.cluster_ids(h, inv) if self.clusters else joined_predictions(inv, h)
+        if self.trees:
+            ids = self.record["split_ids"]
+            sides = {t: np.unpackbits(b, axis=1, count=len(ids[t])).astype(bool) for t, b in h.items()}
+            H = forest_scores(self.record, sides, inv)
+        else:
+            H = self.cluster_ids(h, inv) if self.clusters else joined_predictions(inv, h)
         rows = np.asarray(mapping.p[self.query[0]], dtype=np.int64)
         self.finish(
             Predictions(

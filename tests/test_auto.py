@@ -36,6 +36,8 @@ from tpflower.privacy import privacy_message
         ("binary", "linear", "none", "ucq", "lbfgs"),
         ("multiclass", "mlp", "label", "ucq", "lbfgs"),
         ("binary", "mlp", "dpsgd", "ucq", "admm"),
+        ("regression", "gbdt", "none", "join", "gbdt"),
+        ("multiclass", "gbdt", "label", "ucq", "gbdt"),
     ],
 )
 def test_auto_chooses_by_model_label_privacy_and_scenario(task, model, privacy, scenario, selector):
@@ -55,6 +57,7 @@ def test_auto_is_resolved_printed_first_and_recorded(tmp_path):
     assert _compose("algorithm=auto dataset=synthetic model=mlp").algorithm.name == "lbfgs"
     assert _compose("algorithm=auto dataset=synthetic model=mlp scenario=ucq").algorithm.name == "lbfgs"
     assert _compose("algorithm=auto dataset=synthetic").algorithm.name == "pcg"
+    assert _compose("algorithm=auto dataset=synthetic model=gbdt").algorithm.name == "gbdt"
     with pytest.raises(ValueError, match="algorithm.rho is not a setting of algorithm 'pcg'"):
         run_in_process(make_cfg("algorithm=auto", "dataset=synthetic", "+algorithm.rho=2"), None, log=lines.append)
 

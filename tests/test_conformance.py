@@ -33,7 +33,11 @@ def overrides_of(entry: registry.AlgorithmEntry) -> list[str]:
         if yaml.safe_load(p.read_text()).get("name") == entry.selector
     ]
     assert len(conf) == 1, f"no conf/algorithm YAML selects {entry.selector!r}"
-    extra = ["algorithm.batch_size=4000"] if "batch_size" in {f for f in entry.params.__dataclass_fields__} else []
+    fields = set(entry.params.__dataclass_fields__)
+    extra = ["algorithm.batch_size=4000"] if "batch_size" in fields else []
+    if "trees" in fields:  # boosted trees: two trees, one evaluation each (as two epochs); the union's shards
+        # sketch every column for the shared bins: the synthetic shards hold fewer rows than the default floor
+        extra += ["algorithm.trees=2", "algorithm.eval_every=1", "min_sketch_rows=64"]
     return [f"algorithm={conf[0]}", f"scenario={entry.scenario}", "dataset=synthetic", "epochs=1", *extra]
 
 

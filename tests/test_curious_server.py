@@ -122,7 +122,10 @@ def test_a_wide_output_is_refused_beyond_the_owners_max_outputs(tmp_path):
     call(deployed_app, allowing, "train", {"G": np.ones(n)}, wide)
 
 
-@pytest.mark.parametrize("algorithm", ["celu", "kmeans", "coreset", "coreset_kmeans", "lbfgs", "lbfgs scenario=ucq"])
+@pytest.mark.parametrize(
+    "algorithm",
+    ["celu", "kmeans", "coreset", "coreset_kmeans", "lbfgs", "lbfgs scenario=ucq", "gbdt", "gbdt scenario=ucq"],
+)
 def test_an_algorithm_without_dp_is_refused_under_a_dp_floor_by_the_nodes_own_registry(tmp_path, algorithm):
     # the owner's floor is DP-SGD; the run asks for it but picks an algorithm that does not implement it: the
     # node looks the algorithm up in its own installed registry (not the run's word) and refuses the keys round
@@ -787,3 +790,34 @@ def test_the_consensus_mask_tells_the_server_only_what_theta_shows_and_is_not_se
     dp = Recorded(*SYNTHETIC.split(), "scenario=ucq", "algorithm=admm", "epochs=1", "privacy=dpsgd")
     shard_replies = [out for _, phase, out, _ in dp.sent if phase == "admm_shard"]
     assert shard_replies and not any("used" in out for out in shard_replies)
+
+
+def test_gbdt_replies_to_forged_sums_hold_only_gains_and_one_bit_per_node_and_row(tmp_path):
+    """Forged per-row sums (one row holding all the gradient, powers of two) steer which of the owner's splits
+    wins, but every reply of a deployed node is one gain per node and one side bit per (node, row): no
+    histogram, feature, bin or threshold (docs/threat-model.md, Boosted trees)."""
+    run = "algorithm=gbdt dataset=synthetic"
+    context = node(tmp_path, "d1", run, run)
+    assert hello(deployed_app, context)["table"] == "d1"
+    n = len(unpack_reply(call(deployed_app, context, "train", {}, {"phase": "keys"}).content)[0]["row_ids"])
+    bins = {"phase": "gbdt_bins", "d_out": 1}
+    assert unpack_reply(call(deployed_app, context, "train", {"G": np.ones(n, dtype=np.uint8)}, bins).content)[0] == {}
+    rows = np.arange(n, dtype=np.int32)
+    forged = {
+        "one-hot": np.eye(1, n, 7).reshape(-1),
+        "powers of two": 2.0 ** (np.arange(n) % 40),
+    }
+    for node_id, (what, G) in enumerate(forged.items()):
+        arrays = {
+            "nodes": np.array([2 * node_id, 2 * node_id + 1]),
+            "parent": np.array([-1, -1]),
+            "sizes": np.array([n, n]),
+            "rows": np.concatenate([rows, rows]),
+            "G": np.concatenate([G, -G]),
+            "C": np.full(2 * n, 30, dtype=np.uint8),
+            "won": np.zeros(0, dtype=np.int64),
+        }
+        out, metrics = unpack_reply(call(deployed_app, context, "train", arrays, {"phase": "gbdt_split"}).content)
+        assert set(out) == {"gain", "bits"} and not metrics, what
+        assert out["gain"].shape == (2,) and out["gain"].dtype == np.float64, what
+        assert out["bits"].dtype == np.uint8 and out["bits"].shape == ((2 * n + 7) // 8,), what

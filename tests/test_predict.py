@@ -37,6 +37,8 @@ QUIET = {"log": lambda _: None}
 
 def overrides_of(entry: registry.AlgorithmEntry) -> list[str]:
     extra = ["algorithm.batch_size=512"] if "batch_size" in entry.params.__dataclass_fields__ else []
+    if "trees" in entry.params.__dataclass_fields__:  # boosted trees: a few, the union's shards sketch their columns
+        extra += ["algorithm.trees=3", "algorithm.eval_every=3", "min_sketch_rows=64"]
     return [f"algorithm={entry.selector}", f"scenario={entry.scenario}", "dataset=synthetic", *extra]
 
 
@@ -451,13 +453,20 @@ def test_flower_engine_prediction_equals_in_process(regression_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_deployment_trains_then_restarted_nodes_predict_as_the_simulation(tmp_path):
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "algorithm=admm dataset=synthetic epochs=2 precision=float64",
+        "algorithm=gbdt dataset=synthetic algorithm.trees=5 algorithm.eval_every=5 precision=float64",
+    ],
+    ids=["admm", "gbdt"],
+)
+def test_a_deployment_trains_then_restarted_nodes_predict_as_the_simulation(tmp_path, overrides):
     """simulations.deploy run trains (TLS, node authentication, blinded keys; the nodes save their parts under
     their owners' state_dir), stops every process; simulations.deploy predict starts the nodes again and the
     label owner's new rows are scored like the in-process simulation of the same config scores them."""
     from simulations import deploy
 
-    overrides = "algorithm=admm dataset=synthetic epochs=2 precision=float64"
     run_dir, state = tmp_path / "run", tmp_path / "deploy"
     deploy.run(overrides, run_dir, state, home=tmp_path / "flwr-home")
     assert (run_dir / "model.json").is_file()

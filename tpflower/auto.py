@@ -4,7 +4,8 @@ chosen before anything else reads the config (docs/algorithms.md, section "auto"
 - feature DP (privacy=dpsgd or label_dpsgd): ``admm`` (TP-Join/UCQ-ADMM, DP-SGD local steps; pcg and lbfgs
   exchange exact full-batch quantities and refuse it);
 - linear regression: ``pcg`` (the ridge normal equations, exact in at most d iterations), over a join or a union;
-- any other model or label: ``lbfgs`` (full-batch L-BFGS), over a join or a union.
+- any other model or label: ``lbfgs`` (full-batch L-BFGS), over a join or a union;
+- ``model=gbdt``: ``gbdt`` (boosted trees over the join or the union; refused under feature DP).
 
 Label DP composes with all of them. :func:`resolve` replaces ``cfg.algorithm`` in place by the chosen
 algorithm's settings (its defaults, then any ``+algorithm.KEY`` given with auto) and records the choice in
@@ -31,6 +32,8 @@ AUTO = "auto"
 def choose(task: str, model: str, privacy: Mapping[str, Any] | None, scenario: str) -> tuple[str, str]:
     """The selector ``algorithm=auto`` resolves to, and why (module docstring); each runs over a join and a
     union alike (``scenario`` picks the registered version, :func:`resolve`)."""
+    if model == "gbdt":  # first: under feature DP the privacy check refuses it in one line, naming gbdt
+        return "gbdt", "boosted trees (model=gbdt)"
     if uses_feature_dp(privacy or {}):
         return "admm", "feature DP: DP-SGD local steps"
     if task == "regression" and model == "linear":

@@ -59,6 +59,11 @@ class ModelPart:
     bin_edges: dict[str, np.ndarray] = field(default_factory=dict)
     theta: dict[str, np.ndarray] = field(default_factory=dict)
     centres: np.ndarray | None = None  # k-means: the table's local centres (k x d_i) instead of theta
+    # boosted trees: the table's splits (split id, feature) in id order, "x_feature <= threshold" (preprocessed
+    # units, as features() gives them) and the same threshold in the column's raw units (numeric columns)
+    splits: np.ndarray | None = None
+    thresholds: np.ndarray | None = None
+    raw_thresholds: np.ndarray | None = None
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -83,12 +88,17 @@ class ModelPart:
             "bins": list(self.bin_edges),
             "theta": list(self.theta),
             "centres": self.centres is not None,
+            "splits": self.splits is not None,
         }
         arrays = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)}
         arrays.update({f"theta.{k}": np.asarray(v) for k, v in self.theta.items()})
         arrays.update({f"edges.{k}": np.asarray(v, dtype=np.float64) for k, v in self.bin_edges.items()})
         if self.centres is not None:
             arrays["centres"] = np.asarray(self.centres, dtype=np.float64)
+        if self.splits is not None:
+            arrays["splits"] = np.asarray(self.splits, dtype=np.int64)
+            arrays["thresholds"] = np.asarray(self.thresholds, dtype=np.float64)
+            arrays["raw_thresholds"] = np.asarray(self.raw_thresholds, dtype=np.float64)
         atomic_write(path, lambda f: np.savez(f, **arrays))  # mkstemp: the file is 0600
         os.chmod(path, 0o600)
         return part_id(path)
@@ -104,6 +114,7 @@ class ModelPart:
             theta = {k: z[f"theta.{k}"] for k in meta["theta"]}
             edges = {k: z[f"edges.{k}"] for k in meta["bins"]}
             centres = z["centres"] if meta.get("centres") else None
+            trees = {k: z[k] for k in ("splits", "thresholds", "raw_thresholds")} if meta.get("splits") else {}
         return cls(
             run_id=meta["run_id"],
             algorithm=meta["algorithm"],
@@ -120,6 +131,7 @@ class ModelPart:
             bin_edges=edges,
             theta=theta,
             centres=centres,
+            **trees,
         )
 
     # ------------------------------------------------------------------------------------------ use
@@ -161,6 +173,12 @@ class ModelPart:
         assert self.centres is not None
         X, C = np.asarray(X, dtype=np.float64), self.centres
         return ((C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)).argmin(1)
+
+    def split_sides(self, X: np.ndarray) -> np.ndarray:
+        """Boosted trees: the side of each row at each of the part's splits (rows x splits, True: left), as
+        training decided it (a training row's bin <= b iff its value <= the bin's edge)."""
+        assert self.splits is not None and self.thresholds is not None
+        return np.asarray(X, dtype=np.float64)[:, self.splits[:, 1]] <= self.thresholds[None, :]
 
 
 def part_id(path: Path) -> str:

@@ -72,6 +72,9 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         [tuple(c.split("/")) for c in a.cases.split(",")] if a.cases else list(_suite("lbfgs").LBFGS_CASES), a.epochs
     ),
     "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
+    "gbdt": lambda a: _suite("gbdt").gbdt_suite(
+        [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower
+    ),
 }
 
 
@@ -136,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--parts", default="sim,deploy", help="adapters: sim and/or deploy")
     ap.add_argument("--sgd-epochs", type=int, default=2, help="adapters: deployed SGD epochs (< 2: none)")
+    ap.add_argument("--gbdt-datasets", default="", help="gbdt: datasets (default nycflights13)")
+    ap.add_argument("--trees", type=int, default=300, help="gbdt: trees of both LightGBM and gbdt")
+    ap.add_argument("--flower", action="store_true", help="gbdt: also under Flower's simulation engine")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)

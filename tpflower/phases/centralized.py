@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tpflower.guard import Protocol
 from tpflower.params import AlgorithmParams, one_of, or_word, param, positive
+from tpflower.phases.gbdt import GBDTParams
 from tpflower.registry import AlgorithmEntry, register
 
 #: Why the centralized baseline refuses feature DP (shown in the error).
@@ -31,19 +32,30 @@ class CentralizedParams(AlgorithmParams):
     batch_size: int | str = param(or_word(positive, "full"), 256)
 
 
-for _scenario in ("join", "ucq"):  # the union is materialized like the join
-    register(
-        AlgorithmEntry(
-            "centralized",
-            "centralized",
-            _scenario,
-            "centralized",
-            "Centralized",
-            Protocol(()),
-            CentralizedParams,
-            feature_dp=False,
-            why_no_feature_dp=WHY_NO_FEATURE_DP,
-            federated=False,
-            summary="centralized baseline: SGD or exact ridge on the materialized join",
+#: (selector, server class, settings, summary); the GBDT is algorithm=gbdt's reference, with gbdt's settings
+_BASELINES = (
+    ("centralized", "Centralized", CentralizedParams, "SGD or exact ridge on the materialized join"),
+    (
+        "centralized_gbdt",
+        "CentralizedGBDT",
+        GBDTParams,
+        "histogram GBDT on the materialized join (gbdt's reference)",
+    ),
+)
+for _selector, _cls, _params, _what in _BASELINES:
+    for _scenario in ("join", "ucq"):  # the union is materialized like the join
+        register(
+            AlgorithmEntry(
+                _selector,
+                _selector,
+                _scenario,
+                "centralized",
+                _cls,
+                Protocol(()),
+                _params,
+                feature_dp=False,
+                why_no_feature_dp=WHY_NO_FEATURE_DP,
+                federated=False,
+                summary=f"centralized baseline: {_what}",
+            )
         )
-    )

@@ -62,7 +62,8 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     s = client.settings
     run_id = client.state.scalar("run_id")
     theta, centres = client.state.records.get("theta"), client.state.get("kmeans.C")
-    if s.owner.state_dir is None or (theta is None and centres is None) or run_id is None:
+    trees = client.state.get("gbdt.splits")
+    if s.owner.state_dir is None or (theta is None and centres is None and trees is None) or run_id is None:
         return {}, {"part": ""}
     if str(config.get("run_id", run_id)) != str(run_id):
         raise ProtocolRefusal(f"{_where(client)}: save_part names run {config.get('run_id')!r}, not its run")
@@ -84,9 +85,27 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
         categorical=tuple(t.categorical),
         bin_edges={k: np.asarray(v, dtype=np.float64) for k, v in (local.bin_edges or {}).items()},
         theta={} if theta is None else {k: v.cpu().numpy() for k, v in theta.to_torch_state_dict().items()},
-        centres=None if theta is not None else np.asarray(centres, dtype=np.float64),
+        centres=None if theta is not None or centres is None else np.asarray(centres, dtype=np.float64),
+        **({} if trees is None else saved_splits(client, trees)),
     )
     return {}, {"part": part.save(s.owner.state_dir)}
+
+
+def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarray]:
+    """Boosted trees: the table's splits in id order, (split id, feature) with the threshold (the edge of the
+    split's bin) in preprocessed and in raw units (numeric columns: x std + mean; a one-hot column keeps 0.5)."""
+    splits = np.asarray(splits, dtype=np.int64).reshape(-1, 3)[np.argsort(np.asarray(splits)[:, 0], kind="stable")]
+    edges = client.state.get_list("gbdt.edges") or []
+    thr = np.array([edges[f][b] for _, f, b in splits], dtype=np.float64)
+    local = client.local
+    assert local.preprocessor is not None
+    stats = local.preprocessor.stats()
+    raw = thr.copy()
+    for i, f in enumerate(splits[:, 1]):
+        name = local.feature_names[f]
+        if name in (stats.get("means") or {}):
+            raw[i] = thr[i] * float(stats["stds"][name]) + float(stats["means"][name])
+    return {"splits": splits[:, :2].copy(), "thresholds": thr, "raw_thresholds": raw}
 
 
 #: the last stage of every predictor's training protocol
@@ -232,6 +251,8 @@ def predict_rows(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     X = part.features(frame.iloc[rows])
     if part.centres is not None:  # k-means: the nearest local centre of each row (DistDim: one label per row)
         return {"labels": part.cluster_labels(X).astype(label_dtype(len(part.centres)))}, {}
+    if part.splits is not None:  # boosted trees: one side bit per (row, split), packed
+        return {"bits": np.packbits(part.split_sides(X), axis=1)}, {}
     return {"h": part.predict(client.settings.spec, X)}, {}
 
 

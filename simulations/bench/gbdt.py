@@ -1,0 +1,110 @@
+"""Boosted trees over the join (algorithm=gbdt) against central LightGBM on the materialized join, side by side.
+
+    python -m simulations.bench gbdt [--datasets nycflights13,...] [--trees 300] [--flower]
+        -> bench_results/gbdt.json
+
+Per dataset, interleaved in one sitting: LightGBM (2 threads) on the materialized join's training rows with the
+same number of trees, leaves, bins, learning rate, lambda and minimum leaf rows as gbdt's shipped defaults
+(LightGBM's own binning); gbdt in-process with the shipped defaults; with ``--flower`` gbdt under Flower's
+simulation engine. Each case in its own process. Reported: the test metric, training wall time (gbdt: the
+run's wall time after setup, evaluations included), round trips and bytes per tree.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from simulations.bench.common import run_isolated
+
+DATASETS = ("nycflights13", "nycflights13_delayed", "movielens")
+
+
+def lightgbm_case(data: str, trees: int) -> dict[str, Any]:
+    """LightGBM on the materialized join (the relation's preprocessed features, train rows), gbdt's settings."""
+    import lightgbm as lgb  # noqa: PLC0415  dev/bench extra
+
+    from strategies.centralized import label_scale_of  # noqa: PLC0415
+    from tpflower.config import compose_config  # noqa: PLC0415
+    from tpflower.losses import metrics, primary_metric  # noqa: PLC0415
+    from tpflower.owner import simulation_secret  # noqa: PLC0415
+    from tpflower.phases.gbdt import GBDTParams  # noqa: PLC0415
+    from tpflower.relation import load_relation  # noqa: PLC0415
+
+    cfg = compose_config(f"dataset={data}", "algorithm=gbdt")
+    p = GBDTParams.from_cfg(cfg.algorithm)
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
+    task = rel.spec.label.task
+    X, Xt = rel.joined_features(rel.train), rel.joined_features(rel.test)
+    scale = label_scale_of(cfg, rel)
+    y = scale.scaled(rel.labels(rel.train))
+    objective = {"regression": "regression", "binary": "binary", "multiclass": "multiclass"}[task]
+    params = {
+        "objective": objective,
+        "num_leaves": p.max_leaves,
+        "max_depth": p.max_depth or -1,
+        "learning_rate": p.learning_rate,
+        "lambda_l2": p.lambda_l2,
+        "min_data_in_leaf": p.min_child_rows,
+        "min_sum_hessian_in_leaf": p.min_child_weight,
+        "max_bin": p.max_bins,
+        "num_threads": 2,
+        "verbose": -1,
+        **({"num_class": rel.d_out} if task == "multiclass" else {}),
+    }
+    t0 = time.perf_counter()
+    model = lgb.train(params, lgb.Dataset(X, y), num_boost_round=trees)
+    wall = time.perf_counter() - t0
+    H = model.predict(Xt, raw_score=True).reshape(len(Xt), -1)
+    test = metrics(task, scale.to_label(H), rel.labels(rel.test))
+    return {"metric": test[primary_metric(task)], "wall_s": round(wall, 2), "trees": trees}
+
+
+def gbdt_case(data: str, trees: int, runtime: str) -> dict[str, Any]:
+    """gbdt with the shipped defaults (``trees`` trees, one evaluation at the end) in-process or under Flower."""
+    import tempfile  # noqa: PLC0415
+
+    from simulations.bench.common import run_results  # noqa: PLC0415
+    from simulations.federated import run_flower_simulation  # noqa: PLC0415
+    from tpflower.config import compose_config  # noqa: PLC0415
+
+    cfg = compose_config(
+        f"dataset={data}", "algorithm=gbdt", f"algorithm.trees={trees}", f"algorithm.eval_every={trees}"
+    )
+    t0 = time.perf_counter()
+    if runtime == "flower":
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run_flower_simulation(cfg, tmp, log=lambda _: None)
+    else:
+        results = run_results(cfg)
+    total = time.perf_counter() - t0
+    last = results.history[-1]
+    return {
+        "metric": last.test_metric,
+        "wall_s": round(last.wall_time_s, 2),
+        "total_s": round(total, 2),
+        "rounds": last.rounds,
+        "rounds_per_tree": round(last.rounds / trees, 2),
+        "mb_per_tree": round((last.bytes_up + last.bytes_down) / trees / 1e6, 2),
+        "trees": trees,
+    }
+
+
+def gbdt_suite(datasets: list[str], trees: int, flower: bool) -> dict[str, Any]:
+    cases: dict[str, Any] = {}
+    for data in datasets:
+        case: dict[str, Any] = {
+            "lightgbm": run_isolated("simulations.bench.gbdt", "lightgbm_case", {"data": data, "trees": trees}),
+            "inprocess": run_isolated(
+                "simulations.bench.gbdt", "gbdt_case", {"data": data, "trees": trees, "runtime": "inprocess"}
+            ),
+        }
+        if flower:
+            case["flower"] = run_isolated(
+                "simulations.bench.gbdt", "gbdt_case", {"data": data, "trees": trees, "runtime": "flower"}
+            )
+        case["inprocess_vs_lightgbm"] = round(case["inprocess"]["wall_s"] / max(case["lightgbm"]["wall_s"], 1e-9), 1)
+        cases[data] = case
+        print(data, case, flush=True)
+    return {"case": "gbdt", "trees": trees, "load": os.getloadavg()[0], "cases": cases}

@@ -1,0 +1,355 @@
+"""Histogram gradient boosting over the join, server side (docs/algorithms.md, Boosted trees over the join; client:
+tpflower/phases/gbdt.py; shared math and tree growth: tpflower/trees.py).
+
+The server holds the training labels (label-DP'd if so) and the current scores F of the joined training rows.
+Per boosting round it computes g and h (tpflower.trees.gradients) and grows the round's d_c trees best-first
+(tpflower.trees.grow_forest). Each expansion step is ONE round trip: every table receives, for each node being
+expanded (all trees of the round together), the per-table-row sums of g and h and the joined-row counts of the
+node's rows (segment sums over p_i: n_i numbers, not N); it answers its best gain per node and one side bit per
+(node, row). The server keeps, per node, the table of the largest gain (ties: the smallest table name) and, when
+it splits the node, routes the node's joined rows by that table's bits. Leaf values are the server's.
+
+Evaluation every ``eval_every`` trees (one routing round, not training traffic): each table answers the side of
+the test and validation rows at its splits of the new trees; the server walks the trees. Validation rows (the
+top-level ``validation_fraction`` of the training join, tpflower.validation) take no part in training; with
+``early_stopping`` > 0 the run stops after that many evaluations without a lower validation loss and keeps the
+trees of the best one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from strategies.base import LoJStrategy
+from tpflower.fedprep import RankSketch
+from tpflower.join_counts import compact_counts
+from tpflower.losses import loss_np
+from tpflower.mapping import index_dtype
+from tpflower.phases.gbdt import GBDTParams
+from tpflower.trees import (
+    Candidate,
+    Growth,
+    Node,
+    Tree,
+    add_leaves,
+    bin_edges,
+    first_best,
+    gradients,
+    grow_forest,
+    init_scores,
+    leaf_values,
+)
+from tpflower.validation import validation_mask
+
+
+def node_rows(p: np.ndarray, g: np.ndarray, h: np.ndarray | None, n_rows: int) -> tuple[np.ndarray | None, ...]:
+    """The distinct table rows ``rows`` (ascending) of a node's joined rows (their table rows ``p``) with the
+    per-row sums of g and h (None: not asked) and the counts: segment sums over p, dense (bincount over n_rows)
+    for a node that covers much of the table, by sorting otherwise."""
+    if 8 * len(p) >= n_rows:
+        C = np.bincount(p, minlength=n_rows)
+        rows = np.flatnonzero(C)
+        G = np.bincount(p, weights=g, minlength=n_rows)[rows]
+        H = None if h is None else np.bincount(p, weights=h, minlength=n_rows)[rows]
+        return rows, G, H, C[rows]
+    rows, inv = np.unique(p, return_inverse=True)
+    inv = inv.reshape(-1)
+    G = np.bincount(inv, weights=g, minlength=len(rows))
+    H = None if h is None else np.bincount(inv, weights=h, minlength=len(rows))
+    return rows, G, H, np.bincount(inv, minlength=len(rows))
+
+
+def tree_record(tree: Tree) -> dict[str, Any]:
+    """One tree as model.json holds it: its output, root and nodes [id, table, left, right, leaf value]."""
+    return {
+        "out": tree.out,
+        "root": tree.root,
+        "nodes": [[n.id, n.table, n.children[0], n.children[1], n.value] for n in tree.nodes.values()],
+    }
+
+
+def forest_scores(
+    record: Mapping[str, Any], bits: Mapping[str, np.ndarray], inv: Mapping[str, np.ndarray]
+) -> np.ndarray:
+    """F of the joined rows of a prediction from model.json's trees: ``bits[t]`` the side of each of table t's
+    distinct rows at each of its splits (columns in ``record["split_ids"][t]`` order), ``inv[t]`` the distinct
+    row of every joined row."""
+    n = len(next(iter(inv.values())))
+    column = {t: {int(s): i for i, s in enumerate(ids)} for t, ids in record["split_ids"].items()}
+    F = np.tile(np.asarray(record["F0"], dtype=np.float64), (n, 1))
+    for trees in record["trees"]:
+        for rec in trees:
+            nodes = {
+                int(i): Node(
+                    int(i), int(rec["out"]), 0, 0, 0, 0.0, 0.0, table=str(t), children=(int(a), int(b)), value=float(v)
+                )
+                for i, t, a, b, v in rec["nodes"]
+            }
+            tree = Tree(int(rec["out"]), nodes, int(rec["root"]))
+            F[:, tree.out] += leaf_values(
+                tree, n, lambda node, idx: bits[node.table][inv[node.table][idx], column[node.table][node.id]]
+            )
+    return F
+
+
+class JoinGBDT(LoJStrategy):
+    """algorithm=gbdt over the join."""
+
+    algorithm = "gbdt"
+    params_type = GBDTParams
+
+    def protocol(self) -> None:
+        self.setup()
+        assert self.results is not None and self.comm is not None
+        alg: GBDTParams = self.params
+        train, label, task = self.train, self.spec.label_table, self.task
+        K = int(self.d_out)
+        y = np.asarray(self.y_train)
+        val = validation_mask(train.p[label], float(self.cfg.get("validation_fraction", 0) or 0), int(self.cfg.seed))
+        self.fit_rows = fit = np.flatnonzero(~val).astype(index_dtype(train.N))
+        self.growth = Growth(alg.max_leaves, alg.max_depth, alg.leaves_per_step, alg.learning_rate, alg.rule)
+        self.tables = sorted(train.p)
+        self.p_fit = {t: train.p[t] if not val.any() else train.p[t][fit] for t in self.tables}  # no copy: all fit
+        counts = {t: np.bincount(self.p_fit[t], minlength=train.n_rows[t]) for t in self.tables}
+        self.injective = {t: bool(counts[t].max(initial=0) <= 1) for t in self.tables}
+        self.won: dict[str, list[int]] = {t: [] for t in self.tables}  # taken splits the tables are not told yet
+        self.split_ids: dict[str, list[int]] = {t: [] for t in self.tables}  # every split each table holds
+        self.bins(counts, K)
+        self.F0 = init_scores(task, y[fit], K)
+        F = np.tile(self.F0, (len(fit), 1))
+        # the rows evaluated by routing: the test rows, then the validation rows
+        val_rows = np.flatnonzero(val)
+        self.eval_p = {t: np.concatenate([self.test.p[t], train.p[t][val_rows]]) for t in self.tables}
+        self.eval_rows = {t: np.unique(p, return_inverse=True) for t, p in self.eval_p.items()}
+        F_eval = np.tile(self.F0, (self.test.N + len(val_rows), 1))
+        self.forest: list[list[Tree]] = []
+        y_fit, y_val = y[fit], y[val_rows]
+        best = (np.inf, 0, F_eval[: self.test.N].copy(), 0.0)
+        bad, next_id, evaluated = 0, 0, 0
+        for r in range(1, alg.trees + 1):
+            g, h = gradients(task, F, y_fit)
+            trees, perms, next_id = grow_forest(fit, g, h, self.growth, self.evaluate, next_id)
+            add_leaves(F, trees, perms)
+            for tree in trees:
+                for node in tree.internal():
+                    self.won[node.table].append(node.id)
+                    self.split_ids[node.table].append(node.id)
+            self.forest.append(trees)
+            if r % alg.eval_every and r != alg.trees:
+                continue
+            F_eval += self.route(self.forest[evaluated:])
+            evaluated = len(self.forest)
+            extra: dict[str, float] = {"trees": float(r)}
+            if len(val_rows):
+                val_loss = float(loss_np(task, F_eval[self.test.N :], y_val).mean())
+                extra["val_loss"] = self.label_scale.loss(val_loss) if task == "regression" else val_loss
+                if val_loss < best[0]:
+                    best, bad = (val_loss, r, F_eval[: self.test.N].copy(), float(loss_np(task, F, y_fit).mean())), 0
+                else:
+                    bad += 1
+            train_loss = float(loss_np(task, F, y_fit).mean())
+            self.record_epoch(r, F_eval[: self.test.N], train_loss, extra)
+            if alg.early_stopping and bad >= alg.early_stopping:
+                self.log(f"early stopping: no lower validation loss in {bad} evaluations; keeping {best[1]} trees")
+                del self.forest[best[1] :]
+                self.record_epoch(best[1], best[2], best[3], {"trees": float(best[1])})
+                break
+        self.finish()
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    def sharded(self, t: str) -> bool:
+        return len(self.routers[t].shards) > 1
+
+    def bins(self, counts: dict[str, np.ndarray], d_out: int) -> None:
+        """Every client bins its columns (``gbdt_bins``, G_iu of its rows); a sharded table's shards answer rank
+        sketches of their G-weighted columns instead, which the server merges into the table's edges
+        (tpflower.trees.bin_edges on the merged sketch) and sends back (``gbdt_edges``)."""
+        replies = self.send(
+            {
+                (t, q): (
+                    {"G": compact_counts(self.routers[t].scatter_all(counts[t])[q])},
+                    {"phase": "gbdt_bins", "d_out": d_out},
+                )
+                for t, q in self.clients
+            }
+        )
+        self.shared_edges: dict[str, list[np.ndarray]] = {}
+        for t in [t for t in self.tables if self.sharded(t)]:
+            per_feature: list[list[RankSketch]] = []
+            for q in self.routers[t].shards:
+                a = replies[(t, q)][0]
+                cut = np.cumsum(np.asarray(a["sizes"], dtype=np.int64))[:-1]
+                values, weights = np.split(np.asarray(a["values"]), cut), np.split(np.asarray(a["weights"]), cut)
+                per_feature = per_feature or [[] for _ in values]
+                for f, (v, w) in enumerate(zip(values, weights)):
+                    per_feature[f].append(RankSketch(v.astype(np.float64), w.astype(np.int64)))
+            merged = [RankSketch.merge(sk) for sk in per_feature]
+            self.shared_edges[t] = [bin_edges(m.values, m.weights, self.params.max_bins) for m in merged]
+        if self.shared_edges:
+            self.send(
+                {
+                    (t, q): (
+                        {
+                            "edges": np.concatenate([np.zeros(0), *self.shared_edges[t]]),
+                            "sizes": np.array([len(e) for e in self.shared_edges[t]], dtype=np.int64),
+                        },
+                        {"phase": "gbdt_edges"},
+                    )
+                    for t, q in self.clients
+                    if t in self.shared_edges
+                }
+            )
+
+    def evaluate(self, nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Any]:
+        """One expansion step: the nodes' per-table-row sums to every table, its best gain per node and side
+        bits back; per node the best table's candidate (ties: the smallest table name). A table whose rows
+        each occur at most once in the training join gets its joined rows as they are (rows p_i[S_n], sums g
+        and h, counts 1) and answers its bits in that order; the squared error sends no H (h = 1: H = C).
+        A sharded table's shards answer their parts of the histograms (``gbdt_hist``), and after the server
+        summed them, the split and their rows' bits (``gbdt_shard_split``): a second round trip."""
+        regression = self.task == "regression"
+        parts: dict[str, list[tuple[Any, ...]]] = {t: [] for t in self.tables}
+        for node in nodes:
+            seg = perms[node.out][node.start : node.end]
+            gk, hk = g[seg, node.out], None if regression else h[seg, node.out]
+            for t in self.tables:
+                p = self.p_fit[t][seg]
+                if self.injective[t]:
+                    parts[t].append((p, gk, hk, np.ones(len(p), dtype=np.uint8)))
+                else:
+                    parts[t].append(node_rows(p, gk, hk, self.train.n_rows[t]))
+        ids = np.array([n.id for n in nodes], dtype=np.int64)
+        parent = np.array([n.parent for n in nodes], dtype=np.int64)
+        sizes = {t: np.array([len(p[0]) for p in parts[t]], dtype=np.int64) for t in self.tables}
+        cat = {t: [None if a[0] is None else np.concatenate(a) for a in zip(*parts[t])] for t in self.tables}
+        masks = {t: self.routers[t].masks(cat[t][0]) for t in self.tables}
+        positions = {t: self.routers[t].split(cat[t][0]) for t in self.tables}
+        won = {t: np.array(self.won[t], dtype=np.int64) for t in self.tables}
+        self.won = {t: [] for t in self.tables}
+        dtype, messages = self.state_dtype, {}
+        for t, q in self.clients:
+            mask = masks[t][q]
+            rows, G, H, C = cat[t]
+            node_of = np.repeat(np.arange(len(nodes)), sizes[t])[mask]
+            arrays = {
+                "nodes": ids,
+                "parent": parent,
+                "sizes": np.bincount(node_of, minlength=len(nodes)).astype(np.int64),
+                "rows": positions[t][q].astype(index_dtype(self.train.n_rows[t]), copy=False),
+                "G": G[mask].astype(dtype, copy=False),
+                "C": compact_counts(C[mask]),
+                "won": won[t],
+            }
+            if H is not None:
+                arrays["H"] = H[mask].astype(dtype, copy=False)
+            messages[(t, q)] = (arrays, {"phase": "gbdt_hist" if self.sharded(t) else "gbdt_split"})
+        replies = self.send(messages)
+        shard_tables = [t for t in self.tables if self.sharded(t)]
+        if shard_tables:  # the shards' histograms summed, then each shard's split and bits
+            summed = {
+                t: sum(np.asarray(replies[(t, q)][0]["hist"]) for q in self.routers[t].shards) for t in shard_tables
+            }
+            replies.update(
+                self.send(
+                    {
+                        (t, q): ({"nodes": ids, "hist": summed[t]}, {"phase": "gbdt_shard_split"})
+                        for t, q in self.clients
+                        if t in summed
+                    }
+                )
+            )
+        bits: dict[str, np.ndarray] = {}
+        for t in self.tables:
+            full = np.zeros(len(cat[t][0]), dtype=bool)
+            for q, mask in masks[t].items():
+                full[mask] = np.unpackbits(np.asarray(replies[(t, q)][0]["bits"]), count=int(mask.sum())).astype(bool)
+            bits[t] = full
+        offsets = {t: np.concatenate([[0], np.cumsum(sizes[t])]) for t in self.tables}
+        first = {t: self.routers[t].shards[0] for t in self.tables}
+        gains = np.stack([np.asarray(replies[(t, first[t])][0]["gain"], dtype=np.float64) for t in self.tables])
+        out: list[Any] = []
+        for i in range(len(nodes)):
+            k = first_best(gains[:, i])  # tables in name order: a tie keeps the smallest table name
+            best_gain, best_t = float(gains[k, i]), self.tables[k]
+            if not np.isfinite(best_gain):
+                out.append(None)
+                continue
+            side = bits[best_t][offsets[best_t][i] : offsets[best_t][i + 1]]
+            if self.injective[best_t]:  # the bits are in the node's row order already
+                out.append(Candidate(best_gain, best_t, lambda seg, s=side: s))
+            else:
+                rows_t, p_t = parts[best_t][i][0], self.p_fit[best_t]
+                out.append(
+                    Candidate(best_gain, best_t, lambda seg, r=rows_t, s=side, p=p_t: s[np.searchsorted(r, p[seg])])
+                )
+        return out
+
+    # ------------------------------------------------------------------------------------------ evaluation
+
+    def route(self, rounds: list[list[Tree]]) -> np.ndarray:
+        """The sum of the leaf values of the trees ``rounds`` for every evaluated row (test, then validation):
+        one routing round (``kind=eval``), each table (each shard) the side of its evaluated rows at its
+        splits."""
+        splits: dict[str, list[int]] = {t: [] for t in self.tables}
+        for trees in rounds:
+            for tree in trees:
+                for node in tree.internal():
+                    splits[node.table].append(node.id)
+        won = {t: np.array(self.won[t], dtype=np.int64) for t in self.tables}
+        self.won = {t: [] for t in self.tables}
+        positions = {t: self.routers[t].split(self.eval_rows[t][0]) for t in self.tables}
+        replies = self.send(
+            {
+                (t, q): (
+                    {
+                        "rows": positions[t][q].astype(index_dtype(self.train.n_rows[t]), copy=False),
+                        "splits": np.array(splits[t], dtype=np.int64),
+                        "won": won[t],
+                    },
+                    {"phase": "gbdt_route"},
+                )
+                for t, q in self.clients
+            },
+            kind="eval",
+        )
+        column = {t: {s: i for i, s in enumerate(splits[t])} for t in self.tables}
+        side: dict[str, np.ndarray] = {}
+        for t in self.tables:
+            rows = self.eval_rows[t][0]
+            side[t] = np.zeros((len(rows), len(splits[t])), dtype=bool)
+            for q, mask in self.routers[t].masks(rows).items() if splits[t] else ():
+                packed = np.asarray(replies[(t, q)][0]["bits"])
+                side[t][mask] = (
+                    np.unpackbits(packed, axis=1, count=len(splits[t])).astype(bool).reshape(-1, len(splits[t]))
+                )
+        n = len(next(iter(self.eval_p.values())))
+        inv = {t: self.eval_rows[t][1].reshape(-1) for t in self.tables}
+        out = np.zeros((n, int(self.d_out)))
+        for trees in rounds:
+            for tree in trees:
+                out[:, tree.out] += leaf_values(
+                    tree, n, lambda node, idx: side[node.table][inv[node.table][idx], column[node.table][node.id]]
+                )
+        return out
+
+    def model_extra(self) -> dict[str, Any]:
+        """model.json of boosted trees: the tree structure (each node's id, its table, children and leaf
+        value), F_0 and each table's split ids (its saved part holds their features and thresholds)."""
+        return {
+            "predicts": "trees",
+            "F0": self.F0.tolist(),
+            "split_ids": {t: sorted(ids) for t, ids in self.split_ids.items()},
+            "trees": [[tree_record(tree) for tree in trees] for trees in self.forest],
+        }
+
+
+class UnionGBDT(JoinGBDT):
+    """algorithm=gbdt scenario=ucq: over the union, a sharded table's shards bin on the edges the server merged
+    from their sketches and answer their parts of the histograms, summed by the server (two round trips per
+    step)."""
+
+    algorithm = "ucq_gbdt"

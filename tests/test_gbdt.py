@@ -1,0 +1,258 @@
+"""Histogram gradient boosting over the join (docs/algorithms.md, Boosted trees over the join): the central
+reference agrees with LightGBM where the bins coincide; the federated trees equal the central reference on the
+materialized join (same splits, leaf values and predictions, float64) over star and snowflake joins with
+many-to-many keys; what the owner answers and refuses."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from strategies.centralized import central_gbdt
+from tests.conftest import make_cfg
+from tests.test_privacy_e2e import Recorded
+from tpflower.app.server_app import make_strategy
+from tpflower.phases.gbdt import GBDTParams
+from tpflower.trees import MAX_BINS, bin_codes, bin_edges
+
+lgb = pytest.importorskip("lightgbm")
+
+
+def small(schema: str, task: str, *extra: str) -> tuple[str, ...]:
+    """A synthetic join with many-to-many keys (fanout 2), small enough for a unit test, in float64."""
+    return (
+        "algorithm=gbdt",
+        "precision=float64",
+        "dataset=synthetic",
+        f"dataset.loader.schema={schema}",
+        f"dataset.loader.task={task}",
+        "dataset.loader.n_fact=800",
+        "dataset.loader.dim_rows=60",
+        "dataset.loader.fanout=2",
+        "dataset.loader.label=nonlinear",
+        "algorithm.trees=4",
+        "algorithm.eval_every=2",
+        "algorithm.max_leaves=12",
+        "algorithm.leaves_per_step=3",
+        "algorithm.max_bins=32",
+        *extra,
+    )
+
+
+def lgb_params(task: str, leaves: int) -> dict:
+    """LightGBM with the reference's split rule: no bin merging, no pre-filter, one thread."""
+    return dict(
+        objective=task,
+        num_leaves=leaves,
+        learning_rate=0.1,
+        min_data_in_leaf=20,
+        min_sum_hessian_in_leaf=1e-3,
+        lambda_l2=0.0,
+        max_bin=255,
+        min_data_in_bin=1,
+        num_threads=1,
+        deterministic=True,
+        force_row_wise=True,
+        feature_pre_filter=False,
+        boost_from_average=True,
+        verbose=-1,
+    )
+
+
+@pytest.mark.parametrize("task,trees,tol", [("regression", 30, 1e-6), ("binary", 5, 1e-6)])
+def test_central_reference_equals_lightgbm_where_the_bins_coincide(task, trees, tol):
+    """Integer features with fewer distinct values than bins: every value its own bin in both, so the central
+    reference (strictly best-first, lambda 0) grows LightGBM's trees; predictions agree to LightGBM's float32
+    gradients. (Binary: after a few trees a near-tie of gains in float32 may pick another split.)"""
+    rng = np.random.default_rng(0)
+    X = rng.integers(1, 30, size=(3000, 5)).astype(np.float64)
+    y = np.sin(X[:, 0] / 4) * 3 + (X[:, 1] > 10) * 2 + X[:, 2] * X[:, 3] / 100 + rng.normal(0, 0.3, len(X))
+    if task == "binary":
+        y = (y > np.median(y)).astype(np.float64)
+    params = GBDTParams(
+        trees=trees, learning_rate=0.1, max_leaves=15, leaves_per_step=1, lambda_l2=0.0, min_child_rows=20
+    )
+    forest, F, _ = central_gbdt({"a": X[:, :2], "b": X[:, 2:]}, y, task, 1, params)
+    model = lgb.train(lgb_params(task, 15), lgb.Dataset(X, y), num_boost_round=trees)
+    assert len(forest) == trees and all(len(t[0].leaves()) == 15 for t in forest)
+    np.testing.assert_allclose(F[:, 0], model.predict(X, raw_score=True), atol=tol, rtol=0)
+
+
+def test_bin_edges_of_a_weighted_table_equal_those_of_its_joined_column():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=500)
+    G = rng.integers(0, 5, size=500)
+    joined = np.repeat(x, G)
+    for nb in (8, 64, MAX_BINS):
+        e = bin_edges(x, G, nb)
+        assert np.array_equal(e, bin_edges(joined, np.ones(len(joined)), nb))
+        assert len(e) <= nb - 1
+        codes = bin_codes(joined[:, None], [e])[0]
+        assert codes.max() <= len(e)
+        for b in range(len(e)):  # "bin <= b" is "x <= edges[b]"
+            assert np.array_equal(codes <= b, joined <= e[b])
+
+
+def table_X(rec: Recorded, t: str) -> np.ndarray:
+    """Table t's feature matrix over its rows (a sharded table's shards put back in row order)."""
+    router = rec.strategy.routers[t]
+    parts = {q: np.asarray(rec.client((t, q)).local.X, dtype=np.float64) for q in router.shards}
+    return router.gather_all(parts)
+
+
+def central_of(rec: Recorded) -> tuple[list, np.ndarray]:
+    """The central reference on the materialized join of the federated run's own training rows (the clients'
+    feature matrices expanded by p_i), predicting its test and validation rows."""
+    s = rec.strategy
+    X = {t: table_X(rec, t) for t in s.tables}
+    fit = s.fit_rows
+    forest, _, F_eval = central_gbdt(
+        {t: X[t][s.train.p[t][fit]] for t in s.tables},
+        np.asarray(s.y_train)[fit],
+        s.task,
+        int(s.d_out),
+        s.params,
+        {t: X[t][s.eval_p[t]] for t in s.tables},
+    )
+    return forest, F_eval
+
+
+def assert_same_forest(central: list, federated: list) -> None:
+    assert len(central) == len(federated)
+    for a, b in zip(central, federated):
+        for ta, tb in zip(a, b):
+            shape = lambda t: [(n.id, n.table, n.children, n.start, n.end) for n in t.nodes.values()]  # noqa: E731
+            assert shape(ta) == shape(tb)
+            va = np.array([n.value for n in ta.nodes.values()])
+            vb = np.array([n.value for n in tb.nodes.values()])
+            np.testing.assert_allclose(va, vb, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "schema,task",
+    [("star", "regression"), ("snowflake", "regression"), ("snowflake", "binary"), ("star", "multiclass")],
+)
+def test_federated_trees_equal_the_central_reference_on_the_materialized_join(schema, task):
+    rec = Recorded(*small(schema, task))
+    s = rec.strategy
+    assert s.mapping.n_rows["fact"] < s.mapping.N  # many-to-many: the join duplicates fact rows
+    forest, F_eval = central_of(rec)
+    assert_same_forest(forest, s.forest)
+    assert sum(len(t.internal()) for trees in s.forest for t in trees) > 10
+    H = s.label_scale.to_label(F_eval[: s.test.N])
+    np.testing.assert_allclose(s.record.test_predictions, H, atol=1e-9, rtol=0)
+    assert len(s.forest[0]) == s.d_out  # one tree per output in every round
+
+
+def test_validation_rows_take_no_part_and_early_stopping_keeps_the_best_trees():
+    rec = Recorded(
+        *small(
+            "star",
+            "regression",
+            "algorithm.trees=30",
+            "algorithm.learning_rate=1",
+            "algorithm.early_stopping=1",
+            "algorithm.min_child_rows=1",
+            "algorithm.max_leaves=40",
+        ),
+        "validation_fraction=0.3",
+    )
+    s = rec.strategy
+    val = np.ones(s.train.N, dtype=bool)
+    val[s.fit_rows] = False
+    label_rows = s.train.p["fact"]
+    assert not set(label_rows[val]) & set(label_rows[~val])  # a labelled row is on one side only
+    forest, F_eval = central_of(rec)
+    assert len(s.forest) < 30  # stopped early
+    assert_same_forest(forest[: len(s.forest)], s.forest)
+    assert s.results.history[-1].extra["trees"] == len(s.forest)
+
+
+def test_one_round_trip_per_expansion_step_and_replies_hold_gains_and_bits_only():
+    rec = Recorded(*small("star", "multiclass"))
+    s = rec.strategy
+    steps = [(k, g, o) for (k, ph, g, _), (_, _, o, _) in zip(rec.got, rec.sent) if ph == "gbdt_split"]
+    n_tables = len(s.tables)
+    assert len(steps) % n_tables == 0
+    for _key, got, out in steps:
+        assert set(out) == {"gain", "bits"}
+        assert out["gain"].shape == got["nodes"].shape and out["gain"].dtype == np.float64
+        assert out["bits"].dtype == np.uint8 and len(out["bits"]) == (len(got["rows"]) + 7) // 8
+    roots = [g for _, g, _ in steps if (g["parent"] < 0).any()]
+    assert all((g["parent"] < 0).sum() == s.d_out for g in roots)  # all classes of a round in one trip
+
+
+def test_gbdt_is_refused_under_a_feature_dp_floor_in_one_line():
+    cfg = make_cfg(*small("star", "regression"), "privacy=dpsgd")
+    with pytest.raises(ValueError, match="cannot be honoured by algorithm 'gbdt'") as err:
+        make_strategy(cfg, None, log=lambda _: None)
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def trained() -> Recorded:
+    return Recorded(*small("star", "regression"))
+
+
+@pytest.mark.parametrize(
+    "phase,arrays,problem",
+    [
+        ("gbdt_split", {"nodes": np.array([0])}, "its arrays are not the phase's inputs"),
+        ("gbdt_route", {"rows": np.array([10**9]), "splits": np.array([0]), "won": np.zeros(0, int)}, "names rows"),
+        ("gbdt_route", {"rows": np.array([0.5]), "splits": np.array([0]), "won": np.zeros(0, int)}, "not integer"),
+        ("gbdt_route", {"rows": np.array([0]), "splits": np.array([-3]), "won": np.zeros(0, int)}, "negative"),
+        ("gbdt_route", {"rows": np.array([0]), "splits": np.array([987654]), "won": np.zeros(0, int)}, "split"),
+    ],
+)
+def test_the_owner_refuses_bad_inputs_naming_the_table_and_no_number_about_it(trained, phase, arrays, problem):
+    from tpflower.guard import ProtocolRefusal
+    from tpflower.phases import gbdt
+
+    client = trained.client(("d1", 0))
+    with pytest.raises(ProtocolRefusal, match=problem) as err:
+        getattr(gbdt, phase)(client, arrays, {"phase": phase})
+    assert "table 'd1'" in str(err.value) and not re.search(r"\d", str(err.value).replace("d1", ""))
+
+
+def test_split_inputs_must_be_consistent(trained):
+    from tpflower.guard import ProtocolRefusal
+    from tpflower.phases import gbdt
+
+    client = trained.client(("d1", 0))
+    good = {
+        "nodes": np.array([5000]),
+        "parent": np.array([-1]),
+        "sizes": np.array([2]),
+        "rows": np.array([0, 1]),
+        "G": np.array([0.5, -0.5]),
+        "C": np.array([1, 1]),
+        "won": np.zeros(0, dtype=np.int64),
+    }
+    for name, value, problem in [
+        ("sizes", np.array([3]), "do not match"),
+        ("G", np.array([np.nan, 1.0]), "not finite"),
+        ("C", np.array([0, 1]), "no joined row"),
+        ("H", np.array([1.0, 1.0]), "not the phase's inputs"),  # squared error: h = 1, H is the counts
+        ("G", np.array([1, 2]), "not floating point"),
+    ]:
+        with pytest.raises(ProtocolRefusal, match=problem):
+            gbdt.gbdt_split(client, {**good, name: value}, {"phase": "gbdt_split"})
+
+
+def test_union_equals_the_join():
+    """Over the union (fact and d1 in two shards each) the shards bin on the edges the server merged from their
+    sketches (exact here: each shard holds fewer weighted values than the sketch size) and their histograms are
+    summed: the same trees as the central reference on the materialized union, as the join's are."""
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1")
+    rec = Recorded(*small("star", "regression", *shape), "scenario=ucq")
+    s = rec.strategy
+    assert s.algorithm == "ucq_gbdt" and set(s.shared_edges) == {"fact", "d1"}
+    forest, F_eval = central_of(rec)
+    assert_same_forest(forest, s.forest)
+    np.testing.assert_allclose(s.record.test_predictions, s.label_scale.to_label(F_eval[: s.test.N]), atol=1e-9, rtol=0)
+    join = Recorded(*small("star", "regression", *shape))
+    assert_same_forest(join.strategy.forest, s.forest)
+    phases = [ph for _, ph, _, _ in rec.got]
+    assert phases.count("gbdt_shard_split") == phases.count("gbdt_hist")  # two round trips per step

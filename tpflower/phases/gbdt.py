@@ -1,0 +1,423 @@
+"""Histogram gradient boosting over the join, the table owner's side (docs/algorithms.md, Boosted trees over the
+join; server: strategies/gbdt.py; shared math: tpflower/trees.py).
+
+  gbdt_bins  {G}                                        -> {}: bins every feature column on weighted quantiles
+                                                        (weights G_iu, at most algorithm.max_bins bins); the
+                                                        edges stay on the node
+  gbdt_split {nodes, parent, sizes, rows, G, H, C, won} -> {gain, bits}: for each node being expanded, the
+                                                        per-table-row sums of g and h and the joined-row counts
+                                                        of its rows (``sizes`` rows per node, concatenated);
+                                                        the table's best split gain per node (-inf: none) and,
+                                                        packed, one side bit per (node, row): its proposal's
+                                                        "x_f <= threshold". ``won``: the nodes whose split the
+                                                        server took from this table since the last message:
+                                                        they join the table's model
+  gbdt_route {rows, splits, won}                        -> {bits}: the side of each row ``rows`` at each of its
+                                                        splits ``splits`` (packed, row-major): evaluation of
+                                                        the test and validation rows
+
+Histograms, bins, features and thresholds never leave the node. Histogram subtraction: of two siblings, the
+histogram of the one with fewer joined rows is built from its rows and the other's is the parent's minus it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpflower.client import TableClient
+from tpflower.fedprep import DEFAULT_SKETCH_SIZE, RankSketch
+from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, sharded, takes, unsharded
+from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param, positive, positive_int
+from tpflower.phases import setup
+from tpflower.records import Arrays
+from tpflower.registry import AlgorithmEntry, register
+from tpflower.trees import MAX_BINS, BinLayout, SplitRule, best_split, bin_codes, bin_edges, histograms
+
+log = logging.getLogger(__name__)
+
+#: Why gbdt refuses feature DP (shown in the error).
+WHY_NO_FEATURE_DP = (
+    "its replies (a best gain per node and one side bit per node and row) are exact functions of the table's "
+    "features; gbdt has no DP version of them yet"
+)
+
+
+def max_bins(what: str, value: Any) -> int:
+    n = positive_int(what, value)
+    if not 2 <= n <= MAX_BINS:
+        raise ValueError(f"{what} must be between 2 and {MAX_BINS}, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class GBDTParams(AlgorithmParams):
+    """algorithm=gbdt (conf/algorithm/gbdt.yaml): second-order histogram boosting over the join."""
+
+    trees: int = param(positive_int, 300)  # boosting rounds (d_c trees each)
+    learning_rate: float = param(positive, 0.1)
+    max_leaves: int = param(positive_int, 63)
+    max_depth: int = param(nonnegative_int, 0)  # 0: no bound
+    leaves_per_step: int = param(positive_int, 8)  # leaves of highest gain split per step (1: strictly best-first)
+    max_bins: int = param(max_bins, 255)
+    lambda_l2: float = param(nonnegative, 0.0)
+    min_child_weight: float = param(nonnegative, 1e-3)
+    min_child_rows: int = param(positive_int, 20)
+    min_gain: float = param(nonnegative, 0.0)
+    eval_every: int = param(positive_int, 10)  # trees between evaluations (one line, one routing round each)
+    early_stopping: int = param(nonnegative_int, 3)  # evaluations without validation gain that stop (0: never)
+
+    @property
+    def rule(self) -> SplitRule:
+        return SplitRule(self.lambda_l2, self.min_child_weight, self.min_child_rows, self.min_gain)
+
+
+def _where(client: TableClient, phase: str) -> str:
+    return f"table {client.settings.table!r} ({phase})"
+
+
+def _refuse(client: TableClient, phase: str, problem: str, detail: str = "") -> ProtocolRefusal:
+    """A refusal naming the table and the kind of problem, no number about the table (the node's log has the
+    detail)."""
+    if detail:
+        log.warning("%s: %s (%s)", _where(client, phase), problem, detail)
+    return ProtocolRefusal(f"{_where(client, phase)} refuses the message: {problem}")
+
+
+# names, kinds and the dimension each input array must have, per phase
+_INPUTS: dict[str, dict[str, str]] = {
+    "gbdt_bins": {"G": "count"},
+    "gbdt_split": {
+        "nodes": "id",
+        "parent": "id",
+        "sizes": "count",
+        "rows": "row",
+        "G": "float",
+        "H": "float",
+        "C": "count",
+        "won": "id",
+    },
+    "gbdt_route": {"rows": "row", "splits": "id", "won": "id"},
+    "gbdt_edges": {"edges": "float", "sizes": "count"},
+    "gbdt_shard_split": {"nodes": "id", "hist": "any"},
+}
+
+
+def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str = "") -> dict[str, np.ndarray]:
+    """Every input of a gbdt phase, checked in one place before anything is computed: exactly the phase's
+    names, vectors, integer or finite float dtypes, rows of this table, per-row arrays of one length, sizes that
+    add up to the rows, one count per table row (gbdt_bins) and counts >= 1, hessian sums >= 0. Returns
+    them as int64 / float64 arrays."""
+    expected = dict(_INPUTS[phase])
+    if phase == "gbdt_split" and client.settings.spec.label.task == "regression":
+        del expected["H"]  # squared error: h = 1, the counts are the hessian sums
+    phase = as_phase or phase  # gbdt_hist takes gbdt_split's inputs
+    if set(arrays) != set(expected):
+        raise _refuse(client, phase, "its arrays are not the phase's inputs", f"got {sorted(arrays)}")
+    n_rows = len(client.local.X)
+    out: dict[str, np.ndarray] = {}
+    for name, kind in expected.items():
+        a = np.asarray(arrays[name])
+        if kind == "any":  # checked by the phase (shape against its own state)
+            continue
+        if a.ndim != 1:
+            raise _refuse(client, phase, f"{name} is not a vector", f"shape {a.shape}")
+        if kind == "float":
+            if a.size and a.dtype.kind != "f":
+                raise _refuse(client, phase, f"{name} is not floating point", f"dtype {a.dtype}")
+            a = a.astype(np.float64, copy=False)
+            if not np.isfinite(a).all():
+                raise _refuse(client, phase, f"{name} holds a value that is not finite")
+        else:
+            if a.size and a.dtype.kind not in "iu":
+                raise _refuse(client, phase, f"{name} is not integer", f"dtype {a.dtype}")
+            a = a.astype(np.int64, copy=False)
+            if a.size and a.min() < (-1 if name == "parent" else 0):
+                raise _refuse(client, phase, f"{name} holds a negative value")
+            if kind == "row" and a.size and a.max() >= n_rows:
+                raise _refuse(client, phase, f"{name} names rows this table does not have")
+        out[name] = a
+    if phase == "gbdt_bins" and len(out["G"]) != n_rows:
+        raise _refuse(client, phase, "G does not hold one count per row of the table", f"{len(out['G'])} values")
+    if phase in ("gbdt_split", "gbdt_hist"):
+        n = len(out["nodes"])
+        if len(out["parent"]) != n or len(out["sizes"]) != n:
+            raise _refuse(client, phase, "nodes, parent and sizes differ in length")
+        if (
+            not len(out["rows"])
+            == len(out["G"])
+            == len(out.get("H", out["C"]))
+            == len(out["C"])
+            == int(out["sizes"].sum())
+        ):
+            raise _refuse(client, phase, "rows, G, H and C do not match the node sizes")
+        if len(out["C"]) and out["C"].min() < 1:
+            raise _refuse(client, phase, "a row of a node has no joined row")
+        if "H" in out and len(out["H"]) and out["H"].min() < 0:
+            raise _refuse(client, phase, "a hessian sum is negative")
+        if len(np.unique(out["nodes"])) != n:
+            raise _refuse(client, phase, "a node appears twice")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ owner state
+
+
+class OwnerTrees:
+    """What the owner keeps of a run: its bin edges and codes, its proposals of the current boosting round
+    (node id -> feature, bin), the splits the server took (its part of the model) and the histograms of the
+    nodes still open (for subtraction). Edges, proposals and splits live in ``context.state``; codes and
+    histograms are caches in the node's memory (rebuilt from the edges; a missing parent histogram is built
+    from rows)."""
+
+    def __init__(self, client: TableClient):
+        self.client, self.state = client, client.state
+        self.cache = client.data.models.setdefault(("gbdt", str(client.state.scalar("run_id", ""))), {})
+
+    @property
+    def edges(self) -> list[np.ndarray]:
+        edges = self.state.get_list("gbdt.edges")
+        if edges is None:
+            raise _refuse(self.client, "gbdt", "no bins yet (gbdt_bins first)")
+        return edges
+
+    @property
+    def layout(self) -> BinLayout:
+        if "layout" not in self.cache:
+            self.cache["layout"] = BinLayout.of(self.edges)
+        return self.cache["layout"]
+
+    def flat(self, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(feature, flat threshold code) of proposals or splits (rows of node, feature, bin)."""
+        f = splits[:, 1]
+        return f, self.layout.offsets[f] + splits[:, 2]
+
+    @property
+    def codes(self) -> np.ndarray:
+        if "codes" not in self.cache:
+            self.cache["codes"] = bin_codes(np.asarray(self.client.local.X, dtype=np.float64), self.edges)
+        return self.cache["codes"]
+
+    def table(self, name: str) -> np.ndarray:
+        value = self.state.get(f"gbdt.{name}")
+        return np.zeros((0, 3), dtype=np.int64) if value is None else value
+
+    def accept(self, won: np.ndarray) -> None:
+        """The proposals the server took become splits of the model (split id = node id)."""
+        if not len(won):
+            return
+        props = self.table("proposals")
+        at = {int(n): i for i, n in enumerate(props[:, 0])}
+        if any(int(n) not in at for n in won):
+            raise _refuse(self.client, "gbdt", "won names a node this table proposed no split for")
+        self.state.put("gbdt.splits", np.concatenate([self.table("splits"), props[[at[int(n)] for n in won]]]))
+
+
+def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """Bin every feature column on quantiles weighted by G_iu (tpflower.trees.bin_edges); keep the edges. A shard
+    of a sharded table keeps no edges of its own: it answers, per feature column, a rank sketch of its
+    G-weighted values (block maxima with block weights, as federated preprocessing's; exact with at most
+    DEFAULT_SKETCH_SIZE values), and the server's merged edges come back in ``gbdt_edges``."""
+    G = check_inputs(client, "gbdt_bins", arrays)["G"]
+    X = np.asarray(client.local.X, dtype=np.float64)
+    client.output_width(config)
+    if not client.settings.federated_prep:
+        nb = int(client.settings.algorithm.max_bins)
+        client.state.put_list("gbdt.edges", [bin_edges(X[:, f], G, nb) for f in range(X.shape[1])])
+        return {}, {}
+    live = int((G > 0).sum())
+    if 0 < live < client.settings.min_sketch_rows:
+        raise _refuse(
+            client,
+            "gbdt_bins",
+            "this shard holds fewer training rows than its owner's min_sketch_rows, so it sends no order "
+            "statistics for the shared bins (its owner may lower min_sketch_rows)",
+            f"{live} rows",
+        )
+    reps = G.astype(np.int64)
+    sketches = [RankSketch.build(np.repeat(X[:, f], reps), DEFAULT_SKETCH_SIZE) for f in range(X.shape[1])]
+    return {
+        "values": np.concatenate([sk.values for sk in sketches]) if sketches else np.zeros(0),
+        "weights": np.concatenate([sk.weights for sk in sketches]) if sketches else np.zeros(0, dtype=np.int64),
+        "sizes": np.array([len(sk.values) for sk in sketches], dtype=np.int64),
+    }, {}
+
+
+def gbdt_edges(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard of a sharded table: the table's bin edges, merged by the server from its shards' sketches."""
+    a = check_inputs(client, "gbdt_edges", arrays)
+    width = client.local.X.shape[1]
+    if len(a["sizes"]) != width or int(a["sizes"].sum()) != len(a["edges"]) or (a["sizes"] >= MAX_BINS).any():
+        raise _refuse(client, "gbdt_edges", "the edges do not fit the table's feature columns")
+    parts = np.split(a["edges"], np.cumsum(a["sizes"])[:-1])
+    if any((np.diff(e) <= 0).any() for e in parts):
+        raise _refuse(client, "gbdt_edges", "the edges of a column are not increasing")
+    client.state.put_list("gbdt.edges", parts)
+    return {}, {}
+
+
+def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
+    """The histograms of the message's nodes (node id -> (3, total)); of two siblings the one with fewer joined
+    rows is built from its rows, the other is the parent's minus it (parents' histograms kept between
+    messages of a boosting round)."""
+    codes, layout = owner.codes, owner.layout
+    hists: dict[int, np.ndarray] = owner.cache.setdefault("hists", {})
+    if (a["parent"] < 0).any():  # a new boosting round: the last round's proposals and histograms are done
+        client.state.put("gbdt.proposals", np.zeros((0, 3), dtype=np.int64))
+        hists.clear()
+    C = None if (a["C"] == 1).all() else a["C"].astype(np.float64)  # None: one joined row each
+    H = a.get("H")  # None: squared error, h = 1, so H is the count
+    part = node_parts(a)
+    parent_of = dict(zip(a["nodes"].tolist(), a["parent"].tolist()))
+
+    def direct(n: int) -> np.ndarray:
+        s = part[n]
+        return histograms(
+            codes, a["rows"][s], a["G"][s], None if H is None else H[s], None if C is None else C[s], layout.total
+        )
+
+    new: dict[int, np.ndarray] = {}
+    for n in part:
+        if n in new:
+            continue
+        siblings = [m for m in part if parent_of[m] == parent_of[n] and parent_of[n] >= 0]
+        if len(siblings) == 2 and parent_of[n] in hists:
+            small, large = sorted(siblings, key=lambda m: (a["C"][part[m]].sum(), m))
+            new[small] = direct(small)
+            new[large] = hists[parent_of[n]] - new[small]
+        else:
+            new[n] = direct(n)
+    for n in {parent_of[m] for m in part}:
+        hists.pop(n, None)
+    hists.update(new)
+    return new
+
+
+def node_parts(a: Mapping[str, np.ndarray]) -> dict[int, slice]:
+    """Each node's slice of the concatenated per-row arrays (``sizes`` rows per node, in ``nodes`` order)."""
+    bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
+    return {int(n): slice(int(bounds[i]), int(bounds[i + 1])) for i, n in enumerate(a["nodes"])}
+
+
+def answer(
+    client: TableClient, owner: OwnerTrees, rows: np.ndarray, part: Mapping[int, slice], hists: Mapping[int, np.ndarray]
+) -> tuple[Arrays, dict[str, Any]]:
+    """The best split per node from its histogram (tpflower.trees.best_split) and the side bit of each of the
+    node's rows ``rows[part[n]]``; the proposals are kept for ``won``."""
+    codes, layout, rule = owner.codes, owner.layout, client.settings.algorithm.rule
+    gains = np.full(len(part), -np.inf)
+    bits = np.zeros(len(rows), dtype=bool)
+    proposals = []
+    for i, n in enumerate(part):
+        gain, f, b = best_split(hists[n], layout, rule)
+        if f < 0:
+            continue
+        gains[i] = gain
+        bits[part[n]] = codes[f, rows[part[n]]] <= layout.offsets[f] + b
+        proposals.append((n, f, b))
+    if proposals:
+        client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), np.array(proposals)]))
+    return {"gain": gains, "bits": np.packbits(bits)}, {}
+
+
+def gbdt_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """The table's best split per node and the side bit of each of the node's rows (module docstring)."""
+    a = check_inputs(client, "gbdt_split", arrays)
+    owner = OwnerTrees(client)
+    owner.accept(a["won"])
+    return answer(client, owner, a["rows"], node_parts(a), node_histograms(client, owner, a))
+
+
+def gbdt_hist(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard of a sharded table, first half of a step: its part of each node's histogram (the server sums
+    the shards'); the node's rows are kept for ``gbdt_shard_split``."""
+    a = check_inputs(client, "gbdt_split", arrays, "gbdt_hist")
+    owner = OwnerTrees(client)
+    owner.accept(a["won"])
+    hists = node_histograms(client, owner, a)
+    client.state.put("gbdt.pending_rows", a["rows"])  # in the node's state: the next message may reach another
+    client.state.put("gbdt.pending_nodes", np.stack([a["nodes"], a["sizes"]]))  # worker (Flower's simulation)
+    return {"hist": np.stack([hists[n] for n in node_parts(a)]) if len(a["nodes"]) else np.zeros((0, 3, 0))}, {}
+
+
+def gbdt_shard_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """A shard of a sharded table, second half of a step: the table's best split per node from the summed
+    histograms (every shard finds the same) and the side bits of this shard's rows of the node."""
+    a = check_inputs(client, "gbdt_shard_split", arrays)
+    owner = OwnerTrees(client)
+    rows, pending = client.state.get("gbdt.pending_rows"), client.state.get("gbdt.pending_nodes")
+    if rows is None or pending is None or not len(pending):
+        raise _refuse(client, "gbdt_shard_split", "no histogram step before it")
+    client.state.put("gbdt.pending_nodes", np.zeros((0, 0), dtype=np.int64))  # answered once
+    part = node_parts({"nodes": pending[0], "sizes": pending[1]})
+    if list(part) != a["nodes"].tolist():
+        raise _refuse(client, "gbdt_shard_split", "its nodes are not those of the histogram step")
+    hist = np.asarray(arrays["hist"], dtype=np.float64)
+    if hist.shape != (len(part), 3, owner.layout.total) or not np.isfinite(hist).all():
+        raise _refuse(client, "gbdt_shard_split", "hist is not one finite histogram per node")
+    return answer(client, owner, rows, part, dict(zip(part, hist)))
+
+
+def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
+    """The side of each row ``rows`` at each of this table's splits ``splits`` (packed, row-major)."""
+    a = check_inputs(client, "gbdt_route", arrays)
+    owner = OwnerTrees(client)
+    owner.accept(a["won"])
+    splits = owner.table("splits")
+    at = {int(n): i for i, n in enumerate(splits[:, 0])}
+    if any(int(s) not in at for s in a["splits"]):
+        raise _refuse(client, "gbdt_route", "splits names a split this table does not hold")
+    f, k = owner.flat(splits[[at[int(s)] for s in a["splits"]]].reshape(-1, 3))
+    bits = owner.codes[f[None, :], a["rows"][:, None]] <= k[None, :]
+    return {"bits": np.packbits(bits, axis=1)}, {}
+
+
+# the arrays each phase takes (tpflower.guard) and which replies are exact releases (computed from the table's
+# bins on the server's per-row sums: a shard's rank sketch, gains and side bits, a shard's histograms)
+_NODE_SUMS = ("nodes", "parent", "sizes", "rows", "G", "H", "C", "won")
+BINS = Stage("gbdt_bins", {"gbdt_bins": Phase(gbdt_bins, inputs=takes("G"), exact=True)})
+EDGES = Stage("gbdt_edges", {"gbdt_edges": Phase(gbdt_edges, sharded, inputs=takes("edges", "sizes"))})
+TRAIN = {
+    "gbdt_split": Phase(gbdt_split, unsharded, inputs=takes(*_NODE_SUMS), exact=True),
+    "gbdt_hist": Phase(gbdt_hist, sharded, inputs=takes(*_NODE_SUMS), exact=True),
+    # the server's sum of the table's shards' histograms, only right after this shard's own part (gbdt_hist)
+    "gbdt_shard_split": Phase(
+        gbdt_shard_split, sharded, inputs=takes("nodes", union={"hist": "gbdt_hist"}), exact=True
+    ),
+    "gbdt_route": Phase(gbdt_route, inputs=takes("rows", "splits", "won"), exact=True),
+}
+PROTOCOL = Protocol(setup.SETUP + (BINS, EDGES, Stage("train", {**TRAIN, **setup.EVALUATE}, calls=None)))
+
+
+register(
+    AlgorithmEntry(
+        "gbdt",
+        "gbdt",
+        "join",
+        "gbdt",
+        "JoinGBDT",
+        PROTOCOL,
+        GBDTParams,
+        feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
+        summary="histogram gradient boosting over the join: one round trip per expansion step",
+    )
+)
+register(
+    AlgorithmEntry(
+        "ucq_gbdt",
+        "gbdt",
+        "ucq",
+        "gbdt",
+        "UnionGBDT",
+        PROTOCOL,
+        GBDTParams,
+        feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
+        summary="histogram gradient boosting over the union: two round trips per step (shards' histograms summed)",
+    )
+)

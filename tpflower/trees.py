@@ -1,0 +1,353 @@
+"""Second-order histogram gradient boosting (XGBoost, Chen & Guestrin 2016, Eq. 6-7; LightGBM's histograms,
+subtraction and best-first growth): the math the federated family (strategies/gbdt.py, tpflower/phases/gbdt.py)
+and the central reference (strategies/centralized.py, ``algorithm.solver=gbdt``) share, so the two cannot drift
+(docs/algorithms.md, Boosted trees over the join).
+
+* Binning (:func:`bin_edges`, :func:`bin_codes`): weighted quantiles of one column, the weight of a table row
+  being G_iu (how often it occurs in the training join), so the owner's edges equal the central edges of the
+  joined column (the weights are aggregated per distinct value either way).
+* Split finding (:func:`histograms`, :func:`best_split`): per node, the per-bin sums of g, h and the row count,
+  and the best (gain, feature, bin) with the tie rule smallest feature, then smallest bin.
+* Growth (:func:`grow_forest`): best-first growth of the d_c trees of one boosting round over the server's
+  joined rows, given ``evaluate`` (nodes -> each node's best candidate over the tables, the tie rule smallest
+  table name). The federated server evaluates a step's nodes in one round trip; the central reference on the
+  materialized join. Everything else (which leaves split, partitions, leaf values) is this one code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAX_BINS = 256  # at most this many bins per feature
+
+
+def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndarray:
+    """At most ``max_bins`` - 1 ascending edges of one column: bin b holds (edges[b-1], edges[b]].
+
+    The distinct values of the rows with weight > 0 and their summed weights decide (so a table row of weight
+    G_iu and G_iu joined copies of it give the same edges, bit for bit). With at most ``max_bins`` distinct
+    values each has its own bin. Else, as LightGBM's binning, a value holding at least 1/max_bins of the
+    weight gets a bin of its own and the other values share the remaining bins by equal weight (quantiles of
+    their weight alone: a few heavy values do not leave the tail with a handful of bins). Edges sit halfway
+    between consecutive distinct values."""
+    values = np.asarray(values, dtype=np.float64)
+    weights = np.asarray(weights, dtype=np.float64)
+    live = weights > 0
+    v, inv = np.unique(values[live], return_inverse=True)
+    if len(v) <= 1:
+        return np.zeros(0)
+    if len(v) <= max_bins:
+        return (v[:-1] + v[1:]) / 2
+    w = np.bincount(inv.reshape(-1), weights=weights[live], minlength=len(v))
+    big = np.flatnonzero(w >= w.sum() / max_bins)
+    light = np.cumsum(np.where(w >= w.sum() / max_bins, 0.0, w))
+    budget = max(max_bins - 1 - 2 * len(big), 1)  # edges left for the light values
+    for _ in range(8):  # quantiles that fall on one value merge: ask for finer ones until the edges are used
+        cuts = np.searchsorted(light, light[-1] * np.arange(1, budget + 1) / (budget + 1), side="left")
+        k = np.unique(np.concatenate([cuts, big - 1, big]))  # k: an edge between v[k] and v[k + 1]
+        k = k[(k >= 0) & (k < len(v) - 1)]
+        if len(k) >= max_bins - 1:
+            break
+        budget += max_bins - 1 - len(k)
+    if len(k) > max_bins - 1:
+        k = k[np.unique(np.linspace(0, len(k) - 1, max_bins - 1).round().astype(np.int64))]
+    return (v[k] + v[k + 1]) / 2
+
+
+@dataclass(frozen=True)
+class BinLayout:
+    """The features' bins side by side in one flat histogram: feature f's bins are offsets[f] ..
+    offsets[f + 1] - 1 (len(edges[f]) + 1 bins each), so a node's histogram is one vector per statistic."""
+
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, edges: Sequence[np.ndarray]) -> BinLayout:
+        return cls(np.concatenate([[0], np.cumsum([len(e) + 1 for e in edges])]).astype(np.int64))
+
+    @property
+    def total(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """(feature, bin) of flat bin k."""
+        f = int(np.searchsorted(self.offsets, k, side="right")) - 1
+        return f, k - int(self.offsets[f])
+
+
+def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
+    """The flat bin (:class:`BinLayout`) of every value, feature-major: codes[f, u] = offsets[f] + b where
+    X[u, f] lies in bin b of feature f, i.e. X[u, f] <= edges[f][b'] iff b <= b'."""
+    layout = BinLayout.of(edges)
+    codes = np.empty((len(edges), X.shape[0]), dtype=np.uint16 if layout.total < 2**16 else np.int32)
+    for f, e in enumerate(edges):
+        codes[f] = np.searchsorted(e, X[:, f], side="left") + layout.offsets[f]
+    return codes
+
+
+def histograms(
+    codes: np.ndarray, rows: np.ndarray, G: np.ndarray, H: np.ndarray | None, C: np.ndarray | None, total: int
+) -> np.ndarray:
+    """hist[s, k] for the statistics s = (sum g, sum h, rows) of the rows ``rows`` (their per-row sums G,
+    H and counts C) falling in flat bin k (:func:`bin_codes`): shape (3, total). ``C`` None: one joined row
+    each; ``H`` None: h = 1 (squared error), so the sums of h are the counts."""
+    out = np.zeros((3, total))
+    for f in range(codes.shape[0]):
+        b = codes[f, rows]
+        out[0] += np.bincount(b, weights=G, minlength=total)
+        out[2] += np.bincount(b, weights=C, minlength=total)
+        if H is not None:
+            out[1] += np.bincount(b, weights=H, minlength=total)
+    if H is None:
+        out[1] = out[2]
+    return out
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """What makes a split valid and how good it is (XGBoost Eq. 6-7; LightGBM's min_data_in_leaf and
+    min_sum_hessian_in_leaf)."""
+
+    lambda_l2: float = 1.0
+    min_child_weight: float = 1e-3  # sum of h on each side
+    min_child_rows: int = 20  # joined training rows on each side
+    min_gain: float = 0.0  # a split must gain more than this
+
+
+TIE = 1e-12
+"""Gains within this relative distance of the best are a tie: the same split computed from per-row sums or from
+joined rows differs in the last bits, and two features that split a node's rows alike have equal gains."""
+
+
+def first_best(gains: np.ndarray) -> int:
+    """The first index whose gain ties with the largest (within :data:`TIE`): the fixed tie rule (table name,
+    feature, bin) when the candidates come in that order."""
+    top = float(np.max(gains))
+    return int(np.argmax(gains >= top - TIE * abs(top))) if np.isfinite(top) else int(np.argmax(gains))
+
+
+def score(G: np.ndarray, H: np.ndarray, lam: float) -> np.ndarray:
+    """G^2 / (H + lambda); 0 where H + lambda is 0 (a side of no rows, lambda 0: masked by the caller)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(H + lam > 0, G * G / (H + lam), 0.0)
+
+
+def best_split(hist: np.ndarray, layout: BinLayout, rule: SplitRule) -> tuple[float, int, int]:
+    """(gain, feature, bin) of the best split "bin <= b goes left" of one node from its flat histogram (3,
+    total): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin Eq. 7); ties
+    (:func:`first_best`) go to the smallest feature, then the smallest bin. (-inf, -1, -1) when no split is
+    valid."""
+    off = layout.offsets
+    cum = np.cumsum(hist, axis=1)
+    before = np.concatenate([np.zeros((3, 1)), cum[:, off[1:-1] - 1]], axis=1)  # sums before each feature
+    left = cum - np.repeat(before, np.diff(off), axis=1)  # left side of "bin <= b" within its feature
+    total = cum[:, off[1] - 1 : off[1]]  # every feature's bins add up to the node
+    right = total - left
+    lam = rule.lambda_l2
+    ok = (
+        (hist[2] > 0)  # a bin of no rows splits as the bin before it: only the first of the two counts
+        & (left[2] >= rule.min_child_rows)
+        & (right[2] >= rule.min_child_rows)
+        & (left[1] >= rule.min_child_weight)
+        & (right[1] >= rule.min_child_weight)
+    )
+    ok[off[1:] - 1] = False  # "bin <= last bin" is no split
+    if not ok.any():
+        return -np.inf, -1, -1
+    gain = 0.5 * (score(left[0], left[1], lam) + score(right[0], right[1], lam) - score(total[0], total[1], lam))
+    k = first_best(np.where(ok, gain, -np.inf))  # smallest feature, then smallest bin
+    f, b = layout.locate(k)
+    return float(gain[k]), f, b
+
+
+# ---------------------------------------------------------------------------------------------- losses
+
+
+def init_scores(task: str, y: np.ndarray, d_out: int) -> np.ndarray:
+    """The constant F_0 (one per output): the mean (regression), the log-odds of the mean (binary), the log
+    class priors (multiclass)."""
+    if task == "regression":
+        return np.array([float(np.mean(y))]) if len(y) else np.zeros(1)
+    if task == "binary":
+        p = float(np.clip(np.mean(y), 1e-6, 1 - 1e-6)) if len(y) else 0.5
+        return np.array([np.log(p / (1 - p))])
+    prior = np.bincount(np.asarray(y, dtype=np.int64), minlength=d_out) / max(len(y), 1)
+    return np.log(np.clip(prior, 1e-6, None))
+
+
+def gradients(task: str, F: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """g = dl/dF and h = d2l/dF^2 per joined row and output, (N, d_c) each: squared error 1/2 (F - y)^2 (g =
+    F - y, h = 1); logistic (g = p - y, h = p(1 - p)); softmax with XGBoost's diagonal h = p_k(1 - p_k)."""
+    if task == "regression":
+        return F - y.reshape(-1, 1), np.ones_like(F)
+    if task == "binary":
+        p = 1.0 / (1.0 + np.exp(-F))
+        return p - y.reshape(-1, 1), p * (1.0 - p)
+    p = np.exp(F - F.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    g = p.copy()
+    g[np.arange(len(y)), np.asarray(y, dtype=np.int64)] -= 1.0
+    return g, p * (1.0 - p)
+
+
+# ---------------------------------------------------------------------------------------------- growth
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How a round's trees grow: best-first (LightGBM's leaf-wise), ``leaves_per_step`` leaves of highest gain
+    split per step (1: strictly best-first; large: level by level), up to ``max_leaves`` leaves and
+    ``max_depth`` (0: no bound); leaf value -learning_rate G/(H + lambda) (Chen & Guestrin Eq. 5)."""
+
+    max_leaves: int = 63
+    max_depth: int = 0
+    leaves_per_step: int = 1
+    learning_rate: float = 0.1
+    rule: SplitRule = field(default_factory=SplitRule)
+
+
+@dataclass
+class Candidate:
+    """A node's best split over the tables: its gain, the table that found it and ``left``: the side of each
+    of the node's joined rows (a bool array in the node's row order) when called with those rows."""
+
+    gain: float
+    table: str
+    left: Callable[[np.ndarray], np.ndarray]
+    split: tuple[int, int] = (-1, -1)  # (feature, bin) where the evaluator knows it (the central reference)
+
+
+@dataclass
+class Node:
+    """A tree node over the rows perm[start:end] of its tree's row order."""
+
+    id: int
+    out: int  # the output (class) of its tree
+    start: int
+    end: int
+    depth: int
+    G: float
+    H: float
+    parent: int = -1
+    candidate: Candidate | None = None
+    # set once split: the table whose split it is, and its children's node ids
+    table: str = ""
+    split: tuple[int, int] = (-1, -1)
+    children: tuple[int, int] = (-1, -1)
+    value: float = 0.0
+
+
+@dataclass
+class Tree:
+    """One tree: ``nodes`` by id (the root first); internal nodes name their table and children."""
+
+    out: int
+    nodes: dict[int, Node]
+    root: int
+
+    def internal(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.children[0] >= 0]
+
+    def leaves(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.children[0] < 0]
+
+
+#: evaluate(nodes, perms, g, h) -> each node's Candidate (None: no valid split); one step of a round.
+Evaluate = Callable[[list[Node], list[np.ndarray], np.ndarray, np.ndarray], list[Candidate | None]]
+
+
+def grow_forest(
+    rows: np.ndarray, g: np.ndarray, h: np.ndarray, growth: Growth, evaluate: Evaluate, first_id: int = 0
+) -> tuple[list[Tree], list[np.ndarray], int]:
+    """The d_c trees of one boosting round over the joined rows ``rows`` (g, h: (len(rows), d_c), in that
+    order), grown together: every step evaluates the new nodes of all trees at once (one call of ``evaluate``,
+    one round trip when federated). Returns the trees, each tree's row order (rows of a leaf contiguous;
+    positions into ``rows``) and the next free node id."""
+    d_out = g.shape[1]
+    perms = [np.arange(len(rows), dtype=np.int32 if len(rows) < 2**31 else np.int64) for _ in range(d_out)]
+    trees, next_id = [], first_id
+    pending: list[Node] = []
+    for k in range(d_out):
+        root = Node(next_id, k, 0, len(rows), 0, float(g[:, k].sum()), float(h[:, k].sum()))
+        trees.append(Tree(k, {root.id: root}, root.id))
+        pending.append(root)
+        next_id += 1
+    rule = growth.rule
+    while True:
+        if pending:
+            for node, cand in zip(pending, evaluate(pending, perms, g, h)):
+                node.candidate = cand if cand is not None and cand.gain > rule.min_gain else None
+        pending, split_any = [], False
+        for tree in trees:
+            leaves = tree.leaves()
+            room = growth.max_leaves - len(leaves)
+            open_ = sorted((n for n in leaves if n.candidate is not None), key=lambda n: (-n.candidate.gain, n.id))
+            chosen = open_[: max(0, min(room, growth.leaves_per_step))]
+            split_any = split_any or bool(chosen)
+            kids: list[Node] = []
+            for node in chosen:
+                kids.extend(_split(node, perms[tree.out], g[:, tree.out], h[:, tree.out], next_id))
+                next_id += 2
+                node.children = (kids[-2].id, kids[-1].id)
+            for kid in kids:
+                tree.nodes[kid.id] = kid
+            if room - len(chosen) > 0:
+                pending.extend(
+                    kid
+                    for kid in kids
+                    if (growth.max_depth <= 0 or kid.depth < growth.max_depth)
+                    and kid.end - kid.start >= 2 * rule.min_child_rows
+                )
+        if not pending and not split_any:
+            break
+    for tree in trees:
+        for leaf in tree.leaves():
+            leaf.value = -growth.learning_rate * leaf.G / (leaf.H + rule.lambda_l2)
+    return trees, perms, next_id
+
+
+def _split(node: Node, perm: np.ndarray, g: np.ndarray, h: np.ndarray, first_id: int) -> list[Node]:
+    """Split ``node`` by its candidate: its rows of ``perm`` reordered (left rows first, each side in its old
+    order) and its two children (ids first_id, first_id + 1) with their sums of g and h."""
+    assert node.candidate is not None
+    seg = perm[node.start : node.end]
+    left = node.candidate.left(seg)
+    n_left = int(left.sum())
+    perm[node.start : node.end] = np.concatenate([seg[left], seg[~left]])
+    node.table, node.split, node.candidate = node.candidate.table, node.candidate.split, None
+    kids = []
+    for i, (start, end) in enumerate(((node.start, node.start + n_left), (node.start + n_left, node.end))):
+        part = perm[start:end]
+        kids.append(
+            Node(
+                first_id + i, node.out, start, end, node.depth + 1, float(g[part].sum()), float(h[part].sum()), node.id
+            )
+        )
+    return kids
+
+
+def leaf_values(tree: Tree, n_rows: int, goes_left: Callable[[Node, np.ndarray], np.ndarray]) -> np.ndarray:
+    """The leaf value of each of ``n_rows`` rows routed from the root; ``goes_left(node, idx)``: the side of
+    the rows ``idx`` (indices 0..n_rows-1) at the internal node ``node``."""
+    out = np.zeros(n_rows)
+    stack = [(tree.root, np.arange(n_rows))]
+    while stack:
+        node_id, idx = stack.pop()
+        node = tree.nodes[node_id]
+        if node.children[0] < 0:
+            out[idx] = node.value
+            continue
+        if len(idx):
+            left = goes_left(node, idx)
+            stack += [(node.children[0], idx[left]), (node.children[1], idx[~left])]
+    return out
+
+
+def add_leaves(F: np.ndarray, trees: Sequence[Tree], perms: Sequence[np.ndarray]) -> None:
+    """F[rows of each leaf, its output] += the leaf's value (the rows the round's trees were grown on)."""
+    for tree, perm in zip(trees, perms):
+        for leaf in tree.leaves():
+            F[perm[leaf.start : leaf.end], tree.out] += leaf.value

@@ -1,0 +1,18 @@
+"""The validation part of the training join: rows held out of training for early stopping and model selection
+(never the test split)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def validation_mask(label_rows: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask over the training join's rows, True for a row held out for validation (never the test
+    split). The unit is the label table's row (label_rows[j] = p_label(j), the label table's row of joined row
+    j), so all joined copies of one labelled row fall on the same side."""
+    if fraction <= 0:
+        return np.zeros(len(label_rows), dtype=bool)
+    if not fraction < 1:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {fraction}")
+    u = np.random.default_rng(seed).random(int(label_rows.max()) + 1 if len(label_rows) else 0)
+    return u[label_rows] < fraction
