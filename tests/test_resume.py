@@ -192,10 +192,13 @@ def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
 
 
 def test_every_registered_algorithm_resumes():
-    """Every algorithm with epochs resumes; a one-shot one (k-means: DistDim has no epochs) refuses by name."""
+    """Every algorithm with epochs resumes, except boosted trees (no checkpoint of the forest yet: resume=true is
+    refused in one line naming the algorithms that resume); a one-shot one (k-means: DistDim has no epochs)
+    refuses by name."""
     from tpflower.registry import entries
 
-    assert [e.name for e in entries() if e.federated and not e.strategy.resumable and not e.strategy.one_shot] == []
+    not_resumable = [e.name for e in entries() if e.federated and not e.strategy.resumable and not e.strategy.one_shot]
+    assert not_resumable == ["gbdt", "ucq_gbdt"]
     assert {e.name for e in entries() if e.strategy.one_shot} == {"kmeans", "coreset_kmeans"}
 
 
