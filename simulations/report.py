@@ -1252,7 +1252,33 @@ def flower_adapters() -> str | None:
             command(f"{cmd}   # -> bench_results/{name}"),
             table(["variant (Flower)", *(h for _, h in shown), "samples", "load"], rows),
         ]
+        if name == "flower-versions.json":
+            parts.append(flower_version_goals(rows_in, [k for k, _ in shown]))
     return "\n\n".join(parts) if parts else None
+
+
+def flower_version_goals(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    """The goals of the supported-versions run: the newest Flower within 1.25x of the previous one, and the
+    previous one within 10% of the code before the adapters were reworked (the variant named "... before")."""
+    median = {r["variant"]: r["median"] for r in rows}
+    newest, previous = rows[0]["variant"], rows[1]["variant"]
+    before = next((r["variant"] for r in rows if "before" in r["variant"]), None)
+
+    def worst(a: str, b: str) -> tuple[float, str]:
+        return max((median[a][k] / median[b][k], k) for k in metrics if k in median[a] and k in median[b])
+
+    r1, k1 = worst(newest, previous)
+    text = f"**Goals: {newest} within 1.25x of {previous}: {'met' if r1 <= 1.25 else 'missed'} (largest ratio {r1:.2f}, {k1})"
+    if before is not None:
+        r2, k2 = worst(previous, before)
+        text += (
+            f"; {previous} within 10% of the code before the adapters' rework (5e60827, variant {before!r}): "
+            f"{'met' if r2 <= 1.10 else 'missed'} (largest ratio {r2:.2f}, {k2})"
+        )
+    return text + (
+        ".** Medians of 5 interleaved samples per variant on an idle machine (1-minute load in the table); the "
+        "deployed SGD epoch was not part of this run (`--sgd-epochs 0`)."
+    )
 
 
 SECTIONS: list[Callable[[], str | None]] = [
@@ -1466,9 +1492,9 @@ TEXT: dict[str, str] = {
         "and message arrays were read as views of their bytes: the node's `context.state`, which Flower ships "
         "through Ray with every message, held the ratings table's G_i twice in float64, 1.6 MB; not measured side "
         "by side). Where the time goes: the ServerApp pulls replies with a backoff of 0.5 ms to 0.5 s (Flower's "
-        "own `send_and_receive` sleeps 0.1 s), and on Flower 1.41.x `tpflower/app/flower_patch.py` replaces the "
-        "simulation engine's 0.1 s fetch loop with a short backoff (any other Flower version keeps its loop, with "
-        "one notice line). The rest is the Ray actor call: Flower ships the ClientApp, the message and the node's "
+        "own `send_and_receive` sleeps 0.1 s), and on a supported Flower (1.41, 1.42) the fast-fetch adapter "
+        "replaces the simulation engine's 0.1 s fetch loop with a short backoff (a Flower whose code differs keeps "
+        "its loop, with one notice line; [deployment.md](deployment.md#flower-versions-and-tpflowers-adapters)). The rest is the Ray actor call: Flower ships the ClientApp, the message and the node's "
         "whole `context.state` through Ray with every message, and on 2 cores the actors, Ray's own processes and "
         "the ServerApp share the CPUs. The first epoch line waits for the imports of the main process (~5 s), "
         "Ray's start and the actors' first messages (torch imports, loading and hashing the table): **the 10 s goal "
