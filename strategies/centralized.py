@@ -34,7 +34,7 @@ from tpflower.trees import (
     Node,
     Tree,
     add_leaves,
-    best_split,
+    best_splits,
     bin_codes,
     bin_edges,
     first_best,
@@ -281,18 +281,22 @@ def central_gbdt(
     eval_codes = {t: bin_codes(X_eval[t], edges[t]) for t in tables} if X_eval is not None else None
 
     def evaluate(nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Candidate | None]:
+        segs = [perms[node.out][node.start : node.end] for node in nodes]
+        rows = np.concatenate(segs)
+        slot = np.repeat(np.arange(len(nodes)), [len(s) for s in segs])
+        outs = np.repeat([node.out for node in nodes], [len(s) for s in segs])
+        hk = None if task == "regression" else h[rows, outs]
+        found = []  # per table (in name order: a tie keeps the smallest table name): gains, features, bins
+        for t in tables:
+            hists = histograms(codes[t], rows, g[rows, outs], hk, None, layout[t].total, slot, len(nodes))
+            found.append(best_splits(hists, layout[t], rule))
         out: list[Candidate | None] = []
-        for node in nodes:
-            seg = perms[node.out][node.start : node.end]
-            found = []
-            for t in tables:  # in name order: a tie keeps the smallest table name
-                hk = None if task == "regression" else h[seg, node.out]
-                hist = histograms(codes[t], seg, g[seg, node.out], hk, None, layout[t].total)
-                found.append((t, *best_split(hist, layout[t], rule)))
-            t, gain, f, b = found[first_best(np.array([c[1] for c in found]))]
+        for i in range(len(nodes)):
+            j = first_best(np.array([gains[i] for gains, _, _ in found]))
+            t, f, b = tables[j], int(found[j][1][i]), int(found[j][2][i])
             k = -1 if f < 0 else int(layout[t].offsets[f]) + b  # "bin <= b" of feature f: flat code <= k
-            best = None if f < 0 else Candidate(gain, t, lambda s, c=codes[t][f], k=k: c[s] <= k, (f, k))
-            out.append(best)
+            gain = float(found[j][0][i])
+            out.append(None if f < 0 else Candidate(gain, t, lambda s, c=codes[t][f], k=k: c[s] <= k, (f, k)))
         return out
 
     growth = Growth(params.max_leaves, params.max_depth, params.leaves_per_step, params.learning_rate, rule)

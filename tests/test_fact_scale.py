@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -69,6 +71,29 @@ def test_message_arrays_are_read_only_views_equal_to_what_was_sent():
     for a in [np.arange(10, dtype=np.int16), np.ones((3, 2), order="F"), np.zeros((0, 2), np.uint64)]:
         b = npy_array(npy_bytes(a))
         assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b) and not b.flags.writeable
+
+
+def test_message_arrays_of_every_header_numpy_writes_read_back_alike():
+    """Plain dtypes' headers are read by a pattern, anything else by numpy's reader: both give the array."""
+    rng = np.random.default_rng(0)
+    arrays = [
+        np.zeros(0),
+        np.zeros((2, 0, 3), np.int8),
+        rng.random((3, 4)),
+        rng.random(7).astype(">f4"),
+        np.array([True, False]),
+        np.array(["ab", "c"]),
+        np.zeros(4, np.complex128),
+        np.arange(70_000, dtype=np.int64),
+        np.zeros(3, dtype=[("a", "<f8"), ("b", "<i4")]),  # a structured dtype: numpy's reader
+    ]
+    for a in arrays:
+        b = npy_array(npy_bytes(a))
+        assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
+    pickled = io.BytesIO()
+    np.save(pickled, np.array([{}, 1], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="Python objects"):
+        npy_array(pickled.getvalue())
 
 
 def test_count_dtype():

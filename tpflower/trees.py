@@ -6,7 +6,7 @@ and the central reference (strategies/centralized.py, ``algorithm.solver=gbdt``)
 * Binning (:func:`bin_edges`, :func:`bin_codes`): weighted quantiles of one column, the weight of a table row
   being G_iu (how often it occurs in the training join), so the owner's edges equal the central edges of the
   joined column (the weights are aggregated per distinct value either way).
-* Split finding (:func:`histograms`, :func:`best_split`): per node, the per-bin sums of g, h and the row count,
+* Split finding (:func:`histograms`, :func:`best_splits`): per node, the per-bin sums of g, h and the row count,
   and the best (gain, feature, bin) with the tie rule smallest feature, then smallest bin.
 * Growth (:func:`grow_forest`): best-first growth of the d_c trees of one boosting round over the server's
   joined rows, given ``evaluate`` (nodes -> each node's best candidate over the tables, the tie rule smallest
@@ -89,21 +89,32 @@ def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def histograms(
-    codes: np.ndarray, rows: np.ndarray, G: np.ndarray, H: np.ndarray | None, C: np.ndarray | None, total: int
+    codes: np.ndarray,
+    rows: np.ndarray,
+    G: np.ndarray,
+    H: np.ndarray | None,
+    C: np.ndarray | None,
+    total: int,
+    slot: np.ndarray | None = None,
+    k: int = 1,
 ) -> np.ndarray:
-    """hist[s, k] for the statistics s = (sum g, sum h, rows) of the rows ``rows`` (their per-row sums G,
-    H and counts C) falling in flat bin k (:func:`bin_codes`): shape (3, total). ``C`` None: one joined row
-    each; ``H`` None: h = 1 (squared error), so the sums of h are the counts."""
-    out = np.zeros((3, total))
+    """hist[n, s, b] for the statistics s = (sum g, sum h, rows) of the rows ``rows`` (their per-row sums G,
+    H and counts C) of node n (``slot``: each row's node, 0..k-1; None: all of node 0) falling in flat bin b
+    (:func:`bin_codes`): shape (k, 3, total). ``C`` None: one joined row each; ``H`` None: h = 1 (squared
+    error), so the sums of h are the counts. One bincount per feature and statistic over every node at once
+    (a node's bins offset by n * total); each bin sums its rows in their given order."""
+    size = k * total
+    base = None if slot is None else slot.astype(np.int64 if size >= 2**31 else np.int32) * total
+    out = np.zeros((3, size))
     for f in range(codes.shape[0]):
-        b = codes[f, rows]
-        out[0] += np.bincount(b, weights=G, minlength=total)
-        out[2] += np.bincount(b, weights=C, minlength=total)
+        b = codes[f, rows] if base is None else codes[f, rows] + base
+        out[0] += np.bincount(b, weights=G, minlength=size)
+        out[2] += np.bincount(b, minlength=size) if C is None else np.bincount(b, weights=C, minlength=size)
         if H is not None:
-            out[1] += np.bincount(b, weights=H, minlength=total)
+            out[1] += np.bincount(b, weights=H, minlength=size)
     if H is None:
         out[1] = out[2]
-    return out
+    return out.reshape(3, k, total).transpose(1, 0, 2)
 
 
 @dataclass(frozen=True)
@@ -135,32 +146,37 @@ def score(G: np.ndarray, H: np.ndarray, lam: float) -> np.ndarray:
         return np.where(H + lam > 0, G * G / (H + lam), 0.0)
 
 
-def best_split(hist: np.ndarray, layout: BinLayout, rule: SplitRule) -> tuple[float, int, int]:
-    """(gain, feature, bin) of the best split "bin <= b goes left" of one node from its flat histogram (3,
-    total): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin Eq. 7); ties
-    (:func:`first_best`) go to the smallest feature, then the smallest bin. (-inf, -1, -1) when no split is
-    valid."""
+def best_splits(hists: np.ndarray, layout: BinLayout, rule: SplitRule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(gain, feature, bin) of the best split "bin <= b goes left" of each node from its flat histogram
+    (hists: (k, 3, total)): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin Eq. 7);
+    ties (:func:`first_best`) go to the smallest feature, then the smallest bin. A node without a valid split
+    gets (-inf, -1, -1)."""
     off = layout.offsets
-    cum = np.cumsum(hist, axis=1)
-    before = np.concatenate([np.zeros((3, 1)), cum[:, off[1:-1] - 1]], axis=1)  # sums before each feature
-    left = cum - np.repeat(before, np.diff(off), axis=1)  # left side of "bin <= b" within its feature
-    total = cum[:, off[1] - 1 : off[1]]  # every feature's bins add up to the node
+    k = hists.shape[0]
+    cum = np.cumsum(hists, axis=2)
+    before = np.concatenate([np.zeros((k, 3, 1)), cum[:, :, off[1:-1] - 1]], axis=2)  # sums before each feature
+    left = cum - np.repeat(before, np.diff(off), axis=2)  # left side of "bin <= b" within its feature
+    total = cum[:, :, off[1] - 1 : off[1]]  # every feature's bins add up to the node
     right = total - left
     lam = rule.lambda_l2
     ok = (
-        (hist[2] > 0)  # a bin of no rows splits as the bin before it: only the first of the two counts
-        & (left[2] >= rule.min_child_rows)
-        & (right[2] >= rule.min_child_rows)
-        & (left[1] >= rule.min_child_weight)
-        & (right[1] >= rule.min_child_weight)
+        (hists[:, 2] > 0)  # a bin of no rows splits as the bin before it: only the first of the two counts
+        & (left[:, 2] >= rule.min_child_rows)
+        & (right[:, 2] >= rule.min_child_rows)
+        & (left[:, 1] >= rule.min_child_weight)
+        & (right[:, 1] >= rule.min_child_weight)
     )
-    ok[off[1:] - 1] = False  # "bin <= last bin" is no split
-    if not ok.any():
-        return -np.inf, -1, -1
-    gain = 0.5 * (score(left[0], left[1], lam) + score(right[0], right[1], lam) - score(total[0], total[1], lam))
-    k = first_best(np.where(ok, gain, -np.inf))  # smallest feature, then smallest bin
-    f, b = layout.locate(k)
-    return float(gain[k]), f, b
+    ok[:, off[1:] - 1] = False  # "bin <= last bin" is no split
+    gain = 0.5 * (
+        score(left[:, 0], left[:, 1], lam) + score(right[:, 0], right[:, 1], lam) - score(total[:, 0], total[:, 1], lam)
+    )
+    gain = np.where(ok, gain, -np.inf)
+    gains, features, bins = np.full(k, -np.inf), np.full(k, -1, dtype=np.int64), np.full(k, -1, dtype=np.int64)
+    for n in np.flatnonzero(ok.any(axis=1)):
+        j = first_best(gain[n])  # smallest feature, then smallest bin
+        gains[n] = gain[n, j]
+        features[n], bins[n] = layout.locate(j)
+    return gains, features, bins
 
 
 # ---------------------------------------------------------------------------------------------- losses

@@ -38,7 +38,7 @@ from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.local_table import ShardData
 from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
 from tpflower.records import HELLO_PHASE, pack_reply, unpack_payload
-from tpflower.registry import entry_of
+from tpflower.registry import AlgorithmEntry, entry_of
 from tpflower.schema import RelationalSpec, SpecError
 
 if TYPE_CHECKING:  # torch and the algorithms are imported on the first training message, not for the hello
@@ -124,7 +124,7 @@ def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[
     return keys[pid]
 
 
-_SETTINGS: OrderedDict[tuple, tuple[ClientSettings, ShardData]] = OrderedDict()
+_SETTINGS: OrderedDict[tuple, tuple[ClientSettings, ShardData, AlgorithmEntry]] = OrderedDict()
 _SETTINGS_MAX = 16  # nodes x configs one process serves at once (Ray actors serve several virtual nodes)
 
 
@@ -153,11 +153,10 @@ def make_client(
     if cache_key in _SETTINGS:
         _SETTINGS.move_to_end(cache_key)
     else:
-        _SETTINGS[cache_key] = _settings(cfg, dict(context.node_config), base_dir, state_dir)
+        _SETTINGS[cache_key] = (*_settings(cfg, dict(context.node_config), base_dir, state_dir), entry_of(cfg))
         while len(_SETTINGS) > _SETTINGS_MAX:
             _SETTINGS.popitem(last=False)
-    settings, data = _SETTINGS[cache_key]
-    entry = entry_of(cfg)
+    settings, data, entry = _SETTINGS[cache_key]
     from tpflower.phases.predict import PREDICT, with_save  # noqa: PLC0415  torch (see TYPE_CHECKING)
     from tpflower.releases import PREDICTION  # noqa: PLC0415  the ledger: not on the hello path
 

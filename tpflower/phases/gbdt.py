@@ -36,7 +36,7 @@ from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
-from tpflower.trees import MAX_BINS, BinLayout, SplitRule, best_split, bin_codes, bin_edges, histograms
+from tpflower.trees import MAX_BINS, BinLayout, SplitRule, best_splits, bin_codes, bin_edges, histograms
 
 log = logging.getLogger(__name__)
 
@@ -263,36 +263,54 @@ def gbdt_edges(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
 def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
     """The histograms of the message's nodes (node id -> (3, total)); of two siblings the one with fewer joined
     rows is built from its rows, the other is the parent's minus it (parents' histograms kept between
-    messages of a boosting round)."""
+    messages of a boosting round). The nodes built from rows are built together (tpflower.trees.histograms)."""
     codes, layout = owner.codes, owner.layout
     hists: dict[int, np.ndarray] = owner.cache.setdefault("hists", {})
     if (a["parent"] < 0).any():  # a new boosting round: the last round's proposals and histograms are done
         client.state.put("gbdt.proposals", np.zeros((0, 3), dtype=np.int64))
         hists.clear()
-    C = None if (a["C"] == 1).all() else a["C"].astype(np.float64)  # None: one joined row each
-    H = a.get("H")  # None: squared error, h = 1, so H is the count
-    part = node_parts(a)
-    parent_of = dict(zip(a["nodes"].tolist(), a["parent"].tolist()))
-
-    def direct(n: int) -> np.ndarray:
-        s = part[n]
-        return histograms(
-            codes, a["rows"][s], a["G"][s], None if H is None else H[s], None if C is None else C[s], layout.total
-        )
-
-    new: dict[int, np.ndarray] = {}
-    for n in part:
-        if n in new:
-            continue
-        siblings = [m for m in part if parent_of[m] == parent_of[n] and parent_of[n] >= 0]
-        if len(siblings) == 2 and parent_of[n] in hists:
-            small, large = sorted(siblings, key=lambda m: (a["C"][part[m]].sum(), m))
-            new[small] = direct(small)
-            new[large] = hists[parent_of[n]] - new[small]
+    nodes, parents = a["nodes"].tolist(), a["parent"].tolist()
+    slot_of_row = np.repeat(np.arange(len(nodes)), a["sizes"])
+    joined = np.bincount(slot_of_row, weights=a["C"], minlength=len(nodes))  # each node's joined rows
+    by_parent: dict[int, list[int]] = {}
+    for i, q in enumerate(parents):
+        by_parent.setdefault(q, []).append(i)
+    direct, derived = [], []  # slots built from rows; (slot, parent, sibling slot) by subtraction
+    for q, kids in by_parent.items():
+        if q >= 0 and len(kids) == 2 and q in hists:
+            small, large = sorted(kids, key=lambda i: (joined[i], nodes[i]))
+            direct.append(small)
+            derived.append((large, q, small))
         else:
-            new[n] = direct(n)
-    for n in {parent_of[m] for m in part}:
-        hists.pop(n, None)
+            direct.extend(kids)
+    direct.sort()
+    built = np.zeros((0, 3, layout.total))
+    if direct:
+        slot = np.full(len(nodes), -1)
+        slot[direct] = np.arange(len(direct))
+        bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
+        take: slice | np.ndarray = (
+            slice(None)
+            if len(direct) == len(nodes)
+            else np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in direct])
+        )
+        C = None if (a["C"] == 1).all() else a["C"][take].astype(np.float64)  # None: one joined row each
+        H = a.get("H")  # None: squared error, h = 1, so H is the count
+        built = histograms(
+            codes,
+            a["rows"][take],
+            a["G"][take],
+            None if H is None else H[take],
+            C,
+            layout.total,
+            slot[slot_of_row[take]],
+            len(direct),
+        )
+    new = {nodes[i]: built[j] for j, i in enumerate(direct)}
+    for large, q, small in derived:
+        new[nodes[large]] = hists[q] - new[nodes[small]]
+    for q in set(parents):
+        hists.pop(q, None)
     hists.update(new)
     return new
 
@@ -306,21 +324,21 @@ def node_parts(a: Mapping[str, np.ndarray]) -> dict[int, slice]:
 def answer(
     client: TableClient, owner: OwnerTrees, rows: np.ndarray, part: Mapping[int, slice], hists: Mapping[int, np.ndarray]
 ) -> tuple[Arrays, dict[str, Any]]:
-    """The best split per node from its histogram (tpflower.trees.best_split) and the side bit of each of the
+    """The best split per node from its histogram (tpflower.trees.best_splits) and the side bit of each of the
     node's rows ``rows[part[n]]``; the proposals are kept for ``won``."""
     codes, layout, rule = owner.codes, owner.layout, client.settings.algorithm.rule
-    gains = np.full(len(part), -np.inf)
-    bits = np.zeros(len(rows), dtype=bool)
-    proposals = []
-    for i, n in enumerate(part):
-        gain, f, b = best_split(hists[n], layout, rule)
-        if f < 0:
-            continue
-        gains[i] = gain
-        bits[part[n]] = codes[f, rows[part[n]]] <= layout.offsets[f] + b
-        proposals.append((n, f, b))
-    if proposals:
-        client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), np.array(proposals)]))
+    nodes = list(part)
+    if not nodes:
+        return {"gain": np.zeros(0), "bits": np.packbits(np.zeros(0, dtype=bool))}, {}
+    gains, features, bins = best_splits(np.stack([hists[n] for n in nodes]), layout, rule)
+    sizes = [part[n].stop - part[n].start for n in nodes]
+    f_row = np.repeat(np.maximum(features, 0), sizes)  # each row's node's feature and flat threshold
+    k_row = np.repeat(np.where(features >= 0, layout.offsets[np.maximum(features, 0)] + bins, -1), sizes)
+    bits = codes[f_row, rows] <= k_row  # threshold -1: no split, every bit 0
+    found = features >= 0
+    if found.any():
+        proposals = np.stack([np.array(nodes)[found], features[found], bins[found]], axis=1)
+        client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), proposals]))
     return {"gain": gains, "bits": np.packbits(bits)}, {}
 
 
