@@ -15,7 +15,7 @@ from tests.conftest import make_cfg
 from tests.test_privacy_e2e import Recorded
 from tpflower.app.server_app import make_strategy
 from tpflower.phases.gbdt import GBDTParams
-from tpflower.trees import MAX_BINS, bin_codes, bin_edges
+from tpflower.trees import MAX_BINS, BinLayout, Bundles, bin_codes, bin_edges, histograms
 
 
 def small(schema: str, task: str, *extra: str) -> tuple[str, ...]:
@@ -93,6 +93,30 @@ def test_bin_edges_of_a_weighted_table_equal_those_of_its_joined_column():
         assert codes.max() <= len(e)
         for b in range(len(e)):  # "bin <= b" is "x <= edges[b]"
             assert np.array_equal(codes <= b, joined <= e[b])
+
+
+def test_bundled_one_hot_blocks_give_the_histograms_of_their_columns():
+    """Exclusive feature bundling: each one-hot block becomes one bundle, and the histograms built through
+    the bundles equal those built column by column (counts exactly, sums to rounding: a default bin is the
+    node's total minus the column's other bins)."""
+    rng = np.random.default_rng(1)
+    n = 600
+    a, b = rng.integers(0, 8, n), rng.integers(0, 6, n)
+    X = np.column_stack(
+        [rng.random(n), rng.integers(0, 50, n), *(a == i for i in range(8)), *(b == i for i in range(6))]
+    ).astype(float)
+    edges = [bin_edges(X[:, f], np.ones(n), 32) for f in range(X.shape[1])]
+    codes, layout = bin_codes(X, edges), BinLayout.of(edges)
+    bundles = Bundles.of(codes, layout)
+    assert bundles.dense.tolist() == [0, 1] and len(bundles.to_flat) == 2  # the two blocks, one bundle each
+    rows = rng.permutation(n)[:400]
+    slot = np.sort(rng.integers(0, 5, len(rows)))
+    G, H, C = rng.normal(size=len(rows)), rng.random(len(rows)), rng.integers(1, 4, len(rows)).astype(float)
+    for h, c in [(None, None), (H, C), (H, None)]:
+        direct = histograms(codes, rows, G, h, c, layout.total, slot, 5)
+        bundled = histograms(codes, rows, G, h, c, layout.total, slot, 5, bundles)
+        assert np.array_equal(direct[:, 2], bundled[:, 2])
+        np.testing.assert_allclose(bundled, direct, rtol=0, atol=1e-12)
 
 
 def table_X(rec: Recorded, t: str) -> np.ndarray:

@@ -88,6 +88,87 @@ def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
     return codes
 
 
+@dataclass(frozen=True)
+class Bundles:
+    """Exclusive feature bundling (LightGBM: Ke et al., NeurIPS 2017, Sec. 4), exact: a feature whose rows are
+    mostly in one bin (its default bin: a one-hot column's 0) is sparse; sparse features that are never off
+    their default bins in the same row share one code per row (a one-hot block becomes one column), so a
+    histogram pass costs one bincount per bundle instead of one per feature. A bundle's code is 0 where all its
+    features are at their defaults, else 1 + the index of the one off-default (feature, bin) in ``to_flat``. A
+    sparse feature's default bin is filled in as the node's totals minus its other bins."""
+
+    offsets: np.ndarray  # the layout's (BinLayout.offsets)
+    dense: np.ndarray  # features histogrammed one by one
+    sparse: np.ndarray  # features in bundles
+    default: np.ndarray  # the flat default bin of each sparse feature
+    codes: np.ndarray  # (bundles, rows)
+    to_flat: tuple[np.ndarray, ...]  # per bundle: the flat bin of each code >= 1
+
+    @classmethod
+    def of(cls, codes: np.ndarray, layout: BinLayout, max_share: float = 0.2) -> Bundles:
+        """Bundles of the features whose rows are off their most frequent bin in at most ``max_share`` of the
+        rows, greedily (most off-default rows first; a bundle at most 2^16 - 1 codes)."""
+        off, n = layout.offsets, codes.shape[1]
+        dense, sparse = [], []  # sparse: (off-default rows, feature, its flat default bin)
+        for f in range(codes.shape[0]):
+            counts = np.bincount(codes[f] - off[f], minlength=int(off[f + 1] - off[f]))
+            d = int(np.argmax(counts))
+            if len(counts) > 1 and n - counts[d] <= max_share * n:
+                sparse.append((n - int(counts[d]), f, int(off[f]) + d))
+            else:
+                dense.append(f)
+        sparse.sort(key=lambda x: (-x[0], x[1]))
+        members: list[list[int]] = []  # positions in ``sparse``
+        occupied: list[np.ndarray] = []  # a bundle's rows off their default bin
+        width: list[int] = []  # a bundle's codes
+        for i, (_, f, d) in enumerate(sparse):
+            off_default, bins = codes[f] != d, int(off[f + 1] - off[f]) - 1
+            j = next(
+                (j for j in range(len(members)) if width[j] + bins < 2**16 and not (occupied[j] & off_default).any()),
+                len(members),
+            )
+            if j == len(members):
+                members.append([])
+                occupied.append(np.zeros(n, dtype=bool))
+                width.append(1)
+            members[j].append(i)
+            occupied[j] |= off_default
+            width[j] += bins
+        lut = np.zeros(layout.total, dtype=np.int64)  # flat bin -> its code in its feature's bundle
+        bundle_codes = np.zeros((len(members), n), dtype=np.uint16)
+        to_flat = []
+        for j, group in enumerate(members):
+            to_flat.append(
+                np.concatenate(
+                    [np.setdiff1d(np.arange(off[sparse[i][1]], off[sparse[i][1] + 1]), sparse[i][2]) for i in group]
+                )
+            )
+            lut[to_flat[-1]] = np.arange(1, len(to_flat[-1]) + 1)
+            for i in group:
+                f, d = sparse[i][1], sparse[i][2]
+                rows = np.flatnonzero(codes[f] != d)
+                bundle_codes[j, rows] = lut[codes[f, rows]]
+        return cls(
+            off,
+            np.array(dense, dtype=np.int64),
+            np.array([f for _, f, _ in sparse], dtype=np.int64),
+            np.array([d for _, _, d in sparse], dtype=np.int64),
+            bundle_codes,
+            tuple(to_flat),
+        )
+
+
+def _bincounts(
+    b: np.ndarray, n: int, G: np.ndarray, H: np.ndarray | None, C: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """The sums of G, H (None: not asked) and C (None: one each) per value of ``b`` (0..n-1)."""
+    return (
+        np.bincount(b, weights=G, minlength=n),
+        None if H is None else np.bincount(b, weights=H, minlength=n),
+        np.bincount(b, minlength=n) if C is None else np.bincount(b, weights=C, minlength=n),
+    )
+
+
 def histograms(
     codes: np.ndarray,
     rows: np.ndarray,
@@ -97,24 +178,35 @@ def histograms(
     total: int,
     slot: np.ndarray | None = None,
     k: int = 1,
+    bundles: Bundles | None = None,
 ) -> np.ndarray:
     """hist[n, s, b] for the statistics s = (sum g, sum h, rows) of the rows ``rows`` (their per-row sums G,
     H and counts C) of node n (``slot``: each row's node, 0..k-1; None: all of node 0) falling in flat bin b
     (:func:`bin_codes`): shape (k, 3, total). ``C`` None: one joined row each; ``H`` None: h = 1 (squared
-    error), so the sums of h are the counts. One bincount per feature and statistic over every node at once
-    (a node's bins offset by n * total); each bin sums its rows in their given order."""
-    size = k * total
-    base = None if slot is None else slot.astype(np.int64 if size >= 2**31 else np.int32) * total
-    out = np.zeros((3, size))
-    for f in range(codes.shape[0]):
-        b = codes[f, rows] if base is None else codes[f, rows] + base
-        out[0] += np.bincount(b, weights=G, minlength=size)
-        out[2] += np.bincount(b, minlength=size) if C is None else np.bincount(b, weights=C, minlength=size)
-        if H is not None:
-            out[1] += np.bincount(b, weights=H, minlength=size)
+    error), so the sums of h are the counts. One bincount per feature (per bundle, :class:`Bundles`) and
+    statistic over every node at once (a node's bins offset by n * total); each bin sums its rows in their
+    given order."""
+    node = np.zeros(len(rows), dtype=np.int64) if slot is None else slot.astype(np.int64)
+    out = np.zeros((3, k, total))
+    flat = out.reshape(3, k * total)
+    for f in range(codes.shape[0]) if bundles is None else bundles.dense:
+        for s, x in enumerate(_bincounts(codes[f, rows] + node * total, k * total, G, H, C)):
+            if x is not None:
+                flat[s] += x
+    if bundles is not None and len(bundles.sparse):
+        for codes_j, to_flat in zip(bundles.codes, bundles.to_flat):
+            size = len(to_flat) + 1
+            for s, x in enumerate(_bincounts(codes_j[rows] + node * size, k * size, G, H, C)):
+                if x is not None:
+                    out[s][:, to_flat] = x.reshape(k, size)[:, 1:]
+        # a sparse feature's default bin: the node's totals minus the feature's other bins
+        per_feature = np.add.reduceat(out, bundles.offsets[:-1], axis=2)
+        for s, x in enumerate(_bincounts(node, k, G, H, C)):
+            if x is not None:
+                out[s][:, bundles.default] = x[:, None] - per_feature[s][:, bundles.sparse]
     if H is None:
         out[1] = out[2]
-    return out.reshape(3, k, total).transpose(1, 0, 2)
+    return out.transpose(1, 0, 2)
 
 
 @dataclass(frozen=True)

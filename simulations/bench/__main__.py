@@ -73,7 +73,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     ),
     "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
     "gbdt": lambda a: _suite("gbdt").gbdt_suite(
-        [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower
+        [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower, a.deployed_trees
     ),
 }
 
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gbdt-datasets", default="", help="gbdt: datasets (default nycflights13)")
     ap.add_argument("--trees", type=int, default=300, help="gbdt: trees of both LightGBM and gbdt")
     ap.add_argument("--flower", action="store_true", help="gbdt: also under Flower's simulation engine")
+    ap.add_argument("--deployed-trees", type=int, default=0, help="gbdt: also a deployed run of that many trees")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)

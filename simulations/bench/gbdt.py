@@ -1,12 +1,13 @@
 """Boosted trees over the join (algorithm=gbdt) against central LightGBM on the materialized join, side by side.
 
-    python -m simulations.bench gbdt [--datasets nycflights13,...] [--trees 300] [--flower]
-        -> bench_results/gbdt.json
+    python -m simulations.bench gbdt [--gbdt-datasets nycflights13,...] [--trees 300] [--flower]
+        [--deployed-trees 100]   -> bench_results/gbdt.json
 
 Per dataset, interleaved in one sitting: LightGBM (2 threads) on the materialized join's training rows with the
 same number of trees, leaves, bins, learning rate, lambda and minimum leaf rows as gbdt's shipped defaults
 (LightGBM's own binning); gbdt in-process with the shipped defaults; with ``--flower`` gbdt under Flower's
-simulation engine. Each case in its own process. Reported: the test metric, training wall time (gbdt: the
+simulation engine; with ``--deployed-trees`` a run of that many trees on one secure deployment. Each case in
+its own process. Reported: the test metric, training wall time (gbdt: the
 run's wall time after setup, evaluations included), round trips and bytes per tree.
 """
 
@@ -91,7 +92,40 @@ def gbdt_case(data: str, trees: int, runtime: str) -> dict[str, Any]:
     }
 
 
-def gbdt_suite(datasets: list[str], trees: int, flower: bool) -> dict[str, Any]:
+def deployed_case(data: str, trees: int) -> dict[str, Any]:
+    """gbdt with the shipped defaults on one secure deployment (``simulations.deploy start``: a SuperLink and a
+    node service per table, as ``bench deploy``): the run's wall time after setup, its round trips and the
+    metric, for comparison with the same run in-process."""
+    import json  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from simulations import deploy  # noqa: PLC0415
+    from simulations.bench.deploy import _run, wait_for_warm_up  # noqa: PLC0415
+
+    job = f"algorithm=gbdt dataset={data} algorithm.trees={trees} algorithm.eval_every={trees}"
+    with tempfile.TemporaryDirectory(prefix="tpflower-bench-") as tmp:
+        root = Path(tmp)
+        dep = deploy.start(job, state_dir=root / "deploy", home=root / "home", cwd=root)
+        try:
+            wait_for_warm_up(dep)
+            t0 = time.perf_counter()
+            _run(deploy.flwr_run_command(dep.connection, job, root / "run"), dep.env(), 7200)
+            total = time.perf_counter() - t0
+            last = json.loads((root / "run" / "results.json").read_text())["history"][-1]
+        finally:
+            deploy.stop(dep)
+    return {
+        "metric": last["test_metric"],
+        "wall_s": round(last["wall_time_s"], 2),
+        "total_s": round(total, 2),
+        "rounds": last["rounds"],
+        "s_per_round": round(last["wall_time_s"] / last["rounds"], 4),
+        "trees": trees,
+    }
+
+
+def gbdt_suite(datasets: list[str], trees: int, flower: bool, deployed_trees: int = 0) -> dict[str, Any]:
     cases: dict[str, Any] = {}
     for data in datasets:
         case: dict[str, Any] = {
@@ -103,6 +137,10 @@ def gbdt_suite(datasets: list[str], trees: int, flower: bool) -> dict[str, Any]:
         if flower:
             case["flower"] = run_isolated(
                 "simulations.bench.gbdt", "gbdt_case", {"data": data, "trees": trees, "runtime": "flower"}
+            )
+        if deployed_trees:
+            case["deployed"] = run_isolated(
+                "simulations.bench.gbdt", "deployed_case", {"data": data, "trees": deployed_trees}
             )
         case["inprocess_vs_lightgbm"] = round(case["inprocess"]["wall_s"] / max(case["lightgbm"]["wall_s"], 1e-9), 1)
         cases[data] = case

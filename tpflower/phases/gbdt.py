@@ -36,7 +36,7 @@ from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
-from tpflower.trees import MAX_BINS, BinLayout, SplitRule, best_splits, bin_codes, bin_edges, histograms
+from tpflower.trees import MAX_BINS, BinLayout, Bundles, SplitRule, best_splits, bin_codes, bin_edges, histograms
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,13 @@ class OwnerTrees:
             self.cache["codes"] = bin_codes(np.asarray(self.client.local.X, dtype=np.float64), self.edges)
         return self.cache["codes"]
 
+    @property
+    def bundles(self) -> Bundles:
+        """The features' exclusive bundles for histogram passes (tpflower.trees.Bundles: one-hot blocks)."""
+        if "bundles" not in self.cache:
+            self.cache["bundles"] = Bundles.of(self.codes, self.layout)
+        return self.cache["bundles"]
+
     def table(self, name: str) -> np.ndarray:
         value = self.state.get(f"gbdt.{name}")
         return np.zeros((0, 3), dtype=np.int64) if value is None else value
@@ -305,6 +312,7 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
             layout.total,
             slot[slot_of_row[take]],
             len(direct),
+            owner.bundles,
         )
     new = {nodes[i]: built[j] for j, i in enumerate(direct)}
     for large, q, small in derived:
