@@ -56,7 +56,7 @@ def node_sums(
     sorting otherwise."""
     key = slot.astype(np.int64) * n_rows + p
     size = k * n_rows
-    if size <= 4 * len(key) + 4096:
+    if size <= 16 * len(key) + 2**16:  # a pass over k * n_rows counts costs less than sorting the keys
         C = np.bincount(key, minlength=size)
         nz = np.flatnonzero(C > 0)  # (on a bool array: several times faster than on the counts)
         pos = np.zeros(size, dtype=index_dtype(len(nz)))
