@@ -129,6 +129,7 @@ def gbdt_suite(datasets: list[str], trees: int, flower: bool, deployed_trees: in
     cases: dict[str, Any] = {}
     for data in datasets:
         case: dict[str, Any] = {
+            "load_at_start": round(os.getloadavg()[0], 2),
             "lightgbm": run_isolated("simulations.bench.gbdt", "lightgbm_case", {"data": data, "trees": trees}),
             "inprocess": run_isolated(
                 "simulations.bench.gbdt", "gbdt_case", {"data": data, "trees": trees, "runtime": "inprocess"}
