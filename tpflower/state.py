@@ -10,6 +10,16 @@ import numpy as np
 import torch
 from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from tpflower.records import npy_array
+
+
+def _numpy(array: Array) -> np.ndarray:
+    """A writable copy of a Flower Array's ndarray, as ``Array.numpy()`` gives, with the header read by a
+    pattern (tpflower.records.npy_array) rather than parsed as Python: a state read per message adds up."""
+    if array.stype != "numpy.ndarray":
+        return array.numpy()
+    return npy_array(array.data).copy()
+
 
 class ClientState:
     """Named ndarrays and scalars in a Flower RecordDict (context.state)."""
@@ -19,7 +29,7 @@ class ClientState:
 
     def get(self, name: str) -> np.ndarray | None:
         rec = self.records.get(f"arr.{name}")
-        return None if rec is None else rec["a"].numpy()
+        return None if rec is None else _numpy(rec["a"])
 
     def put(self, name: str, value: np.ndarray) -> None:
         self.records[f"arr.{name}"] = ArrayRecord(array_dict={"a": Array(np.ascontiguousarray(value))})
@@ -46,7 +56,7 @@ class ClientState:
 
     def get_list(self, name: str) -> list[np.ndarray] | None:
         rec = self.records.get(f"list.{name}")
-        return None if rec is None else [rec[str(k)].numpy() for k in range(len(rec))]
+        return None if rec is None else [_numpy(rec[str(k)]) for k in range(len(rec))]
 
     def save_model(self, model: torch.nn.Module) -> None:
         self.records["theta"] = ArrayRecord(torch_state_dict={k: v.cpu() for k, v in model.state_dict().items()})
@@ -66,7 +76,7 @@ class StateRecord:
         scalars = state.records.get(f"{cls.__name__}.scalars")
         if arrays is None and scalars is None:
             return None
-        values = {k: a.numpy() for k, a in (arrays or {}).items()}
+        values = {k: _numpy(a) for k, a in (arrays or {}).items()}
         values.update(dict(scalars or {}))
         return cls(**{f.name: values.get(f.name) for f in fields(cls)})
 
