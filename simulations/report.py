@@ -524,6 +524,8 @@ def mapping_and_scale() -> str | None:
         budgets = s.get("budgets", [])
         if budgets:
             parts += budget_parts(budgets)
+            if s.get("notes_budgets"):
+                parts.append(f"Budget notes (from the JSON): {s['notes_budgets']}")
         for fm in s.get("fact_table_mapping", []):
             parts.append(
                 f"**The keys round and the mapping alone on a fact table of {fm['n_joined']:,} rows** (fanout 1): the "
@@ -1514,9 +1516,13 @@ TEXT: dict[str, str] = {
         "T^T diag(G) T, T^T s and T z over chunks of rows from X in the run's precision; its server forms A P chunk "
         "by chunk from T_i P_j, keeps the window's T_i P_j in the run's precision and sizes the window by "
         "`algorithm.window_mb` (at 100M fact rows the classic recurrence), sends G as 1-byte counts and sums its "
-        "segment sums over chunks; ADMM's subspace keeps its pairs as they travelled (the run's precision) as they "
-        "arrive, sized by `algorithm.subspace_mb` (memory 2 at 100M fact rows; 2 epochs use 2); a whole table's "
-        "client keeps one array of row ids, int32. The memory budget per family below keeps it so."
+        "segment sums over chunks, converted to the run's precision table by table; with the classic recurrence it "
+        "keeps T_i p and T_i theta in the run's precision, updated in place chunk by chunk, and drops T_i z once it "
+        "is folded into T_i p (12 bytes per table row; 20 in float64 before, which with the step's float64 copies "
+        "killed the default at 16.04 GB); ADMM's subspace keeps its pairs as they travelled (the run's precision) as "
+        "they arrive, sized by `algorithm.subspace_mb` (memory 2 at 100M fact rows; 2 epochs use 2); a whole "
+        "table's client keeps one array of row ids, int32. The memory budget per family below keeps it so (the "
+        "classic recurrence has its own row, pcg_classic)."
     ),
     "flower": (
         "**Goals: an SGD epoch under Flower within 4x of in-process and an ADMM epoch within 2x: both met in this "

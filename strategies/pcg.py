@@ -71,9 +71,12 @@ class PCGSolver(LoJStrategy):
                 sums[t].add(p[s], wv)
         return {t: acc.result() for t, acc in sums.items()}
 
-    def joined_sums(self, h: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+    def joined_sums(
+        self, h: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float64
+    ) -> tuple[dict[str, np.ndarray], float]:
         """With H = sum_i h_i[p_i] over the problem's joined rows (h_i: one value per table row): the segment
-        sums s_i = P_i^T (W H) and ||H||_W^2, over chunks of rows (H is never held whole)."""
+        sums s_i = P_i^T (W H) in ``dtype`` (summed in float64, each table's float64 sums released as soon as
+        they are converted) and ||H||_W^2, over chunks of rows (H is never held whole)."""
         sums = {t: SegmentSums(n) for t, n in self.pcg_map.n_rows.items()}
         norm = 0.0
         for s in chunks(self.pcg_map.N):
@@ -82,7 +85,7 @@ class PCGSolver(LoJStrategy):
             norm += float(WH @ H)
             for t, p in self.pcg_map.p.items():
                 sums[t].add(p[s], WH)
-        return {t: acc.result() for t, acc in sums.items()}, norm
+        return {t: sums.pop(t).result(dtype) for t in list(sums)}, norm
 
     def train_loss(self, htheta: Mapping[str, np.ndarray]) -> float:
         """The weighted training loss of the outputs ``htheta`` over the problem's joined rows, chunk by chunk."""
@@ -168,12 +171,14 @@ class PCGSolver(LoJStrategy):
         if window:
             return self.mpcg_start(rows, grams, {**config, "window": window, "cols": len(self.spec.table_names)})
         replies = self.send(self.pcg_messages(rows, grams, config))
+        del rows, s, G
         rz, zz, zp, rr = self.dots(replies)
-        zero = {t: np.zeros_like(h, dtype=np.float64) for t, h in self.gather(replies, "h").items()}
+        hz = self.gather(replies, "h")
         return {
-            "hz": self.gather(replies, "h"),
-            "hp": zero,
-            "htheta": zero,
+            "hz": hz,
+            # T p and T theta per table row in the run's precision, updated in place (zero pages until written)
+            "hp": {t: np.zeros_like(h, dtype=self.state_dtype) for t, h in hz.items()},
+            "htheta": {t: np.zeros_like(h, dtype=self.state_dtype) for t, h in hz.items()},
             "pp": 0.0,
             "dots": [rz, zz, zp, rr],
             "rz_prev": 0.0,
@@ -209,19 +214,25 @@ class PCGSolver(LoJStrategy):
                 break
             rz, zz, zp, _ = loop["dots"]
             beta = rz / loop["rz_prev"] if loop["rz_prev"] else 0.0
-            hp = {t: np.asarray(loop["hz"][t], np.float64) + beta * loop["hp"][t] for t in loop["hz"]}
+            # T p_k = T z_k + beta_k T p_{k-1}, in place; T z_k is then no longer needed (released before the round)
+            hp, htheta = loop["hp"], loop["htheta"]
+            for t, hz in loop.pop("hz").items():
+                combine(hp[t], beta, hz)
+            del hz
             pp = zz + 2 * beta * zp + beta * beta * loop["pp"]
-            s, HWH = self.joined_sums(hp)
+            dtype = self.state_dtype  # the run's precision, as ADMM's Y (float64 runs stay exact)
+            s, HWH = self.joined_sums(hp, dtype)
             p_Ap = HWH / self.pcg_N + beta_ridge * pp
             alpha = rz / p_Ap
-            dtype = self.state_dtype  # the run's precision, as ADMM's Y (float64 runs stay exact)
-            rows = {t: {"s": s[t].astype(dtype)} for t in self.spec.table_names}
+            rows = {t: {"s": s.pop(t)} for t in self.spec.table_names}
             g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
             config = {"phase": "pcg_step", "epoch": it, "alpha": alpha, "beta": beta, **self.checkpoint_config(it)}
             replies = self.send(self.pcg_messages(rows, g, config))
+            del rows
             dots = self.dots(replies)
-            # T theta_{k+1} = T theta_k + alpha T p_k: the server follows the model's outputs itself
-            htheta = {t: loop["htheta"][t] + alpha * hp[t] for t in hp}
+            # T theta_{k+1} = T theta_k + alpha T p_k: the server follows the model's outputs itself (in place)
+            for t in hp:
+                combine(htheta[t], 1.0, hp[t], alpha)
             relative = float(np.sqrt(max(dots[3], 0.0) / loop["rr0"]))
             train_loss = self.train_loss(htheta)
             reg = sum(float(replies[(t, r.shards[0])][1].get("R", 0.0)) for t, r in self.routers.items())
@@ -255,7 +266,8 @@ class PCGSolver(LoJStrategy):
         replies = self.send(msgs)
         dots = self.table_dots(replies)
         rr = sum(float(v[2]) for v in dots.values())
-        htheta = {t: np.zeros(len(h), np.float64) for t, h in self.gather(replies, "h").items()}
+        # T theta per table row in the run's precision, updated in place (zero pages until written)
+        htheta = {t: np.zeros(len(h), self.state_dtype) for t, h in self.gather(replies, "h").items()}
         return {
             "window": int(config["window"]),
             "hz": self.gather(replies, "h"),
@@ -343,8 +355,11 @@ class PCGSolver(LoJStrategy):
             S_new[k * c :, i * c : (i + 1) * c] = PtPi[i]
             S_new[i * c : (i + 1) * c, k * c :] = PtPi[i].T
         S_new[k * c :, k * c :] = (PtP + PtP.T) / 2
-        h = {t: np.asarray(TP[t], np.float64) @ alpha for t in tables}  # T_t P alpha: this step's outputs
-        sums, _ = self.joined_sums(h)  # s_i = P_i^T W A P alpha
+        h = {t: np.empty(len(TP[t])) for t in tables}  # T_t P alpha: this step's outputs, chunk by chunk
+        for t in tables:
+            for s in chunks(len(h[t])):
+                h[t][s] = np.asarray(TP[t][s], np.float64) @ alpha
+        sums, _ = self.joined_sums(h, dtype)  # s_i = P_i^T W A P alpha, in the precision it travels in
         out = {"C": np.array(C).reshape(k, c, c), "alpha": alpha, "TP": TP, "Qp": Qp, "S": S_new}
         return {**out, "h": h, "s": sums}
 
@@ -359,13 +374,15 @@ class PCGSolver(LoJStrategy):
             dtype = self.state_dtype  # the messages in the run's precision, as ADMM's (float64 runs stay exact)
             step = self.mpcg_direction(loop, dtype)
             C, alpha, s = step["C"], step["alpha"], step["s"]
-            rows = {t: {"s": s[t].astype(dtype)} for t in tables}
+            rows = {t: {"s": s[t]} for t in tables}
             g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
             small = {"coef": np.concatenate([alpha, C.reshape(-1)]).astype(dtype)}  # alpha, then C_1..C_k
             msgs = self.pcg_messages(rows, g, {"phase": "pcg_step", "epoch": it, **self.checkpoint_config(it)})
             replies = self.send({k: ({**a, **small}, cfg) for k, (a, cfg) in msgs.items()})
             dots = self.table_dots(replies)
-            htheta = {t: loop["htheta"][t] + step["h"][t] for t in tables}
+            htheta = loop["htheta"]
+            for t in tables:
+                combine(htheta[t], 1.0, step["h"][t])
             rr = sum(float(v[2]) for v in dots.values())
             relative = float(np.sqrt(max(rr, 0.0) / loop["rr0"]))
             train_loss = self.train_loss({t: v[:, None] for t, v in htheta.items()})
@@ -414,6 +431,14 @@ class PCGSolver(LoJStrategy):
 
     def plan_feature_dp(self) -> dict:  # pragma: no cover - the registry refuses feature DP first
         raise ValueError(f"algorithm={self.algorithm} has no feature-DP plan")
+
+
+def combine(out: np.ndarray, a: float, x: np.ndarray, b: float = 1.0) -> None:
+    """out = a out + b x in place, chunk by chunk in float64 (``out`` keeps its dtype, the run's precision: no
+    float64 copy of a per-row vector; in float64 the same values as the whole-array expression)."""
+    flat, xs = out.reshape(-1), np.asarray(x).reshape(-1)
+    for s in chunks(len(flat)):
+        flat[s] = a * np.asarray(flat[s], np.float64) + b * np.asarray(xs[s], np.float64)
 
 
 def window_fit(mapping: TableMapping, itemsize: int, budget_mb: float) -> int:
