@@ -141,7 +141,12 @@ GBDT = ("algorithm=gbdt", "algorithm.trees=6", "algorithm.eval_every=1", "algori
 
 @pytest.mark.parametrize(
     "overrides, crash_at",
-    [((), "d2"), ((), None), (("dataset.loader.task=multiclass",), "fact"), (("scenario=ucq", "min_sketch_rows=100"), "fact")],
+    [
+        ((), "d2"),
+        ((), None),
+        (("dataset.loader.task=multiclass",), "fact"),
+        (("scenario=ucq", "min_sketch_rows=100"), "fact"),
+    ],
     ids=["a-table-dies", "the-server-dies", "multiclass", "ucq-a-shard-dies"],
 )
 def test_a_gbdt_run_killed_after_tree_3_resumes_to_the_forest_of_an_uninterrupted_run(tmp_path, overrides, crash_at):
