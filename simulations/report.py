@@ -700,18 +700,28 @@ def budget_parts(budgets: list[dict]) -> list[str]:
 
 def gbdt_scale_parts(runs: list[dict]) -> list[str]:
     """Boosted trees' scale goal: server state per joined row after the run's trees on the star."""
+    if not runs:
+        return []
     return [
-        (
-            f"**Boosted trees at {r['n_joined']:,} joined rows** (the star above, fanout {r['fanout']}, "
-            f"{r['epochs']} evaluations): {r['state_bytes_per_joined_row']} bytes of server state per joined row "
-            f"after the last tree (goal {r['goal_bytes_per_joined_row']:g}: "
+        command(
+            "python -m simulations.bench scale --scale-n '' --server-n '' --mapping-n 0 --fact-mapping-n '' "
+            f"--fact-n '' --budget-n '' --gbdt-n {runs[0]['n_joined']} --gbdt-trees {runs[0]['trees']}"
+            "   # -> bench_results/scale.json (gbdt_scale)"
+        ),
+        *(
+            f"**Boosted trees at {r['n_joined']:,} joined rows** (the star above, fanout {r['fanout']}, shipped "
+            f"defaults, {r['trees']} trees, {r['epochs']} evaluations): {r['state_bytes_per_joined_row']} bytes of server "
+            f"state per joined row after the last tree (goal {r['goal_bytes_per_joined_row']:g}: "
             f"{'met' if r['state_bytes_per_joined_row'] <= r['goal_bytes_per_joined_row'] else 'missed'}), "
-            f"test RMSE {r['test_metric']:.4f}, {r['wall_s']:.0f} s in-process (the clients in the same process, "
-            f"peak RSS {r['peak_rss_mb'] / 1e3:.1f} GB); by attribute, bytes per joined row: "
+            f"test RMSE {r['test_metric']:.4f}, {r['wall_s']:.0f} s in-process ({r.get('load', 'load not recorded')}; "
+            f"the clients in the same process, peak RSS {r['peak_rss_mb'] / 1e3:.1f} GB); by attribute, bytes per "
+            "joined row: "
             + ", ".join(f"{k} {v / r['n_joined']:.1f}" for k, v in r["by_attribute"].items())
-            + "."
-        )
-        for r in runs
+            + " (join: the mapping and the labels every family keeps; loop: the scores F of the training rows and "
+            "of the test rows, float64; fit_rows: the training rows, int32; eval_rows: the test rows' table rows, "
+            "int32). The forest is a few kB: a tree's unused candidates drop their nodes' side bits."
+            for r in runs
+        ),
     ]
 
 
@@ -1186,7 +1196,7 @@ def auto_choice() -> str | None:
     d = load("auto.json")
     if d is None:
         return None
-    cols = ("mlp/admm", "mlp/lbfgs", "mlp/sgd", "linear/auto", "linear/admm")
+    cols = ("mlp/admm", "mlp/lbfgs", "mlp/sgd", "linear/auto")
     rows, best = [], []
     for name, r in d["datasets"].items():
         runs = r["runs"]

