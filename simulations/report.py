@@ -1241,6 +1241,7 @@ def auto_choice() -> str | None:
                 "Best MLP algorithm per dataset: "
                 + ", ".join(f"{a} {n}" for a, n in counts.items())
                 + f" of {len(best)}."
+                + (f" Not run: {d['not_run']}." if d.get("not_run") else "")
             ),
             command(
                 f"python -m simulations.bench auto --datasets '{','.join(d['datasets'])}' --cases {','.join(cols)}"
