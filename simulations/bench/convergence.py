@@ -290,9 +290,12 @@ def summarize(cell: dict[str, Any], epochs: int) -> dict[str, Any]:
     return out
 
 
-def run_cells(cases: dict[str, tuple[list[str], list[str]]], epochs: int) -> tuple[dict[str, Any], dict[str, str]]:
+def run_cells(
+    cases: dict[str, tuple[list[str], list[str]]], epochs: int, partial: Path | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Each case (its overrides and algorithms) as one matrix cell in a fresh process, summarized; a dataset whose
-    files are absent is skipped, with why."""
+    files are absent is skipped, with why. ``partial``: the cells measured so far are written there after each
+    (a long run stopped early keeps its part)."""
     rows: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for name, (overrides, algorithms) in cases.items():
@@ -311,6 +314,8 @@ def run_cells(cases: dict[str, tuple[list[str], list[str]]], epochs: int) -> tup
         cell["wall_s"] = round(time.perf_counter() - t0, 1)
         rows[name] = cell
         print(name, json.dumps(cell["summary"]), flush=True)
+        if partial is not None:
+            partial.write_text(json.dumps({"epochs": epochs, "cells": rows, "skipped": skipped, "partial": True}))
     return rows, skipped
 
 
@@ -327,14 +332,17 @@ def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
 
 
 def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
-    """Boosted trees on the schema matrix: gbdt (shipped defaults) on every cell of the matrix (the first QUICK
-    with ``quick``) and, with ``bundled``, every bundled dataset, beside the rows of convergence-matrix.json;
-    on the nonlinear cells also the linear model (algorithm=auto) and the MLP (ADMM, L-BFGS), ``epochs`` each."""
-    cases = {cell_name(c): (cell_overrides(c), ["gbdt"]) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
-    cases.update({cell_name(c): (cell_overrides(c), list(GBDT_ALGORITHMS)) for c in NONLINEAR_CELLS})
+    """Boosted trees on the schema matrix: the nonlinear cells (gbdt, the linear model by algorithm=auto and the
+    MLP by ADMM and L-BFGS, ``epochs`` each), then gbdt (shipped defaults) on every cell of the matrix (the first
+    QUICK with ``quick``) and, with ``bundled``, every bundled dataset, beside the rows of
+    convergence-matrix.json."""
+    cases = {cell_name(c): (cell_overrides(c), list(GBDT_ALGORITHMS)) for c in NONLINEAR_CELLS}
+    cases.update(
+        {cell_name(c): (cell_overrides(c), ["gbdt"]) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
+    )
     if bundled:
         cases.update({k: (list(v), ["gbdt"]) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
-    rows, skipped = run_cells(cases, epochs)
+    rows, skipped = run_cells(cases, epochs, Path("bench_results/convergence-matrix-gbdt.partial.json"))
     return {
         "case": "convergence-matrix-gbdt",
         "epochs": epochs,
