@@ -342,7 +342,9 @@ def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]
     )
     if bundled:
         cases.update({k: (list(v), ["gbdt"]) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
-    rows, skipped = run_cells(cases, epochs, Path("bench_results/convergence-matrix-gbdt.partial.json"))
+    partial = Path("bench_results/convergence-matrix-gbdt.partial.json")
+    rows, skipped = run_cells(cases, epochs, partial)
+    partial.unlink(missing_ok=True)  # complete: the suite's JSON replaces it
     return {
         "case": "convergence-matrix-gbdt",
         "epochs": epochs,
