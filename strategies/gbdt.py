@@ -72,6 +72,13 @@ def node_sums(
     return nz - node_of * n_rows, node_of, G, H, C, inv
 
 
+def distinct_rows(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct table rows of ``p`` (ascending) and the position of each of p's rows among them, both in the
+    narrowest index dtype (np.unique's inverse is int64: 8 bytes per evaluated row and table)."""
+    rows, inv = np.unique(p, return_inverse=True)
+    return rows.astype(p.dtype, copy=False), inv.reshape(-1).astype(index_dtype(len(rows)), copy=False)
+
+
 def tree_record(tree: Tree) -> dict[str, Any]:
     """One tree as model.json holds it: its output, root and nodes [id, table, left, right, leaf value]."""
     return {
@@ -111,49 +118,39 @@ class JoinGBDT(LoJStrategy):
     algorithm = "gbdt"
     params_type = GBDTParams
 
+    resumable = True  # a checkpoint at every evaluation (the forest so far, the scores F), no extra round trip
+    checkpointed = ("forest", "won", "split_ids", "F0")
+
     def protocol(self) -> None:
-        self.setup()
+        done, loop = self.begin(self.start_gbdt)
+        if done:  # resumed: what setup built is restored, the rows derived from it again (no round)
+            self.fit_rows_and_counts()
         assert self.results is not None and self.comm is not None
         alg: GBDTParams = self.params
-        train, label, task = self.train, self.spec.label_table, self.task
-        K = int(self.d_out)
+        task = self.task
+        F, F_eval, best, bad = loop["F"], loop["F_eval"], loop["best"], loop["bad"]
         y = np.asarray(self.y_train)
-        val = validation_mask(train.p[label], float(self.cfg.get("validation_fraction", 0) or 0), int(self.cfg.seed))
-        self.fit_rows = fit = np.flatnonzero(~val).astype(index_dtype(train.N))
-        self.growth = Growth(alg.max_leaves, alg.max_depth, alg.leaves_per_step, alg.learning_rate, alg.rule)
-        self.tables = sorted(train.p)
-        self.p_fit = {t: train.p[t] if not val.any() else train.p[t][fit] for t in self.tables}  # no copy: all fit
-        counts = {t: np.bincount(self.p_fit[t], minlength=train.n_rows[t]) for t in self.tables}
-        self.injective = {t: bool(counts[t].max(initial=0) <= 1) for t in self.tables}
-        self.won: dict[str, list[int]] = {t: [] for t in self.tables}  # taken splits the tables are not told yet
-        self.split_ids: dict[str, list[int]] = {t: [] for t in self.tables}  # every split each table holds
-        self.bins(counts, K)
-        self.F0 = init_scores(task, y[fit], K)
-        F = np.tile(self.F0, (len(fit), 1))
-        # the rows evaluated by routing: the test rows, then the validation rows
-        val_rows = np.flatnonzero(val)
-        self.eval_p = {t: np.concatenate([self.test.p[t], train.p[t][val_rows]]) for t in self.tables}
-        self.eval_rows = {t: np.unique(p, return_inverse=True) for t, p in self.eval_p.items()}
-        F_eval = np.tile(self.F0, (self.test.N + len(val_rows), 1))
-        self.forest: list[list[Tree]] = []
-        y_fit, y_val = y[fit], y[val_rows]
-        best = (np.inf, 0, F_eval[: self.test.N].copy(), 0.0)
-        bad, next_id, evaluated = 0, 0, 0
-        for r in range(1, alg.trees + 1):
+        y_fit, y_val = y[self.fit_rows], y[self.val_rows]
+        next_id, evaluated = loop["next_id"], len(self.forest)
+        for r in range(done + 1, alg.trees + 1):
             g, h = gradients(task, F, y_fit)
-            trees, perms, next_id = grow_forest(fit, g, h, self.growth, self.evaluate, next_id)
+            trees, perms, next_id = grow_forest(self.fit_rows, g, h, self.growth, self.evaluate, next_id)
             add_leaves(F, trees, perms)
+            del g, h, perms
             for tree in trees:
+                for leaf in tree.leaves():  # an unused candidate holds its side bits (and cannot be pickled)
+                    leaf.candidate = None
                 for node in tree.internal():
                     self.won[node.table].append(node.id)
                     self.split_ids[node.table].append(node.id)
             self.forest.append(trees)
             if r % alg.eval_every and r != alg.trees:
                 continue
-            F_eval += self.route(self.forest[evaluated:])
+            # the routing round's last message carries the checkpoint mark: each node keeps its state after it
+            F_eval += self.route(self.forest[evaluated:], self.checkpoint_config(r))
             evaluated = len(self.forest)
             extra: dict[str, float] = {"trees": float(r)}
-            if len(val_rows):
+            if len(self.val_rows):
                 val_loss = float(loss_np(task, F_eval[self.test.N :], y_val).mean())
                 extra["val_loss"] = self.label_scale.loss(val_loss) if task == "regression" else val_loss
                 if val_loss < best[0]:
@@ -167,7 +164,51 @@ class JoinGBDT(LoJStrategy):
                 del self.forest[best[1] :]
                 self.record_epoch(best[1], best[2], best[3], {"trees": float(best[1])})
                 break
+            self.end_epoch(r, {"F": F, "F_eval": F_eval, "best": best, "bad": bad, "next_id": next_id})
         self.finish()
+
+    def start_gbdt(self) -> dict[str, Any]:
+        """Setup, the bins (one round; two over a union) and the training loop's first state: F = F_0 for the
+        joined training rows and the evaluated rows (test, then validation)."""
+        self.setup()
+        counts = self.fit_rows_and_counts()
+        self.won: dict[str, list[int]] = {t: [] for t in self.tables}  # taken splits the tables are not told yet
+        self.split_ids: dict[str, list[int]] = {t: [] for t in self.tables}  # every split each table holds
+        self.forest: list[list[Tree]] = []
+        self.bins(counts, int(self.d_out))
+        y = np.asarray(self.y_train)
+        self.F0 = init_scores(self.task, y[self.fit_rows], int(self.d_out))
+        return {
+            "F": np.tile(self.F0, (len(self.fit_rows), 1)),
+            "F_eval": np.tile(self.F0, (self.test.N + len(self.val_rows), 1)),
+            "best": (np.inf, 0, None, 0.0),  # validation loss, trees, their test scores, train loss
+            "bad": 0,
+            "next_id": 0,
+        }
+
+    def fit_rows_and_counts(self) -> dict[str, np.ndarray]:
+        """What the loop derives from setup's mapping, without a round: the joined training rows the trees are
+        fit on (``fit_rows``: not the validation part, tpflower.validation) and their table rows ``p_fit``,
+        the validation rows, the evaluated table rows (test, then validation) and the growth settings.
+        Returns each table's count of fit rows per table row (G_iu, binning's weights)."""
+        alg: GBDTParams = self.params
+        train = self.train
+        label = self.spec.label_table
+        val = validation_mask(train.p[label], float(self.cfg.get("validation_fraction", 0) or 0), int(self.cfg.seed))
+        self.fit_rows = fit = np.flatnonzero(~val).astype(index_dtype(train.N))
+        self.val_rows = val_rows = np.flatnonzero(val)
+        self.growth = Growth(alg.max_leaves, alg.max_depth, alg.leaves_per_step, alg.learning_rate, alg.rule)
+        self.tables = sorted(train.p)
+        self.p_fit = {t: train.p[t] if not val.any() else train.p[t][fit] for t in self.tables}  # no copy: all fit
+        counts = {t: np.bincount(self.p_fit[t], minlength=train.n_rows[t]) for t in self.tables}
+        self.injective = {t: bool(counts[t].max(initial=0) <= 1) for t in self.tables}
+        self.eval_rows = {t: distinct_rows(np.concatenate([self.test.p[t], train.p[t][val_rows]])) for t in self.tables}
+        return counts
+
+    @property
+    def eval_p(self) -> dict[str, np.ndarray]:
+        """The table rows of the evaluated rows (test, then validation), per table."""
+        return {t: rows[inv] for t, (rows, inv) in self.eval_rows.items()}
 
     # ------------------------------------------------------------------------------------------ one step
 
@@ -297,10 +338,10 @@ class JoinGBDT(LoJStrategy):
 
     # ------------------------------------------------------------------------------------------ evaluation
 
-    def route(self, rounds: list[list[Tree]]) -> np.ndarray:
+    def route(self, rounds: list[list[Tree]], config: Mapping[str, Any] | None = None) -> np.ndarray:
         """The sum of the leaf values of the trees ``rounds`` for every evaluated row (test, then validation):
         one routing round (``kind=eval``), each table (each shard) the side of its evaluated rows at its
-        splits."""
+        splits. ``config``: more of the messages' config (the checkpoint mark)."""
         splits: dict[str, list[int]] = {t: [] for t in self.tables}
         for trees in rounds:
             for tree in trees:
@@ -317,7 +358,7 @@ class JoinGBDT(LoJStrategy):
                         "splits": np.array(splits[t], dtype=np.int64),
                         "won": won[t],
                     },
-                    {"phase": "gbdt_route"},
+                    {"phase": "gbdt_route", **(config or {})},
                 )
                 for t, q in self.clients
             },
@@ -333,8 +374,8 @@ class JoinGBDT(LoJStrategy):
                 side[t][mask] = (
                     np.unpackbits(packed, axis=1, count=len(splits[t])).astype(bool).reshape(-1, len(splits[t]))
                 )
-        n = len(next(iter(self.eval_p.values())))
-        inv = {t: self.eval_rows[t][1].reshape(-1) for t in self.tables}
+        inv = {t: self.eval_rows[t][1] for t in self.tables}
+        n = len(inv[self.tables[0]])
         out = np.zeros((n, int(self.d_out)))
         for trees in rounds:
             for tree in trees:

@@ -27,14 +27,14 @@ from tpflower.privacy import privacy_message
     [
         ("regression", "linear", "none", "join", "pcg"),
         ("regression", "linear", "label", "join", "pcg"),
-        ("regression", "mlp", "none", "join", "lbfgs"),
+        ("regression", "mlp", "none", "join", "admm"),
         ("binary", "linear", "label", "join", "lbfgs"),
-        ("multiclass", "mlp", "none", "join", "lbfgs"),
+        ("multiclass", "mlp", "none", "join", "admm"),
         ("regression", "linear", "dpsgd", "join", "admm"),
         ("binary", "mlp", "label_dpsgd", "join", "admm"),
         ("regression", "linear", "none", "ucq", "pcg"),
         ("binary", "linear", "none", "ucq", "lbfgs"),
-        ("multiclass", "mlp", "label", "ucq", "lbfgs"),
+        ("multiclass", "mlp", "label", "ucq", "admm"),
         ("binary", "mlp", "dpsgd", "ucq", "admm"),
         ("regression", "gbdt", "none", "join", "gbdt"),
         ("multiclass", "gbdt", "label", "ucq", "gbdt"),
@@ -46,16 +46,17 @@ def test_auto_chooses_by_model_label_privacy_and_scenario(task, model, privacy, 
 
 def test_auto_is_resolved_printed_first_and_recorded(tmp_path):
     lines: list[str] = []
-    cfg = make_cfg("algorithm=auto", "dataset=synthetic", "model=mlp", "epochs=2", "+algorithm.memory=4")
+    cfg = make_cfg("algorithm=auto", "dataset=synthetic", "model=mlp", "epochs=2", "+algorithm.rho=2")
     run = run_in_process(cfg, tmp_path, log=lines.append)
-    assert lines[0] == "algorithm=auto: lbfgs (mlp model, regression label, without feature DP)"
+    assert lines[0] == "algorithm=auto: admm (mlp model, regression label, without feature DP)"
     record = json.loads((tmp_path / "results.json").read_text())
-    assert record["algorithm"] == "tp_join_lbfgs" == run.strategy.algorithm
-    assert record["config"]["algorithm"]["name"] == "lbfgs" and record["config"]["algorithm"]["memory"] == 4
-    assert record["config"]["algorithm_auto"].startswith("lbfgs:")
+    assert record["algorithm"] == "tp_join_admm" == run.strategy.algorithm
+    assert record["config"]["algorithm"]["name"] == "admm" and record["config"]["algorithm"]["rho"] == 2
+    assert record["config"]["algorithm_auto"].startswith("admm:")
     # a run config (flwr run, a deployed node) resolves the same way on every side
-    assert _compose("algorithm=auto dataset=synthetic model=mlp").algorithm.name == "lbfgs"
-    assert _compose("algorithm=auto dataset=synthetic model=mlp scenario=ucq").algorithm.name == "lbfgs"
+    assert _compose("algorithm=auto dataset=synthetic model=mlp").algorithm.name == "admm"
+    assert _compose("algorithm=auto dataset=synthetic model=mlp scenario=ucq").algorithm.name == "admm"
+    assert _compose("algorithm=auto dataset=nycflights13_delayed").algorithm.name == "lbfgs"
     assert _compose("algorithm=auto dataset=synthetic").algorithm.name == "pcg"
     assert _compose("algorithm=auto dataset=synthetic model=gbdt").algorithm.name == "gbdt"
     with pytest.raises(ValueError, match="algorithm.rho is not a setting of algorithm 'pcg'"):

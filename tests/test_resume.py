@@ -40,7 +40,7 @@ def crashed_run(run_dir, *overrides: str, crash_epoch: int = 4, table: str | Non
     def dying(msg: Message, context) -> Message:
         if msg.metadata.message_type != "query":
             _, config = unpack_payload(msg.content)
-            if key_of[context.node_id][0] == table and config.get("epoch") == crash_epoch:
+            if key_of[context.node_id][0] == table and epoch_of(config, run_dir) == crash_epoch:
                 raise RuntimeError("killed")
         return app(msg, context)
 
@@ -52,6 +52,14 @@ def crashed_run(run_dir, *overrides: str, crash_epoch: int = 4, table: str | Non
 
     with pytest.raises(RunError, match=f"table '{table}' shard 0: .*killed" if table else "server killed"):
         strategy.run(DyingServer(dying, {c.node_id: c for c in contexts.values()}))
+
+
+def epoch_of(config, run_dir) -> int | None:
+    """The epoch a training message belongs to: its config's, or for boosted trees (whose messages name no
+    epoch; an epoch is a tree) the tree after the server's last checkpoint (one per tree: eval_every=1)."""
+    if str(config.get("phase")) in ("gbdt_split", "gbdt_hist"):
+        return checkpoint_epoch(run_dir) + 1
+    return config.get("epoch")
 
 
 def checkpoint_epoch(run_dir) -> int:
@@ -127,6 +135,48 @@ def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_r
                 np.testing.assert_allclose(value, full.theta(key)[name], rtol=1e-9, atol=1e-12)
 
 
+#: boosted trees: 6 trees, a checkpoint at every evaluation (each tree), never stopped early
+GBDT = ("algorithm=gbdt", "algorithm.trees=6", "algorithm.eval_every=1", "algorithm.early_stopping=0")
+
+
+@pytest.mark.parametrize(
+    "overrides, crash_at",
+    [
+        ((), "d2"),
+        ((), None),
+        (("dataset.loader.task=multiclass",), "fact"),
+        (("scenario=ucq", "min_sketch_rows=100"), "fact"),
+    ],
+    ids=["a-table-dies", "the-server-dies", "multiclass", "ucq-a-shard-dies"],
+)
+def test_a_gbdt_run_killed_after_tree_3_resumes_to_the_forest_of_an_uninterrupted_run(tmp_path, overrides, crash_at):
+    """Boosted trees checkpoint at every evaluation (the forest, the scores F; each node its bin edges and
+    splits): a run killed in tree 4 and resumed grows the uninterrupted run's trees, with its metrics."""
+    from tpflower.state import ClientState
+
+    full = run_in_process(compose_config(*RUN, *GBDT, *overrides), tmp_path / "full", log=quiet)
+    run_dir = tmp_path / "resumed"
+    crashed_run(run_dir, *GBDT, *overrides, table=crash_at)
+    assert not (run_dir / "results.json").exists() and checkpoint_epoch(run_dir) == 3
+    lines: list[str] = []
+    resumed = run_in_process(compose_config(*RUN, *GBDT, *overrides, "resume=true"), run_dir, log=lines.append)
+    assert any("resumed after epoch 3" in line for line in lines), lines
+    got, want = history(resumed), history(full)
+    assert [e for e, _, _ in got] == [e for e, _, _ in want] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([m for _, m, _ in got], [m for _, m, _ in want], rtol=1e-9)
+    np.testing.assert_allclose([t for _, _, t in got], [t for _, _, t in want], rtol=1e-9)
+    forest, forest_full = resumed.strategy.model_extra(), full.strategy.model_extra()
+    assert forest["split_ids"] == forest_full["split_ids"] and sum(map(len, forest["split_ids"].values())) > 6
+    for trees, trees_full in zip(forest["trees"], forest_full["trees"], strict=True):
+        for tree, tree_full in zip(trees, trees_full, strict=True):
+            assert [n[:4] for n in tree["nodes"]] == [n[:4] for n in tree_full["nodes"]]  # ids, tables, children
+            np.testing.assert_allclose([n[4] for n in tree["nodes"]], [n[4] for n in tree_full["nodes"]], rtol=1e-9)
+    for key, context in resumed.contexts.items():  # every node ends with the uninterrupted run's splits
+        splits = ClientState(context.state).get("gbdt.splits")
+        np.testing.assert_array_equal(splits, ClientState(full.contexts[key].state).get("gbdt.splits"))
+    assert json.loads((run_dir / "model.json").read_text())["trees"] == forest["trees"]
+
+
 #: tol=0: accelerated ADMM (the default) meets the default tol before epoch 4 (the crash's)
 TO_EPOCH_4 = "algorithm.tol=0"
 
@@ -192,13 +242,12 @@ def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
 
 
 def test_every_registered_algorithm_resumes():
-    """Every algorithm with epochs resumes, except boosted trees (no checkpoint of the forest yet: resume=true is
-    refused in one line naming the algorithms that resume); a one-shot one (k-means: DistDim has no epochs)
-    refuses by name."""
+    """Every algorithm with epochs resumes (boosted trees: an epoch is an evaluation's trees); a one-shot one
+    (k-means: DistDim has no epochs) refuses by name."""
     from tpflower.registry import entries
 
     not_resumable = [e.name for e in entries() if e.federated and not e.strategy.resumable and not e.strategy.one_shot]
-    assert not_resumable == ["gbdt", "ucq_gbdt"]
+    assert not_resumable == []
     assert {e.name for e in entries() if e.strategy.one_shot} == {"kmeans", "coreset_kmeans"}
 
 

@@ -25,6 +25,8 @@ def _suite(name: str) -> ModuleType:
 
 def _convergence(a: argparse.Namespace) -> dict[str, Any]:
     convergence = _suite("convergence")
+    if a.matrix and a.gbdt:
+        return convergence.gbdt_matrix_suite(a.epochs if a.epochs != 3 else 10, a.quick, not a.no_bundled)
     if a.matrix:
         return convergence.matrix_suite(a.epochs if a.epochs != 3 else 10, a.quick, not a.no_bundled)
     datasets = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(convergence.CONVERGENCE_DATA)
@@ -62,6 +64,9 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         ints(a.fact_mapping_n),
         ints(a.budget_n),
         tuple(x for x in a.fact_algorithms.split(",") if x),
+        tuple(x for x in a.budget_families.split(",") if x),
+        ints(a.gbdt_n),
+        a.gbdt_trees,
     ),
     "celu": lambda a: _suite("celu").run_suite(a),
     "deploy": _deploy,
@@ -72,6 +77,11 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         [tuple(c.split("/")) for c in a.cases.split(",")] if a.cases else list(_suite("lbfgs").LBFGS_CASES), a.epochs
     ),
     "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
+    "auto": lambda a: _suite("auto").auto_suite(
+        a.epochs if a.epochs != 3 else 10,
+        a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(_suite("auto").AUTO_DATA),
+        tuple(tuple(c.split("/")) for c in a.cases.split(",")) if a.cases else _suite("auto").AUTO_RUNS,
+    ),
     "gbdt": lambda a: _suite("gbdt").gbdt_suite(
         [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower, a.deployed_trees
     ),
@@ -92,10 +102,13 @@ def main(argv: list[str] | None = None) -> None:
         "--keys-memory-n", type=int, default=10_000_000, help="setup: fact rows of the keys memory (0: keep)"
     )
     ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
-    ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
+    ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence, auto: datasets")
     ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
     ap.add_argument("--matrix", action="store_true", help="convergence: the schema matrix (convergence-matrix.json)")
     ap.add_argument("--quick", action="store_true", help="convergence --matrix: the quick cells only")
+    ap.add_argument(
+        "--gbdt", action="store_true", help="convergence --matrix: boosted trees per cell (convergence-matrix-gbdt)"
+    )
     ap.add_argument("--no-bundled", action="store_true", help="convergence --matrix: without the bundled datasets")
     ap.add_argument("--model", default="mlp", help="celu: model")
     ap.add_argument(
@@ -123,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fact-mapping-n", default="100000000", help="scale: fact-table rows of the mapping alone ('')")
     ap.add_argument("--budget-n", default="10000000", help="scale: N of the per-family memory budgets ('': keep)")
     ap.add_argument("--fact-algorithms", default="auto,admm", help="scale: algorithms of the fact-table runs")
+    ap.add_argument("--budget-families", default="", help="scale: families of the budgets ('': all)")
+    ap.add_argument("--gbdt-n", default="10000000", help="scale: N of boosted trees' server state ('': keep)")
+    ap.add_argument("--gbdt-trees", type=int, default=50, help="scale: trees of that run")
     ap.add_argument("--mapping-n", type=int, default=100_000_000, help="scale: N of the mapping alone (0: skip)")
     ap.add_argument("--dataset", default="movielens", help="coreset: the dataset")
     ap.add_argument("--task", choices=("ridge", "kmeans"), default="ridge", help="coreset: ridge or k-means")
@@ -130,7 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         "--reps", type=int, default=10, help="coreset: repetitions per m and sampling (startup: repeats, default 3)"
     )
     ap.add_argument("--ms", default="500,1000,2000,4000", help="coreset: coreset sizes")
-    ap.add_argument("--cases", default="", help="lbfgs: DATASET/MODEL[/ucq] cases (default: lbfgs.LBFGS_CASES)")
+    ap.add_argument(
+        "--cases",
+        default="",
+        help="lbfgs: DATASET/MODEL[/ucq] cases (default: lbfgs.LBFGS_CASES); auto: MODEL/ALGORITHM runs",
+    )
     ap.add_argument(
         "--variant",
         action="append",

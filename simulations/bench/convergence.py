@@ -7,6 +7,7 @@ against TP-Join-ADMM; with --mlp also MLP vs linear for every algorithm.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,16 @@ MATRIX_ALGORITHMS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: boosted trees beside the matrix's rows, and on the nonlinear cells the linear and MLP rows they compete with,
+#: every one with its shipped defaults (gbdt: 300 trees; the others: 10 epochs)
+GBDT_ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "gbdt": ("algorithm=gbdt",),
+    "linear": ("algorithm=auto",),  # pcg (regression), lbfgs (classification)
+    "mlp_admm": ("algorithm=admm", "model=mlp"),
+    "mlp_lbfgs": ("algorithm=lbfgs", "model=mlp"),
+}
+
+
 def cell_overrides(cell: dict[str, Any]) -> list[str]:
     """A matrix cell as synthetic-dataset overrides: ``dup`` fact rows per dimension row (fanout 1), so
     n_fact = dim_rows * dup joined rows."""
@@ -143,6 +154,7 @@ def cell_overrides(cell: dict[str, Any]) -> list[str]:
         "n_classes": cell.get("n_classes", 3),
         "noise": cell.get("noise", 0.5),
         "seed": cell.get("seed", 0),
+        "label": cell.get("label", "linear"),
     }
     out = ["dataset=synthetic", *(f"dataset.loader.{k}={v}" for k, v in loader.items())]
     out += [f"+dataset.loader.correlation={cell.get('correlation', 0.0)}"]
@@ -188,7 +200,7 @@ def matrix_cell(overrides: list[str], epochs: int, algorithms: list[str]) -> dic
     for name in algorithms:
         if name.startswith("pcg") and task != "regression":
             continue
-        cfg = compose_config(*overrides, *MATRIX_ALGORITHMS[name], f"epochs={epochs}")
+        cfg = compose_config(*overrides, *{**MATRIX_ALGORITHMS, **GBDT_ALGORITHMS}[name], f"epochs={epochs}")
         t0 = time.perf_counter()
         res = run_in_process(cfg, None, log=lambda _: None).strategy.results
         hist = [{"metric": h.test_metric, "rounds": h.rounds, "bytes": h.bytes_up + h.bytes_down} for h in res.history]
@@ -216,6 +228,13 @@ MATRIX_CELLS: list[dict[str, Any]] = [
     _cell("snowflake", 100000, 10, 0.5),  # 1,000,000 joined rows
 ]
 QUICK = 8
+#: cells whose label is the generator's nonlinear teacher (tanh(x A_t) B_t per table, hidden 8): exact ridge is
+#: not the true model there; a regression, a correlated snowflake and a multiclass one, 10,000 joined rows each
+NONLINEAR_CELLS: list[dict[str, Any]] = [
+    _cell("star", 200, 50, 0.0, label="nonlinear"),
+    _cell("snowflake", 200, 50, 0.5, label="nonlinear"),
+    _cell("star", 200, 50, 0.0, label="nonlinear", task="multiclass", n_classes=4),
+]
 #: every bundled dataset (overrides)
 BUNDLED: dict[str, tuple[str, ...]] = {
     "movielens": ("dataset=movielens",),
@@ -271,16 +290,15 @@ def summarize(cell: dict[str, Any], epochs: int) -> dict[str, Any]:
     return out
 
 
-def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
-    """The schema matrix (docs/results.md): every cell (the first QUICK with ``quick``) and, with ``bundled``,
-    every bundled dataset; PCG, ADMM (shipped and old defaults), TP-Join-SGD against the exact ridge (or the
-    centralized model's metric for classification)."""
-    cases = {cell_name(c): cell_overrides(c) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
-    if bundled:
-        cases.update({k: list(v) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
+def run_cells(
+    cases: dict[str, tuple[list[str], list[str]]], epochs: int, partial: Path | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each case (its overrides and algorithms) as one matrix cell in a fresh process, summarized; a dataset whose
+    files are absent is skipped, with why. ``partial``: the cells measured so far are written there after each
+    (a long run stopped early keeps its part)."""
     rows: dict[str, Any] = {}
     skipped: dict[str, str] = {}
-    for name, overrides in cases.items():
+    for name, (overrides, algorithms) in cases.items():
         why = absent_data(overrides)
         if why is not None:
             skipped[name] = why
@@ -290,10 +308,49 @@ def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
         cell = run_isolated(
             "simulations.bench.convergence",
             "matrix_cell",
-            {"overrides": overrides, "epochs": epochs, "algorithms": list(MATRIX_ALGORITHMS)},
+            {"overrides": overrides, "epochs": epochs, "algorithms": algorithms},
         )
         cell["summary"] = summarize(cell, epochs)
         cell["wall_s"] = round(time.perf_counter() - t0, 1)
         rows[name] = cell
         print(name, json.dumps(cell["summary"]), flush=True)
+        if partial is not None:
+            partial.write_text(json.dumps({"epochs": epochs, "cells": rows, "skipped": skipped, "partial": True}))
+    return rows, skipped
+
+
+def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
+    """The schema matrix (docs/results.md): every cell (the first QUICK with ``quick``) and, with ``bundled``,
+    every bundled dataset; PCG, ADMM (shipped and old defaults), TP-Join-SGD against the exact ridge (or the
+    centralized model's metric for classification)."""
+    every = list(MATRIX_ALGORITHMS)
+    cases = {cell_name(c): (cell_overrides(c), every) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
+    if bundled:
+        cases.update({k: (list(v), every) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
+    rows, skipped = run_cells(cases, epochs)
     return {"case": "convergence-matrix", "epochs": epochs, "quick": quick, "cells": rows, "skipped": skipped}
+
+
+def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
+    """Boosted trees on the schema matrix: the nonlinear cells (gbdt, the linear model by algorithm=auto and the
+    MLP by ADMM and L-BFGS, ``epochs`` each), then gbdt (shipped defaults) on every cell of the matrix (the first
+    QUICK with ``quick``) and, with ``bundled``, every bundled dataset, beside the rows of
+    convergence-matrix.json."""
+    cases = {cell_name(c): (cell_overrides(c), list(GBDT_ALGORITHMS)) for c in NONLINEAR_CELLS}
+    cases.update(
+        {cell_name(c): (cell_overrides(c), ["gbdt"]) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
+    )
+    if bundled:
+        cases.update({k: (list(v), ["gbdt"]) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
+    partial = Path("bench_results/convergence-matrix-gbdt.partial.json")
+    rows, skipped = run_cells(cases, epochs, partial)
+    partial.unlink(missing_ok=True)  # complete: the suite's JSON replaces it
+    return {
+        "case": "convergence-matrix-gbdt",
+        "epochs": epochs,
+        "quick": quick,
+        "bundled": bundled,
+        "load": f"1-minute load {os.getloadavg()[0]:.1f} at the end",
+        "cells": rows,
+        "skipped": skipped,
+    }

@@ -3,6 +3,7 @@ engine at each N, and the table mapping alone at a large N.
 
     python -m simulations.bench scale [--scale-n 1e6,1e7,4e7,1e8] [--server-n 1e7] [--mapping-n 100000000]
                                       [--fact-n 100000000] [--fact-mapping-n 100000000] [--budget-n 1e7]
+                                      [--budget-families gbdt] [--gbdt-n 1e7] [--gbdt-trees 50]
                                                                   -> bench_results/scale.json
 
 ``--fact-n``: the shipped default (algorithm=auto: PCG) and TP-Join-ADMM, 2 epochs, on a fact table of that many
@@ -45,6 +46,9 @@ from tpflower.mapping import build_mapping, holdout_mask, project_keys
 #: the synthetic star schema of the scale benchmark: a fact table and 3 dimensions with 2 rows per key, so every
 #: fact row joins 2 x 2 x 2 rows: N = 8 n_fact (4 tables; conf/dataset/synthetic.yaml's widths and dim_rows)
 SCALE_N = (1_000_000, 10_000_000, 40_000_000, 100_000_000)
+#: boosted trees' scale goal: this many trees on the star at N = 10M with at most GBDT_STATE_GOAL bytes of server
+#: state (simulations/bench/memory.py's state walk at each evaluation) per joined row
+GBDT_SCALE_TREES, GBDT_STATE_GOAL = 50, 64.0
 #: the goal for the fanout-1 fact-table runs: the whole process tree under 16 GB (a run passing it is killed)
 FACT_LIMIT_MB = 16_000
 
@@ -311,12 +315,17 @@ def scale_suite(
     fact_mapping_ns: Sequence[int] = (),
     budget_ns: Sequence[int] = (),
     fact_algorithms: Sequence[str] = ("auto", "admm"),
+    budget_families: Sequence[str] = (),
+    gbdt_ns: Sequence[int] = (),
+    gbdt_trees: int = GBDT_SCALE_TREES,
 ) -> dict[str, Any]:
     """Bytes per joined row of the server state (float32 and float64), TP-Join-ADMM under
     Flower's simulation engine at each N, the mapping alone at ``mapping_n``, and TP-Join-ADMM on a fact table
     of each N in ``fact_ns`` rows (fanout 1, ``fact_epochs`` epochs), and the mapping alone on a fact table of
-    each N in ``fact_mapping_ns`` rows, and the server state of every algorithm family at each N in
-    ``budget_ns`` against its documented budget (simulations/bench/memory.py). Each case in a fresh process; a
+    each N in ``fact_mapping_ns`` rows, and the server state of every algorithm family (``budget_families``:
+    only those; the others keep their last entries) at each N in ``budget_ns`` against its documented budget
+    (simulations/bench/memory.py), and boosted trees' server state after ``gbdt_trees`` trees at each N in
+    ``gbdt_ns`` against GBDT_STATE_GOAL. Each case in a fresh process; a
     section not run this time (empty list, 0) keeps its entries of the last bench_results/scale.json.
     ``failures``: a measured budget over the documented one, a fact-table run that failed or passed 16 GB (the
     bench exits non-zero after writing its JSON)."""
@@ -347,10 +356,13 @@ def scale_suite(
         out["fact_table_mapping"].append(_run_case("mapping_scale_case", {"n_joined": n, "fanout": 1}))
         print(json.dumps(out["fact_table_mapping"][-1]), flush=True)
     failures: list[str] = []
+    families = list(budget_families) or list(FAMILIES)
     if budget_ns:
-        out["budgets"] = []
+        out["budgets"] = [
+            b for b in out.get("budgets", []) if b["family"] not in families and b["n_joined"] in budget_ns
+        ]
     for n in budget_ns:  # every family at fanout 2 and 1: state = per_joined N + per_table sum_i n_i
-        for family in FAMILIES:
+        for family in families:
             runs = [
                 run_isolated("simulations.bench.memory", "family_state", {"family": family, "n_joined": n, "fanout": f})
                 for f in (2, 1)
@@ -370,6 +382,37 @@ def scale_suite(
             failures += entry["over"]
             out["budgets"].append(entry)
             print(json.dumps({k: v for k, v in entry.items() if k != "runs"}), flush=True)
+    if budget_ns:
+        out["budgets"].sort(key=lambda b: (b["n_joined"], list(FAMILIES).index(b["family"])))
+    if gbdt_ns:
+        out["gbdt_scale"] = []
+    for n in gbdt_ns:  # the scale goal of boosted trees: gbdt_trees trees of the shipped defaults on the star
+        every = max(gbdt_trees // 5, 1)
+        run = run_isolated(
+            "simulations.bench.memory",
+            "family_state",
+            {
+                "family": "gbdt",
+                "n_joined": n,
+                "fanout": SCALE_FANOUT,
+                "overrides": [
+                    f"algorithm.trees={gbdt_trees}",
+                    f"algorithm.eval_every={every}",
+                    "algorithm.learning_rate=0.1",
+                ],
+            },
+        )
+        run["state_bytes_per_joined_row"] = round(run["state_bytes"] / run["n_joined"], 1)
+        run["trees"] = gbdt_trees
+        run["load"] = f"1-minute load {os.getloadavg()[0]:.1f} at the end"
+        run["goal_bytes_per_joined_row"] = GBDT_STATE_GOAL
+        out["gbdt_scale"].append(run)
+        print(json.dumps(run), flush=True)
+        if run["state_bytes_per_joined_row"] > GBDT_STATE_GOAL:
+            failures.append(
+                f"gbdt at {n:,} joined rows: {run['state_bytes_per_joined_row']} bytes of server state per joined "
+                f"row, goal {GBDT_STATE_GOAL}"
+            )
     if fact_ns:
         out["fact_table"] = []
     for n in fact_ns:
