@@ -97,6 +97,7 @@ def test_lbfgs_equals_centralized_lbfgs_on_the_materialized_join(task, model, sc
     cfg = make_cfg(
         "algorithm=lbfgs", "dataset=synthetic", f"dataset.loader.task={task}", f"model={model}",
         "precision=float64", "algorithm.tol=0", f"epochs={iterations}", "algorithm.memory=3", f"scenario={scenario}",
+        "validation_fraction=0",  # the whole training split, as the centralized reference
     )  # fmt: skip
     run = run_in_process(cfg, None, log=quiet)
     local, losses = centralized_lbfgs(cfg, iterations)

@@ -15,6 +15,7 @@
     python -m simulations.bench privacy [--jobs 2]                 -> bench_results/privacy.json
     python -m simulations.bench predict [--n-joined 100000]        -> bench_results/predict.json
     python -m simulations.bench lbfgs [--cases nycflights13_delayed/mlp,...] -> bench_results/lbfgs.json
+    python -m simulations.bench selection [--epochs 10]            -> bench_results/selection.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.

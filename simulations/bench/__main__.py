@@ -72,6 +72,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         [tuple(c.split("/")) for c in a.cases.split(",")] if a.cases else list(_suite("lbfgs").LBFGS_CASES), a.epochs
     ),
     "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
+    "selection": lambda a: _suite("selection").selection_suite(a.epochs if a.epochs != 3 else 10),
     "gbdt": lambda a: _suite("gbdt").gbdt_suite(
         [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower
     ),
@@ -91,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--keys-memory-n", type=int, default=10_000_000, help="setup: fact rows of the keys memory (0: keep)"
     )
-    ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
+    ap.add_argument(
+        "--epochs", type=int, default=3, help="loj: epochs per run (convergence, selection: 10 unless given)"
+    )
     ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence: datasets")
     ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
     ap.add_argument("--matrix", action="store_true", help="convergence: the schema matrix (convergence-matrix.json)")

@@ -29,7 +29,7 @@ def algorithm_case(
     with tempfile.TemporaryDirectory() as tmp:
         res = run_job(cfg, Path(tmp))
     total = time.perf_counter() - t0
-    h = res.history
+    h = [r for r in res.history if "kept" not in r.extra]  # the evaluations (not the kept model's record again)
     per_epoch = (h[-1].wall_time_s - h[0].wall_time_s) / (len(h) - 1) if len(h) > 1 else h[-1].wall_time_s
     return {
         "algorithm": res.algorithm,
@@ -39,7 +39,7 @@ def algorithm_case(
         "epoch_wall_s": round(per_epoch, 3),
         "total_wall_s": round(total, 1),
         "peak_rss_mb": round(peak_rss_mb(), 1),
-        "test_metric": h[-1].test_metric,
+        "test_metric": res.history[-1].test_metric,  # the kept model's (strategies.selection)
         "rounds_per_epoch": (h[-1].rounds - h[0].rounds) / max(len(h) - 1, 1),
         "bytes_per_epoch": (h[-1].bytes_up + h[-1].bytes_down - h[0].bytes_up - h[0].bytes_down) / max(len(h) - 1, 1),
     }
