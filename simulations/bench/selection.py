@@ -21,12 +21,10 @@ from typing import Any
 from simulations.bench.common import peak_rss_mb
 from tpflower.config import compose_config
 
-#: (dataset, algorithm, model): the MLPs trained by SGD and by ADMM, and linear SGD
+#: (dataset, algorithm, model): the MLP trained by SGD on the two regression datasets
 SELECTION_CASES = (
     ("movielens", "sgd", "mlp"),
     ("nycflights13", "sgd", "mlp"),
-    ("movielens", "admm", "mlp"),
-    ("movielens", "sgd", "linear"),
 )
 
 
