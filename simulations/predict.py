@@ -28,7 +28,9 @@ from simulations.federated import run_flower_simulation, run_in_process
 from strategies.model_record import read_model_record
 from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Predictions, write_predictions
 from strategies.transport import RunError
+from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec
+from tpflower.datasets.files import read_csv_noting_na_strings
 from tpflower.schema import RelationalSpec, SpecError
 
 
@@ -66,6 +68,11 @@ def predict_run(
         log(
             f"{rows_name or f'rows file {rows}'}: column(s) {ignored} are no feature or key of table {table!r}: ignored"
         )
+    for c, (n, row, value) in na_text(rows_path, spec, table).items():
+        log(
+            f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} value(s) like {value!r} (the first in row "
+            f"{row}), read as missing: the median fills them (dataset.na_strings: error refuses them)"
+        )
     with open_dict(cfg):
         cfg.predict = {"run_id": record["run_id"], "rows": str(rows_path), "table": table, "shard": shard}
         cfg.predict.per_joined_row = per_joined_row
@@ -78,6 +85,19 @@ def predict_run(
         raise ValueError(f"--runtime must be inprocess or flower, got {runtime!r}")
     assert strategy.results is not None
     return strategy.results
+
+
+def na_text(path: Path, spec: RelationalSpec, table: str) -> dict[str, tuple[int, int, str]]:
+    """Under ``dataset.na_strings: missing``, the numeric columns of ``table`` where the CSV rows file has text
+    for a missing number ("n/a", "NULL", ...): (count, first row, the text). Under ``error`` the node refuses
+    them in its one line (tpflower.phases.predict.read_rows)."""
+    if path.suffix.lower() != ".csv" or spec.na_strings != "missing":
+        return {}
+    try:
+        noted = read_csv_noting_na_strings(path).attrs.get(NA_ATTR) or {}
+    except (OSError, ValueError):
+        return {}  # an unreadable file: the node says why, in its one line
+    return {c: v for c, v in noted.items() if c in spec.table(table).numeric}
 
 
 def unused_columns(path: Path, spec: RelationalSpec, table: str, loader: str | None) -> list[str]:

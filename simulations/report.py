@@ -969,6 +969,64 @@ def prediction() -> str | None:
     )
 
 
+def selection() -> str | None:
+    """The selection suite: the kept model (validation part) against the last model (none), side by side."""
+    d = load("selection.json")
+    if d is None:
+        return None
+    rows = []
+    for c in d["cases"]:
+        kept, last = c["kept"], c["last"]
+        lower_is_better = kept["metric"] in ("rmse", "loss")
+        pick = min if lower_is_better else max
+        oracle = pick(last["evaluations"], key=lambda e: e["test_metric"])
+        sel = kept["selection"]
+        stop = kept["stopped"].get("epoch") if kept["stopped"].get("reason") == "validation" else None
+        rows.append(
+            [
+                c["dataset"],
+                NAMES.get(c["algorithm"], c["algorithm"]),
+                c["model"],
+                kept["metric"],
+                f"{metric_digits(last['final'])} (epoch {last['evaluations'][-1]['epoch']})",
+                f"{metric_digits(oracle['test_metric'])} (epoch {oracle['epoch']})",
+                f"**{metric_digits(kept['final'])}** (epoch {sel['kept_epoch']})",
+                "" if stop is None else f"after epoch {stop}",
+                pct(kept["final"] / last["final"] - 1),
+            ]
+        )
+    return "\n\n".join(
+        [
+            "## Model selection: the kept model against the last one\n\nShipped defaults, in-process, "
+            f"{d['epochs']} epochs at most: each case with its default validation part (`validation_fraction` "
+            "null: 0.1 of the training join's labelled rows, `early_stopping` 5; the kept model is the evaluation "
+            "with the lowest validation loss, [algorithms.md](algorithms.md#model-selection)) and again with "
+            "`validation_fraction=0` (the whole training split, the last epoch's model). The test split is the "
+            "same; the best test epoch of the run without a validation part is what an oracle that reads the "
+            "test split would keep.",
+            command(
+                "python -m simulations.bench selection   # -> bench_results/selection.json",
+                "python -m simulations.bench.selection plot bench_results/selection.json docs/selection.png",
+            ),
+            table(
+                [
+                    "dataset",
+                    "algorithm",
+                    "model",
+                    "metric",
+                    "no validation: last",
+                    "no validation: best test epoch",
+                    "kept model",
+                    "early stop",
+                    "kept vs last",
+                ],
+                rows,
+            ),
+            "![test metric and validation loss per epoch, the kept epoch](selection.png)",
+        ]
+    )
+
+
 def lbfgs() -> str | None:
     d = load("lbfgs.json")
     if d is None:
@@ -1507,6 +1565,7 @@ SECTIONS: list[Callable[[], str | None]] = [
     loj,
     gbdt,
     convergence,
+    selection,
     lbfgs,
     auto_choice,
     schema_matrix,
@@ -1531,6 +1590,10 @@ def render() -> str:
         "`bench_results/`, written by the command printed above the table (run from the repository root; "
         '`make bench ARGS="SUITE ..."` is the same). The benchmarks ran on a 2-core machine, Python '
         "3.11, CPU only; timings vary with the load of the machine, accuracies do not (except the DP cells). "
+        "The suites that compare optimisation (ADMM convergence, L-BFGS, the schema matrix, privacy, CELU-VFL) train "
+        "on the whole training split and report the last model (`validation_fraction=0`); the kept model of the "
+        "shipped validation part ([algorithms.md](algorithms.md#model-selection)) has its own suite, "
+        "`python -m simulations.bench selection`. "
         "The headline accuracy table (learning over join, 10 epochs) is in the [README](../README.md#results); "
         "the math behind the names is in [algorithms.md](algorithms.md).\n\nContents: "
         "[learning over join](#learning-over-join-cost-per-epoch), "

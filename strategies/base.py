@@ -11,8 +11,9 @@ way in: see the note above them.)
 
 The relational strategies share :class:`LoJStrategy`: a protocol runner over the transport that USES a
 :class:`~strategies.setup.JoinSetup` (the setup rounds and what they build), a
-:class:`~strategies.evaluation.RunRecord` (test evaluation, results, meters) and, when it checkpoints its
-epochs, a :class:`~strategies.epoch_checkpoints.EpochCheckpoints`.
+:class:`~strategies.evaluation.RunRecord` (test evaluation, results, meters), a
+:class:`~strategies.selection.ModelSelection` (the validation part and the kept model) and, when it
+checkpoints its epochs, a :class:`~strategies.epoch_checkpoints.EpochCheckpoints`.
 
 Client keys are (table, shard). Before the protocol, :meth:`connect` asks every node which table and shard
 it holds. The same object runs under Flower (:class:`~strategies.transport.GridTransport`) and in-process
@@ -24,6 +25,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +38,17 @@ from strategies.epoch_checkpoints import NO_CHECKPOINTS, EpochCheckpoints, NoChe
 from strategies.evaluation import RunRecord
 from strategies.model_record import model_record, write_model_record
 from strategies.replies import check_round
+from strategies.selection import ModelSelection
 from strategies.setup import JoinSetup
 from strategies.transport import MESSAGE_TYPE, ClientKey, GridTransport, Kind, Payload, Reply, RunError, Transport
 from tpflower import privacy as dp
 from tpflower.checkpoint import CHECKPOINT
-from tpflower.losses import primary_metric
+from tpflower.losses import LabelScale, primary_metric
 from tpflower.params import AlgorithmParams, run_settings
 from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
 from tpflower.registry import entries
 from tpflower.schema import RelationalSpec
+from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
 
 
 class TablePuppetStrategy(Strategy):
@@ -236,8 +240,12 @@ class LoJStrategy(TablePuppetStrategy):
     expand = False  # VFL baselines: setup sends each client its p_i (no duplicate reduction)
     resumable = False  # the protocol checkpoints every epoch: the strategy gets an EpochCheckpoints
     one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
-    checkpointed: tuple[str, ...] = ()  # the strategy's own attributes an epoch's checkpoint keeps
+    checkpointed: tuple[str, ...] = ("selection",)  # the strategy's own attributes an epoch's checkpoint keeps
     predictor = True  # the nodes save their parts of the trained f_i at the end (model.json; simulations.predict)
+    # the top-level validation_fraction: "select" (setup holds out the validation part of the training join and
+    # the run keeps the model of its best evaluation: strategies.selection), "own" (the strategy reads it
+    # itself: boosted trees) or "none" (a solver that keeps no validation part: above 0 is refused)
+    validation = "own"
 
     def __init__(
         self,
@@ -267,9 +275,28 @@ class LoJStrategy(TablePuppetStrategy):
         self.feature_dp = dp.uses_feature_dp(self.privacy)
         self.finished = False
         self.run_id = secrets.token_hex(16)  # names this run's checkpoints on the nodes (kept when resumed)
-        self.join = JoinSetup(self.send, spec, cfg, self.clients, self.privacy, log)
+        self.validation_fraction = self.validation_share()
+        self.join = JoinSetup(self.send, spec, cfg, self.clients, self.privacy, log, self.validation_fraction)
+        self.selection = ModelSelection(self.task, LabelScale(), None, 0)  # set up with the validation rows
         self.record = RunRecord(self.send, self.join, self.task, self.privacy, log)
         self.checkpoints = self._checkpoints(bool(cfg.get("resume", False)))
+
+    def validation_share(self) -> float:
+        """The share of the training join's labelled rows setup holds out for model selection (``validation``)."""
+        value = self.cfg.get("validation_fraction")
+        if self.validation == "select":
+            return validation_fraction_of(value, self.default_validation())
+        fraction = validation_fraction_of(value, 0.0)  # checked for every algorithm, before a client is contacted
+        if self.validation == "none" and fraction > 0:
+            raise ValueError(
+                f"validation_fraction={value}: {self.algorithm} solves its problem to the end and selects no "
+                "model on a validation part; set validation_fraction=0 (or null)"
+            )
+        return 0.0
+
+    def default_validation(self) -> float:
+        """``validation_fraction`` when the config leaves it at null (docs/settings.md)."""
+        return SELECTION_FRACTION
 
     def _checkpoints(self, resume: bool) -> NoCheckpoints:
         """An EpochCheckpoints for a resumable algorithm with a run dir, else NO_CHECKPOINTS; ``resume=true``
@@ -297,6 +324,8 @@ class LoJStrategy(TablePuppetStrategy):
     mapping = property(lambda self: self.join.mapping)
     train = property(lambda self: self.join.train)
     test = property(lambda self: self.join.test)
+    valid = property(lambda self: self.join.valid)
+    evaluated = property(lambda self: self.join.evaluated)  # the validation rows, then the test rows
     routers = property(lambda self: self.join.routers)
     y_train = property(lambda self: self.join.y_train)
     y_test = property(lambda self: self.join.y_test)
@@ -329,6 +358,15 @@ class LoJStrategy(TablePuppetStrategy):
         self.join.run(
             self.run_id, self.record, self.algorithm, self.plan_feature_dp if self.feature_dp else None, self.expand
         )
+        patience = int(getattr(self.params, "early_stopping", 0))
+        self.selection = ModelSelection(self.task, self.label_scale, self.join.y_valid, patience)
+        if self.selection.on:
+            stopping = f"early stopping after {patience} without a lower one" if patience else "no early stopping"
+            self.log(
+                f"validation: {self.selection.n_valid:,} joined rows of the training join "
+                f"(validation_fraction={self.validation_fraction:g}); the model of the evaluation with the lowest "
+                f"validation loss is kept, {stopping}"
+            )
 
     def send(self, messages: Mapping[ClientKey, Payload], kind: Kind = "train") -> dict[ClientKey, Reply]:
         replies = super().send(messages, kind)
@@ -344,9 +382,50 @@ class LoJStrategy(TablePuppetStrategy):
         """Evaluate the test predictions, append the epoch to the record and print its line (RunRecord)."""
         self.record.record_epoch(self.algorithm, epoch, H_test, train_loss, extra)
 
+    def record_evaluation(
+        self, epoch: int | float, H_eval: np.ndarray, train_loss: float, extra: dict[str, float] | None = None
+    ) -> bool:
+        """:meth:`record_epoch` for the predictions ``H_eval`` of the :attr:`evaluated` rows (the validation rows,
+        then the test rows): with a validation part, its loss (``val_loss``) goes into the record and the model
+        selection (strategies.selection). True when the run stops early here (its line says so)."""
+        sel = self.selection
+        n = sel.n_valid
+        val: dict[str, float] = {"val_loss": sel.validation_loss(H_eval[:n])} if sel.on else {}
+        self.record_epoch(epoch, H_eval[n:], train_loss, {**(extra or {}), **val})
+        if not sel.on:
+            return False
+        assert self.results is not None
+        sel.observe(self.results.history[-1], self.record.test_predictions, val["val_loss"])
+        if sel.stopped:
+            self.log(sel.stop_line())
+            self.results.stopped = {
+                "epoch": epoch,
+                "reason": "validation",
+                "detail": f"no lower validation loss in {sel.bad} evaluations",
+            }
+        return sel.stopped
+
+    def keep_best(self) -> None:
+        """At the end of a run with a validation part: the kept model's record is the last history entry
+        (appended again, with the run's traffic and time, when a later evaluation was not the best) and its
+        test predictions the run's; results.selection says which it is."""
+        sel = self.selection
+        if not sel.on or sel.best_record is None:
+            return
+        assert self.results is not None and self.comm is not None
+        best = sel.best_record
+        if sel.best != sel.evaluations:
+            now = {"wall_time_s": self.record.elapsed(), **self.comm.snapshot()}
+            self.log(f"kept: the model of epoch {best.epoch} (the lowest validation loss, {sel.best_loss:.4g})")
+            self.record.add(replace(best, **now, extra={**best.extra, "kept": 1.0}), self.metric)  # type: ignore[arg-type]
+            self.record.test_predictions = sel.best_predictions
+        self.results.selection = sel.summary(self.validation_fraction)
+
     def finish(self) -> None:
-        """Once the protocol has run to its end: every node saves its part of the model and model.json is
-        written (a predictor with a run dir; docs/prediction.md), then results.json (atomically)."""
+        """Once the protocol has run to its end: the kept model chosen (:meth:`keep_best`), every node saves its
+        part of the model and model.json is written (a predictor with a run dir; docs/prediction.md), then
+        results.json (atomically)."""
+        self.keep_best()
         if self.predictor and self.run_dir is not None:
             self.save_model()
         self.finished = True
@@ -359,7 +438,8 @@ class LoJStrategy(TablePuppetStrategy):
     def save_model(self) -> None:
         """The save round (``save_part``, not training traffic) and the server's model record, model.json."""
         assert self.run_dir is not None
-        replies = self.send({k: ({}, {"phase": "save_part", "run_id": self.run_id}) for k in self.clients}, "eval")
+        config = {"phase": "save_part", "run_id": self.run_id, **self.selection.save_config()}
+        replies = self.send({k: ({}, config) for k in self.clients}, "eval")
         parts = {k: str(m.get("part", "")) for k, (_, m) in replies.items()}
         if not all(parts.values()):
             return  # nodes without a state_dir keep no part: there is no model to record

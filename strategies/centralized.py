@@ -44,6 +44,7 @@ from tpflower.trees import (
     init_scores,
     leaf_values,
 )
+from tpflower.validation import validation_fraction_of
 
 EVAL_CHUNK = 65536  # rows of the join materialized at once when predicting
 
@@ -137,6 +138,11 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     beta = float(cfg.model.beta)
     start = time.perf_counter()
     solver = cfg.algorithm.get("solver", "sgd")
+    if validation_fraction_of(cfg.get("validation_fraction"), 0.0) > 0:
+        raise ValueError(
+            f"validation_fraction={cfg.validation_fraction}: the centralized baseline trains on the whole training "
+            "join and keeps its last model; set validation_fraction=0 (or null)"
+        )
     scale = label_scale_of(cfg, rel)  # regression: trained on the standardized label, as the federated runs
     if solver == "exact":
         if task != "regression" or cfg.model.kind != "linear":

@@ -113,6 +113,7 @@ class DISStrategy(LoJStrategy):
 
     kind = "ridge"  # the sensitivity the clients compute: ridge (Alg. 2) | kmeans (Alg. 3)
     construction: dict[str, float]
+    validation = "none"  # it solves its problem to the end: no model selection on a validation part
 
     def require_join(self) -> None:
         """After setup: these algorithms run on the join scenario, one client per table."""

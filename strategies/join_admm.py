@@ -509,6 +509,7 @@ class TPJoinADMM(LoJStrategy):
     algorithm = "tp_join_admm"
     params_type = ADMMParams
     resumable = True
+    validation = "select"
 
     def protocol(self) -> None:
         done, loop = self.begin(self.start_admm)
@@ -517,25 +518,20 @@ class TPJoinADMM(LoJStrategy):
         last = done if not loop.get("stopped") else int(self.cfg.epochs)  # a resumed run that had stopped early
         for epoch in range(last + 1, int(self.cfg.epochs) + 1):
             Y, rho = admm.scatter(h), admm.rho
-            replies = self.send(
-                self.messages(
-                    lambda t: (
-                        {"Y": Y[t]},
-                        {"phase": "admm_update", "epoch": epoch, "rho": rho, **self.checkpoint_config(epoch)},
-                    )
-                )
-            )
+            config = {"phase": "admm_update", "epoch": epoch, "rho": rho, **self.checkpoint_config(epoch)}
+            config.update(self.selection.config(self.selection.evaluations + 1))  # every update is evaluated
+            replies = self.send(self.messages(lambda t: ({"Y": Y[t]}, config)))
             h = self.outputs(replies)
             res = admm.update(h)  # z, lambda (Eq. 7, 8), residuals and the next rho (Boyd Sec. 3.4.1)
             train_loss = admm.train_loss()  # at the H of this update (computed there, chunk by chunk)
             reg = sum(float(r[1]["R"]) for r in replies.values())
-            self.record_epoch(
+            selected = self.record_evaluation(
                 epoch,
-                joined_predictions(self.test.p, h),
+                joined_predictions(self.evaluated.p, h),
                 train_loss,
                 {"objective": train_loss + float(self.cfg.model.beta) * reg, **residual_extra(res, rho)},
             )
-            stop = self.stop_early(epoch, res)
+            stop = self.stop_early(epoch, res) or selected
             h = admm.accelerate(h)  # the state the next epoch starts from (h itself without acceleration)
             self.end_epoch(epoch, {"admm": admm, "h": h, "stopped": stop})
             if stop:
@@ -547,7 +543,7 @@ class TPJoinADMM(LoJStrategy):
         self.setup()
         admm = self.admm_server()
         G = admm.G()
-        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": admm.rho}
+        config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": admm.rho, **self.held_out()}
         self.send(self.messages(lambda t: ({"G": G[t]}, {**config, **self.dp_config((t, 0))})))
         # ADMM starts from x^0 = 0, z^0 = 0, lambda^0 = 0 (Boyd Sec. 3.1): not from the initial models' predictions
         # (the theta-update of Eq. 16 does not depend on them; the nodes keep theta_i^0 and send nothing of it)
@@ -579,6 +575,16 @@ class TPJoinADMM(LoJStrategy):
             subspace=subspace,
         )
         return self.admm
+
+    def held_out(self) -> dict[str, float]:
+        """The config that tells the label owner which of its rows the validation part holds out (G = 0 there,
+        as on its test rows: tpflower.join_counts); none without a validation part."""
+        return {"validation_fraction": self.validation_fraction} if self.validation_fraction > 0 else {}
+
+    def default_validation(self) -> float:
+        """A validation part for an MLP (a non-convex model that ADMM may overfit); none for a linear model,
+        whose ADMM converges to the exact solution (the exactness tests keep it so)."""
+        return super().default_validation() if str(self.cfg.model.kind) == "mlp" else 0.0
 
     def balancing_on(self, anderson: int) -> bool:
         """algorithm.adapt_rho: true, false, or auto: residual balancing without acceleration (Anderson or subspace)

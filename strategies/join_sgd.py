@@ -40,11 +40,12 @@ EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def sgd_schedule(strategy: LoJStrategy) -> tuple[SGDSchedule, BatchPlan]:
-    """The run's mini-batches over the training join (algorithm.batch_size, seed) and the test rows' plan."""
-    train, test, cfg = strategy.train, strategy.test, strategy.cfg
+    """The run's mini-batches over the training join (algorithm.batch_size, seed) and the plan of the rows
+    every evaluation predicts (the validation rows, then the test rows)."""
+    train, evaluated, cfg = strategy.train, strategy.evaluated, strategy.cfg
     B = batch_size_of(cfg.algorithm.batch_size, train.N)
     schedule = SGDSchedule(train, B, int(cfg.epochs), np.random.default_rng(int(cfg.seed)))
-    return schedule, BatchPlan.of(test, np.arange(test.N))
+    return schedule, BatchPlan.of(evaluated, np.arange(evaluated.N))
 
 
 def sgd_rounds(schedule: SGDSchedule, done: int) -> Iterator[tuple[int, tuple]]:
@@ -73,7 +74,7 @@ def eval_point(params: Any, round_no: int, epoch: int, last: bool, per_epoch: in
 class TPJoinSGD(LoJStrategy):
     algorithm = "tp_join_sgd"
     params_type = SGDParams
-
+    validation = "select"
     resumable = True
 
     def protocol(self) -> None:
@@ -86,6 +87,7 @@ class TPJoinSGD(LoJStrategy):
             Y, loss_b = sgd_aggregate(self.task, plan, h, self.y_train[rows])
             loss_sum, seen = loss_sum + loss_b, seen + len(rows)
             point = eval_point(self.params, round_no, epoch, last, schedule.per_epoch)
+            selection = self.selection.config(self.selection.evaluations + 1 if point is not None else None)
             replies = self.send(
                 self.messages(
                     lambda t: (
@@ -97,6 +99,7 @@ class TPJoinSGD(LoJStrategy):
                         {
                             "phase": "sgd_step",
                             "batch_size": len(rows),
+                            **selection,
                             **(self.checkpoint_config(epoch) if last else {}),
                         },
                     )
@@ -104,12 +107,15 @@ class TPJoinSGD(LoJStrategy):
             )
             self.after_round(replies)
             h = self.outputs(replies)
+            stop = False
             if point is not None:
-                H_test = joined_predictions(evaluation.inv, self.outputs(replies, "h_eval"))
-                self.record_epoch(point, H_test, loss_sum / seen, self.round_extra())
+                H_eval = joined_predictions(evaluation.inv, self.outputs(replies, "h_eval"))
+                stop = self.record_evaluation(point, H_eval, loss_sum / seen, self.round_extra())
             if last:
                 loss_sum, seen = 0.0, 0
                 self.end_epoch(epoch, {"h": h})  # h: the next epoch's first batch, predicted in this round
+            if stop:
+                break
         self.finish()
 
     def start_sgd(self) -> dict:

@@ -92,6 +92,7 @@ class TPJoinLBFGS(LoJStrategy):
     algorithm = "tp_join_lbfgs"
     params_type = LBFGSParams
     resumable = True
+    validation = "select"
 
     def protocol(self) -> None:
         done, loop = self.begin(self.start_lbfgs)
@@ -121,14 +122,14 @@ class TPJoinLBFGS(LoJStrategy):
                 self.end_epoch(it, {**loop, "stopped": True})
                 break
             t, h, F, R = accepted
-            self.record_point(it, h, F)
+            selected = self.record_point(it, h, F)
             change = loop["F"] - F
             small = p.tol > 0 and change <= p.tol * max(abs(loop["F"]), abs(F), 1.0)
             if small:
                 self.stop(it, "tol", f"relative loss change {change / max(abs(F), 1.0):.3g} <= tol {p.tol:g}")
-            elif it == int(self.cfg.epochs):
+            elif it == int(self.cfg.epochs) and not selected:
                 self.stop(it, "epochs", f"gradient norm {gnorm:.3g} before the last step")
-            loop = {"h": h, "F": F, "R": R, "t": t, "g0": g0, "stopped": small}
+            loop = {"h": h, "F": F, "R": R, "t": t, "g0": g0, "stopped": small or selected}
             self.end_epoch(it, loop)
         if loop["t"]:  # the last accepted step, which no gradient message took
             self.send(self.messages(lambda _: ({}, {"phase": "lbfgs_take", "t": loop["t"]})))
@@ -157,10 +158,11 @@ class TPJoinLBFGS(LoJStrategy):
         return None
 
     def gradient_round(self, it: int, h: dict[str, np.ndarray], t: float) -> np.ndarray:
-        """The gradient message (the clients take the accepted step t d first): the summed Gram matrix of
+        """The gradient message (the clients take the accepted step t d first: then they hold the model of the
+        last evaluation, which they copy with a validation part): the summed Gram matrix of
         [s_0..s_{c-1}, y_0..y_{c-1}, g] at the new point."""
         Y = self.derivatives(h)
-        config = {"phase": "lbfgs_grad", "epoch": it, "t": t, "N": self.train.N}
+        config = {"phase": "lbfgs_grad", "epoch": it, "t": t, "N": self.train.N, **self.step_selection()}
         return self.gram(self.send(self.messages(lambda table: ({"Y": Y[table]}, config))))
 
     def trial_round(self, arrays: dict[str, np.ndarray], config: dict) -> tuple[dict[str, np.ndarray], float]:
@@ -190,8 +192,13 @@ class TPJoinLBFGS(LoJStrategy):
         """The sum over tables of their partial Gram matrices (every block of the basis lives on one table)."""
         return summed_gram([np.asarray(r[0]["gram"], dtype=np.float64) for r in replies.values()])
 
-    def record_point(self, it: int, h: dict[str, np.ndarray], F: float) -> None:
-        self.record_epoch(it, joined_predictions(self.test.p, h), self.data_loss(h), {"objective": F})
+    def step_selection(self) -> dict:
+        """The selection's config of a message that takes the last evaluation's step (strategies.selection)."""
+        return self.selection.config(self.selection.evaluations)
+
+    def record_point(self, it: int, h: dict[str, np.ndarray], F: float) -> bool:
+        """Record iteration ``it`` at outputs ``h``; True when the validation loss stops the run here."""
+        return self.record_evaluation(it, joined_predictions(self.evaluated.p, h), self.data_loss(h), {"objective": F})
 
     def stop(self, it: int, reason: str, detail: str) -> None:
         """results.stopped: "tol", "line search" or "epochs" (the maximum iterations)."""
@@ -222,7 +229,7 @@ class TPUCQLBFGS(TPJoinLBFGS):
     def gradient_round(self, it: int, h: dict[str, np.ndarray], t: float) -> np.ndarray:
         Y = self.derivatives(h)
         parts = {table: self.routers[table].scatter_all(Y[table]) for table in Y if self.sharded(table)}
-        common = {"epoch": it, "t": t, "N": self.train.N}
+        common = {"epoch": it, "t": t, "N": self.train.N, **self.step_selection()}
         replies = self.send(
             {
                 (table, q): ({"Y": parts[table][q]}, {"phase": "lbfgs_partial", **common})

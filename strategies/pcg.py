@@ -42,6 +42,7 @@ class PCGSolver(LoJStrategy):
     params_type = PCGParams
     resumable = True
     setup_phase = "pcg_setup"
+    validation = "none"  # it solves its problem to the end: no model selection on a validation part
     pcg_map: TableMapping
     pcg_w: np.ndarray | None = None
     pcg_N: int = 0

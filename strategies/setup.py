@@ -4,7 +4,8 @@ shards of a table (:class:`ShardRouter`).
 Setup (TablePuppet Sec. 3.1.1): every client sends row ids and keyed digests of its join keys, the label
 owner also its labels and test-split flags (a table of more than mapping.keys_chunk_rows rows in chunks, one
 round each: :meth:`JoinSetup.gather_chunks`); the server checks the key kinds agree, joins the digests into
-p_i, and splits the joined rows into train and test by the label-table row. Tables with several shards then
+p_i, and splits the joined rows into train and test by the label-table row (and, for an algorithm that selects
+its model on validation, the training rows into fit and validation rows: tpflower.validation). Tables with several shards then
 merge their shards' preprocessing summaries into one rule (Sec. 4.4). VFL baselines finally send each client
 its p_i once ("expand") and continue on the identity mapping over the N joined rows.
 
@@ -39,6 +40,7 @@ from tpflower.records import numbered, unnumbered
 from tpflower.relation import summary_line
 from tpflower.schema import RelationalSpec, validate_key_kinds
 from tpflower.signing import node_name
+from tpflower.validation import validation_mask
 
 Send = Callable[..., dict[ClientKey, Reply]]
 
@@ -94,11 +96,14 @@ class JoinSetup(Saved):
     SAVED = (
         "mapping",
         "train",
+        "valid",
+        "evaluated",
         "test",
         "routers",
         "client_rows",
         "y_train",
         "y_test",
+        "y_valid",
         "label_scale",
         "evaluation_split",
         "d_out",
@@ -113,17 +118,22 @@ class JoinSetup(Saved):
         clients: list[ClientKey],
         privacy: Mapping[str, Any],
         log: Callable[[str], None] = print,
+        validation: float = 0.0,
     ):
         self.send, self.spec, self.cfg, self.clients, self.privacy, self.log = send, spec, cfg, clients, privacy, log
+        self.validation = validation  # the share of the training join's labelled rows held out (tpflower.validation)
         self.task = spec.label.task
         self.label_dp = dp.uses_label_dp(privacy)
         self.mapping: TableMapping | None = None
         self.train: TableMapping | None = None
         self.test: TableMapping | None = None
+        self.valid: TableMapping | None = None  # the validation rows (none without a validation part)
+        self.evaluated: TableMapping | None = None  # the rows evaluated at every evaluation: validation, then test
         self.routers: dict[str, ShardRouter] = {}
         self.client_rows: dict[ClientKey, int] = {}  # each client's row count: replies are checked against it
         self.y_train: np.ndarray | None = None
         self.y_test: np.ndarray | None = None
+        self.y_valid: np.ndarray | None = None  # the validation rows' labels as training sees them
         self.label_scale = LabelScale()  # fitted on the training labels the server holds
         self.evaluation_split: dict[ClientKey, tuple[np.ndarray, np.ndarray]] = {}  # label DP (see evaluation)
         self.d_out: int | None = None  # the prediction width
@@ -227,16 +237,26 @@ class JoinSetup(Saved):
         for r in replies.values():  # codes and digests have served their purpose: free them before N-sized state
             for name in [n for n in r[0] if n.startswith(("digest.", "code."))]:
                 del r[0][name]
-        y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[self.spec.label_table])
-        # train and test are views of the mapping, reordered in place: train rows first, then test rows
-        self.train, self.test = mapping.partition(is_test_rows[mapping.p[self.spec.label_table]])
-        y_train = y_rows[self.train.p[self.spec.label_table]]
+        label = self.spec.label_table
+        y_rows, is_test_rows, n_classes = self._labels(replies, mapping.n_rows[label])
+        # train, validation and test are views of the mapping, reordered in place: the training rows the model
+        # fits first, then the validation rows (whole labelled rows of the training split), then the test rows
+        group = is_test_rows[mapping.p[label]].view(np.uint8)  # 1: test, then 2 (in place: N bytes in all)
+        group *= 2
+        if self.validation > 0:
+            fit = group == 0
+            group[fit] = validation_mask(mapping.p[label][fit], self.validation, int(self.cfg.seed))
+        self.train, self.valid, self.test = mapping.groups(group, 3)
+        del group
+        self.evaluated = mapping.rows(self.train.N, mapping.N)
+        y_train = y_rows[self.train.p[label]]
         # regression: training sees the label standardized on the training rows (after label DP, which the
         # label owner applied to the raw label); predictions go back to the label's units before any metric
         self.label_scale = LabelScale.fit(self.task, y_train, standardizes_label(self.cfg))
         self.y_train = self.state_labels(self.label_scale.scaled(y_train))
         # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
-        self.y_test = None if self.label_dp else y_rows[self.test.p[self.spec.label_table]]
+        self.y_test = None if self.label_dp else y_rows[self.test.p[label]]
+        self.y_valid = self.state_labels(self.label_scale.scaled(y_rows[self.valid.p[label]]))
         self.evaluation_split = self._evaluation_split() if self.label_dp else {}
         self.d_out = output_dim(self.task, n_classes)
         self.mapping = mapping
@@ -360,16 +380,18 @@ class JoinSetup(Saved):
         return out
 
     def expand(self) -> None:
-        """VFL: send p_i over all joined rows (train, then test); continue on the identity mapping."""
+        """VFL: send p_i over all joined rows (train, validation, then test); continue on the identity mapping."""
         assert self.mapping is not None and self.train is not None and self.test is not None
-        N_train, N_test = self.train.N, self.test.N
-        order = self.mapping.p  # train rows, then test rows (setup's partition)
+        assert self.valid is not None
+        N_train, N_valid = self.train.N, self.valid.N
+        order = self.mapping.p  # train rows, validation rows, then test rows (setup's partition)
         self.send({k: ({"p": order[k[0]]}, {"phase": "expand"}) for k in self.clients})
-        n_all = N_train + N_test
+        n_all = self.mapping.N
         self.client_rows = {k: n_all for k in self.clients}
         ids = np.arange(n_all, dtype=index_dtype(n_all))
         identity = TableMapping({t: ids for t in order}, {t: n_all for t in order})
-        self.train, self.test = identity.rows(0, N_train), identity.rows(N_train, n_all)
+        self.train, self.valid = identity.rows(0, N_train), identity.rows(N_train, N_train + N_valid)
+        self.test, self.evaluated = identity.rows(N_train + N_valid, n_all), identity.rows(N_train, n_all)
 
 
 class ShardRouter:

@@ -66,6 +66,7 @@ class TPUCQADMM(TPJoinADMM):
         last_done = done if not loop.get("stopped") else int(self.cfg.epochs)
         for epoch in range(last_done + 1, int(self.cfg.epochs) + 1):
             rho = admm.rho
+            selection = self.selection.config(self.selection.evaluations + 1)  # each epoch's last messages
             Y = {t: routers[t].scatter_all(y) for t, y in admm.scatter(h).items()}
             if epoch == 1 or not alg.warm_dual or not u:  # 0.0: before the first consensus (w unknown, None)
                 u = {k: 0.0 if w[k[0]] is None else np.zeros_like(w[k[0]]) for k in self.clients if k[0] in multi}
@@ -81,7 +82,13 @@ class TPUCQADMM(TPJoinADMM):
                     elif r == 0:  # a table with one shard: its last message of the epoch (it checkpoints)
                         messages[k] = (
                             {"Y": Y[t][q]},
-                            {"phase": "admm_update", "epoch": epoch, "rho": rho, **self.checkpoint_config(epoch)},
+                            {
+                                "phase": "admm_update",
+                                "epoch": epoch,
+                                "rho": rho,
+                                **self.checkpoint_config(epoch),
+                                **selection,
+                            },
                         )
                 replies = self.send(messages, kind="inner" if r > 0 else "train")
                 if r == 0:
@@ -124,7 +131,7 @@ class TPUCQADMM(TPJoinADMM):
             if multi:
                 replies = self.send(
                     {
-                        k: ({"w": w[k[0]]}, {"phase": "admm_consensus", **self.checkpoint_config(epoch)})
+                        k: ({"w": w[k[0]]}, {"phase": "admm_consensus", **self.checkpoint_config(epoch), **selection})
                         for k in self.clients
                         if k[0] in multi
                     }
@@ -134,9 +141,9 @@ class TPUCQADMM(TPJoinADMM):
                 )
             res = admm.update(h)  # z, lambda (Eq. 7, 8), residuals and the next rho (Boyd Sec. 3.4.1)
             train_loss = admm.train_loss()  # at the H of this update (computed there, chunk by chunk)
-            self.record_epoch(
+            selected = self.record_evaluation(
                 epoch,
-                joined_predictions(self.test.p, h),
+                joined_predictions(self.evaluated.p, h),
                 train_loss,
                 {
                     **residual_extra(res, rho),
@@ -146,7 +153,7 @@ class TPUCQADMM(TPJoinADMM):
                     **({"rho_inner": max(rho_c.values())} if rho_c else {}),
                 },
             )
-            stop = self.stop_early(epoch, res, f"; {r + 1} inner rounds in the last epoch")
+            stop = self.stop_early(epoch, res, f"; {r + 1} inner rounds in the last epoch") or selected
             self.end_epoch(epoch, {"admm": admm, "h": h, "w": w, "rho_c": rho_c, "u": u, "stopped": stop})
             if stop:
                 break
@@ -181,6 +188,7 @@ class TPUCQADMM(TPJoinADMM):
         multi = [t for t in self.spec.table_names if len(routers[t].shards) > 1]
         G = {t: routers[t].scatter_all(g) for t, g in admm.G().items()}
         config = {"phase": "admm_setup", "N": self.train.N, "d_out": self.d_out, "rho": admm.rho}
+        config.update(self.held_out())
         replies = self.send(self.shard_messages(lambda k: ({"G": G[k[0]][k[1]]}, {**config, **self.dp_config(k)})))
         # as TP-Join-ADMM: ADMM starts from x^0 = 0 (Boyd Sec. 3.1)
         h = {t: np.zeros((len(g), self.d_out), dtype=self.cfg.precision) for t, g in admm.G().items()}

@@ -29,7 +29,7 @@ from tpflower.phases.join_sgd import SGDParams
 class TPUCQSGD(LoJStrategy):
     algorithm = "tp_ucq_sgd"
     params_type = SGDParams
-
+    validation = "select"
     resumable = True
 
     def protocol(self) -> None:
@@ -58,6 +58,7 @@ class TPUCQSGD(LoJStrategy):
                 t: sum(r[0]["g"] for (tt, _), r in sorted(replies.items()) if tt == t) / len(rows) for t in plan.U
             }  # Eq. 17
             nsplit = {t: self.routers[t].split(nxt.U[t]) for t in nxt.U} if nxt else None
+            selection = self.selection.config(self.selection.evaluations + 1 if point is not None else None)
             replies = self.send(
                 self.shard_messages(
                     lambda k: (
@@ -70,6 +71,7 @@ class TPUCQSGD(LoJStrategy):
                         {
                             "phase": "sgd_apply",
                             "batch_rows": len(rows),
+                            **selection,
                             **(self.checkpoint_config(epoch) if last else {}),
                         },
                     )
@@ -77,12 +79,15 @@ class TPUCQSGD(LoJStrategy):
             )
             if nxt is not None:
                 h = self.gather_rows(replies, nxt.U)
+            stop = False
             if point is not None:
-                H_test = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, "h_eval"))
-                self.record_epoch(point, H_test, loss_sum / seen)
+                H_eval = joined_predictions(evaluation.inv, self.gather_rows(replies, evaluation.U, "h_eval"))
+                stop = self.record_evaluation(point, H_eval, loss_sum / seen)
             if last:
                 loss_sum, seen = 0.0, 0
                 self.end_epoch(epoch, {"h": h})
+            if stop:
+                break
         self.finish()
 
     def start_sgd(self) -> dict:

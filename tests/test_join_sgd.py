@@ -35,7 +35,7 @@ def run_centralized(*overrides: str):
     return rel, model, results
 
 
-EXACT = ("model.init=zeros", "precision=float64", "epochs=3")
+EXACT = ("model.init=zeros", "precision=float64", "epochs=3", "validation_fraction=0")  # the whole training split
 
 
 @pytest.mark.parametrize(
@@ -76,10 +76,11 @@ NPY_HEADER = 128  # bytes np.save puts before each array's data
 
 
 def expected_sgd_rows(strategy, seed: int, batch: int) -> int:
-    """Rows predicted over one epoch: sum over batches of sum_i |U_i(B)|, plus the test rows, plus no more."""
+    """Rows predicted over one epoch: sum over batches of sum_i |U_i(B)|, plus the evaluated (validation and
+    test) rows, plus no more."""
     batches = epoch_batches(strategy.train.N, batch, np.random.default_rng(seed))
     rows = sum(len(u) for b in batches for u in BatchPlan.of(strategy.train, b).U.values())
-    return rows + sum(len(u) for u in BatchPlan.of(strategy.test, np.arange(strategy.test.N)).U.values())
+    return rows + sum(len(u) for u in BatchPlan.of(strategy.evaluated, np.arange(strategy.evaluated.N)).U.values())
 
 
 def test_sgd_bytes_per_batch_are_sum_U_i_vs_M_B():
@@ -87,7 +88,7 @@ def test_sgd_bytes_per_batch_are_sum_U_i_vs_M_B():
     tp = run_federated("algorithm=sgd", *common).strategy
     vfl = run_federated("algorithm=vfl_sgd", *common).strategy
     M = len(tp.spec.table_names)
-    tp_rows, vfl_rows = expected_sgd_rows(tp, 3, 2000), M * (vfl.train.N + vfl.test.N)  # VFL: duplicates included
+    tp_rows, vfl_rows = expected_sgd_rows(tp, 3, 2000), M * (vfl.train.N + vfl.evaluated.N)  # VFL: duplicates included
     payload = {}
     for strategy, rows in ((tp, tp_rows), (vfl, vfl_rows)):
         expected = rows * strategy.d_out * 4

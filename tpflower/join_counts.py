@@ -7,7 +7,8 @@ The server computes it from every table's keys, so a node cannot recompute it; w
 * equal on rows with equal join keys: G_iu depends on the row's key values only (a dimension table's rows
   each have their own key, so there the check holds for any G: the bound a node cannot give);
 * none on the label owner's test rows when the join is the training join (ADMM, coresets): the test rows are
-  joined apart;
+  joined apart; nor on its validation rows, which it finds as the server does (tpflower.validation, from the
+  run's validation_fraction and seed);
 * the counts add up to the joined rows N the run's messages name, and stay the same for the whole run (every
   phase that carries G_i gets the first one again).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from tpflower.guard import ProtocolRefusal
+from tpflower.validation import validation_mask
 
 #: where a node keeps the first G_i of the run (any later phase's G_i must equal it)
 STATE_KEY = "join.G"
@@ -36,10 +38,12 @@ def check_join_counts(
     *,
     training_join: bool,
     N: float | None = None,
+    validation: float = 0.0,
 ) -> np.ndarray:
     """``G`` (one count per row of ``client``'s table) as float64, or :class:`JoinCountsRefusal` (module
-    docstring). ``training_join``: the label owner's test rows must have G = 0; ``N``: the joined rows G must
-    add up to. The first G of a run is kept: a later one must be the same."""
+    docstring). ``training_join``: the label owner's test rows must have G = 0, and with a ``validation``
+    share its validation rows too; ``N``: the joined rows G must add up to. The first G of a run is kept: a later
+    one must be the same."""
     G = np.asarray(G, dtype=np.float64)
     n = len(client.data.row_ids)
     expanded = client.state.get("expand")
@@ -58,9 +62,11 @@ def check_join_counts(
     if expanded is None:  # per table row: the label owner's test rows and the key check
         is_test = client.data.is_test
         train = ~is_test if (training_join and is_test is not None) else np.ones(n, dtype=bool)
+        if training_join and is_test is not None and validation > 0:
+            train &= ~validation_mask(np.asarray(client.data.row_ids), validation, int(client.settings.seed))
         if (G[~train] > 0).any():
             raise JoinCountsRefusal(
-                f"{where}: G counts {int((G[~train] > 0).sum())} test row(s); the training join has none"
+                f"{where}: G counts {int((G[~train] > 0).sum())} test or validation row(s); the training join has none"
             )
         keys = client.data.keys
         if keys.shape[1] and train.any() and not _same_per_key(keys, train, G):

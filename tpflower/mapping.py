@@ -236,14 +236,19 @@ class TableMapping:
         is_test = np.asarray(is_test, dtype=bool)
         if is_test.shape != (self.N,):
             raise ValueError(f"partition: is_test must have shape ({self.N},), got {is_test.shape}")
-        is_train = ~is_test
-        n_train = int(np.count_nonzero(is_train))
+        train, test = self.groups(is_test.view(np.uint8), 2)  # a view: no copy of the flags
+        return train, test
+
+    def groups(self, group: np.ndarray, n_groups: int) -> list[TableMapping]:
+        """The joined rows of group 0, then of group 1, ... (``group[j]`` in [0, n_groups)), each in their order:
+        as :meth:`partition`, reordered IN PLACE and returned as views."""
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(group, minlength=n_groups))])
         for t, p in self.p.items():
             out = np.empty_like(p)
-            np.compress(is_train, p, out=out[:n_train])
-            np.compress(is_test, p, out=out[n_train:])
+            for g in range(n_groups):  # one mask at a time: N bytes beside the group codes
+                np.compress(group == g, p, out=out[bounds[g] : bounds[g + 1]])
             self.p[t] = out
-        return self.rows(0, n_train), self.rows(n_train, self.N)
+        return [self.rows(int(bounds[g]), int(bounds[g + 1])) for g in range(n_groups)]
 
     def segment_sum(self, table: str, values: np.ndarray) -> np.ndarray:
         """(S_i v)_u = sum_{j in G_i(u)} v_j over all rows u of the table (Eq. 10/14 with B = [N])."""

@@ -65,11 +65,14 @@ class RunResults:
     reference: dict[str, float] = field(default_factory=dict)  # e.g. exact ridge / mean-predictor metrics
     # ADMM: the epoch training stopped at and why ("tol": residuals below algorithm.tol; "epochs": the maximum)
     stopped: dict[str, Any] = field(default_factory=dict)
+    # model selection on the validation part of the training join (strategies.selection): its share and rows, the
+    # epoch of the kept model (the last history entry) and its validation loss, the early stopping patience
+    selection: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["history"] = [h.to_json() for h in self.history]
-        for key in ("reference", "stopped"):
+        for key in ("reference", "stopped", "selection"):
             if not out[key]:
                 out.pop(key)
         return out

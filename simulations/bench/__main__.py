@@ -82,6 +82,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(_suite("auto").AUTO_DATA),
         tuple(tuple(c.split("/")) for c in a.cases.split(",")) if a.cases else _suite("auto").AUTO_RUNS,
     ),
+    "selection": lambda a: _suite("selection").selection_suite(a.epochs if a.epochs != 3 else 10),
     "gbdt": lambda a: _suite("gbdt").gbdt_suite(
         [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower, a.deployed_trees
     ),
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--keys-memory-n", type=int, default=10_000_000, help="setup: fact rows of the keys memory (0: keep)"
     )
-    ap.add_argument("--epochs", type=int, default=3, help="loj: epochs per run (convergence: 10 unless given)")
+    ap.add_argument(
+        "--epochs", type=int, default=3, help="loj: epochs per run (convergence, selection: 10 unless given)"
+    )
     ap.add_argument("--datasets", default=DEFAULT_CELU_DATA, help="celu, convergence, auto: datasets")
     ap.add_argument("--mlp", action="store_true", help="convergence: also MLP vs linear for every algorithm")
     ap.add_argument("--matrix", action="store_true", help="convergence: the schema matrix (convergence-matrix.json)")

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from simulations.bench.common import run_isolated
+from simulations.bench.common import WHOLE_TRAINING, run_isolated
 from tpflower.config import compose_config
 
 #: the variants of the paper's Table 2, as overrides (vanilla: TP-Join-SGD; every other: algorithm=celu)
@@ -89,6 +89,7 @@ def celu_case(
         f"seed={seed}",
         f"epochs={epochs}",
         f"algorithm.eval_every={eval_every}",
+        WHOLE_TRAINING,
         *overrides,
     )
     lower = lower_is_better(dataset)
@@ -139,6 +140,7 @@ def flower_case(
         "seed=0",
         "epochs=1",
         f"runtime={runtime}",
+        WHOLE_TRAINING,
         *overrides,
     )
     with tempfile.TemporaryDirectory() as tmp:

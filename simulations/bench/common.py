@@ -22,6 +22,10 @@ from typing import Any
 #: the join-key secret of the benchmarks' synthetic tables
 SECRET = b"bench-secret"
 
+#: benches that compare optimisation (rounds to a target, DP costs, convergence) train on the whole training split
+#: and report the last model, as they were measured before model selection (its own suite: selection)
+WHOLE_TRAINING = "validation_fraction=0"
+
 
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MB."""

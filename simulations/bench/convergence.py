@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.common import run_isolated, run_results
+from simulations.bench.common import WHOLE_TRAINING, run_isolated, run_results
 from tpflower.config import compose_config
 
 #: the datasets of the convergence table (overrides); synthetic labels in three units
@@ -36,7 +36,7 @@ def convergence_case(data: str, overrides: list[str], epochs: int) -> dict[str, 
     """Shipped defaults: the test metric per epoch of one run (in-process), and where and why it stopped."""
     # torch, flwr: imported in the case's own process only, never in the suite's (see common.py)
 
-    cfg = compose_config(*CONVERGENCE_DATA[data], f"epochs={epochs}", *overrides)
+    cfg = compose_config(*CONVERGENCE_DATA[data], f"epochs={epochs}", WHOLE_TRAINING, *overrides)
     t0 = time.perf_counter()
     results = run_results(cfg)
     return {
@@ -200,7 +200,9 @@ def matrix_cell(overrides: list[str], epochs: int, algorithms: list[str]) -> dic
     for name in algorithms:
         if name.startswith("pcg") and task != "regression":
             continue
-        cfg = compose_config(*overrides, *{**MATRIX_ALGORITHMS, **GBDT_ALGORITHMS}[name], f"epochs={epochs}")
+        cfg = compose_config(
+            *overrides, *{**MATRIX_ALGORITHMS, **GBDT_ALGORITHMS}[name], f"epochs={epochs}", WHOLE_TRAINING
+        )
         t0 = time.perf_counter()
         res = run_in_process(cfg, None, log=lambda _: None).strategy.results
         hist = [{"metric": h.test_metric, "rounds": h.rounds, "bytes": h.bytes_up + h.bytes_down} for h in res.history]

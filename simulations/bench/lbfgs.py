@@ -20,7 +20,7 @@ import json
 import time
 from typing import Any
 
-from simulations.bench.common import run_isolated, run_results
+from simulations.bench.common import WHOLE_TRAINING, run_isolated, run_results
 
 #: (dataset, model) cases; nycflights13_delayed has a binary label (linear = logistic regression)
 LBFGS_CASES: tuple[tuple[str, ...], ...] = (
@@ -46,6 +46,7 @@ def lbfgs_case(data: str, model: str, algorithm: str, epochs: int, scenario: str
         f"algorithm={algorithm}",
         f"epochs={epochs}",
         f"scenario={scenario}",
+        WHOLE_TRAINING,
         *extra,
     )
     t0 = time.perf_counter()

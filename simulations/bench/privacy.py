@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.common import run_isolated
+from simulations.bench.common import WHOLE_TRAINING, run_isolated
 from tpflower.config import compose_config
 
 DATASETS = ("movielens", "nycflights13", "nycflights13_delayed")
@@ -41,7 +41,7 @@ def privacy_case(dataset: str, algorithm: str, privacy: str, extra: list[str]) -
     from simulations.federated import run_in_process  # noqa: PLC0415  torch, flwr: in the case's process only
 
     t0 = time.perf_counter()
-    cfg = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", f"privacy={privacy}", *extra)
+    cfg = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", f"privacy={privacy}", WHOLE_TRAINING, *extra)
     run = run_in_process(cfg, None, log=lambda _: None)
     res = run.strategy.results
     last = res.history[-1]

@@ -35,6 +35,7 @@ from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
 from tpflower.state import StateRecord
+from tpflower.validation import PATIENCE
 
 
 def admm_update_linear(
@@ -210,6 +211,8 @@ class ADMMParams(AlgorithmParams):
     inner_tol: float = param(nonnegative, 1e-6)
     rho_inner: float | str | None = param(or_word(positive, "auto", None), "auto")
     warm_dual: bool = param(boolean, True)  # keep the consensus duals u^q across epochs (false: reset, as Sec. 8)
+    # evaluations without a lower validation loss that stop the run (0: never), with a validation part
+    early_stopping: int = param(nonnegative_int, PATIENCE)
 
 
 @dataclass
@@ -282,7 +285,8 @@ def admm_setup(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     where = f"table {s.table!r} shard {s.shard} (algorithm {client.algorithm!r}), phase 'admm_setup'"
     # G_i as a join gives it (tpflower.join_counts); a shard of a union's table holds part of the N rows
     N = None if s.federated_prep else config["N"]
-    G = check_join_counts(client, arrays["G"], where, training_join=True, N=N)
+    held_out = float(config.get("validation_fraction", 0.0))  # the run's validation part (tpflower.validation)
+    G = check_join_counts(client, arrays["G"], where, training_join=True, N=N, validation=held_out)
     ADMMState(compact_counts(G), int(config["N"]), float(config["rho"])).save(client.state)
     client.dp.init(config, lambda: client.dp.admm_rate(G))
     model = client.model(config)

@@ -17,11 +17,12 @@ import torch
 from tpflower.client import TableClient
 from tpflower.guard import Phase, Stage, takes
 from tpflower.models import l2_penalty
-from tpflower.params import AlgorithmParams, or_word, param, positive, positive_int
+from tpflower.params import AlgorithmParams, nonnegative_int, or_word, param, positive, positive_int
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
 from tpflower.state import StateRecord
+from tpflower.validation import PATIENCE
 
 
 def local_sgd_step(
@@ -65,6 +66,8 @@ class SGDParams(AlgorithmParams):
     lr: float = param(positive, 0.2)
     batch_size: int | str = param(or_word(positive_int, "full"), 1024)
     eval_every: int | None = param(or_word(positive_int, None), None)  # rounds; None: once per epoch
+    # evaluations without a lower validation loss that stop the run (0: never), with a validation part
+    early_stopping: int = param(nonnegative_int, PATIENCE)
 
 
 @dataclass

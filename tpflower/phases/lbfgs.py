@@ -45,11 +45,12 @@ import torch
 from tpflower.client import TableClient
 from tpflower.guard import Phase, ProtocolRefusal, Stage, refusal, sharded, takes, unsharded
 from tpflower.models import l2_penalty
-from tpflower.params import AlgorithmParams, nonnegative, param, positive_int, probability
+from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param, positive_int, probability
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
 from tpflower.state import StateRecord
+from tpflower.validation import PATIENCE
 
 WHY_NO_FEATURE_DP = (
     "L-BFGS takes exact full-batch gradient steps and exchanges exact inner products of the gradient blocks; "
@@ -67,6 +68,8 @@ class LBFGSParams(AlgorithmParams):
     c1: float = param(probability, 1e-4)  # Armijo's sufficient decrease: F(theta + t d) <= F + c1 t g.d
     backtrack: float = param(probability, 0.5)  # t *= backtrack after a rejected trial
     max_trials: int = param(positive_int, 20)  # trial steps per iteration before the line search gives up
+    # evaluations without a lower validation loss that stop the run (0: never), with a validation part
+    early_stopping: int = param(nonnegative_int, PATIENCE)
 
 
 @dataclass

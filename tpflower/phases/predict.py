@@ -38,9 +38,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tpflower.checks import NA_ATTR
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
 from tpflower.datasets import derive_rows
+from tpflower.datasets.files import read_csv_noting_na_strings
 from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, takes
 from tpflower.keys_payload import KeysPayload
@@ -48,6 +50,7 @@ from tpflower.model_part import ModelPart, part_id, part_path
 from tpflower.phases.setup import REBLIND, REBUILD, chunked_reply, key_payload, keys_chunk
 from tpflower.records import Arrays
 from tpflower.schema import SpecError, key_kind
+from tpflower.selection import kept_theta
 
 
 def _where(client: TableClient) -> str:
@@ -58,10 +61,11 @@ def _where(client: TableClient) -> str:
 
 
 def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """Store this node's part of the run's model under its owner's state_dir; reply its part id."""
+    """Store this node's part of the run's model under its owner's state_dir (the kept model when the message
+    says ``keep``: tpflower.selection); reply its part id."""
     s = client.settings
     run_id = client.state.scalar("run_id")
-    theta, centres = client.state.records.get("theta"), client.state.get("kmeans.C")
+    theta, centres = kept_theta(client, config), client.state.get("kmeans.C")
     trees = client.state.get("gbdt.splits")
     if s.owner.state_dir is None or (theta is None and centres is None and trees is None) or run_id is None:
         return {}, {"part": ""}
@@ -147,9 +151,10 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     spec, table, where = s.spec, s.table, f"rows file {path}"
     suffix = Path(path).suffix.lower()
     try:
-        frame = pd.read_parquet(path) if suffix == ".parquet" else pd.read_csv(path)
+        frame = pd.read_parquet(path) if suffix == ".parquet" else read_csv_noting_na_strings(Path(path))
     except (OSError, ValueError) as exc:
         raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
+    na_text = {c: v for c, v in (frame.attrs.get(NA_ATTR) or {}).items() if c in part.numeric}
     if s.owner.loader is not None:  # rows in the format of the loader's source: its derived columns computed
         frame = derive_rows(s.owner.loader, table, frame)
     keys = list(spec.key_columns(table))
@@ -162,12 +167,17 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             f"{where}: {int(incomplete.sum())} row(s) with a missing key in {keys} of table {table!r}, the first "
             f"row {int(np.flatnonzero(incomplete)[0])} (0-based, header excluded); give every row its keys"
         )
-        if s.owner.origin == "simulation":
-            raise SpecError(detail)
-        logging.getLogger("tpflower").error("%s", detail)  # the owner's log: rows and counts stay on the node
-        raise SpecError(
-            f"table {table!r} shard {s.shard}: the rows file has rows with a missing key (the node's log says which)"
+        raise rows_refusal(client, detail, "rows with a missing key")
+    for c, (n, row, value) in na_text.items():  # text for a missing number: as training reads it (na_strings)
+        detail = (
+            f"{where}: column {c!r} of table {table!r} holds {n} text value(s) like {value!r} for a missing "
+            f"number, the first in row {row} (0-based, header excluded)"
         )
+        if spec.na_strings == "error":
+            fix = "leave them empty (or set dataset.na_strings: missing)"
+            raise rows_refusal(client, f"{detail}; {fix}", "text for a missing number")
+        if s.owner.origin != "simulation":  # a simulation's driver says it in one line (simulations.predict)
+            logging.getLogger("tpflower").warning("%s: read as missing (dataset.na_strings: missing)", detail)
     frame = frame[[c for c in frame.columns if c in set(keys) | set(part.columns)]]  # other columns: ignored
     absent = [c for c in part.columns if c not in frame.columns]
     if absent:
@@ -188,6 +198,16 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     if len(frame) == 0:
         raise SpecError(f"{where}: no rows")
     return frame.reset_index(drop=True)
+
+
+def rows_refusal(client: TableClient, detail: str, kind: str) -> SpecError:
+    """A rows file refused: ``detail`` (counts and row numbers) in the line of a simulation, where the user plays
+    every owner; a deployed node logs it and tells the server only ``kind`` (the refusal rule of tpflower.guard)."""
+    s = client.settings
+    if s.owner.origin == "simulation":
+        return SpecError(detail)
+    logging.getLogger("tpflower").error("%s", detail)  # the owner's log: rows and counts stay on the node
+    return SpecError(f"table {s.table!r} shard {s.shard}: the rows file has {kind} (the node's log says which)")
 
 
 def request_rows(client: TableClient, part: ModelPart, query: bool) -> tuple[pd.DataFrame, np.ndarray]:
