@@ -189,7 +189,7 @@ def test_a_coreset_as_large_as_the_table_is_refused(tmp_path):
     refused(
         deployed_app,
         context,
-        "G counts .* test row\\(s\\); the training join has none",
+        "G counts .* test or validation row\\(s\\); the training join has none",
         "train",
         {"G": np.ones(n, dtype=np.uint8)},
         {"phase": "sensitivity", "kind": "ridge", "N": n},
@@ -426,7 +426,7 @@ def test_admm_setup_refuses_a_G_no_join_gives(tmp_path):
         return G
 
     for where, make_G, N, match in (
-        ("test-row", one_test_row, None, r"G counts 1 test row\(s\); the training join has none"),
+        ("test-row", one_test_row, None, r"G counts 1 test or validation row\(s\); the training join has none"),
         ("fraction", lambda t: t * 0.5, None, "G must hold whole counts of joined rows"),
         ("sum", lambda t: t.astype(np.float64), 5.0, r"N = 5 joined rows, but G adds up to \d+"),
     ):
