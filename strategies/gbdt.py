@@ -138,8 +138,6 @@ class JoinGBDT(LoJStrategy):
             add_leaves(F, trees, perms)
             del g, h, perms
             for tree in trees:
-                for leaf in tree.leaves():  # an unused candidate holds its side bits (and cannot be pickled)
-                    leaf.candidate = None
                 for node in tree.internal():
                     self.won[node.table].append(node.id)
                     self.split_ids[node.table].append(node.id)

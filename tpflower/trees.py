@@ -414,6 +414,7 @@ def grow_forest(
     for tree in trees:
         for leaf in tree.leaves():
             leaf.value = -growth.learning_rate * leaf.G / (leaf.H + rule.lambda_l2)
+            leaf.candidate = None  # an unused candidate holds its side bits (and cannot be pickled)
     return trees, perms, next_id
 
 
