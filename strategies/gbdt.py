@@ -18,7 +18,7 @@ trees of the best one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,28 +46,37 @@ from tpflower.validation import validation_mask
 
 
 def node_sums(
-    p: np.ndarray, slot: np.ndarray, g: np.ndarray, h: np.ndarray | None, n_rows: int, k: int
-) -> tuple[np.ndarray, ...]:
-    """Segment sums over p for k nodes at once: the joined rows of node n (``slot`` == n, their table rows
-    ``p``, in the node's row order, nodes one after the other) give the node's distinct table rows (ascending)
-    with the per-row sums of g and h (h None: not asked) and the counts. Returns (rows, node of each row, G, H,
-    C, inv): inv[j] is the position of joined row j's (node, row) among them. Each sum adds its joined rows in
-    their given order; dense (bincount over k * n_rows) when that is not much more than the joined rows, by
-    sorting otherwise."""
-    key = slot.astype(np.int64) * n_rows + p
-    size = k * n_rows
+    p: np.ndarray, joined: np.ndarray, g: np.ndarray, h: np.ndarray | None, n_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, Callable[[], np.ndarray]]:
+    """Segment sums over p for the k = len(joined) nodes at once: the joined rows of node n (``joined[n]`` of
+    them, their table rows ``p``, in the node's row order, nodes one after the other) give the node's distinct
+    table rows (ascending) with the per-row sums of g and h (h None: not asked) and the counts. Returns (rows,
+    node of each row, G, H, C, inv): inv() is the position of each joined row's (node, row) among them (asked
+    only of the table whose split the server takes). Each sum adds its joined rows in their given order; dense
+    (bincount over k * n_rows) when that is not much more than the joined rows, by sorting otherwise."""
+    k, size = len(joined), len(joined) * n_rows
+    key = np.repeat(np.arange(k, dtype=np.int64 if size >= 2**31 else np.int32) * n_rows, joined) + p
     if size <= 16 * len(key) + 2**16:  # a pass over k * n_rows counts costs less than sorting the keys
         C = np.bincount(key, minlength=size)
         nz = np.flatnonzero(C > 0)  # (on a bool array: several times faster than on the counts)
-        pos = np.zeros(size, dtype=index_dtype(len(nz)))
-        pos[nz] = np.arange(len(nz))
-        inv = pos[key]
-        C = C[nz]
+        C = C[nz]  # one array of k * n_rows alive at a time
+        G = np.bincount(key, weights=g, minlength=size)[nz]
+        H = None if h is None else np.bincount(key, weights=h, minlength=size)[nz]
+
+        def inv() -> np.ndarray:
+            pos = np.zeros(size, dtype=index_dtype(len(nz)))
+            pos[nz] = np.arange(len(nz))
+            return pos[key]
+
     else:
-        nz, inv, C = np.unique(key, return_inverse=True, return_counts=True)
-        inv = inv.reshape(-1)
-    G = np.bincount(inv, weights=g, minlength=len(nz))
-    H = None if h is None else np.bincount(inv, weights=h, minlength=len(nz))
+        nz, inverse, C = np.unique(key, return_inverse=True, return_counts=True)
+        inverse = inverse.reshape(-1)
+        G = np.bincount(inverse, weights=g, minlength=len(nz))
+        H = None if h is None else np.bincount(inverse, weights=h, minlength=len(nz))
+
+        def inv() -> np.ndarray:
+            return inverse
+
     node_of = np.repeat(np.arange(k), np.diff(np.searchsorted(nz, np.arange(k + 1) * n_rows)))
     return nz - node_of * n_rows, node_of, G, H, C, inv
 
@@ -264,16 +273,17 @@ class JoinGBDT(LoJStrategy):
         segs = [perms[node.out][node.start : node.end] for node in nodes]
         joined = np.array([len(seg) for seg in segs], dtype=np.int64)
         seg_all = np.concatenate(segs)
-        out_all = np.repeat(np.array([node.out for node in nodes], dtype=np.int64), joined)
         slot = np.repeat(np.arange(k, dtype=np.int32), joined)
-        g_all, h_all = g[seg_all, out_all], None if regression else h[seg_all, out_all]
+        d_out = g.shape[1]  # g, h: C-ordered (N, d_out); each row's value at its node's output, one flat gather
+        at = seg_all if d_out == 1 else seg_all * d_out + np.repeat([node.out for node in nodes], joined)
+        g_all, h_all = g.ravel().take(at), None if regression else h.ravel().take(at)
         cat: dict[str, tuple[Any, ...]] = {}  # per table: rows, node of each row, G, H, C, inv (None: identity)
         for t in self.tables:
             p = self.p_fit[t][seg_all]
             if self.injective[t]:
                 cat[t] = (p, slot, g_all, h_all, np.ones(len(p), dtype=np.uint8), None)
             else:
-                cat[t] = node_sums(p, slot, g_all, h_all, self.train.n_rows[t], k)
+                cat[t] = node_sums(p, joined, g_all, h_all, self.train.n_rows[t])
         ids = np.array([n.id for n in nodes], dtype=np.int64)
         parent = np.array([n.parent for n in nodes], dtype=np.int64)
         masks = {t: self.routers[t].masks(cat[t][0]) for t in self.tables}
@@ -315,6 +325,7 @@ class JoinGBDT(LoJStrategy):
         gains = np.stack([np.asarray(replies[(t, first[t])][0]["gain"], dtype=np.float64) for t in self.tables])
         bounds = np.concatenate([[0], np.cumsum(joined)])
         bits: dict[str, np.ndarray] = {}
+        inverse: dict[str, np.ndarray | None] = {}
         out: list[Any] = []
         for i in range(k):
             j = first_best(gains[:, i])  # tables in name order: a tie keeps the smallest table name
@@ -328,7 +339,9 @@ class JoinGBDT(LoJStrategy):
                     packed = np.asarray(replies[(best_t, q)][0]["bits"])
                     full[mask] = np.unpackbits(packed, count=int(mask.sum())).astype(bool)
                 bits[best_t] = full
-            inv = cat[best_t][5]
+            if best_t not in inverse:
+                inverse[best_t] = None if cat[best_t][5] is None else cat[best_t][5]()
+            inv = inverse[best_t]
             at = slice(int(bounds[i]), int(bounds[i + 1]))
             side = bits[best_t][at] if inv is None else bits[best_t][inv[at]]  # per joined row, node order
             out.append(Candidate(best_gain, best_t, lambda seg, s=side: s))

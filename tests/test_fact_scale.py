@@ -96,6 +96,27 @@ def test_message_arrays_of_every_header_numpy_writes_read_back_alike():
         npy_array(pickled.getvalue())
 
 
+def test_message_arrays_are_written_byte_for_byte_as_np_save_writes_them():
+    """npy_bytes writes the header itself for plain dtypes: what Flower's Array and any npy reader expect."""
+    rng = np.random.default_rng(1)
+    arrays = [
+        np.zeros(0),
+        np.zeros((2, 0, 3), np.int8),
+        rng.random((3, 4)),
+        rng.random((4, 3)).T,  # not C-contiguous: written as its C-ordered copy
+        rng.random(7).astype(">f4"),
+        np.array([True, False]),
+        np.array(["ab", "c"]),
+        np.zeros(4, np.complex128),
+        np.arange(10**6, dtype=np.uint8),
+        np.zeros(3, dtype=[("a", "<f8"), ("b", "<i4")]),
+    ]
+    for a in arrays:
+        buffer = io.BytesIO()
+        np.save(buffer, np.ascontiguousarray(a), allow_pickle=False)
+        assert npy_bytes(a) == buffer.getvalue(), (a.dtype, a.shape)
+
+
 def test_count_dtype():
     assert count_dtype(np.array([0, 255])) == np.uint8 and count_dtype(np.array([256])) == np.uint16
     assert count_dtype(np.array([2**20])) == np.uint32 and count_dtype(np.zeros(0)) == np.uint8

@@ -72,11 +72,6 @@ class BinLayout:
     def total(self) -> int:
         return int(self.offsets[-1])
 
-    def locate(self, k: int) -> tuple[int, int]:
-        """(feature, bin) of flat bin k."""
-        f = int(np.searchsorted(self.offsets, k, side="right")) - 1
-        return f, k - int(self.offsets[f])
-
 
 def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
     """The flat bin (:class:`BinLayout`) of every value, feature-major: codes[f, u] = offsets[f] + b where
@@ -189,14 +184,15 @@ def histograms(
     node = np.zeros(len(rows), dtype=np.int64) if slot is None else slot.astype(np.int64)
     out = np.zeros((3, k, total))
     flat = out.reshape(3, k * total)
+    base = node * total  # node n's bins start at n * total
     for f in range(codes.shape[0]) if bundles is None else bundles.dense:
-        for s, x in enumerate(_bincounts(codes[f, rows] + node * total, k * total, G, H, C)):
+        for s, x in enumerate(_bincounts(codes[f].take(rows) + base, k * total, G, H, C)):
             if x is not None:
                 flat[s] += x
     if bundles is not None and len(bundles.sparse):
         for codes_j, to_flat in zip(bundles.codes, bundles.to_flat):
             size = len(to_flat) + 1
-            for s, x in enumerate(_bincounts(codes_j[rows] + node * size, k * size, G, H, C)):
+            for s, x in enumerate(_bincounts(codes_j.take(rows) + node * size, k * size, G, H, C)):
                 if x is not None:
                     out[s][:, to_flat] = x.reshape(k, size)[:, 1:]
         # a sparse feature's default bin: the node's totals minus the feature's other bins
@@ -263,12 +259,13 @@ def best_splits(hists: np.ndarray, layout: BinLayout, rule: SplitRule) -> tuple[
         score(left[:, 0], left[:, 1], lam) + score(right[:, 0], right[:, 1], lam) - score(total[:, 0], total[:, 1], lam)
     )
     gain = np.where(ok, gain, -np.inf)
-    gains, features, bins = np.full(k, -np.inf), np.full(k, -1, dtype=np.int64), np.full(k, -1, dtype=np.int64)
-    for n in np.flatnonzero(ok.any(axis=1)):
-        j = first_best(gain[n])  # smallest feature, then smallest bin
-        gains[n] = gain[n, j]
-        features[n], bins[n] = layout.locate(j)
-    return gains, features, bins
+    # per node the first flat bin (smallest feature, then smallest bin) that ties with its best (first_best)
+    top = gain.max(axis=1, initial=-np.inf)
+    found = np.isfinite(top)
+    j = np.argmax(gain >= (top - TIE * np.abs(np.where(found, top, 0.0)))[:, None], axis=1)
+    features = np.searchsorted(off, j, side="right") - 1
+    gains = np.where(found, gain[np.arange(k), j], -np.inf)
+    return gains, np.where(found, features, -1), np.where(found, j - off[features], -1)
 
 
 # ---------------------------------------------------------------------------------------------- losses
@@ -425,16 +422,15 @@ def _split(node: Node, perm: np.ndarray, g: np.ndarray, h: np.ndarray, first_id:
     seg = perm[node.start : node.end]
     left = node.candidate.left(seg)
     n_left = int(left.sum())
+    g_seg, h_seg = g.take(seg), h.take(seg)
     perm[node.start : node.end] = np.concatenate([seg[left], seg[~left]])
     node.table, node.split, node.candidate = node.candidate.table, node.candidate.split, None
     kids = []
-    for i, (start, end) in enumerate(((node.start, node.start + n_left), (node.start + n_left, node.end))):
-        part = perm[start:end]
-        kids.append(
-            Node(
-                first_id + i, node.out, start, end, node.depth + 1, float(g[part].sum()), float(h[part].sum()), node.id
-            )
-        )
+    for i, (start, end, side) in enumerate(
+        ((node.start, node.start + n_left, left), (node.start + n_left, node.end, ~left))
+    ):
+        G, H = float(g_seg.sum(where=side)), float(h_seg.sum(where=side))
+        kids.append(Node(first_id + i, node.out, start, end, node.depth + 1, G, H, node.id))
     return kids
 
 

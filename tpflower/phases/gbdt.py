@@ -111,7 +111,8 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str 
     """Every input of a gbdt phase, checked in one place before anything is computed: exactly the phase's
     names, vectors, integer or finite float dtypes, rows of this table, per-row arrays of one length, sizes that
     add up to the rows, one count per table row (gbdt_bins) and counts >= 1, hessian sums >= 0. Returns
-    them as int64 / float64 arrays."""
+    them with node ids, sizes and G_iu as int64, the rows and counts C in their integer dtype and the sums in
+    float32 or float64 (no per-row copy)."""
     expected = dict(_INPUTS[phase])
     if phase == "gbdt_split" and client.settings.spec.label.task == "regression":
         del expected["H"]  # squared error: h = 1, the counts are the hessian sums
@@ -129,14 +130,16 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str 
         if kind == "float":
             if a.size and a.dtype.kind != "f":
                 raise _refuse(client, phase, f"{name} is not floating point", f"dtype {a.dtype}")
-            a = a.astype(np.float64, copy=False)
+            if not a.size or a.dtype.itemsize < 4:  # float32 sums stay float32 (bincount adds in float64)
+                a = a.astype(np.float64, copy=False)
             if not np.isfinite(a).all():
                 raise _refuse(client, phase, f"{name} holds a value that is not finite")
-        else:
+        else:  # integers keep their dtype (row ids and counts come in the narrowest): no copy
             if a.size and a.dtype.kind not in "iu":
                 raise _refuse(client, phase, f"{name} is not integer", f"dtype {a.dtype}")
-            a = a.astype(np.int64, copy=False)
-            if a.size and a.min() < (-1 if name == "parent" else 0):
+            if not a.size or (kind in ("id", "count") and name != "C"):
+                a = a.astype(np.int64, copy=False)
+            if a.size and a.dtype.kind == "i" and a.min() < (-1 if name == "parent" else 0):
                 raise _refuse(client, phase, f"{name} holds a negative value")
             if kind == "row" and a.size and a.max() >= n_rows:
                 raise _refuse(client, phase, f"{name} names rows this table does not have")
@@ -267,6 +270,14 @@ def gbdt_edges(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     return {}, {}
 
 
+def node_totals(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The sum of ``values`` over each node's slice (``sizes`` values per node, one after the other)."""
+    if not len(values):
+        return np.zeros(len(sizes), dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return np.where(sizes > 0, np.add.reduceat(values, np.minimum(starts, len(values) - 1), dtype=np.int64), 0)
+
+
 def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
     """The histograms of the message's nodes (node id -> (3, total)); of two siblings the one with fewer joined
     rows is built from its rows, the other is the parent's minus it (parents' histograms kept between
@@ -278,7 +289,7 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
         hists.clear()
     nodes, parents = a["nodes"].tolist(), a["parent"].tolist()
     slot_of_row = np.repeat(np.arange(len(nodes)), a["sizes"])
-    joined = np.bincount(slot_of_row, weights=a["C"], minlength=len(nodes))  # each node's joined rows
+    joined = node_totals(a["C"], a["sizes"])  # each node's joined rows
     by_parent: dict[int, list[int]] = {}
     for i, q in enumerate(parents):
         by_parent.setdefault(q, []).append(i)
@@ -339,11 +350,11 @@ def answer(
     if not nodes:
         return {"gain": np.zeros(0), "bits": np.packbits(np.zeros(0, dtype=bool))}, {}
     gains, features, bins = best_splits(np.stack([hists[n] for n in nodes]), layout, rule)
-    sizes = [part[n].stop - part[n].start for n in nodes]
-    f_row = np.repeat(np.maximum(features, 0), sizes)  # each row's node's feature and flat threshold
-    k_row = np.repeat(np.where(features >= 0, layout.offsets[np.maximum(features, 0)] + bins, -1), sizes)
-    bits = codes[f_row, rows] <= k_row  # threshold -1: no split, every bit 0
+    bits = np.zeros(len(rows), dtype=bool)  # no split: every bit 0
     found = features >= 0
+    for i in np.flatnonzero(found):
+        at = part[nodes[i]]
+        bits[at] = codes[features[i]].take(rows[at]) <= layout.offsets[features[i]] + bins[i]
     if found.any():
         proposals = np.stack([np.array(nodes)[found], features[found], bins[found]], axis=1)
         client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), proposals]))
