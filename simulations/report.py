@@ -1183,6 +1183,25 @@ def _best(runs: dict[str, dict], higher: bool) -> str:
     return min(runs, key=lambda a: -_final(runs[a]) if higher else _final(runs[a]))
 
 
+def _spread(cells: dict[str, dict]) -> str:
+    """The interaction cells' label spread (the constant predictor's RMSE) beside the linear cells' in label units
+    (no label_scale), both with noise 0.5: the same signal-to-noise."""
+
+    def spread(names: list[str]) -> str:
+        values = [cells[n]["constant_metric"] for n in names]
+        return f"{min(values):.2f}-{max(values):.2f}"
+
+    rmse = [n for n, c in cells.items() if c["metric"] == "rmse" and "label_scale" not in n]
+    interaction = [n for n in rmse if "label=interaction" in n]
+    linear = [n for n in rmse if "label=" not in n]
+    if not interaction or not linear:
+        return ""
+    return (
+        f" Its regression labels spread like the linear cells' (constant predictor's RMSE {spread(interaction)} "
+        f"against {spread(linear)}, label noise 0.5 on every cell): the same signal-to-noise."
+    )
+
+
 def gbdt_matrix() -> str | None:
     """Boosted trees on the schema matrix (convergence-matrix-gbdt.json) beside the best row of each cell
     (convergence-matrix.json), and the cells of the nonlinear and interaction teachers with their linear and MLP
@@ -1263,7 +1282,7 @@ def gbdt_matrix() -> str | None:
                 "(`dataset.loader.label=interaction`: the same scores, each child table's effect switched by a "
                 "column of its parent table, 0 or 2 times, so half of it depends on another table's column) plants "
                 "interactions across tables, which no model additive over the tables fits: gbdt beats linear and "
-                f"MLP on {sum(won_interaction)} of {len(won_interaction)} of its cells."
+                f"MLP on {sum(won_interaction)} of {len(won_interaction)} of its cells." + _spread(d["cells"])
             ),
             table(
                 ["cell", "N", "metric", "constant", "linear", "MLP (ADMM)", "MLP (L-BFGS)", "gbdt", "gbdt beats both"],
