@@ -1183,27 +1183,50 @@ def _best(runs: dict[str, dict], higher: bool) -> str:
     return min(runs, key=lambda a: -_final(runs[a]) if higher else _final(runs[a]))
 
 
+def _spread(cells: dict[str, dict]) -> str:
+    """The interaction cells' label spread (the constant predictor's RMSE) beside the linear cells' in label units
+    (no label_scale), both with noise 0.5: the same signal-to-noise."""
+
+    def spread(names: list[str]) -> str:
+        values = [cells[n]["constant_metric"] for n in names]
+        return f"{min(values):.2f}-{max(values):.2f}"
+
+    rmse = [n for n, c in cells.items() if c["metric"] == "rmse" and "label_scale" not in n]
+    interaction = [n for n in rmse if "label=interaction" in n]
+    linear = [n for n in rmse if "label=" not in n]
+    if not interaction or not linear:
+        return ""
+    return (
+        f" Its regression labels spread like the linear cells' (constant predictor's RMSE {spread(interaction)} "
+        f"against {spread(linear)}, label noise 0.5 on every cell): the same signal-to-noise."
+    )
+
+
 def gbdt_matrix() -> str | None:
     """Boosted trees on the schema matrix (convergence-matrix-gbdt.json) beside the best row of each cell
-    (convergence-matrix.json), and the nonlinear cells with their linear and MLP rows."""
+    (convergence-matrix.json), and the cells of the nonlinear and interaction teachers with their linear and MLP
+    rows."""
     d = load("convergence-matrix-gbdt.json")
     if d is None:
         return None
     base = (load("convergence-matrix.json") or {}).get("cells", {})
-    beside, nonlinear, beats = [], [], []
+    beside: list[list[str]] = []
+    teachers: dict[str, tuple[list[list[str]], list[bool]]] = {"nonlinear": ([], []), "interaction": ([], [])}
     for name, c in d["cells"].items():
         higher = c["metric"] == "accuracy"
         runs = c["algorithms"]
         g = _final(runs["gbdt"])
-        if len(runs) > 1:  # a nonlinear cell: every row ran here
+        if len(runs) > 1:  # a cell of a teacher: every row ran here
             best = _best({a: r for a, r in runs.items() if a != "gbdt"}, higher)
             won = g > _final(runs[best]) if higher else g < _final(runs[best])
+            rows, beats = teachers["interaction" if "label=interaction" in name else "nonlinear"]
             beats.append(won)
-            nonlinear.append(
+            rows.append(
                 [
                     name,
                     f"{c['n_joined']:,}",
                     c["metric"],
+                    metric_digits(c["constant_metric"]),
                     *(metric_digits(_final(runs[a])) for a in ("linear", "mlp_admm", "mlp_lbfgs", "gbdt")),
                     f"{'yes' if won else 'no'} ({pct(g / _final(runs[best]) - 1)} vs {ROW_NAMES[best]})",
                 ]
@@ -1227,7 +1250,8 @@ def gbdt_matrix() -> str | None:
         (
             "### Boosted trees in the schema matrix\n\n`algorithm=gbdt` with its shipped defaults (300 trees of 63 "
             "leaves, learning rate 0.1) on the cells of the matrix above, beside the cell's best row (final test "
-            "metric of the matrix's runs), and on cells with a nonlinear label; in-process, wall time of the whole "
+            "metric of the matrix's runs), and on cells of the generator's nonlinear and interaction teachers; "
+            "in-process, wall time of the whole "
             "run. The matrix's labels are planted linear (fanout 1: exact ridge is the true model), so trees are "
             "expected to trail there."
             + f" Load: {d.get('load', 'not recorded')}."
@@ -1240,25 +1264,29 @@ def gbdt_matrix() -> str | None:
             "python -m simulations.bench convergence --matrix --gbdt"
             + (" --quick" if d.get("quick") else "")
             + ("" if d.get("bundled", True) else " --no-bundled")
-            + "   # -> bench_results/convergence-matrix-gbdt.json"
+            + "   # -> bench_results/convergence-matrix-gbdt.json (--keep: run only the cells it does not hold)"
         ),
     ]
     if beside:
         parts.append(table(["cell", "N", "metric", "reference", "best row", "gbdt", "gbdt vs best", "gbdt s"], beside))
-    if nonlinear:
+    (nonlinear, won_nonlinear), (interaction, won_interaction) = teachers["nonlinear"], teachers["interaction"]
+    if nonlinear or interaction:
         parts += [
             (
-                "Cells with the generator's nonlinear teacher (`dataset.loader.label=nonlinear`: each table's score "
-                "tanh(x A_t) B_t, hidden 8, summed over the joined row), every row with its shipped defaults ("
-                f"{d['epochs']} epochs; linear: what `algorithm=auto` picks; gbdt: 300 trees). gbdt beats linear "
-                f"and MLP on {sum(beats)} of {len(beats)}. The teacher is additive over the tables (a sum of "
-                "per-table networks), the very form of the federated MLP (the sum of the tables' f_i): trees beat "
-                "the linear model and the MLP that full-batch L-BFGS leaves after 10 iterations, not the MLP trained "
-                "by ADMM. A label that trees should win needs interactions across tables (thresholds on one "
-                "table's column that change another's effect), which the generator does not plant yet."
+                "Cells with the generator's teachers, every row with its shipped defaults ("
+                f"{d['epochs']} epochs; linear: what `algorithm=auto` picks; gbdt: 300 trees; constant: the "
+                "constant predictor's test metric). The nonlinear teacher (`dataset.loader.label=nonlinear`: each "
+                "table's score tanh(x A_t) B_t, hidden 8, summed over the joined row) is additive over the tables, "
+                "the very form of the federated MLP (the sum of the tables' f_i): gbdt beats linear and MLP on "
+                f"{sum(won_nonlinear)} of {len(won_nonlinear)} of its cells. The interaction teacher "
+                "(`dataset.loader.label=interaction`: the same scores, each child table's effect switched by a "
+                "column of its parent table, 0 or 2 times, so half of it depends on another table's column) plants "
+                "interactions across tables, which no model additive over the tables fits: gbdt beats linear and "
+                f"MLP on {sum(won_interaction)} of {len(won_interaction)} of its cells." + _spread(d["cells"])
             ),
             table(
-                ["cell", "N", "metric", "linear", "MLP (ADMM)", "MLP (L-BFGS)", "gbdt", "gbdt beats both"], nonlinear
+                ["cell", "N", "metric", "constant", "linear", "MLP (ADMM)", "MLP (L-BFGS)", "gbdt", "gbdt beats both"],
+                nonlinear + interaction,
             ),
         ]
     return "\n\n".join(parts)

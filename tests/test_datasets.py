@@ -187,6 +187,67 @@ def test_synthetic_tasks_and_determinism():
         synthetic.generate(schema="galaxy")
 
 
+def _teacher_on_join(spec, frames, seed: int, d_c: int) -> np.ndarray:
+    """The interaction teacher computed directly on the materialized join (float64): per joined row, each table's
+    tanh(x A_t) B_t times the switches 2 * 1[x > 0] on the path from the fact table to it, summed over the
+    tables, then averaged over each fact row's joined rows."""
+    names = spec.table_names
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(len(names) + 2)[-2])
+    fact = frames["fact"].assign(rid=np.arange(len(frames["fact"])))
+    joined = materialize(spec, {**frames, "fact": fact})
+    parent = {j.right: j.left for j in spec.joins}
+    total = np.zeros((len(joined), d_c))
+    for t in names:
+        cols = [f"{t}.{c}" for c in spec.table(t).numeric]
+        if not cols:
+            continue
+        a = rng.standard_normal((len(cols), synthetic.HIDDEN)) * (2.0 / np.sqrt(len(cols)))
+        b = rng.standard_normal((synthetic.HIDDEN, d_c)) / np.sqrt(synthetic.HIDDEN)
+        score = np.tanh(joined[cols].to_numpy(np.float64) @ a) @ b
+        child = t
+        while child in parent:  # the switches on the path: the j-th child of p is switched by p's x_{j mod width}
+            p = parent[child]
+            kids = sorted((j.right for j in spec.joins if j.left == p), key=names.index)
+            p_cols = spec.table(p).numeric
+            if p_cols:
+                x = joined[f"{p}.{p_cols[kids.index(child) % len(p_cols)]}"].to_numpy(np.float64)
+                score = score * np.where(x > 0, 2.0, 0.0)[:, None]
+            child = p
+        total += score
+    return pd.DataFrame(total).groupby(joined["fact.rid"].to_numpy()).mean().sort_index().to_numpy()
+
+
+def test_synthetic_interaction_label_equals_the_teacher_on_the_join():
+    """label=interaction on a many-to-many snowflake (switches on two levels, a parent without columns): the
+    generator's key-mean push-up equals the teacher computed on the materialized join, in float64."""
+    kw = dict(schema="snowflake", n_fact=300, dim_rows=[7, 5, 6, 4], n_dims=4, widths=[2, 1, 0, 2, 3], fanout=2)
+    cfg = {"name": "s", "loader": {"name": "synthetic", **kw, "label": "interaction", "noise": 0.0, "seed": 4}}
+    spec, frames = load_dataset(cfg)
+    assert {(j.left, j.right) for j in spec.joins} == {("fact", "d1"), ("fact", "d2"), ("d1", "d3"), ("d2", "d4")}
+    direct = _teacher_on_join(spec, frames, seed=4, d_c=1)[:, 0]
+    np.testing.assert_allclose(frames["fact"]["y"].to_numpy(), direct, rtol=0, atol=1e-9)
+    assert np.std(direct) > 0.5
+    # the switches matter: the nonlinear label (same tables, same teacher weights) differs
+    nonlinear = synthetic.generate(**kw, label="nonlinear", noise=0.0, seed=4)["fact"]["y"].to_numpy()
+    assert np.abs(nonlinear - direct).max() > 0.5
+    multi = synthetic.generate(**kw, label="interaction", noise=0.0, seed=4, task="multiclass", n_classes=3)
+    d_c3 = _teacher_on_join(spec, frames, seed=4, d_c=3)
+    assert np.array_equal(multi["fact"]["y"].to_numpy(), d_c3.argmax(1))
+    assert all(multi[t].equals(frames[t]) for t in ("d1", "d2", "d3", "d4"))
+
+
+def test_synthetic_interaction_label_is_deterministic_per_seed():
+    kw = dict(schema="star", n_fact=2000, dim_rows=30, label="interaction", noise=0.5)
+    a, b = synthetic.generate(**kw, seed=7), synthetic.generate(**kw, seed=7)
+    assert all(a[t].equals(b[t]) for t in a)
+    c = synthetic.generate(**kw, seed=8)["fact"]["y"]
+    assert not np.allclose(a["fact"]["y"], c)
+    binary = synthetic.generate(**kw, seed=7, task="binary")["fact"]["y"]
+    assert set(np.unique(binary)) == {0, 1} and 0.2 < binary.mean() < 0.8
+    with pytest.raises(SpecError, match="label must be one of"):
+        synthetic.generate(label="interactions")
+
+
 def test_synthetic_large_is_fast():
     start = time.perf_counter()
     frames = synthetic.generate(schema="star", n_fact=2_000_000, dim_rows=1000, n_dims=3, widths=2)

@@ -16,7 +16,8 @@
     python -m simulations.bench predict [--n-joined 100000]        -> bench_results/predict.json
     python -m simulations.bench lbfgs [--cases nycflights13_delayed/mlp,...] -> bench_results/lbfgs.json
     python -m simulations.bench auto [--datasets ...]              -> bench_results/auto.json
-    python -m simulations.bench convergence --matrix --gbdt        -> bench_results/convergence-matrix-gbdt.json
+    python -m simulations.bench convergence --matrix --gbdt [--quick] [--no-bundled] [--keep]
+                                                                  -> bench_results/convergence-matrix-gbdt.json
     python -m simulations.bench selection [--epochs 10]            -> bench_results/selection.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one

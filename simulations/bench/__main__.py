@@ -26,7 +26,8 @@ def _suite(name: str) -> ModuleType:
 def _convergence(a: argparse.Namespace) -> dict[str, Any]:
     convergence = _suite("convergence")
     if a.matrix and a.gbdt:
-        return convergence.gbdt_matrix_suite(a.epochs if a.epochs != 3 else 10, a.quick, not a.no_bundled)
+        keep = (a.out or Path("bench_results/convergence-matrix-gbdt.json")) if a.keep else None
+        return convergence.gbdt_matrix_suite(a.epochs if a.epochs != 3 else 10, a.quick, not a.no_bundled, keep)
     if a.matrix:
         return convergence.matrix_suite(a.epochs if a.epochs != 3 else 10, a.quick, not a.no_bundled)
     datasets = a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(convergence.CONVERGENCE_DATA)
@@ -113,6 +114,11 @@ def main(argv: list[str] | None = None) -> None:
         "--gbdt", action="store_true", help="convergence --matrix: boosted trees per cell (convergence-matrix-gbdt)"
     )
     ap.add_argument("--no-bundled", action="store_true", help="convergence --matrix: without the bundled datasets")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="convergence --matrix --gbdt: keep the cells already in the output JSON, run only the others",
+    )
     ap.add_argument("--model", default="mlp", help="celu: model")
     ap.add_argument(
         "--variants",

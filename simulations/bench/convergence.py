@@ -237,6 +237,15 @@ NONLINEAR_CELLS: list[dict[str, Any]] = [
     _cell("snowflake", 200, 50, 0.5, label="nonlinear"),
     _cell("star", 200, 50, 0.0, label="nonlinear", task="multiclass", n_classes=4),
 ]
+#: cells whose label is the generator's interaction teacher (the nonlinear teacher, each child dimension's effect
+#: switched by a column of its parent table: interactions across tables, which no model additive over the tables
+#: fits); the nonlinear cells' sizes, a star and a correlated snowflake regression (switches on two levels) and a
+#: multiclass star
+INTERACTION_CELLS: list[dict[str, Any]] = [
+    _cell("star", 200, 50, 0.0, label="interaction"),
+    _cell("snowflake", 200, 50, 0.5, label="interaction"),
+    _cell("star", 200, 50, 0.0, label="interaction", task="multiclass", n_classes=4),
+]
 #: every bundled dataset (overrides)
 BUNDLED: dict[str, tuple[str, ...]] = {
     "movielens": ("dataset=movielens",),
@@ -293,14 +302,23 @@ def summarize(cell: dict[str, Any], epochs: int) -> dict[str, Any]:
 
 
 def run_cells(
-    cases: dict[str, tuple[list[str], list[str]]], epochs: int, partial: Path | None = None
+    cases: dict[str, tuple[list[str], list[str]]],
+    epochs: int,
+    partial: Path | None = None,
+    kept: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Each case (its overrides and algorithms) as one matrix cell in a fresh process, summarized; a dataset whose
     files are absent is skipped, with why. ``partial``: the cells measured so far are written there after each
-    (a long run stopped early keeps its part)."""
+    (a long run stopped early keeps its part). ``kept``: cells of an earlier run of the same epochs, taken as
+    they are where they hold every algorithm of their case (not run again)."""
     rows: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for name, (overrides, algorithms) in cases.items():
+        old = (kept or {}).get(name)
+        if old is not None and set(algorithms) <= set(old["algorithms"]):
+            rows[name] = old
+            print(f"{name}: kept", flush=True)
+            continue
         why = absent_data(overrides)
         if why is not None:
             skipped[name] = why
@@ -314,6 +332,7 @@ def run_cells(
         )
         cell["summary"] = summarize(cell, epochs)
         cell["wall_s"] = round(time.perf_counter() - t0, 1)
+        cell["load"] = round(os.getloadavg()[0], 1)  # 1-minute load at the cell's end
         rows[name] = cell
         print(name, json.dumps(cell["summary"]), flush=True)
         if partial is not None:
@@ -333,26 +352,34 @@ def matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
     return {"case": "convergence-matrix", "epochs": epochs, "quick": quick, "cells": rows, "skipped": skipped}
 
 
-def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool) -> dict[str, Any]:
-    """Boosted trees on the schema matrix: the nonlinear cells (gbdt, the linear model by algorithm=auto and the
-    MLP by ADMM and L-BFGS, ``epochs`` each), then gbdt (shipped defaults) on every cell of the matrix (the first
-    QUICK with ``quick``) and, with ``bundled``, every bundled dataset, beside the rows of
-    convergence-matrix.json."""
-    cases = {cell_name(c): (cell_overrides(c), list(GBDT_ALGORITHMS)) for c in NONLINEAR_CELLS}
+def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool, keep: Path | None = None) -> dict[str, Any]:
+    """Boosted trees on the schema matrix: the nonlinear and interaction cells (gbdt, the linear model by
+    algorithm=auto and the MLP by ADMM and L-BFGS, ``epochs`` each), then gbdt (shipped defaults) on every cell
+    of the matrix (the first QUICK with ``quick``) and, with ``bundled``, every bundled dataset, beside the rows
+    of convergence-matrix.json. ``keep``: an earlier run's JSON whose cells (same epochs) are kept, not run
+    again; only the others run."""
+    kept: dict[str, Any] = {}
+    earlier = json.loads(keep.read_text()) if keep is not None and keep.is_file() else {}
+    if earlier.get("epochs") == epochs:
+        kept = earlier.get("cells", {})
+    cases = {cell_name(c): (cell_overrides(c), list(GBDT_ALGORITHMS)) for c in [*NONLINEAR_CELLS, *INTERACTION_CELLS]}
     cases.update(
         {cell_name(c): (cell_overrides(c), ["gbdt"]) for c in (MATRIX_CELLS[:QUICK] if quick else MATRIX_CELLS)}
     )
     if bundled:
         cases.update({k: (list(v), ["gbdt"]) for k, v in BUNDLED.items() if not quick or k != "movielens1m"})
     partial = Path("bench_results/convergence-matrix-gbdt.partial.json")
-    rows, skipped = run_cells(cases, epochs, partial)
+    rows, skipped = run_cells(cases, epochs, partial, kept)
     partial.unlink(missing_ok=True)  # complete: the suite's JSON replaces it
+    load = f"1-minute load {os.getloadavg()[0]:.1f} at the end"
+    if any(rows.get(name) is cell for name, cell in kept.items()):
+        load = f"kept cells: {earlier.get('load', 'not recorded')}; new cells: {load} (each cell's in its JSON)"
     return {
         "case": "convergence-matrix-gbdt",
         "epochs": epochs,
         "quick": quick,
         "bundled": bundled,
-        "load": f"1-minute load {os.getloadavg()[0]:.1f} at the end",
+        "load": load,
         "cells": rows,
         "skipped": skipped,
     }

@@ -13,12 +13,21 @@ same column(s) as a foreign key, drawn uniformly from the dimension's ``dim_rows
 ``fanout`` = rows per key value in every dimension (>1: each parent row joins ``fanout`` rows: many-to-many).
 
 Label planting (vectorized, no join materialised): each table t has a score s_t(row) in R^{d_c}
-(``label='linear'``: x W_t; ``'nonlinear'``: tanh(x A_t) B_t, a random one-hidden-layer teacher), with
-d_c = n_classes for multiclass, else 1. A row's effective score is its own score plus, for each child
-dimension, the MEAN effective score of the child rows with the matching key. The fact rows' effective score S
-gives the label: regression y = S + noise N(0, 1); binary y = 1[S + noise Logistic > 0];
+(``label='linear'``: x W_t; ``'nonlinear'`` and ``'interaction'``: tanh(x A_t) B_t, a random one-hidden-layer
+teacher), with d_c = n_classes for multiclass, else 1. A row's effective score is its own score plus, for each
+child dimension, the MEAN effective score of the child rows with the matching key. The fact rows' effective
+score S gives the label: regression y = S + noise N(0, 1); binary y = 1[S + noise Logistic > 0];
 multiclass y = argmax(S + noise Gumbel). With fanout 1 and a linear label, y is exactly a sum of per-table
-linear models of the joined row plus noise.
+linear models of the joined row plus noise; the linear and nonlinear labels are additive over the tables (a sum
+of per-table functions of the joined row), the form of the federated linear model and MLP.
+
+``label='interaction'`` plants interactions ACROSS tables: a switch on the parent row scales each child's effect.
+The j-th child dimension (0-based, ascending) of a table t is switched by t's column x_{j mod width_t}:
+the child's mean effective score enters the parent row's score times s = 2 * 1[x_j > 0] (0 or 2, mean 1), so
+half of every child subtree's effect depends on a column of another table (on a joined row, table i's score
+times the product of the switches on the path from the fact table to i). A parent without columns does not
+switch (s = 1). Additive models over the tables reach only the average effect (s = 1); trees, which split on the
+parent's column and then on the child's, can model it.
 
 ``correlation`` c in [0, 1): a parent row's feature k becomes c z + sqrt(1 - c^2) x, z the standardized mean of
 feature k (mod width) over its child dimensions' matching rows (key means), so small dimension tables carry
@@ -39,10 +48,11 @@ import pandas as pd
 from tpflower.schema import TASKS, SpecError
 
 SCHEMAS: tuple[str, ...] = ("star", "chain", "snowflake")
-LABELS: tuple[str, ...] = ("linear", "nonlinear")
+LABELS: tuple[str, ...] = ("linear", "nonlinear", "interaction")
 REGIONS: tuple[str, ...] = ("us-east", "us-west", "eu")
 FACT = "fact"
 HIDDEN = 8  # hidden units of the nonlinear teacher
+SWITCH = 2.0  # the interaction teacher's switch: a child's effect times SWITCH where the parent's column is > 0, else 0
 
 
 @dataclass(frozen=True)
@@ -171,6 +181,16 @@ def _key_mean(keys: np.ndarray, scores: np.ndarray, n_keys: int) -> np.ndarray:
     counts = np.bincount(keys, minlength=n_keys)
     sums = np.stack([np.bincount(keys, weights=scores[:, c], minlength=n_keys) for c in range(scores.shape[1])], 1)
     return sums / np.maximum(counts, 1)[:, None]
+
+
+def _switch_column(lay: Layout, features: np.ndarray, dim: int) -> np.ndarray | None:
+    """The parent's column that switches child dimension ``dim`` under the interaction teacher: the j-th child
+    (ascending) of its parent is switched by the parent's x_{j mod width}; None if the parent has no columns."""
+    width = features.shape[0]
+    if width == 0:
+        return None
+    j = _children(lay, lay.parents[dim - 1]).index(dim)
+    return features[j % width]
 
 
 def _children(lay: Layout, t: int) -> list[int]:
@@ -302,13 +322,18 @@ def generate(
     y = None
     if FACT in wanted:
         weight_rng, noise_rng = np.random.default_rng(seeds[-2]), np.random.default_rng(seeds[-1])
-        effective = [_score(draws[t].features, label, d_c, weight_rng) for t in range(len(lay.names))]
+        kind = "linear" if label == "linear" else "nonlinear"
+        effective = [_score(draws[t].features, kind, d_c, weight_rng) for t in range(len(lay.names))]
         for i in range(len(lay.names) - 1, 0, -1):  # children have larger indices than their parents
             p = lay.parents[i - 1]
             means = _key_mean(draws[i].own_keys, effective[i], lay.dim_rows[i - 1])
+            switch = _switch_column(lay, draws[p].features, i) if label == "interaction" else None
             for start in range(0, rows[p], GEN_CHUNK):
                 stop = min(start + GEN_CHUNK, rows[p])
-                effective[p][start:stop] += means[draws[p].foreign[i][start:stop]]
+                pushed = means[draws[p].foreign[i][start:stop]]
+                if switch is not None:
+                    pushed *= np.where(switch[start:stop] > 0, SWITCH, 0.0)[:, None]
+                effective[p][start:stop] += pushed
         total = effective[0]
         del effective
         if task == "multiclass":
