@@ -104,10 +104,22 @@ def test_native_federated_trees_equal_the_central_reference_with_categorical_col
     np.testing.assert_allclose(s.record.test_predictions, s.label_scale.to_label(F_eval[: s.test.N]), atol=1e-9)
 
 
+def test_native_union_equals_the_join():
+    """Over the union (fact and d1 in two shards each) the shards' summed histograms give the same category sets:
+    the union's trees equal the central reference's and the join's."""
+    shape = ("dataset.loader.n_fact=300", "dataset.loader.dim_rows=40", "min_sketch_rows=1")
+    cells = (*shape, *NATIVE, "algorithm.min_data_per_group=20")
+    rec = Recorded(*small("star", "regression", *cells), "scenario=ucq")
+    forest, _ = central_of(rec)
+    assert_same_forest(forest, rec.strategy.forest)
+    assert sum(n.categories is not None for trees in forest for t in trees for n in t.internal()) >= 3
+    assert_same_forest(Recorded(*small("star", "regression", *cells)).strategy.forest, rec.strategy.forest)
+
+
 def test_native_splits_differ_from_one_hot_ones():
     """The same run with one-hot columns grows other trees (the switch is live)."""
     native = Recorded(*small("star", "regression", *NATIVE)).strategy
-    onehot = Recorded(*small("star", "regression", NATIVE[0])).strategy
+    onehot = Recorded(*small("star", "regression", NATIVE[0], "algorithm.categorical=onehot")).strategy
     shape = lambda f: [(n.table, n.start, n.end) for trees in f for t in trees for n in t.nodes.values()]  # noqa: E731
     assert shape(native.forest) != shape(onehot.forest)
 

@@ -71,9 +71,9 @@ class GBDTParams(AlgorithmParams):
     min_gain: float = param(nonnegative, 0.0)
     eval_every: int = param(positive_int, 10)  # trees between evaluations (one line, one routing round each)
     early_stopping: int = param(nonnegative_int, 3)  # evaluations without validation gain that stop (0: never)
-    # categorical columns: each one-hot column a feature, or each block one feature split by category sets
-    # (tpflower.categorical, with LightGBM's defaults below)
-    categorical: str = param(one_of(*categorical.MODES), "onehot")
+    # categorical columns: each block one feature split by category sets (tpflower.categorical, with LightGBM's
+    # defaults below), or each one-hot column a feature; native by measurement (docs/results.md)
+    categorical: str = param(one_of(*categorical.MODES), "native")
     max_cat_to_onehot: int = param(positive_int, 4)
     cat_smooth: float = param(nonnegative, 10.0)
     cat_l2: float = param(nonnegative, 10.0)
@@ -250,8 +250,10 @@ class OwnerTrees:
         """The one-hot blocks of the table's categorical columns (none unless algorithm.categorical=native)."""
         if self.client.settings.algorithm.categorical_rule is None:
             return []
-        assert self.client.local.preprocessor is not None
-        return categorical.blocks_of(self.client.local.preprocessor)
+        if "blocks" not in self.cache:
+            assert self.client.local.preprocessor is not None
+            self.cache["blocks"] = categorical.blocks_of(self.client.local.preprocessor)
+        return self.cache["blocks"]
 
     def categories(self, first: int) -> np.ndarray:
         """Each row's category in the block whose first column is ``first`` (tpflower.categorical)."""
@@ -283,9 +285,9 @@ class OwnerTrees:
             old = self.state.get("gbdt.category_splits")
             self.state.put("gbdt.category_splits", taken if old is None else np.concatenate([old, taken]))
 
-    def split_categories(self, split: int, source: str = "category_splits") -> np.ndarray:
-        """The left columns of this table's category split (or proposal) ``split``."""
-        rows = self.state.get(f"gbdt.{source}")
+    def split_categories(self, split: int) -> np.ndarray:
+        """The left columns of this table's category split ``split``."""
+        rows = self.state.get("gbdt.category_splits")
         return np.zeros(0, dtype=np.int64) if rows is None else rows[rows[:, 0] == split, 1]
 
 

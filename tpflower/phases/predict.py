@@ -119,8 +119,10 @@ def saved_categories(client: TableClient) -> dict[str, np.ndarray]:
     if rows is None or not len(rows):
         return {}
     rows = np.asarray(rows, dtype=np.int64)[np.argsort(np.asarray(rows)[:, 0], kind="stable")]
-    names = client.local.feature_names
-    return {"category_splits": rows, "category_values": np.array([names[f].split("=", 1)[1] for f in rows[:, 1]])}
+    pre = client.local.preprocessor
+    assert pre is not None and pre.categories is not None
+    values = [v for c in pre.categorical for v in pre.categories[c]]  # the one-hot columns' categories, in order
+    return {"category_splits": rows, "category_values": np.array([values[f - len(pre.numeric)] for f in rows[:, 1]])}
 
 
 #: the last stage of every predictor's training protocol
