@@ -9,15 +9,17 @@ join; server: strategies/gbdt.py; shared math: tpflower/trees.py).
                                                         of its rows (``sizes`` rows per node, concatenated);
                                                         the table's best split gain per node (-inf: none) and,
                                                         packed, one side bit per (node, row): its proposal's
-                                                        "x_f <= threshold". ``won``: the nodes whose split the
+                                                        "x_f <= threshold" (or "its category is in the set":
+                                                        tpflower.categorical). ``won``: the nodes whose split the
                                                         server took from this table since the last message:
                                                         they join the table's model
   gbdt_route {rows, splits, won}                        -> {bits}: the side of each row ``rows`` at each of its
                                                         splits ``splits`` (packed, row-major): evaluation of
                                                         the test and validation rows
 
-Histograms, bins, features and thresholds never leave the node. Histogram subtraction: of two siblings, the
-histogram of the one with fewer joined rows is built from its rows and the other's is the parent's minus it.
+Histograms, bins, features, thresholds and category sets never leave the node. Histogram subtraction: of two
+siblings, the histogram of the one with fewer joined rows is built from its rows and the other's is the parent's
+minus it.
 """
 
 from __future__ import annotations
