@@ -1530,6 +1530,42 @@ def gbdt() -> str | None:
     )
 
 
+def gbdt_categorical() -> str | None:
+    """Boosted trees with categorical columns one-hot or split natively (simulations/bench/gbdt.py --categorical)."""
+    d = load("gbdt-categorical.json")
+    if d is None:
+        return None
+    modes, rows = d["modes"], []
+    for name, c in d["cases"].items():
+        rows.append(
+            [name]
+            + [metric_digits(c[m]["metric"]) for m in modes]
+            + [f"{c[m]['mean_wall_s']:.1f} ({', '.join(f'{w:.1f}' for w in c[m]['wall_s'])})" for m in modes]
+            + [", ".join(f"{c[m]['rounds_per_tree']} / {c[m]['mb_per_tree']}" for m in modes)]
+            + [f"{c['load_at_start']:.1f}-{c['load_at_end']:.1f}"]
+        )
+    header = ["dataset", *(f"{m} test" for m in modes), *(f"{m} s (repeats)" for m in modes)]
+    header += [f"round trips / MB per tree ({', '.join(modes)})", "load"]
+    return "\n\n".join(
+        [
+            (
+                "### Boosted trees: categorical columns one-hot or native\n\n"
+                f"`algorithm=gbdt` in-process, {d['trees']} trees, the shipped defaults but `algorithm.categorical`: "
+                "`onehot` (each category a 0/1 feature) or `native` (each categorical column one feature split by "
+                f"category sets, LightGBM's many-vs-many rule). {d['repeats']} rounds of both per dataset, their "
+                "order alternating, each run in its own process; wall time after setup (mean, then each repeat), "
+                "1-minute load at the start and end of the dataset's runs."
+            ),
+            command(
+                f"python -m simulations.bench gbdt --categorical {','.join(modes)} --trees {d['trees']} "
+                f"--categorical-repeats {d['repeats']}   # -> bench_results/gbdt-categorical.json"
+            ),
+            table(header, rows),
+            *([d["note"]] if d.get("note") else []),
+        ]
+    )
+
+
 def flower_adapters() -> str | None:
     """The adapters bench (simulations/bench/adapters.py): each adapter removed, and each supported Flower."""
     parts = []
@@ -1602,6 +1638,7 @@ def flower_version_goals(rows: list[dict[str, Any]], metrics: list[str]) -> str:
 SECTIONS: list[Callable[[], str | None]] = [
     loj,
     gbdt,
+    gbdt_categorical,
     convergence,
     selection,
     lbfgs,

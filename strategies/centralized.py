@@ -7,6 +7,7 @@ regression the exact ridge solution, the best any linear model can do on these f
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from tpflower import privacy as dp
 from tpflower.batches import batch_size_of, epoch_batches
+from tpflower.categorical import best_native_splits, blocks_of, category_codes, in_set
 from tpflower.losses import LabelScale, loss_np, loss_torch, metrics, primary_metric, standardizes_label
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.owner import simulation_secret
@@ -273,18 +275,36 @@ def central_gbdt(
     params: GBDTParams,
     X_eval: Mapping[str, np.ndarray] | None = None,
     on_round: Callable[[int, list[Tree], np.ndarray, np.ndarray], None] | None = None,
+    blocks: Mapping[str, list[np.ndarray]] | None = None,
 ) -> tuple[list[list[Tree]], np.ndarray, np.ndarray]:
     """The central histogram GBDT (tpflower.trees) on the materialized join: ``X[t]`` the joined rows' features
     of table t (training rows, labels ``y`` as training sees them), ``X_eval`` the same for rows to predict.
     Bins on the joined columns (unit weights: the federated owners' G-weighted edges), the tie rule table,
     feature, bin. ``on_round(r, trees, F, F_eval)`` after every round. Returns the rounds' trees and the final
-    scores of the training and evaluated rows."""
+    scores of the training and evaluated rows. ``blocks[t]``: the one-hot blocks of table t's categorical
+    columns (tpflower.categorical.blocks_of), split natively when ``params.categorical`` is native."""
     tables = sorted(X)
+    cat = params.categorical_rule
+    blocks = {t: list((blocks or {}).get(t, [])) if cat is not None else [] for t in tables}
     nb, rule = params.max_bins, params.rule
     edges = {t: [bin_edges(X[t][:, f], np.ones(len(y)), nb) for f in range(X[t].shape[1])] for t in tables}
     codes = {t: bin_codes(X[t], edges[t]) for t in tables}
     layout = {t: BinLayout.of(edges[t]) for t in tables}
     eval_codes = {t: bin_codes(X_eval[t], edges[t]) for t in tables} if X_eval is not None else None
+    # each row's category per block (native categorical splits), training and evaluated rows
+    cats = {t: {int(b[0]): category_codes(codes[t], layout[t], b) for b in blocks[t]} for t in tables}
+    eval_cats = (
+        {t: {int(b[0]): category_codes(eval_codes[t], layout[t], b) for b in blocks[t]} for t in tables}
+        if eval_codes is not None
+        else None
+    )
+    block_of = {t: {int(b[0]): b for b in blocks[t]} for t in tables}
+
+    def side(
+        t: str, f: int, k: int, chosen: np.ndarray | None, codes_t: np.ndarray, cats_t: dict, s: np.ndarray
+    ) -> np.ndarray:
+        """The side of rows ``s``: "flat code <= k" of feature f, or its category in ``chosen``."""
+        return codes_t[f][s] <= k if chosen is None else in_set(cats_t[f][s], block_of[t][f], chosen)
 
     def evaluate(nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Candidate | None]:
         segs = [perms[node.out][node.start : node.end] for node in nodes]
@@ -295,14 +315,18 @@ def central_gbdt(
         found = []  # per table (in name order: a tie keeps the smallest table name): gains, features, bins
         for t in tables:
             hists = histograms(codes[t], rows, g[rows, outs], hk, None, layout[t].total, slot, len(nodes))
-            found.append(best_splits(hists, layout[t], rule))
+            if blocks[t]:
+                found.append(best_native_splits(hists, layout[t], blocks[t], rule, cat))
+            else:
+                found.append((*best_splits(hists, layout[t], rule), [None] * len(nodes)))
         out: list[Candidate | None] = []
         for i in range(len(nodes)):
-            j = first_best(np.array([gains[i] for gains, _, _ in found]))
-            t, f, b = tables[j], int(found[j][1][i]), int(found[j][2][i])
+            j = first_best(np.array([gains[i] for gains, *_ in found]))
+            t, f, b, chosen = tables[j], int(found[j][1][i]), int(found[j][2][i]), found[j][3][i]
             k = -1 if f < 0 else int(layout[t].offsets[f]) + b  # "bin <= b" of feature f: flat code <= k
             gain = float(found[j][0][i])
-            out.append(None if f < 0 else Candidate(gain, t, lambda s, c=codes[t][f], k=k: c[s] <= k, (f, k)))
+            left = functools.partial(side, t, f, k, chosen, codes[t], cats[t])
+            out.append(None if f < 0 else Candidate(gain, t, left, (f, k), chosen))
         return out
 
     growth = Growth(params.max_leaves, params.max_depth, params.leaves_per_step, params.learning_rate, rule)
@@ -318,7 +342,11 @@ def central_gbdt(
         if eval_codes is not None:
             for tree in trees:
                 F_eval[:, tree.out] += leaf_values(
-                    tree, n_eval, lambda node, idx: eval_codes[node.table][node.split[0], idx] <= node.split[1]
+                    tree,
+                    n_eval,
+                    lambda node, idx: side(
+                        node.table, *node.split, node.categories, eval_codes[node.table], eval_cats[node.table], idx
+                    ),
                 )
         forest.append(trees)
         if on_round is not None:
@@ -364,7 +392,8 @@ class CentralizedGBDT(Centralized):
             results.history.append(rec)
             self.log(epoch_line(metric, rec))
 
-        central_gbdt(X, y, task, rel.d_out, params, X_test, on_round)
+        blocks = {t: blocks_of(rel.tables[t].preprocessor) for t in rel.spec.table_names}
+        central_gbdt(X, y, task, rel.d_out, params, X_test, on_round, blocks)
         self.results = results
         if self.run_dir is not None:
             self.log(f"results: {write_results(results, self.run_dir)}")

@@ -31,6 +31,7 @@ from tpflower.datasets import load_dataset
 from tpflower.mapping import project_keys
 from tpflower.owner import SECRET_ENV, load_owner_settings
 from tpflower.records import unpack_reply
+from tpflower.state import ClientState
 
 SYNTHETIC = "algorithm=admm dataset=synthetic"
 
@@ -792,11 +793,18 @@ def test_the_consensus_mask_tells_the_server_only_what_theta_shows_and_is_not_se
     assert shard_replies and not any("used" in out for out in shard_replies)
 
 
-def test_gbdt_replies_to_forged_sums_hold_only_gains_and_one_bit_per_node_and_row(tmp_path):
+@pytest.mark.parametrize(
+    "run",
+    [
+        "algorithm=gbdt dataset=synthetic",
+        "algorithm=gbdt dataset=synthetic +dataset.loader.categories=8 algorithm.categorical=native",
+    ],
+    ids=["numeric", "categorical"],
+)
+def test_gbdt_replies_to_forged_sums_hold_only_gains_and_one_bit_per_node_and_row(tmp_path, run):
     """Forged per-row sums (one row holding all the gradient, powers of two) steer which of the owner's splits
     wins, but every reply of a deployed node is one gain per node and one side bit per (node, row): no
-    histogram, feature, bin or threshold (docs/threat-model.md, Boosted trees)."""
-    run = "algorithm=gbdt dataset=synthetic"
+    histogram, feature, bin, threshold or category set (docs/threat-model.md, Boosted trees)."""
     context = node(tmp_path, "d1", run, run)
     assert hello(deployed_app, context)["table"] == "d1"
     n = len(unpack_reply(call(deployed_app, context, "train", {}, {"phase": "keys"}).content)[0]["row_ids"])
@@ -821,3 +829,5 @@ def test_gbdt_replies_to_forged_sums_hold_only_gains_and_one_bit_per_node_and_ro
         assert set(out) == {"gain", "bits"} and not metrics, what
         assert out["gain"].shape == (2,) and out["gain"].dtype == np.float64, what
         assert out["bits"].dtype == np.uint8 and out["bits"].shape == ((2 * n + 7) // 8,), what
+    if "native" in run:  # the owner's category sets were proposed, and only its state holds them
+        assert len(ClientState(context.state).get("gbdt.category_proposals"))

@@ -14,6 +14,7 @@ from strategies.centralized import central_gbdt
 from tests.conftest import make_cfg
 from tests.test_privacy_e2e import Recorded
 from tpflower.app.server_app import make_strategy
+from tpflower.categorical import blocks_of
 from tpflower.phases.gbdt import GBDTParams
 from tpflower.trees import MAX_BINS, BinLayout, Bundles, bin_codes, bin_edges, histograms
 
@@ -139,6 +140,7 @@ def central_of(rec: Recorded) -> tuple[list, np.ndarray]:
         int(s.d_out),
         s.params,
         {t: X[t][s.eval_p[t]] for t in s.tables},
+        blocks={t: blocks_of(rec.client((t, s.routers[t].shards[0])).local.preprocessor) for t in s.tables},
     )
     return forest, F_eval
 

@@ -457,7 +457,9 @@ def test_flower_engine_prediction_equals_in_process(regression_run, tmp_path):
     "overrides",
     [
         "algorithm=admm dataset=synthetic epochs=2 precision=float64",
-        "algorithm=gbdt dataset=synthetic algorithm.trees=5 algorithm.eval_every=5 precision=float64",
+        # boosted trees on tables with a categorical column: threshold and category-set splits
+        "algorithm=gbdt dataset=synthetic +dataset.loader.categories=8 algorithm.trees=5 algorithm.eval_every=5 "
+        "precision=float64",
     ],
     ids=["admm", "gbdt"],
 )

@@ -146,8 +146,9 @@ GBDT = ("algorithm=gbdt", "algorithm.trees=6", "algorithm.eval_every=1", "algori
         ((), None),
         (("dataset.loader.task=multiclass",), "fact"),
         (("scenario=ucq", "min_sketch_rows=100"), "fact"),
+        (("+dataset.loader.categories=8", "algorithm.categorical=native"), "fact"),
     ],
-    ids=["a-table-dies", "the-server-dies", "multiclass", "ucq-a-shard-dies"],
+    ids=["a-table-dies", "the-server-dies", "multiclass", "ucq-a-shard-dies", "native-categorical"],
 )
 def test_a_gbdt_run_killed_after_tree_3_resumes_to_the_forest_of_an_uninterrupted_run(tmp_path, overrides, crash_at):
     """Boosted trees checkpoint at every evaluation (the forest, the scores F; each node its bin edges and
@@ -172,8 +173,9 @@ def test_a_gbdt_run_killed_after_tree_3_resumes_to_the_forest_of_an_uninterrupte
             assert [n[:4] for n in tree["nodes"]] == [n[:4] for n in tree_full["nodes"]]  # ids, tables, children
             np.testing.assert_allclose([n[4] for n in tree["nodes"]], [n[4] for n in tree_full["nodes"]], rtol=1e-9)
     for key, context in resumed.contexts.items():  # every node ends with the uninterrupted run's splits
-        splits = ClientState(context.state).get("gbdt.splits")
-        np.testing.assert_array_equal(splits, ClientState(full.contexts[key].state).get("gbdt.splits"))
+        for name in ("gbdt.splits", "gbdt.category_splits"):  # thresholds and category sets
+            state, state_full = ClientState(context.state), ClientState(full.contexts[key].state)
+            np.testing.assert_array_equal(state.get(name), state_full.get(name))
     assert json.loads((run_dir / "model.json").read_text())["trees"] == forest["trees"]
 
 

@@ -64,6 +64,10 @@ class ModelPart:
     splits: np.ndarray | None = None
     thresholds: np.ndarray | None = None
     raw_thresholds: np.ndarray | None = None
+    # native categorical splits (threshold NaN): per category going left, (split id, its one-hot column) and its
+    # raw value; a row goes left when its category is one of its split's (an unseen category goes right)
+    category_splits: np.ndarray | None = None
+    category_values: np.ndarray | None = None
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -99,6 +103,9 @@ class ModelPart:
             arrays["splits"] = np.asarray(self.splits, dtype=np.int64)
             arrays["thresholds"] = np.asarray(self.thresholds, dtype=np.float64)
             arrays["raw_thresholds"] = np.asarray(self.raw_thresholds, dtype=np.float64)
+        if self.category_splits is not None:
+            arrays["category_splits"] = np.asarray(self.category_splits, dtype=np.int64)
+            arrays["category_values"] = np.asarray(self.category_values, dtype=str)
         atomic_write(path, lambda f: np.savez(f, **arrays))  # mkstemp: the file is 0600
         os.chmod(path, 0o600)
         return part_id(path)
@@ -115,6 +122,7 @@ class ModelPart:
             edges = {k: z[f"edges.{k}"] for k in meta["bins"]}
             centres = z["centres"] if meta.get("centres") else None
             trees = {k: z[k] for k in ("splits", "thresholds", "raw_thresholds")} if meta.get("splits") else {}
+            trees.update({k: z[k] for k in ("category_splits", "category_values") if k in z.files})
         return cls(
             run_id=meta["run_id"],
             algorithm=meta["algorithm"],
@@ -178,7 +186,13 @@ class ModelPart:
         """Boosted trees: the side of each row at each of the part's splits (rows x splits, True: left), as
         training decided it (a training row's bin <= b iff its value <= the bin's edge)."""
         assert self.splits is not None and self.thresholds is not None
-        return np.asarray(X, dtype=np.float64)[:, self.splits[:, 1]] <= self.thresholds[None, :]
+        X = np.asarray(X, dtype=np.float64)
+        sides = X[:, self.splits[:, 1]] <= self.thresholds[None, :]  # NaN (a category split): False
+        for j in np.flatnonzero(np.isnan(self.thresholds)):
+            assert self.category_splits is not None
+            chosen = self.category_splits[self.category_splits[:, 0] == self.splits[j, 0], 1]
+            sides[:, j] = (X[:, chosen] > 0.5).any(axis=1)  # one-hot: the row's category is one of them
+        return sides
 
 
 def part_id(path: Path) -> str:

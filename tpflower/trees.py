@@ -234,11 +234,13 @@ def score(G: np.ndarray, H: np.ndarray, lam: float) -> np.ndarray:
         return np.where(H + lam > 0, G * G / (H + lam), 0.0)
 
 
-def best_splits(hists: np.ndarray, layout: BinLayout, rule: SplitRule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def best_splits(
+    hists: np.ndarray, layout: BinLayout, rule: SplitRule, skip: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(gain, feature, bin) of the best split "bin <= b goes left" of each node from its flat histogram
     (hists: (k, 3, total)): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin Eq. 7);
     ties (:func:`first_best`) go to the smallest feature, then the smallest bin. A node without a valid split
-    gets (-inf, -1, -1)."""
+    gets (-inf, -1, -1). ``skip``: flat bins that are no split (native categorical blocks, tpflower.categorical)."""
     off = layout.offsets
     k = hists.shape[0]
     cum = np.cumsum(hists, axis=2)
@@ -255,6 +257,8 @@ def best_splits(hists: np.ndarray, layout: BinLayout, rule: SplitRule) -> tuple[
         & (right[:, 1] >= rule.min_child_weight)
     )
     ok[:, off[1:] - 1] = False  # "bin <= last bin" is no split
+    if skip is not None:
+        ok[:, skip] = False
     gain = 0.5 * (
         score(left[:, 0], left[:, 1], lam) + score(right[:, 0], right[:, 1], lam) - score(total[:, 0], total[:, 1], lam)
     )
@@ -323,6 +327,7 @@ class Candidate:
     table: str
     left: Callable[[np.ndarray], np.ndarray]
     split: tuple[int, int] = (-1, -1)  # (feature, bin) where the evaluator knows it (the central reference)
+    categories: np.ndarray | None = None  # a native categorical split's left columns (the central reference)
 
 
 @dataclass
@@ -343,6 +348,7 @@ class Node:
     split: tuple[int, int] = (-1, -1)
     children: tuple[int, int] = (-1, -1)
     value: float = 0.0
+    categories: np.ndarray | None = None  # where the evaluator knows it: the left columns of a categorical split
 
 
 @dataclass
@@ -424,7 +430,8 @@ def _split(node: Node, perm: np.ndarray, g: np.ndarray, h: np.ndarray, first_id:
     n_left = int(left.sum())
     g_seg, h_seg = g.take(seg), h.take(seg)
     perm[node.start : node.end] = np.concatenate([seg[left], seg[~left]])
-    node.table, node.split, node.candidate = node.candidate.table, node.candidate.split, None
+    node.table, node.split, node.categories = node.candidate.table, node.candidate.split, node.candidate.categories
+    node.candidate = None
     kids = []
     for i, (start, end, side) in enumerate(
         ((node.start, node.start + n_left, left), (node.start + n_left, node.end, ~left))

@@ -84,8 +84,17 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         tuple(tuple(c.split("/")) for c in a.cases.split(",")) if a.cases else _suite("auto").AUTO_RUNS,
     ),
     "selection": lambda a: _suite("selection").selection_suite(a.epochs if a.epochs != 3 else 10),
-    "gbdt": lambda a: _suite("gbdt").gbdt_suite(
-        [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower, a.deployed_trees
+    "gbdt": lambda a: (
+        _suite("gbdt").categorical_suite(
+            [d for d in (a.gbdt_datasets or ",".join(_suite("gbdt").DATASETS)).split(",") if d],
+            a.trees,
+            a.categorical.split(","),
+            a.categorical_repeats,
+        )
+        if a.categorical
+        else _suite("gbdt").gbdt_suite(
+            [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower, a.deployed_trees
+        )
     ),
 }
 
@@ -172,11 +181,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trees", type=int, default=300, help="gbdt: trees of both LightGBM and gbdt")
     ap.add_argument("--flower", action="store_true", help="gbdt: also under Flower's simulation engine")
     ap.add_argument("--deployed-trees", type=int, default=0, help="gbdt: also a deployed run of that many trees")
+    ap.add_argument(
+        "--categorical", default="", help="gbdt: compare these algorithm.categorical modes (gbdt-categorical.json)"
+    )
+    ap.add_argument("--categorical-repeats", type=int, default=2, help="gbdt --categorical: rounds of every mode")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
     result["machine"] = machine_info()
-    out = a.out or Path("bench_results") / f"{result['case'] if a.case in ('coreset', 'convergence') else a.case}.json"
+    out = (
+        a.out
+        or Path("bench_results") / f"{result['case'] if a.case in ('coreset', 'convergence', 'gbdt') else a.case}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -33,11 +33,14 @@ parent's column and then on the child's, can model it.
 feature k (mod width) over its child dimensions' matching rows (key means), so small dimension tables carry
 features correlated with the fact table's (the case where block methods slow down). ``label_scale`` multiplies
 a regression label (other units); ``imbalance`` k lowers class c's multiclass score by k c (imbalanced classes).
+``categories`` k > 0: every table's last feature column x{w-1} is replaced by a categorical column ``c`` of k
+levels (its k equal-probability bins under N(0, 1), named in a random order): the label still depends on it.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,14 +130,20 @@ def describe(
     label_scale: float = 1.0,  # generate() only: the tables' spec does not depend on it
     correlation: float = 0.0,  # generate() only
     imbalance: float = 0.0,  # generate() only
+    categories: int = 0,
 ) -> dict[str, Any]:
     """The spec parts (tables, label, joins) matching :func:`generate` called with the same arguments.
 
     ``shards`` ({table: q}) splits those tables into q random shards for the union scenario.
     """
     lay = layout(schema, n_dims, widths, dim_rows, composite)
+    cat = int(categories) > 0
     tables = {
-        name: {"numeric": [f"x{k}" for k in range(w)], "categorical": [], "region": REGIONS[t % len(REGIONS)]}
+        name: {
+            "numeric": [f"x{k}" for k in range(w - (cat and w > 0))],
+            "categorical": ["c"] if cat and w > 0 else [],
+            "region": REGIONS[t % len(REGIONS)],
+        }
         for t, (name, w) in enumerate(zip(lay.names, lay.widths))
     }
     joins = [
@@ -264,6 +273,14 @@ def _draw(lay: Layout, t: int, stream: np.random.Generator, rows: int, fanout: i
     return _Draws(own, features, foreign)
 
 
+def _categories(x: np.ndarray, k: int, seed: int, t: int) -> np.ndarray:
+    """Level names of ``x`` (standard normal) cut into ``k`` equal-probability bins, the names in a random order
+    of table ``t``'s own (so no order of the names follows x)."""
+    cuts = np.array([statistics.NormalDist().inv_cdf(q) for q in np.arange(1, k) / k])
+    names = np.random.default_rng([int(seed), 1000 + t]).permutation(k)
+    return np.array([f"v{j}" for j in names], dtype=object)[np.searchsorted(cuts, x)]
+
+
 def generate(
     schema: str = "star",
     n_fact: int = 1000,
@@ -282,6 +299,7 @@ def generate(
     tables: Sequence[str] | None = None,
     correlation: float = 0.0,
     imbalance: float = 0.0,
+    categories: int = 0,
 ) -> dict[str, pd.DataFrame]:
     """Generate the tables (see the module docstring); deterministic in ``seed``, vectorized throughout.
 
@@ -364,6 +382,8 @@ def generate(
         for child, values in d.foreign.items():
             cols.update(_key_frame(lay, child, values))
         cols.update({f"x{k}": d.features[k] for k in range(lay.widths[t])})
+        if int(categories) > 0 and lay.widths[t] > 0:
+            cols["c"] = _categories(cols.pop(f"x{lay.widths[t] - 1}"), int(categories), seed, t)
         if t == 0:
             cols["y"] = y
         frames[name] = pd.DataFrame(cols, copy=False)

@@ -9,15 +9,17 @@ join; server: strategies/gbdt.py; shared math: tpflower/trees.py).
                                                         of its rows (``sizes`` rows per node, concatenated);
                                                         the table's best split gain per node (-inf: none) and,
                                                         packed, one side bit per (node, row): its proposal's
-                                                        "x_f <= threshold". ``won``: the nodes whose split the
+                                                        "x_f <= threshold" (or "its category is in the set":
+                                                        tpflower.categorical). ``won``: the nodes whose split the
                                                         server took from this table since the last message:
                                                         they join the table's model
   gbdt_route {rows, splits, won}                        -> {bits}: the side of each row ``rows`` at each of its
                                                         splits ``splits`` (packed, row-major): evaluation of
                                                         the test and validation rows
 
-Histograms, bins, features and thresholds never leave the node. Histogram subtraction: of two siblings, the
-histogram of the one with fewer joined rows is built from its rows and the other's is the parent's minus it.
+Histograms, bins, features, thresholds and category sets never leave the node. Histogram subtraction: of two
+siblings, the histogram of the one with fewer joined rows is built from its rows and the other's is the parent's
+minus it.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from tpflower import categorical
 from tpflower.client import TableClient
 from tpflower.fedprep import DEFAULT_SKETCH_SIZE, RankSketch
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, sharded, takes, unsharded
-from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param, positive, positive_int
+from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, one_of, param, positive, positive_int
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
@@ -70,10 +73,27 @@ class GBDTParams(AlgorithmParams):
     min_gain: float = param(nonnegative, 0.0)
     eval_every: int = param(positive_int, 10)  # trees between evaluations (one line, one routing round each)
     early_stopping: int = param(nonnegative_int, 3)  # evaluations without validation gain that stop (0: never)
+    # categorical columns: each block one feature split by category sets (tpflower.categorical, with LightGBM's
+    # defaults below), or each one-hot column a feature; native by measurement (docs/results.md)
+    categorical: str = param(one_of(*categorical.MODES), "native")
+    max_cat_to_onehot: int = param(positive_int, 4)
+    cat_smooth: float = param(nonnegative, 10.0)
+    cat_l2: float = param(nonnegative, 10.0)
+    max_cat_threshold: int = param(positive_int, 32)
+    min_data_per_group: int = param(positive_int, 100)
 
     @property
     def rule(self) -> SplitRule:
         return SplitRule(self.lambda_l2, self.min_child_weight, self.min_child_rows, self.min_gain)
+
+    @property
+    def categorical_rule(self) -> categorical.CategoricalRule | None:
+        """The native split's rule (None: one-hot columns)."""
+        if self.categorical != "native":
+            return None
+        return categorical.CategoricalRule(
+            self.max_cat_to_onehot, self.cat_smooth, self.cat_l2, self.max_cat_threshold, self.min_data_per_group
+        )
 
 
 def _where(client: TableClient, phase: str) -> str:
@@ -225,6 +245,55 @@ class OwnerTrees:
         if any(int(n) not in at for n in won):
             raise _refuse(self.client, "gbdt", "won names a node this table proposed no split for")
         self.state.put("gbdt.splits", np.concatenate([self.table("splits"), props[[at[int(n)] for n in won]]]))
+        self.accept_categories(won)
+
+    # native categorical splits (tpflower.categorical): a split (node, block's first column, -1) whose left
+    # categories are the rows (node, column) of gbdt.category_proposals / gbdt.category_splits
+
+    @property
+    def blocks(self) -> list[np.ndarray]:
+        """The one-hot blocks of the table's categorical columns (none unless algorithm.categorical=native)."""
+        if self.client.settings.algorithm.categorical_rule is None:
+            return []
+        if "blocks" not in self.cache:
+            assert self.client.local.preprocessor is not None
+            self.cache["blocks"] = categorical.blocks_of(self.client.local.preprocessor)
+        return self.cache["blocks"]
+
+    def categories(self, first: int) -> np.ndarray:
+        """Each row's category in the block whose first column is ``first`` (tpflower.categorical)."""
+        key = ("categories", first)
+        if key not in self.cache:
+            block = next(b for b in self.blocks if b[0] == first)
+            self.cache[key] = categorical.category_codes(self.codes, self.layout, block)
+        return self.cache[key]
+
+    def category_sides(self, first: int, chosen: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The side of ``rows`` at a category split of the block starting at ``first``: in ``chosen``."""
+        block = next(b for b in self.blocks if b[0] == first)
+        return categorical.in_set(self.categories(first)[rows], block, chosen)
+
+    def propose_categories(self, nodes: np.ndarray, sets: list[np.ndarray | None]) -> None:
+        """Keep the category sets of this step's proposals (the previous rounds' dropped)."""
+        live = self.table("proposals")[:, 0]
+        old = self.state.get("gbdt.category_proposals")
+        old = np.zeros((0, 2), dtype=np.int64) if old is None else old[np.isin(old[:, 0], live)]
+        new = [np.column_stack([np.full(len(c), n), c]) for n, c in zip(nodes, sets) if c is not None]
+        self.state.put("gbdt.category_proposals", np.concatenate([old, *new]).astype(np.int64))
+
+    def accept_categories(self, won: np.ndarray) -> None:
+        props = self.state.get("gbdt.category_proposals")
+        if props is None or not len(props):
+            return
+        taken = props[np.isin(props[:, 0], won)]
+        if len(taken):
+            old = self.state.get("gbdt.category_splits")
+            self.state.put("gbdt.category_splits", taken if old is None else np.concatenate([old, taken]))
+
+    def split_categories(self, split: int) -> np.ndarray:
+        """The left columns of this table's category split ``split``."""
+        rows = self.state.get("gbdt.category_splits")
+        return np.zeros(0, dtype=np.int64) if rows is None else rows[rows[:, 0] == split, 1]
 
 
 def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -349,15 +418,27 @@ def answer(
     nodes = list(part)
     if not nodes:
         return {"gain": np.zeros(0), "bits": np.packbits(np.zeros(0, dtype=bool))}, {}
-    gains, features, bins = best_splits(np.stack([hists[n] for n in nodes]), layout, rule)
+    blocks, sets = owner.blocks, None
+    if blocks:  # native categorical splits (tpflower.categorical)
+        cat = client.settings.algorithm.categorical_rule
+        gains, features, bins, sets = categorical.best_native_splits(
+            np.stack([hists[n] for n in nodes]), layout, blocks, rule, cat
+        )
+    else:
+        gains, features, bins = best_splits(np.stack([hists[n] for n in nodes]), layout, rule)
     bits = np.zeros(len(rows), dtype=bool)  # no split: every bit 0
     found = features >= 0
     for i in np.flatnonzero(found):
         at = part[nodes[i]]
-        bits[at] = codes[features[i]].take(rows[at]) <= layout.offsets[features[i]] + bins[i]
+        if sets is not None and sets[i] is not None:  # a category split: "the row's category is in the set"
+            bits[at] = owner.category_sides(int(features[i]), sets[i], rows[at])
+        else:
+            bits[at] = codes[features[i]].take(rows[at]) <= layout.offsets[features[i]] + bins[i]
     if found.any():
         proposals = np.stack([np.array(nodes)[found], features[found], bins[found]], axis=1)
         client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), proposals]))
+    if sets is not None:
+        owner.propose_categories(np.array(nodes), sets)
     return {"gain": gains, "bits": np.packbits(bits)}, {}
 
 
@@ -408,8 +489,11 @@ def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     at = {int(n): i for i, n in enumerate(splits[:, 0])}
     if any(int(s) not in at for s in a["splits"]):
         raise _refuse(client, "gbdt_route", "splits names a split this table does not hold")
-    f, k = owner.flat(splits[[at[int(s)] for s in a["splits"]]].reshape(-1, 3))
+    chosen = splits[[at[int(s)] for s in a["splits"]]].reshape(-1, 3)
+    f, k = owner.flat(chosen)
     bits = owner.codes[f[None, :], a["rows"][:, None]] <= k[None, :]
+    for j in np.flatnonzero(chosen[:, 2] < 0):  # a category split (tpflower.categorical)
+        bits[:, j] = owner.category_sides(int(chosen[j, 1]), owner.split_categories(int(chosen[j, 0])), a["rows"])
     return {"bits": np.packbits(bits, axis=1)}, {}
 
 

@@ -100,7 +100,7 @@ def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarra
     split's bin) in preprocessed and in raw units (numeric columns: x std + mean; a one-hot column keeps 0.5)."""
     splits = np.asarray(splits, dtype=np.int64).reshape(-1, 3)[np.argsort(np.asarray(splits)[:, 0], kind="stable")]
     edges = client.state.get_list("gbdt.edges") or []
-    thr = np.array([edges[f][b] for _, f, b in splits], dtype=np.float64)
+    thr = np.array([edges[f][b] if b >= 0 else np.nan for _, f, b in splits], dtype=np.float64)
     local = client.local
     assert local.preprocessor is not None
     stats = local.preprocessor.stats()
@@ -109,7 +109,20 @@ def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarra
         name = local.feature_names[f]
         if name in (stats.get("means") or {}):
             raw[i] = thr[i] * float(stats["stds"][name]) + float(stats["means"][name])
-    return {"splits": splits[:, :2].copy(), "thresholds": thr, "raw_thresholds": raw}
+    return {"splits": splits[:, :2].copy(), "thresholds": thr, "raw_thresholds": raw, **saved_categories(client)}
+
+
+def saved_categories(client: TableClient) -> dict[str, np.ndarray]:
+    """Native categorical splits (tpflower.categorical; threshold NaN in ``saved_splits``): per category going
+    left, (split id, its one-hot column) and its raw value (the column's category as preprocessing read it)."""
+    rows = client.state.get("gbdt.category_splits")
+    if rows is None or not len(rows):
+        return {}
+    rows = np.asarray(rows, dtype=np.int64)[np.argsort(np.asarray(rows)[:, 0], kind="stable")]
+    pre = client.local.preprocessor
+    assert pre is not None and pre.categories is not None
+    values = [v for c in pre.categorical for v in pre.categories[c]]  # the one-hot columns' categories, in order
+    return {"category_splits": rows, "category_values": np.array([values[f - len(pre.numeric)] for f in rows[:, 1]])}
 
 
 #: the last stage of every predictor's training protocol

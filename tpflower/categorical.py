@@ -1,0 +1,205 @@
+"""Native categorical splits for the histogram GBDT (LightGBM's many-vs-many split, Ke et al., NeurIPS 2017,
+and its feature_histogram: categories ordered by gradient statistics), shared by the federated owner
+(tpflower/phases/gbdt.py) and the central reference (strategies/centralized.py) so the two cannot drift
+(docs/algorithms.md, Boosted trees over the join, Categorical columns).
+
+A categorical column reaches the trees as its one-hot block (tpflower/preprocess.py: one 0/1 column per
+category seen at fit time, in sorted order). With ``algorithm.categorical=native`` the block is one feature whose
+bins are its categories: category j's per-node sums of g, h and rows are bin 1 (value 1) of the block's column j
+in the node's histogram (tpflower.trees.histograms), so nothing new is counted. Per node and block:
+
+* at most ``max_cat_to_onehot`` categories: one category against the rest (the usual gain, lambda_l2);
+* else the categories with at least ``cat_smooth`` rows, sorted by G / (H + cat_smooth), and the best prefix of
+  that order scanned from either end (at most ``max_cat_threshold`` categories and half of them on the left; a
+  prefix is scored once its last scored prefix is ``min_data_per_group`` rows behind, and the rest keeps at
+  least ``min_data_per_group`` rows); gain 1/2 [G_L^2/(H_L + l + cat_l2) + G_R^2/(H_R + l + cat_l2) -
+  G^2/(H + l)] (Chen & Guestrin Eq. 7 with LightGBM's extra cat_l2 on the children).
+
+The split sends the chosen categories left; every other row goes right, including a row whose category was
+not seen at fit time (an all-zero block). Ties: the smallest feature (a block is numbered by its first column),
+then the first position (ascending scan before descending, shorter prefix first), as LightGBM's strict ">"
+keeps the first best. Categories whose G / (H + cat_smooth) agree to :data:`tpflower.trees.TIE` keep their
+column order, so sums computed per table row or per joined row sort alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpflower.preprocess import TablePreprocessor
+from tpflower.trees import TIE, BinLayout, SplitRule, best_splits, first_best, score
+
+MODES = ("onehot", "native")
+
+
+@dataclass(frozen=True)
+class CategoricalRule:
+    """LightGBM's defaults (its docs, Parameters: max_cat_to_onehot 4, cat_smooth 10, cat_l2 10,
+    max_cat_threshold 32, min_data_per_group 100)."""
+
+    max_cat_to_onehot: int = 4
+    cat_smooth: float = 10.0
+    cat_l2: float = 10.0
+    max_cat_threshold: int = 32
+    min_data_per_group: int = 100
+
+
+def blocks_of(pre: TablePreprocessor) -> list[np.ndarray]:
+    """The feature columns of each categorical column's one-hot block (tpflower.preprocess: numeric columns
+    first, then one column per category of each categorical column, in order)."""
+    assert pre.categories is not None
+    out, start = [], len(pre.numeric)
+    for cats in (pre.categories[c] for c in pre.categorical):
+        if len(cats):
+            out.append(np.arange(start, start + len(cats), dtype=np.int64))
+        start += len(cats)
+    return out
+
+
+def category_codes(codes: np.ndarray, layout: BinLayout, block: np.ndarray) -> np.ndarray:
+    """Each row's category in ``block`` (0..m-1: the column whose value is 1, i.e. in bin 1), m: none (a
+    category not seen at fit time, or a column with one bin: never split on)."""
+    m = len(block)
+    out = np.full(codes.shape[1], m, dtype=np.int32)
+    for j, f in enumerate(block):
+        if layout.offsets[f + 1] - layout.offsets[f] == 2:
+            out[codes[f] == layout.offsets[f] + 1] = j
+    return out
+
+
+def _block_stats(hists: np.ndarray, layout: BinLayout, block: np.ndarray) -> np.ndarray:
+    """(k, 3, m): category j's sums of g, h and rows per node, from bin 1 of its column (0: a column with one
+    bin, whose category has no training row or holds every row)."""
+    two = layout.offsets[block + 1] - layout.offsets[block] == 2
+    out = np.zeros((hists.shape[0], 3, len(block)))
+    out[:, :, two] = hists[:, :, layout.offsets[block[two]] + 1]
+    return out
+
+
+def _sorted_order(S: np.ndarray, eligible: np.ndarray, smooth: float) -> np.ndarray:
+    """Per node, the eligible categories by G / (H + cat_smooth) ascending (ratios within TIE: column order),
+    the others after them."""
+    k, m = eligible.shape
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(eligible, S[:, 0] / (S[:, 1] + smooth), np.inf)
+    order = np.argsort(ratio, axis=1, kind="stable")
+    r = np.take_along_axis(ratio, order, axis=1)
+    a, b = r[:, :-1], r[:, 1:]
+    with np.errstate(invalid="ignore"):
+        tie = np.isfinite(a) & np.isfinite(b) & (np.abs(b - a) <= TIE * np.maximum(np.abs(a), np.abs(b)))
+    new = ~tie
+    group = np.concatenate([np.zeros((k, 1), dtype=np.int64), np.cumsum(new, axis=1)], axis=1)
+    group_of = np.empty_like(group)
+    np.put_along_axis(group_of, order, group, axis=1)
+    return np.lexsort((np.broadcast_to(np.arange(m), (k, m)), group_of), axis=-1)
+
+
+def best_block_splits(
+    hists: np.ndarray, layout: BinLayout, block: np.ndarray, rule: SplitRule, cat: CategoricalRule
+) -> tuple[np.ndarray, list[np.ndarray | None]]:
+    """Per node: the best gain of a split of ``block`` (-inf: none) and the columns of its categories going
+    left (module docstring)."""
+    k, m = hists.shape[0], len(block)
+    S = _block_stats(hists, layout, block)
+    T = hists[:, :, : layout.offsets[1]].sum(axis=2)  # the node's sums (every feature's bins add up to them)
+    lam = rule.lambda_l2
+    gains, sets = np.full(k, -np.inf), [None] * k
+    if m <= cat.max_cat_to_onehot:  # one category against the rest
+        L, R = S, T[:, :, None] - S
+        ok = (
+            (L[:, 2] >= rule.min_child_rows)
+            & (L[:, 2] > 0)
+            & (L[:, 1] >= rule.min_child_weight)
+            & (R[:, 2] >= rule.min_child_rows)
+            & (R[:, 1] >= rule.min_child_weight)
+        )
+        gain = 0.5 * (
+            score(L[:, 0], L[:, 1], lam) + score(R[:, 0], R[:, 1], lam) - score(T[:, None, 0], T[:, None, 1], lam)
+        )
+        gain = np.where(ok, gain, -np.inf)
+        for n in np.flatnonzero(ok.any(axis=1)):
+            j = first_best(gain[n])
+            gains[n], sets[n] = gain[n, j], block[[j]]
+        return gains, sets
+    eligible = S[:, 2] >= cat.cat_smooth
+    used = eligible.sum(axis=1)
+    order = _sorted_order(S, eligible, cat.cat_smooth)
+    max_num = np.minimum(cat.max_cat_threshold, (used + 1) // 2)
+    width = int(max_num.max()) if k else 0
+    if width == 0:
+        return gains, sets
+    i = np.arange(width)
+    scans = []  # per direction: (k, 3, width) left sums of the prefixes of 1..width categories
+    for forward in (True, False):
+        pos = i[None, :] if forward else np.maximum(used[:, None] - 1 - i[None, :], 0)
+        cats = np.take_along_axis(order, np.minimum(pos, m - 1), axis=1)
+        step = np.take_along_axis(S, cats[:, None, :], axis=2)
+        step = np.where((i[None, :] < max_num[:, None])[:, None, :], step, 0.0)
+        scans.append(np.cumsum(step, axis=2))
+    all_gains = np.full((k, 2 * width), -np.inf)
+    lam_c = lam + cat.cat_l2
+    for d, left in enumerate(scans):
+        right = T[:, :, None] - left
+        left_ok = (left[:, 2] >= rule.min_child_rows) & (left[:, 1] >= rule.min_child_weight)
+        right_ok = (
+            (right[:, 2] >= rule.min_child_rows)
+            & (right[:, 2] >= cat.min_data_per_group)
+            & (right[:, 1] >= rule.min_child_weight)
+        )
+        in_scan = i[None, :] < max_num[:, None]
+        scored = np.zeros((k, width), dtype=bool)
+        group = np.zeros(k)
+        for t in range(width):  # rows since the last scored prefix (LightGBM's cnt_cur_group)
+            group += np.where(in_scan[:, t], left[:, 2, t] - (left[:, 2, t - 1] if t else 0.0), 0.0)
+            scored[:, t] = in_scan[:, t] & left_ok[:, t] & right_ok[:, t] & (group >= cat.min_data_per_group)
+            group[scored[:, t]] = 0.0
+        gain = 0.5 * (
+            score(left[:, 0], left[:, 1], lam_c)
+            + score(right[:, 0], right[:, 1], lam_c)
+            - score(T[:, None, 0], T[:, None, 1], lam)
+        )
+        all_gains[:, d * width : (d + 1) * width] = np.where(scored, gain, -np.inf)
+    for n in np.flatnonzero(np.isfinite(all_gains).any(axis=1)):
+        j = first_best(all_gains[n])
+        d, t = divmod(j, width)
+        chosen = order[n, : t + 1] if d == 0 else order[n, used[n] - 1 - t : used[n]]
+        gains[n], sets[n] = all_gains[n, j], np.sort(block[chosen])
+    return gains, sets
+
+
+def best_native_splits(
+    hists: np.ndarray, layout: BinLayout, blocks: Sequence[np.ndarray], rule: SplitRule, cat: CategoricalRule
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray | None]]:
+    """(gain, feature, bin, categories) of each node's best split: the other features' thresholds
+    (tpflower.trees.best_splits without the blocks' columns) or a block's category set (feature: the block's
+    first column, bin -1, categories: the columns of the categories going left; None for a threshold). Ties:
+    the smallest feature."""
+    k = hists.shape[0]
+    skip = np.concatenate([np.arange(layout.offsets[b[0]], layout.offsets[b[-1] + 1]) for b in blocks] or [[]])
+    gains, features, bins = best_splits(hists, layout, rule, skip.astype(np.int64))
+    sets: list[np.ndarray | None] = [None] * k
+    if not blocks:
+        return gains, features, bins, sets
+    found = [best_block_splits(hists, layout, b, rule, cat) for b in blocks]
+    cand_gain = np.column_stack([gains, *(g for g, _ in found)])  # (k, 1 + blocks)
+    cand_feature = np.column_stack([features, *(np.full(k, b[0]) for b in blocks)])
+    for n in range(k):
+        live = np.flatnonzero(np.isfinite(cand_gain[n]))
+        if not len(live):
+            continue
+        live = live[np.argsort(cand_feature[n, live], kind="stable")]
+        c = live[first_best(cand_gain[n, live])]
+        if c > 0:
+            gains[n], features[n], bins[n], sets[n] = cand_gain[n, c], blocks[c - 1][0], -1, found[c - 1][1][n]
+    return gains, features, bins, sets
+
+
+def in_set(categories: np.ndarray, block: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """The side of rows whose categories in ``block`` are ``categories`` (:func:`category_codes`): True where
+    the row's category is one of the columns ``chosen``; a row of no category goes right."""
+    lut = np.zeros(len(block) + 1, dtype=bool)
+    lut[np.searchsorted(block, chosen)] = True
+    return lut[categories]
