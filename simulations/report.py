@@ -1023,6 +1023,7 @@ def selection() -> str | None:
                 rows,
             ),
             "![test metric and validation loss per epoch, the kept epoch](selection.png)",
+            *([f"Notes (from the JSON): {d['notes']}"] if d.get("notes") else []),
         ]
     )
 
