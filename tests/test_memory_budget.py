@@ -1,6 +1,8 @@
 """The server's memory budget per algorithm family (simulations/bench/memory.py, docs/results.md): a change that
 makes the server keep a per-row array twice, or in float64 where the run is float32, fails here, not at a user's
-100 million rows. About 1M joined rows per family (the scale bench measures the same at 10M)."""
+100 million rows. About 1M joined rows per family (the scale bench measures the same at 10M). SGD and L-BFGS run
+with their default validation part: the state model selection keeps (the kept evaluation's test predictions) is
+inside their budgets, which fail when it is kept twice."""
 
 from __future__ import annotations
 
