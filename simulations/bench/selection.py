@@ -74,7 +74,6 @@ def plot(path: Path, png: Path) -> None:
     cases = data["cases"]
     fig, axes = plt.subplots(1, len(cases), figsize=(4.8 * len(cases), 4.0), squeeze=False)
     vals = [ax.twinx() for ax in axes[0]]
-    first_val = vals[0]
     for ax, val, c in zip(axes[0], vals, cases):
         kept, last = c["kept"], c["last"]
         ev = kept["evaluations"]
@@ -105,7 +104,7 @@ def plot(path: Path, png: Path) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(f"test {kept['metric']}")
         ax.grid(alpha=0.3)
-    handles = [h for a in (axes[0][0], first_val) for h in a.get_legend_handles_labels()[0]]
+    handles = [h for a in (axes[0][0], vals[0]) for h in a.get_legend_handles_labels()[0]]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(f"Model selection: the kept model against the last one ({data['epochs']} epochs at most)", fontsize=11)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
