@@ -678,7 +678,10 @@ def budget_parts(budgets: list[dict]) -> list[str]:
             "enough epochs to fill the family's histories; two runs, fanout 2 and fanout 1, separate state = "
             "per_joined N + per_table sum_i n_i). The documented budgets are simulations/bench/memory.py's FAMILIES "
             "(adding a family is one entry there); the bench fails when a measured term exceeds its budget, and "
-            "tests/test_memory_budget.py checks every family at 1M joined rows."
+            "tests/test_memory_budget.py checks every family at 1M joined rows. SGD and L-BFGS run with their "
+            "default validation part (0.1, [model selection](algorithms.md#model-selection)): the kept "
+            "evaluation's test predictions (float64, 8 bytes per test row: 1.2 per joined row, `selection` below) "
+            "are in their budgets, which leave less than that above the measurement, so that state kept twice fails."
         ),
         command(
             "python -m simulations.bench scale --scale-n '' --server-n '' --mapping-n 0 --fact-mapping-n '' "
@@ -1023,6 +1026,7 @@ def selection() -> str | None:
                 rows,
             ),
             "![test metric and validation loss per epoch, the kept epoch](selection.png)",
+            *([f"Notes (from the JSON): {d['notes']}"] if d.get("notes") else []),
         ]
     )
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from simulations import deploy
-from tests.test_resume import checkpoint_epoch
+from tests.test_resume import assert_same_forest, checkpoint_epoch
 
 OVERRIDES = "algorithm=admm dataset=synthetic epochs=2"
 # the join deployment: the label owner's settings file sets label DP as its floor (deploy.start writes the
@@ -37,6 +37,12 @@ RUN_TIMEOUT_S = 200.0  # per 4 nodes: the 6-node union test took 194 s on a quie
 # kill and resume: float64 TP-Join-ADMM, 6 epochs, no privacy (its results are compared with an in-process run);
 # tol=0: the accelerated default meets the default tol after epoch 3 on the synthetic join
 RESUME_RUN = "algorithm=admm dataset=synthetic epochs=6 precision=float64 algorithm.tol=0"
+# kill and resume of boosted trees: 6 small trees (8 leaves), a checkpoint at every evaluation (each tree), never
+# stopped early; the resumed deployment grows the in-process simulation's forest
+GBDT_RESUME_RUN = (
+    "algorithm=gbdt dataset=synthetic precision=float64 algorithm.trees=6 algorithm.max_leaves=8 "
+    "algorithm.eval_every=1 algorithm.early_stopping=0"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -243,23 +249,26 @@ def unauthorized_nodes_are_refused(dep: deploy.Deployment, tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp_path):
-    """TLS + node authentication by default; a SuperNode killed (kill -9) after epoch 3 of 6 stops the run with
-    a line naming its table; restarted, it rejoins a resumed run, which ends with the metrics of the in-process
-    simulation of the same config (float64, to 1e-6)."""
+@pytest.mark.parametrize("run", [RESUME_RUN, GBDT_RESUME_RUN], ids=["admm", "gbdt"])
+def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp_path, run):
+    """TLS + node authentication by default; a SuperNode killed (kill -9) after epoch 3 of 6 (boosted trees: after
+    the evaluation of tree 3) stops the run with a line naming its table; restarted, it rejoins a resumed run,
+    which ends with the metrics of the in-process simulation of the same config (float64, to 1e-6; boosted trees:
+    the same trees, metrics to 1e-9)."""
     from simulations.federated import run_in_process
     from tpflower.config import compose_config
 
     dep = None
     left: list[int] = ["not stopped"]  # type: ignore[list-item]
     try:
-        dep = deploy.start(RESUME_RUN, state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home", cwd=tmp_path)
+        dep = deploy.start(run, state_dir=tmp_path / "deploy", home=tmp_path / "flwr-home", cwd=tmp_path)
         assert dep.secure and "--enable-supernode-auth" in dep.processes[0]["cmd"]
-        unauthorized_nodes_are_refused(dep, tmp_path)
+        if run == RESUME_RUN:  # once: the refusal does not depend on the algorithm
+            unauthorized_nodes_are_refused(dep, tmp_path)
         run_dir = tmp_path / "run"
         logs = [Path(p["log"]) for p in dep.processes]
         proc = deploy.spawn(
-            deploy.flwr_run_command(dep.connection, RESUME_RUN, run_dir),
+            deploy.flwr_run_command(dep.connection, run, run_dir),
             tmp_path / "killed.log",
             dep.env(),
             cwd=deploy.APP_DIR,
@@ -278,7 +287,7 @@ def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp
 
         deploy.restart_node(dep, "supernode d2/0", cwd=tmp_path)
         proc = deploy.spawn(
-            deploy.flwr_run_command(dep.connection, f"{RESUME_RUN} resume=true", run_dir),
+            deploy.flwr_run_command(dep.connection, f"{run} resume=true", run_dir),
             tmp_path / "resumed.log",
             dep.env(),
             cwd=deploy.APP_DIR,
@@ -291,12 +300,16 @@ def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp
             left = deploy.stop(dep)
     assert left == []
     assert [h["epoch"] for h in data["history"]] == [1, 2, 3, 4, 5, 6]
-    simulated = run_in_process(compose_config(*RESUME_RUN.split()), None, log=lambda _: None).strategy.results
+    simulation = run_in_process(compose_config(*run.split()), None, log=lambda _: None).strategy
+    simulated, rtol = simulation.results, 1e-6
+    if run == GBDT_RESUME_RUN:  # the simulation's trees
+        rtol = 1e-9
+        assert_same_forest(json.loads((run_dir / "model.json").read_text()), simulation.model_extra())
     np.testing.assert_allclose(
-        [h["test_metric"] for h in data["history"]], [h.test_metric for h in simulated.history], rtol=1e-6
+        [h["test_metric"] for h in data["history"]], [h.test_metric for h in simulated.history], rtol=rtol
     )
     np.testing.assert_allclose(
-        [h["train_loss"] for h in data["history"]], [h.train_loss for h in simulated.history], rtol=1e-6
+        [h["train_loss"] for h in data["history"]], [h.train_loss for h in simulated.history], rtol=rtol
     )
 
 

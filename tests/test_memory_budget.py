@@ -1,6 +1,8 @@
 """The server's memory budget per algorithm family (simulations/bench/memory.py, docs/results.md): a change that
 makes the server keep a per-row array twice, or in float64 where the run is float32, fails here, not at a user's
-100 million rows. About 1M joined rows per family (the scale bench measures the same at 10M)."""
+100 million rows. About 1M joined rows per family (the scale bench measures the same at 10M). SGD and L-BFGS run
+with their default validation part: the state model selection keeps (the kept evaluation's test predictions) is
+inside their budgets, which fail when it is kept twice (tested)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,22 @@ def test_server_state_within_the_family_budget(family, fanout):
         f"{budget / run['n_joined']:.1f} ({doc.per_joined:g} per joined row + {doc.per_table:g} per table row; "
         f"by attribute: {run['by_attribute']})"
     )
+
+
+def test_the_kept_models_state_kept_twice_is_over_the_budget(monkeypatch):
+    """Model selection's per-row state (the kept evaluation's test predictions) is inside SGD's budget with less
+    than its size to spare: a second copy of it fails the budget."""
+    from strategies.selection import ModelSelection
+
+    observe = ModelSelection.observe
+
+    def observe_keeping_a_copy(self, record, test_predictions, val_loss):
+        observe(self, record, test_predictions, val_loss)
+        self.second_copy = np.array(self.best_predictions, copy=True)
+
+    monkeypatch.setattr(ModelSelection, "observe", observe_keeping_a_copy)
+    with pytest.raises(AssertionError, match=r"sgd: .* over its budget .*'selection': 2400000"):
+        test_server_state_within_the_family_budget("sgd", 2)
 
 
 def test_state_counts_an_array_and_its_views_once_and_fits_two_terms():

@@ -97,6 +97,18 @@ def test_predictions_of_the_test_rows_are_the_runs_final_test_predictions(entry,
     assert_same_as_the_run(strategy, preds)
 
 
+def test_a_forest_without_a_split_of_some_table_saves_every_part_and_predicts_the_run(tmp_path):
+    """Boosted trees whose splits are all other tables': those tables still save their parts (no split), so
+    model.json is written and predicts the run's test rows."""
+    overrides = ("algorithm=gbdt", "dataset=synthetic", "algorithm.trees=2", "algorithm.max_leaves=2")
+    strategy = train(tmp_path / "run", *overrides, "algorithm.eval_every=2")
+    assert any(not ids for ids in strategy.model_extra()["split_ids"].values())  # a table without a split
+    record = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert {(p["table"], p["shard"]) for p in record["parts"]} == set(strategy.clients)
+    rows, ids = held_out_rows(strategy, tmp_path)
+    assert_same_as_the_run(strategy, [(predict_run(tmp_path / "run", rows, **QUIET), ids)])
+
+
 @pytest.mark.parametrize("entry", CLUSTERINGS, ids=[e.name for e in CLUSTERINGS])
 def test_kmeans_predicts_the_cluster_the_run_assigned(entry, tmp_path):
     """The label table's rows, scored as new rows, fall in the clusters the run assigned their joined rows

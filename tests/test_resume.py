@@ -135,6 +135,16 @@ def test_a_run_killed_after_epoch_3_resumes_to_the_metrics_of_an_uninterrupted_r
                 np.testing.assert_allclose(value, full.theta(key)[name], rtol=1e-9, atol=1e-12)
 
 
+def assert_same_forest(forest: dict, want: dict) -> None:
+    """Two forests of model.json have the same trees: each table's split ids, the nodes' ids, tables and
+    children, and the leaf values to 1e-9."""
+    assert forest["split_ids"] == want["split_ids"]
+    for trees, trees_want in zip(forest["trees"], want["trees"], strict=True):
+        for tree, tree_want in zip(trees, trees_want, strict=True):
+            assert [n[:4] for n in tree["nodes"]] == [n[:4] for n in tree_want["nodes"]]  # ids, tables, children
+            np.testing.assert_allclose([n[4] for n in tree["nodes"]], [n[4] for n in tree_want["nodes"]], rtol=1e-9)
+
+
 #: boosted trees: 6 trees, a checkpoint at every evaluation (each tree), never stopped early
 GBDT = ("algorithm=gbdt", "algorithm.trees=6", "algorithm.eval_every=1", "algorithm.early_stopping=0")
 
@@ -166,12 +176,9 @@ def test_a_gbdt_run_killed_after_tree_3_resumes_to_the_forest_of_an_uninterrupte
     assert [e for e, _, _ in got] == [e for e, _, _ in want] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([m for _, m, _ in got], [m for _, m, _ in want], rtol=1e-9)
     np.testing.assert_allclose([t for _, _, t in got], [t for _, _, t in want], rtol=1e-9)
-    forest, forest_full = resumed.strategy.model_extra(), full.strategy.model_extra()
-    assert forest["split_ids"] == forest_full["split_ids"] and sum(map(len, forest["split_ids"].values())) > 6
-    for trees, trees_full in zip(forest["trees"], forest_full["trees"], strict=True):
-        for tree, tree_full in zip(trees, trees_full, strict=True):
-            assert [n[:4] for n in tree["nodes"]] == [n[:4] for n in tree_full["nodes"]]  # ids, tables, children
-            np.testing.assert_allclose([n[4] for n in tree["nodes"]], [n[4] for n in tree_full["nodes"]], rtol=1e-9)
+    forest = resumed.strategy.model_extra()
+    assert_same_forest(forest, full.strategy.model_extra())
+    assert sum(map(len, forest["split_ids"].values())) > 6
     for key, context in resumed.contexts.items():  # every node ends with the uninterrupted run's splits
         for name in ("gbdt.splits", "gbdt.category_splits"):  # thresholds and category sets
             state, state_full = ClientState(context.state), ClientState(full.contexts[key].state)

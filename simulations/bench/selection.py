@@ -62,31 +62,52 @@ def selection_suite(epochs: int = 10) -> dict[str, Any]:
 
 
 def plot(path: Path, png: Path) -> None:
-    """Per case: the test metric per epoch with and without the validation part, the validation loss (right
-    axis) and the kept epoch."""
+    """Per case: the test metric per epoch with and without the validation part, the kept model (a star on its
+    epoch) and the validation loss (right axis); one legend under the panels, so no curve hides behind it."""
     import matplotlib  # noqa: PLC0415  only the plot draws (the suite never imports it)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
-    cases = json.loads(path.read_text())["cases"]
-    fig, axes = plt.subplots(1, len(cases), figsize=(4.6 * len(cases), 3.8), squeeze=False)
-    for ax, c in zip(axes[0], cases):
+    data = json.loads(path.read_text())
+    cases = data["cases"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.8 * len(cases), 4.0), squeeze=False)
+    vals = [ax.twinx() for ax in axes[0]]
+    for ax, val, c in zip(axes[0], vals, cases):
         kept, last = c["kept"], c["last"]
-        for run, label, style in ((last, "test, no validation part", "--"), (kept, "test, validation part", "-")):
+        ev = kept["evaluations"]
+        val.plot(
+            [e["epoch"] for e in ev],
+            [e["val_loss"] for e in ev],
+            ":",
+            color="tab:green",
+            lw=1.2,
+            label="validation loss (right axis)",
+        )
+        val.set_ylabel("validation loss", color="tab:green")
+        val.tick_params(axis="y", colors="tab:green")
+        for run, label, style in (
+            (last, "test, no validation part (keeps the last)", "--"),
+            (kept, "test, validation part 0.1", "-"),
+        ):
             ev = run["evaluations"]
             ax.plot([e["epoch"] for e in ev], [e["test_metric"] for e in ev], style, marker=".", label=label)
         k = kept["selection"]["kept_epoch"]
-        ax.axvline(k, color="gray", lw=1, label=f"kept: epoch {k}")
-        val = ax.twinx()
-        ev = kept["evaluations"]
-        val.plot([e["epoch"] for e in ev], [e["val_loss"] for e in ev], ":", color="tab:green", label="val_loss")
-        val.set_ylabel("validation loss", color="tab:green")
-        ax.set_title(f"{c['dataset']}, {c['algorithm']}, {c['model']}", fontsize=10)
+        ax.plot(
+            [k], [kept["final"]], "*", ms=14, color="tab:red", zorder=5, label="kept model (lowest validation loss)"
+        )
+        ax.set_zorder(val.get_zorder() + 1)  # the test curves over the validation loss
+        ax.patch.set_visible(False)
+        ax.set_title(f"{c['dataset']}: {c['algorithm']}, {c['model']} (kept: epoch {k})", fontsize=10)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(f"test {kept['metric']}")
-        ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
+        ax.grid(alpha=0.3)
+    handles = [h for a in (axes[0][0], vals[0]) for h in a.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle(f"Model selection: the kept model against the last one ({data['epochs']} epochs at most)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(png, dpi=110)
     print(f"written: {png}")
 

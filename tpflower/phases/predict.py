@@ -67,6 +67,8 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     run_id = client.state.scalar("run_id")
     theta, centres = kept_theta(client, config), client.state.get("kmeans.C")
     trees = client.state.get("gbdt.splits")
+    if trees is None and client.state.get_list("gbdt.edges") is not None:  # boosted trees: no split of it won
+        trees = np.zeros((0, 3), dtype=np.int64)
     if s.owner.state_dir is None or (theta is None and centres is None and trees is None) or run_id is None:
         return {}, {"part": ""}
     if str(config.get("run_id", run_id)) != str(run_id):
