@@ -154,10 +154,11 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str 
                 a = a.astype(np.float64, copy=False)
             if not np.isfinite(a).all():
                 raise _refuse(client, phase, f"{name} holds a value that is not finite")
-        else:  # integers keep their dtype (row ids and counts come in the narrowest): no copy
+        else:
             if a.size and a.dtype.kind not in "iu":
                 raise _refuse(client, phase, f"{name} is not integer", f"dtype {a.dtype}")
-            if not a.size or (kind in ("id", "count") and name != "C"):
+            per_row = kind == "row" or name == "C"  # come in the narrowest dtype: kept, no per-row copy
+            if not a.size or not per_row:
                 a = a.astype(np.int64, copy=False)
             if a.size and a.dtype.kind == "i" and a.min() < (-1 if name == "parent" else 0):
                 raise _refuse(client, phase, f"{name} holds a negative value")
