@@ -261,18 +261,20 @@ class OwnerTrees:
             self.cache["blocks"] = categorical.blocks_of(self.client.local.preprocessor)
         return self.cache["blocks"]
 
+    def block(self, first: int) -> np.ndarray:
+        """The block whose first column is ``first``."""
+        return next(b for b in self.blocks if b[0] == first)
+
     def categories(self, first: int) -> np.ndarray:
         """Each row's category in the block whose first column is ``first`` (tpflower.categorical)."""
         key = ("categories", first)
         if key not in self.cache:
-            block = next(b for b in self.blocks if b[0] == first)
-            self.cache[key] = categorical.category_codes(self.codes, self.layout, block)
+            self.cache[key] = categorical.category_codes(self.codes, self.layout, self.block(first))
         return self.cache[key]
 
     def category_sides(self, first: int, chosen: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The side of ``rows`` at a category split of the block starting at ``first``: in ``chosen``."""
-        block = next(b for b in self.blocks if b[0] == first)
-        return categorical.in_set(self.categories(first)[rows], block, chosen)
+        return categorical.in_set(self.categories(first)[rows], self.block(first), chosen)
 
     def propose_categories(self, nodes: np.ndarray, sets: list[np.ndarray | None]) -> None:
         """Keep the category sets of this step's proposals (the previous rounds' dropped)."""
