@@ -1839,7 +1839,7 @@ TEXT: dict[str, str] = {
         "chunks of 2^20 rows; the final code uses 2^18."
     ),
     "fact_table": (
-        "Where the bytes went at 100M fact rows before (the totals measured on the issue's command on the code "
+        "Where the bytes went at 100M fact rows before (the totals measured with the command above on the code "
         "before: the shipped default failed in setup at 21.3 and 22.5 GB, Ray's memory monitor killing every "
         "table's worker; TP-Join-ADMM trained at a 20.2 GB peak; the split read from that code): PCG's client built its design [X, 1] in float64 and its G-weighted copy "
         "(about 120 bytes a row, 12 GB for the fact table) to form its Gram once; PCG's server sent G and s in float64, "
