@@ -36,7 +36,7 @@ from tpflower.trees import (
     Tree,
     add_leaves,
     bin_edges,
-    first_best,
+    first_best_rows,
     gradients,
     grow_forest,
     init_scores,
@@ -277,13 +277,14 @@ class JoinGBDT(LoJStrategy):
         d_out = g.shape[1]  # g, h: C-ordered (N, d_out); each row's value at its node's output, one flat gather
         at = seg_all if d_out == 1 else seg_all * d_out + np.repeat([node.out for node in nodes], joined)
         g_all, h_all = g.ravel().take(at), None if regression else h.ravel().take(at)
-        cat: dict[str, tuple[Any, ...]] = {}  # per table: rows, node of each row, G, H, C, inv (None: identity)
-        for t in self.tables:
+
+        def table_sums(t: str) -> tuple[Any, ...]:  # rows, node of each row, G, H, C, inv (None: identity)
             p = self.p_fit[t][seg_all]
             if self.injective[t]:
-                cat[t] = (p, slot, g_all, h_all, np.ones(len(p), dtype=np.uint8), None)
-            else:
-                cat[t] = node_sums(p, joined, g_all, h_all, self.train.n_rows[t])
+                return p, slot, g_all, h_all, np.ones(len(p), dtype=np.uint8), None
+            return node_sums(p, joined, g_all, h_all, self.train.n_rows[t])
+
+        cat = {t: table_sums(t) for t in self.tables}
         ids = np.array([n.id for n in nodes], dtype=np.int64)
         parent = np.array([n.parent for n in nodes], dtype=np.int64)
         masks = {t: self.routers[t].masks(cat[t][0]) for t in self.tables}
@@ -327,12 +328,12 @@ class JoinGBDT(LoJStrategy):
         bits: dict[str, np.ndarray] = {}
         inverse: dict[str, np.ndarray | None] = {}
         out: list[Any] = []
+        best, found = first_best_rows(gains.T)  # tables in name order: a tie keeps the smallest table name
         for i in range(k):
-            j = first_best(gains[:, i])  # tables in name order: a tie keeps the smallest table name
-            best_gain, best_t = float(gains[j, i]), self.tables[j]
-            if not np.isfinite(best_gain):
+            if not found[i]:
                 out.append(None)
                 continue
+            best_gain, best_t = float(gains[best[i], i]), self.tables[best[i]]
             if best_t not in bits:  # the side of each of the table's (node, row)s, in the message's order
                 full = np.zeros(len(cat[best_t][0]), dtype=bool)
                 for q, mask in masks[best_t].items():

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpflower.preprocess import TablePreprocessor
-from tpflower.trees import TIE, BinLayout, SplitRule, best_splits, first_best, score
+from tpflower.trees import TIE, BinLayout, SplitRule, best_splits, first_best_rows, score
 
 MODES = ("onehot", "native")
 
@@ -119,10 +119,9 @@ def best_block_splits(
         gain = 0.5 * (
             score(L[:, 0], L[:, 1], lam) + score(R[:, 0], R[:, 1], lam) - score(T[:, None, 0], T[:, None, 1], lam)
         )
-        gain = np.where(ok, gain, -np.inf)
-        for n in np.flatnonzero(ok.any(axis=1)):
-            j = first_best(gain[n])
-            gains[n], sets[n] = gain[n, j], block[[j]]
+        j, found = first_best_rows(np.where(ok, gain, -np.inf))
+        for n in np.flatnonzero(found):
+            gains[n], sets[n] = gain[n, j[n]], block[j[n] : j[n] + 1]
         return gains, sets
     eligible = S[:, 2] >= cat.cat_smooth
     used = eligible.sum(axis=1)
@@ -162,11 +161,11 @@ def best_block_splits(
             - score(T[:, None, 0], T[:, None, 1], lam)
         )
         all_gains[:, d * width : (d + 1) * width] = np.where(scored, gain, -np.inf)
-    for n in np.flatnonzero(np.isfinite(all_gains).any(axis=1)):
-        j = first_best(all_gains[n])
-        d, t = divmod(j, width)
+    best, found = first_best_rows(all_gains)
+    for n in np.flatnonzero(found):
+        d, t = divmod(int(best[n]), width)
         chosen = order[n, : t + 1] if d == 0 else order[n, used[n] - 1 - t : used[n]]
-        gains[n], sets[n] = all_gains[n, j], np.sort(block[chosen])
+        gains[n], sets[n] = all_gains[n, best[n]], np.sort(block[chosen])
     return gains, sets
 
 
@@ -186,14 +185,14 @@ def best_native_splits(
     found = [best_block_splits(hists, layout, b, rule, cat) for b in blocks]
     cand_gain = np.column_stack([gains, *(g for g, _ in found)])  # (k, 1 + blocks)
     cand_feature = np.column_stack([features, *(np.full(k, b[0]) for b in blocks)])
-    for n in range(k):
-        live = np.flatnonzero(np.isfinite(cand_gain[n]))
-        if not len(live):
-            continue
-        live = live[np.argsort(cand_feature[n, live], kind="stable")]
-        c = live[first_best(cand_gain[n, live])]
-        if c > 0:
-            gains[n], features[n], bins[n], sets[n] = cand_gain[n, c], blocks[c - 1][0], -1, found[c - 1][1][n]
+    # per node the candidate of the smallest feature among those tied with the best (first_best in feature
+    # order: a threshold's feature is never a block's column)
+    top = cand_gain.max(axis=1, initial=-np.inf)
+    any_found = np.isfinite(top)
+    tied = cand_gain >= (top - TIE * np.abs(np.where(any_found, top, 0.0)))[:, None]
+    c = np.argmin(np.where(tied, cand_feature, np.iinfo(np.int64).max), axis=1)
+    for n in np.flatnonzero(any_found & (c > 0)):
+        gains[n], features[n], bins[n], sets[n] = cand_gain[n, c[n]], blocks[c[n] - 1][0], -1, found[c[n] - 1][1][n]
     return gains, features, bins, sets
 
 

@@ -24,6 +24,7 @@ a simulation, where the user plays every owner, shows it in the line.
 
 from __future__ import annotations
 
+import functools
 import logging
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -40,6 +41,8 @@ class GuardState(typing.Protocol):
     def scalar(self, name: str, default: Any = None) -> Any: ...
 
     def set_scalar(self, name: str, value: Any) -> None: ...
+
+    def set_scalars(self, values: Mapping[str, Any]) -> None: ...
 
 
 class GuardSettings(typing.Protocol):
@@ -207,17 +210,27 @@ class Protocol:
 
     stages: tuple[Stage, ...]
 
-    @property
+    # built once per protocol (every message asks): the phases by name, their handlers, and the phases a
+    # union-only input follows
+    @functools.cached_property
     def handlers(self) -> dict[str, PhaseHandler]:
-        return {name: p.handler for s in self.stages for name, p in s.phases.items()}
+        return {name: p.handler for name, p in self.phases().items()}
+
+    @functools.cached_property
+    def _phases(self) -> dict[str, Phase]:
+        return {name: p for s in self.stages for name, p in s.phases.items()}
 
     def phases(self) -> dict[str, Phase]:
-        return {name: p for s in self.stages for name, p in s.phases.items()}
+        return self._phases
+
+    @functools.cached_property
+    def _partials(self) -> frozenset[str]:
+        return frozenset(after for p in self.phases().values() for _, after in p.inputs.union)
 
     def replied(self, client: GuardedClient, phase: str) -> None:
         """``phase`` was answered (its handler returned): when it is a shard's own partial products (a phase a
         union-only input follows), the server's sum over the shards may come with the next such message."""
-        if any(phase == after for p in self.phases().values() for _, after in p.inputs.union):
+        if phase in self._partials:
             client.state.set_scalar("guard.partial", phase)
 
     def admit(self, client: GuardedClient, phase: str, arrays: Iterable[str] = ()) -> Phase:
@@ -236,9 +249,7 @@ class Protocol:
                 raise refuse(f"it is answered by {_ROLE_NAMES.get(p.who, p.who.__name__)} only")
             if p.spaced and (n == 1 or last == phase):
                 raise refuse("at most once per step of its stage (never twice in a row, never first)")
-            state.set_scalar("guard.stage", index)
-            state.set_scalar("guard.calls", n)
-            state.set_scalar("guard.last", phase)
+            state.set_scalars({"guard.stage": index, "guard.calls": n, "guard.last": phase})
             if any(p.inputs.union_after(name) for name in names):
                 state.set_scalar("guard.partial", "")  # the sum is taken once per partial product
             return p

@@ -228,10 +228,18 @@ def first_best(gains: np.ndarray) -> int:
     return int(np.argmax(gains >= top - TIE * abs(top))) if np.isfinite(top) else int(np.argmax(gains))
 
 
+def first_best_rows(gains: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`first_best` of each row of ``gains`` (k, m) at once: (its index, whether the row has a finite
+    gain); a row without one gets index 0."""
+    top = gains.max(axis=1, initial=-np.inf)
+    found = np.isfinite(top)
+    return np.argmax(gains >= (top - TIE * np.abs(np.where(found, top, 0.0)))[:, None], axis=1), found
+
+
 def score(G: np.ndarray, H: np.ndarray, lam: float) -> np.ndarray:
     """G^2 / (H + lambda); 0 where H + lambda is 0 (a side of no rows, lambda 0: masked by the caller)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(H + lam > 0, G * G / (H + lam), 0.0)
+    den = H + lam
+    return np.divide(G * G, den, out=np.zeros(np.broadcast_shapes(np.shape(G), np.shape(den))), where=den > 0)
 
 
 def best_splits(
@@ -264,9 +272,7 @@ def best_splits(
     )
     gain = np.where(ok, gain, -np.inf)
     # per node the first flat bin (smallest feature, then smallest bin) that ties with its best (first_best)
-    top = gain.max(axis=1, initial=-np.inf)
-    found = np.isfinite(top)
-    j = np.argmax(gain >= (top - TIE * np.abs(np.where(found, top, 0.0)))[:, None], axis=1)
+    j, found = first_best_rows(gain)
     features = np.searchsorted(off, j, side="right") - 1
     gains = np.where(found, gain[np.arange(k), j], -np.inf)
     return gains, np.where(found, features, -1), np.where(found, j - off[features], -1)
@@ -387,6 +393,7 @@ def grow_forest(
         pending.append(root)
         next_id += 1
     rule = growth.rule
+    unit_h = [bool((h[:, k] == 1.0).all()) for k in range(d_out)]  # squared error: the sums of h are counts
     while True:
         if pending:
             for node, cand in zip(pending, evaluate(pending, perms, g, h)):
@@ -400,7 +407,8 @@ def grow_forest(
             split_any = split_any or bool(chosen)
             kids: list[Node] = []
             for node in chosen:
-                kids.extend(_split(node, perms[tree.out], g[:, tree.out], h[:, tree.out], next_id))
+                h_k = None if unit_h[tree.out] else h[:, tree.out]
+                kids.extend(_split(node, perms[tree.out], g[:, tree.out], h_k, next_id))
                 next_id += 2
                 node.children = (kids[-2].id, kids[-1].id)
             for kid in kids:
@@ -421,23 +429,26 @@ def grow_forest(
     return trees, perms, next_id
 
 
-def _split(node: Node, perm: np.ndarray, g: np.ndarray, h: np.ndarray, first_id: int) -> list[Node]:
+def _split(node: Node, perm: np.ndarray, g: np.ndarray, h: np.ndarray | None, first_id: int) -> list[Node]:
     """Split ``node`` by its candidate: its rows of ``perm`` reordered (left rows first, each side in its old
-    order) and its two children (ids first_id, first_id + 1) with their sums of g and h."""
+    order) and its two children (ids first_id, first_id + 1) with their sums of g and h (``h`` None: h = 1,
+    the sums are the counts), each side's rows added in their order."""
     assert node.candidate is not None
     seg = perm[node.start : node.end]
     left = node.candidate.left(seg)
-    n_left = int(left.sum())
-    g_seg, h_seg = g.take(seg), h.take(seg)
-    perm[node.start : node.end] = np.concatenate([seg[left], seg[~left]])
+    G = np.bincount(left, weights=g.take(seg), minlength=2)  # (right, left)
+    H = (
+        np.bincount(left, minlength=2).astype(np.float64)
+        if h is None
+        else np.bincount(left, weights=h.take(seg), minlength=2)
+    )
+    n_left = int(np.count_nonzero(left))
+    perm[node.start : node.end] = seg[np.argsort(~left, kind="stable")]  # left rows first, each side in order
     node.table, node.split, node.categories = node.candidate.table, node.candidate.split, node.candidate.categories
     node.candidate = None
     kids = []
-    for i, (start, end, side) in enumerate(
-        ((node.start, node.start + n_left, left), (node.start + n_left, node.end, ~left))
-    ):
-        G, H = float(g_seg.sum(where=side)), float(h_seg.sum(where=side))
-        kids.append(Node(first_id + i, node.out, start, end, node.depth + 1, G, H, node.id))
+    for i, (start, end, side) in enumerate(((node.start, node.start + n_left, 1), (node.start + n_left, node.end, 0))):
+        kids.append(Node(first_id + i, node.out, start, end, node.depth + 1, float(G[side]), float(H[side]), node.id))
     return kids
 
 

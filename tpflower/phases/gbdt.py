@@ -183,7 +183,7 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str 
             raise _refuse(client, phase, "a row of a node has no joined row")
         if "H" in out and len(out["H"]) and out["H"].min() < 0:
             raise _refuse(client, phase, "a hessian sum is negative")
-        if len(np.unique(out["nodes"])) != n:
+        if len(set(out["nodes"].tolist())) != n:
             raise _refuse(client, phase, "a node appears twice")
     return out
 
