@@ -182,6 +182,8 @@ def histograms(
     statistic over every node at once (a node's bins offset by n * total); each bin sums its rows in their
     given order."""
     node = np.zeros(len(rows), dtype=np.int64) if slot is None else slot.astype(np.int64)
+    # bincount adds in float64: the sums converted once, not per feature
+    G, H, C = (None if x is None else np.asarray(x, dtype=np.float64) for x in (G, H, C))
     out = np.zeros((3, k, total))
     flat = out.reshape(3, k * total)
     base = node * total  # node n's bins start at n * total

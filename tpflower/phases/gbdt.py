@@ -360,7 +360,6 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
         client.state.put("gbdt.proposals", np.zeros((0, 3), dtype=np.int64))
         hists.clear()
     nodes, parents = a["nodes"].tolist(), a["parent"].tolist()
-    slot_of_row = np.repeat(np.arange(len(nodes)), a["sizes"])
     joined = node_totals(a["C"], a["sizes"])  # each node's joined rows
     by_parent: dict[int, list[int]] = {}
     for i, q in enumerate(parents):
@@ -376,24 +375,23 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
     direct.sort()
     built = np.zeros((0, 3, layout.total))
     if direct:
-        slot = np.full(len(nodes), -1)
-        slot[direct] = np.arange(len(direct))
         bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
-        take: slice | np.ndarray = (
-            slice(None)
-            if len(direct) == len(nodes)
-            else np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in direct])
-        )
-        C = None if (a["C"] == 1).all() else a["C"][take].astype(np.float64)  # None: one joined row each
-        H = a.get("H")  # None: squared error, h = 1, so H is the count
+        parts = [slice(bounds[i], bounds[i + 1]) for i in direct]
+
+        def rows_of(x: np.ndarray | None) -> np.ndarray | None:  # the direct nodes' part of a per-row array
+            if x is None or len(direct) == len(nodes):
+                return x
+            return np.concatenate([x[s] for s in parts])
+
+        C = rows_of(a["C"])
         built = histograms(
             codes,
-            a["rows"][take],
-            a["G"][take],
-            None if H is None else H[take],
-            C,
+            rows_of(a["rows"]),
+            rows_of(a["G"]),
+            rows_of(a.get("H")),  # None: squared error, h = 1, so H is the count
+            None if (C == 1).all() else C,  # None: one joined row each
             layout.total,
-            slot[slot_of_row[take]],
+            np.repeat(np.arange(len(direct)), a["sizes"][direct]),
             len(direct),
             owner.bundles,
         )
