@@ -277,14 +277,13 @@ class JoinGBDT(LoJStrategy):
         d_out = g.shape[1]  # g, h: C-ordered (N, d_out); each row's value at its node's output, one flat gather
         at = seg_all if d_out == 1 else seg_all * d_out + np.repeat([node.out for node in nodes], joined)
         g_all, h_all = g.ravel().take(at), None if regression else h.ravel().take(at)
-
-        def table_sums(t: str) -> tuple[Any, ...]:  # rows, node of each row, G, H, C, inv (None: identity)
+        cat: dict[str, tuple[Any, ...]] = {}  # per table: rows, node of each row, G, H, C, inv (None: identity)
+        for t in self.tables:
             p = self.p_fit[t][seg_all]
             if self.injective[t]:
-                return p, slot, g_all, h_all, np.ones(len(p), dtype=np.uint8), None
-            return node_sums(p, joined, g_all, h_all, self.train.n_rows[t])
-
-        cat = {t: table_sums(t) for t in self.tables}
+                cat[t] = (p, slot, g_all, h_all, np.ones(len(p), dtype=np.uint8), None)
+            else:
+                cat[t] = node_sums(p, joined, g_all, h_all, self.train.n_rows[t])
         ids = np.array([n.id for n in nodes], dtype=np.int64)
         parent = np.array([n.parent for n in nodes], dtype=np.int64)
         masks = {t: self.routers[t].masks(cat[t][0]) for t in self.tables}
