@@ -44,6 +44,7 @@ from tpflower.schema import RelationalSpec, SpecError
 if TYPE_CHECKING:  # torch and the algorithms are imported on the first training message, not for the hello
     # (in a deployment every message is a fresh process: the hello round then costs no torch import)
     from tpflower.client import ClientSettings, TableClient
+    from tpflower.guard import Protocol
 
 
 @lru_cache(maxsize=32)
@@ -124,7 +125,7 @@ def identity(node_config: dict[str, Any], keys: list[tuple[str, int]]) -> tuple[
     return keys[pid]
 
 
-_SETTINGS: OrderedDict[tuple, tuple[ClientSettings, ShardData, AlgorithmEntry]] = OrderedDict()
+_SETTINGS: OrderedDict[tuple, tuple[ClientSettings, ShardData, AlgorithmEntry, Protocol]] = OrderedDict()
 _SETTINGS_MAX = 16  # nodes x configs one process serves at once (Ray actors serve several virtual nodes)
 
 
@@ -150,20 +151,26 @@ def make_client(
 
     content = cfg_key if cfg_key is not None else config_key(cfg)
     cache_key = (content, tuple(sorted(context.node_config.items())), str(base_dir), state_dir)
-    if cache_key in _SETTINGS:
-        _SETTINGS.move_to_end(cache_key)
-    else:
-        _SETTINGS[cache_key] = (*_settings(cfg, dict(context.node_config), base_dir, state_dir), entry_of(cfg))
-        while len(_SETTINGS) > _SETTINGS_MAX:
-            _SETTINGS.popitem(last=False)
-    settings, data, entry = _SETTINGS[cache_key]
     from tpflower.phases.predict import PREDICT, with_save  # noqa: PLC0415  torch (see TYPE_CHECKING)
     from tpflower.releases import PREDICTION  # noqa: PLC0415  the ledger: not on the hello path
+
+    if cache_key in _SETTINGS:
+        _SETTINGS.move_to_end(cache_key)
+    else:  # the training protocol once per node too: it builds its phase tables on first use
+        entry = entry_of(cfg)
+        _SETTINGS[cache_key] = (
+            *_settings(cfg, dict(context.node_config), base_dir, state_dir),
+            entry,
+            with_save(entry.protocol),
+        )
+        while len(_SETTINGS) > _SETTINGS_MAX:
+            _SETTINGS.popitem(last=False)
+    settings, data, entry, training = _SETTINGS[cache_key]
 
     # a prediction request (config `predict`) is a protocol of its own; training ends with the save stage
     if cfg.get("predict"):
         return TableClient(data, settings, context.state, PREDICT, entry.name, PREDICTION)
-    return TableClient(data, settings, context.state, with_save(entry.protocol), entry.name, entry.family)
+    return TableClient(data, settings, context.state, training, entry.name, entry.family)
 
 
 def _settings(

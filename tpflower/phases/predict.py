@@ -131,14 +131,9 @@ def saved_categories(client: TableClient) -> dict[str, np.ndarray]:
 SAVE = Stage("save", {"save_part": Phase(save_part)})
 
 
-_WITH_SAVE: dict[int, tuple[Protocol, Protocol]] = {}
-
-
 def with_save(protocol: Protocol) -> Protocol:
-    """A training protocol followed by the save stage (one object per protocol: it caches its phase tables)."""
-    if id(protocol) not in _WITH_SAVE:
-        _WITH_SAVE[id(protocol)] = (protocol, Protocol(protocol.stages + (SAVE,)))  # keeps ``protocol`` alive
-    return _WITH_SAVE[id(protocol)][1]
+    """A training protocol followed by the save stage."""
+    return Protocol(protocol.stages + (SAVE,))
 
 
 # ------------------------------------------------------------------------------------------------ predicting
