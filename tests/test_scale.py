@@ -284,7 +284,7 @@ def test_a_simulated_client_loads_and_holds_only_its_table(monkeypatch):
     tables = run.strategy.spec.table_names
     assert sorted(calls) == sorted((t,) for t in tables)  # one load per client, of its own table, never all
     whole = synthetic.generate(**{k: v for k, v in cfg.dataset.loader.items() if k != "name"})
-    held = {settings.table: data for settings, data, _ in client_app._SETTINGS.values()}
+    held = {settings.table: data for settings, data, *_ in client_app._SETTINGS.values()}
     assert sorted(held) == sorted(tables)
     for t, data in held.items():
         assert len(data.frame) == len(whole[t]) == run.strategy.mapping.n_rows[t]
