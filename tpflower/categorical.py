@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpflower.preprocess import TablePreprocessor
-from tpflower.trees import TIE, BinLayout, SplitRule, best_splits, first_best_rows, score
+from tpflower.trees import TIE, BinLayout, SplitRule, best_splits, first_best_rows, score, tied_with_best
 
 MODES = ("onehot", "native")
 
@@ -187,9 +187,7 @@ def best_native_splits(
     cand_feature = np.column_stack([features, *(np.full(k, b[0]) for b in blocks)])
     # per node the candidate of the smallest feature among those tied with the best (first_best in feature
     # order: a threshold's feature is never a block's column)
-    top = cand_gain.max(axis=1, initial=-np.inf)
-    any_found = np.isfinite(top)
-    tied = cand_gain >= (top - TIE * np.abs(np.where(any_found, top, 0.0)))[:, None]
+    tied, any_found = tied_with_best(cand_gain)
     c = np.argmin(np.where(tied, cand_feature, np.iinfo(np.int64).max), axis=1)
     for n in np.flatnonzero(any_found & (c > 0)):
         gains[n], features[n], bins[n], sets[n] = cand_gain[n, c[n]], blocks[c[n] - 1][0], -1, found[c[n] - 1][1][n]

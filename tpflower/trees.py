@@ -230,12 +230,19 @@ def first_best(gains: np.ndarray) -> int:
     return int(np.argmax(gains >= top - TIE * abs(top))) if np.isfinite(top) else int(np.argmax(gains))
 
 
+def tied_with_best(gains: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``gains`` (k, m): which entries tie with the row's best (within :data:`TIE`), and whether the
+    row has a finite gain (a row without one: every entry ties)."""
+    top = gains.max(axis=1, initial=-np.inf)
+    found = np.isfinite(top)
+    return gains >= (top - TIE * np.abs(np.where(found, top, 0.0)))[:, None], found
+
+
 def first_best_rows(gains: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`first_best` of each row of ``gains`` (k, m) at once: (its index, whether the row has a finite
     gain); a row without one gets index 0."""
-    top = gains.max(axis=1, initial=-np.inf)
-    found = np.isfinite(top)
-    return np.argmax(gains >= (top - TIE * np.abs(np.where(found, top, 0.0)))[:, None], axis=1), found
+    tied, found = tied_with_best(gains)
+    return np.argmax(tied, axis=1), found
 
 
 def score(G: np.ndarray, H: np.ndarray, lam: float) -> np.ndarray:
