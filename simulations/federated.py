@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from strategies.base import LoJStrategy
 from strategies.transport import ClientKey, DirectTransport
 from tpflower.app.client_app import client_app_for, make_client, node_identity
-from tpflower.app.flower_patch import install_fast_fetch
+from tpflower.app.flower_patch import install_fast_fetch, install_node_actors
 from tpflower.app.server_app import make_strategy, server_app_for
 from tpflower.losses import metrics
 from tpflower.results import RunResults
@@ -70,13 +70,14 @@ def run_flower_simulation(
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's future default, no warning per run
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     install_fast_fetch()
+    node_actors = install_node_actors()
     created: list[LoJStrategy] = []
     resources = {"num_cpus": float(cfg.resources.num_cpus), "num_gpus": float(cfg.resources.num_gpus)}
     if strategy is None:
         strategy = make_strategy(cfg, run_dir, base_dir, log=log)
     num = len(strategy.clients)
     init_args: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
-    actors = simulation_actors(cfg, largest_table)
+    actors = simulation_actors(cfg, largest_table, node_actors)
     if actors is not None:  # Ray's logical CPUs: the pool has CPUs / num_cpus actors
         init_args["num_cpus"] = actors * max(float(cfg.resources.num_cpus), 1.0)
     log_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="tpflower-"))
@@ -100,16 +101,19 @@ def run_flower_simulation(
 ONE_ACTOR_ROWS = 5_000_000
 
 
-def simulation_actors(cfg: DictConfig, largest_table: int | None) -> int | None:
+def simulation_actors(cfg: DictConfig, largest_table: int | None, node_actors: bool = False) -> int | None:
     """How many Ray actors run the virtual nodes (None: Flower's default, the CPUs / resources.num_cpus).
 
     Every actor process that serves a node loads and keeps that node's table (tpflower.app.client_app's
-    caches), and Flower hands a node's messages to whichever actor is idle: with two actors a large table is
-    held twice. ``resources.actors``: a number caps the actors; ``auto`` (default) means one actor when the
-    largest table has at least ONE_ACTOR_ROWS rows (each table then held once), else Flower's default."""
+    caches). With ``node_actors`` (tpflower.app.flower_patch.install_node_actors) each node runs on one actor,
+    so every table is held once; without, Flower hands a node's messages to whichever actor is idle and with two
+    actors a large table is held twice. ``resources.actors``: a number caps the actors; ``auto`` (default)
+    means Flower's default, or one actor when nodes move between actors and the largest table has at least
+    ONE_ACTOR_ROWS rows."""
     setting = (cfg.get("resources") or {}).get("actors", "auto")
     if setting is None or str(setting) == "auto":
-        return 1 if largest_table is not None and largest_table >= ONE_ACTOR_ROWS else None
+        large = largest_table is not None and largest_table >= ONE_ACTOR_ROWS
+        return 1 if large and not node_actors else None
     if int(setting) < 1:
         raise ValueError(f"resources.actors must be auto or >= 1, got {setting}")
     return int(setting)

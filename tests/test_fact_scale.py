@@ -44,6 +44,7 @@ def test_the_transform_in_float32_rounds_the_float64_transform(monkeypatch):
 def test_resources_actors():
     cfg = OmegaConf.create({"resources": {"num_cpus": 1, "actors": "auto"}})
     assert simulation_actors(cfg, ONE_ACTOR_ROWS) == 1
+    assert simulation_actors(cfg, ONE_ACTOR_ROWS, node_actors=True) is None  # each table on one actor anyway
     assert simulation_actors(cfg, ONE_ACTOR_ROWS - 1) is None and simulation_actors(cfg, None) is None
     assert simulation_actors(OmegaConf.create({"resources": {"actors": 3}}), 10**9) == 3
     with pytest.raises(ValueError, match="resources.actors"):

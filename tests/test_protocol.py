@@ -317,6 +317,75 @@ def test_adapter_leaves_a_process_without_the_engine_alone(monkeypatch):
     assert "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules
 
 
+def test_pinned_submit_keeps_each_node_on_one_actor_and_spreads_nodes_by_count():
+    class Pool:
+        def __init__(self):
+            self.pool, self._future_to_actor = ["A", "B"], {}
+
+    pool, ran = Pool(), []
+
+    def actor_fn(actor, app_fn, message, cid, context):
+        ran.append((cid, actor))
+        return (cid, len(ran))  # the task's future
+
+    futures = [flower_adapter.pinned_submit(pool, actor_fn, (None, None, cid, None)) for cid in "3140" * 3]
+    assert {cid: {a for c, a in ran if c == cid} for cid in "3140"} == {"3": {"A"}, "1": {"B"}, "4": {"A"}, "0": {"B"}}
+    assert pool.pool == ["A", "B"] and len(pool._future_to_actor) == 12  # the actors never leave the pool
+    for future in futures:
+        flower_adapter.release_future(pool, future)
+    assert pool._future_to_actor == {} and pool.pool == ["A", "B"]
+
+
+def test_node_actors_run_every_message_of_a_node_on_one_actor(monkeypatch, tmp_path):
+    """On Flower's simulation engine (2 actors, 5 nodes, 8 rounds): each node's replies come from one process, and
+    both actors serve nodes. Without the adapter a node lands on whichever actor is idle."""
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    from simulations.federated import flower_logs_to
+
+    for name in ("submit", "add_actor_back_to_pool"):  # put Flower's own back after the test
+        monkeypatch.setattr(BasicActorPool, name, BasicActorPool.__dict__[name])
+    monkeypatch.setattr(RayBackend, "num_workers", RayBackend.__dict__["num_workers"])
+    assert flower_adapter.install_fast_fetch() and flower_adapter.install_node_actors()
+    assert BasicActorPool.submit is flower_adapter.pinned_submit
+
+    client, server, seen = ClientApp(), ServerApp(), {}
+
+    @client.query()
+    def pid(msg: Message, context) -> Message:
+        import os
+
+        return Message(RecordDict({"r": ConfigRecord({"pid": os.getpid()})}), reply_to=msg)
+
+    @server.main()
+    def main(grid: Grid, context) -> None:
+        import time
+
+        while len(nodes := list(grid.get_node_ids())) < 5:  # the engine registers its nodes after the start
+            time.sleep(0.05)
+        for _ in range(8):
+            for reply in grid.send_and_receive([Message(RecordDict(), node, "query") for node in nodes]):
+                seen.setdefault(reply.metadata.src_node_id, set()).add(reply.content["r"]["pid"])
+
+    with flower_logs_to(tmp_path / "flower.log"):
+        run_simulation(
+            server_app=server,
+            client_app=client,
+            num_supernodes=5,
+            backend_config={
+                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": {"num_cpus": 2, "logging_level": logging.ERROR, "log_to_driver": False},
+            },
+        )
+    assert len(seen) == 5 and all(len(pids) == 1 for pids in seen.values()), seen
+    assert len(set().union(*seen.values())) == 2
+
+
 def test_fast_fetch_loop_moves_every_message_and_stops():
     class State:
         def __init__(self):

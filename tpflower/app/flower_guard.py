@@ -58,6 +58,21 @@ ADAPTERS: dict[str, Adapter] = {
             "Flower's own 0.1 s simulation fetch loop",
         ),
         Adapter(
+            "node-actors",
+            (
+                *(
+                    f"flwr.simulation.ray_transport.ray_actor:BasicActorPool.{f}"
+                    for f in ("submit", "add_actor_back_to_pool", "fetch_result_and_return_actor_to_pool")
+                ),
+                "flwr.simulation.ray_transport.ray_actor:BasicActorPool.terminate_all_actors",
+                "flwr.server.superlink.fleet.vce.backend.raybackend:RayBackend.num_workers",
+                "flwr.server.superlink.fleet.vce.backend.raybackend:RayBackend.process_message",
+                "flwr.server.superlink.fleet.vce.vce_api:worker",
+                "flwr.server.superlink.fleet.vce.vce_api:run_api",
+            ),
+            "a node's messages on whichever simulation actor is idle",
+        ),
+        Adapter(
             "fast-supernode",
             (
                 f"{_SUPERNODE}:start_client_internal",
@@ -104,6 +119,22 @@ ADAPTERS: dict[str, Adapter] = {
 # hash it changes, test, add its hashes here (python -m simulations.node --check prints them)
 CHECKED: dict[str, dict[str, str]] = {
     "flwr.server.superlink.fleet.vce.vce_api:add_messages_to_queue": {"7c9e5c602a30dbbf": "1.41.0, 1.42.0"},
+    "flwr.simulation.ray_transport.ray_actor:BasicActorPool.submit": {"14dc2c8fe987648d": "1.41.0, 1.42.0"},
+    "flwr.simulation.ray_transport.ray_actor:BasicActorPool.add_actor_back_to_pool": {
+        "cdda0799f2bb3dc8": "1.41.0, 1.42.0"
+    },
+    "flwr.simulation.ray_transport.ray_actor:BasicActorPool.fetch_result_and_return_actor_to_pool": {
+        "d88d868f87dbf0ff": "1.41.0, 1.42.0"
+    },
+    "flwr.simulation.ray_transport.ray_actor:BasicActorPool.terminate_all_actors": {
+        "fbc2bc66e5aef1a5": "1.41.0, 1.42.0"
+    },
+    "flwr.server.superlink.fleet.vce.backend.raybackend:RayBackend.num_workers": {"b09e113ec1d0361e": "1.41.0, 1.42.0"},
+    "flwr.server.superlink.fleet.vce.backend.raybackend:RayBackend.process_message": {
+        "99d849c4d851662f": "1.41.0, 1.42.0"
+    },
+    "flwr.server.superlink.fleet.vce.vce_api:worker": {"dab26a82cdf57a8e": "1.41.0, 1.42.0"},
+    "flwr.server.superlink.fleet.vce.vce_api:run_api": {"dbae7ca8bbd07378": "1.41.0, 1.42.0"},
     "flwr.supernode.start_client_internal:start_client_internal": {"45eebb903a0a9783": "1.41.0, 1.42.0"},
     "flwr.supernode.start_client_internal:_push_messages": {"eee901d21df66482": "1.41.0, 1.42.0"},
     "flwr.supernode.start_client_internal:_pull_and_store_message": {"ef0d3cf6b6541720": "1.41.0, 1.42.0"},

@@ -5,7 +5,8 @@ arrived, and the middleware of the SuperLink and the SuperNode run only where it
 Flower's simulation engine (flwr/server/superlink/fleet/vce/vce_api.py, ``add_messages_to_queue``) looks for
 new messages for the virtual nodes every 0.1 s; a TablePuppet SGD epoch has one round per mini-batch, so that
 sleep alone costs ~0.05 s per round. :func:`install_fast_fetch` replaces the loop with the same loop that
-polls with a backoff from 0.5 ms (right after a message) to 2 ms (idle). Each install_* function runs only
+polls with a backoff from 0.5 ms (right after a message) to 2 ms (idle). :func:`install_node_actors` keeps each
+virtual node on one Ray actor. Each install_* function runs only
 while the Flower code it relies on is the code it was checked against (tpflower.app.flower_guard); else it
 leaves Flower's code alone and logs one notice line.
 """
@@ -52,6 +53,58 @@ def install_fast_fetch(only_if_loaded: bool = False) -> bool:
     from flwr.server.superlink.fleet.vce import vce_api  # noqa: PLC0415  the engine: about 1 s (docstring above)
 
     vce_api.add_messages_to_queue = fast_fetch_loop
+    return True
+
+
+#: the simulation engine's worker threads under node actors: each waits for one message's task, so every message of
+#: a round is handed to its node's actor at once (an idle thread costs nothing)
+NODE_ACTOR_WORKERS = 32
+_PIN_LOCK = threading.Lock()
+
+
+def pinned_submit(pool: Any, actor_fn: Any, job: tuple[Any, Any, str, Any]) -> Any:
+    """Flower's ``BasicActorPool.submit`` (simulation/ray_transport/ray_actor.py) with every message of a virtual
+    node on one actor: the k-th node seen runs on actor k mod the pool's actors, and its task queues at that actor
+    (Ray runs an actor's tasks one at a time, in order) instead of waiting for whichever actor is idle. The actor
+    never leaves the pool: :func:`release_future` only forgets the task."""
+    app_fn, message, cid, context = job
+    with _PIN_LOCK:
+        pins: dict[str, Any] = pool.__dict__.setdefault("_tpflower_pins", {})
+        if cid not in pins:
+            pins[cid] = pool.pool[len(pins) % len(pool.pool)]
+        actor = pins[cid]
+    future = actor_fn(actor, app_fn, message, cid, context)
+    pool._future_to_actor[future] = actor
+    return future
+
+
+def release_future(pool: Any, future: Any) -> None:
+    """Flower's ``BasicActorPool.add_actor_back_to_pool`` under :func:`pinned_submit`: the task is done (or
+    failed); its actor is in the pool already."""
+    pool._future_to_actor.pop(future, None)
+
+
+def _node_actor_workers(backend: Any) -> int:
+    return max(backend.pool.num_actors, NODE_ACTOR_WORKERS) if backend.pool else 0
+
+
+def install_node_actors() -> bool:
+    """Run each virtual node of Flower's simulation engine on one Ray actor (:func:`pinned_submit`) if the
+    engine's code is the one this was checked against; else leave Flower's pool alone and log one notice line.
+
+    Flower hands a node's message to whichever actor is idle, so a node's process-local caches (its table, the
+    gbdt owner's parent histograms) are found on about half of its messages with two actors, every actor ends up
+    loading every table, and an actor waits for the engine's thread to fetch its reply before it gets the next
+    message. Pinned, a table is loaded by one actor, its caches always hit, and a round's messages queue at their
+    actors at once. Nodes are spread over the actors by count, not by cost."""
+    if not enabled("node-actors"):
+        return False
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend  # noqa: PLC0415  Ray: engine only
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool  # noqa: PLC0415  (as above)
+
+    BasicActorPool.submit = pinned_submit  # type: ignore[method-assign,assignment]
+    BasicActorPool.add_actor_back_to_pool = release_future  # type: ignore[method-assign,assignment]
+    RayBackend.num_workers = property(_node_actor_workers)  # type: ignore[method-assign,assignment]
     return True
 
 
