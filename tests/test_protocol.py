@@ -314,6 +314,7 @@ def test_adapter_leaves_a_process_without_the_engine_alone(monkeypatch):
 
     monkeypatch.delitem(sys.modules, "flwr.server.superlink.fleet.vce.vce_api", raising=False)
     assert flower_adapter.install_fast_fetch(only_if_loaded=True) is False
+    assert flower_adapter.install_node_actors(only_if_loaded=True) is False
     assert "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules
 
 

@@ -88,15 +88,18 @@ def _node_actor_workers(backend: Any) -> int:
     return max(backend.pool.num_actors, NODE_ACTOR_WORKERS) if backend.pool else 0
 
 
-def install_node_actors() -> bool:
+def install_node_actors(only_if_loaded: bool = False) -> bool:
     """Run each virtual node of Flower's simulation engine on one Ray actor (:func:`pinned_submit`) if the
     engine's code is the one this was checked against; else leave Flower's pool alone and log one notice line.
+    ``only_if_loaded``: as :func:`install_fast_fetch`'s.
 
     Flower hands a node's message to whichever actor is idle, so a node's process-local caches (its table, the
     gbdt owner's parent histograms) are found on about half of its messages with two actors, every actor ends up
     loading every table, and an actor waits for the engine's thread to fetch its reply before it gets the next
     message. Pinned, a table is loaded by one actor, its caches always hit, and a round's messages queue at their
     actors at once. Nodes are spread over the actors by count, not by cost."""
+    if only_if_loaded and "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules:
+        return False
     if not enabled("node-actors"):
         return False
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend  # noqa: PLC0415  Ray: engine only

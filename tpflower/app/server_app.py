@@ -19,7 +19,7 @@ from flwr.serverapp.strategy import Strategy
 from omegaconf import DictConfig
 
 from tpflower.app.client_app import config_from_run_config  # at import time: see the note in server_app_for
-from tpflower.app.flower_patch import install_fast_fetch, install_fast_grid_pulls
+from tpflower.app.flower_patch import install_fast_fetch, install_fast_grid_pulls, install_node_actors
 from tpflower.auto import resolve
 from tpflower.datasets import load_spec
 from tpflower.registry import entries, entry_of, prediction_strategy
@@ -107,5 +107,6 @@ def default_run_dir(cfg: Any) -> str:
 
 
 install_fast_fetch(only_if_loaded=True)  # `flwr run` on the simulation runtime: the engine runs in this process
+install_node_actors(only_if_loaded=True)  # (as above; an engine already running keeps its worker threads)
 install_fast_grid_pulls()  # a deployed ServerApp (flwr-serverapp): reply objects pulled without 1 s retries
 app = server_app_for(None, None)
