@@ -367,8 +367,9 @@ def test_node_actors_run_every_message_of_a_node_on_one_actor(monkeypatch, tmp_p
     def main(grid: Grid, context) -> None:
         import time
 
-        while len(nodes := list(grid.get_node_ids())) < 5:  # the engine registers its nodes after the start
-            time.sleep(0.05)
+        deadline = time.monotonic() + 120
+        while len(nodes := list(grid.get_node_ids())) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the engine registers its nodes after the ServerApp starts
         for _ in range(8):
             for reply in grid.send_and_receive([Message(RecordDict(), node, "query") for node in nodes]):
                 seen.setdefault(reply.metadata.src_node_id, set()).add(reply.content["r"]["pid"])
