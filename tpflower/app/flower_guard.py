@@ -62,9 +62,13 @@ ADAPTERS: dict[str, Adapter] = {
             (
                 *(
                     f"flwr.simulation.ray_transport.ray_actor:BasicActorPool.{f}"
-                    for f in ("submit", "add_actor_back_to_pool", "fetch_result_and_return_actor_to_pool")
+                    for f in (
+                        "submit",
+                        "add_actor_back_to_pool",
+                        "fetch_result_and_return_actor_to_pool",
+                        "terminate_all_actors",
+                    )
                 ),
-                "flwr.simulation.ray_transport.ray_actor:BasicActorPool.terminate_all_actors",
                 "flwr.server.superlink.fleet.vce.backend.raybackend:RayBackend.num_workers",
                 "flwr.server.superlink.fleet.vce.backend.raybackend:RayBackend.process_message",
                 "flwr.server.superlink.fleet.vce.vce_api:worker",
