@@ -27,6 +27,12 @@ MIN_WAIT_S, MAX_WAIT_S = 0.0005, 0.002
 log = logging.getLogger("tpflower")
 
 
+def _engine_loaded() -> bool:
+    """Whether this process has imported Flower's simulation engine (the simulation runtime does before it loads
+    the ServerApp; a deployed ServerApp's process never does)."""
+    return "flwr.server.superlink.fleet.vce.vce_api" in sys.modules
+
+
 def fast_fetch_loop(state: Any, queue: Queue, nodes_mapping: dict, f_stop: threading.Event) -> None:
     """Flower's add_messages_to_queue (same calls, same order), with a millisecond backoff."""
     wait = MIN_WAIT_S
@@ -46,7 +52,7 @@ def install_fast_fetch(only_if_loaded: bool = False) -> bool:
     ``only_if_loaded``: patch only if this process has already imported the engine (the simulation runtime
     does before it loads the ServerApp; a deployment's ServerApp process never does, and importing the
     engine there would add about 1 s to its start)."""
-    if only_if_loaded and "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules:
+    if only_if_loaded and not _engine_loaded():
         return False
     if not enabled("fast-fetch"):
         return False
@@ -98,7 +104,7 @@ def install_node_actors(only_if_loaded: bool = False) -> bool:
     loading every table, and an actor waits for the engine's thread to fetch its reply before it gets the next
     message. Pinned, a table is loaded by one actor, its caches always hit, and a round's messages queue at their
     actors at once. Nodes are spread over the actors by count, not by cost."""
-    if only_if_loaded and "flwr.server.superlink.fleet.vce.vce_api" not in sys.modules:
+    if only_if_loaded and not _engine_loaded():
         return False
     if not enabled("node-actors"):
         return False
