@@ -19,7 +19,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from tpflower.app.flower_patch import HELD_PULL_S
+from tpflower.app.flower_patch import BELL_IDLE_S, HELD_PULL_S, stored_bell
 from tpflower.records import PAYLOAD, VALUE, Arrays
 
 ClientKey = tuple[str, int]  # (table, shard)
@@ -70,7 +70,9 @@ class GridTransport(Transport):
     :data:`LEARN_MEMORY` (a run's rounds of one kind take about as long; the shortest bounds how late a
     quicker round's replies can be picked up). A SuperLink that holds pulls until the replies are there
     (tpflower.app.held_pulls) is seen by a pull taking :data:`HELD_PULL_S` or longer: then every pull comes at
-    once, the link does the waiting."""
+    once, the link does the waiting. Under the simulation engine (an in-memory grid) with the stored-bells
+    adapter, the loop instead waits for a reply to be stored (tpflower.app.flower_patch.stored_bell): no poll
+    comes late."""
 
     MIN_WAIT_S, MAX_WAIT_S, WAIT_FRACTION = 0.0005, 0.5, 0.1
     LEARN_AFTER, LEARN_MEMORY, LEARNT_FRACTION = 2, 4, 0.8
@@ -78,14 +80,16 @@ class GridTransport(Transport):
     def __init__(self, grid: Grid, timeout_s: float = 600.0):
         self.grid = grid
         self.timeout_s = timeout_s
+        self.bell = stored_bell(getattr(grid, "state", None), "store_message_res")  # None: poll
         self._took: dict[tuple[str, ...], deque[float]] = {}
         self.link_holds = False  # the last telling pull was held (see the class doc)
 
     def first_wait(self, kind: tuple[str, ...]) -> float:
-        """How long to wait before the first reply pull of a round of ``kind`` (0 until learnt, and with a
-        link that holds pulls)."""
+        """How long to wait before the first reply pull of a round of ``kind`` (0 until learnt, with a link
+        that holds pulls and with a bell)."""
         took = self._took.get(kind, ())
-        return self.LEARNT_FRACTION * min(took) if len(took) >= self.LEARN_AFTER and not self.link_holds else 0.0
+        learnt = len(took) >= self.LEARN_AFTER and not self.link_holds and self.bell is None
+        return self.LEARNT_FRACTION * min(took) if learnt else 0.0
 
     def node_ids(self) -> list[int]:
         return list(self.grid.get_node_ids())
@@ -98,6 +102,8 @@ class GridTransport(Transport):
         deadline = start + self.timeout_s
         time.sleep(max(self.first_wait(kind) - (time.monotonic() - start), 0.0))
         while pending:
+            if self.bell is not None:
+                self.bell.clear()  # before pulling: a reply stored from here on rings again
             asked = time.monotonic()
             got = list(self.grid.pull_messages(list(pending)))
             took = time.monotonic() - asked
@@ -116,7 +122,9 @@ class GridTransport(Transport):
             if time.monotonic() > deadline:
                 late = ", ".join(self.name(node) for node in pending.values())
                 raise RunError(f"no reply within {self.timeout_s:.0f} s from {late}")
-            if not self.link_holds:
+            if self.bell is not None:
+                self.bell.wait(BELL_IDLE_S)
+            elif not self.link_holds:
                 waited = time.monotonic() - start
                 time.sleep(min(max(self.WAIT_FRACTION * waited, self.MIN_WAIT_S), self.MAX_WAIT_S))
         self._took.setdefault(kind, deque(maxlen=self.LEARN_MEMORY)).append(time.monotonic() - start)

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from simulations.federated import run_flower_simulation, run_in_process
+from simulations.federated import RAY_INLINE_BYTES, RAY_INLINE_ENV, run_flower_simulation, run_in_process
 from strategies.transport import RunError
 from tests.conftest import make_cfg
 from tests.test_conformance import overrides_of
@@ -42,6 +42,7 @@ def test_flower_simulation_equals_in_process(entry, tmp_path):
     assert [h.bytes_up for h in results.history] == [h.bytes_up for h in direct.history]
     assert [h.bytes_down for h in results.history] == [h.bytes_down for h in direct.history]
     assert (tmp_path / "flower.log").stat().st_size > 0  # Flower's own lines went to the run's log file
+    assert os.environ[RAY_INLINE_ENV] == str(RAY_INLINE_BYTES)  # set before Ray started
 
 
 def bad_shop(folder: Path) -> dict:

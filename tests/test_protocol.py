@@ -406,6 +406,95 @@ def test_fast_fetch_loop_moves_every_message_and_stops():
     assert got == ["a", "b", "c"] and not worker.is_alive()
 
 
+def in_memory_state(monkeypatch, inbox: dict[int, list] | None = None):
+    """Flower's in-memory LinkState whose store/get of messages are a plain inbox (any object is a message)."""
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.superlink.federation import NoOpFederationManager
+
+    inbox = {} if inbox is None else inbox
+    looks = []
+
+    def store(self, message):
+        inbox.setdefault(message[0], []).append(message)
+        return "id"
+
+    def get(self, node_id, limit):
+        looks.append(node_id)
+        box = inbox.get(node_id, [])
+        return [box.pop(0)] if box else []
+
+    monkeypatch.setattr(InMemoryLinkState, "store_message_ins", store)
+    monkeypatch.setattr(InMemoryLinkState, "store_message_res", store)
+    monkeypatch.setattr(InMemoryLinkState, "get_message_ins", get)
+    state = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory()).state()
+    return state, inbox, looks
+
+
+def test_a_stored_bell_rings_after_each_store_of_the_in_memory_link_state_only(monkeypatch):
+    state, inbox, _ = in_memory_state(monkeypatch)
+    bell = flower_adapter.stored_bell(state, "store_message_res")
+    assert bell is not None and flower_adapter.stored_bell(state, "store_message_res") is bell  # installed once
+    assert not bell.is_set()
+    assert state.store_message_res((7, "reply")) == "id" and bell.is_set() and inbox[7] == [(7, "reply")]
+    assert flower_adapter.stored_bell(object(), "store_message_res") is None  # a deployment's grid: it polls
+    monkeypatch.setenv(flower_guard.OFF_ENV, "stored-bells")
+    assert flower_adapter.stored_bell(in_memory_state(monkeypatch)[0], "store_message_res") is None
+
+
+def test_the_fetch_loop_waits_for_a_stored_message_instead_of_polling(monkeypatch):
+    state, _, looks = in_memory_state(monkeypatch)
+    queue, stop = Queue(), threading.Event()
+    loop = threading.Thread(target=flower_adapter.fast_fetch_loop, args=(state, queue, {1: 0, 2: 1}, stop))
+    loop.start()
+    try:
+        threading.Event().wait(0.3)
+        idle_looks = len(looks)  # a look per node at start and every BELL_IDLE_S (a 2 ms poll: ~150 per node)
+        state.store_message_ins((2, "message"))
+        got = queue.get(timeout=flower_adapter.BELL_IDLE_S / 2)  # woken by the store, not by its next look
+    finally:
+        stop.set()
+        loop.join(timeout=2)
+    assert got == (2, "message") and not loop.is_alive()
+    assert idle_looks <= 2 * (0.3 / flower_adapter.BELL_IDLE_S + 2)
+
+
+@pytest.mark.usefixtures("serverapp_identity")
+def test_grid_transport_under_the_simulation_engine_pulls_when_a_reply_is_stored(monkeypatch):
+    from strategies.transport import GridTransport
+    from tpflower.records import pack_payload
+
+    state, inbox, _ = in_memory_state(monkeypatch)
+    app = answering({1: ("fact", 0)})
+
+    class Grid:  # the simulation's in-memory grid: replies reach the state from the engine's thread
+        def __init__(self):
+            self.state, self.pulls = state, 0
+
+        def push_messages(self, messages):
+            messages[0].metadata.__dict__["_message_id"] = "m0"
+
+            def answer():
+                threading.Event().wait(0.05)
+                state.store_message_res((0, app(messages[0], None)))
+
+            threading.Thread(target=answer).start()
+            return ["m0"]
+
+        def pull_messages(self, message_ids):
+            self.pulls += 1
+            return [reply for _, reply in inbox.pop(0, [])]
+
+    grid = Grid()
+    transport = GridTransport(grid, timeout_s=5)
+    for _ in range(GridTransport.LEARN_AFTER + 1):
+        pulls = grid.pulls
+        replies = transport.exchange([Message(pack_payload({"x": np.zeros(2)}, {"phase": "echo"}), 1, "train")])
+        assert len(replies) == 1 and grid.pulls - pulls == 2  # one at once, one when the reply was stored
+
+
 def test_every_failing_client_of_a_round_has_its_own_line():
     fail = {"echo": "its own problem"}
     with pytest.raises(RunError) as err:

@@ -58,6 +58,15 @@ ADAPTERS: dict[str, Adapter] = {
             "Flower's own 0.1 s simulation fetch loop",
         ),
         Adapter(
+            "stored-bells",
+            (
+                "flwr.server.superlink.linkstate.in_memory_linkstate:InMemoryLinkState.store_message_ins",
+                "flwr.server.superlink.linkstate.in_memory_linkstate:InMemoryLinkState.store_message_res",
+                "flwr.superlink.grid.inmemory_grid:InMemoryGrid.__init__",
+            ),
+            "polling for the simulation's stored messages and replies",
+        ),
+        Adapter(
             "node-actors",
             (
                 *(
@@ -123,6 +132,13 @@ ADAPTERS: dict[str, Adapter] = {
 # hash it changes, test, add its hashes here (python -m simulations.node --check prints them)
 CHECKED: dict[str, dict[str, str]] = {
     "flwr.server.superlink.fleet.vce.vce_api:add_messages_to_queue": {"7c9e5c602a30dbbf": "1.41.0, 1.42.0"},
+    "flwr.server.superlink.linkstate.in_memory_linkstate:InMemoryLinkState.store_message_ins": {
+        "579e6aebd634c76e": "1.41.0, 1.42.0"
+    },
+    "flwr.server.superlink.linkstate.in_memory_linkstate:InMemoryLinkState.store_message_res": {
+        "a679ed161312aed6": "1.41.0, 1.42.0"
+    },
+    "flwr.superlink.grid.inmemory_grid:InMemoryGrid.__init__": {"abdc21cc24f13001": "1.41.0, 1.42.0"},
     "flwr.simulation.ray_transport.ray_actor:BasicActorPool.submit": {"14dc2c8fe987648d": "1.41.0, 1.42.0"},
     "flwr.simulation.ray_transport.ray_actor:BasicActorPool.add_actor_back_to_pool": {
         "cdda0799f2bb3dc8": "1.41.0, 1.42.0"

@@ -5,8 +5,9 @@ arrived, and the middleware of the SuperLink and the SuperNode run only where it
 Flower's simulation engine (flwr/server/superlink/fleet/vce/vce_api.py, ``add_messages_to_queue``) looks for
 new messages for the virtual nodes every 0.1 s; a TablePuppet SGD epoch has one round per mini-batch, so that
 sleep alone costs ~0.05 s per round. :func:`install_fast_fetch` replaces the loop with the same loop that
-polls with a backoff from 0.5 ms (right after a message) to 2 ms (idle). :func:`install_node_actors` keeps each
-virtual node on one Ray actor. Each install_* function runs only
+polls with a backoff from 0.5 ms (right after a message) to 2 ms (idle), or, with the stored-bells adapter
+(:func:`stored_bell`), wakes as each message is stored. :func:`install_node_actors` keeps each virtual node on
+one Ray actor. Each install_* function runs only
 while the Flower code it relies on is the code it was checked against (tpflower.app.flower_guard); else it
 leaves Flower's code alone and logs one notice line.
 """
@@ -33,15 +34,55 @@ def _engine_loaded() -> bool:
     return "flwr.server.superlink.fleet.vce.vce_api" in sys.modules
 
 
+#: how long a loop woken by a stored-message bell waits at most between looks (Flower's own fetch interval)
+BELL_IDLE_S = 0.1
+
+
+def stored_bell(state: Any, method: str) -> threading.Event | None:
+    """An Event set each time ``state.<method>`` (the simulation's in-memory LinkState: ``store_message_ins``,
+    ``store_message_res``) has stored a message, so that a loop waiting for messages wakes at once instead of at
+    its next poll; None if the stored-bells adapter is off or ``state`` is not Flower's in-memory LinkState.
+    Installed once per state and method, as a wrapper on that instance (Flower's class is untouched)."""
+    linkstate = sys.modules.get("flwr.server.superlink.linkstate.in_memory_linkstate")  # (not loaded: not one)
+    if linkstate is None or not isinstance(state, linkstate.InMemoryLinkState) or not enabled("stored-bells"):
+        return None
+    with _BELL_LOCK:
+        bells: dict[str, threading.Event] = state.__dict__.setdefault("_tpflower_bells", {})
+        if method not in bells:
+            bell, store = threading.Event(), getattr(state, method)
+
+            @functools.wraps(store)
+            def store_and_ring(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return store(*args, **kwargs)
+                finally:
+                    bell.set()
+
+            setattr(state, method, store_and_ring)
+            bells[method] = bell
+        return bells[method]
+
+
+_BELL_LOCK = threading.Lock()
+
+
 def fast_fetch_loop(state: Any, queue: Queue, nodes_mapping: dict, f_stop: threading.Event) -> None:
-    """Flower's add_messages_to_queue (same calls, same order), with a millisecond backoff."""
+    """Flower's add_messages_to_queue (same calls, same order), woken as each message is stored
+    (:func:`stored_bell`), else with a millisecond backoff."""
+    bell = stored_bell(state, "store_message_ins")
     wait = MIN_WAIT_S
     while not f_stop.is_set():
+        if bell is not None:
+            bell.clear()  # before looking: a message stored from here on rings again
         found = False
         for node_id in nodes_mapping:
             for msg in state.get_message_ins(node_id=node_id, limit=1):
                 queue.put(msg)
                 found = True
+        if bell is not None:
+            if not found:
+                bell.wait(BELL_IDLE_S)
+            continue
         wait = MIN_WAIT_S if found else min(2 * wait, MAX_WAIT_S)
         f_stop.wait(wait)
 
