@@ -102,8 +102,7 @@ class GridTransport(Transport):
         deadline = start + self.timeout_s
         time.sleep(max(self.first_wait(kind) - (time.monotonic() - start), 0.0))
         while pending:
-            if self.bell is not None:
-                self.bell.clear()  # before pulling: a reply stored from here on rings again
+            seen = self.bell.rung if self.bell is not None else 0  # before pulling: a later reply rings anew
             asked = time.monotonic()
             got = list(self.grid.pull_messages(list(pending)))
             took = time.monotonic() - asked
@@ -123,7 +122,7 @@ class GridTransport(Transport):
                 late = ", ".join(self.name(node) for node in pending.values())
                 raise RunError(f"no reply within {self.timeout_s:.0f} s from {late}")
             if self.bell is not None:
-                self.bell.wait(BELL_IDLE_S)
+                self.bell.wait(seen, time.monotonic() + BELL_IDLE_S)
             elif not self.link_holds:
                 waited = time.monotonic() - start
                 time.sleep(min(max(self.WAIT_FRACTION * waited, self.MIN_WAIT_S), self.MAX_WAIT_S))

@@ -23,6 +23,7 @@ from queue import Queue
 from typing import Any
 
 from tpflower.app.flower_guard import enabled
+from tpflower.app.held_pulls import Bell, ringing
 
 MIN_WAIT_S, MAX_WAIT_S = 0.0005, 0.002
 log = logging.getLogger("tpflower")
@@ -38,28 +39,20 @@ def _engine_loaded() -> bool:
 BELL_IDLE_S = 0.1
 
 
-def stored_bell(state: Any, method: str) -> threading.Event | None:
-    """An Event set each time ``state.<method>`` (the simulation's in-memory LinkState: ``store_message_ins``,
-    ``store_message_res``) has stored a message, so that a loop waiting for messages wakes at once instead of at
-    its next poll; None if the stored-bells adapter is off or ``state`` is not Flower's in-memory LinkState.
-    Installed once per state and method, as a wrapper on that instance (Flower's class is untouched)."""
+def stored_bell(state: Any, method: str) -> Bell | None:
+    """A bell (tpflower.app.held_pulls.Bell) rung each time ``state.<method>`` (the simulation's in-memory
+    LinkState: ``store_message_ins``, ``store_message_res``) has stored a message, so that a loop waiting for
+    messages wakes at once instead of at its next poll; None if the stored-bells adapter is off or ``state`` is
+    not Flower's in-memory LinkState. Installed once per state and method, as a wrapper on that instance
+    (Flower's class is untouched)."""
     linkstate = sys.modules.get("flwr.server.superlink.linkstate.in_memory_linkstate")  # (not loaded: not one)
     if linkstate is None or not isinstance(state, linkstate.InMemoryLinkState) or not enabled("stored-bells"):
         return None
     with _BELL_LOCK:
-        bells: dict[str, threading.Event] = state.__dict__.setdefault("_tpflower_bells", {})
+        bells: dict[str, Bell] = state.__dict__.setdefault("_tpflower_bells", {})
         if method not in bells:
-            bell, store = threading.Event(), getattr(state, method)
-
-            @functools.wraps(store)
-            def store_and_ring(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return store(*args, **kwargs)
-                finally:
-                    bell.set()
-
-            setattr(state, method, store_and_ring)
-            bells[method] = bell
+            bells[method] = Bell()
+            setattr(state, method, ringing(getattr(state, method), bells[method]))
         return bells[method]
 
 
@@ -72,8 +65,7 @@ def fast_fetch_loop(state: Any, queue: Queue, nodes_mapping: dict, f_stop: threa
     bell = stored_bell(state, "store_message_ins")
     wait = MIN_WAIT_S
     while not f_stop.is_set():
-        if bell is not None:
-            bell.clear()  # before looking: a message stored from here on rings again
+        seen = bell.rung if bell is not None else 0  # read before looking: a message stored later rings anew
         found = False
         for node_id in nodes_mapping:
             for msg in state.get_message_ins(node_id=node_id, limit=1):
@@ -81,7 +73,7 @@ def fast_fetch_loop(state: Any, queue: Queue, nodes_mapping: dict, f_stop: threa
                 found = True
         if bell is not None:
             if not found:
-                bell.wait(BELL_IDLE_S)
+                bell.wait(seen, time.monotonic() + BELL_IDLE_S)
             continue
         wait = MIN_WAIT_S if found else min(2 * wait, MAX_WAIT_S)
         f_stop.wait(wait)
