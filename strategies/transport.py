@@ -80,7 +80,7 @@ class GridTransport(Transport):
     def __init__(self, grid: Grid, timeout_s: float = 600.0):
         self.grid = grid
         self.timeout_s = timeout_s
-        self.bell = stored_bell(getattr(grid, "state", None), "store_message_res")  # None: poll
+        self.bell = stored_bell(getattr(grid, "state", None), "store_message_res", notice=False)  # None: poll
         self._took: dict[tuple[str, ...], deque[float]] = {}
         self.link_holds = False  # the last telling pull was held (see the class doc)
 

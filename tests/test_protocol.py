@@ -444,6 +444,16 @@ def test_a_stored_bell_rings_after_each_store_of_the_in_memory_link_state_only(m
     assert flower_adapter.stored_bell(in_memory_state(monkeypatch)[0], "store_message_res") is None
 
 
+def test_a_changed_flower_keeps_polling_with_one_notice_line_per_run(monkeypatch, caplog):
+    state, _, _ = in_memory_state(monkeypatch)
+    monkeypatch.setattr(flower_guard, "CHECKED", {})  # a Flower whose LinkState changed
+    with caplog.at_level(logging.WARNING, logger="tpflower"):
+        assert flower_adapter.stored_bell(state, "store_message_ins") is None  # the fetch loop's
+        assert flower_adapter.stored_bell(state, "store_message_res", notice=False) is None  # the transport's
+    lines = [r.getMessage() for r in caplog.records if r.name == "tpflower"]
+    assert len(lines) == 1 and "polling for the simulation's stored messages" in lines[0]
+
+
 def test_the_fetch_loop_waits_for_a_stored_message_instead_of_polling(monkeypatch):
     state, _, looks = in_memory_state(monkeypatch)
     queue, stop = Queue(), threading.Event()

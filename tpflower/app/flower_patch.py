@@ -37,16 +37,20 @@ def _engine_loaded() -> bool:
 
 #: how long a loop woken by a stored-message bell waits at most between looks (Flower's own fetch interval)
 BELL_IDLE_S = 0.1
+_BELL_LOCK = threading.Lock()
 
 
-def stored_bell(state: Any, method: str) -> Bell | None:
+def stored_bell(state: Any, method: str, notice: bool = True) -> Bell | None:
     """A bell (tpflower.app.held_pulls.Bell) rung each time ``state.<method>`` (the simulation's in-memory
     LinkState: ``store_message_ins``, ``store_message_res``) has stored a message, so that a loop waiting for
     messages wakes at once instead of at its next poll; None if the stored-bells adapter is off or ``state`` is
     not Flower's in-memory LinkState. Installed once per state and method, as a wrapper on that instance
-    (Flower's class is untouched)."""
+    (Flower's class is untouched). ``notice``: log the adapter's notice line if Flower's code changed (the fetch
+    loop does; the ServerApp's transport, which asks in the same run, does not)."""
     linkstate = sys.modules.get("flwr.server.superlink.linkstate.in_memory_linkstate")  # (not loaded: not one)
-    if linkstate is None or not isinstance(state, linkstate.InMemoryLinkState) or not enabled("stored-bells"):
+    if linkstate is None or not isinstance(state, linkstate.InMemoryLinkState):
+        return None
+    if not enabled("stored-bells", notice=notice):
         return None
     with _BELL_LOCK:
         bells: dict[str, Bell] = state.__dict__.setdefault("_tpflower_bells", {})
@@ -54,9 +58,6 @@ def stored_bell(state: Any, method: str) -> Bell | None:
             bells[method] = Bell()
             setattr(state, method, ringing(getattr(state, method), bells[method]))
         return bells[method]
-
-
-_BELL_LOCK = threading.Lock()
 
 
 def fast_fetch_loop(state: Any, queue: Queue, nodes_mapping: dict, f_stop: threading.Event) -> None:
