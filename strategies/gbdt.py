@@ -297,7 +297,7 @@ class JoinGBDT(LoJStrategy):
             arrays = {
                 "nodes": ids,
                 "parent": parent,
-                "sizes": np.bincount(node_of[mask], minlength=k).astype(np.int64),
+                "sizes": np.diff(np.searchsorted(node_of[mask], np.arange(k + 1))),  # node_of ascends
                 "rows": positions[t][q].astype(index_dtype(self.train.n_rows[t]), copy=False),
                 "G": G[mask].astype(dtype, copy=False),
                 "C": compact_counts(C[mask]),

@@ -16,6 +16,7 @@ from tests.test_privacy_e2e import Recorded
 from tpflower.categorical import CategoricalRule, best_native_splits, category_codes, in_set
 from tpflower.datasets import load_table
 from tpflower.model_part import ModelPart
+from tpflower.phases.gbdt import OwnerTrees, route_bits
 from tpflower.trees import BinLayout, SplitRule, bin_codes
 
 NATIVE = ("+dataset.loader.categories=8", "algorithm.categorical=native")
@@ -102,6 +103,17 @@ def test_native_federated_trees_equal_the_central_reference_with_categorical_col
     owned = [rec.client((t, 0)).state.get("gbdt.category_splits") for t in s.tables]
     assert sum(len(np.unique(o[:, 0])) for o in owned if o is not None) == len(central_sets)
     np.testing.assert_allclose(s.record.test_predictions, s.label_scale.to_label(F_eval[: s.test.N]), atol=1e-9)
+    kinds = set()
+    for t in s.tables:  # the routing round's bits (one gather per feature) are each row's side at each split
+        owner = OwnerTrees(rec.client((t, 0)))
+        chosen, rows = owner.table("splits"), np.arange(len(owner.codes[0]))[::-1]
+        f, k = owner.flat(chosen)
+        sides = owner.codes[f[None, :], rows[:, None]] <= k[None, :]
+        for j in np.flatnonzero(chosen[:, 2] < 0):
+            sides[:, j] = owner.category_sides(int(chosen[j, 1]), owner.split_categories(int(chosen[j, 0])), rows)
+        kinds |= set((chosen[:, 2] < 0).tolist())
+        assert np.array_equal(route_bits(owner, chosen, rows), np.packbits(sides, axis=1))
+    assert kinds == {True, False}  # category splits and thresholds
 
 
 def test_native_union_equals_the_join():

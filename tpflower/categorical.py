@@ -97,32 +97,36 @@ def _sorted_order(S: np.ndarray, eligible: np.ndarray, smooth: float) -> np.ndar
     return np.lexsort((np.broadcast_to(np.arange(m), (k, m)), group_of), axis=-1)
 
 
-def best_block_splits(
-    hists: np.ndarray, layout: BinLayout, block: np.ndarray, rule: SplitRule, cat: CategoricalRule
+def _one_vs_rest(S: np.ndarray, T: np.ndarray, rule: SplitRule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of S (k, 3, m), a node's category sums with its totals T (k, 3): the best gain of one category
+    against the rest, its category and whether there is one."""
+    lam = rule.lambda_l2
+    L, R = S, T[:, :, None] - S
+    ok = (
+        (L[:, 2] >= rule.min_child_rows)
+        & (L[:, 2] > 0)
+        & (L[:, 1] >= rule.min_child_weight)
+        & (R[:, 2] >= rule.min_child_rows)
+        & (R[:, 1] >= rule.min_child_weight)
+    )
+    gain = 0.5 * (
+        score(L[:, 0], L[:, 1], lam) + score(R[:, 0], R[:, 1], lam) - score(T[:, None, 0], T[:, None, 1], lam)
+    )
+    gain = np.where(ok, gain, -np.inf)
+    j, found = first_best_rows(gain)
+    return gain[np.arange(len(j)), j], j, found
+
+
+def _many_vs_many(
+    S: np.ndarray, T: np.ndarray, rule: SplitRule, cat: CategoricalRule
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
-    """Per node: the best gain of a split of ``block`` (-inf: none) and the columns of its categories going
-    left (module docstring)."""
-    k, m = hists.shape[0], len(block)
-    S = _block_stats(hists, layout, block)
-    T = hists[:, :, : layout.offsets[1]].sum(axis=2)  # the node's sums (every feature's bins add up to them)
+    """Per row of S (k, 3, m), a node's category sums with its totals T (k, 3): the best gain of a sorted
+    prefix (module docstring) and the positions of its categories going left (None: no split). Rows are
+    independent: the rows of several blocks (zero-padded to one m: a category of no rows is never eligible)
+    are scanned in one pass."""
+    k, m = S.shape[0], S.shape[2]
     lam = rule.lambda_l2
     gains, sets = np.full(k, -np.inf), [None] * k
-    if m <= cat.max_cat_to_onehot:  # one category against the rest
-        L, R = S, T[:, :, None] - S
-        ok = (
-            (L[:, 2] >= rule.min_child_rows)
-            & (L[:, 2] > 0)
-            & (L[:, 1] >= rule.min_child_weight)
-            & (R[:, 2] >= rule.min_child_rows)
-            & (R[:, 1] >= rule.min_child_weight)
-        )
-        gain = 0.5 * (
-            score(L[:, 0], L[:, 1], lam) + score(R[:, 0], R[:, 1], lam) - score(T[:, None, 0], T[:, None, 1], lam)
-        )
-        j, found = first_best_rows(np.where(ok, gain, -np.inf))
-        for n in np.flatnonzero(found):
-            gains[n], sets[n] = gain[n, j[n]], block[j[n] : j[n] + 1]
-        return gains, sets
     eligible = S[:, 2] >= cat.cat_smooth
     used = eligible.sum(axis=1)
     order = _sorted_order(S, eligible, cat.cat_smooth)
@@ -131,42 +135,72 @@ def best_block_splits(
     if width == 0:
         return gains, sets
     i = np.arange(width)
+    in_scan = i[None, :] < max_num[:, None]
     scans = []  # per direction: (k, 3, width) left sums of the prefixes of 1..width categories
     for forward in (True, False):
         pos = i[None, :] if forward else np.maximum(used[:, None] - 1 - i[None, :], 0)
         cats = np.take_along_axis(order, np.minimum(pos, m - 1), axis=1)
         step = np.take_along_axis(S, cats[:, None, :], axis=2)
-        step = np.where((i[None, :] < max_num[:, None])[:, None, :], step, 0.0)
-        scans.append(np.cumsum(step, axis=2))
-    all_gains = np.full((k, 2 * width), -np.inf)
+        scans.append(np.cumsum(np.where(in_scan[:, None, :], step, 0.0), axis=2))
+    left = np.concatenate(scans)  # (2k, 3, width): the ascending scans, then the descending ones
+    right = np.concatenate([T, T])[:, :, None] - left
+    ok = (
+        np.concatenate([in_scan, in_scan])
+        & (left[:, 2] >= rule.min_child_rows)
+        & (left[:, 1] >= rule.min_child_weight)
+        & (right[:, 2] >= rule.min_child_rows)
+        & (right[:, 2] >= cat.min_data_per_group)
+        & (right[:, 1] >= rule.min_child_weight)
+    )
+    rows = np.diff(left[:, 2], axis=1, prepend=0.0)  # each prefix's new rows (0 past the scan: a flat sum)
+    scored = np.zeros_like(ok)
+    group = np.zeros(2 * k)
+    for t in range(width):  # rows since the last scored prefix (LightGBM's cnt_cur_group)
+        group += rows[:, t]
+        scored[:, t] = ok[:, t] & (group >= cat.min_data_per_group)
+        group[scored[:, t]] = 0.0
     lam_c = lam + cat.cat_l2
-    for d, left in enumerate(scans):
-        right = T[:, :, None] - left
-        left_ok = (left[:, 2] >= rule.min_child_rows) & (left[:, 1] >= rule.min_child_weight)
-        right_ok = (
-            (right[:, 2] >= rule.min_child_rows)
-            & (right[:, 2] >= cat.min_data_per_group)
-            & (right[:, 1] >= rule.min_child_weight)
-        )
-        in_scan = i[None, :] < max_num[:, None]
-        scored = np.zeros((k, width), dtype=bool)
-        group = np.zeros(k)
-        for t in range(width):  # rows since the last scored prefix (LightGBM's cnt_cur_group)
-            group += np.where(in_scan[:, t], left[:, 2, t] - (left[:, 2, t - 1] if t else 0.0), 0.0)
-            scored[:, t] = in_scan[:, t] & left_ok[:, t] & right_ok[:, t] & (group >= cat.min_data_per_group)
-            group[scored[:, t]] = 0.0
-        gain = 0.5 * (
-            score(left[:, 0], left[:, 1], lam_c)
-            + score(right[:, 0], right[:, 1], lam_c)
-            - score(T[:, None, 0], T[:, None, 1], lam)
-        )
-        all_gains[:, d * width : (d + 1) * width] = np.where(scored, gain, -np.inf)
+    gain = 0.5 * (
+        score(left[:, 0], left[:, 1], lam_c)
+        + score(right[:, 0], right[:, 1], lam_c)
+        - np.concatenate([score(T[:, None, 0], T[:, None, 1], lam)] * 2)
+    )
+    gain = np.where(scored, gain, -np.inf)
+    all_gains = np.concatenate([gain[:k], gain[k:]], axis=1)  # (k, 2 width): ascending first, shorter first
     best, found = first_best_rows(all_gains)
     for n in np.flatnonzero(found):
         d, t = divmod(int(best[n]), width)
-        chosen = order[n, : t + 1] if d == 0 else order[n, used[n] - 1 - t : used[n]]
-        gains[n], sets[n] = all_gains[n, best[n]], np.sort(block[chosen])
+        gains[n], sets[n] = all_gains[n, best[n]], order[n, : t + 1] if d == 0 else order[n, used[n] - 1 - t : used[n]]
     return gains, sets
+
+
+def best_block_splits(
+    hists: np.ndarray, layout: BinLayout, blocks: Sequence[np.ndarray], rule: SplitRule, cat: CategoricalRule
+) -> list[tuple[np.ndarray, list[np.ndarray | None]]]:
+    """Per block and node: the best gain of a split of the block (-inf: none) and the columns of its categories
+    going left (module docstring). The blocks of more than ``max_cat_to_onehot`` categories are scanned
+    together."""
+    T = hists[:, :, : layout.offsets[1]].sum(axis=2)  # the node's sums (every feature's bins add up to them)
+    k, stats = hists.shape[0], [_block_stats(hists, layout, block) for block in blocks]
+    out: list[tuple[np.ndarray, list[np.ndarray | None]]] = []
+    for block, S in zip(blocks, stats):
+        if len(block) <= cat.max_cat_to_onehot:  # one category against the rest
+            g, j, found = _one_vs_rest(S, T, rule)
+            out.append((np.where(found, g, -np.inf), [block[j[n] : j[n] + 1] if found[n] else None for n in range(k)]))
+        else:
+            out.append((np.zeros(0), []))
+    many = [b for b, block in enumerate(blocks) if len(block) > cat.max_cat_to_onehot]
+    if many:
+        m = max(len(blocks[b]) for b in many)
+        S = np.zeros((len(many) * k, 3, m))
+        for i, b in enumerate(many):
+            S[i * k : (i + 1) * k, :, : len(blocks[b])] = stats[b]
+        gains, sets = _many_vs_many(S, np.concatenate([T] * len(many)), rule, cat)
+        for i, b in enumerate(many):
+            block = blocks[b]
+            chosen = sets[i * k : (i + 1) * k]
+            out[b] = (gains[i * k : (i + 1) * k], [None if c is None else np.sort(block[c]) for c in chosen])
+    return out
 
 
 def best_native_splits(
@@ -182,7 +216,7 @@ def best_native_splits(
     sets: list[np.ndarray | None] = [None] * k
     if not blocks:
         return gains, features, bins, sets
-    found = [best_block_splits(hists, layout, b, rule, cat) for b in blocks]
+    found = best_block_splits(hists, layout, blocks, rule, cat)
     cand_gain = np.column_stack([gains, *(g for g, _ in found)])  # (k, 1 + blocks)
     cand_feature = np.column_stack([features, *(np.full(k, b[0]) for b in blocks)])
     # per node the candidate of the smallest feature among those tied with the best (first_best in feature

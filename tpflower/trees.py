@@ -446,12 +446,12 @@ def _split(node: Node, perm: np.ndarray, g: np.ndarray, h: np.ndarray | None, fi
     seg = perm[node.start : node.end]
     left = node.candidate.left(seg)
     G = np.bincount(left, weights=g.take(seg), minlength=2)  # (right, left)
+    n_left = int(np.count_nonzero(left))
     H = (
-        np.bincount(left, minlength=2).astype(np.float64)
+        np.array([len(seg) - n_left, n_left], dtype=np.float64)
         if h is None
         else np.bincount(left, weights=h.take(seg), minlength=2)
     )
-    n_left = int(np.count_nonzero(left))
     perm[node.start : node.end] = seg[np.argsort(~left, kind="stable")]  # left rows first, each side in order
     node.table, node.split, node.categories = node.candidate.table, node.candidate.split, node.candidate.categories
     node.candidate = None

@@ -491,11 +491,33 @@ def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     if any(int(s) not in at for s in a["splits"]):
         raise _refuse(client, "gbdt_route", "splits names a split this table does not hold")
     chosen = splits[[at[int(s)] for s in a["splits"]]].reshape(-1, 3)
-    f, k = owner.flat(chosen)
-    bits = owner.codes[f[None, :], a["rows"][:, None]] <= k[None, :]
-    for j in np.flatnonzero(chosen[:, 2] < 0):  # a category split (tpflower.categorical)
-        bits[:, j] = owner.category_sides(int(chosen[j, 1]), owner.split_categories(int(chosen[j, 0])), a["rows"])
-    return {"bits": np.packbits(bits, axis=1)}, {}
+    return {"bits": route_bits(owner, chosen, a["rows"])}, {}
+
+
+def route_bits(owner: OwnerTrees, chosen: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The side of each of ``rows`` at each split ``chosen`` (rows of node, feature, bin), packed row-major:
+    (len(rows), ceil(len(chosen) / 8)) bytes, as np.packbits(sides, axis=1). A row's side at every split on
+    one feature depends only on its bin (its category for a category split), so per feature the packed sides
+    of each bin are computed once and each row takes its bin's bytes: one gather per feature, not one
+    comparison per (row, split)."""
+    layout, width = owner.layout, len(chosen)
+    out = np.zeros((len(rows), (width + 7) // 8), dtype=np.uint8)
+    category = chosen[:, 2] < 0  # a category split (tpflower.categorical): feature = its block's first column
+    for feature, by_category in sorted(set(zip(chosen[:, 1].tolist(), category.tolist()))):
+        on = np.flatnonzero((chosen[:, 1] == feature) & (category == by_category))
+        if by_category:  # per category (the last: none, right at every split) its side at each split
+            block = owner.block(int(feature))
+            sides = np.zeros((len(block) + 1, width), dtype=bool)
+            for j in on:
+                sides[np.searchsorted(block, owner.split_categories(int(chosen[j, 0]))), j] = True
+            at = owner.categories(int(feature)).take(rows)
+        else:  # per bin of the feature its side at each split
+            lo, hi = layout.offsets[feature], layout.offsets[feature + 1]
+            sides = np.zeros((hi - lo, width), dtype=bool)
+            sides[:, on] = np.arange(hi - lo)[:, None] <= chosen[on, 2][None, :]
+            at = owner.codes[feature].take(rows) - lo
+        out |= np.packbits(sides, axis=1)[at]
+    return out
 
 
 # the arrays each phase takes (tpflower.guard) and which replies are exact releases (computed from the table's
