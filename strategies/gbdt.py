@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from strategies.base import LoJStrategy
+from strategies.replies import ReplyError, packed_bits
 from tpflower.fedprep import RankSketch
 from tpflower.join_counts import compact_counts
 from tpflower.losses import loss_np
@@ -309,9 +310,7 @@ class JoinGBDT(LoJStrategy):
         replies = self.send(messages)
         shard_tables = [t for t in self.tables if self.sharded(t)]
         if shard_tables:  # the shards' histograms summed, then each shard's split and bits
-            summed = {
-                t: sum(np.asarray(replies[(t, q)][0]["hist"]) for q in self.routers[t].shards) for t in shard_tables
-            }
+            summed = {t: self.summed_hist(t, replies) for t in shard_tables}
             replies.update(
                 self.send(
                     {
@@ -337,6 +336,8 @@ class JoinGBDT(LoJStrategy):
                 full = np.zeros(len(cat[best_t][0]), dtype=bool)
                 for q, mask in masks[best_t].items():
                     packed = np.asarray(replies[(best_t, q)][0]["bits"])
+                    phase = "gbdt_shard_split" if self.sharded(best_t) else "gbdt_split"  # (its reply: checked)
+                    packed_bits((best_t, q), phase, packed, (int(mask.sum()),))
                     full[mask] = np.unpackbits(packed, count=int(mask.sum())).astype(bool)
                 bits[best_t] = full
             if best_t not in inverse:
@@ -346,6 +347,15 @@ class JoinGBDT(LoJStrategy):
             side = bits[best_t][at] if inv is None else bits[best_t][inv[at]]  # per joined row, node order
             out.append(Candidate(best_gain, best_t, lambda seg, s=side: s))
         return out
+
+    def summed_hist(self, t: str, replies: Mapping[Any, Any]) -> np.ndarray:
+        """The sum of a sharded table's shards' parts of the histograms (each checked by check_gbdt); shards
+        whose parts differ in shape stop the run naming the table."""
+        parts = [np.asarray(replies[(t, q)][0]["hist"]) for q in self.routers[t].shards]
+        if len({p.shape for p in parts}) > 1:
+            shapes = ", ".join(f"shard {q}: {p.shape}" for q, p in zip(self.routers[t].shards, parts))
+            raise ReplyError(f"table {t!r}, phase 'gbdt_hist': its shards' histograms differ in shape ({shapes})")
+        return sum(parts[1:], parts[0])
 
     # ------------------------------------------------------------------------------------------ evaluation
 
@@ -376,23 +386,23 @@ class JoinGBDT(LoJStrategy):
             kind="eval",
         )
         column = {t: {s: i for i, s in enumerate(splits[t])} for t in self.tables}
-        side: dict[str, np.ndarray] = {}
+        packed: dict[str, np.ndarray] = {}  # per table its rows' sides, packed (np.packbits along the splits)
         for t in self.tables:
             rows = self.eval_rows[t][0]
-            side[t] = np.zeros((len(rows), len(splits[t])), dtype=bool)
+            packed[t] = np.zeros((len(rows), (len(splits[t]) + 7) // 8), dtype=np.uint8)
             for q, mask in self.routers[t].masks(rows).items() if splits[t] else ():
-                packed = np.asarray(replies[(t, q)][0]["bits"])
-                side[t][mask] = (
-                    np.unpackbits(packed, axis=1, count=len(splits[t])).astype(bool).reshape(-1, len(splits[t]))
-                )
+                packed[t][mask] = np.asarray(replies[(t, q)][0]["bits"])
         inv = {t: self.eval_rows[t][1] for t in self.tables}
         n = len(inv[self.tables[0]])
         out = np.zeros((n, int(self.d_out)))
+
+        def goes_left(node: Node, idx: np.ndarray) -> np.ndarray:  # read in place: only the rows at the node
+            j = column[node.table][node.id]
+            return (packed[node.table][inv[node.table][idx], j >> 3] >> (7 - (j & 7))) & 1 == 1
+
         for trees in rounds:
             for tree in trees:
-                out[:, tree.out] += leaf_values(
-                    tree, n, lambda node, idx: side[node.table][inv[node.table][idx], column[node.table][node.id]]
-                )
+                out[:, tree.out] += leaf_values(tree, n, goes_left)
         return out
 
     def model_extra(self) -> dict[str, Any]:

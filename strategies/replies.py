@@ -13,7 +13,9 @@ uses it. A bad reply stops the run with one line naming the table, shard and pha
   list of (n, 2) uint64 digests (hmac) or (n, 32) blinded values (blind), no list without codes; ``reblind``:
   the lists sent, one value per value sent;
 - model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table; a consensus shard's
-  ``used`` mask: 0/1, shaped like its ``theta``.
+  ``used`` mask: 0/1, shaped like its ``theta``;
+- boosted trees: one gain per node (finite or -inf), side bits packed one per row (and split) asked, a shard's
+  histograms finite and one per node (:func:`check_gbdt`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "kmeans_cost": ("cost",),
     # prediction (strategies/predict.py)
     "predict_keys": ("row_ids",),
+    # boosted trees (strategies/gbdt.py)
+    "gbdt_split": ("gain", "bits"),
+    "gbdt_hist": ("hist",),
+    "gbdt_shard_split": ("gain", "bits"),
+    "gbdt_route": ("bits",),
 }
 #: per-row replies of the coreset phases: (array, the request's array naming its rows); none sent: every row
 ROW_REPLIES = (("sens", "rows"), ("labels", "rows"))
@@ -141,12 +148,49 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
         for name, points in out.items():
             check_points(key, phase, name, np.asarray(points))
             _rows(key, phase, name, np.asarray(points), len(arrays[name]), "one per value sent")
+    if phase.startswith("gbdt_"):
+        check_gbdt(key, phase, arrays, out)
     if "used" in out:
         used, theta = np.asarray(out["used"]), np.asarray(out.get("theta"))
         if used.shape != theta.shape or not np.isin(used, (0, 1)).all():
             raise ReplyError(
                 f"{_who(key, phase)}: reply array 'used' must be a 0/1 mask shaped like 'theta' "
                 f"{theta.shape}, got {used.dtype} {used.shape}"
+            )
+
+
+def packed_bits(key: ClientKey, phase: str, bits: np.ndarray, shape: tuple[int, ...]) -> None:
+    """Side bits packed by np.packbits along the last axis: uint8 of ``shape`` with its last entry in bits."""
+    want = (*shape[:-1], (shape[-1] + 7) // 8)
+    if bits.dtype != np.uint8 or bits.shape != want:
+        raise ReplyError(
+            f"{_who(key, phase)}: reply array 'bits' is {bits.dtype} {bits.shape}; the round asked for uint8 {want} "
+            f"(side bits of {' x '.join(map(str, shape))} packed)"
+        )
+
+
+def check_gbdt(key: ClientKey, phase: str, arrays: Mapping[str, np.ndarray], out: Mapping[str, Any]) -> None:
+    """A boosted-trees reply: one gain per node sent (finite, or -inf: no split), side bits packed one per row
+    sent (``gbdt_split``; a shard's own rows, unknown here, in ``gbdt_shard_split``: checked by the strategy) or
+    per (row, split) (``gbdt_route``), a shard's part of the histograms finite, (nodes, 3, bins)."""
+    nodes = len(arrays["nodes"]) if "nodes" in arrays else None
+    if "gain" in out:
+        gain = np.asarray(out["gain"])
+        if gain.dtype.kind != "f" or gain.shape != (nodes,) or np.isnan(gain).any() or np.isposinf(gain).any():
+            raise ReplyError(
+                f"{_who(key, phase)}: reply array 'gain' is {gain.dtype} {gain.shape}; the round asked for one "
+                f"float per node ({nodes}), finite or -inf"
+            )
+    if phase == "gbdt_split":
+        packed_bits(key, phase, np.asarray(out["bits"]), (len(arrays["rows"]),))
+    if phase == "gbdt_route":
+        packed_bits(key, phase, np.asarray(out["bits"]), (len(arrays["rows"]), len(arrays["splits"])))
+    if phase == "gbdt_hist":
+        hist = np.asarray(out["hist"])
+        if hist.ndim != 3 or hist.shape[:2] != (nodes, 3) or hist.dtype.kind != "f" or not np.isfinite(hist).all():
+            raise ReplyError(
+                f"{_who(key, phase)}: reply array 'hist' is {hist.dtype} {hist.shape}; the round asked for finite "
+                f"sums of g, h and rows per node ({nodes}, 3, bins)"
             )
 
 

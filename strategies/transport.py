@@ -88,7 +88,7 @@ class GridTransport(Transport):
         """How long to wait before the first reply pull of a round of ``kind`` (0 until learnt, with a link
         that holds pulls and with a bell)."""
         took = self._took.get(kind, ())
-        learnt = len(took) >= self.LEARN_AFTER and not self.link_holds and self.bell is None
+        learnt = len(took) >= self.LEARN_AFTER and not self.link_holds
         return self.LEARNT_FRACTION * min(took) if learnt else 0.0
 
     def node_ids(self) -> list[int]:
@@ -126,7 +126,8 @@ class GridTransport(Transport):
             elif not self.link_holds:
                 waited = time.monotonic() - start
                 time.sleep(min(max(self.WAIT_FRACTION * waited, self.MIN_WAIT_S), self.MAX_WAIT_S))
-        self._took.setdefault(kind, deque(maxlen=self.LEARN_MEMORY)).append(time.monotonic() - start)
+        if self.bell is None:  # with a bell no first wait is learnt (first_wait)
+            self._took.setdefault(kind, deque(maxlen=self.LEARN_MEMORY)).append(time.monotonic() - start)
         return replies
 
 

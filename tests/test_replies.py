@@ -193,3 +193,39 @@ def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_exampl
 def test_coreset_and_kmeans_replies_are_checked(overrides, phase, tamper, match):
     with pytest.raises(ReplyError, match=f"table 'd1' shard 0, phase '{phase}': {match}"):
         run_tampered("d1", phase, tamper, *overrides)
+
+
+@pytest.mark.parametrize(
+    "phase, tamper, match",
+    [
+        ("gbdt_split", lambda o: {**o, "bits": o["bits"][:-1]}, r"reply array 'bits' is uint8 \(\d+,\); the round"),
+        ("gbdt_split", lambda o: {**o, "gain": o["gain"][:-1]}, r"reply array 'gain' is float64 \(\d+,\); the round"),
+        ("gbdt_split", lambda o: {**o, "gain": np.full_like(o["gain"], np.nan)}, "reply array 'gain' is float64"),
+        ("gbdt_split", lambda o: {k: v for k, v in o.items() if k != "bits"}, r"the reply lacks array\(s\) 'bits'"),
+        ("gbdt_route", lambda o: {**o, "bits": o["bits"][:-1]}, r"reply array 'bits' is uint8 \(\d+, \d+\); the round"),
+    ],
+    ids=["bits-short", "gain-short", "gain-nan", "bits-missing", "route-bits-short"],
+)
+def test_boosted_trees_replies_are_checked(phase, tamper, match):
+    """A gain per node sent (finite or -inf) and side bits packed one per row (and split) sent: anything else
+    stops the run naming the table, shard and phase, before the server routes a row by it."""
+    with pytest.raises(ReplyError, match=f"table 'd1' shard 0, phase '{phase}': {match}"):
+        run_tampered("d1", phase, tamper, "algorithm=gbdt", "algorithm.trees=2", "algorithm.eval_every=1")
+
+
+def test_a_shards_histograms_are_finite_one_per_node_and_alike_across_the_table():
+    from types import SimpleNamespace
+
+    from strategies.gbdt import JoinGBDT
+
+    sent = ({"nodes": np.arange(2)}, {"phase": "gbdt_hist"})
+    check_reply(("t", 1), sent, ({"hist": np.zeros((2, 3, 5))}, {}), 10, 1)
+    for hist in (np.zeros((1, 3, 5)), np.full((2, 3, 5), np.nan), np.zeros((2, 5))):
+        with pytest.raises(ReplyError, match=r"table 't' shard 1, phase 'gbdt_hist': reply array 'hist' is"):
+            check_reply(("t", 1), sent, ({"hist": hist}, {}), 10, 1)
+    table = SimpleNamespace(routers={"t": SimpleNamespace(shards=[0, 1])})
+    parts = {("t", 0): ({"hist": np.ones((2, 3, 5))}, {}), ("t", 1): ({"hist": np.ones((2, 3, 5))}, {})}
+    assert JoinGBDT.summed_hist(table, "t", parts).sum() == 60
+    parts[("t", 1)] = ({"hist": np.ones((2, 3, 4))}, {})
+    with pytest.raises(ReplyError, match=r"table 't', phase 'gbdt_hist': its shards' histograms differ in shape"):
+        JoinGBDT.summed_hist(table, "t", parts)
