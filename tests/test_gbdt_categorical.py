@@ -13,7 +13,7 @@ from simulations.predict import predict_run
 from tests.test_gbdt import assert_same_forest, central_of, small
 from tests.test_predict import QUIET, assert_same_as_the_run, held_out_rows, train
 from tests.test_privacy_e2e import Recorded
-from tpflower.categorical import CategoricalRule, best_native_splits, category_codes, in_set
+from tpflower.categorical import CategoricalRule, best_block_splits, best_native_splits, category_codes, in_set
 from tpflower.datasets import load_table
 from tpflower.model_part import ModelPart
 from tpflower.phases.gbdt import OwnerTrees, route_bits
@@ -86,6 +86,34 @@ def test_a_threshold_that_ties_with_a_category_set_loses_to_the_smaller_feature(
     gains, features, bins, sets = best_native_splits(hist, layout, [block], rule, tie)
     assert features[0] == 0 and bins[0] == -1 and sets[0].tolist() == [1, 4]
     assert np.array_equal(in_set(category_codes(codes, layout, block), block, sets[0]), X[:, 6] > 0.5)
+
+
+def test_blocks_scanned_together_split_as_each_block_alone():
+    """The many-vs-many scans of several blocks (of different sizes, zero-padded to the largest) and of several
+    nodes run as one batch: each block's gains and category sets are those it gets scanned alone."""
+    rng = np.random.default_rng(7)
+    sizes = [3, 6, 17, 40]  # one block one-vs-rest (<= max_cat_to_onehot), three many-vs-many
+    layout = BinLayout.of([np.arange(9) + 0.5] + [np.array([0.5])] * sum(sizes))
+    starts = np.cumsum([1, *sizes[:-1]])
+    blocks = [np.arange(a, a + m) for a, m in zip(starts, sizes)]
+    hists = np.zeros((6, 3, layout.total))
+    for node in range(6):
+        n = int(rng.integers(300, 5000))
+        for f in range(1 + sum(sizes)):
+            lo, hi = layout.offsets[f], layout.offsets[f + 1]
+            c = rng.multinomial(n, rng.dirichlet(np.full(hi - lo, 0.5)))
+            hists[node, :, lo:hi] = [rng.normal(size=hi - lo) * c, c * rng.random(), c]
+    rule, cat = SplitRule(0.0, 1e-3, 20, 0.0), CategoricalRule()
+    together = best_block_splits(hists, layout, blocks, rule, cat)
+    found = 0
+    for block, (gains, sets) in zip(blocks, together):
+        alone_gains, alone_sets = best_block_splits(hists, layout, [block], rule, cat)[0]
+        assert np.array_equal(gains, alone_gains)
+        assert [None if c is None else c.tolist() for c in sets] == [
+            None if c is None else c.tolist() for c in alone_sets
+        ]
+        found += sum(c is not None and len(c) > 1 for c in sets)
+    assert found >= 6  # many-vs-many sets were chosen
 
 
 @pytest.mark.parametrize("schema,task", [("star", "regression"), ("snowflake", "multiclass")])
