@@ -336,8 +336,8 @@ class JoinGBDT(LoJStrategy):
                 full = np.zeros(len(cat[best_t][0]), dtype=bool)
                 for q, mask in masks[best_t].items():
                     packed = np.asarray(replies[(best_t, q)][0]["bits"])
-                    phase = "gbdt_shard_split" if self.sharded(best_t) else "gbdt_split"  # (its reply: checked)
-                    packed_bits((best_t, q), phase, packed, (int(mask.sum()),))
+                    if self.sharded(best_t):  # a shard's rows are known here (gbdt_split's: checked at the door)
+                        packed_bits((best_t, q), "gbdt_shard_split", packed, (int(mask.sum()),))
                     full[mask] = np.unpackbits(packed, count=int(mask.sum())).astype(bool)
                 bits[best_t] = full
             if best_t not in inverse:

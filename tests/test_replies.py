@@ -229,3 +229,18 @@ def test_a_shards_histograms_are_finite_one_per_node_and_alike_across_the_table(
     parts[("t", 1)] = ({"hist": np.ones((2, 3, 4))}, {})
     with pytest.raises(ReplyError, match=r"table 't', phase 'gbdt_hist': its shards' histograms differ in shape"):
         JoinGBDT.summed_hist(table, "t", parts)
+
+
+def test_a_shards_side_bits_are_checked_against_its_rows():
+    """Over the union a shard's side bits answer its own rows of each node, which only the server's step knows:
+    a short reply stops the run naming the shard, not zero-padded into routing."""
+    with pytest.raises(ReplyError, match=r"table 'fact' shard \d, phase 'gbdt_shard_split': reply array 'bits' is"):
+        run_tampered(
+            "fact",
+            "gbdt_shard_split",
+            lambda o: {**o, "bits": o["bits"][:-1]},
+            "algorithm=gbdt",
+            "algorithm.trees=2",
+            "scenario=ucq",
+            "min_sketch_rows=1",
+        )
