@@ -228,9 +228,15 @@ def best_native_splits(
     return gains, features, bins, sets
 
 
+def set_sides(block: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """The side of each category of ``block`` (:func:`category_codes`' 0..m, the last: none) at the split that
+    sends the columns ``chosen`` left: True for those, False for the others and for no category."""
+    lut = np.zeros(len(block) + 1, dtype=bool)
+    lut[np.searchsorted(block, chosen)] = True
+    return lut
+
+
 def in_set(categories: np.ndarray, block: np.ndarray, chosen: np.ndarray) -> np.ndarray:
     """The side of rows whose categories in ``block`` are ``categories`` (:func:`category_codes`): True where
     the row's category is one of the columns ``chosen``; a row of no category goes right."""
-    lut = np.zeros(len(block) + 1, dtype=bool)
-    lut[np.searchsorted(block, chosen)] = True
-    return lut[categories]
+    return set_sides(block, chosen)[categories]

@@ -509,7 +509,7 @@ def route_bits(owner: OwnerTrees, chosen: np.ndarray, rows: np.ndarray) -> np.nd
             block = owner.block(int(feature))
             sides = np.zeros((len(block) + 1, width), dtype=bool)
             for j in on:
-                sides[np.searchsorted(block, owner.split_categories(int(chosen[j, 0]))), j] = True
+                sides[:, j] = categorical.set_sides(block, owner.split_categories(int(chosen[j, 0])))
             at = owner.categories(int(feature)).take(rows)
         else:  # per bin of the feature its side at each split
             lo, hi = layout.offsets[feature], layout.offsets[feature + 1]
