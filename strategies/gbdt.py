@@ -18,7 +18,8 @@ trees of the best one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,14 +47,39 @@ from tpflower.trees import (
 from tpflower.validation import validation_mask
 
 
-def node_sums(
-    p: np.ndarray, joined: np.ndarray, g: np.ndarray, h: np.ndarray | None, n_rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, Callable[[], np.ndarray]]:
+@dataclass
+class RowSums:
+    """One node's per-table-row sums for one table: its distinct table rows (ascending), each one's sums of g
+    and h over the node's joined rows (H None: not asked) and its count of them."""
+
+    rows: np.ndarray
+    G: np.ndarray
+    H: np.ndarray | None
+    C: np.ndarray
+
+    def sibling(self, small: RowSums) -> RowSums:
+        """The sums of the other child of this node, whose child ``small`` is: this node's minus small's, row by
+        row (every row of small is this node's), the rows left without a joined row dropped; sums of h below 0
+        by rounding are 0. The same rows and counts as summing the child's joined rows, the sums to rounding
+        (the owner builds that child's histogram as its parent's minus its sibling's anyway)."""
+        at = np.searchsorted(self.rows, small.rows)
+        C = self.C.copy()
+        C[at] -= small.C
+        keep = np.flatnonzero(C)
+        G = self.G.copy()
+        G[at] -= small.G
+        H = None
+        if self.H is not None and small.H is not None:
+            H = self.H.copy()
+            H[at] -= small.H
+            H = np.maximum(H[keep], 0.0)
+        return RowSums(self.rows[keep], G[keep], H, C[keep])
+
+
+def node_sums(p: np.ndarray, joined: np.ndarray, g: np.ndarray, h: np.ndarray | None, n_rows: int) -> list[RowSums]:
     """Segment sums over p for the k = len(joined) nodes at once: the joined rows of node n (``joined[n]`` of
-    them, their table rows ``p``, in the node's row order, nodes one after the other) give the node's distinct
-    table rows (ascending) with the per-row sums of g and h (h None: not asked) and the counts. Returns (rows,
-    node of each row, G, H, C, inv): inv() is the position of each joined row's (node, row) among them (asked
-    only of the table whose split the server takes). Each sum adds its joined rows in their given order; dense
+    them, their table rows ``p``, in the node's row order, nodes one after the other) give the node's
+    :class:`RowSums` (h None: no sums of h). Each sum adds its joined rows in their given order; dense
     (bincount over k * n_rows) when that is not much more than the joined rows, by sorting otherwise."""
     k, size = len(joined), len(joined) * n_rows
     key = np.repeat(np.arange(k, dtype=np.int64 if size >= 2**31 else np.int32) * n_rows, joined) + p
@@ -63,23 +89,24 @@ def node_sums(
         C = C[nz]  # one array of k * n_rows alive at a time
         G = np.bincount(key, weights=g, minlength=size)[nz]
         H = None if h is None else np.bincount(key, weights=h, minlength=size)[nz]
-
-        def inv() -> np.ndarray:
-            pos = np.zeros(size, dtype=index_dtype(len(nz)))
-            pos[nz] = np.arange(len(nz))
-            return pos[key]
-
     else:
         nz, inverse, C = np.unique(key, return_inverse=True, return_counts=True)
         inverse = inverse.reshape(-1)
         G = np.bincount(inverse, weights=g, minlength=len(nz))
         H = None if h is None else np.bincount(inverse, weights=h, minlength=len(nz))
+    cut = np.searchsorted(nz, np.arange(k + 1) * n_rows)
+    return [
+        RowSums(nz[a:b] - n * n_rows, G[a:b], None if H is None else H[a:b], C[a:b])
+        for n, (a, b) in enumerate(zip(cut[:-1].tolist(), cut[1:].tolist()))
+    ]
 
-        def inv() -> np.ndarray:
-            return inverse
 
-    node_of = np.repeat(np.arange(k), np.diff(np.searchsorted(nz, np.arange(k + 1) * n_rows)))
-    return nz - node_of * n_rows, node_of, G, H, C, inv
+def joined_sides(rows: np.ndarray, bits: np.ndarray, p: np.ndarray, n_rows: int) -> np.ndarray:
+    """The side of each joined row (its table row ``p``) from the sides ``bits`` of the node's distinct table
+    rows ``rows``."""
+    at = np.empty(n_rows, dtype=index_dtype(len(rows)))
+    at[rows] = np.arange(len(rows), dtype=at.dtype)
+    return bits[at[p]]
 
 
 def distinct_rows(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -145,6 +172,7 @@ class JoinGBDT(LoJStrategy):
         for r in range(done + 1, alg.trees + 1):
             g, h = gradients(task, F, y_fit)
             trees, perms, next_id = grow_forest(self.fit_rows, g, h, self.growth, self.evaluate, next_id)
+            self.row_sums = {}  # the round's leaves' sums
             add_leaves(F, trees, perms)
             del g, h, perms
             for tree in trees:
@@ -205,6 +233,7 @@ class JoinGBDT(LoJStrategy):
         val = validation_mask(train.p[label], float(self.cfg.get("validation_fraction", 0) or 0), int(self.cfg.seed))
         self.fit_rows = fit = np.flatnonzero(~val).astype(index_dtype(train.N))
         self.val_rows = val_rows = np.flatnonzero(val)
+        self.row_sums: dict[str, dict[int, RowSums]] = {}  # per table, node id -> its sums, until split
         self.growth = Growth(alg.max_leaves, alg.max_depth, alg.leaves_per_step, alg.learning_rate, alg.rule)
         self.tables = sorted(train.p)
         self.p_fit = {t: train.p[t] if not val.any() else train.p[t][fit] for t in self.tables}  # no copy: all fit
@@ -274,17 +303,24 @@ class JoinGBDT(LoJStrategy):
         segs = [perms[node.out][node.start : node.end] for node in nodes]
         joined = np.array([len(seg) for seg in segs], dtype=np.int64)
         seg_all = np.concatenate(segs)
-        slot = np.repeat(np.arange(k, dtype=np.int32), joined)
         d_out = g.shape[1]  # g, h: C-ordered (N, d_out); each row's value at its node's output, one flat gather
         at = seg_all if d_out == 1 else seg_all * d_out + np.repeat([node.out for node in nodes], joined)
         g_all, h_all = g.ravel().take(at), None if regression else h.ravel().take(at)
-        cat: dict[str, tuple[Any, ...]] = {}  # per table: rows, node of each row, G, H, C, inv (None: identity)
+        sums = self.table_sums(nodes, segs, seg_all, g_all, h_all)
+        cat: dict[str, tuple[Any, ...]] = {}  # per table: rows, sizes, G, H, C (one node after the other)
         for t in self.tables:
-            p = self.p_fit[t][seg_all]
             if self.injective[t]:
-                cat[t] = (p, slot, g_all, h_all, np.ones(len(p), dtype=np.uint8), None)
+                p = self.p_fit[t][seg_all]
+                cat[t] = (p, joined, g_all, h_all, np.ones(len(p), dtype=np.uint8))
             else:
-                cat[t] = node_sums(p, joined, g_all, h_all, self.train.n_rows[t])
+                parts = sums[t]
+                cat[t] = (
+                    np.concatenate([s.rows for s in parts]),
+                    np.array([len(s.rows) for s in parts], dtype=np.int64),
+                    np.concatenate([s.G for s in parts]),
+                    None if regression else np.concatenate([s.H for s in parts]),
+                    np.concatenate([s.C for s in parts]),
+                )
         ids = np.array([n.id for n in nodes], dtype=np.int64)
         parent = np.array([n.parent for n in nodes], dtype=np.int64)
         masks = {t: self.routers[t].masks(cat[t][0]) for t in self.tables}
@@ -293,12 +329,14 @@ class JoinGBDT(LoJStrategy):
         self.won = {t: [] for t in self.tables}
         dtype, messages = self.state_dtype, {}
         for t, q in self.clients:
-            rows, node_of, G, H, C, _ = cat[t]
-            mask = slice(None) if self.routers[t].whole else masks[t][q]  # a whole table: no copies
+            rows, sizes, G, H, C = cat[t]
+            whole = self.routers[t].whole
+            mask = slice(None) if whole else masks[t][q]  # a whole table: no copies
+            per_node = np.repeat(np.arange(k), sizes)
             arrays = {
                 "nodes": ids,
                 "parent": parent,
-                "sizes": np.diff(np.searchsorted(node_of[mask], np.arange(k + 1))),  # node_of ascends
+                "sizes": sizes if whole else np.bincount(per_node[mask], minlength=k),
                 "rows": positions[t][q].astype(index_dtype(self.train.n_rows[t]), copy=False),
                 "G": G[mask].astype(dtype, copy=False),
                 "C": compact_counts(C[mask]),
@@ -322,9 +360,7 @@ class JoinGBDT(LoJStrategy):
             )
         first = {t: self.routers[t].shards[0] for t in self.tables}
         gains = np.stack([np.asarray(replies[(t, first[t])][0]["gain"], dtype=np.float64) for t in self.tables])
-        bounds = np.concatenate([[0], np.cumsum(joined)])
-        bits: dict[str, np.ndarray] = {}
-        inverse: dict[str, np.ndarray | None] = {}
+        bits: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per table: its (node, row)s' sides, node offsets
         out: list[Any] = []
         best, found = first_best_rows(gains.T)  # tables in name order: a tie keeps the smallest table name
         for i in range(k):
@@ -339,13 +375,67 @@ class JoinGBDT(LoJStrategy):
                     if self.sharded(best_t):  # a shard's rows are known here (gbdt_split's: checked at the door)
                         packed_bits((best_t, q), "gbdt_shard_split", packed, (int(mask.sum()),))
                     full[mask] = np.unpackbits(packed, count=int(mask.sum())).astype(bool)
-                bits[best_t] = full
-            if best_t not in inverse:
-                inverse[best_t] = None if cat[best_t][5] is None else cat[best_t][5]()
-            inv = inverse[best_t]
-            at = slice(int(bounds[i]), int(bounds[i + 1]))
-            side = bits[best_t][at] if inv is None else bits[best_t][inv[at]]  # per joined row, node order
-            out.append(Candidate(best_gain, best_t, lambda seg, s=side: s))
+                bits[best_t] = full, np.concatenate([[0], np.cumsum(cat[best_t][1])])
+            full, offsets = bits[best_t]
+            side = full[offsets[i] : offsets[i + 1]]  # the node's rows' sides (its joined rows' if injective)
+            if self.injective[best_t]:
+                out.append(Candidate(best_gain, best_t, lambda seg, s=side: s))
+            else:  # per joined row from its table row's, asked when the node is split
+                r, n_rows = sums[best_t][i].rows, self.train.n_rows[best_t]
+                left = lambda seg, r=r, s=side, t=best_t, n=n_rows: joined_sides(r, s, self.p_fit[t][seg], n)  # noqa: E731
+                out.append(Candidate(best_gain, best_t, left))
+        return out
+
+    def table_sums(
+        self,
+        nodes: list[Node],
+        segs: list[np.ndarray],
+        seg_all: np.ndarray,
+        g_all: np.ndarray,
+        h_all: np.ndarray | None,
+    ) -> dict[str, list[RowSums]]:
+        """Each table's per-table-row sums of each node (the tables whose rows occur at most once need none).
+        Of two children of a parent whose sums are kept, the one with fewer joined rows is summed from its
+        joined rows and the other is the parent's minus it (:meth:`RowSums.sibling`), as the owner builds
+        their histograms; every other node is summed from its joined rows (``seg_all``: the nodes' joined
+        rows one node after the other, g and h at them). A node's sums are kept until it is split
+        (``row_sums``; dropped at the end of the boosting round)."""
+        tables = [t for t in self.tables if not self.injective[t]]
+        if not tables:
+            return {}
+        kept = self.row_sums.setdefault(tables[0], {})
+        by_parent: dict[int, list[int]] = {}
+        for i, node in enumerate(nodes):
+            by_parent.setdefault(node.parent, []).append(i)
+        direct, derived = [], []  # positions in nodes; (node, its parent's id, its sibling)
+        for q, kids in by_parent.items():
+            if q >= 0 and len(kids) == 2 and q in kept:
+                small, large = sorted(kids, key=lambda i: (len(segs[i]), nodes[i].id))
+                direct.append(small)
+                derived.append((large, q, small))
+            else:
+                direct.extend(kids)
+        direct.sort()
+        if len(direct) < len(nodes):
+            bounds = np.cumsum([0, *(len(s) for s in segs)])
+            seg_all = np.concatenate([segs[i] for i in direct])
+            g_all, h_all = (
+                None if x is None else np.concatenate([x[bounds[i] : bounds[i + 1]] for i in direct])
+                for x in (g_all, h_all)
+            )
+        joined = np.array([len(segs[i]) for i in direct], dtype=np.int64)
+        out: dict[str, list[RowSums]] = {}
+        for t in tables:
+            parts: list[Any] = [None] * len(nodes)
+            for i, s in zip(direct, node_sums(self.p_fit[t][seg_all], joined, g_all, h_all, self.train.n_rows[t])):
+                parts[i] = s
+            kept = self.row_sums.setdefault(t, {})
+            for large, q, small in derived:
+                parts[large] = kept.pop(q).sibling(parts[small])
+            for i, node in enumerate(nodes):
+                kept.pop(node.parent, None)
+                kept[node.id] = parts[i]
+            out[t] = parts
         return out
 
     def summed_hist(self, t: str, replies: Mapping[Any, Any]) -> np.ndarray:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from strategies.centralized import central_gbdt
+from strategies.gbdt import JoinGBDT, node_sums
 from tests.conftest import make_cfg
 from tests.test_privacy_e2e import Recorded
 from tpflower.app.server_app import make_strategy
@@ -170,6 +171,37 @@ def test_federated_trees_equal_the_central_reference_on_the_materialized_join(sc
     H = s.label_scale.to_label(F_eval[: s.test.N])
     np.testing.assert_allclose(s.record.test_predictions, H, atol=1e-9, rtol=0)
     assert len(s.forest[0]) == s.d_out  # one tree per output in every round
+
+
+@pytest.mark.parametrize("task", ["regression", "binary"])
+def test_a_childs_row_sums_from_its_parents_equal_those_summed_from_its_joined_rows(task, monkeypatch):
+    """The server sums the smaller child's per-table-row sums from its joined rows and takes the other's as the
+    parent's minus it: every node's rows, counts and sums of g and h equal those summed from its own joined
+    rows (sums to rounding, h sums never below 0), and the subtraction is used."""
+    derived = []
+    original = JoinGBDT.table_sums
+
+    def checked(self, nodes, segs, seg_all, g_all, h_all):
+        out = original(self, nodes, segs, seg_all, g_all, h_all)
+        bounds = np.cumsum([0, *(len(s) for s in segs)])
+        derived.append(sum(n.parent in {m.parent for m in nodes if m is not n} for n in nodes if n.parent >= 0))
+        for t, parts in out.items():
+            for i, seg in enumerate(segs):
+                h = None if h_all is None else h_all[bounds[i] : bounds[i + 1]]
+                (direct,) = node_sums(
+                    self.p_fit[t][seg], np.array([len(seg)]), g_all[bounds[i] : bounds[i + 1]], h, self.train.n_rows[t]
+                )
+                got = parts[i]
+                assert np.array_equal(got.rows, direct.rows) and np.array_equal(got.C, direct.C)
+                np.testing.assert_allclose(got.G, direct.G, rtol=0, atol=1e-12)
+                if h is not None:
+                    assert (got.H >= 0).all()
+                    np.testing.assert_allclose(got.H, direct.H, rtol=0, atol=1e-12)
+        return out
+
+    monkeypatch.setattr(JoinGBDT, "table_sums", checked)
+    Recorded(*small("snowflake", task))
+    assert sum(derived) > 10
 
 
 def test_validation_rows_take_no_part_and_early_stopping_keeps_the_best_trees():
