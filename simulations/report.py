@@ -1534,39 +1534,66 @@ def gbdt() -> str | None:
     )
 
 
-def gbdt_categorical() -> str | None:
-    """Boosted trees with categorical columns one-hot or split natively (simulations/bench/gbdt.py --categorical)."""
-    d = load("gbdt-categorical.json")
+def gbdt_setting(name: str, title: str, what: str, flag: str, label: str = "{}") -> str | None:
+    """gbdt in-process per value of one algorithm setting (simulations/bench/gbdt.py setting_suite); ``label``:
+    how a value is named in the table's header."""
+    d = load(name)
     if d is None:
         return None
     modes, rows = d["modes"], []
-    for name, c in d["cases"].items():
+    for dataset, c in d["cases"].items():
         rows.append(
-            [name]
+            [dataset]
             + [metric_digits(c[m]["metric"]) for m in modes]
             + [f"{c[m]['mean_wall_s']:.1f} ({', '.join(f'{w:.1f}' for w in c[m]['wall_s'])})" for m in modes]
             + [", ".join(f"{c[m]['rounds_per_tree']} / {c[m]['mb_per_tree']}" for m in modes)]
             + [f"{c['load_at_start']:.1f}-{c['load_at_end']:.1f}"]
         )
-    header = ["dataset", *(f"{m} test" for m in modes), *(f"{m} s (repeats)" for m in modes)]
-    header += [f"round trips / MB per tree ({', '.join(modes)})", "load"]
+    names = [label.format(m) for m in modes]
+    header = ["dataset", *(f"{m} test" for m in names), *(f"{m} s (repeats)" for m in names)]
+    header += [f"round trips / MB per tree ({', '.join(names)})", "load"]
+    repeats = (
+        f"{d['repeats']} rounds of every value per dataset, their order alternating"
+        if d["repeats"] > 1
+        else "One run of every value per dataset"
+    )
     return "\n\n".join(
         [
             (
-                "### Boosted trees: categorical columns one-hot or native\n\n"
-                f"`algorithm=gbdt` in-process, {d['trees']} trees, the shipped defaults but `algorithm.categorical`: "
-                "`onehot` (each category a 0/1 feature) or `native` (each categorical column one feature split by "
-                f"category sets, LightGBM's many-vs-many rule). {d['repeats']} rounds of both per dataset, their "
-                "order alternating, each run in its own process; wall time after setup (mean, then each repeat), "
-                "1-minute load at the start and end of the dataset's runs."
+                f"### {title}\n\n"
+                f"`algorithm=gbdt` in-process, {d['trees']} trees, the shipped defaults but {what}. {repeats}, each "
+                "run in its own process; wall time after setup (mean, then each repeat), 1-minute load at the start "
+                "and end of the dataset's runs."
             ),
             command(
-                f"python -m simulations.bench gbdt --categorical {','.join(modes)} --trees {d['trees']} "
-                f"--categorical-repeats {d['repeats']}   # -> bench_results/gbdt-categorical.json"
+                f"python -m simulations.bench gbdt {flag} {','.join(modes)} --trees {d['trees']} "
+                f"--categorical-repeats {d['repeats']}   # -> bench_results/{name}"
             ),
             table(header, rows),
             *([d["note"]] if d.get("note") else []),
         ]
+    )
+
+
+def gbdt_categorical() -> str | None:
+    """Boosted trees with categorical columns one-hot or split natively (simulations/bench/gbdt.py --categorical)."""
+    return gbdt_setting(
+        "gbdt-categorical.json",
+        "Boosted trees: categorical columns one-hot or native",
+        "`algorithm.categorical`: `onehot` (each category a 0/1 feature) or `native` (each categorical column one "
+        "feature split by category sets, LightGBM's many-vs-many rule)",
+        "--categorical",
+    )
+
+
+def gbdt_leaves() -> str | None:
+    """Boosted trees with more or fewer leaves split per step (simulations/bench/gbdt.py --leaves-per-step)."""
+    return gbdt_setting(
+        "gbdt-leaves.json",
+        "Boosted trees: leaves split per step",
+        "`algorithm.leaves_per_step` (the open leaves of highest gain split per round trip)",
+        "--leaves-per-step",
+        "{} per step",
     )
 
 
@@ -1643,6 +1670,7 @@ SECTIONS: list[Callable[[], str | None]] = [
     loj,
     gbdt,
     gbdt_categorical,
+    gbdt_leaves,
     convergence,
     selection,
     lbfgs,

@@ -85,13 +85,14 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     ),
     "selection": lambda a: _suite("selection").selection_suite(a.epochs if a.epochs != 3 else 10),
     "gbdt": lambda a: (
-        _suite("gbdt").categorical_suite(
+        _suite("gbdt").setting_suite(
             [d for d in (a.gbdt_datasets or ",".join(_suite("gbdt").DATASETS)).split(",") if d],
             a.trees,
-            a.categorical.split(","),
+            "categorical" if a.categorical else "leaves_per_step",
+            (a.categorical or a.leaves_per_step).split(","),
             a.categorical_repeats,
         )
-        if a.categorical
+        if a.categorical or a.leaves_per_step
         else _suite("gbdt").gbdt_suite(
             [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower, a.deployed_trees
         )
@@ -184,7 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--categorical", default="", help="gbdt: compare these algorithm.categorical modes (gbdt-categorical.json)"
     )
-    ap.add_argument("--categorical-repeats", type=int, default=2, help="gbdt --categorical: rounds of every mode")
+    ap.add_argument(
+        "--leaves-per-step", default="", help="gbdt: compare these algorithm.leaves_per_step values (gbdt-leaves.json)"
+    )
+    ap.add_argument(
+        "--categorical-repeats",
+        type=int,
+        default=2,
+        help="gbdt --categorical / --leaves-per-step: rounds of every value",
+    )
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)

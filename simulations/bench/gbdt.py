@@ -4,15 +4,18 @@
         [--deployed-trees 100]   -> bench_results/gbdt.json
     python -m simulations.bench gbdt --categorical onehot,native [--gbdt-datasets ...] [--trees 300]
                                  -> bench_results/gbdt-categorical.json
+    python -m simulations.bench gbdt --leaves-per-step 4,8,16 [--gbdt-datasets ...] [--trees 300]
+                                 -> bench_results/gbdt-leaves.json
 
 Per dataset, interleaved in one sitting: LightGBM (2 threads) on the materialized join's training rows with the
 same number of trees, leaves, bins, learning rate, lambda and minimum leaf rows as gbdt's shipped defaults
 (LightGBM's own binning); gbdt in-process with the shipped defaults; with ``--flower`` gbdt under Flower's
 simulation engine; with ``--deployed-trees`` a run of that many trees on one secure deployment. Each case in
 its own process. Reported: the test metric, training wall time (gbdt: the
-run's wall time after setup, evaluations included), round trips and bytes per tree. With ``--categorical``:
-gbdt in-process with each way of splitting categorical columns (algorithm.categorical), the shipped defaults
-otherwise, the modes in turn per dataset (their order alternating from one dataset to the next).
+run's wall time after setup, evaluations included), round trips and bytes per tree. With ``--categorical``
+(``--leaves-per-step``): gbdt in-process with each way of splitting categorical columns (each number of leaves
+split per step), the shipped defaults otherwise, the values in turn per dataset (their order alternating from
+one round to the next).
 """
 
 from __future__ import annotations
@@ -66,9 +69,9 @@ def lightgbm_case(data: str, trees: int) -> dict[str, Any]:
     return {"metric": test[primary_metric(task)], "wall_s": round(wall, 2), "trees": trees}
 
 
-def gbdt_case(data: str, trees: int, runtime: str, categorical: str = "") -> dict[str, Any]:
+def gbdt_case(data: str, trees: int, runtime: str, setting: str = "") -> dict[str, Any]:
     """gbdt with the shipped defaults (``trees`` trees, one evaluation at the end) in-process or under Flower;
-    ``categorical``: algorithm.categorical (empty: the shipped default)."""
+    ``setting``: one more override of an algorithm setting (``algorithm.categorical=onehot``; empty: none)."""
     import tempfile  # noqa: PLC0415
 
     from simulations.bench.common import run_results  # noqa: PLC0415
@@ -80,7 +83,7 @@ def gbdt_case(data: str, trees: int, runtime: str, categorical: str = "") -> dic
         "algorithm=gbdt",
         f"algorithm.trees={trees}",
         f"algorithm.eval_every={trees}",
-        *([f"algorithm.categorical={categorical}"] if categorical else []),
+        *([setting] if setting else []),
     )
     t0 = time.perf_counter()
     if runtime == "flower":
@@ -158,21 +161,25 @@ def gbdt_suite(datasets: list[str], trees: int, flower: bool, deployed_trees: in
     return {"case": "gbdt", "trees": trees, "load": os.getloadavg()[0], "cases": cases}
 
 
-def categorical_suite(datasets: list[str], trees: int, modes: list[str], repeats: int = 2) -> dict[str, Any]:
-    """gbdt in-process per way of splitting categorical columns, side by side per dataset: ``repeats`` rounds of
-    every mode, the modes' order alternating from one round to the next. Per mode: the test metric (the same in
-    every repeat: the runs are deterministic), each repeat's wall time and their mean."""
+#: the algorithm settings :func:`setting_suite` compares, each with its output case (bench_results/CASE.json)
+SETTINGS = {"categorical": "gbdt-categorical", "leaves_per_step": "gbdt-leaves"}
+
+
+def setting_suite(datasets: list[str], trees: int, setting: str, values: list[str], repeats: int = 2) -> dict[str, Any]:
+    """gbdt in-process per value of one algorithm setting (:data:`SETTINGS`), side by side per dataset:
+    ``repeats`` rounds of every value, their order alternating from one round to the next. Per value: the test
+    metric (the same in every repeat: the runs are deterministic), each repeat's wall time and their mean."""
     cases: dict[str, Any] = {}
     for data in datasets:
         case: dict[str, Any] = {"load_at_start": round(os.getloadavg()[0], 2)}
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in values}
         for r in range(repeats):
-            for mode in modes if r % 2 == 0 else modes[::-1]:
-                args = {"data": data, "trees": trees, "runtime": "inprocess", "categorical": mode}
+            for value in values if r % 2 == 0 else values[::-1]:
+                args = {"data": data, "trees": trees, "runtime": "inprocess", "setting": f"algorithm.{setting}={value}"}
                 run = run_isolated("simulations.bench.gbdt", "gbdt_case", args)
-                runs[mode].append({**run, "load": round(os.getloadavg()[0], 2)})
-        for mode, done in runs.items():
-            case[mode] = {
+                runs[value].append({**run, "load": round(os.getloadavg()[0], 2)})
+        for value, done in runs.items():
+            case[value] = {
                 **{k: v for k, v in done[0].items() if k not in ("wall_s", "total_s", "load")},
                 "metrics": [x["metric"] for x in done],
                 "wall_s": [x["wall_s"] for x in done],
@@ -182,4 +189,11 @@ def categorical_suite(datasets: list[str], trees: int, modes: list[str], repeats
         case["load_at_end"] = round(os.getloadavg()[0], 2)
         cases[data] = case
         print(data, case, flush=True)
-    return {"case": "gbdt-categorical", "trees": trees, "modes": modes, "repeats": repeats, "cases": cases}
+    return {
+        "case": SETTINGS[setting],
+        "setting": setting,
+        "trees": trees,
+        "modes": values,
+        "repeats": repeats,
+        "cases": cases,
+    }
