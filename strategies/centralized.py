@@ -31,6 +31,7 @@ from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_result
 from tpflower.schema import RelationalSpec
 from tpflower.trees import (
     BinLayout,
+    Bundles,
     Candidate,
     Growth,
     Node,
@@ -279,18 +280,38 @@ def central_gbdt(
 ) -> tuple[list[list[Tree]], np.ndarray, np.ndarray]:
     """The central histogram GBDT (tpflower.trees) on the materialized join: ``X[t]`` the joined rows' features
     of table t (training rows, labels ``y`` as training sees them), ``X_eval`` the same for rows to predict.
-    Bins on the joined columns (unit weights: the federated owners' G-weighted edges), the tie rule table,
-    feature, bin. ``on_round(r, trees, F, F_eval)`` after every round. Returns the rounds' trees and the final
-    scores of the training and evaluated rows. ``blocks[t]``: the one-hot blocks of table t's categorical
-    columns (tpflower.categorical.blocks_of), split natively when ``params.categorical`` is native."""
-    tables = sorted(X)
+    Bins on the joined columns (unit weights: the federated owners' G-weighted edges), then
+    :func:`central_trees`. Returns the rounds' trees and the final scores of the training and evaluated rows."""
+    edges = {t: [bin_edges(X[t][:, f], np.ones(len(y)), params.max_bins) for f in range(X[t].shape[1])] for t in X}
+    codes = {t: bin_codes(X[t], edges[t]) for t in X}
+    eval_codes = {t: bin_codes(X_eval[t], edges[t]) for t in X} if X_eval is not None else None
+    return central_trees(codes, edges, y, task, d_out, params, eval_codes, on_round, blocks)
+
+
+def central_trees(
+    codes: Mapping[str, np.ndarray],
+    edges: Mapping[str, list[np.ndarray]],
+    y: np.ndarray,
+    task: str,
+    d_out: int,
+    params: GBDTParams,
+    eval_codes: Mapping[str, np.ndarray] | None = None,
+    on_round: Callable[[int, list[Tree], np.ndarray, np.ndarray], None] | None = None,
+    blocks: Mapping[str, list[np.ndarray]] | None = None,
+) -> tuple[list[list[Tree]], np.ndarray, np.ndarray]:
+    """The central histogram GBDT on the joined rows' bins: ``codes[t]`` (tpflower.trees.bin_codes on
+    ``edges[t]``) of the training rows (labels ``y`` as training sees them), ``eval_codes`` of rows to predict;
+    the tie rule table, feature, bin; each table's mostly-constant columns histogrammed in bundles
+    (tpflower.trees.Bundles), as the owners do. ``on_round(r, trees, F, F_eval)`` after every round. Returns
+    the rounds' trees and the final scores of the training and evaluated rows. ``blocks[t]``: the one-hot
+    blocks of table t's categorical columns (tpflower.categorical.blocks_of), split natively when
+    ``params.categorical`` is native."""
+    tables = sorted(codes)
     cat = params.categorical_rule
     blocks = {t: list((blocks or {}).get(t, [])) if cat is not None else [] for t in tables}
-    nb, rule = params.max_bins, params.rule
-    edges = {t: [bin_edges(X[t][:, f], np.ones(len(y)), nb) for f in range(X[t].shape[1])] for t in tables}
-    codes = {t: bin_codes(X[t], edges[t]) for t in tables}
+    rule = params.rule
     layout = {t: BinLayout.of(edges[t]) for t in tables}
-    eval_codes = {t: bin_codes(X_eval[t], edges[t]) for t in tables} if X_eval is not None else None
+    bundles = {t: Bundles.of(codes[t], layout[t]) for t in tables}
     # each row's category per block (native categorical splits), training and evaluated rows
     cats = {t: {int(b[0]): category_codes(codes[t], layout[t], b) for b in blocks[t]} for t in tables}
     eval_cats = (
@@ -314,7 +335,7 @@ def central_gbdt(
         hk = None if task == "regression" else h[rows, outs]
         found = []  # per table (in name order: a tie keeps the smallest table name): gains, features, bins
         for t in tables:
-            hists = histograms(codes[t], rows, g[rows, outs], hk, None, layout[t].total, slot, len(nodes))
+            hists = histograms(codes[t], rows, g[rows, outs], hk, None, layout[t].total, slot, len(nodes), bundles[t])
             if blocks[t]:
                 found.append(best_native_splits(hists, layout[t], blocks[t], rule, cat))
             else:
@@ -374,8 +395,16 @@ class CentralizedGBDT(Centralized):
         self.log(f"{summary_line(rel.spec, rel.mapping)} | {reference_text(task, results.reference)}")
         scale = label_scale_of(cfg, rel)
         y = scale.scaled(rel.labels(rel.train))
-        X = {t: rel.tables[t].X[rel.train.p[t]].astype(np.float64) for t in rel.spec.table_names}
-        X_test = {t: rel.tables[t].X[rel.test.p[t]].astype(np.float64) for t in rel.spec.table_names}
+        # each table's columns binned on its rows weighted by their joined training rows: the joined columns'
+        # bins, bit for bit (tpflower.trees.bin_edges), without the join's floats; the join's rows take their
+        # table rows' bins
+        edges, codes, test_codes = {}, {}, {}
+        for t in rel.spec.table_names:
+            X_t = np.asarray(rel.tables[t].X, dtype=np.float64)
+            G_t = np.bincount(rel.train.p[t], minlength=len(X_t))
+            edges[t] = [bin_edges(X_t[:, f], G_t, params.max_bins) for f in range(X_t.shape[1])]
+            table_codes = bin_codes(X_t, edges[t])
+            codes[t], test_codes[t] = table_codes[:, rel.train.p[t]], table_codes[:, rel.test.p[t]]
         metric, y_test, start = primary_metric(task), rel.labels(rel.test), time.perf_counter()
 
         def on_round(r: int, trees: list[Tree], F: np.ndarray, F_test: np.ndarray) -> None:
@@ -393,7 +422,7 @@ class CentralizedGBDT(Centralized):
             self.log(epoch_line(metric, rec))
 
         blocks = {t: blocks_of(rel.tables[t].preprocessor) for t in rel.spec.table_names}
-        central_gbdt(X, y, task, rel.d_out, params, X_test, on_round, blocks)
+        central_trees(codes, edges, y, task, rel.d_out, params, test_codes, on_round, blocks)
         self.results = results
         if self.run_dir is not None:
             self.log(f"results: {write_results(results, self.run_dir)}")

@@ -10,13 +10,17 @@ import re
 import numpy as np
 import pytest
 
-from strategies.centralized import central_gbdt
+from simulations.run import run_job
+from strategies.centralized import central_gbdt, label_scale_of
 from strategies.gbdt import JoinGBDT, node_sums
 from tests.conftest import make_cfg
 from tests.test_privacy_e2e import Recorded
 from tpflower.app.server_app import make_strategy
 from tpflower.categorical import blocks_of
+from tpflower.losses import metrics
+from tpflower.owner import simulation_secret
 from tpflower.phases.gbdt import GBDTParams
+from tpflower.relation import load_relation
 from tpflower.trees import MAX_BINS, BinLayout, Bundles, bin_codes, bin_edges, histograms
 
 
@@ -202,6 +206,36 @@ def test_a_childs_row_sums_from_its_parents_equal_those_summed_from_its_joined_r
     monkeypatch.setattr(JoinGBDT, "table_sums", checked)
     Recorded(*small("snowflake", task))
     assert sum(derived) > 10
+
+
+def test_the_centralized_run_bins_its_tables_rows_as_the_joined_columns(tmp_path):
+    """algorithm=centralized_gbdt bins each table's rows weighted by their joined training rows and gives the
+    join's rows their table rows' bins: its test metric at every evaluation is that of central_gbdt on the
+    materialized join's floats (many-to-many keys, float64)."""
+    overrides = ("algorithm=centralized_gbdt", *small("snowflake", "regression")[1:])
+    cfg = make_cfg(*overrides)
+    results = run_job(cfg, tmp_path)
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
+    scale = label_scale_of(cfg, rel)
+    X = {t: rel.tables[t].X[rel.train.p[t]].astype(np.float64) for t in rel.spec.table_names}
+    X_test = {t: rel.tables[t].X[rel.test.p[t]].astype(np.float64) for t in rel.spec.table_names}
+    blocks = {t: blocks_of(rel.tables[t].preprocessor) for t in rel.spec.table_names}
+    params = GBDTParams.from_cfg(cfg.algorithm)
+    seen = []
+    central_gbdt(
+        X,
+        scale.scaled(rel.labels(rel.train)),
+        "regression",
+        1,
+        params,
+        X_test,
+        lambda r, trees, F, F_test: seen.append(metrics("regression", scale.to_label(F_test), rel.labels(rel.test))),
+        blocks,
+    )
+    got = [h.test_metric for h in results.history]
+    want = [m["rmse"] for r, m in enumerate(seen, 1) if r % params.eval_every == 0 or r == params.trees]
+    assert len(got) == len(want) == params.trees // params.eval_every
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
 
 
 def test_validation_rows_take_no_part_and_early_stopping_keeps_the_best_trees():
