@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -101,12 +102,12 @@ def node_sums(p: np.ndarray, joined: np.ndarray, g: np.ndarray, h: np.ndarray | 
     ]
 
 
-def joined_sides(rows: np.ndarray, bits: np.ndarray, p: np.ndarray, n_rows: int) -> np.ndarray:
-    """The side of each joined row (its table row ``p``) from the sides ``bits`` of the node's distinct table
-    rows ``rows``."""
+def joined_sides(rows: np.ndarray, bits: np.ndarray, p: np.ndarray, n_rows: int, seg: np.ndarray) -> np.ndarray:
+    """The side of each joined row ``seg`` of a node (its table row ``p[seg]``, of ``n_rows``) from the sides
+    ``bits`` of the node's distinct table rows ``rows``."""
     at = np.empty(n_rows, dtype=index_dtype(len(rows)))
     at[rows] = np.arange(len(rows), dtype=at.dtype)
-    return bits[at[p]]
+    return bits[at[p[seg]]]
 
 
 def distinct_rows(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -332,11 +333,10 @@ class JoinGBDT(LoJStrategy):
             rows, sizes, G, H, C = cat[t]
             whole = self.routers[t].whole
             mask = slice(None) if whole else masks[t][q]  # a whole table: no copies
-            per_node = np.repeat(np.arange(k), sizes)
             arrays = {
                 "nodes": ids,
                 "parent": parent,
-                "sizes": sizes if whole else np.bincount(per_node[mask], minlength=k),
+                "sizes": sizes if whole else np.bincount(np.repeat(np.arange(k), sizes)[mask], minlength=k),
                 "rows": positions[t][q].astype(index_dtype(self.train.n_rows[t]), copy=False),
                 "G": G[mask].astype(dtype, copy=False),
                 "C": compact_counts(C[mask]),
@@ -381,8 +381,8 @@ class JoinGBDT(LoJStrategy):
             if self.injective[best_t]:
                 out.append(Candidate(best_gain, best_t, lambda seg, s=side: s))
             else:  # per joined row from its table row's, asked when the node is split
-                r, n_rows = sums[best_t][i].rows, self.train.n_rows[best_t]
-                left = lambda seg, r=r, s=side, t=best_t, n=n_rows: joined_sides(r, s, self.p_fit[t][seg], n)  # noqa: E731
+                rows, n_rows = sums[best_t][i].rows, self.train.n_rows[best_t]
+                left = partial(joined_sides, rows, side, self.p_fit[best_t], n_rows)
                 out.append(Candidate(best_gain, best_t, left))
         return out
 
