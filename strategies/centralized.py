@@ -39,7 +39,7 @@ from tpflower.trees import (
     add_leaves,
     best_splits,
     bin_codes,
-    bin_edges,
+    column_edges,
     first_best,
     gradients,
     grow_forest,
@@ -282,7 +282,7 @@ def central_gbdt(
     of table t (training rows, labels ``y`` as training sees them), ``X_eval`` the same for rows to predict.
     Bins on the joined columns (unit weights: the federated owners' G-weighted edges), then
     :func:`central_trees`. Returns the rounds' trees and the final scores of the training and evaluated rows."""
-    edges = {t: [bin_edges(X[t][:, f], np.ones(len(y)), params.max_bins) for f in range(X[t].shape[1])] for t in X}
+    edges = {t: column_edges(X[t], np.ones(len(y)), params.max_bins) for t in X}
     codes = {t: bin_codes(X[t], edges[t]) for t in X}
     eval_codes = {t: bin_codes(X_eval[t], edges[t]) for t in X} if X_eval is not None else None
     return central_trees(codes, edges, y, task, d_out, params, eval_codes, on_round, blocks)
@@ -402,7 +402,7 @@ class CentralizedGBDT(Centralized):
         for t in rel.spec.table_names:
             X_t = np.asarray(rel.tables[t].X, dtype=np.float64)
             G_t = np.bincount(rel.train.p[t], minlength=len(X_t))
-            edges[t] = [bin_edges(X_t[:, f], G_t, params.max_bins) for f in range(X_t.shape[1])]
+            edges[t] = column_edges(X_t, G_t, params.max_bins)
             table_codes = bin_codes(X_t, edges[t])
             codes[t], test_codes[t] = table_codes[:, rel.train.p[t]], table_codes[:, rel.test.p[t]]
         metric, y_test, start = primary_metric(task), rel.labels(rel.test), time.perf_counter()

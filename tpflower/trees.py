@@ -57,6 +57,11 @@ def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndar
     return (v[k] + v[k + 1]) / 2
 
 
+def column_edges(X: np.ndarray, weights: np.ndarray, max_bins: int) -> list[np.ndarray]:
+    """:func:`bin_edges` of every column of ``X`` (rows weighted by ``weights``)."""
+    return [bin_edges(X[:, f], weights, max_bins) for f in range(X.shape[1])]
+
+
 @dataclass(frozen=True)
 class BinLayout:
     """The features' bins side by side in one flat histogram: feature f's bins are offsets[f] ..

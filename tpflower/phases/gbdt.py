@@ -39,7 +39,7 @@ from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, one_o
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
-from tpflower.trees import MAX_BINS, BinLayout, Bundles, SplitRule, best_splits, bin_codes, bin_edges, histograms
+from tpflower.trees import MAX_BINS, BinLayout, Bundles, SplitRule, best_splits, bin_codes, column_edges, histograms
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     client.output_width(config)
     if not client.settings.federated_prep:
         nb = int(client.settings.algorithm.max_bins)
-        client.state.put_list("gbdt.edges", [bin_edges(X[:, f], G, nb) for f in range(X.shape[1])])
+        client.state.put_list("gbdt.edges", column_edges(X, G, nb))
         return {}, {}
     live = int((G > 0).sum())
     if 0 < live < client.settings.min_sketch_rows:
