@@ -403,13 +403,13 @@ class JoinGBDT(LoJStrategy):
         tables = [t for t in self.tables if not self.injective[t]]
         if not tables:
             return {}
-        kept = self.row_sums.setdefault(tables[0], {})
+        parents = self.row_sums.get(tables[0], {})  # every table keeps the same nodes' sums
         by_parent: dict[int, list[int]] = {}
         for i, node in enumerate(nodes):
             by_parent.setdefault(node.parent, []).append(i)
         direct, derived = [], []  # positions in nodes; (node, its parent's id, its sibling)
         for q, kids in by_parent.items():
-            if q >= 0 and len(kids) == 2 and q in kept:
+            if q >= 0 and len(kids) == 2 and q in parents:
                 small, large = sorted(kids, key=lambda i: (len(segs[i]), nodes[i].id))
                 direct.append(small)
                 derived.append((large, q, small))
