@@ -202,6 +202,13 @@ class Model:
         """One line per evaluation (epoch, test_metric, train_loss, rounds, bytes, comm and wall times ...)."""
         return pd.DataFrame(self.results["history"])
 
+    @property
+    def importance(self) -> pd.DataFrame:
+        """Boosted trees: one line per table (splits, gain, share of the gain), largest gain first, as results.json's
+        ``importance`` (docs/algorithms.md, Boosted trees over the join); empty for other models."""
+        rows = self.results.get("importance") or {}
+        return pd.DataFrame([{"table": t, **v} for t, v in rows.items()], columns=["table", "splits", "gain", "share"])
+
     def get_params(self, deep: bool = True) -> dict[str, Any]:
         """The run's whole config (secret redacted), as results.json records it (scikit-learn's name)."""
         return json.loads(json.dumps(self.results.get("config", {})))

@@ -27,7 +27,7 @@ from tpflower.phases.centralized import CentralizedParams
 from tpflower.phases.gbdt import GBDTParams
 from tpflower.reference import as_reference, constant_predictions, reference_text
 from tpflower.relation import Relation, build_local_model, load_relation, summary_line
-from tpflower.results import EpochRecord, RunResults, epoch_line, new_run_results, write_results
+from tpflower.results import EpochRecord, RunResults, epoch_line, importance_line, new_run_results, write_results
 from tpflower.schema import RelationalSpec
 from tpflower.trees import (
     BinLayout,
@@ -46,6 +46,7 @@ from tpflower.trees import (
     histograms,
     init_scores,
     leaf_values,
+    table_importance,
 )
 from tpflower.validation import validation_fraction_of
 
@@ -422,7 +423,9 @@ class CentralizedGBDT(Centralized):
             self.log(epoch_line(metric, rec))
 
         blocks = {t: blocks_of(rel.tables[t].preprocessor) for t in rel.spec.table_names}
-        central_trees(codes, edges, y, task, rel.d_out, params, test_codes, on_round, blocks)
+        forest, _, _ = central_trees(codes, edges, y, task, rel.d_out, params, test_codes, on_round, blocks)
+        results.importance = table_importance(forest)
+        self.log(importance_line(results.importance))
         self.results = results
         if self.run_dir is not None:
             self.log(f"results: {write_results(results, self.run_dir)}")

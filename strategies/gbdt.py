@@ -32,6 +32,7 @@ from tpflower.join_counts import compact_counts
 from tpflower.losses import loss_np
 from tpflower.mapping import index_dtype
 from tpflower.phases.gbdt import GBDTParams
+from tpflower.results import importance_line
 from tpflower.trees import (
     Candidate,
     Growth,
@@ -44,6 +45,7 @@ from tpflower.trees import (
     grow_forest,
     init_scores,
     leaf_values,
+    table_importance,
 )
 from tpflower.validation import validation_mask
 
@@ -202,6 +204,8 @@ class JoinGBDT(LoJStrategy):
                 self.record_epoch(best[1], best[2], best[3], {"trees": float(best[1])})
                 break
             self.end_epoch(r, {"F": F, "F_eval": F_eval, "best": best, "bad": bad, "next_id": next_id})
+        self.results.importance = table_importance(self.forest)
+        self.log(importance_line(self.results.importance))
         self.finish()
 
     def start_gbdt(self) -> dict[str, Any]:

@@ -10,18 +10,24 @@ import re
 import numpy as np
 import pytest
 
+from simulations.api import load
 from simulations.run import run_job
 from strategies.centralized import central_gbdt, label_scale_of
 from strategies.gbdt import JoinGBDT, node_sums
 from tests.conftest import make_cfg
+from tests.test_predict import train
 from tests.test_privacy_e2e import Recorded
 from tpflower.app.server_app import make_strategy
 from tpflower.categorical import blocks_of
 from tpflower.losses import metrics
+from tpflower.model_part import ModelPart
 from tpflower.owner import simulation_secret
 from tpflower.phases.gbdt import GBDTParams
 from tpflower.relation import load_relation
-from tpflower.trees import MAX_BINS, BinLayout, Bundles, bin_codes, bin_edges, histograms
+from tpflower.results import read_results
+from tpflower.trees import MAX_BINS, BinLayout, Bundles, bin_codes, bin_edges, histograms, table_importance
+
+CATEGORIES = ("+dataset.loader.categories=8", "algorithm.categorical=native")
 
 
 def small(schema: str, task: str, *extra: str) -> tuple[str, ...]:
@@ -159,6 +165,8 @@ def assert_same_forest(central: list, federated: list) -> None:
             va = np.array([n.value for n in ta.nodes.values()])
             vb = np.array([n.value for n in tb.nodes.values()])
             np.testing.assert_allclose(va, vb, atol=1e-9, rtol=0)
+            gains = [np.array([n.gain for n in t.internal()]) for t in (ta, tb)]
+            np.testing.assert_allclose(*gains, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -175,6 +183,41 @@ def test_federated_trees_equal_the_central_reference_on_the_materialized_join(sc
     H = s.label_scale.to_label(F_eval[: s.test.N])
     np.testing.assert_allclose(s.record.test_predictions, H, atol=1e-9, rtol=0)
     assert len(s.forest[0]) == s.d_out  # one tree per output in every round
+
+
+def test_importance_per_table_equals_the_central_one_and_each_owner_splits_its_gain_over_its_columns(tmp_path):
+    """results.json's importance (each table's splits and their summed gain) equals the central reference's on
+    the materialized join (float64, many-to-many snowflake); each owner's saved part attributes its table's
+    splits and gain to its own columns (a categorical column's block to the column), summing to the server's
+    figures for the table."""
+    rec = Recorded(*small("snowflake", "regression", *CATEGORIES))
+    forest, _ = central_of(rec)
+    want, got = table_importance(forest), rec.strategy.results.importance
+    assert list(got) == list(want) and len(got) >= 2  # tables by gain, largest first
+    for t, v in want.items():
+        assert got[t]["splits"] == v["splits"]
+        np.testing.assert_allclose([got[t]["gain"], got[t]["share"]], [v["gain"], v["share"]], rtol=1e-9)
+    assert sum(v["splits"] for v in got.values()) == sum(len(t.internal()) for f in rec.strategy.forest for t in f)
+    assert sum(v["share"] for v in got.values()) == pytest.approx(1.0, abs=1e-12)
+
+    strategy = train(tmp_path / "run", *small("snowflake", "regression", *CATEGORIES))
+    server = read_results(tmp_path / "run" / "results.json")["importance"]
+    columns = set()
+    for t in strategy.tables:
+        part = ModelPart.load(tmp_path / "run" / "node-state", strategy.run_id, t, 0)
+        assert part is not None
+        mine = part.importance()
+        assert set(mine) <= set(part.columns)
+        assert sum(c["splits"] for c in mine.values()) == server.get(t, {}).get("splits", 0)
+        np.testing.assert_allclose(
+            sum(c["gain"] for c in mine.values()), server.get(t, {}).get("gain", 0.0), rtol=1e-12
+        )
+        columns |= {(t, c) for c in mine}
+    assert ("fact", "c") in columns  # the categorical column's splits, by its name
+    frame = load(tmp_path / "run").importance  # the Python API's view of results.json
+    assert frame["table"].tolist() == list(server) and frame["splits"].tolist() == [
+        v["splits"] for v in server.values()
+    ]
 
 
 @pytest.mark.parametrize("task", ["regression", "binary"])

@@ -29,6 +29,7 @@ from tpflower.models import torch_dtype
 from tpflower.preprocess import TablePreprocessor
 from tpflower.relation import build_local_model
 from tpflower.schema import RelationalSpec
+from tpflower.trees import importance
 
 MODELS_DIR = "models"
 
@@ -68,6 +69,8 @@ class ModelPart:
     # raw value; a row goes left when its category is one of its split's (an unseen category goes right)
     category_splits: np.ndarray | None = None
     category_values: np.ndarray | None = None
+    # the gain of each split (Chen & Guestrin Eq. 7), as the owner answered it: the table's own importance
+    split_gains: np.ndarray | None = None
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -103,6 +106,8 @@ class ModelPart:
             arrays["splits"] = np.asarray(self.splits, dtype=np.int64)
             arrays["thresholds"] = np.asarray(self.thresholds, dtype=np.float64)
             arrays["raw_thresholds"] = np.asarray(self.raw_thresholds, dtype=np.float64)
+            if self.split_gains is not None:
+                arrays["split_gains"] = np.asarray(self.split_gains, dtype=np.float64)
         if self.category_splits is not None:
             arrays["category_splits"] = np.asarray(self.category_splits, dtype=np.int64)
             arrays["category_values"] = np.asarray(self.category_values, dtype=str)
@@ -122,7 +127,7 @@ class ModelPart:
             edges = {k: z[f"edges.{k}"] for k in meta["bins"]}
             centres = z["centres"] if meta.get("centres") else None
             trees = {k: z[k] for k in ("splits", "thresholds", "raw_thresholds")} if meta.get("splits") else {}
-            trees.update({k: z[k] for k in ("category_splits", "category_values") if k in z.files})
+            trees.update({k: z[k] for k in ("category_splits", "category_values", "split_gains") if k in z.files})
         return cls(
             run_id=meta["run_id"],
             algorithm=meta["algorithm"],
@@ -181,6 +186,21 @@ class ModelPart:
         assert self.centres is not None
         X, C = np.asarray(X, dtype=np.float64), self.centres
         return ((C * C).sum(1)[None, :] - 2.0 * np.einsum("ij,kj->ik", X, C)).argmin(1)
+
+    def feature_columns(self) -> list[str]:
+        """The column of the table behind each preprocessed feature (a categorical or binned column's one-hot
+        block: that column for each of its features)."""
+        categories = self.preprocessing.get("categories") or {}
+        out = list(self.numeric) + [c for c in self.categorical for _ in categories.get(c, ())]
+        return out + [c for c, e in self.bin_edges.items() for _ in range(len(e) + 1)]
+
+    def importance(self) -> dict[str, dict[str, float]]:
+        """Boosted trees: per column of the table, the number of the model's splits on it, the sum of their
+        gains and its share of this table's (tpflower.trees.importance), largest first: the owner's own view
+        (the server sees which table won each split and its gain: results.json's ``importance``)."""
+        assert self.splits is not None and self.split_gains is not None
+        names = self.feature_columns()
+        return importance((names[f], gain) for f, gain in zip(self.splits[:, 1].tolist(), self.split_gains.tolist()))
 
     def split_sides(self, X: np.ndarray) -> np.ndarray:
         """Boosted trees: the side of each row at each of the part's splits (rows x splits, True: left), as

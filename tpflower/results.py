@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,13 @@ class RunResults:
     # model selection on the validation part of the training join (strategies.selection): its share and rows, the
     # epoch of the kept model (the last history entry) and its validation loss, the early stopping patience
     selection: dict[str, Any] = field(default_factory=dict)
+    # boosted trees: each table's splits, their summed gain and its share (tpflower.trees.table_importance)
+    importance: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["history"] = [h.to_json() for h in self.history]
-        for key in ("reference", "stopped", "selection"):
+        for key in ("reference", "stopped", "selection", "importance"):
             if not out[key]:
                 out.pop(key)
         return out
@@ -136,6 +139,12 @@ def check_results(record: Any, path: str | Path) -> dict[str, Any]:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ResultsError(f"{bad} (history[{i}].{key} = {value!r} is not a number)")
     return record
+
+
+def importance_line(importance: Mapping[str, Mapping[str, float]]) -> str:
+    """The run's line of each table's share of the split gain (RunResults.importance)."""
+    parts = [f"{t} {100 * v['share']:.1f}% ({int(v['splits']):,} splits)" for t, v in importance.items()]
+    return "importance (share of the trees' split gain): " + (", ".join(parts) if parts else "no split")
 
 
 def read_results(path: str | Path) -> dict[str, Any]:

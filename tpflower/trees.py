@@ -16,7 +16,7 @@ and the central reference (strategies/centralized.py, ``algorithm.solver=gbdt``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -369,6 +369,7 @@ class Node:
     children: tuple[int, int] = (-1, -1)
     value: float = 0.0
     categories: np.ndarray | None = None  # where the evaluator knows it: the left columns of a categorical split
+    gain: float = 0.0  # set once split: its split's gain (Chen & Guestrin Eq. 7)
 
 
 @dataclass
@@ -458,12 +459,34 @@ def _split(node: Node, perm: np.ndarray, g: np.ndarray, h: np.ndarray | None, fi
         else np.bincount(left, weights=h.take(seg), minlength=2)
     )
     perm[node.start : node.end] = seg[np.argsort(~left, kind="stable")]  # left rows first, each side in order
-    node.table, node.split, node.categories = node.candidate.table, node.candidate.split, node.candidate.categories
+    cand = node.candidate
+    node.table, node.split, node.categories, node.gain = cand.table, cand.split, cand.categories, cand.gain
     node.candidate = None
     kids = []
     for i, (start, end, side) in enumerate(((node.start, node.start + n_left, 1), (node.start + n_left, node.end, 0))):
         kids.append(Node(first_id + i, node.out, start, end, node.depth + 1, float(G[side]), float(H[side]), node.id))
     return kids
+
+
+def importance(splits: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    """LightGBM's split and gain importance of ``splits`` (what each split is on, its gain: Chen & Guestrin
+    Eq. 7, in the training loss's units): per name, its number of splits, the sum of their gains and that sum's
+    share of all their gains; largest gain first (ties: by name)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, gain in splits:
+        entry = out.setdefault(name, {"splits": 0, "gain": 0.0})
+        entry["splits"] += 1
+        entry["gain"] += gain
+    total = sum(entry["gain"] for entry in out.values())
+    for entry in out.values():
+        entry["share"] = entry["gain"] / total if total > 0 else 0.0
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1]["gain"], kv[0])))
+
+
+def table_importance(forest: Sequence[Sequence[Tree]]) -> dict[str, dict[str, float]]:
+    """:func:`importance` per table of a forest's splits (the server's view: which table won each split, its
+    gain)."""
+    return importance((node.table, node.gain) for trees in forest for tree in trees for node in tree.internal())
 
 
 def leaf_values(tree: Tree, n_rows: int, goes_left: Callable[[Node, np.ndarray], np.ndarray]) -> np.ndarray:

@@ -193,10 +193,10 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str 
 
 class OwnerTrees:
     """What the owner keeps of a run: its bin edges and codes, its proposals of the current boosting round
-    (node id -> feature, bin), the splits the server took (its part of the model) and the histograms of the
-    nodes still open (for subtraction). Edges, proposals and splits live in ``context.state``; codes and
-    histograms are caches in the node's memory (rebuilt from the edges; a missing parent histogram is built
-    from rows)."""
+    (rows of node id, feature, bin and the gain's float64 bits), the splits the server took (its part of the
+    model) and the histograms of the nodes still open (for subtraction). Edges, proposals and splits live in
+    ``context.state``; codes and histograms are caches in the node's memory (rebuilt from the edges; a missing
+    parent histogram is built from rows)."""
 
     def __init__(self, client: TableClient):
         self.client, self.state = client, client.state
@@ -216,7 +216,7 @@ class OwnerTrees:
         return self.cache["layout"]
 
     def flat(self, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(feature, flat threshold code) of proposals or splits (rows of node, feature, bin)."""
+        """(feature, flat threshold code) of proposals or splits (rows of node, feature, bin, gain bits)."""
         f = splits[:, 1]
         return f, self.layout.offsets[f] + splits[:, 2]
 
@@ -235,7 +235,7 @@ class OwnerTrees:
 
     def table(self, name: str) -> np.ndarray:
         value = self.state.get(f"gbdt.{name}")
-        return np.zeros((0, 3), dtype=np.int64) if value is None else value
+        return np.zeros((0, 4), dtype=np.int64) if value is None else value
 
     def accept(self, won: np.ndarray) -> None:
         """The proposals the server took become splits of the model (split id = node id)."""
@@ -357,7 +357,7 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
     codes, layout = owner.codes, owner.layout
     hists: dict[int, np.ndarray] = owner.cache.setdefault("hists", {})
     if (a["parent"] < 0).any():  # a new boosting round: the last round's proposals and histograms are done
-        client.state.put("gbdt.proposals", np.zeros((0, 3), dtype=np.int64))
+        client.state.put("gbdt.proposals", np.zeros((0, 4), dtype=np.int64))
         hists.clear()
     nodes, parents = a["nodes"].tolist(), a["parent"].tolist()
     joined = node_totals(a["C"], a["sizes"])  # each node's joined rows
@@ -435,8 +435,9 @@ def answer(
             bits[at] = owner.category_sides(int(features[i]), sets[i], rows[at])
         else:
             bits[at] = codes[features[i]].take(rows[at]) <= layout.offsets[features[i]] + bins[i]
-    if found.any():
-        proposals = np.stack([np.array(nodes)[found], features[found], bins[found]], axis=1)
+    if found.any():  # the gain kept as its float64 bits in the int64 table (the owner's importance: model parts)
+        gain_bits = gains[found].astype(np.float64).view(np.int64)
+        proposals = np.stack([np.array(nodes)[found], features[found], bins[found], gain_bits], axis=1)
         client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), proposals]))
     if sets is not None:
         owner.propose_categories(np.array(nodes), sets)
@@ -490,7 +491,7 @@ def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     at = {int(n): i for i, n in enumerate(splits[:, 0])}
     if any(int(s) not in at for s in a["splits"]):
         raise _refuse(client, "gbdt_route", "splits names a split this table does not hold")
-    chosen = splits[[at[int(s)] for s in a["splits"]]].reshape(-1, 3)
+    chosen = splits[np.array([at[int(s)] for s in a["splits"]], dtype=np.int64), :3]
     return {"bits": route_bits(owner, chosen, a["rows"])}, {}
 
 

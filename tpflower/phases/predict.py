@@ -68,7 +68,7 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     theta, centres = kept_theta(client, config), client.state.get("kmeans.C")
     trees = client.state.get("gbdt.splits")
     if trees is None and client.state.get_list("gbdt.edges") is not None:  # boosted trees: no split of it won
-        trees = np.zeros((0, 3), dtype=np.int64)
+        trees = np.zeros((0, 4), dtype=np.int64)
     if s.owner.state_dir is None or (theta is None and centres is None and trees is None) or run_id is None:
         return {}, {"part": ""}
     if str(config.get("run_id", run_id)) != str(run_id):
@@ -98,11 +98,12 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
 
 
 def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarray]:
-    """Boosted trees: the table's splits in id order, (split id, feature) with the threshold (the edge of the
-    split's bin) in preprocessed and in raw units (numeric columns: x std + mean; a one-hot column keeps 0.5)."""
-    splits = np.asarray(splits, dtype=np.int64).reshape(-1, 3)[np.argsort(np.asarray(splits)[:, 0], kind="stable")]
+    """Boosted trees: the table's splits (rows of split id, feature, bin, the gain's float64 bits) in id order,
+    (split id, feature) with the threshold (the edge of the split's bin) in preprocessed and in raw units (numeric
+    columns: x std + mean; a one-hot column keeps 0.5) and the split's gain."""
+    splits = np.asarray(splits, dtype=np.int64)[np.argsort(np.asarray(splits)[:, 0], kind="stable")]
     edges = client.state.get_list("gbdt.edges") or []
-    thr = np.array([edges[f][b] if b >= 0 else np.nan for _, f, b in splits], dtype=np.float64)
+    thr = np.array([edges[f][b] if b >= 0 else np.nan for _, f, b, _ in splits], dtype=np.float64)
     local = client.local
     assert local.preprocessor is not None
     stats = local.preprocessor.stats()
@@ -111,7 +112,13 @@ def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarra
         name = local.feature_names[f]
         if name in (stats.get("means") or {}):
             raw[i] = thr[i] * float(stats["stds"][name]) + float(stats["means"][name])
-    return {"splits": splits[:, :2].copy(), "thresholds": thr, "raw_thresholds": raw, **saved_categories(client)}
+    return {
+        "splits": splits[:, :2].copy(),
+        "thresholds": thr,
+        "raw_thresholds": raw,
+        "split_gains": splits[:, 3].view(np.float64).copy(),
+        **saved_categories(client),
+    }
 
 
 def saved_categories(client: TableClient) -> dict[str, np.ndarray]:
