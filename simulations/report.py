@@ -1268,7 +1268,7 @@ def gbdt_matrix() -> str | None:
             "python -m simulations.bench convergence --matrix --gbdt"
             + (" --quick" if d.get("quick") else "")
             + ("" if d.get("bundled", True) else " --no-bundled")
-            + "   # -> bench_results/convergence-matrix-gbdt.json (--keep: run only the cells it does not hold)"
+            + "   # -> bench_results/convergence-matrix-gbdt.json (--keep: run only the cells it does not hold; each cell records its commit)"
         ),
     ]
     if beside:

@@ -332,6 +332,8 @@ class JoinGBDT(LoJStrategy):
         positions = {t: self.routers[t].split(cat[t][0]) for t in self.tables}
         won = {t: np.array(self.won[t], dtype=np.int64) for t in self.tables}
         self.won = {t: [] for t in self.tables}
+        # a sharded table's node of each of its message rows (each shard's sizes count its part of them)
+        node_of = {t: np.repeat(np.arange(k), cat[t][1]) for t in self.tables if not self.routers[t].whole}
         dtype, messages = self.state_dtype, {}
         for t, q in self.clients:
             rows, sizes, G, H, C = cat[t]
@@ -340,7 +342,7 @@ class JoinGBDT(LoJStrategy):
             arrays = {
                 "nodes": ids,
                 "parent": parent,
-                "sizes": sizes if whole else np.bincount(np.repeat(np.arange(k), sizes)[mask], minlength=k),
+                "sizes": sizes if whole else np.bincount(node_of[t][mask], minlength=k),
                 "rows": positions[t][q].astype(index_dtype(self.train.n_rows[t]), copy=False),
                 "G": G[mask].astype(dtype, copy=False),
                 "C": compact_counts(C[mask]),

@@ -30,8 +30,9 @@ def test_absent_data_names_only_the_missing_files(tmp_path, monkeypatch):
 
 
 def test_gbdt_matrix_keeps_the_cells_of_an_earlier_run(tmp_path, monkeypatch, capsys):
-    """--keep: a cell of the earlier JSON (same epochs, every algorithm of its case) is taken as it is; a cell
-    missing there, or measured with fewer algorithms, runs."""
+    """--keep: a cell of the earlier JSON (same epochs, every algorithm of its case) is taken as it is, named when
+    another commit (or none recorded) measured it; a cell missing there, or measured with fewer algorithms, runs
+    and records its commit."""
     cells = [convergence._cell("star", 20, 15, 0.0), convergence._cell("star", 20, 50, 0.5, task="binary")]
     monkeypatch.setattr(convergence, "MATRIX_CELLS", cells)
     monkeypatch.setattr(convergence, "NONLINEAR_CELLS", [])
@@ -47,6 +48,7 @@ def test_gbdt_matrix_keeps_the_cells_of_an_earlier_run(tmp_path, monkeypatch, ca
         return {"algorithms": algs, "metric": "rmse", "reference": 1.0, "constant_metric": 2.0}
 
     monkeypatch.setattr(convergence, "run_isolated", fake_cell)
+    monkeypatch.setattr(convergence, "code_commit", lambda: "abc1234")
     names = [convergence.cell_name(c) for c in cells]
     interaction = convergence.cell_name(convergence.INTERACTION_CELLS[0])
     old = {"algorithms": {"gbdt": {"history": [{"metric": 0.5, "rounds": 3, "bytes": 7}], "wall_s": 9.0}}}
@@ -60,7 +62,16 @@ def test_gbdt_matrix_keeps_the_cells_of_an_earlier_run(tmp_path, monkeypatch, ca
     assert out["cells"][names[0]] == old and len(ran) == 2
     assert "label=interaction" in " ".join(ran[0]) and "task=binary" in " ".join(ran[1])
     assert out["load"].startswith("kept cells: 1-minute load 9; new cells: ")
-    assert f"{names[0]}: kept" in capsys.readouterr().out
+    now = "abc1234"
+    assert out["cells"][names[1]]["commit"] == now  # each new cell says which code measured it
+    # a kept cell of no recorded commit, or of another one, is named as such; one of this commit is kept quietly
+    assert f"{names[0]}: kept (measured at an unrecorded commit, the code is now {now})" in capsys.readouterr().out
+    earlier.write_text(json.dumps({"epochs": 10, "cells": {names[0]: {**old, "commit": now}}}))
+    convergence.gbdt_matrix_suite(10, quick=True, bundled=False, keep=earlier)
+    assert f"{names[0]}: kept\n" in capsys.readouterr().out
+    earlier.write_text(
+        json.dumps({"epochs": 10, "load": "1-minute load 9", "cells": {names[0]: old, interaction: old}})
+    )
     # other epochs: nothing is kept
     ran.clear()
     assert convergence.gbdt_matrix_suite(3, quick=True, bundled=False, keep=earlier)["cells"][names[0]] != old

@@ -21,6 +21,7 @@ from typing import Any
 
 #: the join-key secret of the benchmarks' synthetic tables
 SECRET = b"bench-secret"
+REPO_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout the benches run from
 
 #: benches that compare optimisation (rounds to a target, DP costs, convergence) train on the whole training split
 #: and report the last model, as they were measured before model selection (its own suite: selection)
@@ -40,6 +41,13 @@ def ints(text: str) -> list[int]:
 def machine_info() -> dict[str, Any]:
     """The machine a suite ran on (written into its JSON)."""
     return {"cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def code_commit(root: str = REPO_ROOT) -> str:
+    """The checkout's commit (short), with "+changes" when its tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def run_isolated(module: str, call: str, args: dict[str, Any], echo_stderr: bool = False) -> Any:

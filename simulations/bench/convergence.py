@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.common import WHOLE_TRAINING, run_isolated, run_results
+from simulations.bench.common import WHOLE_TRAINING, code_commit, run_isolated, run_results
 from tpflower.config import compose_config
 
 #: the datasets of the convergence table (overrides); synthetic labels in three units
@@ -310,14 +310,18 @@ def run_cells(
     """Each case (its overrides and algorithms) as one matrix cell in a fresh process, summarized; a dataset whose
     files are absent is skipped, with why. ``partial``: the cells measured so far are written there after each
     (a long run stopped early keeps its part). ``kept``: cells of an earlier run of the same epochs, taken as
-    they are where they hold every algorithm of their case (not run again)."""
+    they are where they hold every algorithm of their case (not run again; a cell measured at another commit
+    than the checkout's is named as such: the code may have changed since). Each cell records its commit."""
     rows: dict[str, Any] = {}
     skipped: dict[str, str] = {}
+    commit = code_commit()
     for name, (overrides, algorithms) in cases.items():
         old = (kept or {}).get(name)
         if old is not None and set(algorithms) <= set(old["algorithms"]):
             rows[name] = old
-            print(f"{name}: kept", flush=True)
+            measured = old.get("commit", "an unrecorded commit")
+            stale = "" if measured == commit else f" (measured at {measured}, the code is now {commit})"
+            print(f"{name}: kept{stale}", flush=True)
             continue
         why = absent_data(overrides)
         if why is not None:
@@ -333,6 +337,7 @@ def run_cells(
         cell["summary"] = summarize(cell, epochs)
         cell["wall_s"] = round(time.perf_counter() - t0, 1)
         cell["load"] = round(os.getloadavg()[0], 1)  # 1-minute load at the cell's end
+        cell["commit"] = commit
         rows[name] = cell
         print(name, json.dumps(cell["summary"]), flush=True)
         if partial is not None:

@@ -30,9 +30,11 @@ from typing import Any
 import numpy as np
 
 from simulations.bench.common import (
+    REPO_ROOT,
     SCALE_FANOUT,
     SECRET,
     TreeMonitor,
+    code_commit,
     peak_rss_mb,
     run_isolated,
     scale_loader,
@@ -237,7 +239,7 @@ def simulation_case(
         ]
         t0 = time.perf_counter()
         # this checkout first on the path of the run and of Ray's workers (an installed copy elsewhere must not win)
-        root = str(Path(__file__).resolve().parents[2])
+        root = REPO_ROOT
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(
             cmd,
@@ -296,13 +298,6 @@ def simulation_case(
     if proc.returncode != 0:
         out["tail"] = [line for _, line in lines[-15:]]
     return out
-
-
-def code_commit(root: str) -> str:
-    """The checkout's commit (short), with "+changes" when its tracked files differ from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def scale_suite(
