@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -1530,8 +1530,27 @@ def gbdt() -> str | None:
                 rows,
             ),
             "**Goals: " + "; ".join(goals) + ".**" + (f" {note}" if note else ""),
+            *gbdt_importance(d["cases"]),
         ]
     )
+
+
+def gbdt_importance(cases: Mapping[str, Any]) -> list[str]:
+    """Which tables the in-process trees use, per dataset (results.json's importance), as one paragraph."""
+    lines = []
+    for name, c in cases.items():
+        imp = c["inprocess"].get("importance")
+        if imp:
+            shares = ", ".join(f"{t} {100 * v['share']:.1f}% ({v['splits']:,} splits)" for t, v in imp.items())
+            lines.append(f"{name}: {shares}")
+    if not lines:
+        return []
+    return [
+        "Which tables the trees use (the in-process run's results.json `importance`: each table's share of the "
+        "trees' split gain, and its number of splits; docs/algorithms.md, Boosted trees over the join): "
+        + "; ".join(lines)
+        + "."
+    ]
 
 
 def gbdt_setting(name: str, title: str, what: str, flag: str, label: str = "{}") -> str | None:

@@ -215,9 +215,8 @@ def test_importance_per_table_equals_the_central_one_and_each_owner_splits_its_g
         columns |= {(t, c) for c in mine}
     assert ("fact", "c") in columns  # the categorical column's splits, by its name
     frame = load(tmp_path / "run").importance  # the Python API's view of results.json
-    assert frame["table"].tolist() == list(server) and frame["splits"].tolist() == [
-        v["splits"] for v in server.values()
-    ]
+    assert frame["table"].tolist() == list(server)
+    assert frame["splits"].tolist() == [v["splits"] for v in server.values()]
 
 
 @pytest.mark.parametrize("task", ["regression", "binary"])

@@ -198,7 +198,9 @@ class ModelPart:
         """Boosted trees: per column of the table, the number of the model's splits on it, the sum of their
         gains and its share of this table's (tpflower.trees.importance), largest first: the owner's own view
         (the server sees which table won each split and its gain: results.json's ``importance``)."""
-        assert self.splits is not None and self.split_gains is not None
+        if self.splits is None or self.split_gains is None:
+            what = "not a part of boosted trees" if self.splits is None else "saved without its splits' gains"
+            raise ValueError(f"table {self.table!r} shard {self.shard}: the part of run {self.run_id} is {what}")
         names = self.feature_columns()
         return importance((names[f], gain) for f, gain in zip(self.splits[:, 1].tolist(), self.split_gains.tolist()))
 

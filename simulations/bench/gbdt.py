@@ -101,6 +101,10 @@ def gbdt_case(data: str, trees: int, runtime: str, setting: str = "") -> dict[st
         "rounds_per_tree": round(last.rounds / trees, 2),
         "mb_per_tree": round((last.bytes_up + last.bytes_down) / trees / 1e6, 2),
         "trees": trees,
+        # which tables the trees use: each one's share of the split gain and its splits (results.json)
+        "importance": {
+            t: {"share": round(v["share"], 4), "splits": v["splits"]} for t, v in results.importance.items()
+        },
     }
 
 
