@@ -149,6 +149,29 @@ def reset_label_dp(client_config: str, table: str | None) -> int:
     return 0
 
 
+def show_importance(client_config: str, table: str | None, shard: int, run_id: str) -> int:
+    """The owner's view of a boosted-trees run: which of its table's columns the run's splits are on, from its
+    saved part (tpflower.model_part.ModelPart.importance); nothing is sent anywhere."""
+    from tpflower.model_part import ModelPart  # noqa: PLC0415  (argparse errors first: no heavy imports)
+    from tpflower.owner import load_owner_settings  # noqa: PLC0415
+
+    owner = load_owner_settings(client_config, owner_table(client_config, table))
+    state_dir = owner.state_dir or "."
+    try:
+        part = ModelPart.load(state_dir, run_id, owner.table, shard)
+        if part is None:
+            raise ValueError(f"table {owner.table!r} shard {shard}: no saved part of run {run_id} in {state_dir}")
+        columns = part.importance()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    total = sum(c["splits"] for c in columns.values())
+    print(f"table {owner.table!r} shard {shard}, run {run_id}: {total} splits (share of the table's split gain)")
+    for name, c in columns.items():
+        print(f"  {name}: {100 * c['share']:.1f}% ({c['splits']} splits)")
+    return 0
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m simulations.node") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--client-config", help="the owner's settings file (tpflower.owner)")
@@ -189,6 +212,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
         "again) and exit",
     )
     parser.add_argument(
+        "--importance",
+        metavar="RUN_ID",
+        help="print which of the table's columns the boosted trees of run RUN_ID split on (this node's saved part: "
+        "splits and share of the gain per column) and exit",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="print the state of each of tpflower's Flower adapters with the installed Flower and exit "
@@ -204,6 +233,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
         parser.error("--client-config is required")
     if args.reset_label_dp:
         return reset_label_dp(args.client_config, args.table)
+    if args.importance:
+        return show_importance(args.client_config, args.table, args.shard, args.importance)
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             parser.error(f"--torch-threads must be >= 1, got {args.torch_threads}")

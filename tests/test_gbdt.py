@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from simulations.api import load
+from simulations.node import main as node_main
 from simulations.run import run_job
 from strategies.centralized import central_gbdt, label_scale_of
 from strategies.gbdt import JoinGBDT, node_sums
@@ -185,7 +186,7 @@ def test_federated_trees_equal_the_central_reference_on_the_materialized_join(sc
     assert len(s.forest[0]) == s.d_out  # one tree per output in every round
 
 
-def test_importance_per_table_equals_the_central_one_and_each_owner_splits_its_gain_over_its_columns(tmp_path):
+def test_importance_per_table_equals_the_central_one_and_each_owner_splits_its_gain_over_its_columns(tmp_path, capsys):
     """results.json's importance (each table's splits and their summed gain) equals the central reference's on
     the materialized join (float64, many-to-many snowflake); each owner's saved part attributes its table's
     splits and gain to its own columns (a categorical column's block to the column), summing to the server's
@@ -214,6 +215,14 @@ def test_importance_per_table_equals_the_central_one_and_each_owner_splits_its_g
         )
         columns |= {(t, c) for c in mine}
     assert ("fact", "c") in columns  # the categorical column's splits, by its name
+    # the owner's command line reads the same from its own part (its settings file says where its state is)
+    owner = tmp_path / "owner.yaml"
+    owner.write_text(f"table: fact\nsource: fact.csv\nkeys: blind\nstate_dir: {tmp_path / 'run' / 'node-state'}\n")
+    assert node_main(["--client-config", str(owner), "--importance", strategy.run_id]) == 0
+    out = capsys.readouterr().out
+    assert f"{server['fact']['splits']} splits" in out and re.search(r"\n  c: \d+\.\d% \(\d+ splits\)", out)
+    assert node_main(["--client-config", str(owner), "--importance", "abc123"]) == 1
+    assert "no saved part of run abc123" in capsys.readouterr().err
     frame = load(tmp_path / "run").importance  # the Python API's view of results.json
     assert frame["table"].tolist() == list(server)
     assert frame["splits"].tolist() == [v["splits"] for v in server.values()]
