@@ -45,6 +45,7 @@ from tpflower.trees import (
     grow_forest,
     init_scores,
     leaf_values,
+    subtraction_plan,
     table_importance,
 )
 from tpflower.validation import validation_mask
@@ -410,18 +411,9 @@ class JoinGBDT(LoJStrategy):
         if not tables:
             return {}
         parents = self.row_sums.get(tables[0], {})  # every table keeps the same nodes' sums
-        by_parent: dict[int, list[int]] = {}
-        for i, node in enumerate(nodes):
-            by_parent.setdefault(node.parent, []).append(i)
-        direct, derived = [], []  # positions in nodes; (node, its parent's id, its sibling)
-        for q, kids in by_parent.items():
-            if q >= 0 and len(kids) == 2 and q in parents:
-                small, large = sorted(kids, key=lambda i: (len(segs[i]), nodes[i].id))
-                direct.append(small)
-                derived.append((large, q, small))
-            else:
-                direct.extend(kids)
-        direct.sort()
+        direct, derived = subtraction_plan(
+            [n.parent for n in nodes], [len(seg) for seg in segs], [n.id for n in nodes], parents
+        )
         if len(direct) < len(nodes):
             bounds = np.cumsum([0, *(len(s) for s in segs)])
             seg_all = np.concatenate([segs[i] for i in direct])

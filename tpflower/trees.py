@@ -16,7 +16,7 @@ and the central reference (strategies/centralized.py, ``algorithm.solver=gbdt``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -210,6 +210,28 @@ def histograms(
     if H is None:
         out[1] = out[2]
     return out.transpose(1, 0, 2)
+
+
+def subtraction_plan(
+    parents: Sequence[int], joined: Sequence[int], ids: Sequence[int], kept: Container[int]
+) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Histogram subtraction (LightGBM) over one step's nodes (their parents' ids, joined rows and own ids, in
+    message order): of two children of a parent whose sums are ``kept``, the one with fewer joined rows (ties:
+    the smaller id) is built from its rows and the other is the parent's minus it. Returns the positions built
+    from rows (ascending) and, per derived node, (its position, its parent's id, its sibling's position). The
+    server's per-table-row sums and the owners' histograms follow this one plan."""
+    by_parent: dict[int, list[int]] = {}
+    for i, q in enumerate(parents):
+        by_parent.setdefault(q, []).append(i)
+    direct, derived = [], []
+    for q, kids in by_parent.items():
+        if q >= 0 and len(kids) == 2 and q in kept:
+            small, large = sorted(kids, key=lambda i: (joined[i], ids[i]))
+            direct.append(small)
+            derived.append((large, q, small))
+        else:
+            direct.extend(kids)
+    return sorted(direct), derived
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,17 @@ from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, one_o
 from tpflower.phases import setup
 from tpflower.records import Arrays
 from tpflower.registry import AlgorithmEntry, register
-from tpflower.trees import MAX_BINS, BinLayout, Bundles, SplitRule, best_splits, bin_codes, column_edges, histograms
+from tpflower.trees import (
+    MAX_BINS,
+    BinLayout,
+    Bundles,
+    SplitRule,
+    best_splits,
+    bin_codes,
+    column_edges,
+    histograms,
+    subtraction_plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -361,18 +371,7 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
         hists.clear()
     nodes, parents = a["nodes"].tolist(), a["parent"].tolist()
     joined = node_totals(a["C"], a["sizes"])  # each node's joined rows
-    by_parent: dict[int, list[int]] = {}
-    for i, q in enumerate(parents):
-        by_parent.setdefault(q, []).append(i)
-    direct, derived = [], []  # slots built from rows; (slot, parent, sibling slot) by subtraction
-    for q, kids in by_parent.items():
-        if q >= 0 and len(kids) == 2 and q in hists:
-            small, large = sorted(kids, key=lambda i: (joined[i], nodes[i]))
-            direct.append(small)
-            derived.append((large, q, small))
-        else:
-            direct.extend(kids)
-    direct.sort()
+    direct, derived = subtraction_plan(parents, joined.tolist(), nodes, hists)  # built from rows; by subtraction
     built = np.zeros((0, 3, layout.total))
     if direct:
         bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
