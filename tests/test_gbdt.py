@@ -26,7 +26,18 @@ from tpflower.owner import simulation_secret
 from tpflower.phases.gbdt import GBDTParams
 from tpflower.relation import load_relation
 from tpflower.results import read_results
-from tpflower.trees import MAX_BINS, BinLayout, Bundles, bin_codes, bin_edges, histograms, table_importance
+from tpflower.trees import (
+    MAX_BINS,
+    BinLayout,
+    Bundles,
+    SplitRule,
+    best_splits,
+    bin_codes,
+    bin_edges,
+    histograms,
+    running_sums,
+    table_importance,
+)
 
 CATEGORIES = ("+dataset.loader.categories=8", "algorithm.categorical=native")
 
@@ -106,6 +117,57 @@ def test_bin_edges_of_a_weighted_table_equal_those_of_its_joined_column():
         assert codes.max() <= len(e)
         for b in range(len(e)):  # "bin <= b" is "x <= edges[b]"
             assert np.array_equal(codes <= b, joined <= e[b])
+
+
+def _best_split_by_hand(hist: np.ndarray, off: np.ndarray, rule: SplitRule, skip: set[int]) -> tuple[float, int, int]:
+    """One node's best "bin <= b" split, scanned bin by bin (Chen & Guestrin Eq. 7 and the split rule; the first
+    of the best in (feature, bin) order)."""
+    best, lam = (-np.inf, -1, -1), rule.lambda_l2
+
+    def score(G: float, H: float, l: float) -> float:
+        return G * G / (H + l) if H + l > 0 else 0.0
+
+    total = hist[:, off[0] : off[1]].sum(axis=1)
+    for f in range(len(off) - 1):
+        for b in range(off[f], off[f + 1] - 1):
+            left = hist[:, off[f] : b + 1].sum(axis=1)
+            right = total - left
+            if b in skip or hist[2, b] == 0 or min(left[2], right[2]) < rule.min_child_rows:
+                continue
+            if min(left[1], right[1]) < rule.min_child_weight:
+                continue
+            gain = 0.5 * (score(left[0], left[1], lam) + score(right[0], right[1], lam) - score(*total[:2], lam))
+            if gain > best[0] * (1 + 1e-9) + 1e-12:
+                best = (gain, f, b - off[f])
+    return best
+
+
+@pytest.mark.parametrize("rule", [SplitRule(), SplitRule(0.0, 0.0, 1), SplitRule(2.0, 0.5, 5)])
+def test_best_splits_equal_a_bin_by_bin_scan(rule):
+    """The vectorised split search (running sums per feature, each side's score in place) finds the split a
+    bin-by-bin scan finds, with its gain, on histograms with empty bins, sides of no hessian (h sums 0 with
+    lambda 0 and no minimum weight: scored 0) and skipped bins; its running sums are np.cumsum's, bit for bit."""
+    rng = np.random.default_rng(3)
+    off = np.array([0, 5, 6, 40, 41 + 200])  # a feature of one bin (never split), a wide one
+    k, total = 7, int(off[-1])
+    hist = np.zeros((k, 3, total))
+    for n in range(k):
+        rows = rng.integers(0, total, size=int(rng.integers(30, 400)))
+        for f in range(len(off) - 1):  # every feature holds every row of the node
+            b = off[f] + rows % (off[f + 1] - off[f])
+            np.add.at(hist[n, 2], b, 1.0)
+            np.add.at(hist[n, 0], b, rng.normal(size=len(rows)))
+            np.add.at(hist[n, 1], b, np.where(rows % 34 < 3, 0.0, rng.random(len(rows))))  # feature 2: bins 0-2 h = 0
+    skip = np.arange(8, 12)
+    gains, features, bins = best_splits(hist, BinLayout(off), rule, skip)
+    for n in range(k):
+        gain, f, b = _best_split_by_hand(hist[n], off, rule, set(skip.tolist()))
+        assert (features[n], bins[n]) == (f, b)
+        assert gains[n] == pytest.approx(gain, rel=1e-9) if f >= 0 else gains[n] == -np.inf
+    assert (features >= 0).sum() >= k - 1
+    wide = rng.normal(size=(3, 2, 40_000))  # rows wider than one scan call
+    for x in (hist, wide, hist[:0]):
+        assert np.array_equal(running_sums(x), np.cumsum(x, axis=-1))
 
 
 def test_bundled_one_hot_blocks_give_the_histograms_of_their_columns():

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
+import torch
 
 MAX_BINS = 256  # at most this many bins per feature
 
@@ -76,6 +78,11 @@ class BinLayout:
     @property
     def total(self) -> int:
         return int(self.offsets[-1])
+
+    @cached_property
+    def first_bins(self) -> np.ndarray:
+        """Each flat bin's feature's first bin."""
+        return np.repeat(self.offsets[:-1], np.diff(self.offsets))
 
 
 def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
@@ -278,35 +285,59 @@ def score(G: np.ndarray, H: np.ndarray, lam: float) -> np.ndarray:
     return np.divide(G * G, den, out=np.zeros(np.broadcast_shapes(np.shape(G), np.shape(den))), where=den > 0)
 
 
+_SCAN_ROWS = 32767  # elements per torch scan call: below torch's grain size, so one thread runs it
+
+
+def running_sums(x: np.ndarray) -> np.ndarray:
+    """np.cumsum(x, axis=-1) of a float64 array, the same sums in the same order, by torch's scan (about 3x
+    faster than numpy's), in calls small enough to run on the calling thread (no worker threads woken)."""
+    if not x.size:
+        return np.zeros(x.shape)
+    flat = np.ascontiguousarray(x, dtype=np.float64).reshape(-1, x.shape[-1])
+    out = np.empty_like(flat)
+    step = max(1, _SCAN_ROWS // max(flat.shape[1], 1))
+    for a in range(0, len(flat), step):
+        torch.cumsum(torch.from_numpy(flat[a : a + step]), dim=1, out=torch.from_numpy(out[a : a + step]))
+    return out.reshape(x.shape)
+
+
 def best_splits(
     hists: np.ndarray, layout: BinLayout, rule: SplitRule, skip: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(gain, feature, bin) of the best split "bin <= b goes left" of each node from its flat histogram
     (hists: (k, 3, total)): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin Eq. 7);
     ties (:func:`first_best`) go to the smallest feature, then the smallest bin. A node without a valid split
-    gets (-inf, -1, -1). ``skip``: flat bins that are no split (native categorical blocks, tpflower.categorical)."""
+    gets (-inf, -1, -1). ``skip``: flat bins that are no split (native categorical blocks, tpflower.categorical).
+    Each side's score is :func:`score`'s, bit for bit (computed in place: a few passes over (k, total))."""
     off = layout.offsets
     k = hists.shape[0]
-    cum = np.cumsum(hists, axis=2)
-    before = np.concatenate([np.zeros((k, 3, 1)), cum[:, :, off[1:-1] - 1]], axis=2)  # sums before each feature
-    left = cum - np.repeat(before, np.diff(off), axis=2)  # left side of "bin <= b" within its feature
-    total = cum[:, :, off[1] - 1 : off[1]]  # every feature's bins add up to the node
-    right = total - left
-    lam = rule.lambda_l2
-    ok = (
-        (hists[:, 2] > 0)  # a bin of no rows splits as the bin before it: only the first of the two counts
-        & (left[:, 2] >= rule.min_child_rows)
-        & (right[:, 2] >= rule.min_child_rows)
-        & (left[:, 1] >= rule.min_child_weight)
-        & (right[:, 1] >= rule.min_child_weight)
-    )
+    left = running_sums(hists)
+    total = left[:, :, off[1] - 1].copy()  # (k, 3): every feature's bins add up to the node
+    before = np.concatenate([np.zeros((k, 3, 1)), left], axis=2).take(layout.first_bins, axis=2)
+    left -= before  # the left side of "bin <= b" within its feature: its bins up to b
+    right = total[:, :, None] - left
+    lam, min_weight, min_rows = rule.lambda_l2, rule.min_child_weight, rule.min_child_rows
+    ok = hists[:, 2] > 0  # a bin of no rows splits as the bin before it: only the first of the two counts
+    ok &= left[:, 2] >= min_rows
+    ok &= right[:, 2] >= min_rows
+    ok &= left[:, 1] >= min_weight
+    ok &= right[:, 1] >= min_weight
     ok[:, off[1:] - 1] = False  # "bin <= last bin" is no split
     if skip is not None:
         ok[:, skip] = False
-    gain = 0.5 * (
-        score(left[:, 0], left[:, 1], lam) + score(right[:, 0], right[:, 1], lam) - score(total[:, 0], total[:, 1], lam)
-    )
-    gain = np.where(ok, gain, -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):  # where H + lambda <= 0: fixed below or masked
+        den_left, den_right = left[:, 1] + lam, right[:, 1] + lam
+        gain = left[:, 0] * left[:, 0]
+        gain /= den_left
+        score_right = right[:, 0] * right[:, 0]
+        score_right /= den_right
+    if not (min_weight > 0 or lam > 0):  # a side of valid split may have H + lambda = 0: it scores 0
+        gain[~(den_left > 0)] = 0.0
+        score_right[~(den_right > 0)] = 0.0
+    gain += score_right
+    gain -= score(total[:, 0], total[:, 1], lam)[:, None]
+    gain *= 0.5
+    gain[~ok] = -np.inf
     # per node the first flat bin (smallest feature, then smallest bin) that ties with its best (first_best)
     j, found = first_best_rows(gain)
     features = np.searchsorted(off, j, side="right") - 1
