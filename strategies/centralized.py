@@ -323,10 +323,21 @@ def central_trees(
     block_of = {t: {int(b[0]): b for b in blocks[t]} for t in tables}
 
     def side(
-        t: str, f: int, k: int, chosen: np.ndarray | None, codes_t: np.ndarray, cats_t: dict, s: np.ndarray
+        t: str,
+        f: int,
+        k: int,
+        missing: int,
+        chosen: np.ndarray | None,
+        codes_t: np.ndarray,
+        cats_t: dict,
+        s: np.ndarray,
     ) -> np.ndarray:
-        """The side of rows ``s``: "flat code <= k" of feature f, or its category in ``chosen``."""
-        return codes_t[f][s] <= k if chosen is None else in_set(cats_t[f][s], block_of[t][f], chosen)
+        """The side of rows ``s``: "flat code <= k" of feature f (or its flat missing bin ``missing`` >= 0: the
+        missing values go left too), or its category in ``chosen``."""
+        if chosen is not None:
+            return in_set(cats_t[f][s], block_of[t][f], chosen)
+        code = codes_t[f][s]
+        return (code <= k) | (code == missing) if missing >= 0 else code <= k
 
     def evaluate(nodes: list[Node], perms: list[np.ndarray], g: np.ndarray, h: np.ndarray) -> list[Candidate | None]:
         segs = [perms[node.out][node.start : node.end] for node in nodes]
@@ -344,11 +355,12 @@ def central_trees(
         out: list[Candidate | None] = []
         for i in range(len(nodes)):
             j = first_best(np.array([gains[i] for gains, *_ in found]))
-            t, f, b, chosen = tables[j], int(found[j][1][i]), int(found[j][2][i]), found[j][3][i]
+            t, f, b, chosen = tables[j], int(found[j][1][i]), int(found[j][2][i]), found[j][4][i]
             k = -1 if f < 0 else int(layout[t].offsets[f]) + b  # "bin <= b" of feature f: flat code <= k
+            missing = int(layout[t].offsets[f + 1]) - 1 if f >= 0 and found[j][3][i] else -1
             gain = float(found[j][0][i])
-            left = functools.partial(side, t, f, k, chosen, codes[t], cats[t])
-            out.append(None if f < 0 else Candidate(gain, t, left, (f, k), chosen))
+            left = functools.partial(side, t, f, k, missing, chosen, codes[t], cats[t])
+            out.append(None if f < 0 else Candidate(gain, t, left, (f, k, missing), chosen))
         return out
 
     growth = Growth(params.max_leaves, params.max_depth, params.leaves_per_step, params.learning_rate, rule)
@@ -401,7 +413,9 @@ class CentralizedGBDT(Centralized):
         # table rows' bins
         edges, codes, test_codes = {}, {}, {}
         for t in rel.spec.table_names:
-            X_t = np.asarray(rel.tables[t].X, dtype=np.float64)
+            pre = rel.tables[t].preprocessor
+            assert pre is not None
+            X_t = pre.with_missing(rel.tables[t].X, rel.frames[t])  # missing values: their own bin, as the owners'
             G_t = np.bincount(rel.train.p[t], minlength=len(X_t))
             edges[t] = column_edges(X_t, G_t, params.max_bins)
             table_codes = bin_codes(X_t, edges[t])

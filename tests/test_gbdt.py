@@ -23,7 +23,7 @@ from tpflower.categorical import blocks_of
 from tpflower.losses import metrics
 from tpflower.model_part import ModelPart
 from tpflower.owner import simulation_secret
-from tpflower.phases.gbdt import GBDTParams
+from tpflower.phases.gbdt import GBDTParams, tree_features
 from tpflower.relation import load_relation
 from tpflower.results import read_results
 from tpflower.trees import (
@@ -84,15 +84,21 @@ def lgb_params(task: str, leaves: int) -> dict:
 
 
 @pytest.mark.parametrize("task,trees,tol", [("regression", 30, 1e-6), ("binary", 5, 1e-6)])
-def test_central_reference_equals_lightgbm_where_the_bins_coincide(task, trees, tol):
+@pytest.mark.parametrize("missing", [0.0, 0.15])
+def test_central_reference_equals_lightgbm_where_the_bins_coincide(task, trees, tol, missing):
     """Integer features with fewer distinct values than bins: every value its own bin in both, so the central
     reference (strictly best-first, lambda 0) grows LightGBM's trees; predictions agree to LightGBM's float32
-    gradients. (Binary: after a few trees a near-tie of gains in float32 may pick another split.)"""
+    gradients. (Binary: after a few trees a near-tie of gains in float32 may pick another split.) With missing
+    values (a share of every column NaN, the first column's missingness part of the label): their own bin,
+    sent to the better side, as LightGBM's missing values are."""
     import lightgbm as lgb  # the dev extra (make test installs it): a missing one fails, never skips
 
     rng = np.random.default_rng(0)
     X = rng.integers(1, 30, size=(3000, 5)).astype(np.float64)
     y = np.sin(X[:, 0] / 4) * 3 + (X[:, 1] > 10) * 2 + X[:, 2] * X[:, 3] / 100 + rng.normal(0, 0.3, len(X))
+    lost = rng.random(X.shape) < missing
+    y += 2.0 * lost[:, 0]
+    X[lost] = np.nan
     if task == "binary":
         y = (y > np.median(y)).astype(np.float64)
     params = GBDTParams(
@@ -119,34 +125,45 @@ def test_bin_edges_of_a_weighted_table_equal_those_of_its_joined_column():
             assert np.array_equal(codes <= b, joined <= e[b])
 
 
-def _best_split_by_hand(hist: np.ndarray, off: np.ndarray, rule: SplitRule, skip: set[int]) -> tuple[float, int, int]:
-    """One node's best "bin <= b" split, scanned bin by bin (Chen & Guestrin Eq. 7 and the split rule; the first
-    of the best in (feature, bin) order)."""
-    best, lam = (-np.inf, -1, -1), rule.lambda_l2
+def _best_split_by_hand(
+    hist: np.ndarray, off: np.ndarray, missing: set[int], rule: SplitRule, skip: set[int]
+) -> tuple[float, int, int, bool]:
+    """One node's best split, candidate by candidate (Chen & Guestrin Eq. 7 and the split rule): "bin <= b"
+    of every feature (a feature in ``missing`` has its missing values in its last bin: right), then, for each
+    feature in ``missing``, its value bins up to b and its missing values left; the first of the best."""
+    lam = rule.lambda_l2
 
-    def score(G: float, H: float, l: float) -> float:
-        return G * G / (H + l) if H + l > 0 else 0.0
+    def score(G: float, H: float) -> float:
+        return G * G / (H + lam) if H + lam > 0 else 0.0
 
     total = hist[:, off[0] : off[1]].sum(axis=1)
+    candidates = []  # (left side's sums, feature, bin, missing left, is the bin empty)
     for f in range(len(off) - 1):
         for b in range(off[f], off[f + 1] - 1):
-            left = hist[:, off[f] : b + 1].sum(axis=1)
-            right = total - left
-            if b in skip or hist[2, b] == 0 or min(left[2], right[2]) < rule.min_child_rows:
-                continue
-            if min(left[1], right[1]) < rule.min_child_weight:
-                continue
-            gain = 0.5 * (score(left[0], left[1], lam) + score(right[0], right[1], lam) - score(*total[:2], lam))
-            if gain > best[0] * (1 + 1e-9) + 1e-12:
-                best = (gain, f, b - off[f])
+            if b not in skip:
+                candidates.append((hist[:, off[f] : b + 1].sum(axis=1), f, b - off[f], False, hist[2, b] == 0))
+    for f in sorted(missing):
+        for b in range(off[f], off[f + 1] - 2):
+            left = hist[:, off[f] : b + 1].sum(axis=1) + hist[:, off[f + 1] - 1]
+            candidates.append((left, f, b - off[f], True, hist[2, b] == 0))
+    best = (-np.inf, -1, -1, False)
+    for left, f, b, missing_left, empty in candidates:
+        right = total - left
+        if empty or min(left[2], right[2]) < rule.min_child_rows or min(left[1], right[1]) < rule.min_child_weight:
+            continue
+        gain = 0.5 * (score(left[0], left[1]) + score(right[0], right[1]) - score(total[0], total[1]))
+        if gain > best[0] * (1 + 1e-9) + 1e-12:
+            best = (gain, f, b, missing_left)
     return best
 
 
 @pytest.mark.parametrize("rule", [SplitRule(), SplitRule(0.0, 0.0, 1), SplitRule(2.0, 0.5, 5)])
-def test_best_splits_equal_a_bin_by_bin_scan(rule):
-    """The vectorised split search (running sums per feature, each side's score in place) finds the split a
-    bin-by-bin scan finds, with its gain, on histograms with empty bins, sides of no hessian (h sums 0 with
-    lambda 0 and no minimum weight: scored 0) and skipped bins; its running sums are np.cumsum's, bit for bit."""
+@pytest.mark.parametrize("missing", [(), (2, 3)])
+def test_best_splits_equal_a_candidate_by_candidate_scan(rule, missing):
+    """The vectorised split search (running sums per feature, each side's score in place, the missing values'
+    bins scanned on either side) finds the split a candidate-by-candidate scan finds, with its gain, on
+    histograms with empty bins, sides of no hessian (h sums 0 with lambda 0 and no minimum weight: scored 0),
+    skipped bins and missing values; its running sums are np.cumsum's, bit for bit."""
     rng = np.random.default_rng(3)
     off = np.array([0, 5, 6, 40, 41 + 200])  # a feature of one bin (never split), a wide one
     k, total = 7, int(off[-1])
@@ -156,15 +173,18 @@ def test_best_splits_equal_a_bin_by_bin_scan(rule):
         for f in range(len(off) - 1):  # every feature holds every row of the node
             b = off[f] + rows % (off[f + 1] - off[f])
             np.add.at(hist[n, 2], b, 1.0)
-            np.add.at(hist[n, 0], b, rng.normal(size=len(rows)))
+            np.add.at(hist[n, 0], b, rng.normal(size=len(rows)) + (b == off[f + 1] - 1) * (n - 3))
             np.add.at(hist[n, 1], b, np.where(rows % 34 < 3, 0.0, rng.random(len(rows))))  # feature 2: bins 0-2 h = 0
     skip = np.arange(8, 12)
-    gains, features, bins = best_splits(hist, BinLayout(off), rule, skip)
+    gains, features, bins, missing_left = best_splits(
+        hist, BinLayout(off, np.array(missing, dtype=np.int64)), rule, skip
+    )
     for n in range(k):
-        gain, f, b = _best_split_by_hand(hist[n], off, rule, set(skip.tolist()))
-        assert (features[n], bins[n]) == (f, b)
+        gain, f, b, left = _best_split_by_hand(hist[n], off, set(missing), rule, set(skip.tolist()))
+        assert (features[n], bins[n], missing_left[n]) == (f, b, left)
         assert gains[n] == pytest.approx(gain, rel=1e-9) if f >= 0 else gains[n] == -np.inf
     assert (features >= 0).sum() >= k - 1
+    assert missing_left.any() == bool(missing)
     wide = rng.normal(size=(3, 2, 40_000))  # rows wider than one scan call
     for x in (hist, wide, hist[:0]):
         assert np.array_equal(running_sums(x), np.cumsum(x, axis=-1))
@@ -197,7 +217,7 @@ def test_bundled_one_hot_blocks_give_the_histograms_of_their_columns():
 def table_X(rec: Recorded, t: str) -> np.ndarray:
     """Table t's feature matrix over its rows (a sharded table's shards put back in row order)."""
     router = rec.strategy.routers[t]
-    parts = {q: np.asarray(rec.client((t, q)).local.X, dtype=np.float64) for q in router.shards}
+    parts = {q: tree_features(rec.client((t, q))) for q in router.shards}
     return router.gather_all(parts)
 
 
@@ -233,15 +253,28 @@ def assert_same_forest(central: list, federated: list) -> None:
 
 
 @pytest.mark.parametrize(
-    "schema,task",
-    [("star", "regression"), ("snowflake", "regression"), ("snowflake", "binary"), ("star", "multiclass")],
+    "schema,task,extra",
+    [
+        ("star", "regression", ()),
+        ("snowflake", "regression", ()),
+        ("snowflake", "binary", ()),
+        ("star", "multiclass", ()),
+        ("snowflake", "regression", ("+dataset.loader.missing=0.3",)),
+        ("star", "binary", ("+dataset.loader.missing=0.3", *CATEGORIES)),
+    ],
 )
-def test_federated_trees_equal_the_central_reference_on_the_materialized_join(schema, task):
-    rec = Recorded(*small(schema, task))
+def test_federated_trees_equal_the_central_reference_on_the_materialized_join(schema, task, extra):
+    """Also with missing values (30% of every numeric column: each column's own bin, sent left or right by the
+    split) beside native categorical columns."""
+    rec = Recorded(*small(schema, task, *extra))
     s = rec.strategy
     assert s.mapping.n_rows["fact"] < s.mapping.N  # many-to-many: the join duplicates fact rows
     forest, F_eval = central_of(rec)
     assert_same_forest(forest, s.forest)
+    if extra:  # the owners' splits that send missing values left are the central reference's
+        owned = [rec.client((t, 0)).state.get("gbdt.splits") for t in s.tables]
+        left = sum(int((o[:, 4] > 0).sum()) for o in owned if o is not None)
+        assert left == sum(1 for trees in forest for t in trees for n in t.internal() if n.split[2] >= 0) > 0
     assert sum(len(t.internal()) for trees in s.forest for t in trees) > 10
     H = s.label_scale.to_label(F_eval[: s.test.N])
     np.testing.assert_allclose(s.record.test_predictions, H, atol=1e-9, rtol=0)
@@ -446,11 +479,13 @@ def test_split_inputs_must_be_consistent(trained):
             gbdt.gbdt_split(client, {**good, name: value}, {"phase": "gbdt_split"})
 
 
-def test_union_equals_the_join():
+@pytest.mark.parametrize("missing", [(), ("+dataset.loader.missing=0.3",)])
+def test_union_equals_the_join(missing):
     """Over the union (fact and d1 in two shards each) the shards bin on the edges the server merged from their
     sketches (exact here: each shard holds fewer weighted values than the sketch size) and their histograms are
-    summed: the same trees as the central reference on the materialized union, as the join's are."""
-    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1")
+    summed: the same trees as the central reference on the materialized union, as the join's are. Every shard
+    gives each numeric column a bin of missing values (empty where the table has none): the same trees."""
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1", *missing)
     rec = Recorded(*small("star", "regression", *shape), "scenario=ucq")
     s = rec.strategy
     assert s.algorithm == "ucq_gbdt" and set(s.shared_edges) == {"fact", "d1"}

@@ -46,7 +46,7 @@ def test_the_native_split_picks_lightgbms_prefix_on_a_hand_made_node():
     grads = dict(A=-300.0, B=240.0, C=-50.0, D=-100.0, E=330.0, F=26.0, G=-90.0)
     hist, layout, block = node_histogram(rows, grads)
     rule = SplitRule(lambda_l2=0.0, min_child_rows=20)
-    gains, features, bins, sets = best_native_splits(hist, layout, [block], rule, CategoricalRule())
+    gains, features, bins, _, sets = best_native_splits(hist, layout, [block], rule, CategoricalRule())
     names = list(rows)
     assert features[0] == block[0] and bins[0] == -1
     assert [names[j - 1] for j in sets[0]] == ["B", "E"]
@@ -56,11 +56,11 @@ def test_the_native_split_picks_lightgbms_prefix_on_a_hand_made_node():
     # scored every prefix (min_data_per_group 1), A+G still loses to E+B; with E's rows under the per-side
     # minimum the descending scan starts at E+B anyway
     loose = CategoricalRule(min_data_per_group=1)
-    assert [names[j - 1] for j in best_native_splits(hist, layout, [block], rule, loose)[3][0]] == ["B", "E"]
+    assert [names[j - 1] for j in best_native_splits(hist, layout, [block], rule, loose)[4][0]] == ["B", "E"]
     # four categories or fewer: one against the rest (lambda without cat_l2)
     few = dict(A=150, B=120, D=200, E=110)
     hist4, layout4, block4 = node_histogram(few, {k: grads[k] for k in few})
-    gains4, _, _, sets4 = best_native_splits(hist4, layout4, [block4], rule, CategoricalRule())
+    gains4, _, _, _, sets4 = best_native_splits(hist4, layout4, [block4], rule, CategoricalRule())
     n4, g4 = sum(few.values()), sum(grads[k] for k in few)
     one = {k: 0.5 * (grads[k] ** 2 / few[k] + (g4 - grads[k]) ** 2 / (n4 - few[k]) - g4**2 / n4) for k in few}
     best = max(one, key=one.get)
@@ -83,7 +83,7 @@ def test_a_threshold_that_ties_with_a_category_set_loses_to_the_smaller_feature(
             hist[0, s, layout.offsets[f] : layout.offsets[f + 1]] = np.bincount(codes[f] - layout.offsets[f], w, 2)
     rule = SplitRule(lambda_l2=0.0)
     tie = CategoricalRule(cat_l2=0.0)  # the same gain formula as the threshold's
-    gains, features, bins, sets = best_native_splits(hist, layout, [block], rule, tie)
+    gains, features, bins, _, sets = best_native_splits(hist, layout, [block], rule, tie)
     assert features[0] == 0 and bins[0] == -1 and sets[0].tolist() == [1, 4]
     assert np.array_equal(in_set(category_codes(codes, layout, block), block, sets[0]), X[:, 6] > 0.5)
 
@@ -136,7 +136,9 @@ def test_native_federated_trees_equal_the_central_reference_with_categorical_col
         owner = OwnerTrees(rec.client((t, 0)))
         chosen, rows = owner.table("splits"), np.arange(len(owner.codes[0]))[::-1]
         f, k = owner.flat(chosen)
-        sides = owner.codes[f[None, :], rows[:, None]] <= k[None, :]
+        codes = owner.codes[f[None, :], rows[:, None]]
+        missing_bin = owner.layout.offsets[f + 1] - 1  # a split with missing left: its feature's last bin too
+        sides = (codes <= k[None, :]) | ((chosen[:, 4] > 0)[None, :] & (codes == missing_bin[None, :]))
         for j in np.flatnonzero(chosen[:, 2] < 0):
             sides[:, j] = owner.category_sides(int(chosen[j, 1]), owner.split_categories(int(chosen[j, 0])), rows)
         kinds |= set((chosen[:, 2] < 0).tolist())

@@ -27,6 +27,7 @@ from tpflower import registry
 from tpflower.app.client_app import app as deployed_app
 from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.mapping import holdout_mask
+from tpflower.model_part import ModelPart
 from tpflower.records import unpack_reply
 
 #: every registered algorithm that trains a predictor of the label; k-means predicts a cluster id (below)
@@ -106,6 +107,20 @@ def test_a_forest_without_a_split_of_some_table_saves_every_part_and_predicts_th
     record = json.loads((tmp_path / "run" / "model.json").read_text())
     assert {(p["table"], p["shard"]) for p in record["parts"]} == set(strategy.clients)
     rows, ids = held_out_rows(strategy, tmp_path)
+    assert_same_as_the_run(strategy, [(predict_run(tmp_path / "run", rows, **QUIET), ids)])
+
+
+def test_boosted_trees_route_new_rows_missing_values_as_the_run(tmp_path):
+    """Tables with missing values (30% of every numeric column, the label table's too): each owner's part sends
+    a new row's missing value to the side its split chose for them (and its raw thresholds stay numbers), so
+    the held-out rows, read back from a CSV file with empty cells, are scored as the run scored them."""
+    overrides = ("algorithm=gbdt", "dataset=synthetic", "+dataset.loader.missing=0.3", "algorithm.trees=3")
+    strategy = train(tmp_path / "run", *overrides, "algorithm.eval_every=3")
+    rows, ids = held_out_rows(strategy, tmp_path)
+    assert pd.read_csv(rows).isna().any().any()
+    parts = [ModelPart.load(tmp_path / "run" / "node-state", strategy.run_id, t, 0) for t in strategy.tables]
+    assert sum(int(p.missing_left.sum()) for p in parts if p is not None and p.missing_left is not None) > 0
+    assert all(not np.isnan(p.raw_thresholds[~np.isnan(p.thresholds)]).any() for p in parts if p is not None)
     assert_same_as_the_run(strategy, [(predict_run(tmp_path / "run", rows, **QUIET), ids)])
 
 
@@ -469,9 +484,9 @@ def test_flower_engine_prediction_equals_in_process(regression_run, tmp_path):
     "overrides",
     [
         "algorithm=admm dataset=synthetic epochs=2 precision=float64",
-        # boosted trees on tables with a categorical column: threshold and category-set splits
-        "algorithm=gbdt dataset=synthetic +dataset.loader.categories=8 algorithm.trees=5 algorithm.eval_every=5 "
-        "precision=float64",
+        # boosted trees on tables with a categorical column and missing values: threshold and category-set splits
+        "algorithm=gbdt dataset=synthetic +dataset.loader.categories=8 +dataset.loader.missing=0.2 "
+        "algorithm.trees=5 algorithm.eval_every=5 precision=float64",
     ],
     ids=["admm", "gbdt"],
 )

@@ -205,17 +205,17 @@ def best_block_splits(
 
 def best_native_splits(
     hists: np.ndarray, layout: BinLayout, blocks: Sequence[np.ndarray], rule: SplitRule, cat: CategoricalRule
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray | None]]:
-    """(gain, feature, bin, categories) of each node's best split: the other features' thresholds
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray | None]]:
+    """(gain, feature, bin, missing_left, categories) of each node's best split: the other features' thresholds
     (tpflower.trees.best_splits without the blocks' columns) or a block's category set (feature: the block's
     first column, bin -1, categories: the columns of the categories going left; None for a threshold). Ties:
     the smallest feature."""
     k = hists.shape[0]
     skip = np.concatenate([np.arange(layout.offsets[b[0]], layout.offsets[b[-1] + 1]) for b in blocks] or [[]])
-    gains, features, bins = best_splits(hists, layout, rule, skip.astype(np.int64))
+    gains, features, bins, missing_left = best_splits(hists, layout, rule, skip.astype(np.int64))
     sets: list[np.ndarray | None] = [None] * k
     if not blocks:
-        return gains, features, bins, sets
+        return gains, features, bins, missing_left, sets
     found = best_block_splits(hists, layout, blocks, rule, cat)
     cand_gain = np.column_stack([gains, *(g for g, _ in found)])  # (k, 1 + blocks)
     cand_feature = np.column_stack([features, *(np.full(k, b[0]) for b in blocks)])
@@ -225,7 +225,8 @@ def best_native_splits(
     c = np.argmin(np.where(tied, cand_feature, np.iinfo(np.int64).max), axis=1)
     for n in np.flatnonzero(any_found & (c > 0)):
         gains[n], features[n], bins[n], sets[n] = cand_gain[n, c[n]], blocks[c[n] - 1][0], -1, found[c[n] - 1][1][n]
-    return gains, features, bins, sets
+        missing_left[n] = False
+    return gains, features, bins, missing_left, sets
 
 
 def set_sides(block: np.ndarray, chosen: np.ndarray) -> np.ndarray:

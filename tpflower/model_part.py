@@ -71,6 +71,9 @@ class ModelPart:
     category_values: np.ndarray | None = None
     # the gain of each split (Chen & Guestrin Eq. 7), as the owner answered it: the table's own importance
     split_gains: np.ndarray | None = None
+    # per split, whether a row missing the split's numeric value goes left (else right); None (a part saved
+    # before trees kept missing values): missing values are filled with the median, as preprocessing does
+    missing_left: np.ndarray | None = None
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -108,6 +111,8 @@ class ModelPart:
             arrays["raw_thresholds"] = np.asarray(self.raw_thresholds, dtype=np.float64)
             if self.split_gains is not None:
                 arrays["split_gains"] = np.asarray(self.split_gains, dtype=np.float64)
+            if self.missing_left is not None:
+                arrays["missing_left"] = np.asarray(self.missing_left, dtype=bool)
         if self.category_splits is not None:
             arrays["category_splits"] = np.asarray(self.category_splits, dtype=np.int64)
             arrays["category_values"] = np.asarray(self.category_values, dtype=str)
@@ -127,7 +132,9 @@ class ModelPart:
             edges = {k: z[f"edges.{k}"] for k in meta["bins"]}
             centres = z["centres"] if meta.get("centres") else None
             trees = {k: z[k] for k in ("splits", "thresholds", "raw_thresholds")} if meta.get("splits") else {}
-            trees.update({k: z[k] for k in ("category_splits", "category_values", "split_gains") if k in z.files})
+            trees.update(
+                {k: z[k] for k in ("category_splits", "category_values", "split_gains", "missing_left") if k in z.files}
+            )
         return cls(
             run_id=meta["run_id"],
             algorithm=meta["algorithm"],
@@ -159,6 +166,8 @@ class ModelPart:
         transform as training's, row by row), in the run's precision."""
         pre = TablePreprocessor.from_stats(self.numeric, self.categorical, table=self.table, **self.preprocessing)
         X = pre.transform(frame)
+        if self.missing_left is not None:  # boosted trees route a missing value by its split's side for them
+            X = pre.with_missing(X, frame)
         if self.bin_edges:
             X = np.concatenate([X, bin_transform(frame, self.bin_edges, table=self.table)], axis=1)
         if X.shape[1] != self.width:
@@ -209,7 +218,10 @@ class ModelPart:
         training decided it (a training row's bin <= b iff its value <= the bin's edge)."""
         assert self.splits is not None and self.thresholds is not None
         X = np.asarray(X, dtype=np.float64)
-        sides = X[:, self.splits[:, 1]] <= self.thresholds[None, :]  # NaN (a category split): False
+        values = X[:, self.splits[:, 1]]
+        sides = values <= self.thresholds[None, :]  # NaN (a category split, a missing value): False
+        if self.missing_left is not None:  # a missing value goes where its split sends them
+            sides |= np.isnan(values) & self.missing_left[None, :]
         for j in np.flatnonzero(np.isnan(self.thresholds)):
             assert self.category_splits is not None
             chosen = self.category_splits[self.category_splits[:, 0] == self.splits[j, 0], 1]

@@ -224,6 +224,24 @@ class TablePreprocessor:
             if len(set(cats)) != len(cats):
                 raise SpecError(f"table {self.table!r}: categories of column {col!r} are not unique: {cats}")
 
+    def missing(self, frame: pd.DataFrame) -> np.ndarray:
+        """Which values of the numeric columns are missing (NaN), rows x numeric columns: the entries that
+        :meth:`transform` fills with the median."""
+        out = np.zeros((len(frame), len(self.numeric)), dtype=bool)
+        for k, col in enumerate(self.numeric):
+            column = self._numeric_column(frame, col)
+            if column.dtype.kind == "f":
+                out[:, k] = np.isnan(column)
+        return out
+
+    def with_missing(self, X: np.ndarray, frame: pd.DataFrame) -> np.ndarray:
+        """:meth:`transform`'s features ``X`` of ``frame``'s rows in float64 (a copy) with the numeric columns'
+        missing values kept missing (NaN) instead of the median: boosted trees give them a bin of their own."""
+        X = np.array(X, dtype=np.float64)
+        missing = self.missing(frame)
+        X[:, : missing.shape[1]][missing] = np.nan
+        return X
+
     def observed_values(self, frame: pd.DataFrame, col: str, positions: np.ndarray | None) -> np.ndarray:
         """The non-missing values of numeric column ``col`` on the fit rows ``positions`` (None: all rows)."""
         column = self._numeric_column(frame, col)

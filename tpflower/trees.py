@@ -37,7 +37,7 @@ def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndar
     between consecutive distinct values."""
     values = np.asarray(values, dtype=np.float64)
     weights = np.asarray(weights, dtype=np.float64)
-    live = weights > 0
+    live = (weights > 0) & ~np.isnan(values)  # a missing value has a bin of its own (column_edges)
     v, inv = np.unique(values[live], return_inverse=True)
     if len(v) <= 1:
         return np.zeros(0)
@@ -59,9 +59,21 @@ def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndar
     return (v[k] + v[k + 1]) / 2
 
 
-def column_edges(X: np.ndarray, weights: np.ndarray, max_bins: int) -> list[np.ndarray]:
-    """:func:`bin_edges` of every column of ``X`` (rows weighted by ``weights``)."""
-    return [bin_edges(X[:, f], weights, max_bins) for f in range(X.shape[1])]
+def column_edges(
+    X: np.ndarray, weights: np.ndarray, max_bins: int, missing: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """:func:`bin_edges` of every column of ``X`` (rows weighted by ``weights``); a column with a missing
+    value (NaN) on a row of weight > 0 (``missing``: these columns instead) ends its edges with NaN: one more
+    bin, the last, holds its missing values (XGBoost's sparsity-aware split finding, Chen & Guestrin Alg. 3:
+    :func:`best_splits` sends them to either side)."""
+    if missing is None:
+        missing = np.isnan(X[np.asarray(weights) > 0]).any(axis=0)
+    return [
+        np.append(bin_edges(X[:, f], weights, max_bins), np.nan)
+        if missing[f]
+        else bin_edges(X[:, f], weights, max_bins)
+        for f in range(X.shape[1])
+    ]
 
 
 @dataclass(frozen=True)
@@ -70,19 +82,24 @@ class BinLayout:
     offsets[f + 1] - 1 (len(edges[f]) + 1 bins each), so a node's histogram is one vector per statistic."""
 
     offsets: np.ndarray
+    missing: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # features with a missing bin
 
     @classmethod
     def of(cls, edges: Sequence[np.ndarray]) -> BinLayout:
-        return cls(np.concatenate([[0], np.cumsum([len(e) + 1 for e in edges])]).astype(np.int64))
+        """The layout of features binned on ``edges`` (a trailing NaN edge: the feature's last bin holds its
+        missing values, :func:`column_edges`)."""
+        offsets = np.concatenate([[0], np.cumsum([len(e) + 1 for e in edges])]).astype(np.int64)
+        missing = np.array([f for f, e in enumerate(edges) if len(e) and np.isnan(e[-1])], dtype=np.int64)
+        return cls(offsets, missing)
 
     @property
     def total(self) -> int:
         return int(self.offsets[-1])
 
     @cached_property
-    def first_bins(self) -> np.ndarray:
-        """Each flat bin's feature's first bin."""
-        return np.repeat(self.offsets[:-1], np.diff(self.offsets))
+    def scan(self) -> SplitScan:
+        """The bins :func:`best_splits` scans (:class:`SplitScan`)."""
+        return SplitScan.of(self)
 
 
 def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
@@ -91,7 +108,11 @@ def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
     layout = BinLayout.of(edges)
     codes = np.empty((len(edges), X.shape[0]), dtype=np.uint16 if layout.total < 2**16 else np.int32)
     for f, e in enumerate(edges):
-        codes[f] = np.searchsorted(e, X[:, f], side="left") + layout.offsets[f]
+        if len(e) and np.isnan(e[-1]):  # the last bin: the missing values
+            found = np.searchsorted(e[:-1], X[:, f], side="left")
+            codes[f] = np.where(np.isnan(X[:, f]), len(e), found) + layout.offsets[f]
+        else:  # (a missing value, where no training row had one: the last bin, right of every split)
+            codes[f] = np.searchsorted(e, X[:, f], side="left") + layout.offsets[f]
     return codes
 
 
@@ -301,19 +322,51 @@ def running_sums(x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape)
 
 
+@dataclass(frozen=True)
+class SplitScan:
+    """The bins :func:`best_splits` scans: the layout's own (a feature's missing bin last: missing values go
+    right), then, for each feature with a missing bin, its bins again with the missing bin first (missing
+    values go left), as XGBoost's sparsity-aware split finding tries both default directions (Chen & Guestrin
+    Alg. 3). ``order``: the layout's flat bins in scan order (None: the layout's own), ``offsets`` and each
+    scanned bin's feature's first bin, ``no_split``: the scanned bins that split nothing off (a feature's last;
+    a second view's first, missing values alone left: the first view's "every value left")."""
+
+    order: np.ndarray | None
+    offsets: np.ndarray
+    first_bins: np.ndarray
+    no_split: np.ndarray
+    n_features: int
+    missing: np.ndarray
+
+    @classmethod
+    def of(cls, layout: BinLayout) -> SplitScan:
+        off = layout.offsets
+        views = [np.r_[off[f + 1] - 1, off[f] : off[f + 1] - 1] for f in layout.missing]
+        offsets = np.concatenate([off, off[-1] + np.cumsum([len(v) for v in views], dtype=np.int64)])
+        no_split = np.concatenate([offsets[1:] - 1, offsets[len(off) - 1 : -1]])
+        order = np.concatenate([np.arange(off[-1]), *views]) if views else None
+        first_bins = np.repeat(offsets[:-1], np.diff(offsets))
+        return cls(order, offsets, first_bins, no_split, len(off) - 1, layout.missing)
+
+
 def best_splits(
     hists: np.ndarray, layout: BinLayout, rule: SplitRule, skip: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(gain, feature, bin) of the best split "bin <= b goes left" of each node from its flat histogram
-    (hists: (k, 3, total)): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin Eq. 7);
-    ties (:func:`first_best`) go to the smallest feature, then the smallest bin. A node without a valid split
-    gets (-inf, -1, -1). ``skip``: flat bins that are no split (native categorical blocks, tpflower.categorical).
-    Each side's score is :func:`score`'s, bit for bit (computed in place: a few passes over (k, total))."""
-    off = layout.offsets
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(gain, feature, bin, missing_left) of the best split "bin <= b goes left" of each node from its flat
+    histogram (hists: (k, 3, total)): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin
+    Eq. 7). A feature with a missing bin (its last) splits with its missing values right, or left
+    (``missing_left``: value bins up to b and the missing ones left; :class:`SplitScan`). Ties
+    (:func:`first_best`) go to missing right, the smallest feature, then the smallest bin. A node without a valid
+    split gets (-inf, -1, -1, False). ``skip``: flat bins that are no split (native categorical blocks,
+    tpflower.categorical). Each side's score is :func:`score`'s, bit for bit (computed in place)."""
+    scan = layout.scan
+    if scan.order is not None:
+        hists = hists[:, :, scan.order]
+    off = scan.offsets
     k = hists.shape[0]
     left = running_sums(hists)
     total = left[:, :, off[1] - 1].copy()  # (k, 3): every feature's bins add up to the node
-    before = np.concatenate([np.zeros((k, 3, 1)), left], axis=2).take(layout.first_bins, axis=2)
+    before = np.concatenate([np.zeros((k, 3, 1)), left], axis=2).take(scan.first_bins, axis=2)
     left -= before  # the left side of "bin <= b" within its feature: its bins up to b
     right = total[:, :, None] - left
     lam, min_weight, min_rows = rule.lambda_l2, rule.min_child_weight, rule.min_child_rows
@@ -322,7 +375,7 @@ def best_splits(
     ok &= right[:, 2] >= min_rows
     ok &= left[:, 1] >= min_weight
     ok &= right[:, 1] >= min_weight
-    ok[:, off[1:] - 1] = False  # "bin <= last bin" is no split
+    ok[:, scan.no_split] = False
     if skip is not None:
         ok[:, skip] = False
     with np.errstate(divide="ignore", invalid="ignore"):  # where H + lambda <= 0: fixed below or masked
@@ -338,11 +391,17 @@ def best_splits(
     gain -= score(total[:, 0], total[:, 1], lam)[:, None]
     gain *= 0.5
     gain[~ok] = -np.inf
-    # per node the first flat bin (smallest feature, then smallest bin) that ties with its best (first_best)
+    # per node the first scanned bin (missing right, smallest feature, smallest bin) that ties with its best
     j, found = first_best_rows(gain)
     features = np.searchsorted(off, j, side="right") - 1
     gains = np.where(found, gain[np.arange(k), j], -np.inf)
-    return gains, np.where(found, features, -1), np.where(found, j - off[features], -1)
+    bins = j - off[features]
+    missing_left = found & (features >= scan.n_features)
+    if missing_left.any():  # a second view's bin c: the missing values and value bins 0..c-1 left
+        view = np.maximum(features - scan.n_features, 0)
+        features = np.where(missing_left, scan.missing[np.minimum(view, len(scan.missing) - 1)], features)
+        bins = np.where(missing_left, bins - 1, bins)
+    return gains, np.where(found, features, -1), np.where(found, bins, -1), missing_left
 
 
 # ---------------------------------------------------------------------------------------------- losses
@@ -399,7 +458,9 @@ class Candidate:
     gain: float
     table: str
     left: Callable[[np.ndarray], np.ndarray]
-    split: tuple[int, int] = (-1, -1)  # (feature, bin) where the evaluator knows it (the central reference)
+    # where the evaluator knows it (the central reference): (feature, flat code k, flat missing bin or -1): the
+    # rows whose code is <= k (or the missing bin) go left
+    split: tuple[int, ...] = (-1, -1, -1)
     categories: np.ndarray | None = None  # a native categorical split's left columns (the central reference)
 
 
@@ -418,7 +479,7 @@ class Node:
     candidate: Candidate | None = None
     # set once split: the table whose split it is, and its children's node ids
     table: str = ""
-    split: tuple[int, int] = (-1, -1)
+    split: tuple[int, ...] = (-1, -1, -1)
     children: tuple[int, int] = (-1, -1)
     value: float = 0.0
     categories: np.ndarray | None = None  # where the evaluator knows it: the left columns of a categorical split

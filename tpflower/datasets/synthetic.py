@@ -35,6 +35,8 @@ features correlated with the fact table's (the case where block methods slow dow
 a regression label (other units); ``imbalance`` k lowers class c's multiclass score by k c (imbalanced classes).
 ``categories`` k > 0: every table's last feature column x{w-1} is replaced by a categorical column ``c`` of k
 levels (its k equal-probability bins under N(0, 1), named in a random order): the label still depends on it.
+``missing`` m in [0, 1): after the label is planted, each numeric feature value is missing (NaN) with
+probability m, independently (the label still depends on the lost value).
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def describe(
     correlation: float = 0.0,  # generate() only
     imbalance: float = 0.0,  # generate() only
     categories: int = 0,
+    missing: float = 0.0,  # generate() only
 ) -> dict[str, Any]:
     """The spec parts (tables, label, joins) matching :func:`generate` called with the same arguments.
 
@@ -300,6 +303,7 @@ def generate(
     correlation: float = 0.0,
     imbalance: float = 0.0,
     categories: int = 0,
+    missing: float = 0.0,
 ) -> dict[str, pd.DataFrame]:
     """Generate the tables (see the module docstring); deterministic in ``seed``, vectorized throughout.
 
@@ -322,6 +326,8 @@ def generate(
         raise SpecError(f"synthetic: multiclass needs n_classes >= 2, got {n_classes}")
     if not 0.0 <= float(correlation) < 1.0:
         raise SpecError(f"synthetic: correlation must be in [0, 1), got {correlation}")
+    if not 0.0 <= float(missing) < 1.0:
+        raise SpecError(f"synthetic: missing must be in [0, 1), got {missing}")
     wanted = list(lay.names) if tables is None else list(tables)
     unknown = [t for t in wanted if t not in lay.names]
     if unknown:
@@ -384,6 +390,11 @@ def generate(
         cols.update({f"x{k}": d.features[k] for k in range(lay.widths[t])})
         if int(categories) > 0 and lay.widths[t] > 0:
             cols["c"] = _categories(cols.pop(f"x{lay.widths[t] - 1}"), int(categories), seed, t)
+        if float(missing) > 0:  # after the label is planted: the values were there, the table lost them
+            blank = np.random.default_rng([int(seed), 2000 + t])
+            for k in range(lay.widths[t]):
+                if f"x{k}" in cols:
+                    cols[f"x{k}"][blank.random(len(cols[f"x{k}"])) < float(missing)] = np.nan
         if t == 0:
             cols["y"] = y
         frames[name] = pd.DataFrame(cols, copy=False)

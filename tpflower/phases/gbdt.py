@@ -203,7 +203,7 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str 
 
 class OwnerTrees:
     """What the owner keeps of a run: its bin edges and codes, its proposals of the current boosting round
-    (rows of node id, feature, bin and the gain's float64 bits), the splits the server took (its part of the
+    (rows of node id, feature, bin, the gain's float64 bits, missing left), the splits the server took (its part of the
     model) and the histograms of the nodes still open (for subtraction). Edges, proposals and splits live in
     ``context.state``; codes and histograms are caches in the node's memory (rebuilt from the edges; a missing
     parent histogram is built from rows)."""
@@ -233,7 +233,7 @@ class OwnerTrees:
     @property
     def codes(self) -> np.ndarray:
         if "codes" not in self.cache:
-            self.cache["codes"] = bin_codes(np.asarray(self.client.local.X, dtype=np.float64), self.edges)
+            self.cache["codes"] = bin_codes(tree_features(self.client), self.edges)
         return self.cache["codes"]
 
     @property
@@ -245,7 +245,7 @@ class OwnerTrees:
 
     def table(self, name: str) -> np.ndarray:
         value = self.state.get(f"gbdt.{name}")
-        return np.zeros((0, 4), dtype=np.int64) if value is None else value
+        return np.zeros((0, 5), dtype=np.int64) if value is None else value
 
     def accept(self, won: np.ndarray) -> None:
         """The proposals the server took become splits of the model (split id = node id)."""
@@ -309,13 +309,22 @@ class OwnerTrees:
         return np.zeros(0, dtype=np.int64) if rows is None else rows[rows[:, 0] == split, 1]
 
 
+def tree_features(client: TableClient) -> np.ndarray:
+    """The table's features as the trees bin them: the preprocessed features in float64 with the numeric
+    columns' missing values kept missing (NaN: their own bin, tpflower.trees.column_edges) instead of the
+    median that preprocessing fills in."""
+    local = client.local
+    assert local.preprocessor is not None
+    return local.preprocessor.with_missing(local.X, client.data.rows)
+
+
 def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """Bin every feature column on quantiles weighted by G_iu (tpflower.trees.bin_edges); keep the edges. A shard
     of a sharded table keeps no edges of its own: it answers, per feature column, a rank sketch of its
     G-weighted values (block maxima with block weights, as federated preprocessing's; exact with at most
     DEFAULT_SKETCH_SIZE values), and the server's merged edges come back in ``gbdt_edges``."""
     G = check_inputs(client, "gbdt_bins", arrays)["G"]
-    X = np.asarray(client.local.X, dtype=np.float64)
+    X = tree_features(client)
     client.output_width(config)
     if not client.settings.federated_prep:
         nb = int(client.settings.algorithm.max_bins)
@@ -331,7 +340,11 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
             f"{live} rows",
         )
     reps = G.astype(np.int64)
-    sketches = [RankSketch.build(np.repeat(X[:, f], reps), DEFAULT_SKETCH_SIZE) for f in range(X.shape[1])]
+    observed = ~np.isnan(X)  # missing values take no part in the edges (each numeric column's own bin)
+    sketches = [
+        RankSketch.build(np.repeat(X[observed[:, f], f], reps[observed[:, f]]), DEFAULT_SKETCH_SIZE)
+        for f in range(X.shape[1])
+    ]
     return {
         "values": np.concatenate([sk.values for sk in sketches]) if sketches else np.zeros(0),
         "weights": np.concatenate([sk.weights for sk in sketches]) if sketches else np.zeros(0, dtype=np.int64),
@@ -348,7 +361,11 @@ def gbdt_edges(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     parts = np.split(a["edges"], np.cumsum(a["sizes"])[:-1])
     if any((np.diff(e) <= 0).any() for e in parts):
         raise _refuse(client, "gbdt_edges", "the edges of a column are not increasing")
-    client.state.put_list("gbdt.edges", parts)
+    # every shard gives each numeric column a bin of missing values, whether its own rows have any or not: the
+    # shards' histograms add up bin by bin, and no shard tells whether it has missing values
+    assert client.local.preprocessor is not None
+    n_numeric = len(client.local.preprocessor.numeric)
+    client.state.put_list("gbdt.edges", [np.append(e, np.nan) if f < n_numeric else e for f, e in enumerate(parts)])
     return {}, {}
 
 
@@ -367,7 +384,7 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
     codes, layout = owner.codes, owner.layout
     hists: dict[int, np.ndarray] = owner.cache.setdefault("hists", {})
     if (a["parent"] < 0).any():  # a new boosting round: the last round's proposals and histograms are done
-        client.state.put("gbdt.proposals", np.zeros((0, 4), dtype=np.int64))
+        client.state.put("gbdt.proposals", np.zeros((0, 5), dtype=np.int64))
         hists.clear()
     nodes, parents = a["nodes"].tolist(), a["parent"].tolist()
     joined = node_totals(a["C"], a["sizes"])  # each node's joined rows
@@ -421,11 +438,11 @@ def answer(
     blocks, sets = owner.blocks, None
     if blocks:  # native categorical splits (tpflower.categorical)
         cat = client.settings.algorithm.categorical_rule
-        gains, features, bins, sets = categorical.best_native_splits(
+        gains, features, bins, missing_left, sets = categorical.best_native_splits(
             np.stack([hists[n] for n in nodes]), layout, blocks, rule, cat
         )
     else:
-        gains, features, bins = best_splits(np.stack([hists[n] for n in nodes]), layout, rule)
+        gains, features, bins, missing_left = best_splits(np.stack([hists[n] for n in nodes]), layout, rule)
     bits = np.zeros(len(rows), dtype=bool)  # no split: every bit 0
     found = features >= 0
     for i in np.flatnonzero(found):
@@ -433,10 +450,16 @@ def answer(
         if sets is not None and sets[i] is not None:  # a category split: "the row's category is in the set"
             bits[at] = owner.category_sides(int(features[i]), sets[i], rows[at])
         else:
-            bits[at] = codes[features[i]].take(rows[at]) <= layout.offsets[features[i]] + bins[i]
+            f = features[i]
+            code = codes[f].take(rows[at])
+            bits[at] = code <= layout.offsets[f] + bins[i]
+            if missing_left[i]:  # the feature's last bin: its missing values
+                bits[at] |= code == layout.offsets[f + 1] - 1
     if found.any():  # the gain kept as its float64 bits in the int64 table (the owner's importance: model parts)
         gain_bits = gains[found].astype(np.float64).view(np.int64)
-        proposals = np.stack([np.array(nodes)[found], features[found], bins[found], gain_bits], axis=1)
+        proposals = np.stack(
+            [np.array(nodes)[found], features[found], bins[found], gain_bits, missing_left[found]], axis=1
+        )
         client.state.put("gbdt.proposals", np.concatenate([owner.table("proposals"), proposals]))
     if sets is not None:
         owner.propose_categories(np.array(nodes), sets)
@@ -490,12 +513,12 @@ def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     at = {int(n): i for i, n in enumerate(splits[:, 0])}
     if any(int(s) not in at for s in a["splits"]):
         raise _refuse(client, "gbdt_route", "splits names a split this table does not hold")
-    chosen = splits[np.array([at[int(s)] for s in a["splits"]], dtype=np.int64), :3]
+    chosen = splits[np.array([at[int(s)] for s in a["splits"]], dtype=np.int64)]
     return {"bits": route_bits(owner, chosen, a["rows"])}, {}
 
 
 def route_bits(owner: OwnerTrees, chosen: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The side of each of ``rows`` at each split ``chosen`` (rows of node, feature, bin), packed row-major:
+    """The side of each of ``rows`` at each split ``chosen`` (rows of the splits table), packed row-major:
     (len(rows), ceil(len(chosen) / 8)) bytes, as np.packbits(sides, axis=1). A row's side at every split on
     one feature depends only on its bin (its category for a category split), so per feature the packed sides
     of each bin are computed once and each row takes its bin's bytes: one gather per feature, not one
@@ -515,6 +538,7 @@ def route_bits(owner: OwnerTrees, chosen: np.ndarray, rows: np.ndarray) -> np.nd
             lo, hi = layout.offsets[feature], layout.offsets[feature + 1]
             sides = np.zeros((hi - lo, width), dtype=bool)
             sides[:, on] = np.arange(hi - lo)[:, None] <= chosen[on, 2][None, :]
+            sides[-1, on] |= chosen[on, 4] > 0  # missing left: the feature's last bin, its missing values
             at = owner.codes[feature].take(rows) - lo
         out |= np.packbits(sides, axis=1)[at]
     return out

@@ -68,7 +68,7 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     theta, centres = kept_theta(client, config), client.state.get("kmeans.C")
     trees = client.state.get("gbdt.splits")
     if trees is None and client.state.get_list("gbdt.edges") is not None:  # boosted trees: no split of it won
-        trees = np.zeros((0, 4), dtype=np.int64)
+        trees = np.zeros((0, 5), dtype=np.int64)
     if s.owner.state_dir is None or (theta is None and centres is None and trees is None) or run_id is None:
         return {}, {"part": ""}
     if str(config.get("run_id", run_id)) != str(run_id):
@@ -98,12 +98,14 @@ def save_part(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
 
 
 def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarray]:
-    """Boosted trees: the table's splits (rows of split id, feature, bin, the gain's float64 bits) in id order,
-    (split id, feature) with the threshold (the edge of the split's bin) in preprocessed and in raw units (numeric
-    columns: x std + mean; a one-hot column keeps 0.5) and the split's gain."""
+    """Boosted trees: the table's splits (rows of split id, feature, bin, the gain's float64 bits, missing left)
+    in id order, (split id, feature) with the threshold (the edge of the split's bin; every value left of a
+    split that sends only the missing ones right: inf) in preprocessed and in raw units (numeric columns: x std
+    + mean; a one-hot column keeps 0.5), the split's gain and the side of a missing value."""
     splits = np.asarray(splits, dtype=np.int64)[np.argsort(np.asarray(splits)[:, 0], kind="stable")]
     edges = client.state.get_list("gbdt.edges") or []
-    thr = np.array([edges[f][b] if b >= 0 else np.nan for _, f, b, _ in splits], dtype=np.float64)
+    thr = np.array([edges[f][b] if b >= 0 else np.nan for _, f, b, *_ in splits], dtype=np.float64)
+    thr[(splits[:, 2] >= 0) & np.isnan(thr)] = np.inf  # the missing values' edge (tpflower.trees.column_edges)
     local = client.local
     assert local.preprocessor is not None
     stats = local.preprocessor.stats()
@@ -117,6 +119,7 @@ def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarra
         "thresholds": thr,
         "raw_thresholds": raw,
         "split_gains": splits[:, 3].view(np.float64).copy(),
+        "missing_left": splits[:, 4] > 0,
         **saved_categories(client),
     }
 
