@@ -413,9 +413,7 @@ class CentralizedGBDT(Centralized):
         # table rows' bins
         edges, codes, test_codes = {}, {}, {}
         for t in rel.spec.table_names:
-            pre = rel.tables[t].preprocessor
-            assert pre is not None
-            X_t = pre.with_missing(rel.tables[t].X, rel.frames[t])  # missing values: their own bin, as the owners'
+            X_t = rel.features(t, keep_missing=True)  # missing values: their own bin, as the owners'
             G_t = np.bincount(rel.train.p[t], minlength=len(X_t))
             edges[t] = column_edges(X_t, G_t, params.max_bins)
             table_codes = bin_codes(X_t, edges[t])

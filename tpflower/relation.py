@@ -45,12 +45,25 @@ class Relation:
         assert self.label.y is not None
         return self.label.y[mapping.p[self.spec.label_table]]
 
-    def joined_features(self, mapping: TableMapping, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
-        """The materialized join's features for ``rows`` of ``mapping``: [X_1[p_1] | ... | X_M[p_M]].
+    def features(self, table: str, keep_missing: bool = False) -> np.ndarray:
+        """A table's preprocessed features X_i; ``keep_missing``: in float64 with its numeric columns' missing
+        values kept missing (NaN), as boosted trees bin them (TablePreprocessor.with_missing)."""
+        local = self.tables[table]
+        if not keep_missing:
+            return local.X
+        assert local.preprocessor is not None
+        return local.preprocessor.with_missing(local.X, self.frames[table])
+
+    def joined_features(
+        self, mapping: TableMapping, rows: np.ndarray | slice = slice(None), keep_missing: bool = False
+    ) -> np.ndarray:
+        """The materialized join's features for ``rows`` of ``mapping``: [X_1[p_1] | ... | X_M[p_M]]
+        (``keep_missing``: :meth:`features`').
 
         Centralized baseline and reference checks only.
         """
-        return np.concatenate([self.tables[t].X[mapping.p[t][rows]] for t in self.spec.table_names], axis=1)
+        parts = [self.features(t, keep_missing)[mapping.p[t][rows]] for t in self.spec.table_names]
+        return np.concatenate(parts, axis=1)
 
 
 def summary_line(spec: RelationalSpec, mapping: TableMapping) -> str:

@@ -30,7 +30,8 @@ DATASETS = ("nycflights13", "nycflights13_delayed", "movielens")
 
 
 def lightgbm_case(data: str, trees: int) -> dict[str, Any]:
-    """LightGBM on the materialized join (the relation's preprocessed features, train rows), gbdt's settings."""
+    """LightGBM on the materialized join (the relation's preprocessed features with their missing values, as
+    gbdt bins them; train rows), gbdt's settings."""
     import lightgbm as lgb  # noqa: PLC0415  dev/bench extra
 
     from strategies.centralized import label_scale_of  # noqa: PLC0415
@@ -44,7 +45,7 @@ def lightgbm_case(data: str, trees: int) -> dict[str, Any]:
     p = GBDTParams.from_cfg(cfg.algorithm)
     rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
     task = rel.spec.label.task
-    X, Xt = rel.joined_features(rel.train), rel.joined_features(rel.test)
+    X, Xt = (rel.joined_features(m, keep_missing=True) for m in (rel.train, rel.test))
     scale = label_scale_of(cfg, rel)
     y = scale.scaled(rel.labels(rel.train))
     objective = {"regression": "regression", "binary": "binary", "multiclass": "multiclass"}[task]
