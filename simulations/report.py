@@ -1504,7 +1504,8 @@ def gbdt() -> str | None:
             (
                 "## Boosted trees over the join against central LightGBM\n\n"
                 f"{d['trees']} trees each, side by side in one sitting (load average {d['load']:.1f} at the end): "
-                "LightGBM 4.7 (2 threads) on the materialized join's training rows with gbdt's leaves, bins, "
+                "LightGBM 4.7 (2 threads) on the materialized join's training rows (their missing values as NaN, "
+                "LightGBM's own missing values) with gbdt's leaves, bins, "
                 "learning rate, lambda and minimum leaf rows; gbdt in-process (and under Flower's simulation "
                 "engine, and on a secure deployment) with the shipped defaults, wall time after setup. Round trips "
                 "and MB (both ways) per tree. LightGBM's OpenMP threads slow down sharply on a shared, loaded "

@@ -5,7 +5,8 @@ and the central reference (strategies/centralized.py, ``algorithm.solver=gbdt``)
 
 * Binning (:func:`bin_edges`, :func:`bin_codes`): weighted quantiles of one column, the weight of a table row
   being G_iu (how often it occurs in the training join), so the owner's edges equal the central edges of the
-  joined column (the weights are aggregated per distinct value either way).
+  joined column (the weights are aggregated per distinct value either way); missing values in a bin of their
+  own (:func:`column_edges`), sent to either side by the split search (Chen & Guestrin Alg. 3).
 * Split finding (:func:`histograms`, :func:`best_splits`): per node, the per-bin sums of g, h and the row count,
   and the best (gain, feature, bin) with the tie rule smallest feature, then smallest bin.
 * Growth (:func:`grow_forest`): best-first growth of the d_c trees of one boosting round over the server's
@@ -23,7 +24,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-MAX_BINS = 256  # at most this many bins per feature
+MAX_BINS = 256  # at most this many bins of values per feature (a bin of missing values besides)
 
 
 def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndarray:
@@ -68,12 +69,8 @@ def column_edges(
     :func:`best_splits` sends them to either side)."""
     if missing is None:
         missing = np.isnan(X[np.asarray(weights) > 0]).any(axis=0)
-    return [
-        np.append(bin_edges(X[:, f], weights, max_bins), np.nan)
-        if missing[f]
-        else bin_edges(X[:, f], weights, max_bins)
-        for f in range(X.shape[1])
-    ]
+    edges = [bin_edges(X[:, f], weights, max_bins) for f in range(X.shape[1])]
+    return [np.append(e, np.nan) if missing[f] else e for f, e in enumerate(edges)]
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ join; server: strategies/gbdt.py; shared math: tpflower/trees.py).
                                                         of its rows (``sizes`` rows per node, concatenated);
                                                         the table's best split gain per node (-inf: none) and,
                                                         packed, one side bit per (node, row): its proposal's
-                                                        "x_f <= threshold" (or "its category is in the set":
-                                                        tpflower.categorical). ``won``: the nodes whose split the
+                                                        "x_f <= threshold" (a missing x_f: the side the split
+                                                        chose for them), or "its category is in the set"
+                                                        (tpflower.categorical). ``won``: the nodes whose split the
                                                         server took from this table since the last message:
                                                         they join the table's model
   gbdt_route {rows, splits, won}                        -> {bits}: the side of each row ``rows`` at each of its
