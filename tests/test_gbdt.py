@@ -24,6 +24,7 @@ from tpflower.losses import metrics
 from tpflower.model_part import ModelPart
 from tpflower.owner import simulation_secret
 from tpflower.phases.gbdt import GBDTParams, tree_features
+from tpflower.phases.predict import saved_splits
 from tpflower.relation import load_relation
 from tpflower.results import read_results
 from tpflower.trees import (
@@ -477,6 +478,26 @@ def test_split_inputs_must_be_consistent(trained):
     ]:
         with pytest.raises(ProtocolRefusal, match=problem):
             gbdt.gbdt_split(client, {**good, name: value}, {"phase": "gbdt_split"})
+
+
+def test_a_saved_split_of_every_value_against_the_missing_ones_has_threshold_inf():
+    """The split "every value left, only the missing ones right" (the plain scan's last split of a column with
+    missing values) is saved with threshold inf in both units, so a new row's value goes left and its missing
+    value right; "value bins up to b and the missing values left" keeps the bin's edge and sends a missing value
+    left."""
+    rec = Recorded(*small("star", "regression", "+dataset.loader.missing=0.3"))
+    client = rec.client(("fact", 0))
+    edges = client.state.get_list("gbdt.edges")
+    f = next(f for f, e in enumerate(edges) if len(e) and np.isnan(e[-1]))  # a column with a missing bin
+    last = len(edges[f]) - 1  # its last bin of values
+    gain = np.float64(1.0).view(np.int64)
+    saved = saved_splits(client, np.array([[900, f, last, gain, 0], [901, f, 0, gain, 1]], dtype=np.int64))
+    assert np.isinf(saved["thresholds"][0]) and np.isinf(saved["raw_thresholds"][0])
+    assert saved["thresholds"][1] == edges[f][0] and saved["missing_left"].tolist() == [False, True]
+    part = ModelPart("00", "gbdt", "fact", 0, {}, len(edges), 1, "float64", 0, {}, (), (), **saved)
+    X = np.zeros((3, len(edges)))
+    X[:, f] = [edges[f][0] - 1.0, 1e9, np.nan]  # a value of the first bin, a large value, a missing one
+    assert part.split_sides(X).tolist() == [[True, True], [True, False], [False, True]]
 
 
 @pytest.mark.parametrize("missing", [(), ("+dataset.loader.missing=0.3",)])
