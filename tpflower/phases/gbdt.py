@@ -227,7 +227,7 @@ class OwnerTrees:
         return self.cache["layout"]
 
     def flat(self, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(feature, flat threshold code) of proposals or splits (rows of node, feature, bin, gain bits)."""
+        """(feature, flat threshold code) of proposals or splits (rows of node, feature, bin, gain bits, missing left)."""
         f = splits[:, 1]
         return f, self.layout.offsets[f] + splits[:, 2]
 
