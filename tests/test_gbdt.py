@@ -35,6 +35,7 @@ from tpflower.trees import (
     best_splits,
     bin_codes,
     bin_edges,
+    column_edges,
     histograms,
     running_sums,
     table_importance,
@@ -124,6 +125,40 @@ def test_bin_edges_of_a_weighted_table_equal_those_of_its_joined_column():
         assert codes.max() <= len(e)
         for b in range(len(e)):  # "bin <= b" is "x <= edges[b]"
             assert np.array_equal(codes <= b, joined <= e[b])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_column_edges_and_codes_of_a_wide_one_hot_block_equal_those_found_column_by_column(dtype):
+    """The 0/1 columns (found and binned all at once) get what one column at a time gives: the edge 0.5 where
+    both values occur on rows of weight > 0 (a category only on rows of weight 0, or on every weighted row,
+    has none), and the numeric columns (with missing values) around them keep their own edges and codes."""
+    rng = np.random.default_rng(3)
+    n, m = 3000, 700
+    cat = rng.integers(0, m - 1, n)
+    G = rng.integers(0, 3, n).astype(float)
+    cat[G == 0] = m - 1  # category m - 1 only on rows of weight 0: no edge
+    num = rng.normal(size=(n, 2))
+    num[rng.random(n) < 0.1, 1] = np.nan
+    ones = np.ones((n, 1))  # on every row: one value, no edge
+    X = np.column_stack([num[:, 0], np.eye(m)[cat], num[:, 1], ones, (rng.random(n) < 0.5) * 3.0]).astype(dtype)
+    edges = column_edges(X, G, MAX_BINS)
+    live = G > 0
+    for f in range(X.shape[1]):  # by hand: distinct weighted values, edges halfway, a NaN edge for missing values
+        x = X[:, f].astype(np.float64)
+        v = np.unique(x[live & ~np.isnan(x)])
+        expected = (v[:-1] + v[1:]) / 2 if len(v) <= MAX_BINS else bin_edges(x, G, MAX_BINS)
+        if np.isnan(x[live]).any():
+            expected = np.append(expected, np.nan)
+        np.testing.assert_array_equal(edges[f], expected, err_msg=f"column {f}")
+    assert len(edges[m]) == 0 and len(edges[m + 2]) == 0 and list(edges[5]) == [0.5]
+    codes, off = bin_codes(X, edges), BinLayout.of(edges).offsets
+    for f, e in enumerate(edges):
+        x = X[:, f].astype(np.float64)
+        if len(e) and np.isnan(e[-1]):
+            expected = np.where(np.isnan(x), len(e), np.searchsorted(e[:-1], x))
+        else:
+            expected = np.searchsorted(e, x)
+        np.testing.assert_array_equal(codes[f], expected + off[f], err_msg=f"column {f}")
 
 
 def _best_split_by_hand(

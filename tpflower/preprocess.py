@@ -235,10 +235,13 @@ class TablePreprocessor:
         return out
 
     def with_missing(self, X: np.ndarray, frame: pd.DataFrame) -> np.ndarray:
-        """:meth:`transform`'s features ``X`` of ``frame``'s rows in float64 (a copy) with the numeric columns'
-        missing values kept missing (NaN) instead of the median: boosted trees give them a bin of their own."""
-        X = np.array(X, dtype=np.float64)
+        """:meth:`transform`'s features ``X`` of ``frame``'s rows with the numeric columns' missing values kept
+        missing (NaN) instead of the median: boosted trees give them a bin of their own. ``X`` itself where no
+        value is missing, else a copy in its own floating dtype (a wide one-hot block is not widened)."""
         missing = self.missing(frame)
+        if not missing.any():
+            return X
+        X = np.array(X, dtype=X.dtype if X.dtype.kind == "f" else np.float64)
         X[:, : missing.shape[1]][missing] = np.nan
         return X
 

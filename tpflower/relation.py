@@ -46,8 +46,8 @@ class Relation:
         return self.label.y[mapping.p[self.spec.label_table]]
 
     def features(self, table: str, keep_missing: bool = False) -> np.ndarray:
-        """A table's preprocessed features X_i; ``keep_missing``: in float64 with its numeric columns' missing
-        values kept missing (NaN), as boosted trees bin them (TablePreprocessor.with_missing)."""
+        """A table's preprocessed features X_i; ``keep_missing``: with its numeric columns' missing values kept
+        missing (NaN), as boosted trees bin them (TablePreprocessor.with_missing)."""
         local = self.tables[table]
         if not keep_missing:
             return local.X

@@ -17,7 +17,7 @@ and the central reference (strategies/centralized.py, ``algorithm.solver=gbdt``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -39,7 +39,15 @@ def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndar
     values = np.asarray(values, dtype=np.float64)
     weights = np.asarray(weights, dtype=np.float64)
     live = (weights > 0) & ~np.isnan(values)  # a missing value has a bin of its own (column_edges)
-    v, inv = np.unique(values[live], return_inverse=True)
+    x = values[live]
+    if not len(x):
+        return np.zeros(0)
+    lo, hi = x.min(), x.max()
+    if lo == hi:
+        return np.zeros(0)
+    if max_bins >= 2 and np.count_nonzero((x != lo) & (x != hi)) == 0:  # two values (a one-hot column): no sort
+        return np.array([(lo + hi) / 2])
+    v, inv = np.unique(x, return_inverse=True)
     if len(v) <= 1:
         return np.zeros(0)
     if len(v) <= max_bins:
@@ -66,11 +74,47 @@ def column_edges(
     """:func:`bin_edges` of every column of ``X`` (rows weighted by ``weights``); a column with a missing
     value (NaN) on a row of weight > 0 (``missing``: these columns instead) ends its edges with NaN: one more
     bin, the last, holds its missing values (XGBoost's sparsity-aware split finding, Chen & Guestrin Alg. 3:
-    :func:`best_splits` sends them to either side)."""
-    if missing is None:
-        missing = np.isnan(X[np.asarray(weights) > 0]).any(axis=0)
-    edges = [bin_edges(X[:, f], weights, max_bins) for f in range(X.shape[1])]
+    :func:`best_splits` sends them to either side). A 0/1 column (a one-hot column) has the edge 0.5 where
+    both values occur on rows of weight > 0, else none, as :func:`bin_edges` gives it; those are found for
+    all such columns at once."""
+    weighted = np.asarray(weights) > 0
+    binary = binary_columns(X)
+    ones = np.zeros(X.shape[1])  # per 0/1 column, its rows of weight > 0 at 1
+    for rows in row_blocks(X):
+        ones += weighted[rows].astype(np.float64) @ X[rows]
+    n_live = int(np.count_nonzero(weighted))
+    edges: list[np.ndarray] = [np.array([0.5]) if 0 < c < n_live else np.zeros(0) for c in ones]
+    nan = np.zeros(X.shape[1], dtype=bool)
+    other = np.flatnonzero(~binary)
+    for f, x in zip(other, columns(X, other)):
+        edges[f] = bin_edges(x, weights, max_bins)
+        nan[f] = bool((np.isnan(x) & weighted).any())
+    missing = nan if missing is None else missing
     return [np.append(e, np.nan) if missing[f] else e for f, e in enumerate(edges)]
+
+
+def row_blocks(X: np.ndarray, cells: int = 1 << 22) -> Iterator[slice]:
+    """Consecutive slices of ``X``'s rows of about ``cells`` values each (a wide ``X`` read a block at a time,
+    its temporaries a few MB)."""
+    step = max(1, cells // max(X.shape[1], 1))
+    return (slice(r, r + step) for r in range(0, X.shape[0], step))
+
+
+def binary_columns(X: np.ndarray) -> np.ndarray:
+    """Which columns of ``X`` hold only the values 0 and 1 (a one-hot column; no missing value)."""
+    out = np.ones(X.shape[1], dtype=bool)
+    for rows in row_blocks(X):
+        block = X[rows]
+        out &= ((block == 0) | (block == 1)).all(axis=0)
+    return out
+
+
+def columns(X: np.ndarray, which: np.ndarray, cells: int = 1 << 22) -> Iterator[np.ndarray]:
+    """The columns ``which`` of ``X`` (rows x columns), each as a contiguous float64 array, copied a block of
+    columns (about ``cells`` values) at a time: a wide row-major ``X`` is not walked once per column."""
+    step = max(1, cells // max(X.shape[0], 1))
+    for first in range(0, len(which), step):
+        yield from np.array(X[:, which[first : first + step]].T, dtype=np.float64, order="C")
 
 
 @dataclass(frozen=True)
@@ -104,12 +148,22 @@ def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
     X[u, f] lies in bin b of feature f, i.e. X[u, f] <= edges[f][b'] iff b <= b'."""
     layout = BinLayout.of(edges)
     codes = np.empty((len(edges), X.shape[0]), dtype=np.uint16 if layout.total < 2**16 else np.int32)
-    for f, e in enumerate(edges):
+    first = layout.offsets[:-1]
+    at_half = np.array([len(e) == 1 and e[0] == 0.5 for e in edges], dtype=bool)
+    binary = binary_columns(X) & (at_half | np.array([len(e) == 0 for e in edges], dtype=bool))
+    which = np.flatnonzero(binary)  # 0/1 columns with the edge 0.5 or none: offset + (value if split)
+    for run in np.split(which, np.flatnonzero(np.diff(which) != 1) + 1) if len(which) else []:
+        cols = slice(run[0], run[-1] + 1)  # a run of consecutive columns (a one-hot block), rows a block at once
+        base, half = first[cols, None].astype(codes.dtype), at_half[cols, None]
+        for rows in row_blocks(X):
+            np.add(base, (X[rows, cols] == 1).T & half, out=codes[cols, rows], casting="unsafe")
+    other = np.flatnonzero(~binary)
+    for f, x in zip(other, columns(X, other)):
+        e = edges[f]
         if len(e) and np.isnan(e[-1]):  # the last bin: the missing values
-            found = np.searchsorted(e[:-1], X[:, f], side="left")
-            codes[f] = np.where(np.isnan(X[:, f]), len(e), found) + layout.offsets[f]
+            codes[f] = np.where(np.isnan(x), len(e), np.searchsorted(e[:-1], x, side="left")) + first[f]
         else:  # (a missing value, where no training row had one: the last bin, right of every split)
-            codes[f] = np.searchsorted(e, X[:, f], side="left") + layout.offsets[f]
+            codes[f] = np.searchsorted(e, x, side="left") + first[f]
     return codes
 
 
@@ -146,10 +200,11 @@ class Bundles:
         members: list[list[int]] = []  # positions in ``sparse``
         occupied: list[np.ndarray] = []  # a bundle's rows off their default bin
         width: list[int] = []  # a bundle's codes
+        off_rows: list[np.ndarray] = []  # per sparse feature, its rows off its default bin (few: a sparse feature)
         for i, (_, f, d) in enumerate(sparse):
-            off_default, bins = codes[f] != d, int(off[f + 1] - off[f]) - 1
+            rows, bins = np.flatnonzero(codes[f] != d).astype(np.int32), int(off[f + 1] - off[f]) - 1
             j = next(
-                (j for j in range(len(members)) if width[j] + bins < 2**16 and not (occupied[j] & off_default).any()),
+                (j for j in range(len(members)) if width[j] + bins < 2**16 and not occupied[j][rows].any()),
                 len(members),
             )
             if j == len(members):
@@ -157,8 +212,9 @@ class Bundles:
                 occupied.append(np.zeros(n, dtype=bool))
                 width.append(1)
             members[j].append(i)
-            occupied[j] |= off_default
+            occupied[j][rows] = True
             width[j] += bins
+            off_rows.append(rows)
         lut = np.zeros(layout.total, dtype=np.int64)  # flat bin -> its code in its feature's bundle
         bundle_codes = np.zeros((len(members), n), dtype=np.uint16)
         to_flat = []
@@ -170,9 +226,8 @@ class Bundles:
             )
             lut[to_flat[-1]] = np.arange(1, len(to_flat[-1]) + 1)
             for i in group:
-                f, d = sparse[i][1], sparse[i][2]
-                rows = np.flatnonzero(codes[f] != d)
-                bundle_codes[j, rows] = lut[codes[f, rows]]
+                rows = off_rows[i]
+                bundle_codes[j, rows] = lut[codes[sparse[i][1], rows]]
         return cls(
             off,
             np.array(dense, dtype=np.int64),
