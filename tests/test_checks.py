@@ -194,6 +194,34 @@ def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):
     assert "'agee'" in sent and "ssn" not in sent
 
 
+def test_a_categorical_column_whose_one_hot_block_outgrows_the_machine_is_refused_naming_it(tmp_path, monkeypatch):
+    """Dense features of rows x (numeric columns + categories) at 4 bytes a value over half the machine's memory:
+    one line naming the table and its categorical column of most categories, before any training; the counts
+    only in the example (a deployed node sends the line without it), never a category."""
+    orders, customers = good(tmp_path)
+    customers["email"] = [f"person{i}@example.org" for i in range(len(customers))]  # one category per row
+    customers["segment"] = np.where(customers["age"] > 50, "senior", "junior")
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["categorical"] = ["segment", "email"]
+    need = 4 * 50 * (1 + 2 + 50)  # 50 rows x (age, 2 segments, 50 emails)
+    monkeypatch.setattr("tpflower.checks.machine_memory", lambda: 2 * need)
+    assert check_dataset(dataset)[2] == []  # exactly half: still fits
+    monkeypatch.setattr("tpflower.checks.machine_memory", lambda: 2 * need - 2)
+    (line,) = lines(dataset)
+    assert line == (
+        "table 'customers', categorical feature 'email': its one-hot block makes the table's features, held "
+        "dense, larger than half of this machine's memory, 50 categories over 50 rows: 0.0 GB of features "
+        "against 0.0 GB; drop the column, group its categories (e.g. a CASE in dataset.sql), or declare it "
+        "numeric if its values are numbers"
+    )
+    with pytest.raises(DataProblems) as info:
+        load_table(dataset, "customers")
+    exposed = Exposed(("cust",), ("age", "segment", "email"))
+    owner = OwnerSettings("customers", exposed, {"name": "none"}, b"k", origin="/owner/c.yaml")
+    sent = str(node_data_error(info.value, owner))
+    assert "'email'" in sent and "person" not in sent and "50 categories" not in sent
+
+
 def test_cli_reports_all_problems_without_traceback(tmp_path):
     orders, customers = good(tmp_path)
     orders.loc[2, "cust"] = np.nan

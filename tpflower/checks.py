@@ -10,6 +10,7 @@ its own log. Every check is vectorized (pandas), never a loop over rows.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -25,6 +26,7 @@ NA_ATTR = (
 )
 DROP_POLICIES: tuple[str, ...] = ("warn", "error", "ignore")
 DROP_THRESHOLD = 0.01  # a join that drops more than this share of the label table's rows is reported
+FEATURE_MEMORY_SHARE = 0.5  # a table whose dense features would take more of the machine's memory is refused
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,38 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
             out.append(p)
     if label_here and label in present:
         out += _label_problems(spec, name, frame[label], src)
-    return out
+    wide = _wide_features(spec, name, frame, present)
+    return out + ([wide] if wide is not None else [])
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _wide_features(spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str]) -> Problem | None:
+    """A table whose features, held dense (a numeric column one column, a categorical column one 0/1 column per
+    category), would take more than FEATURE_MEMORY_SHARE of this machine's memory at 4 bytes a value: refused
+    before any training, naming its categorical column of most categories (counts in the example only)."""
+    t = spec.table(name)
+    levels = {c: int(frame[c].nunique(dropna=False)) for c in t.categorical if c in present}
+    if not levels:
+        return None
+    need = 4 * len(frame) * (sum(1 for c in t.numeric if c in present) + sum(levels.values()))
+    memory = machine_memory()
+    if need <= FEATURE_MEMORY_SHARE * memory:
+        return None
+    widest = max(levels, key=lambda c: (levels[c], c))
+    return Problem(
+        name,
+        "its one-hot block makes the table's features, held dense, larger than half of this machine's memory",
+        "drop the column, group its categories (e.g. a CASE in dataset.sql), or declare it numeric if its values "
+        "are numbers",
+        column=widest,
+        role="categorical feature",
+        example=f"{levels[widest]:,} categories over {len(frame):,} rows: {need / 2**30:.1f} GB of features "
+        f"against {memory / 2**30:.1f} GB",
+    )
 
 
 def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | None) -> list[Problem]:
