@@ -230,6 +230,15 @@ def test_rank_sketch_contract_with_ties() -> None:
     assert exact.error == 0 and np.array_equal(exact.rank_value(k), x)
 
 
+@pytest.mark.parametrize("zeros, ones", [(0, 0), (0, 5), (7, 0), (3, 4), (1500, 2), (999, 1001), (5000, 40000)])
+@pytest.mark.parametrize("size", [1, 16, 2048])
+def test_rank_sketch_of_two_values_from_their_counts_equals_the_sketch_of_the_values(zeros, ones, size) -> None:
+    built = RankSketch.build(np.repeat([0.0, 1.0], [zeros, ones]), size)
+    counted = RankSketch.two_values(zeros, ones, size)
+    assert np.array_equal(counted.values, built.values) and np.array_equal(counted.weights, built.weights)
+    assert counted.error == built.error
+
+
 def test_quantile_bin_edges_within_rank_error(shards) -> None:
     union, fit_rows = _union(shards)
     s = _sorted_observed(union, fit_rows, "year")

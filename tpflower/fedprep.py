@@ -128,6 +128,17 @@ class RankSketch:
         return cls(x[ends - 1], weights, int(weights.max()) - 1)
 
     @classmethod
+    def two_values(cls, zeros: int, ones: int, size: int) -> RankSketch:
+        """:meth:`build` of ``zeros`` values 0 and ``ones`` values 1 (a one-hot column), from the counts alone."""
+        n = zeros + ones
+        if n == 0:
+            return cls.empty()
+        j = np.arange(1, size + 1, dtype=np.int64)
+        ends = np.unique(-((-j * n) // size))
+        weights = np.diff(ends, prepend=0).astype(np.int64)
+        return cls(np.where(ends > zeros, 1.0, 0.0), weights, int(weights.max()) - 1)
+
+    @classmethod
     def merge(cls, sketches: Sequence[RankSketch]) -> RankSketch:
         """Union of sketches: the contract holds with ``error = sum of the errors``."""
         parts = [s for s in sketches if s.values.size]

@@ -79,9 +79,7 @@ def column_edges(
     all such columns at once."""
     weighted = np.asarray(weights) > 0
     binary = binary_columns(X)
-    ones = np.zeros(X.shape[1])  # per 0/1 column, its rows of weight > 0 at 1
-    for rows in row_blocks(X):
-        ones += weighted[rows].astype(np.float64) @ X[rows]
+    ones = column_sums(X, weighted)  # per 0/1 column, its rows of weight > 0 at 1
     n_live = int(np.count_nonzero(weighted))
     edges: list[np.ndarray] = [np.array([0.5]) if 0 < c < n_live else np.zeros(0) for c in ones]
     nan = np.zeros(X.shape[1], dtype=bool)
@@ -98,6 +96,14 @@ def row_blocks(X: np.ndarray, cells: int = 1 << 22) -> Iterator[slice]:
     its temporaries a few MB)."""
     step = max(1, cells // max(X.shape[1], 1))
     return (slice(r, r + step) for r in range(0, X.shape[0], step))
+
+
+def column_sums(X: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """w @ X in float64, a block of rows at a time (no float64 copy of a wide ``X``)."""
+    out = np.zeros(X.shape[1])
+    for rows in row_blocks(X):
+        out += np.asarray(w[rows], dtype=np.float64) @ X[rows]
+    return out
 
 
 def binary_columns(X: np.ndarray) -> np.ndarray:

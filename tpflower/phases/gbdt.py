@@ -47,7 +47,9 @@ from tpflower.trees import (
     SplitRule,
     best_splits,
     bin_codes,
+    binary_columns,
     column_edges,
+    column_sums,
     histograms,
     subtraction_plan,
 )
@@ -341,11 +343,14 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
             f"{live} rows",
         )
     reps = G.astype(np.int64)
-    observed = ~np.isnan(X)  # missing values take no part in the edges (each numeric column's own bin)
-    sketches = [
-        RankSketch.build(np.repeat(X[observed[:, f], f], reps[observed[:, f]]), DEFAULT_SKETCH_SIZE)
-        for f in range(X.shape[1])
-    ]
+    binary = binary_columns(X)  # 0/1 (one-hot) columns: sketched from their weighted counts of 1s
+    ones = column_sums(X, reps).astype(np.int64)
+    sketches = [RankSketch.empty()] * X.shape[1]
+    for f in np.flatnonzero(binary):
+        sketches[f] = RankSketch.two_values(int(reps.sum()) - int(ones[f]), int(ones[f]), DEFAULT_SKETCH_SIZE)
+    for f in np.flatnonzero(~binary):  # missing values take no part in the edges (each numeric column's own bin)
+        observed = ~np.isnan(X[:, f])
+        sketches[f] = RankSketch.build(np.repeat(X[observed, f], reps[observed]), DEFAULT_SKETCH_SIZE)
     return {
         "values": np.concatenate([sk.values for sk in sketches]) if sketches else np.zeros(0),
         "weights": np.concatenate([sk.weights for sk in sketches]) if sketches else np.zeros(0, dtype=np.int64),
