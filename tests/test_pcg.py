@@ -18,7 +18,7 @@ from tpflower.app.client_app import client_app_for
 from tpflower.app.server_app import make_strategy
 from tpflower.config import compose_config
 from tpflower.owner import simulation_secret
-from tpflower.phases.pcg import PCGState
+from tpflower.phases.pcg import SPARSE_WIDTH, Design, PCGState
 from tpflower.relation import has_bias, load_relation
 from tpflower.state import ClientState
 
@@ -91,6 +91,34 @@ def materialized_solution(rec: Recorded) -> tuple[dict, dict]:
         out[t] = solution[start : start + len(thetas[t])]
         start += len(thetas[t])
     return out, thetas
+
+
+def test_pcg_on_wide_one_hot_tables_reaches_the_exact_ridge_solution_through_sparse_designs(monkeypatch):
+    """Tables whose features are mostly a one-hot block of many categories: each owner's T_i is sparse
+    (tpflower.phases.pcg.Design) and built once per run, and PCG still reaches the exact ridge solution."""
+    built = []
+    init = Design.__init__
+
+    def spy(self, X, bias):
+        init(self, X, bias)
+        built.append(self.sparse is not None)
+
+    monkeypatch.setattr(Design, "__init__", spy)
+    cfg = make_cfg(
+        "algorithm=pcg", "dataset=synthetic", "+dataset.loader.categories=120", "precision=float64",
+        "algorithm.tol=1e-12", "epochs=60",
+    )  # fmt: skip
+    run = run_in_process(cfg, None, log=quiet)
+    rel = load_relation(cfg.dataset, simulation_secret(cfg), verbose=False)
+    w, b = exact_ridge(rel, float(cfg.model.beta), True, run.strategy.label_scale)
+    start = 0
+    for t in rel.spec.table_names:
+        width = rel.tables[t].width
+        assert width >= SPARSE_WIDTH
+        np.testing.assert_allclose(run.theta((t, 0))["weight"].ravel(), w[start : start + width], rtol=1e-8, atol=1e-9)
+        start += width
+    assert run.strategy.results.stopped["reason"] == "tol"
+    assert built == [True] * len(rel.spec.table_names)  # one sparse design per table for the whole run
 
 
 @pytest.mark.parametrize(
