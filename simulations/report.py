@@ -1453,6 +1453,43 @@ def startup() -> str | None:
     )
 
 
+def wide() -> str | None:
+    """Tables with a categorical column of many categories (bench_results/wide.json, simulations/bench/wide.py)."""
+    d = load("wide.json")
+    if d is None:
+        return None
+    rows = [
+        [
+            r["algorithm"],
+            f"{r['categories']:,}" if r["categories"] else "none",
+            f"{r['first_epoch_s']:.1f} s",
+            f"{r['per_epoch_s']:.2f} s",
+            f"{r['peak_rss_mb']:,} MB",
+            f"{r['test_metric']:.4f}",
+        ]
+        for r in d["runs"]
+    ]
+    n_fact = d["runs"][0]["n_fact"] if d["runs"] else 0
+    return "\n\n".join(
+        [
+            (
+                "## Wide categorical columns\n\nThe synthetic star with "
+                f"{n_fact:,} fact rows (8 joined rows each) and a categorical column of that many categories in "
+                "place of each table's last feature (an identifier or a code read as categories, e.g. by `t.*`), "
+                "in-process, each case in its own process: the time to the first epoch line (setup, binning or "
+                "the Gram blocks included), per later epoch (gbdt: per boosting round of one tree), the peak "
+                "memory and the test RMSE. Boosted trees bin a one-hot block in one pass over it, PCG keeps a "
+                "sparse T_i for a wide, mostly-zero table ([algorithms.md](algorithms.md#pcg)); the features "
+                "themselves are held dense (rows x categories x 4 bytes), which the data checks bound "
+                "([datasets.md](datasets.md#bad-data-one-report))."
+            ),
+            command("python -m simulations.bench wide   # -> bench_results/wide.json"),
+            table(["algorithm", "categories", "first epoch", "per epoch", "peak memory", "test RMSE"], rows),
+            d.get("note", ""),
+        ]
+    ).rstrip()
+
+
 IDLE_LOAD = 1.5  # a 1-minute load above this on the 2 cores: timings are not idle
 LIGHTGBM_IDLE_S = {"nycflights13": 2.1}  # 300 trees, 63 leaves, 2 threads, measured idle on this machine
 
@@ -1707,6 +1744,7 @@ SECTIONS: list[Callable[[], str | None]] = [
     exact_releases,
     startup,
     flower_adapters,
+    wide,
 ]
 
 
@@ -1732,7 +1770,7 @@ def render() -> str:
         "[mapping and scale](#table-mapping-and-scale), "
         "[prediction](#prediction-new-rows-against-one-admm-epoch), [Flower's overhead](#flowers-overhead), "
         "[exact releases](#exact-releases-of-a-default-run), "
-        "[start-up](#start-up-stage-by-stage)."
+        "[start-up](#start-up-stage-by-stage), [wide categorical columns](#wide-categorical-columns)."
     )
     regenerate = command(
         "python -m simulations.report           # rewrites this file from bench_results/*.json",

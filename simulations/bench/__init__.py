@@ -19,6 +19,7 @@
     python -m simulations.bench convergence --matrix --gbdt [--quick] [--no-bundled] [--keep]
                                                                   -> bench_results/convergence-matrix-gbdt.json
     python -m simulations.bench selection [--epochs 10]            -> bench_results/selection.json
+    python -m simulations.bench wide [--categories 0,1000,5000] [--n-fact 200000] -> bench_results/wide.json
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the cases of one
 invocation run one after the other on the same machine, so their ratios are measured side by side.

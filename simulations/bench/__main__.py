@@ -97,6 +97,7 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
             [d for d in (a.gbdt_datasets or "nycflights13").split(",") if d], a.trees, a.flower, a.deployed_trees
         )
     ),
+    "wide": lambda a: _suite("wide").wide_suite(ints(a.categories_wide), a.n_fact),
 }
 
 
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
         default=2,
         help="gbdt --categorical / --leaves-per-step: rounds of every value",
     )
+    ap.add_argument("--categories", dest="categories_wide", default="0,1000,5000", help="wide: categories")
+    ap.add_argument("--n-fact", type=int, default=200_000, help="wide: fact-table rows")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
