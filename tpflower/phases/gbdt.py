@@ -344,10 +344,10 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
         )
     reps = G.astype(np.int64)
     binary = binary_columns(X)  # 0/1 (one-hot) columns: sketched from their weighted counts of 1s
-    ones = column_sums(X, reps).astype(np.int64)
+    ones, total = column_sums(X, reps).astype(np.int64), int(reps.sum())
     sketches = [RankSketch.empty()] * X.shape[1]
     for f in np.flatnonzero(binary):
-        sketches[f] = RankSketch.two_values(int(reps.sum()) - int(ones[f]), int(ones[f]), DEFAULT_SKETCH_SIZE)
+        sketches[f] = RankSketch.two_values(total - int(ones[f]), int(ones[f]), DEFAULT_SKETCH_SIZE)
     for f in np.flatnonzero(~binary):  # missing values take no part in the edges (each numeric column's own bin)
         observed = ~np.isnan(X[:, f])
         sketches[f] = RankSketch.build(np.repeat(X[observed, f], reps[observed]), DEFAULT_SKETCH_SIZE)

@@ -149,19 +149,18 @@ class Design:
 
 def design(client: TableClient, model: torch.nn.Module, rows: np.ndarray | None = None) -> Design:
     """T_i of the table's rows ``rows`` (default all) for its linear model (module doc). A sparse T is kept in
-    the node's memory for the run's next messages (built from the same rows)."""
+    the node's memory (one, the last run's) for the run's next messages built from the same rows."""
     if not isinstance(model, torch.nn.Linear) or model.out_features != 1:
         raise ValueError(
             f"table {client.settings.table!r}: algorithm=pcg solves linear ridge regression (model=linear, one output)"
         )
-    bias, expand = model.bias is not None, client.state.get("expand")
-    cache = client.data.models.setdefault(("pcg", str(client.state.scalar("run_id", ""))), {})
-    held = cache.get("design")
-    if held is not None and held[2].bias == bias and all(_same(a, b) for a, b in zip(held, (rows, expand))):
-        return held[2]
+    bias, expand, run = model.bias is not None, client.state.get("expand"), str(client.state.scalar("run_id", ""))
+    held = client.data.models.get(("pcg", "design"))
+    if held is not None and held[0] == run and held[3].bias == bias and _same(held[1], rows) and _same(held[2], expand):
+        return held[3]
     T = Design(client.rows_X(rows), bias)
     if T.sparse is not None:
-        cache["design"] = (rows, expand, T)
+        client.data.models[("pcg", "design")] = (run, rows, expand, T)
     return T
 
 
