@@ -113,9 +113,11 @@ def test_pcg_on_wide_one_hot_tables_reaches_the_exact_ridge_solution_through_spa
     w, b = exact_ridge(rel, float(cfg.model.beta), True, run.strategy.label_scale)
     start = 0
     for t in rel.spec.table_names:
-        width = rel.tables[t].width
+        width, theta = rel.tables[t].width, run.theta((t, 0))
         assert width >= SPARSE_WIDTH
-        np.testing.assert_allclose(run.theta((t, 0))["weight"].ravel(), w[start : start + width], rtol=1e-8, atol=1e-9)
+        np.testing.assert_allclose(theta["weight"].ravel(), w[start : start + width], rtol=1e-8, atol=1e-9)
+        if has_bias(cfg.model, t, rel.spec.label_table):
+            np.testing.assert_allclose(theta["bias"], [b], rtol=1e-8, atol=1e-9)
         start += width
     assert run.strategy.results.stopped["reason"] == "tol"
     assert built == [True] * len(rel.spec.table_names)  # one sparse design per table for the whole run
