@@ -39,15 +39,7 @@ def bin_edges(values: np.ndarray, weights: np.ndarray, max_bins: int) -> np.ndar
     values = np.asarray(values, dtype=np.float64)
     weights = np.asarray(weights, dtype=np.float64)
     live = (weights > 0) & ~np.isnan(values)  # a missing value has a bin of its own (column_edges)
-    x = values[live]
-    if not len(x):
-        return np.zeros(0)
-    lo, hi = x.min(), x.max()
-    if lo == hi:
-        return np.zeros(0)
-    if max_bins >= 2 and np.count_nonzero((x != lo) & (x != hi)) == 0:  # two values (a one-hot column): no sort
-        return np.array([(lo + hi) / 2])
-    v, inv = np.unique(x, return_inverse=True)
+    v, inv = np.unique(values[live], return_inverse=True)
     if len(v) <= 1:
         return np.zeros(0)
     if len(v) <= max_bins:
@@ -155,15 +147,18 @@ def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
     layout = BinLayout.of(edges)
     codes = np.empty((len(edges), X.shape[0]), dtype=np.uint16 if layout.total < 2**16 else np.int32)
     first = layout.offsets[:-1]
-    at_half = np.array([len(e) == 1 and e[0] == 0.5 for e in edges], dtype=bool)
-    binary = binary_columns(X) & (at_half | np.array([len(e) == 0 for e in edges], dtype=bool))
-    which = np.flatnonzero(binary)  # 0/1 columns with the edge 0.5 or none: offset + (value if split)
+    # columns of at most one edge and no missing bin (a one-hot block's): bin 1 where not x <= edge (a NaN too,
+    # as searchsorted puts it), all at once
+    split = np.array([len(e) == 1 and not np.isnan(e[0]) for e in edges], dtype=bool)
+    simple = split | np.array([len(e) == 0 for e in edges], dtype=bool)
+    edge = np.array([e[0] if len(e) else 0.0 for e in edges], dtype=np.float64)
+    which = np.flatnonzero(simple)
     for run in np.split(which, np.flatnonzero(np.diff(which) != 1) + 1) if len(which) else []:
-        cols = slice(run[0], run[-1] + 1)  # a run of consecutive columns (a one-hot block), rows a block at once
-        base, half = first[cols, None].astype(codes.dtype), at_half[cols, None]
+        cols = slice(run[0], run[-1] + 1)  # a run of consecutive columns, a block of rows at a time
+        base, at, cut = first[cols, None].astype(codes.dtype), split[cols, None], edge[cols, None]
         for rows in row_blocks(X):
-            np.add(base, (X[rows, cols] == 1).T & half, out=codes[cols, rows], casting="unsafe")
-    other = np.flatnonzero(~binary)
+            np.add(base, ~np.less_equal(X[rows, cols].T, cut) & at, out=codes[cols, rows], casting="unsafe")
+    other = np.flatnonzero(~simple)
     for f, x in zip(other, columns(X, other)):
         e = edges[f]
         if len(e) and np.isnan(e[-1]):  # the last bin: the missing values

@@ -104,10 +104,8 @@ class Design:
         self.sparse: scipy.sparse.csr_array | None = None
         if X.shape[1] >= SPARSE_WIDTH and np.count_nonzero(X) <= SPARSE_SHARE * X.size:
             rows = max(1, (1 << 22) // X.shape[1])  # a few MB of X at a time
-            parts = [scipy.sparse.csr_array(X[s], dtype=np.float64) for s in chunks(len(X), rows)]
-            if bias:
-                parts = [scipy.sparse.hstack([P, np.ones((P.shape[0], 1))], format="csr") for P in parts]
-            self.sparse = scipy.sparse.vstack(parts, format="csr")
+            S = scipy.sparse.vstack([scipy.sparse.csr_array(X[s], dtype=np.float64) for s in chunks(len(X), rows)])
+            self.sparse = scipy.sparse.hstack([S, np.ones((len(X), 1))] if bias else [S], format="csr")
 
     def __len__(self) -> int:
         return len(self.X)
