@@ -366,7 +366,7 @@ def central_trees(
     growth = Growth(params.max_leaves, params.max_depth, params.leaves_per_step, params.learning_rate, rule)
     F0 = init_scores(task, y, d_out)
     F = np.tile(F0, (len(y), 1))
-    n_eval = 0 if eval_codes is None else len(next(iter(eval_codes.values()))[0])
+    n_eval = 0 if eval_codes is None else next(iter(eval_codes.values())).shape[1]
     F_eval = np.tile(F0, (n_eval, 1))
     forest, next_id = [], 0
     for r in range(1, params.trees + 1):

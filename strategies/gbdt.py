@@ -18,6 +18,7 @@ trees of the best one.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -276,11 +277,11 @@ class JoinGBDT(LoJStrategy):
             per_feature: list[list[RankSketch]] = []
             for q in self.routers[t].shards:
                 a = replies[(t, q)][0]
-                cut = np.cumsum(np.asarray(a["sizes"], dtype=np.int64))[:-1]
-                values, weights = np.split(np.asarray(a["values"]), cut), np.split(np.asarray(a["weights"]), cut)
-                per_feature = per_feature or [[] for _ in values]
-                for f, (v, w) in enumerate(zip(values, weights)):
-                    per_feature[f].append(RankSketch(v.astype(np.float64), w.astype(np.int64)))
+                bounds = np.concatenate([[0], np.cumsum(np.asarray(a["sizes"], dtype=np.int64))])
+                per_feature = per_feature or [[] for _ in bounds[1:]]  # (a table of no feature column: none)
+                for f, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                    v, w = np.asarray(a["values"][lo:hi], np.float64), np.asarray(a["weights"][lo:hi], np.int64)
+                    per_feature[f].append(RankSketch(v, w))
             merged = [RankSketch.merge(sk) for sk in per_feature]
             self.shared_edges[t] = [bin_edges(m.values, m.weights, self.params.max_bins) for m in merged]
         if self.shared_edges:

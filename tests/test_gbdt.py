@@ -552,3 +552,17 @@ def test_union_equals_the_join(missing):
     assert_same_forest(join.strategy.forest, s.forest)
     phases = [ph for _, ph, _, _ in rec.got]
     assert phases.count("gbdt_shard_split") == phases.count("gbdt_hist")  # two round trips per step
+
+
+@pytest.mark.parametrize("scenario", ["join", "ucq"])
+def test_a_table_of_no_feature_column_takes_part_and_never_splits(scenario):
+    """A table that holds only its keys (and the label) has no split to offer: it answers no gain, and the
+    trees are the central reference's, over the join and over the union (fact and d1 sharded, both without
+    features)."""
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1")
+    rec = Recorded(*small("star", "regression", *shape, "dataset.loader.widths=[0,0,3,2]"), f"scenario={scenario}")
+    s = rec.strategy
+    forest, F_eval = central_of(rec)
+    assert_same_forest(forest, s.forest)
+    assert {n.table for trees in s.forest for t in trees for n in t.internal()} == {"d2", "d3"}
+    np.testing.assert_allclose(s.record.test_predictions, s.label_scale.to_label(F_eval[: s.test.N]), atol=1e-9, rtol=0)

@@ -59,6 +59,16 @@ def test_factorized_kmeans_cost_equals_the_cost_on_the_materialized_join(kmeans_
             assert set(out) == {"cost"} and out["cost"].size == 1
 
 
+def test_a_table_of_no_feature_column_adds_nothing_to_the_cost():
+    """A table holding only its keys (the fact table here) has centres of width 0 and a cost of 0: the
+    factorized cost still equals the one on the materialized join."""
+    rec = Recorded("algorithm=kmeans", F64, "algorithm.k=4", "dataset.loader.widths=[0,3,2,2]")
+    s = rec.strategy
+    cost, _, per_table = materialized_distdim_cost(rec, "kmeans_local")
+    assert abs(s.results.history[-1].test_metric - cost) < 1e-9 * cost
+    assert s.table_costs["fact"] == per_table["fact"] == 0.0
+
+
 def test_distdim_sends_one_label_per_table_row_and_k_centres(kmeans_run):
     rec, s = kmeans_run, kmeans_run.strategy
     for key, phase, arrays, _ in rec.sent:

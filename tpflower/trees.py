@@ -413,10 +413,12 @@ def best_splits(
     split gets (-inf, -1, -1, False). ``skip``: flat bins that are no split (native categorical blocks,
     tpflower.categorical). Each side's score is :func:`score`'s, bit for bit (computed in place)."""
     scan = layout.scan
+    k = hists.shape[0]
+    if not scan.n_features:  # a table with no feature column (only keys or the label): no split
+        return np.full(k, -np.inf), np.full(k, -1), np.full(k, -1), np.zeros(k, dtype=bool)
     if scan.order is not None:
         hists = hists[:, :, scan.order]
     off = scan.offsets
-    k = hists.shape[0]
     left = running_sums(hists)
     total = left[:, :, off[1] - 1].copy()  # (k, 3): every feature's bins add up to the node
     before = np.concatenate([np.zeros((k, 3, 1)), left], axis=2).take(scan.first_bins, axis=2)

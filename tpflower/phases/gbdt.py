@@ -25,6 +25,7 @@ minus it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -364,7 +365,8 @@ def gbdt_edges(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     width = client.local.X.shape[1]
     if len(a["sizes"]) != width or int(a["sizes"].sum()) != len(a["edges"]) or (a["sizes"] >= MAX_BINS).any():
         raise _refuse(client, "gbdt_edges", "the edges do not fit the table's feature columns")
-    parts = np.split(a["edges"], np.cumsum(a["sizes"])[:-1])
+    bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
+    parts = [a["edges"][lo:hi] for lo, hi in itertools.pairwise(bounds)]  # (none: a table of no feature)
     if any((np.diff(e) <= 0).any() for e in parts):
         raise _refuse(client, "gbdt_edges", "the edges of a column are not increasing")
     # every shard gives each numeric column a bin of missing values, whether its own rows have any or not: the

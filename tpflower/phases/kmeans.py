@@ -180,7 +180,7 @@ def built_from(C: np.ndarray, local: np.ndarray | None) -> bool:
     if local is None or not len(local):
         return False
     local = np.asarray(local, dtype=np.float64)
-    scale = 1.0 + float(np.abs(local).max())
+    scale = 1.0 + float(np.abs(local).max(initial=0.0))  # (a table of no feature column: 1)
     weight = 1e3 * scale  # the row of ones (sum of the weights = 1), weighted to hold nearly exactly
     A = np.vstack([local.T, np.full((1, len(local)), weight)])
     for c in C:
