@@ -14,7 +14,7 @@ from strategies.centralized import constant_predictor_metric
 from tests.conftest import make_cfg
 from tpflower.comm import CommMeter, WanModel
 from tpflower.relation import load_relation
-from tpflower.results import ResultsError, RunResults, read_results, write_results
+from tpflower.results import ResultsError, RunResults, figure, read_results, write_results
 
 NETWORK = {
     "server_region": "us-east",
@@ -108,3 +108,14 @@ def test_label_owner_scores_only_one_constant_reference():
         reference_score(client, {"H_ref": np.array([[0.0], [9.0], [0.0]])}, rows, True, "t")
     with pytest.raises(ProtocolRefusal, match="only at its first evaluation"):
         reference_score(client, {"H_ref": np.full((3, 1), 2.5)}, rows, False, "t")
+
+
+def test_the_progress_line_shows_small_and_large_units_in_significant_digits():
+    """A loss of 1e-4 (a label in small units) is not 0.0000; an RMSE in dollars is not 13 digits wide."""
+    assert [figure(x) for x in (0.0, 0.9458, 17.3888, 0.00869, 1.379e7)] == [
+        "0.0000",
+        "0.9458",
+        "17.3888",
+        "0.00869",
+        "1.379e+07",
+    ]

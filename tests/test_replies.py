@@ -158,6 +158,25 @@ def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_exampl
     assert run("+dataset.tables.users.unique=true", "algorithm.rho=3").strategy.finished  # one row per user
 
 
+def test_a_duplicate_string_key_is_named_with_its_value(tmp_path):
+    import pandas as pd
+
+    from simulations.federated import run_in_process
+    from tests.conftest import make_cfg
+    from tests.test_checks import shop
+
+    rng = np.random.default_rng(0)
+    codes = np.array([f"c{i}" for i in range(50)], dtype=object)
+    orders = pd.DataFrame(
+        {"cust": codes[rng.integers(0, 50, 400)], "qty": rng.integers(1, 5, 400), "spend": rng.normal(10, 2, 400)}
+    )
+    customers = pd.DataFrame({"cust": np.r_[codes, ["c7"]], "age": rng.integers(18, 80, 51)})
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["unique"] = True
+    with pytest.raises(RuntimeError, match=r"key cust unique, but 2 rows share a value, e.g. cust='c7' \(row 7\)"):
+        run_in_process(make_cfg("algorithm=admm", "epochs=1", dataset=dataset), None, log=lambda _: None)
+
+
 @pytest.mark.parametrize(
     "overrides, phase, tamper, match",
     [

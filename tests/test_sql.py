@@ -179,6 +179,14 @@ def shop_sql(sql: str) -> dict[str, Any]:
     return sql_form(SHOP_YAML, sql)
 
 
+@pytest.mark.parametrize("literal", ["1e0", "1.5", ".5", "15e-1", "1"])
+def test_numeric_literals_in_a_where_read_as_numbers(shop, literal):
+    compiled = compile_sql(shop_sql(SHOP_SQL + f" WHERE o.qty > {literal}"), base_dir=shop)
+    _, own = load_table(compiled, "orders", base_dir=shop)
+    orders = pd.read_csv(shop / "orders.csv")
+    pd.testing.assert_frame_equal(own, orders[orders.qty > float(literal)].reset_index(drop=True))
+
+
 def test_the_docs_shop_example_as_sql_gives_its_spec_and_mapping(shop):
     compiled = compile_sql(shop_sql(SHOP_SQL), base_dir=shop)
     assert parse_spec(compiled) == parse_spec(SHOP_YAML)

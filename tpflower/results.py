@@ -4,6 +4,7 @@ per-epoch progress line."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -163,12 +164,18 @@ def read_results(path: str | Path) -> dict[str, Any]:
     return check_results(record, path)
 
 
+def figure(x: float) -> str:
+    """A metric or loss as the progress line shows it: 4 decimals, or 5 significant digits for a value in
+    small or large units (a loss of 1e-4, an RMSE of 2e7 dollars)."""
+    return f"{x:.4f}" if x == 0 or 1e-2 <= abs(x) < 1e5 or not math.isfinite(x) else f"{x:.5g}"
+
+
 def epoch_line(metric: str, rec: EpochRecord) -> str:
     """The one-line progress report of an epoch."""
     extra = "".join(f" {k}={v:.4g}" for k, v in rec.extra.items())
     epoch = f"{rec.epoch:3d}" if isinstance(rec.epoch, int) else f"{rec.epoch:6.2f}"
     return (
-        f"epoch {epoch} | test {metric}={rec.test_metric:.4f}{extra} | train loss={rec.train_loss:.4f} | "
+        f"epoch {epoch} | test {metric}={figure(rec.test_metric)}{extra} | train loss={figure(rec.train_loss)} | "
         f"rounds={rec.rounds} | MB up/down={rec.bytes_up / 1e6:.2f}/{rec.bytes_down / 1e6:.2f} | "
         f"comm={rec.comm_time_s:.2f}s | wall={rec.wall_time_s:.1f}s"
     )

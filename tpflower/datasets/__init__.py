@@ -166,7 +166,9 @@ def _frames(
         except DataProblems as exc:
             problems += exc.problems
         except SpecError as exc:
-            problems.append(Problem(None, str(exc), "fix the table's source in the dataset config"))
+            problems.append(
+                Problem(None, str(exc), "fix the table's source or where in the dataset config (with sql: its WHERE)")
+            )
     return frames, problems
 
 

@@ -374,7 +374,8 @@ def check_unique_key(client: TableClient) -> None:
     if not dup.any():
         return
     first = int(np.flatnonzero(dup)[0])
-    example = ", ".join(f"{c}={np.asarray(client.data.keys[c])[first].item()!r}" for c in cols)
+    values = [client.data.keys[c].iloc[first] for c in cols]  # a number or a string key
+    example = ", ".join(f"{c}={v.item() if isinstance(v, np.generic) else v!r}" for c, v in zip(cols, values))
     where = f"table {s.table!r} declares its key {'+'.join(cols)} unique, but {int(dup.sum())} rows share a value"
     if s.owner.origin == "simulation":
         raise ValueError(f"{where}, e.g. {example} (row {first}): remove the duplicates or drop `unique: true`")

@@ -44,6 +44,14 @@ def parse_predicate(table: str, where: str) -> exp.Expression:
         ) from None
 
 
+def _number(text: str) -> int | float:
+    """A numeric literal: an integer where it reads as one, else a float (1.5, .5, 1e12)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _value(table: str, frame: pd.DataFrame, node: exp.Expression) -> pd.Series | object:
     """A column (Series) or a constant."""
     if isinstance(node, exp.Paren):
@@ -53,7 +61,7 @@ def _value(table: str, frame: pd.DataFrame, node: exp.Expression) -> pd.Series |
             raise SpecError(f"table {table!r}: where names column {node.name!r}; its columns are {list(frame.columns)}")
         return frame[node.name]
     if isinstance(node, exp.Literal):
-        return node.this if node.is_string else float(node.this) if "." in node.this else int(node.this)
+        return node.this if node.is_string else _number(node.this)
     if isinstance(node, exp.Boolean):
         return bool(node.this)
     if isinstance(node, exp.Null):
