@@ -159,7 +159,12 @@ class TablePuppetStrategy(Strategy):
         assert self.transport is not None, "send() before run()"
         self.server_round += 1
         out, down = self.round_messages(messages, kind)
-        replies, up = self.read_replies(self.transport.exchange(out))
+        try:
+            replies, up = self.read_replies(self.transport.exchange(out))
+        except RunError as exc:  # the handlers' own tracebacks, where this process ran them: in the run's log file
+            for failure in self.transport.failures():
+                exc.add_note(failure)
+            raise
         missing = [k for k in messages if k not in replies]
         if missing:
             raise RunError("no reply from " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))

@@ -10,6 +10,7 @@ the first step, which asks every node which table and shard it holds.
 from __future__ import annotations
 
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -49,6 +50,11 @@ class Transport:
 
     def exchange(self, messages: list[Message]) -> list[Message]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def failures(self) -> list[str]:
+        """The tracebacks of the last round's failed handlers where this transport ran them (in-process), for
+        the run's log file; empty where a node ran them (its own log has them)."""
+        return []
 
 
 def round_kind(messages: list[Message]) -> tuple[str, ...]:
@@ -141,12 +147,13 @@ class DirectTransport(Transport):
         self.app = app
         self.contexts = dict(contexts)
         self._next_id = 0
+        self._failures: list[str] = []
 
     def node_ids(self) -> list[int]:
         return list(self.contexts)
 
     def exchange(self, messages: list[Message]) -> list[Message]:
-        replies = []
+        replies, self._failures = [], []
         for msg in messages:
             self._next_id += 1
             msg.metadata.__dict__["_message_id"] = f"direct-{self._next_id}"
@@ -154,5 +161,10 @@ class DirectTransport(Transport):
                 reply = self.app(msg, self.contexts[msg.metadata.dst_node_id])
             except Exception as exc:  # as the simulation engine does: an exception becomes an error reply
                 reply = Message(Error(code=0, reason=f"{type(exc)}:<'{exc}'>"), reply_to=msg)
+                where = self.name(msg.metadata.dst_node_id)
+                self._failures.append(f"{where}:\n" + "".join(traceback.format_exception(exc)))
             replies.append(reply)
         return replies
+
+    def failures(self) -> list[str]:
+        return list(self._failures)

@@ -263,3 +263,32 @@ def test_a_shards_side_bits_are_checked_against_its_rows():
             "scenario=ucq",
             "min_sketch_rows=1",
         )
+
+
+def test_an_in_process_handlers_traceback_reaches_the_run_log_not_the_console(tmp_path, monkeypatch):
+    """In-process the handlers run in this process: their traceback is kept as a note of the run's error, so
+    the run's log file shows the frame that failed; the console line stays the one line naming the table."""
+    import logging
+
+    from simulations.federated import run_in_process
+    from simulations.job import failure_message, log_file
+    from strategies.transport import RunError
+    from tpflower.client import TableClient
+
+    handle = TableClient.handle
+
+    def failing(self, arrays, config):
+        if self.settings.table == "d1" and str(config.get("phase", "")).startswith("admm"):
+            raise ZeroDivisionError("a bug in a phase")
+        return handle(self, arrays, config)
+
+    monkeypatch.setattr(TableClient, "handle", failing)
+    root = logging.getLogger()  # the log file: the run dir's (no file handler of another run)
+    monkeypatch.setattr(root, "handlers", [h for h in root.handlers if not isinstance(h, logging.FileHandler)])
+    with pytest.raises(RunError) as info:
+        run_in_process(compose_config("algorithm=admm", "dataset=synthetic", "epochs=1"), None, log=lambda _: None)
+    assert str(info.value).startswith("table 'd1' shard 0: ") and "\n" not in str(info.value)
+    line = failure_message(info.value, tmp_path)
+    assert "Traceback" not in line
+    log = log_file(tmp_path).read_text()
+    assert "table 'd1' shard 0:\nTraceback" in log and "in failing" in log and "ZeroDivisionError" in log
