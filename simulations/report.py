@@ -1318,7 +1318,7 @@ def auto_choice() -> str | None:
                 *(
                     ""
                     if k not in runs
-                    else f"{metric_digits(runs[k]['metric'])} ({runs[k]['wall_s']:.0f} s)"
+                    else f"{metric_digits(runs[k]['metric'])} ({runs[k]['wall_s']:.1f} s)"
                     + (f" [{runs[k]['auto_picked']}]" if runs[k].get("auto_picked") else "")
                     for k in cols
                 ),
@@ -1347,6 +1347,38 @@ def auto_choice() -> str | None:
                 "   # -> bench_results/auto.json"
             ),
             table(["dataset", "N", "metric", *cols, "best MLP"], rows),
+        ]
+    )
+
+
+def auto_linear() -> str | None:
+    """What algorithm=auto picks for the linear model on a class label, measured (auto-linear.json)."""
+    d = load("auto-linear.json")
+    if d is None:
+        return None
+    cols = ["linear/lbfgs", "linear/admm", "linear/auto"]
+    rows = []
+    for name, r in d["datasets"].items():
+        runs = r["runs"]
+        first = next(iter(runs.values()))
+        cells = [
+            ""
+            if k not in runs
+            else f"{metric_digits(runs[k]['metric'])} ({runs[k]['rounds']} rounds, {runs[k]['wall_s']:.1f} s)"
+            + (f" [{runs[k]['auto_picked']}]" if runs[k].get("auto_picked") else "")
+            for k in cols
+        ]
+        rows.append([name, f"{first['n_joined']:,}", first["metric_name"], *cells])
+    return "\n\n".join(
+        [
+            "### The linear model on a class label\n\n"
+            f"The linear model trained by full-batch L-BFGS and by TP-Join-ADMM, shipped defaults, the default "
+            f"{d['epochs']} epochs (L-BFGS: iterations), in-process, each run in its own process: final test accuracy "
+            "(round trips, wall time of the whole run), and what `algorithm=auto` picks (in brackets). The synthetic "
+            "categorical cells: 40,000 fact rows, 8 joined rows each, a categorical column of 200 categories in place "
+            f"of each table's last feature. Load: {d.get('load', 'not recorded')}.",
+            command("python -m simulations.bench auto --linear-class   # -> bench_results/auto-linear.json"),
+            table(["dataset", "N", "metric", *cols], rows),
         ]
     )
 
@@ -1732,6 +1764,7 @@ SECTIONS: list[Callable[[], str | None]] = [
     selection,
     lbfgs,
     auto_choice,
+    auto_linear,
     schema_matrix,
     gbdt_matrix,
     privacy,

@@ -28,12 +28,13 @@ from tpflower.privacy import privacy_message
         ("regression", "linear", "none", "join", "pcg"),
         ("regression", "linear", "label", "join", "pcg"),
         ("regression", "mlp", "none", "join", "admm"),
-        ("binary", "linear", "label", "join", "lbfgs"),
+        ("binary", "linear", "label", "join", "admm"),
         ("multiclass", "mlp", "none", "join", "admm"),
         ("regression", "linear", "dpsgd", "join", "admm"),
         ("binary", "mlp", "label_dpsgd", "join", "admm"),
         ("regression", "linear", "none", "ucq", "pcg"),
-        ("binary", "linear", "none", "ucq", "lbfgs"),
+        ("binary", "linear", "none", "ucq", "admm"),
+        ("multiclass", "linear", "none", "join", "admm"),
         ("multiclass", "mlp", "label", "ucq", "admm"),
         ("binary", "mlp", "dpsgd", "ucq", "admm"),
         ("regression", "gbdt", "none", "join", "gbdt"),
@@ -56,7 +57,7 @@ def test_auto_is_resolved_printed_first_and_recorded(tmp_path):
     # a run config (flwr run, a deployed node) resolves the same way on every side
     assert _compose("algorithm=auto dataset=synthetic model=mlp").algorithm.name == "admm"
     assert _compose("algorithm=auto dataset=synthetic model=mlp scenario=ucq").algorithm.name == "admm"
-    assert _compose("algorithm=auto dataset=nycflights13_delayed").algorithm.name == "lbfgs"
+    assert _compose("algorithm=auto dataset=nycflights13_delayed").algorithm.name == "admm"
     assert _compose("algorithm=auto dataset=synthetic").algorithm.name == "pcg"
     assert _compose("algorithm=auto dataset=synthetic model=gbdt").algorithm.name == "gbdt"
     with pytest.raises(ValueError, match="algorithm.rho is not a setting of algorithm 'pcg'"):

@@ -4,9 +4,10 @@ chosen before anything else reads the config (docs/algorithms.md, section "auto"
 - feature DP (privacy=dpsgd or label_dpsgd): ``admm`` (TP-Join/UCQ-ADMM, DP-SGD local steps; pcg and lbfgs
   exchange exact full-batch quantities and refuse it);
 - linear regression: ``pcg`` (the ridge normal equations, exact in at most d iterations), over a join or a union;
-- a linear model on a class label: ``lbfgs`` (full-batch L-BFGS), over a join or a union;
-- an MLP: ``admm`` (TP-Join/UCQ-ADMM: each table's MLP by local L-BFGS steps per epoch); measured at the default
-  epochs, full-batch L-BFGS ends well above it on a regression label (docs/results.md, What algorithm=auto picks);
+- a linear model on a class label and an MLP: ``admm`` (TP-Join/UCQ-ADMM: each table's model by local L-BFGS
+  steps per epoch); measured at the default epochs, full-batch L-BFGS ends at a lower accuracy wherever a categorical
+  column's one-hot block makes the problem ill-conditioned, in twice the round trips, and ties elsewhere; for an
+  MLP it ends well above it on a regression label (docs/results.md, What algorithm=auto picks);
 - ``model=gbdt``: ``gbdt`` (boosted trees over the join or the union; refused under feature DP).
 
 Label DP composes with all of them. :func:`resolve` replaces ``cfg.algorithm`` in place by the chosen
@@ -40,8 +41,6 @@ def choose(task: str, model: str, privacy: Mapping[str, Any] | None, scenario: s
         return "admm", "feature DP: DP-SGD local steps"
     if task == "regression" and model == "linear":
         return "pcg", "linear regression without feature DP"
-    if model == "linear":
-        return "lbfgs", f"{model} model, {task} label, without feature DP"
     return "admm", f"{model} model, {task} label, without feature DP"
 
 

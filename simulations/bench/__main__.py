@@ -78,10 +78,19 @@ SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         [tuple(c.split("/")) for c in a.cases.split(",")] if a.cases else list(_suite("lbfgs").LBFGS_CASES), a.epochs
     ),
     "privacy": lambda a: _suite("privacy").privacy_suite(a.jobs, a.out or Path("bench_results/privacy.json")),
-    "auto": lambda a: _suite("auto").auto_suite(
-        a.epochs if a.epochs != 3 else 10,
-        a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(_suite("auto").AUTO_DATA),
-        tuple(tuple(c.split("/")) for c in a.cases.split(",")) if a.cases else _suite("auto").AUTO_RUNS,
+    "auto": lambda a: (
+        _suite("auto").auto_suite(
+            a.epochs if a.epochs != 3 else 10,
+            list(_suite("auto").LINEAR_CLASS_DATA),
+            _suite("auto").LINEAR_CLASS_RUNS,
+            "auto-linear",
+        )
+        if a.linear_class
+        else _suite("auto").auto_suite(
+            a.epochs if a.epochs != 3 else 10,
+            a.datasets.split(",") if a.datasets != DEFAULT_CELU_DATA else list(_suite("auto").AUTO_DATA),
+            tuple(tuple(c.split("/")) for c in a.cases.split(",")) if a.cases else _suite("auto").AUTO_RUNS,
+        )
     ),
     "selection": lambda a: _suite("selection").selection_suite(a.epochs if a.epochs != 3 else 10),
     "gbdt": lambda a: (
@@ -197,13 +206,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--categories", dest="categories_wide", default="0,1000,5000", help="wide: categories")
     ap.add_argument("--n-fact", type=int, default=200_000, help="wide: fact-table rows")
+    ap.add_argument(
+        "--linear-class", action="store_true", help="auto: the linear model on class labels (auto-linear.json)"
+    )
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = SUITES[a.case](a)
     result["machine"] = machine_info()
     out = (
         a.out
-        or Path("bench_results") / f"{result['case'] if a.case in ('coreset', 'convergence', 'gbdt') else a.case}.json"
+        or Path("bench_results")
+        / f"{result['case'] if a.case in ('coreset', 'convergence', 'gbdt', 'auto') else a.case}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

