@@ -16,6 +16,7 @@ from tpflower.app.client_app import node_data_error
 from tpflower.checks import DataProblems, errors
 from tpflower.datasets import check_dataset, load_dataset, load_table
 from tpflower.owner import Exposed, OwnerSettings
+from tpflower.schema import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,6 +148,33 @@ def test_a_join_dropping_labelled_rows_warns_or_fails(tmp_path):
     assert check_dataset({**dataset, "on_dropped_rows": "ignore"})[2] == []
     with pytest.raises(ValueError, match="on_dropped_rows must be one of"):
         check_dataset({**dataset, "on_dropped_rows": "sometimes"})
+
+
+def test_a_repeated_key_in_a_joined_table_warns_unless_its_spec_says_unique(tmp_path):
+    """A dimension table holding a key twice silently repeats the rows that join it (many-to-many): a warning
+    naming the join, the counts and the fix; ``unique: false`` (meant) silences it, ``unique: true`` makes
+    its node refuse the duplicates; any other value is refused."""
+    orders, customers = good(tmp_path)
+    customers = pd.concat([customers, customers[customers["cust"].isin([3, 7])]], ignore_index=True)
+    held = int(orders["cust"].isin([3, 7]).sum())
+    dataset = shop(tmp_path, orders, customers)
+    _, _, problems = check_dataset(dataset)
+    (warning,) = problems
+    assert warning.severity == "warning" and warning.count == held
+    assert warning.line() == (
+        f"join orders.cust = customers.cust: 2 key values of table 'customers' are on more than one of its rows, "
+        f"so the join repeats the {held:,} rows of table 'orders' that hold them, once per partner row; set unique: "
+        "false on table 'customers' if a training row per partner is meant (many-to-many), unique: true to refuse "
+        "the duplicates, or remove them"
+    )
+    for setting in (False, True):
+        meant = {**dataset, "tables": {**dataset["tables"], "customers": {**dataset["tables"]["customers"]}}}
+        meant["tables"]["customers"]["unique"] = setting
+        assert check_dataset(meant)[2] == []
+    meant["tables"]["customers"]["unique"] = "yes"
+    with pytest.raises(SpecError, match="table 'customers': unique must be true or false, got 'yes'"):
+        check_dataset(meant)
+    assert check_dataset(shop(tmp_path))[2] == []  # one row per key: nothing to say
 
 
 def test_all_problems_of_a_table_arrive_in_one_run(tmp_path):

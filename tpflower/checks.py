@@ -399,6 +399,35 @@ def join_drops(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list
     return out
 
 
+def fanout_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[Problem]:
+    """A join whose new table holds a key value on more than one row repeats every row of the known table that
+    holds it, once per partner (many-to-many): a warning naming the join and the counts, unless the new
+    table's spec says ``unique`` (true: its node refuses the duplicates; false: a row per partner is meant)."""
+    out = []
+    for edge, known, new in spec.join_order():
+        if spec.table(new).unique is not None:
+            continue
+        code_known, code_new = _key_codes(
+            frames[known][list(edge.columns_of(known))], frames[new][list(edge.columns_of(new))]
+        )
+        size = int(max(code_known.max(initial=-1), code_new.max(initial=-1))) + 1
+        repeated = np.bincount(code_new, minlength=size) > 1
+        rows = int(repeated[code_known].sum())
+        if rows:
+            values = int((repeated & (np.bincount(code_known, minlength=size) > 0)).sum())
+            what = (
+                f"join {edge}: {values:,} key value{'s' if values > 1 else ''} of table {new!r} "
+                f"{'are' if values > 1 else 'is'} on more than one of its rows, so the join repeats the {rows:,} rows "
+                f"of table {known!r} that hold {'them' if values > 1 else 'it'}, once per partner row"
+            )
+            fix = (
+                f"set unique: false on table {new!r} if a training row per partner is meant (many-to-many), "
+                "unique: true to refuse the duplicates, or remove them"
+            )
+            out.append(Problem(None, what, fix, count=rows, severity="warning"))
+    return out
+
+
 def dropped_row_problems(
     spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], policy: str = "warn"
 ) -> list[Problem]:
@@ -455,4 +484,6 @@ def dataset_problems(
     problems += key_kind_problems(spec, frames) if len(frames) == len(spec.table_names) else []
     if joins and not errors(problems) and spec.label.table is not None:
         problems += dropped_row_problems(spec, frames, on_dropped_rows)
+        if not errors(problems):
+            problems += fanout_problems(spec, frames)
     return spec, problems

@@ -77,7 +77,9 @@ class TableSpec:
     shards: ShardSpec | None = None
     region: str | None = None  # None: the network config's default link (conf/network default_link)
     binned: tuple[tuple[str, int], ...] = ()  # numeric columns that also get one-hot quantile bins (column, bins)
-    unique: bool = False  # its key (the columns its parent joins it on) names one row at most: a duplicate is an error
+    # its key (the columns its parent joins it on) names one row at most: true, a duplicate is an error; false,
+    # several rows per key are meant (many-to-many); None (unset): a repeated key is a warning (tpflower.checks)
+    unique: bool | None = None
     where: str | None = None  # a SQL predicate over its columns: the owner keeps only those rows (tpflower.sql)
 
     @property
@@ -259,7 +261,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
                 categorical=tuple(t.get("categorical") or ()),
                 shards=shard_spec,
                 region=None if t.get("region") is None else str(t["region"]),
-                unique=bool(t.get("unique", False)),
+                unique=unique_setting(tname, t.get("unique")),
                 where=None if t.get("where") is None else str(t["where"]),
             )
         )
@@ -294,6 +296,13 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
 
 
 # ------------------------------------------------------------------------------------------ validation
+
+
+def unique_setting(table: object, value: object) -> bool | None:
+    """A table's ``unique``: true, false or unset (None)."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise SpecError(f"table {table!r}: unique must be true or false, got {value!r}")
 
 
 def validate_structure(spec: RelationalSpec) -> None:

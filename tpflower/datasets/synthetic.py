@@ -146,6 +146,8 @@ def describe(
             "numeric": [f"x{k}" for k in range(w - (cat and w > 0))],
             "categorical": ["c"] if cat and w > 0 else [],
             "region": REGIONS[t % len(REGIONS)],
+            # a dimension's fanout rows per key: the many-to-many joins are meant
+            **({"unique": False} if t > 0 and fanout > 1 else {}),
         }
         for t, (name, w) in enumerate(zip(lay.names, lay.widths))
     }
