@@ -378,7 +378,9 @@ def gbdt_matrix_suite(epochs: int, quick: bool, bundled: bool, keep: Path | None
     partial.unlink(missing_ok=True)  # complete: the suite's JSON replaces it
     load = f"1-minute load {os.getloadavg()[0]:.1f} at the end"
     if any(rows.get(name) is cell for name, cell in kept.items()):
-        load = f"kept cells: {earlier.get('load', 'not recorded')}; new cells: {load} (each cell's in its JSON)"
+        old = str(earlier.get("load", "not recorded")).removesuffix(" (each cell's in its JSON)")
+        old = old if old.startswith("kept cells: ") else f"kept cells: {old}"  # one prefix after several --keep runs
+        load = f"{old}; new cells: {load} (each cell's in its JSON)"
     return {
         "case": "convergence-matrix-gbdt",
         "epochs": epochs,
