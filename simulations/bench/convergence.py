@@ -134,7 +134,7 @@ MATRIX_ALGORITHMS: dict[str, tuple[str, ...]] = {
 #: every one with its shipped defaults (gbdt: 300 trees; the others: 10 epochs)
 GBDT_ALGORITHMS: dict[str, tuple[str, ...]] = {
     "gbdt": ("algorithm=gbdt",),
-    "linear": ("algorithm=auto",),  # pcg (regression), lbfgs (classification)
+    "linear": ("algorithm=auto",),  # pcg (regression), admm (classification)
     "mlp_admm": ("algorithm=admm", "model=mlp"),
     "mlp_lbfgs": ("algorithm=lbfgs", "model=mlp"),
 }
