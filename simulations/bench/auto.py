@@ -55,7 +55,7 @@ LINEAR_CLASS_DATA = (
 )
 LINEAR_CLASS_RUNS = (("linear", "lbfgs"), ("linear", "admm"), ("linear", "auto"))
 
-#: the runs per dataset: model, algorithm ("auto": the linear model's pick, pcg or lbfgs)
+#: the runs per dataset: model, algorithm ("auto": the linear model's pick, pcg or admm)
 AUTO_RUNS: tuple[tuple[str, str], ...] = (
     ("mlp", "admm"),
     ("mlp", "lbfgs"),
