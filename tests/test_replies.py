@@ -154,7 +154,7 @@ def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_exampl
         match=r"table 'movies' shard 0: table 'movies' declares its key movieId unique, but "
         r"\d+ rows share a value, e.g. movieId=\d+ \(row \d+\)",
     ):
-        run("+dataset.tables.movies.unique=true")  # one row per movie AND genre: not unique
+        run("dataset.tables.movies.unique=true")  # one row per movie AND genre: not unique
     assert run("+dataset.tables.users.unique=true", "algorithm.rho=3").strategy.finished  # one row per user
 
 
