@@ -121,6 +121,9 @@ def test_movielens1m_sql_with_category_casts_gives_its_spec_and_mapping(tmp_path
 
 def test_union_all_over_origins_gives_the_union_scenario_spec():
     compiled = compile_sql(yaml("nycflights13_sql"))
+    # the union holds the rows of its shards' values only: flights and weather keep those (here: every row)
+    for table in ("flights", "weather"):
+        assert compiled["tables"][table].pop("where") == "origin IN ('EWR', 'JFK', 'LGA')"
     spec, ref = parse_spec(compiled), parse_spec(yaml("nycflights13"))
     assert spec == ref
     assert spec.table("flights").shards.values == ("EWR", "JFK", "LGA")
@@ -247,6 +250,21 @@ def test_union_all_of_every_shard_combination_shards_both_tables(shop):
     orders = pd.read_csv(shop / "orders.csv")
     eu, us = shard_rows(spec.table("orders"), orders)
     assert (orders.region[eu] == "eu").all() and len(eu) + len(us) == len(orders)
+
+
+def test_union_all_of_some_shard_values_holds_their_rows_only_in_either_scenario(shop):
+    """A UNION ALL picking some values of a column (here one of the two products' halves) is the union of those
+    rows: the owner keeps them (a where), over the join as over the union; no other row trains."""
+    branch = SHOP_SQL + " WHERE p.sku = {}"
+    compiled = compile_sql(shop_sql(" UNION ALL ".join(branch.format(v) for v in (1, 3))), base_dir=shop)
+    assert compiled["tables"]["products"]["where"] == "sku IN (1, 3)"
+    assert compiled["tables"]["products"]["shards"] == {"by": "sku", "values": ["1", "3"]}
+    relation = load_relation(compiled, SECRET, base_dir=shop, verbose=False)
+    orders = pd.read_csv(shop / "orders.csv")
+    assert relation.mapping.N == int(orders.sku.isin([1, 3]).sum())
+    spec = parse_spec(compiled)
+    _, own = load_table(compiled, "products", base_dir=shop)
+    assert [len(r) for r in shard_rows(spec.table("products"), own)] == [1, 1]
 
 
 def test_run_prints_the_normalized_query_first_and_trains_on_its_spec():

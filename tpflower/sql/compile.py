@@ -78,6 +78,7 @@ def _shards(sql: str, branches: list[Branch], selects: list[exp.Expression]) -> 
     common = {t: [f for f in fs if all(f in b.filters.get(t, ()) for b in branches)] for t, fs in first.filters.items()}
     # per branch: table -> (column, value) of its one differing equality
     picks: list[dict[str, tuple[str, str]]] = []
+    literal: dict[tuple[str, str], exp.Expression] = {}  # (column, value) -> the value's literal
     for k, (b, node) in enumerate(zip(branches, selects)):
         if (b.tables, b.edges, b.projected) != (first.tables, first.edges, first.projected):
             raise refuse(sql, node, f"UNION ALL branch {k + 1} selects or joins differently from branch 1")
@@ -95,6 +96,7 @@ def _shards(sql: str, branches: list[Branch], selects: list[exp.Expression]) -> 
                 if t in pick:
                     raise refuse(sql, node, f"UNION ALL branch {k + 1}: two shard values for table {t!r}")
                 pick[t] = (f.this.name, str(f.expression.this))
+                literal[pick[t]] = f.expression
         picks.append(pick)
     sharded = list(dict.fromkeys(t for p in picks for t in p))
     for k, p in enumerate(picks):
@@ -137,6 +139,9 @@ def _shards(sql: str, branches: list[Branch], selects: list[exp.Expression]) -> 
             "only all combinations make the union of the joins the join of the unions"
         )
     shards = {t: {"by": picks[0][t][0], "values": values[group[t]]} for t in sharded}
+    for t, s in shards.items():  # the union holds only the rows of its shards' values: the same rows either scenario
+        into = exp.In(this=exp.column(s["by"]), expressions=[literal[(s["by"], v)].copy() for v in s["values"]])
+        common.setdefault(t, []).append(into)
     return common, shards
 
 
