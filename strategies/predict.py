@@ -75,7 +75,7 @@ class Predictions:
             for t, p_t in self.p.items():
                 if t != self.query_table:
                     out[f"{t}_row"] = np.asarray(p_t, dtype=np.int64)
-        H = np.asarray(self.H, dtype=np.float64).reshape(len(self.rows), -1) if len(self.rows) else self.H
+        H = self.scores()
         if self.task == "cluster":
             out["cluster"] = np.asarray(self.H).reshape(-1).astype(np.int64)
         elif self.task == "regression":
@@ -87,6 +87,11 @@ class Predictions:
                 out[name] = P[:, c]
         return out
 
+    def scores(self) -> np.ndarray:
+        """H as (joined rows, outputs), also when no new row joined."""
+        H = np.asarray(self.H, dtype=np.float64)
+        return H.reshape(len(self.rows), -1) if len(self.rows) else H.reshape(0, H.shape[-1] if H.ndim > 1 else 1)
+
     def row_frame(self) -> pd.DataFrame:
         """One line per new row that joined: ``row``, ``joined_rows`` (how many joined rows it is part of) and
         the mean over them of the prediction (regression) or of the class probabilities (classification; its
@@ -94,7 +99,7 @@ class Predictions:
         U, inv = np.unique(self.rows.astype(np.int64), return_inverse=True)
         counts = np.bincount(inv, minlength=len(U))
         out = pd.DataFrame({"row": U, "joined_rows": counts.astype(np.int64)})
-        H = np.asarray(self.H, dtype=np.float64).reshape(len(self.rows), -1)
+        H = self.scores()
 
         def mean(a: np.ndarray) -> np.ndarray:
             return np.bincount(inv, weights=a, minlength=len(U)) / np.maximum(counts, 1)
@@ -205,7 +210,8 @@ class FederatedPrediction(TablePuppetStrategy):
             projections[t].append(KeyProjection(t, np.asarray(arrays["row_ids"], dtype=np.int64), codes, digests))
         try:
             mapping = build_mapping(self.spec, projections)
-        except SpecError:  # no new row joins: every one is reported
+        except SpecError:  # no new row joins: every one is reported (the query node's stages in order: none scored)
+            self.send({self.query: ({"rows": np.zeros(0, np.int64)}, {"phase": "predict_rows"})}, "eval")
             self.finish(
                 Predictions(
                     self.task,

@@ -284,6 +284,19 @@ def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
     assert kept.stat().st_mode & 0o777 == 0o600
 
 
+def test_rows_of_which_none_joins_are_all_reported_and_none_scored(trained, tmp_path):
+    strategy, run_dir, rows, _ = trained
+    frame = pd.read_csv(rows).drop(columns=[strategy.spec.label.column])
+    for column in strategy.spec.key_columns(strategy.spec.label_table):
+        frame[column] = frame[column].max() + 10_000  # no partner row anywhere
+    frame.to_csv(tmp_path / "none.csv", index=False, float_format="%.17g")
+    out = tmp_path / "p.csv"
+    assert predict_main([str(run_dir), "--rows", str(tmp_path / "none.csv"), "--out", str(out)]) == 0
+    assert pd.read_csv(tmp_path / "p.unjoined.csv")["row"].tolist() == list(range(len(frame)))
+    written = pd.read_csv(out)
+    assert written.empty and list(written.columns) == ["row", "joined_rows", "prediction", "p_0", "p_1", "p_2"]
+
+
 def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
     key = spec.key_columns(spec.label_table)[0]
     numeric = spec.table(spec.label_table).numeric[0]
@@ -291,6 +304,8 @@ def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
         return frame.drop(columns=[key])
     if how == "unknown column":
         return frame.assign(favourite_colour="blue")
+    if how == "no row":
+        return frame.iloc[:0]
     frame = frame.astype({numeric: object})
     frame.loc[2, numeric] = "twelve"
     return frame
@@ -301,6 +316,7 @@ def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
     [
         ("missing key", r"no key column\(s\) \['\w+'\] of table 'fact'"),
         ("wrong type", r"column '\w+' of table 'fact' is numeric, but row 2 holds 'twelve', not a number"),
+        ("no row", r"rows file \S+: holds no row \(a header only\): nothing to score$"),
     ],
 )
 def test_a_bad_rows_file_is_one_line_and_nothing_is_written(trained, tmp_path, capsys, how, line):

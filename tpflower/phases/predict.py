@@ -179,6 +179,8 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
         frame = pd.read_parquet(path) if suffix == ".parquet" else read_csv_noting_na_strings(Path(path))
     except (OSError, ValueError) as exc:
         raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
+    if not len(frame):
+        raise SpecError(f"{where}: holds no row (a header only): nothing to score")
     na_text = {c: v for c, v in (frame.attrs.get(NA_ATTR) or {}).items() if c in part.numeric}
     if s.owner.loader is not None:  # rows in the format of the loader's source: its derived columns computed
         frame = derive_rows(s.owner.loader, table, frame)
