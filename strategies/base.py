@@ -51,6 +51,11 @@ from tpflower.schema import RelationalSpec
 from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
 
 
+def node_line(name: str, reason: str) -> str:
+    """A node's error as one line starting with the node's name (once: a reason may name it already)."""
+    return reason if reason.startswith(f"{name}:") or reason.startswith(f"{name} ") else f"{name}: {reason}"
+
+
 class TablePuppetStrategy(Strategy):
     """Flower plumbing around a protocol: node discovery, one round per :meth:`send`, byte accounting."""
 
@@ -187,7 +192,7 @@ class TablePuppetStrategy(Strategy):
         """The decoded replies of a round by client key, and each one's payload bytes; an error reply ends the
         run with one line naming its table."""
         replies = list(replies)
-        errors = [f"{self.node_name(r.metadata.src_node_id)}: {error_reason(r)}" for r in replies if r.has_error()]
+        errors = [node_line(self.node_name(r.metadata.src_node_id), error_reason(r)) for r in replies if r.has_error()]
         if errors:  # every node's own line (e.g. each table's data problems), not only the first one's
             raise RunError("\n".join(sorted(errors)))
         inbox, up = {}, {}

@@ -292,3 +292,21 @@ def test_an_in_process_handlers_traceback_reaches_the_run_log_not_the_console(tm
     assert "Traceback" not in line
     log = log_file(tmp_path).read_text()
     assert "table 'd1' shard 0:\nTraceback" in log and "in failing" in log and "ZeroDivisionError" in log
+
+
+def test_a_nodes_error_line_keeps_its_last_quote_and_names_the_node_once():
+    from types import SimpleNamespace
+
+    from strategies.base import node_line
+    from tpflower.records import error_reason
+
+    reason = "rows file x.csv: no feature column(s) ['table'] of table 'stones'"
+    reply = SimpleNamespace(error=SimpleNamespace(code=0, reason=f"{ValueError}:<'{reason}'>"))  # the engine's form
+    assert error_reason(reply) == reason
+    name = "table 'stones' shard 0"
+    assert node_line(name, reason) == f"{name}: {reason}"
+    assert node_line(name, f"{name}: a summary of 4 rows") == f"{name}: a summary of 4 rows"
+    assert (
+        node_line(name, f"{name} (algorithm 'gbdt') refuses phase 'x'")
+        == f"{name} (algorithm 'gbdt') refuses phase 'x'"
+    )

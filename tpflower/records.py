@@ -145,7 +145,7 @@ def error_reason(reply: Message) -> str:
     """The useful line of an error reply: the ClientApp's exception message, without Flower's wrapping."""
     reason = str(reply.error.reason)
     if ":<'" in reason:  # "<class 'ValueError'>:<'table 'x': ...'>" (the simulation engine's format)
-        reason = reason.split(":<'", 1)[1].rstrip(">").rstrip("'")
+        reason = reason.split(":<'", 1)[1].removesuffix("'>")  # the message's own last quote kept
     return reason.strip().splitlines()[-1] if reason.strip() else f"error code {reply.error.code}"
 
 

@@ -345,7 +345,7 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
         )
     reps = G.astype(np.int64)
     binary = binary_columns(X)  # 0/1 (one-hot) columns: sketched from their weighted counts of 1s
-    ones, total = column_sums(X, reps).astype(np.int64), int(reps.sum())
+    ones, total = np.where(binary, column_sums(X, reps), 0).astype(np.int64), int(reps.sum())  # (NaN sums: unused)
     sketches = [RankSketch.empty()] * X.shape[1]
     for f in np.flatnonzero(binary):
         sketches[f] = RankSketch.two_values(total - int(ones[f]), int(ones[f]), DEFAULT_SKETCH_SIZE)
