@@ -339,3 +339,10 @@ def test_rows_a_where_filter_removes_are_reported_as_filtered_not_missing(tmp_pa
     assert (
         "they have no partner row in table 'customers'" in missing.line() and "add the missing rows" in missing.line()
     )
+
+
+def test_a_label_setting_other_than_table_column_task_is_refused_naming_where_it_goes(tmp_path):
+    dataset = shop(tmp_path)
+    dataset["label"]["label_range"] = [0, 20]
+    with pytest.raises(SpecError, match=r"label has unknown settings \['label_range'\] \(label_range goes at the top"):
+        check_dataset(dataset)

@@ -268,6 +268,14 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     label = cfg.get("label") or {}
     if not label.get("column"):
         raise SpecError(f"dataset {name!r}: no label: set label.column (and label.table, label.task)")
+    unknown = set(label) - {"table", "column", "task"}
+    if unknown:
+        top = (
+            " (label_range goes at the top level of the dataset config, beside label)"
+            if "label_range" in unknown
+            else ""
+        )
+        raise SpecError(f"dataset {name!r}: label has unknown settings {sorted(unknown)}{top}")
     task = label.get("task", "regression")
     if task not in TASKS:
         raise SpecError(f"dataset {name!r}: label.task must be one of {TASKS}, got {task!r}")
