@@ -300,7 +300,13 @@ class JoinSetup(Saved):
                 is_test[ids] = flags
             else:
                 y_rows[ids], is_test[ids] = y, flags
-            n_classes = max(n_classes, int(reply_metrics.get("n_classes", 0)))
+            shard_classes = int(reply_metrics.get("n_classes", 0))
+            if n_classes and shard_classes != n_classes:  # class ids of different class lists: they would disagree
+                raise RuntimeError(
+                    f"label table {t!r}: its shards know {n_classes} and {shard_classes} classes of a multiclass "
+                    "label, so their class ids disagree; give every shard's file every class's row, or one file"
+                )
+            n_classes = max(n_classes, shard_classes)
         assert y_rows is not None
         return y_rows, is_test, n_classes or None
 

@@ -419,3 +419,46 @@ def test_synthetic_correlation_and_imbalance_knobs():
     y = syn.generate("star", 3000, 20, 1, task="multiclass", n_classes=5, imbalance=1.0)["fact"]["y"]
     counts = np.bincount(y, minlength=5)
     assert counts[0] > 2 * counts[4], counts
+
+
+def test_a_shard_missing_a_class_codes_the_others_as_the_whole_table_does():
+    """Multiclass labels are class ids in the sorted order of the whole table's classes: a shard whose rows lack
+    the first class (here 'a') gives 'b' and 'c' the ids the other shard and the join give them."""
+    from tpflower.local_table import ShardData, prepare_local_table
+    from tpflower.schema import parse_spec
+
+    spec = parse_spec(
+        {
+            "name": "s",
+            "tables": {"t": {"numeric": ["x"], "shards": {"parts": 2}}, "d": {"numeric": ["z"]}},
+            "label": {"table": "t", "column": "y", "task": "multiclass"},
+            "joins": [{"left": "t", "right": "d", "on": "k"}],
+        }
+    )
+    frame = pd.DataFrame({"k": [0, 1, 0, 1, 0], "x": np.arange(5.0), "y": ["b", "a", "c", "a", "b"]})
+    whole = ShardData(spec, "t", frame)
+    assert whole.y.tolist() == [1, 0, 2, 0, 1] and whole.n_classes == 3
+    shard = ShardData(spec, "t", frame, np.array([0, 2, 4]))  # no 'a'
+    assert shard.y.tolist() == [1, 2, 1] and shard.n_classes == 3
+    local = prepare_local_table(spec, "t", frame, np.array([0, 2, 4]))
+    assert local.y.tolist() == [1, 2, 1] and local.n_classes == 3
+
+
+def test_shards_that_know_different_numbers_of_classes_are_refused(monkeypatch):
+    """Shards whose own files hold different class lists would code classes differently: the server refuses the
+    run in one line naming the label table (here one shard is made to count one class more)."""
+    import tpflower.local_table as lt
+    from simulations.federated import run_in_process
+    from tpflower.config import compose_config
+
+    encode, seen = lt.encode_labels, []
+
+    def uneven(spec, values, rows=None):
+        y, n = encode(spec, values, rows)
+        seen.append(rows is not None)
+        return y, (n + 1 if rows is not None and sum(seen) == 2 else n)
+
+    monkeypatch.setattr(lt, "encode_labels", uneven)
+    cfg = compose_config("algorithm=admm", "dataset=synthetic", "dataset.loader.task=multiclass", "scenario=ucq")
+    with pytest.raises(RuntimeError, match=r"label table 'fact': its shards know 3 and 4 classes"):
+        run_in_process(cfg, None, log=lambda _: None)

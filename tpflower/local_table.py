@@ -41,12 +41,17 @@ class LocalTable:
         return self.X.shape[1]
 
 
-def encode_labels(spec: RelationalSpec, values: pd.Series) -> tuple[np.ndarray, int | None]:
-    """Labels as the loss expects them: float for regression/binary; class ids 0..C-1 for multiclass."""
+def encode_labels(
+    spec: RelationalSpec, values: pd.Series, rows: np.ndarray | None = None
+) -> tuple[np.ndarray, int | None]:
+    """Labels as the loss expects them, of the rows ``rows`` of the table's label column ``values`` (None: all):
+    float for regression/binary; for multiclass class ids 0..C-1 in the sorted order of the classes of the whole
+    column, so every shard cut from one table gives a class the same id, whichever classes its own rows hold."""
     if spec.label.task == "multiclass":
         codes, classes = pd.factorize(values, sort=True)
-        return codes.astype(np.int64), len(classes)
-    return values.to_numpy(dtype=np.float64), None
+        codes = codes.astype(np.int64)
+        return (codes if rows is None else codes[rows]), len(classes)
+    return (values if rows is None else values.iloc[rows]).to_numpy(dtype=np.float64), None
 
 
 def fit_rows(spec: RelationalSpec, name: str, n_table_rows: int, row_ids: np.ndarray) -> np.ndarray | None:
@@ -81,7 +86,9 @@ def prepare_local_table(
     pre = preprocessor or TablePreprocessor(t.numeric, t.categorical, table=name).fit(
         local, fit_rows(spec, name, len(frame), row_ids)
     )
-    y, n_classes = encode_labels(spec, local[spec.label.column]) if is_label else (None, None)
+    y, n_classes = (
+        encode_labels(spec, frame[spec.label.column], None if rows is None else row_ids) if is_label else (None, None)
+    )
     X, names = pre.transform(local, dtype), list(pre.feature_names)
     if t.binned:
         if bin_edges is None:
@@ -127,7 +134,11 @@ class ShardData:
         self.rows = self.frame if self.whole else self.frame.iloc[self.row_ids].reset_index(drop=True)
         self.keys = self.rows[list(spec.key_columns(name))]
         self.is_label = name == spec.label_table
-        self.y, self.n_classes = encode_labels(spec, self.rows[spec.label.column]) if self.is_label else (None, None)
+        self.y, self.n_classes = (
+            encode_labels(spec, frame[spec.label.column], None if self.whole else self.row_ids)
+            if self.is_label
+            else (None, None)
+        )
         self.is_test = holdout_mask(spec, len(frame))[self.row_ids] if self.is_label else None
         self.fit_positions = fit_rows(spec, name, len(frame), self.row_ids)
         self.dtype = np.float32 if precision == "float32" else np.float64
