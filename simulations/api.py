@@ -163,7 +163,7 @@ def fit(
         if os.environ.get("TPFLOWER_TRACEBACK"):
             raise
         raise TpflowerError(failure_message(exc, path), path / "error.log") from None
-    return Model(path)
+    return Model(path, verbose)
 
 
 def load(run_dir: str | Path) -> Model:
@@ -175,8 +175,9 @@ class Model:
     """A trained model: its run dir's results.json (``results``, ``metrics``, ``history``) and, for prediction,
     its model.json and the owners' saved parts (RUN_DIR/node-state in a simulation)."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, verbose: bool = True):
         self.run_dir = Path(run_dir).expanduser().resolve()
+        self.verbose = verbose  # predict's default: fit(verbose=False) gives a quiet model
         try:
             self.results: dict[str, Any] = read_results(self.run_dir / RESULTS_FILE)
         except ResultsError as exc:
@@ -220,7 +221,7 @@ class Model:
         shard: int = 0,
         runtime: str = "inprocess",
         base_dir: str | Path | None = None,
-        verbose: bool = True,
+        verbose: bool | None = None,
         per_joined_row: bool = False,
     ) -> pd.DataFrame:
         """Score new rows of table ``table`` (default the label table) federated, as ``tpflower predict``
@@ -228,8 +229,9 @@ class Model:
         keys and the columns its features come from; other columns are ignored). One line per new row: ``row``
         (its position), ``joined_rows``, ``prediction`` (the mean over its joined rows; classification: the
         class of the mean probabilities) and class probabilities; ``per_joined_row``: one line per joined row
-        with the partner tables' rows. New rows that join no partner get no line."""
-        log = console_log(verbose)
+        with the partner tables' rows. New rows that join no partner get no line. ``verbose`` None: as the fit
+        that made the model (a loaded model: True)."""
+        log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):
                 path = Path(tmp) / "rows.parquet"

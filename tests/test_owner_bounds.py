@@ -246,7 +246,8 @@ def test_a_run_cannot_resplit_a_deployed_table_or_shard_it_by_an_unexposed_colum
         (
             "~dataset.tables.ratings.shards.parts +dataset.tables.ratings.shards.by=timestamp "
             "+dataset.tables.ratings.shards.values=[a,b]",
-            "the run splits it into shards by column 'timestamp', which this node does not expose",
+            "the run splits it into shards by column 'timestamp', which this node does not expose; expose "
+            "'timestamp' in this node's settings",
         ),
     ):
         context = node(tmp_path / str(abs(hash(attack))), "ratings", UCQ, f"{UCQ} {attack}")
@@ -274,7 +275,8 @@ def test_a_simulation_shards_only_by_an_exposed_column():
         except ValueError as exc:
             refusals.append(str(exc))
     assert len(refusals) == 2  # both shards of ratings; movies and the users' shards serve
-    assert all("shards by column 'timestamp', which this node does not expose" in r for r in refusals)
+    fix = "declare 'timestamp' a numeric or categorical column of table 'ratings'"
+    assert all("shards by column 'timestamp', which this node does not expose; " + fix in r for r in refusals)
 
 
 def sharded_fact(overrides: str) -> tuple[object, Context]:

@@ -237,6 +237,12 @@ def test_row_mask_predicates():
     with pytest.raises(SpecError, match="where compares values of different types"):
         row_mask("t", frame, "s > 3")
     assert row_mask("t", frame, "x * 2 >= 4 AND x <> 4").tolist() == [False, True, False, False]
+    assert row_mask("t", pd.DataFrame({"x": [-3, -2, 3, 4]}), "x % 2 = -1 OR x % 2 = 1").tolist() == [
+        True,
+        False,
+        True,
+        False,
+    ]
 
 
 def test_union_all_of_every_shard_combination_shards_both_tables(shop):

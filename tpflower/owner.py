@@ -208,8 +208,14 @@ class OwnerSettings:
         if scenario != "ucq" or (t.shards is None and not self.deployed):
             return
         if t.shards is not None and t.shards.by is not None and t.shards.by not in self.exposed.all:
+            fix = (
+                f"expose {t.shards.by!r} in this node's settings (exposed)"
+                if self.deployed
+                else f"declare {t.shards.by!r} a numeric or categorical column of table {self.table!r} (a shard "
+                "column is a feature its owner exposes)"
+            )
             raise self.refuse(
-                f"the run splits it into shards by column {t.shards.by!r}, which this node does not expose"
+                f"the run splits it into shards by column {t.shards.by!r}, which this node does not expose; {fix}"
             )
         if self.deployed and t.shards != self.shards:
             raise self.refuse(

@@ -31,6 +31,7 @@ ARITH: dict[type, Callable] = {
     exp.Sub: operator.sub,
     exp.Mul: operator.mul,
     exp.Div: operator.truediv,
+    exp.Mod: np.fmod,  # SQL's %: the sign of the dividend (-3 % 2 = -1)
 }
 
 
