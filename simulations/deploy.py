@@ -67,6 +67,7 @@ from omegaconf import OmegaConf
 from simulations.pki import ServerTLS, make_node_keys, make_server_tls
 from tpflower.datasets import load_spec
 from tpflower.owner import SECRET_ENV, privacy_floor, simulation_owner
+from tpflower.schema import SpecError
 from tpflower.signing import node_name, node_signing_key, verify_key_hex
 
 try:
@@ -177,6 +178,9 @@ def write_client_configs(
             },
             "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
             "keys": owner.keys,
+            # the owner's bounds as the run gives them (the one-machine deployment: the user is every owner)
+            "min_sketch_rows": owner.min_sketch_rows,
+            "min_group_rows": owner.min_group_rows,
             "secret_file": str(key),
             "peers": {name: hex_key for name, hex_key in verify.items() if name != node_name(table, shard)},
             **(
@@ -883,6 +887,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
             help="Hydra overrides (one string); selects the dataset, hence the tables",
         )
         p.add_argument("--port", type=int, default=None, help="SuperLink port on 127.0.0.1 (default: a free one)")
+        p.add_argument(
+            "--config-dir",
+            default=None,
+            help="a folder with dataset/NAME.yaml (your own tables), as simulations.run's --config-dir",
+        )
     p_run.add_argument("--run-dir", required=True, help="directory for results.json")
     p_run.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     for p in (p_start, p_run, p_predict):
@@ -900,6 +909,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
             help="Flower home (default: $FLWR_HOME, else STATE_DIR/flwr; stop-local: ~/.flwr)",
         )
     args = parser.parse_args(argv)
+    if getattr(args, "config_dir", None):  # every process composes the run from its overrides: the folder in them
+        folder = Path(args.config_dir).expanduser().resolve()
+        if not folder.is_dir():
+            print(f"error: --config-dir {args.config_dir}: no such folder", file=sys.stderr)
+            return 1
+        args.overrides = f"{args.overrides} hydra.searchpath=[file://{folder}]"
 
     if args.command == "start":
         dep = start(args.overrides, args.state_dir, args.port, args.flwr_home, insecure=args.insecure)
@@ -948,7 +963,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
             print(f"error: {exc}", file=sys.stderr)
             return 1
     elif args.command == "clients":
-        clients = clients_of(args.overrides)
+        try:
+            clients = clients_of(args.overrides)
+        except (SpecError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         print(" ".join(t for t, _ in clients))
         print(
             f"flwr run . --stream --run-config \"overrides='{args.overrides}'\" "

@@ -34,7 +34,7 @@ from tpflower.blind import SCALAR_FILE, as_array, blind_keys, hash_to_group, poi
 from tpflower.config import compose_config
 from tpflower.datasets import load_dataset
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, canonical_tuples, key_codes, key_digests
-from tpflower.owner import SECRET_ENV
+from tpflower.owner import SECRET_ENV, load_owner_settings
 from tpflower.phases.setup import blinding_scalar, reblind_keys
 from tpflower.records import unpack_reply
 from tpflower.schema import RelationalSpec, validate_tables
@@ -255,6 +255,10 @@ def test_a_deployment_writes_blind_owners_without_a_shared_secret(tmp_path):
     assert len({s["secret_file"] for s in settings}) == len(settings)  # each owner its own, none shared
     hmac_paths = write_client_configs(deployment_overrides("dataset=synthetic mapping.keys=hmac"), tmp_path / "h")
     assert {yaml.safe_load(p.read_text())["secret_file"] for p in hmac_paths.values()} == {str(tmp_path / "h" / "key")}
+    # the run's own bounds (the one-machine deployment's user is every owner): each node's settings keep them
+    bounds = write_client_configs("dataset=synthetic min_group_rows=1 min_sketch_rows=3", tmp_path / "b")
+    owners = [load_owner_settings(p, t) for (t, _), p in bounds.items()]
+    assert {(o.min_group_rows, o.min_sketch_rows) for o in owners} == {(1, 3)}
 
 
 def test_the_server_checks_blind_replies():
