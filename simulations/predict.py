@@ -29,8 +29,9 @@ from strategies.model_record import read_model_record
 from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Predictions, write_predictions
 from strategies.transport import RunError
 from tpflower.checks import NA_ATTR
-from tpflower.datasets import derive_rows, load_spec
+from tpflower.datasets import derive_rows, load_spec, load_table
 from tpflower.datasets.files import read_csv_noting_na_strings
+from tpflower.local_table import label_classes
 from tpflower.schema import RelationalSpec, SpecError
 
 
@@ -84,6 +85,9 @@ def predict_run(
     else:
         raise ValueError(f"--runtime must be inprocess or flower, got {runtime!r}")
     assert strategy.results is not None
+    if spec.label.task == "multiclass":  # a simulation's user holds the label table: classes by name, as its owner
+        _, labels = load_table(cfg.dataset, spec.label_table, base_dir=base)
+        strategy.results.classes = label_classes(labels[spec.label.column])
     return strategy.results
 
 

@@ -35,6 +35,7 @@ from strategies.transport import ClientKey, RunError
 from tpflower.batches import joined_predictions
 from tpflower.clustering import sq_distances
 from tpflower.datasets import load_spec
+from tpflower.local_table import with_class_names
 from tpflower.mapping import KeyProjection, build_mapping
 from tpflower.schema import RelationalSpec, SpecError
 
@@ -55,6 +56,7 @@ class Predictions:
     p: dict[str, np.ndarray] = field(default_factory=dict)
     per_joined_row: bool = False
     query_table: str = ""
+    classes: list[Any] | None = None  # multiclass, where known: the class of each id (a ``class`` column)
 
     @property
     def n_rows(self) -> int:
@@ -63,8 +65,10 @@ class Predictions:
 
     def frame(self) -> pd.DataFrame:
         """The predictions as written: one line per new row (:meth:`row_frame`), or with ``per_joined_row``
-        (and always for k-means, a cluster per joined row) one per joined row (:meth:`joined_frame`)."""
-        return self.joined_frame() if self.per_joined_row or self.task == "cluster" else self.row_frame()
+        (and always for k-means, a cluster per joined row) one per joined row (:meth:`joined_frame`); with
+        ``classes``, each line's predicted class by name beside its id (:func:`with_class_names`)."""
+        out = self.joined_frame() if self.per_joined_row or self.task == "cluster" else self.row_frame()
+        return out if self.classes is None else with_class_names(out, self.classes)
 
     def joined_frame(self) -> pd.DataFrame:
         """One line per joined new row: ``row``, the partner tables' rows ``TABLE_row`` (per_joined_row),

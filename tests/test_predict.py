@@ -163,10 +163,11 @@ def test_classification_writes_classes_and_probabilities_and_matches_the_run(tra
     assert predict_main([str(run_dir), "--rows", str(rows), "--out", str(out)]) == 0
     frame = pd.read_csv(out)
     d = strategy.d_out
-    assert list(frame.columns) == ["row", "joined_rows", "prediction", *[f"p_{c}" for c in range(d)]]
+    assert list(frame.columns) == ["row", "joined_rows", "prediction", "class", *[f"p_{c}" for c in range(d)]]
     P = frame[[f"p_{c}" for c in range(d)]].to_numpy()
     np.testing.assert_allclose(P.sum(axis=1), 1.0, atol=1e-12)
     np.testing.assert_array_equal(frame["prediction"].to_numpy(), P.argmax(axis=1))
+    np.testing.assert_array_equal(frame["class"], frame["prediction"])  # the synthetic classes are 0..C-1
     assert_same_as_the_run(strategy, [(predict_run(run_dir, rows, **QUIET), ids)])
 
 
@@ -185,7 +186,7 @@ def test_one_line_per_new_row_is_the_mean_of_its_joined_rows_probabilities(train
     d = strategy.d_out
     probs = [f"p_{c}" for c in range(d)]
     partners = [f"{t}_row" for t in strategy.spec.table_names if t != strategy.spec.label_table]
-    assert list(joined.columns) == ["row", *partners, "prediction", *probs]
+    assert list(joined.columns) == ["row", *partners, "prediction", "class", *probs]
     np.testing.assert_array_equal(joined["row"], pred.rows)
     np.testing.assert_allclose(joined[probs].to_numpy(), P, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(joined["prediction"], H.argmax(axis=1))
@@ -294,7 +295,30 @@ def test_rows_of_which_none_joins_are_all_reported_and_none_scored(trained, tmp_
     assert predict_main([str(run_dir), "--rows", str(tmp_path / "none.csv"), "--out", str(out)]) == 0
     assert pd.read_csv(tmp_path / "p.unjoined.csv")["row"].tolist() == list(range(len(frame)))
     written = pd.read_csv(out)
-    assert written.empty and list(written.columns) == ["row", "joined_rows", "prediction", "p_0", "p_1", "p_2"]
+    assert written.empty and list(written.columns) == ["row", "joined_rows", "prediction", "class", "p_0", "p_1", "p_2"]
+
+
+def test_multiclass_predictions_name_each_class_as_the_label_column_does(tmp_path):
+    """Class ids are the label's distinct values in sorted order; the predictions name the class beside its id,
+    in the file written and in the query owner's kept copy (the label owner knows its classes)."""
+    from tests.test_checks import shop
+
+    rng = np.random.default_rng(0)
+    qty = rng.integers(1, 5, 400)
+    tiers = np.array(["bronze", "silver", "gold", "platinum"], dtype=object)
+    orders = pd.DataFrame({"cust": rng.integers(0, 50, 400), "qty": qty, "tier": tiers[qty - 1]})
+    dataset = shop(tmp_path, orders, label={"table": "orders", "column": "tier", "task": "multiclass"})
+    cfg = make_cfg("algorithm=admm", "epochs=3", "precision=float64", dataset=dataset)
+    run_in_process(cfg, tmp_path / "run", tmp_path, **QUIET)
+    orders.drop(columns=["tier"]).to_csv(tmp_path / "new.csv", index=False)
+    out = tmp_path / "p.csv"
+    assert predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "new.csv"), "--out", str(out)]) == 0
+    frame = pd.read_csv(out)
+    names = sorted(tiers)  # bronze, gold, platinum, silver
+    assert frame["class"].tolist() == [names[k] for k in frame["prediction"]]
+    assert (frame["class"] == orders["tier"][frame["row"]].to_numpy()).mean() > 0.9  # qty decides the tier
+    run_id = json.loads((tmp_path / "run" / "model.json").read_text())["run_id"]
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "run" / "node-state" / "predictions" / f"{run_id}.csv"), frame)
 
 
 def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:

@@ -3,7 +3,7 @@ owns them. Built locally from the raw frame; the raw frame never leaves the clie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,19 @@ class LocalTable:
     @property
     def width(self) -> int:
         return self.X.shape[1]
+
+
+def label_classes(values: pd.Series) -> list[Any]:
+    """A multiclass label's classes in the order of their ids (:func:`encode_labels` over the same column)."""
+    return pd.factorize(values, sort=True)[1].tolist()
+
+
+def with_class_names(frame: pd.DataFrame, classes: Sequence[Any]) -> pd.DataFrame:
+    """``frame`` with a ``class`` column after ``prediction``: the name of each predicted class id."""
+    names = np.asarray(list(classes), dtype=object)[frame["prediction"].to_numpy(dtype=np.int64)]
+    out = frame.copy()
+    out.insert(out.columns.get_loc("prediction") + 1, "class", names)
+    return out
 
 
 def encode_labels(
