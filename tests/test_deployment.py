@@ -102,6 +102,22 @@ def test_clients_of_synthetic_are_its_four_tables():
     assert deploy.clients_of(UCQ_OVERRIDES) == UCQ_CLIENTS
 
 
+def test_a_config_dir_brings_ones_own_dataset_to_every_deployed_process(tmp_path, capsys):
+    """--config-dir, as simulations.run's: the run's overrides carry the folder (every process composes the run
+    from them); a folder that does not exist is one line."""
+    from tests.test_checks import shop
+
+    (tmp_path / "conf" / "dataset").mkdir(parents=True)
+    (tmp_path / "conf" / "dataset" / "mine.yaml").write_text(
+        yaml.safe_dump({**shop(tmp_path), "name": "mine"}, sort_keys=False)
+    )
+    assert deploy.main(["clients", "--overrides", "dataset=mine", "--config-dir", str(tmp_path / "conf")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "orders customers" and f"hydra.searchpath=[file://{tmp_path / 'conf'}]" in out[1]
+    assert deploy.main(["clients", "--overrides", "dataset=mine", "--config-dir", str(tmp_path / "nope")]) == 1
+    assert capsys.readouterr().err.strip() == f"error: --config-dir {tmp_path / 'nope'}: no such folder"
+
+
 def test_a_deployment_keeps_its_flower_config_under_its_state_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("FLWR_HOME", raising=False)
     assert deploy.flwr_home(None, tmp_path / "state") == (tmp_path / "state" / "flwr").resolve()

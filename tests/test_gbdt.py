@@ -535,6 +535,7 @@ def test_a_saved_split_of_every_value_against_the_missing_ones_has_threshold_inf
     assert part.split_sides(X).tolist() == [[True, True], [True, False], [False, True]]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # (a shard's NaN column sums were cast to integers)
 @pytest.mark.parametrize("missing", [(), ("+dataset.loader.missing=0.3",)])
 def test_union_equals_the_join(missing):
     """Over the union (fact and d1 in two shards each) the shards bin on the edges the server merged from their
