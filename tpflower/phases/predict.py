@@ -326,7 +326,7 @@ def deliver(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> t
     if data.is_label and s.spec.label.task == "multiclass" and "prediction" in frame:  # its own classes, by name
         frame = with_class_names(frame, label_classes(data.frame[s.spec.label.column]))
     if s.owner.state_dir is None:
-        return {}, {"written": len(frame)}
+        return {}, {"written": 0}
     out = predictions_path(s.owner.state_dir, str(client.state.scalar("predict.run_id")))
     atomic_write(out, frame.to_csv(index=False).encode(), dir_mode=0o700)
     atomic_write(out.with_suffix(".unjoined.csv"), pd.DataFrame({"row": unjoined}).to_csv(index=False).encode())
