@@ -33,6 +33,7 @@ from tpflower.datasets import derive_rows, load_spec, load_table
 from tpflower.datasets.files import read_csv_noting_na_strings
 from tpflower.local_table import label_classes
 from tpflower.schema import RelationalSpec, SpecError
+from tpflower.sql import row_mask
 
 
 def predict_run(
@@ -74,6 +75,12 @@ def predict_run(
             f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} value(s) like {value!r} (the first in row "
             f"{row}), read as missing: the median fills them (dataset.na_strings: error refuses them)"
         )
+    outside = outside_where(rows_path, spec, table)
+    if outside:
+        log(
+            f"{rows_name or f'rows file {rows}'}: {outside} new row(s) fall outside table {table!r}'s where "
+            f"({spec.table(table).where}), on which the model never trained: scored all the same"
+        )
     with open_dict(cfg):
         cfg.predict = {"run_id": record["run_id"], "rows": str(rows_path), "table": table, "shard": shard}
         cfg.predict.per_joined_row = per_joined_row
@@ -89,6 +96,19 @@ def predict_run(
         _, labels = load_table(cfg.dataset, spec.label_table, base_dir=base)
         strategy.results.classes = label_classes(labels[spec.label.column])
     return strategy.results
+
+
+def outside_where(path: Path, spec: RelationalSpec, table: str) -> int:
+    """How many rows of the rows file fail the query table's ``where`` (0: none, no where, or a file or
+    predicate this cannot read: the node says why, in its one line)."""
+    where = spec.table(table).where
+    if where is None:
+        return 0
+    try:
+        frame = pd.read_parquet(path) if path.suffix.lower() == ".parquet" else pd.read_csv(path)
+        return int((~row_mask(table, frame, where)).sum())
+    except (OSError, ValueError, SpecError, pa.ArrowException):
+        return 0
 
 
 def na_text(path: Path, spec: RelationalSpec, table: str) -> dict[str, tuple[int, int, str]]:

@@ -321,6 +321,24 @@ def test_multiclass_predictions_name_each_class_as_the_label_column_does(tmp_pat
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "run" / "node-state" / "predictions" / f"{run_id}.csv"), frame)
 
 
+def test_new_rows_outside_the_query_tables_where_are_named_in_one_line_and_scored(tmp_path):
+    from tests.test_checks import shop
+
+    dataset = shop(tmp_path)
+    dataset["tables"]["orders"]["where"] = "qty > 1"
+    run_in_process(make_cfg("algorithm=admm", "epochs=1", dataset=dataset), tmp_path / "run", tmp_path, **QUIET)
+    orders = pd.read_csv(tmp_path / "orders.csv").drop(columns=["spend"]).head(40)
+    orders.to_csv(tmp_path / "new.csv", index=False)
+    lines: list[str] = []
+    pred = predict_run(tmp_path / "run", tmp_path / "new.csv", base_dir=tmp_path, log=lines.append)
+    outside = int((orders["qty"] <= 1).sum())
+    assert outside and [line for line in lines if "where" in line] == [
+        f"rows file {tmp_path / 'new.csv'}: {outside} new row(s) fall outside table 'orders''s where (qty > 1), on "
+        "which the model never trained: scored all the same"
+    ]
+    assert pred.n_rows == len(orders)
+
+
 def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
     key = spec.key_columns(spec.label_table)[0]
     numeric = spec.table(spec.label_table).numeric[0]
