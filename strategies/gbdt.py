@@ -18,7 +18,6 @@ trees of the best one.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +31,7 @@ from tpflower.fedprep import RankSketch
 from tpflower.join_counts import compact_counts
 from tpflower.losses import loss_np
 from tpflower.mapping import index_dtype
-from tpflower.phases.gbdt import GBDTParams
+from tpflower.phases.gbdt import GBDTParams, size_slices
 from tpflower.results import importance_line
 from tpflower.trees import (
     Candidate,
@@ -277,11 +276,12 @@ class JoinGBDT(LoJStrategy):
             per_feature: list[list[RankSketch]] = []
             for q in self.routers[t].shards:
                 a = replies[(t, q)][0]
-                bounds = np.concatenate([[0], np.cumsum(np.asarray(a["sizes"], dtype=np.int64))])
-                per_feature = per_feature or [[] for _ in bounds[1:]]  # (a table of no feature column: none)
-                for f, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-                    v, w = np.asarray(a["values"][lo:hi], np.float64), np.asarray(a["weights"][lo:hi], np.int64)
-                    per_feature[f].append(RankSketch(v, w))
+                parts = size_slices(a["sizes"])  # (a table of no feature column: none)
+                per_feature = per_feature or [[] for _ in parts]
+                for f, s in enumerate(parts):
+                    per_feature[f].append(
+                        RankSketch(np.asarray(a["values"][s], np.float64), np.asarray(a["weights"][s], np.int64))
+                    )
             merged = [RankSketch.merge(sk) for sk in per_feature]
             self.shared_edges[t] = [bin_edges(m.values, m.weights, self.params.max_bins) for m in merged]
         if self.shared_edges:

@@ -365,8 +365,7 @@ def gbdt_edges(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
     width = client.local.X.shape[1]
     if len(a["sizes"]) != width or int(a["sizes"].sum()) != len(a["edges"]) or (a["sizes"] >= MAX_BINS).any():
         raise _refuse(client, "gbdt_edges", "the edges do not fit the table's feature columns")
-    bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
-    parts = [a["edges"][lo:hi] for lo, hi in itertools.pairwise(bounds)]  # (none: a table of no feature)
+    parts = [a["edges"][s] for s in size_slices(a["sizes"])]  # (none: a table of no feature)
     if any((np.diff(e) <= 0).any() for e in parts):
         raise _refuse(client, "gbdt_edges", "the edges of a column are not increasing")
     # every shard gives each numeric column a bin of missing values, whether its own rows have any or not: the
@@ -399,8 +398,8 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
     direct, derived = subtraction_plan(parents, joined.tolist(), nodes, hists)  # built from rows; by subtraction
     built = np.zeros((0, 3, layout.total))
     if direct:
-        bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
-        parts = [slice(bounds[i], bounds[i + 1]) for i in direct]
+        slices = size_slices(a["sizes"])
+        parts = [slices[i] for i in direct]
 
         def rows_of(x: np.ndarray | None) -> np.ndarray | None:  # the direct nodes' part of a per-row array
             if x is None or len(direct) == len(nodes):
@@ -428,10 +427,15 @@ def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndar
     return new
 
 
+def size_slices(sizes: np.ndarray) -> list[slice]:
+    """The slices of consecutive parts of ``sizes`` items each in their concatenation (no size: no part)."""
+    bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).tolist()
+    return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds)]
+
+
 def node_parts(a: Mapping[str, np.ndarray]) -> dict[int, slice]:
     """Each node's slice of the concatenated per-row arrays (``sizes`` rows per node, in ``nodes`` order)."""
-    bounds = np.concatenate([[0], np.cumsum(a["sizes"])])
-    return {int(n): slice(int(bounds[i]), int(bounds[i + 1])) for i, n in enumerate(a["nodes"])}
+    return dict(zip(a["nodes"].tolist(), size_slices(a["sizes"])))
 
 
 def answer(
