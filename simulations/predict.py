@@ -31,7 +31,7 @@ from strategies.transport import RunError
 from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec, load_table
 from tpflower.datasets.files import read_csv_noting_na_strings
-from tpflower.local_table import label_classes
+from tpflower.local_table import encode_labels
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
 
@@ -94,7 +94,7 @@ def predict_run(
     assert strategy.results is not None
     if spec.label.task == "multiclass":  # a simulation's user holds the label table: classes by name, as its owner
         _, labels = load_table(cfg.dataset, spec.label_table, base_dir=base)
-        strategy.results.classes = label_classes(labels[spec.label.column])
+        strategy.results.classes = encode_labels(spec, labels[spec.label.column])[1]
     return strategy.results
 
 

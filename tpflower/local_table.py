@@ -41,11 +41,6 @@ class LocalTable:
         return self.X.shape[1]
 
 
-def label_classes(values: pd.Series) -> list[Any]:
-    """A multiclass label's classes in the order of their ids (:func:`encode_labels` over the same column)."""
-    return pd.factorize(values, sort=True)[1].tolist()
-
-
 def with_class_names(frame: pd.DataFrame, classes: Sequence[Any]) -> pd.DataFrame:
     """``frame`` with a ``class`` column after ``prediction``: the name of each predicted class id."""
     names = np.asarray(list(classes), dtype=object)[frame["prediction"].to_numpy(dtype=np.int64)]
@@ -56,14 +51,15 @@ def with_class_names(frame: pd.DataFrame, classes: Sequence[Any]) -> pd.DataFram
 
 def encode_labels(
     spec: RelationalSpec, values: pd.Series, rows: np.ndarray | None = None
-) -> tuple[np.ndarray, int | None]:
-    """Labels as the loss expects them, of the rows ``rows`` of the table's label column ``values`` (None: all):
-    float for regression/binary; for multiclass class ids 0..C-1 in the sorted order of the classes of the whole
-    column, so every shard cut from one table gives a class the same id, whichever classes its own rows hold."""
+) -> tuple[np.ndarray, list[Any] | None]:
+    """Labels as the loss expects them, of the rows ``rows`` of the table's label column ``values`` (None: all),
+    and the classes: float for regression/binary (no classes); for multiclass class ids 0..C-1 in the sorted order
+    of the classes of the whole column (returned in that order), so every shard cut from one table gives a class
+    the same id, whichever classes its own rows hold."""
     if spec.label.task == "multiclass":
         codes, classes = pd.factorize(values, sort=True)
         codes = codes.astype(np.int64)
-        return (codes if rows is None else codes[rows]), len(classes)
+        return (codes if rows is None else codes[rows]), classes.tolist()
     return (values if rows is None else values.iloc[rows]).to_numpy(dtype=np.float64), None
 
 
@@ -99,7 +95,7 @@ def prepare_local_table(
     pre = preprocessor or TablePreprocessor(t.numeric, t.categorical, table=name).fit(
         local, fit_rows(spec, name, len(frame), row_ids)
     )
-    y, n_classes = (
+    y, classes = (
         encode_labels(spec, frame[spec.label.column], None if rows is None else row_ids) if is_label else (None, None)
     )
     X, names = pre.transform(local, dtype), list(pre.feature_names)
@@ -117,7 +113,7 @@ def prepare_local_table(
         keys=local[list(spec.key_columns(name))].reset_index(drop=True),
         y=y,
         is_test=is_test,
-        n_classes=n_classes,
+        n_classes=None if classes is None else len(classes),
         preprocessor=pre,
         bin_edges=dict(bin_edges) if t.binned and bin_edges is not None else {},
     )
@@ -147,11 +143,12 @@ class ShardData:
         self.rows = self.frame if self.whole else self.frame.iloc[self.row_ids].reset_index(drop=True)
         self.keys = self.rows[list(spec.key_columns(name))]
         self.is_label = name == spec.label_table
-        self.y, self.n_classes = (
+        self.y, self.classes = (  # classes: a multiclass label's, in the order of their ids
             encode_labels(spec, frame[spec.label.column], None if self.whole else self.row_ids)
             if self.is_label
             else (None, None)
         )
+        self.n_classes = None if self.classes is None else len(self.classes)
         self.is_test = holdout_mask(spec, len(frame))[self.row_ids] if self.is_label else None
         self.fit_positions = fit_rows(spec, name, len(frame), self.row_ids)
         self.dtype = np.float32 if precision == "float32" else np.float64

@@ -46,7 +46,7 @@ from tpflower.datasets.files import read_csv_noting_na_strings
 from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, takes
 from tpflower.keys_payload import KeysPayload
-from tpflower.local_table import label_classes, with_class_names
+from tpflower.local_table import with_class_names
 from tpflower.model_part import ModelPart, part_id, part_path
 from tpflower.phases.setup import REBLIND, REBUILD, chunked_reply, key_payload, keys_chunk
 from tpflower.records import Arrays
@@ -322,9 +322,8 @@ def deliver(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> t
     rows = np.concatenate([frame["row"].to_numpy(dtype=np.int64), unjoined])
     if len(rows) and (rows.min() < 0 or rows.max() >= n_rows):
         raise ProtocolRefusal(f"{_where(client)}: deliver names rows outside its {n_rows} new rows")
-    data = client.data
-    if data.is_label and s.spec.label.task == "multiclass" and "prediction" in frame:  # its own classes, by name
-        frame = with_class_names(frame, label_classes(data.frame[s.spec.label.column]))
+    if client.data.classes is not None and "prediction" in frame:  # the label owner's own classes, by name
+        frame = with_class_names(frame, client.data.classes)
     if s.owner.state_dir is None:
         return {}, {"written": 0}
     out = predictions_path(s.owner.state_dir, str(client.state.scalar("predict.run_id")))
