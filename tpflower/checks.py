@@ -374,17 +374,24 @@ def _key_codes(left: pd.DataFrame, right: pd.DataFrame) -> tuple[np.ndarray, np.
     return codes[:n], codes[n:]
 
 
-def join_drops(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[tuple[str, str, int]]:
+def edge_codes(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per join of ``spec.join_order()``: the key codes of the known and of the new table's rows (equal codes:
+    equal keys)."""
+    return [
+        _key_codes(frames[known][list(edge.columns_of(known))], frames[new][list(edge.columns_of(new))])
+        for edge, known, new in spec.join_order()
+    ]
+
+
+def join_drops(
+    spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], partner: list[tuple[np.ndarray, np.ndarray]]
+) -> list[tuple[str, str, int]]:
     """Per join of the tree (breadth-first from the label table): (join, table joined, label-table rows that
     the inner join loses there). Raw key values (the simulation owns every table). On the table level: a row
     survives the joins so far when, for each of its joins among them, a surviving row of the child table
-    shares its key (children first); the join itself is never materialized."""
+    shares its key (children first); the join itself is never materialized. ``partner``: :func:`edge_codes`."""
     root = spec.label_table
     order = list(spec.join_order())
-    partner: list[tuple[np.ndarray, np.ndarray]] = []  # per edge: key codes of the known and the new table's rows
-    for edge, known, new in order:
-        lcols, rcols = list(edge.columns_of(known)), list(edge.columns_of(new))
-        partner.append(_key_codes(frames[known][lcols], frames[new][rcols]))
     out = []
     before = len(frames[root])
     for k, (edge, _, new) in enumerate(order):
@@ -399,17 +406,17 @@ def join_drops(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list
     return out
 
 
-def fanout_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[Problem]:
+def fanout_problems(
+    spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], partner: list[tuple[np.ndarray, np.ndarray]]
+) -> list[Problem]:
     """A join whose new table holds a key value on more than one row repeats every row of the known table that
     holds it, once per partner (many-to-many): a warning naming the join and the counts, unless the new
-    table's spec says ``unique`` (true: its node refuses the duplicates; false: a row per partner is meant)."""
+    table's spec says ``unique`` (true: its node refuses the duplicates; false: a row per partner is meant).
+    ``partner``: :func:`edge_codes`."""
     out = []
-    for edge, known, new in spec.join_order():
+    for (edge, known, new), (code_known, code_new) in zip(spec.join_order(), partner):
         if spec.table(new).unique is not None:
             continue
-        code_known, code_new = _key_codes(
-            frames[known][list(edge.columns_of(known))], frames[new][list(edge.columns_of(new))]
-        )
         size = int(max(code_known.max(initial=-1), code_new.max(initial=-1))) + 1
         repeated = np.bincount(code_new, minlength=size) > 1
         rows = int(repeated[code_known].sum())
@@ -429,15 +436,18 @@ def fanout_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) ->
 
 
 def dropped_row_problems(
-    spec: RelationalSpec, frames: Mapping[str, pd.DataFrame], policy: str = "warn"
+    spec: RelationalSpec,
+    frames: Mapping[str, pd.DataFrame],
+    policy: str,
+    partner: list[tuple[np.ndarray, np.ndarray]],
 ) -> list[Problem]:
     """A join that drops more than 1% of the label table's rows: a warning (``policy=warn``), an error
-    (``error``) or nothing (``ignore``); the line names the join and the count."""
+    (``error``) or nothing (``ignore``); the line names the join and the count. ``partner``: :func:`edge_codes`."""
     if policy not in DROP_POLICIES:
         raise SpecError(f"dataset.on_dropped_rows must be one of {list(DROP_POLICIES)}, got {policy!r}")
     n = len(frames[spec.label_table])
     out = []
-    for edge, new, lost in join_drops(spec, frames):
+    for edge, new, lost in join_drops(spec, frames, partner):
         if lost == n:
             return out + [
                 Problem(
@@ -483,7 +493,8 @@ def dataset_problems(
             problems += table_problems(spec, name, frames[name])
     problems += key_kind_problems(spec, frames) if len(frames) == len(spec.table_names) else []
     if joins and not errors(problems) and spec.label.table is not None:
-        problems += dropped_row_problems(spec, frames, on_dropped_rows)
+        partner = edge_codes(spec, frames)  # the key codes of every join, once for both checks
+        problems += dropped_row_problems(spec, frames, on_dropped_rows, partner)
         if not errors(problems):
-            problems += fanout_problems(spec, frames)
+            problems += fanout_problems(spec, frames, partner)
     return spec, problems
