@@ -184,7 +184,7 @@ class PCGSolver(LoJStrategy):
             "dots": [rz, zz, zp, rr],
             "rz_prev": 0.0,
             "rr0": rr,
-            "stopped": rr == 0.0,
+            "stopped": False,  # a zero residual (theta = 0 exact: a constant label) still takes one step of 0
         }
 
     def pcg_window(self) -> int:
@@ -224,7 +224,7 @@ class PCGSolver(LoJStrategy):
             dtype = self.state_dtype  # the run's precision, as ADMM's Y (float64 runs stay exact)
             s, HWH = self.joined_sums(hp, dtype)
             p_Ap = HWH / self.pcg_N + beta_ridge * pp
-            alpha = rz / p_Ap
+            alpha = rz / p_Ap if p_Ap > 0 else 0.0  # p = 0: the residual is 0 (theta exact), no step
             rows = {t: {"s": s.pop(t)} for t in self.spec.table_names}
             g = {t: {"g": v["g"]} for t, v in self.shard_sums(rows, "pcg_partial", "inner").items()}
             config = {"phase": "pcg_step", "epoch": it, "alpha": alpha, "beta": beta, **self.checkpoint_config(it)}
@@ -234,7 +234,7 @@ class PCGSolver(LoJStrategy):
             # T theta_{k+1} = T theta_k + alpha T p_k: the server follows the model's outputs itself (in place)
             for t in hp:
                 combine(htheta[t], 1.0, hp[t], alpha)
-            relative = float(np.sqrt(max(dots[3], 0.0) / loop["rr0"]))
+            relative = relative_residual(dots[3], loop["rr0"])
             train_loss = self.train_loss(htheta)
             reg = sum(float(replies[(t, r.shards[0])][1].get("R", 0.0)) for t, r in self.routers.items())
             self.record_epoch(
@@ -277,7 +277,7 @@ class PCGSolver(LoJStrategy):
             "past": [],  # per window iteration: T_i P_j per table (the run's precision), pinv(P_j^T K P_j)
             "S": np.zeros((0, 0)),  # the Euclidean Gram of the window's direction blocks, P_i^T P_j
             "rr0": rr,
-            "stopped": rr == 0.0,
+            "stopped": False,  # a zero residual: one step of 0 (pinv of a zero Q), then the stop
         }
 
     def table_dots(self, replies: Mapping[ClientKey, Reply]) -> dict[str, np.ndarray]:
@@ -385,7 +385,7 @@ class PCGSolver(LoJStrategy):
             for t in tables:
                 combine(htheta[t], 1.0, step["h"][t])
             rr = sum(float(v[2]) for v in dots.values())
-            relative = float(np.sqrt(max(rr, 0.0) / loop["rr0"]))
+            relative = relative_residual(rr, loop["rr0"])
             train_loss = self.train_loss({t: v[:, None] for t, v in htheta.items()})
             reg = sum(float(replies[(t, r.shards[0])][1].get("R", 0.0)) for t, r in self.routers.items())
             self.record_epoch(
@@ -432,6 +432,11 @@ class PCGSolver(LoJStrategy):
 
     def plan_feature_dp(self) -> dict:  # pragma: no cover - the registry refuses feature DP first
         raise ValueError(f"algorithm={self.algorithm} has no feature-DP plan")
+
+
+def relative_residual(rr: float, rr0: float) -> float:
+    """||r_k|| / ||r_0|| from the squared norms; 0 when r_0 is 0 (theta = 0 solves the system exactly)."""
+    return float(np.sqrt(max(rr, 0.0) / rr0)) if rr0 > 0 else 0.0
 
 
 def combine(out: np.ndarray, a: float, x: np.ndarray, b: float = 1.0) -> None:

@@ -250,6 +250,21 @@ def test_a_categorical_column_whose_one_hot_block_outgrows_the_machine_is_refuse
     assert "'email'" in sent and "person" not in sent and "50 categories" not in sent
 
 
+def test_an_identifier_like_categorical_column_of_the_label_table_is_refused_naming_it(tmp_path):
+    """A label-table column of a category on most rows (an id, a timestamp, free text) is refused in one line;
+    a dimension's column of one category per row (a per-entity effect over the join) is not."""
+    orders, customers = good(tmp_path)
+    orders["note"] = [f"order {i}" for i in range(len(orders))]
+    customers["email"] = [f"person{i}@example.org" for i in range(len(customers))]
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["categorical"] = ["email"]
+    assert check_dataset(dataset)[2] == []
+    dataset["tables"]["orders"]["categorical"] = ["note"]
+    (line,) = lines(dataset)
+    assert line.startswith("table 'orders', categorical feature 'note': a different category on most rows")
+    assert "400 categories over 400 rows" in line and "drop the column" in line
+
+
 def test_cli_reports_all_problems_without_traceback(tmp_path):
     orders, customers = good(tmp_path)
     orders.loc[2, "cust"] = np.nan

@@ -4,13 +4,16 @@ exact ridge solution on the materialized join, keeps its vectors on the tables, 
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
 from simulations.bench.convergence import cell_overrides, matrix_cell, summarize
 from simulations.federated import run_in_process
 from strategies.centralized import exact_ridge
 from strategies.pcg import TOL_FLOOR_EPS
 from tests.conftest import make_cfg
+from tests.test_checks import shop
 from tests.test_conformance import call
 from tests.test_curious_server import refused
 from tests.test_privacy_e2e import Recorded
@@ -165,6 +168,22 @@ def test_d_plus_one_iterations_reach_the_exact_ridge_solution(overrides):
 def test_pcg_refuses_what_it_cannot_solve(overrides, match):
     with pytest.raises(ValueError, match=match):
         make_strategy(make_cfg("algorithm=pcg", *overrides), None, log=quiet)
+
+
+@pytest.mark.parametrize("window", [4, 0])
+def test_a_constant_label_takes_one_step_of_zero_and_saves_the_model(tmp_path, window):
+    """A constant label leaves a zero residual at the start (theta = 0 is exact): one step of 0, then the stop;
+    the run records its epoch and saves every table's part (it stopped before any step: save refused)."""
+    dataset = shop(tmp_path)
+    orders = pd.read_csv(tmp_path / "orders.csv")
+    orders["spend"] = 5.0
+    orders.to_csv(tmp_path / "orders.csv", index=False)
+    cfg = make_cfg("algorithm=pcg", f"algorithm.window={window}", "precision=float64")
+    cfg.dataset = OmegaConf.create(dataset)
+    s = run_in_process(cfg, str(tmp_path / "run"), log=quiet).strategy
+    (epoch,) = s.results.history
+    assert epoch.test_metric == 0.0 and s.results.stopped["reason"] == "tol"
+    assert (tmp_path / "run" / "model.json").exists()
 
 
 def test_a_curious_server_gets_one_partial_product_per_step_and_the_gram_block_once():

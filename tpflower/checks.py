@@ -26,6 +26,7 @@ NA_ATTR = (
 )
 DROP_POLICIES: tuple[str, ...] = ("warn", "error", "ignore")
 DROP_THRESHOLD = 0.01  # a join that drops more than this share of the label table's rows is reported
+IDENTIFIER_SHARE, IDENTIFIER_MIN = 0.5, 100  # the label table's categorical columns of more categories: refused
 FEATURE_MEMORY_SHARE = 0.5  # a table whose dense features would take more of the machine's memory is refused
 
 
@@ -273,8 +274,34 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
             out.append(p)
     if label_here and label in present:
         out += _label_problems(spec, name, frame[label], src)
+    if label_here:
+        out += _identifier_like(spec, name, frame, present)
     wide = _wide_features(spec, name, frame, present)
     return out + ([wide] if wide is not None else [])
+
+
+def _identifier_like(spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str]) -> list[Problem]:
+    """The label table's categorical columns with a category on most rows (more than IDENTIFIER_SHARE of the
+    rows and more than IDENTIFIER_MIN categories: an identifier, a timestamp, free text): each one-hot column
+    fits about one training row and tells nothing of a new row, at the cost of a block as wide as the table.
+    (A dimension table's column of one category per row is a per-entity effect over the join: not refused.)"""
+    out = []
+    for col in (c for c in spec.table(name).categorical if c in present):
+        levels = int(frame[col].nunique(dropna=False))
+        if levels > max(IDENTIFIER_MIN, IDENTIFIER_SHARE * len(frame)):
+            out.append(
+                Problem(
+                    name,
+                    "a different category on most rows of the label table (an identifier, a timestamp or free "
+                    "text?): its one-hot columns each fit about one training row and tell nothing of a new one",
+                    "drop the column from the table's features (or from the SELECT), or group its categories "
+                    "(e.g. a CASE in dataset.sql)",
+                    column=col,
+                    role="categorical feature",
+                    example=f"{levels:,} categories over {len(frame):,} rows",
+                )
+            )
+    return out
 
 
 def machine_memory() -> int:
