@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from simulations.federated import run_flower_simulation, run_in_process
 from strategies.transport import RunError
 from tpflower.app.server_app import build_strategy
-from tpflower.checks import DataProblems, errors
+from tpflower.checks import DataProblems, errors, shard_problems
 from tpflower.datasets import check_dataset, compile_sql, load_spec, release_tables
 from tpflower.registry import entry_of
 from tpflower.results import RunResults
@@ -73,6 +73,8 @@ def check_data(
     DataProblems with every error found; print each warning (e.g. a join that drops labelled rows). Returns
     each table's row count."""
     spec, frames, problems = check_dataset(cfg.dataset, base_dir)
+    if str(cfg.scenario.name) == "ucq":
+        problems = [*problems, *shard_problems(spec, frames)]
     if errors(problems):
         raise DataProblems(errors(problems), spec.name)
     for p in problems:

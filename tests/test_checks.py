@@ -11,7 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from omegaconf import OmegaConf, open_dict
 
+from simulations.job import check_data
+from tests.conftest import make_cfg
 from tpflower.app.client_app import node_data_error
 from tpflower.checks import DataProblems, errors
 from tpflower.datasets import check_dataset, load_dataset, load_table
@@ -263,6 +266,35 @@ def test_an_identifier_like_categorical_column_of_the_label_table_is_refused_nam
     (line,) = lines(dataset)
     assert line.startswith("table 'orders', categorical feature 'note': a different category on most rows")
     assert "400 categories over 400 rows" in line and "drop the column" in line
+
+
+def test_a_union_shard_column_not_exposed_or_holding_unlisted_values_is_refused_up_front_once(tmp_path):
+    """scenario=ucq: a shard column that is none of the table's keys or features, and rows whose shard value is
+    not listed, are refused in the simulation's data check, one line each naming the table and the column (the
+    first unlisted value and its row as the example), before any node refuses the run once per shard."""
+    orders, customers = good(tmp_path)
+    orders["region"] = np.where(np.arange(len(orders)) % 3 == 0, "north", "south")
+    orders.loc[7, "region"] = "west"
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["orders"]["shards"] = {"by": "region", "values": ["north", "south"]}
+    cfg = make_cfg("scenario=ucq", "algorithm=admm")
+    cfg.dataset = OmegaConf.create(dataset)
+    with pytest.raises(DataProblems) as info:
+        check_data(cfg)
+    first, second = (p.line() for p in info.value.problems)
+    assert first.startswith("table 'orders', shard column 'region': splits the table into shards but is none")
+    assert "declare it numeric or categorical" in first
+    assert second.startswith("table 'orders', shard column 'region': 1 value not among the listed shard values")
+    assert "first at row 7 (line 9 of" in second and "'west'" in second
+    dataset["tables"]["orders"]["categorical"] = ["region"]
+    dataset["tables"]["orders"]["shards"]["values"] = ["north", "south", "west"]
+    cfg.dataset = OmegaConf.create(dataset)
+    assert check_data(cfg, log=lambda _: None) == {"orders": 400, "customers": 50}
+    with open_dict(cfg):
+        cfg.scenario.name = "join"  # the join reads no shard
+    dataset["tables"]["orders"]["shards"]["values"] = ["north"]
+    cfg.dataset = OmegaConf.create(dataset)
+    assert check_data(cfg, log=lambda _: None) == {"orders": 400, "customers": 50}
 
 
 def test_cli_reports_all_problems_without_traceback(tmp_path):

@@ -304,6 +304,44 @@ def _identifier_like(spec: RelationalSpec, name: str, frame: pd.DataFrame, prese
     return out
 
 
+def shard_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[Problem]:
+    """Over a union (scenario ucq), each table split by a column's values: the column must be one of its keys or
+    features (the server learns each row's shard, so its value: its owner exposes it), and every row must hold
+    one of the listed values. Found up front, once per table (each shard's node refuses the same later)."""
+    out: list[Problem] = []
+    for t in (t for t in spec.tables if t.shards is not None and t.shards.by is not None and t.name in frames):
+        by, frame = t.shards.by, frames[t.name]  # type: ignore[union-attr]
+        exposed = {*spec.key_columns(t.name), *t.features, *(c for c, _ in t.binned)}
+        if by not in exposed:
+            out.append(
+                Problem(
+                    t.name,
+                    "splits the table into shards but is none of its keys or features (the server learns each "
+                    "row's shard, so the column's value: a shard column is one its owner exposes)",
+                    "declare it numeric or categorical (with sql: select it in every branch of the UNION ALL)",
+                    column=by,
+                    role="shard column",
+                )
+            )
+        values = t.shards.values  # type: ignore[union-attr]
+        if values is not None and by in frame.columns:
+            bad = ~frame[by].astype(str).isin([str(v) for v in values]).to_numpy()
+            if bad.any():
+                out.append(
+                    _bad_values(
+                        t.name,
+                        by,
+                        "shard column",
+                        bad,
+                        frame[by],
+                        t.source if t.where is None else None,
+                        f"values not among the listed shard values {list(values)}",
+                        "list every value under shards.values, or keep only those rows (where)",
+                    )
+                )
+    return out
+
+
 def machine_memory() -> int:
     """This machine's physical memory in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -20,7 +20,7 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     secret_file: /etc/tpflower/key   # the join-key secret (else $TPFLOWER_KEY_SECRET of the SuperNode)
     min_sketch_rows: 2048            # union preprocessing: fewest values a shard summarizes by order statistics
     min_group_rows: 20               # fewest of its rows any aggregate it releases covers (k-means centres and
-                                     # costs, shard summaries, evaluation metrics; k bounded by it)
+                                     # costs, shard summaries, label-DP evaluation metrics; k bounded by it)
     shards: {parts: 2, seed: 0}      # union: the split of its file its nodes serve (each node: its shard of it);
                                      # none: the node serves its whole file. A run cannot re-split it
     state_dir: /var/lib/tpflower     # this node's checkpoints, for resuming a run, and its saved model parts
@@ -131,7 +131,7 @@ class OwnerSettings:
     max_outputs: int | None = None
     keys: str = "hmac"  # how the node maps its join keys: hmac (the shared secret) or blind (its own scalar)
     # fewest of its rows any aggregate it releases covers: a k-means centre or cost, a shard summary, an
-    # evaluation metric; k <= rows in the join / min_group_rows
+    # evaluation metric under label DP; k <= rows in the join / min_group_rows
     min_group_rows: int = DEFAULT_MIN_GROUP_ROWS
     shards: ShardSpec | None = None  # deployed: the split of its file its nodes serve (None: the whole file)
     serve_predictions: bool = True  # answers prediction requests for a model it trained and still holds
