@@ -297,6 +297,27 @@ def test_a_union_shard_column_not_exposed_or_holding_unlisted_values_is_refused_
     assert check_data(cfg, log=lambda _: None) == {"orders": 400, "customers": 50}
 
 
+def test_a_feature_all_missing_or_of_one_value_is_a_warning(tmp_path):
+    orders, customers = good(tmp_path)
+    orders["rate"], orders["gone"] = 1.5, np.nan
+    orders.loc[3, "rate"] = np.nan  # a missing value beside the one value: still one value
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["orders"]["numeric"] = ["qty", "rate", "gone"]
+    problems = check_dataset(dataset)[2]
+    assert [(p.severity, p.line()) for p in problems] == [
+        (
+            "warning",
+            "table 'orders', feature 'rate': one value on every row (missing values aside); it adds "
+            "nothing to the model: drop it from the table's features",
+        ),
+        (
+            "warning",
+            "table 'orders', feature 'gone': every value is missing; it adds nothing to the model: drop it "
+            "from the table's features",
+        ),
+    ]
+
+
 def test_cli_reports_all_problems_without_traceback(tmp_path):
     orders, customers = good(tmp_path)
     orders.loc[2, "cust"] = np.nan

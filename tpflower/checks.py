@@ -274,10 +274,32 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
             out.append(p)
     if label_here and label in present:
         out += _label_problems(spec, name, frame[label], src)
+    out += _uninformative(name, frame, [c for c in t.features if c in present])
     if label_here:
         out += _identifier_like(spec, name, frame, present)
     wide = _wide_features(spec, name, frame, present)
     return out + ([wide] if wide is not None else [])
+
+
+def _uninformative(name: str, frame: pd.DataFrame, features: Sequence[str]) -> list[Problem]:
+    """Warnings for the features that cannot inform the model: every value missing, or one value on every row
+    (missing values aside)."""
+    out = []
+    for col in features:
+        distinct = int(frame[col].nunique(dropna=True))
+        if distinct > 1 or not len(frame):
+            continue
+        out.append(
+            Problem(
+                name,
+                "every value is missing" if distinct == 0 else "one value on every row (missing values aside)",
+                "it adds nothing to the model: drop it from the table's features",
+                column=col,
+                role="feature",
+                severity="warning",
+            )
+        )
+    return out
 
 
 def _identifier_like(spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str]) -> list[Problem]:
