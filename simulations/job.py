@@ -62,6 +62,8 @@ def compile_query(cfg: DictConfig, base_dir: str | Path | None = None, log: Call
         return
     compiled = compile_sql(cfg.dataset, base_dir)
     log(f"query: {compiled['query']}")
+    for note in compiled.pop("notes", ()):
+        log(f"warning: {note}")
     with open_dict(cfg):
         cfg.dataset = OmegaConf.create(compiled)
 

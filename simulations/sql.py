@@ -30,7 +30,8 @@ def compiled_yaml(overrides: Sequence[str], config_dir: str | None = None, base_
     if not cfg.dataset.get("sql"):
         raise SpecError(f"dataset {cfg.dataset.get('name')!r} has no sql: it is a dataset spec already")
     compiled = compile_sql(cfg.dataset, base_dir)
-    return f"# query: {compiled['query']}\n{OmegaConf.to_yaml(OmegaConf.create(compiled))}"
+    notes = "".join(f"# warning: {note}\n" for note in compiled.pop("notes", ()))
+    return f"# query: {compiled['query']}\n{notes}{OmegaConf.to_yaml(OmegaConf.create(compiled))}"
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.sql") -> int:

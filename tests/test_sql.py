@@ -418,6 +418,28 @@ def test_implicit_join_in_where_is_the_same_join():
     )
 
 
+def test_a_datasets_tables_are_a_catalogue_the_query_picks_from():
+    """A dataset spec's tables and features, queried by SQL (tpflower.fit(dataset=..., sql=...)): the tables the
+    query does not use are left out and the declared features it does not select are no features, each said in a
+    warning note; a declared role of a selected column still holds."""
+    tables = {
+        "orders": {"source": "o.csv", "numeric": ["qty", "oid"], "categorical": ["region"]},
+        "customers": {"source": "c.csv", "categorical": ["age"]},
+        "products": {"source": "p.csv", "numeric": ["price"]},
+    }
+    compiled = compile_query(BASE, COLUMNS, {"name": "shop", "tables": tables})
+    assert list(compiled["tables"]) == ["orders", "customers"]
+    assert compiled["tables"]["orders"]["numeric"] == ["qty"] and compiled["tables"]["customers"]["categorical"] == [
+        "age"
+    ]
+    assert compiled["notes"] == [
+        "SQL: dataset.tables declares ['products'], which the query does not use: left out of the run",
+        "SQL: dataset.tables.orders.numeric names ['oid'], which the query does not select: no feature",
+        "SQL: dataset.tables.orders.categorical names ['region'], which the query does not select: no feature",
+    ]
+    assert "notes" not in compile_query(BASE, COLUMNS, {"name": "shop"})
+
+
 def test_label_from_the_config_is_not_a_feature():
     cfg = {"name": "shop", "label": {"column": "spend", "task": "regression"}}
     compiled = compile_query("SELECT o.spend, o.qty, c.age " + BASE.split(" c.age ")[1], COLUMNS, cfg)
@@ -465,7 +487,9 @@ def test_roles_by_dtype_with_casts_and_table_overrides():
     tables = compile_query(sql, COLUMNS, cfg)["tables"]
     assert tables["orders"] == {"region": "us-east", "numeric": ["qty", "region"], "categorical": ["oid"]}
     assert tables["customers"] == {"numeric": [], "categorical": ["age", "segment"]}
-    with pytest.raises(QueryError, match=r"dataset.tables.customers.numeric names \['region'\], which the query"):
-        compile_query(sql, COLUMNS, {"tables": {"customers": {"numeric": ["region"]}}})
+    unselected = compile_query(sql, COLUMNS, {"tables": {"customers": {"numeric": ["region"]}}})
+    assert unselected["notes"] == [
+        "SQL: dataset.tables.customers.numeric names ['region'], which the query does not select: no feature"
+    ]
     with pytest.raises(QueryError, match="a CAST must be to CATEGORY"):
         compile_query(sql.replace("AS DOUBLE", "AS DATE"), COLUMNS, {})

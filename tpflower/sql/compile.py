@@ -210,9 +210,11 @@ def compile_query(sql: str, columns: Columns, cfg: Mapping[str, Any]) -> dict[st
     else:
         common, shards = dict(branch.filters), {}
     settings = {str(t): dict(s or {}) for t, s in (cfg.get("tables") or {}).items()}
+    notes = []  # what the dataset declares and the query leaves out (a dataset's tables as a catalogue)
     extra = [t for t in settings if t not in branch.tables]
     if extra:
-        raise QueryError(f"SQL: dataset.tables declares {extra} but the query does not use them")
+        notes.append(f"SQL: dataset.tables declares {extra}, which the query does not use: left out of the run")
+        settings = {t: v for t, v in settings.items() if t not in extra}
     label_table, label_column = _label(branch, columns, cfg)
     roles = _roles(branch, columns, settings, (label_table, label_column))
     order = list(settings) + [t for t in branch.tables if t not in settings]
@@ -224,7 +226,9 @@ def compile_query(sql: str, columns: Columns, cfg: Mapping[str, Any]) -> dict[st
                 c for c in settings.get(t, {}).get(role) or () if c not in roles[t]["numeric"] + roles[t]["categorical"]
             ]
             if unknown:
-                raise QueryError(f"SQL: dataset.tables.{t}.{role} names {unknown}, which the query does not select")
+                notes.append(
+                    f"SQL: dataset.tables.{t}.{role} names {unknown}, which the query does not select: no feature"
+                )
         entry.update(roles[t])
         predicates = [f.sql() for f in common.get(t, ())] + ([entry["where"]] if entry.get("where") else [])
         if predicates:
@@ -246,6 +250,7 @@ def compile_query(sql: str, columns: Columns, cfg: Mapping[str, Any]) -> dict[st
         label={"table": label_table, "column": label_column, "task": task},
         joins=joins,
         query=normalized,
+        **({"notes": notes} if notes else {}),
     )
     return out
 
