@@ -30,7 +30,7 @@ from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Prediction
 from strategies.transport import RunError
 from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec, load_table
-from tpflower.datasets.files import read_csv_noting_na_strings
+from tpflower.datasets.files import read_csv_noting_na_strings, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
@@ -105,8 +105,7 @@ def outside_where(path: Path, spec: RelationalSpec, table: str) -> int:
     if where is None:
         return 0
     try:
-        frame = pd.read_parquet(path) if path.suffix.lower() == ".parquet" else pd.read_csv(path)
-        return int((~row_mask(table, frame, where)).sum())
+        return int((~row_mask(table, read_rows_file(path), where)).sum())
     except (OSError, ValueError, SpecError, pa.ArrowException):
         return 0
 

@@ -42,7 +42,7 @@ from tpflower.checks import NA_ATTR
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
 from tpflower.datasets import derive_rows
-from tpflower.datasets.files import read_csv_noting_na_strings
+from tpflower.datasets.files import read_rows_file
 from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, takes
 from tpflower.keys_payload import KeysPayload
@@ -177,7 +177,7 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     spec, table, where = s.spec, s.table, f"rows file {path}"
     suffix = Path(path).suffix.lower()
     try:
-        frame = pd.read_parquet(path) if suffix == ".parquet" else read_csv_noting_na_strings(Path(path))
+        frame = read_rows_file(Path(path))
     except (OSError, ValueError) as exc:
         raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
     if not len(frame):
