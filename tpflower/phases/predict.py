@@ -174,7 +174,7 @@ def saved_part(client: TableClient, run_id: str) -> tuple[ModelPart, str]:
 def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     """The query owner's new rows, checked against what the model was trained on (module docstring)."""
     s = client.settings
-    spec, table, where = s.spec, s.table, f"rows file {path}"
+    spec, table, where = s.spec, s.table, s.owner.prediction_rows_name or f"rows file {path}"
     suffix = Path(path).suffix.lower()
     try:
         frame = read_rows_file(Path(path))
