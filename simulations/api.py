@@ -228,9 +228,11 @@ class Model:
         (docs/prediction.md): ``rows`` a DataFrame or a CSV / Parquet file in the table's own format (its join
         keys and the columns its features come from; other columns are ignored). One line per new row: ``row``
         (its position), ``joined_rows``, ``prediction`` (the mean over its joined rows; classification: the
-        class of the mean probabilities; multiclass: its id, and ``class`` its name) and class probabilities;
-        ``per_joined_row``: one line per joined row with the partner tables' rows. New rows that join no partner
-        get no line. ``verbose`` None: as the fit that made the model (a loaded model: True)."""
+        class of the mean probabilities; multiclass: its id, and ``class`` its name) and class probabilities,
+        in the rows' order; a new row that joins no partner has ``joined_rows`` 0 and a missing prediction
+        (NaN; a class id: <NA>). ``per_joined_row``: one line per joined row with the partner tables' rows (a
+        row that joins nothing has none). ``verbose`` None: as the fit that made the model (a loaded model:
+        True). Errors about the rows of a DataFrame call them "the rows"."""
         log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):
@@ -255,8 +257,8 @@ class Model:
                     raise
                 raise TpflowerError(failure_message(exc, self.run_dir), self.run_dir / "error.log") from None
         if len(pred.unjoined):
-            log(f"{len(pred.unjoined)} new row(s) joined no partner and have no prediction")
-        return pred.frame()
+            log(f"{len(pred.unjoined)} new row(s) joined no partner: their prediction is missing (NaN)")
+        return pred.frame(every_row=True)
 
     def save(self, path: str | Path) -> Model:
         """Copy the run dir (results.json, model.json and, in a simulation, the owners' parts under

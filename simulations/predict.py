@@ -30,7 +30,7 @@ from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Prediction
 from strategies.transport import RunError
 from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec, load_table
-from tpflower.datasets.files import read_csv_noting_na_strings
+from tpflower.datasets.files import read_csv_noting_na_strings, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
@@ -50,7 +50,8 @@ def predict_run(
     """Score the new rows ``rows`` with the model of ``run_dir`` (its model.json and its nodes' parts); the
     shard ``shard`` of table ``table`` (default: the label table) holds them. ``runtime``: inprocess, or flower (the simulation engine).
     ``per_joined_row``: the predictions' frame has a line per joined row, not one per new row. ``rows_name``:
-    what the notice of ignored columns calls the rows (default: the rows file)."""
+    what the lines and errors about the rows call them (default: "rows file ROWS"; the Python API's DataFrame,
+    written to a temporary file: "the rows")."""
     for name in ("flwr", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     run_dir = Path(run_dir).resolve()
@@ -84,6 +85,8 @@ def predict_run(
     with open_dict(cfg):
         cfg.predict = {"run_id": record["run_id"], "rows": str(rows_path), "table": table, "shard": shard}
         cfg.predict.per_joined_row = per_joined_row
+        if rows_name is not None:  # the node's lines name the rows so, not the file
+            cfg.predict.rows_name = rows_name
     strategy = FederatedPrediction(cfg, spec, record, (table, int(shard)), log)
     if runtime == "inprocess":
         run_in_process(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
@@ -105,8 +108,7 @@ def outside_where(path: Path, spec: RelationalSpec, table: str) -> int:
     if where is None:
         return 0
     try:
-        frame = pd.read_parquet(path) if path.suffix.lower() == ".parquet" else pd.read_csv(path)
-        return int((~row_mask(table, frame, where)).sum())
+        return int((~row_mask(table, read_rows_file(path), where)).sum())
     except (OSError, ValueError, SpecError, pa.ArrowException):
         return 0
 

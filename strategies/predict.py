@@ -63,12 +63,24 @@ class Predictions:
         """The new rows that joined some partner (each gets a prediction)."""
         return len(np.unique(self.rows))
 
-    def frame(self) -> pd.DataFrame:
+    def frame(self, every_row: bool = False) -> pd.DataFrame:
         """The predictions as written: one line per new row (:meth:`row_frame`), or with ``per_joined_row``
         (and always for k-means, a cluster per joined row) one per joined row (:meth:`joined_frame`); with
-        ``classes``, each line's predicted class by name beside its id (:func:`with_class_names`)."""
-        out = self.joined_frame() if self.per_joined_row or self.task == "cluster" else self.row_frame()
-        return out if self.classes is None else with_class_names(out, self.classes)
+        ``classes``, each line's predicted class by name beside its id (:func:`with_class_names`).
+        ``every_row`` (the Python API's): the lines per new row include the rows that joined no partner, in
+        row order, with ``joined_rows`` 0 and the prediction, class and probabilities missing (NaN; a class id
+        pandas' nullable Int64 <NA>)."""
+        per_joined = self.per_joined_row or self.task == "cluster"
+        out = self.joined_frame() if per_joined else self.row_frame()
+        out = out if self.classes is None else with_class_names(out, self.classes)
+        if not every_row or per_joined or not len(self.unjoined):
+            return out
+        every = pd.RangeIndex(self.n_rows + len(self.unjoined), name="row")  # joined and unjoined: rows 0..n-1
+        out = out.set_index("row").reindex(every).reset_index()
+        out["joined_rows"] = out["joined_rows"].fillna(0).astype(np.int64)
+        if self.task != "regression":
+            out["prediction"] = out["prediction"].astype("Int64")
+        return out
 
     def joined_frame(self) -> pd.DataFrame:
         """One line per joined new row: ``row``, the partner tables' rows ``TABLE_row`` (per_joined_row),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -128,6 +129,45 @@ def test_predict_takes_a_frame_and_save_load_keep_the_model(tmp_path, capsys):
     assert len(first) > 0 and set(first["row"]) <= set(range(50))
     with pytest.raises(tpflower.TpflowerError, match="exists already"):
         model.save(tmp_path / "copy")
+
+
+@pytest.fixture(scope="module")
+def binary_shop(tmp_path_factory) -> tuple[tpflower.Model, pd.DataFrame]:
+    """A binary classifier of tests.test_checks' shop (orders join customers on cust) and 6 new orders, of
+    which rows 1 and 4 join no customer."""
+    from tests.test_checks import shop
+
+    tmp = tmp_path_factory.mktemp("shop")
+    rng = np.random.default_rng(0)
+    orders = pd.DataFrame({"cust": rng.integers(0, 50, 300), "qty": rng.integers(1, 5, 300)})
+    orders["big"] = (orders["qty"] > 2).astype(int)
+    dataset = shop(tmp, orders, label={"table": "orders", "column": "big", "task": "binary"})
+    model = tpflower.fit(
+        dataset=dataset, algorithm="admm", epochs=1, runtime="inprocess", run_dir=tmp / "run", verbose=False
+    )
+    rows = orders.drop(columns=["big"]).head(6).copy()
+    rows.loc[[1, 4], "cust"] = 999
+    return model, rows
+
+
+def test_predict_gives_every_row_of_a_frame_in_order(binary_shop):
+    """One line per row of the DataFrame, in its order: a row that joins nothing is there, its prediction
+    missing (README: one prediction each)."""
+    model, rows = binary_shop
+    pred = model.predict(rows, verbose=False)
+    assert pred["row"].tolist() == list(range(6)) and pred["joined_rows"].tolist() == [1, 0, 1, 1, 0, 1]
+    assert pred["prediction"].isna().tolist() == [False, True, False, False, True, False]
+    assert pred["p_1"].isna().tolist() == pred["prediction"].isna().tolist()
+    assert pred["prediction"].dtype == "Int64"
+
+
+def test_an_error_about_a_frames_rows_names_the_rows_not_a_temporary_file(binary_shop):
+    model, rows = binary_shop
+    with pytest.raises(tpflower.TpflowerError) as info:
+        model.predict(rows.astype({"cust": float}), verbose=False)
+    assert str(info.value) == (
+        "table 'orders' shard 0: the rows: key column 'cust' holds float values; table 'orders' joins it as integer"
+    )
 
 
 def test_overrides_are_the_command_lines_spelling():

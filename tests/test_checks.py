@@ -18,6 +18,7 @@ from tests.conftest import make_cfg
 from tpflower.app.client_app import node_data_error
 from tpflower.checks import DataProblems, errors
 from tpflower.datasets import check_dataset, load_dataset, load_table
+from tpflower.local_table import prepare_local_table
 from tpflower.owner import Exposed, OwnerSettings
 from tpflower.schema import SpecError
 
@@ -390,6 +391,27 @@ def test_na_text_in_a_numeric_column_is_counted_missing_or_refused_as_the_spec_s
         "table 'orders', numeric feature 'qty': 3 text values like 'n/a' for a missing number, first at row 3 (line "
         f"5 of {tmp_path / 'orders.csv'}); leave the cells of unknown numbers empty (or set dataset.na_strings: missing)"
     ]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_boolean_column_with_blanks_is_a_numeric_feature_with_missing_values(tmp_path, suffix):
+    """pandas reads True, (blank), False as object (a Parquet file may hold "true"/"false" text): read as a
+    0/1 column with missing values, a numeric feature like a complete boolean one, its gaps imputed."""
+    orders, customers = good(tmp_path)
+    flags = pd.Series(np.arange(50) % 3 == 0, dtype=object).where(np.arange(50) % 7 > 0)
+    customers["vip"] = flags if suffix == ".csv" else flags.map({True: "true", False: "false"})
+    dataset = shop(tmp_path, orders, customers)
+    if suffix == ".parquet":
+        customers.to_parquet(tmp_path / "customers.parquet", index=False)
+        dataset["tables"]["customers"]["source"] = str(tmp_path / "customers.parquet")
+    dataset["tables"]["customers"]["numeric"].append("vip")
+    spec, frames, problems = check_dataset(dataset)
+    assert [p.line() for p in problems] == []
+    vip = frames["customers"]["vip"]
+    assert pd.api.types.is_bool_dtype(vip) and vip.isna().sum() == 8
+    np.testing.assert_array_equal(vip.to_numpy(dtype=np.float64, na_value=np.nan), flags.astype(np.float64))
+    local = prepare_local_table(spec, "customers", frames["customers"])
+    assert np.isfinite(local.X).all() and local.feature_names == ["age", "vip"]
 
 
 def test_rows_a_where_filter_removes_are_reported_as_filtered_not_missing(tmp_path):

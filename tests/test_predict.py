@@ -604,3 +604,71 @@ def test_text_for_a_missing_number_follows_the_specs_na_strings(tmp_path, capsys
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert f"column {numeric!r} of table 'fact' holds 2 text value(s) like 'n/a' for a missing number" in err, err
     assert "the first in row 3" in err and not (tmp_path / "p.csv").exists()
+
+
+def test_a_boolean_column_with_blanks_in_the_rows_is_a_numeric_column_with_missing_values(tmp_path):
+    """A model trained on a complete True/False column scores rows whose column has blanks (pandas reads it as
+    object) or "true"/"false" text (a Parquet file): the blanks are missing numbers the median fills, as in
+    training (tpflower.datasets.files.booleans_as_flags)."""
+    from tests.test_checks import shop
+
+    rng = np.random.default_rng(0)
+    orders = pd.DataFrame(
+        {"cust": rng.integers(0, 50, 200), "qty": rng.integers(1, 5, 200), "rush": rng.random(200) < 0.2}
+    )
+    orders["spend"] = orders["qty"] + 3.0 * orders["rush"]
+    dataset = shop(tmp_path, orders)
+    dataset["tables"]["orders"]["numeric"].append("rush")
+    run_in_process(make_cfg("algorithm=admm", "epochs=1", dataset=dataset), tmp_path / "run", tmp_path, **QUIET)
+    new = orders.drop(columns=["spend"]).head(20).astype({"rush": object})
+    new.loc[[2, 5], "rush"] = np.nan
+    new.to_csv(tmp_path / "new.csv", index=False)
+    new.assign(rush=new["rush"].map({True: "true", False: "false"})).to_parquet(tmp_path / "new.parquet")
+    filled = new.assign(rush=new["rush"].fillna(bool(orders["rush"].median())).astype(bool))
+    filled.to_csv(tmp_path / "filled.csv", index=False)
+    csv, parquet, median = (
+        predict_run(tmp_path / "run", tmp_path / name, base_dir=tmp_path, **QUIET).frame()
+        for name in ("new.csv", "new.parquet", "filled.csv")
+    )
+    assert len(csv) == len(new)
+    pd.testing.assert_frame_equal(csv, parquet)
+    pd.testing.assert_frame_equal(csv, median)
+
+
+def test_a_datetime_key_of_a_csv_rows_file_is_parsed_as_training_joins_it(tmp_path, capsys):
+    """A table read from Parquet joins its date key as datetime; a CSV rows file holds the dates as text: they
+    are parsed (ISO 8601) and score as the same rows in Parquet; a value that is no date is one line naming the
+    column and its first row."""
+    rng = np.random.default_rng(0)
+    days = pd.DataFrame({"day": pd.date_range("2020-01-01", periods=30), "temp": rng.normal(size=30)})
+    orders = pd.DataFrame({"day": days["day"].to_numpy()[rng.integers(0, 30, 200)], "qty": rng.integers(1, 5, 200)})
+    orders["spend"] = orders["qty"] + rng.normal(size=200)
+    days.to_parquet(tmp_path / "days.parquet")
+    orders.to_parquet(tmp_path / "orders.parquet")
+    dataset = {
+        "name": "daily",
+        "tables": {
+            "orders": {"source": str(tmp_path / "orders.parquet"), "numeric": ["qty"]},
+            "days": {"source": str(tmp_path / "days.parquet"), "numeric": ["temp"]},
+        },
+        "label": {"table": "orders", "column": "spend", "task": "regression"},
+        "joins": [{"left": "orders", "right": "days", "on": "day"}],
+    }
+    run_in_process(make_cfg("algorithm=admm", "epochs=1", dataset=dataset), tmp_path / "run", tmp_path, **QUIET)
+    new = orders.drop(columns=["spend"]).head(20)
+    new.to_parquet(tmp_path / "new.parquet")
+    new.to_csv(tmp_path / "new.csv", index=False)  # 2020-01-07: text in a CSV file
+    csv, parquet = (
+        predict_run(tmp_path / "run", tmp_path / name, **QUIET).frame() for name in ("new.csv", "new.parquet")
+    )
+    assert len(csv) == len(new)
+    pd.testing.assert_frame_equal(csv, parquet)
+    text = new.astype({"day": str})
+    text.loc[3, "day"] = "31.01.2020"
+    text.to_csv(tmp_path / "bad.csv", index=False)
+    capsys.readouterr()
+    assert predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "bad.csv"), "--out", str(tmp_path / "p.csv")])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not (tmp_path / "p.csv").exists()
+    assert "key column 'day' of table 'orders' joins as datetime, but row 3 (0-based, header excluded) holds " in err
+    assert "'31.01.2020', not an ISO 8601 date or time" in err, err

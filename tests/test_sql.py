@@ -493,3 +493,15 @@ def test_roles_by_dtype_with_casts_and_table_overrides():
     ]
     with pytest.raises(QueryError, match="a CAST must be to CATEGORY"):
         compile_query(sql.replace("AS DOUBLE", "AS DATE"), COLUMNS, {})
+
+
+def test_a_boolean_column_with_blanks_is_numeric_as_a_complete_one(shop):
+    """pandas reads True, (blank), False as object, a complete True/False column as bool: the query takes both
+    as numeric columns (tpflower.datasets.files.booleans_as_flags), never the first as text."""
+    customers = pd.read_csv(shop / "customers.csv")
+    vip = np.arange(20) % 3 == 0
+    customers.assign(vip=vip, churned=pd.Series(vip, dtype=object).where(np.arange(20) % 5 > 0)).to_csv(
+        shop / "customers.csv", index=False
+    )
+    sql = SHOP_SQL.replace("c.segment", "c.vip, c.churned")
+    assert compile_sql(shop_sql(sql), base_dir=shop)["tables"]["customers"]["numeric"] == ["age", "vip", "churned"]

@@ -227,7 +227,7 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                 )
             )
         else:
-            inf = np.isinf(s.to_numpy(dtype=np.float64))
+            inf = np.isinf(s.to_numpy(dtype=np.float64, na_value=np.nan))  # nullable dtypes: NA as NaN
             if inf.any():
                 out.append(
                     _bad_values(

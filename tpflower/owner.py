@@ -138,6 +138,8 @@ class OwnerSettings:
     # rows one prediction request may score on this node; None: no bound (a simulation, whose user owns every table)
     max_prediction_rows: int | None = None
     prediction_rows: str | None = None  # the query owner's file of new rows to predict (it alone reads it)
+    # what the node's lines call those rows; None: "rows file PATH" (a simulation's DataFrame: "the rows")
+    prediction_rows_name: str | None = None
     # the algorithms (registry names, as in results.json) it takes part in; None: every installed one
     algorithms: tuple[str, ...] | None = None
     threads: int | None = None  # CPU threads of its key blinding (tpflower.blind); None: the CPUs it may run on

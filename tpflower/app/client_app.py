@@ -91,6 +91,7 @@ def owner_checked(
             simulation_owner(OmegaConf.to_container(cfg, resolve=True), spec, table, root),  # type: ignore[arg-type]
             state_dir=state_dir,
             prediction_rows=simulated_query_rows(cfg, table, shard),
+            prediction_rows_name=(cfg.get("predict") or {}).get("rows_name"),
         )
     owner.check_spec(spec, dataset, root)
     owner.check_shards(spec, str(cfg.scenario.name))

@@ -86,7 +86,42 @@ def read_table(table: str, source: str | Path, base_dir: str | Path | None = Non
             f"the column name(s) {twice} appear more than once in its header",
             "give every column its own name",
         )
-    return frame.reset_index(drop=True)
+    return booleans_as_flags(frame).reset_index(drop=True)
+
+
+#: the text pandas' read_csv reads as True and as False (its true_values / false_values defaults)
+TRUE_TEXT: frozenset[str] = frozenset(("True", "TRUE", "true"))
+FALSE_TEXT: frozenset[str] = frozenset(("False", "FALSE", "false"))
+
+
+def _flag(value: object) -> bool | None:
+    """``value`` as a boolean if it is one (a bool or TRUE_TEXT / FALSE_TEXT), else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str):
+        return True if value in TRUE_TEXT else False if value in FALSE_TEXT else None
+    return None
+
+
+def booleans_as_flags(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with every text or object column whose values, missing ones aside, are all booleans (True /
+    False as pandas parses them, or TRUE_TEXT / FALSE_TEXT) made a boolean column: bool when complete, else
+    pandas' nullable ``boolean`` (a 0/1 column with missing values: numeric, its gaps imputed as any numeric
+    column's). pandas reads a CSV column of True, (blank), False as object: without this it would be text.
+    Every file read goes through here (a table's source, a rows file), so training, prediction and SQL's type
+    inference see one kind. ``frame.attrs`` are kept."""
+    for col in frame.select_dtypes(include=["object", "string"]).columns:
+        s = frame[col]
+        present = s.notna().to_numpy()
+        if not present.any() or _flag(s.iloc[int(np.argmax(present))]) is None:
+            continue  # the first value decides cheaply for a column of text
+        codes, uniques = pd.factorize(s)
+        flags = [_flag(v) for v in uniques]
+        if any(f is None for f in flags):
+            continue
+        values = np.asarray(flags, dtype=bool)[codes]
+        frame[col] = values if present.all() else pd.arrays.BooleanArray(values, ~present)
+    return frame
 
 
 #: the text pandas' read_csv reads as a missing value by default (its na_values documentation), the empty field aside
@@ -116,6 +151,14 @@ def read_csv_noting_na_strings(path: Path) -> pd.DataFrame:
             frame[col] = s.mask(is_na)
     frame.attrs[NA_ATTR] = noted
     return frame
+
+
+def read_rows_file(path: Path) -> pd.DataFrame:
+    """New rows to score from a .parquet or (any other suffix) CSV file, read as a table's source is: text for a
+    missing number noted (:func:`read_csv_noting_na_strings`), booleans as flags (:func:`booleans_as_flags`).
+    pandas' and pyarrow's errors pass through (the caller names the file)."""
+    parquet = path.suffix.lower() == ".parquet"
+    return booleans_as_flags(pd.read_parquet(path) if parquet else read_csv_noting_na_strings(path))
 
 
 def header_names(path: Path, suffix: str, frame: pd.DataFrame) -> list[str]:

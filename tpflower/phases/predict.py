@@ -42,7 +42,7 @@ from tpflower.checks import NA_ATTR
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
 from tpflower.datasets import derive_rows
-from tpflower.datasets.files import read_csv_noting_na_strings
+from tpflower.datasets.files import read_rows_file
 from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, takes
 from tpflower.keys_payload import KeysPayload
@@ -174,10 +174,10 @@ def saved_part(client: TableClient, run_id: str) -> tuple[ModelPart, str]:
 def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     """The query owner's new rows, checked against what the model was trained on (module docstring)."""
     s = client.settings
-    spec, table, where = s.spec, s.table, f"rows file {path}"
+    spec, table, where = s.spec, s.table, s.owner.prediction_rows_name or f"rows file {path}"
     suffix = Path(path).suffix.lower()
     try:
-        frame = pd.read_parquet(path) if suffix == ".parquet" else read_csv_noting_na_strings(Path(path))
+        frame = read_rows_file(Path(path))
     except (OSError, ValueError) as exc:
         raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
     if not len(frame):
@@ -211,8 +211,10 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     if absent:
         raise SpecError(f"{where}: no feature column(s) {absent} of table {table!r}")
     for c in keys:
-        kind = key_kind(frame[c].dtype)
         trained = s.key_kinds.get(c)
+        if trained == "datetime" and key_kind(frame[c].dtype) == "string":  # a CSV file holds dates as text
+            frame[c] = datetime_key(client, frame[c], f"{where}: key column {c!r} of table {table!r}")
+        kind = key_kind(frame[c].dtype)
         if trained is not None and kind != trained:
             raise SpecError(f"{where}: key column {c!r} holds {kind} values; table {table!r} joins it as {trained}")
     for c in (*part.numeric, *part.bin_edges):
@@ -226,6 +228,21 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     if len(frame) == 0:
         raise SpecError(f"{where}: no rows")
     return frame.reset_index(drop=True)
+
+
+def datetime_key(client: TableClient, column: pd.Series, where: str) -> pd.Series:
+    """A text key column the table joins as datetime, parsed as ISO 8601 dates / times (pandas' to_datetime,
+    format="ISO8601"); a value that does not parse: one line naming ``where`` (the column) and its first row."""
+    parsed = pd.to_datetime(column, format="ISO8601", errors="coerce")
+    bad = (parsed.isna() & column.notna()).to_numpy()
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        detail = (
+            f"{where} joins as datetime, but row {first} (0-based, header excluded) holds {column.iloc[first]!r}, "
+            "not an ISO 8601 date or time (2020-01-31, 2020-01-31 08:00:00)"
+        )
+        raise rows_refusal(client, detail, "a key that is not a date or time")
+    return parsed
 
 
 def rows_refusal(client: TableClient, detail: str, kind: str) -> SpecError:
