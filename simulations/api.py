@@ -163,21 +163,24 @@ def fit(
         if os.environ.get("TPFLOWER_TRACEBACK"):
             raise
         raise TpflowerError(failure_message(exc, path), path / "error.log") from None
-    return Model(path, verbose)
+    return Model(path, verbose, base)
 
 
-def load(run_dir: str | Path) -> Model:
-    """The model of a finished run (its results.json; predict needs its model.json and node-state/ too)."""
-    return Model(run_dir)
+def load(run_dir: str | Path, base_dir: str | Path | None = None) -> Model:
+    """The model of a finished run (its results.json; predict needs its model.json and node-state/ too);
+    ``base_dir``: where its dataset's relative paths start (default: the working directory at predict)."""
+    return Model(run_dir, base_dir=base_dir)
 
 
 class Model:
     """A trained model: its run dir's results.json (``results``, ``metrics``, ``history``) and, for prediction,
     its model.json and the owners' saved parts (RUN_DIR/node-state in a simulation)."""
 
-    def __init__(self, run_dir: str | Path, verbose: bool = True):
+    def __init__(self, run_dir: str | Path, verbose: bool = True, base_dir: str | Path | None = None):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.verbose = verbose  # predict's default: fit(verbose=False) gives a quiet model
+        # predict's default: where the fit read its relative data paths from (None: the working directory)
+        self.base_dir = None if base_dir is None else Path(base_dir).expanduser().resolve()
         try:
             self.results: dict[str, Any] = read_results(self.run_dir / RESULTS_FILE)
         except ResultsError as exc:
@@ -232,7 +235,8 @@ class Model:
         in the rows' order; a new row that joins no partner has ``joined_rows`` 0 and a missing prediction
         (NaN; a class id: <NA>). ``per_joined_row``: one line per joined row with the partner tables' rows (a
         row that joins nothing has none). ``verbose`` None: as the fit that made the model (a loaded model:
-        True). Errors about the rows of a DataFrame call them "the rows"."""
+        True). ``base_dir`` None: the fit's (a loaded model: ``load``'s). Errors about the rows of a DataFrame
+        call them "the rows"."""
         log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):
@@ -246,7 +250,7 @@ class Model:
                     path,
                     shard,
                     runtime,
-                    base_dir,
+                    base_dir if base_dir is not None else self.base_dir,
                     log=log,
                     table=table,
                     per_joined_row=per_joined_row,

@@ -30,7 +30,7 @@ from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Prediction
 from strategies.transport import RunError
 from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec, load_table
-from tpflower.datasets.files import read_csv_noting_na_strings, read_rows_file
+from tpflower.datasets.files import is_parquet, read_csv_noting_na_strings, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
@@ -117,7 +117,7 @@ def na_text(path: Path, spec: RelationalSpec, table: str) -> dict[str, tuple[int
     """Under ``dataset.na_strings: missing``, the numeric columns of ``table`` where the CSV rows file has text
     for a missing number ("n/a", "NULL", ...): (count, first row, the text). Under ``error`` the node refuses
     them in its one line (tpflower.phases.predict.read_rows)."""
-    if path.suffix.lower() != ".csv" or spec.na_strings != "missing":
+    if is_parquet(path) or spec.na_strings != "missing":
         return {}
     try:
         noted = read_csv_noting_na_strings(path).attrs.get(NA_ATTR) or {}
@@ -130,7 +130,7 @@ def unused_columns(path: Path, spec: RelationalSpec, table: str, loader: str | N
     """The columns of the rows file that the model of ``table`` does not take (neither join key, feature nor the
     label); the query owner's node ignores them (tpflower.phases.predict.read_rows)."""
     try:
-        if path.suffix.lower() == ".parquet":
+        if is_parquet(path):
             columns = pq.read_schema(path).names
         else:
             columns = list(pd.read_csv(path, nrows=0).columns)

@@ -170,6 +170,27 @@ def test_an_error_about_a_frames_rows_names_the_rows_not_a_temporary_file(binary
     )
 
 
+def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq_rows(tmp_path, monkeypatch):
+    """fit(base_dir=...) with relative sources: its Model predicts from any working directory (the fit's base_dir
+    kept), and a .pq rows file is read as Parquet (as a table's source may be)."""
+    from tests.test_checks import shop
+
+    data = tmp_path / "data"
+    data.mkdir()
+    dataset = shop(data)
+    for t in dataset["tables"].values():
+        t["source"] = str(Path(t["source"]).relative_to(tmp_path))
+    model = tpflower.fit(
+        dataset=dataset, algorithm="admm", epochs=1, runtime="inprocess", base_dir=tmp_path, verbose=False
+    )
+    rows = pd.read_csv(data / "orders.csv").head(5)
+    rows.to_parquet(tmp_path / "rows.pq", index=False)
+    monkeypatch.chdir(data)  # neither the fit's base dir nor the rows' folder
+    pred = model.predict(tmp_path / "rows.pq", verbose=False)
+    assert pred["joined_rows"].tolist() == [1] * 5 and pred["prediction"].notna().all()
+    assert tpflower.load(model.run_dir, base_dir=tmp_path).predict(rows, verbose=False).equals(pred)
+
+
 def test_overrides_are_the_command_lines_spelling():
     assert overrides_of({"epochs": 3, "model__hidden": [32, 16], "algorithm__tol": None, "x": True}) == [
         "epochs=3",

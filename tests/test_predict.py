@@ -467,8 +467,8 @@ def test_the_owners_settings_bound_what_a_prediction_request_gets(regression_run
 
 
 def test_a_deployed_node_tells_the_server_only_the_kind_of_a_missing_key(regression_run, tmp_path, caplog):
-    """The count and first row of rows with a missing key stay in the query owner's log; the server's line
-    names the table and the kind of problem only."""
+    """The count and first row of rows with a missing key, and a value that is not a number, stay in the query
+    owner's log; the server's line names the table and the kind of problem only."""
     run_id, run_dir = regression_run
     cfg = make_cfg(*SYNTHETIC.split())
     _, fact = load_table(cfg.dataset, "fact")
@@ -483,6 +483,16 @@ def test_a_deployed_node_tells_the_server_only_the_kind_of_a_missing_key(regress
     assert "the rows file has rows with a missing key (the node's log says which)" in str(info.value)
     assert "row 4" not in str(info.value) and "2 row(s)" not in str(info.value)
     assert "2 row(s) with a missing key" in caplog.text and "the first row 4" in caplog.text
+    numeric = next(c for c in fact.columns if c != key and pd.api.types.is_float_dtype(fact[c]))
+    rows = fact.head(30).astype({numeric: object})
+    rows.loc[3, numeric] = "secret-value"
+    rows.to_csv(tmp_path / "text.csv", index=False)
+    text = str(tmp_path / "text.csv")
+    query = deployed(tmp_path / "text", run_dir, run_id, "fact", lambda s: s.update(prediction_rows=text))
+    with caplog.at_level("ERROR", logger="tpflower"), pytest.raises(ValueError) as info:
+        call(deployed_app, query, "train", {}, ask)
+    assert "the rows file has a non-numeric value in a numeric column (the node's log says which)" in str(info.value)
+    assert "secret-value" not in str(info.value) and "secret-value" in caplog.text
 
 
 def test_a_curious_server_gets_predict_keys_chunks_in_order_once_and_within_the_rows(regression_run, tmp_path):

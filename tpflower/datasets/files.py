@@ -153,11 +153,16 @@ def read_csv_noting_na_strings(path: Path) -> pd.DataFrame:
     return frame
 
 
+def is_parquet(path: Path) -> bool:
+    """Whether ``path`` names a Parquet file (.parquet or .pq, as a table's source may)."""
+    return path.suffix.lower() in (".parquet", ".pq")
+
+
 def read_rows_file(path: Path) -> pd.DataFrame:
-    """New rows to score from a .parquet or (any other suffix) CSV file, read as a table's source is: text for a
+    """New rows to score from a .parquet / .pq or (any other suffix) CSV file, read as a table's source is: text for a
     missing number noted (:func:`read_csv_noting_na_strings`), booleans as flags (:func:`booleans_as_flags`).
     pandas' and pyarrow's errors pass through (the caller names the file)."""
-    parquet = path.suffix.lower() == ".parquet"
+    parquet = is_parquet(path)
     return booleans_as_flags(pd.read_parquet(path) if parquet else read_csv_noting_na_strings(path))
 
 

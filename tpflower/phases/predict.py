@@ -222,9 +222,8 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
         if not (pd.api.types.is_numeric_dtype(col) or pd.api.types.is_bool_dtype(col)):
             bad = pd.to_numeric(col, errors="coerce").isna() & col.notna()
             first = int(np.flatnonzero(bad.to_numpy())[0]) if bad.any() else 0
-            raise SpecError(
-                f"{where}: column {c!r} of table {table!r} is numeric, but row {first} holds {col.iloc[first]!r}, not a number"
-            )
+            detail = f"{where}: column {c!r} of table {table!r} is numeric, but row {first} holds {col.iloc[first]!r}"
+            raise rows_refusal(client, f"{detail}, not a number", "a non-numeric value in a numeric column")
     if len(frame) == 0:
         raise SpecError(f"{where}: no rows")
     return frame.reset_index(drop=True)
