@@ -12,6 +12,7 @@ snowflake); each edge may equate several column pairs (a composite key).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -232,6 +233,21 @@ def to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return dict(cfg)
 
 
+def split_fraction(split: Mapping[str, Any], name: str) -> float:
+    """``split.test_fraction`` (default 0.15), in (0, 1): every run reports its metrics on the test rows."""
+    value = split.get("test_fraction", 0.15)
+    try:
+        out = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        out = math.nan
+    if not 0.0 < out < 1.0:
+        raise SpecError(
+            f"dataset {name!r}: split.test_fraction must be in (0, 1) (the share of the label table's rows held "
+            f"out for the test metrics), got {value!r}"
+        )
+    return out
+
+
 def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     """Build a :class:`RelationalSpec` from the dataset config (a dict or an OmegaConf node)."""
     cfg = to_dict(cfg)
@@ -293,7 +309,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
         tables=tuple(tables),
         label=LabelSpec(column=str(label["column"]), table=label.get("table"), task=task),
         joins=tuple(joins),
-        split=SplitSpec(test_fraction=float(split.get("test_fraction", 0.15)), seed=int(split.get("seed", 42))),
+        split=SplitSpec(test_fraction=split_fraction(split, name), seed=int(split.get("seed", 42))),
         loader=dict(cfg.get("loader") or {}),
         na_strings=str(cfg.get("na_strings") or "missing"),
     )
@@ -333,8 +349,6 @@ def validate_structure(spec: RelationalSpec) -> None:
                 f"table {t.name!r}: unique: true needs a join with {t.name!r} on its right side "
                 "(its key is the columns its parent joins it on)"
             )
-    if not 0.0 <= spec.split.test_fraction < 1.0:
-        raise SpecError(f"split.test_fraction must be in [0, 1), got {spec.split.test_fraction}")
     # A tree: connected with exactly len(tables) - 1 edges; find a cycle or a stray component by union-find.
     parent = {n: n for n in names}
 
