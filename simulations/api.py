@@ -230,8 +230,8 @@ class Model:
         (docs/prediction.md): ``rows`` a DataFrame or a CSV / Parquet file in the table's own format (its join
         keys and the columns its features come from; other columns are ignored). One line per new row: ``row``
         (its position), ``joined_rows``, ``prediction`` (the mean over its joined rows; classification: the
-        class of the mean probabilities; multiclass: its id, and ``class`` its name) and class probabilities;
-        ``per_joined_row``: one line per joined row with the partner tables' rows. New rows that join no partner
+        class of the mean probabilities; multiclass, or binary of two values other than 0/1: its id, and
+        ``class`` its name) and class probabilities; ``per_joined_row``: one line per joined row with the partner tables' rows. New rows that join no partner
         get no line. ``verbose`` None: as the fit that made the model (a loaded model: True)."""
         log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:

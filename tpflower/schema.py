@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
@@ -425,6 +424,22 @@ def resolve_label_table(spec: RelationalSpec, columns: Mapping[str, Sequence[str
     )
 
 
+def binary_classes(y: pd.Series) -> list[Any] | None:
+    """A binary label's classes in the order of their codes 0 and 1: None when its values are 0/1 (or booleans)
+    already, else its two distinct values sorted (by their text when they do not compare), so every node that
+    holds the column codes them alike. ValueError (its values, up to 5) for any other number of values."""
+    values = pd.unique(y.dropna())
+    if set(values) <= {0, 1}:
+        return None
+    if len(values) != 2:
+        shown = ", ".join(map(repr, list(values)[:5])) + (", ..." if len(values) > 5 else "")
+        raise ValueError(f"a binary label holds two values, this one {len(values)}: {shown}")
+    try:
+        return sorted(values.tolist())
+    except TypeError:
+        return sorted(values.tolist(), key=str)
+
+
 def validate_table(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> None:
     """Checks one table against the spec (what one client can check locally, before sending anything)."""
     t = spec.table(name)
@@ -451,11 +466,13 @@ def validate_table(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> None
         missing = int(y.isna().sum())
         if missing:
             raise SpecError(f"table {name!r}, label column {spec.label.column!r}: {missing} missing labels")
-        if spec.label.task == "binary" and not set(np.unique(y.to_numpy())) <= {0, 1}:
-            raise SpecError(
-                f"table {name!r}, label column {spec.label.column!r}: binary labels must be 0/1, "
-                f"got values {sorted(map(str, np.unique(y.to_numpy())[:5]))}"
-            )
+        if spec.label.task == "binary":
+            try:
+                binary_classes(y)
+            except ValueError as exc:
+                raise SpecError(
+                    f"table {name!r}, label column {spec.label.column!r}: {exc} (or set label.task: multiclass)"
+                ) from None
         if spec.label.task == "regression" and not pd.api.types.is_numeric_dtype(y):
             raise SpecError(f"table {name!r}, label column {spec.label.column!r}: regression label has dtype {y.dtype}")
     if len(frame) == 0:
