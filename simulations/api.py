@@ -30,7 +30,7 @@ from rich.console import Console
 from simulations.job import failure_message, run_job
 from simulations.predict import predict_run
 from simulations.run import choices, unknown_choice
-from tpflower.config import compose_config
+from tpflower.config import compose_config, override_error
 from tpflower.errors import TpflowerError
 from tpflower.results import RESULTS_FILE, ResultsError, read_results
 
@@ -79,9 +79,11 @@ def compose(
     overrides: Sequence[str],
     settings: Mapping[str, Any],
     config_dir: str | Path | None,
+    base_dir: str | Path | None = None,
 ) -> DictConfig:
     """The run config the command line composes for the same choices (a dataset given as a spec or a YAML
-    file replaces the dataset group, as a ``--config-dir`` file would)."""
+    file replaces the dataset group, as a ``--config-dir`` file would); ``base_dir``: where the dataset's
+    relative paths start, for a refused setting's message."""
     args: list[str] = []
     if config_dir is not None:
         args.append(f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]")
@@ -107,7 +109,7 @@ def compose(
     try:
         return compose_config(*args, dataset=spec)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise TpflowerError(str(exc).strip()) from None
+        raise TpflowerError(override_error(exc, args, base_dir, spec)) from None
 
 
 def default_run_dir(cfg: DictConfig, base_dir: Path) -> Path:
@@ -149,7 +151,7 @@ def fit(
     keywords (``epochs=3``, ``model="mlp"``, ``algorithm__rho=2``). ``base_dir``: where relative data paths
     start (default: the working directory). Raises TpflowerError (the command line's message)."""
     base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
-    cfg = compose(dataset, sql, algorithm, runtime, list(overrides), settings, config_dir)
+    cfg = compose(dataset, sql, algorithm, runtime, list(overrides), settings, config_dir, base)
     path = Path(run_dir).expanduser().resolve() if run_dir is not None else default_run_dir(cfg, base)
     path.mkdir(parents=True, exist_ok=True)
     log = console_log(verbose)
@@ -231,12 +233,12 @@ class Model:
         (docs/prediction.md): ``rows`` a DataFrame or a CSV / Parquet file in the table's own format (its join
         keys and the columns its features come from; other columns are ignored). One line per new row: ``row``
         (its position), ``joined_rows``, ``prediction`` (the mean over its joined rows; classification: the
-        class of the mean probabilities; multiclass: its id, and ``class`` its name) and class probabilities,
-        in the rows' order; a new row that joins no partner has ``joined_rows`` 0 and a missing prediction
-        (NaN; a class id: <NA>). ``per_joined_row``: one line per joined row with the partner tables' rows (a
-        row that joins nothing has none). ``verbose`` None: as the fit that made the model (a loaded model:
-        True). ``base_dir`` None: the fit's (a loaded model: ``load``'s). Errors about the rows of a DataFrame
-        call them "the rows"."""
+        class of the mean probabilities; multiclass, or binary of two values other than 0/1: its id, and
+        ``class`` its name) and class probabilities, in the rows' order; a new row that joins no partner has
+        ``joined_rows`` 0 and a missing prediction (NaN; a class id: <NA>). ``per_joined_row``: one line per
+        joined row with the partner tables' rows (a row that joins nothing has none). ``verbose`` None: as the
+        fit that made the model (a loaded model: True). ``base_dir`` None: the fit's (a loaded model:
+        ``load``'s). Errors about the rows of a DataFrame call them "the rows"."""
         log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):

@@ -95,7 +95,7 @@ def predict_run(
     else:
         raise ValueError(f"--runtime must be inprocess or flower, got {runtime!r}")
     assert strategy.results is not None
-    if spec.label.task == "multiclass":  # a simulation's user holds the label table: classes by name, as its owner
+    if spec.label.task != "regression":  # a simulation's user holds the label table: classes by name, as its owner
         _, labels = load_table(cfg.dataset, spec.label_table, base_dir=base)
         strategy.results.classes = encode_labels(spec, labels[spec.label.column])[1]
     return strategy.results

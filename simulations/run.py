@@ -44,9 +44,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'simulations.run' has no attribute {name!r}")
 
 
-def choices(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """The ``KEY=VALUE`` overrides of a command line (flags and their values aside) and its Hydra flags."""
-    overrides: dict[str, str] = {}
+def override_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The ``KEY=VALUE`` overrides of a command line as written (flags and their values aside) and its flags."""
+    overrides: list[str] = []
     flags: list[str] = []
     skip = False
     for arg in argv:
@@ -56,9 +56,14 @@ def choices(argv: list[str]) -> tuple[dict[str, str], list[str]]:
             flags.append(arg.split("=", 1)[0])
             skip = arg in VALUE_FLAGS
         elif "=" in arg:
-            key, value = arg.split("=", 1)
-            overrides[key.lstrip("+~")] = value
+            overrides.append(arg)
     return overrides, flags
+
+
+def choices(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The ``KEY=VALUE`` overrides of a command line by key (without ``+``/``~``) and its Hydra flags."""
+    overrides, flags = override_args(argv)
+    return {k.lstrip("+~"): v for k, _, v in (o.partition("=") for o in overrides)}, flags
 
 
 def unknown_choice(overrides: dict[str, str], config_dirs: list[str]) -> str | None:
@@ -143,11 +148,36 @@ def main() -> Any:
     if line is not None:
         print(line, flush=True)
     import hydra  # noqa: PLC0415  start-up: after the first line
+    from hydra.errors import HydraException  # noqa: PLC0415  start-up: after the first line
+    from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415  start-up: after the first line
 
     from tpflower.config import register_algorithm_defaults  # noqa: PLC0415  start-up: after the first line
 
     register_algorithm_defaults()
-    return hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)()
+    if os.environ.get("HYDRA_FULL_ERROR") or os.environ.get("TPFLOWER_TRACEBACK"):
+        return hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises a composition error (to the line below) instead of printing it
+    try:
+        return hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)()
+    except (HydraException, OmegaConfBaseException) as exc:
+        print(f"error: {composition_error(exc, sys.argv[1:])}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def composition_error(exc: BaseException, argv: list[str]) -> str:
+    """The one line of a Hydra error composing the command line's config (tpflower.config.override_error)."""
+    from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415  start-up: after the first line
+
+    from tpflower.config import override_error  # noqa: PLC0415  start-up: after the first line
+
+    GlobalHydra.instance().clear()  # the failed main's, so that the error's own compositions can start
+    overrides = [o for o in override_args(argv)[0] if not o.startswith("hydra.")]
+    folders = [str(Path(d).expanduser().resolve()) for d in config_dirs_of(argv)]
+    if folders:
+        overrides.append("hydra.searchpath=[" + ",".join(f"file://{d}" for d in folders) + "]")
+    return override_error(exc, overrides, base_dir=os.getcwd())
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ class Predictions:
     p: dict[str, np.ndarray] = field(default_factory=dict)
     per_joined_row: bool = False
     query_table: str = ""
-    classes: list[Any] | None = None  # multiclass, where known: the class of each id (a ``class`` column)
+    classes: list[Any] | None = None  # a class label's names by id, where known (a ``class`` column)
 
     @property
     def n_rows(self) -> int:

@@ -90,6 +90,23 @@ def test_a_bad_setting_and_a_typo_raise_one_line(tmp_path):
     assert " _admm" not in str(typo.value)
 
 
+def test_an_unknown_key_is_one_line_naming_what_is_valid(tmp_path):
+    done = cli("train", "algoritm=gbdt", "dataset=synthetic", cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()  # not Hydra's "Could not override ... HYDRA_FULL_ERROR" lines
+    assert line.startswith("error: algoritm is not a setting of the config (did you mean algorithm?); its groups: [")
+    assert "'epochs'" in line
+    with pytest.raises(tpflower.TpflowerError) as auto:  # auto -> pcg (linear regression), which has no trees
+        tpflower.fit(dataset="movielens", runtime="inprocess", algorithm__trees=50, run_dir=tmp_path, verbose=False)
+    assert str(auto.value) == (
+        "algorithm.trees is not a setting of algorithm 'pcg' (auto's choice here); its settings: "
+        "['tol', 'window', 'window_mb']"
+    )
+    with pytest.raises(tpflower.TpflowerError) as typo:
+        tpflower.fit(algorithm="gbdt", overrides=["algorithm.tres=3"], run_dir=tmp_path, verbose=False)
+    assert str(typo.value).startswith("algorithm.tres is not a setting of algorithm 'gbdt' (did you mean trees?)")
+
+
 def test_a_typo_in_a_choice_lists_the_public_choices_only(tmp_path):
     done = cli("train", "algorithm=admn", "dataset=synthetic", cwd=tmp_path)
     assert done.returncode == 1 and done.stdout == ""

@@ -371,3 +371,7 @@ def test_sketches_only_for_columns_with_missing_values_or_binned():
     assert np.isnan(second[0].numeric["full"].min) and second[0].numeric["gappy"].min == a["gappy"].min()
     rule = merge_summaries(second)
     assert rule.numeric["gappy"].median == pytest.approx(np.nanmedian(pd.concat([a, b])["gappy"]))
+    with pytest.raises(ValueError) as small:  # a shard too small: the settings that lift the refusal
+        local_summary(b, cols, [], b"k", table="t", sketch_columns=["gappy"], min_sketch_rows=41)
+    assert "lower min_sketch_rows to at most 39" in str(small.value)
+    assert "out of the table's binned columns" in str(small.value) and 'where: "gappy IS NOT NULL"' in str(small.value)

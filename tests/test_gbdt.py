@@ -18,7 +18,7 @@ from strategies.gbdt import JoinGBDT, node_sums
 from tests.conftest import make_cfg
 from tests.test_predict import train
 from tests.test_privacy_e2e import Recorded
-from tpflower.app.server_app import make_strategy
+from tpflower.app.server_app import build_strategy, make_strategy
 from tpflower.categorical import blocks_of
 from tpflower.losses import metrics
 from tpflower.model_part import ModelPart
@@ -463,6 +463,22 @@ def test_gbdt_is_refused_under_a_feature_dp_floor_in_one_line():
     with pytest.raises(ValueError, match="cannot be honoured by algorithm 'gbdt'") as err:
         make_strategy(cfg, None, log=lambda _: None)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "algorithm,model",
+    [("gbdt", "mlp"), ("centralized_gbdt", "mlp"), ("kmeans", "mlp"), ("coreset_kmeans", "gbdt"), ("admm", "gbdt")],
+)
+def test_an_algorithm_refuses_a_model_it_does_not_train_in_one_line(algorithm, model):
+    cfg = make_cfg("dataset=synthetic", f"algorithm={algorithm}", f"model={model}")
+    with pytest.raises(ValueError, match=f"^algorithm={algorithm} does not take model={model} ") as err:
+        build_strategy(cfg, None, log=lambda _: None)  # before any table is loaded
+    assert "\n" not in str(err.value)
+
+
+def test_trees_take_the_default_model_and_their_own():
+    for model in ((), ("model=gbdt",)):  # conf/config.yaml's default (linear, unused by trees), or model=gbdt
+        assert isinstance(make_strategy(make_cfg(*small("star", "regression"), *model), None), JoinGBDT)
 
 
 @pytest.fixture(scope="module")

@@ -321,6 +321,32 @@ def test_multiclass_predictions_name_each_class_as_the_label_column_does(tmp_pat
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "run" / "node-state" / "predictions" / f"{run_id}.csv"), frame)
 
 
+def test_a_binary_label_of_two_words_trains_and_predicts_by_name(tmp_path):
+    """Two distinct values of any type (here no/yes) are a binary label: coded 0/1 in sorted order, on every
+    node alike (label DP randomizes the codes), and the predictions name the class beside its code."""
+    from tests.test_checks import shop
+    from tpflower.checks import DataProblems
+    from tpflower.datasets import check_dataset
+
+    rng = np.random.default_rng(0)
+    qty = rng.integers(1, 5, 400)
+    orders = pd.DataFrame({"cust": rng.integers(0, 50, 400), "qty": qty, "big": np.where(qty > 2, "yes", "no")})
+    dataset = shop(tmp_path, orders, label={"table": "orders", "column": "big", "task": "binary"})
+    cfg = make_cfg("algorithm=admm", "epochs=3", "precision=float64", "privacy=label", dataset=dataset)
+    run_in_process(cfg, tmp_path / "run", tmp_path, **QUIET)
+    orders.drop(columns=["big"]).to_csv(tmp_path / "new.csv", index=False)
+    out = tmp_path / "p.csv"
+    assert predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "new.csv"), "--out", str(out)]) == 0
+    frame = pd.read_csv(out)
+    assert frame["class"].tolist() == [["no", "yes"][k] for k in frame["prediction"]]
+    assert (frame["class"] == orders["big"][frame["row"]].to_numpy()).mean() > 0.8  # qty decides it
+    orders.loc[5, "big"] = "maybe"  # a third value: refused by the data check, naming the values
+    orders.to_csv(tmp_path / "orders.csv", index=False)
+    spec, _, problems = check_dataset(dataset, tmp_path)
+    report = DataProblems(problems, spec.name).report()
+    assert "'big'" in report and "holds two values, this one 3" in report and "'maybe'" in report
+
+
 def test_new_rows_outside_the_query_tables_where_are_named_in_one_line_and_scored(tmp_path):
     from tests.test_checks import shop
 

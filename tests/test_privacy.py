@@ -388,6 +388,14 @@ def test_validate_refuses_impossible_settings(override, task, algorithm, match):
         P.validate_privacy(cfg, algorithm, task, feature_dp=algorithm.startswith("tp_join_"))
 
 
+def test_a_missing_label_range_names_both_places_to_set_it():
+    with pytest.raises(ValueError) as err:
+        P.validate_privacy({**BASE, "name": "label", "label_range": None}, "tp_join_sgd", "regression", feature_dp=True)
+    line = str(err.value)
+    assert "label_range: [lo, hi] at the top level of the dataset config" in line  # docs/datasets.md
+    assert "privacy.label_range=[lo,hi]" in line and "\n" not in line
+
+
 def test_validate_refuses_label_dp_where_unsupported():
     with pytest.raises(ValueError, match="'my_new_algo'"):
         P.validate_privacy({**BASE, "name": "label"}, "my_new_algo", "binary", feature_dp=True, label_dp=False)

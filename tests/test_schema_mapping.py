@@ -171,6 +171,12 @@ def test_split_by_label_rows():
 # ------------------------------------------------------------------------------------ bad inputs
 
 
+@pytest.mark.parametrize("fraction", [0, 0.0, 1, -0.1, "half"])
+def test_test_fraction_outside_zero_one_is_refused_by_the_spec_check(fraction):
+    with pytest.raises(SpecError, match=r"^dataset 't': split.test_fraction must be in \(0, 1\) .*got "):
+        spec_of(**STAR, split={"test_fraction": fraction})  # 0: no test rows, no metric (after loading, before)
+
+
 def test_unknown_table_in_join():
     with pytest.raises(SpecError, match="unknown table 'Z'"):
         spec_of(tables={"fact": {}, "A": {}}, joins=[{"left": "fact", "right": "Z", "on": "a"}])

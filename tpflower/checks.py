@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-from tpflower.schema import RelationalSpec, SpecError, key_kind, resolve_label_table
+from tpflower.schema import RelationalSpec, SpecError, binary_classes, key_kind, resolve_label_table
 
 Severity = Literal["error", "warning"]
 NA_ATTR = (
@@ -409,8 +409,11 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | No
                 )
             )
     elif task == "binary":
-        bad = (y.notna() & ~y.isin([0, 1, True, False])).to_numpy()
-        if bad.any():
+        try:
+            binary_classes(y)
+        except ValueError as exc:
+            kept = y.value_counts().index[:2]  # the two most frequent values: the rows of any other are shown
+            bad = (y.notna() & ~y.isin(kept)).to_numpy()
             out.append(
                 _bad_values(
                     name,
@@ -419,8 +422,8 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | No
                     bad,
                     y,
                     src,
-                    "binary labels other than 0/1",
-                    "encode the two classes as 0 and 1 (or set label.task: multiclass)",
+                    "binary labels beyond two values",
+                    f"{exc}; keep two classes (or set label.task: multiclass)",
                 )
             )
     return out

@@ -340,8 +340,11 @@ def local_summary(
         if x.size < min_rows:
             raise ValueError(
                 f"{_who(table, shard)}: column {col!r} has {x.size} observed fit values, fewer than "
-                f"min_sketch_rows={min_rows}, so its order statistics would be (nearly) raw values: refused. The "
-                f"table owner can lower min_sketch_rows, or the user can avoid binning/median imputation of {col!r}"
+                f"min_sketch_rows={min_rows}, so its order statistics (asked for a binned column, or one with "
+                f"missing values, filled with the union's median) would be (nearly) raw values: refused. The table "
+                f"owner can lower min_sketch_rows to at most {x.size} (min_sketch_rows=N; a node: its client "
+                f"config), or the dataset can leave {col!r} out of the table's binned columns, or keep only the "
+                f'rows that hold it (where: "{col} IS NOT NULL")'
             )
         sketch = RankSketch.build(x, sketch_size)
         num[col] = NumericSummary(int(x.size), total, m2, float(x.min()), float(x.max()), sketch)

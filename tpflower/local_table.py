@@ -13,7 +13,7 @@ import pandas as pd
 from tpflower.fedprep import bin_feature_names, bin_transform, local_quantile_edges
 from tpflower.mapping import holdout_mask, index_dtype
 from tpflower.preprocess import TablePreprocessor
-from tpflower.schema import RelationalSpec
+from tpflower.schema import RelationalSpec, binary_classes
 
 
 @dataclass
@@ -53,13 +53,19 @@ def encode_labels(
     spec: RelationalSpec, values: pd.Series, rows: np.ndarray | None = None
 ) -> tuple[np.ndarray, list[Any] | None]:
     """Labels as the loss expects them, of the rows ``rows`` of the table's label column ``values`` (None: all),
-    and the classes: float for regression/binary (no classes); for multiclass class ids 0..C-1 in the sorted order
-    of the classes of the whole column (returned in that order), so every shard cut from one table gives a class
-    the same id, whichever classes its own rows hold."""
+    and the classes: float for regression (no classes); binary 0.0/1.0, and when its two values are not 0/1
+    already (``yes``/``no``), those values in the order of their codes (schema.binary_classes); for multiclass
+    class ids 0..C-1 in the sorted order of the classes of the whole column (returned in that order), so every
+    shard cut from one table gives a class the same id, whichever classes its own rows hold."""
     if spec.label.task == "multiclass":
         codes, classes = pd.factorize(values, sort=True)
         codes = codes.astype(np.int64)
         return (codes if rows is None else codes[rows]), classes.tolist()
+    if spec.label.task == "binary":
+        two = binary_classes(values)
+        if two is not None:
+            y = (values == two[1]).to_numpy(dtype=np.float64)
+            return (y if rows is None else y[rows]), two
     return (values if rows is None else values.iloc[rows]).to_numpy(dtype=np.float64), None
 
 

@@ -39,6 +39,8 @@ class AlgorithmEntry:
     label_dp: bool = True  # privacy=label supported
     summary: str = ""
     federated: bool = True  # False: runs in one place without Flower (the centralized baseline)
+    models: tuple[str, ...] = ("linear", "mlp")  # the model.kind it takes (conf/model); others refused
+    why_models: str = "boosted trees are algorithm=gbdt (or model=gbdt with algorithm=auto)"  # with the refusal
 
     @property
     def strategy(self) -> type:
@@ -100,6 +102,15 @@ def prediction_strategy() -> type:
 
 def entry_of(cfg: Any) -> AlgorithmEntry:
     return lookup(str(cfg.algorithm.name), str(cfg.scenario.name))
+
+
+def check_model(entry: AlgorithmEntry, kind: str) -> None:
+    """Refuse a model (``model=KIND``) the algorithm does not train, in one line, before any data is loaded."""
+    if kind not in entry.models:
+        raise ValueError(
+            f"algorithm={entry.selector} does not take model={kind} (it takes "
+            f"{' or '.join(f'model={m}' for m in entry.models)}): {entry.why_models}"
+        )
 
 
 def by_name(name: str) -> AlgorithmEntry:

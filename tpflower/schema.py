@@ -12,11 +12,11 @@ snowflake); each edge may equate several column pairs (a composite key).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
@@ -232,6 +232,21 @@ def to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return dict(cfg)
 
 
+def split_fraction(split: Mapping[str, Any], name: str) -> float:
+    """``split.test_fraction`` (default 0.15), in (0, 1): every run reports its metrics on the test rows."""
+    value = split.get("test_fraction", 0.15)
+    try:
+        out = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        out = math.nan
+    if not 0.0 < out < 1.0:
+        raise SpecError(
+            f"dataset {name!r}: split.test_fraction must be in (0, 1) (the share of the label table's rows held "
+            f"out for the test metrics), got {value!r}"
+        )
+    return out
+
+
 def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     """Build a :class:`RelationalSpec` from the dataset config (a dict or an OmegaConf node)."""
     cfg = to_dict(cfg)
@@ -293,7 +308,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
         tables=tuple(tables),
         label=LabelSpec(column=str(label["column"]), table=label.get("table"), task=task),
         joins=tuple(joins),
-        split=SplitSpec(test_fraction=float(split.get("test_fraction", 0.15)), seed=int(split.get("seed", 42))),
+        split=SplitSpec(test_fraction=split_fraction(split, name), seed=int(split.get("seed", 42))),
         loader=dict(cfg.get("loader") or {}),
         na_strings=str(cfg.get("na_strings") or "missing"),
     )
@@ -333,8 +348,6 @@ def validate_structure(spec: RelationalSpec) -> None:
                 f"table {t.name!r}: unique: true needs a join with {t.name!r} on its right side "
                 "(its key is the columns its parent joins it on)"
             )
-    if not 0.0 <= spec.split.test_fraction < 1.0:
-        raise SpecError(f"split.test_fraction must be in [0, 1), got {spec.split.test_fraction}")
     # A tree: connected with exactly len(tables) - 1 edges; find a cycle or a stray component by union-find.
     parent = {n: n for n in names}
 
@@ -411,6 +424,22 @@ def resolve_label_table(spec: RelationalSpec, columns: Mapping[str, Sequence[str
     )
 
 
+def binary_classes(y: pd.Series) -> list[Any] | None:
+    """A binary label's classes in the order of their codes 0 and 1: None when its values are 0/1 (or booleans)
+    already, else its two distinct values sorted (by their text when they do not compare), so every node that
+    holds the column codes them alike. ValueError (its values, up to 5) for any other number of values."""
+    values = pd.unique(y.dropna())
+    if set(values) <= {0, 1}:
+        return None
+    if len(values) != 2:
+        shown = ", ".join(map(repr, list(values)[:5])) + (", ..." if len(values) > 5 else "")
+        raise ValueError(f"a binary label holds two values, this one {len(values)}: {shown}")
+    try:
+        return sorted(values.tolist())
+    except TypeError:
+        return sorted(values.tolist(), key=str)
+
+
 def validate_table(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> None:
     """Checks one table against the spec (what one client can check locally, before sending anything)."""
     t = spec.table(name)
@@ -437,11 +466,13 @@ def validate_table(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> None
         missing = int(y.isna().sum())
         if missing:
             raise SpecError(f"table {name!r}, label column {spec.label.column!r}: {missing} missing labels")
-        if spec.label.task == "binary" and not set(np.unique(y.to_numpy())) <= {0, 1}:
-            raise SpecError(
-                f"table {name!r}, label column {spec.label.column!r}: binary labels must be 0/1, "
-                f"got values {sorted(map(str, np.unique(y.to_numpy())[:5]))}"
-            )
+        if spec.label.task == "binary":
+            try:
+                binary_classes(y)
+            except ValueError as exc:
+                raise SpecError(
+                    f"table {name!r}, label column {spec.label.column!r}: {exc} (or set label.task: multiclass)"
+                ) from None
         if spec.label.task == "regression" and not pd.api.types.is_numeric_dtype(y):
             raise SpecError(f"table {name!r}, label column {spec.label.column!r}: regression label has dtype {y.dtype}")
     if len(frame) == 0:

@@ -22,7 +22,7 @@ from tpflower.app.client_app import config_from_run_config  # at import time: se
 from tpflower.app.flower_patch import install_fast_fetch, install_fast_grid_pulls, install_node_actors
 from tpflower.auto import resolve
 from tpflower.datasets import load_spec
-from tpflower.registry import entries, entry_of, prediction_strategy
+from tpflower.registry import check_model, entries, entry_of, prediction_strategy
 from tpflower.schema import RelationalSpec
 
 
@@ -39,6 +39,7 @@ def build_strategy(
     spec = spec if spec is not None else load_spec(cfg.dataset, base_dir=base_dir)
     resolve(cfg, spec, log=log)
     entry = entry_of(cfg)
+    check_model(entry, str(cfg.model.kind))
     return entry.strategy(
         cfg,
         spec,

@@ -300,7 +300,8 @@ def shard_rows(table: TableSpec, frame: pd.DataFrame) -> list[np.ndarray]:
             )
         if spec.values is not None:
             column = frame[spec.by].astype(str)
-            codes = pd.Categorical(column, categories=list(spec.values)).codes
+            listed = column.isin([str(v) for v in spec.values])  # (pandas 4 refuses values outside the categories)
+            codes = pd.Categorical(column.where(listed), categories=list(spec.values)).codes
             if (codes < 0).any():  # counted, never shown: a refusal travels to the server, a value must not
                 raise SpecError(
                     f"table {table.name!r}, shard column {spec.by!r}: {int((codes < 0).sum())} rows hold a value "

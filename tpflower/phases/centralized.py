@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tpflower.guard import Protocol
 from tpflower.params import AlgorithmParams, one_of, or_word, param, positive
-from tpflower.phases.gbdt import GBDTParams
+from tpflower.phases.gbdt import TREE_MODELS, WHY_TREE_MODELS, GBDTParams
 from tpflower.registry import AlgorithmEntry, register
 
 #: Why the centralized baseline refuses feature DP (shown in the error).
@@ -57,5 +57,6 @@ for _selector, _cls, _params, _what in _BASELINES:
                 why_no_feature_dp=WHY_NO_FEATURE_DP,
                 federated=False,
                 summary=f"centralized baseline: {_what}",
+                **({"models": TREE_MODELS, "why_models": WHY_TREE_MODELS} if _params is GBDTParams else {}),
             )
         )

@@ -62,6 +62,11 @@ WHY_NO_FEATURE_DP = (
     "its replies (a best gain per node and one side bit per node and row) are exact functions of the table's "
     "features; gbdt has no DP version of them yet"
 )
+#: the model group's kinds the trees take: their own, or conf/config.yaml's default (linear), which they ignore
+TREE_MODELS = ("gbdt", "linear")
+WHY_TREE_MODELS = (
+    "boosted trees have no other model; leave model at its default (linear, unused by trees) or set model=gbdt"
+)
 
 
 def max_bins(what: str, value: Any) -> int:
@@ -585,6 +590,8 @@ register(
         feature_dp=False,
         why_no_feature_dp=WHY_NO_FEATURE_DP,
         summary="histogram gradient boosting over the join: one round trip per expansion step",
+        models=TREE_MODELS,
+        why_models=WHY_TREE_MODELS,
     )
 )
 register(
@@ -599,5 +606,7 @@ register(
         feature_dp=False,
         why_no_feature_dp=WHY_NO_FEATURE_DP,
         summary="histogram gradient boosting over the union: two round trips per step (shards' histograms summed)",
+        models=TREE_MODELS,
+        why_models=WHY_TREE_MODELS,
     )
 )

@@ -210,6 +210,9 @@ CORESET_KMEANS: tuple[Stage, ...] = (
 )
 
 
+#: k-means clusters the joined rows: the model group is unused, so only its default (conf/config.yaml) is taken
+KMEANS_MODELS = ("linear",)
+WHY_KMEANS_MODELS = "k-means trains no model of the model group; leave model at its default (linear, unused by k-means)"
 register(
     AlgorithmEntry(
         "kmeans",
@@ -222,6 +225,8 @@ register(
         feature_dp=False,
         label_dp=False,
         summary="DistDim k-means on the full join (VKMC baseline)",
+        models=KMEANS_MODELS,
+        why_models=WHY_KMEANS_MODELS,
     )
 )
 register(
@@ -236,5 +241,7 @@ register(
         feature_dp=False,
         label_dp=False,
         summary="VFL coreset (DIS, Alg. 1 and 3) over the join, then DistDim k-means",
+        models=KMEANS_MODELS,
+        why_models=WHY_KMEANS_MODELS,
     )
 )

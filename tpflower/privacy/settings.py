@@ -148,8 +148,14 @@ def privacy_from_message(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def label_range(what: str, value: Any) -> tuple[float, float]:
-    """``privacy.label_range`` as ``(lo, hi)``, finite with ``lo < hi``; ``what`` names the context."""
-    if value is None or isinstance(value, (str, bytes)):
+    """``privacy.label_range`` as ``(lo, hi)``, finite with ``lo < hi``; ``what`` names the context. None (not
+    set): the line names both places it is set, the dataset's top-level ``label_range`` and the override."""
+    if value is None:
+        raise ValueError(
+            f"{what}: the label's public range [lo, hi] is not set: add label_range: [lo, hi] at the top level of "
+            "the dataset config, beside label (docs/datasets.md), or give privacy.label_range=[lo,hi]"
+        )
+    if isinstance(value, (str, bytes)):
         raise ValueError(f"{what}: privacy.label_range must be [lo, hi] with finite lo < hi, got {value!r}")
     try:
         items = list(value)
