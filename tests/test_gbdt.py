@@ -476,9 +476,10 @@ def test_an_algorithm_refuses_a_model_it_does_not_train_in_one_line(algorithm, m
     assert "\n" not in str(err.value)
 
 
-def test_trees_take_the_default_model_and_their_own():
+def test_trees_take_the_default_model_and_their_own(trained):
     for model in ((), ("model=gbdt",)):  # conf/config.yaml's default (linear, unused by trees), or model=gbdt
         assert isinstance(make_strategy(make_cfg(*small("star", "regression"), *model), None), JoinGBDT)
+    assert trained.strategy.results.model == "gbdt"  # results.json names the trees, not the unused default
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,18 @@ class RunResults:
         return out
 
 
+def model_kind(cfg: Any, algorithm: str) -> str:
+    """The model a run trains: ``model.kind``, or ``gbdt`` for an algorithm of boosted trees (which take the
+    default ``model=linear`` for their own)."""
+    from tpflower.registry import by_name  # noqa: PLC0415  the registry imports the phases (torch)
+
+    try:
+        trees = "gbdt" in by_name(algorithm).models
+    except ValueError:  # not a registered algorithm (a benchmark's own record)
+        trees = False
+    return "gbdt" if trees else str(cfg.model.kind)
+
+
 def new_run_results(cfg: Any, algorithm: str, spec: Any, mapping: Any) -> RunResults:
     """An empty record for a run of ``algorithm`` on the dataset of ``spec`` (N and n_i from ``mapping``)."""
     from tpflower.losses import primary_metric  # noqa: PLC0415  torch: reading results (reproduce) needs none
@@ -90,7 +102,7 @@ def new_run_results(cfg: Any, algorithm: str, spec: Any, mapping: Any) -> RunRes
         algorithm=algorithm,
         scenario=str(cfg.scenario.name),
         dataset=spec.name,
-        model=str(cfg.model.kind),
+        model=model_kind(cfg, algorithm),
         task=spec.label.task,
         metric=primary_metric(spec.label.task),
         n_joined=mapping.N,
