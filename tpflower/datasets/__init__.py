@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -110,11 +110,14 @@ def _frame(
     kwargs: dict[str, Any],
     base_dir: str | Path | None,
     loaded: dict[str, pd.DataFrame] | None,
+    keys: Sequence[str] = (),
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame] | None]:
     """One table's frame (RangeIndex) from its source file or the loader; ``loaded`` None: the loader makes
-    this table alone (a client's load), else ``loaded`` holds the loader's tables (all of them)."""
+    this table alone (a client's load), else ``loaded`` holds the loader's tables (all of them). ``keys``: its
+    join key columns (a CSV's zero-padded codes kept as text: tpflower.datasets.files.key_columns)."""
     if table.source is not None:
-        return filter_rows(table.name, read_table(table.name, table.source, base_dir), table.where), loaded
+        frame = read_table(table.name, table.source, base_dir, keys)
+        return filter_rows(table.name, frame, table.where), loaded
     if loader_name is None:
         raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
     frames = loaded if loaded is not None else load_tables(loader_name, kwargs, (table.name,))
@@ -162,7 +165,8 @@ def _frames(
         try:
             if table.source is None and loader_name is not None and loaded is None:
                 loaded = _run_loader(loader_name, json.dumps(kwargs, sort_keys=True))  # every table, once
-            frames[table.name], loaded = _frame(table, loader_name, kwargs, base_dir, loaded)
+            keys = spec.key_columns(table.name)
+            frames[table.name], loaded = _frame(table, loader_name, kwargs, base_dir, loaded, keys)
         except DataProblems as exc:
             problems += exc.problems
         except SpecError as exc:
@@ -275,7 +279,7 @@ def load_table(
     """
     spec = load_spec(cfg, base_dir)
     _, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
-    frame, _ = _frame(spec.table(name), loader_name, kwargs, base_dir, None)
+    frame, _ = _frame(spec.table(name), loader_name, kwargs, base_dir, None, spec.key_columns(name))
     problems = table_problems(spec, name, frame)
     if problems:
         raise DataProblems(problems, spec.name)

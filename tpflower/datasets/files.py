@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +27,11 @@ def _unreadable(table: str, path: Path, what: str, fix: str) -> DataProblems:
     return DataProblems([Problem(table, f"cannot be read from {str(path)!r}: {what}", fix)])
 
 
-def read_table(table: str, source: str | Path, base_dir: str | Path | None = None) -> pd.DataFrame:
-    """Read table ``table`` from a .csv, .parquet or .pq file; the frame gets a fresh RangeIndex.
+def read_table(
+    table: str, source: str | Path, base_dir: str | Path | None = None, keys: Sequence[str] = ()
+) -> pd.DataFrame:
+    """Read table ``table`` from a .csv, .parquet or .pq file; the frame gets a fresh RangeIndex. ``keys``: its
+    join key columns, read from a CSV file by :func:`key_columns`.
 
     Raises SpecError (tpflower.checks.DataProblems: one problem) naming the table and the file when the file is
     missing, empty or unreadable, or its suffix is not supported.
@@ -47,7 +52,7 @@ def read_table(table: str, source: str | Path, base_dir: str | Path | None = Non
         )
     try:
         if suffix == ".csv":
-            frame = read_csv_noting_na_strings(path)
+            frame = read_csv_noting_na_strings(path, keys)
         else:
             frame = pd.read_parquet(path)
     except pd.errors.EmptyDataError:
@@ -131,10 +136,13 @@ NA_TEXT: frozenset[str] = frozenset(
 )
 
 
-def read_csv_noting_na_strings(path: Path) -> pd.DataFrame:
+def read_csv_noting_na_strings(path: Path, keys: Sequence[str] = ()) -> pd.DataFrame:
     """A CSV file read as pandas reads it (NA_TEXT values are missing), noting in ``frame.attrs[NA_ATTR]``
-    where such text stood in an otherwise numeric column: "n/a" in a column of numbers is worth a line."""
-    frame = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    where such text stood in an otherwise numeric column: "n/a" in a column of numbers is worth a line. The
+    join key columns ``keys`` are read by :func:`key_columns`."""
+    header = pd.read_csv(path, nrows=0).columns if keys else ()
+    text = {k: str for k in keys if k in header}
+    frame = key_columns(pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=text or None), list(text))
     noted: dict[str, tuple[int, int, str]] = {}
     for col in frame.select_dtypes(include=["object", "string"]).columns:
         s = frame[col]
@@ -153,17 +161,36 @@ def read_csv_noting_na_strings(path: Path) -> pd.DataFrame:
     return frame
 
 
+#: a number written with a leading zero ("00501", "-01"): a code, whose zeros a number would lose
+ZERO_PADDED = re.compile(r"^[+-]?0\d")
+
+
+def key_columns(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """``frame`` whose key columns ``keys``, read as text, are numbers as pandas would read them, unless one of
+    their values is zero-padded (a code such as a zip code "00501": text, its zeros kept, so "00501" never joins
+    "501"). The rule reads each file alone, so two files of the same codes read alike."""
+    for k in keys:
+        s = frame[k]
+        if s.dropna().astype(str).str.match(ZERO_PADDED).any():
+            continue
+        try:
+            frame[k] = pd.to_numeric(s)
+        except (ValueError, TypeError):
+            pass  # text keys stay text
+    return frame
+
+
 def is_parquet(path: Path) -> bool:
     """Whether ``path`` names a Parquet file (.parquet or .pq, as a table's source may)."""
     return path.suffix.lower() in (".parquet", ".pq")
 
 
-def read_rows_file(path: Path) -> pd.DataFrame:
+def read_rows_file(path: Path, keys: Sequence[str] = ()) -> pd.DataFrame:
     """New rows to score from a .parquet / .pq or (any other suffix) CSV file, read as a table's source is: text for a
     missing number noted (:func:`read_csv_noting_na_strings`), booleans as flags (:func:`booleans_as_flags`).
     pandas' and pyarrow's errors pass through (the caller names the file)."""
     parquet = is_parquet(path)
-    return booleans_as_flags(pd.read_parquet(path) if parquet else read_csv_noting_na_strings(path))
+    return booleans_as_flags(pd.read_parquet(path) if parquet else read_csv_noting_na_strings(path, keys))
 
 
 def header_names(path: Path, suffix: str, frame: pd.DataFrame) -> list[str]:

@@ -177,7 +177,7 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     spec, table, where = s.spec, s.table, s.owner.prediction_rows_name or f"rows file {path}"
     suffix = Path(path).suffix.lower()
     try:
-        frame = read_rows_file(Path(path))
+        frame = read_rows_file(Path(path), spec.key_columns(table))
     except (OSError, ValueError) as exc:
         raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
     if not len(frame):
