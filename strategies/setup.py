@@ -38,7 +38,7 @@ from tpflower.losses import LabelScale, output_dim, standardizes_label
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
 from tpflower.records import numbered, unnumbered
 from tpflower.relation import summary_line
-from tpflower.schema import RelationalSpec, validate_key_kinds
+from tpflower.schema import RelationalSpec, SpecError, validate_key_kinds
 from tpflower.signing import node_name
 from tpflower.validation import validation_mask
 
@@ -248,6 +248,13 @@ class JoinSetup(Saved):
             group[fit] = validation_mask(mapping.p[label][fit], self.validation, int(self.cfg.seed))
         self.train, self.valid, self.test = mapping.groups(group, 3)
         del group
+        for part, rows in (("test", self.test.N), ("training", self.train.N)):
+            if not rows:  # a split of a few labelled rows: stop before any model is trained on it
+                fraction = self.spec.split.test_fraction
+                raise SpecError(
+                    f"the {part} split holds no joined row (split.test_fraction={fraction:g} of "
+                    f"{mapping.n_rows[label]:,} labelled rows); {'raise' if part == 'test' else 'lower'} it"
+                )
         self.evaluated = mapping.rows(self.train.N, mapping.N)
         y_train = y_rows[self.train.p[label]]
         # regression: training sees the label standardized on the training rows (after label DP, which the

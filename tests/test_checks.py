@@ -13,6 +13,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf, open_dict
 
+from simulations.federated import run_in_process
 from simulations.job import check_data
 from tests.conftest import make_cfg
 from tpflower.app.client_app import node_data_error
@@ -317,6 +318,14 @@ def test_a_feature_all_missing_or_of_one_value_is_a_warning(tmp_path):
             "from the table's features",
         ),
     ]
+
+
+def test_a_split_leaving_no_test_row_stops_before_training(tmp_path):
+    dataset = shop(tmp_path, split={"test_fraction": 0.001})  # 400 labelled rows: none held out
+    cfg = make_cfg("algorithm=admm", "epochs=1")
+    cfg.dataset = OmegaConf.create(dataset)
+    with pytest.raises(SpecError, match=r"the test split holds no joined row \(split.test_fraction=0.001 of 400"):
+        run_in_process(cfg, None, log=lambda _: None)
 
 
 def test_cli_reports_all_problems_without_traceback(tmp_path):
