@@ -30,7 +30,8 @@ from rich.console import Console
 from simulations.job import failure_message, run_job
 from simulations.predict import predict_run
 from simulations.run import choices, unknown_choice
-from tpflower.config import compose_config, override_error
+from tpflower.config import compose_config
+from tpflower.config_errors import override_error
 from tpflower.errors import TpflowerError
 from tpflower.results import RESULTS_FILE, ResultsError, read_results
 

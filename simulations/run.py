@@ -167,10 +167,10 @@ def main() -> Any:
 
 
 def composition_error(exc: BaseException, argv: list[str]) -> str:
-    """The one line of a Hydra error composing the command line's config (tpflower.config.override_error)."""
+    """The one line of a Hydra error composing the command line's config (tpflower.config_errors.override_error)."""
     from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415  start-up: after the first line
 
-    from tpflower.config import override_error  # noqa: PLC0415  start-up: after the first line
+    from tpflower.config_errors import override_error  # noqa: PLC0415  start-up: after the first line
 
     GlobalHydra.instance().clear()  # the failed main's, so that the error's own compositions can start
     overrides = [o for o in override_args(argv)[0] if not o.startswith("hydra.")]

@@ -110,7 +110,7 @@ def test_small_shard_refuses_a_sketch_naming_count_and_threshold(shards) -> None
         f"{n} observed fit values",
         "min_sketch_rows=2048",
         "table owner can lower min_sketch_rows",
-        "avoid binning/median imputation",
+        "out of the table's binned columns",
     ):
         assert part in text, (part, text)
     with pytest.raises(ValueError, match=f"min_sketch_rows={n + 1}"):
