@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,7 @@ NO_FIRST_LINE = (
     "--shell-completion",
 )
 MULTIRUN = ("-m", "--multirun")
+SWEEP_FUNCTION = re.compile(r"^\w+\(")  # Hydra's sweep functions: choice(a,b), glob(a*), range(1,3) ...
 VALUE_FLAGS = ("-cd", "--config-dir", "-cp", "--config-path", "-cn", "--config-name", "-p", "--package")
 
 
@@ -70,15 +73,16 @@ def unknown_choice(overrides: dict[str, str], config_dirs: list[str]) -> str | N
     """The line for a ``GROUP=NAME`` override that names no config of the group (conf/GROUP/NAME.yaml or a
     ``--config-dir``'s): the public choices only (Hydra's own message also lists the algorithms' private
     defaults nodes, ``_admm`` ..., that tpflower.config stores)."""
-    for group, name in overrides.items():
+    for group, value in overrides.items():
         folders = [Path(CONF_DIR) / group, *(Path(d).expanduser() / group for d in config_dirs)]
-        if "." in group or not (Path(CONF_DIR) / group).is_dir():
-            continue
+        if "." in group or not (Path(CONF_DIR) / group).is_dir() or SWEEP_FUNCTION.match(value):
+            continue  # (Hydra's choice(...), glob(...) ... sweeps: Hydra checks what they expand to)
         options = sorted(
             {f.stem for d in folders if d.is_dir() for f in d.glob("*.yaml") if not f.stem.startswith("_")}
         )
-        if name not in options:
-            return f"{group}={name}: no such {group}; choose one of {', '.join(options)}"
+        for name in value.split(","):  # a sweep's list: each of its names
+            if name not in options:
+                return f"{group}={name}: no such {group}; choose one of {', '.join(options)}"
     return None
 
 
@@ -107,7 +111,8 @@ def announce(argv: list[str], now: datetime | None = None) -> tuple[str | None, 
         f" ({len(more)} more setting{'s' if len(more) > 1 else ''})" if more else ""
     )
     if any(f in MULTIRUN for f in flags):
-        return f"{what}, a sweep on {engine}; results under multirun/ (one dir per job)", argv
+        where = overrides.get("hydra.sweep.dir", "multirun/DATE/TIME")
+        return f"{what}, a sweep on {engine}; results under {where}/ (one dir per job)", argv
     run_dir = overrides.get("hydra.run.dir")
     if run_dir is None:
         now = now or datetime.now()
@@ -120,6 +125,7 @@ def job(cfg: DictConfig) -> Any:
     """The Hydra job: exit status 1 for a refused setting, bad data or a failed run, with the reason on stderr
     and the traceback in the run's log file only (TPFLOWER_TRACEBACK=1: raise)."""
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415  start-up: after the first line
+    from hydra.types import RunMode  # noqa: PLC0415  start-up: after the first line
     from hydra.utils import get_original_cwd  # noqa: PLC0415  start-up: after the first line
 
     from simulations.job import report_failure, run_job  # noqa: PLC0415  start-up: after the first line
@@ -133,8 +139,15 @@ def job(cfg: DictConfig) -> Any:
         if os.environ.get("TPFLOWER_TRACEBACK"):
             raise
         print(report_failure(exc, run_dir), file=sys.stderr, flush=True)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # the sweep's other jobs still run (main says which failed)
+            FAILED_JOBS.append(f"#{HydraConfig.get().job.num} ({run_dir.name})")
+            return None
         sys.exit(1)
     return results.history[-1].test_metric if results.history else None
+
+
+#: the sweep jobs that failed (their number and folder), said once the sweep ends
+FAILED_JOBS: list[str] = []
 
 
 def main() -> Any:
@@ -154,25 +167,58 @@ def main() -> Any:
     from tpflower.config import register_algorithm_defaults  # noqa: PLC0415  start-up: after the first line
 
     register_algorithm_defaults()
-    if os.environ.get("HYDRA_FULL_ERROR") or os.environ.get("TPFLOWER_TRACEBACK"):
-        return hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)()
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises a composition error (to the line below) instead of printing it
+    run = hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)
     try:
-        return hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)()
-    except (HydraException, OmegaConfBaseException) as exc:
-        print(f"error: {composition_error(exc, sys.argv[1:])}", file=sys.stderr, flush=True)
+        if os.environ.get("HYDRA_FULL_ERROR") or os.environ.get("TPFLOWER_TRACEBACK"):
+            out = run()
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises a composition error (to the line below), not prints it
+            try:
+                out = run()
+            except (HydraException, OmegaConfBaseException) as exc:
+                print(f"error: {composition_error(exc, sys.argv[1:])}", file=sys.stderr, flush=True)
+                sys.exit(1)
+            finally:
+                os.environ.pop("HYDRA_FULL_ERROR", None)
+    except KeyboardInterrupt:
+        print(f"error: {interrupted_line(sys.argv[1:])}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+            os._exit(130)  # Flower's ServerApp thread would wait out its reply timeout before the interpreter exits
+        sys.exit(130)
+    if FAILED_JOBS:
+        print(f"error: {len(FAILED_JOBS)} job(s) of the sweep failed: {', '.join(FAILED_JOBS)}", file=sys.stderr)
         sys.exit(1)
-    finally:
-        os.environ.pop("HYDRA_FULL_ERROR", None)
+    return out
+
+
+def interrupted_line(argv: list[str]) -> str:
+    """What an interrupted run (Ctrl-C) says instead of a traceback: how to continue it."""
+    overrides, flags = choices(argv)
+    if any(f in MULTIRUN for f in flags):
+        return (
+            "interrupted (Ctrl-C); a job continues from its last checkpoint when the sweep runs again with resume=true"
+        )
+    where = overrides.get("hydra.run.dir", "the run dir")
+    return (
+        f"interrupted (Ctrl-C); the run continues from its last checkpoint (docs/deployment.md, checkpoint and resume) "
+        f"with the same command and resume=true (results: {where})"
+    )
 
 
 def composition_error(exc: BaseException, argv: list[str]) -> str:
     """The one line of a Hydra error composing the command line's config (tpflower.config_errors.override_error)."""
     from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415  start-up: after the first line
 
-    from tpflower.config_errors import override_error  # noqa: PLC0415  start-up: after the first line
+    from tpflower.config_errors import NO_SUCH_KEY, override_error  # noqa: PLC0415  start-up: after the first line
 
     GlobalHydra.instance().clear()  # the failed main's, so that the error's own compositions can start
+    if any(f in MULTIRUN for f in override_args(argv)[1]):  # a job of the sweep, whose choices the line lacks
+        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        hint = "; a swept algorithm lacks that setting: sweep it over the algorithms that take it" * bool(
+            NO_SUCH_KEY.match(str(exc))
+        )
+        return f"a job of the sweep: {text}{hint} (Hydra checks every job first: none ran)"
     overrides = [o for o in override_args(argv)[0] if not o.startswith("hydra.")]
     folders = [str(Path(d).expanduser().resolve()) for d in config_dirs_of(argv)]
     if folders:

@@ -1,0 +1,60 @@
+"""The command line's sweeps and interruptions (simulations.run): a Hydra sweep over algorithms or datasets, a
+failed job that leaves the others running, resume within a sweep's job folders, Ctrl-C in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from simulations.run import interrupted_line, unknown_choice
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TPFLOWER_TRACEBACK", "HYDRA_FULL_ERROR")}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "simulations.run", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_sweeps_list_of_choices_is_checked_name_by_name():
+    assert unknown_choice({"algorithm": "admm,pcg,gbdt", "dataset": "movielens,synthetic"}, []) is None
+    assert unknown_choice({"algorithm": "choice(admm,pcg)", "dataset": "glob(m*)"}, []) is None  # Hydra's to check
+    line = unknown_choice({"algorithm": "admm,pgc"}, [])
+    assert line is not None and line.startswith("algorithm=pgc: no such algorithm; choose one of ")
+
+
+def test_a_failed_job_leaves_the_sweeps_other_jobs_running_and_resume_keeps_the_jobs_folder(tmp_path):
+    sweep = tmp_path / "sweep"
+    common = ("-m", "algorithm=admm", "dataset=synthetic", "runtime=inprocess", "epochs=1", f"hydra.sweep.dir={sweep}")
+    out = run_cli(*common, "algorithm.rho=1,-1,3", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert [(sweep / j / "results.json").exists() for j in jobs] == [False, True, True]  # rho=-1 refused, 1 and 3 ran
+    assert out.stderr.strip().splitlines()[-1] == f"error: 1 job(s) of the sweep failed: #1 ({jobs[0]})"
+    again = run_cli(*common, "algorithm.rho=3", "resume=true", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == jobs  # resume=true names no new folder
+    assert "resumed after epoch 1" in again.stdout
+
+
+def test_ctrl_c_stops_a_run_in_one_line_saying_how_to_continue(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TPFLOWER_TRACEBACK", "HYDRA_FULL_ERROR")}
+    env["PYTHONPATH"] = str(ROOT)
+    run_dir = tmp_path / "run"
+    args = ("algorithm=admm", "dataset=synthetic", "runtime=inprocess", "epochs=500", "algorithm.tol=0")
+    cmd = [sys.executable, "-m", "simulations.run", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("epoch   2"):
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"error: {interrupted_line([*args, f'hydra.run.dir={run_dir}'])}"
+    assert "resume=true" in err and str(run_dir) in err and not (run_dir / "results.json").exists()
