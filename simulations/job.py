@@ -5,9 +5,11 @@ Python API simulations.api."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -15,10 +17,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from simulations.federated import run_flower_simulation, run_in_process
 from strategies.transport import RunError
 from tpflower.app.server_app import build_strategy
+from tpflower.checkpoint import CHECKPOINT
 from tpflower.checks import DataProblems, errors, shard_problems
 from tpflower.datasets import check_dataset, compile_sql, load_spec, release_tables
 from tpflower.registry import entry_of
-from tpflower.results import RunResults
+from tpflower.results import RESULTS_FILE, RunResults
 from tpflower.schema import SpecError
 
 QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
@@ -31,7 +34,60 @@ def print_line(line: str) -> None:
 def run_job(
     cfg: DictConfig, run_dir: Path, base_dir: str | Path | None = None, log: Callable[[str], None] = print_line
 ) -> RunResults:
-    """Run one configured job and write its results.json into ``run_dir``; ``log`` prints its progress lines."""
+    """Run one configured job and write its results.json into ``run_dir`` (held by this run alone:
+    :func:`run_dir_lock`); ``log`` prints its progress lines."""
+    with run_dir_lock(Path(run_dir)):
+        unfinished = (Path(run_dir) / CHECKPOINT).exists() and not (Path(run_dir) / RESULTS_FILE).exists()
+        if unfinished and not cfg.get("resume"):
+            log(
+                f"warning: {run_dir} holds the checkpoint of an unfinished run, which this run replaces "
+                "(resume=true would continue it)"
+            )
+        return _run_job(cfg, Path(run_dir), base_dir, log)
+
+
+LOCK = ".run.lock"  # in a run dir: the process id of the run that holds it
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir`` for this process while a run writes into it: a second run into the same folder (the same
+    hydra.run.dir, or two runs started in the same second) is refused in one line instead of overwriting the
+    first one's results; a lock left by a run that died is taken over."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / LOCK
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = lock_holder(lock)
+            if holder is not None:
+                raise SpecError(
+                    f"run dir {run_dir} is in use by another run (process {holder}); give this run its own "
+                    "(hydra.run.dir=..., or fit's run_dir)"
+                ) from None
+            lock.unlink(missing_ok=True)  # its run died: the lock is stale
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def lock_holder(lock: Path) -> int | None:
+    """The live process that holds ``lock`` (None: none, or it died)."""
+    try:
+        pid = int(lock.read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None  # unreadable, no such process (a PermissionError: another user's, alive)
+    return pid
+
+
+def _run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None, log: Callable[[str], None]) -> RunResults:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     compile_query(cfg, base_dir, log=log)

@@ -116,7 +116,11 @@ def announce(argv: list[str], now: datetime | None = None) -> tuple[str | None, 
     run_dir = overrides.get("hydra.run.dir")
     if run_dir is None:
         now = now or datetime.now()
-        run_dir = f"outputs/{now:%Y-%m-%d}/{now:%H-%M-%S}-{algorithm}-{dataset}"
+        run_dir = base = f"outputs/{now:%Y-%m-%d}/{now:%H-%M-%S}-{algorithm}-{dataset}"
+        for k in range(2, 1000):  # a run started in the same second holds it already: the next free -K
+            if not Path(run_dir).exists():
+                break
+            run_dir = f"{base}-{k}"
         argv = [*argv, f"hydra.run.dir={run_dir}"]
     return f"{what} on {engine}; results: {run_dir}/results.json", argv
 

@@ -1,5 +1,6 @@
 """The command line's sweeps and interruptions (simulations.run): a Hydra sweep over algorithms or datasets, a
-failed job that leaves the others running, resume within a sweep's job folders, Ctrl-C in one line."""
+failed job that leaves the others running, resume within a sweep's job folders, Ctrl-C in one line, and one
+run per run dir."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from simulations.run import interrupted_line, unknown_choice
+import pytest
+
+from simulations.job import LOCK, run_dir_lock
+from simulations.run import announce, interrupted_line, unknown_choice
+from tpflower.schema import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +63,29 @@ def test_ctrl_c_stops_a_run_in_one_line_saying_how_to_continue(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == f"error: {interrupted_line([*args, f'hydra.run.dir={run_dir}'])}"
     assert "resume=true" in err and str(run_dir) in err and not (run_dir / "results.json").exists()
+
+
+def test_a_run_dir_holds_one_run_at_a_time(tmp_path):
+    """A second run into a run dir in use is refused naming the holder; the lock goes with its run, and a lock
+    left by a run that died is taken over."""
+    with run_dir_lock(tmp_path):
+        assert (tmp_path / LOCK).read_text() == str(os.getpid())
+        held = rf"run dir {tmp_path} is in use by another run \(process {os.getpid()}\)"
+        with pytest.raises(SpecError, match=held), run_dir_lock(tmp_path):
+            pass
+    assert not (tmp_path / LOCK).exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / LOCK).write_text(dead.stdout.strip())
+    with run_dir_lock(tmp_path):
+        assert (tmp_path / LOCK).read_text() == str(os.getpid())
+
+
+def test_the_default_run_dir_of_a_run_started_in_the_same_second_is_another(tmp_path, monkeypatch):
+    from datetime import datetime
+
+    monkeypatch.chdir(tmp_path)
+    now = datetime(2026, 1, 2, 3, 4, 5)
+    first = announce(["algorithm=admm"], now)[1][-1]
+    assert first == "hydra.run.dir=outputs/2026-01-02/03-04-05-admm-movielens"
+    (tmp_path / first.split("=", 1)[1]).mkdir(parents=True)
+    assert announce(["algorithm=admm"], now)[1][-1] == f"{first}-2"
