@@ -33,6 +33,7 @@ from simulations.run import choices, unknown_choice
 from tpflower.config import compose_config
 from tpflower.config_errors import override_error
 from tpflower.errors import TpflowerError
+from tpflower.overrides import searchpath_override
 from tpflower.results import RESULTS_FILE, ResultsError, read_results
 
 SECONDARY_METRICS = ("auc",)  # test metrics an evaluation reports beside the primary one (tpflower.losses)
@@ -87,7 +88,7 @@ def compose(
     relative paths start, for a refused setting's message."""
     args: list[str] = []
     if config_dir is not None:
-        args.append(f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]")
+        args.append(searchpath_override(config_dir))
     spec: dict[str, Any] | None = None
     if isinstance(dataset, Path) or (isinstance(dataset, str) and dataset.endswith((".yaml", ".yml"))):
         spec = dict(OmegaConf.to_container(OmegaConf.load(Path(dataset).expanduser())))  # type: ignore[arg-type]

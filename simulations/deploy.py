@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import re
 import secrets
+import shlex
 import signal
 import socket
 import ssl
@@ -66,6 +68,7 @@ from omegaconf import OmegaConf
 
 from simulations.pki import ServerTLS, make_node_keys, make_server_tls
 from tpflower.datasets import load_spec
+from tpflower.overrides import searchpath_override
 from tpflower.owner import SECRET_ENV, privacy_floor, simulation_owner
 from tpflower.schema import SpecError
 from tpflower.signing import node_name, node_signing_key, verify_key_hex
@@ -314,8 +317,12 @@ def kill_tagged(
     return [pid for pid, _ in targets()]
 
 
-def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: str | Path | None = None) -> subprocess.Popen:
-    """Start `cmd` in a new session (its own process group), output to `log`."""
+def spawn(
+    cmd: list[str], log: Path, env: dict[str, str], cwd: str | Path | None = None, owned: bool = False
+) -> subprocess.Popen:
+    """Start `cmd` in a new session (its own process group), output to `log`. ``owned``: the process gets
+    SIGTERM when this one dies (Linux's parent-death signal), as a `deploy run` or `predict` owns its deployment:
+    killed (SIGKILL), it would leave the SuperLink and SuperNodes running the job on."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         return subprocess.Popen(
@@ -326,7 +333,13 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: str | Path | None
             env=env,
             cwd=cwd,
             start_new_session=True,
+            preexec_fn=die_with_parent if owned and sys.platform.startswith("linux") else None,
         )
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 # ---------------------------------------------------------------------------------------------- deployment
@@ -342,6 +355,7 @@ class Deployment:
     ca: str | None = None  # the CA certificate of a TLS deployment (None: insecure, plain text)
     processes: list[dict[str, Any]] = field(default_factory=list)  # name, pid, pgid, cmd, log
     popens: list[subprocess.Popen] = field(default_factory=list, repr=False)  # only in the starting process
+    owned: bool = False  # its processes end with the process that started it (spawn), as `deploy run`'s do
 
     @property
     def address(self) -> str:
@@ -532,6 +546,7 @@ def start(
     timeout: float = 60.0,
     insecure: bool = False,
     prediction_rows: dict[tuple[str, int], str] | None = None,
+    owned: bool = False,
 ) -> Deployment:
     """Start a SuperLink on 127.0.0.1:`port` (a free one if None) and one SuperNode per client of the run
     `overrides` describes, each on a free port; register connection `connection` in $FLWR_HOME/config.toml.
@@ -547,8 +562,9 @@ def start(
     if (state / "deployment.json").is_file():
         old = Deployment.load(state)
         if tagged_pids(old.tag):
-            raise RuntimeError(
-                f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop` first"
+            raise RunFailed(
+                f"a deployment recorded in {state} is still running; `python -m simulations.deploy stop "
+                f"--state-dir {shlex.quote(str(state))}` first"
             )
     client_configs = write_client_configs(deployment_overrides(overrides), state / "clients", base_dir, prediction_rows)
     if insecure:
@@ -566,12 +582,13 @@ def start(
         superlink_port=port or free_port(),
         connection=connection,
         ca=None if tls is None else str(tls.ca),
+        owned=owned,
     )
     env = dep.env()
     workdir = cwd or Path.cwd()
     try:
         log = state / "superlink.log"
-        proc = spawn(superlink_command(dep.superlink_port, tls), log, node_env(env), workdir)
+        proc = spawn(superlink_command(dep.superlink_port, tls), log, node_env(env), workdir, owned)
         dep.popens.append(proc)
         dep.processes.append(
             {"name": "superlink", "pid": proc.pid, "pgid": proc.pid, "cmd": proc.args, "log": str(log)}
@@ -593,6 +610,7 @@ def start(
                 log,
                 node_env(env),
                 workdir,
+                owned,
             )
             dep.popens.append(proc)
             dep.processes.append(
@@ -619,7 +637,7 @@ def restart_node(dep: Deployment, name: str, cwd: str | Path | None = None) -> s
     """Start the recorded SuperNode ``name`` ("supernode T/Q") again with its recorded command (same key, so
     the same node id when authenticated; the same settings file, so the same node-local state)."""
     record = next(p for p in dep.processes if p["name"] == name)
-    proc = spawn(list(record["cmd"]), Path(record["log"]), node_env(dep.env()), cwd)
+    proc = spawn(list(record["cmd"]), Path(record["log"]), node_env(dep.env()), cwd, dep.owned)
     dep.popens.append(proc)
     record.update(pid=proc.pid, pgid=proc.pid)
     dep.save()
@@ -729,7 +747,7 @@ def run(
     run_dir = Path(run_dir).resolve()
     if resume:
         overrides = f"{overrides} resume=true"
-    dep = start(overrides, state_dir, port, home, insecure=insecure)
+    dep = start(overrides, state_dir, port, home, insecure=insecure, owned=True)
     return submit(dep, overrides, run_dir, run_dir / "results.json", "run", timeout)
 
 
@@ -792,7 +810,7 @@ def predict(
     job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.table={table} +predict.shard={int(shard)}"
     job += " +predict.per_joined_row=true" if per_joined_row else ""
     query = {(table, int(shard)): str(Path(rows).resolve())}
-    dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query)
+    dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query, owned=True)
     return submit(dep, job, run_dir, run_dir / PREDICTIONS_FILE, "prediction run", timeout)
 
 
@@ -914,10 +932,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
         if not folder.is_dir():
             print(f"error: --config-dir {args.config_dir}: no such folder", file=sys.stderr)
             return 1
-        args.overrides = f"{args.overrides} hydra.searchpath=[file://{folder}]"
+        args.overrides = f"{args.overrides} {searchpath_override(folder)}"
 
     if args.command == "start":
-        dep = start(args.overrides, args.state_dir, args.port, args.flwr_home, insecure=args.insecure)
+        try:
+            dep = start(args.overrides, args.state_dir, args.port, args.flwr_home, insecure=args.insecure)
+        except RunFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         security = f"TLS (CA {dep.ca}) + SuperNode authentication" if dep.secure else "INSECURE"
         print(f"SuperLink {dep.address}, {security} (connection {dep.connection!r} in {dep.flwr_home}/config.toml)")
         for p in dep.processes[1:]:
@@ -928,6 +950,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
         )
         print(f"stop: python -m simulations.deploy stop --state-dir {args.state_dir}")
     elif args.command == "stop":
+        if not (Path(args.state_dir) / "deployment.json").is_file():
+            print(f"error: no deployment recorded in {args.state_dir} (its --state-dir?)", file=sys.stderr)
+            return 1
+        if not tagged_pids(Deployment.load(args.state_dir).tag):
+            print(f"nothing running: the deployment recorded in {args.state_dir} had stopped")
+            return 0
         left = stop(args.state_dir)
         print(f"still alive: {left}" if left else "stopped")
         return 1 if left else 0
@@ -970,7 +998,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
             return 1
         print(" ".join(t for t, _ in clients))
         print(
-            f"flwr run . --stream --run-config \"overrides='{args.overrides}'\" "
+            f"flwr run . --stream --run-config \"overrides='{args.overrides}' base-dir='{Path.cwd()}'\" "
             f'--federation-config "num-supernodes={len(clients)} client-resources-num-cpus=1"'
         )
     elif args.command == "pki":

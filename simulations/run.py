@@ -215,6 +215,7 @@ def composition_error(exc: BaseException, argv: list[str]) -> str:
     from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415  start-up: after the first line
 
     from tpflower.config_errors import NO_SUCH_KEY, override_error  # noqa: PLC0415  start-up: after the first line
+    from tpflower.overrides import searchpath_override  # noqa: PLC0415  start-up: after the first line
 
     GlobalHydra.instance().clear()  # the failed main's, so that the error's own compositions can start
     if any(f in MULTIRUN for f in override_args(argv)[1]):  # a job of the sweep, whose choices the line lacks
@@ -226,7 +227,7 @@ def composition_error(exc: BaseException, argv: list[str]) -> str:
     overrides = [o for o in override_args(argv)[0] if not o.startswith("hydra.")]
     folders = [str(Path(d).expanduser().resolve()) for d in config_dirs_of(argv)]
     if folders:
-        overrides.append("hydra.searchpath=[" + ",".join(f"file://{d}" for d in folders) + "]")
+        overrides.append(searchpath_override(*folders))
     return override_error(exc, overrides, base_dir=os.getcwd())
 
 

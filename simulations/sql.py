@@ -19,13 +19,14 @@ from omegaconf import OmegaConf
 
 from tpflower.config import compose_config
 from tpflower.datasets import compile_sql
+from tpflower.overrides import searchpath_override
 from tpflower.schema import SpecError
 
 
 def compiled_yaml(overrides: Sequence[str], config_dir: str | None = None, base_dir: str | Path | None = None) -> str:
     """The compiled dataset config of the run config ``overrides`` select, as YAML text."""
     if config_dir is not None:
-        overrides = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]", *overrides]
+        overrides = [searchpath_override(config_dir), *overrides]
     cfg = compose_config(*overrides)
     if not cfg.dataset.get("sql"):
         raise SpecError(f"dataset {cfg.dataset.get('name')!r} has no sql: it is a dataset spec already")

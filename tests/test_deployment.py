@@ -13,6 +13,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +25,7 @@ import yaml
 
 from simulations import deploy
 from tests.test_resume import assert_same_forest, checkpoint_epoch
+from tpflower.overrides import searchpath_override, split_overrides
 
 OVERRIDES = "algorithm=admm dataset=synthetic epochs=2"
 # the join deployment: the label owner's settings file sets label DP as its floor (deploy.start writes the
@@ -113,9 +116,53 @@ def test_a_config_dir_brings_ones_own_dataset_to_every_deployed_process(tmp_path
     )
     assert deploy.main(["clients", "--overrides", "dataset=mine", "--config-dir", str(tmp_path / "conf")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "orders customers" and f"hydra.searchpath=[file://{tmp_path / 'conf'}]" in out[1]
+    assert out[0] == "orders customers" and searchpath_override(tmp_path / "conf") in out[1]
+    assert f"base-dir='{Path.cwd()}'" in out[1]  # the printed flwr run finds relative sources where they are
     assert deploy.main(["clients", "--overrides", "dataset=mine", "--config-dir", str(tmp_path / "nope")]) == 1
     assert capsys.readouterr().err.strip() == f"error: --config-dir {tmp_path / 'nope'}: no such folder"
+
+
+def test_a_config_dir_with_spaces_composes_from_the_overrides_string(tmp_path):
+    """Every deployed process composes the run from one overrides string: a --config-dir holding spaces is one
+    quoted override in it."""
+    from tests.test_checks import shop
+
+    conf = tmp_path / "my data" / "conf"
+    (conf / "dataset").mkdir(parents=True)
+    (conf / "dataset" / "mine.yaml").write_text(yaml.safe_dump({**shop(tmp_path), "name": "mine"}, sort_keys=False))
+    overrides = f"dataset=mine algorithm=admm {searchpath_override(conf)}"
+    assert split_overrides(overrides)[-1] == f"hydra.searchpath=['file://{conf}']"
+    assert deploy.clients_of(overrides) == [("orders", 0), ("customers", 0)]
+
+
+def test_stop_says_when_nothing_runs_or_no_deployment_is_recorded(tmp_path, capsys):
+    assert deploy.main(["stop", "--state-dir", str(tmp_path / "none")]) == 1
+    assert capsys.readouterr().err.strip() == f"error: no deployment recorded in {tmp_path / 'none'} (its --state-dir?)"
+    deploy.Deployment("0" * 32, str(tmp_path), str(tmp_path), 1, "local").save()
+    assert deploy.main(["stop", "--state-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == f"nothing running: the deployment recorded in {tmp_path} had stopped"
+
+
+def test_a_process_of_an_owned_deployment_ends_with_its_launcher(tmp_path):
+    """`deploy run` owns its deployment: SIGKILL of the launcher ends the processes it spawned (SIGTERM, the
+    parent-death signal), where they had run the job on."""
+    code = (
+        "import sys, time; from pathlib import Path; from simulations import deploy\n"
+        f"p = deploy.spawn(['sleep', '120'], Path({str(tmp_path / 'child.log')!r}), {{}}, owned=True)\n"
+        "print(p.pid, flush=True); time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # alive while its launcher is
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        if not deploy._alive(child):
+            break
+        time.sleep(0.05)
+    assert not deploy._alive(child)
 
 
 def test_a_deployment_keeps_its_flower_config_under_its_state_dir(tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ from tpflower.checks import DataProblems
 from tpflower.config import compose_config
 from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.local_table import ShardData
+from tpflower.overrides import split_overrides
 from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
 from tpflower.records import HELLO_PHASE, pack_reply, unpack_payload
 from tpflower.registry import AlgorithmEntry, entry_of
@@ -281,7 +282,7 @@ def client_app_for(
 @lru_cache(maxsize=8)
 def _compose(overrides: str) -> DictConfig:
     """The run config of ``overrides``, ``algorithm=auto`` resolved (tpflower.auto: as the server resolves it)."""
-    cfg = compose_config(*overrides.split())
+    cfg = compose_config(*split_overrides(overrides))
     resolve(cfg)
     return cfg
 
