@@ -155,7 +155,10 @@ def fit(
     base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
     cfg = compose(dataset, sql, algorithm, runtime, list(overrides), settings, config_dir, base)
     path = Path(run_dir).expanduser().resolve() if run_dir is not None else default_run_dir(cfg, base)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TpflowerError(f"run_dir {path}: {exc.strerror} ({exc.filename})") from None
     log = console_log(verbose)
     engine = "Flower's simulation engine" if runtime == "flower" else f"runtime={runtime}"
     log(

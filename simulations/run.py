@@ -184,6 +184,9 @@ def main() -> Any:
                 sys.exit(1)
             finally:
                 os.environ.pop("HYDRA_FULL_ERROR", None)
+    except OSError as exc:  # Hydra making the run dir (a job's own errors are the job's lines)
+        print(f"error: {exc.filename}: {exc.strerror} (hydra.run.dir / hydra.sweep.dir)", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print(f"error: {interrupted_line(sys.argv[1:])}", file=sys.stderr, flush=True)
         sys.stdout.flush()

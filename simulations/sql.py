@@ -15,9 +15,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from simulations.run import choices, unknown_choice
 from tpflower.config import compose_config
+from tpflower.config_errors import override_error
 from tpflower.datasets import compile_sql
 from tpflower.overrides import searchpath_override
 from tpflower.schema import SpecError
@@ -27,7 +31,11 @@ def compiled_yaml(overrides: Sequence[str], config_dir: str | None = None, base_
     """The compiled dataset config of the run config ``overrides`` select, as YAML text."""
     if config_dir is not None:
         overrides = [searchpath_override(config_dir), *overrides]
-    cfg = compose_config(*overrides)
+    try:
+        cfg = compose_config(*overrides)
+    except (HydraException, OmegaConfBaseException) as exc:  # an unknown dataset or key: one line
+        wrong = unknown_choice(choices(list(overrides))[0], [config_dir] if config_dir else [])
+        raise SpecError(wrong or override_error(exc, list(overrides), base_dir)) from None
     if not cfg.dataset.get("sql"):
         raise SpecError(f"dataset {cfg.dataset.get('name')!r} has no sql: it is a dataset spec already")
     compiled = compile_sql(cfg.dataset, base_dir)

@@ -505,3 +505,14 @@ def test_a_boolean_column_with_blanks_is_numeric_as_a_complete_one(shop):
     )
     sql = SHOP_SQL.replace("c.segment", "c.vip, c.churned")
     assert compile_sql(shop_sql(sql), base_dir=shop)["tables"]["customers"]["numeric"] == ["age", "vip", "churned"]
+
+
+def test_the_sql_command_says_an_unknown_dataset_or_key_in_one_line(capsys):
+    from simulations.sql import main
+
+    assert main(["dataset=nosuch"]) == 1
+    assert capsys.readouterr().err.startswith("error: dataset=nosuch: no such dataset; choose one of movielens")
+    assert main(["dataset=movielens", 'dataset.sql="SELECT 1"']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: dataset.sql is not a setting of dataset") and "+dataset.sql=... adds it" in err
+    assert len(err.strip().splitlines()) == 1

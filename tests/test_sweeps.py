@@ -89,3 +89,16 @@ def test_the_default_run_dir_of_a_run_started_in_the_same_second_is_another(tmp_
     assert first == "hydra.run.dir=outputs/2026-01-02/03-04-05-admm-movielens"
     (tmp_path / first.split("=", 1)[1]).mkdir(parents=True)
     assert announce(["algorithm=admm"], now)[1][-1] == f"{first}-2"
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path):
+    import tpflower
+
+    (tmp_path / "afile").touch()
+    out = run_cli("dataset=synthetic", "runtime=inprocess", f"hydra.run.dir={tmp_path / 'afile' / 'run'}", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert (
+        out.stderr.strip() == f"error: {tmp_path / 'afile' / 'run'}: Not a directory (hydra.run.dir / hydra.sweep.dir)"
+    )
+    with pytest.raises(tpflower.TpflowerError, match="run_dir .*: Not a directory"):
+        tpflower.fit(dataset="synthetic", runtime="inprocess", run_dir=tmp_path / "afile" / "x", verbose=False)

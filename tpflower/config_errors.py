@@ -66,7 +66,8 @@ def override_error(
         settings = [k for k in valid if k not in groups]
         return f"{key} is not a setting of the config{hint}; its groups: {groups}; its settings: {settings}"
     what = f"algorithm {str(cfg.algorithm.name)!r}" if parent == "algorithm" else parent
-    return f"{key} is not a setting of {what}{hint}; its settings: {valid}"
+    add = f"; +{key}=... adds it" if parent == "dataset" else ""
+    return f"{key} is not a setting of {what}{hint}; its settings: {valid}{add}"
 
 
 def auto_setting_error(cfg: DictConfig, leaf: str, value: str, base_dir: str | Path | None) -> str:
