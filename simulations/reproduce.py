@@ -52,37 +52,49 @@ def _natural_key(path: Path) -> list[Any]:
     return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", str(path))]
 
 
-def find_results(paths: Sequence[str | Path]) -> list[Path]:
+def find_results(paths: Sequence[str | Path], skipped: list[str] | None = None) -> list[Path]:
     """The results.json files named by ``paths``, in the order given (multirun dirs expanded, duplicates dropped).
 
-    Raises ResultsError naming the path when it does not exist or holds no results.json.
+    Raises ResultsError naming the path when it does not exist or holds no results.json. With ``skipped`` (a
+    list), a sweep's other files (multirun.yaml) and its job folders without results.json (a failed or
+    unfinished job) are left out, one line each in it; ResultsError then only when no path holds results.
     """
     found: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if not path.exists():
             raise ResultsError(f"{path}: no such file or directory")
+        if path.is_file() and skipped is not None and path.suffix != ".json":
+            skipped.append(f"{path}: not a {RESULTS_FILE}")
+            continue
         if path.is_file():
             files = [path]
         elif (path / RESULTS_FILE).is_file():
             files = [path / RESULTS_FILE]
         else:
             files = sorted((p for p in path.rglob(RESULTS_FILE) if p.is_file()), key=_natural_key)
-            if not files:
+            if skipped is not None:  # a sweep's job folders (each has .hydra/) that hold no results
+                jobs = {p.parent for p in path.rglob(".hydra") if p.is_dir()} | ({path} if not files else set())
+                done = {f.parent for f in files}
+                skipped += [f"{j}: no {RESULTS_FILE} (a failed or unfinished run)" for j in sorted(jobs - done)]
+            elif not files:
                 raise ResultsError(f"{path}: no {RESULTS_FILE} in this directory or its subdirectories")
         for f in files:
             if f.resolve() not in {g.resolve() for g in found}:
                 found.append(f)
+    if not found:
+        raise ResultsError(f"no {RESULTS_FILE} in {', '.join(map(str, paths))}")
     return found
 
 
-def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """Read and check every results.json named by ``paths`` (see find_results) before returning any.
+def load_runs(paths: Sequence[str | Path], skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """Read and check every results.json named by ``paths`` (see find_results, ``skipped`` too) before
+    returning any.
 
     Each returned dict is the record itself plus ``"_path"``: the file it came from.
     """
     runs = []
-    for f in find_results(paths):
+    for f in find_results(paths, skipped):
         record = dict(read_results(f))  # the schema of tpflower.results; ResultsError names the file and field
         record[PATH_KEY] = str(f)
         runs.append(record)
@@ -482,13 +494,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    skipped: list[str] = []
     try:
-        runs = load_runs(args.run_dirs)
+        runs = load_runs(args.run_dirs, skipped)
     except ResultsError as exc:
         parser.error(str(exc))  # exit code 2, before anything is drawn
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)
+    for line in skipped:
+        console.print(f"skipped {line}", markup=False)
     console.print(summary_table(summary_rows(runs), args.title))
     for path in plot_runs(runs, args.out, args.title):
         console.print(f"wrote {path}")

@@ -143,6 +143,21 @@ def test_missing_path_exits_with_its_name(run_dirs, tmp_path, capsys):
     assert not out.with_name("fig_epoch.png").exists()  # nothing drawn
 
 
+def test_a_sweeps_failed_jobs_and_other_files_are_skipped_one_line_each(run_dirs, tmp_path, capsys):
+    """A sweep's folder as the shell globs it (its jobs and multirun.yaml) or as one folder: a job folder without
+    results.json (a failed job) and multirun.yaml are skipped, one line each, the others plotted."""
+    _, sweep = run_dirs
+    failed = sweep / "2-tp_join_sgd-movielens"
+    (failed / ".hydra").mkdir(parents=True)
+    for paths in (sorted(map(str, sweep.iterdir())), [str(sweep)]):
+        assert reproduce.main([*paths, "--out", str(tmp_path / "fig")]) == 0
+        printed = capsys.readouterr().out
+        assert f"skipped {failed}: no results.json (a failed or unfinished run)" in printed
+        assert (f"skipped {sweep / 'multirun.yaml'}: not a results.json" in printed) == (len(paths) > 1)
+    with pytest.raises(SystemExit):
+        reproduce.main([str(failed), "--out", str(tmp_path / "fig")])  # nothing to plot: exit 2
+
+
 def test_invalid_file_and_empty_dir(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
