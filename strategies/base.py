@@ -126,14 +126,15 @@ class TablePuppetStrategy(Strategy):
                     self.log(f"nodes: {len(self.nodes)} of {len(self.clients)} connected in {waited:.1f} s")
                 return
             names = ", ".join(f"table {t!r} shard {q}" for t, q in missing)
+            need = f"one SuperNode per table shard: `flwr run`'s simulation needs num-supernodes={len(self.clients)}"
             if waited > wait_s:
                 raise RunError(
                     f"no node holds {names} ({len(self.nodes)} of {len(self.clients)} nodes connected "
-                    f"within {wait_s:.0f} s; one SuperNode per table shard is needed)"
+                    f"within {wait_s:.0f} s; {need})"
                 )
             if waited - said >= self.WAIT_LINE_S:
                 said = waited
-                self.log(f"waiting for nodes ({waited:.0f} of {wait_s:.0f} s): missing {names}")
+                self.log(f"waiting for nodes ({waited:.0f} of {wait_s:.0f} s): missing {names} ({need})")
             time.sleep(0.05)
 
     def _hello(self, ids: list[int]) -> None:
