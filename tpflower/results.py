@@ -65,7 +65,7 @@ class RunResults:
     )
     config: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, float] = field(default_factory=dict)  # e.g. exact ridge / mean-predictor metrics
-    # ADMM: the epoch training stopped at and why ("tol": residuals below algorithm.tol; "epochs": the maximum)
+    # the epoch training stopped at, why and its detail (ADMM's and PCG's tolerance, early stopping)
     stopped: dict[str, Any] = field(default_factory=dict)
     # model selection on the validation part of the training join (strategies.selection): its share and rows, the
     # epoch of the kept model (the last history entry) and its validation loss, the early stopping patience
