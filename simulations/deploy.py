@@ -806,6 +806,16 @@ def predict(
     run_dir = Path(run_dir).resolve()
     record = read_model_record(run_dir)
     spec = load_spec(config_of(overrides).dataset)
+    if record.get("dataset") != spec.name:  # found here, before any process starts
+        raise RunFailed(
+            f"{run_dir}/model.json is a model of dataset {record.get('dataset')!r}, the overrides name dataset "
+            f"{spec.name!r}: predict with the overrides of the run that trained it"
+        )
+    if not (Path(state_dir) / "deployment.json").is_file():
+        raise RunFailed(
+            f"--state-dir {state_dir} holds no deployment, so no node's saved model part: predict with the "
+            "--state-dir of the run that trained the model"
+        )
     table = table or spec.label_table
     job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.table={table} +predict.shard={int(shard)}"
     job += " +predict.per_joined_row=true" if per_joined_row else ""

@@ -165,6 +165,19 @@ def test_a_process_of_an_owned_deployment_ends_with_its_launcher(tmp_path):
     assert not deploy._alive(child)
 
 
+def test_deployed_predict_refuses_another_datasets_model_or_an_empty_state_dir_before_starting(tmp_path):
+    from simulations.federated import run_in_process
+    from tests.conftest import make_cfg
+
+    run_in_process(make_cfg("algorithm=admm", "dataset=synthetic", "epochs=1"), tmp_path / "run", log=lambda _: None)
+    rows = tmp_path / "rows.csv"
+    with pytest.raises(deploy.RunFailed, match="model of dataset 'synthetic', the overrides name dataset 'movielens'"):
+        deploy.predict("algorithm=admm dataset=movielens", tmp_path / "run", rows, tmp_path / "state")
+    with pytest.raises(deploy.RunFailed, match="holds no deployment, so no node's saved model part"):
+        deploy.predict("algorithm=admm dataset=synthetic", tmp_path / "run", rows, tmp_path / "state")
+    assert not (tmp_path / "state" / "deployment.json").exists()  # nothing was started
+
+
 def test_a_deployment_keeps_its_flower_config_under_its_state_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("FLWR_HOME", raising=False)
     assert deploy.flwr_home(None, tmp_path / "state") == (tmp_path / "state" / "flwr").resolve()
