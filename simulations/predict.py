@@ -32,6 +32,8 @@ from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec, load_table
 from tpflower.datasets.files import is_parquet, read_csv_noting_na_strings, read_rows_file
 from tpflower.local_table import encode_labels
+from tpflower.model_part import ModelPart
+from tpflower.preprocess import unseen_categories
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
 
@@ -76,6 +78,11 @@ def predict_run(
             f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} value(s) like {value!r} (the first in row "
             f"{row}), read as missing: the median fills them (dataset.na_strings: error refuses them)"
         )
+    for c, (n, row, value) in unseen(rows_path, spec, table, run_dir, record["run_id"], shard).items():
+        log(
+            f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} categor{'y' if n == 1 else 'ies'} no "
+            f"training row had, like {value!r} (the first in row {row}): scored as a category the model never saw"
+        )
     outside = outside_where(rows_path, spec, table)
     if outside:
         log(
@@ -99,6 +106,22 @@ def predict_run(
         _, labels = load_table(cfg.dataset, spec.label_table, base_dir=base)
         strategy.results.classes = encode_labels(spec, labels[spec.label.column])[1]
     return strategy.results
+
+
+def unseen(
+    path: Path, spec: RelationalSpec, table: str, run_dir: Path, run_id: str, shard: int
+) -> dict[str, tuple[int, int, str]]:
+    """The categorical columns of the rows file holding categories the query owner's part never saw in training
+    (tpflower.preprocess.unseen_categories): a simulation's saved part, RUN_DIR/node-state (empty: no part
+    there, or the file does not read; the node says why)."""
+    part = ModelPart.load(run_dir / "node-state", run_id, table, shard)
+    if part is None:
+        return {}
+    try:
+        frame = read_rows_file(path, spec.key_columns(table))
+    except (OSError, ValueError, pa.ArrowException):
+        return {}
+    return unseen_categories(part.preprocessing.get("categories") or {}, frame)
 
 
 def outside_where(path: Path, spec: RelationalSpec, table: str) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tpflower.preprocess import NA_CATEGORY, TablePreprocessor
+from tpflower.preprocess import NA_CATEGORY, TablePreprocessor, unseen_categories
 from tpflower.schema import SpecError
 
 
@@ -119,3 +119,11 @@ def test_errors_name_table_and_column(frame: pd.DataFrame) -> None:
         TablePreprocessor(["year"], [], table="movies").transform(frame)
     with pytest.raises(ValueError, match=r"\[0, 6\)"):
         TablePreprocessor(["year"], [], table="movies").fit(frame, np.array([0, 6]))
+
+
+def test_unseen_categories_are_counted_with_their_first_row_missing_values_aside():
+    train = pd.DataFrame({"c": ["a", "b", "a"], "d": [1.0, 2.0, 2.0]})
+    stats = TablePreprocessor([], ["c", "d"], "t").fit(train).stats()["categories"]
+    new = pd.DataFrame({"c": ["a", "z", None, "z"], "d": [2.0, 3.0, 1.0, np.nan]})
+    assert unseen_categories(stats, new) == {"c": (2, 1, "z"), "d": (1, 1, "3")}
+    assert unseen_categories(stats, train) == {}

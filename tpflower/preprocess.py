@@ -315,6 +315,22 @@ def _row_positions(rows: np.ndarray | None, n: int, table: str) -> np.ndarray | 
     return arr.astype(np.intp, copy=False)
 
 
+def unseen_categories(categories: Mapping[str, Sequence[str]], frame: pd.DataFrame) -> dict[str, tuple[int, int, str]]:
+    """Per categorical column of ``frame`` (``categories``: the fitted ones, :meth:`TablePreprocessor.stats`),
+    the rows whose category the fit never saw, missing values aside: (count, first row, its value). Their
+    one-hot block is zero, the block of a category of no training row."""
+    out = {}
+    for col, cats in categories.items():
+        if col not in frame.columns:
+            continue
+        values = _category_strings(frame[col])
+        unseen = (pd.Index(cats, dtype=object).get_indexer(values) < 0) & ~frame[col].isna().to_numpy(dtype=bool)
+        if unseen.any():
+            first = int(np.flatnonzero(unseen)[0])
+            out[col] = (int(unseen.sum()), first, str(values[first]))
+    return out
+
+
 def _category_strings(series: pd.Series) -> np.ndarray:
     """The values of a categorical column as an object array of str, NaN as :data:`NA_CATEGORY`."""
     missing = series.isna().to_numpy(dtype=bool)
