@@ -71,6 +71,8 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         os.write(fd, str(os.getpid()).encode())
         os.close(fd)
         break
+    else:
+        raise SpecError(f"run dir {run_dir} is in use by another run; give this run its own") from None
     try:
         yield
     finally:
@@ -78,13 +80,23 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
 
 
 def lock_holder(lock: Path) -> int | None:
-    """The live process that holds ``lock`` (None: none, or it died)."""
+    """The live process that holds ``lock`` (None: it died, or the lock is gone; a lock whose holder has not
+    written its id yet is held)."""
     try:
-        pid = int(lock.read_text().strip())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return None  # unreadable, no such process (a PermissionError: another user's, alive)
-    return pid
+        text = lock.read_text().strip()
+    except OSError:
+        return None
+    if not text:
+        return 0  # just made by its holder, which writes its id next
+    if not text.isdigit():
+        return None  # not a lock of ours
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's live process
+    return int(text)
 
 
 def _run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None, log: Callable[[str], None]) -> RunResults:

@@ -185,6 +185,8 @@ def main() -> Any:
             finally:
                 os.environ.pop("HYDRA_FULL_ERROR", None)
     except OSError as exc:  # Hydra making the run dir (a job's own errors are the job's lines)
+        if os.environ.get("TPFLOWER_TRACEBACK"):
+            raise
         print(f"error: {exc.filename}: {exc.strerror} (hydra.run.dir / hydra.sweep.dir)", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
