@@ -328,6 +328,24 @@ def test_a_split_leaving_no_test_row_stops_before_training(tmp_path):
         run_in_process(cfg, None, log=lambda _: None)
 
 
+def test_a_run_with_data_warnings_trains_the_nodes_load_their_tables_all_the_same(tmp_path):
+    """Warnings (a feature of one value, "n/a" read as a missing number) are said by the data check; each node
+    loads its table and trains (a node had refused on any problem, a warning too)."""
+    orders, customers = good(tmp_path)
+    orders["rate"] = 1.5
+    orders["qty"] = orders["qty"].astype(object)
+    orders.loc[5, "qty"] = "n/a"
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["orders"]["numeric"] = ["qty", "rate"]
+    cfg = make_cfg("algorithm=admm", "epochs=1", "runtime=inprocess")
+    cfg.dataset = OmegaConf.create(dataset)
+    said: list[str] = []
+    assert check_data(cfg, log=said.append) == {"orders": 400, "customers": 50}
+    assert len(said) == 2 and all(line.startswith("warning: table 'orders'") for line in said)
+    run = run_in_process(cfg, str(tmp_path / "run"), log=lambda _: None)
+    assert run.strategy.results.history and (tmp_path / "run" / "model.json").exists()
+
+
 def test_cli_reports_all_problems_without_traceback(tmp_path):
     orders, customers = good(tmp_path)
     orders.loc[2, "cust"] = np.nan

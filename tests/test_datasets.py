@@ -291,7 +291,8 @@ def test_yaml_with_user_files(tmp_path):
 def test_zero_padded_csv_keys_are_text_and_join_as_written(tmp_path):
     """A CSV join key column holding a zero-padded code ("00501") is read as text, its zeros kept, in each file
     alone: two files of the same codes join (one with a letter code too); a column of plain numbers stays
-    integer; "501" and "00501" are different keys (the data check says the kinds differ)."""
+    integer, whole numbers written as decimals too; "501" and "00501" are different keys (the data check says
+    the kinds differ)."""
     (tmp_path / "sales.csv").write_text("zip,price\n00501,1.0\n00501,2.0\n0001A,3.0\n02134,4.0\n")
     (tmp_path / "areas.csv").write_text("zip,pop\n00501,10\n02134,20\n0001A,30\n")
     (tmp_path / "plain.csv").write_text("zip,pop\n501,10\n2134,20\n")
@@ -304,6 +305,9 @@ def test_zero_padded_csv_keys_are_text_and_join_as_written(tmp_path):
     spec, frames = load_dataset(cfg, base_dir=tmp_path)
     assert frames["areas"]["zip"].tolist() == ["00501", "02134", "0001A"] and frames["areas"]["pop"].dtype == np.int64
     assert frames["sales"]["zip"].tolist() == ["00501", "00501", "0001A", "02134"]
+    (tmp_path / "decimals.csv").write_text("zip,pop\n501.0,10\n2134.0,20\n")  # a once-NaN column written back
+    assert read_rows_file(tmp_path / "decimals.csv", ["zip"])["zip"].tolist() == [501, 2134]
+    assert read_rows_file(tmp_path / "decimals.csv", ["zip"])["zip"].dtype == np.int64
     rows = read_rows_file(tmp_path / "sales.csv", ["zip"])  # a rows file to score: its keys read alike
     assert rows["zip"].tolist() == frames["sales"]["zip"].tolist()
     cfg["tables"]["areas"]["source"] = "plain.csv"

@@ -50,13 +50,15 @@ if TYPE_CHECKING:  # torch and the algorithms are imported on the first training
 
 @lru_cache(maxsize=32)
 def _load(
-    dataset_json: str, table: str, base_dir: str | None, kept: tuple[str, ...]
+    dataset_json: str, table: str, base_dir: str | None, kept: tuple[str, ...], deployed: bool = False
 ) -> tuple[RelationalSpec, pd.DataFrame, dict]:
     """Load one client's table once per process (Flower may rebuild the client per message); only the columns
-    ``kept`` (what its owner exposes, and a shard column) stay in memory."""
+    ``kept`` (what its owner exposes, and a shard column) stay in memory. A deployed node's data warnings go to
+    its own log (a simulation's data check printed them)."""
     from tpflower.client import key_kinds_of  # noqa: PLC0415  torch: not on the hello path (see TYPE_CHECKING)
 
-    spec, frame = load_table(json.loads(dataset_json), table, base_dir=base_dir)
+    warn = logging.getLogger("tpflower").warning if deployed else None
+    spec, frame = load_table(json.loads(dataset_json), table, base_dir=base_dir, warn=warn)
     frame = frame[[c for c in frame.columns if c in kept]]
     return spec, frame, key_kinds_of(spec, table, frame)
 
@@ -185,7 +187,7 @@ def _settings(
     table, shard, owner, dataset, _ = owner_checked(cfg, node_config, base_dir, state_dir)
     kept = owner.exposed.all  # a shard column is an exposed one (OwnerSettings.check_shards)
     try:
-        spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept)
+        spec, frame, kinds = _load(json.dumps(dataset, sort_keys=True), table, root, kept, owner.origin != "simulation")
     except DataProblems as exc:
         raise node_data_error(exc, owner) from None
     sharded = scenario == "ucq" and spec.table(table).shards is not None

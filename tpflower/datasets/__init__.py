@@ -270,10 +270,11 @@ def load_spec(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> Rel
 
 
 def load_table(
-    cfg: Mapping[str, Any], name: str, base_dir: str | Path | None = None
+    cfg: Mapping[str, Any], name: str, base_dir: str | Path | None = None, warn: Callable[[str], None] | None = None
 ) -> tuple[RelationalSpec, pd.DataFrame]:
     """What one client loads: the spec and its own table only, checked with the checks it can run alone
-    (tpflower.checks.table_problems; DataProblems with all of them).
+    (tpflower.checks.table_problems; DataProblems with all its errors; its warnings to ``warn``, one line each,
+    None: unsaid, as a simulation's data check said them already).
 
     The label table must be named in the config (``label.table``): a client cannot see the other tables.
     """
@@ -281,8 +282,10 @@ def load_table(
     _, loader_name, kwargs = _spec_and_loader(cfg, base_dir)
     frame, _ = _frame(spec.table(name), loader_name, kwargs, base_dir, None, spec.key_columns(name))
     problems = table_problems(spec, name, frame)
-    if problems:
-        raise DataProblems(problems, spec.name)
+    if errors(problems):
+        raise DataProblems(errors(problems), spec.name)
+    for p in problems if warn is not None else ():
+        warn(p.line())
     return spec, frame
 
 

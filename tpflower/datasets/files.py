@@ -168,15 +168,19 @@ ZERO_PADDED = re.compile(r"^[+-]?0\d")
 def key_columns(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
     """``frame`` whose key columns ``keys``, read as text, are numbers as pandas would read them, unless one of
     their values is zero-padded (a code such as a zip code "00501": text, its zeros kept, so "00501" never joins
-    "501"). The rule reads each file alone, so two files of the same codes read alike."""
+    "501"), and whole numbers written as decimals ("1412.0", as a column once holding a NaN is written) are
+    integers. The rule reads each file alone, so two files of the same codes read alike."""
     for k in keys:
         s = frame[k]
         if s.dropna().astype(str).str.match(ZERO_PADDED).any():
             continue
         try:
-            frame[k] = pd.to_numeric(s)
+            number = pd.to_numeric(s)
         except (ValueError, TypeError):
-            pass  # text keys stay text
+            continue  # text keys stay text
+        x = number.to_numpy()
+        whole = x.dtype.kind == "f" and np.isfinite(x).all() and (x == np.round(x)).all() and (np.abs(x) < 2**53).all()
+        frame[k] = number.astype(np.int64) if whole else number
     return frame
 
 
