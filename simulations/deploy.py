@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -66,6 +65,7 @@ import tomli_w
 import yaml
 from omegaconf import OmegaConf
 
+from simulations.node import parent_death_signal
 from simulations.pki import ServerTLS, make_node_keys, make_server_tls
 from tpflower.datasets import load_spec
 from tpflower.overrides import searchpath_override
@@ -333,13 +333,8 @@ def spawn(
             env=env,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=die_with_parent if owned and sys.platform.startswith("linux") else None,
+            preexec_fn=parent_death_signal(signal.SIGTERM) if owned else None,
         )
-
-
-def die_with_parent() -> None:
-    """In a child before exec: SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 # ---------------------------------------------------------------------------------------------- deployment

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -32,17 +33,25 @@ import yaml
 HOST = "127.0.0.1"
 WARMED = "torch and the training code imported"  # the node's log line once its warm-up is done
 PR_SET_PDEATHSIG = 1
+#: the SuperNode's exit code when the SuperLink refuses to activate it (Flower's SUPERNODE_CONNECTION_ERROR; e.g.
+#: its last session, of a node that crashed, is still online) and how long the service starts it again
+NOT_ACTIVATED, ACTIVATION_RETRY_S = 305, 120.0
 STOCK_SUPERNODE = (
     "import sys; from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; flower_supernode()"
 )
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """The SuperNode ends when its node service does (also on SIGKILL): Linux prctl(PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+def parent_death_signal(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it ends (its parent dies, also on
+    SIGKILL): Linux prctl(PR_SET_PDEATHSIG); nothing elsewhere."""
+
+    def arm() -> None:  # pragma: no cover - runs in the child before exec
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        except OSError:
+            pass
+
+    return arm
 
 
 def supernode_command(
@@ -101,7 +110,7 @@ def _as_user(name: str | None):  # pragma: no cover - needs root
     entry = pwd.getpwnam(name)
 
     def switch() -> None:
-        _die_with_parent()
+        parent_death_signal(signal.SIGKILL)()
         os.setgroups([])
         os.setgid(entry.pw_gid)
         os.setuid(entry.pw_uid)
@@ -287,12 +296,27 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
         if not args.slow_supernode and enabled("tasks-when-ready", notice=False):  # it rings when a task is ready
             bell = open_doorbell()
             env[DOORBELL_ENV] = str(bell.getsockname()[1])
-        supernode = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_as_user(args.supernode_user) or _die_with_parent
-        )
+
+        def start() -> subprocess.Popen:
+            return subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_as_user(args.supernode_user) or parent_death_signal(signal.SIGKILL),
+            )
+
+        supernode = start()
 
         def watch() -> None:
-            supernode.wait()
+            nonlocal supernode
+            assert supernode is not None
+            deadline = time.monotonic() + ACTIVATION_RETRY_S
+            while supernode.wait() == NOT_ACTIVATED and not stop.is_set() and time.monotonic() < deadline:
+                # the SuperLink still holds this node's last session (a restart after a crash): it lets the node
+                # in once that session times out
+                print(f"node {owner.name}: the SuperLink does not let the node in yet; again in 5 s", flush=True)
+                time.sleep(5.0)
+                supernode = start()
             stop.set()
             time.sleep(5.0)  # the service's loop ends with the SuperNode; a call stuck in retries does not
             os._exit(1)
@@ -304,7 +328,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
     app_id, app_version = installed_app()
     print(f"node {owner.name}: serving {app_id} {app_version} on the SuperNode's Runtime API {address}", flush=True)
     try:
-        wait_for_runtime(address, 120.0, lambda: supernode is None or supernode.poll() is None)
+        wait_for_runtime(address, 120.0, lambda: not stop.is_set())  # (its watcher sets stop when it gives up)
         from tpflower.app.client_app import app, warm_up  # noqa: PLC0415  pandas, Hydra: once, kept across runs
 
         def warm() -> None:
