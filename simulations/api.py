@@ -278,4 +278,4 @@ class Model:
         if target.exists():
             raise TpflowerError(f"{target}: exists already; save to a new directory")
         shutil.copytree(self.run_dir, target, symlinks=True)
-        return Model(target)
+        return Model(target, self.verbose, self.base_dir)
