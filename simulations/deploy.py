@@ -65,7 +65,7 @@ import tomli_w
 import yaml
 from omegaconf import OmegaConf
 
-from simulations.node import parent_death_signal
+from simulations.child_process import parent_death_signal
 from simulations.pki import ServerTLS, make_node_keys, make_server_tls
 from tpflower.datasets import load_spec
 from tpflower.overrides import searchpath_override

@@ -16,7 +16,6 @@ that cannot read them (``--supernode-user``, when started as root) or start the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import pwd
@@ -25,33 +24,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
+from simulations.child_process import parent_death_signal
+
 HOST = "127.0.0.1"
 WARMED = "torch and the training code imported"  # the node's log line once its warm-up is done
-PR_SET_PDEATHSIG = 1
 #: the SuperNode's exit code when the SuperLink refuses to activate it (Flower's SUPERNODE_CONNECTION_ERROR; e.g.
 #: its last session, of a node that crashed, is still online) and how long the service starts it again
 NOT_ACTIVATED, ACTIVATION_RETRY_S = 305, 120.0
 STOCK_SUPERNODE = (
     "import sys; from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; flower_supernode()"
 )
-
-
-def parent_death_signal(sig: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it ends (its parent dies, also on
-    SIGKILL): Linux prctl(PR_SET_PDEATHSIG); nothing elsewhere."""
-
-    def arm() -> None:  # pragma: no cover - runs in the child before exec
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-        except OSError:
-            pass
-
-    return arm
 
 
 def supernode_command(
