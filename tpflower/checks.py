@@ -275,9 +275,10 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
     if label_here and label in present:
         out += _label_problems(spec, name, frame[label], src)
     out += _uninformative(name, frame, [c for c in t.features if c in present])
+    levels = {c: int(frame[c].nunique(dropna=False)) for c in t.categorical if c in present}  # categories
     if label_here:
-        out += _identifier_like(spec, name, frame, present)
-    wide = _wide_features(spec, name, frame, present)
+        out += _identifier_like(name, len(frame), levels)
+    wide = _wide_features(spec, name, frame, present, levels)
     return out + ([wide] if wide is not None else [])
 
 
@@ -302,15 +303,14 @@ def _uninformative(name: str, frame: pd.DataFrame, features: Sequence[str]) -> l
     return out
 
 
-def _identifier_like(spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str]) -> list[Problem]:
+def _identifier_like(name: str, n_rows: int, levels: Mapping[str, int]) -> list[Problem]:
     """The label table's categorical columns with a category on most rows (more than IDENTIFIER_SHARE of the
     rows and more than IDENTIFIER_MIN categories: an identifier, a timestamp, free text): each one-hot column
     fits about one training row and tells nothing of a new row, at the cost of a block as wide as the table.
     (A dimension table's column of one category per row is a per-entity effect over the join: not refused.)"""
     out = []
-    for col in (c for c in spec.table(name).categorical if c in present):
-        levels = int(frame[col].nunique(dropna=False))
-        if levels > max(IDENTIFIER_MIN, IDENTIFIER_SHARE * len(frame)):
+    for col, n in levels.items():
+        if n > max(IDENTIFIER_MIN, IDENTIFIER_SHARE * n_rows):
             out.append(
                 Problem(
                     name,
@@ -320,7 +320,7 @@ def _identifier_like(spec: RelationalSpec, name: str, frame: pd.DataFrame, prese
                     "(e.g. a CASE in dataset.sql)",
                     column=col,
                     role="categorical feature",
-                    example=f"{levels:,} categories over {len(frame):,} rows",
+                    example=f"{n:,} categories over {n_rows:,} rows",
                 )
             )
     return out
@@ -369,12 +369,13 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _wide_features(spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str]) -> Problem | None:
+def _wide_features(
+    spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str], levels: Mapping[str, int]
+) -> Problem | None:
     """A table whose features, held dense (a numeric column one column, a categorical column one 0/1 column per
     category), would take more than FEATURE_MEMORY_SHARE of this machine's memory at 4 bytes a value: refused
     before any training, naming its categorical column of most categories (counts in the example only)."""
     t = spec.table(name)
-    levels = {c: int(frame[c].nunique(dropna=False)) for c in t.categorical if c in present}
     if not levels:
         return None
     need = 4 * len(frame) * (sum(1 for c in t.numeric if c in present) + sum(levels.values()))
