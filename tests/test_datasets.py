@@ -315,6 +315,25 @@ def test_zero_padded_csv_keys_are_text_and_join_as_written(tmp_path):
         load_dataset(cfg, base_dir=tmp_path)
 
 
+def test_parquet_whole_float_keys_join_integer_keys(tmp_path):
+    """A Parquet key column of whole numbers stored as floats (an integer column that once held a missing value)
+    joins a CSV file's integer keys, as a CSV file's "1412.0" does; a Parquet key with a fraction stays float."""
+    pd.DataFrame({"shop": [1.0, 2.0, 2.0, 3.0], "y": [1.0, 2.0, 3.0, 4.0]}).to_parquet(tmp_path / "orders.parquet")
+    (tmp_path / "shops.csv").write_text("shop,size\n1,10\n2,20\n3,30\n")
+    cfg = {
+        "name": "pq",
+        "tables": {"orders": {"source": "orders.parquet"}, "shops": {"source": "shops.csv", "numeric": ["size"]}},
+        "label": {"table": "orders", "column": "y"},
+        "joins": [{"left": "orders", "right": "shops", "on": "shop"}],
+    }
+    spec, frames = load_dataset(cfg, base_dir=tmp_path)
+    assert frames["orders"]["shop"].dtype == np.int64 and frames["orders"]["shop"].tolist() == [1, 2, 2, 3]
+    assert read_rows_file(tmp_path / "orders.parquet", ["shop"])["shop"].dtype == np.int64  # rows to score alike
+    pd.DataFrame({"shop": [1.5, 2.0], "y": [1.0, 2.0]}).to_parquet(tmp_path / "orders.parquet")
+    with pytest.raises(SpecError, match="key dtype mismatch: orders.shop is float but shops.shop is integer"):
+        load_dataset(cfg, base_dir=tmp_path)
+
+
 def test_source_overrides_loader_table(tmp_path):
     frames = synthetic.generate(n_fact=100, dim_rows=10, n_dims=1, widths=1)
     frames["d1"].iloc[::-1].set_index(pd.Index(range(100, 110))).to_csv(tmp_path / "d1.csv")

@@ -203,6 +203,21 @@ def test_key_dtype_mismatch():
         validate_tables(spec_of(**STAR), frames)
 
 
+def test_datetime_keys_join_as_instants_and_never_a_naive_column():
+    """Time-zone-aware keys join instant for instant (the same time in two zones is one key); a naive column
+    against an aware one (which zone it is in is not known) is refused naming both, not joined to nothing."""
+    frames = frames_star_mn()
+    when = pd.Timestamp("2024-03-01 12:00", tz="UTC") + pd.to_timedelta(np.arange(20), unit="h")
+    frames["fact"]["a"] = when[frames["fact"]["a"].to_numpy()]
+    frames["A"]["a"] = when.tz_convert("Asia/Tokyo")  # the same instants, another zone
+    spec = validate_tables(spec_of(**STAR), frames)
+    m = assert_mapping_equals_merge(spec, frames)
+    assert (m.G("A") > 0).all()
+    frames["A"]["a"] = when.tz_localize(None)
+    with pytest.raises(SpecError, match=r"fact\.a is datetime with a time zone but A\.a is datetime; give both"):
+        validate_tables(spec_of(**STAR), frames)
+
+
 def test_nan_keys():
     frames = frames_star_mn()
     frames["fact"] = frames["fact"].astype({"b": float})

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from tpflower.schema import RelationalSpec, SpecError, key_kind
+from tpflower.schema import DATETIME_TZ, RelationalSpec, SpecError, key_kind
 
 DIGEST_WORDS = 2  # a digest is 128 bits = two uint64 words
 KEY_SEP = b"\x1f"  # between the canonical encodings of a composite key's values
@@ -37,6 +37,8 @@ def _canonical(value: object, kind: str) -> bytes:
         return b"f" + repr(float(value)).encode()  # type: ignore[arg-type]
     if kind == "datetime":
         return b"t" + pd.Timestamp(value).isoformat().encode()  # type: ignore[arg-type]
+    if kind == DATETIME_TZ:  # the instant, in UTC: the same time in two zones joins
+        return b"t" + pd.Timestamp(value).tz_convert("UTC").isoformat().encode()  # type: ignore[arg-type]
     return b"s" + str(value).encode("utf-8")
 
 
@@ -63,6 +65,8 @@ def encode_values(values: pd.Index, kind: str) -> list[bytes]:
         return [b"f%r" % v for v in map(float, values.tolist())]
     if kind == "datetime":
         return [b"t" + pd.Timestamp(v).isoformat().encode() for v in values]
+    if kind == DATETIME_TZ:
+        return [b"t" + pd.Timestamp(v).tz_convert("UTC").isoformat().encode() for v in values]
     return [b"s" + str(v).encode("utf-8") for v in values.tolist()]
 
 

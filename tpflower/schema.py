@@ -375,14 +375,22 @@ def validate_structure(spec: RelationalSpec) -> None:
         )
 
 
+#: the key kind of a time-zone-aware datetime column: it never joins a column of naive datetimes (which zone
+#: they are in is not known), and joins another zone's column instant for instant
+DATETIME_TZ = "datetime with a time zone"
+
+
 def key_kind(dtype: Any) -> str:
-    """The kind a join key is compared as: 'integer', 'string', 'float', 'datetime' or 'bool'."""
+    """The kind a join key is compared as: 'integer', 'string', 'float', 'datetime', 'datetime with a time zone'
+    (compared as instants: the same time in two zones joins) or 'bool'."""
     if pd.api.types.is_bool_dtype(dtype):
         return "bool"
     if pd.api.types.is_integer_dtype(dtype):
         return "integer"
     if pd.api.types.is_float_dtype(dtype):
         return "float"
+    if isinstance(dtype, pd.DatetimeTZDtype):
+        return DATETIME_TZ
     if pd.api.types.is_datetime64_any_dtype(dtype):
         return "datetime"
     if pd.api.types.is_string_dtype(dtype) or pd.api.types.is_object_dtype(dtype):
@@ -485,7 +493,10 @@ def validate_key_kinds(spec: RelationalSpec, kinds: Mapping[str, Mapping[str, st
         for lc, rc in j.on:
             lk, rk = kinds[j.left][lc], kinds[j.right][rc]
             if lk != rk:
-                raise SpecError(f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}")
+                hint = ""
+                if {lk, rk} == {"datetime", DATETIME_TZ}:
+                    hint = "; give both columns a time zone (or neither) before joining them"
+                raise SpecError(f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}{hint}")
 
 
 def validate_tables(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> RelationalSpec:

@@ -54,7 +54,7 @@ def read_table(
         if suffix == ".csv":
             frame = read_csv_noting_na_strings(path, keys)
         else:
-            frame = pd.read_parquet(path)
+            frame = parquet_keys(pd.read_parquet(path), keys)
     except pd.errors.EmptyDataError:
         raise _unreadable(
             table,
@@ -175,12 +175,27 @@ def key_columns(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
         if s.dropna().astype(str).str.match(ZERO_PADDED).any():
             continue
         try:
-            number = pd.to_numeric(s)
+            frame[k] = whole_as_integers(pd.to_numeric(s))
         except (ValueError, TypeError):
             continue  # text keys stay text
-        x = number.to_numpy()
-        whole = x.dtype.kind == "f" and np.isfinite(x).all() and (x == np.round(x)).all() and (np.abs(x) < 2**53).all()
-        frame[k] = number.astype(np.int64) if whole else number
+    return frame
+
+
+def whole_as_integers(keys: pd.Series) -> pd.Series:
+    """A float key column whose values are all whole numbers (``1412.0``: an integer column that once held a
+    missing value, as CSV and Parquet writers keep it) as int64, so it joins a column of the same integers;
+    any other column as it is."""
+    x = keys.to_numpy()
+    whole = x.dtype.kind == "f" and np.isfinite(x).all() and (x == np.round(x)).all() and (np.abs(x) < 2**53).all()
+    return keys.astype(np.int64) if whole else keys
+
+
+def parquet_keys(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """A Parquet file's join key columns ``keys``: whole-number floats as integers (:func:`whole_as_integers`),
+    as a CSV file's are read."""
+    for k in keys:
+        if k in frame.columns:
+            frame[k] = whole_as_integers(frame[k])
     return frame
 
 
@@ -194,7 +209,8 @@ def read_rows_file(path: Path, keys: Sequence[str] = ()) -> pd.DataFrame:
     missing number noted (:func:`read_csv_noting_na_strings`), booleans as flags (:func:`booleans_as_flags`).
     pandas' and pyarrow's errors pass through (the caller names the file)."""
     parquet = is_parquet(path)
-    return booleans_as_flags(pd.read_parquet(path) if parquet else read_csv_noting_na_strings(path, keys))
+    frame = parquet_keys(pd.read_parquet(path), keys) if parquet else read_csv_noting_na_strings(path, keys)
+    return booleans_as_flags(frame)
 
 
 def header_names(path: Path, suffix: str, frame: pd.DataFrame) -> list[str]:

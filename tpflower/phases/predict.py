@@ -50,7 +50,7 @@ from tpflower.local_table import with_class_names
 from tpflower.model_part import ModelPart, part_id, part_path
 from tpflower.phases.setup import REBLIND, REBUILD, chunked_reply, key_payload, keys_chunk
 from tpflower.records import Arrays
-from tpflower.schema import SpecError, key_kind
+from tpflower.schema import DATETIME_TZ, SpecError, key_kind
 from tpflower.selection import kept_theta
 
 
@@ -212,7 +212,9 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
         raise SpecError(f"{where}: no feature column(s) {absent} of table {table!r}")
     for c in keys:
         trained = s.key_kinds.get(c)
-        if trained == "datetime" and key_kind(frame[c].dtype) == "string":  # a CSV file holds dates as text
+        if (
+            trained in ("datetime", DATETIME_TZ) and key_kind(frame[c].dtype) == "string"
+        ):  # a CSV file holds dates as text
             frame[c] = datetime_key(client, frame[c], f"{where}: key column {c!r} of table {table!r}")
         kind = key_kind(frame[c].dtype)
         if trained is not None and kind != trained:
