@@ -107,6 +107,16 @@ def test_an_unknown_key_is_one_line_naming_what_is_valid(tmp_path):
     assert str(typo.value).startswith("algorithm.tres is not a setting of algorithm 'gbdt' (did you mean trees?)")
 
 
+def test_an_override_hydra_cannot_read_is_named(tmp_path):
+    """Hydra's grammar error names no override: the line names the one it cannot read (CLI and API)."""
+    done = cli("train", "epochs=2", "model.hidden=[3,", "dataset=synthetic", cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: model.hidden=[3,: not an override Hydra reads (no viable alternative at input")
+    with pytest.raises(tpflower.TpflowerError, match=r"^algorithm\.lr=\{1: not an override Hydra reads"):
+        tpflower.fit(dataset="synthetic", overrides=["epochs=1", "algorithm.lr={1"], run_dir=tmp_path, verbose=False)
+
+
 def test_a_typo_in_a_choice_lists_the_public_choices_only(tmp_path):
     done = cli("train", "algorithm=admn", "dataset=synthetic", cwd=tmp_path)
     assert done.returncode == 1 and done.stdout == ""

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from hydra.errors import HydraException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from tpflower import registry
@@ -36,6 +37,8 @@ def override_error(
     the keys valid in its place and the closest one (difflib); ``algorithm.KEY`` with ``algorithm=auto``, the
     settings of the algorithm auto picks (docs/settings.md); any other error, Hydra's message on one line."""
     text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if isinstance(exc, OverrideParseException):
+        return grammar_error(exc, overrides)
     match = NO_SUCH_KEY.match(str(exc))
     if match is None:
         return text
@@ -68,6 +71,23 @@ def override_error(
     what = f"algorithm {str(cfg.algorithm.name)!r}" if parent == "algorithm" else parent
     add = f"; +{key}=... adds it" if parent == "dataset" else ""
     return f"{key} is not a setting of {what}{hint}; its settings: {valid}{add}"
+
+
+def grammar_error(exc: OverrideParseException, overrides: Sequence[str]) -> str:
+    """The override Hydra's grammar refuses, named, with Hydra's reason (Hydra's own names no override)."""
+    reason = str(exc).splitlines()[0].strip()
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException as one:
+            reason = str(one).splitlines()[0].strip()
+            return f"{override}: not an override Hydra reads ({reason}); {GRAMMAR_DOCS}"
+    return f"{reason}; {GRAMMAR_DOCS}"
+
+
+#: Hydra's page on what an override may hold (lists [a,b], dicts {k:v}, quoting, sweeps)
+GRAMMAR_DOCS = "the override grammar: https://hydra.cc/docs/advanced/override_grammar/basic/"
 
 
 def auto_setting_error(cfg: DictConfig, leaf: str, value: str, base_dir: str | Path | None) -> str:
