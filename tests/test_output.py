@@ -81,6 +81,12 @@ def test_results_json_is_readable_like_the_other_files(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    bad = RunResults("a", "join", "d", "linear", "regression", "rmse", 1, {"t": 1})
+    bad.importance = {"t": {"share": object()}}  # JSON cannot hold it: the earlier file stays, no temporary file
+    with pytest.raises(TypeError):
+        write_results(bad, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert json.loads(path.read_text())["algorithm"] == "a"
 
 
 def test_read_results_checks_the_schema(tmp_path):

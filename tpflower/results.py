@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from tpflower.files import atomic_write
 from tpflower.owner import redact
 
 RESULTS_FILE = "results.json"
@@ -114,14 +114,9 @@ def new_run_results(cfg: Any, algorithm: str, spec: Any, mapping: Any) -> RunRes
 
 def write_results(results: RunResults, run_dir: str | Path) -> Path:
     """Write results.json atomically (temp file + rename): a crash never leaves a half-written record."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / RESULTS_FILE
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".results-", suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(results.to_json(), fh, indent=2)
-    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600; readable like the run's other files
-    os.replace(tmp, path)
+    path = Path(run_dir) / RESULTS_FILE
+    text = json.dumps(results.to_json(), indent=2)  # (a value JSON cannot hold fails here, before any file)
+    atomic_write(path, text.encode(), mode=0o666 & ~current_umask())  # readable like the run's other files
     return path
 
 
