@@ -60,6 +60,7 @@ class TablePuppetStrategy(Strategy):
     """Flower plumbing around a protocol: node discovery, one round per :meth:`send`, byte accounting."""
 
     WAIT_LINE_S = 10.0  # while nodes are missing at the start, a line this often
+    SETTLE_S = 2.0  # a transport whose nodes come at once (the simulation engine's): its node list is final after
     client_rows: Mapping[ClientKey, int] = {}  # each client's row count, once known: replies are checked against it
     d_out: int | None = None  # the prediction width, once known
     # under Flower's simulation engine: when the engine was asked to start (the start-up stages get a line each)
@@ -110,13 +111,17 @@ class TablePuppetStrategy(Strategy):
         run stops with one line naming them."""
         assert self.transport is not None
         start, said = time.monotonic(), 0.0
+        seen, settled_at = set[int](), start  # the node list, since when it has not changed
         if self.engine_t0 is not None:
             self.log(
                 f"engine: ServerApp up in {time.perf_counter() - self.engine_t0:.1f} s; waiting for "
                 f"{len(self.clients)} nodes (Ray's actors import torch and tpflower)"
             )
         while True:
-            new = sorted(set(self.transport.node_ids()) - set(self.keys))
+            ids = set(self.transport.node_ids())
+            if ids != seen:
+                seen, settled_at = ids, time.monotonic()
+            new = sorted(ids - set(self.keys))
             if new:
                 self._hello(new)
             missing = [k for k in self.clients if k not in self.nodes]
@@ -127,6 +132,8 @@ class TablePuppetStrategy(Strategy):
                 return
             names = ", ".join(f"table {t!r} shard {q}" for t, q in missing)
             need = f"one SuperNode per table shard: `flwr run`'s simulation needs num-supernodes={len(self.clients)}"
+            if seen and self.transport.nodes_fixed and time.monotonic() - settled_at >= self.SETTLE_S:
+                raise RunError(f"no node holds {names}: the simulation has {len(seen)} nodes; {need}")
             if waited > wait_s:
                 raise RunError(
                     f"no node holds {names} ({len(self.nodes)} of {len(self.clients)} nodes connected "

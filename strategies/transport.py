@@ -44,6 +44,9 @@ class Transport:
     name: Callable[[int], str] = staticmethod(lambda node: f"node {node}")
 
     timeout_s: float = 600.0
+    # every node of the run is there at once (the simulation engine registers its num-supernodes together): a
+    # node missing once the node list has settled never comes
+    nodes_fixed: bool = False
 
     def node_ids(self) -> list[int]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -89,6 +92,7 @@ class GridTransport(Transport):
         self.bell = stored_bell(getattr(grid, "state", None), "store_message_res", notice=False)  # None: poll
         self._took: dict[tuple[str, ...], deque[float]] = {}
         self.link_holds = False  # the last telling pull was held (see the class doc)
+        self.nodes_fixed = type(grid).__name__ == "InMemoryGrid"  # the simulation engine's (Flower 1.41, 1.42)
 
     def first_wait(self, kind: tuple[str, ...]) -> float:
         """How long to wait before the first reply pull of a round of ``kind`` (0 until learnt, with a link

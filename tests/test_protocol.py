@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from queue import Queue
 
 import numpy as np
@@ -94,6 +95,23 @@ def test_too_few_nodes_is_one_error_naming_the_missing_table():
     # while waiting, a line every WAIT_LINE_S names the missing tables
     assert 2 <= len(lines) <= 4 and all("missing table 'dim' shard 0" in line for line in lines), lines
     assert all(line.endswith("`flwr run`'s simulation needs num-supernodes=2)") for line in lines)
+
+
+def test_too_few_nodes_of_a_simulation_stop_the_run_once_its_node_list_settles():
+    """The simulation engine registers all its nodes at once: a missing table stops the run as soon as the node
+    list has not changed for SETTLE_S, not after the wait for nodes (120 s by default)."""
+    transport = direct({1: ("fact", 0)})
+    transport.nodes_fixed = True
+    strategy = Echo(KEYS)
+    strategy.SETTLE_S = 0.2
+    start = time.monotonic()
+    with pytest.raises(RunError) as err:
+        strategy.run(transport, node_wait_s=60)
+    assert time.monotonic() - start < 5
+    assert str(err.value) == (
+        "no node holds table 'dim' shard 0: the simulation has 1 nodes; one SuperNode per table shard: "
+        "`flwr run`'s simulation needs num-supernodes=2"
+    )
 
 
 def test_a_late_node_is_greeted_when_it_connects():
