@@ -30,7 +30,7 @@ from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Prediction
 from strategies.transport import RunError
 from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec, load_table
-from tpflower.datasets.files import is_parquet, read_csv_noting_na_strings, read_rows_file
+from tpflower.datasets.files import is_parquet, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.model_part import ModelPart
 from tpflower.preprocess import unseen_categories
@@ -73,17 +73,21 @@ def predict_run(
         log(
             f"{rows_name or f'rows file {rows}'}: column(s) {ignored} are no feature or key of table {table!r}: ignored"
         )
-    for c, (n, row, value) in na_text(rows_path, spec, table).items():
+    frame = read_rows_once(rows_path, spec, table)
+    notes = () if frame is None else na_text(rows_path, frame, spec, table).items()
+    for c, (n, row, value) in notes:
         log(
             f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} value(s) like {value!r} (the first in row "
             f"{row}), read as missing: the median fills them (dataset.na_strings: error refuses them)"
         )
-    for c, (n, row, value) in unseen(rows_path, spec, table, run_dir, record["run_id"], shard).items():
+    notes = () if frame is None else unseen(frame, spec, table, run_dir, record["run_id"], shard).items()
+    for c, (n, row, value) in notes:
         log(
             f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} categor{'y' if n == 1 else 'ies'} no "
             f"training row had, like {value!r} (the first in row {row}): scored as a category the model never saw"
         )
-    outside = outside_where(rows_path, spec, table)
+    outside = 0 if frame is None else outside_where(frame, spec, table)
+    del frame
     if outside:
         log(
             f"{rows_name or f'rows file {rows}'}: {outside} new row(s) fall outside table {table!r}'s where "
@@ -108,44 +112,44 @@ def predict_run(
     return strategy.results
 
 
-def unseen(
-    path: Path, spec: RelationalSpec, table: str, run_dir: Path, run_id: str, shard: int
-) -> dict[str, tuple[int, int, str]]:
-    """The categorical columns of the rows file holding categories the query owner's part never saw in training
-    (tpflower.preprocess.unseen_categories): a simulation's saved part, RUN_DIR/node-state (empty: no part
-    there, or the file does not read; the node says why)."""
-    part = ModelPart.load(run_dir / "node-state", run_id, table, shard)
-    if part is None:
-        return {}
+def read_rows_once(path: Path, spec: RelationalSpec, table: str) -> pd.DataFrame | None:
+    """The rows file as the query owner's node reads it (tpflower.datasets.files.read_rows_file), read once for
+    all of the driver's notices; None when it does not read (the node says why, in its one line)."""
     try:
-        frame = read_rows_file(path, spec.key_columns(table))
+        return read_rows_file(path, spec.key_columns(table))
     except (OSError, ValueError, pa.ArrowException):
-        return {}
-    return unseen_categories(part.preprocessing.get("categories") or {}, frame)
+        return None
 
 
-def outside_where(path: Path, spec: RelationalSpec, table: str) -> int:
-    """How many rows of the rows file fail the query table's ``where`` (0: none, no where, or a file or
-    predicate this cannot read: the node says why, in its one line)."""
+def unseen(
+    frame: pd.DataFrame, spec: RelationalSpec, table: str, run_dir: Path, run_id: str, shard: int
+) -> dict[str, tuple[int, int, str]]:
+    """The categorical columns of the rows ``frame`` holding categories the query owner's part never saw in
+    training (tpflower.preprocess.unseen_categories): a simulation's saved part, RUN_DIR/node-state (empty: no
+    part there)."""
+    part = ModelPart.load(run_dir / "node-state", run_id, table, shard)
+    return {} if part is None else unseen_categories(part.preprocessing.get("categories") or {}, frame)
+
+
+def outside_where(frame: pd.DataFrame, spec: RelationalSpec, table: str) -> int:
+    """How many of the rows ``frame`` fail the query table's ``where`` (0: none, no where, or a predicate this
+    cannot evaluate: the node says why, in its one line)."""
     where = spec.table(table).where
     if where is None:
         return 0
     try:
-        return int((~row_mask(table, read_rows_file(path), where)).sum())
-    except (OSError, ValueError, SpecError, pa.ArrowException):
+        return int((~row_mask(table, frame, where)).sum())
+    except (ValueError, SpecError):
         return 0
 
 
-def na_text(path: Path, spec: RelationalSpec, table: str) -> dict[str, tuple[int, int, str]]:
-    """Under ``dataset.na_strings: missing``, the numeric columns of ``table`` where the CSV rows file has text
-    for a missing number ("n/a", "NULL", ...): (count, first row, the text). Under ``error`` the node refuses
-    them in its one line (tpflower.phases.predict.read_rows)."""
+def na_text(path: Path, frame: pd.DataFrame, spec: RelationalSpec, table: str) -> dict[str, tuple[int, int, str]]:
+    """Under ``dataset.na_strings: missing``, the numeric columns of ``table`` where the CSV rows file (read into
+    ``frame``) has text for a missing number ("n/a", "NULL", ...): (count, first row, the text). Under ``error``
+    the node refuses them in its one line (tpflower.phases.predict.read_rows)."""
     if is_parquet(path) or spec.na_strings != "missing":
         return {}
-    try:
-        noted = read_csv_noting_na_strings(path).attrs.get(NA_ATTR) or {}
-    except (OSError, ValueError):
-        return {}  # an unreadable file: the node says why, in its one line
+    noted = frame.attrs.get(NA_ATTR) or {}
     return {c: v for c, v in noted.items() if c in spec.table(table).numeric}
 
 
