@@ -191,7 +191,7 @@ def test_predict_gives_every_row_of_a_frame_in_order(binary_shop):
 def test_an_error_about_a_frames_rows_names_the_rows_not_a_temporary_file(binary_shop):
     model, rows = binary_shop
     with pytest.raises(tpflower.TpflowerError) as info:
-        model.predict(rows.astype({"cust": float}), verbose=False)
+        model.predict(rows.assign(cust=rows["cust"] + 0.5), verbose=False)  # (whole floats: integers, they join)
     assert str(info.value) == (
         "table 'orders' shard 0: the rows: key column 'cust' holds float values; table 'orders' joins it as integer"
     )
