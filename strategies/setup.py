@@ -288,6 +288,12 @@ class JoinSetup(Saved):
         y_rows: np.ndarray | None = None
         is_test = np.zeros(n_label_rows, dtype=bool)
         n_classes = 0
+        digests = {str(m["classes_digest"]) for (t, _), (_, m) in replies.items() if "classes_digest" in m}
+        if len(digests) > 1:  # keyed by the owners' secret: the server learns only that the lists differ
+            raise RuntimeError(
+                f"label table {self.spec.label_table!r}: its shards' files hold different classes of the label, so "
+                "their class ids would disagree; list the classes in the dataset spec's label.classes"
+            )
         for (t, q), (arrays, reply_metrics) in replies.items():
             if t != self.spec.label_table:
                 continue
@@ -311,7 +317,7 @@ class JoinSetup(Saved):
             if n_classes and shard_classes != n_classes:  # class ids of different class lists: they would disagree
                 raise RuntimeError(
                     f"label table {t!r}: its shards know {n_classes} and {shard_classes} classes of a multiclass "
-                    "label, so their class ids disagree; give every shard's file every class's row, or one file"
+                    "label, so their class ids disagree; list the classes in the dataset spec's label.classes"
                 )
             n_classes = max(n_classes, shard_classes)
         assert y_rows is not None

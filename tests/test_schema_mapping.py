@@ -272,3 +272,46 @@ def test_binned_column_must_be_numeric_feature():
     tables = {**STAR["tables"], "A": {"numeric": ["xa"], "binned": {"xa": 1}}}
     with pytest.raises(SpecError, match="needs at least 2 bins"):
         spec_of(tables=tables, joins=STAR["joins"])
+
+
+def test_declared_label_classes_code_every_shards_file_alike_and_differing_files_are_refused():
+    """label.classes gives class ids in its order, whichever classes a shard's own file holds (binary: one of
+    the two is enough); without it, two shards' files of different class lists (of the same count, which the
+    count check cannot see) are refused at setup: each shard sends its class list keyed by the owners' secret."""
+    from types import SimpleNamespace
+
+    from strategies.setup import JoinSetup
+    from tpflower.local_table import ShardData, encode_labels
+    from tpflower.phases.setup import label_metrics
+
+    def spec(classes=None, task="multiclass"):
+        label = {"table": "fact", "column": "y", "task": task, **({"classes": classes} if classes else {})}
+        return spec_of(tables={"fact": {"shards": {"parts": 2}}}, joins=[], label=label)
+
+    east = pd.DataFrame({"y": ["TS", "HU", "TD", "HU"]})  # the two owners' files: no EX in one, no TD in the other
+    west = pd.DataFrame({"y": ["EX", "HU", "TS", "TS"]})
+    declared = spec(["TS", "HU", "TD", "EX"])
+    assert encode_labels(declared, east["y"])[0].tolist() == [0, 1, 2, 1]
+    assert encode_labels(declared, west["y"])[0].tolist() == [3, 1, 0, 0]
+    assert encode_labels(spec(["no", "yes"], "binary"), pd.Series(["yes", "yes"]))[0].tolist() == [1.0, 1.0]
+    with pytest.raises(SpecError, match="label column 'y': 1 labels are not among label.classes"):
+        encode_labels(spec(["TS", "HU", "TD"]), west["y"])
+    with pytest.raises(SpecError, match=r"label.classes must list two distinct classes, \[negative, positive\]"):
+        spec(["a", "b", "c"], "binary")
+
+    def reply(s, frame):
+        client = SimpleNamespace(
+            data=ShardData(s, "fact", frame, np.arange(len(frame))),
+            settings=SimpleNamespace(secret=b"owners' secret", owner=SimpleNamespace(keys="hmac")),
+            privacy=lambda: {"name": "none"},
+        )
+        return label_metrics(client)
+
+    setup = SimpleNamespace(spec=spec())
+    undeclared = {("fact", 0): ({}, reply(spec(), east)), ("fact", 1): ({}, reply(spec(), west))}
+    assert undeclared[("fact", 0)][1]["n_classes"] == undeclared[("fact", 1)][1]["n_classes"] == 3
+    with pytest.raises(RuntimeError, match="its shards' files hold different classes of the label, so their class"):
+        JoinSetup._labels(setup, undeclared, 8)
+    agreed = [reply(declared, f) for f in (east, west)]
+    assert agreed[0]["classes_digest"] == agreed[1]["classes_digest"]
+    assert "HU" not in str(agreed)  # the list travels keyed, never as names

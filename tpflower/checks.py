@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-from tpflower.schema import RelationalSpec, SpecError, binary_classes, key_kind, resolve_label_table
+from tpflower.schema import RelationalSpec, SpecError, binary_classes, class_codes, key_kind, resolve_label_table
 
 Severity = Literal["error", "warning"]
 NA_ATTR = (
@@ -407,6 +407,21 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | No
             out.append(
                 _bad_values(
                     name, col, "label column", bad, y, src, "non-numeric regression labels", "make every label a number"
+                )
+            )
+    elif spec.label.classes is not None:
+        bad = (y.notna() & (class_codes(y, spec.label.classes) < 0)).to_numpy()
+        if bad.any():
+            out.append(
+                _bad_values(
+                    name,
+                    col,
+                    "label column",
+                    bad,
+                    y,
+                    src,
+                    "labels outside label.classes",
+                    f"list every class in label.classes {list(spec.label.classes)} or drop those rows",
                 )
             )
     elif task == "binary":

@@ -13,7 +13,7 @@ import pandas as pd
 from tpflower.fedprep import bin_feature_names, bin_transform, local_quantile_edges
 from tpflower.mapping import holdout_mask, index_dtype
 from tpflower.preprocess import TablePreprocessor
-from tpflower.schema import RelationalSpec, binary_classes
+from tpflower.schema import RelationalSpec, SpecError, binary_classes, class_codes
 
 
 @dataclass
@@ -56,7 +56,18 @@ def encode_labels(
     and the classes: float for regression (no classes); binary 0.0/1.0, and when its two values are not 0/1
     already (``yes``/``no``), those values in the order of their codes (schema.binary_classes); for multiclass
     class ids 0..C-1 in the sorted order of the classes of the whole column (returned in that order), so every
-    shard cut from one table gives a class the same id, whichever classes its own rows hold."""
+    shard cut from one table gives a class the same id, whichever classes its own rows hold. Declared classes
+    (``label.classes``) give the ids instead, in their order (binary: [negative, positive]), so shards held in
+    separate files code them alike too; a label outside them: SpecError (counted, never shown)."""
+    declared = spec.label.classes
+    if declared is not None:
+        codes = class_codes(values, declared)
+        if (codes < 0).any():
+            raise SpecError(
+                f"label column {spec.label.column!r}: {int((codes < 0).sum())} labels are not among label.classes"
+            )
+        y = codes if spec.label.task == "multiclass" else codes.astype(np.float64)
+        return (y if rows is None else y[rows]), list(declared)
     if spec.label.task == "multiclass":
         codes, classes = pd.factorize(values, sort=True)
         codes = codes.astype(np.int64)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
@@ -92,6 +93,9 @@ class LabelSpec:
     column: str
     table: str | None
     task: Task
+    # a class label's classes in the order of their ids (binary: [negative, positive]); None: from the column's
+    # values (sorted). Declared, every shard's file codes the classes alike whichever of them its rows hold
+    classes: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,31 @@ def split_fraction(split: Mapping[str, Any], name: str) -> float:
     return out
 
 
+def declared_classes(value: Any, task: str, name: str) -> tuple[Any, ...] | None:
+    """``label.classes``: None, or a list of distinct classes (binary: two, [negative, positive]) for a class
+    label; SpecError otherwise."""
+    if value is None:
+        return None
+    if task == "regression":
+        raise SpecError(f"dataset {name!r}: label.classes is for a class label (task binary or multiclass)")
+    classes = tuple(value) if isinstance(value, (list, tuple)) else ()
+    wanted = 2 if task == "binary" else None
+    if len(classes) < 2 or len(set(map(str, classes))) < len(classes) or (wanted and len(classes) != wanted):
+        what = "two distinct classes, [negative, positive]" if wanted else "two or more distinct classes"
+        raise SpecError(f"dataset {name!r}: label.classes must list {what}, got {value!r}")
+    return classes
+
+
+def class_codes(values: pd.Series, classes: Sequence[Any]) -> np.ndarray:
+    """Each label's position in the declared ``classes`` (-1: not among them), compared as text when the
+    column's values and the declared ones differ in kind (a YAML ``1`` against a column's ``"1"``)."""
+    codes = pd.Index(list(classes)).get_indexer(values)
+    if (codes < 0).any():
+        text = pd.Index([str(c) for c in classes]).get_indexer(values.astype(str))
+        codes = np.where(codes < 0, text, codes)
+    return codes.astype(np.int64)
+
+
 def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     """Build a :class:`RelationalSpec` from the dataset config (a dict or an OmegaConf node)."""
     cfg = to_dict(cfg)
@@ -283,7 +312,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     label = cfg.get("label") or {}
     if not label.get("column"):
         raise SpecError(f"dataset {name!r}: no label: set label.column (and label.table, label.task)")
-    unknown = set(label) - {"table", "column", "task"}
+    unknown = set(label) - {"table", "column", "task", "classes"}
     if unknown:
         top = (
             " (label_range goes at the top level of the dataset config, beside label)"
@@ -294,6 +323,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     task = label.get("task", "regression")
     if task not in TASKS:
         raise SpecError(f"dataset {name!r}: label.task must be one of {TASKS}, got {task!r}")
+    classes = declared_classes(label.get("classes"), task, name)
     joins = []
     for k, j in enumerate(cfg.get("joins") or []):
         where = f"dataset {name!r}, join #{k}"
@@ -306,7 +336,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     spec = RelationalSpec(
         name=name,
         tables=tuple(tables),
-        label=LabelSpec(column=str(label["column"]), table=label.get("table"), task=task),
+        label=LabelSpec(column=str(label["column"]), table=label.get("table"), task=task, classes=classes),
         joins=tuple(joins),
         split=SplitSpec(test_fraction=split_fraction(split, name), seed=int(split.get("seed", 42))),
         loader=dict(cfg.get("loader") or {}),
@@ -424,7 +454,7 @@ def resolve_label_table(spec: RelationalSpec, columns: Mapping[str, Sequence[str
     return RelationalSpec(
         name=spec.name,
         tables=spec.tables,
-        label=LabelSpec(column=spec.label.column, table=table, task=spec.label.task),
+        label=LabelSpec(column=spec.label.column, table=table, task=spec.label.task, classes=spec.label.classes),
         joins=spec.joins,
         split=spec.split,
         loader=spec.loader,
@@ -474,7 +504,14 @@ def validate_table(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> None
         missing = int(y.isna().sum())
         if missing:
             raise SpecError(f"table {name!r}, label column {spec.label.column!r}: {missing} missing labels")
-        if spec.label.task == "binary":
+        if spec.label.classes is not None:
+            outside = int((class_codes(y, spec.label.classes) < 0).sum())
+            if outside:  # counted, never shown: a node's refusal travels to the server
+                raise SpecError(
+                    f"table {name!r}, label column {spec.label.column!r}: {outside} labels are not among "
+                    f"label.classes {list(spec.label.classes)}"
+                )
+        elif spec.label.task == "binary":
             try:
                 binary_classes(y)
             except ValueError as exc:

@@ -24,6 +24,8 @@ evaluate  {H, rows}           -> {}  label DP: the label owner scores the test p
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import sys
 from collections import OrderedDict
@@ -102,6 +104,12 @@ def label_metrics(client: TableClient) -> dict[str, Any]:
     if data.y is None:
         return {}
     out: dict[str, Any] = {"n_classes": int(data.n_classes or 0)}
+    secret = client.settings.secret
+    if not data.whole and data.classes is not None and secret and client.settings.owner.keys != "blind":
+        # a shard: its class list keyed by the owners' shared secret, so the server can tell only whether the
+        # shards' lists agree (shards in separate files may hold different classes: their ids would disagree)
+        text = "\x1f".join(map(str, data.classes)).encode()
+        out["classes_digest"] = hmac.digest(secret, b"classes\x1f" + text, hashlib.sha256)[:16].hex()
     if dp.uses_label_dp(client.privacy()):
         out["labels"] = "train_randomized"
     return out
