@@ -447,6 +447,9 @@ def test_label_from_the_config_is_not_a_feature():
     assert compiled["tables"]["orders"]["numeric"] == ["qty"]
     with pytest.raises(QueryError, match="label column 'region' is in tables"):
         compile_query(BASE.replace("o.spend AS label", "o.spend"), COLUMNS, {"label": {"column": "region"}})
+    declared = {"label": {"task": "multiclass", "classes": ["eu", "us"]}}  # the label's classes pass through
+    compiled = compile_query(BASE.replace("o.spend AS label", "o.region AS label"), COLUMNS, declared)
+    assert compiled["label"] == {"table": "orders", "column": "region", "task": "multiclass", "classes": ["eu", "us"]}
 
 
 def test_union_all_of_tables_joined_on_their_shard_column_takes_one_value_per_branch():

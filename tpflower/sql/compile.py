@@ -242,12 +242,18 @@ def compile_query(sql: str, columns: Columns, cfg: Mapping[str, Any]) -> dict[st
                 raise QueryError(f"SQL: table {t!r} is sharded by the UNION ALL and by dataset.tables.{t}.shards")
             entry["shards"] = shards[t]
         tables[t] = entry
-    task = (cfg.get("label") or {}).get("task", "regression")
+    declared = dict(cfg.get("label") or {})
+    task = declared.get("task", "regression")
     joins = [{"left": e.left, "right": e.right, "on": [list(pair) for pair in e.on]} for e in branch.edges]
     out = {k: v for k, v in cfg.items() if k != "sql"}
     out.update(
         tables=tables,
-        label={"table": label_table, "column": label_column, "task": task},
+        label={
+            "table": label_table,
+            "column": label_column,
+            "task": task,
+            **({"classes": declared["classes"]} if declared.get("classes") is not None else {}),
+        },
         joins=joins,
         query=normalized,
         **({"notes": notes} if notes else {}),
