@@ -33,6 +33,7 @@ from tpflower.datasets import derive_rows, load_spec, load_table
 from tpflower.datasets.files import is_parquet, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.model_part import ModelPart
+from tpflower.phases.predict import unseen_category_line
 from tpflower.preprocess import unseen_categories
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
@@ -81,11 +82,8 @@ def predict_run(
             f"{row}), read as missing: the median fills them (dataset.na_strings: error refuses them)"
         )
     notes = () if frame is None else unseen(frame, spec, table, run_dir, record["run_id"], shard).items()
-    for c, (n, row, value) in notes:
-        log(
-            f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} categor{'y' if n == 1 else 'ies'} no "
-            f"training row had, like {value!r} (the first in row {row}): scored as a category the model never saw"
-        )
+    for c, seen in notes:
+        log(unseen_category_line(rows_name or f"rows file {rows}", c, *seen))
     outside = 0 if frame is None else outside_where(frame, spec, table)
     del frame
     if outside:

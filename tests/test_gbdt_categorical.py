@@ -5,6 +5,9 @@ goes right)."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -17,6 +20,7 @@ from tpflower.categorical import CategoricalRule, best_block_splits, best_native
 from tpflower.datasets import load_table
 from tpflower.model_part import ModelPart
 from tpflower.phases.gbdt import OwnerTrees, route_bits
+from tpflower.phases.predict import read_rows
 from tpflower.trees import BinLayout, SplitRule, bin_codes
 
 NATIVE = ("+dataset.loader.categories=8", "algorithm.categorical=native")
@@ -166,7 +170,7 @@ def test_native_splits_differ_from_one_hot_ones():
     assert shape(native.forest) != shape(onehot.forest)
 
 
-def test_a_saved_native_part_predicts_as_the_run_and_sends_an_unseen_category_right(tmp_path):
+def test_a_saved_native_part_predicts_as_the_run_and_sends_an_unseen_category_right(tmp_path, caplog):
     """The owner's saved part holds its category splits with the raw category values; prediction of the held-out
     rows equals the run's test predictions; a row whose category the owner never saw goes right at every
     category split of its table."""
@@ -186,3 +190,21 @@ def test_a_saved_native_part_predicts_as_the_run_and_sends_an_unseen_category_ri
     assert not sides[:, np.isnan(part.thresholds)].any()
     seen = part.split_sides(part.features(frame.iloc[:400]))
     assert seen[:, np.isnan(part.thresholds)].any()  # rows of the sets' categories go left
+    # a deployed owner's node reading such rows says so in its own log (a simulation's driver prints it)
+    unseen.to_csv(tmp_path / "unseen.csv", index=False)
+    owner = SimpleNamespace(origin="deployed", prediction_rows_name=None, loader=None)
+    settings = SimpleNamespace(spec=strategy.spec, table="fact", owner=owner, key_kinds={})
+    node = SimpleNamespace(settings=settings)
+    with caplog.at_level(logging.WARNING, logger="tpflower"):
+        assert len(read_rows(str(tmp_path / "unseen.csv"), node, part)) == 50
+    assert "50 row(s) hold a category of column 'c' no training row had, like 'never-seen' (the first" in caplog.text
+    lines: list[str] = []  # a simulation's driver: one line
+    predict_run(tmp_path / "run", tmp_path / "unseen.csv", log=lines.append)
+    assert any(
+        line.endswith(
+            "rows file " + str(tmp_path / "unseen.csv") + ": 50 row(s) hold a category of column "
+            "'c' no training row had, like 'never-seen' (the first in row 0): scored as a category "
+            "the model never saw"
+        )
+        for line in lines
+    ), lines

@@ -49,6 +49,7 @@ from tpflower.keys_payload import KeysPayload
 from tpflower.local_table import with_class_names
 from tpflower.model_part import ModelPart, part_id, part_path
 from tpflower.phases.setup import REBLIND, REBUILD, chunked_reply, key_payload, keys_chunk
+from tpflower.preprocess import unseen_categories
 from tpflower.records import Arrays
 from tpflower.schema import DATETIME_TZ, SpecError, key_kind
 from tpflower.selection import kept_theta
@@ -210,6 +211,9 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     absent = [c for c in part.columns if c not in frame.columns]
     if absent:
         raise SpecError(f"{where}: no feature column(s) {absent} of table {table!r}")
+    if s.owner.origin != "simulation":  # the owner's log (a simulation's driver says it in one line)
+        for c, seen in unseen_categories(part.preprocessing.get("categories") or {}, frame).items():
+            logging.getLogger("tpflower").warning("%s", unseen_category_line(where, c, *seen))
     for c in keys:
         trained = s.key_kinds.get(c)
         if (
@@ -229,6 +233,15 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     if len(frame) == 0:
         raise SpecError(f"{where}: no rows")
     return frame.reset_index(drop=True)
+
+
+def unseen_category_line(where: str, column: str, n: int, row: int, value: str) -> str:
+    """The notice of ``n`` rows whose category in ``column`` no training row had (tpflower.preprocess.
+    unseen_categories: the first in ``row``, ``value``)."""
+    return (
+        f"{where}: {n} row(s) hold a category of column {column!r} no training row had, like {value!r} (the "
+        f"first in row {row}): scored as a category the model never saw"
+    )
 
 
 def datetime_key(client: TableClient, column: pd.Series, where: str) -> pd.Series:
