@@ -33,6 +33,7 @@ from tpflower.datasets import derive_rows, load_spec, load_table
 from tpflower.datasets.files import is_parquet, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.model_part import ModelPart
+from tpflower.owner import simulation_secret
 from tpflower.phases.predict import unseen_category_line
 from tpflower.preprocess import unseen_categories
 from tpflower.schema import RelationalSpec, SpecError
@@ -81,7 +82,9 @@ def predict_run(
             f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} value(s) like {value!r} (the first in row "
             f"{row}), read as missing: the median fills them (dataset.na_strings: error refuses them)"
         )
-    notes = () if frame is None else unseen(frame, spec, table, run_dir, record["run_id"], shard).items()
+    notes = (
+        () if frame is None else unseen(frame, table, run_dir, record["run_id"], shard, simulation_secret(cfg)).items()
+    )
     for c, seen in notes:
         log(unseen_category_line(rows_name or f"rows file {rows}", c, *seen))
     outside = 0 if frame is None else outside_where(frame, spec, table)
@@ -120,13 +123,15 @@ def read_rows_once(path: Path, spec: RelationalSpec, table: str) -> pd.DataFrame
 
 
 def unseen(
-    frame: pd.DataFrame, spec: RelationalSpec, table: str, run_dir: Path, run_id: str, shard: int
+    frame: pd.DataFrame, table: str, run_dir: Path, run_id: str, shard: int, secret: bytes
 ) -> dict[str, tuple[int, int, str]]:
-    """The categorical columns of the rows ``frame`` holding categories the query owner's part never saw in
-    training (tpflower.preprocess.unseen_categories): a simulation's saved part, RUN_DIR/node-state (empty: no
-    part there)."""
+    """The categorical columns of the rows ``frame`` holding categories no training row had (tpflower.preprocess.
+    unseen_categories; over a union, no shard's: the part names the other shards' categories by the digests of
+    the rows' values, ``secret``): a simulation's saved part, RUN_DIR/node-state (empty: no part there)."""
     part = ModelPart.load(run_dir / "node-state", run_id, table, shard)
-    return {} if part is None else unseen_categories(part.preprocessing.get("categories") or {}, frame)
+    if part is None:
+        return {}
+    return unseen_categories(part.naming(frame, secret).preprocessing.get("categories") or {}, frame)
 
 
 def outside_where(frame: pd.DataFrame, spec: RelationalSpec, table: str) -> int:

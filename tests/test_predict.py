@@ -708,3 +708,26 @@ def test_a_datetime_key_of_a_csv_rows_file_is_parsed_as_training_joins_it(tmp_pa
     assert len(err.splitlines()) == 1 and not (tmp_path / "p.csv").exists()
     assert "key column 'day' of table 'orders' joins as datetime, but row 3 (0-based, header excluded) holds " in err
     assert "'31.01.2020', not an ISO 8601 date or time" in err, err
+
+
+def test_a_union_shard_scores_a_category_only_another_shard_held_as_training_did(tmp_path):
+    """Over a union a shard knows the categories only other shards held by their digests: a new row of such a
+    category gets its trained feature (the same prediction through every shard), and no line calls it unseen."""
+    from tests.test_checks import shop
+
+    rng = np.random.default_rng(0)
+    region = np.where(np.arange(400) < 200, "east", "west")
+    plan = np.where(region == "east", rng.choice(["a", "b"], 400), rng.choice(["b", "c"], 400))  # "c": west only
+    orders = pd.DataFrame({"cust": rng.integers(0, 50, 400), "qty": 1.0, "region": region, "plan": plan})
+    orders["spend"] = 10.0 + 5.0 * (orders["plan"] == "c") + rng.normal(0, 0.1, 400)
+    dataset = shop(tmp_path, orders)
+    dataset["tables"]["orders"].update(categorical=["plan", "region"], shards={"by": "region", "values": ["east", "west"]})
+    cfg = make_cfg("scenario=ucq", "algorithm=admm", "epochs=3", dataset=dataset)
+    run_in_process(cfg, tmp_path / "run", tmp_path, **QUIET)
+    new = orders.drop(columns=["spend"]).iloc[[0, 1, 2]].assign(plan="c", region="east")
+    new.to_csv(tmp_path / "new.csv", index=False)
+    lines: list[str] = []
+    by_shard = [predict_run(tmp_path / "run", tmp_path / "new.csv", shard=q, log=lines.append).frame() for q in (0, 1)]
+    np.testing.assert_allclose(by_shard[0]["prediction"], by_shard[1]["prediction"], rtol=1e-9)
+    assert (by_shard[0]["prediction"] > 13).all()  # the weight of "c" applies (10 without it)
+    assert not any("no training row had" in line for line in lines), lines

@@ -547,6 +547,26 @@ def apply_rule(rule: GlobalRule, frame: pd.DataFrame, secret: bytes, table: str 
     )
 
 
+def name_placeholders(
+    categories: Mapping[str, Sequence[str]], frame: pd.DataFrame, secret: bytes
+) -> dict[str, tuple[str, ...]]:
+    """``categories`` (a shard's fitted ones, :func:`apply_rule`) with each placeholder of a category the shard
+    never held (``"#"`` + digest) named by the value of ``frame`` that digests to it: new rows to score hold
+    categories only other shards saw in training, which the shard knows by their digests alone. Without a
+    secret the names stay."""
+    out: dict[str, tuple[str, ...]] = {}
+    for col, names in categories.items():
+        names = tuple(names)
+        if secret and col in frame.columns and any(n.startswith(UNSEEN_PREFIX) for n in names):
+            known = set(names)
+            fresh = np.array([v for v in np.unique(_category_strings(frame[col]).astype(str)) if v not in known])
+            if len(fresh):
+                named = {digest_name(d): v for d, v in zip(category_digests(fresh, col, secret), fresh.tolist())}
+                names = tuple(named.get(n, n) if n.startswith(UNSEEN_PREFIX) else n for n in names)
+        out[col] = names
+    return out
+
+
 def digest_name(digest: np.ndarray) -> str:
     """Name of a category known only by its digest: ``"#"`` + the first 16 hex digits of its 16 bytes."""
     return UNSEEN_PREFIX + np.asarray(digest, dtype="<u8").tobytes().hex()[:16]

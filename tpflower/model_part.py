@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tpflower.fedprep import bin_transform
+from tpflower.fedprep import bin_transform, name_placeholders
 from tpflower.files import atomic_write
 from tpflower.models import torch_dtype
 from tpflower.preprocess import TablePreprocessor
@@ -160,6 +160,16 @@ class ModelPart:
     def columns(self) -> tuple[str, ...]:
         """The feature columns the part was trained on (numeric, categorical, binned)."""
         return self.numeric + self.categorical + tuple(c for c in self.bin_edges if c not in self.numeric)
+
+    def naming(self, frame: pd.DataFrame, secret: bytes) -> ModelPart:
+        """This part with the categories it knows by their digests only (a shard of a union whose rows never held
+        them: tpflower.fedprep.name_placeholders) named by the values of ``frame`` that digest to them, so a new
+        row of such a category gets the feature training gave it on the shards that held it."""
+        categories = self.preprocessing.get("categories")
+        if not categories:
+            return self
+        named = name_placeholders(categories, frame, secret)
+        return replace(self, preprocessing={**self.preprocessing, "categories": named})
 
     def features(self, frame: pd.DataFrame) -> np.ndarray:
         """The preprocessed features of ``frame``'s rows with the fitted preprocessing of training (the same

@@ -212,7 +212,8 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     if absent:
         raise SpecError(f"{where}: no feature column(s) {absent} of table {table!r}")
     if s.owner.origin != "simulation":  # the owner's log (a simulation's driver says it in one line)
-        for c, seen in unseen_categories(part.preprocessing.get("categories") or {}, frame).items():
+        named = part.naming(frame, s.secret).preprocessing.get("categories") or {}
+        for c, seen in unseen_categories(named, frame).items():
             logging.getLogger("tpflower").warning("%s", unseen_category_line(where, c, *seen))
     for c in keys:
         trained = s.key_kinds.get(c)
@@ -327,7 +328,7 @@ def predict_rows(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     check_count(client, len(rows))
     if len(rows) and (rows.min() < 0 or rows.max() >= len(frame)):
         raise ProtocolRefusal(f"{_where(client)}: predict_rows asks for rows outside its {len(frame)} rows")
-    X = part.features(frame.iloc[rows])
+    X = part.naming(frame, client.settings.secret).features(frame.iloc[rows])
     if part.centres is not None:  # k-means: the nearest local centre of each row (DistDim: one label per row)
         return {"labels": part.cluster_labels(X).astype(label_dtype(len(part.centres)))}, {}
     if part.splits is not None:  # boosted trees: one side bit per (row, split), packed
