@@ -721,7 +721,9 @@ def test_a_union_shard_scores_a_category_only_another_shard_held_as_training_did
     orders = pd.DataFrame({"cust": rng.integers(0, 50, 400), "qty": 1.0, "region": region, "plan": plan})
     orders["spend"] = 10.0 + 5.0 * (orders["plan"] == "c") + rng.normal(0, 0.1, 400)
     dataset = shop(tmp_path, orders)
-    dataset["tables"]["orders"].update(categorical=["plan", "region"], shards={"by": "region", "values": ["east", "west"]})
+    dataset["tables"]["orders"].update(
+        categorical=["plan", "region"], shards={"by": "region", "values": ["east", "west"]}
+    )
     cfg = make_cfg("scenario=ucq", "algorithm=admm", "epochs=3", dataset=dataset)
     run_in_process(cfg, tmp_path / "run", tmp_path, **QUIET)
     new = orders.drop(columns=["spend"]).iloc[[0, 1, 2]].assign(plan="c", region="east")
