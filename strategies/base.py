@@ -46,6 +46,7 @@ from tpflower.checkpoint import CHECKPOINT
 from tpflower.losses import LabelScale, primary_metric
 from tpflower.params import AlgorithmParams, run_settings
 from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
+from tpflower.reference import below_constant
 from tpflower.registry import entries
 from tpflower.schema import RelationalSpec
 from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
@@ -447,7 +448,26 @@ class LoJStrategy(TablePuppetStrategy):
         if self.predictor and self.run_dir is not None:
             self.save_model()
         self.finished = True
+        self.warn_below_constant()
         self.record.write(self.run_dir)
+
+    def warn_below_constant(self) -> None:
+        """One warning line when the final model scores worse on the test rows than the constant predictor (its
+        features taught it nothing that holds on new rows), with the setting most likely to help."""
+        assert self.results is not None
+        last = self.results.history[-1].test_metric if self.results.history else None
+        worse = below_constant(self.task, last, self.results.reference)
+        if not worse:
+            return
+        if self.feature_dp:
+            hint = "the DP noise outweighs what it learnt: more epochs, or a larger epsilon"
+        elif self.algorithm in ("gbdt", "ucq_gbdt"):
+            hint = "the trees overfit: fewer trees, or validation_fraction=0.1 to stop early"
+        elif self.validation == "select":
+            hint = "it overfits: a larger model.beta (e.g. 0.1), or validation_fraction=0.1 to keep its best epoch"
+        else:  # a solver: the regularization decides its solution
+            hint = "it overfits: a larger model.beta (e.g. 0.1)"
+        self.log(f"warning: the model ends worse than predicting a constant ({worse}); {hint}")
 
     def model_extra(self) -> dict[str, Any]:
         """What model.json holds beyond the common record (k-means: its centres)."""

@@ -72,6 +72,30 @@ def test_federated_results_carry_the_constant_predictor(privacy, tmp_path):
     else:  # the label owner scored it at the first evaluation
         assert any(line.startswith(f"reference: constant predictor rmse={rmse:.4f}") for line in lines)
     assert "comm time modelled on" in lines[0]
+    assert not any(line.startswith("warning: the model ends worse") for line in lines)  # it learnt
+
+
+def test_a_model_worse_than_the_constant_predictor_ends_with_a_warning(tmp_path):
+    """A label of noise over few rows and a wide one-hot block: the weakly regularized solution overfits, and
+    the run says so in one line, with the setting that helps."""
+    import numpy as np
+    import pandas as pd
+
+    from tests.test_checks import shop
+
+    rng = np.random.default_rng(1)
+    orders = pd.DataFrame(
+        {"cust": rng.integers(0, 50, 120), "qty": rng.normal(size=120), "spend": rng.normal(size=120)}
+    )
+    customers = pd.DataFrame({"cust": np.arange(50), "age": rng.normal(size=50), "town": [f"t{i}" for i in range(50)]})
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["categorical"] = ["town"]
+    lines: list[str] = []
+    run_in_process(make_cfg("algorithm=pcg", dataset=dataset), tmp_path / "run", tmp_path, log=lines.append)
+    record = read_results(tmp_path / "run")
+    assert record["history"][-1]["test_metric"] > record["reference"]["constant_rmse"]
+    (warning,) = [line for line in lines if line.startswith("warning: the model ends worse")]
+    assert warning.endswith("; it overfits: a larger model.beta (e.g. 0.1)"), warning
 
 
 def test_results_json_is_readable_like_the_other_files(tmp_path):

@@ -38,3 +38,14 @@ def reference_text(task: str, reference: dict[str, float]) -> str:
     metric = primary_metric(task)
     value = reference.get(f"constant_{metric}")
     return "" if value is None else f"constant predictor {metric}={value:.4f}"
+
+
+def below_constant(task: str, test_metric: float | None, reference: dict[str, float]) -> str:
+    """``test rmse 3.1750 against the constant predictor's 2.9600`` when the final model's test metric is worse
+    than the constant predictor's (lower accuracy, higher RMSE); '' when it is not, or either is unknown."""
+    metric = primary_metric(task)
+    constant = reference.get(f"constant_{metric}")
+    if test_metric is None or constant is None or not np.isfinite(test_metric):
+        return ""
+    worse = test_metric > constant if metric == "rmse" else test_metric < constant
+    return f"test {metric} {test_metric:.4f} against the constant predictor's {constant:.4f}" if worse else ""
