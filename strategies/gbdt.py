@@ -202,9 +202,24 @@ class JoinGBDT(LoJStrategy):
             if alg.early_stopping and bad >= alg.early_stopping:
                 self.log(f"early stopping: no lower validation loss in {bad} evaluations; keeping {best[1]} trees")
                 del self.forest[best[1] :]
-                self.record_epoch(best[1], best[2], best[3], {"trees": float(best[1])})
+                self.results.stopped = {
+                    "epoch": r,
+                    "reason": "validation",
+                    "detail": f"no lower validation loss in {bad} evaluations",
+                }
+                self.record_epoch(best[1], best[2], best[3], {"trees": float(best[1]), "kept": 1.0})
                 break
             self.end_epoch(r, {"F": F, "F_eval": F_eval, "best": best, "bad": bad, "next_id": next_id})
+        if len(self.val_rows):  # results.json's selection, as the model-selecting algorithms' (strategies.selection)
+            kept = len(self.forest)
+            losses = {rec.epoch: rec.extra["val_loss"] for rec in self.results.history if "val_loss" in rec.extra}
+            self.results.selection = {
+                "validation_fraction": float(self.cfg.get("validation_fraction") or 0),
+                "validation_rows": len(self.val_rows),
+                "kept_epoch": kept,
+                "val_loss": float(losses.get(kept, np.nan)),
+                "early_stopping": alg.early_stopping,
+            }
         self.results.importance = table_importance(self.forest)
         self.log(importance_line(self.results.importance))
         self.finish()

@@ -442,6 +442,12 @@ def test_validation_rows_take_no_part_and_early_stopping_keeps_the_best_trees():
     assert len(s.forest) < 30  # stopped early
     assert_same_forest(forest[: len(s.forest)], s.forest)
     assert s.results.history[-1].extra["trees"] == len(s.forest)
+    # results.json says so as the model-selecting algorithms do: the stop, the kept trees, the kept record
+    assert s.results.stopped["reason"] == "validation" and s.results.stopped["epoch"] > len(s.forest)
+    assert s.results.selection["kept_epoch"] == len(s.forest) and s.results.selection["validation_fraction"] == 0.3
+    kept = [r for r in s.results.history if r.epoch == len(s.forest) and "val_loss" in r.extra]
+    assert s.results.selection["val_loss"] == kept[0].extra["val_loss"]
+    assert s.results.history[-1].extra["kept"] == 1.0
 
 
 def test_one_round_trip_per_expansion_step_and_replies_hold_gains_and_bits_only():
