@@ -19,7 +19,7 @@ import torch
 from tpflower import privacy as dp
 from tpflower.batches import batch_size_of, epoch_batches
 from tpflower.categorical import best_native_splits, blocks_of, category_codes, in_set
-from tpflower.losses import LabelScale, loss_np, loss_torch, metrics, primary_metric, standardizes_label
+from tpflower.losses import LabelScale, label_scaling, loss_np, loss_torch, metrics, primary_metric
 from tpflower.models import JoinedModel, l2_penalty, torch_dtype
 from tpflower.owner import simulation_secret
 from tpflower.params import run_settings
@@ -79,7 +79,7 @@ def evaluate(model, rel: Relation, dtype, scale: LabelScale = LabelScale()) -> d
 
 def label_scale_of(cfg: Any, rel: Relation) -> LabelScale:
     """The federated runs' label scale (config ``standardize_label``): fitted on the training join's labels."""
-    return LabelScale.fit(rel.spec.label.task, rel.labels(rel.train), standardizes_label(cfg))
+    return LabelScale.fit(rel.spec.label.task, rel.labels(rel.train), label_scaling(cfg))
 
 
 def exact_ridge(

@@ -34,7 +34,7 @@ from strategies.transport import ClientKey, Reply
 from tpflower import privacy as dp
 from tpflower.blind import point_digests
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
-from tpflower.losses import LabelScale, output_dim, standardizes_label
+from tpflower.losses import LabelScale, label_scaling, output_dim
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
 from tpflower.records import numbered, unnumbered
 from tpflower.relation import summary_line
@@ -259,7 +259,7 @@ class JoinSetup(Saved):
         y_train = y_rows[self.train.p[label]]
         # regression: training sees the label standardized on the training rows (after label DP, which the
         # label owner applied to the raw label); predictions go back to the label's units before any metric
-        self.label_scale = LabelScale.fit(self.task, y_train, standardizes_label(self.cfg))
+        self.label_scale = LabelScale.fit(self.task, y_train, label_scaling(self.cfg))
         self.y_train = self.state_labels(self.label_scale.scaled(y_train))
         # label DP: the server holds the randomized training labels only; the label owner evaluates the test rows
         self.y_test = None if self.label_dp else y_rows[self.test.p[label]]

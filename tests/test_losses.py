@@ -10,13 +10,13 @@ from scipy.special import softmax
 from strategies.join_admm import _multiclass_newton_direction, z_update
 from tpflower.losses import (
     binary_auc,
+    label_scaling,
     loss_grad_np,
     loss_np,
     loss_torch,
     metrics,
     output_dim,
     primary_metric,
-    standardizes_label,
 )
 
 CASES = [("regression", 1), ("binary", 1), ("multiclass", 4)]
@@ -171,27 +171,28 @@ def test_output_dim() -> None:
 @pytest.mark.parametrize(
     "privacy, value, expected",
     [
-        ("none", "auto", True),
-        ("label", "auto", True),
-        ("dpsgd", "auto", False),
-        ("label_dpsgd", "auto", False),
-        ("dpsgd", True, True),
-        ("none", False, False),
+        ("none", "auto", "standardize"),
+        ("label", "auto", "standardize"),
+        ("dpsgd", "auto", "center"),
+        ("label_dpsgd", "auto", "center"),
+        ("dpsgd", True, "standardize"),
+        ("none", False, "raw"),
     ],
 )
-def test_standardize_label_auto_is_off_under_feature_dp_only(privacy, value, expected):
+def test_standardize_label_auto_only_centres_under_feature_dp(privacy, value, expected):
     """standardize_label=auto: the label is standardized unless feature DP is on (DP-SGD's parameter noise
-    would reach the label's units multiplied by its std); an explicit true / false is obeyed."""
-    assert standardizes_label({"standardize_label": value, "privacy": {"name": privacy}}) is expected
+    would reach the label's units multiplied by its std), where it is centred only; an explicit true / false
+    is obeyed."""
+    assert label_scaling({"standardize_label": value, "privacy": {"name": privacy}}) == expected
 
 
 def test_standardize_label_refuses_other_values():
     with pytest.raises(ValueError, match="standardize_label must be true, false or auto"):
-        standardizes_label({"standardize_label": "yes", "privacy": {"name": "none"}})
+        label_scaling({"standardize_label": "yes", "privacy": {"name": "none"}})
 
 
 def test_shipped_config_standardizes_except_under_feature_dp():
     from tpflower.config import compose_config
 
-    assert standardizes_label(compose_config("dataset=nycflights13"))
-    assert not standardizes_label(compose_config("dataset=nycflights13", "privacy=dpsgd"))
+    assert label_scaling(compose_config("dataset=nycflights13")) == "standardize"
+    assert label_scaling(compose_config("dataset=nycflights13", "privacy=dpsgd")) == "center"

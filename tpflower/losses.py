@@ -15,6 +15,7 @@ Labels may be given as ``(n,)`` or ``(n, 1)``. The numpy functions run on the se
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch.nn.functional as F
@@ -175,15 +176,22 @@ def metrics(task: str, H: np.ndarray, y: np.ndarray) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- label scale
-def standardizes_label(cfg) -> bool:
-    """Config ``standardize_label``: true | false | auto (true, except under feature DP: DP-SGD adds its noise
-    to the parameters, and predictions on the standardized scale reach the label's units multiplied by its
-    std, so the noise costs std times more there; README "Privacy" measures it)."""
+#: how a regression label is scaled for training (config ``standardize_label``): standardized, centred only
+#: (its mean taken off, its units kept) or raw
+LabelScaling = Literal["standardize", "center", "raw"]
+
+
+def label_scaling(cfg) -> LabelScaling:
+    """Config ``standardize_label``: true (standardize), false (raw) or auto: standardize, except under feature
+    DP, where the label is centred only: DP-SGD adds its noise to the parameters, and predictions on the
+    standardized scale reach the label's units multiplied by its std (the noise costs std times more there;
+    docs/results.md, differential privacy), while a raw label far from 0 leaves the noisy model starting a
+    mean away from it."""
     value = cfg.get("standardize_label", "auto")
     if value == "auto":
-        return not uses_feature_dp(cfg.get("privacy") or {})
+        return "center" if uses_feature_dp(cfg.get("privacy") or {}) else "standardize"
     if isinstance(value, bool):
-        return value
+        return "standardize" if value else "raw"
     raise ValueError(f"standardize_label must be true, false or auto, got {value!r}")
 
 
@@ -199,12 +207,15 @@ class LabelScale:
     std: float = 1.0
 
     @classmethod
-    def fit(cls, task: str, y: np.ndarray, on: bool = True) -> LabelScale:
-        """Mean and standard deviation of the training labels ``y`` (identity unless regression and ``on``)."""
-        if not on or task != "regression" or len(y) == 0:
+    def fit(cls, task: str, y: np.ndarray, scaling: LabelScaling = "standardize") -> LabelScale:
+        """Mean and standard deviation of the training labels ``y`` (``center``: the mean, std 1; identity
+        unless regression and not ``raw``)."""
+        if scaling == "raw" or task != "regression" or len(y) == 0:
             return cls()
         y = np.asarray(y, dtype=np.float64)
         mean, std = float(y.mean()), float(y.std())
+        if scaling == "center":
+            return cls(mean, 1.0)
         return cls(mean, std if np.isfinite(std) and std > 0 else 1.0)
 
     def scaled(self, y: np.ndarray) -> np.ndarray:
