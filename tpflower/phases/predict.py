@@ -217,9 +217,8 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             logging.getLogger("tpflower").warning("%s", unseen_category_line(where, c, *seen))
     for c in keys:
         trained = s.key_kinds.get(c)
-        if (
-            trained in ("datetime", DATETIME_TZ) and key_kind(frame[c].dtype) == "string"
-        ):  # a CSV file holds dates as text
+        as_text = key_kind(frame[c].dtype) == "string"  # a CSV file holds dates as text
+        if trained in ("datetime", DATETIME_TZ) and as_text:
             frame[c] = datetime_key(client, frame[c], f"{where}: key column {c!r} of table {table!r}")
         kind = key_kind(frame[c].dtype)
         if trained is not None and kind != trained:
