@@ -48,6 +48,22 @@ def sgd_schedule(strategy: LoJStrategy) -> tuple[SGDSchedule, BatchPlan]:
     return schedule, BatchPlan.of(evaluated, np.arange(evaluated.N))
 
 
+#: fewer mini-batch steps than this over a whole run are worth a line (a table smaller than the batch size)
+FEW_STEPS = 100
+
+
+def warn_few_steps(strategy: LoJStrategy, schedule: SGDSchedule) -> None:
+    """One line when the run's whole schedule holds fewer than :data:`FEW_STEPS` mini-batch steps: a training
+    join a few batches long gets a few updates (one per epoch when it is smaller than the batch)."""
+    steps = schedule.per_epoch * int(strategy.cfg.epochs)
+    if steps < FEW_STEPS and strategy.cfg.algorithm.batch_size != "full":
+        strategy.log(
+            f"warning: {schedule.per_epoch} mini-batch step(s) per epoch ({strategy.train.N:,} training rows, "
+            f"algorithm.batch_size={strategy.cfg.algorithm.batch_size}): {steps} updates in all; a smaller "
+            "algorithm.batch_size or more epochs train further"
+        )
+
+
 def sgd_rounds(schedule: SGDSchedule, done: int) -> Iterator[tuple[int, tuple]]:
     """The schedule's rounds, numbered from 1, after the ``done`` epochs a resumed run already has (the same
     seed draws the same batches, so they are drawn and skipped)."""
@@ -122,6 +138,7 @@ class TPJoinSGD(LoJStrategy):
         """Setup, then the predictions of the first batch."""
         self.setup()
         schedule, _ = sgd_schedule(self)
+        warn_few_steps(self, schedule)
         replies = self.send(
             self.messages(
                 lambda t: (

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.base import LoJStrategy
-from strategies.join_sgd import EMPTY, eval_point, sgd_aggregate, sgd_dp_plan, sgd_rounds, sgd_schedule
+from strategies.join_sgd import EMPTY, eval_point, sgd_aggregate, sgd_dp_plan, sgd_rounds, sgd_schedule, warn_few_steps
 from tpflower.batches import joined_predictions
 from tpflower.phases.join_sgd import SGDParams
 
@@ -94,6 +94,7 @@ class TPUCQSGD(LoJStrategy):
         """Setup, then the predictions of the first batch (each shard its rows of it)."""
         self.setup()
         schedule, _ = sgd_schedule(self)
+        warn_few_steps(self, schedule)
         split = {t: self.routers[t].split(schedule.first.U[t]) for t in self.spec.table_names}
         replies = self.send(
             self.shard_messages(

@@ -99,3 +99,26 @@ def test_sgd_bytes_per_batch_are_sum_U_i_vs_M_B():
         assert expected <= up <= expected + framing, (strategy.algorithm, up, expected)
         payload[strategy.algorithm] = up - framing
     assert payload["vfl_sgd"] / payload["tp_join_sgd"] == pytest.approx(vfl_rows / tp_rows, rel=0.01)
+
+
+@pytest.mark.parametrize("scenario", ["join", "ucq"])
+def test_a_training_join_smaller_than_the_batch_gets_a_warning(tmp_path, scenario):
+    """320 training rows and the default batch of 1024: one step per epoch, 10 in all, said in one line."""
+    from tests.test_checks import shop
+
+    dataset = shop(tmp_path)
+    if scenario == "ucq":
+        dataset["tables"]["orders"]["shards"] = {"parts": 2}
+    lines: list[str] = []
+    cfg = make_cfg("algorithm=sgd", f"scenario={scenario}", dataset=dataset)
+    run_in_process(cfg, tmp_path / "run", tmp_path, log=lines.append)
+    (warning,) = [line for line in lines if "mini-batch step" in line]
+    assert warning.startswith("warning: 1 mini-batch step(s) per epoch (") and "10 updates in all" in warning
+    lines.clear()
+    run_in_process(
+        make_cfg("algorithm=sgd", "algorithm.batch_size=16", dataset=dataset),
+        tmp_path / "r2",
+        tmp_path,
+        log=lines.append,
+    )
+    assert not any("mini-batch step" in line for line in lines)
