@@ -401,47 +401,22 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | No
     p = _missing(name, col, "label column", y, src, "missing labels", "drop the rows without a label or fill them")
     if p is not None:
         out.append(p)
+    bad, what, fix = None, "", ""
     if task == "regression":
-        bad = _non_numeric(y)
-        if bad.any():
-            out.append(
-                _bad_values(
-                    name, col, "label column", bad, y, src, "non-numeric regression labels", "make every label a number"
-                )
-            )
+        bad, what, fix = _non_numeric(y), "non-numeric regression labels", "make every label a number"
     elif spec.label.classes is not None:
         bad = (y.notna() & (class_codes(y, spec.label.classes) < 0)).to_numpy()
-        if bad.any():
-            out.append(
-                _bad_values(
-                    name,
-                    col,
-                    "label column",
-                    bad,
-                    y,
-                    src,
-                    "labels outside label.classes",
-                    f"list every class in label.classes {list(spec.label.classes)} or drop those rows",
-                )
-            )
+        what = "labels outside label.classes"
+        fix = f"list every class in label.classes {list(spec.label.classes)} or drop those rows"
     elif task == "binary":
         try:
             binary_classes(y)
         except ValueError as exc:
             kept = y.value_counts().index[:2]  # the two most frequent values: the rows of any other are shown
             bad = (y.notna() & ~y.isin(kept)).to_numpy()
-            out.append(
-                _bad_values(
-                    name,
-                    col,
-                    "label column",
-                    bad,
-                    y,
-                    src,
-                    "binary labels beyond two values",
-                    f"{exc}; keep two classes (or set label.task: multiclass)",
-                )
-            )
+            what, fix = "binary labels beyond two values", f"{exc}; keep two classes (or set label.task: multiclass)"
+    if bad is not None and bad.any():
+        out.append(_bad_values(name, col, "label column", bad, y, src, what, fix))
     return out
 
 
