@@ -409,10 +409,15 @@ class OwnerSettingsError(SpecError):
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~])/[^\s'\",;()\[\]]+")
 
 
+def without_paths(line: str) -> str:
+    """``line`` with every absolute path as ``<a path>`` (a deployed node's line bound for the server)."""
+    return _ABSOLUTE_PATH.sub("<a path>", line)
+
+
 def server_line(local: str, settings_path: Path, table: str) -> str:
     """``local`` without the owner's paths: the settings file named as such, any other absolute path (its
     secret_file, a state_dir) as ``<a path>``; prefixed with the table when the line does not name it."""
-    line = _ABSOLUTE_PATH.sub("<a path>", local.replace(str(settings_path), "its owner's settings file"))
+    line = without_paths(local.replace(str(settings_path), "its owner's settings file"))
     return line if line.startswith("table ") else f"table {table!r}: {line}"
 
 

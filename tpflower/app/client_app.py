@@ -37,7 +37,7 @@ from tpflower.config import compose_config
 from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.local_table import ShardData
 from tpflower.overrides import split_overrides
-from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
+from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner, without_paths
 from tpflower.records import HELLO_PHASE, pack_reply, unpack_payload
 from tpflower.registry import AlgorithmEntry, entry_of
 from tpflower.schema import RelationalSpec, SpecError
@@ -271,13 +271,29 @@ def client_app_for(
         out, metrics = make_client(run_cfg, context, root, key, state_dir_of(context)).handle(arrays, config)
         return pack_reply(out, metrics)
 
+    def respond_deployed(message_type: str, content: RecordDict, context: Context) -> RecordDict:
+        """``respond``; on a deployed node (its owner's client-config) an error line holding an absolute path
+        reaches the server with the path as ``<a path>`` (docs/deployment.md), the node's log keeps it whole."""
+        try:
+            return respond(message_type, content, context)
+        except Exception as exc:
+            if not context.node_config.get("client-config"):
+                raise
+            line = str(exc)
+            safe = without_paths(line)
+            if safe == line:
+                raise
+            logging.getLogger("tpflower").error("%s", line)
+            raise SpecError(safe) from None
+
     def handler(msg: Message, context: Context) -> Message:
-        return Message(respond(msg.metadata.message_type, msg.content, context), reply_to=msg)
+        return Message(respond_deployed(msg.metadata.message_type, msg.content, context), reply_to=msg)
 
     app.query()(handler)
     app.train()(handler)
     app.evaluate()(handler)
-    app.respond = respond  # type: ignore[attr-defined]  # for the owner's node service (tpflower.app.node_service)
+    # for the owner's node service (tpflower.app.node_service)
+    app.respond = respond_deployed  # type: ignore[attr-defined]
     return app
 
 
