@@ -812,11 +812,26 @@ def predict(
             "--state-dir of the run that trained the model"
         )
     table = table or spec.label_table
+    check_rows_file(Path(rows), spec.key_columns(table))
     job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.table={table} +predict.shard={int(shard)}"
     job += " +predict.per_joined_row=true" if per_joined_row else ""
     query = {(table, int(shard)): str(Path(rows).resolve())}
     dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query, owned=True)
     return submit(dep, job, run_dir, run_dir / PREDICTIONS_FILE, "prediction run", timeout)
+
+
+def check_rows_file(rows: Path, keys: tuple[str, ...] | list[str]) -> None:
+    """``--rows`` exists and reads as the query owner's node will read it (before any process starts: a
+    deployment's start takes tens of seconds); raises RunFailed naming the file. Its columns are the node's
+    to check (tpflower.phases.predict.read_rows)."""
+    from tpflower.datasets.files import read_rows_file  # noqa: PLC0415
+
+    if not rows.is_file():
+        raise RunFailed(f"--rows {rows}: no such file")
+    try:
+        read_rows_file(rows, keys)
+    except (OSError, ValueError) as exc:
+        raise RunFailed(f"--rows {rows}: cannot read it as {rows.suffix.lstrip('.') or 'csv'} ({exc})") from None
 
 
 def config_of(overrides: str) -> Any:

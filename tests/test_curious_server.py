@@ -9,6 +9,7 @@ and binned columns, metrics included.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def test_an_algorithm_without_dp_is_refused_under_a_dp_floor_by_the_nodes_own_re
         (
             "+dataset.tables.users.source=/etc/hostname dataset.label.table=users dataset.label.column=salary",
             "users",
-            "the run names source '/etc/hostname' for it; this node serves the bundled table",
+            "the run names a source file for it; this node serves the bundled table of loader 'movielens'",
         ),
         (
             "dataset.label.table=users dataset.label.column=user",
@@ -467,6 +468,39 @@ def mixed_dataset(tmp_path: Path) -> dict:
         "joins": [{"left": "fact", "right": "dim", "on": "k"}],
         "split": {"test_fraction": 0.15, "seed": 1},
     }
+
+
+def test_a_node_serves_its_own_file_whatever_source_the_run_names(tmp_path, caplog):
+    """A node whose settings name a file serves that file: a run naming another path for the table (the
+    submitter need not know the owner's), or none, is accepted and the node logs it; a run asking for a bundled
+    table instead is refused, and the file the node loads is its own (docs/deployment.md)."""
+    from tpflower.datasets import load_spec
+    from tpflower.owner import Exposed, OwnerSettings
+
+    dataset = mixed_dataset(tmp_path)
+    own = str((tmp_path / "dim.csv").resolve())
+    owner = OwnerSettings(
+        table="dim",
+        exposed=Exposed(("k",), ("z",), ("cat",)),
+        privacy={"name": "none"},
+        secret=b"",
+        source=own,
+        origin="/owner/dim.yaml",
+    )
+    for source in ("/etc/hostname", "data/dim.csv", own, None):
+        run = copy.deepcopy(dataset)
+        if source is None:
+            del run["tables"]["dim"]["source"]
+        else:
+            run["tables"]["dim"]["source"] = source
+        with caplog.at_level("INFO", logger="tpflower"):
+            caplog.clear()
+            owner.check_spec(load_spec(run), run, tmp_path)
+        assert ("serving its own file" in caplog.text) == (source not in (own, None)), source
+    run = {**copy.deepcopy(dataset), "loader": {"name": "synthetic"}}
+    del run["tables"]["dim"]["source"]
+    with pytest.raises(ValueError, match="asks for the bundled table of loader 'synthetic'; this node serves its own"):
+        owner.check_spec(load_spec(run), run, tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -176,6 +176,13 @@ def test_deployed_predict_refuses_another_datasets_model_or_an_empty_state_dir_b
     with pytest.raises(deploy.RunFailed, match="holds no deployment, so no node's saved model part"):
         deploy.predict("algorithm=admm dataset=synthetic", tmp_path / "run", rows, tmp_path / "state")
     assert not (tmp_path / "state" / "deployment.json").exists()  # nothing was started
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "deployment.json").write_text("{}")  # a deployment's state dir, stopped
+    with pytest.raises(deploy.RunFailed, match=r"--rows .*rows.csv: no such file"):
+        deploy.predict("algorithm=admm dataset=synthetic", tmp_path / "run", rows, tmp_path / "state")
+    rows.write_bytes(b"\xff\xfe\x00garbage")  # not a table
+    with pytest.raises(deploy.RunFailed, match=r"--rows .*rows.csv: cannot read it as csv"):
+        deploy.predict("algorithm=admm dataset=synthetic", tmp_path / "run", rows, tmp_path / "state")
 
 
 def test_a_deployment_keeps_its_flower_config_under_its_state_dir(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
 from simulations.predict import predict_run
 from tests.test_gbdt import assert_same_forest, central_of, small
@@ -19,6 +20,7 @@ from tests.test_privacy_e2e import Recorded
 from tpflower.categorical import CategoricalRule, best_block_splits, best_native_splits, category_codes, in_set
 from tpflower.datasets import load_table
 from tpflower.model_part import ModelPart
+from tpflower.owner import simulation_secret
 from tpflower.phases.gbdt import OwnerTrees, route_bits
 from tpflower.phases.predict import read_rows
 from tpflower.trees import BinLayout, SplitRule, bin_codes
@@ -193,7 +195,8 @@ def test_a_saved_native_part_predicts_as_the_run_and_sends_an_unseen_category_ri
     # a deployed owner's node reading such rows says so in its own log (a simulation's driver prints it)
     unseen.to_csv(tmp_path / "unseen.csv", index=False)
     owner = SimpleNamespace(origin="deployed", prediction_rows_name=None, loader=None)
-    settings = SimpleNamespace(spec=strategy.spec, table="fact", owner=owner, key_kinds={})
+    secret = simulation_secret(OmegaConf.to_container(strategy.cfg, resolve=True))
+    settings = SimpleNamespace(spec=strategy.spec, table="fact", owner=owner, key_kinds={}, secret=secret)
     node = SimpleNamespace(settings=settings)
     with caplog.at_level(logging.WARNING, logger="tpflower"):
         assert len(read_rows(str(tmp_path / "unseen.csv"), node, part)) == 50

@@ -149,3 +149,43 @@ def test_the_progress_line_shows_small_and_large_units_in_significant_digits():
         "0.00869",
         "1.379e+07",
     ]
+
+
+def test_a_refusal_in_the_serverapp_is_one_line_and_an_unexpected_error_keeps_its_traceback():
+    """Flower logs a ServerApp's exception with exc_info (flwr-serverapp, the simulation); tpflower's filter
+    makes a deliberate refusal (RunError, SpecError, also as the cause of Flower's wrapper) one line, and
+    leaves any other exception's traceback (tpflower.app.server_app.OneLineRefusals)."""
+    import io
+    import logging
+
+    from strategies.transport import RunError
+    from tpflower.app import server_app  # noqa: F401  installs the filter
+    from tpflower.schema import SpecError
+
+    flwr_log = logging.getLogger("flwr")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    flwr_log.addHandler(handler)
+    try:
+        for exc in (RunError("table 'a' shard 0: refused\ntable 'b' shard 0: refused"), SpecError("bad spec")):
+            try:
+                try:
+                    raise exc
+                except Exception as inner:
+                    raise RuntimeError("An error was encountered. Ending simulation.") from inner
+            except Exception as ex:
+                flwr_log.error("An exception occurred !! %s", ex)  # the engine thread's lines: dropped
+                flwr_log.error("Traceback (most recent call last): ...")
+                flwr_log.error("%s raised an exception", "ServerApp", exc_info=ex)
+        try:
+            raise KeyError("a bug")
+        except KeyError as ex:
+            flwr_log.error("%s raised an exception", "ServerApp", exc_info=ex)
+    finally:
+        flwr_log.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == [
+        "the run stopped: table 'a' shard 0: refused; table 'b' shard 0: refused",
+        "the run stopped: bad spec",
+    ], lines
+    assert lines[2] == "ServerApp raised an exception" and "Traceback" in lines[3] and "KeyError: 'a bug'" in lines[-1]

@@ -283,6 +283,29 @@ def test_crafted_predictions_at_evaluate_recover_test_labels_at_the_dp_rate(tmp_
     assert right < 0.85, right
 
 
+def test_a_run_the_evaluation_budget_cannot_cover_is_refused_at_the_hello_and_charges_nothing(tmp_path):
+    """The sweep's owner: eval_epsilon 1, total_eval_epsilon 5, 4 already spent. A 3-epoch run plans 4
+    evaluations (3 epochs and the reference): refused at the hello, in one line naming the table and the
+    numbers, before setup; its ledger is as it was. A run the rest covers is answered."""
+    from tpflower.owner import load_owner_settings
+
+    budget = {"eval_epsilon": 1.0, "total_eval_epsilon": 5.0}
+    run = f"{LABEL} epochs=3"
+    context = node(tmp_path, "fact", LABEL, run, edit=lambda s: s["privacy"].update(budget))
+    owner = load_owner_settings(context.node_config["client-config"], "fact")
+    ledger = OwnerBudget(owner.state_dir, "fact", 0)
+    for _ in range(4):
+        ledger.charge_eval(1.0, 5.0, "test")
+    before = sorted((p.name, p.read_bytes()) for p in ledger.dir.iterdir())
+    with pytest.raises(ValueError) as refusal:
+        call(deployed_app, context, "query", {}, {"phase": "hello"})
+    line = str(refusal.value)
+    assert line.startswith("table 'fact' refuses the run: shard 0: its label-DP evaluations have spent epsilon 4"), line
+    assert "5 its owner allows" in line and "1 left" in line and "plans 4 evaluation(s)" in line and "\n" not in line
+    assert sorted((p.name, p.read_bytes()) for p in ledger.dir.iterdir()) == before  # nothing charged
+    assert hello(deployed_app, fresh(context, f"{LABEL} epochs=0 resume=true"))["table"] == "fact"  # 1 fits
+
+
 def test_the_harness_scores_the_trained_model_exactly_beside_the_dp_release():
     """The evaluation noise is the server's view only: the harness (it holds every table) scores the same last
     test predictions exactly. With a huge eval_epsilon the release equals it; with the owner's default it is

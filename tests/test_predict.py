@@ -521,6 +521,29 @@ def test_a_deployed_node_tells_the_server_only_the_kind_of_a_missing_key(regress
     assert "secret-value" not in str(info.value) and "secret-value" in caplog.text
 
 
+def test_a_deployed_rows_file_problem_reaches_the_server_without_its_path(regression_run, tmp_path, caplog):
+    """A query owner's rows file that is missing, or lacks a key column: the server's line names the table and
+    the kind of problem, never the file's path (docs/deployment.md); the owner's log has the path."""
+    run_id, run_dir = regression_run
+    cfg = make_cfg(*SYNTHETIC.split())
+    _, fact = load_table(cfg.dataset, "fact")
+    key = load_spec(cfg.dataset).key_columns("fact")[0]
+    fact.head(30).drop(columns=[key]).to_csv(tmp_path / "nokey.csv", index=False)
+    ask = {"phase": "predict_keys", "run_id": run_id, "query": 1}
+    for name, kind in [("absent.csv", "cannot be read as csv"), ("nokey.csv", f"has no key column(s) ['{key}']")]:
+        rows = str(tmp_path / name)
+        query = deployed(
+            tmp_path / f"node-{name}", run_dir, run_id, "fact", lambda s, r=rows: s.update(prediction_rows=r)
+        )
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="tpflower"), pytest.raises(ValueError) as info:
+            call(deployed_app, query, "train", {}, ask)
+        line = str(info.value)
+        assert line.startswith(f"table 'fact' shard 0: the rows file {kind}"), line
+        assert str(tmp_path) not in line and "/" not in line.split("(the rows join")[0], line
+        assert rows in caplog.text
+
+
 def test_a_curious_server_gets_predict_keys_chunks_in_order_once_and_within_the_rows(regression_run, tmp_path):
     """A deployed node answers predict_keys in 50-row chunks: keys_chunk out of order, twice or beyond its
     rows is refused (table and shard named); the chunks put together are its rows, codes and digests."""

@@ -37,7 +37,8 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
                                      # tpflower.releases.DEFAULT_CAPS, 20 default runs; docs/threat-model.md)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
-weaker privacy, another source or loader, another label, or columns the node does not expose is refused by
+weaker privacy, another loader (or a file for a bundled table), another label, or columns the node does not
+expose is refused by
 :meth:`OwnerSettings.check_spec` / :meth:`OwnerSettings.check_privacy` before the client sends anything
 (:class:`Refusal`, naming the table and the setting). In a simulation (one user plays every party) the same
 object is built from the Hydra config (:func:`simulation_owner`), so both paths run the same client code.
@@ -161,15 +162,27 @@ class OwnerSettings:
     # -------------------------------------------------------------------------------------------- checks
 
     def check_spec(self, spec: RelationalSpec, dataset: Mapping[str, Any], base_dir: str | Path | None) -> None:
-        """The run's dataset for this table must stay inside what the node serves and exposes."""
+        """The run's dataset for this table must stay inside what the node serves and exposes. A node with a
+        ``source`` serves that file whatever ``source`` the run names for the table (or none), never another;
+        a node with a ``loader`` serves the bundled table and refuses a run naming a file or another loader."""
         t = spec.table(self.table)
-        if t.source is not None:
-            asked = str(resolve_path(t.source, base_dir).resolve())
-            if asked != self.source:
+        if self.source is not None:  # the node serves its own file, whatever the run names (docs/deployment.md)
+            asked_loader = (dataset.get("loader") or {}).get("name")
+            if t.source is None and asked_loader is not None:
                 raise self.refuse(
-                    f"the run names source {t.source!r} for it; this node serves "
-                    f"{'its own file' if self.source else 'the bundled table'}"
+                    f"the run asks for the bundled table of loader {asked_loader!r}; this node serves its own file"
                 )
+            if t.source is not None and str(resolve_path(t.source, base_dir).resolve()) != self.source:
+                logging.getLogger("tpflower").info(
+                    "table %r: the run names source %r for it; serving its own file %s (source in its settings)",
+                    self.table,
+                    t.source,
+                    self.source,
+                )
+        elif t.source is not None:  # a bundled table: no run may make the node read a file
+            raise self.refuse(
+                f"the run names a source file for it; this node serves the bundled table of loader {self.loader!r}"
+            )
         else:
             asked_loader = (dataset.get("loader") or {}).get("name")
             if self.loader is None or asked_loader != self.loader:
@@ -396,10 +409,15 @@ class OwnerSettingsError(SpecError):
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~])/[^\s'\",;()\[\]]+")
 
 
+def without_paths(line: str) -> str:
+    """``line`` with every absolute path as ``<a path>`` (a deployed node's line bound for the server)."""
+    return _ABSOLUTE_PATH.sub("<a path>", line)
+
+
 def server_line(local: str, settings_path: Path, table: str) -> str:
     """``local`` without the owner's paths: the settings file named as such, any other absolute path (its
     secret_file, a state_dir) as ``<a path>``; prefixed with the table when the line does not name it."""
-    line = _ABSOLUTE_PATH.sub("<a path>", local.replace(str(settings_path), "its owner's settings file"))
+    line = without_paths(local.replace(str(settings_path), "its owner's settings file"))
     return line if line.startswith("table ") else f"table {table!r}: {line}"
 
 

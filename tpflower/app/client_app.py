@@ -37,7 +37,13 @@ from tpflower.config import compose_config
 from tpflower.datasets import load_spec, load_table, shard_rows
 from tpflower.local_table import ShardData
 from tpflower.overrides import split_overrides
-from tpflower.owner import OwnerSettings, load_owner_settings, simulation_owner
+from tpflower.owner import (
+    OwnerSettings,
+    load_owner_settings,
+    simulation_owner,
+    uses_label_dp,
+    without_paths,
+)
 from tpflower.records import HELLO_PHASE, pack_reply, unpack_payload
 from tpflower.registry import AlgorithmEntry, entry_of
 from tpflower.schema import RelationalSpec, SpecError
@@ -105,6 +111,29 @@ def owner_checked(
     if owner.source is not None and isinstance(dataset.get("tables"), dict):
         dataset["tables"][table] = {**(dataset["tables"].get(table) or {}), "source": owner.source}
     return CheckedNode(table, shard, owner, dataset, spec)
+
+
+def check_budget(cfg: DictConfig, node: CheckedNode) -> None:
+    """The label owner under label DP refuses, at the hello, a run whose planned evaluations its owner's
+    evaluation budget (``privacy.total_eval_epsilon``, its ledger in ``state_dir``) cannot cover
+    (docs/settings.md, Privacy): refused there, the run is stopped before any node released anything."""
+    from tpflower.privacy.budget import OwnerBudget, check_eval_plan, owner_bound, planned_evaluations  # noqa: PLC0415
+
+    owner = node.owner
+    run = OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"}
+    assert isinstance(run, dict)
+    if owner.state_dir is None or cfg.get("predict") or node.spec.label.table != node.table:
+        return
+    if not (uses_label_dp(run) or uses_label_dp(owner.privacy)):
+        return
+    plan = planned_evaluations(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    if plan == 0:
+        return
+    budget = OwnerBudget(owner.state_dir, node.table, node.shard)
+    epsilon = owner_bound(owner.privacy, run, "eval_epsilon")
+    problem = check_eval_plan(budget, epsilon, owner_bound(owner.privacy, run, "total_eval_epsilon"), plan)
+    if problem is not None:
+        raise owner.refuse(f"shard {node.shard}: {problem}")
 
 
 def simulated_query_rows(cfg: DictConfig, table: str, shard: int) -> str | None:
@@ -267,17 +296,34 @@ def client_app_for(
             if config.get("phase") != HELLO_PHASE:
                 raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
             node = owner_checked(run_cfg, dict(context.node_config), root)  # refuse a run it would not serve, now
+            check_budget(run_cfg, node)  # and one its privacy budget cannot cover, before setup releases anything
             return pack_reply({}, {"table": node.table, "shard": node.shard})
         out, metrics = make_client(run_cfg, context, root, key, state_dir_of(context)).handle(arrays, config)
         return pack_reply(out, metrics)
 
+    def respond_deployed(message_type: str, content: RecordDict, context: Context) -> RecordDict:
+        """``respond``; on a deployed node (its owner's client-config) an error line holding an absolute path
+        reaches the server with the path as ``<a path>`` (docs/deployment.md), the node's log keeps it whole."""
+        try:
+            return respond(message_type, content, context)
+        except Exception as exc:
+            if not context.node_config.get("client-config"):
+                raise
+            line = str(exc)
+            safe = without_paths(line)
+            if safe == line:
+                raise
+            logging.getLogger("tpflower").error("%s", line)
+            raise SpecError(safe) from None
+
     def handler(msg: Message, context: Context) -> Message:
-        return Message(respond(msg.metadata.message_type, msg.content, context), reply_to=msg)
+        return Message(respond_deployed(msg.metadata.message_type, msg.content, context), reply_to=msg)
 
     app.query()(handler)
     app.train()(handler)
     app.evaluate()(handler)
-    app.respond = respond  # type: ignore[attr-defined]  # for the owner's node service (tpflower.app.node_service)
+    # for the owner's node service (tpflower.app.node_service)
+    app.respond = respond_deployed  # type: ignore[attr-defined]
     return app
 
 

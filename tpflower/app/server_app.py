@@ -9,6 +9,8 @@ for the model of that run dir instead (strategies/predict.py; docs/prediction.md
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from tpflower.app.flower_patch import install_fast_fetch, install_fast_grid_pull
 from tpflower.auto import resolve
 from tpflower.datasets import load_spec
 from tpflower.registry import check_model, entries, entry_of, prediction_strategy
-from tpflower.schema import RelationalSpec
+from tpflower.schema import RelationalSpec, SpecError
 
 
 def build_strategy(
@@ -103,11 +105,53 @@ def server_app_for(
     return app
 
 
+class OneLineRefusals(logging.Filter):
+    """Flower logs a ServerApp's exception with its traceback (flwr-serverapp's and the simulation's ``%s
+    raised an exception``; the simulation engine's thread also its ``An exception occurred !!`` and the
+    formatted traceback). A refusal tpflower raises on purpose (:func:`expected_refusal`) becomes one line,
+    ``the run stopped: ...``; the run still ends failed (Flower's exit code, ``finished:failed``). Any other
+    exception keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+        refusal = expected_refusal(exc)
+        if refusal is None:
+            return True
+        if not record.exc_info:  # the engine thread's own lines about it: the line below says it
+            return False
+        record.msg, record.args = "the run stopped: %s", ("; ".join(str(refusal).splitlines()),)
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def expected_refusal(exc: BaseException | None) -> BaseException | None:
+    """``exc`` or the exception it wraps (its cause or context) when it is a refusal tpflower raises on
+    purpose: a node's or the transport's (strategies.transport.RunError) or a data or spec problem
+    (tpflower.schema.SpecError); None otherwise."""
+    from strategies.transport import RunError  # noqa: PLC0415  the strategies: loaded with the ServerApp
+
+    for _ in range(8):
+        if exc is None:
+            return None
+        if isinstance(exc, (RunError, SpecError)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def one_line_refusals() -> None:
+    """Install :class:`OneLineRefusals` on Flower's logger (once per process)."""
+    flwr_log = logging.getLogger("flwr")
+    if not any(isinstance(f, OneLineRefusals) for f in flwr_log.filters):
+        flwr_log.addFilter(OneLineRefusals())
+
+
 def default_run_dir(cfg: Any) -> str:
     return str(Path("outputs") / "flwr" / f"{cfg.algorithm.name}-{cfg.dataset.name}")
 
 
 install_fast_fetch(only_if_loaded=True)  # `flwr run` on the simulation runtime: the engine runs in this process
 install_node_actors(only_if_loaded=True)  # (as above; an engine already running keeps its worker threads)
+one_line_refusals()  # a refusal in the ServerApp's log: one line, not a traceback (Flower's exit code kept)
 install_fast_grid_pulls()  # a deployed ServerApp (flwr-serverapp): reply objects pulled without 1 s retries
 app = server_app_for(None, None)

@@ -173,30 +173,35 @@ def saved_part(client: TableClient, run_id: str) -> tuple[ModelPart, str]:
 
 
 def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
-    """The query owner's new rows, checked against what the model was trained on (module docstring)."""
+    """The query owner's new rows, checked against what the model was trained on (module docstring). Every
+    refusal goes through :func:`rows_refusal`: a deployed node tells the server the kind of problem only (its
+    line names no path, value or row), its own log the line with the file's path."""
     s = client.settings
     spec, table, where = s.spec, s.table, s.owner.prediction_rows_name or f"rows file {path}"
-    suffix = Path(path).suffix.lower()
+    suffix = Path(path).suffix.lower().lstrip(".") or "csv"
     try:
         frame = read_rows_file(Path(path), spec.key_columns(table))
     except (OSError, ValueError) as exc:
-        raise SpecError(f"{where}: cannot read it as {suffix.lstrip('.') or 'csv'} ({exc})") from None
+        detail = f"{where}: cannot read it as {suffix} ({exc})"
+        raise rows_refusal(client, detail, f"cannot be read as {suffix}", says="why") from None
     if not len(frame):
-        raise SpecError(f"{where}: holds no row (a header only): nothing to score")
+        detail = f"{where}: holds no row (a header only): nothing to score"
+        raise rows_refusal(client, detail, "holds no row (a header only): nothing to score", says=None)
     na_text = {c: v for c, v in (frame.attrs.get(NA_ATTR) or {}).items() if c in part.numeric}
     if s.owner.loader is not None:  # rows in the format of the loader's source: its derived columns computed
         frame = derive_rows(s.owner.loader, table, frame)
     keys = list(spec.key_columns(table))
     missing = [c for c in keys if c not in frame.columns]
     if missing:
-        raise SpecError(f"{where}: no key column(s) {missing} of table {table!r} (the rows join by {keys})")
+        detail = f"{where}: no key column(s) {missing} of table {table!r} (the rows join by {keys})"
+        raise rows_refusal(client, detail, f"has no key column(s) {missing} (the rows join by {keys})", says=None)
     incomplete = frame[keys].isna().any(axis=1).to_numpy()
     if incomplete.any():
         detail = (
             f"{where}: {int(incomplete.sum())} row(s) with a missing key in {keys} of table {table!r}, the first "
             f"row {int(np.flatnonzero(incomplete)[0])} (0-based, header excluded); give every row its keys"
         )
-        raise rows_refusal(client, detail, "rows with a missing key")
+        raise rows_refusal(client, detail, "has rows with a missing key")
     for c, (n, row, value) in na_text.items():  # text for a missing number: as training reads it (na_strings)
         detail = (
             f"{where}: column {c!r} of table {table!r} holds {n} text value(s) like {value!r} for a missing "
@@ -204,13 +209,14 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
         )
         if spec.na_strings == "error":
             fix = "leave them empty (or set dataset.na_strings: missing)"
-            raise rows_refusal(client, f"{detail}; {fix}", "text for a missing number")
+            raise rows_refusal(client, f"{detail}; {fix}", f"has text for a missing number; {fix}")
         if s.owner.origin != "simulation":  # a simulation's driver says it in one line (simulations.predict)
             logging.getLogger("tpflower").warning("%s: read as missing (dataset.na_strings: missing)", detail)
     frame = frame[[c for c in frame.columns if c in set(keys) | set(part.columns)]]  # other columns: ignored
     absent = [c for c in part.columns if c not in frame.columns]
     if absent:
-        raise SpecError(f"{where}: no feature column(s) {absent} of table {table!r}")
+        detail = f"{where}: no feature column(s) {absent} of table {table!r}"
+        raise rows_refusal(client, detail, f"has no feature column(s) {absent} the model takes", says=None)
     if s.owner.origin != "simulation":  # the owner's log (a simulation's driver says it in one line)
         named = part.naming(frame, s.secret).preprocessing.get("categories") or {}
         for c, seen in unseen_categories(named, frame).items():
@@ -222,16 +228,19 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             frame[c] = datetime_key(client, frame[c], f"{where}: key column {c!r} of table {table!r}")
         kind = key_kind(frame[c].dtype)
         if trained is not None and kind != trained:
-            raise SpecError(f"{where}: key column {c!r} holds {kind} values; table {table!r} joins it as {trained}")
+            detail = f"{where}: key column {c!r} holds {kind} values; table {table!r} joins it as {trained}"
+            raise rows_refusal(
+                client, detail, f"holds {kind} values in key column {c!r}, joined as {trained}", says=None
+            )
     for c in (*part.numeric, *part.bin_edges):
         col = frame[c]
         if not (pd.api.types.is_numeric_dtype(col) or pd.api.types.is_bool_dtype(col)):
             bad = pd.to_numeric(col, errors="coerce").isna() & col.notna()
             first = int(np.flatnonzero(bad.to_numpy())[0]) if bad.any() else 0
             detail = f"{where}: column {c!r} of table {table!r} is numeric, but row {first} holds {col.iloc[first]!r}"
-            raise rows_refusal(client, f"{detail}, not a number", "a non-numeric value in a numeric column")
+            raise rows_refusal(client, f"{detail}, not a number", "has a non-numeric value in a numeric column")
     if len(frame) == 0:
-        raise SpecError(f"{where}: no rows")
+        raise rows_refusal(client, f"{where}: no rows", "holds no row", says=None)
     return frame.reset_index(drop=True)
 
 
@@ -255,18 +264,21 @@ def datetime_key(client: TableClient, column: pd.Series, where: str) -> pd.Serie
             f"{where} joins as datetime, but row {first} (0-based, header excluded) holds {column.iloc[first]!r}, "
             "not an ISO 8601 date or time (2020-01-31, 2020-01-31 08:00:00)"
         )
-        raise rows_refusal(client, detail, "a key that is not a date or time")
+        raise rows_refusal(client, detail, "has a key that is not a date or time")
     return parsed
 
 
-def rows_refusal(client: TableClient, detail: str, kind: str) -> SpecError:
-    """A rows file refused: ``detail`` (counts and row numbers) in the line of a simulation, where the user plays
-    every owner; a deployed node logs it and tells the server only ``kind`` (the refusal rule of tpflower.guard)."""
+def rows_refusal(client: TableClient, detail: str, problem: str, says: str | None = "which") -> SpecError:
+    """A rows file refused: ``detail`` (the file's path, counts and row numbers) in the line of a simulation,
+    where the user plays every owner; a deployed node logs it and tells the server only the table and
+    ``problem`` (the refusal rule of tpflower.guard; docs/deployment.md: no owner's path reaches the server),
+    with a pointer to its log when ``says`` (which / why) the log says more."""
     s = client.settings
     if s.owner.origin == "simulation":
         return SpecError(detail)
-    logging.getLogger("tpflower").error("%s", detail)  # the owner's log: rows and counts stay on the node
-    return SpecError(f"table {s.table!r} shard {s.shard}: the rows file has {kind} (the node's log says which)")
+    logging.getLogger("tpflower").error("%s", detail)  # the owner's log: its path, rows and counts stay on the node
+    more = f" (the node's log says {says})" if says else ""
+    return SpecError(f"table {s.table!r} shard {s.shard}: the rows file {problem}{more}")
 
 
 def request_rows(client: TableClient, part: ModelPart, query: bool) -> tuple[pd.DataFrame, np.ndarray]:

@@ -64,6 +64,37 @@ def owner_bound(floor: Mapping[str, Any], run: Mapping[str, Any], key: str) -> f
     raise KeyError(key)
 
 
+def planned_evaluations(cfg: Mapping[str, Any]) -> int:
+    """The label-DP evaluations a run of ``cfg`` releases when it runs to its last epoch (docs/settings.md,
+    Privacy): one per epoch (boosted trees: one per ``eval_every`` trees and the last), and the constant
+    predictor's reference with the first unless the run resumes; k-means none (labels unused). Early stopping
+    or a tolerance may release fewer, an ``eval_every`` within an epoch more (each still charged and bounded)."""
+    algorithm = cfg.get("algorithm") or {}
+    if "kmeans" in str(algorithm.get("name", "")):
+        return 0
+    if algorithm.get("trees") is not None:
+        every = max(int(algorithm.get("eval_every") or 1), 1)
+        evaluations = -(-int(algorithm["trees"]) // every)
+    else:
+        evaluations = max(int(cfg.get("epochs") or 1), 1)
+    return evaluations + (0 if cfg.get("resume") else 1)
+
+
+def check_eval_plan(budget: OwnerBudget, epsilon: float, total: float, evaluations: int) -> str | None:
+    """What refuses a run whose ``evaluations`` of ``epsilon`` each would pass the owner's ``total`` with what
+    its ledger already holds (at least one evaluation is asked for: a resumed run's own); None if they fit.
+    Read without charging: a refused run spends nothing."""
+    spent = float(budget.read().get("eval_epsilon", 0.0))
+    need = max(evaluations, 1) * epsilon
+    if spent + need <= total * (1 + 1e-12):
+        return None
+    return (
+        f"its label-DP evaluations have spent epsilon {spent:.3g} of the {total:.3g} its owner allows over all runs "
+        f"(privacy.total_eval_epsilon), {max(total - spent, 0.0):.3g} left; the run plans {max(evaluations, 1)} "
+        f"evaluation(s) at eval_epsilon {epsilon:.3g} each, {need:.3g} in all"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ histories
 
 
