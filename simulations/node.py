@@ -90,6 +90,36 @@ def owner_table(client_config: str | Path, table: str | None) -> str:
     return str(raw["table"])
 
 
+def settings_problem(client_config: str, table: str) -> str | None:
+    """None if the owner's settings file and data are what a run will find, else one line saying what is
+    wrong (docs/deployment.md, the node service): the settings as a run's hello reads them
+    (tpflower.owner), and its ``source`` file read with the node's reader, filtered by its ``where``,
+    holding every column it exposes (join keys, features, label, a shard column)."""
+    from tpflower.checks import DataProblems  # noqa: PLC0415  (argparse errors first: no heavy imports)
+    from tpflower.datasets.files import read_table  # noqa: PLC0415
+    from tpflower.owner import read_owner_settings  # noqa: PLC0415
+    from tpflower.schema import SpecError  # noqa: PLC0415
+    from tpflower.sql.predicate import filter_rows  # noqa: PLC0415
+
+    try:
+        owner = read_owner_settings(client_config, table)
+        if owner.source is None:  # a bundled table (loader): its loader makes it when a run asks
+            return None
+        frame = filter_rows(table, read_table(table, owner.source, keys=owner.exposed.keys), owner.where)
+    except DataProblems as exc:
+        return exc.one_line(values=True)
+    except SpecError as exc:
+        return str(exc)
+    shard_column = (owner.shards.by,) if owner.shards is not None and owner.shards.by is not None else ()
+    missing = [c for c in (*owner.exposed.all, *shard_column) if c not in frame.columns]
+    if missing:
+        return (
+            f"table {table!r}: source file {owner.source} has no column(s) {missing}, which {client_config} "
+            f"names; its columns are {list(frame.columns)}"
+        )
+    return None
+
+
 def _as_user(name: str | None):  # pragma: no cover - needs root
     if not name:
         return None
@@ -255,6 +285,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
 
     table = owner_table(args.client_config, args.table)
     owner = OwnerNode(table, args.shard, str(Path(args.client_config).resolve()))
+    problem = settings_problem(args.client_config, table)  # before anything starts: not at a run's first message
+    if problem:
+        print(f"error: node {owner.name}: {problem}", file=sys.stderr, flush=True)
+        return 1
     port = args.runtime_port or free_port()
     address = f"{HOST}:{port}"
     stop = threading.Event()

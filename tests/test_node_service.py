@@ -334,6 +334,7 @@ def test_a_supernode_user_who_cannot_run_the_interpreter_stops_the_node_with_one
     from simulations.node import main
 
     # this venv's interpreter sits under /root (0700 here): the user 'nobody' cannot run it
+    (tmp_path / "d1.yaml").write_text("loader: movielens\nkeys: blind\n")  # settings the start check accepts
     args = ["--client-config", str(tmp_path / "d1.yaml"), "--table", "d1", "--superlink", "127.0.0.1:1", "--insecure"]
     assert main([*args, "--supernode-user", "nobody"]) == 2
     err = capsys.readouterr().err.strip()
@@ -395,3 +396,39 @@ def test_the_warm_up_imports_the_training_code_and_torch_optim():
         "warm_up(); assert 'tpflower.client' in sys.modules and 'torch._dynamo' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+BILLING = "customer_id,monthly_charges,plan\nC1,19.5,basic\nC2,20.0,plus\n"
+SETTINGS = (
+    "table: billing\nsource: billing.csv\nkeys: blind\nprivacy: {name: none}\n"
+    "columns: {keys: [customer_id], numeric: [monthly_charges], categorical: [plan]}\n"
+)
+
+
+@pytest.mark.parametrize(
+    "settings, data, says",
+    [
+        (SETTINGS + "min_group_row: 50\n", BILLING, "unknown keys ['min_group_row']"),
+        (SETTINGS.replace("billing.csv", "nonexistent.csv"), BILLING, "nonexistent.csv' does not exist"),
+        (SETTINGS, BILLING.replace("customer_id", "cust_id"), "has no column(s) ['customer_id']"),
+        (SETTINGS.replace("[plan]", "[plan, region]"), BILLING, "has no column(s) ['region']"),
+        (SETTINGS.replace("blind", "hmac"), BILLING, "no join-key secret"),
+    ],
+    ids=["typo-key", "no-data-file", "no-key-column", "no-exposed-column", "no-secret"],
+)
+def test_a_node_checks_its_settings_and_data_before_it_starts(tmp_path, monkeypatch, capsys, settings, data, says):
+    import subprocess
+
+    from simulations.node import main, settings_problem
+
+    monkeypatch.delenv("TPFLOWER_KEY_SECRET", raising=False)
+    (tmp_path / "billing.csv").write_text(data)
+    (tmp_path / "owner.yaml").write_text(settings)
+    monkeypatch.setattr(subprocess, "Popen", never_called)  # no SuperNode starts
+    assert main(["--client-config", str(tmp_path / "owner.yaml"), "--superlink", "127.0.0.1:1", "--insecure"]) == 1
+    out, err = capsys.readouterr()
+    assert "serving" not in out and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: node table 'billing' shard 0: ") and says in err
+    (tmp_path / "billing.csv").write_text(BILLING)
+    (tmp_path / "owner.yaml").write_text(SETTINGS)
+    assert settings_problem(str(tmp_path / "owner.yaml"), "billing") is None

@@ -434,6 +434,12 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         raise OwnerSettingsError(server_line(local, resolved, table), local) from None
 
 
+def read_owner_settings(path: str | Path, table: str) -> OwnerSettings:
+    """:func:`load_owner_settings` for the owner's own terminal (the node service's check as it starts): a
+    problem is a :class:`SpecError` whose line keeps its paths, and is not logged."""
+    return _read_owner_settings(Path(path).expanduser().resolve(), table)
+
+
 def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
     where = str(path)
     try:
