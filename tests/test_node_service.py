@@ -432,3 +432,97 @@ def test_a_node_checks_its_settings_and_data_before_it_starts(tmp_path, monkeypa
     (tmp_path / "billing.csv").write_text(BILLING)
     (tmp_path / "owner.yaml").write_text(SETTINGS)
     assert settings_problem(str(tmp_path / "owner.yaml"), "billing") is None
+
+
+def test_a_supernode_refused_activation_is_told_apart_and_explained():
+    import io
+    import subprocess
+
+    from simulations.node import forward_output, supernode_exit_line
+
+    # Flower's own exit, as its SuperNode does when the SuperLink refuses to activate its key: the process exits
+    # with status 1 (not 305), so only its lines tell this case apart
+    flower = (
+        "from flwr.supercore.exit import ExitCode, flwr_exit; flwr_exit(ExitCode.SUPERNODE_CONNECTION_ERROR, "
+        "'Failed to initialize the connection to the SuperLink.\\n[code: 2004] Failed to activate SuperNode.')"
+    )
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    done = subprocess.run([sys.executable, "-c", flower], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    seen: set[str] = set()
+    out = io.StringIO()
+    forward_output(io.StringIO(done.stderr), out, seen)
+    assert out.getvalue() == done.stderr  # the owner still sees Flower's lines
+    line = supernode_exit_line("table 'd1' shard 0", done.returncode, seen)
+    assert "another node with this key is connected" in line and "305" in line and "\n" not in line
+    # another connection error (no SuperLink there, a TLS problem) is not taken for it, nor any other exit
+    other = supernode_exit_line("table 'd1' shard 0", 1, {"Exit Code: 305"})
+    assert "could not connect" in other and "registered" in other
+    assert supernode_exit_line("table 'd1' shard 0", 1, set()).endswith("the SuperNode exited with code 1")
+
+
+FLOWER_REFUSES = (  # what Flower's SuperNode prints, and its exit status, when the SuperLink refuses its key
+    "import sys; print('Exit Code: 305\\nFailed to initialize the connection to the SuperLink.\\n"
+    "[code: 2004] Failed to activate SuperNode.', file=sys.stderr); sys.exit(1)"
+)
+
+
+def test_a_refused_supernode_is_started_again_then_the_node_says_why(monkeypatch, capsys):
+    import simulations.node as node
+
+    monkeypatch.setattr(node, "ACTIVATION_RETRY_S", 0.0)  # one start, no retry: the last line at once
+    monkeypatch.setattr(node.time, "sleep", lambda _s: None)
+    exits: list[int] = []
+    stop = threading.Event()
+    child = node.SuperNodeChild(
+        [sys.executable, "-c", FLOWER_REFUSES], dict(os.environ), None, "t 0", stop, exits.append
+    )
+    child.watch()
+    out, err = capsys.readouterr()
+    assert "[code: 2004]" in err  # Flower's lines reach the owner's log
+    assert "another node with this key is connected" in out and child.reported.is_set()
+    assert stop.is_set() and exits == [1]
+
+
+def test_a_stopped_node_stops_its_supernode_at_once_and_says_nothing(capsys):
+    import time
+
+    from simulations.node import SuperNodeChild
+
+    ignores_sigterm = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
+    stop = threading.Event()
+    exits: list[int] = []
+    child = SuperNodeChild([sys.executable, "-c", ignores_sigterm], dict(os.environ), None, "t 0", stop, exits.append)
+    watcher = threading.Thread(target=child.watch)
+    watcher.start()
+    time.sleep(0.5)
+    stop.set()  # what SIGTERM does
+    began = time.monotonic()
+    assert child.terminate(grace=0.5) == -9  # SIGKILL once the grace is over
+    watcher.join(timeout=5)
+    assert time.monotonic() - began < 3 and not watcher.is_alive()
+    assert exits == [] and not child.reported.is_set() and "node" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_node_exits_promptly_on_sigterm(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "owner.yaml").write_text("table: movies\nloader: movielens\nkeys: blind\n")
+    cmd = [sys.executable, "-m", "simulations.node", "--client-config", str(tmp_path / "owner.yaml")]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    proc = subprocess.Popen(
+        [*cmd, "--superlink", "127.0.0.1:1", "--insecure"], stdout=subprocess.PIPE, env=env, text=True, cwd=tmp_path
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the SuperNode runs (retrying its SuperLink) and torch is imported
+        if "torch and the training code imported" in line:
+            break
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - began < 2.5  # before: 2-5 s idle (the interpreter's teardown, a watcher's 5 s)
