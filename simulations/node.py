@@ -36,10 +36,11 @@ HOST = "127.0.0.1"
 WARMED = "torch and the training code imported"  # the node's log line once its warm-up is done
 #: Flower's lines when the SuperLink refuses to activate the SuperNode: exit code 305 (SUPERNODE_CONNECTION_ERROR)
 #: with API error 2004 (FLEET_NODE_ACTIVATION_FAILED: the SuperLink holds this key's node online, another node's
-#: or the last session of one that crashed). The process itself exits with status 1, as for any Flower error.
+#: or the last session of one that crashed; the same error when the key is not registered). The process itself
+#: exits with status 1, as for any Flower error.
 NOT_ACTIVATED = ("Exit Code: 305", "[code: 2004]")
 CONNECTION_ERROR = NOT_ACTIVATED[0]
-ACTIVATION_RETRY_S = 120.0  # how long the service starts a refused SuperNode again (every 5 s)
+ACTIVATION_RETRY_S, RETRY_WAIT_S = 120.0, 5.0  # how long the service starts a refused SuperNode again, how often
 STOP_S = 5.0  # a stopped SuperNode's time to end before SIGKILL (Flower's own forced exit comes after 5 s)
 STOCK_SUPERNODE = (
     "import sys; from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; flower_supernode()"
@@ -140,8 +141,9 @@ def supernode_exit_line(node: str, code: int, seen: set[str]) -> str:
     if seen >= set(NOT_ACTIVATED):
         return (
             f"node {node}: the SuperLink refused to activate this node's key for {ACTIVATION_RETRY_S:.0f} s (Flower's "
-            "exit code 305, error 2004): another node with this key is connected; stop it, or start this one again "
-            "once the SuperLink drops that node's session (about a minute after it stopped)"
+            "exit code 305, error 2004): another node with this key is connected (stop it, or start this one again "
+            "once the SuperLink drops that node's session, about a minute after it stopped), or the SuperLink's "
+            "operator has not registered this key (flwr supernode register KEY.pub)"
         )
     if CONNECTION_ERROR in seen:
         return (
@@ -201,10 +203,11 @@ class SuperNodeChild:
             # (a restart after a crash): it lets the node in once that session times out
             print(
                 f"node {self.node}: the SuperLink does not activate this node's key yet (another node with it is "
-                "connected, or its last session has not timed out); again in 5 s",
+                "connected, its last session has not timed out, or the key is not registered); again in "
+                f"{RETRY_WAIT_S:.0f} s",
                 flush=True,
             )
-            if self.stop.wait(5.0):
+            if self.stop.wait(RETRY_WAIT_S):
                 return
             self.proc, self.reader = self._start()
         if code not in (0, -signal.SIGTERM):
@@ -224,6 +227,24 @@ class SuperNodeChild:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def end_after(supernode: SuperNodeChild | None, seconds: float, exit: Callable[[int], None] = os._exit) -> None:
+    """A stopped node's last resort, in a thread: ``seconds`` after the stop, or 1 s after its SuperNode ended
+    (the service's loop may be retrying a call to it), kill its SuperNode and end the process (status 0: its
+    owner stopped it)."""
+    deadline, gone = time.monotonic() + seconds, None
+    while time.monotonic() < deadline:
+        if supernode is not None and supernode.proc.poll() is not None:
+            gone = gone or time.monotonic()
+            if time.monotonic() - gone > 1.0:
+                break
+        time.sleep(0.1)
+    if supernode is not None and supernode.proc.poll() is None:
+        supernode.proc.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exit(0)
 
 
 def _as_user(name: str | None):  # pragma: no cover - needs root
@@ -435,6 +456,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
     def on_stop(*_: object) -> None:
         requested.set()
         stop.set()
+        # a task in progress, or a Runtime API call retrying a SuperNode that is gone, may hold the loop: end anyway
+        threading.Thread(target=end_after, args=(supernode, 2 * STOP_S), daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_stop)
     app_id, app_version = installed_app()

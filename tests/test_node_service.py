@@ -455,6 +455,7 @@ def test_a_supernode_refused_activation_is_told_apart_and_explained():
     assert out.getvalue() == done.stderr  # the owner still sees Flower's lines
     line = supernode_exit_line("table 'd1' shard 0", done.returncode, seen)
     assert "another node with this key is connected" in line and "305" in line and "\n" not in line
+    assert "flwr supernode register" in line  # Flower's error is the same for a key the SuperLink does not know
     # another connection error (no SuperLink there, a TLS problem) is not taken for it, nor any other exit
     other = supernode_exit_line("table 'd1' shard 0", 1, {"Exit Code: 305"})
     assert "could not connect" in other and "registered" in other
@@ -470,7 +471,8 @@ FLOWER_REFUSES = (  # what Flower's SuperNode prints, and its exit status, when 
 def test_a_refused_supernode_is_started_again_then_the_node_says_why(monkeypatch, capsys):
     import simulations.node as node
 
-    monkeypatch.setattr(node, "ACTIVATION_RETRY_S", 0.0)  # one start, no retry: the last line at once
+    monkeypatch.setattr(node, "ACTIVATION_RETRY_S", 1.0)  # started again for 1 s, at once
+    monkeypatch.setattr(node, "RETRY_WAIT_S", 0.0)
     monkeypatch.setattr(node.time, "sleep", lambda _s: None)
     exits: list[int] = []
     stop = threading.Event()
@@ -480,7 +482,9 @@ def test_a_refused_supernode_is_started_again_then_the_node_says_why(monkeypatch
     child.watch()
     out, err = capsys.readouterr()
     assert "[code: 2004]" in err  # Flower's lines reach the owner's log
-    assert "another node with this key is connected" in out and child.reported.is_set()
+    assert "does not activate this node's key yet" in out.splitlines()[0]  # started again
+    last = out.splitlines()[-1]
+    assert "another node with this key is connected" in last and "not registered" in last and child.reported.is_set()
     assert stop.is_set() and exits == [1]
 
 
@@ -526,3 +530,20 @@ def test_a_node_exits_promptly_on_sigterm(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert time.monotonic() - began < 2.5  # before: 2-5 s idle (the interpreter's teardown, a watcher's 5 s)
+
+
+def test_a_stopped_node_ends_even_if_its_loop_is_stuck():
+    import subprocess
+    import time
+
+    from simulations.node import end_after
+
+    exits: list[int] = []
+    gone = SimpleNamespace(proc=subprocess.Popen([sys.executable, "-c", "pass"]))
+    gone.proc.wait()
+    began = time.monotonic()
+    end_after(gone, 30.0, exits.append)  # its SuperNode ended: the loop is retrying a call to it
+    assert exits == [0] and time.monotonic() - began < 3
+    running = SimpleNamespace(proc=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    end_after(running, 0.3, exits.append)  # a task in progress: ended once the time is up, its SuperNode killed
+    assert exits == [0, 0] and running.proc.wait(timeout=5) == -9
