@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -156,6 +157,8 @@ def write_client_configs(
     directory.mkdir(parents=True, exist_ok=True)
     container = OmegaConf.to_container(cfg, resolve=True)
     paths = {}
+    record = directory / WRITTEN
+    written: dict[str, str] = json.loads(record.read_text()) if record.is_file() else {}
     # each node's Ed25519 key for re-blinding lists, in its state_dir (the settings' default: state/<file stem>);
     # every owner's settings name the others' verify keys (peers), as an out-of-band exchange would
     clients = spec.clients(str(cfg.scenario.name))
@@ -200,8 +203,33 @@ def write_client_configs(
                 else {"parts": shards.parts, "seed": shards.seed}
             )
         paths[(table, shard)] = directory / f"{table}-{shard}.yaml"
-        paths[(table, shard)].write_text(yaml.safe_dump(settings, sort_keys=False))
+        write_owner_settings(paths[(table, shard)], yaml.safe_dump(settings, sort_keys=False), written)
+    (directory / WRITTEN).write_text(json.dumps(written, indent=1, sort_keys=True))
     return paths
+
+
+#: the hash of each owner settings file as `start` last wrote it, in the files' folder: an owner's edit shows
+WRITTEN = ".written.json"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_owner_settings(path: Path, text: str, written: dict[str, str]) -> None:
+    """Write ``text`` to ``path`` and note its hash in ``written``, unless the file changed since this tool
+    last wrote it (its hash there): then the owner edited it (docs/deployment.md) and it is kept, with one line."""
+    current = path.read_text() if path.is_file() else None
+    if current not in (None, text) and path.name in written and _digest(current) != written[path.name]:
+        print(
+            f"keeping {path}: edited since `tpflower deploy` wrote it (delete it to have it written from the "
+            "overrides again)",
+            flush=True,
+        )
+        return
+    if current != text:
+        path.write_text(text)
+    written[path.name] = _digest(text)
 
 
 def write_connection(

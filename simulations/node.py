@@ -24,7 +24,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import yaml
 
@@ -32,9 +34,14 @@ from simulations.child_process import parent_death_signal
 
 HOST = "127.0.0.1"
 WARMED = "torch and the training code imported"  # the node's log line once its warm-up is done
-#: the SuperNode's exit code when the SuperLink refuses to activate it (Flower's SUPERNODE_CONNECTION_ERROR; e.g.
-#: its last session, of a node that crashed, is still online) and how long the service starts it again
-NOT_ACTIVATED, ACTIVATION_RETRY_S = 305, 120.0
+#: Flower's lines when the SuperLink refuses to activate the SuperNode: exit code 305 (SUPERNODE_CONNECTION_ERROR)
+#: with API error 2004 (FLEET_NODE_ACTIVATION_FAILED: the SuperLink holds this key's node online, another node's
+#: or the last session of one that crashed; the same error when the key is not registered). The process itself
+#: exits with status 1, as for any Flower error.
+NOT_ACTIVATED = ("Exit Code: 305", "[code: 2004]")
+CONNECTION_ERROR = NOT_ACTIVATED[0]
+ACTIVATION_RETRY_S, RETRY_WAIT_S = 120.0, 5.0  # how long the service starts a refused SuperNode again, how often
+STOP_S = 5.0  # a stopped SuperNode's time to end before SIGKILL (Flower's own forced exit comes after 5 s)
 STOCK_SUPERNODE = (
     "import sys; from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; flower_supernode()"
 )
@@ -88,6 +95,156 @@ def owner_table(client_config: str | Path, table: str | None) -> str:
     if not isinstance(raw, dict) or not raw.get("table"):
         raise SystemExit(f"error: --client-config {client_config} names no table; pass --table")
     return str(raw["table"])
+
+
+def settings_problem(client_config: str, table: str) -> str | None:
+    """None if the owner's settings file and data are what a run will find, else one line saying what is
+    wrong (docs/deployment.md, the node service): the settings as a run's hello reads them
+    (tpflower.owner), and its ``source`` file read with the node's reader, filtered by its ``where``,
+    holding every column it exposes (join keys, features, label, a shard column)."""
+    from tpflower.checks import DataProblems  # noqa: PLC0415  (argparse errors first: no heavy imports)
+    from tpflower.datasets.files import read_table  # noqa: PLC0415
+    from tpflower.owner import read_owner_settings  # noqa: PLC0415
+    from tpflower.schema import SpecError  # noqa: PLC0415
+    from tpflower.sql.predicate import filter_rows  # noqa: PLC0415
+
+    try:
+        owner = read_owner_settings(client_config, table)
+        if owner.source is None:  # a bundled table (loader): its loader makes it when a run asks
+            return None
+        frame = filter_rows(table, read_table(table, owner.source, keys=owner.exposed.keys), owner.where)
+    except DataProblems as exc:
+        return exc.one_line(values=True)
+    except SpecError as exc:
+        return str(exc)
+    shard_column = (owner.shards.by,) if owner.shards is not None and owner.shards.by is not None else ()
+    missing = [c for c in (*owner.exposed.all, *shard_column) if c not in frame.columns]
+    if missing:
+        return (
+            f"table {table!r}: source file {owner.source} has no column(s) {missing}, which {client_config} "
+            f"names; its columns are {list(frame.columns)}"
+        )
+    return None
+
+
+def forward_output(stream: IO[str], out: IO[str], seen: set[str]) -> None:
+    """Copy the SuperNode's output ``stream`` to ``out`` line by line, adding to ``seen`` each of
+    :data:`NOT_ACTIVATED` a line holds."""
+    for line in stream:
+        out.write(line)
+        out.flush()
+        seen.update(marker for marker in NOT_ACTIVATED if marker in line)
+
+
+def supernode_exit_line(node: str, code: int, seen: set[str]) -> str:
+    """The node's last line when its SuperNode exited with ``code``, its output having shown ``seen``."""
+    if seen >= set(NOT_ACTIVATED):
+        return (
+            f"node {node}: the SuperLink refused to activate this node's key for {ACTIVATION_RETRY_S:.0f} s (Flower's "
+            "exit code 305, error 2004): another node with this key is connected (stop it, or start this one again "
+            "once the SuperLink drops that node's session, about a minute after it stopped), or the SuperLink's "
+            "operator has not registered this key (flwr supernode register KEY.pub)"
+        )
+    if CONNECTION_ERROR in seen:
+        return (
+            f"node {node}: the SuperNode could not connect to the SuperLink (Flower's exit code 305, above): check "
+            "--superlink, --root-certificates and that the operator registered this node's public key"
+        )
+    return f"node {node}: the SuperNode exited with code {code}"
+
+
+class SuperNodeChild:
+    """The owner's SuperNode, a child of the node service: its log (stderr) copied to the service's and read for
+    why it exited; started again while the SuperLink refuses to activate its key (:data:`ACTIVATION_RETRY_S`);
+    stopped within :data:`STOP_S`."""
+
+    def __init__(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        preexec: Callable[[], None] | None,
+        node: str,
+        stop: threading.Event,
+        exit: Callable[[int], None] = os._exit,
+    ) -> None:
+        self.cmd, self.env, self.preexec, self.node, self.stop, self.exit = cmd, env, preexec, node, stop, exit
+        self.seen: set[str] = set()  # Flower's NOT_ACTIVATED lines in the current SuperNode's output
+        self.reported = threading.Event()  # its watcher said why it exited
+        self.proc, self.reader = self._start()
+
+    def _start(self) -> tuple[subprocess.Popen, threading.Thread]:
+        proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            preexec_fn=self.preexec,
+        )
+        assert proc.stderr is not None
+        self.seen.clear()
+        reader = threading.Thread(target=forward_output, args=(proc.stderr, sys.stderr, self.seen), daemon=True)
+        reader.start()
+        return proc, reader
+
+    def watch(self) -> None:
+        """Until the SuperNode exits for good (in a thread): then, unless the service stopped it, say why, set
+        ``stop`` and end the process 5 s later if the service's loop has not (a call stuck in retries)."""
+        deadline = time.monotonic() + ACTIVATION_RETRY_S
+        while True:
+            code = self.proc.wait()
+            self.reader.join(timeout=5.0)  # its last lines say why it exited
+            if self.stop.is_set():  # the service stops it (SIGTERM, Ctrl-C): nothing to say
+                return
+            if code == 0 or not self.seen >= set(NOT_ACTIVATED) or time.monotonic() >= deadline:
+                break
+            # another node with this key is connected, or the SuperLink still holds this node's last session
+            # (a restart after a crash): it lets the node in once that session times out
+            print(
+                f"node {self.node}: the SuperLink does not activate this node's key yet (another node with it is "
+                "connected, its last session has not timed out, or the key is not registered); again in "
+                f"{RETRY_WAIT_S:.0f} s",
+                flush=True,
+            )
+            if self.stop.wait(RETRY_WAIT_S):
+                return
+            self.proc, self.reader = self._start()
+        if code not in (0, -signal.SIGTERM):
+            print(supernode_exit_line(self.node, code, self.seen), flush=True)
+            self.reported.set()
+        self.stop.set()
+        time.sleep(5.0)
+        self.exit(1)
+
+    def terminate(self, grace: float = STOP_S) -> int | None:
+        """Stop the SuperNode (SIGTERM; SIGKILL after ``grace`` s); its exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def end_after(supernode: SuperNodeChild | None, seconds: float, exit: Callable[[int], None] = os._exit) -> None:
+    """A stopped node's last resort, in a thread: ``seconds`` after the stop, or 1 s after its SuperNode ended
+    (the service's loop may be retrying a call to it), kill its SuperNode and end the process (status 0: its
+    owner stopped it)."""
+    deadline, gone = time.monotonic() + seconds, None
+    while time.monotonic() < deadline:
+        if supernode is not None and supernode.proc.poll() is not None:
+            gone = gone or time.monotonic()
+            if time.monotonic() - gone > 1.0:
+                break
+        time.sleep(0.1)
+    if supernode is not None and supernode.proc.poll() is None:
+        supernode.proc.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exit(0)
 
 
 def _as_user(name: str | None):  # pragma: no cover - needs root
@@ -255,10 +412,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
 
     table = owner_table(args.client_config, args.table)
     owner = OwnerNode(table, args.shard, str(Path(args.client_config).resolve()))
+    problem = settings_problem(args.client_config, table)  # before anything starts: not at a run's first message
+    if problem:
+        print(f"error: node {owner.name}: {problem}", file=sys.stderr, flush=True)
+        return 1
     port = args.runtime_port or free_port()
     address = f"{HOST}:{port}"
     stop = threading.Event()
-    supernode = bell = None
+    supernode: SuperNodeChild | None = None
+    bell = None
     if not args.no_supernode:
         if not args.superlink:
             parser.error("--superlink HOST:PORT is required unless --no-supernode")
@@ -283,34 +445,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
             bell = open_doorbell()
             env[DOORBELL_ENV] = str(bell.getsockname()[1])
 
-        def start() -> subprocess.Popen:
-            return subprocess.Popen(
-                cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_as_user(args.supernode_user) or parent_death_signal(signal.SIGKILL),
-            )
-
-        supernode = start()
-
-        def watch() -> None:
-            nonlocal supernode
-            assert supernode is not None
-            deadline = time.monotonic() + ACTIVATION_RETRY_S
-            while supernode.wait() == NOT_ACTIVATED and not stop.is_set() and time.monotonic() < deadline:
-                # the SuperLink still holds this node's last session (a restart after a crash): it lets the node
-                # in once that session times out
-                print(f"node {owner.name}: the SuperLink does not let the node in yet; again in 5 s", flush=True)
-                time.sleep(5.0)
-                supernode = start()
-            stop.set()
-            time.sleep(5.0)  # the service's loop ends with the SuperNode; a call stuck in retries does not
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
+        supernode = SuperNodeChild(
+            cmd, env, _as_user(args.supernode_user) or parent_death_signal(signal.SIGKILL), owner.name, stop
+        )
+        threading.Thread(target=supernode.watch, daemon=True).start()
     elif args.doorbell_port:
         bell = open_doorbell(args.doorbell_port)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    requested = threading.Event()  # the owner stops the node (SIGTERM, Ctrl-C)
+
+    def on_stop(*_: object) -> None:
+        requested.set()
+        stop.set()
+        # a task in progress, or a Runtime API call retrying a SuperNode that is gone, may hold the loop: end anyway
+        threading.Thread(target=end_after, args=(supernode, 2 * STOP_S), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_stop)
     app_id, app_version = installed_app()
     print(f"node {owner.name}: serving {app_id} {app_version} on the SuperNode's Runtime API {address}", flush=True)
     try:
@@ -324,18 +473,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
 
         serve(address, owner, warmed(app.respond, warm), stop=stop, bell=bell)  # type: ignore[attr-defined]
     except KeyboardInterrupt:
-        pass
+        on_stop()
+    except RuntimeError:  # the SuperNode exited before its Runtime API answered: its watcher says why
+        if not stop.is_set():
+            raise
     finally:
-        if supernode is not None and supernode.poll() is None:
-            supernode.terminate()
-            try:
-                supernode.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                supernode.kill()
-    if supernode is not None and supernode.returncode not in (0, -signal.SIGTERM, None):
-        print(f"node {owner.name}: the SuperNode exited with code {supernode.returncode}", flush=True)
-        return 1
-    return 0
+        code = supernode.terminate() if supernode is not None else None
+    failed = not requested.is_set() and code not in (0, -signal.SIGTERM, None)
+    if failed and supernode is not None and not supernode.reported.is_set():
+        print(f"node {owner.name}: the SuperNode exited with code {code}", flush=True)
+    # the node keeps nothing in memory that is not on disk: skip the interpreter's teardown of torch, pandas and
+    # Flower (1.5-3.5 s measured on an idle machine), so a stopped node ends at once
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

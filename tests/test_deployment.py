@@ -544,3 +544,24 @@ def test_a_foreign_app_is_refused_by_every_node_then_tpflower_runs_to_the_simula
     np.testing.assert_allclose(
         [h["train_loss"] for h in data["history"]], [h.train_loss for h in simulated.history], rtol=1e-6
     )
+
+
+def test_start_keeps_an_owner_settings_file_its_user_edited(tmp_path, capsys):
+    """The one-machine path lets a user try an owner's restrictions by editing clients/*.yaml
+    (docs/deployment.md): `start` writes a file again only while it is as `start` last wrote it."""
+    overrides = deploy.deployment_overrides("dataset=synthetic")
+    paths = deploy.write_client_configs(overrides, tmp_path)
+    edited, untouched = list(paths.values())[:2]
+    settings = yaml.safe_load(edited.read_text())
+    settings["min_group_rows"] = 50
+    edited.write_text(yaml.safe_dump(settings, sort_keys=False))
+    untouched.write_text(untouched.read_text())  # saved unchanged: still the tool's
+    capsys.readouterr()
+    again = deploy.write_client_configs(deploy.deployment_overrides("dataset=synthetic min_group_rows=7"), tmp_path)
+    assert yaml.safe_load(again[next(k for k, p in paths.items() if p == edited)].read_text())["min_group_rows"] == 50
+    assert yaml.safe_load(untouched.read_text())["min_group_rows"] == 7  # the overrides' bound, written again
+    out = capsys.readouterr().out
+    assert out.count("keeping") == 1 and f"keeping {edited}: edited since" in out
+    edited.unlink()  # deleted: written from the overrides again
+    deploy.write_client_configs(overrides, tmp_path)
+    assert yaml.safe_load(edited.read_text())["min_group_rows"] == 20

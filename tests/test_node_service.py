@@ -334,6 +334,7 @@ def test_a_supernode_user_who_cannot_run_the_interpreter_stops_the_node_with_one
     from simulations.node import main
 
     # this venv's interpreter sits under /root (0700 here): the user 'nobody' cannot run it
+    (tmp_path / "d1.yaml").write_text("loader: movielens\nkeys: blind\n")  # settings the start check accepts
     args = ["--client-config", str(tmp_path / "d1.yaml"), "--table", "d1", "--superlink", "127.0.0.1:1", "--insecure"]
     assert main([*args, "--supernode-user", "nobody"]) == 2
     err = capsys.readouterr().err.strip()
@@ -395,3 +396,156 @@ def test_the_warm_up_imports_the_training_code_and_torch_optim():
         "warm_up(); assert 'tpflower.client' in sys.modules and 'torch._dynamo' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+BILLING = "customer_id,monthly_charges,plan\nC1,19.5,basic\nC2,20.0,plus\n"
+SETTINGS = (
+    "table: billing\nsource: billing.csv\nkeys: blind\nprivacy: {name: none}\n"
+    "columns: {keys: [customer_id], numeric: [monthly_charges], categorical: [plan]}\n"
+)
+
+
+@pytest.mark.parametrize(
+    "settings, data, says",
+    [
+        (SETTINGS + "min_group_row: 50\n", BILLING, "unknown keys ['min_group_row']"),
+        (SETTINGS.replace("billing.csv", "nonexistent.csv"), BILLING, "nonexistent.csv' does not exist"),
+        (SETTINGS, BILLING.replace("customer_id", "cust_id"), "has no column(s) ['customer_id']"),
+        (SETTINGS.replace("[plan]", "[plan, region]"), BILLING, "has no column(s) ['region']"),
+        (SETTINGS.replace("blind", "hmac"), BILLING, "no join-key secret"),
+        (SETTINGS + "min_sketch_rows: many\n", BILLING, "min_sketch_rows must be a whole number >= 1, got 'many'"),
+        (SETTINGS.replace("{name: none}", "label"), BILLING, "privacy must be a mapping"),
+    ],
+    ids=["typo-key", "no-data-file", "no-key-column", "no-exposed-column", "no-secret", "bad-value", "not-a-mapping"],
+)
+def test_a_node_checks_its_settings_and_data_before_it_starts(tmp_path, monkeypatch, capsys, settings, data, says):
+    import subprocess
+
+    from simulations.node import main, settings_problem
+
+    monkeypatch.delenv("TPFLOWER_KEY_SECRET", raising=False)
+    (tmp_path / "billing.csv").write_text(data)
+    (tmp_path / "owner.yaml").write_text(settings)
+    monkeypatch.setattr(subprocess, "Popen", never_called)  # no SuperNode starts
+    assert main(["--client-config", str(tmp_path / "owner.yaml"), "--superlink", "127.0.0.1:1", "--insecure"]) == 1
+    out, err = capsys.readouterr()
+    assert "serving" not in out and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: node table 'billing' shard 0: ") and says in err
+    (tmp_path / "billing.csv").write_text(BILLING)
+    (tmp_path / "owner.yaml").write_text(SETTINGS)
+    assert settings_problem(str(tmp_path / "owner.yaml"), "billing") is None
+
+
+def test_a_supernode_refused_activation_is_told_apart_and_explained():
+    import io
+    import subprocess
+
+    from simulations.node import forward_output, supernode_exit_line
+
+    # Flower's own exit, as its SuperNode does when the SuperLink refuses to activate its key: the process exits
+    # with status 1 (not 305), so only its lines tell this case apart
+    flower = (
+        "from flwr.supercore.exit import ExitCode, flwr_exit; flwr_exit(ExitCode.SUPERNODE_CONNECTION_ERROR, "
+        "'Failed to initialize the connection to the SuperLink.\\n[code: 2004] Failed to activate SuperNode.')"
+    )
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    done = subprocess.run([sys.executable, "-c", flower], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    seen: set[str] = set()
+    out = io.StringIO()
+    forward_output(io.StringIO(done.stderr), out, seen)
+    assert out.getvalue() == done.stderr  # the owner still sees Flower's lines
+    line = supernode_exit_line("table 'd1' shard 0", done.returncode, seen)
+    assert "another node with this key is connected" in line and "305" in line and "\n" not in line
+    assert "flwr supernode register" in line  # Flower's error is the same for a key the SuperLink does not know
+    # another connection error (no SuperLink there, a TLS problem) is not taken for it, nor any other exit
+    other = supernode_exit_line("table 'd1' shard 0", 1, {"Exit Code: 305"})
+    assert "could not connect" in other and "registered" in other
+    assert supernode_exit_line("table 'd1' shard 0", 1, set()).endswith("the SuperNode exited with code 1")
+
+
+FLOWER_REFUSES = (  # what Flower's SuperNode prints, and its exit status, when the SuperLink refuses its key
+    "import sys; print('Exit Code: 305\\nFailed to initialize the connection to the SuperLink.\\n"
+    "[code: 2004] Failed to activate SuperNode.', file=sys.stderr); sys.exit(1)"
+)
+
+
+def test_a_refused_supernode_is_started_again_then_the_node_says_why(monkeypatch, capsys):
+    import simulations.node as node
+
+    monkeypatch.setattr(node, "ACTIVATION_RETRY_S", 1.0)  # started again for 1 s, at once
+    monkeypatch.setattr(node, "RETRY_WAIT_S", 0.0)
+    monkeypatch.setattr(node.time, "sleep", lambda _s: None)
+    exits: list[int] = []
+    stop = threading.Event()
+    child = node.SuperNodeChild(
+        [sys.executable, "-c", FLOWER_REFUSES], dict(os.environ), None, "t 0", stop, exits.append
+    )
+    child.watch()
+    out, err = capsys.readouterr()
+    assert "[code: 2004]" in err  # Flower's lines reach the owner's log
+    assert "does not activate this node's key yet" in out.splitlines()[0]  # started again
+    last = out.splitlines()[-1]
+    assert "another node with this key is connected" in last and "not registered" in last and child.reported.is_set()
+    assert stop.is_set() and exits == [1]
+
+
+def test_a_stopped_node_stops_its_supernode_at_once_and_says_nothing(capsys):
+    import time
+
+    from simulations.node import SuperNodeChild
+
+    ignores_sigterm = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
+    stop = threading.Event()
+    exits: list[int] = []
+    child = SuperNodeChild([sys.executable, "-c", ignores_sigterm], dict(os.environ), None, "t 0", stop, exits.append)
+    watcher = threading.Thread(target=child.watch)
+    watcher.start()
+    time.sleep(0.5)
+    stop.set()  # what SIGTERM does
+    began = time.monotonic()
+    assert child.terminate(grace=0.5) == -9  # SIGKILL once the grace is over
+    watcher.join(timeout=5)
+    assert time.monotonic() - began < 3 and not watcher.is_alive()
+    assert exits == [] and not child.reported.is_set() and "node" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_node_exits_promptly_on_sigterm(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "owner.yaml").write_text("table: movies\nloader: movielens\nkeys: blind\n")
+    cmd = [sys.executable, "-m", "simulations.node", "--client-config", str(tmp_path / "owner.yaml")]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    proc = subprocess.Popen(
+        [*cmd, "--superlink", "127.0.0.1:1", "--insecure"], stdout=subprocess.PIPE, env=env, text=True, cwd=tmp_path
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the SuperNode runs (retrying its SuperLink) and torch is imported
+        if "torch and the training code imported" in line:
+            break
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - began < 2.5  # before: 2-5 s idle (the interpreter's teardown, a watcher's 5 s)
+
+
+def test_a_stopped_node_ends_even_if_its_loop_is_stuck():
+    import subprocess
+    import time
+
+    from simulations.node import end_after
+
+    exits: list[int] = []
+    gone = SimpleNamespace(proc=subprocess.Popen([sys.executable, "-c", "pass"]))
+    gone.proc.wait()
+    began = time.monotonic()
+    end_after(gone, 30.0, exits.append)  # its SuperNode ended: the loop is retrying a call to it
+    assert exits == [0] and time.monotonic() - began < 3
+    running = SimpleNamespace(proc=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    end_after(running, 0.3, exits.append)  # a task in progress: ended once the time is up, its SuperNode killed
+    assert exits == [0, 0] and running.proc.wait(timeout=5) == -9

@@ -434,6 +434,12 @@ def load_owner_settings(path: str | Path, table: str) -> OwnerSettings:
         raise OwnerSettingsError(server_line(local, resolved, table), local) from None
 
 
+def read_owner_settings(path: str | Path, table: str) -> OwnerSettings:
+    """:func:`load_owner_settings` for the owner's own terminal (the node service's check as it starts): a
+    problem is a :class:`SpecError` whose line keeps its paths, and is not logged."""
+    return _read_owner_settings(Path(path).expanduser().resolve(), table)
+
+
 def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
     where = str(path)
     try:
@@ -470,6 +476,12 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         raise SpecError(f"{where} is the settings of table {raw['table']!r}, but the node config says table {table!r}")
     if (raw.get("source") is None) == (raw.get("loader") is None):
         raise SpecError(f"{where}: set exactly one of source (the table's file) or loader (a bundled table)")
+    for key in ("privacy", "columns", "shards", "exact_releases"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise SpecError(f"{where}: {key} must be a mapping (key: value lines under it), got {raw[key]!r}")
+    for key in ("source", "loader", "secret_file", "state_dir", "prediction_rows", "where", "keys", "table"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise SpecError(f"{where}: {key} must be text, got {raw[key]!r}")
     base = path.parent
     secret_file = raw.get("secret_file")
     keys = str(raw.get("keys", "hmac"))
@@ -487,7 +499,7 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         else b"",
         source=None if raw.get("source") is None else str(resolve_path(raw["source"], base).resolve()),
         loader=None if raw.get("loader") is None else str(raw["loader"]),
-        min_sketch_rows=int(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS)),
+        min_sketch_rows=_whole(raw.get("min_sketch_rows", DEFAULT_MIN_SKETCH_ROWS), "min_sketch_rows", where),
         where=None if raw.get("where") is None else str(raw["where"]),
         max_outputs=_max_outputs(raw.get("max_outputs", DEFAULT_MAX_OUTPUTS), where),
         min_group_rows=_min_group_rows(raw.get("min_group_rows", DEFAULT_MIN_GROUP_ROWS), where),
