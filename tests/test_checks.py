@@ -172,10 +172,15 @@ def test_a_repeated_key_in_a_joined_table_warns_unless_its_spec_says_unique(tmp_
         "false on table 'customers' if a training row per partner is meant (many-to-many), unique: true to refuse "
         "the duplicates, or remove them"
     )
-    for setting in (False, True):
-        meant = {**dataset, "tables": {**dataset["tables"], "customers": {**dataset["tables"]["customers"]}}}
-        meant["tables"]["customers"]["unique"] = setting
-        assert check_dataset(meant)[2] == []
+    meant = {**dataset, "tables": {**dataset["tables"], "customers": {**dataset["tables"]["customers"]}}}
+    meant["tables"]["customers"]["unique"] = False
+    assert check_dataset(meant)[2] == []
+    meant["tables"]["customers"]["unique"] = True  # refused with the table's other problems (its node's refusal)
+    assert [p.line() for p in check_dataset(meant)[2]] == [
+        "table 'customers' declares its key cust unique, but 4 rows share a value, first at row 3 (line 5 of "
+        f"{tmp_path / 'customers.csv'}): cust=3; remove the duplicates, or drop unique: true if a training row per "
+        "partner is meant"
+    ]
     meant["tables"]["customers"]["unique"] = "yes"
     with pytest.raises(SpecError, match="table 'customers': unique must be true or false, got 'yes'"):
         check_dataset(meant)
@@ -197,6 +202,34 @@ def test_all_problems_of_a_table_arrive_in_one_run(tmp_path):
         "table 'orders', label column 'spend'",
         "table 'customers', numeric feature 'age'",
     ]
+
+
+def test_every_problem_of_the_dataset_arrives_in_one_pass(tmp_path):
+    """A missing file, a misspelled column, a key stored as text against integers and a duplicate key of a
+    ``unique`` table: one report, not one per attempt (the key kinds of the tables that loaded are compared
+    even when another table did not load)."""
+    orders, customers = good(tmp_path)
+    customers["cust"] = "C" + customers["cust"].astype(str)
+    customers = pd.concat([customers, customers.iloc[[2]]], ignore_index=True)
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["unique"] = True
+    dataset["tables"]["orders"]["numeric"] = ["qtty"]
+    (tmp_path / "items.csv").unlink(missing_ok=True)
+    dataset["tables"]["items"] = {"source": str(tmp_path / "items.csv"), "numeric": ["price"]}
+    dataset["joins"].append({"left": "orders", "right": "items", "on": "cust"})
+    found = [line.split(";")[0] for line in lines(dataset)]
+    assert found == [
+        f"table 'items' source file '{tmp_path / 'items.csv'}' does not exist",
+        "table 'orders' has no column 'qtty', its columns are ['cust', 'qty', 'spend']",
+        "table 'customers' declares its key cust unique, but 2 rows share a value, first at row 2 (line 4 of "
+        f"{tmp_path / 'customers.csv'}): cust='C2'",
+        "join orders.cust = customers.cust: key dtype mismatch: orders.cust is integer but customers.cust is string",
+    ]
+    with pytest.raises(DataProblems) as info:
+        load_table(dataset, "customers")
+    owner = OwnerSettings("customers", Exposed(("cust",), ("age",)), {"name": "none"}, b"k", origin="/owner/c.yaml")
+    sent = str(node_data_error(info.value, owner))  # a deployed node: the count, not the value
+    assert "C2" not in sent and "share a value" in sent
 
 
 def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):

@@ -151,8 +151,8 @@ def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_exampl
 
     with pytest.raises(
         RuntimeError,
-        match=r"table 'movies' shard 0: table 'movies' declares its key movieId unique, but "
-        r"\d+ rows share a value, e.g. movieId=\d+ \(row \d+\)",
+        match=r"table 'movies' shard 0: 1 problem in the data: table 'movies' declares its key movieId unique, but "
+        r"[\d,]+ rows share a value, first at row \d+: movieId=\d+",
     ):
         run("dataset.tables.movies.unique=true")  # one row per movie AND genre: not unique
     assert run("+dataset.tables.users.unique=true", "algorithm.rho=3").strategy.finished  # one row per user
@@ -173,7 +173,9 @@ def test_a_duplicate_string_key_is_named_with_its_value(tmp_path):
     customers = pd.DataFrame({"cust": np.r_[codes, ["c7"]], "age": rng.integers(18, 80, 51)})
     dataset = shop(tmp_path, orders, customers)
     dataset["tables"]["customers"]["unique"] = True
-    with pytest.raises(RuntimeError, match=r"key cust unique, but 2 rows share a value, e.g. cust='c7' \(row 7\)"):
+    with pytest.raises(
+        RuntimeError, match=r"key cust unique, but 2 rows share a value, first at row 7 \(line 9 of .*\): cust='c7'"
+    ):
         run_in_process(make_cfg("algorithm=admm", "epochs=1", dataset=dataset), None, log=lambda _: None)
 
 

@@ -530,10 +530,18 @@ def validate_key_kinds(spec: RelationalSpec, kinds: Mapping[str, Mapping[str, st
         for lc, rc in j.on:
             lk, rk = kinds[j.left][lc], kinds[j.right][rc]
             if lk != rk:
-                hint = ""
-                if {lk, rk} == {"datetime", DATETIME_TZ}:
-                    hint = "; give both columns a time zone (or neither) before joining them"
-                raise SpecError(f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}{hint}")
+                raise SpecError(
+                    f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}; "
+                    + key_kind_fix(lk, rk)
+                )
+
+
+def key_kind_fix(left: str, right: str) -> str:
+    """How to make two key kinds (:func:`key_kind`) that do not compare agree, as one clause."""
+    kinds = {left, right}
+    if kinds == {"datetime", DATETIME_TZ}:
+        return "give both columns a time zone (or neither) before joining them"
+    return "store both key columns with the same type"
 
 
 def validate_tables(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> RelationalSpec:
