@@ -496,3 +496,44 @@ def test_a_label_setting_other_than_table_column_task_is_refused_naming_where_it
     dataset["label"]["label_range"] = [0, 20]
     with pytest.raises(SpecError, match=r"label has unknown settings \['label_range'\] \(label_range goes at the top"):
         check_dataset(dataset)
+
+
+def test_a_category_key_joins_a_string_key_as_strings(tmp_path):
+    """A pandas ``category`` column of strings (Parquet written by R or arrow) joins a plain string key: it is
+    compared by its categories' kind, and its values are mapped as the strings (the same model as with the
+    column stored as text)."""
+    rng = np.random.default_rng(0)
+    codes = np.array([f"c{i}" for i in range(50)], dtype=object)
+    orders = pd.DataFrame(
+        {"cust": codes[rng.integers(0, 50, 400)], "qty": rng.integers(1, 5, 400), "spend": rng.normal(10, 2, 400)}
+    )
+    customers = pd.DataFrame({"cust": codes, "age": rng.integers(18, 80, 50).astype(float)})
+    plain = shop(tmp_path, orders, customers)
+    typed = shop(tmp_path, orders, customers)
+    customers.astype({"cust": "category"}).to_parquet(tmp_path / "customers.parquet")
+    typed["tables"]["customers"]["source"] = str(tmp_path / "customers.parquet")
+    spec, frames, problems = check_dataset(typed)
+    assert isinstance(frames["customers"]["cust"].dtype, pd.CategoricalDtype) and problems == []
+    metrics = []
+    for dataset in (plain, typed):
+        cfg = make_cfg("algorithm=admm", "epochs=2", "runtime=inprocess")
+        cfg.dataset = OmegaConf.create(dataset)
+        run = run_in_process(cfg, None, log=lambda _: None)
+        metrics.append(run.strategy.results.history[-1].test_metric)
+    assert metrics[0] == metrics[1]
+
+
+def test_a_date_key_against_iso_text_is_refused_saying_how_to_make_them_agree(tmp_path):
+    orders, customers = good(tmp_path)
+    orders["cust"] = pd.Timestamp("2015-01-01") + pd.to_timedelta(orders["cust"], unit="D")
+    orders.to_parquet(tmp_path / "orders.parquet")
+    customers["cust"] = (pd.Timestamp("2015-01-01") + pd.to_timedelta(customers["cust"], unit="D")).dt.strftime(
+        "%Y-%m-%d"
+    )
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["orders"]["source"] = str(tmp_path / "orders.parquet")
+    assert lines(dataset) == [
+        "join orders.cust = customers.cust: key dtype mismatch: orders.cust is datetime but customers.cust is "
+        "string; store the text column as dates too (a Parquet date or timestamp column), or the date column as "
+        "ISO text (e.g. '2015-01-01') in both files"
+    ]
