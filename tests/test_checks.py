@@ -277,8 +277,8 @@ def test_a_categorical_column_whose_one_hot_block_outgrows_the_machine_is_refuse
     assert line == (
         "table 'customers', categorical feature 'email': its one-hot block makes the table's features, held "
         "dense, larger than half of this machine's memory, 50 categories over 50 rows: 0.0 GB of features "
-        "against 0.0 GB; drop the column, group its categories (e.g. a CASE in dataset.sql), or declare it "
-        "numeric if its values are numbers"
+        "against 0.0 GB; drop the column, declare it numeric if its values are numbers, or group its categories "
+        "into a new column of fewer values in the table's file (a date's month, say)"
     )
     with pytest.raises(DataProblems) as info:
         load_table(dataset, "customers")
@@ -301,6 +301,7 @@ def test_an_identifier_like_categorical_column_of_the_label_table_is_refused_nam
     (line,) = lines(dataset)
     assert line.startswith("table 'orders', categorical feature 'note': a different category on most rows")
     assert "400 categories over 400 rows" in line and "drop the column" in line
+    assert "CASE" not in line and "new column of fewer values in the table's file" in line  # SQL computes no column
 
 
 def test_a_union_shard_column_not_exposed_or_holding_unlisted_values_is_refused_up_front_once(tmp_path):

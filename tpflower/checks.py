@@ -36,6 +36,9 @@ DROP_POLICIES: tuple[str, ...] = ("warn", "error", "ignore")
 DROP_THRESHOLD = 0.01  # a join that drops more than this share of the label table's rows is reported
 IDENTIFIER_SHARE, IDENTIFIER_MIN = 0.5, 100  # the label table's categorical columns of more categories: refused
 FEATURE_MEMORY_SHARE = 0.5  # a table whose dense features would take more of the machine's memory is refused
+# how to group a column's categories: in the table's file, as dataset.sql selects columns only (no CASE, no
+# computed column: docs/datasets.md, the training set as SQL)
+GROUP_FIX = "group its categories into a new column of fewer values in the table's file (a date's month, say)"
 
 
 @dataclass(frozen=True)
@@ -356,8 +359,8 @@ def _identifier_like(name: str, n_rows: int, levels: Mapping[str, int]) -> list[
                     name,
                     "a different category on most rows of the label table (an identifier, a timestamp or free "
                     "text?): its one-hot columns each fit about one training row and tell nothing of a new one",
-                    "drop the column from the table's features (or from the SELECT), or group its categories "
-                    "(e.g. a CASE in dataset.sql)",
+                    "drop the column from the table's features (or from the SELECT), declare it numeric if its "
+                    f"values are numbers, or {GROUP_FIX}",
                     column=col,
                     role="categorical feature",
                     example=f"{n:,} categories over {n_rows:,} rows",
@@ -426,8 +429,7 @@ def _wide_features(
     return Problem(
         name,
         "its one-hot block makes the table's features, held dense, larger than half of this machine's memory",
-        "drop the column, group its categories (e.g. a CASE in dataset.sql), or declare it numeric if its values "
-        "are numbers",
+        f"drop the column, declare it numeric if its values are numbers, or {GROUP_FIX}",
         column=widest,
         role="categorical feature",
         example=f"{levels[widest]:,} categories over {len(frame):,} rows: {need / 2**30:.1f} GB of features "
