@@ -22,6 +22,7 @@ it holds. The same object runs under Flower (:class:`~strategies.transport.GridT
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -54,6 +55,32 @@ from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
 def node_line(name: str, reason: str) -> str:
     """A node's error as one line starting with the node's name (once: a reason may name it already)."""
     return reason if reason.startswith(f"{name}:") or reason.startswith(f"{name} ") else f"{name}: {reason}"
+
+
+def merged_lines(failed: Iterable[tuple[str, ClientKey | None, str]]) -> list[str]:
+    """The error lines of a round, (node name, client key, reason) each: the shards of one table that refuse
+    alike (the same reason but for a final ``(detail)``, the shard's own numbers) make one line naming the
+    shards, each shard's detail in its parentheses, so a union's refusal is said once, not once per shard."""
+    groups: dict[tuple[str, str], list[tuple[int, str, str]]] = {}
+    lines = []
+    for name, key, reason in failed:
+        if key is None:
+            lines.append(node_line(name, reason))
+            continue
+        said = reason.removeprefix(f"{name}:").removeprefix(f"{name} ").strip()
+        match = re.fullmatch(r"(.*) \(([^()]*)\)", said)
+        base, detail = (match.group(1), match.group(2)) if match else (said, "")
+        groups.setdefault((key[0], base), []).append((key[1], detail, node_line(name, reason)))
+    for (table, base), shards in groups.items():
+        shards.sort()
+        if len(shards) == 1:  # the node's own line
+            lines.append(shards[0][2])
+            continue
+        alike = {d for _, d, _ in shards}
+        details = alike.pop() if len(alike) == 1 else "; ".join(f"shard {q}: {d}" for q, d, _ in shards if d)
+        names = ", ".join(str(q) for q, _, _ in shards)
+        lines.append(f"table {table!r} shards {names}: {base}" + (f" ({details})" if details else ""))
+    return sorted(lines)
 
 
 class TablePuppetStrategy(Strategy):
@@ -200,9 +227,13 @@ class TablePuppetStrategy(Strategy):
         """The decoded replies of a round by client key, and each one's payload bytes; an error reply ends the
         run with one line naming its table."""
         replies = list(replies)
-        errors = [node_line(self.node_name(r.metadata.src_node_id), error_reason(r)) for r in replies if r.has_error()]
-        if errors:  # every node's own line (e.g. each table's data problems), not only the first one's
-            raise RunError("\n".join(sorted(errors)))
+        failed = [
+            (self.node_name(r.metadata.src_node_id), self.keys.get(r.metadata.src_node_id), error_reason(r))
+            for r in replies
+            if r.has_error()
+        ]
+        if failed:  # every node's own line (e.g. each table's data problems), not only the first one's
+            raise RunError("\n".join(merged_lines(failed)))
         inbox, up = {}, {}
         for reply in replies:
             key = self.keys[reply.metadata.src_node_id]

@@ -312,3 +312,22 @@ def test_a_nodes_error_line_keeps_its_last_quote_and_names_the_node_once():
         node_line(name, f"{name} (algorithm 'gbdt') refuses phase 'x'")
         == f"{name} (algorithm 'gbdt') refuses phase 'x'"
     )
+
+
+def test_the_shards_of_a_table_that_refuse_alike_make_one_line():
+    from strategies.base import merged_lines
+
+    why = "table 'f' (gbdt_bins) refuses the message: too few rows"
+    failed = [
+        ("table 'f' shard 1", ("f", 1), f"{why} (7 rows)"),
+        ("table 'f' shard 0", ("f", 0), f"{why} (9 rows)"),
+        ("table 'g' shard 0", ("g", 0), "table 'g' shard 0: another problem"),
+        ("node 5", None, "no table"),
+    ]
+    assert merged_lines(failed) == [
+        "node 5: no table",
+        f"table 'f' shards 0, 1: {why} (shard 0: 9 rows; shard 1: 7 rows)",
+        "table 'g' shard 0: another problem",
+    ]
+    alike = [(f"table 'f' shard {q}", ("f", q), f"{why} (the detail is in this node's log)") for q in (0, 1)]
+    assert merged_lines(alike) == [f"table 'f' shards 0, 1: {why} (the detail is in this node's log)"]
