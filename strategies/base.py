@@ -47,7 +47,7 @@ from tpflower.checkpoint import CHECKPOINT
 from tpflower.losses import LabelScale, primary_metric
 from tpflower.params import AlgorithmParams, run_settings
 from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
-from tpflower.registry import entries
+from tpflower.registry import by_name, entries
 from tpflower.schema import RelationalSpec
 from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
 
@@ -318,7 +318,12 @@ class LoJStrategy(TablePuppetStrategy):
         self.privacy = cfg.get("privacy") or {"name": "none"}
         # impossible privacy settings fail here, before any client is asked for anything (also under flwr run)
         dp.validate_privacy(
-            self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp, why_not=why_no_feature_dp
+            self.privacy,
+            self.public_name,
+            self.task,
+            feature_dp=feature_dp,
+            label_dp=label_dp,
+            why_not=why_no_feature_dp,
         )
         self.label_dp = dp.uses_label_dp(self.privacy)
         self.feature_dp = dp.uses_feature_dp(self.privacy)
@@ -338,10 +343,19 @@ class LoJStrategy(TablePuppetStrategy):
         fraction = validation_fraction_of(value, 0.0)  # checked for every algorithm, before a client is contacted
         if self.validation == "none" and fraction > 0:
             raise ValueError(
-                f"validation_fraction={value}: {self.algorithm} solves its problem to the end and selects no "
+                f"validation_fraction={value}: algorithm={self.public_name} solves its problem to the end and selects no "
                 "model on a validation part; set validation_fraction=0 (or null)"
             )
         return 0.0
+
+    @property
+    def public_name(self) -> str:
+        """The algorithm as the user selects it (``algorithm=NAME``, its registry selector): what messages say
+        (``self.algorithm`` is the internal name, e.g. tp_join_pcg for algorithm=pcg)."""
+        try:
+            return by_name(self.algorithm).selector
+        except ValueError:
+            return self.algorithm
 
     def default_validation(self) -> float:
         """``validation_fraction`` when the config leaves it at null (docs/settings.md)."""
@@ -352,13 +366,13 @@ class LoJStrategy(TablePuppetStrategy):
         is refused here for an algorithm that has nothing to resume from."""
         if resume and self.one_shot:
             raise ValueError(
-                f"resume=true: {self.algorithm} runs in one shot (no epochs, no checkpoint to resume "
+                f"resume=true: algorithm={self.public_name} runs in one shot (no epochs, no checkpoint to resume "
                 "from); run it again"
             )
         if resume and not self.resumable:
-            resumable = sorted(e.name for e in entries() if e.strategy.resumable)
+            resumable = sorted({e.selector for e in entries() if e.strategy.resumable})
             raise ValueError(
-                f"resume=true: {self.algorithm} does not checkpoint its epochs yet "
+                f"resume=true: algorithm={self.public_name} does not checkpoint its epochs yet "
                 f"(algorithms that do: {', '.join(resumable)})"
             )
         if resume and self.run_dir is None:
@@ -515,7 +529,7 @@ class LoJStrategy(TablePuppetStrategy):
         """Feature DP: per client, (local DP steps over the whole run, per-step sample rate of a table row).
 
         Called in setup on the training mapping of TABLE rows. The client calibrates sigma to these once."""
-        raise ValueError(f"privacy={self.privacy.get('name')}: {self.algorithm} has no feature-DP plan")
+        raise ValueError(f"privacy={self.privacy.get('name')}: algorithm={self.public_name} has no feature-DP plan")
 
     def client_G(self, key: ClientKey) -> np.ndarray:
         """G_iu over the training join of the rows of client ``key`` (its shard of table i), in shard order."""

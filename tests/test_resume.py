@@ -262,7 +262,7 @@ def test_every_registered_algorithm_resumes():
 
 @pytest.mark.parametrize("algorithm", ["kmeans", "coreset_kmeans"])
 def test_a_one_shot_algorithm_refuses_resume_naming_it(tmp_path, algorithm):
-    with pytest.raises(ValueError, match=f"resume=true: {algorithm} runs in one shot"):
+    with pytest.raises(ValueError, match=f"resume=true: algorithm={algorithm} runs in one shot"):
         make_strategy(compose_config("dataset=synthetic", f"algorithm={algorithm}", "resume=true"), tmp_path, log=quiet)
 
 
