@@ -216,6 +216,10 @@ def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq
     pred = model.predict(tmp_path / "rows.pq", verbose=False)
     assert pred["joined_rows"].tolist() == [1] * 5 and pred["prediction"].notna().all()
     assert tpflower.load(model.run_dir, base_dir=tmp_path).predict(rows, verbose=False).equals(pred)
+    with pytest.raises(tpflower.TpflowerError) as info:  # loaded elsewhere without base_dir: the error says it
+        tpflower.load(model.run_dir).predict(rows, verbose=False)
+    said = str(info.value)
+    assert f"(relative paths start at base_dir {str(data)!r}; from Python, base_dir= of tpflower.fit, " in said
 
 
 def test_overrides_are_the_command_lines_spelling():

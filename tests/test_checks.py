@@ -204,6 +204,18 @@ def test_all_problems_of_a_table_arrive_in_one_run(tmp_path):
     ]
 
 
+def test_a_missing_relative_source_says_where_relative_paths_start_and_how_to_move_them(tmp_path, monkeypatch):
+    dataset = shop(tmp_path)
+    dataset["tables"]["customers"]["source"] = "customers.csv"
+    monkeypatch.chdir(tmp_path.parent)
+    (line,) = lines(dataset)
+    assert line.endswith(
+        f"fix the table's source path (relative paths start at the working directory {str(tmp_path.parent)!r}; "
+        "from Python, base_dir= of tpflower.fit, tpflower.load or predict says where they start)"
+    )
+    assert load_dataset(dataset, base_dir=tmp_path)[1]["customers"].shape == (50, 2)
+
+
 def test_every_problem_of_the_dataset_arrives_in_one_pass(tmp_path):
     """A missing file, a misspelled column, a key stored as text against integers and a duplicate key of a
     ``unique`` table: one report, not one per attempt (the key kinds of the tables that loaded are compared
