@@ -153,6 +153,11 @@ def test_predict_takes_a_frame_and_save_load_keep_the_model(tmp_path, capsys):
     copy = model.save(tmp_path / "copy")
     again = tpflower.load(copy.run_dir).predict(rows, verbose=False)
     pd.testing.assert_frame_equal(first, again)
+    capsys.readouterr()
+    tpflower.load(copy.run_dir, verbose=False).predict(rows.assign(note="x"))  # a column it ignores: no line
+    assert capsys.readouterr() == ("", "")
+    tpflower.load(copy.run_dir).predict(rows.assign(note="x"))  # a loaded model: verbose by default
+    assert "column(s) ['note'] are no feature or key of table 'fact': ignored" in capsys.readouterr().out
     assert len(first) > 0 and set(first["row"]) <= set(range(50))
     with pytest.raises(tpflower.TpflowerError, match="exists already"):
         model.save(tmp_path / "copy")
