@@ -29,6 +29,7 @@ from tpflower.schema import (
 )
 
 Severity = Literal["error", "warning"]
+WHERE_ROWS_ATTR = "rows_before_where"  # frame.attrs: a table's rows before its where (tpflower.sql.filter_rows)
 NA_ATTR = (
     "na_text"  # frame.attrs: {column: (count, first row, value)} of "n/a"-style text read as missing (datasets.files)
 )
@@ -611,7 +612,9 @@ def dropped_row_problems(
             where = spec.table(new).where
             head = f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} ({lost / n:.1%})"
             if where is not None:  # the owner's filter (a WHERE of the query) removed their partners: intended
-                what = f"{head}: their partner rows in table {new!r} are filtered out by its WHERE ({where})"
+                before = frames[new].attrs.get(WHERE_ROWS_ATTR)
+                keeps = "" if before is None else f", which keeps {len(frames[new]):,} of its {before:,} rows"
+                what = f"{head}: their partner rows in table {new!r} are filtered out by its WHERE ({where}){keeps}"
                 fix = "the run trains on the rest (dataset.on_dropped_rows=ignore silences this line, =error refuses)"
             else:
                 what = f"{head}: they have no partner row in table {new!r}"
