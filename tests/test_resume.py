@@ -196,6 +196,17 @@ def test_resume_needs_a_checkpoint_and_the_same_config(tmp_path):
     crashed_run(tmp_path, TO_EPOCH_4)
     with pytest.raises(ValueError, match=r"made by another config \(differs in: seed\)"):
         run_in_process(compose_config(*RUN, TO_EPOCH_4, "resume=true", "seed=3"), tmp_path, log=quiet)
+    with pytest.raises(ValueError, match=r"made by another config \(differs in: algorithm\.tol\)"):  # the leaf
+        run_in_process(compose_config(*RUN, "algorithm.tol=1e-9", "resume=true"), tmp_path, log=quiet)
+
+
+def test_the_settings_a_config_changed_are_named_by_their_leaves():
+    from tpflower.checkpoint import config_changes
+
+    old = {"algorithm": {"name": "gbdt", "trees": 300, "lr": 0.1}, "seed": 0, "model": {"hidden": [8]}}
+    new = {"algorithm": {"name": "gbdt", "trees": 30, "lr": 0.1, "depth": 2}, "seed": 0, "model": "linear"}
+    assert config_changes(old, new) == ["algorithm.depth", "algorithm.trees", "model"]
+    assert config_changes(old, old) == []
 
 
 def test_a_checkpoint_of_another_tpflower_is_refused_in_one_line(tmp_path):
