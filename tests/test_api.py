@@ -200,6 +200,11 @@ def test_an_error_about_a_frames_rows_names_the_rows_not_a_temporary_file(binary
     assert str(info.value) == (
         "table 'orders' shard 0: the rows: key column 'cust' holds float values; table 'orders' joins it as integer"
     )
+    with pytest.raises(tpflower.TpflowerError) as info:
+        model.predict(rows.drop(columns=["qty"]), verbose=False)
+    assert str(info.value).startswith(
+        "table 'orders' shard 0: the rows lack feature column(s) ['qty'] of table 'orders': the model takes them"
+    )
 
 
 def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq_rows(tmp_path, monkeypatch):

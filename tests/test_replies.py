@@ -302,7 +302,7 @@ def test_a_nodes_error_line_keeps_its_last_quote_and_names_the_node_once():
     from strategies.base import node_line
     from tpflower.records import error_reason
 
-    reason = "rows file x.csv: no feature column(s) ['table'] of table 'stones'"
+    reason = "rows file x.csv lacks feature column(s) ['table'] of table 'stones'"
     reply = SimpleNamespace(error=SimpleNamespace(code=0, reason=f"{ValueError}:<'{reason}'>"))  # the engine's form
     assert error_reason(reply) == reason
     name = "table 'stones' shard 0"
