@@ -173,10 +173,11 @@ def fit(
     return Model(path, verbose, base)
 
 
-def load(run_dir: str | Path, base_dir: str | Path | None = None) -> Model:
+def load(run_dir: str | Path, base_dir: str | Path | None = None, verbose: bool = True) -> Model:
     """The model of a finished run (its results.json; predict needs its model.json and node-state/ too);
-    ``base_dir``: where its dataset's relative paths start (default: the working directory at predict)."""
-    return Model(run_dir, base_dir=base_dir)
+    ``base_dir``: where its dataset's relative paths start (default: the working directory at predict);
+    ``verbose=False``: its ``predict`` prints no line (as a model of ``fit(verbose=False)``)."""
+    return Model(run_dir, verbose=verbose, base_dir=base_dir)
 
 
 class Model:

@@ -132,6 +132,16 @@ def compile_query(cfg: DictConfig, base_dir: str | Path | None = None, log: Call
     log(f"query: {compiled['query']}")
     for note in compiled.pop("notes", ()):
         log(f"warning: {note}")
+    scenario = str((cfg.get("scenario") or {}).get("name", "join"))
+    union = " UNION ALL " in str(compiled.get("query", "")).upper()
+    tables_of = (compiled.get("tables") or {}).items()
+    sharded = {t: s["shards"].get("by") for t, s in tables_of if (s or {}).get("shards", {}).get("by")}
+    if union and sharded and scenario != "ucq":  # the union's shards are the union scenario's (docs/datasets.md)
+        tables = ", ".join(f"table {t!r} by {by}" for t, by in sharded.items())
+        log(
+            f"note: the query's UNION ALL splits {tables} into shards, which apply under scenario=ucq; this run "
+            f"(scenario={scenario}) trains over the join of the union's rows, whole (the same model)"
+        )
     with open_dict(cfg):
         cfg.dataset = OmegaConf.create(compiled)
 

@@ -82,8 +82,20 @@ def unknown_choice(overrides: dict[str, str], config_dirs: list[str]) -> str | N
         )
         for name in value.split(","):  # a sweep's list: each of its names
             if name not in options:
-                return f"{group}={name}: no such {group}; choose one of {', '.join(options)}"
+                return f"{group}={name}: no such {group}; choose one of {', '.join(options)}" + path_hint(group, name)
     return None
+
+
+def path_hint(group: str, value: str) -> str:
+    """For a choice that looks like a file (``dataset=conf/dataset/shop.yaml``): how the command line names it,
+    ``--config-dir DIR GROUP=NAME`` for DIR/GROUP/NAME.yaml (docs/datasets.md); else nothing."""
+    path = Path(value)
+    if "/" not in value and path.suffix not in (".yaml", ".yml"):
+        return ""
+    name = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    if path.parent.name == group:
+        return f"; for the file {value}: --config-dir {path.parent.parent} {group}={name}"
+    return f"; a {group} file is chosen by name from a folder {group}/: --config-dir DIR {group}={name} for DIR/{group}/{name}.yaml"
 
 
 def config_dirs_of(argv: list[str]) -> list[str]:

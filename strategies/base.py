@@ -22,6 +22,7 @@ it holds. The same object runs under Flower (:class:`~strategies.transport.GridT
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -47,7 +48,7 @@ from tpflower.losses import LabelScale, primary_metric
 from tpflower.params import AlgorithmParams, run_settings
 from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
 from tpflower.reference import below_constant
-from tpflower.registry import entries
+from tpflower.registry import by_name, entries
 from tpflower.schema import RelationalSpec
 from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
 
@@ -55,6 +56,32 @@ from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
 def node_line(name: str, reason: str) -> str:
     """A node's error as one line starting with the node's name (once: a reason may name it already)."""
     return reason if reason.startswith(f"{name}:") or reason.startswith(f"{name} ") else f"{name}: {reason}"
+
+
+def merged_lines(failed: Iterable[tuple[str, ClientKey | None, str]]) -> list[str]:
+    """The error lines of a round, (node name, client key, reason) each: the shards of one table that refuse
+    alike (the same reason but for a final ``(detail)``, the shard's own numbers) make one line naming the
+    shards, each shard's detail in its parentheses, so a union's refusal is said once, not once per shard."""
+    groups: dict[tuple[str, str], list[tuple[int, str, str]]] = {}
+    lines = []
+    for name, key, reason in failed:
+        if key is None:
+            lines.append(node_line(name, reason))
+            continue
+        said = reason.removeprefix(f"{name}:").removeprefix(f"{name} ").strip()
+        match = re.fullmatch(r"(.*) \(([^()]*)\)", said)
+        base, detail = (match.group(1), match.group(2)) if match else (said, "")
+        groups.setdefault((key[0], base), []).append((key[1], detail, node_line(name, reason)))
+    for (table, base), shards in groups.items():
+        shards.sort()
+        if len(shards) == 1:  # the node's own line
+            lines.append(shards[0][2])
+            continue
+        alike = {d for _, d, _ in shards}
+        details = alike.pop() if len(alike) == 1 else "; ".join(f"shard {q}: {d}" for q, d, _ in shards if d)
+        names = ", ".join(str(q) for q, _, _ in shards)
+        lines.append(f"table {table!r} shards {names}: {base}" + (f" ({details})" if details else ""))
+    return sorted(lines)
 
 
 class TablePuppetStrategy(Strategy):
@@ -201,9 +228,13 @@ class TablePuppetStrategy(Strategy):
         """The decoded replies of a round by client key, and each one's payload bytes; an error reply ends the
         run with one line naming its table."""
         replies = list(replies)
-        errors = [node_line(self.node_name(r.metadata.src_node_id), error_reason(r)) for r in replies if r.has_error()]
-        if errors:  # every node's own line (e.g. each table's data problems), not only the first one's
-            raise RunError("\n".join(sorted(errors)))
+        failed = [
+            (self.node_name(r.metadata.src_node_id), self.keys.get(r.metadata.src_node_id), error_reason(r))
+            for r in replies
+            if r.has_error()
+        ]
+        if failed:  # every node's own line (e.g. each table's data problems), not only the first one's
+            raise RunError("\n".join(merged_lines(failed)))
         inbox, up = {}, {}
         for reply in replies:
             key = self.keys[reply.metadata.src_node_id]
@@ -288,7 +319,12 @@ class LoJStrategy(TablePuppetStrategy):
         self.privacy = cfg.get("privacy") or {"name": "none"}
         # impossible privacy settings fail here, before any client is asked for anything (also under flwr run)
         dp.validate_privacy(
-            self.privacy, self.algorithm, self.task, feature_dp=feature_dp, label_dp=label_dp, why_not=why_no_feature_dp
+            self.privacy,
+            self.public_name,
+            self.task,
+            feature_dp=feature_dp,
+            label_dp=label_dp,
+            why_not=why_no_feature_dp,
         )
         self.label_dp = dp.uses_label_dp(self.privacy)
         self.feature_dp = dp.uses_feature_dp(self.privacy)
@@ -308,10 +344,19 @@ class LoJStrategy(TablePuppetStrategy):
         fraction = validation_fraction_of(value, 0.0)  # checked for every algorithm, before a client is contacted
         if self.validation == "none" and fraction > 0:
             raise ValueError(
-                f"validation_fraction={value}: {self.algorithm} solves its problem to the end and selects no "
+                f"validation_fraction={value}: algorithm={self.public_name} solves its problem to the end and selects no "
                 "model on a validation part; set validation_fraction=0 (or null)"
             )
         return 0.0
+
+    @property
+    def public_name(self) -> str:
+        """The algorithm as the user selects it (``algorithm=NAME``, its registry selector): what messages say
+        (``self.algorithm`` is the internal name, e.g. tp_join_pcg for algorithm=pcg)."""
+        try:
+            return by_name(self.algorithm).selector
+        except ValueError:
+            return self.algorithm
 
     def default_validation(self) -> float:
         """``validation_fraction`` when the config leaves it at null (docs/settings.md)."""
@@ -322,13 +367,13 @@ class LoJStrategy(TablePuppetStrategy):
         is refused here for an algorithm that has nothing to resume from."""
         if resume and self.one_shot:
             raise ValueError(
-                f"resume=true: {self.algorithm} runs in one shot (no epochs, no checkpoint to resume "
+                f"resume=true: algorithm={self.public_name} runs in one shot (no epochs, no checkpoint to resume "
                 "from); run it again"
             )
         if resume and not self.resumable:
-            resumable = sorted(e.name for e in entries() if e.strategy.resumable)
+            resumable = sorted({e.selector for e in entries() if e.strategy.resumable})
             raise ValueError(
-                f"resume=true: {self.algorithm} does not checkpoint its epochs yet "
+                f"resume=true: algorithm={self.public_name} does not checkpoint its epochs yet "
                 f"(algorithms that do: {', '.join(resumable)})"
             )
         if resume and self.run_dir is None:
@@ -504,7 +549,7 @@ class LoJStrategy(TablePuppetStrategy):
         """Feature DP: per client, (local DP steps over the whole run, per-step sample rate of a table row).
 
         Called in setup on the training mapping of TABLE rows. The client calibrates sigma to these once."""
-        raise ValueError(f"privacy={self.privacy.get('name')}: {self.algorithm} has no feature-DP plan")
+        raise ValueError(f"privacy={self.privacy.get('name')}: algorithm={self.public_name} has no feature-DP plan")
 
     def client_G(self, key: ClientKey) -> np.ndarray:
         """G_iu over the training join of the rows of client ``key`` (its shard of table i), in shard order."""

@@ -118,7 +118,7 @@ class DISStrategy(LoJStrategy):
     def require_join(self) -> None:
         """After setup: these algorithms run on the join scenario, one client per table."""
         if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
-            raise ValueError(f"algorithm={self.algorithm} runs on the join scenario (one client per table)")
+            raise ValueError(f"algorithm={self.public_name} runs on the join scenario (one client per table)")
 
     def sample_coreset(self, mapping: TableMapping, m_asked: int | str, sampling: str) -> Coreset:
         """m draws over the joined rows of ``mapping`` (DIS or uniform); the construction's traffic is noted.

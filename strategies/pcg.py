@@ -51,7 +51,7 @@ class PCGSolver(LoJStrategy):
     def check_task(self, cfg) -> None:
         if self.task != "regression" or str(cfg.model.kind) != "linear":
             raise ValueError(
-                f"algorithm={self.algorithm} solves the ridge normal equations: it needs a regression label and "
+                f"algorithm={self.public_name} solves the ridge normal equations: it needs a regression label and "
                 f"model=linear (here task={self.task}, model={cfg.model.kind}); use algorithm=admm or sgd"
             )
 
@@ -431,7 +431,7 @@ class PCGSolver(LoJStrategy):
                 self.log(f"stopped after iteration {it}: {detail}")
 
     def plan_feature_dp(self) -> dict:  # pragma: no cover - the registry refuses feature DP first
-        raise ValueError(f"algorithm={self.algorithm} has no feature-DP plan")
+        raise ValueError(f"algorithm={self.public_name} has no feature-DP plan")
 
 
 def relative_residual(rr: float, rr0: float) -> float:

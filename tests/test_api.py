@@ -153,6 +153,11 @@ def test_predict_takes_a_frame_and_save_load_keep_the_model(tmp_path, capsys):
     copy = model.save(tmp_path / "copy")
     again = tpflower.load(copy.run_dir).predict(rows, verbose=False)
     pd.testing.assert_frame_equal(first, again)
+    capsys.readouterr()
+    tpflower.load(copy.run_dir, verbose=False).predict(rows.assign(note="x"))  # a column it ignores: no line
+    assert capsys.readouterr() == ("", "")
+    tpflower.load(copy.run_dir).predict(rows.assign(note="x"))  # a loaded model: verbose by default
+    assert "column(s) ['note'] are no feature or key of table 'fact': ignored" in capsys.readouterr().out
     assert len(first) > 0 and set(first["row"]) <= set(range(50))
     with pytest.raises(tpflower.TpflowerError, match="exists already"):
         model.save(tmp_path / "copy")
@@ -195,6 +200,11 @@ def test_an_error_about_a_frames_rows_names_the_rows_not_a_temporary_file(binary
     assert str(info.value) == (
         "table 'orders' shard 0: the rows: key column 'cust' holds float values; table 'orders' joins it as integer"
     )
+    with pytest.raises(tpflower.TpflowerError) as info:
+        model.predict(rows.drop(columns=["qty"]), verbose=False)
+    assert str(info.value).startswith(
+        "table 'orders' shard 0: the rows lack feature column(s) ['qty'] of table 'orders': the model takes them"
+    )
 
 
 def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq_rows(tmp_path, monkeypatch):
@@ -216,6 +226,10 @@ def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq
     pred = model.predict(tmp_path / "rows.pq", verbose=False)
     assert pred["joined_rows"].tolist() == [1] * 5 and pred["prediction"].notna().all()
     assert tpflower.load(model.run_dir, base_dir=tmp_path).predict(rows, verbose=False).equals(pred)
+    with pytest.raises(tpflower.TpflowerError) as info:  # loaded elsewhere without base_dir: the error says it
+        tpflower.load(model.run_dir).predict(rows, verbose=False)
+    said = str(info.value)
+    assert f"(relative paths start at base_dir {str(data)!r}; from Python, base_dir= of tpflower.fit, " in said
 
 
 def test_overrides_are_the_command_lines_spelling():

@@ -172,10 +172,15 @@ def test_a_repeated_key_in_a_joined_table_warns_unless_its_spec_says_unique(tmp_
         "false on table 'customers' if a training row per partner is meant (many-to-many), unique: true to refuse "
         "the duplicates, or remove them"
     )
-    for setting in (False, True):
-        meant = {**dataset, "tables": {**dataset["tables"], "customers": {**dataset["tables"]["customers"]}}}
-        meant["tables"]["customers"]["unique"] = setting
-        assert check_dataset(meant)[2] == []
+    meant = {**dataset, "tables": {**dataset["tables"], "customers": {**dataset["tables"]["customers"]}}}
+    meant["tables"]["customers"]["unique"] = False
+    assert check_dataset(meant)[2] == []
+    meant["tables"]["customers"]["unique"] = True  # refused with the table's other problems (its node's refusal)
+    assert [p.line() for p in check_dataset(meant)[2]] == [
+        "table 'customers' declares its key cust unique, but 4 rows share a value, first at row 3 (line 5 of "
+        f"{tmp_path / 'customers.csv'}): cust=3; remove the duplicates, or drop unique: true if a training row per "
+        "partner is meant"
+    ]
     meant["tables"]["customers"]["unique"] = "yes"
     with pytest.raises(SpecError, match="table 'customers': unique must be true or false, got 'yes'"):
         check_dataset(meant)
@@ -197,6 +202,46 @@ def test_all_problems_of_a_table_arrive_in_one_run(tmp_path):
         "table 'orders', label column 'spend'",
         "table 'customers', numeric feature 'age'",
     ]
+
+
+def test_a_missing_relative_source_says_where_relative_paths_start_and_how_to_move_them(tmp_path, monkeypatch):
+    dataset = shop(tmp_path)
+    dataset["tables"]["customers"]["source"] = "customers.csv"
+    monkeypatch.chdir(tmp_path.parent)
+    (line,) = lines(dataset)
+    assert line.endswith(
+        f"fix the table's source path (relative paths start at the working directory {str(tmp_path.parent)!r}; "
+        "from Python, base_dir= of tpflower.fit, tpflower.load or predict says where they start)"
+    )
+    assert load_dataset(dataset, base_dir=tmp_path)[1]["customers"].shape == (50, 2)
+
+
+def test_every_problem_of_the_dataset_arrives_in_one_pass(tmp_path):
+    """A missing file, a misspelled column, a key stored as text against integers and a duplicate key of a
+    ``unique`` table: one report, not one per attempt (the key kinds of the tables that loaded are compared
+    even when another table did not load)."""
+    orders, customers = good(tmp_path)
+    customers["cust"] = "C" + customers["cust"].astype(str)
+    customers = pd.concat([customers, customers.iloc[[2]]], ignore_index=True)
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["unique"] = True
+    dataset["tables"]["orders"]["numeric"] = ["qtty"]
+    (tmp_path / "items.csv").unlink(missing_ok=True)
+    dataset["tables"]["items"] = {"source": str(tmp_path / "items.csv"), "numeric": ["price"]}
+    dataset["joins"].append({"left": "orders", "right": "items", "on": "cust"})
+    found = [line.split(";")[0] for line in lines(dataset)]
+    assert found == [
+        f"table 'items' source file '{tmp_path / 'items.csv'}' does not exist",
+        "table 'orders' has no column 'qtty', its columns are ['cust', 'qty', 'spend']",
+        "table 'customers' declares its key cust unique, but 2 rows share a value, first at row 2 (line 4 of "
+        f"{tmp_path / 'customers.csv'}): cust='C2'",
+        "join orders.cust = customers.cust: key dtype mismatch: orders.cust is integer but customers.cust is string",
+    ]
+    with pytest.raises(DataProblems) as info:
+        load_table(dataset, "customers")
+    owner = OwnerSettings("customers", Exposed(("cust",), ("age",)), {"name": "none"}, b"k", origin="/owner/c.yaml")
+    sent = str(node_data_error(info.value, owner))  # a deployed node: the count, not the value
+    assert "C2" not in sent and "share a value" in sent
 
 
 def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):
@@ -244,8 +289,8 @@ def test_a_categorical_column_whose_one_hot_block_outgrows_the_machine_is_refuse
     assert line == (
         "table 'customers', categorical feature 'email': its one-hot block makes the table's features, held "
         "dense, larger than half of this machine's memory, 50 categories over 50 rows: 0.0 GB of features "
-        "against 0.0 GB; drop the column, group its categories (e.g. a CASE in dataset.sql), or declare it "
-        "numeric if its values are numbers"
+        "against 0.0 GB; drop the column, declare it numeric if its values are numbers, or group its categories "
+        "into a new column of fewer values in the table's file (a date's month, say)"
     )
     with pytest.raises(DataProblems) as info:
         load_table(dataset, "customers")
@@ -268,6 +313,7 @@ def test_an_identifier_like_categorical_column_of_the_label_table_is_refused_nam
     (line,) = lines(dataset)
     assert line.startswith("table 'orders', categorical feature 'note': a different category on most rows")
     assert "400 categories over 400 rows" in line and "drop the column" in line
+    assert "CASE" not in line and "new column of fewer values in the table's file" in line  # SQL computes no column
 
 
 def test_a_union_shard_column_not_exposed_or_holding_unlisted_values_is_refused_up_front_once(tmp_path):
@@ -447,7 +493,11 @@ def test_rows_a_where_filter_removes_are_reported_as_filtered_not_missing(tmp_pa
     _, _, problems = check_dataset(dataset)
     (p,) = problems
     assert p.severity == "warning"
-    assert "their partner rows in table 'customers' are filtered out by its WHERE (age >= 40)" in p.line()
+    kept = int((pd.read_csv(tmp_path / "customers.csv")["age"] >= 40).sum())
+    assert (  # the user's own filter, and how much of the table it keeps
+        f"their partner rows in table 'customers' are filtered out by its WHERE (age >= 40), which keeps {kept} of "
+        "its 50 rows; the run trains on the rest" in p.line()
+    )
     assert "add the missing rows" not in p.line() and "the run trains on the rest" in p.line()
     del dataset["tables"]["customers"]["where"]
     customers = pd.read_csv(tmp_path / "customers.csv")
@@ -463,3 +513,44 @@ def test_a_label_setting_other_than_table_column_task_is_refused_naming_where_it
     dataset["label"]["label_range"] = [0, 20]
     with pytest.raises(SpecError, match=r"label has unknown settings \['label_range'\] \(label_range goes at the top"):
         check_dataset(dataset)
+
+
+def test_a_category_key_joins_a_string_key_as_strings(tmp_path):
+    """A pandas ``category`` column of strings (Parquet written by R or arrow) joins a plain string key: it is
+    compared by its categories' kind, and its values are mapped as the strings (the same model as with the
+    column stored as text)."""
+    rng = np.random.default_rng(0)
+    codes = np.array([f"c{i}" for i in range(50)], dtype=object)
+    orders = pd.DataFrame(
+        {"cust": codes[rng.integers(0, 50, 400)], "qty": rng.integers(1, 5, 400), "spend": rng.normal(10, 2, 400)}
+    )
+    customers = pd.DataFrame({"cust": codes, "age": rng.integers(18, 80, 50).astype(float)})
+    plain = shop(tmp_path, orders, customers)
+    typed = shop(tmp_path, orders, customers)
+    customers.astype({"cust": "category"}).to_parquet(tmp_path / "customers.parquet")
+    typed["tables"]["customers"]["source"] = str(tmp_path / "customers.parquet")
+    spec, frames, problems = check_dataset(typed)
+    assert isinstance(frames["customers"]["cust"].dtype, pd.CategoricalDtype) and problems == []
+    metrics = []
+    for dataset in (plain, typed):
+        cfg = make_cfg("algorithm=admm", "epochs=2", "runtime=inprocess")
+        cfg.dataset = OmegaConf.create(dataset)
+        run = run_in_process(cfg, None, log=lambda _: None)
+        metrics.append(run.strategy.results.history[-1].test_metric)
+    assert metrics[0] == metrics[1]
+
+
+def test_a_date_key_against_iso_text_is_refused_saying_how_to_make_them_agree(tmp_path):
+    orders, customers = good(tmp_path)
+    orders["cust"] = pd.Timestamp("2015-01-01") + pd.to_timedelta(orders["cust"], unit="D")
+    orders.to_parquet(tmp_path / "orders.parquet")
+    customers["cust"] = (pd.Timestamp("2015-01-01") + pd.to_timedelta(customers["cust"], unit="D")).dt.strftime(
+        "%Y-%m-%d"
+    )
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["orders"]["source"] = str(tmp_path / "orders.parquet")
+    assert lines(dataset) == [
+        "join orders.cust = customers.cust: key dtype mismatch: orders.cust is datetime but customers.cust is "
+        "string; store the text column as dates too (a Parquet date or timestamp column), or the date column as "
+        "ISO text (e.g. '2015-01-01') in both files"
+    ]

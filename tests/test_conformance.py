@@ -68,7 +68,7 @@ def test_privacy_declarations_are_enforced_before_any_client(entry):
     if entry.feature_dp:
         assert make_strategy(cfg, None, log=lambda _: None).feature_dp
     else:
-        with pytest.raises(ValueError, match=f"cannot be honoured by algorithm '{entry.name}'"):
+        with pytest.raises(ValueError, match=f"cannot be honoured by algorithm '{entry.selector}'"):
             make_strategy(cfg, None, log=lambda _: None)
 
 
@@ -77,7 +77,7 @@ def test_an_algorithm_without_feature_dp_is_refused(monkeypatch):
     monkeypatch.setitem(
         registry._ENTRIES, ("sgd", "join"), registry.AlgorithmEntry(**{**entry.__dict__, "feature_dp": False})
     )
-    with pytest.raises(ValueError, match="feature DP \\(DP-SGD\\) cannot be honoured by algorithm 'tp_join_sgd'"):
+    with pytest.raises(ValueError, match="feature DP \\(DP-SGD\\) cannot be honoured by algorithm 'sgd'"):
         make_strategy(make_cfg("algorithm=sgd", "dataset=synthetic", "privacy=dpsgd"), None, log=lambda _: None)
 
 

@@ -578,6 +578,25 @@ def test_union_equals_the_join(missing):
     assert phases.count("gbdt_shard_split") == phases.count("gbdt_hist")  # two round trips per step
 
 
+def test_union_shards_below_min_sketch_rows_are_refused_in_one_line_with_the_counts_and_the_setting():
+    """A union whose shards hold fewer training rows than min_sketch_rows: one line naming the shards, each one's
+    count, the bound and how to set it (it said neither, once per shard)."""
+    from simulations.federated import run_in_process
+    from strategies.transport import RunError
+
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=100000")
+    with pytest.raises(RunError) as info:
+        run_in_process(make_cfg(*small("star", "regression", *shape), "scenario=ucq"), None, log=lambda _: None)
+    d1, fact = str(info.value).splitlines()  # one line per sharded table, not per shard
+    assert re.search(
+        r"^table 'd1' shards 0, 1: table 'd1' \(gbdt_bins\) refuses the message: a union's shard holds fewer "
+        r"training rows than min_sketch_rows=100000, .*; set min_sketch_rows=N, N at most the smallest shard's "
+        r"training rows \(20 training rows\)$",  # both shards alike: said once
+        d1,
+    ), d1
+    assert re.search(r"^table 'fact' shards 0, 1: .* \(shard 0: \d+ training rows; shard 1: \d+ training rows\)$", fact)
+
+
 @pytest.mark.parametrize("scenario", ["join", "ucq"])
 def test_a_table_of_no_feature_column_takes_part_and_never_splits(scenario):
     """A table that holds only its keys (and the label) has no split to offer: it answers no gain, and the

@@ -229,8 +229,8 @@ def test_a_deployed_shard_computes_no_partial_gradient_before_the_runs_start(tmp
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (("privacy=dpsgd",), "cannot be honoured by algorithm 'tp_join_lbfgs'"),
-        (("privacy=dpsgd", "scenario=ucq"), "cannot be honoured by algorithm 'tp_ucq_lbfgs'"),
+        (("privacy=dpsgd",), "cannot be honoured by algorithm 'lbfgs'"),
+        (("privacy=dpsgd", "scenario=ucq"), "cannot be honoured by algorithm 'lbfgs'"),
         (("algorithm.backtrack=1",), "algorithm.backtrack must be in \\(0, 1\\)"),
     ],
 )

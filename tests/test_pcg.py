@@ -159,9 +159,9 @@ def test_d_plus_one_iterations_reach_the_exact_ridge_solution(overrides):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (("dataset=nycflights13_delayed",), "needs a regression label"),
+        (("dataset=nycflights13_delayed",), "^algorithm=pcg solves .* needs a regression label"),  # public name
         (("model=mlp",), "model=linear"),
-        (("privacy=dpsgd",), "cannot be honoured by algorithm 'tp_join_pcg'"),
+        (("privacy=dpsgd",), "cannot be honoured by algorithm 'pcg'"),
         (("scenario=ucq", "model=mlp"), "model=linear"),
     ],
 )

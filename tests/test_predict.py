@@ -370,6 +370,8 @@ def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
     numeric = spec.table(spec.label_table).numeric[0]
     if how == "missing key":
         return frame.drop(columns=[key])
+    if how == "missing feature":
+        return frame.drop(columns=[numeric])
     if how == "unknown column":
         return frame.assign(favourite_colour="blue")
     if how == "no row":
@@ -382,7 +384,12 @@ def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
 @pytest.mark.parametrize(
     "how, line",
     [
-        ("missing key", r"no key column\(s\) \['\w+'\] of table 'fact'"),
+        ("missing key", r"rows file \S+ lacks key column\(s\) \['\w+'\] of table 'fact'"),
+        (  # the file lacks it, not the table
+            "missing feature",
+            r"rows file \S+ lacks feature column\(s\) \['\w+'\] of table 'fact': the model takes them from each "
+            r"new row; add them to the rows$",
+        ),
         ("wrong type", r"column '\w+' of table 'fact' is numeric, but row 2 holds 'twelve', not a number"),
         ("no row", r"rows file \S+: holds no row \(a header only\): nothing to score$"),
     ],
@@ -530,7 +537,7 @@ def test_a_deployed_rows_file_problem_reaches_the_server_without_its_path(regres
     key = load_spec(cfg.dataset).key_columns("fact")[0]
     fact.head(30).drop(columns=[key]).to_csv(tmp_path / "nokey.csv", index=False)
     ask = {"phase": "predict_keys", "run_id": run_id, "query": 1}
-    for name, kind in [("absent.csv", "cannot be read as csv"), ("nokey.csv", f"has no key column(s) ['{key}']")]:
+    for name, kind in [("absent.csv", "cannot be read as csv"), ("nokey.csv", f"lacks key column(s) ['{key}']")]:
         rows = str(tmp_path / name)
         query = deployed(
             tmp_path / f"node-{name}", run_dir, run_id, "fact", lambda s, r=rows: s.update(prediction_rows=r)

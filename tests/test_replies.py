@@ -151,8 +151,8 @@ def test_a_duplicate_in_a_table_declared_unique_names_table_column_and_an_exampl
 
     with pytest.raises(
         RuntimeError,
-        match=r"table 'movies' shard 0: table 'movies' declares its key movieId unique, but "
-        r"\d+ rows share a value, e.g. movieId=\d+ \(row \d+\)",
+        match=r"table 'movies' shard 0: 1 problem in the data: table 'movies' declares its key movieId unique, but "
+        r"[\d,]+ rows share a value, first at row \d+: movieId=\d+",
     ):
         run("dataset.tables.movies.unique=true")  # one row per movie AND genre: not unique
     assert run("+dataset.tables.users.unique=true", "algorithm.rho=3").strategy.finished  # one row per user
@@ -173,7 +173,9 @@ def test_a_duplicate_string_key_is_named_with_its_value(tmp_path):
     customers = pd.DataFrame({"cust": np.r_[codes, ["c7"]], "age": rng.integers(18, 80, 51)})
     dataset = shop(tmp_path, orders, customers)
     dataset["tables"]["customers"]["unique"] = True
-    with pytest.raises(RuntimeError, match=r"key cust unique, but 2 rows share a value, e.g. cust='c7' \(row 7\)"):
+    with pytest.raises(
+        RuntimeError, match=r"key cust unique, but 2 rows share a value, first at row 7 \(line 9 of .*\): cust='c7'"
+    ):
         run_in_process(make_cfg("algorithm=admm", "epochs=1", dataset=dataset), None, log=lambda _: None)
 
 
@@ -300,7 +302,7 @@ def test_a_nodes_error_line_keeps_its_last_quote_and_names_the_node_once():
     from strategies.base import node_line
     from tpflower.records import error_reason
 
-    reason = "rows file x.csv: no feature column(s) ['table'] of table 'stones'"
+    reason = "rows file x.csv lacks feature column(s) ['table'] of table 'stones'"
     reply = SimpleNamespace(error=SimpleNamespace(code=0, reason=f"{ValueError}:<'{reason}'>"))  # the engine's form
     assert error_reason(reply) == reason
     name = "table 'stones' shard 0"
@@ -310,3 +312,22 @@ def test_a_nodes_error_line_keeps_its_last_quote_and_names_the_node_once():
         node_line(name, f"{name} (algorithm 'gbdt') refuses phase 'x'")
         == f"{name} (algorithm 'gbdt') refuses phase 'x'"
     )
+
+
+def test_the_shards_of_a_table_that_refuse_alike_make_one_line():
+    from strategies.base import merged_lines
+
+    why = "table 'f' (gbdt_bins) refuses the message: too few rows"
+    failed = [
+        ("table 'f' shard 1", ("f", 1), f"{why} (7 rows)"),
+        ("table 'f' shard 0", ("f", 0), f"{why} (9 rows)"),
+        ("table 'g' shard 0", ("g", 0), "table 'g' shard 0: another problem"),
+        ("node 5", None, "no table"),
+    ]
+    assert merged_lines(failed) == [
+        "node 5: no table",
+        f"table 'f' shards 0, 1: {why} (shard 0: 9 rows; shard 1: 7 rows)",
+        "table 'g' shard 0: another problem",
+    ]
+    alike = [(f"table 'f' shard {q}", ("f", q), f"{why} (the detail is in this node's log)") for q in (0, 1)]
+    assert merged_lines(alike) == [f"table 'f' shards 0, 1: {why} (the detail is in this node's log)"]

@@ -50,7 +50,7 @@ def crashed_run(run_dir, *overrides: str, crash_epoch: int = 4, table: str | Non
                 raise RunError("server killed")
             return super().exchange(messages)
 
-    with pytest.raises(RunError, match=f"table '{table}' shard 0: .*killed" if table else "server killed"):
+    with pytest.raises(RunError, match=f"table '{table}' shards? 0[:,].*killed" if table else "server killed"):
         strategy.run(DyingServer(dying, {c.node_id: c for c in contexts.values()}))
 
 
@@ -196,6 +196,17 @@ def test_resume_needs_a_checkpoint_and_the_same_config(tmp_path):
     crashed_run(tmp_path, TO_EPOCH_4)
     with pytest.raises(ValueError, match=r"made by another config \(differs in: seed\)"):
         run_in_process(compose_config(*RUN, TO_EPOCH_4, "resume=true", "seed=3"), tmp_path, log=quiet)
+    with pytest.raises(ValueError, match=r"made by another config \(differs in: algorithm\.tol\)"):  # the leaf
+        run_in_process(compose_config(*RUN, "algorithm.tol=1e-9", "resume=true"), tmp_path, log=quiet)
+
+
+def test_the_settings_a_config_changed_are_named_by_their_leaves():
+    from tpflower.checkpoint import config_changes
+
+    old = {"algorithm": {"name": "gbdt", "trees": 300, "lr": 0.1}, "seed": 0, "model": {"hidden": [8]}}
+    new = {"algorithm": {"name": "gbdt", "trees": 30, "lr": 0.1, "depth": 2}, "seed": 0, "model": "linear"}
+    assert config_changes(old, new) == ["algorithm.depth", "algorithm.trees", "model"]
+    assert config_changes(old, old) == []
 
 
 def test_a_checkpoint_of_another_tpflower_is_refused_in_one_line(tmp_path):
@@ -262,7 +273,7 @@ def test_every_registered_algorithm_resumes():
 
 @pytest.mark.parametrize("algorithm", ["kmeans", "coreset_kmeans"])
 def test_a_one_shot_algorithm_refuses_resume_naming_it(tmp_path, algorithm):
-    with pytest.raises(ValueError, match=f"resume=true: {algorithm} runs in one shot"):
+    with pytest.raises(ValueError, match=f"resume=true: algorithm={algorithm} runs in one shot"):
         make_strategy(compose_config("dataset=synthetic", f"algorithm={algorithm}", "resume=true"), tmp_path, log=quiet)
 
 

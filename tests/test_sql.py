@@ -273,6 +273,27 @@ def test_union_all_of_some_shard_values_holds_their_rows_only_in_either_scenario
     assert [len(r) for r in shard_rows(spec.table("products"), own)] == [1, 1]
 
 
+def test_a_union_all_run_without_scenario_ucq_says_it_trains_the_join(shop):
+    """The union's shards apply under scenario=ucq: a run in the join scenario says in one line that it trains
+    over the join of the union's rows (the same model), instead of dropping the shards silently."""
+    branch = SHOP_SQL + " WHERE o.region = '{}'"
+    sql = " UNION ALL ".join(branch.format(r) for r in ("eu", "us"))
+    for scenario, said in (("join", 1), ("ucq", 0)):
+        cfg = OmegaConf.create({"dataset": shop_sql(sql), "scenario": {"name": scenario}})
+        lines: list[str] = []
+        compile_run_query(cfg, base_dir=shop, log=lines.append)
+        notes = [line for line in lines if line.startswith("note:")]
+        assert len(notes) == said
+    assert notes == [] and lines[0].startswith("query: ")
+    cfg = OmegaConf.create({"dataset": shop_sql(sql), "scenario": {"name": "join"}})
+    lines = []
+    compile_run_query(cfg, base_dir=shop, log=lines.append)
+    assert lines[-1] == (
+        "note: the query's UNION ALL splits table 'orders' by region into shards, which apply under scenario=ucq; "
+        "this run (scenario=join) trains over the join of the union's rows, whole (the same model)"
+    )
+
+
 def test_run_prints_the_normalized_query_first_and_trains_on_its_spec():
     cfg = OmegaConf.create({"dataset": yaml("sql")})
     lines: list[str] = []

@@ -29,6 +29,16 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_a_sweeps_list_of_choices_is_checked_name_by_name():
     assert unknown_choice({"algorithm": "admm,pcg,gbdt", "dataset": "movielens,synthetic"}, []) is None
     assert unknown_choice({"algorithm": "choice(admm,pcg)", "dataset": "glob(m*)"}, []) is None  # Hydra's to check
+    line = unknown_choice({"dataset": "/data/conf/dataset/shop.yaml"}, [])  # a file: the command line's way
+    assert line is not None and line.endswith(
+        "; for the file /data/conf/dataset/shop.yaml: --config-dir /data/conf dataset=shop"
+    )
+    line = unknown_choice({"dataset": "shop.yml"}, [])
+    assert line is not None and line.endswith(
+        "; a dataset file is chosen by name from a folder dataset/: --config-dir DIR dataset=shop for "
+        "DIR/dataset/shop.yaml"
+    )
+    assert unknown_choice({"dataset": "shop"}, []).endswith("synthetic")  # a name: no hint
     line = unknown_choice({"algorithm": "admm,pgc"}, [])
     assert line is not None and line.startswith("algorithm=pgc: no such algorithm; choose one of ")
 

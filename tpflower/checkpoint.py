@@ -63,6 +63,20 @@ def save_checkpoint(path: Path, cfg: Any, state: dict[str, Any]) -> None:
     atomic_write(path, lambda f: pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def config_changes(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """The settings that differ between two configs, as their dotted leaf names (``algorithm.trees``, not
+    ``algorithm``), sorted; a setting only one of them has counts too."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for k in sorted(set(old) | set(new), key=str):
+            if k not in old or k not in new:
+                out += [f"{prefix}{k}"] if old.get(k) != new.get(k) else []
+            else:
+                out += config_changes(old[k], new[k], f"{prefix}{k}.")
+        return out
+    return [] if old == new else [prefix.removesuffix(".")]
+
+
 def load_checkpoint(path: Path, cfg: Any) -> dict[str, Any]:
     """The checkpoint in ``path``, if this tpflower wrote it for a run of the same config (resume settings
     aside); a checkpoint of another tpflower (its objects pickled in another layout) is refused in one line."""
@@ -78,8 +92,7 @@ def load_checkpoint(path: Path, cfg: Any) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("written_by") != _written_by():
         raise ValueError(another)
     if state.get("config") != _config(cfg):
-        old, new = state["config"], _config(cfg)
-        differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        differ = config_changes(state["config"], _config(cfg))
         raise ValueError(
             f"the checkpoint {path} was made by another config (differs in: {', '.join(differ)}); "
             "resume with the run's own settings"

@@ -18,9 +18,18 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-from tpflower.schema import RelationalSpec, SpecError, binary_classes, class_codes, key_kind, resolve_label_table
+from tpflower.schema import (
+    RelationalSpec,
+    SpecError,
+    binary_classes,
+    class_codes,
+    key_kind,
+    key_kind_fix,
+    resolve_label_table,
+)
 
 Severity = Literal["error", "warning"]
+WHERE_ROWS_ATTR = "rows_before_where"  # frame.attrs: a table's rows before its where (tpflower.sql.filter_rows)
 NA_ATTR = (
     "na_text"  # frame.attrs: {column: (count, first row, value)} of "n/a"-style text read as missing (datasets.files)
 )
@@ -28,6 +37,9 @@ DROP_POLICIES: tuple[str, ...] = ("warn", "error", "ignore")
 DROP_THRESHOLD = 0.01  # a join that drops more than this share of the label table's rows is reported
 IDENTIFIER_SHARE, IDENTIFIER_MIN = 0.5, 100  # the label table's categorical columns of more categories: refused
 FEATURE_MEMORY_SHARE = 0.5  # a table whose dense features would take more of the machine's memory is refused
+# how to group a column's categories: in the table's file, as dataset.sql selects columns only (no CASE, no
+# computed column: docs/datasets.md, the training set as SQL)
+GROUP_FIX = "group its categories into a new column of fewer values in the table's file (a date's month, say)"
 
 
 @dataclass(frozen=True)
@@ -260,6 +272,8 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                 severity="warning" if spec.na_strings == "missing" else "error",
             )
         )
+    dup = _duplicate_keys(spec, name, frame, present, src)
+    out += [dup] if dup is not None else []
     for col in (c for c in spec.key_columns(name) if c in present):
         p = _missing(
             name,
@@ -280,6 +294,36 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
         out += _identifier_like(name, len(frame), levels)
     wide = _wide_features(spec, name, frame, present, levels)
     return out + ([wide] if wide is not None else [])
+
+
+def _duplicate_keys(
+    spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str], source: str | None
+) -> Problem | None:
+    """A table declared ``unique: true`` whose key (the columns its parent joins it on) is on more than one row
+    (rows of a missing key value aside: reported as missing); over a union, within a shard of ``shards.by``
+    (random ``parts`` are checked by each shard's node). The same refusal as its node's
+    (tpflower.phases.setup.check_unique_key), found with the table's other problems."""
+    t = spec.table(name)
+    cols = list(spec.unique_key(name))
+    if not t.unique or not cols or any(c not in present for c in cols):
+        return None
+    if t.shards is not None and t.shards.by is None:
+        return None
+    subset = cols + ([t.shards.by] if t.shards is not None and t.shards.by in present else [])
+    complete = frame[subset].notna().all(axis=1).to_numpy()
+    dup = frame[subset].duplicated(keep=False).to_numpy() & complete
+    if not dup.any():
+        return None
+    row, n = _first(dup), int(dup.sum())
+    values = [frame[c].iloc[row] for c in cols]  # a number or a string key
+    value = ", ".join(f"{c}={v.item() if isinstance(v, np.generic) else v!r}" for c, v in zip(cols, values))
+    return Problem(
+        name,
+        f"declares its key {'+'.join(cols)} unique, but {n:,} rows share a value",
+        "remove the duplicates, or drop unique: true if a training row per partner is meant",
+        count=n,
+        example=f"first at {_at(row, source)}: {value}",
+    )
 
 
 def _uninformative(name: str, frame: pd.DataFrame, features: Sequence[str]) -> list[Problem]:
@@ -316,8 +360,8 @@ def _identifier_like(name: str, n_rows: int, levels: Mapping[str, int]) -> list[
                     name,
                     "a different category on most rows of the label table (an identifier, a timestamp or free "
                     "text?): its one-hot columns each fit about one training row and tell nothing of a new one",
-                    "drop the column from the table's features (or from the SELECT), or group its categories "
-                    "(e.g. a CASE in dataset.sql)",
+                    "drop the column from the table's features (or from the SELECT), declare it numeric if its "
+                    f"values are numbers, or {GROUP_FIX}",
                     column=col,
                     role="categorical feature",
                     example=f"{n:,} categories over {n_rows:,} rows",
@@ -386,8 +430,7 @@ def _wide_features(
     return Problem(
         name,
         "its one-hot block makes the table's features, held dense, larger than half of this machine's memory",
-        "drop the column, group its categories (e.g. a CASE in dataset.sql), or declare it numeric if its values "
-        "are numbers",
+        f"drop the column, declare it numeric if its values are numbers, or {GROUP_FIX}",
         column=widest,
         role="categorical feature",
         example=f"{levels[widest]:,} categories over {len(frame):,} rows: {need / 2**30:.1f} GB of features "
@@ -424,9 +467,12 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | No
 
 
 def key_kind_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> list[Problem]:
-    """Joined columns that would not compare (integer vs string, ...): one problem per column pair."""
+    """Joined columns that would not compare (integer vs string, ...): one problem per column pair. Joins
+    whose two tables both loaded are checked (a table that did not load is reported as such, in the same pass)."""
     out = []
     for j in spec.joins:
+        if j.left not in frames or j.right not in frames:
+            continue
         for lc, rc in j.on:
             if lc not in frames[j.left].columns or rc not in frames[j.right].columns:
                 continue
@@ -438,7 +484,7 @@ def key_kind_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) 
                     Problem(
                         None,
                         f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}",
-                        "store both key columns with the same type",
+                        key_kind_fix(lk, rk),
                     )
                 )
     return out
@@ -541,7 +587,9 @@ def dropped_row_problems(
             where = spec.table(new).where
             head = f"join {edge} drops {lost:,} of the {n:,} rows of label table {spec.label_table!r} ({lost / n:.1%})"
             if where is not None:  # the owner's filter (a WHERE of the query) removed their partners: intended
-                what = f"{head}: their partner rows in table {new!r} are filtered out by its WHERE ({where})"
+                before = frames[new].attrs.get(WHERE_ROWS_ATTR)
+                keeps = "" if before is None else f", which keeps {len(frames[new]):,} of its {before:,} rows"
+                what = f"{head}: their partner rows in table {new!r} are filtered out by its WHERE ({where}){keeps}"
                 fix = "the run trains on the rest (dataset.on_dropped_rows=ignore silences this line, =error refuses)"
             else:
                 what = f"{head}: they have no partner row in table {new!r}"
@@ -572,7 +620,7 @@ def dataset_problems(
     for name in spec.table_names:
         if name in frames:
             problems += table_problems(spec, name, frames[name])
-    problems += key_kind_problems(spec, frames) if len(frames) == len(spec.table_names) else []
+    problems += key_kind_problems(spec, frames)
     if joins and not errors(problems) and spec.label.table is not None:
         partner = edge_codes(spec, frames)  # the key codes of every join, once for both checks
         problems += dropped_row_problems(spec, frames, on_dropped_rows, partner)

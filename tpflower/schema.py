@@ -412,7 +412,10 @@ DATETIME_TZ = "datetime with a time zone"
 
 def key_kind(dtype: Any) -> str:
     """The kind a join key is compared as: 'integer', 'string', 'float', 'datetime', 'datetime with a time zone'
-    (compared as instants: the same time in two zones joins) or 'bool'."""
+    (compared as instants: the same time in two zones joins) or 'bool'. A pandas ``category`` column (Parquet
+    written by R or arrow) is the kind of its categories: its values join as plain values of that kind."""
+    if isinstance(dtype, pd.CategoricalDtype):
+        return key_kind(dtype.categories.dtype)
     if pd.api.types.is_bool_dtype(dtype):
         return "bool"
     if pd.api.types.is_integer_dtype(dtype):
@@ -530,10 +533,23 @@ def validate_key_kinds(spec: RelationalSpec, kinds: Mapping[str, Mapping[str, st
         for lc, rc in j.on:
             lk, rk = kinds[j.left][lc], kinds[j.right][rc]
             if lk != rk:
-                hint = ""
-                if {lk, rk} == {"datetime", DATETIME_TZ}:
-                    hint = "; give both columns a time zone (or neither) before joining them"
-                raise SpecError(f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}{hint}")
+                raise SpecError(
+                    f"join {j}: key dtype mismatch: {j.left}.{lc} is {lk} but {j.right}.{rc} is {rk}; "
+                    + key_kind_fix(lk, rk)
+                )
+
+
+def key_kind_fix(left: str, right: str) -> str:
+    """How to make two key kinds (:func:`key_kind`) that do not compare agree, as one clause."""
+    kinds = {left, right}
+    if kinds == {"datetime", DATETIME_TZ}:
+        return "give both columns a time zone (or neither) before joining them"
+    if kinds in ({"datetime", "string"}, {DATETIME_TZ, "string"}):  # a CSV file holds dates as text
+        return (
+            "store the text column as dates too (a Parquet date or timestamp column), or the date column as "
+            "ISO text (e.g. '2015-01-01') in both files"
+        )
+    return "store both key columns with the same type"
 
 
 def validate_tables(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> RelationalSpec:

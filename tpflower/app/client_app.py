@@ -108,7 +108,9 @@ def owner_checked(
         OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"},
         label_owner=spec.label.table == table,
     )
-    if owner.source is not None and isinstance(dataset.get("tables"), dict):
+    # a deployed owner's file in place of the run's; a simulated owner's is the run's own (its source resolved
+    # at base_dir): kept as the dataset says it, so an error about it says where relative paths start
+    if owner.source is not None and owner.origin != "simulation" and isinstance(dataset.get("tables"), dict):
         dataset["tables"][table] = {**(dataset["tables"].get(table) or {}), "source": owner.source}
     return CheckedNode(table, shard, owner, dataset, spec)
 

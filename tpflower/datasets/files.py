@@ -23,6 +23,18 @@ def resolve_path(path: str | Path, base_dir: str | Path | None = None) -> Path:
     return Path(base_dir if base_dir is not None else Path.cwd()) / p
 
 
+def source_fix(source: str | Path, base_dir: str | Path | None) -> str:
+    """What to do about a source file that does not exist: where a relative path starts, and how to move it
+    (the Python API's ``base_dir=``, docs/python-api.md)."""
+    if Path(source).expanduser().is_absolute():
+        return "fix the table's source path"
+    start = f"base_dir {str(base_dir)!r}" if base_dir is not None else f"the working directory {str(Path.cwd())!r}"
+    return (
+        f"fix the table's source path (relative paths start at {start}; from Python, base_dir= of "
+        "tpflower.fit, tpflower.load or predict says where they start)"
+    )
+
+
 def _unreadable(table: str, path: Path, what: str, fix: str) -> DataProblems:
     return DataProblems([Problem(table, f"cannot be read from {str(path)!r}: {what}", fix)])
 
@@ -46,7 +58,7 @@ def read_table(
                 Problem(
                     table,
                     f"source file {str(path)!r} does not exist",
-                    "fix the table's source path (relative paths start at the working directory)",
+                    source_fix(source, base_dir),
                 )
             ]
         )

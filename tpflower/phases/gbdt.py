@@ -340,13 +340,18 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
         client.state.put_list("gbdt.edges", column_edges(X, G, nb))
         return {}, {}
     live = int((G > 0).sum())
-    if 0 < live < client.settings.min_sketch_rows:
-        raise _refuse(
-            client,
-            "gbdt_bins",
+    bound = client.settings.min_sketch_rows
+    if 0 < live < bound:
+        problem = (
             "this shard holds fewer training rows than its owner's min_sketch_rows, so it sends no order "
-            "statistics for the shared bins (its owner may lower min_sketch_rows)",
-            f"{live} rows",
+            "statistics for the shared bins"
+        )
+        if client.settings.owner.deployed:  # the count stays in the owner's log
+            raise _refuse(client, "gbdt_bins", f"{problem} (its owner may lower min_sketch_rows)", f"{live} rows")
+        raise ProtocolRefusal(  # a simulation: the user sets the run's min_sketch_rows (shards: one line, merged)
+            f"{_where(client, 'gbdt_bins')} refuses the message: a union's shard holds fewer training rows than "
+            f"min_sketch_rows={bound}, so it sends no order statistics for the shared bins; set min_sketch_rows=N, "
+            f"N at most the smallest shard's training rows ({live} training rows)"
         )
     reps = G.astype(np.int64)
     binary = binary_columns(X)  # 0/1 (one-hot) columns: sketched from their weighted counts of 1s

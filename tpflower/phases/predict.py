@@ -193,8 +193,8 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     keys = list(spec.key_columns(table))
     missing = [c for c in keys if c not in frame.columns]
     if missing:
-        detail = f"{where}: no key column(s) {missing} of table {table!r} (the rows join by {keys})"
-        raise rows_refusal(client, detail, f"has no key column(s) {missing} (the rows join by {keys})", says=None)
+        detail = f"{_lacks(where)} key column(s) {missing} of table {table!r} (the rows join by {keys})"
+        raise rows_refusal(client, detail, f"lacks key column(s) {missing} (the rows join by {keys})", says=None)
     incomplete = frame[keys].isna().any(axis=1).to_numpy()
     if incomplete.any():
         detail = (
@@ -215,8 +215,11 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     frame = frame[[c for c in frame.columns if c in set(keys) | set(part.columns)]]  # other columns: ignored
     absent = [c for c in part.columns if c not in frame.columns]
     if absent:
-        detail = f"{where}: no feature column(s) {absent} of table {table!r}"
-        raise rows_refusal(client, detail, f"has no feature column(s) {absent} the model takes", says=None)
+        detail = (
+            f"{_lacks(where)} feature column(s) {absent} of table {table!r}: the model takes them from each new "
+            "row; add them to the rows"
+        )
+        raise rows_refusal(client, detail, f"lacks feature column(s) {absent} the model takes", says=None)
     if s.owner.origin != "simulation":  # the owner's log (a simulation's driver says it in one line)
         named = part.naming(frame, s.secret).preprocessing.get("categories") or {}
         for c, seen in unseen_categories(named, frame).items():
@@ -242,6 +245,11 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     if len(frame) == 0:
         raise rows_refusal(client, f"{where}: no rows", "holds no row", says=None)
     return frame.reset_index(drop=True)
+
+
+def _lacks(where: str) -> str:
+    """``rows file X lacks`` / ``the rows lack``: the subject of a missing column, the rows being scored."""
+    return f"{where} lack" if where == "the rows" else f"{where} lacks"
 
 
 def unseen_category_line(where: str, column: str, n: int, row: int, value: str) -> str:

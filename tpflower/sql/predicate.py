@@ -16,6 +16,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError
 
+from tpflower.checks import WHERE_ROWS_ATTR
 from tpflower.schema import SpecError
 
 COMPARE: dict[type, Callable] = {
@@ -139,10 +140,12 @@ def row_mask(table: str, frame: pd.DataFrame, where: str) -> np.ndarray:
 
 
 def filter_rows(table: str, frame: pd.DataFrame, where: str | None) -> pd.DataFrame:
-    """``frame`` restricted to the rows ``where`` keeps, with a fresh RangeIndex (row id = position)."""
+    """``frame`` restricted to the rows ``where`` keeps, with a fresh RangeIndex (row id = position); its
+    ``attrs[WHERE_ROWS_ATTR]`` is the count of rows before the filter."""
     if where is None:
         return frame
     kept = frame.loc[row_mask(table, frame, where)].reset_index(drop=True)
     if len(kept) == 0:
         raise SpecError(f"table {table!r}: where {where!r} keeps no row")
+    kept.attrs[WHERE_ROWS_ATTR] = len(frame)
     return kept
