@@ -21,6 +21,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from tpflower.app.flower_patch import BELL_IDLE_S, HELD_PULL_S, stored_bell
+from tpflower.errors import RunError  # (defined beside tpflower's other errors: the ServerApp tells it apart)
 from tpflower.records import PAYLOAD, VALUE, Arrays
 
 ClientKey = tuple[str, int]  # (table, shard)
@@ -28,10 +29,6 @@ Payload = tuple[Arrays, dict[str, Any]]  # (named arrays, config) of one message
 Reply = tuple[Arrays, dict[str, Any]]  # (named arrays, metrics) of one reply
 Kind = Literal["train", "inner", "eval"]
 MESSAGE_TYPE: dict[str, str] = {"train": "train", "inner": "train", "eval": "evaluate"}
-
-
-class RunError(RuntimeError):
-    """A run stopped by a client or the transport; the message names the table and shard at fault."""
 
 
 # ------------------------------------------------------------------------------------------------ transports

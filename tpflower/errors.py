@@ -1,4 +1,4 @@
-"""The one exception of tpflower's Python API (docs/python-api.md)."""
+"""The exception of tpflower's Python API (docs/python-api.md), and the one a run stops with (RunError)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,7 @@ class TpflowerError(Exception):
     def __init__(self, message: str, log: str | Path | None = None):
         super().__init__(message)
         self.log = Path(log) if log is not None else None
+
+
+class RunError(RuntimeError):
+    """A run stopped by a client or the transport; the message names the table and shard at fault."""

@@ -24,6 +24,7 @@ from tpflower.app.client_app import config_from_run_config  # at import time: se
 from tpflower.app.flower_patch import install_fast_fetch, install_fast_grid_pulls, install_node_actors
 from tpflower.auto import resolve
 from tpflower.datasets import load_spec
+from tpflower.errors import RunError
 from tpflower.registry import check_model, entries, entry_of, prediction_strategy
 from tpflower.schema import RelationalSpec, SpecError
 
@@ -128,8 +129,6 @@ def expected_refusal(exc: BaseException | None) -> BaseException | None:
     """``exc`` or the exception it wraps (its cause or context) when it is a refusal tpflower raises on
     purpose: a node's or the transport's (strategies.transport.RunError) or a data or spec problem
     (tpflower.schema.SpecError); None otherwise."""
-    from strategies.transport import RunError  # noqa: PLC0415  the strategies: loaded with the ServerApp
-
     for _ in range(8):
         if exc is None:
             return None
