@@ -500,8 +500,11 @@ class LoJStrategy(TablePuppetStrategy):
         """One warning line when the final model scores worse on the test rows than the constant predictor (its
         features taught it nothing that holds on new rows), with the setting most likely to help."""
         assert self.results is not None
-        last = self.results.history[-1].test_metric if self.results.history else None
-        worse = below_constant(self.task, last, self.results.reference)
+        if not self.results.history:
+            return
+        last = self.results.history[-1]
+        test = {self.metric: last.test_metric, **{k[5:]: v for k, v in last.extra.items() if k.startswith("test_")}}
+        worse = below_constant(self.task, test, self.results.reference)
         if not worse:
             return
         if self.feature_dp:

@@ -189,3 +189,17 @@ def test_a_refusal_in_the_serverapp_is_one_line_and_an_unexpected_error_keeps_it
         "the run stopped: bad spec",
     ], lines
     assert lines[2] == "ServerApp raised an exception" and "Traceback" in lines[3] and "KeyError: 'a bug'" in lines[-1]
+
+
+def test_below_the_constant_predictor_is_judged_by_auc_for_a_binary_label():
+    """A rare positive class: a useful model (AUC 0.75) often has the majority's accuracy or a hair less, which is
+    no reason to warn; an AUC below the constant's 0.5 is. RMSE and several classes' accuracy as they are."""
+    from tpflower.reference import below_constant
+
+    ref = {"constant_accuracy": 0.9502, "constant_auc": 0.5}
+    assert below_constant("binary", {"accuracy": 0.9496, "auc": 0.7515}, ref) == ""
+    assert below_constant("binary", {"accuracy": 0.655, "auc": 0.44}, ref) == (
+        "test auc 0.4400 against the constant predictor's 0.5000"
+    )
+    assert below_constant("multiclass", {"accuracy": 0.542}, {"constant_accuracy": 0.690}).startswith("test accuracy")
+    assert below_constant("regression", {"rmse": 2.9}, {"constant_rmse": 2.96}) == ""

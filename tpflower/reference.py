@@ -40,12 +40,14 @@ def reference_text(task: str, reference: dict[str, float]) -> str:
     return "" if value is None else f"constant predictor {metric}={value:.4f}"
 
 
-def below_constant(task: str, test_metric: float | None, reference: dict[str, float]) -> str:
-    """``test rmse 3.1750 against the constant predictor's 2.9600`` when the final model's test metric is worse
-    than the constant predictor's (lower accuracy, higher RMSE); '' when it is not, or either is unknown."""
-    metric = primary_metric(task)
-    constant = reference.get(f"constant_{metric}")
-    if test_metric is None or constant is None or not np.isfinite(test_metric):
+def below_constant(task: str, test: dict[str, float], reference: dict[str, float]) -> str:
+    """``test rmse 3.1750 against the constant predictor's 2.9600`` when the final model's test metrics
+    (``test``: name -> value) are worse than the constant predictor's: RMSE for regression, AUC for a binary
+    label (accuracy would flag every model of a rare positive class, below the majority's accuracy), accuracy for
+    several classes; '' when they are not, or either is unknown."""
+    metric = "auc" if task == "binary" else primary_metric(task)
+    value, constant = test.get(metric), reference.get(f"constant_{metric}")
+    if value is None or constant is None or not np.isfinite(value):
         return ""
-    worse = test_metric > constant if metric == "rmse" else test_metric < constant
-    return f"test {metric} {test_metric:.4f} against the constant predictor's {constant:.4f}" if worse else ""
+    worse = value > constant if metric == "rmse" else value < constant
+    return f"test {metric} {value:.4f} against the constant predictor's {constant:.4f}" if worse else ""
