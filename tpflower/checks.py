@@ -315,8 +315,7 @@ def _duplicate_keys(
     if not dup.any():
         return None
     row, n = _first(dup), int(dup.sum())
-    values = [frame[c].iloc[row] for c in cols]  # a number or a string key
-    value = ", ".join(f"{c}={v.item() if isinstance(v, np.generic) else v!r}" for c, v in zip(cols, values))
+    value = key_value_text(frame, cols, row)
     return Problem(
         name,
         f"declares its key {'+'.join(cols)} unique, but {n:,} rows share a value",
@@ -324,6 +323,13 @@ def _duplicate_keys(
         count=n,
         example=f"first at {_at(row, source)}: {value}",
     )
+
+
+def key_value_text(frame: pd.DataFrame, cols: Sequence[str], row: int) -> str:
+    """``a=1, b='x'``: the key columns ``cols`` of ``frame`` at position ``row`` (a number or a string each), the
+    example of a duplicate key."""
+    values = [frame[c].iloc[row] for c in cols]
+    return ", ".join(f"{c}={v.item() if isinstance(v, np.generic) else v!r}" for c, v in zip(cols, values))
 
 
 def _uninformative(name: str, frame: pd.DataFrame, features: Sequence[str]) -> list[Problem]:

@@ -122,10 +122,10 @@ def check_budget(cfg: DictConfig, node: CheckedNode) -> None:
     from tpflower.privacy.budget import OwnerBudget, check_eval_plan, owner_bound, planned_evaluations  # noqa: PLC0415
 
     owner = node.owner
-    run = OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"}
-    assert isinstance(run, dict)
     if owner.state_dir is None or cfg.get("predict") or node.spec.label.table != node.table:
         return
+    run = OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"}
+    assert isinstance(run, dict)
     if not (uses_label_dp(run) or uses_label_dp(owner.privacy)):
         return
     plan = planned_evaluations(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]

@@ -38,6 +38,7 @@ from flwr.app import ConfigRecord
 from tpflower import fedprep, label_dp, registry
 from tpflower import privacy as dp
 from tpflower.blind import new_scalar, node_scalar, reblind
+from tpflower.checks import key_value_text
 from tpflower.client import TableClient
 from tpflower.guard import (
     Phase,
@@ -382,8 +383,7 @@ def check_unique_key(client: TableClient) -> None:
     if not dup.any():
         return
     first = int(np.flatnonzero(dup)[0])
-    values = [client.data.keys[c].iloc[first] for c in cols]  # a number or a string key
-    example = ", ".join(f"{c}={v.item() if isinstance(v, np.generic) else v!r}" for c, v in zip(cols, values))
+    example = key_value_text(client.data.keys, cols, first)
     where = f"table {s.table!r} declares its key {'+'.join(cols)} unique, but {int(dup.sum())} rows share a value"
     if s.owner.origin == "simulation":
         raise ValueError(f"{where}, e.g. {example} (row {first}): remove the duplicates or drop `unique: true`")
