@@ -100,16 +100,20 @@ def owner_table(client_config: str | Path, table: str | None) -> str:
 def settings_problem(client_config: str, table: str) -> str | None:
     """None if the owner's settings file and data are what a run will find, else one line saying what is
     wrong (docs/deployment.md, the node service): the settings as a run's hello reads them
-    (tpflower.owner), and its ``source`` file read with the node's reader, filtered by its ``where``,
-    holding every column it exposes (join keys, features, label, a shard column)."""
+    (tpflower.owner), the algorithms it allows named as installed ones are, and its ``source`` file read with
+    the node's reader, filtered by its ``where``, holding every column it exposes (join keys, features,
+    label, a shard column)."""
     from tpflower.checks import DataProblems  # noqa: PLC0415  (argparse errors first: no heavy imports)
     from tpflower.datasets.files import read_table  # noqa: PLC0415
     from tpflower.owner import read_owner_settings  # noqa: PLC0415
+    from tpflower.registry import algorithm_names  # noqa: PLC0415
     from tpflower.schema import SpecError  # noqa: PLC0415
     from tpflower.sql.predicate import filter_rows  # noqa: PLC0415
 
     try:
         owner = read_owner_settings(client_config, table)
+        if owner.algorithms and (problem := owner.algorithms_problem(algorithm_names())):
+            return problem
         if owner.source is None:  # a bundled table (loader): its loader makes it when a run asks
             return None
         frame = filter_rows(table, read_table(table, owner.source, keys=owner.exposed.keys), owner.where)

@@ -415,8 +415,18 @@ SETTINGS = (
         (SETTINGS.replace("blind", "hmac"), BILLING, "no join-key secret"),
         (SETTINGS + "min_sketch_rows: many\n", BILLING, "min_sketch_rows must be a whole number >= 1, got 'many'"),
         (SETTINGS.replace("{name: none}", "label"), BILLING, "privacy must be a mapping"),
+        (SETTINGS + "algorithms: [pcg, admn]\n", BILLING, "algorithms names ['admn'], which no installed algorithm"),
     ],
-    ids=["typo-key", "no-data-file", "no-key-column", "no-exposed-column", "no-secret", "bad-value", "not-a-mapping"],
+    ids=[
+        "typo-key",
+        "no-data-file",
+        "no-key-column",
+        "no-exposed-column",
+        "no-secret",
+        "bad-value",
+        "not-a-mapping",
+        "unknown-algorithm",
+    ],
 )
 def test_a_node_checks_its_settings_and_data_before_it_starts(tmp_path, monkeypatch, capsys, settings, data, says):
     import subprocess

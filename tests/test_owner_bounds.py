@@ -484,18 +484,25 @@ def test_ucq_admm_consensus_outputs_under_a_model_the_server_knows_spell_out_X(t
 
 def test_an_owner_refuses_the_algorithms_it_does_not_allow(tmp_path):
     """The remedy for the union's known-model outputs: an owner that lists the algorithms it takes part in
-    (`algorithms`, registry names) refuses every other one at keys, before anything is sent."""
+    (`algorithms`: results.json's names, one scenario's algorithm each, or `algorithm=` selectors, every
+    scenario's) refuses every other one at keys, before anything is sent."""
     ucq = f"{SYNTHETIC} scenario=ucq"
     allow = lambda s: s.update(algorithms=["tp_join_admm", "tp_join_pcg"])  # noqa: E731
     context = node(tmp_path / "ucq", "fact", ucq, ucq, edit=allow)
     refused(
         deployed_app,
         context,
-        r"table 'fact' refuses the run: algorithm 'tp_ucq_admm' is not among the algorithms its owner allows",
+        r"table 'fact' refuses the run: algorithm=admm scenario=ucq \(tp_ucq_admm\) is not among the algorithms "
+        r"its owner allows",
         "train",
         config={"phase": "keys"},
     )
     context = node(tmp_path / "join", "fact", SYNTHETIC, SYNTHETIC, edit=allow)
     assert len(keys_round(context)["row_ids"]) > 0
+    # a selector allows the algorithm in every scenario: the union's ADMM too
+    context = node(tmp_path / "ucq2", "fact", ucq, ucq, edit=lambda s: s.update(algorithms=["pcg", "admm"]))
+    assert len(keys_round(context)["row_ids"]) > 0
+    pcg_only = node(tmp_path / "ucq3", "fact", ucq, ucq, edit=lambda s: s.update(algorithms=["pcg"]))
+    refused(deployed_app, pcg_only, r"algorithm=admm scenario=ucq", "train", config={"phase": "keys"})
     bad = node(tmp_path / "bad", "fact", SYNTHETIC, SYNTHETIC, edit=lambda s: s.update(algorithms="tp_join_admm"))
     refused(deployed_app, bad, r"algorithms must be a list of algorithm names")

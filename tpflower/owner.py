@@ -28,7 +28,9 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
     serve_predictions: true          # answer prediction requests for a model it trained (default true)
     max_prediction_rows: 100000      # most rows one prediction request may score on this node (default 100000)
     prediction_rows: /data/new.csv   # the query owner: the new rows it asks predictions for (docs/prediction.md)
-    algorithms: [tp_join_admm, tp_join_pcg]  # the algorithms it takes part in (registry names; default: every one)
+    algorithms: [pcg, tp_join_admm]  # the algorithms it takes part in: as `algorithm=` names them (pcg: in
+                                     # every scenario) or as results.json does (tp_join_admm: the join's
+                                     # only); default: every one
     threads: 2                       # CPU threads its key blinding uses (default: the CPUs the node may run on)
     peers: {orders/0: 3b6a27bc...}   # keys: blind: the Ed25519 verify keys of the federation's other nodes
                                      # (table/shard: hex), exchanged out of band; it re-blinds only lists they
@@ -141,7 +143,8 @@ class OwnerSettings:
     prediction_rows: str | None = None  # the query owner's file of new rows to predict (it alone reads it)
     # what the node's lines call those rows; None: "rows file PATH" (a simulation's DataFrame: "the rows")
     prediction_rows_name: str | None = None
-    # the algorithms (registry names, as in results.json) it takes part in; None: every installed one
+    # the algorithms it takes part in, as `algorithm=` names them (every scenario's) or as results.json does
+    # (that one alone); None: every installed one
     algorithms: tuple[str, ...] | None = None
     threads: int | None = None  # CPU threads of its key blinding (tpflower.blind); None: the CPUs it may run on
     # exact releases it answers per algorithm family over all runs (tpflower.releases); None: the defaults
@@ -239,10 +242,25 @@ class OwnerSettings:
                 "(shards in its settings): a run cannot re-split a deployed table"
             )
 
-    def check_algorithm(self, algorithm: str) -> None:
-        """The run's algorithm must be one its owner allows (``algorithms``; none named: every one)."""
-        if self.algorithms is not None and algorithm not in self.algorithms:
-            raise self.refuse(f"algorithm {algorithm!r} is not among the algorithms its owner allows (algorithms)")
+    def check_algorithm(self, name: str, selector: str, scenario: str) -> None:
+        """The run's algorithm (results.json's ``name``, selected by ``algorithm=selector`` in ``scenario``)
+        must be one its owner allows (``algorithms``, by either name; none named: every one)."""
+        if self.algorithms is not None and not {name, selector} & set(self.algorithms):
+            raise self.refuse(
+                f"algorithm={selector} scenario={scenario} ({name}) is not among the algorithms its owner allows "
+                "(algorithms)"
+            )
+
+    def algorithms_problem(self, known: Mapping[str, str]) -> str | None:
+        """None if every name of ``algorithms`` is an installed algorithm's (``known``: results.json's names
+        and ``algorithm=`` selectors, each to what it allows), else one line naming the unknown ones."""
+        unknown = [a for a in self.algorithms or () if a not in known]
+        if not unknown:
+            return None
+        return (
+            f"table {self.table!r}: algorithms names {unknown}, which no installed algorithm is called; the names "
+            f"are {sorted(set(known.values()))} (every scenario's) or {sorted(set(known) - set(known.values()))}"
+        )
 
     def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
         """The run's privacy must be at least the floor: label DP (label owner only) and feature DP."""
@@ -358,7 +376,7 @@ def _algorithms(value: Any, where: str) -> tuple[str, ...] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise SpecError(f"{where}: algorithms must be a list of algorithm names (e.g. [tp_join_admm]), got {value!r}")
+        raise SpecError(f"{where}: algorithms must be a list of algorithm names (e.g. [pcg, admm]), got {value!r}")
     return tuple(value)
 
 

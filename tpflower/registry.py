@@ -113,6 +113,14 @@ def check_model(entry: AlgorithmEntry, kind: str) -> None:
         )
 
 
+def algorithm_names() -> dict[str, str]:
+    """Every name an owner's ``algorithms`` may hold, to the ``algorithm=`` selector it stands for: each
+    algorithm's results.json name (that algorithm alone) and each selector (itself: every scenario's)."""
+    out = {e.name: e.selector for e in entries()}
+    out.update({e.selector: e.selector for e in entries()})
+    return out
+
+
 def by_name(name: str) -> AlgorithmEntry:
     load_all()
     for entry in _ENTRIES.values():

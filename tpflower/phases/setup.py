@@ -396,10 +396,10 @@ def accept_privacy(client: TableClient, config: Mapping[str, Any]) -> None:
     later phases. Weaker than the floor, or impossible: refused before anything is sent."""
     run = dp.privacy_from_message(config)
     s = client.settings
-    s.owner.check_algorithm(client.algorithm)
-    s.owner.check_privacy(run, label_owner=client.data.y is not None)
-    # what the algorithm supports is the node's own registry's word (the run cannot claim DP it does not do)
+    # what the algorithm is and supports is the node's own registry's word (the run cannot claim DP it does not do)
     entry = registry.by_name(client.algorithm)
+    s.owner.check_algorithm(entry.name, entry.selector, entry.scenario)
+    s.owner.check_privacy(run, label_owner=client.data.y is not None)
     dp.validate_privacy(
         run,
         client.algorithm,
