@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -259,5 +260,11 @@ def test_the_tpflower_command_dispatches_to_the_modules():
     helped = cli("--help")
     assert helped.returncode == 0 and all(c in helped.stdout for c in ("train", "predict", "sql", "node", "deploy"))
     assert "usage: tpflower predict" in cli("predict", "--help").stdout
+    # the run's help: the options as a user selects them (no `_admm` defaults), each algorithm said in a line
+    train = cli("train", "--help")
+    groups = next(line for line in train.stdout.splitlines() if line.startswith("  algorithm: "))
+    options = sorted(p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml"))
+    assert train.returncode == 0 and groups == f"  algorithm: {', '.join(options)}"
+    assert re.search(r"^  gbdt +histogram gradient boosting over the join", train.stdout, re.M)
     wrong = cli("trian")
     assert wrong.returncode == 2 and "no command 'trian'" in wrong.stderr

@@ -28,10 +28,46 @@ def algorithm_defaults(entry: registry.AlgorithmEntry) -> dict[str, Any]:
 
 
 def register_algorithm_defaults() -> None:
-    """Store every registered algorithm's defaults as the Hydra config ``algorithm/_SELECTOR`` (idempotent)."""
+    """Store every registered algorithm's defaults as the Hydra config ``algorithm/_SELECTOR`` and the run's help
+    (:func:`run_help`) as ``hydra/help/tpflower`` (idempotent)."""
     store = ConfigStore.instance()
     for entry in registry.entries():
         store.store(group="algorithm", name=f"_{entry.selector}", node=algorithm_defaults(entry))
+
+    store.store(group="hydra/help", name="tpflower", node=run_help())
+
+
+def run_help() -> dict[str, str]:
+    """``tpflower train --help`` (Hydra's help config ``hydra/help``): the groups' options as a user selects
+    them (the algorithms' ``_SELECTOR`` defaults left out), what each algorithm is, then the composed config."""
+    conf = Path(CONF_DIR)
+    groups = "\n".join(
+        f"  {d.name}: {', '.join(sorted(p.stem for p in d.glob('*.yaml')))}"
+        for d in sorted(conf.iterdir())
+        if d.is_dir()
+    )
+    summaries: dict[str, str] = {"auto": "the fastest that fits model, label and privacy (its first line says which)"}
+    for entry in registry.entries():
+        summaries.setdefault(entry.selector, entry.summary)
+    algorithms = "\n".join(f"  {name:<17} {text}" for name, text in sorted(summaries.items()))
+    template = f"""tpflower train: one model over the join (or the union: scenario=ucq) of the owners' tables, without building it.
+
+Usage: tpflower train [GROUP=OPTION ...] [KEY=VALUE ...]       (the same: python -m simulations.run ...)
+  tpflower train dataset=nycflights13 algorithm=gbdt
+  tpflower train -m algorithm=pcg,admm model.beta=1e-4,1e-2     (a sweep: one run per combination)
+Every setting: docs/settings.md; your own tables: docs/datasets.md (dataset=NAME, --config-dir DIR holding DIR/dataset/NAME.yaml).
+
+== Groups (GROUP=OPTION) ==
+{groups}
+
+== algorithm= ==
+{algorithms}
+
+== Config (override any key: KEY=VALUE) ==
+$CONFIG
+Hydra's own flags: --hydra-help
+"""
+    return {"app_name": "tpflower train", "header": "", "footer": "", "template": template}
 
 
 def compose_config(*overrides: str, dataset: dict | None = None) -> DictConfig:
