@@ -203,7 +203,8 @@ def write_client_configs(
                 else {"parts": shards.parts, "seed": shards.seed}
             )
         paths[(table, shard)] = directory / f"{table}-{shard}.yaml"
-        write_owner_settings(paths[(table, shard)], yaml.safe_dump(settings, sort_keys=False), written)
+        requested = {k: settings[k] for k in ("prediction_rows",) if k in settings}  # set even in an edited file
+        write_owner_settings(paths[(table, shard)], yaml.safe_dump(settings, sort_keys=False), written, requested)
     (directory / WRITTEN).write_text(json.dumps(written, indent=1, sort_keys=True))
     return paths
 
@@ -216,9 +217,11 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def write_owner_settings(path: Path, text: str, written: dict[str, str]) -> None:
+def write_owner_settings(path: Path, text: str, written: dict[str, str], requested: dict[str, Any]) -> None:
     """Write ``text`` to ``path`` and note its hash in ``written``, unless the file changed since this tool
-    last wrote it (its hash there): then the owner edited it (docs/deployment.md) and it is kept, with one line."""
+    last wrote it (its hash there): then the owner edited it (docs/deployment.md) and it is kept, with one line,
+    but for the top-level settings ``requested`` for this start (a prediction's rows file), set in its text
+    (its other lines and comments as the owner left them)."""
     current = path.read_text() if path.is_file() else None
     if current not in (None, text) and path.name in written and _digest(current) != written[path.name]:
         print(
@@ -226,10 +229,28 @@ def write_owner_settings(path: Path, text: str, written: dict[str, str]) -> None
             "overrides again)",
             flush=True,
         )
+        patched = set_top_level(current, requested)
+        if patched != current:
+            path.write_text(patched)
+            print(f"{path}: {', '.join(requested)} set for this start", flush=True)
         return
     if current != text:
         path.write_text(text)
     written[path.name] = _digest(text)
+
+
+def set_top_level(text: str, values: dict[str, Any]) -> str:
+    """``text`` (a YAML mapping) with each top-level key of ``values`` set to its scalar value on its one line
+    (added at the end if missing); the other lines as they are."""
+    lines = text.splitlines(keepends=True)
+    for key, value in values.items():
+        line = yaml.safe_dump({key: value}, width=10**6)
+        at = next((i for i, old in enumerate(lines) if re.match(rf"{re.escape(key)}\s*:", old)), None)
+        if at is not None:
+            lines[at] = line
+        else:
+            lines.append(("" if not lines or lines[-1].endswith("\n") else "\n") + line)
+    return "".join(lines)
 
 
 def write_connection(

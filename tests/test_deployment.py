@@ -562,6 +562,15 @@ def test_start_keeps_an_owner_settings_file_its_user_edited(tmp_path, capsys):
     assert yaml.safe_load(untouched.read_text())["min_group_rows"] == 7  # the overrides' bound, written again
     out = capsys.readouterr().out
     assert out.count("keeping") == 1 and f"keeping {edited}: edited since" in out
+    # a prediction's rows file is set in a kept file too (else its node would score the rows an earlier
+    # prediction named there), the owner's other lines and comments as they were
+    edited.write_text(edited.read_text() + "# the owner's note\nprediction_rows: /old/rows.csv\n")
+    client = next(k for k, p in paths.items() if p == edited)
+    deploy.write_client_configs(overrides, tmp_path, prediction_rows={client: "/new/rows.csv"})
+    kept = yaml.safe_load(edited.read_text())
+    assert kept["prediction_rows"] == "/new/rows.csv" and kept["min_group_rows"] == 50
+    assert "# the owner's note" in edited.read_text()
+    assert f"{edited}: prediction_rows set for this start" in capsys.readouterr().out
     edited.unlink()  # deleted: written from the overrides again
     deploy.write_client_configs(overrides, tmp_path)
     assert yaml.safe_load(edited.read_text())["min_group_rows"] == 20
