@@ -58,14 +58,43 @@ def keys_chunk_rows(cfg: Any) -> int:
 
 def key_mode(replies: Mapping[ClientKey, Reply]) -> str:
     """How the owners mapped their join keys (each node's own choice, reported in its keys reply): hmac or
-    blind; owners that disagree stop the run here, naming the tables of each mode."""
+    blind; owners that disagree stop the run here, naming the tables of each mode. The nodes that must hold
+    one secret must do so too (:func:`check_secrets`)."""
     modes: dict[str, set[str]] = {}
     for (table, _), (_, metrics) in replies.items():
         modes.setdefault("blind" if metrics.get("blind_keys") else "hmac", set()).add(table)
     if len(modes) > 1:
         named = "; ".join(f"{', '.join(sorted(t))} by {m}" for m, t in sorted(modes.items()))
         raise ValueError(f"the table owners map their join keys differently ({named}): set one `keys` on every node")
-    return next(iter(modes), "hmac")
+    mode = next(iter(modes), "hmac")
+    check_secrets(replies, mode)
+    return mode
+
+
+def check_secrets(replies: Mapping[ClientKey, Reply], mode: str) -> None:
+    """Under keys=hmac every node holds the owners' join-key secret (a node with another one would join none of
+    its rows); under keys=blind the shards of a table hold their owner's secret for its preprocessing (else
+    each shard would code the same category, and draw the initial model, differently). Each keys reply
+    carries its secret's keyed check value (tpflower.phases.setup.secret_check); nodes whose values differ stop
+    the run here, named by the secret they share."""
+    groups: dict[str, dict[str, list[str]]] = {}  # nodes that must agree -> check value -> nodes
+    for (table, shard), (_, metrics) in sorted(replies.items()):
+        group = groups.setdefault("" if mode == "hmac" else table, {})
+        group.setdefault(str(metrics.get("secret_check", "")), []).append(f"{table!r} shard {shard}")
+    for scope, values in sorted(groups.items()):
+        if len(values) > 1:
+            held = "; ".join(
+                f"{', '.join(nodes)} {'no secret' if not value else f'secret {n + 1}'}"
+                for n, (value, nodes) in enumerate(sorted(values.items(), key=lambda kv: kv[1]))
+            )
+            who = (
+                "the nodes do not all hold the owners' join-key"
+                if mode == "hmac"
+                else f"table {scope!r}'s shards do not hold one"
+            )
+            raise ValueError(
+                f"{who} secret (secret_file, else $TPFLOWER_KEY_SECRET): {held}; give them the same secret"
+            )
 
 
 class RecordOpener(Protocol):

@@ -8,6 +8,7 @@ recorded, then looks for the raw data in it.
 from __future__ import annotations
 
 import math
+import re
 import secrets
 
 import numpy as np
@@ -155,9 +156,12 @@ def raw_columns(rec: Recorded) -> tuple[dict[str, np.ndarray], dict[str, np.ndar
 
 def assert_metrics_are_scalars(rec: Recorded) -> None:
     strings = {"table", "region", "key_kinds", "labels"}
+    keyed = {"secret_check", "classes_digest"}  # 16-byte HMACs under the node's secret (hex; "": no secret)
     for key, phase, _, m in rec.sent:
         for name, value in m.items():
-            if name in strings or name.startswith("sig."):  # sig.*: Ed25519 signatures of blinded lists (hex)
+            if name in keyed:
+                assert re.fullmatch("([0-9a-f]{32})?", value), (key, phase, name, value)
+            elif name in strings or name.startswith("sig."):  # sig.*: Ed25519 signatures of blinded lists (hex)
                 assert isinstance(value, str), (key, phase, name)
             else:
                 assert isinstance(value, (int, float, bool, np.integer, np.floating)), (key, phase, name, value)

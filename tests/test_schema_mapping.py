@@ -315,3 +315,36 @@ def test_declared_label_classes_code_every_shards_file_alike_and_differing_files
     agreed = [reply(declared, f) for f in (east, west)]
     assert agreed[0]["classes_digest"] == agreed[1]["classes_digest"]
     assert "HU" not in str(agreed)  # the list travels keyed, never as names
+    # under keys=blind the list is keyed by the table owner's own secret, which its shards share
+    blind = {("fact", q): ({}, reply(spec(), f)) for q, f in enumerate((east, west))}
+    with pytest.raises(RuntimeError, match="its shards' files hold different classes of the label"):
+        JoinSetup._labels(setup, blind, 8)
+
+
+def test_nodes_that_must_share_a_secret_and_do_not_are_refused_naming_them():
+    """A node whose secret differs from the ones it must share (every node's join-key secret under keys=hmac,
+    a sharded table's shards' secret under keys=blind) stops the run at the keys round, naming the nodes by the
+    secret they hold; the server sees a keyed check value of each secret, never the secret."""
+    from strategies.setup import key_mode
+    from tpflower.phases.setup import secret_check
+
+    ours, theirs = secret_check(b"owners' secret"), secret_check(b"another secret")
+    assert ours == secret_check(b"owners' secret") != theirs and secret_check(b"") == ""
+    assert "owners" not in ours and len(ours) == 32
+
+    def replies(blind, **checks):
+        return {
+            (t, int(q)): ({}, {"blind_keys": int(blind), "secret_check": v})
+            for (t, q), v in ((k.split("_"), v) for k, v in checks.items())
+        }
+
+    assert key_mode(replies(False, fact_0=ours, fact_1=ours, dim_0=ours)) == "hmac"
+    with pytest.raises(ValueError, match=r"the nodes do not all hold the owners' join-key secret .*'dim' shard 0"):
+        key_mode(replies(False, fact_0=ours, fact_1=ours, dim_0=theirs))
+    # blind: each table's own secret (or none), its shards alike
+    assert key_mode(replies(True, fact_0=ours, fact_1=ours, dim_0=theirs, other_0="")) == "blind"
+    with pytest.raises(
+        ValueError,
+        match=r"table 'fact''s shards do not hold one secret .*'fact' shard 0 secret 1; 'fact' shard 1 no secret",
+    ):
+        key_mode(replies(True, fact_0=ours, fact_1="", dim_0=theirs))

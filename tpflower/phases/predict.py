@@ -48,7 +48,7 @@ from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys
 from tpflower.keys_payload import KeysPayload
 from tpflower.local_table import with_class_names
 from tpflower.model_part import ModelPart, part_id, part_path
-from tpflower.phases.setup import REBLIND, REBUILD, chunked_reply, key_payload, keys_chunk
+from tpflower.phases.setup import REBLIND, REBUILD, chunked_reply, key_payload, keys_chunk, secret_check
 from tpflower.preprocess import unseen_categories
 from tpflower.records import Arrays
 from tpflower.schema import DATETIME_TZ, SpecError, key_kind
@@ -325,7 +325,14 @@ def predict_keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     client.state.set_scalar("predict.n_rows", len(frame))
     mode = s.owner.keys
     out, metrics = chunked_reply(client, config, lambda seed: key_payload(client, frame, row_ids, seed), "predict")
-    return out, {**metrics, "part": pid, "d_out": part.d_out, "blind_keys": int(mode == "blind")}
+    checked = secret_check(client.settings.secret)
+    return out, {
+        **metrics,
+        "part": pid,
+        "d_out": part.d_out,
+        "blind_keys": int(mode == "blind"),
+        "secret_check": checked,
+    }
 
 
 def predict_payload(client: TableClient, seed: bytes, rebuilt: bool) -> KeysPayload:

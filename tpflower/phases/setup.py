@@ -99,6 +99,14 @@ def sent_labels(client: TableClient, rebuilt: bool) -> np.ndarray:
     return y
 
 
+def secret_check(secret: bytes) -> str:
+    """A keyed check value of the node's secret ("" without one), in every keys reply: nodes holding the same
+    secret report the same value, which tells the server (strategies.setup.key_mode compares them) nothing
+    else. Under keys=hmac every node holds the owners' join-key secret; under keys=blind a sharded table's
+    shards hold their owner's secret for its preprocessing (category digests, the initial model)."""
+    return hmac.digest(secret, b"tpflower secret check", hashlib.sha256)[:16].hex() if secret else ""
+
+
 def label_metrics(client: TableClient) -> dict[str, Any]:
     """What the keys reply says of its labels (the label owner only)."""
     data = client.data
@@ -106,9 +114,10 @@ def label_metrics(client: TableClient) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {"n_classes": int(data.n_classes or 0)}
     secret = client.settings.secret
-    if not data.whole and data.classes is not None and secret and client.settings.owner.keys != "blind":
-        # a shard: its class list keyed by the owners' shared secret, so the server can tell only whether the
-        # shards' lists agree (shards in separate files may hold different classes: their ids would disagree)
+    if not data.whole and data.classes is not None and secret:
+        # a shard: its class list keyed by the secret its table's shards share (the join-key secret, or under
+        # keys=blind its owner's), so the server can tell only whether the shards' lists agree (shards in
+        # separate files may hold different classes: their ids would disagree)
         text = "\x1f".join(map(str, data.classes)).encode()
         out["classes_digest"] = hmac.digest(secret, b"classes\x1f" + text, hashlib.sha256)[:16].hex()
     if dp.uses_label_dp(client.privacy()):
@@ -170,6 +179,7 @@ def keys(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tupl
     metrics.update(label_metrics(client))
     metrics.update({"table": s.table, "shard": s.shard, "region": s.region})
     metrics["blind_keys"] = int(mode == "blind")  # the owner's key mode (a number: metrics carry no free text)
+    metrics["secret_check"] = secret_check(s.secret)
     metrics["key_kinds"] = ",".join(f"{c}={k}" for c, k in s.key_kinds.items())
     return out, metrics
 
