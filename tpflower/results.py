@@ -177,12 +177,19 @@ def figure(x: float) -> str:
     return f"{x:.4f}" if x == 0 or 1e-2 <= abs(x) < 1e5 or not math.isfinite(x) else f"{x:.5g}"
 
 
+#: how every progress line begins: an epoch's, or boosted trees' (their count so far)
+PROGRESS_PREFIXES = ("epoch ", "trees ")
+
+
 def epoch_line(metric: str, rec: EpochRecord) -> str:
-    """The one-line progress report of an epoch."""
-    extra = "".join(f" {k}={v:.4g}" for k, v in rec.extra.items())
-    epoch = f"{rec.epoch:3d}" if isinstance(rec.epoch, int) else f"{rec.epoch:6.2f}"
+    """The one-line progress report of an epoch (boosted trees: of the trees so far, ``extra["trees"]``)."""
+    extra = "".join(f" {k}={v:.4g}" for k, v in rec.extra.items() if k != "trees")
+    if "trees" in rec.extra:
+        head = f"trees {int(rec.extra['trees']):4d}"
+    else:
+        head = f"epoch {rec.epoch:3d}" if isinstance(rec.epoch, int) else f"epoch {rec.epoch:6.2f}"
     return (
-        f"epoch {epoch} | test {metric}={figure(rec.test_metric)}{extra} | train loss={figure(rec.train_loss)} | "
+        f"{head} | test {metric}={figure(rec.test_metric)}{extra} | train loss={figure(rec.train_loss)} | "
         f"rounds={rec.rounds} | MB up/down={rec.bytes_up / 1e6:.2f}/{rec.bytes_down / 1e6:.2f} | "
         f"comm={rec.comm_time_s:.2f}s | wall={rec.wall_time_s:.1f}s"
     )

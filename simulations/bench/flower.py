@@ -18,6 +18,7 @@ from typing import Any
 from simulations.bench.common import run_isolated
 from simulations.bench.loj import runtime_pair
 from tpflower.config import compose_config
+from tpflower.results import PROGRESS_PREFIXES
 
 
 def empty_rounds_case(rounds: int = 200, dataset: str = "movielens") -> dict[str, Any]:
@@ -98,7 +99,7 @@ def first_epoch_case(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip())
-            if first is None and line.startswith("epoch "):
+            if first is None and line.startswith(PROGRESS_PREFIXES):
                 first = time.perf_counter() - t0
         proc.wait()
         total = time.perf_counter() - t0

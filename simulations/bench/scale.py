@@ -44,6 +44,7 @@ from simulations.bench.memory import FAMILIES, budget_fit, over_budget
 from tpflower.batches import joined_predictions
 from tpflower.datasets import load_spec, load_tables
 from tpflower.mapping import build_mapping, holdout_mask, project_keys
+from tpflower.results import PROGRESS_PREFIXES
 
 #: the synthetic star schema of the scale benchmark: a fact table and 3 dimensions with 2 rows per key, so every
 #: fact row joins 2 x 2 x 2 rows: N = 8 n_fact (4 tables; conf/dataset/synthetic.yaml's widths and dim_rows)
@@ -263,7 +264,7 @@ def simulation_case(
         results = Path(tmp) / "results.json"
         record = json.loads(results.read_text()) if results.is_file() else {}
         history = record.get("history", [])
-    epoch_lines = [t for t, line in lines if line.startswith("epoch ")]
+    epoch_lines = [t for t, line in lines if line.startswith(PROGRESS_PREFIXES)]
     mapping_line = next((t for t, line in lines if "joined rows N=" in line), None)
     walls = [h["wall_time_s"] for h in history]
     per_epoch = float(np.mean(np.diff(walls))) if len(walls) > 1 else (walls[0] if walls else None)
