@@ -416,7 +416,7 @@ class CentralizedGBDT(Centralized):
             X_t = rel.features(t, keep_missing=True)  # missing values: their own bin, as the owners'
             G_t = np.bincount(rel.train.p[t], minlength=len(X_t))
             edges[t] = column_edges(X_t, G_t, params.max_bins)
-            table_codes = bin_codes(X_t, edges[t])
+            table_codes = bin_codes(X_t, edges[t], rel.features(t))  # a column no training row missed: median
             codes[t], test_codes[t] = table_codes[:, rel.train.p[t]], table_codes[:, rel.test.p[t]]
         metric, y_test, start = primary_metric(task), rel.labels(rel.test), time.perf_counter()
 

@@ -125,6 +125,27 @@ def test_boosted_trees_route_new_rows_missing_values_as_the_run(tmp_path):
     assert_same_as_the_run(strategy, [(predict_run(tmp_path / "run", rows, **QUIET), ids)])
 
 
+def test_boosted_trees_score_a_missing_value_no_training_row_had_as_the_median(tmp_path):
+    """A numeric column without a missing value among the training rows has no missing bin: a new row missing
+    it is scored as if it held the column's median (what preprocessing fills in, as the linear model sees it),
+    not sent right of every split (as if it were larger than every training value)."""
+    overrides = ("algorithm=gbdt", "dataset=synthetic", "algorithm.trees=5", "precision=float64")
+    strategy = train(tmp_path / "run", *overrides, "algorithm.eval_every=5")
+    rows, _ = held_out_rows(strategy, tmp_path)
+    part = ModelPart.load(tmp_path / "run" / "node-state", strategy.run_id, "fact", 0)
+    assert part is not None and part.missing_bins is not None and not part.missing_bins.any()
+    column = part.numeric[int(np.bincount(part.splits[:, 1]).argmax())]  # the column most of its splits use
+    frame = pd.read_csv(rows)
+    blank, median = frame.copy(), frame.copy()
+    blank[column] = np.nan
+    median[column] = part.preprocessing["medians"][column]
+    scores = []
+    for name, f in (("blank", blank), ("median", median)):
+        f.to_csv(tmp_path / f"{name}.csv", index=False, float_format="%.17g")
+        scores.append(np.asarray(predict_run(tmp_path / "run", tmp_path / f"{name}.csv", **QUIET).H))
+    np.testing.assert_allclose(scores[0], scores[1], rtol=1e-12)
+
+
 @pytest.mark.parametrize("entry", CLUSTERINGS, ids=[e.name for e in CLUSTERINGS])
 def test_kmeans_predicts_the_cluster_the_run_assigned(entry, tmp_path):
     """The label table's rows, scored as new rows, fall in the clusters the run assigned their joined rows

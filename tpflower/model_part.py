@@ -74,6 +74,9 @@ class ModelPart:
     # per split, whether a row missing the split's numeric value goes left (else right); None (a part saved
     # before trees kept missing values): missing values are filled with the median, as preprocessing does
     missing_left: np.ndarray | None = None
+    # per feature, whether training gave it a bin of missing values; a missing value of a feature without one
+    # (no training row missed it) is the median preprocessing fills in. None (saved before): every numeric one
+    missing_bins: np.ndarray | None = None
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -113,6 +116,8 @@ class ModelPart:
                 arrays["split_gains"] = np.asarray(self.split_gains, dtype=np.float64)
             if self.missing_left is not None:
                 arrays["missing_left"] = np.asarray(self.missing_left, dtype=bool)
+            if self.missing_bins is not None:
+                arrays["missing_bins"] = np.asarray(self.missing_bins, dtype=bool)
         if self.category_splits is not None:
             arrays["category_splits"] = np.asarray(self.category_splits, dtype=np.int64)
             arrays["category_values"] = np.asarray(self.category_values, dtype=str)
@@ -133,7 +138,11 @@ class ModelPart:
             centres = z["centres"] if meta.get("centres") else None
             trees = {k: z[k] for k in ("splits", "thresholds", "raw_thresholds")} if meta.get("splits") else {}
             trees.update(
-                {k: z[k] for k in ("category_splits", "category_values", "split_gains", "missing_left") if k in z.files}
+                {
+                    k: z[k]
+                    for k in ("category_splits", "category_values", "split_gains", "missing_left", "missing_bins")
+                    if k in z.files
+                }
             )
         return cls(
             run_id=meta["run_id"],
@@ -177,7 +186,11 @@ class ModelPart:
         pre = TablePreprocessor.from_stats(self.numeric, self.categorical, table=self.table, **self.preprocessing)
         X = pre.transform(frame)
         if self.missing_left is not None:  # boosted trees route a missing value by its split's side for them
-            X = pre.with_missing(X, frame)
+            kept = pre.with_missing(X, frame)
+            if self.missing_bins is not None and kept is not X:  # the median where training had no missing bin
+                filled = ~self.missing_bins[: len(self.numeric)]
+                kept[:, : len(self.numeric)][:, filled] = X[:, : len(self.numeric)][:, filled]
+            X = kept
         if self.bin_edges:
             X = np.concatenate([X, bin_transform(frame, self.bin_edges, table=self.table)], axis=1)
         if X.shape[1] != self.width:

@@ -141,9 +141,12 @@ class BinLayout:
         return SplitScan.of(self)
 
 
-def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
+def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray], filled: np.ndarray | None = None) -> np.ndarray:
     """The flat bin (:class:`BinLayout`) of every value, feature-major: codes[f, u] = offsets[f] + b where
-    X[u, f] lies in bin b of feature f, i.e. X[u, f] <= edges[f][b'] iff b <= b'."""
+    X[u, f] lies in bin b of feature f, i.e. X[u, f] <= edges[f][b'] iff b <= b'. A missing value of a
+    feature with a missing bin (its edges end with NaN) takes that bin; of one without (no training row
+    missed it): the bin of ``filled[u, f]`` (the value preprocessing fills in, the median, as a linear model
+    sees it), or with ``filled`` None the last bin, right of every split."""
     layout = BinLayout.of(edges)
     codes = np.empty((len(edges), X.shape[0]), dtype=np.uint16 if layout.total < 2**16 else np.int32)
     first = layout.offsets[:-1]
@@ -163,7 +166,9 @@ def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray]) -> np.ndarray:
         e = edges[f]
         if len(e) and np.isnan(e[-1]):  # the last bin: the missing values
             codes[f] = np.where(np.isnan(x), len(e), np.searchsorted(e[:-1], x, side="left")) + first[f]
-        else:  # (a missing value, where no training row had one: the last bin, right of every split)
+        else:  # a missing value, where no training row had one: the filled value's bin
+            if filled is not None and np.isnan(x).any():
+                x = np.where(np.isnan(x), filled[:, f], x)
             codes[f] = np.searchsorted(e, x, side="left") + first[f]
     return codes
 

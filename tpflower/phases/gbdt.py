@@ -241,8 +241,8 @@ class OwnerTrees:
 
     @property
     def codes(self) -> np.ndarray:
-        if "codes" not in self.cache:
-            self.cache["codes"] = bin_codes(tree_features(self.client), self.edges)
+        if "codes" not in self.cache:  # a missing value of a column no training row missed: the median's bin
+            self.cache["codes"] = bin_codes(tree_features(self.client), self.edges, self.client.local.X)
         return self.cache["codes"]
 
     @property

@@ -122,6 +122,8 @@ def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarra
         "raw_thresholds": raw,
         "split_gains": splits[:, 3].view(np.float64).copy(),
         "missing_left": splits[:, 4] > 0,
+        # per feature, whether it has a missing bin (else its missing values take the median's side)
+        "missing_bins": np.array([len(e) > 0 and bool(np.isnan(e[-1])) for e in edges], dtype=bool),
         **saved_categories(client),
     }
 
