@@ -305,6 +305,8 @@ def test_a_nodes_error_line_keeps_its_last_quote_and_names_the_node_once():
     reason = "rows file x.csv lacks feature column(s) ['table'] of table 'stones'"
     reply = SimpleNamespace(error=SimpleNamespace(code=0, reason=f"{ValueError}:<'{reason}'>"))  # the engine's form
     assert error_reason(reply) == reason
+    wrapped = f"{ValueError}:<'\nException ClientAppException occurred. Message: {reason}'>"  # Ray's actor's
+    assert error_reason(SimpleNamespace(error=SimpleNamespace(code=0, reason=wrapped))) == reason
     name = "table 'stones' shard 0"
     assert node_line(name, reason) == f"{name}: {reason}"
     assert node_line(name, f"{name}: a summary of 4 rows") == f"{name}: a summary of 4 rows"

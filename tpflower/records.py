@@ -146,6 +146,8 @@ def error_reason(reply: Message) -> str:
     reason = str(reply.error.reason)
     if ":<'" in reason:  # "<class 'ValueError'>:<'table 'x': ...'>" (the simulation engine's format)
         reason = reason.split(":<'", 1)[1].removesuffix("'>")  # the message's own last quote kept
+    # Flower's ClientAppException wrapping: "\nException ClientAppException occurred. Message: ..."
+    reason = re.sub(r"Exception \w+ occurred\. Message: ", "", reason)
     return reason.strip().splitlines()[-1] if reason.strip() else f"error code {reply.error.code}"
 
 
