@@ -246,6 +246,17 @@ def test_label_in_two_tables():
         validate_tables(spec_of(tables=tables, joins=STAR["joins"]), frames)
 
 
+def test_a_label_that_is_a_join_key_is_refused():
+    """A label column that is also a join key: every joined row would hold the partner table's row of its own
+    label (target leakage), and the server would see which rows share a label by their keys' digests."""
+    frames = frames_star_mn()
+    label = {"table": "fact", "column": "a", "task": "multiclass"}
+    with pytest.raises(
+        SpecError, match=r"table 'fact': the label column 'a' is also its join key to table\(s\) \['A'\]"
+    ):
+        validate_tables(spec_of(**STAR, label=label), frames)
+
+
 def test_disconnected_join_graph():
     with pytest.raises(SpecError, match=r"disconnected: tables \[\['C'\]\] are not joined"):
         spec_of(tables=STAR["tables"], joins=STAR["joins"][:2])

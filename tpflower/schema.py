@@ -358,8 +358,27 @@ def unique_setting(table: object, value: object) -> bool | None:
     raise SpecError(f"table {table!r}: unique must be true or false, got {value!r}")
 
 
+def check_label_not_a_key(spec: RelationalSpec, table: str) -> None:
+    """A label column of ``table`` that is also one of its join keys is refused: each joined row would hold the
+    other table's row of its own label (the model reads the label off its features), and the server would see
+    which rows share a label by their keys' digests (under label DP too)."""
+    partners = [
+        j.right if j.left == table else j.left
+        for j in spec.joins
+        if table in (j.left, j.right) and spec.label.column in j.columns_of(table)
+    ]
+    if partners:
+        raise SpecError(
+            f"table {table!r}: the label column {spec.label.column!r} is also its join key to table(s) "
+            f"{partners}, so each joined row holds that table's row of its own label (the model reads the label "
+            "off its features, and the server sees which rows share a label by their keys); predict a column "
+            "that is not a join key"
+        )
+
+
 def validate_structure(spec: RelationalSpec) -> None:
-    """Checks that need no data: table names, the label's table, and that the joins form a tree."""
+    """Checks that need no data: table names, the label's table (its label no join key), and that the joins
+    form a tree."""
     names = spec.table_names
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -372,6 +391,8 @@ def validate_structure(spec: RelationalSpec) -> None:
                 raise SpecError(f"join {j}: unknown table {t!r}; tables: {list(names)}")
         if j.left == j.right:
             raise SpecError(f"join {j}: a table cannot join itself")
+    if spec.label.table is not None and spec.label.column:
+        check_label_not_a_key(spec, spec.label.table)
     for t in spec.tables:
         if t.unique and not spec.unique_key(t.name):
             raise SpecError(
@@ -454,6 +475,7 @@ def resolve_label_table(spec: RelationalSpec, columns: Mapping[str, Sequence[str
             )
     if spec.label.column in spec.table(table).features:
         raise SpecError(f"table {table!r}: the label column {spec.label.column!r} is also declared as a feature")
+    check_label_not_a_key(spec, table)
     return RelationalSpec(
         name=spec.name,
         tables=spec.tables,
