@@ -87,6 +87,29 @@ def test_missing_labels(tmp_path):
     assert line.endswith("; drop the rows without a label or fill them")
 
 
+def test_an_infinite_regression_label_is_refused_naming_its_row(tmp_path, caplog):
+    """+-inf labels (and "inf" text) are one data-check line naming the table, the column and the first row,
+    before training; a deployed node sends the count, not the row or the value (its log keeps them)."""
+    orders, customers = good(tmp_path)
+    orders.loc[[5, 11], "spend"] = [np.inf, -np.inf]
+    (line,) = lines(shop(tmp_path, orders, customers))
+    assert line == (
+        "table 'orders', label column 'spend': 2 infinite regression labels, first at row 5 "
+        f"(line 7 of {tmp_path / 'orders.csv'}): inf; replace them by finite numbers or drop those rows"
+    )
+    with pytest.raises(DataProblems) as info:
+        load_table(shop(tmp_path, orders, customers), "orders")
+    owner = OwnerSettings(
+        "orders", Exposed(("cust",), ("qty",), (), "spend"), {"name": "label"}, b"k", origin="/owner/o.yaml"
+    )
+    sent = str(node_data_error(info.value, owner))
+    assert sent == (
+        "1 problem in the data: table 'orders', label column 'spend': 2 infinite regression labels; "
+        "replace them by finite numbers or drop those rows"
+    )
+    assert "row 5" in caplog.text  # the node's own log keeps where
+
+
 def test_unknown_column(tmp_path):
     dataset = shop(tmp_path)
     dataset["tables"]["customers"]["numeric"] = ["agee"]

@@ -127,11 +127,19 @@ def _non_numeric(s: pd.Series) -> np.ndarray:
     return (pd.to_numeric(s, errors="coerce").isna() & s.notna()).to_numpy()
 
 
+def _infinite(s: pd.Series) -> np.ndarray:
+    """Rows holding an infinite number (+-inf), the column read as numbers (missing values are fine)."""
+    if pd.api.types.is_bool_dtype(s):
+        return np.zeros(len(s), dtype=bool)
+    return np.isinf(pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan))
+
+
 def _bad_values(
     table: str, column: str, role: str, mask: np.ndarray, s: pd.Series, source: str | None, what: str, fix: str
 ) -> Problem:
     row = _first(mask)
     n = int(mask.sum())
+    value = s.iloc[row]
     return Problem(
         table,
         _counted(n, what),
@@ -139,7 +147,7 @@ def _bad_values(
         column=column,
         role=role,
         count=n,
-        example=f"first at {_at(row, source)}: {s.iloc[row]!r}",
+        example=f"first at {_at(row, source)}: {value.item() if isinstance(value, np.generic) else value!r}",
     )
 
 
@@ -239,7 +247,7 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                 )
             )
         else:
-            inf = np.isinf(s.to_numpy(dtype=np.float64, na_value=np.nan))  # nullable dtypes: NA as NaN
+            inf = _infinite(s)
             if inf.any():
                 out.append(
                     _bad_values(
@@ -453,6 +461,9 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | No
     bad, what, fix = None, "", ""
     if task == "regression":
         bad, what, fix = _non_numeric(y), "non-numeric regression labels", "make every label a number"
+        if not bad.any():  # numbers, or text that reads as numbers ("inf" among them)
+            bad = _infinite(y)
+            what, fix = "infinite regression labels", "replace them by finite numbers or drop those rows"
     elif spec.label.classes is not None:
         bad = (y.notna() & (class_codes(y, spec.label.classes) < 0)).to_numpy()
         what = "labels outside label.classes"
