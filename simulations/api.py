@@ -12,7 +12,6 @@ with the command line's message.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -32,7 +31,7 @@ from simulations.predict import predict_run
 from simulations.run import choices, unknown_choice
 from tpflower.config import compose_config
 from tpflower.config_errors import override_error
-from tpflower.errors import TpflowerError
+from tpflower.errors import TpflowerError, traceback_wanted
 from tpflower.overrides import searchpath_override
 from tpflower.results import RESULTS_FILE, ResultsError, read_results
 
@@ -167,7 +166,7 @@ def fit(
     try:
         run_job(cfg, path, base_dir=str(base), log=log)
     except Exception as exc:
-        if os.environ.get("TPFLOWER_TRACEBACK"):
+        if traceback_wanted():
             raise
         raise TpflowerError(failure_message(exc, path), path / "error.log") from None
     return Model(path, verbose, base)
@@ -265,7 +264,7 @@ class Model:
                     rows_name="the rows" if isinstance(rows, pd.DataFrame) else None,
                 )
             except Exception as exc:
-                if os.environ.get("TPFLOWER_TRACEBACK"):
+                if traceback_wanted():
                     raise
                 raise TpflowerError(failure_message(exc, self.run_dir), self.run_dir / "error.log") from None
         if len(pred.unjoined):

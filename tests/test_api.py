@@ -91,6 +91,22 @@ def test_a_bad_setting_and_a_typo_raise_one_line(tmp_path):
     assert " _admm" not in str(typo.value)
 
 
+@pytest.mark.parametrize("value, on", [("", False), ("0", False), ("false", False), ("No", False), ("1", True)])
+def test_tpflower_traceback_is_on_for_1_and_off_for_0_false_no_or_empty(value, on, tmp_path, monkeypatch):
+    from tpflower.errors import traceback_wanted
+
+    monkeypatch.setenv("TPFLOWER_TRACEBACK", value)
+    assert traceback_wanted() is on
+    raised = pytest.raises(ValueError) if on else pytest.raises(tpflower.TpflowerError)
+    with raised as info:
+        tpflower.fit(dataset="synthetic", runtime="inprocess", epochs=0, run_dir=tmp_path, verbose=False)
+    assert on or "\n" not in str(info.value)
+    if value == "0":  # the command line alike: one line, no traceback
+        env = {**os.environ, "TPFLOWER_TRACEBACK": "0"}
+        done = cli("train", "dataset=synthetic", "runtime=inprocess", "epochs=0", f"hydra.run.dir={tmp_path}", env=env)
+        assert done.returncode == 1 and "Traceback" not in done.stderr and done.stderr.startswith("error: ")
+
+
 def test_an_unknown_key_is_one_line_naming_what_is_valid(tmp_path):
     done = cli("train", "algoritm=gbdt", "dataset=synthetic", cwd=tmp_path)
     assert done.returncode == 1
