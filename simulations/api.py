@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -90,7 +91,7 @@ def compose(
         args.append(searchpath_override(config_dir))
     spec: dict[str, Any] | None = None
     if isinstance(dataset, Path) or (isinstance(dataset, str) and dataset.endswith((".yaml", ".yml"))):
-        spec = dict(OmegaConf.to_container(OmegaConf.load(Path(dataset).expanduser())))  # type: ignore[arg-type]
+        spec = spec_file(dataset)
     elif isinstance(dataset, Mapping):
         spec = dict(dataset)
     elif dataset is not None:
@@ -111,6 +112,27 @@ def compose(
         return compose_config(*args, dataset=spec)
     except (HydraException, OmegaConfBaseException) as exc:
         raise TpflowerError(override_error(exc, args, base_dir, spec)) from None
+
+
+def spec_file(dataset: str | Path) -> dict[str, Any]:
+    """The dataset spec in the YAML file ``dataset`` (``fit(dataset=PATH)``); a missing or unreadable file, or
+    one that holds no mapping, is a one-line TpflowerError naming it."""
+    path = Path(dataset).expanduser()
+    if not path.is_file():
+        raise TpflowerError(
+            f"dataset={str(dataset)!r}: no such file ({path.resolve()}); give the path of a dataset spec's YAML "
+            "file (docs/datasets.md), or a dataset's name"
+        )
+    try:
+        spec = OmegaConf.to_container(OmegaConf.load(path))
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TpflowerError(f"dataset file {path}: cannot be read as YAML: {first}") from None
+    if not isinstance(spec, dict):
+        raise TpflowerError(
+            f"dataset file {path}: holds no mapping of settings (name, tables, label, joins: docs/datasets.md)"
+        )
+    return {str(k): v for k, v in spec.items()}
 
 
 def default_run_dir(cfg: DictConfig, base_dir: Path) -> Path:

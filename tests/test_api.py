@@ -91,6 +91,22 @@ def test_a_bad_setting_and_a_typo_raise_one_line(tmp_path):
     assert " _admm" not in str(typo.value)
 
 
+def test_a_missing_or_unreadable_dataset_file_is_one_line_naming_it(tmp_path):
+    missing = tmp_path / "conf" / "dataset" / "nope.yml"
+    with pytest.raises(tpflower.TpflowerError) as info:
+        tpflower.fit(dataset=str(missing), runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+    assert str(info.value) == (
+        f"dataset={str(missing)!r}: no such file ({missing}); give the path of a dataset spec's YAML file "
+        "(docs/datasets.md), or a dataset's name"
+    )
+    bad = tmp_path / "bad.yaml"
+    for text, said in (("name: [unclosed\n", "cannot be read as YAML"), ("- a\n- b\n", "holds no mapping")):
+        bad.write_text(text)
+        with pytest.raises(tpflower.TpflowerError) as info:
+            tpflower.fit(dataset=bad, runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+        assert str(info.value).startswith(f"dataset file {bad}: {said}") and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("value, on", [("", False), ("0", False), ("false", False), ("No", False), ("1", True)])
 def test_tpflower_traceback_is_on_for_1_and_off_for_0_false_no_or_empty(value, on, tmp_path, monkeypatch):
     from tpflower.errors import traceback_wanted
