@@ -194,6 +194,30 @@ def fit(
     return Model(path, verbose, base)
 
 
+def write_rows(rows: pd.DataFrame, path: Path) -> None:
+    """New rows given as a DataFrame, as the Parquet file the query owner's node reads. An object column Parquet
+    cannot hold as one type (numbers beside text, as ``df.loc[i, 'age'] = '99plus'`` makes an int column) is
+    written as text, each value as a CSV file holds it (missing values stay missing): the node then reads and
+    checks it as it does a CSV rows file's column (a numeric feature's text: one line naming the column and
+    row). What still cannot be written (column names that are not strings, say) is a one-line TpflowerError."""
+    import pyarrow as pa  # noqa: PLC0415  pandas' Parquet engine: only for a DataFrame's rows
+
+    if rows.columns.has_duplicates:
+        twice = sorted({str(c) for c in rows.columns[rows.columns.duplicated()]})
+        raise TpflowerError(f"the rows name column(s) {twice} twice; give each column once")
+    out = rows.copy(deep=False)
+    for column in rows.select_dtypes(include="object").columns:
+        try:
+            pa.array(rows[column], from_pandas=True)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            out[column] = rows[column].astype(str).where(rows[column].notna(), None)
+    try:
+        out.to_parquet(path, index=False)
+    except (ValueError, TypeError, pa.ArrowException) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TpflowerError(f"the rows cannot be handed to the nodes as a Parquet file: {first}") from None
+
+
 def load(run_dir: str | Path, base_dir: str | Path | None = None, verbose: bool = True) -> Model:
     """The model of a finished run (its results.json; predict needs its model.json and node-state/ too);
     ``base_dir``: where its dataset's relative paths start (default: the working directory at predict);
@@ -270,7 +294,7 @@ class Model:
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):
                 path = Path(tmp) / "rows.parquet"
-                rows.to_parquet(path, index=False)
+                write_rows(rows, path)
             else:
                 path = Path(rows)
             try:

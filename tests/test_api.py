@@ -240,6 +240,28 @@ def test_an_error_about_a_frames_rows_names_the_rows_not_a_temporary_file(binary
     )
 
 
+def test_a_frames_column_of_numbers_and_text_is_read_as_a_csv_files_would_be(binary_shop, tmp_path):
+    """An int column holding one text value (``df.loc[i, 'qty'] = '99plus'``) cannot be written to Parquet as
+    it is: it reaches the node as text, as a CSV file holds it, and is refused in the CSV file's one line."""
+    model, rows = binary_shop
+    mixed = rows.copy()
+    mixed["qty"] = mixed["qty"].astype(object)
+    mixed.loc[2, "qty"] = "99plus"
+    mixed.loc[1, "qty"] = np.nan  # missing stays missing beside the numbers and the text (not 'nan')
+    with pytest.raises(tpflower.TpflowerError) as frame:
+        model.predict(mixed, verbose=False)
+    assert str(frame.value) == (
+        "table 'orders' shard 0: the rows: column 'qty' of table 'orders' is numeric, but row 2 holds '99plus', "
+        "not a number"
+    )
+    mixed.to_csv(tmp_path / "rows.csv", index=False)
+    with pytest.raises(tpflower.TpflowerError) as csv:
+        model.predict(tmp_path / "rows.csv", verbose=False)
+    assert str(csv.value) == str(frame.value).replace("the rows", f"rows file {tmp_path / 'rows.csv'}")
+    with pytest.raises(tpflower.TpflowerError, match=r"^the rows name column\(s\) \['qty'\] twice"):
+        model.predict(pd.concat([rows, rows[["qty"]]], axis=1), verbose=False)
+
+
 def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq_rows(tmp_path, monkeypatch):
     """fit(base_dir=...) with relative sources: its Model predicts from any working directory (the fit's base_dir
     kept), and a .pq rows file is read as Parquet (as a table's source may be)."""
