@@ -150,8 +150,8 @@ def job(cfg: DictConfig) -> Any:
     from tpflower.owner import redact_run_dir, simulation_secret  # noqa: PLC0415  start-up: after the first line
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    redact_run_dir(run_dir / ".hydra", simulation_secret(cfg))  # Hydra saved the command line: no secret in it
     try:
+        redact_run_dir(run_dir / ".hydra", simulation_secret(cfg))  # Hydra saved the command line: no secret in it
         results = run_job(cfg, run_dir, base_dir=get_original_cwd())
     except Exception as exc:
         if traceback_wanted():

@@ -91,6 +91,15 @@ def test_a_bad_setting_and_a_typo_raise_one_line(tmp_path):
     assert " _admm" not in str(typo.value)
 
 
+def test_a_seed_that_is_no_number_is_one_line_on_the_command_line_too(tmp_path):
+    """The command line derives the simulation's key secret from the seed before the run: a seed that is no
+    number is the setting's line there, as in tpflower.fit (not a traceback of int())."""
+    done = cli("train", "dataset=synthetic", "runtime=inprocess", "seed=x", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1 and done.stderr.strip() == "error: seed must be a number, got 'x'", done.stderr
+    with pytest.raises(tpflower.TpflowerError, match=r"^seed must be a number, got 'x'$"):
+        tpflower.fit(dataset="synthetic", runtime="inprocess", seed="x", run_dir=tmp_path / "api", verbose=False)
+
+
 def test_a_missing_or_unreadable_dataset_file_is_one_line_naming_it(tmp_path):
     missing = tmp_path / "conf" / "dataset" / "nope.yml"
     with pytest.raises(tpflower.TpflowerError) as info:
