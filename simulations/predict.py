@@ -6,7 +6,7 @@ supplies the new rows FILE (CSV or Parquet, in the table's own format: its join 
 features come from; other columns are ignored with one line), the other owners the tables they serve now; the
 server (strategies/predict.py) joins the keys, sums the parts' outputs and writes one line per new row (the
 mean over its joined rows), or with --per-joined-row one per joined row. New rows that join no partner are
-counted and their row numbers written to OUT.unjoined.csv. Bad input (a rows file without the key columns, a
+counted and their row numbers written beside the predictions (``--out pred_new.csv``: pred_new.unjoined.csv). Bad input (a rows file without the key columns, a
 missing key, wrong types; a missing part): one line on stderr, exit status 1, nothing written."""
 
 from __future__ import annotations

@@ -813,3 +813,15 @@ def test_a_missing_category_training_never_missed_is_said_as_an_unseen_one(tmp_p
     with caplog.at_level(logging.WARNING, logger="tpflower"):
         read_rows(str(tmp_path / "new.csv"), SimpleNamespace(settings=settings), part)
     assert said in caplog.text, caplog.text  # the owner's log; the server is sent no such line
+
+
+def test_the_docs_name_the_unjoined_rows_file_as_it_is_written():
+    """--out pred_new.csv puts the rows that joined no partner in pred_new.unjoined.csv (its suffix replaced),
+    and the docs say so with that example (not OUT.unjoined.csv, which reads as pred_new.csv.unjoined.csv)."""
+    from strategies.predict import unjoined_path
+
+    assert unjoined_path(Path("out/pred_new.csv")) == Path("out/pred_new.unjoined.csv")
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    for page in ("prediction.md", "python-api.md"):
+        text = (docs / page).read_text()
+        assert "`pred_new.unjoined.csv`" in text and "OUT.unjoined.csv" not in text, page
