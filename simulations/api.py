@@ -12,7 +12,6 @@ with the command line's message.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -32,7 +32,7 @@ from simulations.predict import predict_run
 from simulations.run import choices, unknown_choice
 from tpflower.config import compose_config
 from tpflower.config_errors import override_error
-from tpflower.errors import TpflowerError
+from tpflower.errors import TpflowerError, traceback_wanted
 from tpflower.overrides import searchpath_override
 from tpflower.results import RESULTS_FILE, ResultsError, read_results
 
@@ -91,7 +91,7 @@ def compose(
         args.append(searchpath_override(config_dir))
     spec: dict[str, Any] | None = None
     if isinstance(dataset, Path) or (isinstance(dataset, str) and dataset.endswith((".yaml", ".yml"))):
-        spec = dict(OmegaConf.to_container(OmegaConf.load(Path(dataset).expanduser())))  # type: ignore[arg-type]
+        spec = spec_file(dataset)
     elif isinstance(dataset, Mapping):
         spec = dict(dataset)
     elif dataset is not None:
@@ -112,6 +112,27 @@ def compose(
         return compose_config(*args, dataset=spec)
     except (HydraException, OmegaConfBaseException) as exc:
         raise TpflowerError(override_error(exc, args, base_dir, spec)) from None
+
+
+def spec_file(dataset: str | Path) -> dict[str, Any]:
+    """The dataset spec in the YAML file ``dataset`` (``fit(dataset=PATH)``); a missing or unreadable file, or
+    one that holds no mapping, is a one-line TpflowerError naming it."""
+    path = Path(dataset).expanduser()
+    if not path.is_file():
+        raise TpflowerError(
+            f"dataset={str(dataset)!r}: no such file ({path.resolve()}); give the path of a dataset spec's YAML "
+            "file (docs/datasets.md), or a dataset's name"
+        )
+    try:
+        spec = OmegaConf.to_container(OmegaConf.load(path))
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TpflowerError(f"dataset file {path}: cannot be read as YAML: {first}") from None
+    if not isinstance(spec, dict):
+        raise TpflowerError(
+            f"dataset file {path}: holds no mapping of settings (name, tables, label, joins: docs/datasets.md)"
+        )
+    return {str(k): v for k, v in spec.items()}
 
 
 def default_run_dir(cfg: DictConfig, base_dir: Path) -> Path:
@@ -167,10 +188,34 @@ def fit(
     try:
         run_job(cfg, path, base_dir=str(base), log=log)
     except Exception as exc:
-        if os.environ.get("TPFLOWER_TRACEBACK"):
+        if traceback_wanted():
             raise
         raise TpflowerError(failure_message(exc, path), path / "error.log") from None
     return Model(path, verbose, base)
+
+
+def write_rows(rows: pd.DataFrame, path: Path) -> None:
+    """New rows given as a DataFrame, as the Parquet file the query owner's node reads. An object column Parquet
+    cannot hold as one type (numbers beside text, as ``df.loc[i, 'age'] = '99plus'`` makes an int column) is
+    written as text, each value as a CSV file holds it (missing values stay missing): the node then reads and
+    checks it as it does a CSV rows file's column (a numeric feature's text: one line naming the column and
+    row). What still cannot be written (column names that are not strings, say) is a one-line TpflowerError."""
+    import pyarrow as pa  # noqa: PLC0415  pandas' Parquet engine: only for a DataFrame's rows
+
+    if rows.columns.has_duplicates:
+        twice = sorted({str(c) for c in rows.columns[rows.columns.duplicated()]})
+        raise TpflowerError(f"the rows name column(s) {twice} twice; give each column once")
+    out = rows.copy(deep=False)
+    for column in rows.select_dtypes(include="object").columns:
+        try:
+            pa.array(rows[column], from_pandas=True)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            out[column] = rows[column].astype(str).where(rows[column].notna(), None)
+    try:
+        out.to_parquet(path, index=False)
+    except (ValueError, TypeError, pa.ArrowException) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TpflowerError(f"the rows cannot be handed to the nodes as a Parquet file: {first}") from None
 
 
 def load(run_dir: str | Path, base_dir: str | Path | None = None, verbose: bool = True) -> Model:
@@ -249,7 +294,7 @@ class Model:
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):
                 path = Path(tmp) / "rows.parquet"
-                rows.to_parquet(path, index=False)
+                write_rows(rows, path)
             else:
                 path = Path(rows)
             try:
@@ -265,7 +310,7 @@ class Model:
                     rows_name="the rows" if isinstance(rows, pd.DataFrame) else None,
                 )
             except Exception as exc:
-                if os.environ.get("TPFLOWER_TRACEBACK"):
+                if traceback_wanted():
                     raise
                 raise TpflowerError(failure_message(exc, self.run_dir), self.run_dir / "error.log") from None
         if len(pred.unjoined):

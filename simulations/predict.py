@@ -6,7 +6,7 @@ supplies the new rows FILE (CSV or Parquet, in the table's own format: its join 
 features come from; other columns are ignored with one line), the other owners the tables they serve now; the
 server (strategies/predict.py) joins the keys, sums the parts' outputs and writes one line per new row (the
 mean over its joined rows), or with --per-joined-row one per joined row. New rows that join no partner are
-counted and their row numbers written to OUT.unjoined.csv. Bad input (a rows file without the key columns, a
+counted and their row numbers written beside the predictions (``--out pred_new.csv``: pred_new.unjoined.csv). Bad input (a rows file without the key columns, a
 missing key, wrong types; a missing part): one line on stderr, exit status 1, nothing written."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from tpflower.datasets.files import is_parquet, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.model_part import ModelPart
 from tpflower.owner import simulation_secret
-from tpflower.phases.predict import unseen_category_line
-from tpflower.preprocess import unseen_categories
+from tpflower.phases.predict import missing_category_line, unseen_category_line
+from tpflower.preprocess import missing_categories, unseen_categories
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
 
@@ -82,11 +82,13 @@ def predict_run(
             f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} value(s) like {value!r} (the first in row "
             f"{row}), read as missing: the median fills them (dataset.na_strings: error refuses them)"
         )
-    notes = (
-        () if frame is None else unseen(frame, table, run_dir, record["run_id"], shard, simulation_secret(cfg)).items()
+    unknown, missing = (
+        ({}, {}) if frame is None else unseen(frame, table, run_dir, record["run_id"], shard, simulation_secret(cfg))
     )
-    for c, seen in notes:
+    for c, seen in unknown.items():
         log(unseen_category_line(rows_name or f"rows file {rows}", c, *seen))
+    for c, (n, row) in missing.items():
+        log(missing_category_line(rows_name or f"rows file {rows}", c, n, row))
     outside = 0 if frame is None else outside_where(frame, spec, table)
     del frame
     if outside:
@@ -124,14 +126,16 @@ def read_rows_once(path: Path, spec: RelationalSpec, table: str) -> pd.DataFrame
 
 def unseen(
     frame: pd.DataFrame, table: str, run_dir: Path, run_id: str, shard: int, secret: bytes
-) -> dict[str, tuple[int, int, str]]:
+) -> tuple[dict[str, tuple[int, int, str]], dict[str, tuple[int, int]]]:
     """The categorical columns of the rows ``frame`` holding categories no training row had (tpflower.preprocess.
     unseen_categories; over a union, no shard's: the part names the other shards' categories by the digests of
-    the rows' values, ``secret``): a simulation's saved part, RUN_DIR/node-state (empty: no part there)."""
+    the rows' values, ``secret``), and those missing a value no training row missed
+    (missing_categories): a simulation's saved part, RUN_DIR/node-state (none: no part there)."""
     part = ModelPart.load(run_dir / "node-state", run_id, table, shard)
     if part is None:
-        return {}
-    return unseen_categories(part.naming(frame, secret).preprocessing.get("categories") or {}, frame)
+        return {}, {}
+    categories = part.naming(frame, secret).preprocessing.get("categories") or {}
+    return unseen_categories(categories, frame), missing_categories(categories, frame)
 
 
 def outside_where(frame: pd.DataFrame, spec: RelationalSpec, table: str) -> int:

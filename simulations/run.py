@@ -17,6 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpflower.errors import traceback_wanted
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
@@ -139,7 +141,7 @@ def announce(argv: list[str], now: datetime | None = None) -> tuple[str | None, 
 
 def job(cfg: DictConfig) -> Any:
     """The Hydra job: exit status 1 for a refused setting, bad data or a failed run, with the reason on stderr
-    and the traceback in the run's log file only (TPFLOWER_TRACEBACK=1: raise)."""
+    and the traceback in the run's log file only (TPFLOWER_TRACEBACK=1: raise; 0, false, no or empty: off)."""
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415  start-up: after the first line
     from hydra.types import RunMode  # noqa: PLC0415  start-up: after the first line
     from hydra.utils import get_original_cwd  # noqa: PLC0415  start-up: after the first line
@@ -148,11 +150,11 @@ def job(cfg: DictConfig) -> Any:
     from tpflower.owner import redact_run_dir, simulation_secret  # noqa: PLC0415  start-up: after the first line
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    redact_run_dir(run_dir / ".hydra", simulation_secret(cfg))  # Hydra saved the command line: no secret in it
     try:
+        redact_run_dir(run_dir / ".hydra", simulation_secret(cfg))  # Hydra saved the command line: no secret in it
         results = run_job(cfg, run_dir, base_dir=get_original_cwd())
     except Exception as exc:
-        if os.environ.get("TPFLOWER_TRACEBACK"):
+        if traceback_wanted():
             raise
         print(report_failure(exc, run_dir), file=sys.stderr, flush=True)
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # the sweep's other jobs still run (main says which failed)
@@ -185,9 +187,10 @@ def main() -> Any:
     register_algorithm_defaults()
     run = hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)
     try:
-        if os.environ.get("HYDRA_FULL_ERROR") or os.environ.get("TPFLOWER_TRACEBACK"):
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or traceback_wanted():
             out = run()
         else:
+            before = os.environ.get("HYDRA_FULL_ERROR")  # a user's HYDRA_FULL_ERROR=0, say: put back after
             os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises a composition error (to the line below), not prints it
             try:
                 out = run()
@@ -195,9 +198,12 @@ def main() -> Any:
                 print(f"error: {composition_error(exc, sys.argv[1:])}", file=sys.stderr, flush=True)
                 sys.exit(1)
             finally:
-                os.environ.pop("HYDRA_FULL_ERROR", None)
+                if before is None:
+                    os.environ.pop("HYDRA_FULL_ERROR", None)
+                else:
+                    os.environ["HYDRA_FULL_ERROR"] = before
     except OSError as exc:  # Hydra making the run dir (a job's own errors are the job's lines)
-        if os.environ.get("TPFLOWER_TRACEBACK"):
+        if traceback_wanted():
             raise
         print(f"error: {exc.filename}: {exc.strerror} (hydra.run.dir / hydra.sweep.dir)", file=sys.stderr)
         sys.exit(1)

@@ -296,13 +296,19 @@ class FederatedPrediction(TablePuppetStrategy):
         return sq_distances(cell_points(cells, list(local.values())), C).argmin(1)[cell_of]
 
 
+def unjoined_path(out: Path) -> Path:
+    """Where the rows that joined no partner go beside the predictions file ``out``: its suffix replaced by
+    ``.unjoined.csv`` (``pred_new.csv``: ``pred_new.unjoined.csv``)."""
+    return out.with_suffix(".unjoined.csv")
+
+
 def write_predictions(pred: Predictions, out: Path, log: Callable[[str], None] = print) -> None:
-    """The predictions CSV, and OUT.unjoined.csv with the new rows that joined no partner (if any)."""
+    """The predictions CSV ``out``, and the new rows that joined no partner (if any) in :func:`unjoined_path`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     frame = pred.frame()
     frame.to_csv(out, index=False)
     log(f"predictions: {out} ({len(frame)} lines: {pred.n_rows} new rows over {len(pred.rows)} joined rows)")
     if len(pred.unjoined):
-        side = out.with_suffix(".unjoined.csv")
+        side = unjoined_path(out)
         pd.DataFrame({"row": pred.unjoined}).to_csv(side, index=False)
         log(f"{len(pred.unjoined)} new row(s) joined no partner and have no prediction: their row numbers in {side}")

@@ -198,6 +198,7 @@ class JoinSetup(Saved):
         )
         if plan_feature_dp is not None:  # on the table-row mapping, before a VFL expansion
             self.dp_plan = plan_feature_dp()
+            check_dp_plan(self.privacy, self.dp_plan)  # once here, not once per node at its first DP step
         self.federated_preprocessing()
         if expand:
             self.expand()
@@ -537,3 +538,14 @@ def _is_range(ids: np.ndarray) -> bool:
         if not np.array_equal(part, np.arange(start, start + len(part), dtype=part.dtype)):
             return False
     return True
+
+
+def check_dp_plan(privacy: Mapping[str, Any], plan: Mapping[ClientKey, tuple[int, float]]) -> None:
+    """Refuse, in one line before any DP step, a feature-DP plan whose (steps, sample rate) of some client no
+    noise Opacus searches covers at the run's ``privacy.epsilon`` and ``delta`` (each node would refuse the
+    same at its setup; tpflower.privacy.accounting.plan_problem), the highest sample rate first."""
+    epsilon, delta = float(privacy["epsilon"]), float(privacy["delta"])
+    for steps, q in sorted(set(plan.values()), key=lambda p: (-p[1], -p[0])):
+        problem = dp.plan_problem(epsilon, delta, float(q), int(steps))
+        if problem is not None:
+            raise ValueError(f"privacy={privacy.get('name')}: {problem}")

@@ -91,6 +91,47 @@ def test_a_bad_setting_and_a_typo_raise_one_line(tmp_path):
     assert " _admm" not in str(typo.value)
 
 
+def test_a_seed_that_is_no_number_is_one_line_on_the_command_line_too(tmp_path):
+    """The command line derives the simulation's key secret from the seed before the run: a seed that is no
+    number is the setting's line there, as in tpflower.fit (not a traceback of int())."""
+    done = cli("train", "dataset=synthetic", "runtime=inprocess", "seed=x", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1 and done.stderr.strip() == "error: seed must be a number, got 'x'", done.stderr
+    with pytest.raises(tpflower.TpflowerError, match=r"^seed must be a number, got 'x'$"):
+        tpflower.fit(dataset="synthetic", runtime="inprocess", seed="x", run_dir=tmp_path / "api", verbose=False)
+
+
+def test_a_missing_or_unreadable_dataset_file_is_one_line_naming_it(tmp_path):
+    missing = tmp_path / "conf" / "dataset" / "nope.yml"
+    with pytest.raises(tpflower.TpflowerError) as info:
+        tpflower.fit(dataset=str(missing), runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+    assert str(info.value) == (
+        f"dataset={str(missing)!r}: no such file ({missing}); give the path of a dataset spec's YAML file "
+        "(docs/datasets.md), or a dataset's name"
+    )
+    bad = tmp_path / "bad.yaml"
+    for text, said in (("name: [unclosed\n", "cannot be read as YAML"), ("- a\n- b\n", "holds no mapping")):
+        bad.write_text(text)
+        with pytest.raises(tpflower.TpflowerError) as info:
+            tpflower.fit(dataset=bad, runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+        assert str(info.value).startswith(f"dataset file {bad}: {said}") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value, on", [("", False), ("0", False), ("false", False), ("No", False), ("1", True)])
+def test_tpflower_traceback_is_on_for_1_and_off_for_0_false_no_or_empty(value, on, tmp_path, monkeypatch):
+    from tpflower.errors import traceback_wanted
+
+    monkeypatch.setenv("TPFLOWER_TRACEBACK", value)
+    assert traceback_wanted() is on
+    raised = pytest.raises(ValueError) if on else pytest.raises(tpflower.TpflowerError)
+    with raised as info:
+        tpflower.fit(dataset="synthetic", runtime="inprocess", epochs=0, run_dir=tmp_path, verbose=False)
+    assert on or "\n" not in str(info.value)
+    if value == "0":  # the command line alike: one line, no traceback
+        env = {**os.environ, "TPFLOWER_TRACEBACK": "0"}
+        done = cli("train", "dataset=synthetic", "runtime=inprocess", "epochs=0", f"hydra.run.dir={tmp_path}", env=env)
+        assert done.returncode == 1 and "Traceback" not in done.stderr and done.stderr.startswith("error: ")
+
+
 def test_an_unknown_key_is_one_line_naming_what_is_valid(tmp_path):
     done = cli("train", "algoritm=gbdt", "dataset=synthetic", cwd=tmp_path)
     assert done.returncode == 1
@@ -206,6 +247,28 @@ def test_an_error_about_a_frames_rows_names_the_rows_not_a_temporary_file(binary
     assert str(info.value).startswith(
         "table 'orders' shard 0: the rows lack feature column(s) ['qty'] of table 'orders': the model takes them"
     )
+
+
+def test_a_frames_column_of_numbers_and_text_is_read_as_a_csv_files_would_be(binary_shop, tmp_path):
+    """An int column holding one text value (``df.loc[i, 'qty'] = '99plus'``) cannot be written to Parquet as
+    it is: it reaches the node as text, as a CSV file holds it, and is refused in the CSV file's one line."""
+    model, rows = binary_shop
+    mixed = rows.copy()
+    mixed["qty"] = mixed["qty"].astype(object)
+    mixed.loc[2, "qty"] = "99plus"
+    mixed.loc[1, "qty"] = np.nan  # missing stays missing beside the numbers and the text (not 'nan')
+    with pytest.raises(tpflower.TpflowerError) as frame:
+        model.predict(mixed, verbose=False)
+    assert str(frame.value) == (
+        "table 'orders' shard 0: the rows: column 'qty' of table 'orders' is numeric, but row 2 holds '99plus', "
+        "not a number"
+    )
+    mixed.to_csv(tmp_path / "rows.csv", index=False)
+    with pytest.raises(tpflower.TpflowerError) as csv:
+        model.predict(tmp_path / "rows.csv", verbose=False)
+    assert str(csv.value) == str(frame.value).replace("the rows", f"rows file {tmp_path / 'rows.csv'}")
+    with pytest.raises(tpflower.TpflowerError, match=r"^the rows name column\(s\) \['qty'\] twice"):
+        model.predict(pd.concat([rows, rows[["qty"]]], axis=1), verbose=False)
 
 
 def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq_rows(tmp_path, monkeypatch):

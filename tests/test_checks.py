@@ -18,7 +18,7 @@ from simulations.job import check_data
 from tests.conftest import make_cfg
 from tpflower.app.client_app import node_data_error
 from tpflower.checks import DataProblems, errors
-from tpflower.datasets import check_dataset, load_dataset, load_table
+from tpflower.datasets import check_dataset, compile_sql, load_dataset, load_table
 from tpflower.local_table import prepare_local_table
 from tpflower.owner import Exposed, OwnerSettings
 from tpflower.schema import SpecError
@@ -85,6 +85,29 @@ def test_missing_labels(tmp_path):
     (line,) = lines(shop(tmp_path, orders, customers))
     assert line.startswith("table 'orders', label column 'spend': 2 missing labels, first at row 7 (line 9 of ")
     assert line.endswith("; drop the rows without a label or fill them")
+
+
+def test_an_infinite_regression_label_is_refused_naming_its_row(tmp_path, caplog):
+    """+-inf labels (and "inf" text) are one data-check line naming the table, the column and the first row,
+    before training; a deployed node sends the count, not the row or the value (its log keeps them)."""
+    orders, customers = good(tmp_path)
+    orders.loc[[5, 11], "spend"] = [np.inf, -np.inf]
+    (line,) = lines(shop(tmp_path, orders, customers))
+    assert line == (
+        "table 'orders', label column 'spend': 2 infinite regression labels, first at row 5 "
+        f"(line 7 of {tmp_path / 'orders.csv'}): inf; replace them by finite numbers or drop those rows"
+    )
+    with pytest.raises(DataProblems) as info:
+        load_table(shop(tmp_path, orders, customers), "orders")
+    owner = OwnerSettings(
+        "orders", Exposed(("cust",), ("qty",), (), "spend"), {"name": "label"}, b"k", origin="/owner/o.yaml"
+    )
+    sent = str(node_data_error(info.value, owner))
+    assert sent == (
+        "1 problem in the data: table 'orders', label column 'spend': 2 infinite regression labels; "
+        "replace them by finite numbers or drop those rows"
+    )
+    assert "row 5" in caplog.text  # the node's own log keeps where
 
 
 def test_unknown_column(tmp_path):
@@ -506,6 +529,32 @@ def test_rows_a_where_filter_removes_are_reported_as_filtered_not_missing(tmp_pa
     assert (
         "they have no partner row in table 'customers'" in missing.line() and "add the missing rows" in missing.line()
     )
+
+
+def test_a_filtered_tables_problem_names_the_row_and_line_of_its_file(tmp_path):
+    """A where (or a WHERE of the query) keeps some of a table's rows: a problem of a kept row is named by the
+    row and line of the file, as without a filter (not its position among the kept rows)."""
+    orders, customers = good(tmp_path)
+    orders["qty"] = orders["qty"].astype(object)
+    orders.loc[[3, 30], "cust"] = np.nan
+    orders.loc[41, "qty"] = "lots"
+    orders.loc[:29, "spend"] = 0.0  # the filter drops rows 0-29: row 3's missing key is not in the run
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["orders"]["where"] = "spend > 0"
+    path = tmp_path / "orders.csv"
+    found = lines(dataset)
+    assert found[0].startswith(
+        f"table 'orders', numeric feature 'qty': 1 non-numeric value, first at row 41 (line 43 of {path}): 'lots'"
+    )
+    assert found[1].startswith(
+        f"table 'orders', key column 'cust': 1 missing (NaN) key value, first at row 30 (line 32 of {path});"
+    )
+    sql = {
+        "name": "shop",
+        "sql": "SELECT o.spend AS label, o.qty, c.age FROM orders o JOIN customers c USING (cust) WHERE o.spend > 0",
+        "tables": {"orders": {"source": str(path)}, "customers": {"source": str(tmp_path / "customers.csv")}},
+    }
+    assert found[1] in lines(compile_sql(sql))  # (qty of text is a categorical column there)
 
 
 def test_a_label_setting_other_than_table_column_task_is_refused_naming_where_it_goes(tmp_path):

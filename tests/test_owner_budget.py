@@ -327,3 +327,23 @@ def test_the_harness_scores_the_trained_model_exactly_beside_the_dp_release():
     assert abs(exact**2 - released**2) < 30 * m * 40.0**2 / n
     plain = run_in_process(make_cfg(*base[:3]), None, log=lambda _: None)  # no label DP: the server's own metric
     assert plain.exact_test_metrics()["rmse"] == plain.strategy.results.history[-1].test_metric
+
+
+@pytest.mark.parametrize("with_run_dir", [True, False])
+def test_a_simulation_the_evaluation_budget_cannot_cover_is_refused_at_the_hello(tmp_path, with_run_dir):
+    """A simulated label owner checks its plan at the hello as a deployed one does (its ledger in
+    RUN_DIR/node-state, or none): 3 epochs and the reference plan 4 evaluations, its owner allows 3, so the run
+    is refused before setup in one line, and the ledger charged nothing (without the check it trained 3 epochs
+    and stopped at the fourth evaluation)."""
+    overrides = (*REGRESSION_LABEL.split(), "epochs=3", "runtime=inprocess", "+privacy.total_eval_epsilon=3")
+    run_dir = tmp_path if with_run_dir else None
+    logged: list[str] = []
+    with pytest.raises(Exception) as refusal:
+        run_in_process(make_cfg(*overrides), run_dir, log=logged.append)
+    line = str(refusal.value)
+    assert "table 'fact' refuses the run: shard 0: its label-DP evaluations have spent epsilon 0 of the 3" in line
+    assert "plans 4 evaluation(s)" in line and "\n" not in line, line
+    assert not any("epoch" in entry for entry in logged), logged  # nothing trained
+    ledger = tmp_path / "node-state" / "budget" / "fact-0-ledger.json"
+    assert not ledger.exists()  # nothing charged
+    run_in_process(make_cfg(*overrides[:-2], "epochs=2", "+privacy.total_eval_epsilon=3"), run_dir, log=lambda _: None)

@@ -6,6 +6,7 @@ owner's settings (serve_predictions, max_prediction_rows, max_outputs) hold on t
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import stat
@@ -784,3 +785,64 @@ def test_a_union_shard_scores_a_category_only_another_shard_held_as_training_did
     np.testing.assert_allclose(by_shard[0]["prediction"], by_shard[1]["prediction"], rtol=1e-9)
     assert (by_shard[0]["prediction"] > 13).all()  # the weight of "c" applies (10 without it)
     assert not any("no training row had" in line for line in lines), lines
+
+
+def test_a_missing_category_training_never_missed_is_said_as_an_unseen_one(tmp_path, caplog):
+    """A categorical column whose training rows all held a value: a new row missing it is scored with the zero
+    block of a category the model never saw, and said so in one line (the rows counted, the column, the first
+    row), by the simulation's driver and by a deployed owner's node in its log. A column training had missing
+    values in has missing as a category of its own: no line."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from tests.test_checks import shop
+    from tpflower.owner import simulation_secret
+    from tpflower.phases.predict import read_rows
+
+    rng = np.random.default_rng(0)
+    orders = pd.DataFrame({"cust": rng.integers(0, 50, 400), "qty": 1.0, "race": rng.choice(["a", "b"], 400)})
+    orders["tier"] = rng.choice(["x", "y"], 400).astype(object)
+    orders.loc[::7, "tier"] = None  # training holds missing tiers: a category of their own
+    orders["spend"] = 10.0 + 2.0 * (orders["race"] == "a") + rng.normal(0, 0.1, 400)
+    dataset = shop(tmp_path, orders)
+    dataset["tables"]["orders"]["categorical"] = ["race", "tier"]
+    strategy = run_in_process(
+        make_cfg("algorithm=admm", "epochs=2", dataset=dataset), tmp_path / "run", **QUIET
+    ).strategy
+    new = orders.drop(columns=["spend"]).iloc[:6].copy()
+    new.loc[[1, 4], "race"] = None
+    new.loc[2, "race"] = "Martian"
+    new.loc[[0, 3], "tier"] = None
+    new.to_csv(tmp_path / "new.csv", index=False)
+    lines: list[str] = []
+    pred = predict_run(tmp_path / "run", tmp_path / "new.csv", log=lines.append).frame()
+    where = f"rows file {tmp_path / 'new.csv'}"
+    said = (
+        f"{where}: 2 row(s) miss a value of column 'race', which no training row missed (the first in row 1): "
+        "scored as a category the model never saw"
+    )
+    assert said in lines and f"{where}: 1 row(s) hold a category of column 'race' no training row had" in "\n".join(
+        lines
+    ), lines
+    assert not any("'tier'" in line for line in lines), lines
+    assert len(pred) == 6 and pred["prediction"].notna().all()
+    part = ModelPart.load(tmp_path / "run" / "node-state", strategy.run_id, "orders", 0)
+    owner = SimpleNamespace(origin="deployed", prediction_rows_name=None, loader=None)
+    secret = simulation_secret(OmegaConf.to_container(strategy.cfg, resolve=True))
+    settings = SimpleNamespace(spec=strategy.spec, table="orders", owner=owner, key_kinds={}, secret=secret)
+    with caplog.at_level(logging.WARNING, logger="tpflower"):
+        read_rows(str(tmp_path / "new.csv"), SimpleNamespace(settings=settings), part)
+    assert said in caplog.text, caplog.text  # the owner's log; the server is sent no such line
+
+
+def test_the_docs_name_the_unjoined_rows_file_as_it_is_written():
+    """--out pred_new.csv puts the rows that joined no partner in pred_new.unjoined.csv (its suffix replaced),
+    and the docs say so with that example (not OUT.unjoined.csv, which reads as pred_new.csv.unjoined.csv)."""
+    from strategies.predict import unjoined_path
+
+    assert unjoined_path(Path("out/pred_new.csv")) == Path("out/pred_new.unjoined.csv")
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    for page in ("prediction.md", "python-api.md"):
+        text = (docs / page).read_text()
+        assert "`pred_new.unjoined.csv`" in text and "OUT.unjoined.csv" not in text, page

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -126,6 +127,68 @@ def test_noise_multiplier_for_meets_target():
     assert spent <= eps
     assert spent >= eps - 0.05  # the binary search stops within 0.01 of the target
     assert P.rdp_epsilon([(sigma * 0.9, q, steps)], delta) > eps  # not wastefully large
+
+
+def test_the_accountants_smallest_epsilon_is_opacus_at_rdp_zero():
+    """RDP_ORDERS are Opacus' default orders, and smallest_epsilon(delta) its conversion of RDP 0 (no steps'
+    cost at all): no noise makes the accountant report less."""
+    from opacus.accountants.analysis import rdp
+
+    from tpflower.privacy.accounting import RDP_ORDERS, smallest_epsilon
+
+    assert list(RDP_ORDERS) == [float(a) for a in RDPAccountant.DEFAULT_ALPHAS]
+    for delta in (1e-5, 1e-3, 0.1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Optimal order is the largest alpha": the floor is at the largest
+            eps, _ = rdp.get_privacy_spent(orders=list(RDP_ORDERS), rdp=[0.0] * len(RDP_ORDERS), delta=delta)
+        assert smallest_epsilon(delta) == pytest.approx(eps, rel=1e-12)
+    assert smallest_epsilon(1e-5) == pytest.approx(0.1029, abs=1e-4)
+
+
+def test_a_dp_budget_no_noise_reaches_is_one_line_naming_the_setting_and_the_plan():
+    """Opacus says only "The privacy budget is too low."; tpflower names privacy.epsilon, the plan's steps and
+    sample rate, and what to change: below the accountant's floor at delta (any plan), or too small for the
+    plan's steps (Opacus' search stops at sigma 1e6)."""
+    with pytest.raises(ValueError) as low:
+        P.noise_multiplier_for(0.1, 1e-5, 0.01, 500)
+    line = str(low.value)
+    assert line.startswith("privacy.epsilon=0.1 is below 0.103, the smallest epsilon the RDP accountant reaches")
+    assert "privacy.delta=1e-05" in line and "set privacy.epsilon=0.11 or more" in line
+    assert "500 DP steps at sample rate 0.01" in line and "\n" not in line
+    assert P.noise_multiplier_for(0.11, 1e-5, 0.01, 500) > 0  # what the line says to set works
+    epsilon, steps = 0.1029, 10**7  # above the floor, but 10 million full-batch steps need sigma > 1e6
+    from opacus.accountants.utils import get_noise_multiplier
+
+    with pytest.raises(ValueError, match="The privacy budget is too low"):  # Opacus' own word on the same plan
+        get_noise_multiplier(target_epsilon=epsilon, target_delta=1e-5, sample_rate=1.0, steps=steps)
+    with pytest.raises(ValueError) as many:
+        P.noise_multiplier_for(epsilon, 1e-5, 1.0, steps)
+    line = str(many.value)
+    assert line.startswith("privacy.epsilon=0.1029 (privacy.delta=1e-05) is too small for the run's 10,000,000 DP")
+    assert "sample rate 1" in line and "raise privacy.epsilon, train fewer epochs, use a larger batch" in line
+    assert P.plan_problem(epsilon, 1e-5, 1.0, 10**5) is None  # fewer steps fit
+
+
+def test_a_feature_dp_epsilon_below_the_accountants_floor_is_refused_before_any_table_is_read(tmp_path):
+    """The setting is refused by the server while it checks the settings, once (not once per table at its
+    first DP step), before the data check reads any table."""
+    from simulations.federated import run_in_process
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg("algorithm=admm", "dataset=synthetic", "epochs=1", "privacy=dpsgd", "privacy.epsilon=0.1")
+    with pytest.raises(ValueError) as err:
+        run_in_process(cfg, tmp_path, log=lambda _: None)
+    assert str(err.value).startswith("privacy=dpsgd: privacy.epsilon=0.1 is below 0.103")
+    assert not (tmp_path / "node-state").exists()  # no node was asked for anything
+
+
+def test_the_server_refuses_a_dp_plan_no_noise_covers_once():
+    from strategies.setup import check_dp_plan
+
+    privacy = {"name": "dpsgd", "epsilon": 0.1029, "delta": 1e-5}
+    check_dp_plan(privacy, {("a", 0): (100, 0.5), ("b", 0): (1000, 1.0)})
+    with pytest.raises(ValueError, match=r"^privacy=dpsgd: privacy.epsilon=0.1029 .* 10,000,000 DP steps"):
+        check_dp_plan(privacy, {("a", 0): (100, 0.5), ("b", 0): (10**7, 1.0)})
 
 
 def test_table_row_sample_rate():

@@ -30,6 +30,7 @@ from tpflower.schema import (
 
 Severity = Literal["error", "warning"]
 WHERE_ROWS_ATTR = "rows_before_where"  # frame.attrs: a table's rows before its where (tpflower.sql.filter_rows)
+KEPT_ROWS_ATTR = "rows_kept_by_where"  # frame.attrs: the source row of each row its where kept (KeptRows)
 NA_ATTR = (
     "na_text"  # frame.attrs: {column: (count, first row, value)} of "n/a"-style text read as missing (datasets.files)
 )
@@ -106,6 +107,43 @@ def _at(row: int, source: str | None) -> str:
     return f"row {row}"
 
 
+class KeptRows:
+    """The source row (0-based, header excluded) of each row of a table its ``where`` kept, by position
+    (``frame.attrs[KEPT_ROWS_ATTR]``, set by tpflower.sql.filter_rows): how a data check names a filtered table's
+    row as its file has it. Copied and compared by identity: pandas deep-copies and compares a frame's attrs
+    with every operation, which must not copy the array."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def __deepcopy__(self, memo: dict) -> KeptRows:
+        return self
+
+    def __getitem__(self, row: int) -> int:
+        return int(self.rows[row])
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """Where a table's rows are: its ``source`` file (a CSV file's rows get their line) and, for a table its
+    where filtered, the source row of each row it kept (``kept``; None: the frame's rows are the file's)."""
+
+    source: str | None
+    kept: KeptRows | None = None
+
+    @classmethod
+    def of(cls, source: str | None, frame: pd.DataFrame) -> SourceRows:
+        kept = frame.attrs.get(KEPT_ROWS_ATTR)
+        # the frame as filter_rows left it (a frame filtered again since: its positions are no longer these)
+        return cls(source, kept if isinstance(kept, KeptRows) and len(kept.rows) == len(frame) else None)
+
+    def at(self, row: int) -> str:
+        """Where the frame's row at position ``row`` is in the source (its file row and line)."""
+        return _at(row if self.kept is None else self.kept[row], self.source)
+
+
 def _counted(n: int, what: str) -> str:
     """``"2 missing labels"``, ``"1 missing label"``: ``what`` is a plural phrase whose first word ending in
     's' is its noun (singularized for a count of 1)."""
@@ -127,11 +165,19 @@ def _non_numeric(s: pd.Series) -> np.ndarray:
     return (pd.to_numeric(s, errors="coerce").isna() & s.notna()).to_numpy()
 
 
+def _infinite(s: pd.Series) -> np.ndarray:
+    """Rows holding an infinite number (+-inf), the column read as numbers (missing values are fine)."""
+    if pd.api.types.is_bool_dtype(s):
+        return np.zeros(len(s), dtype=bool)
+    return np.isinf(pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan))
+
+
 def _bad_values(
-    table: str, column: str, role: str, mask: np.ndarray, s: pd.Series, source: str | None, what: str, fix: str
+    table: str, column: str, role: str, mask: np.ndarray, s: pd.Series, source: SourceRows, what: str, fix: str
 ) -> Problem:
     row = _first(mask)
     n = int(mask.sum())
+    value = s.iloc[row]
     return Problem(
         table,
         _counted(n, what),
@@ -139,26 +185,26 @@ def _bad_values(
         column=column,
         role=role,
         count=n,
-        example=f"first at {_at(row, source)}: {s.iloc[row]!r}",
+        example=f"first at {source.at(row)}: {value.item() if isinstance(value, np.generic) else value!r}",
     )
 
 
 def _missing(
-    table: str, column: str, role: str, s: pd.Series, source: str | None, what: str, fix: str
+    table: str, column: str, role: str, s: pd.Series, source: SourceRows, what: str, fix: str
 ) -> Problem | None:
     mask = s.isna().to_numpy()
     if not mask.any():
         return None
     row, n = _first(mask), int(mask.sum())
     return Problem(
-        table, _counted(n, what), fix, column=column, role=role, count=n, example=f"first at {_at(row, source)}"
+        table, _counted(n, what), fix, column=column, role=role, count=n, example=f"first at {source.at(row)}"
     )
 
 
 def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list[Problem]:
     """Every problem of table ``name`` that its owner can see alone (its frame and the run's spec)."""
     t = spec.table(name)
-    src = t.source if t.where is None else None  # a filtered table's rows are counted among the kept: no file line
+    src = SourceRows.of(t.source, frame)  # a filtered table's rows named by their file rows too
     out: list[Problem] = []
     label, label_here = spec.label.column, spec.label.table == name
     if len(frame) == 0:
@@ -239,7 +285,7 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                 )
             )
         else:
-            inf = np.isinf(s.to_numpy(dtype=np.float64, na_value=np.nan))  # nullable dtypes: NA as NaN
+            inf = _infinite(s)
             if inf.any():
                 out.append(
                     _bad_values(
@@ -297,7 +343,7 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
 
 
 def _duplicate_keys(
-    spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str], source: str | None
+    spec: RelationalSpec, name: str, frame: pd.DataFrame, present: set[str], source: SourceRows
 ) -> Problem | None:
     """A table declared ``unique: true`` whose key (the columns its parent joins it on) is on more than one row
     (rows of a missing key value aside: reported as missing); over a union, within a shard of ``shards.by``
@@ -321,7 +367,7 @@ def _duplicate_keys(
         f"declares its key {'+'.join(cols)} unique, but {n:,} rows share a value",
         "remove the duplicates, or drop unique: true if a training row per partner is meant",
         count=n,
-        example=f"first at {_at(row, source)}: {value}",
+        example=f"first at {source.at(row)}: {value}",
     )
 
 
@@ -406,7 +452,7 @@ def shard_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> 
                         "shard column",
                         bad,
                         frame[by],
-                        t.source if t.where is None else None,
+                        SourceRows.of(t.source, frame),
                         f"values not among the listed shard values {list(values)}",
                         "list every value under shards.values, or keep only those rows (where)",
                     )
@@ -444,7 +490,7 @@ def _wide_features(
     )
 
 
-def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | None) -> list[Problem]:
+def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: SourceRows) -> list[Problem]:
     out: list[Problem] = []
     col, task = spec.label.column, spec.label.task
     p = _missing(name, col, "label column", y, src, "missing labels", "drop the rows without a label or fill them")
@@ -453,6 +499,9 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: str | No
     bad, what, fix = None, "", ""
     if task == "regression":
         bad, what, fix = _non_numeric(y), "non-numeric regression labels", "make every label a number"
+        if not bad.any():  # numbers, or text that reads as numbers ("inf" among them)
+            bad = _infinite(y)
+            what, fix = "infinite regression labels", "replace them by finite numbers or drop those rows"
     elif spec.label.classes is not None:
         bad = (y.notna() & (class_codes(y, spec.label.classes) < 0)).to_numpy()
         what = "labels outside label.classes"

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+TRACEBACK_ENV = "TPFLOWER_TRACEBACK"
+OFF_WORDS = ("", "0", "false", "no", "off")  # TPFLOWER_TRACEBACK values that leave tracebacks off
+
+
+def traceback_wanted() -> bool:
+    """Whether ``TPFLOWER_TRACEBACK`` asks for the original exception and its traceback instead of the one
+    line: set to anything but 0, false, no, off or nothing (case aside)."""
+    return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in OFF_WORDS
 
 
 class TpflowerError(Exception):

@@ -557,11 +557,11 @@ def simulation_secret(cfg: Mapping[str, Any]) -> bytes:
     secret = (cfg.get("mapping") or {}).get("secret")
     if secret:
         return str(secret).encode()
-    return (
-        hmac.digest(b"tpflower simulation join-key secret", f"seed={int(cfg['seed'])}".encode(), hashlib.sha256)
-        .hex()
-        .encode()
-    )
+    try:
+        seed = int(cfg["seed"])
+    except (TypeError, ValueError):
+        raise SpecError(f"seed must be a number, got {cfg['seed']!r}") from None
+    return hmac.digest(b"tpflower simulation join-key secret", f"seed={seed}".encode(), hashlib.sha256).hex().encode()
 
 
 def simulation_owner(

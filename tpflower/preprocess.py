@@ -331,6 +331,21 @@ def unseen_categories(categories: Mapping[str, Sequence[str]], frame: pd.DataFra
     return out
 
 
+def missing_categories(categories: Mapping[str, Sequence[str]], frame: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """Per categorical column of ``frame`` whose training rows had no missing value (no :data:`NA_CATEGORY`
+    among ``categories``, the fitted ones), the rows missing it: (count, first row). Their one-hot block is zero,
+    as an unseen category's (:func:`unseen_categories`); where training had missing values, missing is a
+    category of its own and needs no notice."""
+    out = {}
+    for col, cats in categories.items():
+        if col not in frame.columns or NA_CATEGORY in cats:
+            continue
+        missing = frame[col].isna().to_numpy(dtype=bool)
+        if missing.any():
+            out[col] = (int(missing.sum()), int(np.flatnonzero(missing)[0]))
+    return out
+
+
 def _category_strings(series: pd.Series) -> np.ndarray:
     """The values of a categorical column as an object array of str, NaN as :data:`NA_CATEGORY`."""
     missing = series.isna().to_numpy(dtype=bool)

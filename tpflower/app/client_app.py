@@ -118,11 +118,12 @@ def owner_checked(
 def check_budget(cfg: DictConfig, node: CheckedNode) -> None:
     """The label owner under label DP refuses, at the hello, a run whose planned evaluations its owner's
     evaluation budget (``privacy.total_eval_epsilon``, its ledger in ``state_dir``) cannot cover
-    (docs/settings.md, Privacy): refused there, the run is stopped before any node released anything."""
-    from tpflower.privacy.budget import OwnerBudget, check_eval_plan, owner_bound, planned_evaluations  # noqa: PLC0415
+    (docs/settings.md, Privacy): refused there, the run is stopped before any node released anything. A
+    simulated node without a state_dir bounds this run alone: its plan is checked against an empty ledger."""
+    from tpflower.privacy.budget import check_eval_plan, owner_bound, planned_evaluations, spent_eval  # noqa: PLC0415
 
     owner = node.owner
-    if owner.state_dir is None or cfg.get("predict") or node.spec.label.table != node.table:
+    if cfg.get("predict") or node.spec.label.table != node.table:
         return
     run = OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"}
     assert isinstance(run, dict)
@@ -131,9 +132,9 @@ def check_budget(cfg: DictConfig, node: CheckedNode) -> None:
     plan = planned_evaluations(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
     if plan == 0:
         return
-    budget = OwnerBudget(owner.state_dir, node.table, node.shard)
+    spent = spent_eval(owner.state_dir, node.table, node.shard)
     epsilon = owner_bound(owner.privacy, run, "eval_epsilon")
-    problem = check_eval_plan(budget, epsilon, owner_bound(owner.privacy, run, "total_eval_epsilon"), plan)
+    problem = check_eval_plan(spent, epsilon, owner_bound(owner.privacy, run, "total_eval_epsilon"), plan)
     if problem is not None:
         raise owner.refuse(f"shard {node.shard}: {problem}")
 
@@ -297,7 +298,8 @@ def client_app_for(
         if message_type == "query":  # the server's first step: which table and shard this node holds
             if config.get("phase") != HELLO_PHASE:
                 raise ValueError(f"query {config.get('phase')!r}: this client answers only {HELLO_PHASE!r} queries")
-            node = owner_checked(run_cfg, dict(context.node_config), root)  # refuse a run it would not serve, now
+            # refuse a run it would not serve, now; with the state_dir its ledger is in (a simulated node's too)
+            node = owner_checked(run_cfg, dict(context.node_config), root, state_dir_of(context))
             check_budget(run_cfg, node)  # and one its privacy budget cannot cover, before setup releases anything
             return pack_reply({}, {"table": node.table, "shard": node.shard})
         out, metrics = make_client(run_cfg, context, root, key, state_dir_of(context)).handle(arrays, config)

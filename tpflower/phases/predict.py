@@ -49,7 +49,7 @@ from tpflower.keys_payload import KeysPayload
 from tpflower.local_table import with_class_names
 from tpflower.model_part import ModelPart, part_id, part_path
 from tpflower.phases.setup import REBLIND, REBUILD, chunked_reply, key_payload, keys_chunk, secret_check
-from tpflower.preprocess import unseen_categories
+from tpflower.preprocess import missing_categories, unseen_categories
 from tpflower.records import Arrays
 from tpflower.schema import DATETIME_TZ, SpecError, key_kind
 from tpflower.selection import kept_theta
@@ -226,6 +226,8 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
         named = part.naming(frame, s.secret).preprocessing.get("categories") or {}
         for c, seen in unseen_categories(named, frame).items():
             logging.getLogger("tpflower").warning("%s", unseen_category_line(where, c, *seen))
+        for c, (n, row) in missing_categories(named, frame).items():
+            logging.getLogger("tpflower").warning("%s", missing_category_line(where, c, n, row))
     for c in keys:
         trained = s.key_kinds.get(c)
         as_text = key_kind(frame[c].dtype) == "string"  # a CSV file holds dates as text
@@ -260,6 +262,15 @@ def unseen_category_line(where: str, column: str, n: int, row: int, value: str) 
     return (
         f"{where}: {n} row(s) hold a category of column {column!r} no training row had, like {value!r} (the "
         f"first in row {row}): scored as a category the model never saw"
+    )
+
+
+def missing_category_line(where: str, column: str, n: int, row: int) -> str:
+    """The notice of ``n`` rows missing a value of categorical ``column`` whose training rows all had one
+    (tpflower.preprocess.missing_categories: the first in ``row``)."""
+    return (
+        f"{where}: {n} row(s) miss a value of column {column!r}, which no training row missed (the first in row "
+        f"{row}): scored as a category the model never saw"
     )
 
 

@@ -63,6 +63,7 @@ users of the trainer import :mod:`tpflower.privacy.trainer` explicitly.
 from tpflower.privacy.accounting import (
     admm_steps,
     noise_multiplier_for,
+    plan_problem,
     rdp_epsilon,
     sgd_steps,
     table_row_sample_rate,
@@ -94,6 +95,7 @@ __all__ = [
     "label_keep_probability",
     "label_rng",
     "noise_multiplier_for",
+    "plan_problem",
     "privacy_from_message",
     "privacy_message",
     "privacy_summary",

@@ -13,18 +13,76 @@ import numpy as np
 
 from tpflower.params import nonnegative_finite, number, positive_finite, probability, rate
 
+#: Opacus' ``RDPAccountant.DEFAULT_ALPHAS``: the RDP orders every epsilon here is computed at (kept here so the
+#: settings check needs no torch; tests/test_privacy.py compares them)
+RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
+#: the largest sigma Opacus' ``get_noise_multiplier`` tries: 10 doubled while at most its MAX_SIGMA 1e6
+LARGEST_SIGMA = 655360.0
+#: what makes a plan's epsilon reachable: a larger epsilon, fewer steps or a smaller sample rate
+PLAN_FIX = (
+    "raise privacy.epsilon, train fewer epochs, use a larger batch (fewer steps), or set privacy.sample_rate=batch "
+    "(SGD: the paper's q = B / N)"
+)
+
+
+def smallest_epsilon(delta: float) -> float:
+    """The smallest epsilon the RDP accountant reports at ``delta`` however much noise is added: the conversion
+    of RDP to (epsilon, delta)-DP (Balle et al. 2020, Thm. 21, Opacus' ``get_privacy_spent``) at RDP 0, the
+    least over :data:`RDP_ORDERS` (about 0.103 at delta 1e-5)."""
+    a = np.asarray(RDP_ORDERS)
+    return float(np.min(-(math.log(delta) + np.log(a)) / (a - 1) + np.log((a - 1) / a)))
+
+
+def epsilon_floor_problem(epsilon: float, delta: float) -> str | None:
+    """Why no number of steps or noise reaches ``epsilon`` at ``delta`` (below :func:`smallest_epsilon`), naming
+    the settings and what to set; None when some noise does."""
+    floor = smallest_epsilon(delta)
+    if epsilon > floor:
+        return None
+    enough = math.ceil(floor * 100) / 100
+    return (
+        f"privacy.epsilon={epsilon:g} is below {floor:.3g}, the smallest epsilon the RDP accountant reaches at "
+        f"privacy.delta={delta:g} however much noise DP-SGD adds: set privacy.epsilon={enough:g} or more "
+        "(or a larger privacy.delta)"
+    )
+
+
+def plan_problem(epsilon: float, delta: float, sample_rate: float, steps: int) -> str | None:
+    """Why no noise multiplier Opacus searches (up to :data:`LARGEST_SIGMA`) makes ``steps`` DP steps at
+    ``sample_rate`` spend at most ``epsilon`` at ``delta``: one line naming the setting, the plan and what to
+    change; None when one does. One accountant evaluation (cached per sample rate)."""
+    floor = epsilon_floor_problem(epsilon, delta)
+    if floor is not None:
+        return floor
+    if steps < 1 or rdp_epsilon([(LARGEST_SIGMA, sample_rate, steps)], delta) <= epsilon:
+        return None
+    return (
+        f"privacy.epsilon={epsilon:g} (privacy.delta={delta:g}) is too small for the run's {steps:,} DP steps at "
+        f"sample rate {sample_rate:.3g}: no noise multiplier up to {LARGEST_SIGMA:g} reaches it; {PLAN_FIX}"
+    )
+
 
 def noise_multiplier_for(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     """The smallest sigma (within Opacus' binary-search tolerance 0.01 in epsilon) such that ``steps`` steps
     of the Poisson-subsampled Gaussian mechanism at rate ``sample_rate`` spend at most ``epsilon`` at
-    ``delta`` under the RDP accountant (``opacus.accountants.utils.get_noise_multiplier``)."""
+    ``delta`` under the RDP accountant (``opacus.accountants.utils.get_noise_multiplier``). A budget no noise
+    reaches is a ValueError of one line (:func:`plan_problem`), not Opacus' "The privacy budget is too low"."""
     epsilon = positive_finite("epsilon", epsilon)
     delta = probability("delta", delta)
     sample_rate = rate("sample_rate", sample_rate)
     steps = int(steps)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    return _noise_multiplier(epsilon, delta, sample_rate, steps)
+    floor = epsilon_floor_problem(epsilon, delta)
+    if floor is not None:
+        raise ValueError(f"{floor} (the run plans {steps:,} DP steps at sample rate {sample_rate:.3g})")
+    try:
+        return _noise_multiplier(epsilon, delta, sample_rate, steps)
+    except ValueError as exc:  # Opacus: "The privacy budget is too low." (sigma beyond its MAX_SIGMA)
+        problem = plan_problem(epsilon, delta, sample_rate, steps)
+        if problem is None:
+            raise
+        raise ValueError(problem) from exc
 
 
 @functools.lru_cache(maxsize=256)

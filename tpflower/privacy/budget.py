@@ -80,11 +80,16 @@ def planned_evaluations(cfg: Mapping[str, Any]) -> int:
     return evaluations + (0 if cfg.get("resume") else 1)
 
 
-def check_eval_plan(budget: OwnerBudget, epsilon: float, total: float, evaluations: int) -> str | None:
-    """What refuses a run whose ``evaluations`` of ``epsilon`` each would pass the owner's ``total`` with what
-    its ledger already holds (at least one evaluation is asked for: a resumed run's own); None if they fit.
-    Read without charging: a refused run spends nothing."""
-    spent = float(budget.read().get("eval_epsilon", 0.0))
+def spent_eval(state_dir: str | None, table: str, shard: int) -> float:
+    """The label-DP evaluation epsilon a shard's ledger in ``state_dir`` holds, read without charging (0 for a
+    node without a state_dir: it bounds one run, which has spent nothing at its hello)."""
+    return 0.0 if state_dir is None else float(OwnerBudget(state_dir, table, shard).read().get("eval_epsilon", 0.0))
+
+
+def check_eval_plan(spent: float, epsilon: float, total: float, evaluations: int) -> str | None:
+    """What refuses a run whose ``evaluations`` of ``epsilon`` each would pass the owner's ``total`` with the
+    ``spent`` its ledger already holds (at least one evaluation is asked for: a resumed run's own); None if they
+    fit. Nothing is charged: a refused run spends nothing."""
     need = max(evaluations, 1) * epsilon
     if spent + need <= total * (1 + 1e-12):
         return None

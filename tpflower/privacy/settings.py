@@ -14,6 +14,7 @@ from typing import Any
 
 from tpflower.owner import uses_feature_dp, uses_label_dp
 from tpflower.params import number, positive_finite, probability
+from tpflower.privacy.accounting import epsilon_floor_problem
 from tpflower.schema import TASKS
 
 PRIVACY_NAMES: tuple[str, ...] = ("none", "label", "dpsgd", "label_dpsgd")
@@ -54,7 +55,8 @@ def validate_privacy(
     Checks (ValueError naming the setting and the value): ``name`` in none | label | dpsgd | label_dpsgd;
     label DP: classification ``label_lambda`` > 0, regression a finite ``label_range [lo, hi]`` with
     ``lo < hi`` and ``label_epsilon`` > 0; feature DP: ``epsilon`` > 0 (finite), ``0 < delta < 1``,
-    ``clip`` > 0. ``feature_dp`` / ``label_dp``: whether the algorithm supports them (its registry entry);
+    ``clip`` > 0, and an ``epsilon`` the RDP accountant can reach at ``delta`` with some noise
+    (:func:`~tpflower.privacy.accounting.epsilon_floor_problem`). ``feature_dp`` / ``label_dp``: whether the algorithm supports them (its registry entry);
     ``why_not`` says why feature DP is not supported (shown in the error). ``privacy=none`` ignores the rest.
     """
     name = privacy_cfg.get("name", "none")
@@ -78,9 +80,12 @@ def validate_privacy(
             raise ValueError(
                 f"privacy={name}: feature DP (DP-SGD) cannot be honoured by algorithm {algorithm!r}: {why}"
             )
-        positive_finite(f"privacy={name}: privacy.epsilon", cfg_get(privacy_cfg, "epsilon"))
-        probability(f"privacy={name}: privacy.delta", cfg_get(privacy_cfg, "delta"))
+        epsilon = positive_finite(f"privacy={name}: privacy.epsilon", cfg_get(privacy_cfg, "epsilon"))
+        delta = probability(f"privacy={name}: privacy.delta", cfg_get(privacy_cfg, "delta"))
         positive_finite(f"privacy={name}: privacy.clip (clipping norm C)", cfg_get(privacy_cfg, "clip"))
+        floor = epsilon_floor_problem(epsilon, delta)
+        if floor is not None:
+            raise ValueError(f"privacy={name}: {floor}")
 
 
 def privacy_summary(

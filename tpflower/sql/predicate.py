@@ -16,7 +16,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError
 
-from tpflower.checks import WHERE_ROWS_ATTR
+from tpflower.checks import KEPT_ROWS_ATTR, WHERE_ROWS_ATTR, KeptRows
 from tpflower.schema import SpecError
 
 COMPARE: dict[type, Callable] = {
@@ -141,11 +141,15 @@ def row_mask(table: str, frame: pd.DataFrame, where: str) -> np.ndarray:
 
 def filter_rows(table: str, frame: pd.DataFrame, where: str | None) -> pd.DataFrame:
     """``frame`` restricted to the rows ``where`` keeps, with a fresh RangeIndex (row id = position); its
-    ``attrs[WHERE_ROWS_ATTR]`` is the count of rows before the filter."""
+    ``attrs[WHERE_ROWS_ATTR]`` is the count of rows before the filter, ``attrs[KEPT_ROWS_ATTR]`` the source row
+    of each kept row (a data check names a row as its file has it)."""
     if where is None:
         return frame
-    kept = frame.loc[row_mask(table, frame, where)].reset_index(drop=True)
+    mask = np.asarray(row_mask(table, frame, where), dtype=bool)
+    kept = frame.loc[mask].reset_index(drop=True)
     if len(kept) == 0:
         raise SpecError(f"table {table!r}: where {where!r} keeps no row")
     kept.attrs[WHERE_ROWS_ATTR] = len(frame)
+    positions = np.flatnonzero(mask)
+    kept.attrs[KEPT_ROWS_ATTR] = KeptRows(positions.astype(np.uint32) if len(frame) < 2**32 else positions)
     return kept
