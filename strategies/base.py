@@ -420,8 +420,15 @@ class LoJStrategy(TablePuppetStrategy):
                 f"keys: {len(self.clients)} nodes send their join keys (mapping.keys={keys}); the table mapping follows"
             )
         self.join.run(
-            self.run_id, self.record, self.algorithm, self.plan_feature_dp if self.feature_dp else None, self.expand
+            self.run_id,
+            self.record,
+            self.algorithm,
+            self.plan_feature_dp if self.feature_dp else None,
+            self.expand,
+            self.dp_parameter_noise,
         )
+        if self.join.label_scaling:
+            self.results.label_scale = dict(self.join.label_scaling)
         patience = int(getattr(self.params, "early_stopping", 0))
         self.selection = ModelSelection(self.task, self.label_scale, self.join.y_valid, patience)
         if self.selection.on:
@@ -553,6 +560,12 @@ class LoJStrategy(TablePuppetStrategy):
 
         Called in setup on the training mapping of TABLE rows. The client calibrates sigma to these once."""
         raise ValueError(f"privacy={self.privacy.get('name')}: algorithm={self.public_name} has no feature-DP plan")
+
+    def dp_parameter_noise(self, plan: dict[ClientKey, tuple[int, float]]) -> float:
+        """Feature DP: the std the DP noise of ``plan`` adds to one parameter over the run, which sets the
+        label's scale (tpflower.losses.dp_label_divisor); 0 (the target std's floor, 3) unless the algorithm
+        knows it."""
+        return 0.0
 
     def client_G(self, key: ClientKey) -> np.ndarray:
         """G_iu over the training join of the rows of client ``key`` (its shard of table i), in shard order."""

@@ -23,7 +23,7 @@ from strategies.base import LoJStrategy
 from strategies.subspace import TableSubspace
 from tpflower.batches import joined_predictions, sum_in_first_dtype
 from tpflower.join_counts import compact_counts
-from tpflower.losses import check_np, loss_np
+from tpflower.losses import adam_parameter_noise, check_np, loss_np
 from tpflower.mapping import SegmentSums, TableMapping, chunks
 from tpflower.phases.join_admm import ADMMParams
 from tpflower.privacy import admm_steps
@@ -665,6 +665,9 @@ class TPJoinADMM(LoJStrategy):
         """Per client: epochs x local_epochs x ceil(n_a / b) local DP steps at q = min(1, b / n_a), n_a = its
         rows that occur in the training join (the client's own Poisson sampling, DPLocalTrainer.admm_update)."""
         return {k: admm_dp_plan(self, k, 1) for k in self.clients}
+
+    def dp_parameter_noise(self, plan: dict) -> float:
+        return adam_parameter_noise(float(self.params.local_lr), plan)
 
 
 def anderson_fit(mapping: TableMapping, d_c: int, itemsize: int, budget_mb: float) -> int:

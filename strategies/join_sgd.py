@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from strategies.base import LoJStrategy
+from tpflower import privacy as dp
 from tpflower.batches import BatchPlan, SGDSchedule, batch_size_of, joined_predictions
-from tpflower.losses import loss_grad_np, loss_np
+from tpflower.losses import loss_grad_np, loss_np, sgd_parameter_noise
 from tpflower.mapping import segment_sum
 from tpflower.phases.join_sgd import SGDParams
 from tpflower.privacy import sgd_steps, table_row_sample_rate
@@ -159,6 +160,9 @@ class TPJoinSGD(LoJStrategy):
     def plan_feature_dp(self) -> dict:
         return sgd_dp_plan(self)
 
+    def dp_parameter_noise(self, plan: dict) -> float:
+        return sgd_noise(self, plan)
+
 
 def sgd_dp_plan(strategy: LoJStrategy) -> dict:
     """One DP step per batch for every client; the sample rate of a row of its table (or shard).
@@ -182,6 +186,18 @@ def sgd_dp_plan(strategy: LoJStrategy) -> dict:
             g = 1
         plan[key] = (steps, table_row_sample_rate(B, N, g, "shuffle"))
     return plan
+
+
+def sgd_noise(strategy: LoJStrategy, plan: dict) -> float:
+    """The DP noise one parameter accumulates over the run (tpflower.losses.sgd_parameter_noise): learning
+    rate, C and batch B of the run, each client's sigma as its node calibrates it (tpflower.local_dp)."""
+    priv = strategy.cfg.privacy
+    B = batch_size_of(strategy.params.batch_size, strategy.train.N)
+
+    def sigma(steps: int, q: float) -> float:
+        return dp.noise_multiplier_for(float(priv.epsilon), float(priv.delta), min(max(q, 1e-12), 1.0), steps)
+
+    return sgd_parameter_noise(float(strategy.params.lr), float(priv.clip), B, plan, sigma)
 
 
 class VFLSGD(TPJoinSGD):

@@ -34,7 +34,7 @@ from strategies.transport import ClientKey, Reply
 from tpflower import privacy as dp
 from tpflower.blind import point_digests
 from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, sketch_columns_needed
-from tpflower.losses import LabelScale, label_scaling, output_dim
+from tpflower.losses import LabelScale, dp_label_divisor, label_scaling, output_dim
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
 from tpflower.records import numbered, unnumbered
 from tpflower.relation import summary_line
@@ -134,6 +134,7 @@ class JoinSetup(Saved):
         "y_test",
         "y_valid",
         "label_scale",
+        "label_scaling",
         "evaluation_split",
         "d_out",
         "dp_plan",
@@ -164,6 +165,7 @@ class JoinSetup(Saved):
         self.y_test: np.ndarray | None = None
         self.y_valid: np.ndarray | None = None  # the validation rows' labels as training sees them
         self.label_scale = LabelScale()  # fitted on the training labels the server holds
+        self.label_scaling: dict[str, Any] = {}  # how: results.json's label_scale (divide_label)
         self.evaluation_split: dict[ClientKey, tuple[np.ndarray, np.ndarray]] = {}  # label DP (see evaluation)
         self.d_out: int | None = None  # the prediction width
         self.dp_plan: dict[ClientKey, tuple[int, float]] = {}  # feature DP: (local DP steps of the run, q)
@@ -175,10 +177,12 @@ class JoinSetup(Saved):
         algorithm: str,
         plan_feature_dp: Callable[[], dict[ClientKey, tuple[int, float]]] | None = None,
         expand: bool = False,
+        parameter_noise: Callable[[dict[ClientKey, tuple[int, float]]], float] | None = None,
     ) -> None:
         """Round 1 (keys) builds the mapping, the partition and the labels and opens ``record``; then the
-        feature-DP plan (``plan_feature_dp``, on the table-row mapping), the federated preprocessing rounds
-        and, for a VFL baseline (``expand``), round ``expand``."""
+        feature-DP plan (``plan_feature_dp``, on the table-row mapping) and the label's DP divisor from it
+        (``parameter_noise``: the std the plan's DP noise adds to a parameter; :func:`dp_label_divisor`), the
+        federated preprocessing rounds and, for a VFL baseline (``expand``), round ``expand``."""
         message = {"phase": "keys", "run_id": run_id, "chunk_rows": keys_chunk_rows(self.cfg)}
         replies = self.send({k: ({}, {**message, **dp.privacy_message(self.privacy)}) for k in self.clients})
         self.gather_chunks(replies)
@@ -199,9 +203,31 @@ class JoinSetup(Saved):
         if plan_feature_dp is not None:  # on the table-row mapping, before a VFL expansion
             self.dp_plan = plan_feature_dp()
             check_dp_plan(self.privacy, self.dp_plan)  # once here, not once per node at its first DP step
+        self.divide_label(parameter_noise)
         self.federated_preprocessing()
         if expand:
             self.expand()
+
+    def divide_label(self, parameter_noise: Callable[[dict[ClientKey, tuple[int, float]]], float] | None) -> None:
+        """standardize_label=auto under feature DP (label scaling ``dp``): the centred training and validation
+        labels divided by :func:`dp_label_divisor` of the training labels' std and ``parameter_noise`` of the
+        DP plan (noise 0 without one: the target std's floor); :attr:`label_scaling` records it for results.json."""
+        scaling = label_scaling(self.cfg)
+        if self.task != "regression":
+            return
+        self.label_scaling = {"scaling": scaling, "mean": self.label_scale.mean, "divisor": self.label_scale.std}
+        if scaling != "dp":
+            return
+        assert self.y_train is not None and self.y_valid is not None
+        s = float(np.std(np.asarray(self.y_train, dtype=np.float64))) if len(self.y_train) else 0.0
+        noise = float(parameter_noise(self.dp_plan)) if parameter_noise is not None and self.dp_plan else 0.0
+        c = dp_label_divisor(s, noise)
+        self.label_scaling.update(label_std=s, parameter_noise=noise, target_std=s / c, divisor=c)
+        if c == 1.0:
+            return
+        self.label_scale = self.label_scale.divided(c)
+        self.y_train = self.state_labels(np.asarray(self.y_train, dtype=np.float64) / c)
+        self.y_valid = self.state_labels(np.asarray(self.y_valid, dtype=np.float64) / c)
 
     def gather_chunks(self, replies: Mapping[ClientKey, Reply]) -> None:
         """Keys replies in chunks: the later chunks gathered and bounded (strategies.key_chunks)."""

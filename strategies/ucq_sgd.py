@@ -21,7 +21,16 @@ from __future__ import annotations
 import numpy as np
 
 from strategies.base import LoJStrategy
-from strategies.join_sgd import EMPTY, eval_point, sgd_aggregate, sgd_dp_plan, sgd_rounds, sgd_schedule, warn_few_steps
+from strategies.join_sgd import (
+    EMPTY,
+    eval_point,
+    sgd_aggregate,
+    sgd_dp_plan,
+    sgd_noise,
+    sgd_rounds,
+    sgd_schedule,
+    warn_few_steps,
+)
 from tpflower.batches import joined_predictions
 from tpflower.phases.join_sgd import SGDParams
 
@@ -105,3 +114,6 @@ class TPUCQSGD(LoJStrategy):
 
     def plan_feature_dp(self) -> dict:
         return sgd_dp_plan(self)
+
+    def dp_parameter_noise(self, plan: dict) -> float:
+        return sgd_noise(self, plan)

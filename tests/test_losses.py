@@ -9,7 +9,10 @@ from scipy.special import softmax
 
 from strategies.join_admm import _multiclass_newton_direction, z_update
 from tpflower.losses import (
+    LabelScale,
+    adam_parameter_noise,
     binary_auc,
+    dp_label_divisor,
     label_scaling,
     loss_grad_np,
     loss_np,
@@ -17,6 +20,7 @@ from tpflower.losses import (
     metrics,
     output_dim,
     primary_metric,
+    sgd_parameter_noise,
 )
 
 CASES = [("regression", 1), ("binary", 1), ("multiclass", 4)]
@@ -173,16 +177,15 @@ def test_output_dim() -> None:
     [
         ("none", "auto", "standardize"),
         ("label", "auto", "standardize"),
-        ("dpsgd", "auto", "center"),
-        ("label_dpsgd", "auto", "center"),
+        ("dpsgd", "auto", "dp"),
+        ("label_dpsgd", "auto", "dp"),
         ("dpsgd", True, "standardize"),
         ("none", False, "raw"),
     ],
 )
-def test_standardize_label_auto_only_centres_under_feature_dp(privacy, value, expected):
-    """standardize_label=auto: the label is standardized unless feature DP is on (DP-SGD's parameter noise
-    would reach the label's units multiplied by its std), where it is centred only; an explicit true / false
-    is obeyed."""
+def test_standardize_label_auto_divides_by_the_dp_divisor_under_feature_dp(privacy, value, expected):
+    """standardize_label=auto: the label is standardized unless feature DP is on, where it is centred and
+    divided by the DP divisor of the run's plan (``dp``); an explicit true / false is obeyed."""
     assert label_scaling({"standardize_label": value, "privacy": {"name": privacy}}) == expected
 
 
@@ -195,4 +198,43 @@ def test_shipped_config_standardizes_except_under_feature_dp():
     from tpflower.config import compose_config
 
     assert label_scaling(compose_config("dataset=nycflights13")) == "standardize"
-    assert label_scaling(compose_config("dataset=nycflights13", "privacy=dpsgd")) == "center"
+    assert label_scaling(compose_config("dataset=nycflights13", "privacy=dpsgd")) == "dp"
+
+
+@pytest.mark.parametrize(
+    "s, noise, target",
+    [
+        (3988.0, 0.302, 3.0),  # diamonds' price, TP-Join-SGD: 6 nu = 1.8, K = 3
+        (45.1, 1.61, 6 * 1.61),  # nycflights13's arrival delay, TP-Join-SGD: K = 9.7
+        (45.1, 0.0, 3.0),  # no noise: K = 3
+        (1.1, 1.61, 1.1),  # a label of std below K: centred only, never multiplied
+        (0.0, 1.0, 0.0),  # a constant label: centred
+    ],
+)
+def test_dp_label_divisor_targets_a_multiple_of_the_parameter_noise(s, noise, target):
+    """Feature DP: the centred label is divided by c = max(1, s / K), K = max(3, 6 x the DP noise one
+    parameter accumulates over the run), so it trains at std min(s, K)."""
+    c = dp_label_divisor(s, noise)
+    assert c >= 1.0
+    assert s / c == pytest.approx(target)
+
+
+def test_parameter_noise_of_the_dp_plans():
+    """TP-Join-SGD: lr sigma C sqrt(T) / B, the noisiest client's; Adam (TP-Join-ADMM's theta-update): lr sqrt(T)
+    of the client with the most steps; no step: 0."""
+    plan = {("a", 0): (400, 0.01), ("b", 0): (400, 1.0)}
+    sigmas = {0.01: 2.0, 1.0: 80.0}
+    noise = sgd_parameter_noise(0.2, 1.0, 1024, plan, lambda steps, q: sigmas[q])
+    assert noise == pytest.approx(0.2 * 80.0 * 20.0 / 1024)
+    assert sgd_parameter_noise(0.2, 1.0, 1024, {("a", 0): (0, 1.0)}, lambda steps, q: 1.0) == 0.0
+    assert adam_parameter_noise(0.01, {("a", 0): (1600, 0.01), ("b", 0): (10, 1.0)}) == pytest.approx(0.4)
+    assert adam_parameter_noise(0.01, {}) == 0.0
+
+
+def test_dp_label_scale_is_centred_then_divided():
+    y = np.array([1000.0, 3000.0, 5000.0, 7000.0])
+    scale = LabelScale.fit("regression", y, "dp")
+    assert (scale.mean, scale.std) == (4000.0, 1.0)
+    divided = scale.divided(100.0)
+    np.testing.assert_allclose(divided.scaled(y), (y - 4000.0) / 100.0)
+    np.testing.assert_allclose(divided.to_label(divided.scaled(y)), y)

@@ -72,11 +72,15 @@ class RunResults:
     selection: dict[str, Any] = field(default_factory=dict)
     # boosted trees: each table's splits, their summed gain and its share (tpflower.trees.table_importance)
     importance: dict[str, dict[str, float]] = field(default_factory=dict)
+    # regression: how training scaled the label (config standardize_label): scaling (standardize | dp | raw),
+    # mean and divisor (training sees (y - mean) / divisor); under feature DP also the training labels' std,
+    # the DP noise of a parameter and the target std (tpflower.losses.dp_label_divisor)
+    label_scale: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["history"] = [h.to_json() for h in self.history]
-        for key in ("reference", "stopped", "selection", "importance"):
+        for key in ("reference", "stopped", "selection", "importance", "label_scale"):
             if not out[key]:
                 out.pop(key)
         return out
