@@ -188,6 +188,10 @@ class Bundles:
     default: np.ndarray  # the flat default bin of each sparse feature
     codes: np.ndarray  # (bundles, rows)
     to_flat: tuple[np.ndarray, ...]  # per bundle: the flat bin of each code >= 1
+    # per dense feature its rows' bins within the feature (0 .. bins - 1; uint8 where 256 bins or fewer): a
+    # histogram pass gathers one byte per row and counts into a node's bins of that feature alone
+    local: tuple[np.ndarray, ...] = ()
+    width: int = 1  # the most bins of a dense feature
 
     @classmethod
     def of(cls, codes: np.ndarray, layout: BinLayout, max_share: float = 0.2) -> Bundles:
@@ -234,6 +238,7 @@ class Bundles:
             for i in group:
                 rows = off_rows[i]
                 bundle_codes[j, rows] = lut[codes[sparse[i][1], rows]]
+        bins = np.diff(off)
         return cls(
             off,
             np.array(dense, dtype=np.int64),
@@ -241,6 +246,8 @@ class Bundles:
             np.array([d for _, _, d in sparse], dtype=np.int64),
             bundle_codes,
             tuple(to_flat),
+            tuple((codes[f] - off[f]).astype(np.uint8 if bins[f] <= 256 else np.uint16) for f in dense),
+            int(max((bins[f] for f in dense), default=1)),
         )
 
 
@@ -270,18 +277,27 @@ def histograms(
     H and counts C) of node n (``slot``: each row's node, 0..k-1; None: all of node 0) falling in flat bin b
     (:func:`bin_codes`): shape (k, 3, total). ``C`` None: one joined row each; ``H`` None: h = 1 (squared
     error), so the sums of h are the counts. One bincount per feature (per bundle, :class:`Bundles`) and
-    statistic over every node at once (a node's bins offset by n * total); each bin sums its rows in their
+    statistic over every node at once (a node's bins offset); each bin sums its rows in their
     given order."""
     node = np.zeros(len(rows), dtype=np.int64) if slot is None else slot.astype(np.int64)
     # bincount adds in float64: the sums converted once, not per feature
     G, H, C = (None if x is None else np.asarray(x, dtype=np.float64) for x in (G, H, C))
     out = np.zeros((3, k, total))
     flat = out.reshape(3, k * total)
-    base = node * total  # node n's bins start at n * total
-    for f in range(codes.shape[0]) if bundles is None else bundles.dense:
-        for s, x in enumerate(_bincounts(codes[f].take(rows) + base, k * total, G, H, C)):
-            if x is not None:
-                flat[s] += x
+    if bundles is None:
+        base = node * total  # node n's bins start at n * total
+        for f in range(codes.shape[0]):
+            for s, x in enumerate(_bincounts(codes[f].take(rows) + base, k * total, G, H, C)):
+                if x is not None:
+                    flat[s] += x
+    else:  # a dense feature's bins alone: node n's at n * width (a pass costs k * width, not k * total)
+        width = bundles.width
+        base = node * width
+        for f, local in zip(bundles.dense, bundles.local):
+            lo, hi = bundles.offsets[f], bundles.offsets[f + 1]
+            for s, x in enumerate(_bincounts(local.take(rows) + base, k * width, G, H, C)):
+                if x is not None:
+                    out[s][:, lo:hi] = x.reshape(k, width)[:, : hi - lo]
     if bundles is not None and len(bundles.sparse):
         for codes_j, to_flat in zip(bundles.codes, bundles.to_flat):
             size = len(to_flat) + 1
