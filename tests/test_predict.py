@@ -126,13 +126,15 @@ def test_boosted_trees_route_new_rows_missing_values_as_the_run(tmp_path):
     assert_same_as_the_run(strategy, [(predict_run(tmp_path / "run", rows, **QUIET), ids)])
 
 
-def test_boosted_trees_score_a_missing_value_no_training_row_had_as_the_median(tmp_path):
-    """A numeric column without a missing value among the training rows has no missing bin: a new row missing
-    it is scored as if it held the column's median (what preprocessing fills in, as the linear model sees it),
-    not sent right of every split (as if it were larger than every training value)."""
-    overrides = ("algorithm=gbdt", "dataset=synthetic", "algorithm.trees=5", "precision=float64")
-    strategy = train(tmp_path / "run", *overrides, "algorithm.eval_every=5")
-    rows, _ = held_out_rows(strategy, tmp_path)
+@pytest.mark.parametrize("scenario", ["join", "ucq"])
+def test_boosted_trees_score_a_missing_value_no_training_row_had_as_the_median(scenario, tmp_path):
+    """A numeric column without a missing value among the training rows has no missing bin (over a union, the
+    one every shard gives each numeric column holds no training row): a new row missing it is scored as if it
+    held the column's median (what preprocessing fills in, as the linear model sees it), not sent right of
+    every split (as if it were larger than every training value)."""
+    overrides = ("algorithm=gbdt", f"scenario={scenario}", "dataset=synthetic", "algorithm.trees=5")
+    strategy = train(tmp_path / "run", *overrides, "algorithm.eval_every=5", "min_sketch_rows=64")
+    rows, _ = held_out_rows(strategy, tmp_path, 0 if scenario == "ucq" else None)
     part = ModelPart.load(tmp_path / "run" / "node-state", strategy.run_id, "fact", 0)
     assert part is not None and part.missing_bins is not None and not part.missing_bins.any()
     column = part.numeric[int(np.bincount(part.splits[:, 1]).argmax())]  # the column most of its splits use

@@ -141,12 +141,16 @@ class BinLayout:
         return SplitScan.of(self)
 
 
-def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray], filled: np.ndarray | None = None) -> np.ndarray:
+def bin_codes(
+    X: np.ndarray, edges: Sequence[np.ndarray], filled: np.ndarray | None = None, empty: np.ndarray | None = None
+) -> np.ndarray:
     """The flat bin (:class:`BinLayout`) of every value, feature-major: codes[f, u] = offsets[f] + b where
     X[u, f] lies in bin b of feature f, i.e. X[u, f] <= edges[f][b'] iff b <= b'. A missing value of a
     feature with a missing bin (its edges end with NaN) takes that bin; of one without (no training row
     missed it): the bin of ``filled[u, f]`` (the value preprocessing fills in, the median, as a linear model
-    sees it), or with ``filled`` None the last bin, right of every split."""
+    sees it), or with ``filled`` None the last bin, right of every split. ``empty``: the features whose missing
+    bin no training row is in (a union's shards give every numeric column one): their missing values too take
+    the filled value's bin."""
     layout = BinLayout.of(edges)
     codes = np.empty((len(edges), X.shape[0]), dtype=np.uint16 if layout.total < 2**16 else np.int32)
     first = layout.offsets[:-1]
@@ -164,11 +168,12 @@ def bin_codes(X: np.ndarray, edges: Sequence[np.ndarray], filled: np.ndarray | N
     other = np.flatnonzero(~simple)
     for f, x in zip(other, columns(X, other)):
         e = edges[f]
-        if len(e) and np.isnan(e[-1]):  # the last bin: the missing values
+        with_bin = bool(len(e) and np.isnan(e[-1]))
+        if filled is not None and (not with_bin or (empty is not None and empty[f])) and np.isnan(x).any():
+            x = np.where(np.isnan(x), filled[:, f], x)  # no training row missed it: the filled value's bin
+        if with_bin:  # the last bin: the missing values
             codes[f] = np.where(np.isnan(x), len(e), np.searchsorted(e[:-1], x, side="left")) + first[f]
-        else:  # a missing value, where no training row had one: the filled value's bin
-            if filled is not None and np.isnan(x).any():
-                x = np.where(np.isnan(x), filled[:, f], x)
+        else:
             codes[f] = np.searchsorted(e, x, side="left") + first[f]
     return codes
 

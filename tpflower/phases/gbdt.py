@@ -242,8 +242,23 @@ class OwnerTrees:
     @property
     def codes(self) -> np.ndarray:
         if "codes" not in self.cache:  # a missing value of a column no training row missed: the median's bin
-            self.cache["codes"] = bin_codes(tree_features(self.client), self.edges, self.client.local.X)
+            empty = self.state.get("gbdt.empty_missing")
+            self.cache["codes"] = bin_codes(tree_features(self.client), self.edges, self.client.local.X, empty)
         return self.cache["codes"]
+
+    def learn_empty_missing(self, root: np.ndarray) -> None:
+        """A shard of a union, from the first summed root histogram (``root``: (3, total), every training row of
+        the union): the numeric columns whose missing bin holds no training row. Their missing values (of test
+        and new rows: no training row has one) take the median's bin from now on, as over the join, where such
+        a column has no missing bin (tpflower.trees.bin_codes); training rows' codes do not change."""
+        if self.state.get("gbdt.empty_missing") is not None:
+            return
+        layout = self.layout
+        empty = np.zeros(len(layout.offsets) - 1, dtype=bool)
+        empty[layout.missing] = root[2, layout.offsets[layout.missing + 1] - 1] == 0
+        self.state.put("gbdt.empty_missing", empty)
+        for derived in ("codes", "bundles"):
+            self.cache.pop(derived, None)
 
     @property
     def bundles(self) -> Bundles:
@@ -504,7 +519,7 @@ def gbdt_hist(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     owner.accept(a["won"])
     hists = node_histograms(client, owner, a)
     client.state.put("gbdt.pending_rows", a["rows"])  # in the node's state: the next message may reach another
-    client.state.put("gbdt.pending_nodes", np.stack([a["nodes"], a["sizes"]]))  # worker (Flower's simulation)
+    client.state.put("gbdt.pending_nodes", np.stack([a["nodes"], a["sizes"], a["parent"]]))  # worker (Flower's)
     return {"hist": np.stack([hists[n] for n in node_parts(a)]) if len(a["nodes"]) else np.zeros((0, 3, 0))}, {}
 
 
@@ -523,6 +538,9 @@ def gbdt_shard_split(client: TableClient, arrays: Arrays, config: Mapping[str, A
     hist = np.asarray(arrays["hist"], dtype=np.float64)
     if hist.shape != (len(part), 3, owner.layout.total) or not np.isfinite(hist).all():
         raise _refuse(client, "gbdt_shard_split", "hist is not one finite histogram per node")
+    roots = np.flatnonzero(pending[2] < 0)
+    if len(roots):
+        owner.learn_empty_missing(hist[roots[0]])
     return answer(client, owner, rows, part, dict(zip(part, hist)))
 
 

@@ -122,10 +122,19 @@ def saved_splits(client: TableClient, splits: np.ndarray) -> dict[str, np.ndarra
         "raw_thresholds": raw,
         "split_gains": splits[:, 3].view(np.float64).copy(),
         "missing_left": splits[:, 4] > 0,
-        # per feature, whether it has a missing bin (else its missing values take the median's side)
-        "missing_bins": np.array([len(e) > 0 and bool(np.isnan(e[-1])) for e in edges], dtype=bool),
+        # per feature, whether it has a missing bin with training rows (else its missing values take the median's
+        # side; a union's shards give every numeric column one, empty where no training row missed the column)
+        "missing_bins": np.array([len(e) > 0 and bool(np.isnan(e[-1])) for e in edges], dtype=bool)
+        & ~_empty_missing(client, len(edges)),
         **saved_categories(client),
     }
+
+
+def _empty_missing(client: TableClient, n_features: int) -> np.ndarray:
+    """The features whose missing bin holds no training row (tpflower.phases.gbdt.OwnerTrees.learn_empty_missing;
+    none learnt: none)."""
+    empty = client.state.get("gbdt.empty_missing")
+    return np.zeros(n_features, dtype=bool) if empty is None else np.asarray(empty, dtype=bool)
 
 
 def saved_categories(client: TableClient) -> dict[str, np.ndarray]:
