@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from simulations.api import load
+from simulations.job import unread_epochs
 from simulations.node import main as node_main
 from simulations.run import run_job
 from strategies.centralized import central_gbdt, label_scale_of
@@ -19,6 +20,7 @@ from tests.conftest import make_cfg
 from tests.test_predict import train
 from tests.test_privacy_e2e import Recorded
 from tpflower.app.server_app import build_strategy, make_strategy
+from tpflower.auto import resolve
 from tpflower.categorical import blocks_of
 from tpflower.losses import metrics
 from tpflower.model_part import ModelPart
@@ -388,6 +390,25 @@ def test_a_childs_row_sums_from_its_parents_equal_those_summed_from_its_joined_r
     monkeypatch.setattr(JoinGBDT, "table_sums", checked)
     Recorded(*small("snowflake", task))
     assert sum(derived) > 10
+
+
+@pytest.mark.parametrize("algorithm", ["gbdt", "centralized_gbdt", "auto", "pcg"])
+def test_epochs_set_on_boosted_trees_is_said_not_read_in_one_line(algorithm, tmp_path):
+    """Boosted trees grow algorithm.trees rounds and do not read epochs: a run given another epochs than the
+    default says so in one warning line (algorithm=auto with model=gbdt too, once resolved to gbdt); the
+    default epochs, or an algorithm that reads epochs, says nothing."""
+    model = ("model=gbdt",) if algorithm == "auto" else ()
+    for epochs in ("epochs=3", "epochs=10"):
+        cfg = make_cfg("dataset=synthetic", f"algorithm={algorithm}", *model, epochs)
+        resolve(cfg)  # algorithm=auto: gbdt's settings, as the run's build_strategy puts them in place
+        trees = algorithm != "pcg" and epochs == "epochs=3"
+        name, plus = ("gbdt", "+") if algorithm == "auto" else (algorithm, "")
+        assert unread_epochs(cfg) == (
+            f"epochs=3 is not read by algorithm={name}: it grows algorithm.trees=300 boosting rounds "
+            f"({plus}algorithm.trees=N sets them)"
+            if trees
+            else None
+        )
 
 
 def test_the_centralized_run_bins_its_tables_rows_as_the_joined_columns(tmp_path):
