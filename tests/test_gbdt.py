@@ -33,11 +33,14 @@ from tpflower.trees import (
     MAX_BINS,
     BinLayout,
     Bundles,
+    Growth,
     SplitRule,
     best_splits,
     bin_codes,
     bin_edges,
     column_edges,
+    gradients,
+    grow_forest,
     histograms,
     running_sums,
     table_importance,
@@ -390,6 +393,20 @@ def test_a_childs_row_sums_from_its_parents_equal_those_summed_from_its_joined_r
     monkeypatch.setattr(JoinGBDT, "table_sums", checked)
     Recorded(*small("snowflake", task))
     assert sum(derived) > 10
+
+
+def test_a_leaf_without_hessian_at_lambda_0_takes_the_value_0_not_a_division_by_zero():
+    """Softmax scores that saturated (p_k exactly 0 or 1 in float64, as a rare class's swinging leaves reach at
+    lambda_l2 0) give h_k = p_k(1 - p_k) = 0 on every row: a leaf summing no h (no split is valid, each side
+    needs min_child_weight of it) takes the value 0, as XGBoost's CalcWeight gives a node without hessian,
+    where -learning_rate G/(H + lambda) divided by zero and stopped the run."""
+    F = np.tile([0.0, 800.0], (60, 1))  # class 1 certain: p = (0, 1) exactly
+    y = np.r_[np.zeros(10, dtype=np.int64), np.ones(50, dtype=np.int64)]
+    g, h = gradients("multiclass", F, y)
+    assert not h.any() and g[:, 0].sum() == -10.0
+    growth = Growth(rule=SplitRule(lambda_l2=0.0))
+    trees, _, _ = grow_forest(np.arange(60), g, h, growth, lambda nodes, *_: [None] * len(nodes))
+    assert [[leaf.value for leaf in tree.leaves()] for tree in trees] == [[0.0], [0.0]]
 
 
 @pytest.mark.parametrize("algorithm", ["gbdt", "centralized_gbdt", "auto", "pcg"])
