@@ -19,6 +19,7 @@ from strategies.transport import RunError
 from tpflower.app.server_app import build_strategy
 from tpflower.checkpoint import CHECKPOINT
 from tpflower.checks import DataProblems, errors, shard_problems
+from tpflower.config import CONF_DIR
 from tpflower.datasets import check_dataset, compile_sql, load_spec, release_tables
 from tpflower.registry import entry_of
 from tpflower.results import RESULTS_FILE, RunResults
@@ -107,6 +108,9 @@ def _run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None, log: C
     # and the runners run this very object
     spec = load_spec(cfg.dataset, base_dir=base_dir)
     strategy = build_strategy(cfg, run_dir, base_dir, log=log, spec=spec)
+    note = unread_epochs(cfg)
+    if note is not None:
+        log(f"warning: {note}")
     t0 = time.perf_counter()
     n_rows = check_data(cfg, base_dir, log=log)  # and every table, all problems at once
     log(f"data: {len(n_rows)} tables loaded and checked in {time.perf_counter() - t0:.1f} s")
@@ -121,6 +125,21 @@ def _run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None, log: C
         )
     assert results is not None
     return results
+
+
+def unread_epochs(cfg: DictConfig) -> str | None:
+    """The line for an ``epochs`` other than conf/config.yaml's on boosted trees (``algorithm=auto`` resolved),
+    which do not read it: ``algorithm.trees`` counts their boosting rounds (docs/settings.md; under auto given
+    as ``+algorithm.trees``); None otherwise."""
+    trees = (cfg.get("algorithm") or {}).get("trees")
+    default = OmegaConf.load(Path(CONF_DIR) / "config.yaml").get("epochs")
+    if trees is None or cfg.get("epochs") in (None, default):
+        return None
+    plus = "+" if cfg.get("algorithm_auto") else ""  # auto's choice takes its settings in the + form
+    return (
+        f"epochs={cfg.epochs} is not read by algorithm={cfg.algorithm.name}: it grows algorithm.trees={trees} "
+        f"boosting rounds ({plus}algorithm.trees=N sets them)"
+    )
 
 
 def compile_query(cfg: DictConfig, base_dir: str | Path | None = None, log: Callable[[str], None] = print) -> None:

@@ -47,7 +47,7 @@ from tpflower.checkpoint import CHECKPOINT
 from tpflower.losses import LabelScale, primary_metric
 from tpflower.params import AlgorithmParams, run_settings
 from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
-from tpflower.reference import below_constant
+from tpflower.reference import below_constant, loss_grew
 from tpflower.registry import by_name, entries
 from tpflower.schema import RelationalSpec
 from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
@@ -512,9 +512,12 @@ class LoJStrategy(TablePuppetStrategy):
         last = self.results.history[-1]
         test = {self.metric: last.test_metric, **{k[5:]: v for k, v in last.extra.items() if k.startswith("test_")}}
         worse = below_constant(self.task, test, self.results.reference)
+        grew = self.trees_diverged()
         if not worse:
             return
-        if self.feature_dp:
+        if grew:  # said in its own line (trees_diverged)
+            hint = "the training loss diverged (above): algorithm.lambda_l2=1 bounds the leaves"
+        elif self.feature_dp:
             hint = "the DP noise outweighs what it learnt: more epochs, or a larger epsilon"
         elif self.algorithm in ("gbdt", "ucq_gbdt"):
             hint = "the trees overfit: fewer trees, or validation_fraction=0.1 to stop early"
@@ -523,6 +526,22 @@ class LoJStrategy(TablePuppetStrategy):
         else:  # a solver: the regularization decides its solution
             hint = "it overfits: a larger model.beta (e.g. 0.1)"
         self.log(f"warning: the model ends worse than predicting a constant ({worse}); {hint}")
+
+    def trees_diverged(self) -> str:
+        """Boosted trees whose training loss ends above its first evaluation's (tpflower.reference.loss_grew):
+        one warning line with the setting that bounds their leaves, and its text; '' otherwise (and for the
+        other algorithms, whose losses are not Newton steps of one model)."""
+        assert self.results is not None
+        if self.algorithm not in ("gbdt", "ucq_gbdt"):
+            return ""
+        grew = loss_grew([(rec.epoch, rec.train_loss) for rec in self.results.history])
+        if grew:
+            self.log(
+                f"warning: the {grew}: the trees' leaf values diverge, not overfit (a leaf of almost no hessian, "
+                "as a class of few rows gets at lambda_l2 0, takes a value far from 0); algorithm.lambda_l2=1 "
+                "bounds them"
+            )
+        return grew
 
     def model_extra(self) -> dict[str, Any]:
         """What model.json holds beyond the common record (k-means: its centres)."""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from simulations.api import load
+from simulations.job import unread_epochs
 from simulations.node import main as node_main
 from simulations.run import run_job
 from strategies.centralized import central_gbdt, label_scale_of
@@ -19,6 +20,7 @@ from tests.conftest import make_cfg
 from tests.test_predict import train
 from tests.test_privacy_e2e import Recorded
 from tpflower.app.server_app import build_strategy, make_strategy
+from tpflower.auto import resolve
 from tpflower.categorical import blocks_of
 from tpflower.losses import metrics
 from tpflower.model_part import ModelPart
@@ -31,11 +33,14 @@ from tpflower.trees import (
     MAX_BINS,
     BinLayout,
     Bundles,
+    Growth,
     SplitRule,
     best_splits,
     bin_codes,
     bin_edges,
     column_edges,
+    gradients,
+    grow_forest,
     histograms,
     running_sums,
     table_importance,
@@ -388,6 +393,39 @@ def test_a_childs_row_sums_from_its_parents_equal_those_summed_from_its_joined_r
     monkeypatch.setattr(JoinGBDT, "table_sums", checked)
     Recorded(*small("snowflake", task))
     assert sum(derived) > 10
+
+
+def test_a_leaf_without_hessian_at_lambda_0_takes_the_value_0_not_a_division_by_zero():
+    """Softmax scores that saturated (p_k exactly 0 or 1 in float64, as a rare class's swinging leaves reach at
+    lambda_l2 0) give h_k = p_k(1 - p_k) = 0 on every row: a leaf summing no h (no split is valid, each side
+    needs min_child_weight of it) takes the value 0, as XGBoost's CalcWeight gives a node without hessian,
+    where -learning_rate G/(H + lambda) divided by zero and stopped the run."""
+    F = np.tile([0.0, 800.0], (60, 1))  # class 1 certain: p = (0, 1) exactly
+    y = np.r_[np.zeros(10, dtype=np.int64), np.ones(50, dtype=np.int64)]
+    g, h = gradients("multiclass", F, y)
+    assert not h.any() and g[:, 0].sum() == -10.0
+    growth = Growth(rule=SplitRule(lambda_l2=0.0))
+    trees, _, _ = grow_forest(np.arange(60), g, h, growth, lambda nodes, *_: [None] * len(nodes))
+    assert [[leaf.value for leaf in tree.leaves()] for tree in trees] == [[0.0], [0.0]]
+
+
+@pytest.mark.parametrize("algorithm", ["gbdt", "centralized_gbdt", "auto", "pcg"])
+def test_epochs_set_on_boosted_trees_is_said_not_read_in_one_line(algorithm, tmp_path):
+    """Boosted trees grow algorithm.trees rounds and do not read epochs: a run given another epochs than the
+    default says so in one warning line (algorithm=auto with model=gbdt too, once resolved to gbdt); the
+    default epochs, or an algorithm that reads epochs, says nothing."""
+    model = ("model=gbdt",) if algorithm == "auto" else ()
+    for epochs in ("epochs=3", "epochs=10"):
+        cfg = make_cfg("dataset=synthetic", f"algorithm={algorithm}", *model, epochs)
+        resolve(cfg)  # algorithm=auto: gbdt's settings, as the run's build_strategy puts them in place
+        trees = algorithm != "pcg" and epochs == "epochs=3"
+        name, plus = ("gbdt", "+") if algorithm == "auto" else (algorithm, "")
+        assert unread_epochs(cfg) == (
+            f"epochs=3 is not read by algorithm={name}: it grows algorithm.trees=300 boosting rounds "
+            f"({plus}algorithm.trees=N sets them)"
+            if trees
+            else None
+        )
 
 
 def test_the_centralized_run_bins_its_tables_rows_as_the_joined_columns(tmp_path):

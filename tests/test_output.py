@@ -203,3 +203,20 @@ def test_below_the_constant_predictor_is_judged_by_auc_for_a_binary_label():
     )
     assert below_constant("multiclass", {"accuracy": 0.542}, {"constant_accuracy": 0.690}).startswith("test accuracy")
     assert below_constant("regression", {"rmse": 2.9}, {"constant_rmse": 2.96}) == ""
+
+
+def test_boosted_trees_whose_training_loss_ends_above_its_first_evaluation_are_said_to_diverge():
+    """Each boosting round is a Newton step on the training loss, so a loss that ends above its first evaluation
+    is leaves diverging (a rare class at lambda_l2 0: openintro's loans went 1.63, 1.89, 2.29, 8.72 and then
+    1.4e6 at trees 50 to 250), not overfitting; a falling loss, one evaluation or a first loss that is not
+    finite say nothing."""
+    from tpflower.reference import loss_grew
+
+    assert loss_grew([(50, 1.6255), (100, 1.8851), (200, 8.7165)]) == (
+        "training loss grew from 1.6255 (trees 50) to 8.716 (trees 200)"
+    )
+    assert (
+        loss_grew([(50, 1.6255), (250, float("inf"))]) == "training loss grew from 1.6255 (trees 50) to inf (trees 250)"
+    )
+    assert loss_grew([(10, 1.40), (20, 1.33), (30, 1.54), (40, 1.28)]) == ""  # a swing, ending below its start
+    assert loss_grew([(10, 1.40)]) == "" and loss_grew([(10, float("nan")), (20, 1.0)]) == ""

@@ -51,3 +51,18 @@ def below_constant(task: str, test: dict[str, float], reference: dict[str, float
         return ""
     worse = value > constant if metric == "rmse" else value < constant
     return f"test {metric} {value:.4f} against the constant predictor's {constant:.4f}" if worse else ""
+
+
+def loss_grew(losses: list[tuple[int, float]]) -> str:
+    """Boosted trees: ``training loss grew from 1.4000 (trees 10) to 8.7165 (trees 200)`` when the training loss
+    of the last evaluation (``losses``: (trees, training loss) per evaluation, in order) is above the first's;
+    '' when it is not. Each boosting round is a Newton step on the training loss (Chen & Guestrin Eq. 3-6), so
+    a loss that ends above where it started is not overfitting but leaves whose values diverge: a leaf summing
+    almost no hessian (a class of few rows, softmax saturated, at lambda_l2 0) takes a value -G/H far from 0
+    that the next rounds overshoot back."""
+    if len(losses) < 2 or not np.isfinite(losses[0][1]):
+        return ""
+    (t0, first), (t1, last) = losses[0], losses[-1]
+    if not (last > first or not np.isfinite(last)):
+        return ""
+    return f"training loss grew from {first:.4f} (trees {t0}) to {last:.4g} (trees {t1})"

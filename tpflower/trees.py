@@ -522,7 +522,8 @@ def gradients(task: str, F: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.n
 class Growth:
     """How a round's trees grow: best-first (LightGBM's leaf-wise), ``leaves_per_step`` leaves of highest gain
     split per step (1: strictly best-first; large: level by level), up to ``max_leaves`` leaves and
-    ``max_depth`` (0: no bound); leaf value -learning_rate G/(H + lambda) (Chen & Guestrin Eq. 5)."""
+    ``max_depth`` (0: no bound); leaf value -learning_rate G/(H + lambda) (Chen & Guestrin Eq. 5), 0 where
+    H + lambda is 0 (no hessian at lambda 0: XGBoost's CalcWeight)."""
 
     max_leaves: int = 63
     max_depth: int = 0
@@ -634,7 +635,9 @@ def grow_forest(
             break
     for tree in trees:
         for leaf in tree.leaves():
-            leaf.value = -growth.learning_rate * leaf.G / (leaf.H + rule.lambda_l2)
+            # a leaf of no hessian (saturated softmax, lambda 0) moves nothing, as XGBoost's CalcWeight
+            den = leaf.H + rule.lambda_l2
+            leaf.value = -growth.learning_rate * leaf.G / den if den > 0 else 0.0
             leaf.candidate = None  # an unused candidate holds its side bits (and cannot be pickled)
     return trees, perms, next_id
 
