@@ -22,7 +22,7 @@ from tests.test_privacy_e2e import Recorded
 from tpflower.app.server_app import build_strategy, make_strategy
 from tpflower.auto import resolve
 from tpflower.categorical import blocks_of
-from tpflower.losses import metrics
+from tpflower.losses import loss_np, metrics
 from tpflower.model_part import ModelPart
 from tpflower.owner import simulation_secret
 from tpflower.phases.gbdt import GBDTParams, tree_features
@@ -647,3 +647,24 @@ def test_a_table_of_no_feature_column_takes_part_and_never_splits(scenario):
     assert_same_forest(forest, s.forest)
     assert {n.table for trees in s.forest for t in trees for n in t.internal()} == {"d2", "d3"}
     np.testing.assert_allclose(s.record.test_predictions, s.label_scale.to_label(F_eval[: s.test.N]), atol=1e-9, rtol=0)
+
+
+def test_a_rare_class_does_not_make_the_softmax_trees_diverge_at_lambda_0():
+    """Multiclass trees start every class at 0 (as LightGBM and XGBoost do): started at the log class priors, a
+    class of a few rows has h = p(1 - p) near 0 on every row, its leaves -G / H swing by hundreds at lambda_l2
+    0 and the training loss grows without bound."""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(3000, 4))
+    y = np.digitize(X[:, 0] + 0.5 * X[:, 1] + rng.normal(0, 0.5, len(X)), [-1.5, -0.5, 0.0, 0.5, 1.5]).astype(float)
+    y[np.argsort(X[:, 2])[-12:]] = 6  # a seventh class of 12 rows
+    params = GBDTParams(trees=60, learning_rate=0.1, lambda_l2=0.0)
+    losses = []
+    central_gbdt(
+        {"a": X[:, :2], "b": X[:, 2:]},
+        y,
+        "multiclass",
+        7,
+        params,
+        on_round=lambda r, trees, F, _: losses.append(float(loss_np("multiclass", F, y).mean())),
+    )
+    assert np.all(np.diff(losses) < 0), losses  # the training loss falls every round

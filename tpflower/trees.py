@@ -489,15 +489,16 @@ def best_splits(
 
 
 def init_scores(task: str, y: np.ndarray, d_out: int) -> np.ndarray:
-    """The constant F_0 (one per output): the mean (regression), the log-odds of the mean (binary), the log
-    class priors (multiclass)."""
+    """The constant F_0 (one per output): the mean (regression), the log-odds of the mean (binary), 0 for every
+    class (multiclass: LightGBM's and XGBoost's start; started at the log class priors, a rare class's rows
+    have h = p(1 - p) near 0 from the first tree, its leaves' values -G / (H + lambda) swing by hundreds at
+    lambda 0 and the training loss diverges)."""
     if task == "regression":
         return np.array([float(np.mean(y))]) if len(y) else np.zeros(1)
     if task == "binary":
         p = float(np.clip(np.mean(y), 1e-6, 1 - 1e-6)) if len(y) else 0.5
         return np.array([np.log(p / (1 - p))])
-    prior = np.bincount(np.asarray(y, dtype=np.int64), minlength=d_out) / max(len(y), 1)
-    return np.log(np.clip(prior, 1e-6, None))
+    return np.zeros(d_out)
 
 
 def gradients(task: str, F: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
