@@ -282,8 +282,7 @@ def histograms(
     H and counts C) of node n (``slot``: each row's node, 0..k-1; None: all of node 0) falling in flat bin b
     (:func:`bin_codes`): shape (k, 3, total). ``C`` None: one joined row each; ``H`` None: h = 1 (squared
     error), so the sums of h are the counts. One bincount per feature (per bundle, :class:`Bundles`) and
-    statistic over every node at once (a node's bins offset); each bin sums its rows in their
-    given order."""
+    statistic over every node at once (each node's bins offset); each bin sums its rows in their given order."""
     node = np.zeros(len(rows), dtype=np.int64) if slot is None else slot.astype(np.int64)
     # bincount adds in float64: the sums converted once, not per feature
     G, H, C = (None if x is None else np.asarray(x, dtype=np.float64) for x in (G, H, C))
