@@ -519,7 +519,7 @@ class LoJStrategy(TablePuppetStrategy):
             hint = "the training loss diverged (above): algorithm.lambda_l2=1 bounds the leaves"
         elif self.feature_dp:
             hint = "the DP noise outweighs what it learnt: more epochs, or a larger epsilon"
-        elif self.algorithm in ("gbdt", "ucq_gbdt"):
+        elif self.boosted_trees:
             hint = "the trees overfit: fewer trees, or validation_fraction=0.1 to stop early"
         elif self.validation == "select":
             hint = "it overfits: a larger model.beta (e.g. 0.1), or validation_fraction=0.1 to keep its best epoch"
@@ -527,12 +527,20 @@ class LoJStrategy(TablePuppetStrategy):
             hint = "it overfits: a larger model.beta (e.g. 0.1)"
         self.log(f"warning: the model ends worse than predicting a constant ({worse}); {hint}")
 
+    @property
+    def boosted_trees(self) -> bool:
+        """Whether the run's algorithm is of the boosted-trees family (over the join or the union)."""
+        try:
+            return by_name(self.algorithm).family == "gbdt"
+        except ValueError:  # an unregistered strategy (the base class's own name)
+            return False
+
     def trees_diverged(self) -> str:
         """Boosted trees whose training loss ends above its first evaluation's (tpflower.reference.loss_grew):
         one warning line with the setting that bounds their leaves, and its text; '' otherwise (and for the
         other algorithms, whose losses are not Newton steps of one model)."""
         assert self.results is not None
-        if self.algorithm not in ("gbdt", "ucq_gbdt"):
+        if not self.boosted_trees:
             return ""
         grew = loss_grew([(rec.epoch, rec.train_loss) for rec in self.results.history])
         if grew:
