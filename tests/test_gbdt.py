@@ -204,7 +204,7 @@ def test_best_splits_equal_a_candidate_by_candidate_scan(rule, missing):
     """The vectorised split search (running sums per feature, each side's score in place, the missing values'
     bins scanned on either side) finds the split a candidate-by-candidate scan finds, with its gain, on
     histograms with empty bins, sides of no hessian (h sums 0 with lambda 0 and no minimum weight: scored 0),
-    skipped bins and missing values; its running sums are np.cumsum's, bit for bit."""
+    features left out (BinLayout.part) and missing values; its running sums are np.cumsum's, bit for bit."""
     rng = np.random.default_rng(3)
     off = np.array([0, 5, 6, 40, 41 + 200])  # a feature of one bin (never split), a wide one
     k, total = 7, int(off[-1])
@@ -216,14 +216,19 @@ def test_best_splits_equal_a_candidate_by_candidate_scan(rule, missing):
             np.add.at(hist[n, 2], b, 1.0)
             np.add.at(hist[n, 0], b, rng.normal(size=len(rows)) + (b == off[f + 1] - 1) * (n - 3))
             np.add.at(hist[n, 1], b, np.where(rows % 34 < 3, 0.0, rng.random(len(rows))))  # feature 2: bins 0-2 h = 0
-    skip = np.arange(8, 12)
-    gains, features, bins, missing_left = best_splits(
-        hist, BinLayout(off, np.array(missing, dtype=np.int64)), rule, skip
-    )
+    layout = BinLayout(off, np.array(missing, dtype=np.int64))
+    gains, features, bins, missing_left = best_splits(hist, layout, rule)
+    kept = np.array([0, 1, 3])  # feature 2 left out: its bins scanned by no one (layout.part)
+    part, part_bins = layout.part(kept)
+    part_found = best_splits(hist[:, :, part_bins], part, rule)
     for n in range(k):
-        gain, f, b, left = _best_split_by_hand(hist[n], off, set(missing), rule, set(skip.tolist()))
+        gain, f, b, left = _best_split_by_hand(hist[n], off, set(missing), rule, set())
         assert (features[n], bins[n], missing_left[n]) == (f, b, left)
         assert gains[n] == pytest.approx(gain, rel=1e-9) if f >= 0 else gains[n] == -np.inf
+        gain, f, b, left = _best_split_by_hand(hist[n], off, set(missing) - {2}, rule, set(range(off[2], off[3])))
+        p_gain, p_f, p_b, p_left = (x[n] for x in part_found)
+        assert (kept[p_f] if p_f >= 0 else -1, p_b, p_left) == (f, b, left)
+        assert p_gain == pytest.approx(gain, rel=1e-9) if f >= 0 else p_gain == -np.inf
     assert (features >= 0).sum() >= k - 1
     assert missing_left.any() == bool(missing)
     wide = rng.normal(size=(3, 2, 40_000))  # rows wider than one scan call
@@ -234,15 +239,24 @@ def test_best_splits_equal_a_candidate_by_candidate_scan(rule, missing):
 def test_bundled_one_hot_blocks_give_the_histograms_of_their_columns():
     """Exclusive feature bundling: each one-hot block becomes one bundle, and the histograms built through
     the bundles equal those built column by column (counts exactly, sums to rounding: a default bin is the
-    node's total minus the column's other bins)."""
+    node's total minus the column's other bins). A column of one bin (a category no training row has, a
+    constant) costs no pass of its own: thousands of them come with a wide categorical column."""
     rng = np.random.default_rng(1)
     n = 600
     a, b = rng.integers(0, 8, n), rng.integers(0, 6, n)
     X = np.column_stack(
-        [rng.random(n), rng.integers(0, 50, n), *(a == i for i in range(8)), *(b == i for i in range(6))]
+        [
+            rng.random(n),
+            rng.integers(0, 50, n),
+            *(a == i for i in range(8)),
+            *(b == i for i in range(6)),
+            np.zeros(n),  # a category seen at fit time, in no training row
+            np.full(n, 3.0),
+        ]
     ).astype(float)
     edges = [bin_edges(X[:, f], np.ones(n), 32) for f in range(X.shape[1])]
     codes, layout = bin_codes(X, edges), BinLayout.of(edges)
+    assert [len(e) for e in edges[-2:]] == [0, 0]  # one bin each
     bundles = Bundles.of(codes, layout)
     assert bundles.dense.tolist() == [0, 1] and len(bundles.to_flat) == 2  # the two blocks, one bundle each
     rows = rng.permutation(n)[:400]

@@ -211,8 +211,11 @@ def best_native_splits(
     first column, bin -1, categories: the columns of the categories going left; None for a threshold). Ties:
     the smallest feature."""
     k = hists.shape[0]
-    skip = np.concatenate([np.arange(layout.offsets[b[0]], layout.offsets[b[-1] + 1]) for b in blocks] or [[]])
-    gains, features, bins, missing_left = best_splits(hists, layout, rule, skip.astype(np.int64))
+    # the thresholds of the other features, scanned on their bins alone (a block's thousands of columns: none)
+    others = np.setdiff1d(np.arange(len(layout.offsets) - 1), np.concatenate([[], *blocks])).astype(np.int64)
+    part, part_bins = layout.part(others)
+    gains, found, bins, missing_left = best_splits(hists[:, :, part_bins], part, rule)
+    features = np.where(found >= 0, others[np.maximum(found, 0)] if len(others) else -1, -1)
     sets: list[np.ndarray | None] = [None] * k
     if not blocks:
         return gains, features, bins, missing_left, sets

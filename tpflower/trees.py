@@ -140,6 +140,22 @@ class BinLayout:
         """The bins :func:`best_splits` scans (:class:`SplitScan`)."""
         return SplitScan.of(self)
 
+    @cached_property
+    def _parts(self) -> dict[bytes, tuple[BinLayout, np.ndarray]]:
+        return {}
+
+    def part(self, features: np.ndarray) -> tuple[BinLayout, np.ndarray]:
+        """The layout of the features ``features`` alone (ascending) and their flat bins in this layout, so that
+        ``hists[..., bins]`` is their histogram in it (kept per set of features)."""
+        key = np.asarray(features, dtype=np.int64).tobytes()
+        if key not in self._parts:
+            sizes = np.diff(self.offsets)[features]
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            bins = np.repeat(self.offsets[features] - offsets[:-1], sizes) + np.arange(offsets[-1])
+            missing = np.flatnonzero(np.isin(features, self.missing)).astype(np.int64)
+            self._parts[key] = (BinLayout(offsets, missing), bins)
+        return self._parts[key]
+
 
 def bin_codes(
     X: np.ndarray, edges: Sequence[np.ndarray], filled: np.ndarray | None = None, empty: np.ndarray | None = None
@@ -207,7 +223,7 @@ class Bundles:
         for f in range(codes.shape[0]):
             counts = np.bincount(codes[f] - off[f], minlength=int(off[f + 1] - off[f]))
             d = int(np.argmax(counts))
-            if len(counts) > 1 and n - counts[d] <= max_share * n:
+            if n - counts[d] <= max_share * n:  # (a feature of one bin: no row off it, no pass at all)
                 sparse.append((n - int(counts[d]), f, int(off[f]) + d))
             else:
                 dense.append(f)
@@ -428,15 +444,14 @@ class SplitScan:
 
 
 def best_splits(
-    hists: np.ndarray, layout: BinLayout, rule: SplitRule, skip: np.ndarray | None = None
+    hists: np.ndarray, layout: BinLayout, rule: SplitRule
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(gain, feature, bin, missing_left) of the best split "bin <= b goes left" of each node from its flat
     histogram (hists: (k, 3, total)): gain = 1/2 [G_L^2/(H_L+l) + G_R^2/(H_R+l) - G^2/(H+l)] (Chen & Guestrin
     Eq. 7). A feature with a missing bin (its last) splits with its missing values right, or left
     (``missing_left``: value bins up to b and the missing ones left; :class:`SplitScan`). Ties
     (:func:`first_best`) go to missing right, the smallest feature, then the smallest bin. A node without a valid
-    split gets (-inf, -1, -1, False). ``skip``: flat bins that are no split (native categorical blocks,
-    tpflower.categorical). Each side's score is :func:`score`'s, bit for bit (computed in place)."""
+    split gets (-inf, -1, -1, False). Each side's score is :func:`score`'s, bit for bit (computed in place)."""
     scan = layout.scan
     k = hists.shape[0]
     if not scan.n_features:  # a table with no feature column (only keys or the label): no split
@@ -456,8 +471,6 @@ def best_splits(
     ok &= left[:, 1] >= min_weight
     ok &= right[:, 1] >= min_weight
     ok[:, scan.no_split] = False
-    if skip is not None:
-        ok[:, skip] = False
     with np.errstate(divide="ignore", invalid="ignore"):  # where H + lambda <= 0: fixed below or masked
         den_left, den_right = left[:, 1] + lam, right[:, 1] + lam
         gain = left[:, 0] * left[:, 0]
