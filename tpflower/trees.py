@@ -669,7 +669,9 @@ def _split(node: Node, perm: np.ndarray, g: np.ndarray, h: np.ndarray | None, fi
         if h is None
         else np.bincount(left, weights=h.take(seg), minlength=2)
     )
-    perm[node.start : node.end] = seg[np.argsort(~left, kind="stable")]  # left rows first, each side in order
+    right = seg.compress(~left)  # (seg is perm's: both sides taken before either is written)
+    perm[node.start : node.start + n_left] = seg.compress(left)  # left rows first, each side in order
+    perm[node.start + n_left : node.end] = right
     cand = node.candidate
     node.table, node.split, node.categories, node.gain = cand.table, cand.split, cand.categories, cand.gain
     node.candidate = None
