@@ -205,6 +205,20 @@ def test_below_the_constant_predictor_is_judged_by_auc_for_a_binary_label():
     assert below_constant("regression", {"rmse": 2.9}, {"constant_rmse": 2.96}) == ""
 
 
+def test_the_constant_predictor_is_shown_in_the_labels_units_however_small_or_large():
+    """A label in tiny units (an order's total in millions of dollars, RMSE 6e-5) or huge ones (in micro-dollars):
+    the summary line and the warning show the constant predictor's metric as the progress lines show theirs, not
+    as 0.0001 against 0.0001."""
+    from tpflower.reference import below_constant, reference_text
+
+    assert reference_text("regression", {"constant_rmse": 5.38734e-05}) == "constant predictor rmse=5.3873e-05"
+    assert reference_text("regression", {"constant_rmse": 53873388.37}) == "constant predictor rmse=5.3873e+07"
+    assert reference_text("binary", {"constant_accuracy": 0.91992}) == "constant predictor accuracy=0.9199"
+    assert below_constant("regression", {"rmse": 6.16616e-05}, {"constant_rmse": 5.38734e-05}) == (
+        "test rmse 6.1662e-05 against the constant predictor's 5.3873e-05"
+    )
+
+
 def test_boosted_trees_whose_training_loss_ends_above_its_first_evaluation_are_said_to_diverge():
     """Each boosting round is a Newton step on the training loss, so a loss that ends above its first evaluation
     is leaves diverging (a rare class at lambda_l2 0: openintro's loans went 1.63, 1.89, 2.29, 8.72 and then
