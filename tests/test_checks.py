@@ -279,8 +279,8 @@ def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):
     assert "\n" not in sent and "secret-value-42" not in sent and "row 4" not in sent
     assert sent == (
         "1 problem in the data: table 'customers', numeric feature 'age': 1 non-numeric value; make "
-        "every value a number (leave it empty if unknown: missing values are imputed with the median), "
-        "or declare the column categorical"
+        "every value a number (leave it empty if unknown: a missing value, which boosted trees bin apart and "
+        "the other models fill with the median), or declare the column categorical"
     )
     assert "secret-value-42" in caplog.text  # the node's own log keeps the example
     simulated = str(node_data_error(info.value, OwnerSettings("customers", Exposed(), {}, b"k")))

@@ -270,8 +270,9 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                     s,
                     src,
                     "non-numeric values",
-                    "make every value a number (leave it empty if unknown: missing values are "
-                    "imputed with the median), or declare the column categorical",
+                    "make every value a number (leave it empty if unknown: a missing value, which "
+                    "boosted trees bin apart and the other models fill with the median), or declare the column "
+                    "categorical",
                 )
             )
         elif not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
