@@ -130,6 +130,21 @@ def test_non_numeric_value_shows_value_and_row(tmp_path):
     )
 
 
+def test_a_date_column_declared_numeric_is_called_dates_not_text(tmp_path):
+    """A Parquet file's datetime column (an order's date) declared numeric: the line says what it holds and how to
+    train on it, not "numbers stored as text"; declared categorical it loads."""
+    orders, customers = good(tmp_path)
+    customers["since"] = pd.Timestamp("2015-01-01") + pd.to_timedelta(customers["cust"], unit="D")
+    customers.to_parquet(tmp_path / "customers.parquet")
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"].update(source=str(tmp_path / "customers.parquet"), numeric=["age", "since"])
+    (line,) = lines(dataset)
+    assert line.startswith("table 'customers', numeric feature 'since': dates or times, not numbers (dtype datetime64")
+    assert "declare the column categorical" in line
+    dataset["tables"]["customers"].update(numeric=["age"], categorical=["since"])
+    assert check_dataset(dataset)[2] == []
+
+
 def test_empty_and_unreadable_files_name_table_and_file(tmp_path):
     dataset = shop(tmp_path)
     (tmp_path / "customers.csv").write_text("")
