@@ -519,9 +519,16 @@ class LoJStrategy(TablePuppetStrategy):
             hint = "the training loss diverged (above): algorithm.lambda_l2=1 bounds the leaves"
         elif self.feature_dp:
             hint = "the DP noise outweighs what it learnt: more epochs, or a larger epsilon"
+        elif self.boosted_trees and self.results.selection.get("early_stopping") == 0:  # validating, never stopping
+            hint = "the trees overfit: fewer trees, or algorithm.early_stopping=3 to stop early"
+        elif self.boosted_trees and self.results.selection:  # it kept the trees of its best validation evaluation
+            hint = (
+                "the trees overfit though early stopping kept the best validation evaluation's: a smaller "
+                "algorithm.eval_every (e.g. 1) lets it keep fewer trees"
+            )
         elif self.boosted_trees:
             hint = "the trees overfit: fewer trees, or validation_fraction=0.1 to stop early"
-        elif self.validation == "select":
+        elif self.validation == "select" and not self.results.selection:
             hint = "it overfits: a larger model.beta (e.g. 0.1), or validation_fraction=0.1 to keep its best epoch"
         else:  # a solver: the regularization decides its solution
             hint = "it overfits: a larger model.beta (e.g. 0.1)"

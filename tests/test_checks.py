@@ -130,6 +130,21 @@ def test_non_numeric_value_shows_value_and_row(tmp_path):
     )
 
 
+def test_a_date_column_declared_numeric_is_called_dates_not_text(tmp_path):
+    """A Parquet file's datetime column (an order's date) declared numeric: the line says what it holds and how to
+    train on it, not "numbers stored as text"; declared categorical it loads."""
+    orders, customers = good(tmp_path)
+    customers["since"] = pd.Timestamp("2015-01-01") + pd.to_timedelta(customers["cust"], unit="D")
+    customers.to_parquet(tmp_path / "customers.parquet")
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"].update(source=str(tmp_path / "customers.parquet"), numeric=["age", "since"])
+    (line,) = lines(dataset)
+    assert line.startswith("table 'customers', numeric feature 'since': dates or times, not numbers (dtype datetime64")
+    assert "declare the column categorical" in line
+    dataset["tables"]["customers"].update(numeric=["age"], categorical=["since"])
+    assert check_dataset(dataset)[2] == []
+
+
 def test_empty_and_unreadable_files_name_table_and_file(tmp_path):
     dataset = shop(tmp_path)
     (tmp_path / "customers.csv").write_text("")
@@ -279,8 +294,8 @@ def test_a_deployed_node_sends_counts_not_values(tmp_path, caplog):
     assert "\n" not in sent and "secret-value-42" not in sent and "row 4" not in sent
     assert sent == (
         "1 problem in the data: table 'customers', numeric feature 'age': 1 non-numeric value; make "
-        "every value a number (leave it empty if unknown: missing values are imputed with the median), "
-        "or declare the column categorical"
+        "every value a number (leave it empty if unknown: a missing value, which boosted trees bin apart and "
+        "the other models fill with the median), or declare the column categorical"
     )
     assert "secret-value-42" in caplog.text  # the node's own log keeps the example
     simulated = str(node_data_error(info.value, OwnerSettings("customers", Exposed(), {}, b"k")))

@@ -136,8 +136,9 @@ def test_the_console_shows_epochs_results_and_errors_only(tmp_path):
     assert bad.stderr.splitlines() == [
         "error: dataset 'bad_shop': 1 problem in the data; fix it and run again:",
         f"  table 'customers', numeric feature 'age': 1 non-numeric value, first at row 3 (line 5 of "
-        f"{tmp_path / 'customers.csv'}): 'unknown'; make every value a number (leave it empty if unknown: missing "
-        "values are imputed with the median), or declare the column categorical",
+        f"{tmp_path / 'customers.csv'}): 'unknown'; make every value a number (leave it empty if unknown: a "
+        "missing value, which boosted trees bin apart and the other models fill with the median), or declare the "
+        "column categorical",
     ]
     refused = run_cli("algorithm=admm", "dataset=synthetic", "algorithm.rho=-1", cwd=tmp_path)
     assert refused.returncode == 1 and refused.stderr.startswith("error: algorithm.rho must be > 0, got -1")

@@ -90,6 +90,18 @@ def test_joined_model_is_the_sum_and_shares_parameters() -> None:
         assert any(changed), name
 
 
+def test_joined_model_takes_tables_named_as_module_dict_attributes() -> None:
+    """A user's tables named items, keys or values (orders <- items -> pizzas): the centralized baseline's model
+    on their join builds and sums their local models (an nn.ModuleDict keyed by table names refused them)."""
+    local = {name: local_model(2, 1, seed=i) for i, name in enumerate(["orders", "items", "keys", "values"])}
+    joined = JoinedModel(local, dict.fromkeys(local, 2))
+    X = torch.randn(5, 8)
+    expected = sum(local[name](X[:, 2 * i : 2 * i + 2]) for i, name in enumerate(local))
+    torch.testing.assert_close(joined(X), expected, rtol=0, atol=0)
+    assert list(joined.local) == list(local) and joined.local["items"] is local["items"]
+    assert len(list(joined.parameters())) == sum(len(list(m.parameters())) for m in local.values())
+
+
 def test_joined_model_validates_widths() -> None:
     with pytest.raises(ValueError, match="'a'.*width 4"):
         JoinedModel({"a": local_model(3, 1)}, {"a": 4})

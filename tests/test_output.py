@@ -191,6 +191,34 @@ def test_a_refusal_in_the_serverapp_is_one_line_and_an_unexpected_error_keeps_it
     assert lines[2] == "ServerApp raised an exception" and "Traceback" in lines[3] and "KeyError: 'a bug'" in lines[-1]
 
 
+def test_a_hint_below_the_constant_predictor_never_names_a_setting_the_run_has(tmp_path):
+    """Boosted trees on a label of noise that already hold out a validation part and stop early: the warning
+    does not tell them to set validation_fraction=0.1 to stop early (they did, and kept the trees of their best
+    evaluation) but names the finer evaluation that lets them keep fewer trees; a linear model with a
+    validation part is not told to set it either."""
+    import numpy as np
+    import pandas as pd
+
+    from tests.test_checks import shop
+
+    rng = np.random.default_rng(1)
+    orders = pd.DataFrame(
+        {"cust": rng.integers(0, 50, 400), "qty": rng.normal(size=400), "spend": rng.normal(size=400)}
+    )
+    customers = pd.DataFrame({"cust": np.arange(50), "age": rng.normal(size=50), "town": [f"t{i}" for i in range(50)]})
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["categorical"] = ["town"]
+    for overrides, setting in [
+        (["algorithm=gbdt", "algorithm.trees=40", "algorithm.min_child_rows=2"], "algorithm.eval_every"),
+        (["algorithm=sgd", "model.beta=0", "epochs=20"], "model.beta"),
+    ]:
+        lines: list[str] = []
+        cfg = make_cfg(*overrides, "validation_fraction=0.2", dataset=dataset)
+        run_in_process(cfg, tmp_path / overrides[0], tmp_path, log=lines.append)
+        (warning,) = [line for line in lines if line.startswith("warning: the model ends worse")]
+        assert "validation_fraction" not in warning and setting in warning, warning
+
+
 def test_below_the_constant_predictor_is_judged_by_auc_for_a_binary_label():
     """A rare positive class: a useful model (AUC 0.75) often has the majority's accuracy or a hair less, which is
     no reason to warn; an AUC below the constant's 0.5 is. RMSE and several classes' accuracy as they are."""
@@ -203,6 +231,20 @@ def test_below_the_constant_predictor_is_judged_by_auc_for_a_binary_label():
     )
     assert below_constant("multiclass", {"accuracy": 0.542}, {"constant_accuracy": 0.690}).startswith("test accuracy")
     assert below_constant("regression", {"rmse": 2.9}, {"constant_rmse": 2.96}) == ""
+
+
+def test_the_constant_predictor_is_shown_in_the_labels_units_however_small_or_large():
+    """A label in tiny units (an order's total in millions of dollars, RMSE 6e-5) or huge ones (in micro-dollars):
+    the summary line and the warning show the constant predictor's metric as the progress lines show theirs, not
+    as 0.0001 against 0.0001."""
+    from tpflower.reference import below_constant, reference_text
+
+    assert reference_text("regression", {"constant_rmse": 5.38734e-05}) == "constant predictor rmse=5.3873e-05"
+    assert reference_text("regression", {"constant_rmse": 53873388.37}) == "constant predictor rmse=5.3873e+07"
+    assert reference_text("binary", {"constant_accuracy": 0.91992}) == "constant predictor accuracy=0.9199"
+    assert below_constant("regression", {"rmse": 6.16616e-05}, {"constant_rmse": 5.38734e-05}) == (
+        "test rmse 6.1662e-05 against the constant predictor's 5.3873e-05"
+    )
 
 
 def test_boosted_trees_whose_training_loss_ends_above_its_first_evaluation_are_said_to_diverge():

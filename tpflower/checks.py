@@ -270,8 +270,20 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                     s,
                     src,
                     "non-numeric values",
-                    "make every value a number (leave it empty if unknown: missing values are "
-                    "imputed with the median), or declare the column categorical",
+                    "make every value a number (leave it empty if unknown: a missing value, which "
+                    "boosted trees bin apart and the other models fill with the median), or declare the column "
+                    "categorical",
+                )
+            )
+        elif pd.api.types.is_datetime64_any_dtype(s) or pd.api.types.is_timedelta64_dtype(s):
+            out.append(
+                Problem(
+                    name,
+                    f"dates or times, not numbers (dtype {s.dtype})",
+                    "store a number computed from them in a column of the table's file (the year, days since a "
+                    "start date) and declare that one, or declare the column categorical (one category per value)",
+                    column=col,
+                    role="numeric feature",
                 )
             )
         elif not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):

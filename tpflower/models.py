@@ -178,8 +178,8 @@ class JoinedModel(nn.Module):
 
     ``local`` maps table names to local models, in the column order of the concatenated feature matrix X;
     ``widths[name]`` is the number of feature columns of that table (0 allowed). The local modules are held
-    as they are (``self.local``, an ``nn.ModuleDict``), so the parameters are the same objects: a step on the
-    joined model is a step on the local models.
+    as they are (``self.local``, table name -> module, registered as ``self.parts``), so the parameters are the
+    same objects: a step on the joined model is a step on the local models.
     """
 
     def __init__(self, local: Mapping[str, nn.Module], widths: Mapping[str, int]) -> None:
@@ -192,10 +192,10 @@ class JoinedModel(nn.Module):
         for name in names:
             if not isinstance(name, str) or not name or "." in name:
                 raise ValueError(f"table name {name!r} cannot name a torch submodule (empty or contains '.')")
-        try:
-            self.local = nn.ModuleDict({name: local[name] for name in names})
-        except KeyError as err:  # a name that clashes with a ModuleDict attribute, e.g. "keys"
-            raise ValueError(f"table names {names} clash with nn.ModuleDict attributes: {err}") from None
+        # registered by position, looked up by name: a table may be named as any attribute of an nn.ModuleDict
+        # ("items", "keys", "values", "update"), which a ModuleDict keyed by table names refuses
+        self.parts = nn.ModuleList([local[name] for name in names])
+        self.local: dict[str, nn.Module] = dict(zip(names, self.parts, strict=True))
         self.slices: dict[str, slice] = {}
         start = 0
         for name in names:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tpflower.losses import metrics, primary_metric
+from tpflower.results import figure
 
 
 def constant_predictions(task: str, y_train: np.ndarray, n: int, d_out: int) -> np.ndarray:
@@ -34,10 +35,11 @@ def as_reference(test_metrics: dict[str, float]) -> dict[str, float]:
 
 
 def reference_text(task: str, reference: dict[str, float]) -> str:
-    """``constant predictor rmse=1.1234`` for the summary line ('' when unknown)."""
+    """``constant predictor rmse=1.1234`` for the summary line ('' when unknown), the value as the progress lines
+    show theirs (:func:`tpflower.results.figure`: 5 significant digits for a label in tiny or huge units)."""
     metric = primary_metric(task)
     value = reference.get(f"constant_{metric}")
-    return "" if value is None else f"constant predictor {metric}={value:.4f}"
+    return "" if value is None else f"constant predictor {metric}={figure(value)}"
 
 
 def below_constant(task: str, test: dict[str, float], reference: dict[str, float]) -> str:
@@ -50,7 +52,7 @@ def below_constant(task: str, test: dict[str, float], reference: dict[str, float
     if value is None or constant is None or not np.isfinite(value):
         return ""
     worse = value > constant if metric == "rmse" else value < constant
-    return f"test {metric} {value:.4f} against the constant predictor's {constant:.4f}" if worse else ""
+    return f"test {metric} {figure(value)} against the constant predictor's {figure(constant)}" if worse else ""
 
 
 def loss_grew(losses: list[tuple[int, float]]) -> str:
