@@ -215,7 +215,7 @@ def best_native_splits(
     others = np.setdiff1d(np.arange(len(layout.offsets) - 1), np.concatenate([[], *blocks])).astype(np.int64)
     part, part_bins = layout.part(others)
     gains, found, bins, missing_left = best_splits(hists[:, :, part_bins], part, rule)
-    features = np.where(found >= 0, others[np.maximum(found, 0)] if len(others) else -1, -1)
+    features = np.append(others, -1)[found]  # (found -1: none, the appended -1)
     sets: list[np.ndarray | None] = [None] * k
     if not blocks:
         return gains, features, bins, missing_left, sets
