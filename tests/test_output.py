@@ -75,9 +75,8 @@ def test_federated_results_carry_the_constant_predictor(privacy, tmp_path):
     assert not any(line.startswith("warning: the model ends worse") for line in lines)  # it learnt
 
 
-def test_a_model_worse_than_the_constant_predictor_ends_with_a_warning(tmp_path):
-    """A label of noise over few rows and a wide one-hot block: the weakly regularized solution overfits, and
-    the run says so in one line, with the setting that helps."""
+def noise_shop(tmp_path, n_orders: int) -> dict:
+    """orders (a label of noise) x customers (a 50-category town column): a join no model beats the constant on."""
     import numpy as np
     import pandas as pd
 
@@ -85,11 +84,18 @@ def test_a_model_worse_than_the_constant_predictor_ends_with_a_warning(tmp_path)
 
     rng = np.random.default_rng(1)
     orders = pd.DataFrame(
-        {"cust": rng.integers(0, 50, 120), "qty": rng.normal(size=120), "spend": rng.normal(size=120)}
+        {"cust": rng.integers(0, 50, n_orders), "qty": rng.normal(size=n_orders), "spend": rng.normal(size=n_orders)}
     )
     customers = pd.DataFrame({"cust": np.arange(50), "age": rng.normal(size=50), "town": [f"t{i}" for i in range(50)]})
     dataset = shop(tmp_path, orders, customers)
     dataset["tables"]["customers"]["categorical"] = ["town"]
+    return dataset
+
+
+def test_a_model_worse_than_the_constant_predictor_ends_with_a_warning(tmp_path):
+    """A label of noise over few rows and a wide one-hot block: the weakly regularized solution overfits, and
+    the run says so in one line, with the setting that helps."""
+    dataset = noise_shop(tmp_path, 120)
     lines: list[str] = []
     run_in_process(make_cfg("algorithm=pcg", dataset=dataset), tmp_path / "run", tmp_path, log=lines.append)
     record = read_results(tmp_path / "run")
@@ -196,18 +202,7 @@ def test_a_hint_below_the_constant_predictor_never_names_a_setting_the_run_has(t
     does not tell them to set validation_fraction=0.1 to stop early (they did, and kept the trees of their best
     evaluation) but names the finer evaluation that lets them keep fewer trees; a linear model with a
     validation part is not told to set it either."""
-    import numpy as np
-    import pandas as pd
-
-    from tests.test_checks import shop
-
-    rng = np.random.default_rng(1)
-    orders = pd.DataFrame(
-        {"cust": rng.integers(0, 50, 400), "qty": rng.normal(size=400), "spend": rng.normal(size=400)}
-    )
-    customers = pd.DataFrame({"cust": np.arange(50), "age": rng.normal(size=50), "town": [f"t{i}" for i in range(50)]})
-    dataset = shop(tmp_path, orders, customers)
-    dataset["tables"]["customers"]["categorical"] = ["town"]
+    dataset = noise_shop(tmp_path, 400)
     for overrides, setting in [
         (["algorithm=gbdt", "algorithm.trees=40", "algorithm.min_child_rows=2"], "algorithm.eval_every"),
         (["algorithm=sgd", "model.beta=0", "epochs=20"], "model.beta"),
