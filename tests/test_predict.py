@@ -430,6 +430,19 @@ def test_a_bad_rows_file_is_one_line_and_nothing_is_written(trained, tmp_path, c
     assert not (tmp_path / "p.csv").exists()
 
 
+def test_numbers_held_as_text_score_as_the_numbers_a_csv_file_holds(trained, tmp_path):
+    """A numeric column whose values are all numbers but held as text (a Parquet file written from strings, a
+    DataFrame read with dtype=str) scores as the CSV file of the same rows, as training's check accepts it; only
+    a value that is no number is refused (above)."""
+    strategy, run_dir, rows, _ = trained
+    numeric = strategy.spec.table(strategy.spec.label_table).numeric[0]
+    frame = pd.read_csv(rows)
+    text = tmp_path / "text.parquet"
+    frame.assign(**{numeric: frame[numeric].map(repr)}).to_parquet(text)
+    as_text, as_numbers = (predict_run(run_dir, path, **QUIET).frame() for path in (text, rows))
+    pd.testing.assert_frame_equal(as_text, as_numbers)
+
+
 def test_columns_the_model_does_not_take_are_ignored_with_one_line(trained, tmp_path, capsys):
     strategy, run_dir, rows, _ = trained
     extra = tmp_path / "extra.csv"

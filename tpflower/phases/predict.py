@@ -251,8 +251,12 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     for c in (*part.numeric, *part.bin_edges):
         col = frame[c]
         if not (pd.api.types.is_numeric_dtype(col) or pd.api.types.is_bool_dtype(col)):
-            bad = pd.to_numeric(col, errors="coerce").isna() & col.notna()
-            first = int(np.flatnonzero(bad.to_numpy())[0]) if bad.any() else 0
+            numbers = pd.to_numeric(col, errors="coerce")
+            bad = numbers.isna() & col.notna()
+            if not bad.any():  # numbers held as text (a Parquet or DataFrame string column): as a CSV file reads them
+                frame[c] = numbers
+                continue
+            first = int(np.flatnonzero(bad.to_numpy())[0])
             detail = f"{where}: column {c!r} of table {table!r} is numeric, but row {first} holds {col.iloc[first]!r}"
             raise rows_refusal(client, f"{detail}, not a number", "has a non-numeric value in a numeric column")
     if len(frame) == 0:
