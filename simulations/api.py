@@ -251,7 +251,8 @@ class Model:
             return {}
         last = self.results["history"][-1]
         out = {self.results["metric"]: float(last["test_metric"])}
-        out.update({k: float(last[k]) for k in SECONDARY_METRICS if last.get(k) is not None})
+        # results.json's history names them test_auc ... (strategies/evaluation.py)
+        out.update({k: float(last[f"test_{k}"]) for k in SECONDARY_METRICS if last.get(f"test_{k}") is not None})
         return out
 
     @property

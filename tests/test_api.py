@@ -63,6 +63,22 @@ def test_fit_is_the_command_lines_run(runtime, tmp_path):
     assert list(model.history["epoch"])[:2] == [1, 2] and len(history) in (2, 3)
 
 
+def test_a_binary_models_metrics_hold_its_auc(tmp_path):
+    """A binary label's metrics are accuracy and AUC, the numbers of the run's last evaluation (its history
+    names the AUC test_auc)."""
+    model = tpflower.fit(
+        dataset="synthetic",
+        algorithm="admm",
+        epochs=1,
+        dataset__loader__task="binary",
+        runtime="inprocess",
+        run_dir=tmp_path / "run",
+        verbose=False,
+    )
+    last = model.results["history"][-1]
+    assert model.metrics == {"accuracy": last["test_metric"], "auc": last["test_auc"]}
+
+
 def test_an_api_error_is_the_command_lines_message(tmp_path):
     (tmp_path / "dataset").mkdir()
     spec = tmp_path / "dataset" / "bad.yaml"
