@@ -266,6 +266,40 @@ def test_raw_movielens_rows_give_one_prediction_per_rating_equal_to_the_run(tmp_
     assert (got["joined_rows"].to_numpy() == pd.Series(label_rows).value_counts().sort_index().to_numpy()).all()
 
 
+def test_raw_movielens_rows_without_a_usable_timestamp_name_it_in_one_line(tmp_path, capsys):
+    """The time features come from the file's timestamp: a rows file without it names the timestamp (not the
+    derived columns it never had), and a timestamp that is text or no time in seconds (milliseconds) is refused
+    with its first row, not scored as a missing time or a date centuries away; an empty one is a missing time."""
+    train(tmp_path / "run", "algorithm=admm", "dataset=movielens")
+    files = {
+        "no column": "movieId,userId\n62,2\n",
+        "text": "movieId,userId,timestamp\n62,2,835355749\n62,2,yesterday\n",
+        "milliseconds": "movieId,userId,timestamp\n62,2,1260759117000\n",
+        "empty": "movieId,userId,timestamp\n62,2,\n",
+    }
+    errors = {}
+    for name, text in files.items():
+        path = tmp_path / f"{name.replace(' ', '-')}.csv"
+        path.write_text(text)
+        capsys.readouterr()
+        code = predict_main([str(tmp_path / "run"), "--rows", str(path), "--out", str(tmp_path / f"{path.stem}.out")])
+        errors[name] = (code, capsys.readouterr().err.strip())
+    assert errors["empty"] == (0, "")
+    for name in ("no column", "text", "milliseconds"):
+        code, err = errors[name]
+        assert code == 1 and len(err.splitlines()) == 1, err
+    assert (
+        "lacks column(s) ['timestamp'] of table 'ratings': the model's features ['rating_year'"
+        in errors["no column"][1]
+    )
+    assert (
+        "'timestamp' of table 'ratings' holds 1 value(s) that are no Unix time in seconds, like 'yesterday' (the "
+        "first in row 1)" in errors["text"][1]
+    )
+    assert "like 1260759117000 (the first in row 0)" in errors["milliseconds"][1]
+    assert not (tmp_path / "text.out").exists()
+
+
 def test_new_rows_of_another_table_score_every_joined_row_they_take_part_in(trained, tmp_path):
     """The query table need not be the label table: a dimension table's rows as new rows join the rows the
     other tables serve now, and every joined row gets the prediction it gets from the label table's side."""
