@@ -477,6 +477,22 @@ def test_numbers_held_as_text_score_as_the_numbers_a_csv_file_holds(trained, tmp
     pd.testing.assert_frame_equal(as_text, as_numbers)
 
 
+@pytest.mark.parametrize("where", ["the rows file", "a directory", "the rows file beside the unjoined file"])
+def test_an_out_that_would_overwrite_the_rows_or_is_a_directory_is_one_line_before_any_work(
+    trained, tmp_path, capsys, where
+):
+    _, run_dir, rows, _ = trained
+    mine = tmp_path / ("new.unjoined.csv" if where.endswith("unjoined file") else "new.csv")
+    shutil.copy(rows, mine)
+    out = {"the rows file": mine, "a directory": tmp_path}.get(where, tmp_path / "new.csv")
+    capsys.readouterr()
+    assert predict_main([str(run_dir), "--rows", str(mine), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --out {out} "), err
+    assert ("is a directory" if where == "a directory" else "would overwrite the rows file") in err, err
+    assert mine.read_bytes() == Path(rows).read_bytes()
+
+
 def test_columns_the_model_does_not_take_are_ignored_with_one_line(trained, tmp_path, capsys):
     strategy, run_dir, rows, _ = trained
     extra = tmp_path / "extra.csv"
