@@ -493,6 +493,17 @@ def test_an_out_that_would_overwrite_the_rows_or_is_a_directory_is_one_line_befo
     assert mine.read_bytes() == Path(rows).read_bytes()
 
 
+def test_a_rows_file_separated_by_semicolons_is_told_to_use_commas(trained, tmp_path, capsys):
+    _, run_dir, rows, _ = trained
+    semi = tmp_path / "semi.csv"
+    pd.read_csv(rows).to_csv(semi, index=False, sep=";")
+    capsys.readouterr()
+    assert predict_main([str(run_dir), "--rows", str(semi), "--out", str(tmp_path / "p.csv")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lacks key column(s)" in err, err
+    assert err.endswith(": separate the columns with commas"), err
+
+
 def test_columns_the_model_does_not_take_are_ignored_with_one_line(trained, tmp_path, capsys):
     strategy, run_dir, rows, _ = trained
     extra = tmp_path / "extra.csv"

@@ -209,6 +209,9 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     missing = [c for c in keys if c not in frame.columns]
     if missing:
         detail = f"{_lacks(where)} key column(s) {missing} of table {table!r} (the rows join by {keys})"
+        only = [str(c) for c in frame.columns]
+        if len(only) == 1 and any(sep in only[0] for sep in ";\t|"):  # another separator than CSV's comma
+            detail += f"; its header reads as the one column {only[0]!r}: separate the columns with commas"
         raise rows_refusal(client, detail, f"lacks key column(s) {missing} (the rows join by {keys})", says=None)
     incomplete = frame[keys].isna().any(axis=1).to_numpy()
     if incomplete.any():
