@@ -269,7 +269,8 @@ def test_raw_movielens_rows_give_one_prediction_per_rating_equal_to_the_run(tmp_
 def test_raw_movielens_rows_without_a_usable_timestamp_name_it_in_one_line(tmp_path, capsys):
     """The time features come from the file's timestamp: a rows file without it names the timestamp (not the
     derived columns it never had), and a timestamp that is text or no time in seconds (milliseconds) is refused
-    with its first row, not scored as a missing time or a date centuries away; an empty one is a missing time."""
+    with its first row, not scored as a missing time or a date centuries away; an empty one is a missing time.
+    New movies with the file's '|'-joined genres are told the table has a row per genre."""
     train(tmp_path / "run", "algorithm=admm", "dataset=movielens")
     files = {
         "no column": "movieId,userId\n62,2\n",
@@ -297,6 +298,13 @@ def test_raw_movielens_rows_without_a_usable_timestamp_name_it_in_one_line(tmp_p
         "first in row 1)" in errors["text"][1]
     )
     assert "like 1260759117000 (the first in row 0)" in errors["milliseconds"][1]
+    movies = tmp_path / "movies.csv"  # new movies as the dslabs file has them: one row, genres joined by '|'
+    movies.write_text("movieId,title,year,genres\n62,Mr. Holland's Opus,1995,Drama|Comedy\n")
+    capsys.readouterr()
+    out = tmp_path / "movies.out"
+    assert predict_main([str(tmp_path / "run"), "--rows", str(movies), "--table", "movies", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "give each of a new movie's genres a row of its own" in err, err
     assert not (tmp_path / "text.out").exists()
 
 

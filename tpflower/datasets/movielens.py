@@ -73,6 +73,11 @@ def derive(table: str, frame: pd.DataFrame) -> pd.DataFrame:
         known = seconds.notna()  # a row without a timestamp gets missing time features (the median fills them)
         features = timestamp_features(seconds[known]).reindex(frame.index)
         return pd.concat([frame.drop(columns=list(time_columns), errors="ignore"), features], axis=1)
+    if table == "movies" and "genres" in frame and "genre" not in frame and len(frame):
+        raise SpecError(
+            "table 'movies' has one row per (movie, genre), its feature the column 'genre': give each of a new "
+            "movie's genres a row of its own (the 'genres' column split at '|'), as training's rows are"
+        )
     if table == "users" and "userId" in frame and "user" not in frame:
         return frame.assign(user=frame["userId"].astype("int64").astype(str))
     return frame
