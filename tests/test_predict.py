@@ -331,7 +331,7 @@ def test_new_rows_of_another_table_score_every_joined_row_they_take_part_in(trai
     assert predict_main([str(run_dir), "--rows", str(tmp_path / "fact.csv"), "--table", "nope"]) == 1
 
 
-def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
+def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path, capsys):
     strategy, run_dir, rows, _ = trained
     frame = pd.read_csv(rows).drop(columns=[strategy.spec.label.column])  # new rows come without labels
     join = next(j for j in strategy.spec.joins if strategy.spec.label_table in (j.left, j.right))
@@ -339,7 +339,15 @@ def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
     frame.loc[[3, 7], column] = frame[column].max() + 10_000  # no dimension row has this key
     frame.to_csv(tmp_path / "unseen.csv", index=False, float_format="%.17g")
     out = tmp_path / "p.csv"
+    capsys.readouterr()
     assert predict_main([str(run_dir), "--rows", str(tmp_path / "unseen.csv"), "--out", str(out)]) == 0
+    other = join.right if join.left == strategy.spec.label_table else join.left
+    printed = capsys.readouterr().out  # the join and key at fault, one line
+    assert (
+        f"2 of {len(frame)} new row(s) hold a key ['{column}'] that no row of table '{other}' holds (the first in "
+        "row 3): they join no partner"
+    ) in printed, printed
+    assert printed.count("that no row of table") == 1
     assert pd.read_csv(tmp_path / "p.unjoined.csv")["row"].tolist() == [3, 7]
     assert not {3, 7} & set(pd.read_csv(out)["row"])
     assert set(pd.read_csv(out)["row"]) == set(range(len(frame))) - {3, 7}
