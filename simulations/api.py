@@ -12,6 +12,7 @@ with the command line's message.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -251,7 +252,8 @@ class Model:
             return {}
         last = self.results["history"][-1]
         out = {self.results["metric"]: float(last["test_metric"])}
-        out.update({k: float(last[k]) for k in SECONDARY_METRICS if last.get(k) is not None})
+        # results.json's history names them test_auc ... (strategies/evaluation.py)
+        out.update({k: float(last[f"test_{k}"]) for k in SECONDARY_METRICS if last.get(f"test_{k}") is not None})
         return out
 
     @property
@@ -290,6 +292,11 @@ class Model:
         joined row with the partner tables' rows (a row that joins nothing has none). ``verbose`` None: as the
         fit that made the model (a loaded model: True). ``base_dir`` None: the fit's (a loaded model:
         ``load``'s). Errors about the rows of a DataFrame call them "the rows"."""
+        if not isinstance(rows, (pd.DataFrame, str, os.PathLike)):
+            raise TpflowerError(
+                f"predict takes the rows as a pandas DataFrame or the path of a CSV / Parquet file, got "
+                f"{type(rows).__name__} (a dict or list of rows: pd.DataFrame(rows))"
+            )
         log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):

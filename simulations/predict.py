@@ -26,7 +26,13 @@ from omegaconf import OmegaConf, open_dict
 
 from simulations.federated import run_flower_simulation, run_in_process
 from strategies.model_record import read_model_record
-from strategies.predict import PREDICTIONS_FILE, FederatedPrediction, Predictions, write_predictions
+from strategies.predict import (
+    PREDICTIONS_FILE,
+    FederatedPrediction,
+    Predictions,
+    unjoined_path,
+    write_predictions,
+)
 from strategies.transport import RunError
 from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec, load_table
@@ -182,6 +188,16 @@ def unused_columns(path: Path, spec: RelationalSpec, table: str, loader: str | N
     return [c for c in columns if c not in used]
 
 
+def out_problem(out: Path, rows: Path) -> str | None:
+    """Why the predictions cannot go to ``out`` (checked before any work), or None: a directory, or the rows
+    file itself (it, or the file of unjoined rows beside it, would overwrite the new rows)."""
+    if out.is_dir():
+        return f"--out {out} is a directory: give the predictions file's name (e.g. {out / PREDICTIONS_FILE})"
+    if rows.exists() and any(p.exists() and p.samefile(rows) for p in (out, unjoined_path(out))):
+        return f"--out {out} would overwrite the rows file {rows}: give the predictions another file name"
+    return None
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.predict") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", help="the training run's directory (model.json, node-state/)")
@@ -198,6 +214,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.p
     parser.add_argument("--base-dir", help="where relative dataset paths start (default: the current directory)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
+    out = Path(args.out) if args.out else Path(args.run_dir) / PREDICTIONS_FILE
+    problem = out_problem(out, Path(args.rows))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return 1
     try:
         pred = predict_run(
             args.run_dir,
@@ -211,7 +232,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.p
     except (RunError, SpecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
-    out = Path(args.out) if args.out else Path(args.run_dir) / PREDICTIONS_FILE
     write_predictions(pred, out)
     print(
         f"{pred.n_rows + len(pred.unjoined)} new rows: {pred.n_rows} scored over {len(pred.rows)} joined rows, "

@@ -17,7 +17,7 @@ request runs like training's setup and one evaluation round:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from tpflower.batches import joined_predictions
 from tpflower.clustering import sq_distances
 from tpflower.datasets import load_spec
 from tpflower.local_table import with_class_names
-from tpflower.mapping import KeyProjection, build_mapping
+from tpflower.mapping import KeyProjection, build_mapping, rows_without_partner
 from tpflower.schema import RelationalSpec, SpecError
 
 PREDICTIONS_FILE = "predictions.csv"
@@ -224,6 +224,7 @@ class FederatedPrediction(TablePuppetStrategy):
             codes = {k: arrays[f"code.{k}"] for k in joins}
             digests = {k: arrays[f"digest.{k}"] for k in joins}
             projections[t].append(KeyProjection(t, np.asarray(arrays["row_ids"], dtype=np.int64), codes, digests))
+        self.say_why_unjoined(projections, n_query)
         try:
             mapping = build_mapping(self.spec, projections)
         except SpecError:  # no new row joins: every one is reported (the query node's stages in order: none scored)
@@ -276,6 +277,19 @@ class FederatedPrediction(TablePuppetStrategy):
                 self.query[0],
             )
         )
+
+    def say_why_unjoined(self, projections: Mapping[str, Sequence[KeyProjection]], n_query: int) -> None:
+        """One line per join of the query table on which some new rows find no partner: the join, its key
+        columns, the count and the first row (the server learns which rows join anyway: it builds the join)."""
+        table = self.query[0]
+        for k, lonely in rows_without_partner(self.spec, projections, table).items():
+            j = self.spec.joins[k]
+            other = j.right if j.left == table else j.left
+            mine = [a if j.left == table else b for a, b in j.on]
+            self.log(
+                f"{len(lonely)} of {n_query} new row(s) hold a key {mine} that no row of table {other!r} holds (the "
+                f"first in row {int(lonely[0])}): they join no partner"
+            )
 
     def finish(self, predictions: Predictions) -> None:
         """The predictions to the query owner (its node keeps them), then to ``out`` if the server has one."""

@@ -63,6 +63,28 @@ def test_fit_is_the_command_lines_run(runtime, tmp_path):
     assert list(model.history["epoch"])[:2] == [1, 2] and len(history) in (2, 3)
 
 
+def test_a_binary_models_metrics_hold_its_auc(tmp_path):
+    """A binary label's metrics are accuracy and AUC, the numbers of the run's last evaluation (its history
+    names the AUC test_auc)."""
+    model = tpflower.fit(
+        dataset="synthetic",
+        algorithm="admm",
+        epochs=1,
+        dataset__loader__task="binary",
+        runtime="inprocess",
+        run_dir=tmp_path / "run",
+        verbose=False,
+    )
+    last = model.results["history"][-1]
+    assert model.metrics == {"accuracy": last["test_metric"], "auc": last["test_auc"]}
+
+
+def test_predict_refuses_rows_that_are_no_frame_or_path_in_one_line(tmp_path):
+    model = tpflower.Model.__new__(tpflower.Model)  # the check comes before the run dir is read
+    with pytest.raises(tpflower.TpflowerError, match=r"as a pandas DataFrame or the path .*, got list"):
+        model.predict([{"id": 1}])
+
+
 def test_an_api_error_is_the_command_lines_message(tmp_path):
     (tmp_path / "dataset").mkdir()
     spec = tmp_path / "dataset" / "bad.yaml"

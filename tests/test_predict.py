@@ -266,6 +266,48 @@ def test_raw_movielens_rows_give_one_prediction_per_rating_equal_to_the_run(tmp_
     assert (got["joined_rows"].to_numpy() == pd.Series(label_rows).value_counts().sort_index().to_numpy()).all()
 
 
+def test_raw_movielens_rows_without_a_usable_timestamp_name_it_in_one_line(tmp_path, capsys):
+    """The time features come from the file's timestamp: a rows file without it names the timestamp (not the
+    derived columns it never had), and a timestamp that is text or no time in seconds (milliseconds) is refused
+    with its first row, not scored as a missing time or a date centuries away; an empty one is a missing time.
+    New movies with the file's '|'-joined genres are told the table has a row per genre."""
+    train(tmp_path / "run", "algorithm=admm", "dataset=movielens")
+    files = {
+        "no column": "movieId,userId\n62,2\n",
+        "text": "movieId,userId,timestamp\n62,2,835355749\n62,2,yesterday\n",
+        "milliseconds": "movieId,userId,timestamp\n62,2,1260759117000\n",
+        "empty": "movieId,userId,timestamp\n62,2,\n",
+    }
+    errors = {}
+    for name, text in files.items():
+        path = tmp_path / f"{name.replace(' ', '-')}.csv"
+        path.write_text(text)
+        capsys.readouterr()
+        code = predict_main([str(tmp_path / "run"), "--rows", str(path), "--out", str(tmp_path / f"{path.stem}.out")])
+        errors[name] = (code, capsys.readouterr().err.strip())
+    assert errors["empty"] == (0, "")
+    for name in ("no column", "text", "milliseconds"):
+        code, err = errors[name]
+        assert code == 1 and len(err.splitlines()) == 1, err
+    assert (
+        "lacks column(s) ['timestamp'] of table 'ratings': the model's features ['rating_year'"
+        in errors["no column"][1]
+    )
+    assert (
+        "'timestamp' of table 'ratings' holds 1 value(s) that are no Unix time in seconds, like 'yesterday' (the "
+        "first in row 1)" in errors["text"][1]
+    )
+    assert "like 1260759117000 (the first in row 0)" in errors["milliseconds"][1]
+    movies = tmp_path / "movies.csv"  # new movies as the dslabs file has them: one row, genres joined by '|'
+    movies.write_text("movieId,title,year,genres\n62,Mr. Holland's Opus,1995,Drama|Comedy\n")
+    capsys.readouterr()
+    out = tmp_path / "movies.out"
+    assert predict_main([str(tmp_path / "run"), "--rows", str(movies), "--table", "movies", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "give each of a new movie's genres a row of its own" in err, err
+    assert not (tmp_path / "text.out").exists()
+
+
 def test_new_rows_of_another_table_score_every_joined_row_they_take_part_in(trained, tmp_path):
     """The query table need not be the label table: a dimension table's rows as new rows join the rows the
     other tables serve now, and every joined row gets the prediction it gets from the label table's side."""
@@ -289,7 +331,7 @@ def test_new_rows_of_another_table_score_every_joined_row_they_take_part_in(trai
     assert predict_main([str(run_dir), "--rows", str(tmp_path / "fact.csv"), "--table", "nope"]) == 1
 
 
-def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
+def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path, capsys):
     strategy, run_dir, rows, _ = trained
     frame = pd.read_csv(rows).drop(columns=[strategy.spec.label.column])  # new rows come without labels
     join = next(j for j in strategy.spec.joins if strategy.spec.label_table in (j.left, j.right))
@@ -297,7 +339,15 @@ def test_a_row_with_an_unseen_key_is_reported_and_excluded(trained, tmp_path):
     frame.loc[[3, 7], column] = frame[column].max() + 10_000  # no dimension row has this key
     frame.to_csv(tmp_path / "unseen.csv", index=False, float_format="%.17g")
     out = tmp_path / "p.csv"
+    capsys.readouterr()
     assert predict_main([str(run_dir), "--rows", str(tmp_path / "unseen.csv"), "--out", str(out)]) == 0
+    other = join.right if join.left == strategy.spec.label_table else join.left
+    printed = capsys.readouterr().out  # the join and key at fault, one line
+    assert (
+        f"2 of {len(frame)} new row(s) hold a key ['{column}'] that no row of table '{other}' holds (the first in "
+        "row 3): they join no partner"
+    ) in printed, printed
+    assert printed.count("that no row of table") == 1
     assert pd.read_csv(tmp_path / "p.unjoined.csv")["row"].tolist() == [3, 7]
     assert not {3, 7} & set(pd.read_csv(out)["row"])
     assert set(pd.read_csv(out)["row"]) == set(range(len(frame))) - {3, 7}
@@ -428,6 +478,46 @@ def test_a_bad_rows_file_is_one_line_and_nothing_is_written(trained, tmp_path, c
     assert len(err.splitlines()) == 1 and err.startswith("error: table 'fact' shard 0: rows file"), err
     assert re.search(line, err), err
     assert not (tmp_path / "p.csv").exists()
+
+
+def test_numbers_held_as_text_score_as_the_numbers_a_csv_file_holds(trained, tmp_path):
+    """A numeric column whose values are all numbers but held as text (a Parquet file written from strings, a
+    DataFrame read with dtype=str) scores as the CSV file of the same rows, as training's check accepts it; only
+    a value that is no number is refused (above)."""
+    strategy, run_dir, rows, _ = trained
+    numeric = strategy.spec.table(strategy.spec.label_table).numeric[0]
+    frame = pd.read_csv(rows)
+    text = tmp_path / "text.parquet"
+    frame.assign(**{numeric: frame[numeric].map(repr)}).to_parquet(text)
+    as_text, as_numbers = (predict_run(run_dir, path, **QUIET).frame() for path in (text, rows))
+    pd.testing.assert_frame_equal(as_text, as_numbers)
+
+
+@pytest.mark.parametrize("where", ["the rows file", "a directory", "the rows file beside the unjoined file"])
+def test_an_out_that_would_overwrite_the_rows_or_is_a_directory_is_one_line_before_any_work(
+    trained, tmp_path, capsys, where
+):
+    _, run_dir, rows, _ = trained
+    mine = tmp_path / ("new.unjoined.csv" if where.endswith("unjoined file") else "new.csv")
+    shutil.copy(rows, mine)
+    out = {"the rows file": mine, "a directory": tmp_path}.get(where, tmp_path / "new.csv")
+    capsys.readouterr()
+    assert predict_main([str(run_dir), "--rows", str(mine), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --out {out} "), err
+    assert ("is a directory" if where == "a directory" else "would overwrite the rows file") in err, err
+    assert mine.read_bytes() == Path(rows).read_bytes()
+
+
+def test_a_rows_file_separated_by_semicolons_is_told_to_use_commas(trained, tmp_path, capsys):
+    _, run_dir, rows, _ = trained
+    semi = tmp_path / "semi.csv"
+    pd.read_csv(rows).to_csv(semi, index=False, sep=";")
+    capsys.readouterr()
+    assert predict_main([str(run_dir), "--rows", str(semi), "--out", str(tmp_path / "p.csv")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lacks key column(s)" in err, err
+    assert err.endswith(": separate the columns with commas"), err
 
 
 def test_columns_the_model_does_not_take_are_ignored_with_one_line(trained, tmp_path, capsys):

@@ -37,6 +37,8 @@ LOADERS: dict[str, Loader] = {
 #: name -> derive(table, frame) -> frame: rows in the format of the loader's source (new rows to score, say)
 #: with the columns the loader derives from them added (movielens: the rating's time features)
 DERIVERS: dict[str, Deriver] = {"movielens": movielens.derive}
+#: name -> derived_from(table) -> {derived column: the source column it comes from}
+DERIVED_FROM: dict[str, Callable[[str], dict[str, str]]] = {"movielens": movielens.derived_from}
 #: name -> describe(**kwargs) -> spec parts (tables/label/joins/split) used where the config has none
 DESCRIBERS: dict[str, Describer] = {"synthetic": synthetic.describe}
 SPEC_PARTS: tuple[str, ...] = ("tables", "label", "joins", "split")
@@ -48,6 +50,7 @@ __all__ = [
     "column_kind",
     "compile_sql",
     "derive_rows",
+    "derived_from",
     "load_dataset",
     "load_spec",
     "load_table",
@@ -68,6 +71,12 @@ def register_loader(name: str, load: Loader, describe: Describer | None = None, 
         DESCRIBERS[name] = describe
     if derive is not None:
         DERIVERS[name] = derive
+
+
+def derived_from(loader: str, table: str) -> dict[str, str]:
+    """``{derived column: its source column}`` of the loader's ``table`` (empty for a loader without any)."""
+    of = DERIVED_FROM.get(loader)
+    return {} if of is None else of(table)
 
 
 def derive_rows(loader: str, table: str, frame: pd.DataFrame) -> pd.DataFrame:

@@ -16,6 +16,7 @@ import pandas as pd
 from tpflower.schema import SpecError
 
 TABLES: tuple[str, ...] = ("ratings", "movies", "users")
+MAX_SECONDS = 9.2e9  # pandas' datetimes end in 2262 (nanoseconds in int64)
 
 
 def timestamp_features(timestamp: pd.Series) -> pd.DataFrame:
@@ -39,6 +40,18 @@ def split_genres(movies: pd.DataFrame, genres: str = "genres") -> pd.DataFrame:
     return out[out["genre"] != ""].reset_index(drop=True)
 
 
+#: per table, the source column each derived column comes from: a rows file in the source's format holds it
+DERIVED_FROM: dict[str, dict[str, str]] = {
+    "ratings": dict.fromkeys(("rating_year", "rating_month", "rating_hour", "rating_weekday"), "timestamp"),
+    "users": {"user": "userId"},
+}
+
+
+def derived_from(table: str) -> dict[str, str]:
+    """``{derived column: the source column it comes from}`` of ``table`` (:data:`DERIVED_FROM`)."""
+    return dict(DERIVED_FROM.get(table, {}))
+
+
 def derive(table: str, frame: pd.DataFrame) -> pd.DataFrame:
     """New rows of ``table`` as the dslabs movielens file has them (userId, movieId, timestamp ...) with the
     columns load() derives: ratings' time features from ``timestamp``, users' ``user`` from ``userId``. Rows
@@ -46,9 +59,25 @@ def derive(table: str, frame: pd.DataFrame) -> pd.DataFrame:
     time_columns = ("rating_year", "rating_month", "rating_hour", "rating_weekday")
     if table == "ratings" and "timestamp" in frame and not set(time_columns) <= set(frame.columns):
         seconds = pd.to_numeric(frame["timestamp"], errors="coerce")
+        # text, or a number no date pandas holds (milliseconds, say)
+        bad = ((seconds.isna() & frame["timestamp"].notna()) | (seconds.abs() > MAX_SECONDS)).to_numpy()
+        if bad.any():
+            first = int(bad.argmax())
+            value = frame["timestamp"].iloc[first]
+            value = value.item() if hasattr(value, "item") else value
+            raise SpecError(
+                f"column 'timestamp' of table 'ratings' holds {int(bad.sum())} value(s) that are no Unix time in "
+                f"seconds, like {value!r} (the first in row {first}); give seconds (milliseconds divided by 1000) "
+                "and leave a time unknown empty"
+            )
         known = seconds.notna()  # a row without a timestamp gets missing time features (the median fills them)
         features = timestamp_features(seconds[known]).reindex(frame.index)
         return pd.concat([frame.drop(columns=list(time_columns), errors="ignore"), features], axis=1)
+    if table == "movies" and "genres" in frame and "genre" not in frame and len(frame):
+        raise SpecError(
+            "table 'movies' has one row per (movie, genre), its feature the column 'genre': give each of a new "
+            "movie's genres a row of its own (the 'genres' column split at '|'), as training's rows are"
+        )
     if table == "users" and "userId" in frame and "user" not in frame:
         return frame.assign(user=frame["userId"].astype("int64").astype(str))
     return frame

@@ -41,7 +41,7 @@ import pandas as pd
 from tpflower.checks import NA_ATTR
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
-from tpflower.datasets import derive_rows
+from tpflower.datasets import derive_rows, derived_from
 from tpflower.datasets.files import read_rows_file
 from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, takes
@@ -200,11 +200,18 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
         raise rows_refusal(client, detail, "holds no row (a header only): nothing to score", says=None)
     na_text = {c: v for c, v in (frame.attrs.get(NA_ATTR) or {}).items() if c in part.numeric}
     if s.owner.loader is not None:  # rows in the format of the loader's source: its derived columns computed
-        frame = derive_rows(s.owner.loader, table, frame)
+        try:
+            frame = derive_rows(s.owner.loader, table, frame)
+        except SpecError as exc:
+            detail = f"{where}: {exc}"
+            raise rows_refusal(client, detail, "has a value its derived features cannot come from") from None
     keys = list(spec.key_columns(table))
     missing = [c for c in keys if c not in frame.columns]
     if missing:
         detail = f"{_lacks(where)} key column(s) {missing} of table {table!r} (the rows join by {keys})"
+        only = [str(c) for c in frame.columns]
+        if len(only) == 1 and any(sep in only[0] for sep in ";\t|"):  # another separator than CSV's comma
+            detail += f"; its header reads as the one column {only[0]!r}: separate the columns with commas"
         raise rows_refusal(client, detail, f"lacks key column(s) {missing} (the rows join by {keys})", says=None)
     incomplete = frame[keys].isna().any(axis=1).to_numpy()
     if incomplete.any():
@@ -225,6 +232,14 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             logging.getLogger("tpflower").warning("%s: read as missing (dataset.na_strings: missing)", detail)
     frame = frame[[c for c in frame.columns if c in set(keys) | set(part.columns)]]  # other columns: ignored
     absent = [c for c in part.columns if c not in frame.columns]
+    sources = derived_from(s.owner.loader, table) if s.owner.loader is not None else {}
+    if any(c in sources for c in absent):  # rows in the source's format: name the column they come from
+        named = sorted({sources.get(c, c) for c in absent})
+        detail = (
+            f"{_lacks(where)} column(s) {named} of table {table!r}: the model's features {absent} come from them; "
+            "add them to the rows"
+        )
+        raise rows_refusal(client, detail, f"lacks column(s) {named} the model's features come from", says=None)
     if absent:
         detail = (
             f"{_lacks(where)} feature column(s) {absent} of table {table!r}: the model takes them from each new "
@@ -251,8 +266,12 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     for c in (*part.numeric, *part.bin_edges):
         col = frame[c]
         if not (pd.api.types.is_numeric_dtype(col) or pd.api.types.is_bool_dtype(col)):
-            bad = pd.to_numeric(col, errors="coerce").isna() & col.notna()
-            first = int(np.flatnonzero(bad.to_numpy())[0]) if bad.any() else 0
+            numbers = pd.to_numeric(col, errors="coerce")
+            bad = numbers.isna() & col.notna()
+            if not bad.any():  # numbers held as text (a Parquet or DataFrame string column): as a CSV file reads them
+                frame[c] = numbers
+                continue
+            first = int(np.flatnonzero(bad.to_numpy())[0])
             detail = f"{where}: column {c!r} of table {table!r} is numeric, but row {first} holds {col.iloc[first]!r}"
             raise rows_refusal(client, f"{detail}, not a number", "has a non-numeric value in a numeric column")
     if len(frame) == 0:
