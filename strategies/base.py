@@ -150,8 +150,9 @@ class TablePuppetStrategy(Strategy):
             if ids != seen:
                 seen, settled_at = ids, time.monotonic()
             new = sorted(ids - set(self.keys))
-            if new:
+            if new:  # its replies may wait for the engine to start (seconds), while more nodes register
                 self._hello(new)
+                continue  # so the node list is read again before it is judged settled
             missing = [k for k in self.clients if k not in self.nodes]
             waited = time.monotonic() - start
             if not missing:
