@@ -16,6 +16,8 @@ import pandas as pd
 from tpflower.schema import SpecError
 
 TABLES: tuple[str, ...] = ("ratings", "movies", "users")
+#: the ratings' time features, derived from their ``timestamp`` (:func:`timestamp_features`)
+TIME_COLUMNS: tuple[str, ...] = ("rating_year", "rating_month", "rating_hour", "rating_weekday")
 MAX_SECONDS = 9.2e9  # pandas' datetimes end in 2262 (nanoseconds in int64)
 
 
@@ -42,7 +44,7 @@ def split_genres(movies: pd.DataFrame, genres: str = "genres") -> pd.DataFrame:
 
 #: per table, the source column each derived column comes from: a rows file in the source's format holds it
 DERIVED_FROM: dict[str, dict[str, str]] = {
-    "ratings": dict.fromkeys(("rating_year", "rating_month", "rating_hour", "rating_weekday"), "timestamp"),
+    "ratings": dict.fromkeys(TIME_COLUMNS, "timestamp"),
     "users": {"user": "userId"},
 }
 
@@ -56,8 +58,7 @@ def derive(table: str, frame: pd.DataFrame) -> pd.DataFrame:
     """New rows of ``table`` as the dslabs movielens file has them (userId, movieId, timestamp ...) with the
     columns load() derives: ratings' time features from ``timestamp``, users' ``user`` from ``userId``. Rows
     that have them already, and the movies table (one row per genre, a different row count), are unchanged."""
-    time_columns = ("rating_year", "rating_month", "rating_hour", "rating_weekday")
-    if table == "ratings" and "timestamp" in frame and not set(time_columns) <= set(frame.columns):
+    if table == "ratings" and "timestamp" in frame and not set(TIME_COLUMNS) <= set(frame.columns):
         seconds = pd.to_numeric(frame["timestamp"], errors="coerce")
         # text, or a number no date pandas holds (milliseconds, say)
         bad = ((seconds.isna() & frame["timestamp"].notna()) | (seconds.abs() > MAX_SECONDS)).to_numpy()
@@ -72,7 +73,7 @@ def derive(table: str, frame: pd.DataFrame) -> pd.DataFrame:
             )
         known = seconds.notna()  # a row without a timestamp gets missing time features (the median fills them)
         features = timestamp_features(seconds[known]).reindex(frame.index)
-        return pd.concat([frame.drop(columns=list(time_columns), errors="ignore"), features], axis=1)
+        return pd.concat([frame.drop(columns=list(TIME_COLUMNS), errors="ignore"), features], axis=1)
     if table == "movies" and "genres" in frame and "genre" not in frame and len(frame):
         raise SpecError(
             "table 'movies' has one row per (movie, genre), its feature the column 'genre': give each of a new "
