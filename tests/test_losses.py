@@ -207,15 +207,16 @@ def test_shipped_config_standardizes_except_under_feature_dp():
         (3988.0, 0.302, 3.0),  # diamonds' price, TP-Join-SGD: 6 nu = 1.8, K = 3
         (45.1, 1.61, 6 * 1.61),  # nycflights13's arrival delay, TP-Join-SGD: K = 9.7
         (45.1, 0.0, 3.0),  # no noise: K = 3
-        (1.1, 1.61, 1.1),  # a label of std below K: centred only, never multiplied
+        (1.1, 1.61, 6 * 1.61),  # a label of std below K: multiplied up to K (movielens' rating, TP-Join-SGD)
+        (0.166, 0.142, 3.0),  # a food budget share: multiplied up to 3
         (0.0, 1.0, 0.0),  # a constant label: centred
     ],
 )
 def test_dp_label_divisor_targets_a_multiple_of_the_parameter_noise(s, noise, target):
-    """Feature DP: the centred label is divided by c = max(1, s / K), K = max(3, 6 x the DP noise one
-    parameter accumulates over the run), so it trains at std min(s, K)."""
+    """Feature DP: the centred label is divided by c = s / K, K = max(3, 6 x the DP noise one parameter
+    accumulates over the run), so it trains at std K (a constant label: c = 1)."""
     c = dp_label_divisor(s, noise)
-    assert c >= 1.0
+    assert c > 0
     assert s / c == pytest.approx(target)
 
 
