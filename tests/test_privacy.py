@@ -122,6 +122,14 @@ def test_epsilon_equals_independent_rdp_accountant():
     assert P.rdp_epsilon(trainer.accountant_state(), delta) == ref.get_epsilon(delta=delta)
 
 
+def test_the_epsilon_spent_is_never_negative_at_a_large_delta():
+    """At delta 0.5 Opacus' conversion of a few noisy steps' RDP is below 0 (-0.49 was printed per epoch); an
+    epsilon is at least 0."""
+    history = [(1.2, 0.05, 20)]
+    assert P.rdp_epsilon(history, 0.5) == 0.0
+    assert P.rdp_epsilon(history, 1e-5) > 0
+
+
 def test_noise_multiplier_for_meets_target():
     eps, delta, q, steps = 1.0, 1e-5, 0.01, 500
     sigma = P.noise_multiplier_for(eps, delta, q, steps)

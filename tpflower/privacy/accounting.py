@@ -104,7 +104,8 @@ def rdp_epsilon(history: Iterable[Sequence[float]], delta: float) -> float:
     as ``steps`` times that of one step, at its default orders), with the one-step RDP of each
     ``(sigma, q)`` cached: a client reports its epsilon after every step, and the uncached accountant costs
     ~0.2 s per call for q < 1. The "optimal order is the largest alpha" warning is silenced (the bound is
-    valid, only possibly loose).
+    valid, only possibly loose). Never below 0: at a large ``delta`` (0.5, say) the conversion (Balle et al.
+    2020, Thm. 21) goes negative, and no mechanism is better than 0-DP.
     """
     hist = checked_history(history)
     if not hist:
@@ -115,7 +116,7 @@ def rdp_epsilon(history: Iterable[Sequence[float]], delta: float) -> float:
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
         orders = opacus_api().RDPAccountant.DEFAULT_ALPHAS
         eps, _ = opacus_api().rdp.get_privacy_spent(orders=orders, rdp=rdp, delta=delta)
-    return float(eps)
+    return max(0.0, float(eps))
 
 
 @functools.lru_cache(maxsize=1024)
