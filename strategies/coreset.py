@@ -132,6 +132,12 @@ class DISStrategy(LoJStrategy):
                 f"algorithm.m=auto: the join has {mapping.N} rows, fewer than min_group_rows = {g}: too few for "
                 "a coreset whose every row stands for min_group_rows joined rows"
             )
+        if m * g > mapping.N:  # every node would refuse it (tpflower.phases.coreset.check_G): one line here
+            raise ValueError(
+                f"algorithm.m={m}: a coreset of the join's {mapping.N} rows has at most {mapping.N // g} rows, "
+                f"each standing for at least min_group_rows = {g} joined rows (the owners' bound); set "
+                f"algorithm.m={mapping.N // g} or less, or algorithm.m=auto"
+            )
         before = self.comm.snapshot()
         rng = np.random.default_rng([int(self.cfg.seed) & 0xFFFFFFFF, 0xC05E])
         if sampling == "uniform":  # the baseline: no client round, weights N / m

@@ -7,9 +7,12 @@ repetition, the payload audit and the settings checks."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
+from simulations.federated import run_in_process
 from strategies.coreset import WeightedADMMServer, joined_sampling_probabilities, uniform_joined_rows
 from strategies.join_admm import ADMMServer
 from tests.conftest import make_cfg
@@ -236,6 +239,20 @@ def test_weighted_admm_equals_tp_join_admm_on_repeated_rows():
 def test_bad_settings_are_refused_before_any_node(override, message):
     with pytest.raises(ValueError, match=message):
         make_strategy(make_cfg("algorithm=coreset", "dataset=synthetic", override), None, log=quiet)
+
+
+@pytest.mark.parametrize("algorithm", ["coreset", "coreset_kmeans"])
+def test_an_explicit_m_beyond_the_owners_group_bound_is_one_line_from_the_server(algorithm):
+    """algorithm.m larger than N / min_group_rows: the server says so once, with the largest m it may ask for,
+    before any node is asked for sensitivities (each node refused it: one line per table, each naming its
+    table twice)."""
+    cfg = make_cfg(f"algorithm={algorithm}", "dataset=synthetic", "epochs=1", "algorithm.m=100000")
+    with pytest.raises(ValueError) as refused:
+        run_in_process(cfg, None, log=quiet)
+    line = str(refused.value)
+    assert "\n" not in line, line
+    assert re.match(r"algorithm\.m=100000: a coreset of the join's \d+ rows has at most \d+ rows", line), line
+    assert "set algorithm.m=" in line
 
 
 def test_coreset_ridge_refuses_a_classification_label():
