@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from simulations.federated import run_flower_simulation, run_in_process
+from simulations.federated import InProcessRun, run_flower_simulation, run_in_process
 from strategies.transport import RunError
 from tpflower.app.server_app import build_strategy
 from tpflower.checkpoint import CHECKPOINT
@@ -22,7 +22,7 @@ from tpflower.checks import DataProblems, errors, shard_problems
 from tpflower.config import CONF_DIR
 from tpflower.datasets import check_dataset, compile_sql, load_spec, release_tables
 from tpflower.registry import entry_of
-from tpflower.results import RESULTS_FILE, RunResults
+from tpflower.results import RESULTS_FILE, RunResults, figure
 from tpflower.schema import SpecError
 
 QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
@@ -118,13 +118,35 @@ def _run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None, log: C
         return strategy.run_local(base_dir)
     release_tables()  # the server holds no table during the run: each client loads its own
     if cfg.get("runtime", "flower") == "inprocess":
-        results = run_in_process(cfg, run_dir, base_dir, log=log, strategy=strategy).strategy.results
+        run = run_in_process(cfg, run_dir, base_dir, log=log, strategy=strategy)
+        results = run.strategy.results
+        line = exact_metric_line(run)
+        if line is not None:
+            log(line)
     else:
         results = run_flower_simulation(
             cfg, run_dir, base_dir, log=log, strategy=strategy, largest_table=max(n_rows.values())
         )
     assert results is not None
     return results
+
+
+def exact_metric_line(run: InProcessRun) -> str | None:
+    """Under label DP the progress lines show the label owner's DP releases of the test metric (noised, and a
+    regression's labels and predictions clipped to its label range: tpflower.label_dp), not the model's own;
+    the in-process harness, which holds every table, scores the final model exactly: one line saying so.
+    None without label DP (the lines are exact) or without an evaluation."""
+    res = run.strategy.results
+    if res.privacy.get("label_epsilon") is None or run.strategy.record.test_predictions is None:
+        return None
+    exact = run.exact_test_metrics()
+    if res.metric not in exact:
+        return None
+    how = "noised, its labels and predictions clipped to the label range" if res.task == "regression" else "noised"
+    return (
+        f"label DP: the test {res.metric} above is the label owner's DP release ({how}); this simulation holds "
+        f"every table and scores the final model exactly: test {res.metric}={figure(exact[res.metric])}"
+    )
 
 
 def unread_epochs(cfg: DictConfig) -> str | None:

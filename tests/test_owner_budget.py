@@ -13,6 +13,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from simulations.federated import run_in_process
+from simulations.job import exact_metric_line
 from tests.conftest import make_cfg
 from tests.test_conformance import call
 from tests.test_curious_server import SYNTHETIC, hello, node
@@ -23,6 +24,7 @@ from tpflower.config import compose_config
 from tpflower.privacy import label_keep_probability, noise_multiplier_for, privacy_message, rdp_epsilon
 from tpflower.privacy.budget import OwnerBudget, reset_label_draws
 from tpflower.records import unpack_reply
+from tpflower.results import figure
 
 LABEL = f"{SYNTHETIC} {BINARY} privacy=label"
 REGRESSION_LABEL = f"{SYNTHETIC} privacy=label privacy.label_range=[-20,20]"
@@ -327,6 +329,21 @@ def test_the_harness_scores_the_trained_model_exactly_beside_the_dp_release():
     assert abs(exact**2 - released**2) < 30 * m * 40.0**2 / n
     plain = run_in_process(make_cfg(*base[:3]), None, log=lambda _: None)  # no label DP: the server's own metric
     assert plain.exact_test_metrics()["rmse"] == plain.strategy.results.history[-1].test_metric
+
+
+def test_an_in_process_run_under_label_dp_says_its_exact_test_metric():
+    """The progress lines under label DP show the DP release, on labels clipped to the label range (a CPS wage
+    clipped to [0, 3000] read test RMSE 331.6 where the model's is 390.0, below exact ridge's 389.6): the
+    in-process harness adds one line with the exact metric; none without label DP."""
+    base = ("algorithm=admm", "dataset=synthetic", "epochs=2")
+    run = run_in_process(make_cfg(*base, "privacy=label", "privacy.label_range=[-1,1]"), None, log=lambda _: None)
+    exact = run.exact_test_metrics()["rmse"]
+    released = run.strategy.results.history[-1].test_metric
+    assert abs(exact - released) > 0.05 * exact  # the narrow range's clipping: far from the model's own metric
+    line = exact_metric_line(run)
+    assert line is not None and "\n" not in line
+    assert line.endswith(f"scores the final model exactly: test rmse={figure(exact)}"), line
+    assert exact_metric_line(run_in_process(make_cfg(*base), None, log=lambda _: None)) is None
 
 
 @pytest.mark.parametrize("with_run_dir", [True, False])
