@@ -72,6 +72,16 @@ def test_privacy_declarations_are_enforced_before_any_client(entry):
             make_strategy(cfg, None, log=lambda _: None)
 
 
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.feature_dp], ids=lambda e: e.name)
+def test_a_refusal_under_label_dpsgd_does_not_tell_to_drop_label_dp(entry):
+    """privacy=label_dpsgd with an algorithm without feature DP: the line names the run's privacy and the
+    algorithm to run, never privacy=dpsgd, which would drop the label DP the user asked for."""
+    cfg = make_cfg(*overrides_of(entry), "privacy=label_dpsgd", "privacy.label_range=[-20,20]")
+    with pytest.raises(ValueError, match="^privacy=label_dpsgd: ") as refused:
+        make_strategy(cfg, None, log=lambda _: None)
+    assert "privacy=dpsgd" not in str(refused.value), refused.value
+
+
 def test_an_algorithm_without_feature_dp_is_refused(monkeypatch):
     entry = registry.lookup("sgd", "join")
     monkeypatch.setitem(

@@ -236,7 +236,7 @@ TRAIN: dict[str, Phase] = {
 
 WHY_NO_FEATURE_DP = (
     "a cached batch is replayed up to R more times, which breaks the subsampling the DP "
-    "accountant assumes; run algorithm=sgd with privacy=dpsgd"
+    "accountant assumes; run algorithm=sgd"
 )
 
 register(

@@ -54,7 +54,7 @@ from tpflower.validation import PATIENCE
 
 WHY_NO_FEATURE_DP = (
     "L-BFGS takes exact full-batch gradient steps and exchanges exact inner products of the gradient blocks; "
-    "there is no per-row step to clip and noise. Run algorithm=admm or sgd with privacy=dpsgd"
+    "there is no per-row step to clip and noise. Run algorithm=admm or sgd"
 )
 
 

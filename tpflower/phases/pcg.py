@@ -42,7 +42,7 @@ from tpflower.state import StateRecord
 
 WHY_NO_FEATURE_DP = (
     "PCG exchanges exact partial products of the features every iteration; there is no per-row gradient step "
-    "to clip and noise. Run algorithm=admm with privacy=dpsgd"
+    "to clip and noise. Run algorithm=admm"
 )
 
 
