@@ -32,6 +32,7 @@ from tpflower.batches import BatchPlan
 from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
 from tpflower.join_counts import compact_counts
 from tpflower.mapping import segment_sum
+from tpflower.owner import DEFAULT_MIN_GROUP_ROWS
 from tpflower.phases.kmeans import CoresetKMeansParams, KMeansParams
 from tpflower.results import EpochRecord
 
@@ -64,6 +65,17 @@ def assignment_counts(
     return keys // k, keys % k, counts
 
 
+def check_k(k: int, joined: int, min_group_rows: int) -> None:
+    """k centres over the join's rows: each covers at least ``min_group_rows`` of them (the owners' bound,
+    tpflower.phases.kmeans), so k <= joined // min_group_rows; beyond it every node would refuse: one line here."""
+    if k * min_group_rows > joined >= min_group_rows:
+        raise ValueError(
+            f"algorithm.k={k}: k-means over the join's {joined} rows has at most {joined // min_group_rows} "
+            f"centres, each covering at least min_group_rows = {min_group_rows} joined rows (the owners' bound); "
+            f"set algorithm.k={joined // min_group_rows} or less"
+        )
+
+
 class DistDimKMeans(DISStrategy):
     """algorithm=kmeans: DistDim on the full join."""
 
@@ -89,6 +101,7 @@ class DistDimKMeans(DISStrategy):
             point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[plan.inv[t]] for t in mapping.p]
             weights = core.weights
         else:  # each table: k-means weighted by G_iu, one label per row; the server reads them along p_i
+            check_k(k, mapping.N, int(self.cfg.get("min_group_rows") or DEFAULT_MIN_GROUP_ROWS))
             replies = self.send(
                 self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_local"}))
             )

@@ -4,9 +4,12 @@ the refusals."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
+from simulations.federated import run_in_process
 from tests.conftest import make_cfg
 from tests.test_coreset import F64, quiet
 from tests.test_privacy_e2e import Recorded, assert_absent, raw_columns
@@ -164,3 +167,14 @@ def test_why_the_cost_is_one_number_per_table_per_run():
     b = (D[:, 1:] - D[:, :1]) - ((C[1:] ** 2).sum(1) - (C[0] ** 2).sum())
     X_hat = np.linalg.lstsq(A, b.T, rcond=None)[0].T
     np.testing.assert_allclose(X_hat, X, atol=1e-8)
+
+
+def test_a_k_beyond_the_owners_group_bound_is_one_line_from_the_server():
+    """algorithm=kmeans with k > N / min_group_rows: the server says so once, with the largest k, before any
+    node clusters (each node refused it: one line per table, each naming its table twice)."""
+    cfg = make_cfg("algorithm=kmeans", "dataset=synthetic", "algorithm.k=5000")
+    with pytest.raises(ValueError) as refused:
+        run_in_process(cfg, None, log=quiet)
+    line = str(refused.value)
+    assert "\n" not in line, line
+    assert re.match(r"algorithm\.k=5000: k-means over the join's \d+ rows has at most \d+ centres", line), line
