@@ -53,9 +53,21 @@ from tpflower.schema import RelationalSpec
 from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
 
 
-def node_line(name: str, reason: str) -> str:
-    """A node's error as one line starting with the node's name (once: a reason may name it already)."""
-    return reason if reason.startswith(f"{name}:") or reason.startswith(f"{name} ") else f"{name}: {reason}"
+def _predicate(name: str, reason: str, table: str | None = None) -> str:
+    """What a node's error ``reason`` says of its subject, with its separator (``": no rows"``,
+    ``" (gbdt_bins) refuses ..."``): the reason less a leading node name, or less the node's table's name
+    (``table 'f' (gbdt_bins) refuses ...`` from the node ``table 'f' shard 0``), so that a line naming the node
+    before it names it once."""
+    for subject in (name, f"table {table!r}" if table is not None else None):
+        if subject is not None and reason.startswith(subject) and reason[len(subject) : len(subject) + 1] in (":", " "):
+            return reason[len(subject) :]
+    return f": {reason}"
+
+
+def node_line(name: str, reason: str, table: str | None = None) -> str:
+    """A node's error as one line starting with the node's name, which names it once (a reason may start with
+    the node's name or its table's: :func:`_predicate`)."""
+    return name + _predicate(name, reason, table)
 
 
 def merged_lines(failed: Iterable[tuple[str, ClientKey | None, str]]) -> list[str]:
@@ -68,10 +80,10 @@ def merged_lines(failed: Iterable[tuple[str, ClientKey | None, str]]) -> list[st
         if key is None:
             lines.append(node_line(name, reason))
             continue
-        said = reason.removeprefix(f"{name}:").removeprefix(f"{name} ").strip()
+        said = _predicate(name, reason, key[0])
         match = re.fullmatch(r"(.*) \(([^()]*)\)", said)
         base, detail = (match.group(1), match.group(2)) if match else (said, "")
-        groups.setdefault((key[0], base), []).append((key[1], detail, node_line(name, reason)))
+        groups.setdefault((key[0], base), []).append((key[1], detail, name + said))
     for (table, base), shards in groups.items():
         shards.sort()
         if len(shards) == 1:  # the node's own line
@@ -80,7 +92,7 @@ def merged_lines(failed: Iterable[tuple[str, ClientKey | None, str]]) -> list[st
         alike = {d for _, d, _ in shards}
         details = alike.pop() if len(alike) == 1 else "; ".join(f"shard {q}: {d}" for q, d, _ in shards if d)
         names = ", ".join(str(q) for q, _, _ in shards)
-        lines.append(f"table {table!r} shards {names}: {base}" + (f" ({details})" if details else ""))
+        lines.append(f"table {table!r} shards {names}{base}" + (f" ({details})" if details else ""))
     return sorted(lines)
 
 

@@ -207,14 +207,16 @@ def test_shipped_config_standardizes_except_under_feature_dp():
         (3988.0, 0.302, 3.0),  # diamonds' price, TP-Join-SGD: 6 nu = 1.8, K = 3
         (45.1, 1.61, 6 * 1.61),  # nycflights13's arrival delay, TP-Join-SGD: K = 9.7
         (45.1, 0.0, 3.0),  # no noise: K = 3
-        (1.1, 1.61, 6 * 1.61),  # a label of std below K: multiplied up to K (movielens' rating, TP-Join-SGD)
-        (0.166, 0.142, 3.0),  # a food budget share: multiplied up to 3
+        (1.05, 1.58, 6 * 1.58),  # a label of std below 6 nu: multiplied up to it (movielens' rating, TP-Join-SGD)
+        (1.05, 0.1, 1.05),  # between 1 and 3, above 6 nu: its own std (movielens, TP-Join-SGD as the paper accounts)
+        (0.166, 0.142, 1.0),  # below 1 and 6 nu: multiplied up to 1 (a food budget share)
+        (0.166, 0.283, 6 * 0.283),  # below 6 nu: multiplied up to it
         (0.0, 1.0, 0.0),  # a constant label: centred
     ],
 )
 def test_dp_label_divisor_targets_a_multiple_of_the_parameter_noise(s, noise, target):
-    """Feature DP: the centred label is divided by c = s / K, K = max(3, 6 x the DP noise one parameter
-    accumulates over the run), so it trains at std K (a constant label: c = 1)."""
+    """Feature DP: the centred label is divided by c = s / K, K = max(6 x the DP noise one parameter accumulates
+    over the run, min(s, 3), 1), so it trains at std K (a constant label: c = 1)."""
     c = dp_label_divisor(s, noise)
     assert c > 0
     assert s / c == pytest.approx(target)

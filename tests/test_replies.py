@@ -314,6 +314,10 @@ def test_a_nodes_error_line_keeps_its_last_quote_and_names_the_node_once():
         node_line(name, f"{name} (algorithm 'gbdt') refuses phase 'x'")
         == f"{name} (algorithm 'gbdt') refuses phase 'x'"
     )
+    # a phase's refusal names its table: the line says the node (table and shard) once
+    refusal = "table 'stones' (algorithm 'coreset'), phase 'g': m beyond the bound"
+    assert node_line(name, refusal, "stones") == f"{name} (algorithm 'coreset'), phase 'g': m beyond the bound"
+    assert node_line(name, "table 'stonesx' has no rows", "stones") == f"{name}: table 'stonesx' has no rows"
 
 
 def test_the_shards_of_a_table_that_refuse_alike_make_one_line():
@@ -328,8 +332,13 @@ def test_the_shards_of_a_table_that_refuse_alike_make_one_line():
     ]
     assert merged_lines(failed) == [
         "node 5: no table",
-        f"table 'f' shards 0, 1: {why} (shard 0: 9 rows; shard 1: 7 rows)",
+        "table 'f' shards 0, 1 (gbdt_bins) refuses the message: too few rows (shard 0: 9 rows; shard 1: 7 rows)",
         "table 'g' shard 0: another problem",
     ]
     alike = [(f"table 'f' shard {q}", ("f", q), f"{why} (the detail is in this node's log)") for q in (0, 1)]
-    assert merged_lines(alike) == [f"table 'f' shards 0, 1: {why} (the detail is in this node's log)"]
+    assert merged_lines(alike) == [
+        "table 'f' shards 0, 1 (gbdt_bins) refuses the message: too few rows (the detail is in this node's log)"
+    ]
+    assert merged_lines(alike[:1]) == [
+        "table 'f' shard 0 (gbdt_bins) refuses the message: too few rows (the detail is in this node's log)"
+    ]

@@ -181,8 +181,9 @@ def metrics(task: str, H: np.ndarray, y: np.ndarray) -> dict[str, float]:
 #: or raw
 LabelScaling = Literal["standardize", "dp", "raw"]
 
-#: feature DP: the label's training std is this many times the DP noise a parameter accumulates over the run,
-#: and at least DP_LABEL_MIN_STD (:func:`dp_label_divisor`; measured in docs/algorithms.md, DP-SGD and accounting)
+#: feature DP: the label's training std is at least this many times the DP noise a parameter accumulates over
+#: the run, and a larger label's comes down to DP_LABEL_MIN_STD (:func:`dp_label_divisor`; measured in
+#: docs/algorithms.md, DP-SGD and accounting)
 DP_LABEL_NOISE_RATIO = 6.0
 DP_LABEL_MIN_STD = 3.0
 
@@ -199,10 +200,11 @@ def label_scaling(cfg) -> LabelScaling:
 
 
 def dp_label_divisor(label_std: float, parameter_noise: float) -> float:
-    """Feature DP: the divisor c of the centred label, ``s / K`` with the target std ``K = max(3, 6 nu)``
-    (``s``: the training labels' std; ``nu``: the std the DP noise adds to one parameter over the run,
-    :func:`sgd_parameter_noise`, :func:`adam_parameter_noise`): the label trains at std K, a label of std below
-    K multiplied up to it (c < 1); 1 for a constant label.
+    """Feature DP: the divisor c of the centred label, ``s / K`` with the target std ``K = max(6 nu, min(s, 3),
+    1)`` (``s``: the training labels' std; ``nu``: the std the DP noise adds to one parameter over the run,
+    :func:`sgd_parameter_noise`, :func:`adam_parameter_noise`): a label of std above max(3, 6 nu) is divided
+    down to it, one of std below max(1, 6 nu) multiplied up to it (c < 1), one between keeps its std; 1 for a
+    constant label.
 
     DP-SGD (Abadi et al. 2016, Alg. 1) clips each row's gradient to C and adds N(0, sigma^2 C^2) to their sum.
     On the label standardized (K = 1) that noise, and the random initial model a few steps do not wash out,
@@ -210,14 +212,15 @@ def dp_label_divisor(label_std: float, parameter_noise: float) -> float:
     centred); on a centred label of large s every row's gradient is clipped and the parameters cannot move the
     ~s they need in the run's steps (diamonds' price, s = 3988: 3875 centred, the constant predictor 3974,
     against 1423 standardized); on a centred label of std far below the noise the noise is the model (a food
-    budget share, s = 0.166: 0.227 centred, the constant 0.167, against 0.138 at K). K a few times the parameter
-    noise keeps that noise a small share of the label, and no larger keeps the model within reach of clipped
-    steps (docs/algorithms.md, DP-SGD and accounting)."""
+    budget share, s = 0.166: 0.227 centred, the constant 0.167, against 0.14 at K), and one far below the random
+    initial model's predictions (std ~1) is buried under them. K a few times the parameter noise keeps that noise
+    a small share of the label, and no larger keeps the model within reach of clipped steps (docs/algorithms.md,
+    DP-SGD and accounting)."""
     s = float(label_std)
     if not (np.isfinite(s) and s > 0):
         return 1.0
     noise = float(parameter_noise) if np.isfinite(parameter_noise) else 0.0
-    target = max(DP_LABEL_MIN_STD, DP_LABEL_NOISE_RATIO * max(noise, 0.0))
+    target = max(DP_LABEL_NOISE_RATIO * max(noise, 0.0), min(s, DP_LABEL_MIN_STD), 1.0)
     return s / target
 
 
