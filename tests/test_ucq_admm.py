@@ -146,8 +146,10 @@ def test_binning_of_small_shards_is_refused_by_default(tmp_path):
 
     with pytest.raises(
         RunError,
-        match=r"table 'customers' shard \d: column 'age' has \d+ observed fit values.*"
-        r"min_sketch_rows=2048.*table owner can lower min_sketch_rows",
+        # the three shards refuse alike: one line, each shard's count in its parentheses
+        match=r"(?m)^table 'customers' shards 0, 1, 2: column 'age' has fewer observed fit values than "
+        r"min_sketch_rows=2048.*table owner can lower min_sketch_rows.* \(shard 0: \d+ observed fit values; "
+        r"shard 1: \d+ observed fit values; shard 2: \d+ observed fit values\)$",
     ):
         run(
             "algorithm=sgd",

@@ -338,13 +338,14 @@ def local_summary(
             num[col] = NumericSummary(int(x.size), total, m2, np.nan, np.nan, RankSketch.empty())
             continue
         if x.size < min_rows:
-            raise ValueError(
-                f"{_who(table, shard)}: column {col!r} has {x.size} observed fit values, fewer than "
+            raise ValueError(  # the shard's count last: the server says the shards' refusals in one line
+                f"{_who(table, shard)}: column {col!r} has fewer observed fit values than "
                 f"min_sketch_rows={min_rows}, so its order statistics (asked for a binned column, or one with "
                 f"missing values, filled with the union's median) would be (nearly) raw values: refused. The table "
-                f"owner can lower min_sketch_rows to at most {x.size} (min_sketch_rows=N; a node: its client "
-                f"config), or the dataset can leave {col!r} out of the table's binned columns, or keep only the "
-                f'rows that hold it (where: "{col} IS NOT NULL")'
+                f"owner can lower min_sketch_rows to at most the count in parentheses, the smallest where shards "
+                f"list theirs (min_sketch_rows=N; a node: its client config), or the dataset can leave {col!r} out "
+                f"of the table's binned columns, or keep only the rows that hold it (where: {col} IS NOT NULL) "
+                f"({x.size} observed fit values)"
             )
         sketch = RankSketch.build(x, sketch_size)
         num[col] = NumericSummary(int(x.size), total, m2, float(x.min()), float(x.max()), sketch)
