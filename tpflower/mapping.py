@@ -442,15 +442,14 @@ def rows_without_partner(
     """Per join k of ``table``: the (global) row ids of ``table`` whose key on that join no row of the other
     table holds (from the same projections as :func:`build_mapping`); joins every row has a partner on are left
     out. A row may still drop out further along the join tree (its partner's own partner missing)."""
-    n_rows = {t: int(sum(len(p.row_ids) for p in projections[t])) for t in spec.table_names}
+    edges = {k: j.right if j.left == table else j.left for k, j in enumerate(spec.joins) if table in (j.left, j.right)}
+    digests = {
+        t: _union_shards(t, projections[t], int(sum(len(p.row_ids) for p in projections[t])))
+        for t in {table, *edges.values()}
+    }
     out: dict[int, np.ndarray] = {}
-    for k, j in enumerate(spec.joins):
-        if table not in (j.left, j.right):
-            continue
-        other = j.right if j.left == table else j.left
-        mine = _union_shards(table, projections[table], n_rows[table])[k]
-        theirs = _union_shards(other, projections[other], n_rows[other])[k]
-        codes_mine, codes_theirs, _ = _edge_codes(mine, theirs)
+    for k, other in edges.items():
+        codes_mine, codes_theirs, _ = _edge_codes(digests[table][k], digests[other][k])
         lonely = np.flatnonzero(~np.isin(codes_mine.all(), codes_theirs.all()))
         if len(lonely):
             out[k] = lonely
