@@ -120,12 +120,17 @@ class DISStrategy(LoJStrategy):
         if self.scenario != "join" or any(len(r.shards) > 1 for r in self.routers.values()):
             raise ValueError(f"algorithm={self.public_name} runs on the join scenario (one client per table)")
 
+    @property
+    def min_group_rows(self) -> int:
+        """The run's min_group_rows (a deployed owner with a larger one refuses on its node, naming its bound)."""
+        return int(self.cfg.get("min_group_rows") or DEFAULT_MIN_GROUP_ROWS)
+
     def sample_coreset(self, mapping: TableMapping, m_asked: int | str, sampling: str) -> Coreset:
         """m draws over the joined rows of ``mapping`` (DIS or uniform); the construction's traffic is noted.
         ``algorithm.m: auto`` resolves to min(2000, N / min_group_rows) (the run's min_group_rows: a deployed
         owner with a larger one refuses, naming its bound)."""
         assert self.comm is not None
-        g = int(self.cfg.get("min_group_rows") or DEFAULT_MIN_GROUP_ROWS)
+        g = self.min_group_rows
         m = coreset_size(m_asked, mapping.N, g)
         if m < 1:
             raise ValueError(

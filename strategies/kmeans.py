@@ -32,7 +32,6 @@ from tpflower.batches import BatchPlan
 from tpflower.clustering import label_dtype, sq_distances, weighted_kmeans
 from tpflower.join_counts import compact_counts
 from tpflower.mapping import segment_sum
-from tpflower.owner import DEFAULT_MIN_GROUP_ROWS
 from tpflower.phases.kmeans import CoresetKMeansParams, KMeansParams
 from tpflower.results import EpochRecord
 
@@ -101,7 +100,7 @@ class DistDimKMeans(DISStrategy):
             point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[plan.inv[t]] for t in mapping.p]
             weights = core.weights
         else:  # each table: k-means weighted by G_iu, one label per row; the server reads them along p_i
-            check_k(k, mapping.N, int(self.cfg.get("min_group_rows") or DEFAULT_MIN_GROUP_ROWS))
+            check_k(k, mapping.N, self.min_group_rows)
             replies = self.send(
                 self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_local"}))
             )
