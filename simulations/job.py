@@ -23,7 +23,7 @@ from tpflower.config import CONF_DIR
 from tpflower.datasets import check_dataset, compile_sql, load_spec, release_tables
 from tpflower.registry import entry_of
 from tpflower.results import RESULTS_FILE, RunResults, figure
-from tpflower.schema import SpecError
+from tpflower.schema import SpecError, canonical_joins
 
 QUIET_LOGGERS = ("alembic", "flwr")  # INFO lines per Flower round or DB plugin would drown the epoch lines
 
@@ -103,6 +103,7 @@ def lock_holder(lock: Path) -> int | None:
 def _run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None, log: Callable[[str], None]) -> RunResults:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    canonical_joins(cfg.dataset)  # a bare `on:` of the user's YAML (read as True) as "on"
     compile_query(cfg, base_dir, log=log)
     # the spec parsed and the strategy built once, here: its settings are checked before any table is loaded,
     # and the runners run this very object

@@ -227,6 +227,23 @@ def test_predict_takes_a_frame_and_save_load_keep_the_model(tmp_path, capsys):
         model.save(tmp_path / "copy")
 
 
+def test_a_join_written_with_a_bare_on_key_trains_and_predicts(tmp_path):
+    """YAML 1.1 reads a bare ``on:`` as the key True (docs/datasets.md: accepted): the run config holds "on",
+    so its JSON forms (the clients' config key, model.json) hold string keys and the model predicts."""
+    import yaml
+
+    from tests.test_checks import shop
+
+    spec = tmp_path / "shop.yaml"
+    spec.write_text(yaml.safe_dump(shop(tmp_path)).replace("'on': cust", "on: cust"))
+    assert "\n  on: cust" in spec.read_text()  # (PyYAML quotes the key it would read back as True)
+    model = tpflower.fit(dataset=spec, algorithm="pcg", runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+    joins = json.loads((tmp_path / "run" / "model.json").read_text())["config"]["dataset"]["joins"]
+    assert joins == [{"left": "orders", "right": "customers", "on": "cust"}]
+    rows = pd.read_csv(tmp_path / "orders.csv").head(5).drop(columns=["spend"])
+    assert model.predict(rows, verbose=False)["prediction"].notna().all()
+
+
 @pytest.fixture(scope="module")
 def binary_shop(tmp_path_factory) -> tuple[tpflower.Model, pd.DataFrame]:
     """A binary classifier of tests.test_checks' shop (orders join customers on cust) and 6 new orders, of

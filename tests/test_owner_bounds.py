@@ -300,10 +300,23 @@ def test_tiny_shards_release_no_summary():
     refused(
         app,
         context,
-        "a summary of [1-5] fit rows; .* min_group_rows = 20",
+        r"a summary of fewer fit rows than min_group_rows = 20, .* set min_group_rows=N, .*\([1-5] fit rows\)",
         "train",
         config={"phase": "stats", "columns": columns},
     )
+
+
+def test_a_deployed_shard_below_its_owners_group_bound_tells_the_server_no_count(tmp_path, caplog):
+    ucq = f"{SYNTHETIC} scenario=ucq"
+    context = node(tmp_path, "fact", ucq, ucq, edit=lambda s: s.update(min_group_rows=100_000))
+    keys_round(context)
+    columns = ",".join(f"x{j}" for j in range(4))
+    with caplog.at_level("WARNING"), pytest.raises(ValueError) as refusal:
+        call(deployed_app, context, "train", {}, {"phase": "stats", "columns": columns})
+    said = str(refusal.value)
+    assert "fewer fit rows than min_group_rows = 100000" in said and "its owner may lower it" in said
+    assert not re.search(r"\(\d+ fit rows\)", said)  # the count: in the owner's log only
+    assert re.search(r"\(\d+ fit rows\)", caplog.text)
 
 
 def test_order_statistics_only_of_columns_the_rule_needs(tmp_path):

@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tpflower import registry
+from tpflower.schema import canonical_joins
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -78,4 +79,5 @@ def compose_config(*overrides: str, dataset: dict | None = None) -> DictConfig:
     if dataset is not None:
         with open_dict(cfg):
             cfg.dataset = OmegaConf.create(dataset)
+    canonical_joins(cfg.dataset)
     return cfg

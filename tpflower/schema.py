@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 Task = Literal["regression", "binary", "multiclass"]
 TASKS: tuple[str, ...] = ("regression", "binary", "multiclass")
@@ -229,6 +229,24 @@ def _on_pairs(on: Any, where: str) -> tuple[tuple[str, str], ...]:
     raise SpecError(f"{where}: 'on' must name at least one column, got {on!r}")
 
 
+def with_on_key(join: Any) -> Any:
+    """A join written with a bare ``on:``, which YAML 1.1 reads as the key True, with its key "on" (anything
+    else as it is)."""
+    if isinstance(join, Mapping) and True in join and "on" not in join:
+        return {("on" if key is True else key): v for key, v in join.items()}
+    return join
+
+
+def canonical_joins(dataset: DictConfig) -> None:
+    """The dataset config's joins with their key "on" (:func:`with_on_key`), in place: the run config then has
+    string keys only, as its JSON forms (the clients' config key, results.json, model.json) need."""
+    joins = dataset.get("joins")
+    if not joins or not any(isinstance(j, Mapping) and True in j for j in joins):
+        return
+    with open_dict(dataset):
+        dataset.joins = [OmegaConf.create(with_on_key(OmegaConf.to_container(j))) for j in joins]
+
+
 def to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """A plain dict of the config (OmegaConf nodes resolved, interpolations such as ${oc.env:...} included)."""
     if isinstance(cfg, DictConfig):
@@ -327,8 +345,7 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     joins = []
     for k, j in enumerate(cfg.get("joins") or []):
         where = f"dataset {name!r}, join #{k}"
-        if isinstance(j, Mapping) and True in j and "on" not in j:
-            j = {("on" if key is True else key): v for key, v in j.items()}  # YAML 1.1 reads a bare `on:` as True
+        j = with_on_key(j)
         if not isinstance(j, Mapping) or "left" not in j or "right" not in j or "on" not in j:
             raise SpecError(f"{where}: a join is {{left: TABLE, right: TABLE, on: COLUMNS}}, got {j!r}")
         joins.append(JoinSpec(left=str(j["left"]), right=str(j["right"]), on=_on_pairs(j["on"], where)))

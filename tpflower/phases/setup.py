@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import sys
 from collections import OrderedDict
@@ -54,6 +55,8 @@ from tpflower.guard import (
 from tpflower.keys_payload import KeysPayload
 from tpflower.records import Arrays, numbered, unnumbered
 from tpflower.signing import SigningKey, node_name, node_signing_key, sign, statement, verifies
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -433,9 +436,15 @@ def stats(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
     fit = client.data.fit_positions  # None: every row; else positions or a boolean mask
     n_fit = len(client.data.rows) if fit is None else int(np.count_nonzero(fit) if fit.dtype == bool else fit.size)
     if 0 < n_fit < s.min_group_rows:
-        raise ProtocolRefusal(
-            f"table {s.table!r} shard {s.shard}: a summary of {n_fit} fit rows; this node's owner releases "
-            f"aggregates of at least min_group_rows = {s.min_group_rows} rows"
+        where = (
+            f"table {s.table!r} shard {s.shard}: a summary of fewer fit rows than min_group_rows = {s.min_group_rows}"
+        )
+        if s.owner.deployed:  # the count stays in the owner's log
+            log.warning("%s (%d fit rows)", where, n_fit)
+            raise ProtocolRefusal(f"{where}, the smallest group of rows its owner releases (its owner may lower it)")
+        raise ProtocolRefusal(  # a simulation: the user sets the run's min_group_rows (shards: one line, merged)
+            f"{where}, the smallest group of rows a node releases: set min_group_rows=N, N at most the smallest "
+            f"shard's fit rows, or split the table into fewer shards ({n_fit} fit rows)"
         )
     summary = fedprep.local_summary(
         client.data.rows,
