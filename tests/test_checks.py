@@ -618,3 +618,28 @@ def test_a_date_key_against_iso_text_is_refused_saying_how_to_make_them_agree(tm
         "string; store the text column as dates too (a Parquet date or timestamp column), or the date column as "
         "ISO text (e.g. '2015-01-01') in both files"
     ]
+
+
+def test_unquoted_yes_no_of_a_yaml_list_get_a_hint_to_quote_them(tmp_path):
+    """YAML 1.1 reads `classes: [no, yes]` and `values: [no, yes]` as booleans; the data holds the words: the
+    problem line says to quote them (and quoted, the run's check passes)."""
+    orders, customers = good(tmp_path)
+    orders["late"] = np.where(orders["qty"] > 2, "yes", "no")
+    orders["vip"] = np.where(orders["cust"] % 2 == 0, "yes", "no")
+    text = "label: {table: orders, column: late, task: binary, classes: [no, yes]}"
+    dataset = shop(tmp_path, orders, customers, label=yaml.safe_load(text)["label"])
+    dataset["tables"]["orders"].update(categorical=["vip"], shards=yaml.safe_load("{by: vip, values: [no, yes]}"))
+    cfg = make_cfg("scenario=ucq", "algorithm=admm")
+    cfg.dataset = OmegaConf.create(dataset)
+    with pytest.raises(DataProblems) as info:
+        check_data(cfg)
+    said = [p.line() for p in info.value.problems]
+    assert len(said) == 2 and all("quote them, e.g. ['no', 'yes']" in line for line in said)
+    assert "label.classes [False, True]" in said[0] and "shard values ['False', 'True']" in said[1]
+    dataset["label"]["classes"] = ["no", "yes"]  # quoted
+    dataset["tables"]["orders"]["shards"]["values"] = ["no", "yes"]
+    cfg.dataset = OmegaConf.create(dataset)
+    assert check_data(cfg, log=lambda _: None)["orders"] == 400
+    orders["late"] = orders["late"].map({"no": "early", "yes": "late"})  # no word YAML reads as a boolean
+    dataset = shop(tmp_path, orders, customers, label={**dataset["label"], "classes": [False, True]})
+    assert "quote them" not in lines(dataset)[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -466,7 +466,8 @@ def shard_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> 
                         frame[by],
                         SourceRows.of(t.source, frame),
                         f"values not among the listed shard values {list(values)}",
-                        "list every value under shards.values, or keep only those rows (where)",
+                        "list every value under shards.values, or keep only those rows (where)"
+                        + yaml_boolean_hint(values, frame[by][bad]),
                     )
                 )
     return out
@@ -502,6 +503,21 @@ def _wide_features(
     )
 
 
+#: what YAML 1.1 (PyYAML, Hydra) reads as a boolean when unquoted, besides true and false
+YAML_BOOLEAN_WORDS = frozenset({"y", "yes", "n", "no", "on", "off"})
+
+
+def yaml_boolean_hint(listed: Sequence[Any], found: pd.Series) -> str:
+    """A hint when a list in the user's YAML holds booleans and the data holds yes/no/on/off text: YAML 1.1 read
+    the unquoted words as booleans."""
+    if (
+        any(str(v) in ("True", "False") for v in listed)
+        and found.astype(str).str.lower().isin(YAML_BOOLEAN_WORDS).any()
+    ):
+        return " (YAML reads an unquoted yes, no, on or off as true or false: quote them, e.g. ['no', 'yes'])"
+    return ""
+
+
 def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: SourceRows) -> list[Problem]:
     out: list[Problem] = []
     col, task = spec.label.column, spec.label.task
@@ -518,6 +534,7 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: SourceRo
         bad = (y.notna() & (class_codes(y, spec.label.classes) < 0)).to_numpy()
         what = "labels outside label.classes"
         fix = f"list every class in label.classes {list(spec.label.classes)} or drop those rows"
+        fix += yaml_boolean_hint(spec.label.classes, y[bad])
     elif task == "binary":
         try:
             binary_classes(y)
