@@ -234,6 +234,28 @@ def test_the_default_coreset_size_adapts_to_the_owners_group_bound(tmp_path):
     assert auto.history[-1].test_metric < 1.05 * big.history[-1].test_metric
 
 
+def test_a_coreset_beyond_the_owners_group_bound_is_refused_naming_that_bound(tmp_path):
+    """An owner with min_group_rows 50 against a run that keeps the default 20: the server resolves
+    algorithm.m: auto to N / 20 draws, the node to N / 50. The refusal of the server's draws names the owner's
+    bound and what a run sets to fit it, not only a bare algorithm.m the run never asked for."""
+    honest = "algorithm=coreset dataset=synthetic"
+    context = node(tmp_path, "fact", honest, honest, edit=lambda s: s.update(min_group_rows=50))
+    keys = keys_round(context)
+    G = (~keys["is_test"].astype(bool)).astype(np.uint8)
+    N = int(G.sum())
+    call(deployed_app, context, "train", {"G": G}, {"phase": "sensitivity", "kind": "ridge", "N": N})
+    m = N // 50
+    refused(
+        deployed_app,
+        context,
+        rf"a_i = {N // DEFAULT_MIN_GROUP_ROWS} draws; at most algorithm.m = {m} \(auto under min_group_rows = 50, "
+        rf"its owner's setting: .* a run with min_group_rows=50 or algorithm.m={m} fits\)",
+        "train",
+        {"a": np.array([N // DEFAULT_MIN_GROUP_ROWS])},
+        {"phase": "sample"},
+    )
+
+
 # ------------------------------------------------------------------------------------ union shards
 
 UCQ = "algorithm=admm dataset=movielens scenario=ucq"

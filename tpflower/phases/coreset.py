@@ -247,6 +247,25 @@ def _m(client: TableClient) -> int:
     return DEFAULT_M if m == "auto" else int(m)
 
 
+def _m_bound(client: TableClient) -> str:
+    """The coreset size m as a refusal names it: ``algorithm.m = M``, and when the run's ``auto`` resolved on
+    this node to fewer than DEFAULT_M under its owner's ``min_group_rows`` (check_G), that bound and what a run
+    sets to fit it: the server resolves ``auto`` under the run's min_group_rows, so a run whose min_group_rows is
+    below the owner's asks for more draws than the node admits (docs/settings.md, min_group_rows)."""
+    m = _m(client)
+    if (
+        getattr(client.settings.algorithm, "m", None) != "auto"
+        or not client.state.scalar("coreset.m", 0)
+        or m >= DEFAULT_M
+    ):
+        return f"algorithm.m = {m}"
+    g = client.settings.min_group_rows
+    return (
+        f"algorithm.m = {m} (auto under min_group_rows = {g}, its owner's setting: each coreset row stands for at "
+        f"least {g} joined rows; a run with min_group_rows={g} or algorithm.m={m} fits)"
+    )
+
+
 def _rows(client: TableClient, arrays: Arrays, phase: str, name: str = "rows", in_join: bool = True) -> np.ndarray:
     """The request's row ids: integers, distinct, within the table's rows; with ``in_join``, when the client
     knows G_i, rows that occur in the join (G_iu > 0)."""
@@ -324,7 +343,7 @@ def admit_training_rows(client: TableClient, rows: np.ndarray, phase: str) -> No
     if len(union) > m:
         raise CoresetRefusal(
             f"{_where(client, phase)}: the run would ask about {len(union)} distinct training rows "
-            f"of this table; a coreset has at most algorithm.m = {m}"
+            f"of this table; a coreset has at most {_m_bound(client)}"
         )
     client.state.put("coreset.rows", union.astype(np.int64))
 
@@ -376,7 +395,7 @@ def sample(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tu
     st = DISState.of(client)
     a = int(np.asarray(arrays["a"]).reshape(-1)[0])
     if not 0 <= a <= _m(client):
-        raise CoresetRefusal(f"{_where(client, 'sample')}: a_i = {a} draws; at most algorithm.m = {_m(client)}")
+        raise CoresetRefusal(f"{_where(client, 'sample')}: a_i = {a} draws; at most {_m_bound(client)}")
     rows = draw_base_rows(st.G, st.g, a, client_rng(client.settings.seed, client.settings.table, 2))
     return {"rows": rows.astype(index_dtype(len(st.g)))}, {}
 
@@ -392,7 +411,7 @@ def weigh(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tup
     rows = _rows(client, arrays, "weigh")
     if len(rows) > _m(client):
         raise CoresetRefusal(
-            f"{_where(client, 'weigh')}: {len(rows)} rows asked; a coreset has at most algorithm.m = {_m(client)}"
+            f"{_where(client, 'weigh')}: {len(rows)} rows asked; a coreset has at most {_m_bound(client)}"
         )
     client.state.put("coreset.weighed", np.sort(rows))
     return {"sens": st.g[rows].astype(client.local.X.dtype)}, {}
