@@ -120,6 +120,29 @@ def test_a_run_chosen_label_range_does_not_narrow_the_randomization(tmp_path):
     assert attack_rate < 0.4  # vs 77.6% when each run drew afresh under its own range
 
 
+def test_a_run_declaring_another_label_task_gets_no_new_label_draw(tmp_path):
+    """The label's task is the run's word: movielens' regression rating declared multiclass, its class list
+    padded with classes no row holds, was a fresh draw per run (the draw was keyed by the declared task and
+    class count): a majority over 15 such runs read 99.8% of the training ratings exactly, against 68.1% from
+    one. Now one owner setting has one draw, whatever task a run declares; another task is refused."""
+    owner = "algorithm=admm dataset=movielens privacy=label"
+    classes = "0.5,1.0,1.5,2.0,2.5,3.0,3.5,4.0,4.5,5.0"
+    context = node(tmp_path, "ratings", owner, owner)
+    first = keys(context, owner)[0]["y"]
+    for attack in (
+        f"{owner} dataset.label.task=multiclass",
+        f"{owner} dataset.label.task=multiclass +dataset.label.classes=[{classes},98,99]",
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"its label-DP draw under its owner's setting was made for a regression "
+            r"label; the run declares .*a new draw is the owner's decision",
+        ):
+            keys(fresh(context, attack), attack)
+    assert len(list((tmp_path / "clients").rglob("*-labels-*.npz"))) == 1
+    assert np.array_equal(keys(fresh(context), owner)[0]["y"], first)  # the honest run: the one stored draw
+
+
 def test_the_owner_resets_its_label_draw(tmp_path, capsys):
     """The draw is the owner's file (0600, in its state_dir); only the owner's reset makes a new one."""
     from simulations.node import main

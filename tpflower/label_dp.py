@@ -96,6 +96,18 @@ def base_setting(client: LabelClient) -> dict[str, Any]:
     return setting(floor if dp.uses_label_dp(floor) else run, task, data.n_classes, data.y)
 
 
+def owner_setting(client: LabelClient, base: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(the owner's label-DP setting, the label task the run declares) when the owner's floor has label DP:
+    the draw is the owner's once per setting, whatever task a run declares (OwnerBudget.stored_labels). None
+    when the floor has none (the draw is then the run's setting: the labels are not the owner's to protect)."""
+    floor = client.settings.owner.privacy
+    if not dp.uses_label_dp(floor):
+        return None
+    own = {k: floor.get(k) for k in ("label_lambda", "label_epsilon", "label_range")}
+    setting = {"table": client.settings.table, "label": client.settings.spec.label.column, **own}
+    return setting, {k: base[k] for k in ("task", "n_classes") if k in base}
+
+
 def training_labels(client: LabelClient) -> np.ndarray:
     """The randomized labels of this shard's training rows (the ``keys`` reply under label DP)."""
     data, task = client.data, client.settings.spec.label.task
@@ -106,7 +118,11 @@ def training_labels(client: LabelClient) -> np.ndarray:
 
     budget = budget_of(client)
     key = {"table": client.settings.table, "label": client.settings.spec.label.column, **base}
-    noisy = draw() if budget is None else budget.stored_labels(key, data.y, data.row_ids, draw, where_of(client))
+    noisy = (
+        draw()
+        if budget is None
+        else budget.stored_labels(key, data.y, data.row_ids, draw, where_of(client), owner_setting(client, base))
+    )
     train = noisy[~data.is_test]
     run = setting(client.privacy(), task, data.n_classes, data.y)
     if run == base:

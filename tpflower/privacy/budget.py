@@ -11,6 +11,8 @@ per table shard, so concurrent runs on one node are serialized):
 * ``<table>-<shard>-labels-<digest>.npz``: the label-DP draw of the training labels (TablePuppet Eq. 25), made
   once per (table, shard, label column, label-DP setting) and served to every later run. A new draw only when
   the owner deletes the file (``python -m simulations.node --client-config F --reset-label-dp``).
+* ``<table>-<shard>-labels-tasks.json``: the label task (task, class count) each owner setting's draw was made
+  for; the task is the run's word, so a run declaring another one is refused rather than drawn for afresh.
 
 No torch here: the RDP arithmetic is :func:`tpflower.privacy.accounting.rdp_epsilon` (Opacus on first use).
 """
@@ -207,14 +209,50 @@ class OwnerBudget:
         digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()[:16]
         return self.dir / f"{self.name}-labels-{digest}.npz"
 
+    @property
+    def label_tasks(self) -> Path:
+        """The label task each owner setting's draw was made for (``{digest of the owner's setting: task}``)."""
+        return self.dir / f"{self.name}-labels-tasks.json"
+
     def stored_labels(
-        self, key: Mapping[str, Any], y: np.ndarray, row_ids: np.ndarray, draw: Callable[[], np.ndarray], where: str
+        self,
+        key: Mapping[str, Any],
+        y: np.ndarray,
+        row_ids: np.ndarray,
+        draw: Callable[[], np.ndarray],
+        where: str,
+        owner: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
     ) -> np.ndarray:
         """The randomized labels for ``key`` (the setting they were drawn under): the stored draw, else
-        ``draw()`` once, stored. A draw over other rows or other labels is refused (the owner resets it)."""
+        ``draw()`` once, stored. A draw over other rows or other labels is refused (the owner resets it).
+
+        ``owner``: (the owner's own label-DP setting, the label task the run declares: task and class count).
+        The task is the run's word, so it must not buy a new draw: once a draw was made under an owner setting,
+        a run declaring another task (a regression label as multiclass, a class list padded with classes no
+        row holds) is refused rather than drawn for afresh (each fresh draw would be one more vote for the true
+        label: docs/threat-model.md, label DP across runs)."""
         path = self.labels_path(key)
         fingerprint = hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest()
         with self.locked():
+            tasks = json.loads(self.label_tasks.read_text()) if owner and self.label_tasks.is_file() else {}
+            setting = (
+                hashlib.sha256(json.dumps(dict(owner[0]), sort_keys=True).encode()).hexdigest()[:16] if owner else ""
+            )
+            if owner and not path.is_file() and tasks.get(setting, dict(owner[1])) != dict(owner[1]):
+                made, asked = tasks[setting], dict(owner[1])
+                declared = (
+                    f"a {asked.get('task')} label"
+                    if asked.get("task") != made.get("task")
+                    else f"its {asked.get('task')} label with other classes"
+                )
+                raise BudgetExhausted(
+                    f"{where}: its label-DP draw under its owner's setting was made for a {made.get('task')} label; "
+                    f"the run declares {declared}, which would need a new draw (one per owner setting, so that runs "
+                    "cannot average the noise away); a new draw is the owner's decision "
+                    "(python -m simulations.node --client-config FILE --reset-label-dp)"
+                )
+            if owner and setting not in tasks:
+                private_write(self.label_tasks, json.dumps({**tasks, setting: dict(owner[1])}, sort_keys=True).encode())
             if path.is_file():
                 with np.load(path) as saved:
                     if str(saved["fingerprint"]) != fingerprint or not np.array_equal(saved["row_ids"], row_ids):
@@ -231,8 +269,10 @@ class OwnerBudget:
 
 
 def reset_label_draws(state_dir: str | Path) -> list[Path]:
-    """Delete every stored label-DP draw under ``state_dir`` (the owner's reset); returns the files removed."""
-    removed = sorted((Path(state_dir) / BUDGET_DIR).glob("*-labels-*.npz"))
-    for path in removed:
+    """Delete every stored label-DP draw under ``state_dir`` (the owner's reset), and the label task each was
+    made for (the next run's task is then drawn for); returns the draws removed."""
+    folder = Path(state_dir) / BUDGET_DIR
+    removed = sorted(folder.glob("*-labels-*.npz"))
+    for path in [*removed, *folder.glob("*-labels-tasks.json")]:
         path.unlink()
     return removed
