@@ -399,6 +399,27 @@ def test_a_settings_problem_reaches_the_server_without_the_owners_paths(tmp_path
     assert str(context.node_config["client-config"]) in caplog.text  # the owner's log keeps where it is
 
 
+def test_a_label_declared_binary_reaches_the_server_without_its_values(tmp_path):
+    """A run declaring movielens' rating (ten values) a binary label is refused by the node's data check; the
+    line the server gets says so with the count, as every data problem's does, and no label value (it listed
+    the first five distinct ratings: any label's values, by declaring it binary). The owner's console
+    (a simulation's report) keeps them."""
+    owner = "algorithm=admm dataset=movielens"
+    attack = f"{owner} dataset.label.task=binary"
+    context = node(tmp_path, "ratings", owner, attack)
+    with pytest.raises(ValueError) as refusal:
+        call(deployed_app, context, "train", {}, {"phase": "keys"})
+    line = str(refusal.value)
+    assert re.search(r"label column 'rating': \d+ binary labels beyond two values; keep two classes", line), line
+    assert not re.search(r"\d\.\d|float", line), line
+    from tpflower.checks import table_problems
+
+    spec = load_spec(compose_config(*attack.split()).dataset)
+    frame = make_client(compose_config(*owner.split()), node(tmp_path / "owner", "ratings", owner, owner)).data.frame
+    (problem,) = [p for p in table_problems(spec, "ratings", frame) if "binary" in p.what]
+    assert "a binary label holds two values, this one 10: " in problem.line(values=True)
+
+
 # ------------------------------------------------------------------------------------ coresets under label DP
 
 

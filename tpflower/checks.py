@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -467,7 +467,7 @@ def shard_problems(spec: RelationalSpec, frames: Mapping[str, pd.DataFrame]) -> 
                         SourceRows.of(t.source, frame),
                         f"values not among the listed shard values {list(values)}",
                         "list every value under shards.values, or keep only those rows (where)"
-                        + yaml_boolean_hint(values, frame[by][bad]),
+                        + (f" ({hint})" if (hint := yaml_boolean_hint(values, frame[by][bad])) else ""),
                     )
                 )
     return out
@@ -509,12 +509,13 @@ YAML_BOOLEAN_WORDS = frozenset({"y", "yes", "n", "no", "on", "off"})
 
 def yaml_boolean_hint(listed: Sequence[Any], found: pd.Series) -> str:
     """A hint when a list in the user's YAML holds booleans and the data holds yes/no/on/off text: YAML 1.1 read
-    the unquoted words as booleans."""
+    the unquoted words as booleans (empty: none). It tells of the data: a label's goes in its problem's example,
+    which a deployed node does not send."""
     if (
         any(str(v) in ("True", "False") for v in listed)
         and found.astype(str).str.lower().isin(YAML_BOOLEAN_WORDS).any()
     ):
-        return " (YAML reads an unquoted yes, no, on or off as true or false: quote them, e.g. ['no', 'yes'])"
+        return "YAML reads an unquoted yes, no, on or off as true or false: quote them, e.g. ['no', 'yes']"
     return ""
 
 
@@ -524,7 +525,7 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: SourceRo
     p = _missing(name, col, "label column", y, src, "missing labels", "drop the rows without a label or fill them")
     if p is not None:
         out.append(p)
-    bad, what, fix = None, "", ""
+    bad, what, fix, detail = None, "", "", ""
     if task == "regression":
         bad, what, fix = _non_numeric(y), "non-numeric regression labels", "make every label a number"
         if not bad.any():  # numbers, or text that reads as numbers ("inf" among them)
@@ -534,16 +535,22 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: SourceRo
         bad = (y.notna() & (class_codes(y, spec.label.classes) < 0)).to_numpy()
         what = "labels outside label.classes"
         fix = f"list every class in label.classes {list(spec.label.classes)} or drop those rows"
-        fix += yaml_boolean_hint(spec.label.classes, y[bad])
+        detail = yaml_boolean_hint(spec.label.classes, y[bad])  # about the label's values: the owner's console
     elif task == "binary":
         try:
             binary_classes(y)
         except ValueError as exc:
             kept = y.value_counts().index[:2]  # the two most frequent values: the rows of any other are shown
             bad = (y.notna() & ~y.isin(kept)).to_numpy()
-            what, fix = "binary labels beyond two values", f"{exc}; keep two classes (or set label.task: multiclass)"
+            # the label's values go in the example (the owner's console), never in the line a deployed node sends
+            what, fix, detail = (
+                "binary labels beyond two values",
+                "keep two classes (or set label.task: multiclass)",
+                str(exc),
+            )
     if bad is not None and bad.any():
-        out.append(_bad_values(name, col, "label column", bad, y, src, what, fix))
+        problem = _bad_values(name, col, "label column", bad, y, src, what, fix)
+        out.append(replace(problem, example=f"{problem.example} ({detail})") if detail else problem)
     return out
 
 
