@@ -420,6 +420,20 @@ def test_a_label_declared_binary_reaches_the_server_without_its_values(tmp_path)
     assert "a binary label holds two values, this one 10: " in problem.line(values=True)
 
 
+def test_label_classes_of_the_servers_choosing_read_no_count_of_the_labels(tmp_path):
+    """label.classes is the run's word: the refusal of labels outside the declared classes carried their count
+    (51190 ratings outside [4.0, 3.0]), so sets of the server's choosing read the label's exact histogram under a
+    label-DP floor. The line the server gets now names the problem and the classes it sent, no count."""
+    owner = "algorithm=admm dataset=movielens privacy=label"
+    attack = f"{owner} dataset.label.task=multiclass +dataset.label.classes=[4.0,3.0]"
+    context = node(tmp_path, "ratings", owner, attack)
+    with pytest.raises(ValueError) as refusal:
+        call(deployed_app, context, "train", {}, {"phase": "keys"})
+    line = str(refusal.value)
+    assert "label column 'rating': labels outside label.classes; list every class in label.classes [4.0, 3.0]" in line
+    assert not re.search(r"\d{2,}", line), line
+
+
 # ------------------------------------------------------------------------------------ coresets under label DP
 
 

@@ -532,10 +532,25 @@ def _label_problems(spec: RelationalSpec, name: str, y: pd.Series, src: SourceRo
             bad = _infinite(y)
             what, fix = "infinite regression labels", "replace them by finite numbers or drop those rows"
     elif spec.label.classes is not None:
-        bad = (y.notna() & (class_codes(y, spec.label.classes) < 0)).to_numpy()
-        what = "labels outside label.classes"
-        fix = f"list every class in label.classes {list(spec.label.classes)} or drop those rows"
-        detail = yaml_boolean_hint(spec.label.classes, y[bad])  # about the label's values: the owner's console
+        outside = (y.notna() & (class_codes(y, spec.label.classes) < 0)).to_numpy()
+        if outside.any():
+            # the classes are the run's word: a count of the labels outside them, for sets of the server's choosing,
+            # would be the label's histogram, so the count goes in the example (the owner's console) alone
+            row, n = _first(outside), int(outside.sum())
+            value = y.iloc[row]
+            shown = value.item() if isinstance(value, np.generic) else value
+            hint = yaml_boolean_hint(spec.label.classes, y[outside])
+            out.append(
+                Problem(
+                    name,
+                    "labels outside label.classes",
+                    f"list every class in label.classes {list(spec.label.classes)} or drop those rows",
+                    column=col,
+                    role="label column",
+                    count=n,
+                    example=f"{n} of them, first at {src.at(row)}: {shown!r}" + (f" ({hint})" if hint else ""),
+                )
+            )
     elif task == "binary":
         try:
             binary_classes(y)
