@@ -106,13 +106,15 @@ def settings_problem(client_config: str, table: str) -> str | None:
     from tpflower.checks import DataProblems  # noqa: PLC0415  (argparse errors first: no heavy imports)
     from tpflower.datasets.files import read_table  # noqa: PLC0415
     from tpflower.owner import read_owner_settings  # noqa: PLC0415
-    from tpflower.registry import algorithm_names  # noqa: PLC0415
+    from tpflower.registry import algorithm_names, release_families  # noqa: PLC0415
     from tpflower.schema import SpecError  # noqa: PLC0415
     from tpflower.sql.predicate import filter_rows  # noqa: PLC0415
 
     try:
         owner = read_owner_settings(client_config, table)
         if owner.algorithms and (problem := owner.algorithms_problem(algorithm_names())):
+            return problem
+        if owner.exact_releases and (problem := owner.releases_problem(release_families())):
             return problem
         if owner.source is None:  # a bundled table (loader): its loader makes it when a run asks
             return None

@@ -416,6 +416,11 @@ SETTINGS = (
         (SETTINGS + "min_sketch_rows: many\n", BILLING, "min_sketch_rows must be a whole number >= 1, got 'many'"),
         (SETTINGS.replace("{name: none}", "label"), BILLING, "privacy must be a mapping"),
         (SETTINGS + "algorithms: [pcg, admn]\n", BILLING, "algorithms names ['admn'], which no installed algorithm"),
+        (  # the results.json name of an algorithm is not its family: the cap would bound nothing
+            SETTINGS + "exact_releases: {tp_join_admm: 3}\n",
+            BILLING,
+            "exact_releases names ['tp_join_admm'], which no installed algorithm family is called; the families are",
+        ),
     ],
     ids=[
         "typo-key",
@@ -426,6 +431,7 @@ SETTINGS = (
         "bad-value",
         "not-a-mapping",
         "unknown-algorithm",
+        "unknown-release-family",
     ],
 )
 def test_a_node_checks_its_settings_and_data_before_it_starts(tmp_path, monkeypatch, capsys, settings, data, says):

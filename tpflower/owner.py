@@ -262,6 +262,18 @@ class OwnerSettings:
             f"are {sorted(set(known.values()))} (every scenario's) or {sorted(set(known) - set(known.values()))}"
         )
 
+    def releases_problem(self, families: set[str]) -> str | None:
+        """None if every family ``exact_releases`` caps is an installed algorithm's (``families``), else one line
+        naming the unknown ones: a cap under a name no family has would bound nothing while the owner believes
+        it does (the family's default cap applies)."""
+        unknown = sorted(set(self.exact_releases or ()) - families)
+        if not unknown:
+            return None
+        return (
+            f"table {self.table!r}: exact_releases names {unknown}, which no installed algorithm family is called; "
+            f"the families are {sorted(families)}"
+        )
+
     def check_privacy(self, run: Mapping[str, Any], label_owner: bool) -> None:
         """The run's privacy must be at least the floor: label DP (label owner only) and feature DP."""
         floor, name = self.privacy, str(run.get("name", "none"))

@@ -121,6 +121,12 @@ def algorithm_names() -> dict[str, str]:
     return out
 
 
+def release_families() -> set[str]:
+    """Every name an owner's ``exact_releases`` may hold: the families of the installed algorithms (each one's
+    exact releases are counted under its family, tpflower.releases)."""
+    return {e.family for e in entries()}
+
+
 def by_name(name: str) -> AlgorithmEntry:
     load_all()
     for entry in _ENTRIES.values():
