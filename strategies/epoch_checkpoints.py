@@ -86,7 +86,7 @@ class EpochCheckpoints(NoCheckpoints):
             raise ValueError(f"{SETUP_CHECKPOINT} and {CHECKPOINT} in {self.run_dir} are of different runs")
         epoch = int(saved["epoch"])
         strategy.run_id = str(saved["run_id"])
-        strategy.send(
+        replies = strategy.send(
             {
                 k: (
                     {},
@@ -107,6 +107,15 @@ class EpochCheckpoints(NoCheckpoints):
         self.setup_saved = True
         strategy.record.t0 = time.perf_counter() - float(saved["elapsed"])
         strategy.log(f"resumed after epoch {epoch} from {self.run_dir / CHECKPOINT}")
+        for (table, shard), (_, metrics) in sorted(replies.items()):
+            if int(metrics.get("dp_steps_after_checkpoint", 0)):  # said now, not at the run's last epoch
+                n = int(metrics["dp_steps_after_checkpoint"])
+                strategy.log(
+                    f"warning: table {table!r} shard {shard} took {n} DP step(s) after the checkpoint of epoch "
+                    f"{epoch}, which stay spent: its DP plan runs out {n} step(s) before the run's last epoch, where "
+                    "the node refuses and the run stops (docs/deployment.md, checkpoint and resume); a new run "
+                    "has a whole plan"
+                )
         return epoch, saved["loop"]
 
     def config(self, epoch: int, run_id: str) -> dict[str, Any]:

@@ -253,12 +253,23 @@ def test_dp_steps_taken_after_the_checkpoint_stay_spent(tmp_path):
     # so they run out at the last epoch and refuse (the ledger never goes back; nothing is released unaccounted)
     crashed_run(tmp_path, *DPSGD)
     for _ in range(2):  # the refusing node keeps serving: its cached model carries no Opacus hooks into the
+        lines: list[str] = []
         with pytest.raises(  # next resume, which is refused for the budget again (not for the model's state)
             RunError,
             match=r"table 'fact' shard 0: .*DP steps exceed the \d+ the noise was calibrated "
             r"for \(privacy budget exhausted\)",
         ):
-            run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path, log=quiet)
+            run_in_process(compose_config(*RUN, *DPSGD, "resume=true"), tmp_path, log=lines.append)
+        # said as the run resumes, before its epochs spend the rest of the plan, not only at the refusal
+        resumed = next(i for i, line in enumerate(lines) if line.startswith("resumed after epoch"))
+        epoch = lines[resumed].split()[3]
+        warnings = [line for line in lines if f"after the checkpoint of epoch {epoch}, which stay spent" in line]
+        tables = [w.split(" took ")[0].removeprefix("warning: table ") for w in warnings]
+        assert warnings and lines.index(warnings[0]) == resumed + 1
+        if epoch == "3":  # every table but d2, which died before its DP step of epoch 4
+            assert tables == ["'d1' shard 0", "'d3' shard 0", "'fact' shard 0"]
+        else:  # the first resume stopped at fact's refusal in epoch 6, after d2 took its step of it
+            assert epoch == "5" and tables == ["'d2' shard 0"]
 
 
 def test_every_registered_algorithm_resumes():

@@ -240,6 +240,9 @@ def resume(client: CheckpointedClient, config: Mapping[str, Any]) -> tuple[dict,
         )
     ledger = store.ledger_history()  # type: ignore[union-attr]
     kept_history = client.state.get("dp_history")
+    after = 0
     if ledger is not None and (kept_history is None or steps(ledger) > steps(kept_history)):
+        after = steps(ledger) - (0 if kept_history is None else steps(kept_history))
         client.state.put("dp_history", ledger)  # the budget spent after the checkpoint stays spent
-    return {}, {"resumed": epoch}
+    # the server planned the steps of every epoch and sent those after the checkpoint: their count is its own
+    return {}, {"resumed": epoch, **({"dp_steps_after_checkpoint": after} if after else {})}
