@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -195,6 +196,24 @@ def test_a_refusal_in_the_serverapp_is_one_line_and_an_unexpected_error_keeps_it
         "the run stopped: bad spec",
     ], lines
     assert lines[2] == "ServerApp raised an exception" and "Traceback" in lines[3] and "KeyError: 'a bug'" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["dataset=synthetic", "privacy=label"], "the label's public range [lo, hi] is not set"),
+        (["algorithm=centralized"], "algorithm 'centralized' is not a federated algorithm"),
+    ],
+)
+def test_a_setting_the_serverapp_refuses_is_a_one_line_refusal(tmp_path, overrides, said):
+    """`flwr run` with a setting the strategy refuses before any message (ValueError building it): a SpecError,
+    which Flower's log shows as one line (OneLineRefusals), not a traceback."""
+    from tpflower.app.server_app import expected_refusal, run_of
+    from tpflower.schema import SpecError
+
+    with pytest.raises(SpecError, match=re.escape(said)) as refused:
+        run_of(make_cfg(*overrides), tmp_path, None, log=lambda _: None)
+    assert expected_refusal(refused.value) is refused.value
 
 
 def test_a_hint_below_the_constant_predictor_never_names_a_setting_the_run_has(tmp_path):

@@ -92,18 +92,29 @@ def server_app_for(
         run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
         out = run_dir or context.run_config.get("run-dir") or default_run_dir(run_cfg)
         root = base_dir if base_dir is not None else context.run_config.get("base-dir") or None
-        if strategy is not None:
-            run = strategy
-        elif run_cfg.get("predict"):  # a prediction request for the model in the run dir (docs/prediction.md)
-            run = prediction_strategy().from_run_dir(run_cfg, out, root, log=log)
-        else:
-            run = make_strategy(run_cfg, out, root, log=log)
+        run = strategy if strategy is not None else run_of(run_cfg, out, root, log)
         if created is not None:
             created.append(run)
         nodes = run_cfg.get("nodes") or {}
         run.start(grid, timeout=float(nodes.get("reply_timeout_s", 600)), node_wait_s=float(nodes.get("wait_s", 120)))
 
     return app
+
+
+def run_of(
+    run_cfg: DictConfig, run_dir: str | Path, base_dir: str | Path | None, log: Callable[[str], None]
+) -> Strategy:
+    """The strategy a ServerApp runs for ``run_cfg``: a prediction request's (docs/prediction.md) or the run's.
+    A setting it refuses (ValueError, before any message is sent) is a SpecError: one line in Flower's log, as
+    on the command line (:class:`OneLineRefusals`)."""
+    try:
+        if run_cfg.get("predict"):  # a prediction request for the model in the run dir
+            return prediction_strategy().from_run_dir(run_cfg, run_dir, base_dir, log=log)
+        return make_strategy(run_cfg, run_dir, base_dir, log=log)
+    except SpecError:
+        raise
+    except ValueError as exc:
+        raise SpecError(str(exc)) from exc
 
 
 class OneLineRefusals(logging.Filter):
