@@ -45,8 +45,21 @@ def sgd_schedule(strategy: LoJStrategy) -> tuple[SGDSchedule, BatchPlan]:
     every evaluation predicts (the validation rows, then the test rows)."""
     train, evaluated, cfg = strategy.train, strategy.evaluated, strategy.cfg
     B = batch_size_of(cfg.algorithm.batch_size, train.N)
-    schedule = SGDSchedule(train, B, int(cfg.epochs), np.random.default_rng(int(cfg.seed)))
+    epochs = sgd_epochs(strategy, -(-train.N // B))
+    schedule = SGDSchedule(train, B, epochs, np.random.default_rng(int(cfg.seed)))
     return schedule, BatchPlan.of(evaluated, np.arange(evaluated.N))
+
+
+def sgd_epochs(strategy: LoJStrategy, per_epoch: int) -> int:
+    """The run's epochs: ``epochs``, or more when its ``per_epoch`` mini-batch steps times ``epochs`` fall short
+    of ``algorithm.min_steps`` (a small training join, a few batches long), unless the run has feature DP,
+    whose noise grows with its steps for the same epsilon, or full batches (``epochs`` gradient-descent steps:
+    the iterations asked for) (docs/algorithms.md#small-training-joins)."""
+    epochs = int(strategy.cfg.epochs)
+    low = int(getattr(strategy.params, "min_steps", 0) or 0)
+    if strategy.feature_dp or strategy.params.batch_size == "full" or per_epoch * epochs >= low:
+        return epochs
+    return -(-low // per_epoch)
 
 
 #: fewer mini-batch steps than this over a whole run are worth a line (a table smaller than the batch size)
@@ -54,9 +67,18 @@ FEW_STEPS = 100
 
 
 def warn_few_steps(strategy: LoJStrategy, schedule: SGDSchedule) -> None:
-    """One line when the run's whole schedule holds fewer than :data:`FEW_STEPS` mini-batch steps: a training
-    join a few batches long gets a few updates (one per epoch when it is smaller than the batch)."""
-    steps = schedule.per_epoch * int(strategy.cfg.epochs)
+    """One line when the run trains more epochs than ``epochs`` (:func:`sgd_epochs`), and one when its whole
+    schedule holds fewer than :data:`FEW_STEPS` mini-batch steps: a training join a few batches long gets a few
+    updates (one per epoch when it is smaller than the batch), as with algorithm.min_steps=0 or feature DP."""
+    epochs = int(strategy.cfg.epochs)
+    if schedule.epochs > epochs:
+        strategy.log(
+            f"epochs: {schedule.per_epoch} mini-batch step(s) per epoch ({strategy.train.N:,} training rows, "
+            f"algorithm.batch_size={strategy.cfg.algorithm.batch_size}): up to {schedule.epochs} epochs, not "
+            f"{epochs}, for algorithm.min_steps={strategy.params.min_steps} steps (early stopping may end it sooner; "
+            "algorithm.min_steps=0: exactly epochs)"
+        )
+    steps = schedule.per_epoch * schedule.epochs
     if steps < FEW_STEPS and strategy.cfg.algorithm.batch_size != "full":
         strategy.log(
             f"warning: {schedule.per_epoch} mini-batch step(s) per epoch ({strategy.train.N:,} training rows, "
@@ -172,9 +194,9 @@ def sgd_dp_plan(strategy: LoJStrategy) -> dict:
     g = max_u G_iu over the client's rows in the TRAINING join (privacy.table_row_sample_rate, "shuffle": the
     server's actual batching; the Poisson accountant is then the usual approximation, as for shuffled loaders).
     """
-    N, epochs = strategy.train.N, int(strategy.cfg.epochs)
+    N = strategy.train.N
     B = batch_size_of(strategy.params.batch_size, N)
-    steps = sgd_steps(epochs, N, B)
+    steps = sgd_steps(sgd_epochs(strategy, -(-N // B)), N, B)  # feature DP: exactly `epochs`
     rate = str(strategy.cfg.privacy.get("sample_rate", "worst_row"))
     if rate not in ("worst_row", "batch"):
         raise ValueError(f"privacy.sample_rate must be worst_row or batch, got {rate!r}")

@@ -13,13 +13,14 @@ from tpflower.app.server_app import make_strategy
 from tpflower.phases.celu import Workset, staleness_weights
 from tpflower.state import ClientState
 
-# 7 rounds/epoch on the whole training split (no validation part)
+# 7 rounds/epoch on the whole training split (no validation part), exactly the epochs asked for
 EXACT = (
     "dataset=synthetic",
     "precision=float64",
     "model.init=zeros",
     "algorithm.batch_size=2000",
     "validation_fraction=0",
+    "algorithm.min_steps=0",
 )
 
 

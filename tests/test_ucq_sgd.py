@@ -9,7 +9,14 @@ from tests.test_ucq_admm import history, run
 
 
 def test_tp_ucq_sgd_reproduces_tp_join_sgd():
-    common = ("algorithm=sgd", "dataset=synthetic", "precision=float64", "epochs=2", "algorithm.batch_size=700")
+    common = (
+        "algorithm=sgd",
+        "dataset=synthetic",
+        "precision=float64",
+        "epochs=2",
+        "algorithm.batch_size=700",
+        "algorithm.min_steps=0",
+    )
     join, ucq = run(*common), run(*common, "scenario=ucq")
     assert len(ucq.strategy.clients) == 6  # fact and d1 in 2 shards each
     np.testing.assert_allclose(history(ucq), history(join), rtol=1e-9)

@@ -59,12 +59,19 @@ def apply_step(model: torch.nn.Module, gradient: torch.Tensor, lr: float) -> Non
         torch.nn.utils.vector_to_parameters(theta - lr * gradient, model.parameters())
 
 
+#: algorithm.min_steps' default: measured on small joins of 1,000-10,000 rows (docs/algorithms.md#small-training-joins)
+MIN_STEPS = 500
+
+
 @dataclass(frozen=True)
 class SGDParams(AlgorithmParams):
     """TP-Join-SGD, TP-UCQ-SGD, VFL-SGD (conf/algorithm/sgd.yaml)."""
 
     lr: float = param(positive, 0.2)
     batch_size: int | str = param(or_word(positive_int, "full"), 1024)
+    # fewest mini-batch steps a run makes without feature DP: a training join of few batches trains more epochs
+    # than `epochs` (early stopping still ends it); 0: exactly `epochs` (docs/algorithms.md#small-training-joins)
+    min_steps: int = param(nonnegative_int, MIN_STEPS)
     eval_every: int | None = param(or_word(positive_int, None), None)  # rounds; None: once per epoch
     # evaluations without a lower validation loss that stop the run (0: never), with a validation part
     early_stopping: int = param(nonnegative_int, PATIENCE)
