@@ -52,12 +52,14 @@ def sgd_schedule(strategy: LoJStrategy) -> tuple[SGDSchedule, BatchPlan]:
 
 def sgd_epochs(strategy: LoJStrategy, per_epoch: int) -> int:
     """The run's epochs: ``epochs``, or more when its ``per_epoch`` mini-batch steps times ``epochs`` fall short
-    of ``algorithm.min_steps`` (a small training join, a few batches long), unless the run has feature DP,
-    whose noise grows with its steps for the same epsilon, or full batches (``epochs`` gradient-descent steps:
+    of ``algorithm.min_steps`` (a small training join, a few batches long), unless the run has DP (feature DP:
+    the noise of each step grows with the steps for the same epsilon; label DP: each epoch's evaluation is a
+    release of the test labels), or full batches (``epochs`` gradient-descent steps:
     the iterations asked for) (docs/algorithms.md#small-training-joins)."""
     epochs = int(strategy.cfg.epochs)
     low = int(getattr(strategy.params, "min_steps", 0) or 0)
-    if strategy.feature_dp or strategy.params.batch_size == "full" or per_epoch * epochs >= low:
+    private = str(strategy.privacy.get("name", "none")) != "none"
+    if private or strategy.params.batch_size == "full" or per_epoch * epochs >= low:
         return epochs
     return -(-low // per_epoch)
 
@@ -69,7 +71,7 @@ FEW_STEPS = 100
 def warn_few_steps(strategy: LoJStrategy, schedule: SGDSchedule) -> None:
     """One line when the run trains more epochs than ``epochs`` (:func:`sgd_epochs`), and one when its whole
     schedule holds fewer than :data:`FEW_STEPS` mini-batch steps: a training join a few batches long gets a few
-    updates (one per epoch when it is smaller than the batch), as with algorithm.min_steps=0 or feature DP."""
+    updates (one per epoch when it is smaller than the batch), as with algorithm.min_steps=0 or under DP."""
     epochs = int(strategy.cfg.epochs)
     if schedule.epochs > epochs:
         strategy.log(
@@ -196,7 +198,7 @@ def sgd_dp_plan(strategy: LoJStrategy) -> dict:
     """
     N = strategy.train.N
     B = batch_size_of(strategy.params.batch_size, N)
-    steps = sgd_steps(sgd_epochs(strategy, -(-N // B)), N, B)  # feature DP: exactly `epochs`
+    steps = sgd_steps(sgd_epochs(strategy, -(-N // B)), N, B)  # under DP: exactly `epochs`
     rate = str(strategy.cfg.privacy.get("sample_rate", "worst_row"))
     if rate not in ("worst_row", "batch"):
         raise ValueError(f"privacy.sample_rate must be worst_row or batch, got {rate!r}")

@@ -44,6 +44,7 @@ def cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.Com
 )
 def test_fit_is_the_command_lines_run(runtime, tmp_path):
     overrides = ["dataset=synthetic", "algorithm=sgd", "epochs=2", "algorithm.batch_size=512", f"runtime={runtime}"]
+    overrides.append("algorithm.min_steps=0")  # exactly the 2 epochs (24 steps each)
     done = cli("train", *overrides, f"hydra.run.dir={tmp_path / 'cli'}")
     assert done.returncode == 0, done.stderr
     model = tpflower.fit(
@@ -51,6 +52,7 @@ def test_fit_is_the_command_lines_run(runtime, tmp_path):
         algorithm="sgd",
         epochs=2,
         algorithm__batch_size=512,
+        algorithm__min_steps=0,
         runtime=runtime,
         run_dir=tmp_path / "api",
     )

@@ -35,6 +35,8 @@ def overrides_of(entry: registry.AlgorithmEntry) -> list[str]:
     assert len(conf) == 1, f"no conf/algorithm YAML selects {entry.selector!r}"
     fields = set(entry.params.__dataclass_fields__)
     extra = ["algorithm.batch_size=4000"] if "batch_size" in fields else []
+    if "min_steps" in fields:  # SGD: exactly the epochs asked for (4 batches of 4000 each)
+        extra.append("algorithm.min_steps=0")
     if "trees" in fields:  # boosted trees: two trees, one evaluation each (as two epochs); the union's shards
         # sketch every column for the shared bins: the synthetic shards hold fewer rows than the default floor
         extra += ["algorithm.trees=2", "algorithm.eval_every=1", "min_sketch_rows=64"]

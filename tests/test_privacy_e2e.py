@@ -203,7 +203,7 @@ def test_audit_no_raw_keys_features_or_labels_leave_a_client(overrides, monkeypa
 
 def test_label_owner_evaluation_equals_metrics_on_true_labels():
     # two shards of the label table: the server combines their metrics; check against the true test labels
-    rec = Recorded(BINARY, "algorithm=sgd", "scenario=ucq", "privacy=label", "epochs=1")
+    rec = Recorded(BINARY, "algorithm=sgd", "scenario=ucq", "privacy=label", "epochs=1", "algorithm.min_steps=0")
     H, y, multiplicity = [], [], []
     for key, phase, params, _config in rec.got:
         if phase == "evaluate":
@@ -222,7 +222,9 @@ def test_label_owner_evaluation_equals_metrics_on_true_labels():
     assert last.test_metric != expected["accuracy"]  # the release is noisy
     assert "test_auc" not in last.extra  # AUC is not combinable from per-shard metrics: omitted
     # the evaluation round is not training traffic
-    none = run(BINARY, "algorithm=sgd", "scenario=ucq", "epochs=1").strategy.results.history[-1]
+    none = run(BINARY, "algorithm=sgd", "scenario=ucq", "epochs=1", "algorithm.min_steps=0").strategy.results.history[
+        -1
+    ]
     assert (last.rounds, last.rounds_inner) == (none.rounds, none.rounds_inner)
 
 

@@ -70,7 +70,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "admm": Family(("algorithm=admm", "algorithm.tol=0"), 11, 29.5, 96.0, "subspace acceleration, memory 10, full"),
     "sgd": Family(
-        ("algorithm=sgd", "algorithm.batch_size=65536", NO_EARLY_STOP),
+        ("algorithm=sgd", "algorithm.batch_size=65536", "algorithm.min_steps=0", NO_EARLY_STOP),
         2,
         23.5,
         2.0,

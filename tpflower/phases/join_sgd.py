@@ -69,7 +69,7 @@ class SGDParams(AlgorithmParams):
 
     lr: float = param(positive, 0.2)
     batch_size: int | str = param(or_word(positive_int, "full"), 1024)
-    # fewest mini-batch steps a run makes without feature DP: a training join of few batches trains more epochs
+    # fewest mini-batch steps a run makes without DP: a training join of few batches trains more epochs
     # than `epochs` (early stopping still ends it); 0: exactly `epochs` (docs/algorithms.md#small-training-joins)
     min_steps: int = param(nonnegative_int, MIN_STEPS)
     eval_every: int | None = param(or_word(positive_int, None), None)  # rounds; None: once per epoch
