@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from simulations.bench.common import WHOLE_TRAINING, run_isolated
+from simulations.bench.common import WHOLE_TRAINING, fixed_epochs, run_isolated
 from tpflower.config import compose_config
 
 #: the variants of the paper's Table 2, as overrides (vanilla: TP-Join-SGD; every other: algorithm=celu)
@@ -83,7 +83,7 @@ def celu_case(
     from tpflower.app.server_app import make_strategy  # noqa: PLC0415
 
     cfg = compose_config(
-        *CELU_VARIANTS[variant],
+        *fixed_epochs(*CELU_VARIANTS[variant]),
         f"dataset={dataset}",
         f"model={model}",
         f"seed={seed}",
@@ -134,7 +134,7 @@ def flower_case(
     from simulations.run import run_job  # noqa: PLC0415  torch, flwr: in the case's process only (common.py)
 
     cfg = compose_config(
-        *CELU_VARIANTS[variant],
+        *fixed_epochs(*CELU_VARIANTS[variant]),
         f"dataset={dataset}",
         f"model={model}",
         "seed=0",

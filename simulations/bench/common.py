@@ -27,6 +27,17 @@ REPO_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout the benches
 #: and report the last model, as they were measured before model selection (its own suite: selection)
 WHOLE_TRAINING = "validation_fraction=0"
 
+#: the algorithms whose runs a small training join lengthens (algorithm.min_steps, docs/algorithms.md#small-training-joins)
+MIN_STEPS_ALGORITHMS = ("sgd", "vfl_sgd", "celu", "vfl_celu")
+
+
+def fixed_epochs(*overrides: str) -> tuple[str, ...]:
+    """``overrides``, and for an algorithm of :data:`MIN_STEPS_ALGORITHMS` ``algorithm.min_steps=0``: a bench
+    trains the epochs it names (its published rows were measured so), not more on a small join."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("algorithm=")]
+    pinned = bool(chosen) and chosen[-1] in MIN_STEPS_ALGORITHMS and not any("min_steps" in o for o in overrides)
+    return (*overrides, "algorithm.min_steps=0") if pinned else overrides
+
 
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MB."""

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.common import WHOLE_TRAINING, code_commit, run_isolated, run_results
+from simulations.bench.common import WHOLE_TRAINING, code_commit, fixed_epochs, run_isolated, run_results
 from tpflower.config import compose_config
 
 #: the datasets of the convergence table (overrides); synthetic labels in three units
@@ -36,7 +36,7 @@ def convergence_case(data: str, overrides: list[str], epochs: int) -> dict[str, 
     """Shipped defaults: the test metric per epoch of one run (in-process), and where and why it stopped."""
     # torch, flwr: imported in the case's own process only, never in the suite's (see common.py)
 
-    cfg = compose_config(*CONVERGENCE_DATA[data], f"epochs={epochs}", WHOLE_TRAINING, *overrides)
+    cfg = compose_config(*fixed_epochs(*CONVERGENCE_DATA[data], f"epochs={epochs}", WHOLE_TRAINING, *overrides))
     t0 = time.perf_counter()
     results = run_results(cfg)
     return {
@@ -201,7 +201,9 @@ def matrix_cell(overrides: list[str], epochs: int, algorithms: list[str]) -> dic
         if name.startswith("pcg") and task != "regression":
             continue
         cfg = compose_config(
-            *overrides, *{**MATRIX_ALGORITHMS, **GBDT_ALGORITHMS}[name], f"epochs={epochs}", WHOLE_TRAINING
+            *fixed_epochs(
+                *overrides, *{**MATRIX_ALGORITHMS, **GBDT_ALGORITHMS}[name], f"epochs={epochs}", WHOLE_TRAINING
+            )
         )
         t0 = time.perf_counter()
         res = run_in_process(cfg, None, log=lambda _: None).strategy.results

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.common import WHOLE_TRAINING, peak_rss_mb, run_isolated
+from simulations.bench.common import WHOLE_TRAINING, fixed_epochs, peak_rss_mb, run_isolated
 from tpflower.config import compose_config
 
 
@@ -24,7 +24,7 @@ def algorithm_case(
 
     # the whole training split (no validation part): the rows measured before model selection stay comparable
     cfg = compose_config(
-        f"algorithm={algorithm}",
+        *fixed_epochs(f"algorithm={algorithm}"),
         f"dataset={dataset}",
         f"epochs={epochs}",
         f"runtime={runtime}",
