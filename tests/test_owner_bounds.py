@@ -399,6 +399,15 @@ def test_a_settings_problem_reaches_the_server_without_the_owners_paths(tmp_path
     assert str(context.node_config["client-config"]) in caplog.text  # the owner's log keeps where it is
 
 
+def keys_refusal(tmp_path, owner: str, attack: str) -> str:
+    """The line movielens' ratings node, set up by its owner for ``owner``, refuses the keys message of a run
+    submitted with ``attack`` with."""
+    context = node(tmp_path, "ratings", owner, attack)
+    with pytest.raises(ValueError) as refusal:
+        call(deployed_app, context, "train", {}, {"phase": "keys"})
+    return str(refusal.value)
+
+
 def test_a_label_declared_binary_reaches_the_server_without_its_values(tmp_path):
     """A run declaring movielens' rating (ten values) a binary label is refused by the node's data check; the
     line the server gets says so with the count, as every data problem's does, and no label value (it listed
@@ -406,10 +415,7 @@ def test_a_label_declared_binary_reaches_the_server_without_its_values(tmp_path)
     (a simulation's report) keeps them."""
     owner = "algorithm=admm dataset=movielens"
     attack = f"{owner} dataset.label.task=binary"
-    context = node(tmp_path, "ratings", owner, attack)
-    with pytest.raises(ValueError) as refusal:
-        call(deployed_app, context, "train", {}, {"phase": "keys"})
-    line = str(refusal.value)
+    line = keys_refusal(tmp_path, owner, attack)
     assert re.search(r"label column 'rating': \d+ binary labels beyond two values; keep two classes", line), line
     assert not re.search(r"\d\.\d|float", line), line
     from tpflower.checks import table_problems
@@ -426,10 +432,7 @@ def test_label_classes_of_the_servers_choosing_read_no_count_of_the_labels(tmp_p
     label-DP floor. The line the server gets now names the problem and the classes it sent, no count."""
     owner = "algorithm=admm dataset=movielens privacy=label"
     attack = f"{owner} dataset.label.task=multiclass +dataset.label.classes=[4.0,3.0]"
-    context = node(tmp_path, "ratings", owner, attack)
-    with pytest.raises(ValueError) as refusal:
-        call(deployed_app, context, "train", {}, {"phase": "keys"})
-    line = str(refusal.value)
+    line = keys_refusal(tmp_path, owner, attack)
     assert "label column 'rating': labels outside label.classes; list every class in label.classes [4.0, 3.0]" in line
     assert not re.search(r"\d{2,}", line), line
 
