@@ -64,13 +64,16 @@ from typing import Any, TextIO
 
 import tomli_w
 import yaml
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from simulations.child_process import parent_death_signal
 from simulations.pki import ServerTLS, make_node_keys, make_server_tls
+from tpflower.config_errors import override_error
 from tpflower.datasets import load_spec
-from tpflower.overrides import searchpath_override
-from tpflower.owner import SECRET_ENV, privacy_floor, simulation_owner
+from tpflower.overrides import searchpath_override, split_overrides
+from tpflower.owner import SECRET_ENV, privacy_floor, simulation_owner, uses_label_dp
+from tpflower.privacy.settings import label_range
 from tpflower.schema import SpecError
 from tpflower.signing import node_name, node_signing_key, verify_key_hex
 
@@ -156,6 +159,12 @@ def write_client_configs(
     spec = load_spec(cfg.dataset, base_dir=base_dir)
     directory.mkdir(parents=True, exist_ok=True)
     container = OmegaConf.to_container(cfg, resolve=True)
+    floor = privacy_floor(container["privacy"], "--overrides")
+    if uses_label_dp(floor) and spec.label.task == "regression":  # a floor drawn without it: every run's too
+        try:
+            label_range("--overrides: the owners' floor privacy=" + str(floor["name"]), floor.get("label_range"))
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
     paths = {}
     record = directory / WRITTEN
     written: dict[str, str] = json.loads(record.read_text()) if record.is_file() else {}
@@ -182,7 +191,7 @@ def write_client_configs(
                 "categorical": list(e.categorical),
                 **({"label": e.label} if e.label else {}),
             },
-            "privacy": {k: v for k, v in privacy_floor(container["privacy"], "--overrides").items() if v is not None},
+            "privacy": {k: v for k, v in floor.items() if v is not None},
             "keys": owner.keys,
             # the owner's bounds as the run gives them (the one-machine deployment: the user is every owner)
             "min_sketch_rows": owner.min_sketch_rows,
@@ -1006,8 +1015,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
     if args.command == "start":
         try:
             dep = start(args.overrides, args.state_dir, args.port, args.flwr_home, insecure=args.insecure)
-        except RunFailed as exc:
+        except (RunFailed, ValueError) as exc:  # ValueError: a setting or dataset problem (SpecError), one line
             print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except HydraException as exc:  # the overrides do not compose (a typo): Hydra's lines as one
+            print(f"error: {override_error(exc, split_overrides(args.overrides))}", file=sys.stderr)
             return 1
         security = f"TLS (CA {dep.ca}) + SuperNode authentication" if dep.secure else "INSECURE"
         print(f"SuperLink {dep.address}, {security} (connection {dep.connection!r} in {dep.flwr_home}/config.toml)")

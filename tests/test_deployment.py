@@ -26,6 +26,7 @@ import yaml
 from simulations import deploy
 from tests.test_resume import assert_same_forest, checkpoint_epoch
 from tpflower.overrides import searchpath_override, split_overrides
+from tpflower.schema import SpecError
 
 OVERRIDES = "algorithm=admm dataset=synthetic epochs=2"
 # the join deployment: the label owner's settings file sets label DP as its floor (deploy.start writes the
@@ -574,3 +575,30 @@ def test_start_keeps_an_owner_settings_file_its_user_edited(tmp_path, capsys):
     edited.unlink()  # deleted: written from the overrides again
     deploy.write_client_configs(overrides, tmp_path)
     assert yaml.safe_load(edited.read_text())["min_group_rows"] == 20
+
+
+def test_start_refuses_a_label_dp_floor_without_the_labels_range_before_writing_it(tmp_path):
+    """privacy=label on a regression label without label_range: the owners' floor would draw its labels on the
+    data's own min and max, and every honest run's range would randomize them again; `start` refuses in one
+    line, as a run would, and writes no settings file. With the range (or a class label) it writes them."""
+    with pytest.raises(SpecError, match=r"floor privacy=label: the label's public range \[lo, hi\] is not set"):
+        deploy.write_client_configs("dataset=synthetic privacy=label", tmp_path / "a")
+    assert not list((tmp_path / "a").glob("*.yaml"))
+    paths = deploy.write_client_configs("dataset=synthetic privacy=label privacy.label_range=[-9,9]", tmp_path / "b")
+    assert all(yaml.safe_load(p.read_text())["privacy"]["label_range"] == [-9, 9] for p in paths.values())
+    assert deploy.write_client_configs("dataset=synthetic dataset.loader.task=binary privacy=label", tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        ("dataset=synthetic privacy=label", "error: --overrides: the owners' floor privacy=label: the label's public"),
+        ("dataset=synthetic algorithm=admm algorithm.rhoo=3", "error: algorithm.rhoo is not a setting of algorithm"),
+        ("dataset=nosuch", "error: In 'config': Could not find 'dataset/nosuch'"),
+    ],
+)
+def test_start_says_a_bad_setting_in_one_line_and_starts_nothing(tmp_path, capsys, overrides, said):
+    assert deploy.main(["start", "--overrides", overrides, "--state-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "deployment.json").exists()
