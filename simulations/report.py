@@ -1395,7 +1395,8 @@ def exact_releases() -> str | None:
         [
             r["algorithm"],
             r["dataset"],
-            str(r["most_per_node"]) + (" (1 epoch x 10)" if r.get("extrapolated_from_one_epoch") else ""),
+            str(r["most_per_node"])
+            + (f" (1 epoch x {r.get('epochs', 10)})" if r.get("extrapolated_from_one_epoch") else ""),
         ]
         for r in d["runs"]
         if "most_per_node" in r
@@ -1406,8 +1407,10 @@ def exact_releases() -> str | None:
             "## Exact releases of a default run\n\nEvery registered algorithm at its defaults on the bundled "
             "datasets, in-process: the most exact releases (replies computed from a node's features on arrays "
             "the server chose, without DP noise) any one node gave in the run. The mini-batch families run one "
-            "epoch, extrapolated to the default 10 (their nodes answer the same messages every epoch; checked "
-            "exact on the synthetic schema). Each family's default cap in an owner's settings is 20 times its "
+            "epoch, extrapolated to a default run's epochs (their nodes answer the same messages every epoch; "
+            "checked exact on the synthetic schema): 10, or more on a training join too small for "
+            "algorithm.min_steps' 500 mini-batch steps in 10 epochs (the synthetic schema: 36 epochs of 14 "
+            "mini-batches). Each family's default cap in an owner's settings is 20 times its "
             "largest run (tpflower.releases.DEFAULT_CAPS; [threat model](threat-model.md#exact-releases)). Not run: "
             "the VFL baselines on movielens and nycflights13 (their nodes answer their TP-Join counterparts' messages: equal "
             "counts on the other datasets). Skipped by the nodes themselves: k-means on nycflights13 (its 16 "

@@ -31,7 +31,9 @@ PREDICTION = "predict"
 DEFAULT_CAPS: dict[str, int] = {
     "join_sgd": 45_220,  # TP-Join-SGD, VFL-SGD: 2,261 on nycflights13 (10 epochs of mini-batches)
     "celu": 45_220,  # CELU-VFL: 2,261 on nycflights13
-    "ucq_sgd": 5_620,  # TP-UCQ-SGD: 281 on the synthetic schema (the only bundled union a default run takes)
+    # TP-UCQ-SGD: 1,009 on the synthetic schema (the only bundled union a default run takes: 36 epochs of its 14
+    # mini-batches, algorithm.min_steps)
+    "ucq_sgd": 20_180,
     "join_admm": 140,  # TP-Join-ADMM, VFL-ADMM: 7 on movielens and nycflights13
     "ucq_admm": 2_200,  # TP-UCQ-ADMM: 110 on the synthetic schema (inner consensus rounds)
     "pcg": 220,  # 11 on movielens and nycflights13

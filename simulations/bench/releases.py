@@ -7,8 +7,9 @@ tpflower.guard) and writes bench_results/releases.json: per run the most any one
 the largest over its runs, and the default cap = 20 x that (tpflower.releases.DEFAULT_RUNS).
 
 The mini-batch families (PER_EPOCH: the same messages every epoch, one ``predict`` before the first) run one
-epoch and are extrapolated to the default ``epochs``: count(E) = 1 + E (count(1) - 1); ``--check`` runs them at
-both on the synthetic schema and asserts the extrapolation is exact there.
+epoch (``algorithm.min_steps=0``) and are extrapolated to a default run's epochs E (``epochs``, or more on a
+small training join: ``algorithm.min_steps``): count(E) = 1 + E (count(1) - 1); ``--check`` runs them at both
+on the synthetic schema and asserts the extrapolation is exact there.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import json
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 import tpflower.client
 from simulations.bench.common import machine_info
 from simulations.federated import run_in_process
+from strategies.join_sgd import sgd_schedule
 from tpflower import registry
 from tpflower.config import CONF_DIR, compose_config
 from tpflower.datasets import load_spec
@@ -41,8 +44,9 @@ def conf_name(entry: registry.AlgorithmEntry) -> str:
     raise ValueError(f"no conf/algorithm YAML selects {entry.selector!r}")
 
 
-def count_run(overrides: list[str]) -> dict[str, int]:
-    """Exact releases per node ("table/shard") of one in-process run of ``overrides``."""
+def count_run(overrides: list[str], runs: list | None = None) -> dict[str, int]:
+    """Exact releases per node ("table/shard") of one in-process run of ``overrides`` (``runs``: the run is
+    appended to it)."""
     counts: Counter[str] = Counter()
     charge = tpflower.client.charge_exact_release
 
@@ -53,10 +57,21 @@ def count_run(overrides: list[str]) -> dict[str, int]:
 
     tpflower.client.charge_exact_release = counting
     try:
-        run_in_process(compose_config(*overrides), None, log=lambda _: None)
+        run = run_in_process(compose_config(*overrides), None, log=lambda _: None)
+        if runs is not None:
+            runs.append(run)
     finally:
         tpflower.client.charge_exact_release = charge
     return dict(counts)
+
+
+def default_epochs(cfg: Any, strategy: Any) -> int:
+    """The epochs of a default run of the mini-batch family ``cfg`` selects: ``epochs``, or more on a training
+    join whose batches fall short of ``algorithm.min_steps`` (strategies.join_sgd.sgd_epochs), from the
+    mini-batches per epoch of ``strategy`` (a finished run of it, the same training join)."""
+    per_epoch = sgd_schedule(strategy)[0].per_epoch
+    epochs, low = int(cfg.epochs), int(cfg.algorithm.get("min_steps") or 0)
+    return epochs if per_epoch * epochs >= low else -(-low // per_epoch)
 
 
 def main() -> None:
@@ -80,10 +95,14 @@ def main() -> None:
             per_epoch = entry.family in PER_EPOCH
             try:
                 if per_epoch:
-                    epochs = int(compose_config(*overrides).epochs)
-                    counts = {n: 1 + epochs * (c - 1) for n, c in count_run([*overrides, "epochs=1"]).items()}
+                    one: list = []
+                    counts = count_run([*overrides, "epochs=1", "algorithm.min_steps=0"], one)
+                    epochs = default_epochs(compose_config(*overrides), one[0].strategy)
+                    counts = {n: 1 + epochs * (c - 1) for n, c in counts.items()}
                     if a.check and dataset == "synthetic":
-                        assert counts == count_run(overrides), f"{entry.name}: the extrapolation is not exact"
+                        # (a run's early stopping may end it sooner: the extrapolation is the run to its last epoch)
+                        full = count_run([*overrides, "algorithm.early_stopping=0"])
+                        assert counts == full, f"{entry.name}: the extrapolation {counts} is not the run's {full}"
                 else:
                     counts = count_run(overrides)
             except Exception as exc:  # a default that does not run on this dataset (e.g. pcg on a classification label)
@@ -103,6 +122,7 @@ def main() -> None:
                     "per_node": counts,
                     "seconds": seconds,
                     "extrapolated_from_one_epoch": per_epoch,
+                    **({"epochs": epochs} if per_epoch else {}),
                 }
             )
             print(f"{entry.name} {dataset}: {most} exact releases on one node ({seconds:.0f} s)", flush=True)
