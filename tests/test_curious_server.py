@@ -35,6 +35,8 @@ from tpflower.records import unpack_reply
 from tpflower.state import ClientState
 
 SYNTHETIC = "algorithm=admm dataset=synthetic"
+#: an owner's label-DP floor on the synthetic regression label (its public range: deploy start refuses one without)
+LABEL_FLOOR = "privacy=label privacy.label_range=[-20,20]"
 
 
 def node(tmp_path: Path, table: str, owner_overrides: str, attacker_overrides: str, edit=None) -> Context:
@@ -81,12 +83,12 @@ def hello(app, context: Context) -> dict:
     ids=["none", "huge-epsilon", "other-mode"],
 )
 def test_a_run_asking_for_weaker_privacy_is_refused_at_hello(tmp_path, attack, match):
-    context = node(tmp_path, "fact", f"{SYNTHETIC} privacy=label", f"{SYNTHETIC} {attack}")
+    context = node(tmp_path, "fact", f"{SYNTHETIC} {LABEL_FLOOR}", f"{SYNTHETIC} {attack}")
     refused(deployed_app, context, f"table 'fact' refuses the run: {match}")
 
 
 def test_stronger_privacy_is_honoured_and_weaker_keys_are_refused(tmp_path):
-    owner = f"{SYNTHETIC} privacy=label"
+    owner = f"{SYNTHETIC} {LABEL_FLOOR}"
     stronger = f"{SYNTHETIC} privacy=label privacy.label_epsilon=1 privacy.label_range=[-20,20]"
     context = node(tmp_path, "fact", owner, stronger)
     assert hello(deployed_app, context) == {"table": "fact", "shard": 0}
