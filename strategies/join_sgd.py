@@ -57,11 +57,14 @@ def sgd_epochs(strategy: LoJStrategy, per_epoch: int) -> int:
     release of the test labels), or full batches (``epochs`` gradient-descent steps:
     the iterations asked for) (docs/algorithms.md#small-training-joins)."""
     epochs = int(strategy.cfg.epochs)
-    low = int(getattr(strategy.params, "min_steps", 0) or 0)
-    private = str(strategy.privacy.get("name", "none")) != "none"
-    if private or strategy.params.batch_size == "full" or per_epoch * epochs >= low:
+    if str(strategy.privacy.get("name", "none")) != "none" or strategy.params.batch_size == "full":
         return epochs
-    return -(-low // per_epoch)
+    return epochs_for_steps(epochs, per_epoch, int(getattr(strategy.params, "min_steps", 0) or 0))
+
+
+def epochs_for_steps(epochs: int, per_epoch: int, min_steps: int) -> int:
+    """``epochs``, or the fewest epochs of ``per_epoch`` mini-batch steps that make ``min_steps``."""
+    return epochs if per_epoch * epochs >= min_steps else -(-min_steps // per_epoch)
 
 
 #: fewer mini-batch steps than this over a whole run are worth a line (a table smaller than the batch size)

@@ -26,7 +26,7 @@ import yaml
 import tpflower.client
 from simulations.bench.common import machine_info
 from simulations.federated import run_in_process
-from strategies.join_sgd import sgd_schedule
+from strategies.join_sgd import epochs_for_steps, sgd_schedule
 from tpflower import registry
 from tpflower.config import CONF_DIR, compose_config
 from tpflower.datasets import load_spec
@@ -69,9 +69,8 @@ def default_epochs(cfg: Any, strategy: Any) -> int:
     """The epochs of a default run of the mini-batch family ``cfg`` selects: ``epochs``, or more on a training
     join whose batches fall short of ``algorithm.min_steps`` (strategies.join_sgd.sgd_epochs), from the
     mini-batches per epoch of ``strategy`` (a finished run of it, the same training join)."""
-    per_epoch = sgd_schedule(strategy)[0].per_epoch
-    epochs, low = int(cfg.epochs), int(cfg.algorithm.get("min_steps") or 0)
-    return epochs if per_epoch * epochs >= low else -(-low // per_epoch)
+    per_epoch = sgd_schedule(strategy)[0].per_epoch  # (a default run: no DP, batches of 1024)
+    return epochs_for_steps(int(cfg.epochs), per_epoch, int(cfg.algorithm.get("min_steps") or 0))
 
 
 def main() -> None:

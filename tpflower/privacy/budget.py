@@ -206,7 +206,7 @@ class OwnerBudget:
         return after
 
     def labels_path(self, key: Mapping[str, Any]) -> Path:
-        digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()[:16]
+        digest = setting_digest(key)
         return self.dir / f"{self.name}-labels-{digest}.npz"
 
     @property
@@ -235,9 +235,7 @@ class OwnerBudget:
         fingerprint = hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest()
         with self.locked():
             tasks = json.loads(self.label_tasks.read_text()) if owner and self.label_tasks.is_file() else {}
-            setting = (
-                hashlib.sha256(json.dumps(dict(owner[0]), sort_keys=True).encode()).hexdigest()[:16] if owner else ""
-            )
+            setting = setting_digest(owner[0]) if owner else ""
             if owner and not path.is_file() and tasks.get(setting, dict(owner[1])) != dict(owner[1]):
                 made, asked = tasks[setting], dict(owner[1])
                 declared = (
@@ -266,6 +264,11 @@ class OwnerBudget:
             np.savez(buf, y=noisy, row_ids=np.asarray(row_ids), fingerprint=np.asarray(fingerprint))
             private_write(path, buf.getvalue())
             return noisy
+
+
+def setting_digest(setting: Mapping[str, Any]) -> str:
+    """A short name of a label-DP setting (its JSON, keys sorted, hashed): a stored draw's file, a task's key."""
+    return hashlib.sha256(json.dumps(dict(setting), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def reset_label_draws(state_dir: str | Path) -> list[Path]:
