@@ -399,10 +399,15 @@ def test_a_settings_problem_reaches_the_server_without_the_owners_paths(tmp_path
     assert str(context.node_config["client-config"]) in caplog.text  # the owner's log keeps where it is
 
 
+def unstated_task(settings: dict) -> None:
+    """An owner's settings file that states no label task (the run's word is then taken)."""
+    del settings["columns"]["label_task"]
+
+
 def keys_refusal(tmp_path, owner: str, attack: str) -> str:
-    """The line movielens' ratings node, set up by its owner for ``owner``, refuses the keys message of a run
-    submitted with ``attack`` with."""
-    context = node(tmp_path, "ratings", owner, attack)
+    """The line movielens' ratings node, set up by its owner for ``owner`` (stating no label task), refuses the
+    keys message of a run submitted with ``attack`` with."""
+    context = node(tmp_path, "ratings", owner, attack, edit=unstated_task)
     with pytest.raises(ValueError) as refusal:
         call(deployed_app, context, "train", {}, {"phase": "keys"})
     return str(refusal.value)

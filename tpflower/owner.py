@@ -10,6 +10,9 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
       numeric: [rating_year, rating_month]
       categorical: []
       label: rating                  # only on the label owner's node
+      label_task: regression         # optional: the label's task as its owner states it (regression, binary,
+                                     # multiclass; with label_classes: [no, yes], the classes in id order); a
+                                     # run declaring another task or other classes is refused at the hello
     privacy:                         # the floor: the weakest privacy this node accepts (missing bounds: the
       name: label                    # defaults of conf/privacy/<name>.yaml)
       label_epsilon: 5.66            # largest label epsilon accepted (classification: label_lambda, smallest)
@@ -63,7 +66,7 @@ import yaml
 
 from tpflower.datasets.files import resolve_path
 from tpflower.fedprep import DEFAULT_MIN_SKETCH_ROWS
-from tpflower.schema import RelationalSpec, ShardSpec, SpecError, parse_shards
+from tpflower.schema import TASKS, RelationalSpec, ShardSpec, SpecError, parse_shards
 
 SECRET_ENV = "TPFLOWER_KEY_SECRET"
 REDACTED = "<redacted>"
@@ -73,6 +76,11 @@ PRIVACY_DIR = Path(__file__).resolve().parents[1] / "conf" / "privacy"
 #: floor bounds: (field, direction) -- "max": the run's value may not exceed the floor's; "min": not below
 _LABEL_BOUNDS = (("label_epsilon", "max"), ("label_lambda", "min"))
 _FEATURE_BOUNDS = (("epsilon", "max"), ("delta", "max"))
+
+
+def _as_text(classes: tuple[Any, ...] | None) -> tuple[str, ...] | None:
+    """Classes compared as text (a YAML 1 and a column's "1" code the same rows: tpflower.schema.class_codes)."""
+    return None if classes is None else tuple(map(str, classes))
 
 
 def uses_label_dp(privacy: Mapping[str, Any]) -> bool:
@@ -96,17 +104,37 @@ class Exposed:
     numeric: tuple[str, ...] = ()
     categorical: tuple[str, ...] = ()
     label: str | None = None
+    # the label's task and classes as its owner states them (None: not stated, the run's word is taken; the
+    # label-DP draw is then pinned to the first run's task, tpflower.privacy.budget.OwnerBudget.stored_labels)
+    label_task: str | None = None
+    label_classes: tuple[Any, ...] | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str) -> Exposed:
-        unknown = set(raw) - {"keys", "numeric", "categorical", "label"}
+        known = ("keys", "numeric", "categorical", "label", "label_task", "label_classes")
+        unknown = set(raw) - set(known)
         if unknown:
+            raise SpecError(f"{where}: unknown keys {sorted(unknown)} under columns ({', '.join(known)})")
+        label = None if raw.get("label") is None else str(raw["label"])
+        task = None if raw.get("label_task") is None else str(raw["label_task"])
+        classes = raw.get("label_classes")
+        if task is not None and (label is None or task not in TASKS):
             raise SpecError(
-                f"{where}: unknown keys {sorted(unknown)} under columns (keys, numeric, categorical, label)"
+                f"{where}: columns.label_task must be one of {list(TASKS)}, beside columns.label, got {task!r}"
             )
+        if classes is not None:
+            if task not in ("binary", "multiclass") or not isinstance(classes, list) or len(set(classes)) < 2:
+                raise SpecError(
+                    f"{where}: columns.label_classes must be a list of two or more distinct classes, beside "
+                    "columns.label_task binary or multiclass"
+                )
+            if task == "binary" and len(classes) != 2:
+                raise SpecError(f"{where}: columns.label_classes of a binary label are [negative, positive]")
         return cls(
             *(tuple(str(c) for c in raw.get(k) or ()) for k in ("keys", "numeric", "categorical")),
-            label=None if raw.get("label") is None else str(raw["label"]),
+            label=label,
+            label_task=task,
+            label_classes=None if classes is None else tuple(classes),
         )
 
     @property
@@ -217,6 +245,22 @@ class OwnerSettings:
                 f"the run asks for label column {spec.label.column!r}; this node exposes "
                 f"{'no label' if e.label is None else 'label ' + repr(e.label)}"
             )
+        if spec.label.table == self.table and e.label_task is not None:
+            if spec.label.task != e.label_task:
+                raise self.refuse(
+                    f"the run declares its label {spec.label.task}; its owner states it is {e.label_task} (label.task)"
+                )
+            # the class list is the owner's word too (a run's own list, padded or reordered, is another task):
+            # stated, the run's must be it; not stated, the run may state none (the column's values decide)
+            if _as_text(spec.label.classes) != _as_text(e.label_classes):
+                raise self.refuse(
+                    "the run's label.classes are not the classes its owner states for its label "
+                    + (
+                        "(the owner states none: leave label.classes out)"
+                        if e.label_classes is None
+                        else "(the owner tells them out of band)"
+                    )
+                )
 
     def check_shards(self, spec: RelationalSpec, scenario: str) -> None:
         """Union shards (scenario ucq): ``shards.by`` must be a column the node exposes (its values decide the

@@ -41,6 +41,7 @@ from tpflower.owner import (
     OwnerSettings,
     load_owner_settings,
     simulation_owner,
+    uses_feature_dp,
     uses_label_dp,
     without_paths,
 )
@@ -116,17 +117,30 @@ def owner_checked(
 
 
 def check_budget(cfg: DictConfig, node: CheckedNode) -> None:
-    """The label owner under label DP refuses, at the hello, a run whose planned evaluations its owner's
-    evaluation budget (``privacy.total_eval_epsilon``, its ledger in ``state_dir``) cannot cover
+    """A node refuses, at the hello, a feature-DP run once its owner's feature-DP budget
+    (``privacy.total_epsilon``, its ledger in ``state_dir``) is spent, and the label owner under label DP a run
+    whose planned evaluations its owner's evaluation budget (``privacy.total_eval_epsilon``) cannot cover
     (docs/settings.md, Privacy): refused there, the run is stopped before any node released anything. A
     simulated node without a state_dir bounds this run alone: its plan is checked against an empty ledger."""
-    from tpflower.privacy.budget import check_eval_plan, owner_bound, planned_evaluations, spent_eval  # noqa: PLC0415
+    from tpflower.privacy.budget import (  # noqa: PLC0415
+        check_eval_plan,
+        check_feature_room,
+        owner_bound,
+        planned_evaluations,
+        spent_eval,
+    )
 
     owner = node.owner
-    if cfg.get("predict") or node.spec.label.table != node.table:
+    if cfg.get("predict"):
         return
     run = OmegaConf.to_container(cfg.privacy, resolve=True) if cfg.get("privacy") else {"name": "none"}
     assert isinstance(run, dict)
+    if uses_feature_dp(run) or uses_feature_dp(owner.privacy):  # a spent owner budget: refused before the keys
+        problem = check_feature_room(owner.state_dir, node.table, node.shard, owner.privacy, run)
+        if problem is not None:
+            raise owner.refuse(f"shard {node.shard}: {problem}")
+    if node.spec.label.table != node.table:
+        return
     if not (uses_label_dp(run) or uses_label_dp(owner.privacy)):
         return
     plan = planned_evaluations(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
@@ -302,6 +316,8 @@ def client_app_for(
             node = owner_checked(run_cfg, dict(context.node_config), root, state_dir_of(context))
             check_budget(run_cfg, node)  # and one its privacy budget cannot cover, before setup releases anything
             return pack_reply({}, {"table": node.table, "shard": node.shard})
+        if config.get("phase") == "keys":  # the first release: checked again (a server may skip the hello)
+            check_budget(run_cfg, owner_checked(run_cfg, dict(context.node_config), root, state_dir_of(context)))
         out, metrics = make_client(run_cfg, context, root, key, state_dir_of(context)).handle(arrays, config)
         return pack_reply(out, metrics)
 

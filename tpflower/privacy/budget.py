@@ -102,6 +102,30 @@ def check_eval_plan(spent: float, epsilon: float, total: float, evaluations: int
     )
 
 
+def check_feature_room(
+    state_dir: str | None, table: str, shard: int, floor: Mapping[str, Any], run: Mapping[str, Any]
+) -> str | None:
+    """What refuses a feature-DP run at its hello: the owner ledger in ``state_dir`` has spent all of its
+    ``privacy.total_epsilon`` (at the owner's delta), so any DP step would pass it; None while room is left
+    (the run's own plan is checked against the room when it arrives, before any DP step). Read without
+    charging; a node without a state_dir bounds one run, which has spent nothing at its hello."""
+    if state_dir is None:
+        return None
+    budget = OwnerBudget(state_dir, table, shard)
+    history = budget.read()["dp"]
+    if not history:
+        return None
+    delta = float(floor.get("delta") or run["delta"])
+    total = owner_bound(floor, run, "total_epsilon")
+    spent = rdp_epsilon(merged(history), delta)
+    if spent < total:
+        return None
+    return (
+        f"its feature-DP steps have spent epsilon {spent:.3g} of the {total:.3g} its owner allows over all runs "
+        "(privacy.total_epsilon): no DP step is left"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ histories
 
 
