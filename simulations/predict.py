@@ -22,9 +22,9 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from simulations.federated import run_flower_simulation, run_in_process
+from simulations.federated import in_process_contexts, run_flower_simulation, run_in_process
 from strategies.model_record import read_model_record
 from strategies.predict import (
     PREDICTIONS_FILE,
@@ -34,13 +34,14 @@ from strategies.predict import (
     write_predictions,
 )
 from strategies.transport import RunError
+from tpflower.app.client_app import make_client
 from tpflower.checks import NA_ATTR
 from tpflower.datasets import derive_rows, load_spec, load_table
 from tpflower.datasets.files import is_parquet, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.model_part import ModelPart
 from tpflower.owner import simulation_secret
-from tpflower.phases.predict import missing_category_line, unseen_category_line
+from tpflower.phases.predict import missing_category_line, read_rows, saved_part, unseen_category_line
 from tpflower.preprocess import missing_categories, unseen_categories
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
@@ -108,6 +109,8 @@ def predict_run(
         if rows_name is not None:  # the node's lines name the rows so, not the file
             cfg.predict.rows_name = rows_name
     strategy = FederatedPrediction(cfg, spec, record, (table, int(shard)), log)
+    if runtime == "flower":  # the engine takes seconds to start: the query owner's check of its rows first
+        check_rows_first(cfg, strategy, (table, int(shard)), run_dir, base, str(record["run_id"]))
     if runtime == "inprocess":
         run_in_process(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
     elif runtime == "flower":
@@ -119,6 +122,20 @@ def predict_run(
         _, labels = load_table(cfg.dataset, spec.label_table, base_dir=base)
         strategy.results.classes = encode_labels(spec, labels[spec.label.column])[1]
     return strategy.results
+
+
+def check_rows_first(
+    cfg: DictConfig, strategy: FederatedPrediction, query: tuple[str, int], run_dir: Path, base: str, run_id: str
+) -> None:
+    """The query owner's node's own check of the new rows (tpflower.phases.predict.read_rows, on its saved model
+    part), made before Flower's engine starts: in a simulation the user holds every table, so a bad rows file
+    is its one line in seconds, not after the engine's start. Raises that line, naming the table and shard."""
+    context = in_process_contexts(strategy, base)[query]
+    try:
+        client = make_client(cfg, context, base, state_dir=str(run_dir / "node-state"))
+        read_rows(str(cfg.predict.rows), client, saved_part(client, run_id)[0])
+    except (SpecError, ValueError) as exc:
+        raise SpecError(f"table {query[0]!r} shard {query[1]}: {exc}") from None
 
 
 def read_rows_once(path: Path, spec: RelationalSpec, table: str) -> pd.DataFrame | None:

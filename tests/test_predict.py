@@ -468,12 +468,17 @@ def bad_rows(frame: pd.DataFrame, how: str, spec) -> pd.DataFrame:
         ("no row", r"rows file \S+: holds no row \(a header only\): nothing to score$"),
     ],
 )
-def test_a_bad_rows_file_is_one_line_and_nothing_is_written(trained, tmp_path, capsys, how, line):
+@pytest.mark.parametrize("runtime", ["inprocess", "flower"])
+def test_a_bad_rows_file_is_one_line_and_nothing_is_written(trained, tmp_path, capsys, monkeypatch, how, line, runtime):
+    """The same line in-process and under Flower's engine, where the query owner's node checks the rows
+    before the engine starts (was: the line came after it, 16-20 s later)."""
     strategy, run_dir, rows, _ = trained
     bad = tmp_path / "bad.csv"
     bad_rows(pd.read_csv(rows), how, strategy.spec).to_csv(bad, index=False)
     capsys.readouterr()
-    assert predict_main([str(run_dir), "--rows", str(bad), "--out", str(tmp_path / "p.csv")]) == 1
+    monkeypatch.setattr("simulations.predict.run_flower_simulation", engine_not_started)
+    args = [str(run_dir), "--rows", str(bad), "--out", str(tmp_path / "p.csv"), "--runtime", runtime]
+    assert predict_main(args) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: table 'fact' shard 0: rows file"), err
     assert re.search(line, err), err
@@ -533,7 +538,11 @@ def test_columns_the_model_does_not_take_are_ignored_with_one_line(trained, tmp_
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "p.csv"), pd.read_csv(tmp_path / "q.csv"))
 
 
-def test_a_deleted_part_is_named(trained, tmp_path, capsys):
+def engine_not_started(*args, **kwargs):
+    raise AssertionError("Flower's engine started for a prediction the driver should have refused")
+
+
+def test_a_deleted_part_is_named(trained, tmp_path, capsys, monkeypatch):
     strategy, run_dir, rows, _ = trained
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
@@ -542,6 +551,12 @@ def test_a_deleted_part_is_named(trained, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"table 'd2' shard 0: no saved model part of run {strategy.run_id}" in err
     assert not (tmp_path / "p.csv").exists()
+    # the query table's own part: under Flower's engine refused before the engine starts
+    (copy / "node-state" / "models" / strategy.run_id / "fact-0.npz").unlink()
+    monkeypatch.setattr("simulations.predict.run_flower_simulation", engine_not_started)
+    args = [str(copy), "--rows", str(rows), "--out", str(tmp_path / "p.csv"), "--runtime", "flower"]
+    assert predict_main(args) == 1
+    assert f"table 'fact' shard 0: no saved model part of run {strategy.run_id}" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ the curious server
