@@ -84,8 +84,23 @@ def unknown_choice(overrides: dict[str, str], config_dirs: list[str]) -> str | N
         )
         for name in value.split(","):  # a sweep's list: each of its names
             if name not in options:
-                return f"{group}={name}: no such {group}; choose one of {', '.join(options)}" + path_hint(group, name)
+                return (
+                    f"{group}={name}: no such {group}; choose one of {', '.join(options)}"
+                    + path_hint(group, name)
+                    + folder_hint(group, name, config_dirs)
+                )
     return None
+
+
+def folder_hint(group: str, name: str, config_dirs: list[str]) -> str:
+    """For a config dir that holds NAME.yaml itself (the group's folder given in place of its parent): the
+    folder to give instead; else nothing."""
+    for d in config_dirs:
+        folder = Path(d).expanduser()
+        if (folder / f"{name}.yaml").is_file():
+            fix = f"give its parent, {folder.parent}" if folder.name == group else f"move it to {folder / group}/"
+            return f"; config dir {d} holds {name}.yaml itself, not in a folder {group}/: {fix}"
+    return ""
 
 
 def path_hint(group: str, value: str) -> str:

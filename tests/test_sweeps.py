@@ -43,6 +43,21 @@ def test_a_sweeps_list_of_choices_is_checked_name_by_name():
     assert line is not None and line.startswith("algorithm=pgc: no such algorithm; choose one of ")
 
 
+def test_a_config_dir_that_holds_the_dataset_file_itself_names_the_folder_to_give(tmp_path):
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "shop.yaml").write_text("name: shop\n")
+    line = unknown_choice({"dataset": "shop"}, [str(tmp_path / "dataset")])  # the group's folder, not its parent
+    assert line is not None and line.endswith(
+        f"; config dir {tmp_path / 'dataset'} holds shop.yaml itself, not in a folder dataset/: give its parent, "
+        f"{tmp_path}"
+    )
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "shop.yaml").write_text("name: shop\n")
+    line = unknown_choice({"dataset": "shop"}, [str(tmp_path / "mine")])
+    assert line is not None and line.endswith(f"not in a folder dataset/: move it to {tmp_path / 'mine' / 'dataset'}/")
+    assert unknown_choice({"dataset": "shop"}, [str(tmp_path)]) is None  # DIR/dataset/shop.yaml: found
+
+
 def test_a_failed_job_leaves_the_sweeps_other_jobs_running_and_resume_keeps_the_jobs_folder(tmp_path):
     sweep = tmp_path / "sweep"
     common = ("-m", "algorithm=admm", "dataset=synthetic", "runtime=inprocess", "epochs=1", f"hydra.sweep.dir={sweep}")
