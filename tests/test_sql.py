@@ -348,7 +348,20 @@ def refused(sql: str) -> str:
         (BASE + " UNION " + BASE, POSITION + r"UNION \(distinct\) is not supported; write UNION ALL"),
         (BASE + " INTERSECT " + BASE, POSITION + "INTERSECT is not supported"),
         (BASE + " JOIN stores s ON o.oid = s.oid", POSITION + "unknown table 'stores'"),
-        ("SELECT o.nope AS label FROM orders o", POSITION + "unknown column 'nope' of table 'orders'"),
+        ("SELECT o.nope AS label FROM orders o", POSITION + "unknown column 'nope' of table 'orders': o.nope"),
+        # a column's name is matched as its file writes it: one that differs only in case is named
+        (
+            "SELECT o.Spend AS label FROM orders o",
+            POSITION + r"unknown column 'Spend' of table 'orders' \(did you mean 'spend'\?\)",
+        ),
+        (
+            BASE.replace("o.qty", "QTY"),
+            POSITION + r"unknown column 'QTY': no table of the query has it \(did you mean 'qty'\?\)",
+        ),
+        (
+            BASE.replace("ON o.cust = c.cust", "USING (Cust)"),
+            POSITION + r"USING column 'Cust' is not a column of table 'customers' \(did you mean 'cust'\?\)",
+        ),
         (
             BASE.replace("o.qty,", "qty, region,"),
             POSITION + r"ambiguous column 'region': tables \['orders', 'customers'\]",

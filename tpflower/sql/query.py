@@ -8,7 +8,8 @@ filter, pushed to its owner. Everything else is refused with a :class:`QueryErro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sqlglot import exp
@@ -64,6 +65,14 @@ def refuse(sql: str, node: exp.Expression, what: str) -> QueryError:
     text = node.sql()
     text = text if len(text) <= 80 else text[:77] + "..."
     return QueryError(f"SQL {position(sql, node)}: {what}: {text}")
+
+
+def spelled(name: str, columns: Iterable[str]) -> str:
+    """`` (did you mean 'Salary'?)`` for an unknown column name: one that differs only in case (a column's name
+    is matched as its file writes it, not folded as SQL engines fold unquoted names), else the closest; or ''."""
+    columns = list(columns)
+    close = [c for c in columns if c.lower() == name.lower()] or difflib.get_close_matches(name, columns, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -137,11 +146,13 @@ class _Scope:
                 raise refuse(self.sql, col, f"unknown table or alias {col.table!r}")
             table = self.alias[col.table]
             if name not in self.columns[table]:
-                raise refuse(self.sql, col, f"unknown column {name!r} of table {table!r}")
+                hint = spelled(name, self.columns[table])
+                raise refuse(self.sql, col, f"unknown column {name!r} of table {table!r}{hint}")
             return table, name
         holders = [t for t in (within or self.order) if name in self.columns[t]]
         if not holders:
-            raise refuse(self.sql, col, f"unknown column {name!r}: no table of the query has it")
+            hint = spelled(name, [c for t in (within or self.order) for c in self.columns[t]])
+            raise refuse(self.sql, col, f"unknown column {name!r}: no table of the query has it{hint}")
         if len(holders) > 1:
             raise refuse(self.sql, col, f"ambiguous column {name!r}: tables {holders} have it; qualify it")
         return holders[0], name
@@ -246,7 +257,8 @@ def resolve_branch(sql: str, select: exp.Expression, columns: Columns) -> Branch
         for ident in join.args.get("using") or []:
             name = ident.name
             if name not in columns[new]:
-                raise refuse(sql, ident, f"USING column {name!r} is not a column of table {new!r}")
+                hint = spelled(name, columns[new])
+                raise refuse(sql, ident, f"USING column {name!r} is not a column of table {new!r}{hint}")
             old, _ = scope.resolve(exp.column(name), within=previous)
             pairs.setdefault((old, new), []).append((name, name))
             where.setdefault((old, new), ident)
