@@ -187,7 +187,10 @@ def test_a_join_dropping_labelled_rows_warns_or_fails(tmp_path):
         f"({lost / 400:.1%}): they have no partner row in table 'customers'; add the missing rows to that table, "
         "or set dataset.on_dropped_rows=ignore to train on the rest (=error to refuse)"
     )
-    assert errors(check_dataset({**dataset, "on_dropped_rows": "error"})[2])
+    (error,) = check_dataset({**dataset, "on_dropped_rows": "error"})[2]
+    assert error.severity == "error" and error.line().endswith(  # refused: no word of training on the rest
+        "; add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest"
+    )
     assert check_dataset({**dataset, "on_dropped_rows": "ignore"})[2] == []
     with pytest.raises(ValueError, match="on_dropped_rows must be one of"):
         check_dataset({**dataset, "on_dropped_rows": "sometimes"})
@@ -537,6 +540,9 @@ def test_rows_a_where_filter_removes_are_reported_as_filtered_not_missing(tmp_pa
         "its 50 rows; the run trains on the rest" in p.line()
     )
     assert "add the missing rows" not in p.line() and "the run trains on the rest" in p.line()
+    (refused,) = check_dataset({**dataset, "on_dropped_rows": "error"})[2]  # the run stops: it trains on nothing
+    assert refused.severity == "error" and "the run trains on the rest" not in refused.line()
+    assert refused.line().endswith("; loosen the WHERE, or set dataset.on_dropped_rows=ignore to train on the rest")
     del dataset["tables"]["customers"]["where"]
     customers = pd.read_csv(tmp_path / "customers.csv")
     customers[customers["age"] >= 40].to_csv(tmp_path / "customers.csv", index=False)  # the rows really absent

@@ -696,13 +696,15 @@ def dropped_row_problems(
                 before = frames[new].attrs.get(WHERE_ROWS_ATTR)
                 keeps = "" if before is None else f", which keeps {len(frames[new]):,} of its {before:,} rows"
                 what = f"{head}: their partner rows in table {new!r} are filtered out by its WHERE ({where}){keeps}"
-                fix = "the run trains on the rest (dataset.on_dropped_rows=ignore silences this line, =error refuses)"
+                fix = (
+                    "loosen the WHERE, or set dataset.on_dropped_rows=ignore to train on the rest"
+                    if policy == "error"
+                    else "the run trains on the rest (dataset.on_dropped_rows=ignore silences this line, =error refuses)"
+                )
             else:
                 what = f"{head}: they have no partner row in table {new!r}"
-                fix = (
-                    "add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest "
-                    "(=error to refuse)"
-                )
+                fix = "add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest"
+                fix += "" if policy == "error" else " (=error to refuse)"
             out.append(Problem(None, what, fix, count=lost, severity="error" if policy == "error" else "warning"))
     return out
 
