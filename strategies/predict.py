@@ -83,11 +83,11 @@ class Predictions:
         return out
 
     def joined_frame(self) -> pd.DataFrame:
-        """One line per joined new row: ``row``, the partner tables' rows ``TABLE_row`` (per_joined_row),
-        ``prediction`` and, for classification, class probabilities (binary: ``p_1``; multiclass: ``p_0`` ...
-        ``p_{C-1}``)."""
+        """One line per joined new row: ``row``, the partner tables' rows ``TABLE_row`` (per_joined_row, and
+        k-means, whose lines of one new row are otherwise alike), ``prediction`` and, for classification, class
+        probabilities (binary: ``p_1``; multiclass: ``p_0`` ... ``p_{C-1}``)."""
         out = pd.DataFrame({"row": self.rows.astype(np.int64)})
-        if self.per_joined_row:
+        if self.per_joined_row or self.task == "cluster":
             for t, p_t in self.p.items():
                 if t != self.query_table:
                     out[f"{t}_row"] = np.asarray(p_t, dtype=np.int64)

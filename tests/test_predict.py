@@ -162,7 +162,9 @@ def test_kmeans_predicts_the_cluster_the_run_assigned(entry, tmp_path):
     frame.drop(columns=["y"]).to_csv(tmp_path / "rows.csv", index=False, float_format="%.17g")
     out = tmp_path / "clusters.csv"
     assert predict_main([str(tmp_path / "run"), "--rows", str(tmp_path / "rows.csv"), "--out", str(out)]) == 0
-    assert list(pd.read_csv(out).columns) == ["row", "cluster"]
+    written = pd.read_csv(out)  # a line per joined row, told apart by its partner rows
+    assert list(written.columns) == ["row", *(f"{t}_row" for t in strategy.mapping.p if t != "fact"), "cluster"]
+    assert not written.drop(columns="cluster").duplicated().any()
     pred = predict_run(tmp_path / "run", tmp_path / "rows.csv", **QUIET)
     m = strategy.mapping
     tables = list(m.p)
