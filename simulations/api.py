@@ -207,7 +207,7 @@ def write_rows(rows: pd.DataFrame, path: Path) -> None:
         twice = sorted({str(c) for c in rows.columns[rows.columns.duplicated()]})
         raise TpflowerError(f"the rows name column(s) {twice} twice; give each column once")
     out = rows.copy(deep=False)
-    for column in rows.select_dtypes(include="object").columns:
+    for column in [c for c in rows.columns if rows[c].dtype == object]:  # (pandas 3's text columns: str, written)
         try:
             pa.array(rows[column], from_pandas=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError):

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -310,6 +311,19 @@ def test_a_frames_column_of_numbers_and_text_is_read_as_a_csv_files_would_be(bin
     assert str(csv.value) == str(frame.value).replace("the rows", f"rows file {tmp_path / 'rows.csv'}")
     with pytest.raises(tpflower.TpflowerError, match=r"^the rows name column\(s\) \['qty'\] twice"):
         model.predict(pd.concat([rows, rows[["qty"]]], axis=1), verbose=False)
+
+
+def test_a_frames_text_columns_reach_the_node_without_a_pandas_warning(tmp_path):
+    """A DataFrame of pandas 3's text columns (dtype str, as read_csv gives) is written as it is, with no
+    deprecation warning of pandas' in the user's output (select_dtypes(include="object") warned of them)."""
+    from simulations.api import write_rows
+
+    rows = pd.DataFrame({"cust": ["a", "b", None], "qty": [1, 2, 3], "mixed": pd.Series([1, "x", None], dtype=object)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_rows(rows.astype({"cust": "str"}), tmp_path / "rows.parquet")
+    back = pd.read_parquet(tmp_path / "rows.parquet")
+    assert back["cust"].tolist()[:2] == ["a", "b"] and back["mixed"].tolist()[:2] == ["1", "x"]
 
 
 def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq_rows(tmp_path, monkeypatch):
