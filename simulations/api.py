@@ -31,8 +31,10 @@ from rich.console import Console
 from simulations.job import failure_message, run_job
 from simulations.predict import predict_run
 from simulations.run import choices, unknown_choice
+from tpflower.checks import NA_ATTR
 from tpflower.config import compose_config
 from tpflower.config_errors import override_error
+from tpflower.datasets.files import NA_TEXT
 from tpflower.errors import TpflowerError, traceback_wanted
 from tpflower.overrides import searchpath_override
 from tpflower.results import RESULTS_FILE, ResultsError, read_results
@@ -207,11 +209,18 @@ def write_rows(rows: pd.DataFrame, path: Path) -> None:
         twice = sorted({str(c) for c in rows.columns[rows.columns.duplicated()]})
         raise TpflowerError(f"the rows name column(s) {twice} twice; give each column once")
     out = rows.copy(deep=False)
+    noted = {}
     for column in [c for c in rows.columns if rows[c].dtype == object]:  # (pandas 3's text columns: str, written)
         try:
             pa.array(rows[column], from_pandas=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError):
-            out[column] = rows[column].astype(str).where(rows[column].notna(), None)
+            text = rows[column].astype(str).where(rows[column].notna(), None)
+            is_na = text.isin(NA_TEXT).to_numpy()  # "n/a" beside numbers: a missing number, as a CSV file reads it
+            if is_na.any() and pd.to_numeric(text[~is_na], errors="coerce").notna().eq(text[~is_na].notna()).all():
+                first = int(is_na.argmax())
+                noted[str(column)] = (int(is_na.sum()), first, str(text.iloc[first]))
+            out[column] = text.mask(is_na, None)
+    out.attrs = {NA_ATTR: noted} if noted else {}  # read back by the node as a CSV file's notes (read_rows_file)
     try:
         out.to_parquet(path, index=False)
     except (ValueError, TypeError, pa.ArrowException) as exc:

@@ -177,7 +177,7 @@ def na_text(path: Path, frame: pd.DataFrame, spec: RelationalSpec, table: str) -
     """Under ``dataset.na_strings: missing``, the numeric columns of ``table`` where the CSV rows file (read into
     ``frame``) has text for a missing number ("n/a", "NULL", ...): (count, first row, the text). Under ``error``
     the node refuses them in its one line (tpflower.phases.predict.read_rows)."""
-    if is_parquet(path) or spec.na_strings != "missing":
+    if spec.na_strings != "missing":  # (a Parquet file notes none, but the one a DataFrame's rows are written to)
         return {}
     noted = frame.attrs.get(NA_ATTR) or {}
     return {c: v for c, v in noted.items() if c in spec.table(table).numeric}

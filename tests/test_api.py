@@ -313,6 +313,22 @@ def test_a_frames_column_of_numbers_and_text_is_read_as_a_csv_files_would_be(bin
         model.predict(pd.concat([rows, rows[["qty"]]], axis=1), verbose=False)
 
 
+def test_a_frames_na_text_beside_numbers_is_a_missing_number_as_in_a_csv_file(binary_shop, tmp_path, capsys):
+    """``df.loc[i, 'qty'] = 'n/a'`` on an int column: read as missing with the CSV file's line, the same
+    predictions as the CSV file of the same rows (it was refused: 'row 2 holds 'n/a', not a number')."""
+    model, rows = binary_shop
+    mixed = rows.copy()
+    mixed["qty"] = mixed["qty"].astype(object)
+    mixed.loc[2, "qty"] = "n/a"
+    mixed.to_csv(tmp_path / "rows.csv", index=False)
+    from_csv = model.predict(tmp_path / "rows.csv", verbose=True)
+    capsys.readouterr()
+    pd.testing.assert_frame_equal(model.predict(mixed, verbose=True), from_csv)
+    assert "the rows: column 'qty' holds 1 value(s) like 'n/a' (the first in row 2), read as missing" in (
+        capsys.readouterr().out
+    )
+
+
 def test_a_frames_text_columns_reach_the_node_without_a_pandas_warning(tmp_path):
     """A DataFrame of pandas 3's text columns (dtype str, as read_csv gives) is written as it is, with no
     deprecation warning of pandas' in the user's output (select_dtypes(include="object") warned of them)."""
