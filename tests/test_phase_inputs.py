@@ -193,6 +193,35 @@ def test_a_loop_of_fresh_runs_stops_at_the_owners_cap_across_restarts(tmp_path):
     assert ledger(pcg, context) == {"pcg": 3}
 
 
+def test_the_owners_total_caps_every_family_together(tmp_path):
+    """Each family's cap bounds it alone, so a server alternating families (pcg, then TP-Join-ADMM) got each
+    family's cap; the owner's ``exact_releases.total`` bounds all of them together, across runs: with total 3
+    the fourth exact release, of whichever family, is refused in one line naming the setting and no count."""
+    pcg = "algorithm=pcg dataset=synthetic precision=float64"
+    admm = "algorithm=admm dataset=synthetic precision=float64"
+    context = node(tmp_path, "d1", pcg, pcg, edit=lambda s: s.update(exact_releases={"total": 3}))
+    for run, overrides in enumerate([pcg, admm, pcg, admm]):
+        context = fresh_run(Context(0, 1, context.node_config, RecordDict(), {"overrides": overrides}), run)
+        n = len(keys_round(context)["row_ids"])
+        if overrides == pcg:  # the setup itself is pcg's exact release; ADMM's is its update
+            message = ({"G": np.ones(n), "s": np.ones(n)}, {"phase": "pcg_setup", "N": n, "d_out": 1})
+        else:
+            setup = {"phase": "admm_setup", "N": float(n), "rho": 1.0, "d_out": 1}
+            call(deployed_app, context, "train", {"G": np.ones(n)}, setup)
+            message = ({"Y": np.zeros((n, 1))}, {"phase": "admm_update"})
+        if run < 3:
+            call(deployed_app, context, "train", *message)
+            continue
+        with pytest.raises(ValueError) as refusal:
+            call(deployed_app, context, "train", *message)
+        line = str(refusal.value)
+        assert "cap on exact releases of all families together over all runs is reached" in line, line
+        assert "exact_releases.total" in line and not re.search(r"\d", line.split("shard", 1)[1][2:]), line
+    assert sum(ledger(pcg, context).values()) == 3
+    owner = make_client(compose_config(*pcg.split()), context).settings.owner
+    assert owner.releases_problem({"pcg", "join_admm"}) is None  # total is no family: the node starts with it
+
+
 def test_the_default_caps_cover_every_family_at_twenty_default_runs():
     """Every registered family has a default cap, 20 times its largest default run on the bundled datasets
     (bench_results/releases.json); a new family adds its line to tpflower.releases.DEFAULT_CAPS."""

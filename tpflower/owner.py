@@ -39,7 +39,8 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
                                      # (table/shard: hex), exchanged out of band; it re-blinds only lists they
                                      # signed (tpflower.signing; simulations.deploy fills them in)
     exact_releases: {pcg: 2000}      # exact releases it answers per algorithm family over all runs (default:
-                                     # tpflower.releases.DEFAULT_CAPS, 20 default runs; docs/threat-model.md)
+                                     # tpflower.releases.DEFAULT_CAPS, 20 default runs; docs/threat-model.md);
+                                     # total: N caps every family's together (default: none)
 
 A run may ask for STRONGER privacy than the floor (it is then honoured), never weaker; a run that asks for
 weaker privacy, another loader (or a file for a bundled table), another label, or columns the node does not
@@ -72,6 +73,9 @@ SECRET_ENV = "TPFLOWER_KEY_SECRET"
 REDACTED = "<redacted>"
 #: fewest of a node's rows one released aggregate covers (docs/settings.md: min_group_rows)
 DEFAULT_MIN_GROUP_ROWS = 20
+#: the ``exact_releases`` key of the owner's cap on every family's exact releases together (tpflower.releases;
+#: none by default: each family's own cap bounds it alone)
+TOTAL_RELEASES = "total"
 PRIVACY_DIR = Path(__file__).resolve().parents[1] / "conf" / "privacy"
 #: floor bounds: (field, direction) -- "max": the run's value may not exceed the floor's; "min": not below
 _LABEL_BOUNDS = (("label_epsilon", "max"), ("label_lambda", "min"))
@@ -310,7 +314,7 @@ class OwnerSettings:
         """None if every family ``exact_releases`` caps is an installed algorithm's (``families``), else one line
         naming the unknown ones: a cap under a name no family has would bound nothing while the owner believes
         it does (the family's default cap applies)."""
-        unknown = sorted(set(self.exact_releases or ()) - families)
+        unknown = sorted(set(self.exact_releases or ()) - families - {TOTAL_RELEASES})
         if not unknown:
             return None
         return (

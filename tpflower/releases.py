@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpflower.guard import refusal
+from tpflower.owner import TOTAL_RELEASES
 from tpflower.privacy.budget import OwnerBudget
 
 #: The family a prediction request's replies would be charged to (tpflower.phases.predict declares none exact:
@@ -84,6 +85,15 @@ def charge_exact_release(client: Any, phase: str, dry_run: bool = False) -> None
                 f"phase {phase!r}: its owner's cap on exact releases of family {family!r} over all runs is reached "
                 "(exact_releases in its settings)",
                 f"{after - 1} released, cap {cap}",
+            )
+        total = (owner.exact_releases or {}).get(TOTAL_RELEASES)
+        together = sum(int(n) for n in spent.values()) + 1
+        if total is not None and together > int(total):
+            raise refusal(
+                client,
+                f"phase {phase!r}: its owner's cap on exact releases of all families together over all runs is "
+                "reached (exact_releases.total in its settings)",
+                f"{together - 1} released, cap {total}",
             )
         if dry_run:
             return
