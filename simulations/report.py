@@ -1513,8 +1513,9 @@ def wide() -> str | None:
                 "place of each table's last feature (an identifier or a code read as categories, e.g. by `t.*`), "
                 "in-process, each case in its own process: the time to the first epoch line (setup, binning or "
                 "the Gram blocks included), per later epoch (gbdt: per boosting round of one tree), the peak "
-                "memory and the test RMSE. Boosted trees bin a one-hot block in one pass over it, PCG keeps a "
-                "sparse T_i for a wide, mostly-zero table ([algorithms.md](algorithms.md#pcg)); the features "
+                "memory and the test RMSE. Boosted trees bin a one-hot block in one pass over it, PCG and "
+                "TP-Join-ADMM's closed-form theta-update keep a sparse T_i for a wide, mostly-zero table "
+                "([algorithms.md](algorithms.md#pcg)); the features "
                 "themselves are held dense (rows x categories x 4 bytes), which the data checks bound "
                 "([datasets.md](datasets.md#bad-data-one-report))."
             ),

@@ -20,8 +20,9 @@ from tests.test_privacy_e2e import Recorded
 from tpflower.app.client_app import client_app_for
 from tpflower.app.server_app import make_strategy
 from tpflower.config import compose_config
+from tpflower.design import SPARSE_WIDTH, Design
 from tpflower.owner import simulation_secret
-from tpflower.phases.pcg import SPARSE_WIDTH, Design, PCGState
+from tpflower.phases.pcg import PCGState
 from tpflower.relation import has_bias, load_relation
 from tpflower.state import ClientState
 
@@ -98,7 +99,7 @@ def materialized_solution(rec: Recorded) -> tuple[dict, dict]:
 
 def test_pcg_on_wide_one_hot_tables_reaches_the_exact_ridge_solution_through_sparse_designs(monkeypatch):
     """Tables whose features are mostly a one-hot block of many categories: each owner's T_i is sparse
-    (tpflower.phases.pcg.Design) and built once per run, and PCG still reaches the exact ridge solution."""
+    (tpflower.design.Design) and built once per run, and PCG still reaches the exact ridge solution."""
     built = []
     init = Design.__init__
 

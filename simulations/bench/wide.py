@@ -1,5 +1,5 @@
 """Tables with a categorical column of many categories (each table's one-hot block thousands of columns wide):
-boosted trees (gbdt) and exact ridge (pcg) in-process on the synthetic star, by number of categories, side by
+boosted trees (gbdt), exact ridge (pcg) and TP-Join-ADMM (admm) in-process on the synthetic star, by number of categories, side by
 side with the same tables without the categorical column.
 
     python -m simulations.bench wide [--categories 0,1000,5000] [--n-fact 200000]  -> bench_results/wide.json
@@ -20,6 +20,7 @@ from simulations.bench.common import code_commit, machine_info, run_isolated
 RUNS: tuple[tuple[str, tuple[str, ...], int], ...] = (
     ("gbdt", ("algorithm=gbdt", "algorithm.eval_every=1"), 10),
     ("pcg", ("algorithm=pcg",), 5),
+    ("admm", ("algorithm=admm",), 5),
 )
 
 

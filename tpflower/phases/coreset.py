@@ -442,7 +442,7 @@ def coreset_admm_update(
     if len(Y) != len(s.rows):
         raise ValueError(f"table {client.settings.table!r}: Y for {len(Y)} rows, the coreset has {len(s.rows)}")
     model = client.model(config)
-    theta_update(client, model, client.rows_X(s.rows), s.G, Y, s.N, s.rho, float(client.settings.model["beta"]), config)
+    theta_update(client, model, s.rows, s.G, Y, s.N, s.rho, float(client.settings.model["beta"]), config)
     client.state.save_model(model)
     return {"h": client.predict(model, s.rows)}, client.reg_metrics(model)
 

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from tpflower.client import TableClient
+from tpflower.design import Design, node_design
 from tpflower.guard import Phase, Stage, takes
 from tpflower.join_counts import check_join_counts, compact_counts
-from tpflower.mapping import chunks
 from tpflower.models import l2_penalty
 from tpflower.params import (
     AlgorithmParams,
@@ -40,7 +40,7 @@ from tpflower.validation import PATIENCE
 
 def admm_update_linear(
     model: torch.nn.Linear,
-    X: np.ndarray,
+    T: Design,
     G: np.ndarray,
     Y: np.ndarray,
     N: int,
@@ -50,30 +50,22 @@ def admm_update_linear(
 ) -> None:
     """Exact minimiser of Eq. 16 for f(x) = x W^T + b with R = 1/2 ||(W, b)||^2:
 
-    (rho X1^T diag(G) X1 / N + beta I) Theta = -X1^T Y / N, with X1 = [X, 1] when the model has a bias.
+    (rho T^T diag(G) T / N + beta I) Theta = -T^T Y / N, with T = [X, 1] when the model has a bias.
     With ``prox = (v, rho')`` it solves one shard's consensus step instead (Eq. 22): the regulariser moves
     to the coordinator and rho'/2 ||Theta - v||^2 takes its place, v = w - u^q in flat parameter order.
-    Solved in float64, X1^T diag(G) X1 and X1^T Y summed over chunks of rows; the rows with G = 0 only enter
-    through X1^T Y (where Y is 0 too).
+    Solved in float64 (tpflower.design: T^T diag(G) T and T^T Y over blocks of rows, or on a sparse T); the
+    rows with G = 0 only enter through T^T Y (where Y is 0 too).
     """
-    bias = model.bias is not None
-    d1, d_c = X.shape[1] + int(bias), Y.shape[1]
-    gram, xty = np.zeros((d1, d1)), np.zeros((d1, d_c))
-    for s in chunks(len(X)):  # X1 = [X, 1] in float64 per chunk of rows only (X stays in the run's dtype)
-        X1 = np.ones((s.stop - s.start, d1))
-        X1[:, : X.shape[1]] = X[s]
-        gram += (X1.T * G[s]) @ X1
-        xty += X1.T @ np.asarray(Y[s], dtype=np.float64)
-    rhs = -xty / N
+    bias, d, d_c = model.bias is not None, T.X.shape[1], Y.shape[1]
+    rhs = -T.tdot(Y) / N
     if prox is None:
-        A = (rho / N) * gram + beta * np.eye(d1)
+        A = (rho / N) * T.gram(G) + beta * np.eye(T.d)
     else:
         v, rho_c = prox
-        A = (rho / N) * gram + rho_c * np.eye(d1)
-        rhs = rhs + rho_c * flat_to_theta(v, X.shape[1], d_c, bias)
+        A = (rho / N) * T.gram(G) + rho_c * np.eye(T.d)
+        rhs = rhs + rho_c * flat_to_theta(v, d, d_c, bias)
     Theta = np.linalg.solve(A, rhs)  # (d [+1]) x d_c
     with torch.no_grad():
-        d = X.shape[1]
         model.weight.copy_(torch.as_tensor(Theta[:d].T))
         if model.bias is not None:
             model.bias.copy_(torch.as_tensor(Theta[d]))
@@ -239,7 +231,7 @@ def epoch_rho(config: Mapping[str, Any], state: ADMMState) -> float:
 def theta_update(
     client: TableClient,
     model: torch.nn.Module,
-    X: np.ndarray,
+    rows: np.ndarray | None,
     G: np.ndarray,
     Y: np.ndarray,
     N: int,
@@ -248,13 +240,16 @@ def theta_update(
     config: Mapping[str, Any],
     prox: tuple[np.ndarray, float] | None = None,
 ) -> None:
-    """theta_i = argmin Eq. 16 without DP, in place: the closed form for a linear model, else the client's
-    algorithm.local_solver (lbfgs: local_steps L-BFGS iterations; adam: local_epochs of Adam). ``prox`` = (v, rho'):
-    the consensus step of a shard (Eq. 22), rho'/2 ||theta - v||^2 added."""
+    """theta_i = argmin Eq. 16 without DP over the client's rows ``rows`` (all: None; TableClient.rows_X), in
+    place: the closed form for a linear model, else the client's algorithm.local_solver (lbfgs: local_steps
+    L-BFGS iterations; adam: local_epochs of Adam). ``prox`` = (v, rho'): the consensus step of a shard (Eq.
+    22), rho'/2 ||theta - v||^2 added."""
     alg = client.settings.algorithm
     if isinstance(model, torch.nn.Linear):  # closed form, solved in float64 numpy
-        admm_update_linear(model, X, G, np.asarray(Y), N, rho, beta, prox=prox)
+        T = node_design(client, model.bias is not None, rows)
+        admm_update_linear(model, T, G, np.asarray(Y), N, rho, beta, prox=prox)
         return
+    X = client.rows_X(rows)
     prox_t = None if prox is None else (client.tensor(prox[0]), prox[1])
     if alg.local_solver == "lbfgs":
         admm_update_lbfgs(
@@ -319,7 +314,7 @@ def admm_update(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) 
         )
         client.dp.done(trainer, privacy)
     else:
-        theta_update(client, model, client.rows_X(None), s.G, Y, s.N, rho, beta, config)
+        theta_update(client, model, None, s.G, Y, s.N, rho, beta, config)
     client.state.save_model(model)
     return {"h": client.predict(model, None)}, {**client.reg_metrics(model), **privacy}
 

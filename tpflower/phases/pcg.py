@@ -22,7 +22,7 @@ the same block vectors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +32,8 @@ import scipy.sparse
 import torch
 
 from tpflower.client import TableClient
+from tpflower.design import Design, node_design
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, refusal, sharded, takes
-from tpflower.mapping import chunks
 from tpflower.params import AlgorithmParams, nonnegative, nonnegative_int, param, positive
 from tpflower.phases import setup
 from tpflower.records import Arrays
@@ -86,84 +86,13 @@ class PCGState(StateRecord):
         return cls.required(client.state, client.settings.table, "a PCG step before pcg_setup")
 
 
-#: a table of at least SPARSE_WIDTH features at most SPARSE_SHARE of them nonzero (one-hot blocks of many
-#: categories) has its products computed on a sparse copy of T: T^T diag(G) T in O(rows x nonzeros per row^2),
-#: not O(rows x width^2)
-SPARSE_WIDTH, SPARSE_SHARE = 64, 0.05
-
-
-class Design:
-    """T_i: the table's feature rows (``rows``, default all) with a column of ones when its linear model has a
-    bias, never built whole: X stays in the run's precision and T's products are summed over chunks of rows in
-    float64 (the float64 T of a chunk only); a wide, mostly-zero X (SPARSE_WIDTH, SPARSE_SHARE) in a float64
-    sparse copy of T instead (its nonzeros only)."""
-
-    def __init__(self, X: np.ndarray, bias: bool):
-        self.X, self.bias = X, bias
-        self.d = X.shape[1] + int(bias)
-        self.sparse: scipy.sparse.csr_array | None = None
-        if X.shape[1] >= SPARSE_WIDTH and np.count_nonzero(X) <= SPARSE_SHARE * X.size:
-            rows = max(1, (1 << 22) // X.shape[1])  # a few MB of X at a time
-            S = scipy.sparse.vstack([scipy.sparse.csr_array(X[s], dtype=np.float64) for s in chunks(len(X), rows)])
-            self.sparse = scipy.sparse.hstack([S, np.ones((len(X), 1))] if bias else [S], format="csr")
-
-    def __len__(self) -> int:
-        return len(self.X)
-
-    def _chunks(self) -> Iterator[tuple[slice, np.ndarray]]:
-        for s in chunks(len(self.X)):
-            T = np.ones((s.stop - s.start, self.d))
-            T[:, : self.X.shape[1]] = self.X[s]
-            yield s, T
-
-    def gram(self, G: np.ndarray) -> np.ndarray:
-        """T^T diag(G) T."""
-        if self.sparse is not None:
-            S = self.sparse
-            return (S.T @ (S * np.asarray(G, dtype=np.float64)[:, None])).toarray()
-        out = np.zeros((self.d, self.d))
-        for s, T in self._chunks():
-            out += (T.T * G[s]) @ T
-        return out
-
-    def tdot(self, v: np.ndarray) -> np.ndarray:
-        """T^T v (v: one value per row)."""
-        if self.sparse is not None:
-            return self.sparse.T @ np.asarray(v, dtype=np.float64)
-        out = np.zeros(self.d)
-        for s, T in self._chunks():
-            out += T.T @ np.asarray(v[s], np.float64)
-        return out
-
-    def apply(self, z: np.ndarray, dtype: str) -> np.ndarray:
-        """T z as a column in ``dtype`` (computed in float64 per chunk)."""
-        if self.sparse is not None:
-            return (self.sparse @ np.asarray(z, dtype=np.float64)).astype(dtype)[:, None]
-        out = np.empty((len(self.X), 1), dtype=dtype)
-        for s, T in self._chunks():
-            out[s, 0] = T @ z
-        return out
-
-
 def design(client: TableClient, model: torch.nn.Module, rows: np.ndarray | None = None) -> Design:
-    """T_i of the table's rows ``rows`` (default all) for its linear model (module doc). A sparse T is kept in
-    the node's memory (one, the last run's) for the run's next messages built from the same rows."""
+    """T_i of the table's rows ``rows`` (default all) for its linear model (module doc; tpflower.design)."""
     if not isinstance(model, torch.nn.Linear) or model.out_features != 1:
         raise ValueError(
             f"table {client.settings.table!r}: algorithm=pcg solves linear ridge regression (model=linear, one output)"
         )
-    bias, expand, run = model.bias is not None, client.state.get("expand"), str(client.state.scalar("run_id", ""))
-    held = client.data.models.get(("pcg", "design"))
-    if held is not None and held[0] == run and held[3].bias == bias and _same(held[1], rows) and _same(held[2], expand):
-        return held[3]
-    T = Design(client.rows_X(rows), bias)
-    if T.sparse is not None:
-        client.data.models[("pcg", "design")] = (run, rows, expand, T)
-    return T
-
-
-def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
-    return a is b or (a is not None and b is not None and np.array_equal(a, b))
+    return node_design(client, model.bias is not None, rows)
 
 
 def set_theta(model: torch.nn.Linear, theta: np.ndarray) -> None:

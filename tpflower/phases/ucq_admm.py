@@ -74,7 +74,7 @@ def admm_shard(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
         )
         client.dp.done(trainer, privacy)
     else:
-        theta_update(client, model, X, s.G, Y, s.N, rho, 0.0, config, prox=(v, rho_c))
+        theta_update(client, model, None, s.G, Y, s.N, rho, 0.0, config, prox=(v, rho_c))
     client.state.save_model(model)
     out = {"theta": client.theta(model).astype(np.float64)}
     if "Y" in arrays and not client.dp.on:
