@@ -160,11 +160,19 @@ def job(cfg: DictConfig) -> Any:
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415  start-up: after the first line
     from hydra.types import RunMode  # noqa: PLC0415  start-up: after the first line
     from hydra.utils import get_original_cwd  # noqa: PLC0415  start-up: after the first line
+    from omegaconf import open_dict  # noqa: PLC0415  start-up: after the first line
 
     from simulations.job import report_failure, run_job  # noqa: PLC0415  start-up: after the first line
+    from tpflower.checkpoint import CHECKPOINT  # noqa: PLC0415  start-up: after the first line
     from tpflower.owner import redact_run_dir, simulation_secret  # noqa: PLC0415  start-up: after the first line
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.get("resume") and not (run_dir / CHECKPOINT).exists():
+        # the sweep stopped before this job's first checkpoint (or before the job): nothing to continue, so the
+        # same sweep with resume=true runs it from the start instead of failing it
+        print(f"resume: {run_dir} holds no checkpoint yet; this job starts from the beginning", flush=True)
+        with open_dict(cfg):
+            cfg.resume = False
     try:
         redact_run_dir(run_dir / ".hydra", simulation_secret(cfg))  # Hydra saved the command line: no secret in it
         results = run_job(cfg, run_dir, base_dir=get_original_cwd())
@@ -242,6 +250,11 @@ def interrupted_line(argv: list[str]) -> str:
             "interrupted (Ctrl-C); a job continues from its last checkpoint when the sweep runs again with resume=true"
         )
     where = overrides.get("hydra.run.dir", "the run dir")
+    if "hydra.run.dir" in overrides and not (Path(where) / "checkpoint.pkl").exists():  # tpflower.checkpoint's
+        return (
+            f"interrupted (Ctrl-C) before the run's first checkpoint: nothing to continue; the same command without "
+            f"resume=true starts it again (results: {where})"
+        )
     return (
         f"interrupted (Ctrl-C); the run continues from its last checkpoint (docs/deployment.md, checkpoint and resume) "
         f"with the same command and resume=true (results: {where})"

@@ -72,6 +72,20 @@ def test_a_failed_job_leaves_the_sweeps_other_jobs_running_and_resume_keeps_the_
     assert "resumed after epoch 1" in again.stdout
 
 
+def test_a_sweep_run_again_with_resume_starts_the_jobs_it_never_checkpointed(tmp_path):
+    """Ctrl-C before a job's first checkpoint (or before the job) left nothing to continue: the same sweep with
+    resume=true runs that job from the start (it failed, "no checkpoint"), and a single run says so at Ctrl-C."""
+    sweep = tmp_path / "sweep"
+    args = ("-m", "algorithm=admm", "dataset=synthetic", "runtime=inprocess", "epochs=1", f"hydra.sweep.dir={sweep}")
+    out = run_cli(*args, "resume=true", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (job,) = [p for p in sweep.iterdir() if p.is_dir()]
+    assert f"resume: {job} holds no checkpoint yet; this job starts from the beginning" in out.stdout
+    assert (job / "results.json").exists()
+    line = interrupted_line([f"hydra.run.dir={tmp_path / 'run'}"])
+    assert line.startswith("interrupted (Ctrl-C) before the run's first checkpoint: nothing to continue; the same ")
+
+
 def test_ctrl_c_stops_a_run_in_one_line_saying_how_to_continue(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TPFLOWER_TRACEBACK", "HYDRA_FULL_ERROR")}
     env["PYTHONPATH"] = str(ROOT)
