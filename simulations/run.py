@@ -201,15 +201,15 @@ def main() -> Any:
     line, sys.argv[1:] = announce(sys.argv[1:])
     if line is not None:
         print(line, flush=True)
-    import hydra  # noqa: PLC0415  start-up: after the first line
-    from hydra.errors import HydraException  # noqa: PLC0415  start-up: after the first line
-    from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415  start-up: after the first line
+    try:  # Ctrl-C during the imports too (seconds) is the interrupted line below, not a traceback
+        import hydra  # noqa: PLC0415  start-up: after the first line
+        from hydra.errors import HydraException  # noqa: PLC0415  start-up: after the first line
+        from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415  start-up: after the first line
 
-    from tpflower.config import register_algorithm_defaults  # noqa: PLC0415  start-up: after the first line
+        from tpflower.config import register_algorithm_defaults  # noqa: PLC0415  start-up: after the first line
 
-    register_algorithm_defaults()
-    run = hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)
-    try:
+        register_algorithm_defaults()
+        run = hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(job)
         if os.environ.get("HYDRA_FULL_ERROR") == "1" or traceback_wanted():
             out = run()
         else:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,21 @@ def test_ctrl_c_stops_a_run_in_one_line_saying_how_to_continue(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == f"error: {interrupted_line([*args, f'hydra.run.dir={run_dir}'])}"
     assert "resume=true" in err and str(run_dir) in err and not (run_dir / "results.json").exists()
+
+
+def test_ctrl_c_right_after_the_first_line_is_the_interrupted_line_too(tmp_path):
+    """The imports after the first line take seconds (torch, Flower): Ctrl-C there was a KeyboardInterrupt
+    traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TPFLOWER_TRACEBACK", "HYDRA_FULL_ERROR")}
+    env["PYTHONPATH"] = str(ROOT)
+    args = ("algorithm=admm", "dataset=synthetic", "runtime=inprocess", f"hydra.run.dir={tmp_path / 'run'}")
+    cmd = [sys.executable, "-m", "simulations.run", *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().startswith("tpflower train: ")
+    time.sleep(0.3)  # past the first line's flush, well before the imports end
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip() == f"error: {interrupted_line(list(args))}", err
 
 
 def test_a_run_dir_holds_one_run_at_a_time(tmp_path):
