@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
@@ -26,6 +27,7 @@ from tpflower.app.client_app import client_app_for, make_client, node_identity
 from tpflower.app.flower_patch import install_fast_fetch, install_node_actors
 from tpflower.app.server_app import make_strategy, server_app_for
 from tpflower.losses import metrics
+from tpflower.params import nonnegative_finite, or_word, positive_finite, positive_int
 from tpflower.results import RunResults
 
 FLOWER_LOG = "flower.log"  # Flower's and Ray's own log lines go here (in the run dir), not to the console
@@ -79,13 +81,19 @@ def run_flower_simulation(
     os.environ.setdefault(RAY_INLINE_ENV, str(RAY_INLINE_BYTES))
     install_fast_fetch()
     node_actors = install_node_actors()
+    resources = client_resources(cfg)
+    actors = simulation_actors(cfg, largest_table, node_actors)
+    if actors is None and resources["num_cpus"] > (os.cpu_count() or 1):  # Ray's CPUs: no actor would fit
+        raise ValueError(
+            f"resources.num_cpus={cfg.resources.num_cpus} is more than this machine's {os.cpu_count()} CPUs: no "
+            "Ray actor would fit (Flower stops with 'ActorPool is empty'); give each virtual client fewer, or set "
+            "resources.actors"
+        )
     created: list[LoJStrategy] = []
-    resources = {"num_cpus": float(cfg.resources.num_cpus), "num_gpus": float(cfg.resources.num_gpus)}
     if strategy is None:
         strategy = make_strategy(cfg, run_dir, base_dir, log=log)
     num = len(strategy.clients)
     init_args: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
-    actors = simulation_actors(cfg, largest_table, node_actors)
     if actors is not None:  # Ray's logical CPUs: the pool has CPUs / num_cpus actors
         init_args["num_cpus"] = actors * max(float(cfg.resources.num_cpus), 1.0)
     log_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="tpflower-"))
@@ -122,9 +130,23 @@ def simulation_actors(cfg: DictConfig, largest_table: int | None, node_actors: b
     if setting is None or str(setting) == "auto":
         large = largest_table is not None and largest_table >= ONE_ACTOR_ROWS
         return 1 if large and not node_actors else None
-    if int(setting) < 1:
-        raise ValueError(f"resources.actors must be auto or >= 1, got {setting}")
-    return int(setting)
+    return or_word(positive_int, "auto")("resources.actors", setting)
+
+
+def client_resources(cfg: DictConfig) -> dict[str, float]:
+    """Each virtual client's share (conf/resources), checked before Ray starts: a bad value is one line naming
+    it, and a GPU share where torch sees no GPU too (no Ray actor would get one: 'ActorPool is empty')."""
+    res = cfg.get("resources") or {}
+    out = {
+        "num_cpus": positive_finite("resources.num_cpus", res.get("num_cpus", 1)),
+        "num_gpus": nonnegative_finite("resources.num_gpus", res.get("num_gpus", 0)),
+    }
+    if out["num_gpus"] > 0 and not torch.cuda.is_available():
+        raise ValueError(
+            f"resources.num_gpus={res.get('num_gpus')} but no GPU is visible here: no Ray actor would get one "
+            "(Flower stops with 'ActorPool is empty'); set resources.num_gpus=0"
+        )
+    return out
 
 
 @dataclass

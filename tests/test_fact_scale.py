@@ -51,6 +51,35 @@ def test_resources_actors():
         simulation_actors(OmegaConf.create({"resources": {"actors": 0}}), 1)
 
 
+def test_client_resources_no_ray_actor_could_get_are_one_line_before_ray_starts(monkeypatch):
+    """resources.num_cpus=x, 0 or -1 were Python's or Ray's errors ('integer modulo by zero' per node); above the
+    machine's CPUs or a GPU share with no GPU, Flower's 'ActorPool is empty' and a wait for nodes."""
+    import os
+
+    import torch
+
+    from simulations.federated import client_resources, run_flower_simulation
+
+    def refused(cpus, gpus=0.0, actors="auto"):
+        with pytest.raises(ValueError) as err:
+            cfg = OmegaConf.create({"resources": {"num_cpus": cpus, "num_gpus": gpus, "actors": actors}})
+            run_flower_simulation(cfg, None, log=lambda _: None)
+        return str(err.value)
+
+    assert refused("x") == "resources.num_cpus must be a number, got 'x'"
+    assert refused(0) == "resources.num_cpus must be a finite number > 0, got 0"
+    assert refused(-1) == "resources.num_cpus must be a finite number > 0, got -1"
+    assert refused(1, -1) == "resources.num_gpus must be a finite number >= 0, got -1"
+    assert refused(1, 0, "abc") == "resources.actors must be a number, got 'abc' (or one of ['auto'])"
+    assert refused(os.cpu_count() + 1).startswith(f"resources.num_cpus={os.cpu_count() + 1} is more than this ")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert refused(1, 1).startswith("resources.num_gpus=1 but no GPU is visible here")
+    assert client_resources(OmegaConf.create({"resources": {"num_cpus": 0.5, "num_gpus": 0}})) == {
+        "num_cpus": 0.5,
+        "num_gpus": 0.0,
+    }
+
+
 def test_distinct_row_ids_by_bitmap_and_by_sort():
     assert _distinct(np.array([3, 0, 2, 1])) and not _distinct(np.array([3, 0, 3, 1]))
     assert _distinct(np.array([10**9, 5])) and not _distinct(np.array([10**9, 5, 10**9]))  # sparse: sorted
