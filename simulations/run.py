@@ -38,6 +38,7 @@ NO_FIRST_LINE = (
     "--shell-completion",
 )
 MULTIRUN = ("-m", "--multirun")
+MISSING_CHOICE = re.compile(r"Could not find '(\w+)/([^']+)'")  # Hydra's error for GROUP=NAME of no config
 SWEEP_FUNCTION = re.compile(r"^\w+\(")  # Hydra's sweep functions: choice(a,b), glob(a*), range(1,3) ...
 VALUE_FLAGS = ("-cd", "--config-dir", "-cp", "--config-path", "-cn", "--config-name", "-p", "--package")
 
@@ -270,6 +271,10 @@ def composition_error(exc: BaseException, argv: list[str]) -> str:
 
     GlobalHydra.instance().clear()  # the failed main's, so that the error's own compositions can start
     if any(f in MULTIRUN for f in override_args(argv)[1]):  # a job of the sweep, whose choices the line lacks
+        missing = MISSING_CHOICE.search(str(exc))  # a sweep function's name (choice(a,b), glob(...)): no such file
+        line = unknown_choice({missing[1]: missing[2]}, config_dirs_of(argv)) if missing else None
+        if line is not None:
+            return f"a job of the sweep: {line} (Hydra checks every job first: none ran)"
         text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         hint = "; a swept algorithm lacks that setting: sweep it over the algorithms that take it" * bool(
             NO_SUCH_KEY.match(str(exc))

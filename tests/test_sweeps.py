@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from simulations.job import LOCK, run_dir_lock
-from simulations.run import announce, interrupted_line, unknown_choice
+from simulations.run import announce, composition_error, interrupted_line, unknown_choice
 from tpflower.schema import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +57,17 @@ def test_a_config_dir_that_holds_the_dataset_file_itself_names_the_folder_to_giv
     line = unknown_choice({"dataset": "shop"}, [str(tmp_path / "mine")])
     assert line is not None and line.endswith(f"not in a folder dataset/: move it to {tmp_path / 'mine' / 'dataset'}/")
     assert unknown_choice({"dataset": "shop"}, [str(tmp_path)]) is None  # DIR/dataset/shop.yaml: found
+
+
+def test_a_sweep_functions_unknown_choice_is_the_same_line_as_a_lists():
+    """choice(pcg,nosuch) is expanded by Hydra: its error listed the private defaults (_admm ...) and the search
+    path; now the line a list's unknown name gets."""
+    from hydra.errors import MissingConfigException
+
+    exc = MissingConfigException("In 'config': Could not find 'algorithm/nosuch'\nAvailable options in ...", "x")
+    line = composition_error(exc, ["-m", "algorithm=choice(pcg,nosuch)"])
+    assert line.startswith("a job of the sweep: algorithm=nosuch: no such algorithm; choose one of admm, auto, ")
+    assert line.endswith(" (Hydra checks every job first: none ran)") and " _admm" not in line
 
 
 def test_a_failed_job_leaves_the_sweeps_other_jobs_running_and_resume_keeps_the_jobs_folder(tmp_path):
