@@ -442,6 +442,8 @@ def test_validate_accepts_paper_settings(name, task):
         ({"delta": None}, "regression", "tp_join_sgd", "privacy.delta"),
         ({"clip": 0.0}, "regression", "tp_join_sgd", "privacy.clip"),
         ({"clip": "big"}, "regression", "tp_join_sgd", "privacy.clip"),
+        ({"sample_rate": "worst"}, "regression", "tp_join_sgd", "privacy.sample_rate"),  # was after the data
+        ({"sample_rate": "batch", "epsilon": 0}, "regression", "tp_join_sgd", "privacy.epsilon"),
         ({"name": "label", "label_lambda": 0}, "binary", "tp_join_sgd", "privacy.label_lambda"),
         ({"name": "label_dpsgd", "label_lambda": -0.5}, "multiclass", "tp_join_sgd", "privacy.label_lambda"),
         ({"name": "label", "label_range": None}, "regression", "tp_join_sgd", "label_range"),

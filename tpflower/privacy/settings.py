@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpflower.owner import uses_feature_dp, uses_label_dp
-from tpflower.params import number, positive_finite, probability
+from tpflower.params import number, one_of, positive_finite, probability
 from tpflower.privacy.accounting import epsilon_floor_problem
 from tpflower.schema import TASKS
 
@@ -83,6 +83,8 @@ def validate_privacy(
         epsilon = positive_finite(f"privacy={name}: privacy.epsilon", cfg_get(privacy_cfg, "epsilon"))
         delta = probability(f"privacy={name}: privacy.delta", cfg_get(privacy_cfg, "delta"))
         positive_finite(f"privacy={name}: privacy.clip (clipping norm C)", cfg_get(privacy_cfg, "clip"))
+        rate = cfg_get(privacy_cfg, "sample_rate")  # else checked by TP-Join-SGD's plan, after the data loaded
+        one_of("worst_row", "batch")(f"privacy={name}: privacy.sample_rate", "worst_row" if rate is None else rate)
         floor = epsilon_floor_problem(epsilon, delta)
         if floor is not None:
             raise ValueError(f"privacy={name}: {floor}")
