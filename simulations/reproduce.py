@@ -505,7 +505,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in skipped:
         console.print(f"skipped {line}", markup=False)
     console.print(summary_table(summary_rows(runs), args.title))
-    for path in plot_runs(runs, args.out, args.title):
+    try:
+        paths = plot_runs(runs, args.out, args.title)
+    except OSError as exc:  # --out under a file, a folder it may not write
+        parser.error(f"--out {args.out}: {exc.filename}: {exc.strerror}")
+    for path in paths:
         console.print(f"wrote {path}")
     return 0
 

@@ -196,3 +196,13 @@ def test_y_range_shows_the_converged_part():
     assert lo < 0.94 and 0.97 < hi < 1.0  # the first epochs' spike is out, both reference lines in
     lo, hi = reproduce.converged_ylim([spike], [0.94, 1.05])
     assert lo < 0.94 and hi < 1.0  # a far-off constant predictor does not flatten the curves (legend: off the axis)
+
+
+def test_an_out_prefix_under_a_file_is_one_line(run_dirs, tmp_path, capsys):
+    """--out under a file was mkdir's FileExistsError traceback."""
+    (tmp_path / "afile").touch()
+    with pytest.raises(SystemExit) as done:
+        reproduce.main([str(run_dirs[0][0]), "--out", str(tmp_path / "afile" / "plot")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"error: --out {tmp_path / 'afile' / 'plot'}: {tmp_path / 'afile'}: File exists")
