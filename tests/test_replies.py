@@ -342,3 +342,22 @@ def test_the_shards_of_a_table_that_refuse_alike_make_one_line():
     assert merged_lines(alike[:1]) == [
         "table 'f' shard 0 (gbdt_bins) refuses the message: too few rows (the detail is in this node's log)"
     ]
+
+
+def test_rays_out_of_memory_kill_is_its_gist_not_a_paragraph():
+    """Ray's memory monitor's message (object store stats, its top 10 processes: 2 kB) was each node's line."""
+    from types import SimpleNamespace
+
+    from tpflower.records import error_reason
+
+    ray = (
+        "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2, ID: 48a)"
+        " was 22.37GB / 23.54GB (0.950451), which exceeds the memory usage threshold of 0.950000; Object store "
+        "memory usage: [- objects spillable: 0; ...]; Top 10 memory users: PID\tMEM(GB)\tCOMMAND, 27062\t19.90\t"
+        "python -m simulations.run ..., Refer to the documentation ..."
+    )
+    line = error_reason(SimpleNamespace(error=SimpleNamespace(code=0, reason=f"{RuntimeError}:<'{ray}'>")))
+    assert line == (
+        "Ray killed the node's worker: the machine ran low on memory (22.37GB / 23.54GB in use, above Ray's "
+        "threshold 0.950000, RAY_memory_usage_threshold); free memory and run again"
+    )

@@ -141,6 +141,11 @@ def unpack_reply(content: RecordDict) -> tuple[Arrays, dict[str, Any]]:
     return unpack(content)
 
 
+#: Ray's memory monitor killing a worker (the simulation engine's node): "... Memory on the node (IP: ..., ID: ...)
+#: was 22.37GB / 23.54GB (0.950451), which exceeds the memory usage threshold of 0.950000; ..." and 2 kB more
+RAY_OOM = re.compile(r"killed due to the node running low on memory\..*? was (\S+ / \S+) .*?threshold of ([\d.]+)")
+
+
 def error_reason(reply: Message) -> str:
     """The useful line of an error reply: the ClientApp's exception message, without Flower's wrapping."""
     reason = str(reply.error.reason)
@@ -148,6 +153,12 @@ def error_reason(reply: Message) -> str:
         reason = reason.split(":<'", 1)[1].removesuffix("'>")  # the message's own last quote kept
     # Flower's ClientAppException wrapping: "\nException ClientAppException occurred. Message: ..."
     reason = re.sub(r"Exception \w+ occurred\. Message: ", "", reason)
+    oom = RAY_OOM.search(reason)
+    if oom:  # Ray's memory monitor's paragraph (object store stats, its top 10 processes) as its gist
+        return (
+            f"Ray killed the node's worker: the machine ran low on memory ({oom[1]} in use, above Ray's threshold "
+            f"{oom[2]}, RAY_memory_usage_threshold); free memory and run again"
+        )
     return reason.strip().splitlines()[-1] if reason.strip() else f"error code {reply.error.code}"
 
 
