@@ -168,7 +168,7 @@ def job(cfg: DictConfig) -> Any:
     from tpflower.owner import redact_run_dir, simulation_secret  # noqa: PLC0415  start-up: after the first line
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.get("resume") and not (run_dir / CHECKPOINT).exists():
+    if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.get("resume") is True and not (run_dir / CHECKPOINT).exists():
         # the sweep stopped before this job's first checkpoint (or before the job): nothing to continue, so the
         # same sweep with resume=true runs it from the start instead of failing it
         print(f"resume: {run_dir} holds no checkpoint yet; this job starts from the beginning", flush=True)

@@ -310,6 +310,7 @@ def test_grid_transport_learns_a_rounds_pace_and_pulls_less(monkeypatch):
         ("sgd", "seed=-1", "seed must be an integer >= 0, got -1"),  # was numpy's "expected non-negative integer"
         ("admm", "seed=1.5", "seed must be an integer >= 0, got 1.5"),  # was run, and recorded as seed 1.5
         ("admm", "runtime=flwr", "runtime must be one of ['flower', 'inprocess'], got 'flwr'"),  # was run on Flower
+        ("admm", "resume=flase", "resume must be true or false, got 'flase'"),  # was a true string: resumed
         ("sgd", "algorithm.lr=abc", "algorithm.lr must be a number, got 'abc'"),
         ("sgd", "algorithm.lr=0", "algorithm.lr must be > 0, got 0"),
         ("sgd", "algorithm.batch_size=-5", "algorithm.batch_size must be an integer >= 1, got -5"),

@@ -165,8 +165,9 @@ class AlgorithmParams:
 
 
 def run_settings(cfg: Mapping[str, Any]) -> None:
-    """The run-level keys every federated algorithm reads: epochs, seed, precision, runtime."""
+    """The run-level keys every federated algorithm reads: epochs, seed, precision, runtime, resume."""
     positive_int("epochs", cfg.get("epochs"))
     nonnegative_int("seed", cfg.get("seed"))  # numpy's generators take no negative seed, and 1.5 is no seed
     one_of("float32", "float64")("precision", cfg.get("precision"))
     one_of("flower", "inprocess")("runtime", cfg.get("runtime", "flower"))
+    boolean("resume", cfg.get("resume", False))  # resume=flase would otherwise be a true string: resumed
