@@ -311,6 +311,13 @@ def test_grid_transport_learns_a_rounds_pace_and_pulls_less(monkeypatch):
         ("admm", "seed=1.5", "seed must be an integer >= 0, got 1.5"),  # was run, and recorded as seed 1.5
         ("admm", "runtime=flwr", "runtime must be one of ['flower', 'inprocess'], got 'flwr'"),  # was run on Flower
         ("admm", "resume=flase", "resume must be true or false, got 'flase'"),  # was a true string: resumed
+        # each was one line per node at its hello, after the data loaded (or its default, silently, for a 0)
+        ("admm", "min_group_rows=-1", "min_group_rows must be an integer >= 1, got -1"),
+        ("admm", "min_sketch_rows=abc", "min_sketch_rows must be a number, got 'abc'"),
+        ("admm", "mapping.keys=foo", "mapping.keys must be one of ['hmac', 'blind'], got 'foo'"),
+        ("admm", "mapping.keys_chunk_rows=0", "mapping.keys_chunk_rows must be an integer >= 1, got 0"),
+        ("admm", "nodes.reply_timeout_s=abc", "nodes.reply_timeout_s must be a number, got 'abc'"),
+        ("admm", "nodes.wait_s=-1", "nodes.wait_s must be a finite number > 0, got -1"),
         ("sgd", "algorithm.lr=abc", "algorithm.lr must be a number, got 'abc'"),
         ("sgd", "algorithm.lr=0", "algorithm.lr must be > 0, got 0"),
         ("sgd", "algorithm.batch_size=-5", "algorithm.batch_size must be an integer >= 1, got -5"),

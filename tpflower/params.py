@@ -171,3 +171,14 @@ def run_settings(cfg: Mapping[str, Any]) -> None:
     one_of("float32", "float64")("precision", cfg.get("precision"))
     one_of("flower", "inprocess")("runtime", cfg.get("runtime", "flower"))
     boolean("resume", cfg.get("resume", False))  # resume=flase would otherwise be a true string: resumed
+    # the run's own (a simulated node's) bounds and key mapping: one line here, not one per node at its hello
+    for key in ("min_group_rows", "min_sketch_rows"):
+        if cfg.get(key) is not None:
+            positive_int(key, cfg.get(key))
+    mapping, nodes = cfg.get("mapping") or {}, cfg.get("nodes") or {}
+    one_of("hmac", "blind")("mapping.keys", mapping.get("keys") or "hmac")
+    if mapping.get("keys_chunk_rows") is not None:
+        positive_int("mapping.keys_chunk_rows", mapping.get("keys_chunk_rows"))
+    for key in ("wait_s", "reply_timeout_s"):
+        if nodes.get(key) is not None:
+            positive_finite(f"nodes.{key}", nodes.get(key))
