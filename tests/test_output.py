@@ -216,6 +216,21 @@ def test_a_setting_the_serverapp_refuses_is_a_one_line_refusal(tmp_path, overrid
     assert expected_refusal(refused.value) is refused.value
 
 
+def test_flwr_runs_unknown_name_or_typod_key_in_its_overrides_is_a_one_line_refusal():
+    """`flwr run . --run-config "overrides='algorithm=nosuch'"`: Hydra's composition error was the ServerApp's
+    traceback in Flower's log."""
+    from tpflower.app.server_app import expected_refusal, run_config_of
+    from tpflower.schema import SpecError
+
+    for overrides, said in [
+        ("algorithm=nosuch dataset=synthetic", "Could not find 'algorithm/nosuch'"),
+        ("algorithm=admm algoritm.rho=1", "algoritm.rho"),
+    ]:
+        with pytest.raises(SpecError, match=re.escape(said)) as refused:
+            run_config_of({"overrides": overrides})
+        assert expected_refusal(refused.value) is refused.value and "\n" not in str(refused.value)
+
+
 def test_a_hint_below_the_constant_predictor_never_names_a_setting_the_run_has(tmp_path):
     """Boosted trees on a label of noise that already hold out a validation part and stop early: the warning
     does not tell them to set validation_fraction=0.1 to stop early (they did, and kept the trees of their best

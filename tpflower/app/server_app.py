@@ -18,13 +18,17 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from tpflower.app.client_app import config_from_run_config  # at import time: see the note in server_app_for
 from tpflower.app.flower_patch import install_fast_fetch, install_fast_grid_pulls, install_node_actors
 from tpflower.auto import resolve
+from tpflower.config_errors import override_error
 from tpflower.datasets import load_spec
 from tpflower.errors import RunError
+from tpflower.overrides import split_overrides
 from tpflower.registry import check_model, entries, entry_of, prediction_strategy
 from tpflower.schema import RelationalSpec, SpecError
 
@@ -89,7 +93,7 @@ def server_app_for(
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
+        run_cfg = cfg if cfg is not None else run_config_of(context.run_config)
         out = run_dir or context.run_config.get("run-dir") or default_run_dir(run_cfg)
         root = base_dir if base_dir is not None else context.run_config.get("base-dir") or None
         run = strategy if strategy is not None else run_of(run_cfg, out, root, log)
@@ -99,6 +103,15 @@ def server_app_for(
         run.start(grid, timeout=float(nodes.get("reply_timeout_s", 600)), node_wait_s=float(nodes.get("wait_s", 120)))
 
     return app
+
+
+def run_config_of(run_config: dict[str, Any]) -> DictConfig:
+    """The config of a `flwr run` job's overrides; an unknown name or a typo'd key is one line (SpecError), as on
+    the command line, not Hydra's traceback in the ServerApp's log."""
+    try:
+        return config_from_run_config(run_config)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise SpecError(override_error(exc, split_overrides(str(run_config.get("overrides", ""))))) from None
 
 
 def run_of(
