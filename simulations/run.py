@@ -195,7 +195,7 @@ FAILED_JOBS: list[str] = []
 def main() -> Any:
     """The first line at once, then torch, Flower and the algorithms' defaults (Hydra's ConfigStore nodes that
     conf/algorithm/*.yaml extend), then the Hydra job."""
-    wrong = unknown_choice(choices(sys.argv[1:])[0], config_dirs_of(sys.argv[1:]))
+    wrong = unknown_choice(choices(sys.argv[1:])[0], config_dirs_of(sys.argv[1:])) or mixed_modes(sys.argv[1:])
     if wrong is not None:
         print(f"error: {wrong}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -241,6 +241,18 @@ def main() -> Any:
         print(f"error: {len(FAILED_JOBS)} job(s) of the sweep failed: {', '.join(FAILED_JOBS)}", file=sys.stderr)
         sys.exit(1)
     return out
+
+
+#: Hydra's run modes, of which a command line takes one (Hydra raises a ValueError, a traceback, for two)
+MODES = (("-m", "--multirun"), ("-c", "--cfg"), ("-i", "--info"), ("-sc", "--shell-completion"), ("-r", "--run"))
+
+
+def mixed_modes(argv: list[str]) -> str | None:
+    """The line for a command line of two of Hydra's modes (``-m --cfg job``, say), else None."""
+    given = [names[-1] for names in MODES if any(a in names or a.startswith(f"{names[-1]}=") for a in argv)]
+    if len(given) < 2:
+        return None
+    return f"{' and '.join(given)}: Hydra takes one of --run, --multirun, --cfg, --info and --shell-completion"
 
 
 def interrupted_line(argv: list[str]) -> str:

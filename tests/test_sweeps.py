@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from simulations.job import LOCK, run_dir_lock
-from simulations.run import announce, composition_error, interrupted_line, unknown_choice
+from simulations.run import announce, composition_error, interrupted_line, mixed_modes, unknown_choice
 from tpflower.schema import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +68,15 @@ def test_a_sweep_functions_unknown_choice_is_the_same_line_as_a_lists():
     line = composition_error(exc, ["-m", "algorithm=choice(pcg,nosuch)"])
     assert line.startswith("a job of the sweep: algorithm=nosuch: no such algorithm; choose one of admm, auto, ")
     assert line.endswith(" (Hydra checks every job first: none ran)") and " _admm" not in line
+
+
+def test_a_sweep_with_hydras_cfg_flag_is_one_line():
+    """`-m ... --cfg job` (to see the sweep's configs) was Hydra's ValueError traceback."""
+    line = "--multirun and --cfg: Hydra takes one of --run, --multirun, --cfg, --info and --shell-completion"
+    assert mixed_modes(["-m", "algorithm=admm,sgd", "--cfg", "job"]) == line
+    assert mixed_modes(["algorithm=admm", "--cfg", "job"]) is None and mixed_modes(["-m", "-cd", "x"]) is None
+    out = run_cli("-m", "algorithm=admm,sgd", "--cfg", "job", cwd=ROOT)
+    assert out.returncode == 1 and out.stderr.strip() == f"error: {line}", out.stderr
 
 
 def test_a_failed_job_leaves_the_sweeps_other_jobs_running_and_resume_keeps_the_jobs_folder(tmp_path):
