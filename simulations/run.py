@@ -8,6 +8,7 @@ go; the job itself is simulations.job (imported after it, also as ``simulations.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import re
@@ -229,7 +230,12 @@ def main() -> Any:
     except OSError as exc:  # Hydra making the run dir (a job's own errors are the job's lines)
         if traceback_wanted():
             raise
-        print(f"error: {exc.filename}: {exc.strerror} (hydra.run.dir / hydra.sweep.dir)", file=sys.stderr)
+        hint = (  # a sweep's job folder is named by the job's overrides: a long dataset.sql is too long a name
+            "; a sweep's job folder is named by its overrides: 'hydra.sweep.subdir=${hydra.job.num}' numbers them"
+            if exc.errno == errno.ENAMETOOLONG
+            else ""
+        )
+        print(f"error: {exc.filename}: {exc.strerror} (hydra.run.dir / hydra.sweep.dir){hint}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"error: {interrupted_line(sys.argv[1:])}", file=sys.stderr, flush=True)

@@ -79,6 +79,18 @@ def test_a_sweep_with_hydras_cfg_flag_is_one_line():
     assert out.returncode == 1 and out.stderr.strip() == f"error: {line}", out.stderr
 
 
+def test_a_sweep_job_folder_name_too_long_says_how_to_number_them(tmp_path):
+    """A long override (a dataset.sql, say) names a job folder the file system refuses: the line says how to
+    number the folders instead."""
+    name = "n" * 300
+    out = run_cli("-m", "dataset=synthetic", f"dataset.name={name}", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().endswith(
+        "File name too long (hydra.run.dir / hydra.sweep.dir); a sweep's job folder is named by its overrides: "
+        "'hydra.sweep.subdir=${hydra.job.num}' numbers them"
+    ), out.stderr
+
+
 def test_a_failed_job_leaves_the_sweeps_other_jobs_running_and_resume_keeps_the_jobs_folder(tmp_path):
     sweep = tmp_path / "sweep"
     common = ("-m", "algorithm=admm", "dataset=synthetic", "runtime=inprocess", "epochs=1", f"hydra.sweep.dir={sweep}")
