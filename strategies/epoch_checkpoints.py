@@ -106,7 +106,9 @@ class EpochCheckpoints(NoCheckpoints):
             setattr(strategy, name, value)
         self.setup_saved = True
         strategy.record.t0 = time.perf_counter() - float(saved["elapsed"])
-        strategy.log(f"resumed after epoch {epoch} from {self.run_dir / CHECKPOINT}")
+        history = strategy.record.results.history
+        after = f"{epoch} trees" if history and "trees" in history[-1].extra else f"epoch {epoch}"  # boosted trees
+        strategy.log(f"resumed after {after} from {self.run_dir / CHECKPOINT}")
         for (table, shard), (_, metrics) in sorted(replies.items()):
             if int(metrics.get("dp_steps_after_checkpoint", 0)):  # said now, not at the run's last epoch
                 n = int(metrics["dp_steps_after_checkpoint"])

@@ -378,7 +378,7 @@ def test_a_deployment_killed_after_epoch_3_resumes_to_the_simulation_metrics(tmp
         )
         dep.popens.append(proc)
         data = _wait_for_run(proc, run_dir / "results.json", [tmp_path / "resumed.log"] + logs)
-        assert "resumed after epoch" in (tmp_path / "resumed.log").read_text()
+        assert "resumed after " in (tmp_path / "resumed.log").read_text()
     finally:
         if dep is not None:
             left = deploy.stop(dep)

@@ -171,7 +171,7 @@ def test_a_gbdt_run_killed_after_tree_3_resumes_to_the_forest_of_an_uninterrupte
     assert not (run_dir / "results.json").exists() and checkpoint_epoch(run_dir) == 3
     lines: list[str] = []
     resumed = run_in_process(compose_config(*RUN, *GBDT, *overrides, "resume=true"), run_dir, log=lines.append)
-    assert any("resumed after epoch 3" in line for line in lines), lines
+    assert any("resumed after 3 trees" in line for line in lines), lines
     got, want = history(resumed), history(full)
     assert [e for e, _, _ in got] == [e for e, _, _ in want] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([m for _, m, _ in got], [m for _, m, _ in want], rtol=1e-9)
