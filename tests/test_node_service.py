@@ -415,6 +415,16 @@ SETTINGS = (
         (SETTINGS.replace("blind", "hmac"), BILLING, "no join-key secret"),
         (SETTINGS + "min_sketch_rows: many\n", BILLING, "min_sketch_rows must be a whole number >= 1, got 'many'"),
         (SETTINGS.replace("{name: none}", "label"), BILLING, "privacy must be a mapping"),
+        (  # a misspelt bound left the shipped default (5.66) as the floor, silently
+            SETTINGS.replace("{name: none}", "{name: label, label_epsilion: 1}"),
+            BILLING,
+            "unknown keys ['label_epsilion'] under privacy (",
+        ),
+        (  # a floor no run can meet (or 'five': a ValueError at the run's first message)
+            SETTINGS.replace("{name: none}", "{name: dpsgd, epsilon: -1}"),
+            BILLING,
+            "privacy.epsilon must be a positive number, got -1",
+        ),
         (SETTINGS + "algorithms: [pcg, admn]\n", BILLING, "algorithms names ['admn'], which no installed algorithm"),
         (  # the results.json name of an algorithm is not its family: the cap would bound nothing
             SETTINGS + "exact_releases: {tp_join_admm: 3}\n",
@@ -430,6 +440,8 @@ SETTINGS = (
         "no-secret",
         "bad-value",
         "not-a-mapping",
+        "privacy-typo-key",
+        "privacy-bad-bound",
         "unknown-algorithm",
         "unknown-release-family",
     ],

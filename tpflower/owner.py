@@ -374,7 +374,11 @@ def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     if not (PRIVACY_DIR / f"{name}.yaml").is_file():
         known = sorted(p.stem for p in PRIVACY_DIR.glob("*.yaml"))
         raise SpecError(f"{where}: privacy.name must be one of {known}, got {name!r}")
-    for key in BUDGET_KEYS:
+    # a misspelt bound (label_epsilion) would leave the shipped default as the floor without a word
+    known_keys = {"name", *BUDGET_KEYS, *_privacy_keys()}
+    if unknown := set(raw) - known_keys:
+        raise SpecError(f"{where}: unknown keys {sorted(unknown)} under privacy ({', '.join(sorted(known_keys))})")
+    for key in (*BUDGET_KEYS, *(k for k, _ in (*_LABEL_BOUNDS, *_FEATURE_BOUNDS))):
         value = raw.get(key)
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
@@ -386,6 +390,12 @@ def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
 #: the owner's budget over all runs (tpflower.privacy.budget; defaults in docs/settings.md): feature DP's
 #: total epsilon, one label-DP evaluation's epsilon and the total of all evaluations
 BUDGET_KEYS = ("total_epsilon", "eval_epsilon", "total_eval_epsilon")
+
+
+@cache
+def _privacy_keys() -> frozenset[str]:
+    """Every setting of conf/privacy/*.yaml (a floor may state any of them)."""
+    return frozenset(k for p in PRIVACY_DIR.glob("*.yaml") for k in yaml.safe_load(p.read_text()) or {})
 
 
 @cache
