@@ -40,6 +40,9 @@ WARMED = "torch and the training code imported"  # the node's log line once its 
 #: exits with status 1, as for any Flower error.
 NOT_ACTIVATED = ("Exit Code: 305", "[code: 2004]")
 CONNECTION_ERROR = NOT_ACTIVATED[0]
+#: Flower's line as its SuperNode retries a SuperLink that does not answer (no SuperLink at --superlink, or one
+#: restarting): it retries without end, so the node says once which address it waits for
+RETRYING = "Connection attempt failed, retrying"
 ACTIVATION_RETRY_S, RETRY_WAIT_S = 120.0, 5.0  # how long the service starts a refused SuperNode again, how often
 STOP_S = 5.0  # a stopped SuperNode's time to end before SIGKILL (Flower's own forced exit comes after 5 s)
 STOCK_SUPERNODE = (
@@ -133,11 +136,14 @@ def settings_problem(client_config: str, table: str) -> str | None:
     return None
 
 
-def forward_output(stream: IO[str], out: IO[str], seen: set[str]) -> None:
+def forward_output(stream: IO[str], out: IO[str], seen: set[str], unreachable: str = "") -> None:
     """Copy the SuperNode's output ``stream`` to ``out`` line by line, adding to ``seen`` each of
-    :data:`NOT_ACTIVATED` a line holds."""
+    :data:`NOT_ACTIVATED` a line holds; at its first :data:`RETRYING` line, the line ``unreachable`` too."""
     for line in stream:
         out.write(line)
+        if unreachable and RETRYING in line and RETRYING not in seen:
+            seen.add(RETRYING)
+            out.write(unreachable + "\n")
         out.flush()
         seen.update(marker for marker in NOT_ACTIVATED if marker in line)
 
@@ -190,7 +196,14 @@ class SuperNodeChild:
         )
         assert proc.stderr is not None
         self.seen.clear()
-        reader = threading.Thread(target=forward_output, args=(proc.stderr, sys.stderr, self.seen), daemon=True)
+        superlink = self.cmd[self.cmd.index("--superlink") + 1] if "--superlink" in self.cmd else "--superlink"
+        unreachable = (
+            f"node {self.node}: no SuperLink answers at {superlink} (the SuperNode retries, above, until one does): "
+            "check --superlink and that the SuperLink is running"
+        )
+        reader = threading.Thread(
+            target=forward_output, args=(proc.stderr, sys.stderr, self.seen, unreachable), daemon=True
+        )
         reader.start()
         return proc, reader
 

@@ -518,6 +518,37 @@ def test_a_refused_supernode_is_started_again_then_the_node_says_why(monkeypatch
     assert stop.is_set() and exits == [1]
 
 
+FLOWER_RETRIES = (  # Flower's SuperNode when no SuperLink answers at --superlink: it retries without end
+    "import sys\nfor s in (1.5, 3.2): print(f'WARNING :   Connection attempt failed, retrying in {s} seconds', "
+    "file=sys.stderr)\nsys.exit(1)"
+)
+
+
+def test_a_supernode_without_a_superlink_names_the_address_once(capsys):
+    """No SuperLink at --superlink: Flower's SuperNode only said 'Connection attempt failed, retrying' (forever);
+    the node now says once which address it waits for."""
+    import simulations.node as node
+
+    stop = threading.Event()
+    child = node.SuperNodeChild(
+        [sys.executable, "-c", FLOWER_RETRIES, "--superlink", "link.example.org:9093"],
+        dict(os.environ),
+        None,
+        "t 0",
+        stop,
+        lambda _code: None,
+    )
+    child.proc.wait()
+    child.reader.join(timeout=10)
+    err = capsys.readouterr().err
+    assert err.count("Connection attempt failed") == 2  # Flower's lines reach the owner's log
+    says = [line for line in err.splitlines() if line.startswith("node t 0:")]
+    assert says == [
+        "node t 0: no SuperLink answers at link.example.org:9093 (the SuperNode retries, above, until one does): "
+        "check --superlink and that the SuperLink is running"
+    ]
+
+
 def test_a_stopped_node_stops_its_supernode_at_once_and_says_nothing(capsys):
     import time
 
