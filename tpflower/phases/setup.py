@@ -296,10 +296,16 @@ def check_signed(client: TableClient, name: str, points: np.ndarray, config: Map
     n = int(config.get(f"n.{name}", len(points)))
     message = statement(origin, signer, join, n, at * chunk_rows, points)
     if signer not in peers or not verifies(peers[signer], str(config.get(f"sig.{name}", "")), message):
+        why = (  # which node, so the operator knows whose key to check (a moved state_dir makes a new sign.key)
+            "its signer is none of its peers"  # the server's claim: not echoed
+            if signer not in peers
+            else f"the signature of {signer!r} does not verify with its peers key (is that node's state_dir, so its "
+            "sign.key, another?)"
+        )
         raise refusal(
             client,
             f"reblind: list {name!r} is not signed by a peer its owner's settings name (for this join, length "
-            "and position)",
+            f"and position): {why}",
         )
     return origin
 
