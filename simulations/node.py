@@ -162,6 +162,12 @@ def supernode_exit_line(node: str, code: int, seen: set[str]) -> str:
             f"node {node}: the SuperNode could not connect to the SuperLink (Flower's exit code 305, above): check "
             "--superlink, --root-certificates and that the operator registered this node's public key"
         )
+    if code == 0:  # Flower's SuperNode ends "gracefully" when the SuperLink refuses its heartbeat (401)
+        return (
+            f"node {node}: the SuperNode ended (exit code 0): the SuperLink ended this node's session (a SuperLink "
+            "restarted without --database forgets the registered keys); start the node again once the SuperLink "
+            "is up and its operator has registered this node's key (flwr supernode register KEY.pub)"
+        )
     return f"node {node}: the SuperNode exited with code {code}"
 
 
@@ -229,7 +235,9 @@ class SuperNodeChild:
             if self.stop.wait(RETRY_WAIT_S):
                 return
             self.proc, self.reader = self._start()
-        if code not in (0, -signal.SIGTERM):
+        if code == 0 and self.stop.wait(0.5):  # a SIGTERM to the node's process group: the service stops too
+            return
+        if code != -signal.SIGTERM:
             print(supernode_exit_line(self.node, code, self.seen), flush=True)
             self.reported.set()
         self.stop.set()
@@ -498,7 +506,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
             raise
     finally:
         code = supernode.terminate() if supernode is not None else None
-    failed = not requested.is_set() and code not in (0, -signal.SIGTERM, None)
+    failed = not requested.is_set() and code not in (-signal.SIGTERM, None)  # 0: the SuperLink ended its session
     if failed and supernode is not None and not supernode.reported.is_set():
         print(f"node {owner.name}: the SuperNode exited with code {code}", flush=True)
     # the node keeps nothing in memory that is not on disk: skip the interpreter's teardown of torch, pandas and

@@ -549,6 +549,22 @@ def test_a_supernode_without_a_superlink_names_the_address_once(capsys):
     ]
 
 
+def test_a_supernode_whose_session_the_superlink_ended_is_reported(monkeypatch, capsys):
+    """A SuperLink restarted (without --database) answers the SuperNode's heartbeat 401 and Flower's SuperNode
+    ends 'gracefully', exit 0: the node ended (status 1) without a line saying why."""
+    import simulations.node as node
+
+    monkeypatch.setattr(node.time, "sleep", lambda _s: None)
+    exits: list[int] = []
+    child = node.SuperNodeChild(
+        [sys.executable, "-c", "pass"], dict(os.environ), None, "t 0", threading.Event(), exits.append
+    )
+    child.watch()
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("node t 0: the SuperNode ended (exit code 0): the SuperLink ended this node's session")
+    assert "flwr supernode register" in last and child.reported.is_set() and exits == [1]
+
+
 def test_a_stopped_node_stops_its_supernode_at_once_and_says_nothing(capsys):
     import time
 
