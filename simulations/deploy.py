@@ -1055,6 +1055,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
         except RunFailed as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # its deployment is stopped (submit's finally, or the processes' parent-death signal)
+            print(
+                "error: interrupted (Ctrl-C); the deployment it started is stopped; the run continues from its last "
+                f"checkpoint with the same command and --resume (results: {Path(args.run_dir).resolve()})",
+                file=sys.stderr,
+            )
+            return 130
     elif args.command == "predict":
         try:
             predict(
@@ -1072,6 +1079,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
         except (RunFailed, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print("error: interrupted (Ctrl-C); the deployment it started is stopped", file=sys.stderr)
+            return 130
     elif args.command == "clients":
         try:
             clients = clients_of(args.overrides)

@@ -144,6 +144,24 @@ def test_stop_says_when_nothing_runs_or_no_deployment_is_recorded(tmp_path, caps
     assert capsys.readouterr().out.strip() == f"nothing running: the deployment recorded in {tmp_path} had stopped"
 
 
+@pytest.mark.parametrize("command", ["run", "predict"])
+def test_ctrl_c_stops_run_and_predict_in_one_line(tmp_path, monkeypatch, capsys, command):
+    """Ctrl-C on `deploy run` printed Python's traceback of stream_run (its deployment was stopped all the same);
+    it now says so in one line, how to continue a run, exit status 130."""
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deploy, command, interrupted)
+    argv = [command, "--overrides", "algorithm=admm", "--run-dir", str(tmp_path)]
+    assert deploy.main(argv + (["--rows", str(tmp_path / "rows.csv")] if command == "predict" else [])) == 130
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("error: interrupted (Ctrl-C); the deployment it started is stopped")
+    if command == "run":
+        assert f"with the same command and --resume (results: {tmp_path})" in err
+
+
 def test_a_process_of_an_owned_deployment_ends_with_its_launcher(tmp_path):
     """`deploy run` owns its deployment: SIGKILL of the launcher ends the processes it spawned (SIGTERM, the
     parent-death signal), where they had run the job on."""
