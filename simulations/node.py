@@ -421,6 +421,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.torch_threads)
     level = logging.DEBUG if os.environ.get("TPFLOWER_NODE_TRACE") == "1" else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
+    if level > logging.DEBUG:  # Flower's logger prints its lines itself: through ours too, each came twice (and
+        logging.getLogger("flwr").propagate = False  # its DEBUG ones: 'Connection attempt failed with exception')
     for noisy in ("httpx", "httpcore"):  # one line per Runtime API call otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -549,6 +549,21 @@ def test_a_supernode_without_a_superlink_names_the_address_once(capsys):
     ]
 
 
+def test_a_node_prints_flowers_log_lines_once(tmp_path, monkeypatch, capsys):
+    """The node's log showed each of Flower's lines twice (Flower's handler and, propagated, the node's own),
+    and Flower's DEBUG lines too ('Connection attempt failed with exception: ... Connection refused')."""
+    import logging
+    import subprocess
+
+    from simulations.node import main
+
+    monkeypatch.setattr(logging.getLogger("flwr"), "propagate", True)  # restored after the test
+    monkeypatch.setattr(subprocess, "Popen", never_called)
+    (tmp_path / "owner.yaml").write_text(SETTINGS)  # no billing.csv: the node stops at its check, after logging is set
+    assert main(["--client-config", str(tmp_path / "owner.yaml"), "--superlink", "127.0.0.1:1", "--insecure"]) == 1
+    assert not logging.getLogger("flwr").propagate
+
+
 def test_a_supernode_whose_session_the_superlink_ended_is_reported(monkeypatch, capsys):
     """A SuperLink restarted (without --database) answers the SuperNode's heartbeat 401 and Flower's SuperNode
     ends 'gracefully', exit 0: the node ended (status 1) without a line saying why."""
