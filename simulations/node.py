@@ -100,6 +100,16 @@ def owner_table(client_config: str | Path, table: str | None) -> str:
     return str(raw["table"])
 
 
+def state_dir_problem(state: Path) -> str | None:
+    """None if the node can keep its state in folder ``state`` (made on first use), else why not."""
+    if state.exists():
+        return None if state.is_dir() and os.access(state, os.W_OK | os.X_OK) else "is not a folder it can write"
+    parent = next(p for p in state.parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be made: {parent} is not a folder it can write"
+    return None
+
+
 def settings_problem(client_config: str, table: str) -> str | None:
     """None if the owner's settings file and data are what a run will find, else one line saying what is
     wrong (docs/deployment.md, the node service): the settings as a run's hello reads them
@@ -119,6 +129,8 @@ def settings_problem(client_config: str, table: str) -> str | None:
             return problem
         if owner.exact_releases and (problem := owner.releases_problem(release_families())):
             return problem
+        if problem := state_dir_problem(Path(owner.state_dir)):  # else the run's first message: '[Errno 17] ...'
+            return f"table {table!r}: {client_config}: state_dir {owner.state_dir} {problem}"
         if owner.source is None:  # a bundled table (loader): its loader makes it when a run asks
             return None
         frame = filter_rows(table, read_table(table, owner.source, keys=owner.exposed.keys), owner.where)

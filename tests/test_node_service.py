@@ -415,6 +415,12 @@ SETTINGS = (
         (SETTINGS.replace("blind", "hmac"), BILLING, "no join-key secret"),
         (SETTINGS + "min_sketch_rows: many\n", BILLING, "min_sketch_rows must be a whole number >= 1, got 'many'"),
         (SETTINGS.replace("{name: none}", "label"), BILLING, "privacy must be a mapping"),
+        (  # was the run's first message: "[Errno 17] File exists: '<a path>'", the setting unnamed on both sides
+            SETTINGS + "state_dir: billing.csv\n",
+            BILLING,
+            "billing.csv is not a folder it can write",
+        ),
+        (SETTINGS + "state_dir: billing.csv/state\n", BILLING, "billing.csv is not a folder it can write"),
         (  # a misspelt bound left the shipped default (5.66) as the floor, silently
             SETTINGS.replace("{name: none}", "{name: label, label_epsilion: 1}"),
             BILLING,
@@ -440,6 +446,8 @@ SETTINGS = (
         "no-secret",
         "bad-value",
         "not-a-mapping",
+        "state-dir-a-file",
+        "state-dir-under-a-file",
         "privacy-typo-key",
         "privacy-bad-bound",
         "unknown-algorithm",
