@@ -1052,8 +1052,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
                 insecure=args.insecure,
                 resume=args.resume,
             )
-        except RunFailed as exc:
+        except (RunFailed, ValueError) as exc:  # ValueError: a setting or dataset problem (SpecError), one line
             print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except HydraException as exc:  # the overrides do not compose (a typo): Hydra's lines as one
+            print(f"error: {override_error(exc, split_overrides(args.overrides))}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # its deployment is stopped (submit's finally, or the processes' parent-death signal)
             print(
@@ -1078,6 +1081,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
             )
         except (RunFailed, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except HydraException as exc:
+            print(f"error: {override_error(exc, split_overrides(args.overrides))}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("error: interrupted (Ctrl-C); the deployment it started is stopped", file=sys.stderr)

@@ -144,6 +144,22 @@ def test_stop_says_when_nothing_runs_or_no_deployment_is_recorded(tmp_path, caps
     assert capsys.readouterr().out.strip() == f"nothing running: the deployment recorded in {tmp_path} had stopped"
 
 
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        ("algorithm=admn", "error: In 'config': Could not find 'algorithm/admn'"),
+        ("dataset=synthetic epochz=3", "error: epochz is not a setting of the config (did you mean epochs?)"),
+    ],
+)
+def test_run_refuses_overrides_that_do_not_compose_in_one_line(tmp_path, capsys, overrides, says):
+    """`deploy run --overrides "algorithm=admn"` printed Hydra's 98-line traceback (`start` said it in one line)."""
+    argv = ["run", "--overrides", overrides, "--run-dir", str(tmp_path / "run"), "--state-dir", str(tmp_path)]
+    assert deploy.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(says) and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "deployment.json").exists()  # nothing was started
+
+
 @pytest.mark.parametrize("command", ["run", "predict"])
 def test_ctrl_c_stops_run_and_predict_in_one_line(tmp_path, monkeypatch, capsys, command):
     """Ctrl-C on `deploy run` printed Python's traceback of stream_run (its deployment was stopped all the same);
