@@ -467,6 +467,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
             parser.error("--superlink HOST:PORT is required unless --no-supernode")
         if not args.insecure and not args.root_certificates:
             parser.error("--root-certificates CA is required (or --insecure for plain text)")
+        for option, path in (
+            ("--root-certificates", None if args.insecure else args.root_certificates),
+            ("--auth-supernode-private-key", args.auth_supernode_private_key),
+        ):  # else Flower's SuperNode says it (a missing key: its traceback) after the node started
+            if path and not Path(path).is_file():
+                print(f"error: node {owner.name}: {option} {path}: no such file", file=sys.stderr, flush=True)
+                return 1
         cmd = supernode_command(
             args.superlink,
             port,

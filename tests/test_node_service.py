@@ -557,6 +557,30 @@ def test_a_supernode_without_a_superlink_names_the_address_once(capsys):
     ]
 
 
+@pytest.mark.parametrize("option", ["--root-certificates", "--auth-supernode-private-key"])
+def test_a_node_refuses_a_missing_certificate_or_key_file_at_start(tmp_path, monkeypatch, capsys, option):
+    """A missing node key was Flower's FileNotFoundError traceback from the started SuperNode."""
+    import subprocess
+
+    from simulations.node import main
+
+    monkeypatch.delenv("TPFLOWER_KEY_SECRET", raising=False)
+    monkeypatch.setattr(subprocess, "Popen", never_called)  # no SuperNode starts
+    (tmp_path / "billing.csv").write_text(BILLING)
+    (tmp_path / "owner.yaml").write_text(SETTINGS)
+    (tmp_path / "ca.crt").write_text("")
+    (tmp_path / "node.key").write_text("")
+    files = {
+        "--root-certificates": str(tmp_path / "ca.crt"),
+        "--auth-supernode-private-key": str(tmp_path / "node.key"),
+    }
+    files[option] = str(tmp_path / "missing")
+    argv = ["--client-config", str(tmp_path / "owner.yaml"), "--superlink", "127.0.0.1:1"]
+    assert main(argv + [a for kv in files.items() for a in kv]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: node table 'billing' shard 0: {option} {tmp_path / 'missing'}: no such file\n"
+
+
 def test_a_node_prints_flowers_log_lines_once(tmp_path, monkeypatch, capsys):
     """The node's log showed each of Flower's lines twice (Flower's handler and, propagated, the node's own),
     and Flower's DEBUG lines too ('Connection attempt failed with exception: ... Connection refused')."""
