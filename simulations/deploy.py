@@ -801,8 +801,19 @@ def run(
     run_dir = Path(run_dir).resolve()
     if resume:
         overrides = f"{overrides} resume=true"
+    began = time.time()
     dep = start(overrides, state_dir, port, home, insecure=insecure, owned=True)
-    return submit(dep, overrides, run_dir, run_dir / "results.json", "run", timeout)
+    try:
+        return submit(dep, overrides, run_dir, run_dir / "results.json", "run", timeout)
+    except RunFailed as exc:  # a node lost mid-run: its checkpoints continue it (docs/deployment.md, resume)
+        from tpflower.checkpoint import CHECKPOINT  # noqa: PLC0415  flwr: see clients_of
+
+        checkpoint = run_dir / CHECKPOINT
+        if checkpoint.is_file() and checkpoint.stat().st_mtime >= began - 1:  # written by this run (coarse mtime)
+            raise RunFailed(
+                f"{exc}; the run continues from its last checkpoint with the same command and --resume"
+            ) from None
+        raise
 
 
 def submit(dep: Deployment, job: str, run_dir: Path, out: Path, what: str, timeout: float) -> Path:

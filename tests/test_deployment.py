@@ -160,6 +160,25 @@ def test_run_refuses_overrides_that_do_not_compose_in_one_line(tmp_path, capsys,
     assert not (tmp_path / "deployment.json").exists()  # nothing was started
 
 
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_a_run_that_fails_after_a_checkpoint_says_how_to_resume(tmp_path, monkeypatch, checkpointed):
+    """A node killed mid-run: `deploy run` ended 'run N finished:failed: table 'movies' shard 0: Error: Node
+    Unavailable ...; no new results.json' with no word that --resume continues it from its checkpoints."""
+    from tpflower.checkpoint import CHECKPOINT
+
+    def lost_a_node(_dep, _job, run_dir, _out, _what, _timeout):
+        if checkpointed:
+            (run_dir / CHECKPOINT).write_bytes(b"")
+        raise deploy.RunFailed("run 1 finished:failed: table 'movies' shard 0: Error: Node Unavailable")
+
+    monkeypatch.setattr(deploy, "start", lambda *_a, **_k: None)
+    monkeypatch.setattr(deploy, "submit", lost_a_node)
+    with pytest.raises(deploy.RunFailed) as failed:
+        deploy.run("algorithm=admm", tmp_path)
+    hint = "; the run continues from its last checkpoint with the same command and --resume"
+    assert str(failed.value).endswith(hint) == checkpointed
+
+
 @pytest.mark.parametrize("command", ["run", "predict"])
 def test_ctrl_c_stops_run_and_predict_in_one_line(tmp_path, monkeypatch, capsys, command):
     """Ctrl-C on `deploy run` printed Python's traceback of stream_run (its deployment was stopped all the same);
