@@ -95,6 +95,10 @@ def owner_table(client_config: str | Path, table: str | None) -> str:
         raw = yaml.safe_load(Path(client_config).read_text()) or {}
     except OSError as exc:
         raise SystemExit(f"error: cannot read --client-config {client_config}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        from tpflower.owner import yaml_problem  # noqa: PLC0415  (argparse errors first: no heavy imports)
+
+        raise SystemExit(f"error: --client-config {client_config}: {yaml_problem(exc)}") from None
     if not isinstance(raw, dict) or not raw.get("table"):
         raise SystemExit(f"error: --client-config {client_config} names no table; pass --table")
     return str(raw["table"])

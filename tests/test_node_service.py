@@ -557,6 +557,24 @@ def test_a_supernode_without_a_superlink_names_the_address_once(capsys):
     ]
 
 
+def test_a_settings_file_that_is_not_yaml_is_one_line(tmp_path, monkeypatch):
+    """A typo in the file's syntax (a [ left open) was the YAML parser's 40-line traceback."""
+    import subprocess
+
+    from simulations.node import main, settings_problem
+
+    monkeypatch.setattr(subprocess, "Popen", never_called)
+    (tmp_path / "owner.yaml").write_text(SETTINGS.replace("[plan]", "[plan"))
+    says = "not valid YAML: while parsing a flow sequence at line 5, column 73, expected ',' or ']', but got '}'"
+    with pytest.raises(SystemExit) as stopped:  # the node's table read from the file
+        main(["--client-config", str(tmp_path / "owner.yaml"), "--superlink", "127.0.0.1:1", "--insecure"])
+    assert str(stopped.value).startswith(f"error: --client-config {tmp_path / 'owner.yaml'}: {says}")
+    assert (
+        settings_problem(str(tmp_path / "owner.yaml"), "billing")
+        == f"{tmp_path / 'owner.yaml'}: {says} at line 5, column 78"
+    )
+
+
 @pytest.mark.parametrize("option", ["--root-certificates", "--auth-supernode-private-key"])
 def test_a_node_refuses_a_missing_certificate_or_key_file_at_start(tmp_path, monkeypatch, capsys, option):
     """A missing node key was Flower's FileNotFoundError traceback from the started SuperNode."""

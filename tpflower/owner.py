@@ -534,6 +534,8 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
         raw = yaml.safe_load(path.read_text()) or {}
     except OSError as exc:
         raise SpecError(f"table {table!r}: cannot read client-config {where}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:  # a typo in the file's syntax: one line, not the parser's traceback
+        raise SpecError(f"{where}: {yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: a client settings file is a mapping (source, columns, privacy, secret_file)")
     unknown = set(raw) - {
@@ -611,6 +613,19 @@ def _read_owner_settings(path: Path, table: str) -> OwnerSettings:
 
 
 KEY_MODES = ("hmac", "blind")
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A settings file's YAML syntax error in a few words: where, and what the parser expected."""
+    parts = [
+        f"{text} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else text
+        for text, mark in (
+            (getattr(exc, "context", None), getattr(exc, "context_mark", None)),  # e.g. the [ left open
+            (getattr(exc, "problem", None), getattr(exc, "problem_mark", None)),
+        )
+        if text
+    ]
+    return f"not valid YAML: {', '.join(parts) or exc}"
 
 
 def mapping_keys(cfg: Mapping[str, Any]) -> str:
