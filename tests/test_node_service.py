@@ -620,14 +620,22 @@ def test_a_supernode_whose_session_the_superlink_ended_is_reported(monkeypatch, 
     import simulations.node as node
 
     monkeypatch.setattr(node.time, "sleep", lambda _s: None)
+    refused = "import sys; print(\"httpx.HTTPStatusError: Client error '401 Unauthorized' for url\", file=sys.stderr)"
     exits: list[int] = []
     child = node.SuperNodeChild(
-        [sys.executable, "-c", "pass"], dict(os.environ), None, "t 0", threading.Event(), exits.append
+        [sys.executable, "-c", refused], dict(os.environ), None, "t 0", threading.Event(), exits.append
     )
     child.watch()
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("node t 0: the SuperNode ended (exit code 0): the SuperLink ended this node's session")
     assert "flwr supernode register" in last and child.reported.is_set() and exits == [1]
+    # exit 0 without it: Flower's SuperNode stopped by a SIGTERM to the node's process group, the service busy
+    # with a task (its own SIGTERM handler not run yet): nothing to say
+    child = node.SuperNodeChild(
+        [sys.executable, "-c", "pass"], dict(os.environ), None, "t 0", threading.Event(), exits.append
+    )
+    child.watch()
+    assert "node t 0" not in capsys.readouterr().out and not child.reported.is_set()
 
 
 def test_a_stopped_node_stops_its_supernode_at_once_and_says_nothing(capsys):
