@@ -43,9 +43,10 @@ CONNECTION_ERROR = NOT_ACTIVATED[0]
 #: Flower's line as its SuperNode retries a SuperLink that does not answer (no SuperLink at --superlink, or one
 #: restarting): it retries without end, so the node says once which address it waits for
 RETRYING = "Connection attempt failed, retrying"
-#: Flower's SuperNode's last line when the SuperLink refuses its heartbeat (a restarted SuperLink forgot its
-#: session): it then ends "gracefully", exit code 0, as it does on SIGTERM
-SESSION_ENDED = "401 Unauthorized"
+#: Flower's SuperNode ends "gracefully", exit code 0, when the SuperLink refuses its pull or heartbeat (401: a
+#: restarted SuperLink forgot its session), as it does on SIGTERM: a SIGTERM to the node's process group stops
+#: the service too, whose handler runs once its task lets it (up to 10 s); only then is it the SuperLink's doing
+SESSION_WAIT_S = 10.0
 ACTIVATION_RETRY_S, RETRY_WAIT_S = 120.0, 5.0  # how long the service starts a refused SuperNode again, how often
 STOP_S = 5.0  # a stopped SuperNode's time to end before SIGKILL (Flower's own forced exit comes after 5 s)
 STOCK_SUPERNODE = (
@@ -164,7 +165,7 @@ def forward_output(stream: IO[str], out: IO[str], seen: set[str], unreachable: s
             seen.add(RETRYING)
             out.write(unreachable + "\n")
         out.flush()
-        seen.update(marker for marker in (*NOT_ACTIVATED, SESSION_ENDED) if marker in line)
+        seen.update(marker for marker in NOT_ACTIVATED if marker in line)
 
 
 def supernode_exit_line(node: str, code: int, seen: set[str]) -> str:
@@ -181,7 +182,7 @@ def supernode_exit_line(node: str, code: int, seen: set[str]) -> str:
             f"node {node}: the SuperNode could not connect to the SuperLink (Flower's exit code 305, above): check "
             "--superlink, --root-certificates and that the operator registered this node's public key"
         )
-    if code == 0:  # Flower's SuperNode ends "gracefully" when the SuperLink refuses its heartbeat (SESSION_ENDED)
+    if code == 0:  # Flower's SuperNode ends "gracefully" when the SuperLink refuses it (SESSION_WAIT_S)
         return (
             f"node {node}: the SuperNode ended (exit code 0): the SuperLink ended this node's session (a SuperLink "
             "restarted without --database forgets the registered keys); start the node again once the SuperLink "
@@ -254,7 +255,9 @@ class SuperNodeChild:
             if self.stop.wait(RETRY_WAIT_S):
                 return
             self.proc, self.reader = self._start()
-        if code != -signal.SIGTERM and (code != 0 or SESSION_ENDED in self.seen):  # 0: SIGTERM to the group too
+        if code == 0 and self.stop.wait(SESSION_WAIT_S):  # stopped with its service: nothing to say
+            return
+        if code != -signal.SIGTERM:
             print(supernode_exit_line(self.node, code, self.seen), flush=True)
             self.reported.set()
         self.stop.set()

@@ -615,27 +615,27 @@ def test_a_node_prints_flowers_log_lines_once(tmp_path, monkeypatch, capsys):
 
 
 def test_a_supernode_whose_session_the_superlink_ended_is_reported(monkeypatch, capsys):
-    """A SuperLink restarted (without --database) answers the SuperNode's heartbeat 401 and Flower's SuperNode
-    ends 'gracefully', exit 0: the node ended (status 1) without a line saying why."""
+    """A SuperLink restarted (without --database) refuses the SuperNode's pull or heartbeat (401) and Flower's
+    SuperNode ends 'gracefully', exit 0: the node ended (status 1) without a line saying why."""
     import simulations.node as node
 
     monkeypatch.setattr(node.time, "sleep", lambda _s: None)
-    refused = "import sys; print(\"httpx.HTTPStatusError: Client error '401 Unauthorized' for url\", file=sys.stderr)"
+    monkeypatch.setattr(node, "SESSION_WAIT_S", 0.1)
     exits: list[int] = []
     child = node.SuperNodeChild(
-        [sys.executable, "-c", refused], dict(os.environ), None, "t 0", threading.Event(), exits.append
+        [sys.executable, "-c", "pass"], dict(os.environ), None, "t 0", threading.Event(), exits.append
     )
     child.watch()
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("node t 0: the SuperNode ended (exit code 0): the SuperLink ended this node's session")
     assert "flwr supernode register" in last and child.reported.is_set() and exits == [1]
-    # exit 0 without it: Flower's SuperNode stopped by a SIGTERM to the node's process group, the service busy
-    # with a task (its own SIGTERM handler not run yet): nothing to say
-    child = node.SuperNodeChild(
-        [sys.executable, "-c", "pass"], dict(os.environ), None, "t 0", threading.Event(), exits.append
-    )
+    # exit 0 on a SIGTERM to the node's process group, the service busy with a task (its handler runs later)
+    monkeypatch.setattr(node, "SESSION_WAIT_S", 5.0)
+    stop = threading.Event()
+    child = node.SuperNodeChild([sys.executable, "-c", "pass"], dict(os.environ), None, "t 0", stop, exits.append)
+    threading.Timer(0.3, stop.set).start()
     child.watch()
-    assert "node t 0" not in capsys.readouterr().out and not child.reported.is_set()
+    assert "node t 0" not in capsys.readouterr().out and not child.reported.is_set() and exits == [1]
 
 
 def test_a_stopped_node_stops_its_supernode_at_once_and_says_nothing(capsys):
