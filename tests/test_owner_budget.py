@@ -171,6 +171,7 @@ def test_a_class_list_the_owner_did_not_state_is_refused(tmp_path):
     [
         ({"label_task": "ordinal"}, r"columns.label_task must be one of \['regression', 'binary', 'multiclass'\]"),
         ({"label_task": "regression", "label_classes": [1, 2]}, "label_classes must be a list of two or more"),
+        ({"label_task": "multiclass", "label_classes": [1, "1", 2]}, "label_classes must be a list of two or more"),
         ({"label_task": "binary", "label_classes": [0, 1, 2]}, r"of a binary label are \[negative, positive\]"),
     ],
 )

@@ -127,7 +127,8 @@ class Exposed:
                 f"{where}: columns.label_task must be one of {list(TASKS)}, beside columns.label, got {task!r}"
             )
         if classes is not None:
-            if task not in ("binary", "multiclass") or not isinstance(classes, list) or len(set(classes)) < 2:
+            distinct = isinstance(classes, list) and len(set(map(str, classes))) == len(classes) >= 2  # as schema's
+            if task not in ("binary", "multiclass") or not distinct:
                 raise SpecError(
                     f"{where}: columns.label_classes must be a list of two or more distinct classes, beside "
                     "columns.label_task binary or multiclass"
