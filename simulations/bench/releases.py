@@ -44,9 +44,8 @@ def conf_name(entry: registry.AlgorithmEntry) -> str:
     raise ValueError(f"no conf/algorithm YAML selects {entry.selector!r}")
 
 
-def count_run(overrides: list[str], runs: list | None = None) -> dict[str, int]:
-    """Exact releases per node ("table/shard") of one in-process run of ``overrides`` (``runs``: the run is
-    appended to it)."""
+def count_run(overrides: list[str]) -> tuple[dict[str, int], Any]:
+    """Exact releases per node ("table/shard") of one in-process run of ``overrides``, and the run."""
     counts: Counter[str] = Counter()
     charge = tpflower.client.charge_exact_release
 
@@ -58,11 +57,9 @@ def count_run(overrides: list[str], runs: list | None = None) -> dict[str, int]:
     tpflower.client.charge_exact_release = counting
     try:
         run = run_in_process(compose_config(*overrides), None, log=lambda _: None)
-        if runs is not None:
-            runs.append(run)
     finally:
         tpflower.client.charge_exact_release = charge
-    return dict(counts)
+    return dict(counts), run
 
 
 def default_epochs(cfg: Any, strategy: Any) -> int:
@@ -94,16 +91,15 @@ def main() -> None:
             per_epoch = entry.family in PER_EPOCH
             try:
                 if per_epoch:
-                    one: list = []
-                    counts = count_run([*overrides, "epochs=1", "algorithm.min_steps=0"], one)
-                    epochs = default_epochs(compose_config(*overrides), one[0].strategy)
+                    counts, one = count_run([*overrides, "epochs=1", "algorithm.min_steps=0"])
+                    epochs = default_epochs(compose_config(*overrides), one.strategy)
                     counts = {n: 1 + epochs * (c - 1) for n, c in counts.items()}
                     if a.check and dataset == "synthetic":
                         # (a run's early stopping may end it sooner: the extrapolation is the run to its last epoch)
-                        full = count_run([*overrides, "algorithm.early_stopping=0"])
+                        full = count_run([*overrides, "algorithm.early_stopping=0"])[0]
                         assert counts == full, f"{entry.name}: the extrapolation {counts} is not the run's {full}"
                 else:
-                    counts = count_run(overrides)
+                    counts = count_run(overrides)[0]
             except Exception as exc:  # a default that does not run on this dataset (e.g. pcg on a classification label)
                 runs.append(
                     {"algorithm": entry.name, "family": entry.family, "dataset": dataset, "skipped": str(exc)[:200]}
