@@ -25,7 +25,7 @@ from tpflower import checkpoint
 from tpflower import privacy as dp
 from tpflower.local_table import LocalTable
 from tpflower.mapping import segment_sum
-from tpflower.privacy.budget import BudgetExhausted, OwnerBudget, added, merged, owner_bound, steps_of
+from tpflower.privacy.budget import BudgetExhausted, OwnerBudget, added, merged, owner_bound, owner_delta, steps_of
 from tpflower.privacy.trainer import DPLocalTrainer
 from tpflower.state import ClientState
 
@@ -123,8 +123,7 @@ class LocalDP:
         return float(run["epsilon"]), float(run["delta"]), owner_bound(floor, run, "total_epsilon")
 
     def owner_delta(self) -> float:
-        floor, run = self.client.settings.owner.privacy, self.client.privacy()
-        return float(floor.get("delta") or run["delta"])
+        return owner_delta(self.client.settings.owner.privacy, self.client.privacy())
 
     def check_total(self, plan: list[list[float]]) -> None:
         """Refuse a plan that would take the owner's ledger (every earlier run) beyond its total budget."""

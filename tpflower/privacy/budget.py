@@ -66,6 +66,11 @@ def owner_bound(floor: Mapping[str, Any], run: Mapping[str, Any], key: str) -> f
     raise KeyError(key)
 
 
+def owner_delta(floor: Mapping[str, Any], run: Mapping[str, Any]) -> float:
+    """The delta the owner ledger's epsilon is read at: the floor's, else the run's (a floor without feature DP)."""
+    return float(floor.get("delta") or run["delta"])
+
+
 def planned_evaluations(cfg: Mapping[str, Any]) -> int:
     """The label-DP evaluations a run of ``cfg`` releases when it runs to its last epoch (docs/settings.md,
     Privacy): one per epoch (boosted trees: one per ``eval_every`` trees and the last), and the constant
@@ -115,9 +120,8 @@ def check_feature_room(
     history = budget.read()["dp"]
     if not history:
         return None
-    delta = float(floor.get("delta") or run["delta"])
     total = owner_bound(floor, run, "total_epsilon")
-    spent = rdp_epsilon(merged(history), delta)
+    spent = rdp_epsilon(merged(history), owner_delta(floor, run))
     if spent < total:
         return None
     return (
