@@ -962,6 +962,12 @@ def stop_local(home: str | Path | None = None, timeout: float = 10.0) -> list[in
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+def failure_line(exc: Exception, overrides: str) -> str:
+    """The one line of a command that failed: a run's failure or a setting or dataset problem (SpecError) as it
+    says itself, overrides that do not compose (a typo) as Hydra's lines in one."""
+    return override_error(exc, split_overrides(overrides)) if isinstance(exc, HydraException) else str(exc)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m simulations.deploy") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1027,11 +1033,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
     if args.command == "start":
         try:
             dep = start(args.overrides, args.state_dir, args.port, args.flwr_home, insecure=args.insecure)
-        except (RunFailed, ValueError) as exc:  # ValueError: a setting or dataset problem (SpecError), one line
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        except HydraException as exc:  # the overrides do not compose (a typo): Hydra's lines as one
-            print(f"error: {override_error(exc, split_overrides(args.overrides))}", file=sys.stderr)
+        except (RunFailed, ValueError, HydraException) as exc:
+            print(f"error: {failure_line(exc, args.overrides)}", file=sys.stderr)
             return 1
         security = f"TLS (CA {dep.ca}) + SuperNode authentication" if dep.secure else "INSECURE"
         print(f"SuperLink {dep.address}, {security} (connection {dep.connection!r} in {dep.flwr_home}/config.toml)")
@@ -1063,11 +1066,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
                 insecure=args.insecure,
                 resume=args.resume,
             )
-        except (RunFailed, ValueError) as exc:  # ValueError: a setting or dataset problem (SpecError), one line
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        except HydraException as exc:  # the overrides do not compose (a typo): Hydra's lines as one
-            print(f"error: {override_error(exc, split_overrides(args.overrides))}", file=sys.stderr)
+        except (RunFailed, ValueError, HydraException) as exc:
+            print(f"error: {failure_line(exc, args.overrides)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # its deployment is stopped (submit's finally, or the processes' parent-death signal)
             print(
@@ -1090,11 +1090,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
                 table=args.table,
                 per_joined_row=args.per_joined_row,
             )
-        except (RunFailed, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        except HydraException as exc:
-            print(f"error: {override_error(exc, split_overrides(args.overrides))}", file=sys.stderr)
+        except (RunFailed, ValueError, HydraException) as exc:
+            print(f"error: {failure_line(exc, args.overrides)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("error: interrupted (Ctrl-C); the deployment it started is stopped", file=sys.stderr)
