@@ -885,6 +885,7 @@ def predict(
     check_rows_file(Path(rows), spec.key_columns(table))
     job = f"{overrides} +predict.run_id='{record['run_id']}' +predict.table={table} +predict.shard={int(shard)}"
     job += " +predict.per_joined_row=true" if per_joined_row else ""
+    check_query_rows(job, Path(state_dir), (table, int(shard)), Path(rows), str(record["run_id"]))
     query = {(table, int(shard)): str(Path(rows).resolve())}
     dep = start(overrides, state_dir, port, home, insecure=insecure, prediction_rows=query, owned=True)
     return submit(dep, job, run_dir, run_dir / PREDICTIONS_FILE, "prediction run", timeout)
@@ -902,6 +903,35 @@ def check_rows_file(rows: Path, keys: tuple[str, ...] | list[str]) -> None:
         read_rows_file(rows, keys)
     except (OSError, ValueError) as exc:
         raise RunFailed(f"--rows {rows}: cannot read it as {rows.suffix.lstrip('.') or 'csv'} ({exc})") from None
+
+
+def check_query_rows(job: str, state: Path, query: tuple[str, int], rows: Path, run_id: str) -> None:
+    """The query owner's node's own check of its new rows ``rows`` on its saved model part
+    (tpflower.phases.predict.read_rows), made before the deployment starts (its start takes tens of seconds), with
+    the node's settings file as the last start wrote it: a bad rows file is one line naming the file in seconds.
+    Raises RunFailed with that line. Nothing to check without that file or part (the node says why, as ever)."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from flwr.app import Context, RecordDict  # noqa: PLC0415  flwr: see clients_of
+
+    from tpflower.app.client_app import make_client  # noqa: PLC0415
+    from tpflower.phases.predict import read_rows, saved_part  # noqa: PLC0415  torch: only for this command
+
+    settings = state / "clients" / f"{query[0]}-{query[1]}.yaml"
+    if not settings.is_file():
+        return
+    node = {"table": query[0], "shard": query[1], "client-config": str(settings)}
+    try:
+        client = make_client(config_of(job), Context(0, 0, node, RecordDict(), {}))
+        part = saved_part(client, run_id)[0]
+    except (SpecError, OSError, ValueError):  # (refusals too) the node says it in its own line once started
+        return
+    # the user runs this command as the query owner: the line names the file (a node's line to the server does not)
+    client.settings = replace(client.settings, owner=replace(client.settings.owner, origin="simulation"))
+    try:
+        read_rows(str(rows), client, part)
+    except (SpecError, ValueError) as exc:
+        raise RunFailed(f"table {query[0]!r} shard {query[1]}: {exc}") from None
 
 
 def config_of(overrides: str) -> Any:

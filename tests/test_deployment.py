@@ -659,3 +659,31 @@ def test_start_says_a_bad_setting_in_one_line_and_starts_nothing(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(said) and err.count("\n") == 1 and "Traceback" not in err, err
     assert not (tmp_path / "deployment.json").exists()
+
+
+def test_deployed_predict_says_a_bad_rows_file_in_one_line_before_starting(tmp_path, monkeypatch):
+    """The query owner's node checks its new rows on its saved part before the deployment starts (seconds, not
+    the tens of seconds of a start): one line naming the file and the missing column; good rows go on to start."""
+    import shutil
+
+    from simulations.federated import run_in_process
+    from tests.conftest import make_cfg
+
+    overrides = "algorithm=admm dataset=synthetic epochs=1"
+    run_in_process(make_cfg(*overrides.split()), tmp_path / "run", log=lambda _: None)
+    configs = deploy.write_client_configs(deploy.deployment_overrides(overrides), tmp_path / "state" / "clients")
+    for path in configs.values():  # each node's saved parts where its settings keep its state, as a deployment's
+        shutil.copytree(tmp_path / "run" / "node-state", path.parent / "state" / path.stem, dirs_exist_ok=True)
+    (tmp_path / "state" / "deployment.json").write_text("{}")
+
+    def start(*args, **kwargs):
+        raise deploy.RunFailed("started")
+
+    monkeypatch.setattr(deploy, "start", start)
+    rows = tmp_path / "rows.csv"
+    rows.write_text("k1,k2,x0,x1,x2\n0,0,0.5,0.5,0.5\n")  # the fact table's x3 is missing
+    with pytest.raises(deploy.RunFailed, match=r"table 'fact' shard 0: rows file .*rows.csv lacks feature column"):
+        deploy.predict(overrides, tmp_path / "run", rows, tmp_path / "state")
+    rows.write_text("k1,k2,x0,x1,x2,x3\n0,0,0.5,0.5,0.5,0.5\n")
+    with pytest.raises(deploy.RunFailed, match="^started$"):
+        deploy.predict(overrides, tmp_path / "run", rows, tmp_path / "state")
