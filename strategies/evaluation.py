@@ -77,11 +77,14 @@ class RunRecord(Saved):
         mapping: TableMapping,
         regions: Mapping[ClientKey, str],
         y_train: np.ndarray,
+        shard_rows: Mapping[str, list[int]] | None = None,
     ) -> None:
         """After the keys round: the meter (with each client's region), the results and the reference
-        (the constant predictor's metrics; ``y_train``: the training labels in the label's units)."""
+        (the constant predictor's metrics; ``y_train``: the training labels in the label's units; ``shard_rows``:
+        a union's sharded tables' rows per shard)."""
         self.comm = CommMeter(WanModel.from_config(cfg.network, regions))
         self.results = new_run_results(cfg, algorithm, spec, mapping)
+        self.results.shard_rows = {t: list(n) for t, n in (shard_rows or {}).items()}
         self.results.privacy = dp.privacy_summary(self.privacy, self.task, 0.0 if self.feature_dp else None)
         y_test, d_out = self.setup.y_test, self.setup.d_out
         if y_test is not None:  # label DP: the label owner scores the constant predictor at the first evaluation

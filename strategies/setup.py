@@ -37,7 +37,7 @@ from tpflower.fedprep import ShardSummary, merge_summaries, quantile_bin_edges, 
 from tpflower.losses import LabelScale, dp_label_divisor, label_scaling, output_dim
 from tpflower.mapping import KeyProjection, TableMapping, build_mapping, index_dtype
 from tpflower.records import numbered, unnumbered
-from tpflower.relation import summary_line
+from tpflower.relation import shard_rows, summary_line
 from tpflower.schema import RelationalSpec, SpecError, validate_key_kinds
 from tpflower.signing import node_name
 from tpflower.validation import validation_mask
@@ -111,6 +111,7 @@ class RecordOpener(Protocol):
         mapping: TableMapping,
         regions: Mapping[ClientKey, str],
         y_train: np.ndarray,
+        shard_rows: Mapping[str, list[int]] | None = None,
     ) -> None: ...
 
     def reference_text(self) -> str: ...
@@ -192,14 +193,12 @@ class JoinSetup(Saved):
         y_train = self.build(replies)
         regions = {k: str(r[1]["region"]) for k, r in replies.items()}
         assert self.mapping is not None
-        record.open(self.cfg, algorithm, self.spec, self.mapping, regions, y_train)
+        shards = shard_rows(self.client_rows)  # (the server holds each shard's row ids: no new release)
+        record.open(self.cfg, algorithm, self.spec, self.mapping, regions, y_train, shards)
         del y_train  # the raw training labels: only the reference needs them
         assert record.comm is not None
-        self.log(
-            " | ".join(
-                p for p in (summary_line(self.spec, self.mapping), record.reference_text(), record.comm.wan.note) if p
-            )
-        )
+        summary = summary_line(self.spec, self.mapping, shards)
+        self.log(" | ".join(p for p in (summary, record.reference_text(), record.comm.wan.note) if p))
         if plan_feature_dp is not None:  # on the table-row mapping, before a VFL expansion
             self.dp_plan = plan_feature_dp()
             check_dp_plan(self.privacy, self.dp_plan)  # once here, not once per node at its first DP step

@@ -216,3 +216,18 @@ def test_general_form_consensus_reaches_the_join_where_categories_live_in_one_sh
     gap, gap_plain = abs(general / join - 1), abs(plain / join - 1)
     print(f"join {join:.6f} general {general:.6f} ({gap:.2e}) plain {plain:.6f} ({gap_plain:.2e})")
     assert gap < 1e-3 and gap_plain > 3 * gap
+
+
+def test_union_run_says_each_shards_rows_in_its_summary_line_and_results(tmp_path):
+    """Shards of very different sizes: the dataset line and results.json's shard_rows give each shard's rows (a
+    join run, whose shards are ignored, has neither)."""
+    dataset = shop_with_shards(tmp_path)
+    lines: list[str] = []
+    cfg = make_cfg(*SMALL_SHARDS, "scenario=ucq", "algorithm=pcg", "epochs=1", dataset=dataset)
+    ucq = run_in_process(cfg, None, base_dir=tmp_path, log=lines.append)
+    customers = [25, 25, 10]
+    assert ucq.strategy.results.to_json()["shard_rows"] == {"orders": [750, 750], "customers": customers}
+    summary = next(line for line in lines if line.startswith("[shop] tables:"))
+    assert "orders=1,500 (shards 750 + 750), customers=60 (shards 25 + 25 + 10), products=25 |" in summary
+    join = run("algorithm=pcg", "epochs=1", dataset=dataset, base_dir=tmp_path)
+    assert "shard_rows" not in join.strategy.results.to_json()

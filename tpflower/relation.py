@@ -6,7 +6,7 @@ builds only its own :class:`LocalTable` and the server builds the mapping from d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,11 +66,25 @@ class Relation:
         return np.concatenate(parts, axis=1)
 
 
-def summary_line(spec: RelationalSpec, mapping: TableMapping) -> str:
-    """Rows per table, joined rows N and the duplication factor N / rows of the label table."""
-    rows = ", ".join(f"{t}={mapping.n_rows[t]:,}" for t in spec.table_names)
+def summary_line(spec: RelationalSpec, mapping: TableMapping, shards: Mapping[str, Sequence[int]] | None = None) -> str:
+    """Rows per table, joined rows N and the duplication factor N / rows of the label table; a union's sharded
+    tables (``shards``: table -> each shard's rows, :func:`shard_rows`) with their shards' rows."""
+    shards = shards or {}
+    rows = ", ".join(
+        f"{t}={mapping.n_rows[t]:,}" + (f" (shards {' + '.join(f'{n:,}' for n in shards[t])})" if t in shards else "")
+        for t in spec.table_names
+    )
     dup = mapping.N / max(mapping.n_rows[spec.label_table], 1)
     return f"[{spec.name}] tables: {rows} | joined rows N={mapping.N:,} | duplication N/n_{spec.label_table}={dup:.2f}"
+
+
+def shard_rows(client_rows: Mapping[tuple[str, int], int]) -> dict[str, list[int]]:
+    """Each sharded table's rows per shard, in shard order, from the clients' (table, shard) row counts; a table
+    of one client is left out."""
+    by_table: dict[str, dict[int, int]] = {}
+    for (table, shard), n in client_rows.items():
+        by_table.setdefault(table, {})[shard] = int(n)
+    return {t: [q[s] for s in sorted(q)] for t, q in by_table.items() if len(q) > 1}
 
 
 def load_relation(

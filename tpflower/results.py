@@ -59,6 +59,8 @@ class RunResults:
     metric: str
     n_joined: int
     table_rows: dict[str, int]
+    # a union: each sharded table's rows per shard, in shard order (tpflower.relation.shard_rows)
+    shard_rows: dict[str, list[int]] = field(default_factory=dict)
     history: list[EpochRecord] = field(default_factory=list)
     privacy: dict[str, float | None] = field(
         default_factory=lambda: {"label_epsilon": None, "feature_epsilon": None, "delta": None}
@@ -80,7 +82,7 @@ class RunResults:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["history"] = [h.to_json() for h in self.history]
-        for key in ("reference", "stopped", "selection", "importance", "label_scale"):
+        for key in ("shard_rows", "reference", "stopped", "selection", "importance", "label_scale"):
             if not out[key]:
                 out.pop(key)
         return out
