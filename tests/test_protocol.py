@@ -330,8 +330,10 @@ def test_settings_are_refused_before_any_client_is_contacted(algorithm, override
 
 
 def test_unknown_algorithm_and_missing_union_version():
-    with pytest.raises(ValueError, match="'vfl_sgd' has no ucq version"):
+    with pytest.raises(ValueError, match="'vfl_sgd' has no ucq version") as missing:
         make_strategy(make_cfg("algorithm=vfl_sgd", "scenario=ucq", "dataset=synthetic"), None)
+    # the choices a user can type: auto (which runs over a union too) and the union's algorithms
+    assert "takes algorithm=auto (the fastest that fits the run) or one of ['admm'," in str(missing.value)
     with pytest.raises(ValueError, match="'centralized' is not a federated algorithm"):
         make_strategy(make_cfg("algorithm=centralized", "dataset=synthetic"), None)
 

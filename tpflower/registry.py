@@ -89,8 +89,8 @@ def lookup(algorithm: str, scenario: str) -> AlgorithmEntry:
     for_scenario = sorted(e.selector for e in _ENTRIES.values() if e.scenario == scenario)
     if any(e.selector == algorithm for e in _ENTRIES.values()):
         raise ValueError(
-            f"algorithm {algorithm!r} has no {scenario} version; scenario={scenario} takes "
-            f"algorithm.name in {for_scenario}"
+            f"algorithm {algorithm!r} has no {scenario} version; scenario={scenario} takes algorithm=auto (the "
+            f"fastest that fits the run) or one of {for_scenario}"
         )
     raise ValueError(f"algorithm {algorithm!r} is not a federated algorithm; choose one of {for_scenario}")
 
