@@ -649,6 +649,18 @@ def test_union_shards_below_min_sketch_rows_are_refused_in_one_line_with_the_cou
     assert re.search(r"^table 'fact' shards 0, 1 .* \(shard 0: \d+ training rows; shard 1: \d+ training rows\)$", fact)
 
 
+def test_union_shards_of_only_one_hot_columns_need_no_min_sketch_rows():
+    """Sharded tables whose features are all one-hot (a categorical column each) send counts of 1s for their
+    bins, no value: at the default min_sketch_rows (2048) their shards of 20-60 training rows take part (they
+    were refused as if they sent order statistics) and the trees are the join's."""
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "dataset.loader.widths=[1,1,2,2]")
+    categorical = ("+dataset.loader.categories=3",)  # each table's last feature: here fact's and d1's only one
+    rec = Recorded(*small("star", "regression", *shape, *categorical), "scenario=ucq")
+    assert rec.cfg.min_sketch_rows == 2048 and set(rec.strategy.shared_edges) == {"fact", "d1"}
+    join = Recorded(*small("star", "regression", *shape, *categorical))
+    assert_same_forest(join.strategy.forest, rec.strategy.forest)
+
+
 @pytest.mark.parametrize("scenario", ["join", "ucq"])
 def test_a_table_of_no_feature_column_takes_part_and_never_splits(scenario):
     """A table that holds only its keys (and the label) has no split to offer: it answers no gain, and the

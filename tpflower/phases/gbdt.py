@@ -356,7 +356,8 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
         return {}, {}
     live = int((G > 0).sum())
     bound = client.settings.min_sketch_rows
-    if 0 < live < bound:
+    binary = binary_columns(X)  # 0/1 (one-hot) columns: sketched from their weighted counts of 1s, no values
+    if 0 < live < bound and not binary.all():  # a shard of only one-hot columns sends counts, as its stats do
         problem = (
             "this shard holds fewer training rows than its owner's min_sketch_rows, so it sends no order "
             "statistics for the shared bins"
@@ -369,7 +370,6 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
             f"N at most the smallest shard's training rows ({live} training rows)"
         )
     reps = G.astype(np.int64)
-    binary = binary_columns(X)  # 0/1 (one-hot) columns: sketched from their weighted counts of 1s
     ones, total = np.where(binary, column_sums(X, reps), 0).astype(np.int64), int(reps.sum())  # (NaN sums: unused)
     sketches = [RankSketch.empty()] * X.shape[1]
     for f in np.flatnonzero(binary):
