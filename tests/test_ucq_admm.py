@@ -231,3 +231,16 @@ def test_union_run_says_each_shards_rows_in_its_summary_line_and_results(tmp_pat
     assert "orders=1,500 (shards 750 + 750), customers=60 (shards 25 + 25 + 10), products=25 |" in summary
     join = run("algorithm=pcg", "epochs=1", dataset=dataset, base_dir=tmp_path)
     assert "shard_rows" not in join.strategy.results.to_json()
+
+
+def test_a_checkpointed_record_without_a_later_field_unpickles_with_its_default():
+    """A run checkpointed before RunResults gained shard_rows resumes: the unpickled record takes the field's
+    default (its to_json raised AttributeError)."""
+    import pickle
+
+    from tpflower.results import RunResults
+
+    record = RunResults("tp_ucq_admm", "ucq", "shop", "linear", "regression", "rmse", 10, {"orders": 10})
+    del record.__dict__["shard_rows"]  # as a record pickled by the earlier tpflower holds it
+    again = pickle.loads(pickle.dumps(record))
+    assert again.shard_rows == {} and again.to_json()["table_rows"] == {"orders": 10}

@@ -7,7 +7,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,14 @@ class EpochRecord:
     rounds_inner: int = 0  # union scenario: coordinator rounds and their bytes, included in the totals above
     bytes_inner: int = 0
     extra: dict[str, float] = field(default_factory=dict)  # other test metrics (auc, ...), privacy spent
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (a checkpoint's record): a field added since the checkpoint was written at its default, so
+        that a run checkpointed by an earlier tpflower resumes (it failed on the missing attribute)."""
+        for f in fields(self):
+            if f.name not in state and f.default_factory is not MISSING:
+                state[f.name] = f.default_factory()
+        self.__dict__.update(state)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -78,6 +86,14 @@ class RunResults:
     # mean and divisor (training sees (y - mean) / divisor); under feature DP also the training labels' std,
     # the DP noise of a parameter and the target std (tpflower.losses.dp_label_divisor)
     label_scale: dict[str, Any] = field(default_factory=dict)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (a checkpoint's record): a field added since the checkpoint was written at its default, so
+        that a run checkpointed by an earlier tpflower resumes (it failed on the missing attribute)."""
+        for f in fields(self):
+            if f.name not in state and f.default_factory is not MISSING:
+                state[f.name] = f.default_factory()
+        self.__dict__.update(state)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
