@@ -12,6 +12,7 @@ from simulations.federated import run_in_process
 from strategies.ucq_admm import consensus_step
 from tests.conftest import make_cfg
 from tpflower.phases import ucq_admm as union
+from tpflower.relation import shard_text
 
 
 def run(*overrides: str, dataset: dict | None = None, base_dir=None):
@@ -231,6 +232,7 @@ def test_union_run_says_each_shards_rows_in_its_summary_line_and_results(tmp_pat
     assert "orders=1,500 (shards 750 + 750), customers=60 (shards 25 + 25 + 10), products=25 |" in summary
     join = run("algorithm=pcg", "epochs=1", dataset=dataset, base_dir=tmp_path)
     assert "shard_rows" not in join.strategy.results.to_json()
+    assert shard_text([250] * 11 + [3]) == " (12 shards of 3 to 250 rows)"  # many shards: their count and range
 
 
 def test_a_checkpointed_record_without_a_later_field_unpickles_with_its_default():

@@ -71,11 +71,18 @@ def summary_line(spec: RelationalSpec, mapping: TableMapping, shards: Mapping[st
     tables (``shards``: table -> each shard's rows, :func:`shard_rows`) with their shards' rows."""
     shards = shards or {}
     rows = ", ".join(
-        f"{t}={mapping.n_rows[t]:,}" + (f" (shards {' + '.join(f'{n:,}' for n in shards[t])})" if t in shards else "")
-        for t in spec.table_names
+        f"{t}={mapping.n_rows[t]:,}" + (shard_text(shards[t]) if t in shards else "") for t in spec.table_names
     )
     dup = mapping.N / max(mapping.n_rows[spec.label_table], 1)
     return f"[{spec.name}] tables: {rows} | joined rows N={mapping.N:,} | duplication N/n_{spec.label_table}={dup:.2f}"
+
+
+def shard_text(rows: Sequence[int], listed: int = 4) -> str:
+    """A sharded table's shards for the dataset line: each one's rows up to ``listed`` shards (`` (shards 2,700 +
+    300)``), else their count and range (`` (12 shards of 225 to 275 rows)``; results.json lists them all)."""
+    if len(rows) <= listed:
+        return f" (shards {' + '.join(f'{n:,}' for n in rows)})"
+    return f" ({len(rows)} shards of {min(rows):,} to {max(rows):,} rows)"
 
 
 def shard_rows(client_rows: Mapping[tuple[str, int], int]) -> dict[str, list[int]]:
