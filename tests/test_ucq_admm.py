@@ -233,6 +233,7 @@ def test_union_run_says_each_shards_rows_in_its_summary_line_and_results(tmp_pat
     join = run("algorithm=pcg", "epochs=1", dataset=dataset, base_dir=tmp_path)
     assert "shard_rows" not in join.strategy.results.to_json()
     assert shard_text([250] * 11 + [3]) == " (12 shards of 3 to 250 rows)"  # many shards: their count and range
+    assert shard_text([250] * 12) == " (12 shards of 250 rows)"
 
 
 def test_a_checkpointed_record_without_a_later_field_unpickles_with_its_default():

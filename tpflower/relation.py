@@ -82,7 +82,8 @@ def shard_text(rows: Sequence[int], listed: int = 4) -> str:
     300)``), else their count and range (`` (12 shards of 225 to 275 rows)``; results.json lists them all)."""
     if len(rows) <= listed:
         return f" (shards {' + '.join(f'{n:,}' for n in rows)})"
-    return f" ({len(rows)} shards of {min(rows):,} to {max(rows):,} rows)"
+    sizes = f"{min(rows):,}" if min(rows) == max(rows) else f"{min(rows):,} to {max(rows):,}"
+    return f" ({len(rows)} shards of {sizes} rows)"
 
 
 def shard_rows(client_rows: Mapping[tuple[str, int], int]) -> dict[str, list[int]]:
