@@ -659,6 +659,15 @@ def test_union_shards_of_only_one_hot_columns_need_no_min_sketch_rows():
     assert rec.cfg.min_sketch_rows == 2048 and set(rec.strategy.shared_edges) == {"fact", "d1"}
     join = Recorded(*small("star", "regression", *shape, *categorical))
     assert_same_forest(join.strategy.forest, rec.strategy.forest)
+    # their counts are aggregates: a shard of fewer rows than min_group_rows sends none (its stats refuse first)
+    from simulations.federated import run_in_process
+    from strategies.transport import RunError
+
+    cfg = make_cfg(*small("star", "regression", *shape, *categorical), "scenario=ucq", "min_group_rows=30")
+    with pytest.raises(
+        RunError, match=r"^table 'd1' shards 0, 1: a summary of fewer fit rows than min_group_rows = 30"
+    ):
+        run_in_process(cfg, None, log=lambda _: None)
 
 
 @pytest.mark.parametrize("scenario", ["join", "ucq"])

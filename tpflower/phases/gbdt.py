@@ -355,18 +355,20 @@ def gbdt_bins(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
         client.state.put_list("gbdt.edges", column_edges(X, G, nb))
         return {}, {}
     live = int((G > 0).sum())
-    bound = client.settings.min_sketch_rows
     binary = binary_columns(X)  # 0/1 (one-hot) columns: sketched from their weighted counts of 1s, no values
-    if 0 < live < bound and not binary.all():  # a shard of only one-hot columns sends counts, as its stats do
+    # order statistics of values need min_sketch_rows; a shard of only 0/1 columns sends counts: min_group_rows
+    setting, sent = ("min_group_rows", "counts") if binary.all() else ("min_sketch_rows", "order statistics")
+    bound = int(getattr(client.settings, setting))
+    if 0 < live < bound:
         problem = (
-            "this shard holds fewer training rows than its owner's min_sketch_rows, so it sends no order "
-            "statistics for the shared bins"
+            f"this shard holds fewer training rows than its owner's {setting}, so it sends no {sent} for the "
+            "shared bins"
         )
         if client.settings.owner.deployed:  # the count stays in the owner's log
-            raise _refuse(client, "gbdt_bins", f"{problem} (its owner may lower min_sketch_rows)", f"{live} rows")
-        raise ProtocolRefusal(  # a simulation: the user sets the run's min_sketch_rows (shards: one line, merged)
+            raise _refuse(client, "gbdt_bins", f"{problem} (its owner may lower {setting})", f"{live} rows")
+        raise ProtocolRefusal(  # a simulation: the user sets the run's bound (shards: one line, merged)
             f"{_where(client, 'gbdt_bins')} refuses the message: a union's shard holds fewer training rows than "
-            f"min_sketch_rows={bound}, so it sends no order statistics for the shared bins; set min_sketch_rows=N, "
+            f"{setting}={bound}, so it sends no {sent} for the shared bins; set {setting}=N, "
             f"N at most the smallest shard's training rows ({live} training rows)"
         )
     reps = G.astype(np.int64)
