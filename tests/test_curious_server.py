@@ -87,6 +87,25 @@ def test_a_run_asking_for_weaker_privacy_is_refused_at_hello(tmp_path, attack, m
     refused(deployed_app, context, f"table 'fact' refuses the run: {match}")
 
 
+def test_a_class_labels_floor_set_by_its_epsilon_holds_runs_to_that_epsilon(tmp_path):
+    # privacy.label_epsilon on a class label was ignored: the floor drew at lambda 0.5 (epsilon 5.66) and
+    # accepted any run's default; the level is one setting under two names (tpflower.owner.label_levels)
+    owner = f"{SYNTHETIC} {BINARY} privacy=label privacy.label_epsilon=2"
+    floor = yaml.safe_load(write_client_configs(owner, tmp_path / "clients")[("fact", 0)].read_text())["privacy"]
+    assert (floor["label_lambda"], floor["label_epsilon"]) == pytest.approx((2**0.5, 2.0), rel=1e-12)
+    for attack, match in [
+        ("privacy=label", r"privacy.label_epsilon=5.65\d+ is weaker than this node's floor \(label_epsilon <= 2.0\)"),
+        (
+            "privacy=label privacy.label_lambda=0.5 privacy.label_epsilon=1",
+            r"the run: privacy.label_lambda=0.5 \(epsilon 2 sqrt\(2\) / lambda = 5.657\) and privacy.label_epsilon=1 "
+            "disagree",
+        ),
+    ]:
+        refused(deployed_app, node(tmp_path, "fact", owner, f"{SYNTHETIC} {BINARY} {attack}"), match)
+    stronger = f"{SYNTHETIC} {BINARY} privacy=label privacy.label_lambda=1.5"  # epsilon 1.89
+    assert hello(deployed_app, node(tmp_path, "fact", owner, stronger)) == {"table": "fact", "shard": 0}
+
+
 def test_stronger_privacy_is_honoured_and_weaker_keys_are_refused(tmp_path):
     owner = f"{SYNTHETIC} {LABEL_FLOOR}"
     stronger = f"{SYNTHETIC} privacy=label privacy.label_epsilon=1 privacy.label_range=[-20,20]"

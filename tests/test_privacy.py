@@ -452,6 +452,9 @@ def test_validate_accepts_paper_settings(name, task):
         ({"name": "label", "label_range": [0, float("inf")]}, "regression", "tp_join_sgd", "label_range"),
         ({"name": "label", "label_range": [1]}, "regression", "tp_join_sgd", "label_range"),
         ({"name": "label", "label_epsilon": 0}, "regression", "tp_join_sgd", "privacy.label_epsilon"),
+        ({"name": "label", "label_epsilon": 0}, "binary", "tp_join_sgd", "privacy.label_epsilon"),
+        ({"name": "label", "label_epsilon": 2}, "binary", "tp_join_sgd", "label_lambda=0.5 .*label_epsilon=2"),
+        ({"name": "label", "label_lambda": 1}, "regression", "tp_join_sgd", "label_lambda=1 .*label_epsilon=5.66"),
         ({"name": "dpsgd"}, "regression", "centralized", "'centralized'"),
         ({"name": "label_dpsgd"}, "binary", "celu", "'celu'"),
         ({"name": "label"}, "ordinal", "tp_join_sgd", "task"),
@@ -488,6 +491,35 @@ def test_validate_messages_name_algorithm_and_setting():
     P.validate_privacy(
         {"name": "none", "epsilon": -1}, "centralized", "regression", feature_dp=False
     )  # none ignores the rest
+
+
+def test_label_levels_one_level_under_two_names():
+    assert P.label_levels({}) == (0.5, 2 * math.sqrt(2) / 0.5)  # neither: TablePuppet's lambda 0.5
+    assert P.label_levels({"label_epsilon": 2}) == pytest.approx((math.sqrt(2), 2.0), rel=1e-12)
+    assert P.label_levels({"label_lambda": 1, "label_epsilon": None}) == pytest.approx((1.0, 2 * math.sqrt(2)))
+    assert P.label_levels({"label_lambda": 0.5, "label_epsilon": 5.66}) == (0.5, 5.66)  # agree to 0.1%
+    with pytest.raises(ValueError) as err:
+        P.label_levels({"label_lambda": 0.5, "label_epsilon": 2}, "privacy=label")
+    assert str(err.value) == (
+        "privacy=label: privacy.label_lambda=0.5 (epsilon 2 sqrt(2) / lambda = 5.657) and privacy.label_epsilon=2 "
+        "disagree; they name one label-DP level: set only one of them"
+    )
+
+
+@pytest.mark.parametrize("task", P.TASKS)
+def test_label_epsilon_is_honoured_whatever_the_task(task):
+    cfg = {"name": "label", "label_range": [1, 5], "label_epsilon": 2.0, "label_lambda": None}
+    P.validate_privacy(cfg, "tp_join_sgd", task, feature_dp=True)
+    assert P.privacy_summary(cfg, task)["label_epsilon"] == pytest.approx(2.0, rel=1e-12)
+    sent = P.privacy_from_message(P.privacy_message(cfg))  # the client gets the level under both names
+    assert (sent["label_lambda"], sent["label_epsilon"]) == pytest.approx((math.sqrt(2), 2.0), rel=1e-12)
+    y = np.zeros(200_000, dtype=np.int64)
+    noisy = P.randomize_labels(y, task, cfg, np.random.default_rng(0), n_classes=3)
+    if task == "regression":  # Laplace((hi - lo) / epsilon) = Laplace(2): variance 8
+        assert np.var(noisy) == pytest.approx(8.0, rel=0.03)
+    else:
+        kept = P.label_keep_probability(math.sqrt(2), 2 if task == "binary" else 3)
+        assert np.mean(noisy == 0) == pytest.approx(kept, abs=0.005)
 
 
 def test_privacy_summary():

@@ -269,6 +269,23 @@ def test_label_epsilon_is_theorem_1():
     assert kept == pytest.approx(label_keep_probability(0.5, 2), abs=0.02)
 
 
+@pytest.mark.parametrize(
+    "task, level, epsilon",
+    [
+        (BINARY, "privacy.label_epsilon=2", 2.0),  # was silently lambda 0.5, epsilon 5.66
+        ("dataset.loader.task=multiclass", "privacy.label_epsilon=2", 2.0),
+        ("privacy.label_range=[-20,20]", "privacy.label_lambda=1", 2 * math.sqrt(2)),  # regression: was 5.66
+    ],
+)
+def test_either_label_dp_name_sets_the_level_the_labels_are_drawn_at(task, level, epsilon):
+    s = run(task, "algorithm=sgd", "privacy=label", level, "epochs=1").strategy
+    assert s.results.privacy["label_epsilon"] == pytest.approx(epsilon, rel=1e-12)
+    assert s.results.history[-1].extra["label_eps"] == pytest.approx(epsilon, rel=1e-12)
+    if task == BINARY:  # the labels are drawn at lambda = 2 sqrt(2) / epsilon, not the default 0.5
+        kept = np.mean(s.y_train == run(BINARY, "algorithm=sgd", "epochs=1").strategy.y_train)
+        assert kept == pytest.approx(label_keep_probability(2 * math.sqrt(2) / epsilon, 2), abs=0.03)
+
+
 def same_entropy(monkeypatch, seed: int = 0) -> None:
     """Tests only: the OS entropy the clients seed their noise from, replaced by a fixed sequence (restarted
     by every call), so that two runs draw the same noise."""
@@ -314,6 +331,10 @@ def test_label_dp_federated_equals_centralized_on_the_same_noisy_labels(tmp_path
         (("algorithm=admm", "privacy=dpsgd", "privacy.delta=1.5"), "privacy.delta"),
         (("algorithm=sgd", "privacy=dpsgd", "privacy.clip=0"), "privacy.clip"),
         (("algorithm=sgd", "privacy=label", BINARY, "privacy.label_lambda=0"), "privacy.label_lambda"),
+        (
+            ("algorithm=sgd", "privacy=label", BINARY, "privacy.label_lambda=0.5", "privacy.label_epsilon=2"),
+            r"privacy.label_lambda=0.5 \(epsilon 2 sqrt\(2\) / lambda = 5.657\) and privacy.label_epsilon=2 disagree",
+        ),
         (("algorithm=sgd", "privacy=label"), "label_range"),  # regression without a label range
         (("algorithm=sgd", "privacy=label", "privacy.label_range=[5,1]"), "label_range"),
         (("algorithm=centralized", "privacy=dpsgd"), "cannot be honoured by algorithm 'centralized'"),

@@ -2,8 +2,8 @@
 
 * Training labels: randomized ONCE per (table, shard, label column, the owner's label-DP setting) and the same
   draw served to every later run (:class:`~tpflower.privacy.budget.OwnerBudget`, in the owner's state_dir). The
-  draw is made under the owner's floor (its ``label_lambda``; regression: its ``label_epsilon`` and its
-  ``label_range``, else the range of its own labels), never under the run's range. A run asking for stronger
+  draw is made under the owner's floor (its level, :func:`~tpflower.owner.label_levels`: classification at
+  its lambda; regression at its epsilon and its ``label_range``, else the range of its own labels), never under the run's range. A run asking for stronger
   label DP gets the stored draw randomized again under its own setting: post-processing of the stored draw, so
   every run gets its own epsilon and all runs together never more than the floor's.
 * Evaluation: the metric released to the server is itself differentially private in the test labels: Laplace
@@ -25,7 +25,7 @@ import numpy as np
 from tpflower import privacy as dp
 from tpflower.local_table import ShardData
 from tpflower.losses import loss_np
-from tpflower.owner import OwnerSettings
+from tpflower.owner import OwnerSettings, label_levels
 from tpflower.privacy.budget import BudgetExhausted, OwnerBudget, owner_bound
 from tpflower.privacy.settings import label_range
 from tpflower.schema import RelationalSpec
@@ -78,14 +78,16 @@ def budget_of(client: LabelClient) -> OwnerBudget | None:
 
 def setting(privacy: Mapping[str, Any], task: str, n_classes: int | None, y: np.ndarray) -> dict[str, Any]:
     """The label-DP setting a draw is made under: classification ``label_lambda``; regression ``label_epsilon``
-    and ``label_range`` (when ``privacy`` has none: the range of the owner's labels ``y``)."""
+    and ``label_range`` (when ``privacy`` has none: the range of the owner's labels ``y``). Either name sets
+    the level (:func:`~tpflower.owner.label_levels`)."""
+    lam, epsilon = label_levels(privacy)
     if task != "regression":
-        return {"task": task, "n_classes": int(n_classes or 2), "label_lambda": float(privacy["label_lambda"])}
+        return {"task": task, "n_classes": int(n_classes or 2), "label_lambda": lam}
     rng = privacy.get("label_range")
     lo, hi = (float(np.min(y)), float(np.max(y))) if rng is None else label_range("label DP", rng)
     if not lo < hi:
         hi = lo + 1.0  # constant labels: any positive width
-    return {"task": task, "label_epsilon": float(privacy["label_epsilon"]), "label_range": [lo, hi]}
+    return {"task": task, "label_epsilon": epsilon, "label_range": [lo, hi]}
 
 
 def base_setting(client: LabelClient) -> dict[str, Any]:

@@ -15,7 +15,8 @@ node config names the owner's settings file (``--node-config "table='ratings' cl
                                      # run declaring another task or other classes is refused at the hello
     privacy:                         # the floor: the weakest privacy this node accepts (missing bounds: the
       name: label                    # defaults of conf/privacy/<name>.yaml)
-      label_epsilon: 5.66            # largest label epsilon accepted (classification: label_lambda, smallest)
+      label_epsilon: 5.66            # largest label epsilon accepted (or label_lambda, the smallest lambda:
+                                     # epsilon = 2 sqrt(2) / lambda; one level, set one of the two)
       total_epsilon: 10              # feature DP: all runs together (default 10 x epsilon; docs/settings.md)
       eval_epsilon: 1                # label DP: one released evaluation metric; total_eval_epsilon: all of them
     keys: blind                      # join keys blinded with this node's own scalar (state_dir/blind.key,
@@ -55,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -67,6 +69,7 @@ import yaml
 
 from tpflower.datasets.files import resolve_path
 from tpflower.fedprep import DEFAULT_MIN_SKETCH_ROWS
+from tpflower.params import positive_finite
 from tpflower.schema import TASKS, RelationalSpec, ShardSpec, SpecError, parse_shards
 
 SECRET_ENV = "TPFLOWER_KEY_SECRET"
@@ -94,6 +97,31 @@ def uses_label_dp(privacy: Mapping[str, Any]) -> bool:
 
 def uses_feature_dp(privacy: Mapping[str, Any]) -> bool:
     return str(privacy.get("name", "none")) in ("dpsgd", "label_dpsgd")
+
+
+#: label DP's level when neither ``label_lambda`` nor ``label_epsilon`` is set (TablePuppet Sec. 4.3's lambda)
+DEFAULT_LABEL_LAMBDA = 0.5
+#: how far a ``label_lambda`` and a ``label_epsilon`` set together may disagree (relative): 5.66 for 5.657
+LABEL_LEVEL_TOLERANCE = 1e-3
+
+
+def label_levels(privacy: Mapping[str, Any], what: str = "privacy") -> tuple[float, float]:
+    """``(label_lambda, label_epsilon)`` of a label-DP setting: one level under two names, epsilon = 2 sqrt(2) /
+    lambda (TablePuppet Eq. 25; docs/algorithms.md, Label DP). Either may be set (the other follows), neither
+    (lambda 0.5, epsilon 5.66), or both if they agree; else ValueError naming both (``what``: whose setting).
+    Classification draws at lambda, regression at epsilon, so neither name is ever ignored."""
+    lam, eps = (privacy.get(k) for k in ("label_lambda", "label_epsilon"))
+    lam = None if lam is None else positive_finite(f"{what}: privacy.label_lambda", lam)
+    eps = None if eps is None else positive_finite(f"{what}: privacy.label_epsilon", eps)
+    scale = 2.0 * math.sqrt(2.0)
+    if lam is None and eps is None:
+        lam = DEFAULT_LABEL_LAMBDA
+    if lam is not None and eps is not None and abs(eps * lam / scale - 1.0) > LABEL_LEVEL_TOLERANCE:
+        raise ValueError(
+            f"{what}: privacy.label_lambda={lam:g} (epsilon 2 sqrt(2) / lambda = {scale / lam:.4g}) and "
+            f"privacy.label_epsilon={eps:g} disagree; they name one label-DP level: set only one of them"
+        )
+    return (scale / eps if lam is None else lam), (scale / lam if eps is None else eps)
 
 
 class Refusal(SpecError):
@@ -335,6 +363,11 @@ class OwnerSettings:
                 raise self.refuse(
                     f"privacy={name} is weaker than this node's floor privacy={floor['name']} ({what} required)"
                 )
+            if what == "label DP":  # the run's level under both names (a run may set either, or neither)
+                try:
+                    run = {**run, **dict(zip(("label_lambda", "label_epsilon"), label_levels(run, "the run")))}
+                except ValueError as exc:
+                    raise self.refuse(str(exc)) from None
             for key, direction in bounds:
                 if floor.get(key) is None:
                     continue
@@ -385,7 +418,13 @@ def privacy_floor(raw: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
             isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
         ):
             raise SpecError(f"{where}: privacy.{key} must be a positive number, got {value!r}")
-    return {**_privacy_defaults(name), **raw}
+    floor = {**_privacy_defaults(name), **raw}
+    if uses_label_dp(floor):  # both names filled in: the bounds a run is held to and the draw's level
+        try:
+            floor["label_lambda"], floor["label_epsilon"] = label_levels(floor, where)
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
+    return floor
 
 
 #: the owner's budget over all runs (tpflower.privacy.budget; defaults in docs/settings.md): feature DP's

@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from tpflower.owner import label_levels
 from tpflower.params import positive_finite
-from tpflower.privacy.settings import TASKS, cfg_number, label_range
+from tpflower.privacy.settings import TASKS, label_range
 
 
 def randomize_class_labels(y: np.ndarray, n_classes: int, lam: float, rng: np.random.Generator) -> np.ndarray:
@@ -67,17 +68,19 @@ def randomize_labels(
     """Label DP by task and config: the label owner calls this once, before sending its labels.
 
     ``task``: regression | binary | multiclass (``n_classes`` required for multiclass; binary is 2 classes).
-    Uses ``privacy_cfg.label_lambda`` (classification) or ``label_range`` and ``label_epsilon`` (regression).
+    Classification draws at the setting's lambda, regression at its epsilon and ``label_range``: the same level
+    whichever of ``label_lambda`` and ``label_epsilon`` it sets (:func:`~tpflower.owner.label_levels`).
     """
+    lam, epsilon = label_levels(privacy_cfg)
     if task == "regression":
         lo, hi = label_range("label_range", privacy_cfg.get("label_range"))
-        return randomize_regression_labels(y, lo, hi, cfg_number(privacy_cfg, "label_epsilon"), rng)
+        return randomize_regression_labels(y, lo, hi, epsilon, rng)
     if task == "binary":
-        return randomize_class_labels(y, 2, cfg_number(privacy_cfg, "label_lambda"), rng)
+        return randomize_class_labels(y, 2, lam, rng)
     if task == "multiclass":
         if n_classes is None:
             raise ValueError("randomize_labels: n_classes is required for task 'multiclass'")
-        return randomize_class_labels(y, n_classes, cfg_number(privacy_cfg, "label_lambda"), rng)
+        return randomize_class_labels(y, n_classes, lam, rng)
     raise ValueError(f"unknown task {task!r}; expected one of {list(TASKS)}")
 
 

@@ -2,8 +2,9 @@
 training, the results.json summary and the flat Flower-config wire format. No torch.
 
 Config (``conf/privacy/*.yaml``, checked by :func:`validate_privacy`): ``name`` (none | label | dpsgd |
-label_dpsgd), ``epsilon`` and ``delta`` (feature DP target per client), ``clip`` (C), ``label_lambda``
-(classification), ``label_range`` and ``label_epsilon`` (regression), ``sample_rate`` (worst_row | batch).
+label_dpsgd), ``epsilon`` and ``delta`` (feature DP target per client), ``clip`` (C), ``label_lambda`` or ``label_epsilon``
+(label DP's level, one of the two: epsilon = 2 sqrt(2) / lambda), ``label_range`` (regression), ``sample_rate``
+(worst_row | batch).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tpflower.owner import uses_feature_dp, uses_label_dp
+from tpflower.owner import label_levels, uses_feature_dp, uses_label_dp
 from tpflower.params import number, one_of, positive_finite, probability
 from tpflower.privacy.accounting import epsilon_floor_problem
 from tpflower.schema import TASKS
@@ -53,8 +54,9 @@ def validate_privacy(
     """Refuse, before training, privacy settings that are impossible or that ``algorithm`` cannot honour.
 
     Checks (ValueError naming the setting and the value): ``name`` in none | label | dpsgd | label_dpsgd;
-    label DP: classification ``label_lambda`` > 0, regression a finite ``label_range [lo, hi]`` with
-    ``lo < hi`` and ``label_epsilon`` > 0; feature DP: ``epsilon`` > 0 (finite), ``0 < delta < 1``,
+    label DP: ``label_lambda`` or ``label_epsilon`` > 0, agreeing if both are set
+    (:func:`~tpflower.owner.label_levels`), regression a finite ``label_range [lo, hi]`` with ``lo < hi``;
+    feature DP: ``epsilon`` > 0 (finite), ``0 < delta < 1``,
     ``clip`` > 0, and an ``epsilon`` the RDP accountant can reach at ``delta`` with some noise
     (:func:`~tpflower.privacy.accounting.epsilon_floor_problem`). ``feature_dp`` / ``label_dp``: whether the algorithm supports them (its registry entry);
     ``why_not`` says why feature DP is not supported (shown in the error). ``privacy=none`` ignores the rest.
@@ -71,9 +73,7 @@ def validate_privacy(
             raise ValueError(f"privacy={name}: label DP is not supported for algorithm {algorithm!r}")
         if task == "regression":
             label_range(f"privacy={name} (regression labels)", privacy_cfg.get("label_range"))
-            positive_finite(f"privacy={name}: privacy.label_epsilon", cfg_get(privacy_cfg, "label_epsilon"))
-        else:
-            positive_finite(f"privacy={name}: privacy.label_lambda", cfg_get(privacy_cfg, "label_lambda"))
+        label_levels(privacy_cfg, f"privacy={name}")
     if uses_feature_dp(privacy_cfg):
         if not feature_dp:
             why = why_not or "it is not known to support DP-SGD on local models"
@@ -102,10 +102,9 @@ def privacy_summary(
     feat_eps: float | None = None
     delta: float | None = None
     if uses_label_dp(privacy_cfg):
-        if task == "regression":
-            label_eps = cfg_number(privacy_cfg, "label_epsilon")
-        else:
-            label_eps = label_epsilon(cfg_number(privacy_cfg, "label_lambda"))
+        lam, label_eps = label_levels(privacy_cfg)
+        if task != "regression":  # the level the draw is made at: lambda's
+            label_eps = label_epsilon(lam)
     if uses_feature_dp(privacy_cfg):
         feat_eps = float(feature_epsilon) if feature_epsilon is not None else cfg_number(privacy_cfg, "epsilon")
         delta = cfg_number(privacy_cfg, "delta")
@@ -126,6 +125,8 @@ def privacy_message(privacy_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     if privacy_cfg is None or str(privacy_cfg.get("name", "none")) == "none":
         return {}
     out: dict[str, Any] = {"privacy": str(privacy_cfg.get("name"))}
+    if uses_label_dp(privacy_cfg):  # the label-DP level under both names (the run may have set one)
+        privacy_cfg = {**privacy_cfg, **dict(zip(("label_lambda", "label_epsilon"), label_levels(privacy_cfg)))}
     for key in _MESSAGE_FIELDS:
         value = cfg_get(privacy_cfg, key)
         if value is not None:
