@@ -30,7 +30,7 @@ from rich.console import Console
 
 from simulations.job import failure_message, run_job
 from simulations.predict import predict_run
-from simulations.run import choices, unknown_choice
+from simulations.run import CONF_DIR, choices, unknown_choice
 from tpflower.checks import NA_ATTR
 from tpflower.config import compose_config
 from tpflower.config_errors import override_error
@@ -63,8 +63,18 @@ def override_value(value: Any) -> str:
 
 
 def overrides_of(settings: Mapping[str, Any]) -> list[str]:
-    """Keyword settings as Hydra overrides (``a__b=v`` -> ``a.b=v``, scikit-learn's nested-parameter spelling)."""
-    return [f"{key.replace('__', '.')}={override_value(value)}" for key, value in settings.items()]
+    """Keyword settings as Hydra overrides (``a__b=v`` -> ``a.b=v``, scikit-learn's nested-parameter spelling);
+    a config group given as a dict, ``privacy={"name": "label", "label_epsilon": 2}``, is its choice and its
+    settings (``privacy=label privacy.label_epsilon=2``; without ``name``: the settings of the default choice)."""
+    out: list[str] = []
+    for key, value in settings.items():
+        key = key.replace("__", ".")
+        if isinstance(value, Mapping) and (Path(CONF_DIR) / key).is_dir():
+            out += [f"{key}={override_value(value['name'])}"] if "name" in value else []
+            out += overrides_of({f"{key}.{k}": v for k, v in value.items() if k != "name"})
+        else:
+            out.append(f"{key}={override_value(value)}")
+    return out
 
 
 def console_log(verbose: bool) -> Callable[[str], None]:

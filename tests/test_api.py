@@ -367,12 +367,28 @@ def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq
     assert f"(relative paths start at base_dir {str(data)!r}; from Python, base_dir= of tpflower.fit, " in said
 
 
+def test_a_privacy_dict_trains_at_its_settings(tmp_path):
+    privacy = {"name": "label", "label_epsilon": 2}
+    model = tpflower.fit(
+        dataset="synthetic", algorithm="sgd", epochs=1, runtime="inprocess", run_dir=tmp_path, verbose=False,
+        dataset__loader__task="binary", privacy=privacy,
+    )  # fmt: skip
+    assert model.results["privacy"] == {"label_epsilon": 2.0, "feature_epsilon": None, "delta": None}
+
+
 def test_overrides_are_the_command_lines_spelling():
     assert overrides_of({"epochs": 3, "model__hidden": [32, 16], "algorithm__tol": None, "x": True}) == [
         "epochs=3",
         "model.hidden=[32,16]",
         "algorithm.tol=null",
         "x=true",
+    ]
+    # a config group as a dict: its choice and its settings (was one override Hydra read as a choice named
+    # "{name:label", refused as no such privacy)
+    assert overrides_of({"privacy": {"name": "label", "label_epsilon": 2}, "model": {"hidden": [8]}}) == [
+        "privacy=label",
+        "privacy.label_epsilon=2",
+        "model.hidden=[8]",
     ]
     assert override_value("SELECT a FROM t WHERE b = 'x'") == "\"SELECT a FROM t WHERE b = 'x'\""
     assert override_value("movielens") == "movielens"
