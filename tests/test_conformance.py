@@ -5,6 +5,7 @@ phases. Flower-vs-in-process equality per algorithm is in tests/test_flower.py (
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,11 @@ def test_privacy_declarations_are_enforced_before_any_client(entry):
     if entry.feature_dp:
         assert make_strategy(cfg, None, log=lambda _: None).feature_dp
     else:
-        with pytest.raises(ValueError, match=f"cannot be honoured by algorithm '{entry.selector}'"):
+        assert entry.why_no_feature_dp  # the line says why and what to run (was "it is not known to support ...")
+        with pytest.raises(
+            ValueError,
+            match=f"cannot be honoured by algorithm '{entry.selector}': {re.escape(entry.why_no_feature_dp)}",
+        ):
             make_strategy(cfg, None, log=lambda _: None)
 
 

@@ -547,6 +547,10 @@ register(
         RIDGE_PROTOCOL,
         CoresetParams,
         feature_dp=False,
+        why_no_feature_dp=(
+            "its sensitivity scores and the sampled rows' updates are exact functions of the features (Alg. 1-2); "
+            "there is no DP-SGD version of them. Run algorithm=admm or sgd"
+        ),
         label_dp=True,  # the sensitivities use the released randomized labels only (sensitivity_labels)
         summary="VFL coreset (DIS, Alg. 1-2) over the join, ridge by weighted TP-Join-ADMM/SGD",
     )

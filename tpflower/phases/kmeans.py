@@ -212,6 +212,10 @@ CORESET_KMEANS: tuple[Stage, ...] = (
 
 #: k-means clusters the joined rows: the model group is unused, so only its default (conf/config.yaml) is taken
 KMEANS_MODELS = ("linear",)
+WHY_NO_FEATURE_DP = (
+    "each table sends its k local centres and one centre label per row, exact functions of its features "
+    "(DistDim, Alg. 3); there is no per-row gradient step to clip and noise. Run it with privacy=none"
+)
 WHY_KMEANS_MODELS = "k-means trains no model of the model group; leave model at its default (linear, unused by k-means)"
 register(
     AlgorithmEntry(
@@ -223,6 +227,7 @@ register(
         Protocol(setup.SETUP + KMEANS),
         KMeansParams,
         feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
         label_dp=False,
         summary="DistDim k-means on the full join (VKMC baseline)",
         models=KMEANS_MODELS,
@@ -239,6 +244,7 @@ register(
         Protocol(setup.SETUP + coreset.DIS + CORESET_KMEANS),
         CoresetKMeansParams,
         feature_dp=False,
+        why_no_feature_dp=WHY_NO_FEATURE_DP,
         label_dp=False,
         summary="VFL coreset (DIS, Alg. 1 and 3) over the join, then DistDim k-means",
         models=KMEANS_MODELS,
