@@ -202,6 +202,7 @@ class JoinSetup(Saved):
         if plan_feature_dp is not None:  # on the table-row mapping, before a VFL expansion
             self.dp_plan = plan_feature_dp()
             check_dp_plan(self.privacy, self.dp_plan)  # once here, not once per node at its first DP step
+            self.log(dp_plan_line(self.privacy, self.dp_plan))
         self.divide_label(parameter_noise)
         self.federated_preprocessing()
         if expand:
@@ -563,6 +564,24 @@ def _is_range(ids: np.ndarray) -> bool:
         if not np.array_equal(part, np.arange(start, start + len(part), dtype=part.dtype)):
             return False
     return True
+
+
+def dp_plan_line(privacy: Mapping[str, Any], plan: Mapping[ClientKey, tuple[int, float]]) -> str:
+    """The feature-DP plan in one line: per (steps, sample rate), the tables (shards) that take it and the noise
+    multiplier sigma each calibrates for it at the run's epsilon and delta (as the nodes do:
+    tpflower.local_dp; a node observing a higher sample rate than the plan's calibrates more noise)."""
+    epsilon, delta = float(privacy["epsilon"]), float(privacy["delta"])
+    groups: dict[tuple[int, float], list[str]] = {}
+    for (table, shard), (steps, q) in sorted(plan.items()):
+        groups.setdefault((int(steps), float(q)), []).append(table if shard == 0 else f"{table}/{shard}")
+    parts = [
+        f"{', '.join(names)}: {steps:,} DP steps at sample rate {q:.3g}, sigma "
+        + (f"{dp.noise_multiplier_for(epsilon, delta, min(max(q, 1e-12), 1.0), steps):.3g}" if steps >= 1 else "-")
+        for (steps, q), names in sorted(groups.items(), key=lambda g: g[1])
+    ]
+    return f"feature DP (epsilon {epsilon:g} per table at delta {delta:g}, clip {privacy.get('clip')}): " + " | ".join(
+        parts
+    )
 
 
 def check_dp_plan(privacy: Mapping[str, Any], plan: Mapping[ClientKey, tuple[int, float]]) -> None:

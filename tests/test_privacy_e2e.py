@@ -261,6 +261,20 @@ def test_feature_epsilon_equals_opacus_accountant(algorithm):
     assert s.results.history[0].extra["eps"] < s.results.history[-1].extra["eps"]  # spent over the run
 
 
+def test_the_dp_plan_line_gives_the_sigma_each_node_calibrates():
+    lines: list[str] = []
+    out = run_in_process(cfg_of("algorithm=sgd", "privacy=dpsgd", "epochs=1"), None, log=lines.append)
+    (line,) = [x for x in lines if x.startswith("feature DP (epsilon 1 per table at delta 1e-05, clip 1.0): ")]
+    said = {
+        m[0]: (int(m[1].replace(",", "")), float(m[3]))
+        for m in re.findall(r"(\w+): ([\d,]+) DP steps at sample rate ([\d.e-]+), sigma ([\d.]+)", line)
+    }
+    assert set(said) == {t for t, _ in out.contexts}
+    for (table, _), ctx in out.contexts.items():
+        state = ClientState(ctx.state)
+        assert said[table] == (int(state.scalar("dp_steps")), pytest.approx(float(state.scalar("dp_sigma")), rel=5e-3))
+
+
 def test_label_epsilon_is_theorem_1():
     s = run(BINARY, "algorithm=sgd", "privacy=label", "epochs=1").strategy
     assert s.results.privacy == {"label_epsilon": 2 * math.sqrt(2) / 0.5, "feature_epsilon": None, "delta": None}
