@@ -572,8 +572,9 @@ def dp_plan_line(privacy: Mapping[str, Any], plan: Mapping[ClientKey, tuple[int,
     tpflower.local_dp; a node observing a higher sample rate than the plan's calibrates more noise)."""
     epsilon, delta = float(privacy["epsilon"]), float(privacy["delta"])
     groups: dict[tuple[int, float], list[str]] = {}
+    sharded = {t for t, shard in plan if shard > 0}
     for (table, shard), (steps, q) in sorted(plan.items()):
-        groups.setdefault((int(steps), float(q)), []).append(table if shard == 0 else f"{table}/{shard}")
+        groups.setdefault((int(steps), float(q)), []).append(f"{table}/{shard}" if table in sharded else table)
     parts = [
         f"{', '.join(names)}: {steps:,} DP steps at sample rate {q:.3g}, sigma "
         + (f"{dp.noise_multiplier_for(epsilon, delta, min(max(q, 1e-12), 1.0), steps):.3g}" if steps >= 1 else "-")

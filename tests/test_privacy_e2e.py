@@ -428,3 +428,12 @@ def test_sgd_sample_rate_worst_row_vs_paper_batch_accounting():
     run.cfg.privacy.sample_rate = "typo"
     with pytest.raises(ValueError, match="privacy.sample_rate"):
         sgd_dp_plan(run)
+
+
+def test_the_dp_plan_line_names_a_unions_shards():
+    from strategies.setup import dp_plan_line
+
+    plan = {("fact", 0): (10, 0.1), ("fact", 1): (10, 0.1), ("dim", 0): (5, 0.2)}
+    line = dp_plan_line({"epsilon": 1.0, "delta": 1e-5, "clip": 1.0}, plan)
+    assert "| fact/0, fact/1: 10 DP steps at sample rate 0.1, sigma " in line
+    assert ": dim: 5 DP steps at sample rate 0.2, sigma " in line
