@@ -192,7 +192,9 @@ def write_client_configs(
                 **({"label": e.label, "label_task": spec.label.task} if e.label else {}),
                 **({"label_classes": list(spec.label.classes)} if e.label and spec.label.classes else {}),
             },
-            "privacy": {k: v for k, v in floor.items() if v is not None},
+            # the label-DP level as its epsilon alone (label_lambda follows from it): an owner who edits it
+            # later edits one number, not a pair that must agree (tpflower.owner.label_levels)
+            "privacy": {k: v for k, v in floor.items() if v is not None and k != "label_lambda"},
             "keys": owner.keys,
             # the owner's bounds as the run gives them (the one-machine deployment: the user is every owner)
             "min_sketch_rows": owner.min_sketch_rows,

@@ -91,8 +91,10 @@ def test_a_class_labels_floor_set_by_its_epsilon_holds_runs_to_that_epsilon(tmp_
     # privacy.label_epsilon on a class label was ignored: the floor drew at lambda 0.5 (epsilon 5.66) and
     # accepted any run's default; the level is one setting under two names (tpflower.owner.label_levels)
     owner = f"{SYNTHETIC} {BINARY} privacy=label privacy.label_epsilon=2"
-    floor = yaml.safe_load(write_client_configs(owner, tmp_path / "clients")[("fact", 0)].read_text())["privacy"]
-    assert (floor["label_lambda"], floor["label_epsilon"]) == pytest.approx((2**0.5, 2.0), rel=1e-12)
+    path = write_client_configs(owner, tmp_path / "clients")[("fact", 0)]
+    floor = yaml.safe_load(path.read_text())["privacy"]
+    assert floor["label_epsilon"] == 2.0 and "label_lambda" not in floor  # one number for the owner to edit
+    assert load_owner_settings(path, "fact").privacy["label_lambda"] == pytest.approx(2**0.5, rel=1e-12)
     for attack, match in [
         ("privacy=label", r"privacy.label_epsilon=5.65\d+ is weaker than this node's floor \(label_epsilon <= 2.0\)"),
         (
