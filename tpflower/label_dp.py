@@ -3,9 +3,10 @@
 * Training labels: randomized ONCE per (table, shard, label column, the owner's label-DP setting) and the same
   draw served to every later run (:class:`~tpflower.privacy.budget.OwnerBudget`, in the owner's state_dir). The
   draw is made under the owner's floor (its level, :func:`~tpflower.owner.label_levels`: classification at
-  its lambda; regression at its epsilon and its ``label_range``, else the range of its own labels), never under the run's range. A run asking for stronger
-  label DP gets the stored draw randomized again under its own setting: post-processing of the stored draw, so
-  every run gets its own epsilon and all runs together never more than the floor's.
+  its lambda; regression at its epsilon and its ``label_range``, else the range of its own labels), never
+  under the run's range. A run asking for stronger label DP gets the stored draw randomized again under its
+  own setting: post-processing of the stored draw, so every run gets its own epsilon and all runs together
+  never more than the floor's.
 * Evaluation: the metric released to the server is itself differentially private in the test labels: Laplace
   noise calibrated to one test label's effect on the metric (predictions and labels clipped to the owner's range,
   logits to +-LOGIT_BOUND), epsilon ``privacy.eval_epsilon`` per release, charged to the owner's

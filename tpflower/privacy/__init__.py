@@ -51,8 +51,9 @@ generator of a trainer rebuilt by :meth:`DPLocalTrainer.from_state` is seeded fr
 far)``, so a client rebuilt per Flower message never replays the noise of an earlier step.
 
 Config (``conf/privacy/*.yaml``, checked by :func:`validate_privacy`): ``name`` (none | label | dpsgd |
-label_dpsgd), ``epsilon`` and ``delta`` (feature DP target per client), ``clip`` (C), ``label_lambda``
-(classification), ``label_range`` and ``label_epsilon`` (regression), ``sample_rate`` (worst_row | batch).
+label_dpsgd), ``epsilon`` and ``delta`` (feature DP target per client), ``clip`` (C), ``label_lambda`` or
+``label_epsilon`` (label DP's level, one of the two: epsilon = 2 sqrt(2) / lambda), ``label_range``
+(regression), ``sample_rate`` (worst_row | batch).
 
 The package, bottom up: :mod:`.settings` (the settings, their validation and wire format; no torch),
 :mod:`.label` (label DP), :mod:`.accounting` (RDP accounting and sigma calibration; Opacus imported on first

@@ -2,9 +2,9 @@
 training, the results.json summary and the flat Flower-config wire format. No torch.
 
 Config (``conf/privacy/*.yaml``, checked by :func:`validate_privacy`): ``name`` (none | label | dpsgd |
-label_dpsgd), ``epsilon`` and ``delta`` (feature DP target per client), ``clip`` (C), ``label_lambda`` or ``label_epsilon``
-(label DP's level, one of the two: epsilon = 2 sqrt(2) / lambda), ``label_range`` (regression), ``sample_rate``
-(worst_row | batch).
+label_dpsgd), ``epsilon`` and ``delta`` (feature DP target per client), ``clip`` (C), ``label_lambda`` or
+``label_epsilon`` (label DP's level, one of the two: epsilon = 2 sqrt(2) / lambda), ``label_range``
+(regression), ``sample_rate`` (worst_row | batch).
 """
 
 from __future__ import annotations
