@@ -384,6 +384,33 @@ def test_refusals_name_the_construct_and_its_position(sql, expected):
     assert re.search(expected, refused(sql)), refused(sql)
 
 
+REGIONS = COLUMNS | {"regions": {"region": "categorical", "tax": "numeric"}}
+
+
+def test_using_a_key_earlier_using_made_one_column_joins_the_first_table():
+    """SQL's ``a JOIN b USING (k) JOIN c USING (k)``: k is one column of a and b's join, so c joins a (the
+    first holder), as a snowflake's shared key is written; the edges form a tree."""
+    sql = (
+        "SELECT o.spend AS label, o.qty, r.tax FROM orders o JOIN customers c USING (cust, region) "
+        "JOIN regions r USING (region)"
+    )
+    spec = compile_query(sql, REGIONS, {"name": "shop"})
+    assert spec["joins"] == [
+        {"left": "orders", "right": "customers", "on": [["cust", "cust"], ["region", "region"]]},
+        {"left": "orders", "right": "regions", "on": [["region", "region"]]},
+    ]
+
+
+def test_using_a_key_two_earlier_tables_hold_apart_is_refused_at_the_using_column():
+    sql = "SELECT o.spend AS label, r.tax FROM orders o JOIN customers c USING (cust)\nJOIN regions r USING (region)"
+    with pytest.raises(QueryError) as info:
+        compile_query(sql, REGIONS, {"name": "shop"})
+    assert str(info.value).startswith(
+        "SQL line 2, column 23: USING column 'region' is ambiguous: tables ['orders', 'customers'] joined before "
+        "it have it and no earlier USING (region) makes it one column; join with ON and qualified columns"
+    )
+
+
 def test_refusal_position_is_the_constructs_own():
     message = refused(BASE + "\nWHERE o.qty > 1 OR c.age > 30")
     assert message.startswith("SQL line 2, column 7: OR across tables")

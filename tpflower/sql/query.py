@@ -224,6 +224,7 @@ def resolve_branch(sql: str, select: exp.Expression, columns: Columns) -> Branch
     pairs: dict[tuple[str, str], list[tuple[str, str]]] = {}
     where: dict[tuple[str, str], exp.Expression] = {}  # the first equality of each edge (for its position)
     filters: dict[str, list[exp.Expression]] = {}
+    merged: dict[str, list[str]] = {}  # a USING column's name -> the tables joined on it, one column of the join
 
     def classify(pred: exp.Expression) -> None:
         """A conjunct: a filter of one table, or an equality joining two."""
@@ -259,7 +260,8 @@ def resolve_branch(sql: str, select: exp.Expression, columns: Columns) -> Branch
             if name not in columns[new]:
                 hint = spelled(name, columns[new])
                 raise refuse(sql, ident, f"USING column {name!r} is not a column of table {new!r}{hint}")
-            old, _ = scope.resolve(exp.column(name), within=previous)
+            old = _using_partner(sql, ident, previous, columns, merged.get(name, []))
+            merged[name] = (merged.get(name) or [old]) + [new]
             pairs.setdefault((old, new), []).append((name, name))
             where.setdefault((old, new), ident)
         for pred in conjuncts(join.args["on"]) if join.args.get("on") else []:
@@ -277,6 +279,25 @@ def resolve_branch(sql: str, select: exp.Expression, columns: Columns) -> Branch
         filters={t: tuple(f) for t, f in filters.items()},
         projected=tuple(projected),
     )
+
+
+def _using_partner(sql: str, ident: exp.Expression, previous: list[str], columns: Columns, merged: list[str]) -> str:
+    """The table that ``JOIN t USING (c)`` joins t to: the one table before it holding c, or, as SQL's USING
+    makes the tables an earlier ``USING (c)`` joined one column c, the first of them (their c is equal on every
+    joined row; ``a JOIN b USING (k) JOIN c USING (k)``, a snowflake's shared key). Tables holding c apart
+    (not joined by USING on it) are ambiguous, refused at the USING column."""
+    holders = [t for t in previous if ident.name in columns[t]]
+    if not holders:
+        hint = spelled(ident.name, [c for t in previous for c in columns[t]])
+        raise refuse(sql, ident, f"USING column {ident.name!r}: no table joined before it has it{hint}")
+    if len(holders) > 1 and not set(holders) <= set(merged):
+        raise refuse(
+            sql,
+            ident,
+            f"USING column {ident.name!r} is ambiguous: tables {holders} joined before it have it and no earlier "
+            f"USING ({ident.name}) makes it one column; join with ON and qualified columns",
+        )
+    return holders[0]
 
 
 def _check_tree(
