@@ -196,6 +196,30 @@ def test_a_join_dropping_labelled_rows_warns_or_fails(tmp_path):
         check_dataset({**dataset, "on_dropped_rows": "sometimes"})
 
 
+def test_string_keys_differing_in_case_or_spaces_are_named_in_the_join_line(tmp_path):
+    """Keys written 'c7' in one file and ' C7' in the other do not join (as SQL's =); the line says that they
+    differ only in case or surrounding spaces, with the first such pair, instead of leaving the user to look."""
+    orders, customers = good(tmp_path)
+    orders["cust"] = "c" + orders["cust"].astype(str)
+    customers["cust"] = "c" + customers["cust"].astype(str)
+    customers.loc[customers["cust"] == "c7", "cust"] = " C7"
+    lost = int((orders["cust"] == "c7").sum())
+    (warning,) = check_dataset(shop(tmp_path, orders, customers))[2]
+    assert warning.line().endswith(
+        f"add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest (=error to "
+        f"refuse); {lost} rows of table 'orders' hold a key that differs from one of table 'customers' only in case "
+        "or surrounding spaces: write the keys alike in both files"
+    )
+    assert ", e.g. orders holds 'c7' where customers holds ' C7';" in warning.line()
+    assert "'c7'" not in warning.line(values=False)  # a deployed node's line: no value
+    customers["cust"] = customers["cust"].str.upper()  # every key: the join is empty
+    (error,) = check_dataset(shop(tmp_path, orders, customers))[2]
+    assert error.severity == "error" and error.line().startswith(
+        "join orders.cust = customers.cust matched no rows: the join comes out empty, e.g. orders holds 'c42' where "
+        "customers holds 'C42'; check the key values"
+    )
+
+
 def test_a_repeated_key_in_a_joined_table_warns_unless_its_spec_says_unique(tmp_path):
     """A dimension table holding a key twice silently repeats the rows that join it (many-to-many): a warning
     naming the join, the counts and the fix; ``unique: false`` (meant) silences it, ``unique: true`` makes

@@ -668,6 +668,40 @@ def fanout_problems(
     return out
 
 
+def _loose(frame: pd.DataFrame) -> pd.DataFrame:
+    """The key columns with text stripped of surrounding spaces and case-folded (other columns as they are)."""
+    return frame.apply(
+        lambda col: (
+            col.astype("string").str.strip().str.casefold()
+            if pd.api.types.is_object_dtype(col) or pd.api.types.is_string_dtype(col)
+            else col
+        )
+    )
+
+
+def near_key_example(frames: Mapping[str, pd.DataFrame], edge: Any, known: str, new: str) -> tuple[int, str] | None:
+    """When a join's string keys match more rows once surrounding spaces and case are ignored (``'Abilene'``
+    against ``'ABILENE '``): how many rows of table ``known`` would then find a partner, and the first such key
+    as each table writes it (values: a simulation's line only); else None."""
+    a = frames[known][list(edge.columns_of(known))]
+    b = frames[new][list(edge.columns_of(new))]
+    if not any(pd.api.types.is_object_dtype(c) or pd.api.types.is_string_dtype(c) for _, c in a.items()):
+        return None
+    raw_a, raw_b = _key_codes(a, b)
+    loose_a, loose_b = _key_codes(_loose(a), _loose(b))
+    gained = np.isin(loose_a, loose_b) & ~np.isin(raw_a, raw_b)
+    if not gained.any():
+        return None
+    i = int(np.flatnonzero(gained)[0])
+    j = int(np.flatnonzero(loose_b == loose_a[i])[0])
+
+    def shown(frame: pd.DataFrame, row: int) -> str:
+        values = tuple(frame.iloc[row])
+        return repr(values[0]) if len(values) == 1 else repr(values)
+
+    return int(gained.sum()), f"{known} holds {shown(a, i)} where {new} holds {shown(b, j)}"
+
+
 def dropped_row_problems(
     spec: RelationalSpec,
     frames: Mapping[str, pd.DataFrame],
@@ -680,13 +714,24 @@ def dropped_row_problems(
         raise SpecError(f"dataset.on_dropped_rows must be one of {list(DROP_POLICIES)}, got {policy!r}")
     n = len(frames[spec.label_table])
     out = []
+    joins = {str(edge): (edge, known) for edge, known, _ in spec.join_order()}
     for edge, new, lost in join_drops(spec, frames, partner):
+        noted = lost == n or (lost > DROP_THRESHOLD * n and policy != "ignore" and spec.table(new).where is None)
+        near = near_key_example(frames, joins[edge][0], joins[edge][1], new) if noted else None
+        loose = (
+            ""
+            if near is None
+            else f"; {near[0]:,} rows of table {joins[edge][1]!r} hold a key that differs from one of table "
+            f"{new!r} only in case or surrounding spaces: write the keys alike in both files"
+        )
+        example = None if near is None else f"e.g. {near[1]}"
         if lost == n:
             return out + [
                 Problem(
                     None,
                     f"join {edge} matched no rows: the join comes out empty",
-                    f"check the key values of both tables (no row of table {new!r} has a partner)",
+                    f"check the key values of both tables (no row of table {new!r} has a partner){loose}",
+                    example=example,
                 )
             ]
         if lost > DROP_THRESHOLD * n and policy != "ignore":
@@ -704,8 +749,9 @@ def dropped_row_problems(
             else:
                 what = f"{head}: they have no partner row in table {new!r}"
                 fix = "add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest"
-                fix += "" if policy == "error" else " (=error to refuse)"
-            out.append(Problem(None, what, fix, count=lost, severity="error" if policy == "error" else "warning"))
+                fix += ("" if policy == "error" else " (=error to refuse)") + loose
+            severity: Severity = "error" if policy == "error" else "warning"
+            out.append(Problem(None, what, fix, count=lost, severity=severity, example=example))
     return out
 
 
