@@ -609,6 +609,30 @@ def test_a_label_setting_other_than_table_column_task_is_refused_naming_where_it
         check_dataset(dataset)
 
 
+def test_a_misspelt_table_setting_is_refused_naming_the_close_one(tmp_path):
+    dataset = shop(tmp_path)
+    dataset["tables"]["orders"]["numerics"] = dataset["tables"]["orders"].pop("numeric")
+    with pytest.raises(
+        SpecError, match=r"^table 'orders': unknown settings \['numerics'\] \(did you mean 'numeric'\?\)$"
+    ):
+        check_dataset(dataset)
+    dataset["tables"]["orders"]["colour"] = dataset["tables"]["orders"].pop("numerics")  # nothing close: no hint
+    with pytest.raises(SpecError, match=r"^table 'orders': unknown settings \['colour'\]$"):
+        check_dataset(dataset)
+
+
+def test_a_binary_label_of_many_numbers_shows_them_as_written(tmp_path):
+    """The example values of a binary label beyond two values read as the file's numbers (0.5), not numpy's
+    reprs (np.float64(0.5))."""
+    orders, customers = good(tmp_path)
+    dataset = shop(tmp_path, orders.assign(spend=np.round(orders["spend"], 1)), customers)
+    dataset["label"]["task"] = "binary"
+    (line,) = lines(dataset)
+    assert "np." not in line
+    shown = ", ".join(repr(float(v)) for v in pd.unique(np.round(orders["spend"], 1))[:5])
+    assert "(a binary label holds two values, this one " in line and f": {shown}, ...)" in line
+
+
 def test_a_category_key_joins_a_string_key_as_strings(tmp_path):
     """A pandas ``category`` column of strings (Parquet written by R or arrow) joins a plain string key: it is
     compared by its categories' kind, and its values are mapped as the strings (the same model as with the

@@ -12,8 +12,9 @@ snowflake); each edge may equate several column pairs (a composite key).
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -294,6 +295,19 @@ def class_codes(values: pd.Series, classes: Sequence[Any]) -> np.ndarray:
     return codes.astype(np.int64)
 
 
+#: what a table of the dataset spec may set (docs/datasets.md)
+TABLE_SETTINGS = ("source", "numeric", "categorical", "shards", "region", "binned", "unique", "where")
+
+
+def setting_hint(unknown: Iterable[str], known: Sequence[str]) -> str:
+    """`` (did you mean 'numeric'?)`` for the first unknown setting close to a known one, else ''."""
+    for name in sorted(map(str, unknown)):
+        close = difflib.get_close_matches(name.lower(), known, n=1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
+
+
 def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     """Build a :class:`RelationalSpec` from the dataset config (a dict or an OmegaConf node)."""
     cfg = to_dict(cfg)
@@ -304,9 +318,11 @@ def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     tables = []
     for tname, t in raw_tables.items():
         t = dict(t or {})
-        unknown = set(t) - {"source", "numeric", "categorical", "shards", "region", "binned", "unique", "where"}
+        unknown = set(t) - set(TABLE_SETTINGS)
         if unknown:
-            raise SpecError(f"table {tname!r}: unknown settings {sorted(unknown)}")
+            raise SpecError(
+                f"table {tname!r}: unknown settings {sorted(unknown)}{setting_hint(unknown, TABLE_SETTINGS)}"
+            )
         shard_spec = parse_shards(t.get("shards"), f"table {tname!r}")
         binned = tuple((str(c), int(b)) for c, b in (t.get("binned") or {}).items())
         for col, bins in binned:
@@ -512,7 +528,9 @@ def binary_classes(y: pd.Series) -> list[Any] | None:
     if set(values) <= {0, 1}:
         return None
     if len(values) != 2:
-        shown = ", ".join(map(repr, list(values)[:5])) + (", ..." if len(values) > 5 else "")
+        shown = ", ".join(map(repr, list(values[:5].tolist()))) + (
+            ", ..." if len(values) > 5 else ""
+        )  # 0.5, not np.float64(0.5)
         raise ValueError(f"a binary label holds two values, this one {len(values)}: {shown}")
     try:
         return sorted(values.tolist())
