@@ -207,8 +207,8 @@ def test_string_keys_differing_in_case_or_spaces_are_named_in_the_join_line(tmp_
     (warning,) = check_dataset(shop(tmp_path, orders, customers))[2]
     assert warning.line().endswith(
         f"add the missing rows to that table, or set dataset.on_dropped_rows=ignore to train on the rest (=error to "
-        f"refuse); {lost} rows of table 'orders' hold a key that differs from one of table 'customers' only in case "
-        "or surrounding spaces: write the keys alike in both files"
+        f"refuse); {lost} rows of table 'orders' hold a key that differs from one of table 'customers' only in case, "
+        "surrounding spaces or the way a date is written: write the keys alike in both files"
     )
     assert ", e.g. orders holds 'c7' where customers holds ' C7';" in warning.line()
     assert "'c7'" not in warning.line(values=False)  # a deployed node's line: no value
@@ -218,6 +218,28 @@ def test_string_keys_differing_in_case_or_spaces_are_named_in_the_join_line(tmp_
         "join orders.cust = customers.cust matched no rows: the join comes out empty, e.g. orders holds 'c42' where "
         "customers holds 'C42'; check the key values"
     )
+
+
+def test_date_keys_written_two_ways_are_named_in_the_join_line(tmp_path):
+    """'2024-01-31' in one file and '01/31/2024' in the other name the same day but do not join (keys join as
+    written): the empty join's line says so with the first such pair; codes of digits only (zip codes) are text."""
+    orders, customers = good(tmp_path)
+    days = pd.Timestamp("2024-01-01") + pd.to_timedelta(np.arange(50), unit="D")
+    orders["cust"] = days[orders["cust"]].strftime("%Y-%m-%d")
+    customers["cust"] = days[customers["cust"]].strftime("%m/%d/%Y")
+    (error,) = check_dataset(shop(tmp_path, orders, customers))[2]
+    first = orders["cust"][0]
+    assert error.line().startswith(
+        f"join orders.cust = customers.cust matched no rows: the join comes out empty, e.g. orders holds {first!r} "
+        f"where customers holds {pd.Timestamp(first).strftime('%m/%d/%Y')!r}; check the key values"
+    )
+    assert error.line().endswith(
+        "400 rows of table 'orders' hold a key that differs from one of table 'customers' "
+        "only in case, surrounding spaces or the way a date is written: write the keys alike in both files"
+    )
+    orders["cust"] = "0" + orders["cust"].str.replace("-", "")  # '020240101' against '01/01/2024': not dates
+    (error,) = check_dataset(shop(tmp_path, orders, customers))[2]
+    assert error.line().endswith("(no row of table 'customers' has a partner)")
 
 
 def test_a_repeated_key_in_a_joined_table_warns_unless_its_spec_says_unique(tmp_path):

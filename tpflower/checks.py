@@ -668,27 +668,34 @@ def fanout_problems(
     return out
 
 
-def _loose(frame: pd.DataFrame) -> pd.DataFrame:
-    """The key columns with text stripped of surrounding spaces and case-folded (other columns as they are)."""
-    return frame.apply(
-        lambda col: (
-            col.astype("string").str.strip().str.casefold()
-            if pd.api.types.is_object_dtype(col) or pd.api.types.is_string_dtype(col)
-            else col
-        )
-    )
+#: text that reads as a date written with separators (2000-01-31, 01/31/2000, 31.01.2000), optionally a time
+DATE_TEXT = r"^\d{1,4}[-/.]\d{1,2}[-/.]\d{1,4}([ T]\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?)?$"
+
+
+def _loose_column(col: pd.Series) -> pd.Series:
+    """A text key column stripped of surrounding spaces and case-folded, and, when every value reads as a date
+    written with separators, as the instant it names (ISO text); another column as it is."""
+    if not (pd.api.types.is_object_dtype(col) or pd.api.types.is_string_dtype(col)):
+        return col
+    text = col.astype("string").str.strip().str.casefold()
+    values = text.dropna().unique()
+    if len(values) and pd.Series(values).str.fullmatch(DATE_TEXT).all():
+        parsed = pd.to_datetime(pd.Series(values), format="mixed", errors="coerce")
+        if parsed.notna().all():
+            return text.map(dict(zip(values, parsed.dt.strftime("%Y-%m-%dT%H:%M:%S.%f"))))
+    return text
 
 
 def near_key_example(frames: Mapping[str, pd.DataFrame], edge: Any, known: str, new: str) -> tuple[int, str] | None:
-    """When a join's string keys match more rows once surrounding spaces and case are ignored (``'Abilene'``
-    against ``'ABILENE '``): how many rows of table ``known`` would then find a partner, and the first such key
+    """When a join's string keys match more rows once surrounding spaces, case and the way a date is written
+    are ignored (``'Abilene'`` against ``'ABILENE '``, ``'2000-01-31'`` against ``'01/31/2000'``): how many rows of table ``known`` would then find a partner, and the first such key
     as each table writes it (values: a simulation's line only); else None."""
     a = frames[known][list(edge.columns_of(known))]
     b = frames[new][list(edge.columns_of(new))]
     if not any(pd.api.types.is_object_dtype(c) or pd.api.types.is_string_dtype(c) for _, c in a.items()):
         return None
     raw_a, raw_b = _key_codes(a, b)
-    loose_a, loose_b = _key_codes(_loose(a), _loose(b))
+    loose_a, loose_b = _key_codes(a.apply(_loose_column), b.apply(_loose_column))
     gained = np.isin(loose_a, loose_b) & ~np.isin(raw_a, raw_b)
     if not gained.any():
         return None
@@ -722,7 +729,7 @@ def dropped_row_problems(
             ""
             if near is None
             else f"; {near[0]:,} rows of table {joins[edge][1]!r} hold a key that differs from one of table "
-            f"{new!r} only in case or surrounding spaces: write the keys alike in both files"
+            f"{new!r} only in case, surrounding spaces or the way a date is written: write the keys alike in both files"
         )
         example = None if near is None else f"e.g. {near[1]}"
         if lost == n:
