@@ -643,6 +643,19 @@ def test_a_misspelt_table_setting_is_refused_naming_the_close_one(tmp_path):
         check_dataset(dataset)
 
 
+def test_a_misspelt_dataset_setting_is_refused_naming_the_close_one(tmp_path):
+    """``join:`` for ``joins:`` left the spec without joins (the error was a disconnected join graph), ``lable:``
+    without a label: the key is named with the setting it is close to; a key close to none passes."""
+    for wrong, right in (("joins", "join"), ("label", "lable")):
+        dataset = shop(tmp_path)
+        dataset[right] = dataset.pop(wrong)
+        with pytest.raises(
+            SpecError, match=rf"^dataset 'shop': unknown setting '{right}' \(did you mean '{wrong}'\?\)$"
+        ):
+            check_dataset(dataset)
+    assert check_dataset({**shop(tmp_path), "owner_notes": "x"})[2] == []
+
+
 def test_a_binary_label_of_many_numbers_shows_them_as_written(tmp_path):
     """The example values of a binary label beyond two values read as the file's numbers (0.5), not numpy's
     reprs (np.float64(0.5))."""

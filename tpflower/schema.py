@@ -308,10 +308,35 @@ def setting_hint(unknown: Iterable[str], known: Sequence[str]) -> str:
     return ""
 
 
+#: the dataset spec's top-level settings (docs/datasets.md)
+DATASET_SETTINGS = (
+    "name",
+    "tables",
+    "label",
+    "joins",
+    "split",
+    "loader",
+    "on_dropped_rows",
+    "na_strings",
+    "label_range",
+    "sql",
+)
+
+
+def misspelt_settings(cfg: Mapping[str, Any], name: str) -> None:
+    """A top-level key one letter or so off a dataset setting (``join``, ``lable``) is refused naming the
+    setting (its section would be silently missing, and the error would be about that); other keys pass."""
+    for key in sorted(map(str, set(cfg) - set(DATASET_SETTINGS))):
+        close = difflib.get_close_matches(key.lower(), DATASET_SETTINGS, n=1, cutoff=0.8)
+        if close:
+            raise SpecError(f"dataset {name!r}: unknown setting {key!r} (did you mean {close[0]!r}?)")
+
+
 def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:
     """Build a :class:`RelationalSpec` from the dataset config (a dict or an OmegaConf node)."""
     cfg = to_dict(cfg)
     name = str(cfg.get("name", "dataset"))
+    misspelt_settings(cfg, name)
     raw_tables = cfg.get("tables")
     if not isinstance(raw_tables, Mapping) or not raw_tables:
         raise SpecError(f"dataset {name!r}: 'tables' must map table names to their specs")
