@@ -176,7 +176,7 @@ class JoinGBDT(LoJStrategy):
         for r in range(done + 1, alg.trees + 1):
             g, h = gradients(task, F, y_fit)
             trees, perms, next_id = grow_forest(self.fit_rows, g, h, self.growth, self.evaluate, next_id)
-            self.row_sums = {}  # the round's leaves' sums
+            self.row_sums, self.summed = {}, {}  # the round's leaves' sums and summed histograms
             add_leaves(F, trees, perms)
             del g, h, perms
             for tree in trees:
@@ -255,6 +255,7 @@ class JoinGBDT(LoJStrategy):
         self.fit_rows = fit = np.flatnonzero(~val).astype(index_dtype(train.N))
         self.val_rows = val_rows = np.flatnonzero(val)
         self.row_sums: dict[str, dict[int, RowSums]] = {}  # per table, node id -> its sums, until split
+        self.summed: dict[str, dict[int, np.ndarray]] = {}  # per sharded table, node id -> summed histogram
         self.growth = Growth(alg.max_leaves, alg.max_depth, alg.leaves_per_step, alg.learning_rate, alg.rule)
         self.tables = sorted(train.p)
         self.p_fit = {t: train.p[t] if not val.any() else train.p[t][fit] for t in self.tables}  # no copy: all fit
@@ -351,6 +352,9 @@ class JoinGBDT(LoJStrategy):
         self.won = {t: [] for t in self.tables}
         # a sharded table's node of each of its message rows (each shard's sizes count its part of them)
         node_of = {t: np.repeat(np.arange(k), cat[t][1]) for t in self.tables if not self.routers[t].whole}
+        # over a union: the nodes whose summed histograms are their kept summed parent's minus their sibling's
+        derived = self.summed_plan(nodes, joined)
+        derive = np.array([nodes[large].id for large, _, _ in derived], dtype=np.int64)
         dtype, messages = self.state_dtype, {}
         for t, q in self.clients:
             rows, sizes, G, H, C = cat[t]
@@ -367,6 +371,8 @@ class JoinGBDT(LoJStrategy):
             }
             if H is not None:
                 arrays["H"] = H[mask].astype(dtype, copy=False)
+            if self.sharded(t):
+                arrays["derive"] = derive
             messages[(t, q)] = (arrays, {"phase": "gbdt_hist" if self.sharded(t) else "gbdt_split"})
         replies = self.send(messages)
         shard_tables = [t for t in self.tables if self.sharded(t)]
@@ -381,6 +387,7 @@ class JoinGBDT(LoJStrategy):
                     }
                 )
             )
+            self.keep_summed(nodes, summed, derived)
         first = {t: self.routers[t].shards[0] for t in self.tables}
         gains = np.stack([np.asarray(replies[(t, first[t])][0]["gain"], dtype=np.float64) for t in self.tables])
         bits: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per table: its (node, row)s' sides, node offsets
@@ -452,14 +459,39 @@ class JoinGBDT(LoJStrategy):
             out[t] = parts
         return out
 
+    def summed_plan(self, nodes: list[Node], joined: np.ndarray) -> list[tuple[int, int, int]]:
+        """Histogram subtraction at the summed level over a union (docs/algorithms.md, Union): of two children of
+        a node whose summed histograms are kept (``summed``, the same nodes for every sharded table), the one of
+        fewer joined rows is built by the shards from their rows and summed here; the other, (its position, its
+        parent's id, its sibling's position), is the summed parent's minus it, here and on every shard."""
+        kept = next(iter(self.summed.values()), {})
+        return subtraction_plan([n.parent for n in nodes], joined.tolist(), [n.id for n in nodes], kept)[1]
+
     def summed_hist(self, t: str, replies: Mapping[Any, Any]) -> np.ndarray:
-        """The sum of a sharded table's shards' parts of the histograms (each checked by check_gbdt); shards
-        whose parts differ in shape stop the run naming the table."""
+        """The sum of a sharded table's shards' parts of the histograms of the nodes built from rows (each checked
+        by check_gbdt); shards whose parts differ in shape stop the run naming the table."""
         parts = [np.asarray(replies[(t, q)][0]["hist"]) for q in self.routers[t].shards]
         if len({p.shape for p in parts}) > 1:
             shapes = ", ".join(f"shard {q}: {p.shape}" for q, p in zip(self.routers[t].shards, parts))
             raise ReplyError(f"table {t!r}, phase 'gbdt_hist': its shards' histograms differ in shape ({shapes})")
         return sum(parts[1:], parts[0])
+
+    def keep_summed(
+        self, nodes: list[Node], summed: Mapping[str, np.ndarray], derived: list[tuple[int, int, int]]
+    ) -> None:
+        """Keep every node's summed histogram per sharded table (``summed``: those of the nodes built from rows,
+        in step order; a derived node's: its parent's minus its sibling's), each in place of its parent's, as
+        the shards do; dropped at the end of the boosting round."""
+        large = {i for i, _, _ in derived}
+        built = [i for i in range(len(nodes)) if i not in large]
+        for t, hist in summed.items():
+            kept = self.summed.setdefault(t, {})
+            at = dict(zip(built, hist))
+            for i, q, small in derived:
+                at[i] = kept[q] - at[small]
+            for q in {n.parent for n in nodes}:
+                kept.pop(q, None)
+            kept.update({nodes[i].id: h for i, h in at.items()})
 
     # ------------------------------------------------------------------------------------------ evaluation
 

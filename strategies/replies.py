@@ -172,7 +172,7 @@ def packed_bits(key: ClientKey, phase: str, bits: np.ndarray, shape: tuple[int, 
 def check_gbdt(key: ClientKey, phase: str, arrays: Mapping[str, np.ndarray], out: Mapping[str, Any]) -> None:
     """A boosted-trees reply: one gain per node sent (finite, or -inf: no split), side bits packed one per row
     sent (``gbdt_split``; a shard's own rows, unknown here, in ``gbdt_shard_split``: checked by the strategy) or
-    per (row, split) (``gbdt_route``), a shard's part of the histograms finite, (nodes, 3, bins)."""
+    per (row, split) (``gbdt_route``), a shard's part of the histograms finite, (nodes built from rows, 3, bins)."""
     nodes = len(arrays["nodes"]) if "nodes" in arrays else None
     if "gain" in out:
         gain = np.asarray(out["gain"])
@@ -185,12 +185,13 @@ def check_gbdt(key: ClientKey, phase: str, arrays: Mapping[str, np.ndarray], out
         packed_bits(key, phase, np.asarray(out["bits"]), (len(arrays["rows"]),))
     if phase == "gbdt_route":
         packed_bits(key, phase, np.asarray(out["bits"]), (len(arrays["rows"]), len(arrays["splits"])))
-    if phase == "gbdt_hist":
+    if phase == "gbdt_hist":  # the nodes built from rows: not those the shards derive (``derive``)
+        nodes = len(arrays["nodes"]) - len(arrays.get("derive", ()))
         hist = np.asarray(out["hist"])
         if hist.ndim != 3 or hist.shape[:2] != (nodes, 3) or hist.dtype.kind != "f" or not np.isfinite(hist).all():
             raise ReplyError(
                 f"{_who(key, phase)}: reply array 'hist' is {hist.dtype} {hist.shape}; the round asked for finite "
-                f"sums of g, h and rows per node ({nodes}, 3, bins)"
+                f"sums of g, h and rows per node built from rows ({nodes}, 3, bins)"
             )
 
 

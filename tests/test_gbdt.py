@@ -628,6 +628,50 @@ def test_union_equals_the_join(missing):
     assert_same_forest(join.strategy.forest, s.forest)
     phases = [ph for _, ph, _, _ in rec.got]
     assert phases.count("gbdt_shard_split") == phases.count("gbdt_hist")  # two round trips per step
+    # histogram subtraction at the summed level: the larger of two siblings travels neither way
+    hist_steps = [(a, out) for (_, ph, a, _), (_, _, out, _) in zip(rec.got, rec.sent) if ph == "gbdt_hist"]
+    down = [a["hist"] for _, ph, a, _ in rec.got if ph == "gbdt_shard_split"]
+    assert sum(len(a["derive"]) for a, _ in hist_steps) > len(hist_steps) / 4
+    for (a, out), summed in zip(hist_steps, down):
+        assert len(out["hist"]) == len(summed) == len(a["nodes"]) - len(a["derive"])
+
+
+@pytest.mark.parametrize(
+    "derive,problem",
+    [
+        ([7001], "parent's summed histogram this shard does not keep"),
+        ([7001, 7001], "names a node twice"),
+        ([7005], "not in the step"),
+    ],
+)
+def test_a_forged_subtraction_plan_is_refused_in_one_line(derive, problem):
+    """Over the union the server tells the shards which nodes' summed histograms they derive (their kept summed
+    parent's minus their sibling's): a plan deriving a node whose parent no shard keeps, or a node twice, is
+    refused naming the table, before any histogram is built."""
+    from tpflower.guard import ProtocolRefusal
+    from tpflower.phases import gbdt
+
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1", "algorithm.trees=2")
+    rec = Recorded(*small("star", "regression", *shape), "scenario=ucq")
+    client = rec.client(("fact", 0))
+    step = {
+        "nodes": np.array([7000, 7001]),
+        "parent": np.array([6999, 6999]),
+        "sizes": np.array([1, 1]),
+        "rows": np.array([0, 1]),
+        "G": np.array([0.5, -0.5]),
+        "C": np.array([1, 1]),
+        "won": np.zeros(0, dtype=np.int64),
+    }
+    with pytest.raises(ProtocolRefusal, match=problem) as err:
+        gbdt.gbdt_hist(client, {**step, "derive": np.array(derive)}, {"phase": "gbdt_hist"})
+    assert str(err.value).startswith("table 'fact' (gbdt_hist) refuses the message") and "\n" not in str(err.value)
+    # both siblings derived, or a node of no sibling in the step: nothing to subtract from the parent
+    one_child = {"nodes": np.array([7000]), "parent": np.array([6999]), "derive": np.array([7000])}
+    for plan in ({**step, "derive": np.array([7000, 7001])}, one_child):
+        assert gbdt.check_plan(plan["nodes"], plan["parent"], plan["derive"], {6999}) == (
+            "derive names a node without one sibling built from its rows"
+        )
 
 
 def test_union_shards_below_min_sketch_rows_are_refused_in_one_line_with_the_counts_and_the_setting():

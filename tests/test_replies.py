@@ -244,6 +244,10 @@ def test_a_shards_histograms_are_finite_one_per_node_and_alike_across_the_table(
     for hist in (np.zeros((1, 3, 5)), np.full((2, 3, 5), np.nan), np.zeros((2, 5))):
         with pytest.raises(ReplyError, match=r"table 't' shard 1, phase 'gbdt_hist': reply array 'hist' is"):
             check_reply(("t", 1), sent, ({"hist": hist}, {}), 10, 1)
+    derive = ({"nodes": np.arange(2), "derive": np.array([1])}, {"phase": "gbdt_hist"})  # one node derived
+    check_reply(("t", 1), derive, ({"hist": np.zeros((1, 3, 5))}, {}), 10, 1)
+    with pytest.raises(ReplyError, match=r"node built from rows \(1, 3, bins\)"):
+        check_reply(("t", 1), derive, ({"hist": np.zeros((2, 3, 5))}, {}), 10, 1)
     table = SimpleNamespace(routers={"t": SimpleNamespace(shards=[0, 1])})
     parts = {("t", 0): ({"hist": np.ones((2, 3, 5))}, {}), ("t", 1): ({"hist": np.ones((2, 3, 5))}, {})}
     assert JoinGBDT.summed_hist(table, "t", parts).sum() == 60

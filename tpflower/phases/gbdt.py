@@ -25,9 +25,10 @@ minus it.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,21 +142,23 @@ _INPUTS: dict[str, dict[str, str]] = {
         "won": "id",
     },
     "gbdt_route": {"rows": "row", "splits": "id", "won": "id"},
+    "gbdt_hist": {},  # gbdt_split's and ``derive`` (below)
     "gbdt_edges": {"edges": "float", "sizes": "count"},
     "gbdt_shard_split": {"nodes": "id", "hist": "any"},
 }
+_INPUTS["gbdt_hist"] = {**_INPUTS["gbdt_split"], "derive": "id"}
 
 
-def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str = "") -> dict[str, np.ndarray]:
+def check_inputs(client: TableClient, phase: str, arrays: Arrays, kept: Container[int] = ()) -> dict[str, np.ndarray]:
     """Every input of a gbdt phase, checked in one place before anything is computed: exactly the phase's
     names, vectors, integer or finite float dtypes, rows of this table, per-row arrays of one length, sizes that
-    add up to the rows, one count per table row (gbdt_bins) and counts >= 1, hessian sums >= 0. Returns
-    them with node ids, sizes and G_iu as int64, the rows and counts C in their integer dtype and the sums in
-    float32 or float64 (no per-row copy)."""
+    add up to the rows, one count per table row (gbdt_bins) and counts >= 1, hessian sums >= 0, and a shard's
+    subtraction plan (gbdt_hist's ``derive``, :func:`check_plan`; ``kept``: the nodes whose summed histograms
+    the shard keeps). Returns them with node ids, sizes and G_iu as int64, the rows and counts C in their
+    integer dtype and the sums in float32 or float64 (no per-row copy)."""
     expected = dict(_INPUTS[phase])
-    if phase == "gbdt_split" and client.settings.spec.label.task == "regression":
+    if phase in ("gbdt_split", "gbdt_hist") and client.settings.spec.label.task == "regression":
         del expected["H"]  # squared error: h = 1, the counts are the hessian sums
-    phase = as_phase or phase  # gbdt_hist takes gbdt_split's inputs
     if set(arrays) != set(expected):
         raise _refuse(client, phase, "its arrays are not the phase's inputs", f"got {sorted(arrays)}")
     n_rows = len(client.local.X)
@@ -204,7 +207,31 @@ def check_inputs(client: TableClient, phase: str, arrays: Arrays, as_phase: str 
             raise _refuse(client, phase, "a hessian sum is negative")
         if len(set(out["nodes"].tolist())) != n:
             raise _refuse(client, phase, "a node appears twice")
+    if phase == "gbdt_hist":
+        problem = check_plan(out["nodes"], out["parent"], out["derive"], kept)
+        if problem:
+            raise _refuse(client, phase, problem)
     return out
+
+
+def check_plan(nodes: np.ndarray, parent: np.ndarray, derive: np.ndarray, kept: Container[int]) -> str:
+    """What is wrong with a step's subtraction plan over a union (empty: nothing): each node of ``derive`` (its
+    summed histogram the parent's minus its sibling's, docs/algorithms.md, Union) must be a node of the step,
+    named once, whose parent's summed histogram the shard keeps (``kept``) and whose one sibling in the step is
+    built from rows."""
+    ids = derive.tolist()
+    if len(set(ids)) != len(ids):
+        return "derive names a node twice"
+    at = {n: i for i, n in enumerate(nodes.tolist())}
+    if any(n not in at for n in ids):
+        return "derive names a node that is not in the step"
+    of = parent[[at[n] for n in ids]].tolist()
+    if any(q not in kept for q in of):  # (a root's parent, -1, is never kept)
+        return "derive names a node whose parent's summed histogram this shard does not keep"
+    children = collections.Counter(parent.tolist())
+    if len(set(of)) != len(of) or any(children[q] != 2 for q in of):
+        return "derive names a node without one sibling built from its rows"
+    return ""
 
 
 # ------------------------------------------------------------------------------------------------ owner state
@@ -411,40 +438,52 @@ def node_totals(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.where(sizes > 0, np.add.reduceat(values, np.minimum(starts, len(values) - 1), dtype=np.int64), 0)
 
 
+def new_round(client: TableClient, owner: OwnerTrees, a: Mapping[str, np.ndarray], kept: str) -> dict[int, Any]:
+    """The histograms the owner keeps for subtraction (cache ``kept``: its own, or a shard's summed ones), emptied
+    with the proposals when the step holds a root (a new boosting round: the last round's are done)."""
+    hists: dict[int, Any] = owner.cache.setdefault(kept, {})
+    if (a["parent"] < 0).any():
+        client.state.put("gbdt.proposals", np.zeros((0, 5), dtype=np.int64))
+        hists.clear()
+    return hists
+
+
+def built_histograms(owner: OwnerTrees, a: Mapping[str, np.ndarray], direct: list[int]) -> np.ndarray:
+    """The histograms (len(direct), 3, total) of the message's nodes at positions ``direct`` (ascending), built
+    together from their rows (tpflower.trees.histograms)."""
+    layout = owner.layout
+    if not direct:
+        return np.zeros((0, 3, layout.total))
+    parts = [size_slices(a["sizes"])[i] for i in direct]
+
+    def rows_of(x: np.ndarray | None) -> np.ndarray | None:  # the direct nodes' part of a per-row array
+        if x is None or len(direct) == len(a["nodes"]):
+            return x
+        return np.concatenate([x[s] for s in parts])
+
+    C = rows_of(a["C"])
+    return histograms(
+        owner.codes,
+        rows_of(a["rows"]),
+        rows_of(a["G"]),
+        rows_of(a.get("H")),  # None: squared error, h = 1, so H is the count
+        None if (C == 1).all() else C,  # None: one joined row each
+        layout.total,
+        np.repeat(np.arange(len(direct)), a["sizes"][direct]),
+        len(direct),
+        owner.bundles,
+    )
+
+
 def node_histograms(client: TableClient, owner: OwnerTrees, a: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
     """The histograms of the message's nodes (node id -> (3, total)); of two siblings the one with fewer joined
     rows is built from its rows, the other is the parent's minus it (parents' histograms kept between
     messages of a boosting round). The nodes built from rows are built together (tpflower.trees.histograms)."""
-    codes, layout = owner.codes, owner.layout
-    hists: dict[int, np.ndarray] = owner.cache.setdefault("hists", {})
-    if (a["parent"] < 0).any():  # a new boosting round: the last round's proposals and histograms are done
-        client.state.put("gbdt.proposals", np.zeros((0, 5), dtype=np.int64))
-        hists.clear()
+    hists = new_round(client, owner, a, "hists")
     nodes, parents = a["nodes"].tolist(), a["parent"].tolist()
     joined = node_totals(a["C"], a["sizes"])  # each node's joined rows
     direct, derived = subtraction_plan(parents, joined.tolist(), nodes, hists)  # built from rows; by subtraction
-    built = np.zeros((0, 3, layout.total))
-    if direct:
-        slices = size_slices(a["sizes"])
-        parts = [slices[i] for i in direct]
-
-        def rows_of(x: np.ndarray | None) -> np.ndarray | None:  # the direct nodes' part of a per-row array
-            if x is None or len(direct) == len(nodes):
-                return x
-            return np.concatenate([x[s] for s in parts])
-
-        C = rows_of(a["C"])
-        built = histograms(
-            codes,
-            rows_of(a["rows"]),
-            rows_of(a["G"]),
-            rows_of(a.get("H")),  # None: squared error, h = 1, so H is the count
-            None if (C == 1).all() else C,  # None: one joined row each
-            layout.total,
-            np.repeat(np.arange(len(direct)), a["sizes"][direct]),
-            len(direct),
-            owner.bundles,
-        )
+    built = built_histograms(owner, a, direct)
     new = {nodes[i]: built[j] for j, i in enumerate(direct)}
     for large, q, small in derived:
         new[nodes[large]] = hists[q] - new[nodes[small]]
@@ -514,20 +553,46 @@ def gbdt_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
 
 
 def gbdt_hist(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """A shard of a sharded table, first half of a step: its part of each node's histogram (the server sums
-    the shards'); the node's rows are kept for ``gbdt_shard_split``."""
-    a = check_inputs(client, "gbdt_split", arrays, "gbdt_hist")
+    """A shard of a sharded table, first half of a step: its part of the histogram of each node but those of
+    ``derive`` (the server's subtraction plan, checked by :func:`check_plan`), built from its rows; the server
+    sums the shards' parts. The step's nodes and rows are kept for ``gbdt_shard_split``."""
     owner = OwnerTrees(client)
+    a = check_inputs(client, "gbdt_hist", arrays, owner.cache.get("summed", {}))
     owner.accept(a["won"])
-    hists = node_histograms(client, owner, a)
+    new_round(client, owner, a, "summed")
+    derive = np.isin(a["nodes"], a["derive"])
+    hist = built_histograms(owner, a, np.flatnonzero(~derive).tolist())
     client.state.put("gbdt.pending_rows", a["rows"])  # in the node's state: the next message may reach another
-    client.state.put("gbdt.pending_nodes", np.stack([a["nodes"], a["sizes"], a["parent"]]))  # worker (Flower's)
-    return {"hist": np.stack([hists[n] for n in node_parts(a)]) if len(a["nodes"]) else np.zeros((0, 3, 0))}, {}
+    pending = np.stack([a["nodes"], a["sizes"], a["parent"], derive.astype(np.int64)])  # worker (Flower's)
+    client.state.put("gbdt.pending_nodes", pending)
+    return {"hist": hist}, {}
+
+
+def summed_histograms(
+    client: TableClient, owner: OwnerTrees, pending: np.ndarray, hist: np.ndarray
+) -> dict[int, np.ndarray]:
+    """Every node's summed histogram (node id -> (3, total)) from those the server sent (``hist``, the nodes
+    built from rows, in step order): a derived node's is its kept summed parent's minus its sibling's, as the
+    server's (docs/algorithms.md, Union). The step's summed histograms replace their parents' in the cache."""
+    nodes, parents, derived = pending[0].tolist(), pending[2].tolist(), pending[3].astype(bool)
+    summed: dict[int, np.ndarray] = owner.cache.setdefault("summed", {})
+    out = dict(zip(pending[0][~derived].tolist(), hist))
+    for i in np.flatnonzero(derived).tolist():
+        q = parents[i]
+        if q not in summed:  # checked at gbdt_hist: the cache was lost in between (a restarted node)
+            raise _refuse(client, "gbdt_shard_split", "a derived node's parent's summed histogram is not kept")
+        sibling = next(n for n, p in zip(nodes, parents) if p == q and n != nodes[i])
+        out[nodes[i]] = summed[q] - out[sibling]
+    for q in set(parents):
+        summed.pop(q, None)
+    summed.update(out)
+    return {n: out[n] for n in nodes}
 
 
 def gbdt_shard_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
-    """A shard of a sharded table, second half of a step: the table's best split per node from the summed
-    histograms (every shard finds the same) and the side bits of this shard's rows of the node."""
+    """A shard of a sharded table, second half of a step: the summed histograms of the nodes built from rows
+    (the server's sums of the shards' parts), the others derived (:func:`summed_histograms`); the table's best
+    split per node (every shard finds the same) and the side bits of this shard's rows of the node."""
     a = check_inputs(client, "gbdt_shard_split", arrays)
     owner = OwnerTrees(client)
     rows, pending = client.state.get("gbdt.pending_rows"), client.state.get("gbdt.pending_nodes")
@@ -538,12 +603,14 @@ def gbdt_shard_split(client: TableClient, arrays: Arrays, config: Mapping[str, A
     if list(part) != a["nodes"].tolist():
         raise _refuse(client, "gbdt_shard_split", "its nodes are not those of the histogram step")
     hist = np.asarray(arrays["hist"], dtype=np.float64)
-    if hist.shape != (len(part), 3, owner.layout.total) or not np.isfinite(hist).all():
-        raise _refuse(client, "gbdt_shard_split", "hist is not one finite histogram per node")
+    built = int(len(part) - pending[3].sum())
+    if hist.shape != (built, 3, owner.layout.total) or not np.isfinite(hist).all():
+        raise _refuse(client, "gbdt_shard_split", "hist is not one finite histogram per node built from rows")
+    hists = summed_histograms(client, owner, pending, hist)
     roots = np.flatnonzero(pending[2] < 0)
     if len(roots):
-        owner.learn_empty_missing(hist[roots[0]])
-    return answer(client, owner, rows, part, dict(zip(part, hist)))
+        owner.learn_empty_missing(hists[int(pending[0][roots[0]])])
+    return answer(client, owner, rows, part, hists)
 
 
 def gbdt_route(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
@@ -593,7 +660,8 @@ BINS = Stage("gbdt_bins", {"gbdt_bins": Phase(gbdt_bins, inputs=takes("G"), exac
 EDGES = Stage("gbdt_edges", {"gbdt_edges": Phase(gbdt_edges, sharded, inputs=takes("edges", "sizes"))})
 TRAIN = {
     "gbdt_split": Phase(gbdt_split, unsharded, inputs=takes(*_NODE_SUMS), exact=True),
-    "gbdt_hist": Phase(gbdt_hist, sharded, inputs=takes(*_NODE_SUMS), exact=True),
+    # the server's subtraction plan: the nodes whose summed histograms come from their parent's (docs/algorithms.md)
+    "gbdt_hist": Phase(gbdt_hist, sharded, inputs=takes(*_NODE_SUMS, "derive"), exact=True),
     # the server's sum of the table's shards' histograms, only right after this shard's own part (gbdt_hist)
     "gbdt_shard_split": Phase(
         gbdt_shard_split, sharded, inputs=takes("nodes", union={"hist": "gbdt_hist"}), exact=True
