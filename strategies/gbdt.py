@@ -555,6 +555,7 @@ class JoinGBDT(LoJStrategy):
 class UnionGBDT(JoinGBDT):
     """algorithm=gbdt scenario=ucq: over the union, a sharded table's shards bin on the edges the server merged
     from their sketches and answer their parts of the histograms, summed by the server (two round trips per
-    step)."""
+    step); of two siblings whose parent's summed histogram is kept, only the smaller's travels, both ways
+    (:meth:`JoinGBDT.summed_plan`)."""
 
     algorithm = "ucq_gbdt"

@@ -18,9 +18,10 @@ join; server: strategies/gbdt.py; shared math: tpflower/trees.py).
                                                         splits ``splits`` (packed, row-major): evaluation of
                                                         the test and validation rows
 
-Histograms, bins, features, thresholds and category sets never leave the node. Histogram subtraction: of two
+Histograms, bins, features, thresholds and category sets never leave the node (over a union, a shard's histograms
+go to the server, which sums them: gbdt_hist, then gbdt_shard_split with the sums). Histogram subtraction: of two
 siblings, the histogram of the one with fewer joined rows is built from its rows and the other's is the parent's
-minus it.
+minus it; over a union at the summed level, on the server's plan (gbdt_hist's ``derive``, :func:`check_plan`).
 """
 
 from __future__ import annotations
