@@ -377,17 +377,25 @@ class JoinGBDT(LoJStrategy):
         replies = self.send(messages)
         shard_tables = [t for t in self.tables if self.sharded(t)]
         if shard_tables:  # the shards' histograms summed, then each shard's split and bits
-            summed = {t: self.summed_hist(t, replies) for t in shard_tables}
+            large = {i for i, _, _ in derived}
+            built = [i for i in range(k) if i not in large]
+            summed = {t: self.summed_hist(t, replies, built) for t in shard_tables}
+            every = self.keep_summed(nodes, summed, derived)
             replies.update(
                 self.send(
-                    {
-                        (t, q): ({"nodes": ids, "hist": summed[t]}, {"phase": "gbdt_shard_split"})
+                    {  # a shard that answered every node's part (it lost its memory) gets every node's sum
+                        (t, q): (
+                            {
+                                "nodes": ids,
+                                "hist": every[t] if len(replies[(t, q)][0]["hist"]) > len(built) else summed[t],
+                            },
+                            {"phase": "gbdt_shard_split"},
+                        )
                         for t, q in self.clients
                         if t in summed
                     }
                 )
             )
-            self.keep_summed(nodes, summed, derived)
         first = {t: self.routers[t].shards[0] for t in self.tables}
         gains = np.stack([np.asarray(replies[(t, first[t])][0]["gain"], dtype=np.float64) for t in self.tables])
         bits: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per table: its (node, row)s' sides, node offsets
@@ -467,10 +475,12 @@ class JoinGBDT(LoJStrategy):
         kept = next(iter(self.summed.values()), {})
         return subtraction_plan([n.parent for n in nodes], joined.tolist(), [n.id for n in nodes], kept)[1]
 
-    def summed_hist(self, t: str, replies: Mapping[Any, Any]) -> np.ndarray:
-        """The sum of a sharded table's shards' parts of the histograms of the nodes built from rows (each checked
-        by check_gbdt); shards whose parts differ in shape stop the run naming the table."""
+    def summed_hist(self, t: str, replies: Mapping[Any, Any], built: list[int]) -> np.ndarray:
+        """The sum of a sharded table's shards' parts of the histograms of the nodes built from rows (positions
+        ``built`` of the step; each part checked by check_gbdt: of those nodes, or of every node from a shard
+        that lost its memory); shards whose parts differ in shape stop the run naming the table."""
         parts = [np.asarray(replies[(t, q)][0]["hist"]) for q in self.routers[t].shards]
+        parts = [p[built] if len(p) > len(built) else p for p in parts]
         if len({p.shape for p in parts}) > 1:
             shapes = ", ".join(f"shard {q}: {p.shape}" for q, p in zip(self.routers[t].shards, parts))
             raise ReplyError(f"table {t!r}, phase 'gbdt_hist': its shards' histograms differ in shape ({shapes})")
@@ -478,12 +488,13 @@ class JoinGBDT(LoJStrategy):
 
     def keep_summed(
         self, nodes: list[Node], summed: Mapping[str, np.ndarray], derived: list[tuple[int, int, int]]
-    ) -> None:
+    ) -> dict[str, np.ndarray]:
         """Keep every node's summed histogram per sharded table (``summed``: those of the nodes built from rows,
         in step order; a derived node's: its parent's minus its sibling's), each in place of its parent's, as
-        the shards do; dropped at the end of the boosting round."""
+        the shards do; dropped at the end of the boosting round. Returns every node's, in step order."""
         large = {i for i, _, _ in derived}
         built = [i for i in range(len(nodes)) if i not in large]
+        out: dict[str, np.ndarray] = {}
         for t, hist in summed.items():
             kept = self.summed.setdefault(t, {})
             at = dict(zip(built, hist))
@@ -492,6 +503,8 @@ class JoinGBDT(LoJStrategy):
             for q in {n.parent for n in nodes}:
                 kept.pop(q, None)
             kept.update({nodes[i].id: h for i, h in at.items()})
+            out[t] = np.stack([at[i] for i in range(len(nodes))]) if nodes else hist
+        return out
 
     # ------------------------------------------------------------------------------------------ evaluation
 

@@ -185,10 +185,15 @@ def check_gbdt(key: ClientKey, phase: str, arrays: Mapping[str, np.ndarray], out
         packed_bits(key, phase, np.asarray(out["bits"]), (len(arrays["rows"]),))
     if phase == "gbdt_route":
         packed_bits(key, phase, np.asarray(out["bits"]), (len(arrays["rows"]), len(arrays["splits"])))
-    if phase == "gbdt_hist":  # the nodes built from rows: not those the shards derive (``derive``)
-        nodes = len(arrays["nodes"]) - len(arrays.get("derive", ()))
+    if phase == "gbdt_hist":  # the nodes built from rows: not those the shards derive (``derive``), unless
+        nodes = len(arrays["nodes"]) - len(arrays.get("derive", ()))  # the shard lost its memory: every node
         hist = np.asarray(out["hist"])
-        if hist.ndim != 3 or hist.shape[:2] != (nodes, 3) or hist.dtype.kind != "f" or not np.isfinite(hist).all():
+        if (
+            hist.ndim != 3
+            or hist.shape[:2] not in ((nodes, 3), (len(arrays["nodes"]), 3))
+            or hist.dtype.kind != "f"
+            or not np.isfinite(hist).all()
+        ):
             raise ReplyError(
                 f"{_who(key, phase)}: reply array 'hist' is {hist.dtype} {hist.shape}; the round asked for finite "
                 f"sums of g, h and rows per node built from rows ({nodes}, 3, bins)"

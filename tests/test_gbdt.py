@@ -639,9 +639,9 @@ def test_union_equals_the_join(missing):
 @pytest.mark.parametrize(
     "derive,problem",
     [
-        ([7001], "parent's summed histogram this shard does not keep"),
-        ([7001, 7001], "names a node twice"),
-        ([7005], "not in the step"),
+        ([900000001], "parent's summed histogram this shard does not keep"),
+        ([900000001, 900000001], "names a node twice"),
+        ([900000005], "not in the step"),
     ],
 )
 def test_a_forged_subtraction_plan_is_refused_in_one_line(derive, problem):
@@ -655,8 +655,8 @@ def test_a_forged_subtraction_plan_is_refused_in_one_line(derive, problem):
     rec = Recorded(*small("star", "regression", *shape), "scenario=ucq")
     client = rec.client(("fact", 0))
     step = {
-        "nodes": np.array([7000, 7001]),
-        "parent": np.array([6999, 6999]),
+        "nodes": np.array([900000000, 900000001]),
+        "parent": np.array([899999999, 899999999]),
         "sizes": np.array([1, 1]),
         "rows": np.array([0, 1]),
         "G": np.array([0.5, -0.5]),
@@ -667,11 +667,35 @@ def test_a_forged_subtraction_plan_is_refused_in_one_line(derive, problem):
         gbdt.gbdt_hist(client, {**step, "derive": np.array(derive)}, {"phase": "gbdt_hist"})
     assert str(err.value).startswith("table 'fact' (gbdt_hist) refuses the message") and "\n" not in str(err.value)
     # both siblings derived, or a node of no sibling in the step: nothing to subtract from the parent
-    one_child = {"nodes": np.array([7000]), "parent": np.array([6999]), "derive": np.array([7000])}
-    for plan in ({**step, "derive": np.array([7000, 7001])}, one_child):
-        assert gbdt.check_plan(plan["nodes"], plan["parent"], plan["derive"], {6999}) == (
+    one_child = {"nodes": np.array([900000000]), "parent": np.array([899999999]), "derive": np.array([900000000])}
+    for plan in ({**step, "derive": np.array([900000000, 900000001])}, one_child):
+        assert gbdt.check_plan(plan["nodes"], plan["parent"], plan["derive"], {899999999}) == (
             "derive names a node without one sibling built from its rows"
         )
+
+
+def test_a_shard_that_loses_its_memory_between_messages_gets_every_summed_histogram(monkeypatch):
+    """A shard whose summed parent histograms are gone (a node process per message, as a stock SuperNode's
+    without isolation) cannot derive a node's: it builds every node's part and the server sends it every node's
+    sum (the others still derive), and the trees stay the join's."""
+    from tpflower.phases import gbdt
+
+    init = gbdt.OwnerTrees.__init__
+
+    def forgetful(self, client):
+        init(self, client)
+        if client.settings.table == "fact" and client.settings.shard == 0:
+            self.cache = {}  # nothing kept from one message to the next
+
+    monkeypatch.setattr(gbdt.OwnerTrees, "__init__", forgetful)
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1")
+    rec = Recorded(*small("star", "regression", *shape), "scenario=ucq")
+    down = {(key, len(a["derive"]), len(a["nodes"])) for key, ph, a, _ in rec.got if ph == "gbdt_hist"}
+    full = [len(a["hist"]) for key, ph, a, _ in rec.got if ph == "gbdt_shard_split" and key == ("fact", 0)]
+    part = [len(a["hist"]) for key, ph, a, _ in rec.got if ph == "gbdt_shard_split" and key == ("fact", 1)]
+    assert any(d for _, d, _ in down) and sum(full) > sum(part)
+    monkeypatch.undo()
+    assert_same_forest(Recorded(*small("star", "regression", *shape)).strategy.forest, rec.strategy.forest)
 
 
 def test_union_shards_below_min_sketch_rows_are_refused_in_one_line_with_the_counts_and_the_setting():

@@ -246,14 +246,16 @@ def test_a_shards_histograms_are_finite_one_per_node_and_alike_across_the_table(
             check_reply(("t", 1), sent, ({"hist": hist}, {}), 10, 1)
     derive = ({"nodes": np.arange(2), "derive": np.array([1])}, {"phase": "gbdt_hist"})  # one node derived
     check_reply(("t", 1), derive, ({"hist": np.zeros((1, 3, 5))}, {}), 10, 1)
+    check_reply(("t", 1), derive, ({"hist": np.zeros((2, 3, 5))}, {}), 10, 1)  # a shard that lost its memory
     with pytest.raises(ReplyError, match=r"node built from rows \(1, 3, bins\)"):
-        check_reply(("t", 1), derive, ({"hist": np.zeros((2, 3, 5))}, {}), 10, 1)
+        check_reply(("t", 1), derive, ({"hist": np.zeros((3, 3, 5))}, {}), 10, 1)
     table = SimpleNamespace(routers={"t": SimpleNamespace(shards=[0, 1])})
     parts = {("t", 0): ({"hist": np.ones((2, 3, 5))}, {}), ("t", 1): ({"hist": np.ones((2, 3, 5))}, {})}
-    assert JoinGBDT.summed_hist(table, "t", parts).sum() == 60
+    assert JoinGBDT.summed_hist(table, "t", parts, [0, 1]).sum() == 60
+    assert JoinGBDT.summed_hist(table, "t", parts, [1]).sum() == 30  # node 0 derived (a part of every node: cut)
     parts[("t", 1)] = ({"hist": np.ones((2, 3, 4))}, {})
     with pytest.raises(ReplyError, match=r"table 't', phase 'gbdt_hist': its shards' histograms differ in shape"):
-        JoinGBDT.summed_hist(table, "t", parts)
+        JoinGBDT.summed_hist(table, "t", parts, [0, 1])
 
 
 def test_a_shards_side_bits_are_checked_against_its_rows():

@@ -555,18 +555,31 @@ def gbdt_split(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -
 
 def gbdt_hist(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) -> tuple[Arrays, dict[str, Any]]:
     """A shard of a sharded table, first half of a step: its part of the histogram of each node but those of
-    ``derive`` (the server's subtraction plan, checked by :func:`check_plan`), built from its rows; the server
-    sums the shards' parts. The step's nodes and rows are kept for ``gbdt_shard_split``."""
+    ``derive`` (the server's subtraction plan, checked by :func:`check_plan` against the nodes whose summed
+    histograms the shard keeps), built from its rows; the server sums the shards' parts. A shard that lost a
+    parent's summed histogram from its memory (a restarted node) builds every node's part, as the server then
+    sends it every node's sum. The step's nodes and rows are kept for ``gbdt_shard_split``."""
     owner = OwnerTrees(client)
-    a = check_inputs(client, "gbdt_hist", arrays, owner.cache.get("summed", {}))
+    a = check_inputs(client, "gbdt_hist", arrays, summed_ids(client).tolist())
     owner.accept(a["won"])
-    new_round(client, owner, a, "summed")
+    summed = new_round(client, owner, a, "summed")
+    if (a["parent"] < 0).any():
+        client.state.put("gbdt.summed_ids", np.zeros(0, dtype=np.int64))
     derive = np.isin(a["nodes"], a["derive"])
+    if not all(q in summed for q in a["parent"][derive].tolist()):  # kept by the protocol, lost by this process
+        derive[:] = False
     hist = built_histograms(owner, a, np.flatnonzero(~derive).tolist())
     client.state.put("gbdt.pending_rows", a["rows"])  # in the node's state: the next message may reach another
     pending = np.stack([a["nodes"], a["sizes"], a["parent"], derive.astype(np.int64)])  # worker (Flower's)
     client.state.put("gbdt.pending_nodes", pending)
     return {"hist": hist}, {}
+
+
+def summed_ids(client: TableClient) -> np.ndarray:
+    """The nodes whose summed histograms a shard keeps, by the protocol (in the node's state; the histograms
+    themselves are in its memory)."""
+    ids = client.state.get("gbdt.summed_ids")
+    return np.zeros(0, dtype=np.int64) if ids is None else ids
 
 
 def summed_histograms(
@@ -580,13 +593,15 @@ def summed_histograms(
     out = dict(zip(pending[0][~derived].tolist(), hist))
     for i in np.flatnonzero(derived).tolist():
         q = parents[i]
-        if q not in summed:  # checked at gbdt_hist: the cache was lost in between (a restarted node)
+        if q not in summed:  # there at gbdt_hist: this node's memory was lost in between
             raise _refuse(client, "gbdt_shard_split", "a derived node's parent's summed histogram is not kept")
         sibling = next(n for n, p in zip(nodes, parents) if p == q and n != nodes[i])
         out[nodes[i]] = summed[q] - out[sibling]
     for q in set(parents):
         summed.pop(q, None)
     summed.update(out)
+    ids = np.union1d(np.setdiff1d(summed_ids(client), pending[2]), pending[0])
+    client.state.put("gbdt.summed_ids", ids.astype(np.int64))
     return {n: out[n] for n in nodes}
 
 
