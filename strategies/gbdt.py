@@ -18,7 +18,7 @@ trees of the best one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -387,7 +387,7 @@ class JoinGBDT(LoJStrategy):
                         (t, q): (
                             {
                                 "nodes": ids,
-                                "hist": every[t] if len(replies[(t, q)][0]["hist"]) > len(built) else summed[t],
+                                "hist": every(t) if len(replies[(t, q)][0]["hist"]) > len(built) else summed[t],
                             },
                             {"phase": "gbdt_shard_split"},
                         )
@@ -488,13 +488,13 @@ class JoinGBDT(LoJStrategy):
 
     def keep_summed(
         self, nodes: list[Node], summed: Mapping[str, np.ndarray], derived: list[tuple[int, int, int]]
-    ) -> dict[str, np.ndarray]:
+    ) -> Callable[[str], np.ndarray]:
         """Keep every node's summed histogram per sharded table (``summed``: those of the nodes built from rows,
         in step order; a derived node's: its parent's minus its sibling's), each in place of its parent's, as
-        the shards do; dropped at the end of the boosting round. Returns every node's, in step order."""
+        the shards do; dropped at the end of the boosting round. Returns a function giving a table's every
+        node's, in step order (stacked only for a shard that lost its memory)."""
         large = {i for i, _, _ in derived}
         built = [i for i in range(len(nodes)) if i not in large]
-        out: dict[str, np.ndarray] = {}
         for t, hist in summed.items():
             kept = self.summed.setdefault(t, {})
             at = dict(zip(built, hist))
@@ -503,8 +503,7 @@ class JoinGBDT(LoJStrategy):
             for q in {n.parent for n in nodes}:
                 kept.pop(q, None)
             kept.update({nodes[i].id: h for i, h in at.items()})
-            out[t] = np.stack([at[i] for i in range(len(nodes))]) if nodes else hist
-        return out
+        return lambda t: np.stack([self.summed[t][n.id] for n in nodes]) if nodes else summed[t]
 
     # ------------------------------------------------------------------------------------------ evaluation
 
