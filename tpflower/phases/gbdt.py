@@ -560,7 +560,7 @@ def gbdt_hist(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     parent's summed histogram from its memory (a restarted node) builds every node's part, as the server then
     sends it every node's sum. The step's nodes and rows are kept for ``gbdt_shard_split``."""
     owner = OwnerTrees(client)
-    a = check_inputs(client, "gbdt_hist", arrays, summed_ids(client).tolist())
+    a = check_inputs(client, "gbdt_hist", arrays, set(summed_ids(client).tolist()))
     owner.accept(a["won"])
     summed = new_round(client, owner, a, "summed")
     if (a["parent"] < 0).any():
