@@ -305,6 +305,7 @@ class LoJStrategy(TablePuppetStrategy):
     one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
     checkpointed: tuple[str, ...] = ("selection",)  # the strategy's own attributes an epoch's checkpoint keeps
     predictor = True  # the nodes save their parts of the trained f_i at the end (model.json; simulations.predict)
+    labelled = True  # False: the algorithm ignores the label (k-means): no constant-predictor reference or warning
     # the top-level validation_fraction: "select" (setup holds out the validation part of the training join and
     # the run keeps the model of its best evaluation: strategies.selection), "own" (the strategy reads it
     # itself: boosted trees) or "none" (a solver that keeps no validation part: above 0 is refused)
@@ -346,7 +347,7 @@ class LoJStrategy(TablePuppetStrategy):
         self.validation_fraction = self.validation_share()
         self.join = JoinSetup(self.send, spec, cfg, self.clients, self.privacy, log, self.validation_fraction)
         self.selection = ModelSelection(self.task, LabelScale(), None, 0)  # set up with the validation rows
-        self.record = RunRecord(self.send, self.join, self.task, self.privacy, log)
+        self.record = RunRecord(self.send, self.join, self.task, self.privacy, log, labelled=self.labelled)
         self.checkpoints = self._checkpoints(bool(cfg.get("resume", False)))
 
     def validation_share(self) -> float:

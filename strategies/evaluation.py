@@ -47,14 +47,21 @@ class RunRecord(Saved):
     """The results, the meters and the evaluation of one run.
 
     ``send``: the strategy's round (for label DP's ``evaluate`` rounds); ``setup``: what the setup rounds
-    built (test labels, the label owner's evaluation split, the label scale, the prediction width)."""
+    built (test labels, the label owner's evaluation split, the label scale, the prediction width); ``labelled``
+    False: the algorithm ignores the label (k-means), so no constant predictor is scored as its reference."""
 
     SAVED = ("comm", "results", "eps_spent")  # what an epoch's checkpoint keeps of it
 
     def __init__(
-        self, send: Send, setup: SetupResult, task: str, privacy: Mapping[str, Any], log: Callable[[str], None] = print
+        self,
+        send: Send,
+        setup: SetupResult,
+        task: str,
+        privacy: Mapping[str, Any],
+        log: Callable[[str], None] = print,
+        labelled: bool = True,
     ):
-        self.send, self.setup, self.log = send, setup, log
+        self.send, self.setup, self.log, self.labelled = send, setup, log, labelled
         self.task = task
         self.metric = primary_metric(task)
         self.privacy = privacy
@@ -87,7 +94,7 @@ class RunRecord(Saved):
         self.results.shard_rows = {t: list(n) for t, n in (shard_rows or {}).items()}
         self.results.privacy = dp.privacy_summary(self.privacy, self.task, 0.0 if self.feature_dp else None)
         y_test, d_out = self.setup.y_test, self.setup.d_out
-        if y_test is not None:  # label DP: the label owner scores the constant predictor at the first evaluation
+        if y_test is not None and self.labelled:  # label DP: the label owner scores it at the first evaluation
             self.results.reference = reference_metrics(self.task, y_train, y_test, d_out)  # label units
 
     def reference_text(self) -> str:

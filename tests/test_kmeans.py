@@ -178,3 +178,16 @@ def test_a_k_beyond_the_owners_group_bound_is_one_line_from_the_server():
     line = str(refused.value)
     assert "\n" not in line, line
     assert re.match(r"algorithm\.k=5000: k-means over the join's \d+ rows has at most \d+ centres", line), line
+
+
+def test_kmeans_has_no_constant_predictor_reference_nor_its_warning():
+    """k-means ignores the label: its summary line names no constant predictor, results.json holds no
+    reference, and its cost (in feature units) is never compared with the label's RMSE in a warning line (it
+    said 'worse than predicting a constant (test rmse 3.6867 ...); a larger model.beta' on movielens)."""
+    lines: list[str] = []
+    cfg = make_cfg("algorithm=kmeans", "dataset=synthetic", "algorithm.k=4")
+    strategy = run_in_process(cfg, None, log=lines.append).strategy
+    assert strategy.results.reference == {}
+    text = "\n".join(lines)
+    assert "constant predictor" not in text and "warning" not in text, text
+    assert strategy.results.history[-1].test_metric > 1.0  # above synthetic's constant RMSE: it was warned of
