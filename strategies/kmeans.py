@@ -75,6 +75,32 @@ def check_k(k: int, joined: int, min_group_rows: int) -> None:
         )
 
 
+def check_table_k(k: int, rows: dict[str, int], min_group_rows: int, coreset: bool) -> None:
+    """Each table's k local centres each cover at least ``min_group_rows`` of its rows in the join (or in the
+    coreset: ``rows``, table -> rows of positive weight, what its node counts), so k <= rows // min_group_rows
+    for every table; beyond it that node refuses (tpflower.phases.kmeans.kmeans_local): one line here naming
+    the table with the fewest rows, before any node clusters."""
+    table = min(rows, key=rows.__getitem__)
+    n, g = rows[table], min_group_rows
+    if k * g <= n:
+        return
+    options = [f"algorithm.k={n // g} or less"] if n >= g else []
+    if n >= k:
+        lower = f"min_group_rows={n // k}" + (" or less" if n // k > 1 else "")
+        options.append(f"{lower} (a deployed owner: in its settings file)")
+    elif n >= 1:
+        options.append(f"algorithm.k={n} or less with min_group_rows=1")
+    if coreset:
+        options.append("a larger algorithm.m")
+    raise ValueError(
+        f"algorithm.k={k}: table '{table}' has {n} rows in the {'coreset' if coreset else 'join'} and each of its "
+        f"k-means centres covers at least min_group_rows = {g} of them (the owners' bound), so "
+        + (f"k <= {n // g}" if n >= g else "it releases no centre")
+        + "; set "
+        + ", or ".join(options)
+    )
+
+
 class DistDimKMeans(DISStrategy):
     """algorithm=kmeans: DistDim on the full join."""
 
@@ -97,11 +123,13 @@ class DistDimKMeans(DISStrategy):
             S = mapping.subset(core.rows)
             plan = BatchPlan.of(S, np.arange(S.N))
             w_U = {t: segment_sum(plan.inv[t], core.weights, len(U)) for t, U in plan.U.items()}
+            check_table_k(k, {t: int((w > 0).sum()) for t, w in w_U.items()}, self.min_group_rows, True)
             replies = self.send(self.messages(lambda t: ({"rows": plan.U[t], "w": w_U[t]}, {"phase": "kmeans_local"})))
             point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[plan.inv[t]] for t in mapping.p]
             weights = core.weights
         else:  # each table: k-means weighted by G_iu, one label per row; the server reads them along p_i
             check_k(k, mapping.N, self.min_group_rows)
+            check_table_k(k, {t: int((mapping.G(t) > 0).sum()) for t in mapping.p}, self.min_group_rows, False)
             replies = self.send(
                 self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_local"}))
             )

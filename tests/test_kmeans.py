@@ -191,3 +191,17 @@ def test_kmeans_has_no_constant_predictor_reference_nor_its_warning():
     text = "\n".join(lines)
     assert "constant predictor" not in text and "warning" not in text, text
     assert strategy.results.history[-1].test_metric > 1.0  # above synthetic's constant RMSE: it was warned of
+
+
+@pytest.mark.parametrize(("algorithm", "k", "where"), [("kmeans", 30, "join"), ("coreset_kmeans", 500, "coreset")])
+def test_a_k_beyond_a_tables_group_bound_is_one_line_naming_the_table(algorithm, k, where):
+    """A k below N / min_group_rows that a table's rows cannot carry (synthetic's d3: 354 rows in the join)
+    is refused by the server in one line naming that table and the largest k, before any node clusters (each
+    node refused it in a line of its own: four lines on synthetic, none naming the setting to change)."""
+    cfg = make_cfg(f"algorithm={algorithm}", "dataset=synthetic", f"algorithm.k={k}")
+    with pytest.raises(ValueError) as refused:
+        run_in_process(cfg, None, log=quiet)
+    line = str(refused.value)
+    assert "\n" not in line, line
+    assert re.match(rf"algorithm\.k={k}: table '\w+' has \d+ rows in the {where} and", line), line
+    assert "set algorithm.k=" in line, line
