@@ -214,6 +214,11 @@ class CoresetRidge(PCGSolver, DISStrategy):
             raise ValueError(
                 f"algorithm=coreset trains ridge regression; dataset {self.spec.name!r} has a {self.task} label"
             )
+        if self.params.train == "pcg" and str(self.cfg.model.kind) != "linear":  # each node would refuse it
+            raise ValueError(
+                f"algorithm.train=pcg solves linear ridge regression (model=linear); model={self.cfg.model.kind} "
+                "trains with algorithm.train=admm or algorithm.train=sgd"
+            )
 
     def protocol(self) -> None:
         alg = self.params

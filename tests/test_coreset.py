@@ -255,6 +255,14 @@ def test_an_explicit_m_beyond_the_owners_group_bound_is_one_line_from_the_server
     assert "set algorithm.m=" in line
 
 
+def test_train_pcg_with_an_mlp_is_one_line_before_any_node():
+    """algorithm.train=pcg solves the linear normal equations: with model=mlp every node refused it in a line of
+    its own (four on synthetic); the server now says it once, naming the trainers that take an MLP."""
+    cfg = make_cfg("algorithm=coreset", "dataset=synthetic", "algorithm.train=pcg", "model=mlp")
+    with pytest.raises(ValueError, match=r"^algorithm.train=pcg solves linear ridge regression .*train=admm"):
+        make_strategy(cfg, None, log=quiet)
+
+
 def test_coreset_ridge_refuses_a_classification_label():
     with pytest.raises(ValueError, match="trains ridge regression"):
         make_strategy(make_cfg("algorithm=coreset", "dataset=nycflights13_delayed"), None, log=quiet)
