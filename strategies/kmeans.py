@@ -158,16 +158,23 @@ class DistDimKMeans(DISStrategy):
             test_metric=cost,
             train_loss=grid_cost,
             wall_time_s=self.record.elapsed(),
-            extra={
-                "grid_cells": float(len(cells)),
-                "coreset_rows": self.construction["distinct_rows"],
-                "coreset_m": self.construction.get("m", self.construction["distinct_rows"]),
-                "construction_bytes": self.construction["bytes_up"] + self.construction["bytes_down"],
-            },
+            extra={"grid_cells": float(len(cells)), **self.coreset_extra()},
             **self.comm.snapshot(),
         )  # type: ignore[arg-type]
         self.record.add(rec, METRIC)
         self.finish()
+
+    def coreset_extra(self) -> dict[str, float]:
+        """The coreset's numbers for the record (coreset_kmeans: its rows, draws and construction bytes); none
+        on the full join, where they only repeated N and 0."""
+        if not self.uses_coreset:
+            return {}
+        c = self.construction
+        return {
+            "coreset_rows": c["distinct_rows"],
+            "coreset_m": c["m"],
+            "construction_bytes": c["bytes_up"] + c["bytes_down"],
+        }
 
     def model_extra(self) -> dict[str, Any]:
         """model.json of k-means: a prediction is a cluster id, from the final centres and each table's local

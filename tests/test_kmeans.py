@@ -205,3 +205,10 @@ def test_a_k_beyond_a_tables_group_bound_is_one_line_naming_the_table(algorithm,
     assert "\n" not in line, line
     assert re.match(rf"algorithm\.k={k}: table '\w+' has \d+ rows in the {where} and", line), line
     assert "set algorithm.k=" in line, line
+
+
+def test_full_kmeans_line_names_no_coreset(kmeans_run):
+    """DistDim on the full join has no coreset: its record said coreset_rows=N coreset_m=N construction_bytes=0;
+    coreset_kmeans keeps them."""
+    extra = kmeans_run.strategy.results.history[-1].extra
+    assert set(extra) == {"grid_cells"}, extra
