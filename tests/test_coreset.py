@@ -263,6 +263,21 @@ def test_train_pcg_with_an_mlp_is_one_line_before_any_node():
         make_strategy(cfg, None, log=quiet)
 
 
+def test_the_coreset_is_said_once_and_its_numbers_stay_out_of_the_epoch_lines():
+    """Its size and construction traffic are the same every epoch: one line once it is built (each epoch line
+    repeated coreset_rows=665 coreset_m=680 construction_rounds=3 construction_bytes=2.086e+04); results.json
+    keeps them in every history entry."""
+    lines: list[str] = []
+    run = run_in_process(make_cfg("algorithm=coreset", "dataset=synthetic", "epochs=2"), None, log=lines.append)
+    said = [line for line in lines if line.startswith("coreset: ")]
+    assert len(said) == 1 and re.match(
+        r"coreset: m=680 draws \(DIS\) over 13,600 joined rows, [\d,]+ distinct", said[0]
+    )
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert len(epochs) == 2 and not any("coreset_" in line or "construction_" in line for line in epochs), epochs
+    assert run.strategy.results.history[-1].extra["coreset_m"] == 680
+
+
 def test_coreset_ridge_refuses_a_classification_label():
     with pytest.raises(ValueError, match="trains ridge regression"):
         make_strategy(make_cfg("algorithm=coreset", "dataset=nycflights13_delayed"), None, log=quiet)

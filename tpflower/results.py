@@ -203,9 +203,14 @@ def figure(x: float) -> str:
 PROGRESS_PREFIXES = ("epoch ", "trees ")
 
 
+#: history numbers that stay the same for the whole run (a coreset's, said once in its construction line):
+#: kept in results.json, left out of the progress lines
+CONSTANT_EXTRA = frozenset({"coreset_rows", "coreset_m", "construction_rounds", "construction_bytes"})
+
+
 def epoch_line(metric: str, rec: EpochRecord) -> str:
     """The one-line progress report of an epoch (boosted trees: of the trees so far, ``extra["trees"]``)."""
-    extra = "".join(f" {k}={v:.4g}" for k, v in rec.extra.items() if k != "trees")
+    extra = "".join(f" {k}={v:.4g}" for k, v in rec.extra.items() if k != "trees" and k not in CONSTANT_EXTRA)
     if "trees" in rec.extra:
         head = f"trees {int(rec.extra['trees']):4d}"
     else:
