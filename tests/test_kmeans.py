@@ -212,3 +212,9 @@ def test_full_kmeans_line_names_no_coreset(kmeans_run):
     coreset_kmeans keeps them."""
     extra = kmeans_run.strategy.results.history[-1].extra
     assert set(extra) == {"grid_cells"}, extra
+
+
+def test_results_name_the_kmeans_model_not_the_unused_linear_default(kmeans_run):
+    """results.json's model (and simulations.reproduce's labels: 'kmeans, linear') named model=linear, the
+    default k-means leaves unused; it is 'kmeans', as boosted trees' is 'gbdt'."""
+    assert kmeans_run.strategy.results.model == "kmeans"

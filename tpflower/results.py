@@ -105,15 +105,17 @@ class RunResults:
 
 
 def model_kind(cfg: Any, algorithm: str) -> str:
-    """The model a run trains: ``model.kind``, or ``gbdt`` for an algorithm of boosted trees (which take the
-    default ``model=linear`` for their own)."""
+    """The model a run trains: ``model.kind``, ``gbdt`` for an algorithm of boosted trees and ``kmeans`` for
+    k-means' centres (both take the default ``model=linear`` and leave it unused)."""
     from tpflower.registry import by_name  # noqa: PLC0415  the registry imports the phases (torch)
 
     try:
-        trees = "gbdt" in by_name(algorithm).models
+        entry = by_name(algorithm)
     except ValueError:  # not a registered algorithm (a benchmark's own record)
-        trees = False
-    return "gbdt" if trees else str(cfg.model.kind)
+        return str(cfg.model.kind)
+    if "gbdt" in entry.models:
+        return "gbdt"
+    return "kmeans" if entry.family == "kmeans" else str(cfg.model.kind)
 
 
 def new_run_results(cfg: Any, algorithm: str, spec: Any, mapping: Any) -> RunResults:
