@@ -384,6 +384,15 @@ def _style(k: int, n_points: int) -> dict[str, Any]:
     return style
 
 
+def epoch_xlim(epochs: Sequence[float]) -> tuple[float, float] | None:
+    """The epoch axis of runs that all recorded the same one epoch (k-means, one-shot): half an epoch either
+    side, whose one integer tick is that epoch (matplotlib's own range, 0.945 to 1.055, had none); None
+    otherwise."""
+    if not epochs or max(epochs) - min(epochs) >= 1:
+        return None
+    return min(epochs) - 0.5, max(epochs) + 0.5
+
+
 def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = None) -> list[Path]:
     """Write OUT_PREFIX_epoch.png and OUT_PREFIX_comm.png; return their paths.
 
@@ -412,12 +421,13 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
         times = [h.get("comm_time_s") or 0.0 for i in drawn for h in runs[i]["history"]]
         positive = [t for t in times if t > 0]
         log_x = comm and bool(positive) and max(positive) / min(positive) > LOG_SPAN
-        curves = []
+        curves, epochs = [], []
         for k, i in enumerate(drawn):
             run = runs[i]
             xs = [(h.get("comm_time_s") or 0.0) if comm else h["epoch"] for h in run["history"]]
             pts = [(x, v) for x, v in zip(xs, _metric_values(run)) if not (log_x and x <= 0)]
             curves.append([v for _, v in pts])
+            epochs += [x for x, _ in pts]
             ax.plot(
                 [x for x, _ in pts],
                 [v for _, v in pts],
@@ -453,6 +463,9 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
         else:
             ax.set_xlabel("epoch")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if (span := epoch_xlim(epochs)) is not None:
+                ax.set_xlim(*span)
+                ax.set_xticks(sorted(set(epochs)))  # MaxNLocator falls back to fractions on a span under 2
         ax.grid(True, alpha=0.3, which="both" if log_x else "major")
         _legend(ax, n)
 

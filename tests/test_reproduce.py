@@ -206,3 +206,10 @@ def test_an_out_prefix_under_a_file_is_one_line(run_dirs, tmp_path, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith(f"error: --out {tmp_path / 'afile' / 'plot'}: {tmp_path / 'afile'}: File exists")
+
+
+def test_one_shot_runs_get_an_epoch_axis_with_their_epoch_on_it():
+    """k-means records one result at epoch 1: the axis ran from 0.945 to 1.055 with ticks 0.960, 0.975 ...; it is
+    0.5 to 1.5 now (its one integer tick, 1). Runs over several epochs keep matplotlib's range."""
+    assert reproduce.epoch_xlim([1, 1]) == (0.5, 1.5)
+    assert reproduce.epoch_xlim([1, 2, 3]) is None and reproduce.epoch_xlim([]) is None
