@@ -320,6 +320,7 @@ class LoJStrategy(TablePuppetStrategy):
         feature_dp: bool = True,
         label_dp: bool = True,
         why_no_feature_dp: str = "",
+        why_no_label_dp: str = "",
     ):
         self.cfg = cfg
         self.spec = spec
@@ -339,6 +340,7 @@ class LoJStrategy(TablePuppetStrategy):
             feature_dp=feature_dp,
             label_dp=label_dp,
             why_not=why_no_feature_dp,
+            why_no_label=why_no_label_dp,
         )
         self.label_dp = dp.uses_label_dp(self.privacy)
         self.feature_dp = dp.uses_feature_dp(self.privacy)

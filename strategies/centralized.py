@@ -220,6 +220,7 @@ class Centralized:
         feature_dp: bool = False,
         label_dp: bool = True,
         why_no_feature_dp: str = "",
+        why_no_label_dp: str = "",
     ):
         self.cfg, self.spec, self.log = cfg, spec, log
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -233,6 +234,7 @@ class Centralized:
             feature_dp=feature_dp,
             label_dp=label_dp,
             why_not=why_no_feature_dp,
+            why_no_label=why_no_label_dp,
         )
         self.results: RunResults | None = None
 

@@ -79,6 +79,16 @@ def test_privacy_declarations_are_enforced_before_any_client(entry):
             make_strategy(cfg, None, log=lambda _: None)
 
 
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.label_dp], ids=lambda e: e.name)
+def test_a_label_dp_refusal_says_why_and_what_to_run(entry):
+    """privacy=label with an algorithm without label DP (k-means, which reads no label) says why and what to run
+    (it said only 'label DP is not supported for algorithm 'kmeans'')."""
+    assert entry.why_no_label_dp and "privacy=none" in entry.why_no_label_dp
+    cfg = make_cfg(*overrides_of(entry), "privacy=label")
+    with pytest.raises(ValueError, match=f"not supported for algorithm '{entry.selector}': .*reads no label"):
+        make_strategy(cfg, None, log=lambda _: None)
+
+
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.feature_dp], ids=lambda e: e.name)
 def test_a_refusal_under_label_dpsgd_does_not_tell_to_drop_label_dp(entry):
     """privacy=label_dpsgd with an algorithm without feature DP: the line names the run's privacy and the

@@ -37,6 +37,7 @@ class AlgorithmEntry:
     feature_dp: bool = True  # privacy=dpsgd supported
     why_no_feature_dp: str = ""  # shown when privacy=dpsgd is refused
     label_dp: bool = True  # privacy=label supported
+    why_no_label_dp: str = ""  # shown when privacy=label is refused
     summary: str = ""
     federated: bool = True  # False: runs in one place without Flower (the centralized baseline)
     models: tuple[str, ...] = ("linear", "mlp")  # the model.kind it takes (conf/model); others refused

@@ -55,6 +55,7 @@ def build_strategy(
         feature_dp=entry.feature_dp,
         label_dp=entry.label_dp,
         why_no_feature_dp=entry.why_no_feature_dp,
+        why_no_label_dp=entry.why_no_label_dp,
     )
 
 

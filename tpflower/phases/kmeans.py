@@ -216,6 +216,7 @@ WHY_NO_FEATURE_DP = (
     "each table sends its k local centres and one centre label per row, exact functions of its features "
     "(DistDim, Alg. 3); there is no per-row gradient step to clip and noise. Run it with privacy=none"
 )
+WHY_NO_LABEL_DP = "k-means reads no label, so there is none to protect; run it with privacy=none"
 WHY_KMEANS_MODELS = "k-means trains no model of the model group; leave model at its default (linear, unused by k-means)"
 register(
     AlgorithmEntry(
@@ -229,6 +230,7 @@ register(
         feature_dp=False,
         why_no_feature_dp=WHY_NO_FEATURE_DP,
         label_dp=False,
+        why_no_label_dp=WHY_NO_LABEL_DP,
         summary="DistDim k-means on the full join (VKMC baseline)",
         models=KMEANS_MODELS,
         why_models=WHY_KMEANS_MODELS,
@@ -246,6 +248,7 @@ register(
         feature_dp=False,
         why_no_feature_dp=WHY_NO_FEATURE_DP,
         label_dp=False,
+        why_no_label_dp=WHY_NO_LABEL_DP,
         summary="VFL coreset (DIS, Alg. 1 and 3) over the join, then DistDim k-means",
         models=KMEANS_MODELS,
         why_models=WHY_KMEANS_MODELS,

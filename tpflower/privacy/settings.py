@@ -50,6 +50,7 @@ def validate_privacy(
     feature_dp: bool,
     label_dp: bool = True,
     why_not: str = "",
+    why_no_label: str = "",
 ) -> None:
     """Refuse, before training, privacy settings that are impossible or that ``algorithm`` cannot honour.
 
@@ -59,7 +60,7 @@ def validate_privacy(
     feature DP: ``epsilon`` > 0 (finite), ``0 < delta < 1``,
     ``clip`` > 0, and an ``epsilon`` the RDP accountant can reach at ``delta`` with some noise
     (:func:`~tpflower.privacy.accounting.epsilon_floor_problem`). ``feature_dp`` / ``label_dp``: whether the algorithm supports them (its registry entry);
-    ``why_not`` says why feature DP is not supported (shown in the error). ``privacy=none`` ignores the rest.
+    ``why_not`` says why feature DP is not supported (shown in the error), ``why_no_label`` why label DP is not. ``privacy=none`` ignores the rest.
     """
     name = privacy_cfg.get("name", "none")
     if name not in PRIVACY_NAMES:
@@ -70,7 +71,8 @@ def validate_privacy(
         raise ValueError(f"unknown task {task!r}; expected one of {list(TASKS)}")
     if uses_label_dp(privacy_cfg):
         if not label_dp:
-            raise ValueError(f"privacy={name}: label DP is not supported for algorithm {algorithm!r}")
+            why = f": {why_no_label}" if why_no_label else ""
+            raise ValueError(f"privacy={name}: label DP is not supported for algorithm {algorithm!r}{why}")
         if task == "regression":
             label_range(f"privacy={name} (regression labels)", privacy_cfg.get("label_range"))
         label_levels(privacy_cfg, f"privacy={name}")
