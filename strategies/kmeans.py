@@ -88,7 +88,7 @@ def check_table_k(k: int, rows: dict[str, int], min_group_rows: int, coreset: bo
     if n >= k:
         lower = f"min_group_rows={n // k}" + (" or less" if n // k > 1 else "")
         options.append(f"{lower} (a deployed owner: in its settings file)")
-    elif n >= 1:
+    elif n >= 1 and g > 1:
         options.append(f"algorithm.k={n} or less with min_group_rows=1")
     if coreset:
         options.append("a larger algorithm.m")

@@ -218,3 +218,13 @@ def test_results_name_the_kmeans_model_not_the_unused_linear_default(kmeans_run)
     """results.json's model (and simulations.reproduce's labels: 'kmeans, linear') named model=linear, the
     default k-means leaves unused; it is 'kmeans', as boosted trees' is 'gbdt'."""
     assert kmeans_run.strategy.results.model == "kmeans"
+
+
+def test_the_k_refusal_offers_each_remedy_once():
+    """Under min_group_rows=1 the bound is the table's rows: the line said 'set algorithm.k=200 or less, or
+    algorithm.k=200 or less with min_group_rows=1' (the run's own min_group_rows)."""
+    cfg = make_cfg("algorithm=coreset_kmeans", "dataset=synthetic", "algorithm.k=500", "min_group_rows=1")
+    with pytest.raises(ValueError) as refused:
+        run_in_process(cfg, None, log=quiet)
+    line = str(refused.value)
+    assert line.count("algorithm.k=") == 2 and "with min_group_rows=1" not in line, line  # the asked k, the fit
