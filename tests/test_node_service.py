@@ -679,7 +679,10 @@ def test_a_node_exits_promptly_on_sigterm(tmp_path):
     began = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
-    assert time.monotonic() - began < 2.5  # before: 2-5 s idle (the interpreter's teardown, a watcher's 5 s)
+    # before: 2-5 s idle (the interpreter's teardown, a watcher's 5 s); the bound stretches with the machine's
+    # load (a busy CI machine took 2.8 s to end the SuperNode child alone)
+    busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    assert time.monotonic() - began < 2.5 * busy
 
 
 def test_a_stopped_node_ends_even_if_its_loop_is_stuck():
