@@ -106,9 +106,12 @@ class TablePuppetStrategy(Strategy):
     # under Flower's simulation engine: when the engine was asked to start (the start-up stages get a line each)
     engine_t0: float | None = None
 
+    HEARTBEAT_S = 30.0  # a round trip this long after the last line prints one: a long epoch is not silent
+
     def __init__(self, clients: list[ClientKey], log: Callable[[str], None] = print):
         self.clients = clients
-        self.log = log
+        self.print_line = log
+        self.last_line = time.monotonic()
         self.transport: Transport | None = None
         self.nodes: dict[ClientKey, int] = {}
         self.keys: dict[int, ClientKey] = {}
@@ -204,6 +207,15 @@ class TablePuppetStrategy(Strategy):
                 raise RunError(f"node {node} holds table {key[0]!r} shard {key[1]}, which this run does not have")
             self.nodes[key], self.keys[node] = node, key
 
+    def log(self, line: str) -> None:
+        """Print one line of the run's output (and note when: :meth:`heartbeat`)."""
+        self.last_line = time.monotonic()
+        self.print_line(line)
+
+    def heartbeat(self) -> str:
+        """The line a long stretch of round trips without one prints (every HEARTBEAT_S)."""
+        return f"still running: round trip {self.server_round:,}"
+
     def node_name(self, node: int) -> str:
         key = self.keys.get(node)
         return f"node {node}" if key is None else f"table {key[0]!r} shard {key[1]}"
@@ -224,6 +236,8 @@ class TablePuppetStrategy(Strategy):
             raise RunError("no reply from " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
         check_round(messages, replies, self.client_rows, self.d_out)
         self.on_round(kind, down, up)
+        if time.monotonic() - self.last_line >= self.HEARTBEAT_S:
+            self.log(self.heartbeat())
         return replies
 
     def round_messages(
@@ -347,9 +361,9 @@ class LoJStrategy(TablePuppetStrategy):
         self.finished = False
         self.run_id = secrets.token_hex(16)  # names this run's checkpoints on the nodes (kept when resumed)
         self.validation_fraction = self.validation_share()
-        self.join = JoinSetup(self.send, spec, cfg, self.clients, self.privacy, log, self.validation_fraction)
+        self.join = JoinSetup(self.send, spec, cfg, self.clients, self.privacy, self.log, self.validation_fraction)
         self.selection = ModelSelection(self.task, LabelScale(), None, 0)  # set up with the validation rows
-        self.record = RunRecord(self.send, self.join, self.task, self.privacy, log, labelled=self.labelled)
+        self.record = RunRecord(self.send, self.join, self.task, self.privacy, self.log, labelled=self.labelled)
         self.checkpoints = self._checkpoints(bool(cfg.get("resume", False)))
 
     def validation_share(self) -> float:
@@ -427,6 +441,20 @@ class LoJStrategy(TablePuppetStrategy):
     results = property(lambda self: self.record.results)
     comm = property(lambda self: self.record.comm)
     eps_spent = property(lambda self: self.record.eps_spent)
+
+    def heartbeat(self) -> str:
+        """A long stretch of training round trips without a line: where the run is (the epoch in progress, its
+        round trips and bytes so far, the time since the last line)."""
+        if self.results is None or self.comm is None:  # setup's rounds
+            return super().heartbeat()
+        done = self.results.history[-1].epoch if self.results.history else 0
+        trees = hasattr(self.params, "trees")  # boosted trees: their count so far, as their lines say
+        where = f"trees {done:g} done" if trees else f"epoch {int(done) + 1} in progress"
+        m = self.comm.snapshot()
+        return (
+            f"{where}: {int(m['rounds']):,} round trips so far (MB up/down={m['bytes_up'] / 1e6:.2f}/"
+            f"{m['bytes_down'] / 1e6:.2f}); {time.monotonic() - self.last_line:.0f} s since the last line"
+        )
 
     def setup(self) -> None:
         """The setup rounds (JoinSetup.run): keys, then federated preprocessing, and expand for VFL."""

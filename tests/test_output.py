@@ -291,3 +291,24 @@ def test_boosted_trees_whose_training_loss_ends_above_its_first_evaluation_are_s
     )
     assert loss_grew([(10, 1.40), (20, 1.33), (30, 1.54), (40, 1.28)]) == ""  # a swing, ending below its start
     assert loss_grew([(10, 1.40)]) == "" and loss_grew([(10, float("nan")), (20, 1.0)]) == ""
+
+
+@pytest.mark.parametrize("algorithm", ["sgd", "gbdt"])
+def test_a_long_stretch_of_round_trips_without_a_line_prints_where_the_run_is(tmp_path, monkeypatch, algorithm):
+    """An epoch of many round trips (TP-Join-SGD under Flower's engine on a big join) prints a line every
+    HEARTBEAT_S with the epoch in progress (boosted trees: their count so far), its round trips and bytes."""
+    from strategies.base import TablePuppetStrategy
+
+    monkeypatch.setattr(TablePuppetStrategy, "HEARTBEAT_S", 0.0)  # every round trip
+    lines: list[str] = []
+    extra = ["algorithm.trees=2", "algorithm.eval_every=2"] if algorithm == "gbdt" else ["epochs=1"]
+    run_in_process(make_cfg(f"algorithm={algorithm}", "dataset=synthetic", *extra), tmp_path, log=lines.append)
+    beats = [line for line in lines if "round trips so far (MB up/down=" in line]
+    where = "trees 0 done" if algorithm == "gbdt" else "epoch 1 in progress"
+    assert beats and beats[0].startswith(f"{where}: ") and beats[0].endswith("s since the last line"), beats[:2]
+    rounds = [int(re.search(r": ([\d,]+) round trips so far", b)[1].replace(",", "")) for b in beats]  # type: ignore[index]
+    assert rounds == sorted(rounds) and rounds[-1] > rounds[0]
+    monkeypatch.setattr(TablePuppetStrategy, "HEARTBEAT_S", 3600.0)
+    quiet: list[str] = []
+    run_in_process(make_cfg(f"algorithm={algorithm}", "dataset=synthetic", *extra), tmp_path / "q", log=quiet.append)
+    assert not [line for line in quiet if "round trips so far (MB up/down=" in line]
