@@ -46,8 +46,9 @@ from tpflower import privacy as dp
 from tpflower.checkpoint import CHECKPOINT
 from tpflower.losses import LabelScale, primary_metric
 from tpflower.params import AlgorithmParams, run_settings
+from tpflower.phases.join_sgd import SGDParams
 from tpflower.records import HELLO_PHASE, error_reason, pack_payload, record_bytes, unpack_reply
-from tpflower.reference import below_constant, loss_grew
+from tpflower.reference import below_constant, loss_grew, loss_rose
 from tpflower.registry import by_name, entries
 from tpflower.schema import RelationalSpec
 from tpflower.validation import SELECTION_FRACTION, validation_fraction_of
@@ -544,6 +545,7 @@ class LoJStrategy(TablePuppetStrategy):
         if self.predictor and self.run_dir is not None:
             self.save_model()
         self.finished = True
+        self.warn_loss_rose()
         self.warn_below_constant()
         self.record.write(self.run_dir)
 
@@ -577,6 +579,33 @@ class LoJStrategy(TablePuppetStrategy):
         else:  # a solver: the regularization decides its solution
             hint = "it overfits: a larger model.beta (e.g. 0.1)"
         self.log(f"warning: the model ends worse than predicting a constant ({worse}); {hint}")
+
+    def warn_loss_rose(self) -> str:
+        """Mini-batch SGD (sgd, vfl_sgd, celu, vfl_celu, TP-UCQ-SGD) whose training loss rose by a quarter over a
+        lower earlier epoch (tpflower.reference.loss_rose): one warning line naming algorithm.lr and a quarter of
+        it, and its text; '' otherwise, and under feature DP, whose noise and plan are tied to lr."""
+        assert self.results is not None
+        lr = (self.cfg.get("algorithm") or {}).get("lr")
+        if self.feature_dp or lr is None or not self.sgd_family:
+            return ""
+        history = [rec for rec in self.results.history if not rec.extra.get("kept")]
+        rose = loss_rose([(rec.epoch, rec.train_loss) for rec in history])
+        if rose:
+            kept = (self.results.selection or {}).get("kept_epoch")
+            keeps = f"; the run keeps epoch {kept}'s model" if kept is not None else ""
+            self.log(
+                f"warning: the {rose}: steps of algorithm.lr={lr:g} overshoot on these tables{keeps}; a smaller "
+                f"step trains them stably (algorithm.lr={lr / 4:g}, docs/algorithms.md#step-size)"
+            )
+        return rose
+
+    @property
+    def sgd_family(self) -> bool:
+        """Whether the run's algorithm takes mini-batch SGD steps of ``algorithm.lr`` (its settings SGDParams')."""
+        try:
+            return issubclass(by_name(self.algorithm).params, SGDParams)
+        except ValueError:  # an unregistered strategy (the base class's own name)
+            return False
 
     @property
     def boosted_trees(self) -> bool:

@@ -164,3 +164,23 @@ def test_a_small_join_trains_past_the_constant_predictor_by_default(tmp_path, al
     constant = results["0"].reference["constant_accuracy"]
     assert results["0"].history[-1].test_metric < constant + 0.02  # at the constant without the rule
     assert results["500"].history[-1].test_metric > constant + 0.025
+
+
+def test_a_step_size_that_overshoots_is_named_in_a_warning(tmp_path):
+    """The test shop's MLP in batches of 32 at the default lr 0.2: the training loss goes 4.21, 6.21, 1.95 and the
+    run said nothing; it now names the rise and algorithm.lr with a quarter of it, at which (0.05) it falls
+    2.18, 1.97, 1.95 and no such line is printed (docs/algorithms.md#step-size)."""
+    from tests.test_checks import shop
+
+    dataset = shop(tmp_path)
+    warned = {}
+    for lr in ("0.2", "0.05"):
+        lines: list[str] = []
+        overrides = ("algorithm=sgd", "model=mlp", f"algorithm.lr={lr}", "algorithm.batch_size=32")
+        cfg = make_cfg(*overrides, "algorithm.min_steps=0", "algorithm.early_stopping=0", dataset=dataset)
+        run_in_process(cfg, tmp_path / lr, tmp_path, log=lines.append)
+        warned[lr] = [line for line in lines if "training loss rose" in line]
+    (line,) = warned["0.2"]
+    assert line.startswith("warning: the training loss rose from 4.212 (epoch 1) to 6.207 (epoch 2): ")
+    assert "algorithm.lr=0.2 overshoot" in line and "(algorithm.lr=0.05," in line
+    assert warned["0.05"] == []

@@ -312,3 +312,23 @@ def test_a_long_stretch_of_round_trips_without_a_line_prints_where_the_run_is(tm
     quiet: list[str] = []
     run_in_process(make_cfg(f"algorithm={algorithm}", "dataset=synthetic", *extra), tmp_path / "q", log=quiet.append)
     assert not [line for line in quiet if "round trips so far (MB up/down=" in line]
+
+
+def test_an_sgd_training_loss_that_rises_by_a_quarter_over_an_earlier_epoch_is_named():
+    """A step size past SGD's stable range shows as an epoch's training loss well above an earlier one's (the
+    test shop's MLP at lr 0.2, batch 32: 4.21, 6.21, 1.95); the few per cent an epoch's mini-batch mean moves
+    by sampling (txhousing's MLP: 78.66 after 76.88) says nothing; the largest rise is named."""
+    from tpflower.reference import loss_rose
+
+    assert (
+        loss_rose([(1, 4.2117), (2, 6.2069), (3, 1.9458)])
+        == "training loss rose from 4.212 (epoch 1) to 6.207 (epoch 2)"
+    )
+    assert loss_rose([(1, 1.0), (2, 0.8), (3, 1.01), (4, 0.7), (5, 1.2)]) == (
+        "training loss rose from 0.7 (epoch 4) to 1.2 (epoch 5)"
+    )
+    assert (
+        loss_rose([(1, 1.0), (2, 0.8), (3, float("inf"))]) == "training loss rose from 0.8 (epoch 2) to inf (epoch 3)"
+    )
+    assert loss_rose([(1, 78.66), (2, 76.88), (3, 78.66), (4, 75.0)]) == ""
+    assert loss_rose([(1, 1.0)]) == "" and loss_rose([(1, float("nan")), (2, 1.0)]) == ""

@@ -68,3 +68,26 @@ def loss_grew(losses: list[tuple[int, float]]) -> str:
     if not (last > first or not np.isfinite(last)):
         return ""
     return f"training loss grew from {first:.4f} (trees {t0}) to {last:.4g} (trees {t1})"
+
+
+#: an SGD epoch whose training loss is this many times the lowest of the epochs before it overshot
+LOSS_ROSE = 1.25
+
+
+def loss_rose(losses: list[tuple[int | float, float]], factor: float = LOSS_ROSE) -> str:
+    """Mini-batch SGD: ``training loss rose from 0.7346 (epoch 11) to 1.142 (epoch 14)`` when an epoch's training
+    loss (``losses``: (epoch, training loss) per evaluation, in order) is above ``factor`` times the lowest of the
+    epochs before it, the largest such rise; '' when none is. An epoch's mean loss on its mini-batches moves by a few
+    per cent from sampling; a rise of a quarter is a step size past SGD's stable range (the step overshoots the
+    minimum along the sharpest direction: lr above 2 / the largest Hessian eigenvalue)."""
+    if len(losses) < 2:
+        return ""
+    loss = np.array([value for _, value in losses], dtype=np.float64)
+    loss = np.where(np.isfinite(loss), loss, np.inf)
+    lowest = np.minimum.accumulate(loss)[:-1]  # the lowest before each later epoch
+    ratio = np.divide(loss[1:], lowest, out=np.full(len(lowest), np.nan), where=np.isfinite(lowest) & (lowest > 0))
+    if not (np.nan_to_num(ratio, nan=0.0) > factor).any():
+        return ""
+    at = int(np.nanargmax(np.nan_to_num(ratio, nan=0.0, posinf=np.finfo(np.float64).max))) + 1
+    low = int(np.argmin(loss[:at]))
+    return f"training loss rose from {loss[low]:.4g} (epoch {losses[low][0]}) to {loss[at]:.4g} (epoch {losses[at][0]})"
