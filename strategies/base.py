@@ -38,7 +38,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from strategies.epoch_checkpoints import NO_CHECKPOINTS, EpochCheckpoints, NoCheckpoints
 from strategies.evaluation import RunRecord
 from strategies.model_record import model_record, write_model_record
-from strategies.replies import check_round
+from strategies.replies import DIVERGED, check_round
 from strategies.selection import ModelSelection
 from strategies.setup import JoinSetup
 from strategies.transport import MESSAGE_TYPE, ClientKey, GridTransport, Kind, Payload, Reply, RunError, Transport
@@ -235,7 +235,7 @@ class TablePuppetStrategy(Strategy):
         missing = [k for k in messages if k not in replies]
         if missing:
             raise RunError("no reply from " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
-        check_round(messages, replies, self.client_rows, self.d_out)
+        check_round(messages, replies, self.client_rows, self.d_out, self.diverged_hint())
         self.on_round(kind, down, up)
         if time.monotonic() - self.last_line >= self.HEARTBEAT_S:
             self.log(self.heartbeat())
@@ -598,6 +598,16 @@ class LoJStrategy(TablePuppetStrategy):
                 f"step trains them stably (algorithm.lr={lr / 4:g}, docs/algorithms.md#step-size)"
             )
         return rose
+
+    def diverged_hint(self) -> str:
+        """The setting a reply of non-finite model outputs names: an SGD trainer's ``algorithm.lr`` with a quarter of
+        it (its steps left SGD's stable range, docs/algorithms.md#step-size); the generic hint otherwise."""
+        lr = (self.cfg.get("algorithm") or {}).get("lr")
+        if lr is None or not self.sgd_family:
+            return DIVERGED
+        return (
+            f"steps of algorithm.lr={lr:g} overshoot on these tables: a quarter of it or less, algorithm.lr={lr / 4:g}"
+        )
 
     @property
     def sgd_family(self) -> bool:

@@ -69,6 +69,8 @@ SCALAR_REPLIES = ("total", "cost")
 FINITE = ("sens", "C", "total", "cost")
 MODEL_SHAPED = ("theta", "g")
 MODEL_OUTPUTS = ("h", "h_eval", "theta", "g")
+#: what a reply of non-finite model outputs most likely means, unless the run names its own setting
+DIVERGED = "lower the learning rate or raise rho"
 
 
 class ReplyError(RunError):
@@ -79,8 +81,8 @@ def _who(key: ClientKey, phase: str) -> str:
     return f"table {key[0]!r} shard {key[1]}, phase {phase!r}"
 
 
-def check_numbers(key: ClientKey, phase: str, name: str, a: np.ndarray) -> None:
-    """Finite values, floats within +-MAX_ABS."""
+def check_numbers(key: ClientKey, phase: str, name: str, a: np.ndarray, diverged: str = DIVERGED) -> None:
+    """Finite values, floats within +-MAX_ABS; ``diverged``: the setting to change that the error names."""
     if a.dtype.kind not in "fc" or a.size == 0:
         return
     bad = ~np.isfinite(a) | (np.abs(a) > MAX_ABS)
@@ -89,7 +91,7 @@ def check_numbers(key: ClientKey, phase: str, name: str, a: np.ndarray) -> None:
         raise ReplyError(
             f"{_who(key, phase)}: reply array {name!r} holds {int(bad.sum())} non-finite or out-of-range "
             f"value(s) (|x| > {MAX_ABS:g}), the first {a[at].item()!r} at index {at}: the model "
-            "diverged (lower the learning rate or raise rho) or the client is faulty"
+            f"diverged ({diverged}) or the client is faulty"
         )
 
 
@@ -99,9 +101,11 @@ def _rows(key: ClientKey, phase: str, name: str, a: np.ndarray, want: int, what:
         raise ReplyError(f"{_who(key, phase)}: reply array {name!r} has {got}; the round asked for {want} ({what})")
 
 
-def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None, d_out: int | None) -> None:
+def check_reply(
+    key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None, d_out: int | None, diverged: str = DIVERGED
+) -> None:
     """Check one reply (module docstring); ``n_rows``: the client's rows (None before the mapping exists),
-    ``d_out``: the prediction width (None before it is set)."""
+    ``d_out``: the prediction width (None before it is set), ``diverged``: the setting a non-finite output names."""
     arrays, config = sent[0], sent[1]
     out = reply[0]
     phase = str(config.get("phase", "?"))
@@ -110,7 +114,7 @@ def check_reply(key: ClientKey, sent: Payload, reply: Reply, n_rows: int | None,
         raise ReplyError(f"{_who(key, phase)}: the reply lacks array(s) {', '.join(map(repr, missing))}")
     for name in MODEL_OUTPUTS:
         if name in out:
-            check_numbers(key, phase, name, np.asarray(out[name]))
+            check_numbers(key, phase, name, np.asarray(out[name]), diverged)
     for name, asked in (("h", "rows"), ("h_eval", "eval_rows")):
         if name not in out:
             continue
@@ -278,11 +282,13 @@ def check_round(
     replies: Mapping[ClientKey, Reply],
     n_rows: Mapping[ClientKey, int],
     d_out: int | None,
+    diverged: str = DIVERGED,
 ) -> None:
-    """Check every reply of a round, then that model-shaped arrays agree between the shards of a table."""
+    """Check every reply of a round, then that model-shaped arrays agree between the shards of a table
+    (``diverged``: the setting that a non-finite model output's error names)."""
     shapes: dict[tuple[str, str], tuple[ClientKey, tuple[int, ...]]] = {}
     for key, reply in replies.items():
-        check_reply(key, sent[key], reply, n_rows.get(key), d_out)
+        check_reply(key, sent[key], reply, n_rows.get(key), d_out, diverged)
         for name in MODEL_SHAPED:
             if name in reply[0]:
                 shape = np.shape(reply[0][name])

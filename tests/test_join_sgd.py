@@ -184,3 +184,15 @@ def test_a_step_size_that_overshoots_is_named_in_a_warning(tmp_path):
     assert line.startswith("warning: the training loss rose from 4.212 (epoch 1) to 6.207 (epoch 2): ")
     assert "algorithm.lr=0.2 overshoot" in line and "(algorithm.lr=0.05," in line
     assert warned["0.05"] == []
+
+
+def test_an_sgd_run_whose_outputs_blow_up_names_algorithm_lr(tmp_path):
+    """The test shop's MLP at lr 2 sends non-finite predictions within a few steps: the error said "lower the
+    learning rate or raise rho" (no rho in SGD); it now names the run's algorithm.lr and a quarter of it."""
+    from strategies.replies import ReplyError
+    from tests.test_checks import shop
+
+    dataset = shop(tmp_path)
+    cfg = make_cfg("algorithm=sgd", "model=mlp", "algorithm.lr=2", "algorithm.batch_size=32", dataset=dataset)
+    with pytest.raises(ReplyError, match=r"diverged \(steps of algorithm\.lr=2 overshoot on these tables: a quarter"):
+        run_in_process(cfg, tmp_path / "run", tmp_path, log=quiet)
