@@ -27,8 +27,20 @@ class ResultsError(ValueError):
     """A file that is not a readable, valid results.json; the message names the file and the field."""
 
 
+class Unpickled:
+    """A dataclass kept in checkpoints: unpickled, a field added since the checkpoint was written takes its
+    default, so that a run checkpointed by an earlier tpflower resumes (it failed on the missing attribute; a
+    plain default is the class's attribute already, a default factory is called here)."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name not in state and f.default_factory is not MISSING:
+                state[f.name] = f.default_factory()
+        self.__dict__.update(state)
+
+
 @dataclass
-class EpochRecord:
+class EpochRecord(Unpickled):
     """One epoch; rounds, bytes and times are cumulative since the start of training."""
 
     epoch: int | float  # an int at an epoch's end; a fraction for evaluations inside an epoch (eval_every)
@@ -43,14 +55,6 @@ class EpochRecord:
     bytes_inner: int = 0
     extra: dict[str, float] = field(default_factory=dict)  # other test metrics (auc, ...), privacy spent
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickled (a checkpoint's record): a field added since the checkpoint was written at its default, so
-        that a run checkpointed by an earlier tpflower resumes (it failed on the missing attribute)."""
-        for f in fields(self):
-            if f.name not in state and f.default_factory is not MISSING:
-                state[f.name] = f.default_factory()
-        self.__dict__.update(state)
-
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(out.pop("extra"))
@@ -58,7 +62,7 @@ class EpochRecord:
 
 
 @dataclass
-class RunResults:
+class RunResults(Unpickled):
     algorithm: str
     scenario: str
     dataset: str
@@ -86,14 +90,6 @@ class RunResults:
     # mean and divisor (training sees (y - mean) / divisor); under feature DP also the training labels' std,
     # the DP noise of a parameter and the target std (tpflower.losses.dp_label_divisor)
     label_scale: dict[str, Any] = field(default_factory=dict)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickled (a checkpoint's record): a field added since the checkpoint was written at its default, so
-        that a run checkpointed by an earlier tpflower resumes (it failed on the missing attribute)."""
-        for f in fields(self):
-            if f.name not in state and f.default_factory is not MISSING:
-                state[f.name] = f.default_factory()
-        self.__dict__.update(state)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
