@@ -217,6 +217,11 @@ class TablePuppetStrategy(Strategy):
         """The line a long stretch of round trips without one prints (every HEARTBEAT_S)."""
         return f"still running: round trip {self.server_round:,}"
 
+    def diverged_hint(self) -> str:
+        """The setting a reply of non-finite model outputs names (the generic hint; a training run may name its
+        own)."""
+        return DIVERGED
+
     def node_name(self, node: int) -> str:
         key = self.keys.get(node)
         return f"node {node}" if key is None else f"table {key[0]!r} shard {key[1]}"
