@@ -27,6 +27,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -217,9 +218,10 @@ class TablePuppetStrategy(Strategy):
         """The line a long stretch of round trips without one prints (every HEARTBEAT_S)."""
         return f"still running: round trip {self.server_round:,}"
 
+    @cached_property
     def diverged_hint(self) -> str:
         """The setting a reply of non-finite model outputs names (the generic hint; a training run may name its
-        own)."""
+        own). Read once per run: every round's check takes it."""
         return DIVERGED
 
     def node_name(self, node: int) -> str:
@@ -240,7 +242,7 @@ class TablePuppetStrategy(Strategy):
         missing = [k for k in messages if k not in replies]
         if missing:
             raise RunError("no reply from " + ", ".join(f"table {t!r} shard {q}" for t, q in missing))
-        check_round(messages, replies, self.client_rows, self.d_out, self.diverged_hint())
+        check_round(messages, replies, self.client_rows, self.d_out, self.diverged_hint)
         self.on_round(kind, down, up)
         if time.monotonic() - self.last_line >= self.HEARTBEAT_S:
             self.log(self.heartbeat())
@@ -604,6 +606,7 @@ class LoJStrategy(TablePuppetStrategy):
             )
         return rose
 
+    @cached_property
     def diverged_hint(self) -> str:
         """The setting a reply of non-finite model outputs names: an SGD trainer's ``algorithm.lr`` with a quarter of
         it (its steps left SGD's stable range, docs/algorithms.md#step-size); the generic hint otherwise."""

@@ -455,7 +455,8 @@ def built_histograms(owner: OwnerTrees, a: Mapping[str, np.ndarray], direct: lis
     layout = owner.layout
     if not direct:
         return np.zeros((0, 3, layout.total))
-    parts = [size_slices(a["sizes"])[i] for i in direct]
+    slices = size_slices(a["sizes"])
+    parts = [slices[i] for i in direct]
 
     def rows_of(x: np.ndarray | None) -> np.ndarray | None:  # the direct nodes' part of a per-row array
         if x is None or len(direct) == len(a["nodes"]):
