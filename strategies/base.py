@@ -592,8 +592,8 @@ class LoJStrategy(TablePuppetStrategy):
         lower earlier epoch (tpflower.reference.loss_rose): one warning line naming algorithm.lr and a quarter of
         it, and its text; '' otherwise, and under feature DP, whose noise and plan are tied to lr."""
         assert self.results is not None
-        lr = (self.cfg.get("algorithm") or {}).get("lr")
-        if self.feature_dp or lr is None or not self.sgd_family:
+        lr = self.sgd_lr
+        if self.feature_dp or lr is None:
             return ""
         history = [rec for rec in self.results.history if not rec.extra.get("kept")]
         rose = loss_rose([(rec.epoch, rec.train_loss) for rec in history])
@@ -610,20 +610,18 @@ class LoJStrategy(TablePuppetStrategy):
     def diverged_hint(self) -> str:
         """The setting a reply of non-finite model outputs names: an SGD trainer's ``algorithm.lr`` with a quarter of
         it (its steps left SGD's stable range, docs/algorithms.md#step-size); the generic hint otherwise."""
-        lr = (self.cfg.get("algorithm") or {}).get("lr")
-        if lr is None or not self.sgd_family:
+        lr = self.sgd_lr
+        if lr is None:
             return DIVERGED
         return (
             f"steps of algorithm.lr={lr:g} overshoot on these tables: a quarter of it or less, algorithm.lr={lr / 4:g}"
         )
 
     @property
-    def sgd_family(self) -> bool:
-        """Whether the run's algorithm takes mini-batch SGD steps of ``algorithm.lr`` (its settings SGDParams')."""
-        try:
-            return issubclass(by_name(self.algorithm).params, SGDParams)
-        except ValueError:  # an unregistered strategy (the base class's own name)
-            return False
+    def sgd_lr(self) -> float | None:
+        """The step size ``algorithm.lr`` of a run taking mini-batch SGD steps (its settings SGDParams': sgd,
+        vfl_sgd, celu, vfl_celu, TP-UCQ-SGD); None for every other algorithm."""
+        return float(self.params.lr) if isinstance(self.params, SGDParams) else None
 
     @property
     def boosted_trees(self) -> bool:
