@@ -85,9 +85,10 @@ def loss_rose(losses: list[tuple[int | float, float]], factor: float = LOSS_ROSE
     loss = np.array([value for _, value in losses], dtype=np.float64)
     loss = np.where(np.isfinite(loss), loss, np.inf)
     lowest = np.minimum.accumulate(loss)[:-1]  # the lowest before each later epoch
-    ratio = np.divide(loss[1:], lowest, out=np.full(len(lowest), np.nan), where=np.isfinite(lowest) & (lowest > 0))
-    if not (np.nan_to_num(ratio, nan=0.0) > factor).any():
+    ratio, known = np.zeros(len(lowest)), np.isfinite(lowest) & (lowest > 0)
+    ratio[known] = loss[1:][known] / lowest[known]  # inf: a later loss that is not finite
+    if not (ratio > factor).any():
         return ""
-    at = int(np.nanargmax(np.nan_to_num(ratio, nan=0.0, posinf=np.finfo(np.float64).max))) + 1
+    at = int(np.argmax(ratio)) + 1
     low = int(np.argmin(loss[:at]))
     return f"training loss rose from {loss[low]:.4g} (epoch {losses[low][0]}) to {loss[at]:.4g} (epoch {losses[at][0]})"
