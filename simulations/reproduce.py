@@ -178,7 +178,8 @@ def _distinguishing(group: list[dict[str, Any]]) -> list[str]:
 
 
 def run_labels(runs: Sequence[dict[str, Any]], with_dataset: bool | None = None) -> list[str]:
-    """Label of every run: algorithm, model, [dataset] when several datasets, (config values) when ambiguous.
+    """Label of every run: algorithm, model (unless it is the algorithm's name: gbdt, kmeans), [dataset] when
+    several datasets, (config values) when ambiguous.
 
     ``with_dataset`` forces the [dataset] part on or off (the plots leave it off: each subplot is titled by its
     dataset); by default it is there when the runs cover several datasets.
@@ -186,7 +187,10 @@ def run_labels(runs: Sequence[dict[str, Any]], with_dataset: bool | None = None)
     if with_dataset is None:
         with_dataset = len({r["dataset"] for r in runs}) > 1
     labels = [
-        f"{r['algorithm']}, {r.get('model') or 'model?'}" + (f" [{r['dataset']}]" if with_dataset else "") for r in runs
+        r["algorithm"]
+        + ("" if r.get("model") == r["algorithm"] else f", {r.get('model') or 'model?'}")  # gbdt, kmeans: said once
+        + (f" [{r['dataset']}]" if with_dataset else "")
+        for r in runs
     ]
     return [lab + (f" ({v})" if v else "") for lab, v in zip(labels, run_variants(runs))]
 

@@ -180,6 +180,12 @@ def test_labels_name_algorithm_model_and_only_settings_of_the_same_model():
     assert reproduce.run_labels([linear, mlp]) == ["tp_join_admm, linear", "tp_join_admm, mlp"]
 
 
+def test_a_model_named_as_its_algorithm_is_said_once():
+    trees, kmeans = fake_run("tp_join_admm", "movielens").to_json(), fake_run("tp_join_admm", "movielens").to_json()
+    (trees["algorithm"], trees["model"]), (kmeans["algorithm"], kmeans["model"]) = ("gbdt",) * 2, ("kmeans",) * 2
+    assert reproduce.run_labels([trees, kmeans]) == ["gbdt", "kmeans"]
+
+
 def test_exact_solution_and_constant_predictor_are_reference_lines():
     exact = fake_run("centralized", "movielens", epochs=1).to_json()
     exact["history"][0]["epoch"] = 0
