@@ -299,13 +299,17 @@ def class_codes(values: pd.Series, classes: Sequence[Any]) -> np.ndarray:
 TABLE_SETTINGS = ("source", "numeric", "categorical", "shards", "region", "binned", "unique", "where")
 
 
+def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6) -> str:
+    """`` (did you mean 'Salary'?)`` for an unknown name: a known one that differs only in case (a column's name
+    is matched as its file writes it), else the closest (difflib, ``cutoff``); or ''."""
+    known = list(known)
+    close = [k for k in known if k.lower() == name.lower()] or difflib.get_close_matches(name, known, 1, cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def setting_hint(unknown: Iterable[str], known: Sequence[str]) -> str:
-    """`` (did you mean 'numeric'?)`` for the first unknown setting close to a known one, else ''."""
-    for name in sorted(map(str, unknown)):
-        close = difflib.get_close_matches(name.lower(), known, n=1)
-        if close:
-            return f" (did you mean {close[0]!r}?)"
-    return ""
+    """:func:`did_you_mean` for the first unknown setting close to a known one, else ''."""
+    return next((hint for name in sorted(map(str, unknown)) if (hint := did_you_mean(name.lower(), known))), "")
 
 
 #: the dataset spec's top-level settings (docs/datasets.md)
@@ -327,9 +331,8 @@ def misspelt_settings(cfg: Mapping[str, Any], name: str) -> None:
     """A top-level key one letter or so off a dataset setting (``join``, ``lable``) is refused naming the
     setting (its section would be silently missing, and the error would be about that); other keys pass."""
     for key in sorted(map(str, set(cfg) - set(DATASET_SETTINGS))):
-        close = difflib.get_close_matches(key.lower(), DATASET_SETTINGS, n=1, cutoff=0.8)
-        if close:
-            raise SpecError(f"dataset {name!r}: unknown setting {key!r} (did you mean {close[0]!r}?)")
+        if hint := did_you_mean(key.lower(), DATASET_SETTINGS, cutoff=0.8):
+            raise SpecError(f"dataset {name!r}: unknown setting {key!r}{hint}")
 
 
 def parse_spec(cfg: Mapping[str, Any]) -> RelationalSpec:

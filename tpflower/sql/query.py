@@ -8,13 +8,12 @@ filter, pushed to its owner. Everything else is refused with a :class:`QueryErro
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sqlglot import exp
 
-from tpflower.schema import SpecError
+from tpflower.schema import SpecError, did_you_mean
 
 #: column -> "numeric" | "categorical" | a dtype name (not usable as a feature), per table
 Columns = Mapping[str, Mapping[str, str]]
@@ -65,14 +64,6 @@ def refuse(sql: str, node: exp.Expression, what: str) -> QueryError:
     text = node.sql()
     text = text if len(text) <= 80 else text[:77] + "..."
     return QueryError(f"SQL {position(sql, node)}: {what}: {text}")
-
-
-def spelled(name: str, columns: Iterable[str]) -> str:
-    """`` (did you mean 'Salary'?)`` for an unknown column name: one that differs only in case (a column's name
-    is matched as its file writes it, not folded as SQL engines fold unquoted names), else the closest; or ''."""
-    columns = list(columns)
-    close = [c for c in columns if c.lower() == name.lower()] or difflib.get_close_matches(name, columns, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -146,12 +137,12 @@ class _Scope:
                 raise refuse(self.sql, col, f"unknown table or alias {col.table!r}")
             table = self.alias[col.table]
             if name not in self.columns[table]:
-                hint = spelled(name, self.columns[table])
+                hint = did_you_mean(name, self.columns[table])
                 raise refuse(self.sql, col, f"unknown column {name!r} of table {table!r}{hint}")
             return table, name
         holders = [t for t in (within or self.order) if name in self.columns[t]]
         if not holders:
-            hint = spelled(name, [c for t in (within or self.order) for c in self.columns[t]])
+            hint = did_you_mean(name, [c for t in (within or self.order) for c in self.columns[t]])
             raise refuse(self.sql, col, f"unknown column {name!r}: no table of the query has it{hint}")
         if len(holders) > 1:
             raise refuse(self.sql, col, f"ambiguous column {name!r}: tables {holders} have it; qualify it")
@@ -258,7 +249,7 @@ def resolve_branch(sql: str, select: exp.Expression, columns: Columns) -> Branch
         for ident in join.args.get("using") or []:
             name = ident.name
             if name not in columns[new]:
-                hint = spelled(name, columns[new])
+                hint = did_you_mean(name, columns[new])
                 raise refuse(sql, ident, f"USING column {name!r} is not a column of table {new!r}{hint}")
             old = _using_partner(sql, ident, previous, columns, merged.get(name, []))
             merged[name] = (merged.get(name) or [old]) + [new]
@@ -288,7 +279,7 @@ def _using_partner(sql: str, ident: exp.Expression, previous: list[str], columns
     (not joined by USING on it) are ambiguous, refused at the USING column."""
     holders = [t for t in previous if ident.name in columns[t]]
     if not holders:
-        hint = spelled(ident.name, [c for t in previous for c in columns[t]])
+        hint = did_you_mean(ident.name, [c for t in previous for c in columns[t]])
         raise refuse(sql, ident, f"USING column {ident.name!r}: no table joined before it has it{hint}")
     if len(holders) > 1 and not set(holders) <= set(merged):
         raise refuse(
