@@ -334,6 +334,27 @@ def test_parquet_whole_float_keys_join_integer_keys(tmp_path):
         load_dataset(cfg, base_dir=tmp_path)
 
 
+def test_blank_keys_a_where_drops_join_as_integers(tmp_path):
+    """A CSV key column of whole numbers and blanks reads as float (1.0, ''); a `where` that drops the blank rows
+    leaves the integers it held, which join an integer key column (was: refused as float against integer)."""
+    (tmp_path / "stops.csv").write_text("precinct,race\n1,a\n,b\n2,a\n2,\n")
+    (tmp_path / "precincts.csv").write_text("precinct,officers\n1,10\n2,20\n3,30\n")
+    cfg = {
+        "name": "blank_keys",
+        "tables": {
+            "stops": {"source": "stops.csv", "where": "precinct IS NOT NULL AND race IS NOT NULL"},
+            "precincts": {"source": "precincts.csv", "numeric": ["officers"]},
+        },
+        "label": {"table": "stops", "column": "race", "task": "binary"},
+        "joins": [{"left": "stops", "right": "precincts", "on": "precinct"}],
+    }
+    spec, frames = load_dataset(cfg, base_dir=tmp_path)
+    assert frames["stops"]["precinct"].dtype == np.int64 and frames["stops"]["precinct"].tolist() == [1, 2]
+    del cfg["tables"]["stops"]["where"]  # blank keys kept: refused as missing keys, naming the first one's line
+    with pytest.raises(SpecError, match=r"key column .precinct.: 1 missing .* \(line 3 of stops.csv\)"):
+        load_dataset(cfg, base_dir=tmp_path)
+
+
 def test_source_overrides_loader_table(tmp_path):
     frames = synthetic.generate(n_fact=100, dim_rows=10, n_dims=1, widths=1)
     frames["d1"].iloc[::-1].set_index(pd.Index(range(100, 110))).to_csv(tmp_path / "d1.csv")

@@ -19,7 +19,7 @@ import pandas as pd
 
 from tpflower.checks import DROP_POLICIES, DataProblems, Problem, dataset_problems, errors, table_problems
 from tpflower.datasets import movielens, movielens1m, nycflights13, synthetic
-from tpflower.datasets.files import read_table, resolve_path
+from tpflower.datasets.files import read_table, resolve_path, whole_as_integers
 from tpflower.schema import RelationalSpec, SpecError, TableSpec, parse_spec, to_dict
 from tpflower.sql import compile_query, filter_rows, query_tables
 
@@ -126,7 +126,15 @@ def _frame(
     join key columns (a CSV's zero-padded codes kept as text: tpflower.datasets.files.key_columns)."""
     if table.source is not None:
         frame = read_table(table.name, table.source, base_dir, keys)
-        return filter_rows(table.name, frame, table.where), loaded
+        if table.where is None:
+            return frame, loaded
+        # a key column of whole numbers and blanks is float in the file (1.0, 5.0, ''); once the owner's filter
+        # drops the blank rows its keys are the integers they were (a missing key is refused, with its row)
+        kept = filter_rows(table.name, frame, table.where)
+        for k in keys:
+            if k in kept.columns:
+                kept[k] = whole_as_integers(kept[k])
+        return kept, loaded
     if loader_name is None:
         raise SpecError(f"table {table.name!r} has no source file and the dataset has no loader; set its 'source'")
     frames = loaded if loaded is not None else load_tables(loader_name, kwargs, (table.name,))
