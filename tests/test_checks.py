@@ -403,6 +403,27 @@ def test_an_identifier_like_categorical_column_of_the_label_table_is_refused_nam
     assert "CASE" not in line and "new column of fewer values in the table's file" in line  # SQL computes no column
 
 
+def test_an_identifier_column_that_also_outgrows_the_machine_is_one_line(tmp_path, monkeypatch):
+    """A label-table column of one category per row whose one-hot block is also over half the memory is told
+    once, as an identifier (was: a second line for the same column, the memory one); another column too wide
+    for the machine keeps its own line."""
+    orders, customers = good(tmp_path)
+    orders["note"] = [f"order {i}" for i in range(len(orders))]
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["orders"]["categorical"] = ["note"]
+    monkeypatch.setattr("tpflower.checks.machine_memory", lambda: 1024)
+    (line,) = lines(dataset)
+    assert line.startswith("table 'orders', categorical feature 'note': a different category on most rows")
+    customers["email"] = [f"person{i}@example.org" for i in range(len(customers))]
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["orders"]["categorical"] = ["note"]
+    dataset["tables"]["customers"]["categorical"] = ["email"]
+    assert [line.split(":")[0] for line in lines(dataset)] == [
+        "table 'orders', categorical feature 'note'",
+        "table 'customers', categorical feature 'email'",
+    ]
+
+
 def test_a_union_shard_column_not_exposed_or_holding_unlisted_values_is_refused_up_front_once(tmp_path):
     """scenario=ucq: a shard column that is none of the table's keys or features, and rows whose shard value is
     not listed, are refused in the simulation's data check, one line each naming the table and the column (the

@@ -348,10 +348,12 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
         out += _label_problems(spec, name, frame[label], src)
     out += _uninformative(name, frame, [c for c in t.features if c in present])
     levels = {c: int(frame[c].nunique(dropna=False)) for c in t.categorical if c in present}  # categories
-    if label_here:
-        out += _identifier_like(name, len(frame), levels)
+    identifiers = _identifier_like(name, len(frame), levels) if label_here else []
+    out += identifiers
     wide = _wide_features(spec, name, frame, present, levels)
-    return out + ([wide] if wide is not None else [])
+    if wide is None or wide.column in {p.column for p in identifiers}:
+        return out  # an identifier's line already says to drop it: one line per column at fault
+    return out + [wide]
 
 
 def _duplicate_keys(
