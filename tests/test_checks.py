@@ -145,6 +145,27 @@ def test_a_date_column_declared_numeric_is_called_dates_not_text(tmp_path):
     assert check_dataset(dataset)[2] == []
 
 
+def test_dates_written_as_text_in_a_numeric_column_are_called_dates(tmp_path):
+    """A CSV column of dates (2017-01-01, 2017-01-01T06:00:42Z reads as text) declared numeric: the line says it
+    holds dates and how to train on them, as for a Parquet datetime column (was: 'non-numeric values ... make
+    every value a number'); a column of other text keeps the non-numeric line."""
+    orders, customers = good(tmp_path)
+    customers["since"] = (pd.Timestamp("2015-01-01") + pd.to_timedelta(customers["cust"], unit="D")).astype(str)
+    customers.loc[3, "since"] = "2016-02-03 06:00:42"
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["numeric"] = ["age", "since"]
+    (line,) = lines(dataset)
+    assert line.startswith(
+        f"table 'customers', numeric feature 'since': {len(customers)} dates or times written as text, not numbers, "
+        f"first at row 0 (line 2 of {tmp_path / 'customers.csv'}): '2015-01-01'; store a number computed from them"
+    )
+    customers.loc[3, "since"] = "last spring"
+    dataset = shop(tmp_path, orders, customers)
+    dataset["tables"]["customers"]["numeric"] = ["age", "since"]
+    (line,) = lines(dataset)
+    assert f"{len(customers)} non-numeric values" in line and "make every value a number" in line
+
+
 def test_empty_and_unreadable_files_name_table_and_file(tmp_path):
     dataset = shop(tmp_path)
     (tmp_path / "customers.csv").write_text("")

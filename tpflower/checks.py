@@ -172,6 +172,13 @@ def _infinite(s: pd.Series) -> np.ndarray:
     return np.isinf(pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan))
 
 
+#: what to do with a column of dates or times declared numeric (a datetime column, or dates written as text)
+DATE_FIX = (
+    "store a number computed from them in a column of the table's file (the year, days since a start date) and "
+    "declare that one, or declare the column categorical (one category per value)"
+)
+
+
 def _bad_values(
     table: str, column: str, role: str, mask: np.ndarray, s: pd.Series, source: SourceRows, what: str, fix: str
 ) -> Problem:
@@ -261,6 +268,7 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
         s = frame[col]
         bad = _non_numeric(s)
         if bad.any():
+            dates = bool(s[bad].astype(str).str.strip().str.fullmatch(DATE_TEXT).all())
             out.append(
                 _bad_values(
                     name,
@@ -269,8 +277,10 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                     bad,
                     s,
                     src,
-                    "non-numeric values",
-                    "make every value a number (leave it empty if unknown: a missing value, which "
+                    "dates or times written as text, not numbers" if dates else "non-numeric values",
+                    DATE_FIX
+                    if dates
+                    else "make every value a number (leave it empty if unknown: a missing value, which "
                     "boosted trees bin apart and the other models fill with the median), or declare the column "
                     "categorical",
                 )
@@ -278,12 +288,7 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
         elif pd.api.types.is_datetime64_any_dtype(s) or pd.api.types.is_timedelta64_dtype(s):
             out.append(
                 Problem(
-                    name,
-                    f"dates or times, not numbers (dtype {s.dtype})",
-                    "store a number computed from them in a column of the table's file (the year, days since a "
-                    "start date) and declare that one, or declare the column categorical (one category per value)",
-                    column=col,
-                    role="numeric feature",
+                    name, f"dates or times, not numbers (dtype {s.dtype})", DATE_FIX, column=col, role="numeric feature"
                 )
             )
         elif not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
