@@ -75,29 +75,35 @@ def check_k(k: int, joined: int, min_group_rows: int) -> None:
         )
 
 
-def check_table_k(k: int, rows: dict[str, int], min_group_rows: int, coreset: bool) -> None:
-    """Each table's k local centres each cover at least ``min_group_rows`` of its rows in the join (or in the
-    coreset: ``rows``, table -> rows of positive weight, what its node counts), so k <= rows // min_group_rows
-    for every table; beyond it that node refuses (tpflower.phases.kmeans.kmeans_local): one line here naming
-    the table with the fewest rows, before any node clusters."""
+def table_centres(k: int, rows: dict[str, int], min_group_rows: int, coreset: bool) -> dict[str, int]:
+    """Each table's local centres: k, or ``rows // min_group_rows`` for a table of fewer rows in the join (or in
+    the coreset: ``rows``, table -> rows of positive weight, what its node counts), so that each centre covers at
+    least ``min_group_rows`` of them (the owners' bound; its node clusters into as many,
+    tpflower.phases.kmeans.kmeans_local): a small dimension table (50 states, 7 precincts) gives the grid fewer
+    cells, as its node's merging of small centres would. A table of fewer than ``min_group_rows`` rows releases
+    no centre: refused in one line naming it, before any node clusters."""
     table = min(rows, key=rows.__getitem__)
     n, g = rows[table], min_group_rows
-    if k * g <= n:
-        return
-    options = [f"algorithm.k={n // g} or less"] if n >= g else []
-    if n >= k:
-        lower = f"min_group_rows={n // k}" + (" or less" if n // k > 1 else "")
-        options.append(f"{lower} (a deployed owner: in its settings file)")
-    elif n >= 1 and g > 1:
-        options.append(f"algorithm.k={n} or less with min_group_rows=1")
-    if coreset:
-        options.append("a larger algorithm.m")
-    raise ValueError(
-        f"algorithm.k={k}: table '{table}' has {n} rows in the {'coreset' if coreset else 'join'} and each of its "
-        f"k-means centres covers at least min_group_rows = {g} of them (the owners' bound), so "
-        + (f"k <= {n // g}" if n >= g else "it releases no centre")
-        + "; set "
-        + ", or ".join(options)
+    if n < g:
+        options = [f"min_group_rows={n} or less (a deployed owner: in its settings file)"] if n >= 1 else []
+        if coreset:
+            options.append("a larger algorithm.m")
+        raise ValueError(
+            f"k-means: table '{table}' has {n} rows in the {'coreset' if coreset else 'join'} and each of its "
+            f"k-means centres covers at least min_group_rows = {g} of them (the owners' bound), so it releases no "
+            "centre" + ("; set " + ", or ".join(options) if options else "")
+        )
+    return {t: min(k, r // g) for t, r in rows.items()}
+
+
+def fewer_centres_line(k: int, rows: dict[str, int], centres: dict[str, int], min_group_rows: int) -> str | None:
+    """The run's line naming the tables that cluster into fewer than k local centres (:func:`table_centres`)."""
+    few = [f"'{t}' {c} ({rows[t]:,} rows)" for t, c in centres.items() if c < k]
+    if not few:
+        return None
+    return (
+        f"k-means: local centres {', '.join(few)}, not algorithm.k={k}: each covers at least "
+        f"min_group_rows = {min_group_rows} of its table's rows; the final centres are still k={k}"
     )
 
 
@@ -123,13 +129,13 @@ class DistDimKMeans(DISStrategy):
             S = mapping.subset(core.rows)
             plan = BatchPlan.of(S, np.arange(S.N))
             w_U = {t: segment_sum(plan.inv[t], core.weights, len(U)) for t, U in plan.U.items()}
-            check_table_k(k, {t: int((w > 0).sum()) for t, w in w_U.items()}, self.min_group_rows, True)
+            self.say_centres(k, {t: int((w > 0).sum()) for t, w in w_U.items()}, True)
             replies = self.send(self.messages(lambda t: ({"rows": plan.U[t], "w": w_U[t]}, {"phase": "kmeans_local"})))
             point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[plan.inv[t]] for t in mapping.p]
             weights = core.weights
         else:  # each table: k-means weighted by G_iu, one label per row; the server reads them along p_i
             check_k(k, mapping.N, self.min_group_rows)
-            check_table_k(k, {t: int((mapping.G(t) > 0).sum()) for t in mapping.p}, self.min_group_rows, False)
+            self.say_centres(k, {t: int((mapping.G(t) > 0).sum()) for t in mapping.p}, False)
             replies = self.send(
                 self.messages(lambda t: ({"G": compact_counts(mapping.G(t))}, {"phase": "kmeans_local"}))
             )
@@ -163,6 +169,12 @@ class DistDimKMeans(DISStrategy):
         )  # type: ignore[arg-type]
         self.record.add(rec, METRIC)
         self.finish()
+
+    def say_centres(self, k: int, rows: dict[str, int], coreset: bool) -> None:
+        """Refuse a table that releases no centre; name the tables of fewer than k local centres."""
+        line = fewer_centres_line(k, rows, table_centres(k, rows, self.min_group_rows, coreset), self.min_group_rows)
+        if line is not None:
+            self.log(line)
 
     def coreset_extra(self) -> dict[str, float]:
         """The coreset's numbers for the record (coreset_kmeans: its rows, draws and construction bytes); none

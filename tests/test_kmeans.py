@@ -193,18 +193,36 @@ def test_kmeans_has_no_constant_predictor_reference_nor_its_warning():
     assert strategy.results.history[-1].test_metric > 1.0  # above synthetic's constant RMSE: it was warned of
 
 
-@pytest.mark.parametrize(("algorithm", "k", "where"), [("kmeans", 30, "join"), ("coreset_kmeans", 500, "coreset")])
-def test_a_k_beyond_a_tables_group_bound_is_one_line_naming_the_table(algorithm, k, where):
-    """A k below N / min_group_rows that a table's rows cannot carry (synthetic's d3: 354 rows in the join)
-    is refused by the server in one line naming that table and the largest k, before any node clusters (each
-    node refused it in a line of its own: four lines on synthetic, none naming the setting to change)."""
+@pytest.mark.parametrize(("algorithm", "k"), [("kmeans", 30), ("coreset_kmeans", 500)])
+def test_a_k_beyond_a_tables_group_bound_gives_that_table_fewer_centres(algorithm, k):
+    """A k that a table's rows cannot carry at min_group_rows each (synthetic's d3: 354 rows in the join, 17
+    centres) gives that table fewer local centres, named in one line, and the run keeps k final centres (was:
+    refused in one line naming the table and the largest k, so that algorithm=kmeans at its defaults stopped on
+    any dimension table of fewer than 200 rows in the join: 50 states, 123 rows of synthetic's d3 at fanout=1)."""
+    lines: list[str] = []
     cfg = make_cfg(f"algorithm={algorithm}", "dataset=synthetic", f"algorithm.k={k}")
+    strategy = run_in_process(cfg, None, log=lines.append).strategy
+    (line,) = [line for line in lines if line.startswith("k-means: local centres")]
+    assert re.search(r"'d3' (\d+) \((\d+) rows\)", line) and f"not algorithm.k={k}" in line, line
+    counts = {t: len(C) for t, C in strategy.local_centres.items()}
+    for table, centres, rows in re.findall(r"'(\w+)' (\d+) \(([\d,]+) rows\)", line):
+        assert counts[table] <= int(centres) == int(rows.replace(",", "")) // 20
+    assert len(strategy.centres) == k and np.isfinite(strategy.results.history[-1].test_metric)
+
+
+def test_a_table_of_fewer_rows_than_min_group_rows_is_one_line_naming_it():
+    """A table whose rows in the join are fewer than min_group_rows releases no centre: the server refuses in one
+    line naming it and the bound that fits, before any node clusters (k is not at fault)."""
+    cfg = make_cfg("algorithm=kmeans", "dataset=synthetic", "min_group_rows=380")
     with pytest.raises(ValueError) as refused:
         run_in_process(cfg, None, log=quiet)
     line = str(refused.value)
     assert "\n" not in line, line
-    assert re.match(rf"algorithm\.k={k}: table '\w+' has \d+ rows in the {where} and", line), line
-    assert "set algorithm.k=" in line, line
+    assert line == (
+        "k-means: table 'd3' has 354 rows in the join and each of its k-means centres covers at least "
+        "min_group_rows = 380 of them (the owners' bound), so it releases no centre; set min_group_rows=354 or "
+        "less (a deployed owner: in its settings file)"
+    )
 
 
 def test_full_kmeans_line_names_no_coreset(kmeans_run):
@@ -218,13 +236,3 @@ def test_results_name_the_kmeans_model_not_the_unused_linear_default(kmeans_run)
     """results.json's model (and simulations.reproduce's labels: 'kmeans, linear') named model=linear, the
     default k-means leaves unused; it is 'kmeans', as boosted trees' is 'gbdt'."""
     assert kmeans_run.strategy.results.model == "kmeans"
-
-
-def test_the_k_refusal_offers_each_remedy_once():
-    """Under min_group_rows=1 the bound is the table's rows: the line said 'set algorithm.k=200 or less, or
-    algorithm.k=200 or less with min_group_rows=1' (the run's own min_group_rows)."""
-    cfg = make_cfg("algorithm=coreset_kmeans", "dataset=synthetic", "algorithm.k=500", "min_group_rows=1")
-    with pytest.raises(ValueError) as refused:
-        run_in_process(cfg, None, log=quiet)
-    line = str(refused.value)
-    assert line.count("algorithm.k=") == 2 and "with min_group_rows=1" not in line, line  # the asked k, the fit

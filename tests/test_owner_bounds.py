@@ -111,18 +111,16 @@ def kmeans_node(tmp_path, k: int) -> tuple[Context, int]:
     return context, len(keys_round(context)["row_ids"])
 
 
-def test_kmeans_with_k_equal_to_the_rows_is_refused(tmp_path):
+def test_kmeans_with_k_equal_to_the_rows_answers_rows_over_min_group_rows_centres(tmp_path):
+    """k = 400 over a table's 400 rows: the node clusters them into at most 400 / min_group_rows = 20 centres,
+    each covering at least min_group_rows rows (never one centre per row)."""
     context, n = kmeans_node(tmp_path, 400)
     assert n == 400
-    refused(
-        deployed_app,
-        context,
-        f"k = 400 centres over 400 weighted rows; each centre covers at least min_group_rows = "
-        f"{DEFAULT_MIN_GROUP_ROWS} of them .* so k <= 20",
-        "train",
-        {"G": np.full(n, 2, dtype=np.uint8)},
-        {"phase": "kmeans_local"},
-    )
+    out = unpack_reply(
+        call(deployed_app, context, "train", {"G": np.full(n, 2, dtype=np.uint8)}, {"phase": "kmeans_local"}).content
+    )[0]
+    assert len(out["C"]) <= 400 // DEFAULT_MIN_GROUP_ROWS
+    assert np.bincount(out["labels"]).min() >= DEFAULT_MIN_GROUP_ROWS
 
 
 def test_kmeans_on_ten_chosen_rows_is_refused_and_an_honest_k_is_answered(tmp_path):

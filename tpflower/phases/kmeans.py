@@ -63,8 +63,8 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
     {G}: all its rows weighted by G_iu (the full join); {rows, w}: the coreset's rows with their weights."""
     s = client.settings
     X = np.asarray(client.local.X, dtype=np.float64)
-    # every centre is the weighted mean of at least min_group_rows of its rows (the owner's setting): k is
-    # bounded by it, and a centre of fewer rows is merged into its neighbours (k shrinks)
+    # every centre is the weighted mean of at least min_group_rows of its rows (the owner's setting): at most
+    # n_active // min_group_rows centres, and a centre of fewer rows is merged into its neighbours (k shrinks)
     if "rows" in arrays:
         rows = _rows(client, arrays, "kmeans_local")
         w = np.asarray(arrays["w"], dtype=np.float64)
@@ -77,18 +77,14 @@ def kmeans_local(client: TableClient, arrays: Arrays, config: Mapping[str, Any])
             raise CoresetRefusal(f"{_where(client, 'kmeans_local')}: coreset k-means clusters the coreset's rows only")
         w = _keep_G(client, arrays, "kmeans_local")
     k, g = int(s.algorithm.k), int(s.min_group_rows)
-    active = w > 0
-    n_active = int(active.sum())
-    if k * g > n_active:
-        bound = (
-            f"so k <= {n_active // g} (algorithm.k)"
-            if n_active >= g
-            else "so it releases no centre (its owner may lower min_group_rows)"
-        )
+    n_active = int((w > 0).sum())
+    if n_active < g:
         raise CoresetRefusal(
             f"{_where(client, 'kmeans_local')}: k = {k} centres over {n_active} weighted rows; each centre "
-            f"covers at least min_group_rows = {g} of them (its owner's setting), {bound}"
+            f"covers at least min_group_rows = {g} of them (its owner's setting), so it releases no centre (its "
+            "owner may lower min_group_rows)"
         )
+    k = min(k, n_active // g)  # few rows in the join: fewer centres (strategies/kmeans.py, table_centres)
     C, labels = weighted_kmeans(
         X,
         w,
