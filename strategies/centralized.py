@@ -133,6 +133,24 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"algorithm.optimizer must be sgd or adam, got {name!r}")
 
 
+def centralized_epochs(cfg: Any, N: int, B: int, log=print) -> int:
+    """``epochs``, or as algorithm=sgd more when its mini-batch steps fall short of ``algorithm.min_steps`` (a
+    small training join; not under privacy, nor with full batches): the baseline a federated run is compared
+    with trains at least as many steps (docs/algorithms.md#small-training-joins). One line says so."""
+    epochs, min_steps = int(cfg.epochs), int(cfg.algorithm.get("min_steps", 0) or 0)
+    private = str((cfg.get("privacy") or {}).get("name", "none")) != "none"
+    per_epoch = -(-N // B)
+    if private or str(cfg.algorithm.batch_size) == "full" or per_epoch * epochs >= min_steps:
+        return epochs
+    longer = -(-min_steps // per_epoch)
+    log(
+        f"epochs: {per_epoch} mini-batch step(s) per epoch ({N:,} training rows, algorithm.batch_size={B}): "
+        f"{longer} epochs, not {epochs}, for algorithm.min_steps={min_steps} steps (algorithm.min_steps=0: "
+        "exactly epochs)"
+    )
+    return longer
+
+
 def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -> JoinedModel:
     """Mini-batch SGD (or the exact ridge solution) on the joined table; appends one record per epoch."""
     dtype = torch_dtype(cfg.precision)
@@ -167,7 +185,7 @@ def train_centralized(cfg: Any, rel: Relation, results: RunResults, log=print) -
     y_all = torch.as_tensor(scale.scaled(rel.labels(rel.train)), dtype=torch.long if task == "multiclass" else dtype)
     opt = make_optimizer(str(cfg.algorithm.get("optimizer", "sgd")), model.parameters(), float(cfg.algorithm.lr))
     gen = np.random.default_rng(int(cfg.seed))
-    for epoch in range(1, int(cfg.epochs) + 1):
+    for epoch in range(1, centralized_epochs(cfg, N, B, log) + 1):
         total, count = 0.0, 0
         for rows in epoch_batches(N, B, gen):  # the federated SGD strategies draw the same batches
             X = torch.as_tensor(rel.joined_features(rel.train, rows), dtype=dtype)

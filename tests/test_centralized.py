@@ -55,7 +55,7 @@ def test_centralized_sgd_approaches_exact_solution(tmp_path):
 
 
 def test_results_json_schema(tmp_path):
-    run_job(central_cfg("dataset=synthetic", "epochs=2"), tmp_path)
+    run_job(central_cfg("dataset=synthetic", "epochs=2", "algorithm.min_steps=0"), tmp_path)
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["algorithm"] == "centralized" and r["scenario"] == "join" and r["metric"] == "rmse"
     assert r["n_joined"] > 0 and set(r["table_rows"]) == {"fact", "d1", "d2", "d3"}
@@ -109,6 +109,23 @@ def test_user_csv_files_train_end_to_end(tmp_path, monkeypatch):
     assert results.n_joined == 2000 and results.table_rows == {"orders": 2000, "customers": 50, "products": 30}
     assert results.history[-1].test_metric < 0.8 * results.reference["constant_rmse"]
     assert (tmp_path / "run" / "results.json").exists()
+
+
+def test_a_small_join_trains_the_centralized_baseline_min_steps_as_sgd(tmp_path, monkeypatch):
+    """A training join of 7 batches of 256: epochs=1 was 7 SGD steps, a baseline far below the federated SGD
+    (which trains algorithm.min_steps=500 steps) on the same split; it trains ceil(500 / 7) epochs, in one
+    line, as algorithm=sgd does; algorithm.min_steps=0 keeps exactly epochs."""
+    dataset = write_user_tables(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    lines: list[str] = []
+    short = run_job(
+        central_cfg("epochs=1", "algorithm.min_steps=0", dataset=dataset), tmp_path / "a", base_dir=tmp_path
+    )
+    assert len(short.history) == 1
+    long = run_job(central_cfg("epochs=1", dataset=dataset), tmp_path / "b", base_dir=tmp_path, log=lines.append)
+    assert len(long.history) == 72  # 1,600 training rows: 7 steps per epoch
+    assert any(line.startswith("epochs: 7 mini-batch step(s) per epoch (1,600 training rows") for line in lines)
+    assert long.history[-1].test_metric < 0.7 * short.history[-1].test_metric
 
 
 def test_bad_user_table_fails_before_training_and_keeps_old_results(tmp_path):

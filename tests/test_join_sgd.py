@@ -51,7 +51,7 @@ EXACT = ("model.init=zeros", "precision=float64", "epochs=3", "validation_fracti
 def test_tp_join_sgd_equals_centralized_gradient_descent(algorithm, dataset, batch):
     common = (*EXACT, f"dataset={dataset}", f"algorithm.batch_size={batch}", "algorithm.lr=0.2")
     fed = run_federated(f"algorithm={algorithm}", *common, "algorithm.min_steps=0")  # exactly the 3 epochs
-    rel, model, cen = run_centralized(*common)
+    rel, model, cen = run_centralized(*common, "algorithm.min_steps=0")
     for t in rel.spec.table_names:
         theta = fed.theta((t, 0))
         np.testing.assert_allclose(theta["weight"], model.local[t].weight.detach().numpy(), rtol=1e-9, atol=1e-12)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpflower.guard import Protocol
-from tpflower.params import AlgorithmParams, one_of, or_word, param, positive
+from tpflower.params import AlgorithmParams, nonnegative_int, one_of, or_word, param, positive
 from tpflower.phases.gbdt import TREE_MODELS, WHY_TREE_MODELS, GBDTParams
+from tpflower.phases.join_sgd import MIN_STEPS
 from tpflower.registry import AlgorithmEntry, register
 
 #: Why the centralized baseline refuses feature DP (shown in the error).
@@ -30,6 +31,9 @@ class CentralizedParams(AlgorithmParams):
     optimizer: str = param(one_of("sgd", "adam"), "sgd")  # sgd: Eq. 6, the update the federated SGD applies
     lr: float = param(positive, 0.1)
     batch_size: int | str = param(or_word(positive, "full"), 256)
+    # fewest mini-batch steps without privacy, as algorithm=sgd's: a training join of few batches trains more
+    # epochs than `epochs`; 0: exactly `epochs` (docs/algorithms.md#small-training-joins)
+    min_steps: int = param(nonnegative_int, MIN_STEPS)
 
 
 #: (selector, server class, settings, summary); the GBDT is algorithm=gbdt's reference, with gbdt's settings
