@@ -457,7 +457,7 @@ class CentralizedGBDT(Centralized):
         blocks = {t: blocks_of(rel.tables[t].preprocessor) for t in rel.spec.table_names}
         forest, _, _ = central_trees(codes, edges, y, task, rel.d_out, params, test_codes, on_round, blocks)
         results.importance = table_importance(forest)
-        self.log(importance_line(results.importance))
+        self.log(importance_line(results.importance, len(y), params.min_child_rows))
         self.results = results
         if self.run_dir is not None:
             self.log(f"results: {write_results(results, self.run_dir)}")

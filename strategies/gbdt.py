@@ -221,7 +221,7 @@ class JoinGBDT(LoJStrategy):
                 "early_stopping": alg.early_stopping,
             }
         self.results.importance = table_importance(self.forest)
-        self.log(importance_line(self.results.importance))
+        self.log(importance_line(self.results.importance, len(self.fit_rows), alg.min_child_rows))
         self.finish()
 
     def start_gbdt(self) -> dict[str, Any]:

@@ -8,9 +8,13 @@ import os
 import re
 import stat
 
+import numpy as np
+import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
 from simulations.federated import run_in_process
+from simulations.job import run_job
 from strategies.centralized import constant_predictor_metric
 from tests.conftest import make_cfg
 from tpflower.comm import CommMeter, WanModel
@@ -291,6 +295,45 @@ def test_boosted_trees_whose_training_loss_ends_above_its_first_evaluation_are_s
     )
     assert loss_grew([(10, 1.40), (20, 1.33), (30, 1.54), (40, 1.28)]) == ""  # a swing, ending below its start
     assert loss_grew([(10, 1.40)]) == "" and loss_grew([(10, float("nan")), (20, 1.0)]) == ""
+
+
+def test_trees_of_one_leaf_say_why_and_are_not_said_to_diverge(tmp_path):
+    """45 rows (carData's Duncan occupations, 38 fit): no split has min_child_rows=20 rows on each side, so every
+    tree is one leaf and the loss stays the constant's to its last digits (0.6708198443868175, then ...177).
+    That was 'warning: the training loss grew from 0.6708 (trees 10) to 0.6708 (trees 50): the trees' leaf
+    values diverge ... algorithm.lambda_l2=1 bounds them' after 'importance ...: no split'; now no warning, and
+    the importance line says why no tree split and the min_child_rows that lets one."""
+    from tpflower.reference import loss_grew
+    from tpflower.results import importance_line
+
+    assert loss_grew([(10, 0.6708198443868175), (20, 0.6708198443868172), (50, 0.6708198443868177)]) == ""
+    assert importance_line({}, 38, 20) == (
+        "importance (share of the trees' split gain): no split, every tree is one leaf (the constant predictor); "
+        "a split needs algorithm.min_child_rows=20 joined rows on each side and the trees were fit on 38: set "
+        "algorithm.min_child_rows=9 or less"
+    )
+    assert importance_line({}, 400, 20).endswith("no split, every tree is one leaf (the constant predictor)")
+    rng = np.random.default_rng(0)
+    occ = pd.DataFrame({"kind": rng.choice(["a", "b"], 45), "income": rng.normal(size=45)})
+    occ["high"] = (occ["income"] + rng.normal(size=45) > 0).astype(int)
+    occ.to_csv(tmp_path / "occ.csv", index=False)
+    pd.DataFrame({"kind": ["a", "b"], "rank": [1.0, 2.0]}).to_csv(tmp_path / "kinds.csv", index=False)
+    dataset = {
+        "name": "tiny",
+        "tables": {
+            "occ": {"source": "occ.csv", "numeric": ["income"]},
+            "kinds": {"source": "kinds.csv", "numeric": ["rank"]},
+        },
+        "label": {"table": "occ", "column": "high", "task": "binary"},
+        "joins": [{"left": "occ", "right": "kinds", "on": "kind"}],
+    }
+    lines: list[str] = []
+    cfg = make_cfg("algorithm=gbdt", "algorithm.trees=30")
+    cfg.dataset = OmegaConf.create(dataset)
+    run_job(cfg, tmp_path / "run", base_dir=tmp_path, log=lines.append)
+    text = "\n".join(lines)
+    assert "leaf values diverge" not in text, text
+    assert "set algorithm.min_child_rows=" in text, text
 
 
 @pytest.mark.parametrize("algorithm", ["sgd", "gbdt"])

@@ -169,10 +169,22 @@ def check_results(record: Any, path: str | Path) -> dict[str, Any]:
     return record
 
 
-def importance_line(importance: Mapping[str, Mapping[str, float]]) -> str:
-    """The run's line of each table's share of the split gain (RunResults.importance)."""
+def importance_line(
+    importance: Mapping[str, Mapping[str, float]], fit_rows: int | None = None, min_child_rows: int | None = None
+) -> str:
+    """The run's line of each table's share of the split gain (RunResults.importance). No split: every tree is
+    one leaf, the constant predictor, and when the trees were fit on fewer than 2 ``min_child_rows`` joined
+    rows (``fit_rows``) the line says that no split could have both sides that large."""
     parts = [f"{t} {100 * v['share']:.1f}% ({int(v['splits']):,} splits)" for t, v in importance.items()]
-    return "importance (share of the trees' split gain): " + (", ".join(parts) if parts else "no split")
+    if parts:
+        return "importance (share of the trees' split gain): " + ", ".join(parts)
+    line = "importance (share of the trees' split gain): no split, every tree is one leaf (the constant predictor)"
+    if fit_rows is not None and min_child_rows is not None and fit_rows < 2 * min_child_rows:
+        line += (
+            f"; a split needs algorithm.min_child_rows={min_child_rows} joined rows on each side and the trees "
+            f"were fit on {fit_rows:,}: set algorithm.min_child_rows={max(1, fit_rows // 4)} or less"
+        )
+    return line
 
 
 def read_results(path: str | Path) -> dict[str, Any]:
