@@ -75,18 +75,21 @@ def check_k(k: int, joined: int, min_group_rows: int) -> None:
         )
 
 
-def table_centres(k: int, rows: dict[str, int], min_group_rows: int, coreset: bool) -> dict[str, int]:
+def table_centres(
+    k: int, rows: dict[str, int], min_group_rows: int, coreset: bool, join_rows: dict[str, int] | None = None
+) -> dict[str, int]:
     """Each table's local centres: k, or ``rows // min_group_rows`` for a table of fewer rows in the join (or in
     the coreset: ``rows``, table -> rows of positive weight, what its node counts), so that each centre covers at
     least ``min_group_rows`` of them (the owners' bound; its node clusters into as many,
     tpflower.phases.kmeans.kmeans_local): a small dimension table (50 states, 7 precincts) gives the grid fewer
     cells, as its node's merging of small centres would. A table of fewer than ``min_group_rows`` rows releases
-    no centre: refused in one line naming it, before any node clusters."""
+    no centre: refused in one line naming it, before any node clusters (a larger coreset offered only when the
+    table has ``min_group_rows`` rows in the join, ``join_rows``)."""
     table = min(rows, key=rows.__getitem__)
     n, g = rows[table], min_group_rows
     if n < g:
         options = [f"min_group_rows={n} or less (a deployed owner: in its settings file)"] if n >= 1 else []
-        if coreset:
+        if coreset and (join_rows is None or join_rows.get(table, g) >= g):
             options.append("a larger algorithm.m")
         raise ValueError(
             f"k-means: table '{table}' has {n} rows in the {'coreset' if coreset else 'join'} and each of its "
@@ -129,7 +132,8 @@ class DistDimKMeans(DISStrategy):
             S = mapping.subset(core.rows)
             plan = BatchPlan.of(S, np.arange(S.N))
             w_U = {t: segment_sum(plan.inv[t], core.weights, len(U)) for t, U in plan.U.items()}
-            self.say_centres(k, {t: int((w > 0).sum()) for t, w in w_U.items()}, True)
+            joined = {t: int((mapping.G(t) > 0).sum()) for t in mapping.p}
+            self.say_centres(k, {t: int((w > 0).sum()) for t, w in w_U.items()}, True, joined)
             replies = self.send(self.messages(lambda t: ({"rows": plan.U[t], "w": w_U[t]}, {"phase": "kmeans_local"})))
             point_labels = [np.asarray(replies[(t, 0)][0]["labels"], dtype=np.int64)[plan.inv[t]] for t in mapping.p]
             weights = core.weights
@@ -170,9 +174,10 @@ class DistDimKMeans(DISStrategy):
         self.record.add(rec, METRIC)
         self.finish()
 
-    def say_centres(self, k: int, rows: dict[str, int], coreset: bool) -> None:
+    def say_centres(self, k: int, rows: dict[str, int], coreset: bool, join_rows: dict[str, int] | None = None) -> None:
         """Refuse a table that releases no centre; name the tables of fewer than k local centres."""
-        line = fewer_centres_line(k, rows, table_centres(k, rows, self.min_group_rows, coreset), self.min_group_rows)
+        centres = table_centres(k, rows, self.min_group_rows, coreset, join_rows)
+        line = fewer_centres_line(k, rows, centres, self.min_group_rows)
         if line is not None:
             self.log(line)
 

@@ -236,3 +236,15 @@ def test_results_name_the_kmeans_model_not_the_unused_linear_default(kmeans_run)
     """results.json's model (and simulations.reproduce's labels: 'kmeans, linear') named model=linear, the
     default k-means leaves unused; it is 'kmeans', as boosted trees' is 'gbdt'."""
     assert kmeans_run.strategy.results.model == "kmeans"
+
+
+def test_a_coreset_is_not_offered_larger_for_a_table_of_too_few_rows_in_the_join():
+    """coreset_kmeans over a table with fewer rows in the whole join than min_group_rows (synthetic's d3: 354):
+    no coreset makes it release a centre, so the line offers min_group_rows only (it said 'or a larger
+    algorithm.m' too, as for gapminder's 5 continents)."""
+    cfg = make_cfg("algorithm=coreset_kmeans", "dataset=synthetic", "min_group_rows=380", "algorithm.m=30")
+    with pytest.raises(ValueError) as refused:
+        run_in_process(cfg, None, log=quiet)
+    line = str(refused.value)
+    assert line.startswith("k-means: table 'd3' has ") and "rows in the coreset" in line, line
+    assert "algorithm.m" not in line and "set min_group_rows=" in line, line
