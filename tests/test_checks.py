@@ -774,3 +774,12 @@ def test_unquoted_yes_no_of_a_yaml_list_get_a_hint_to_quote_them(tmp_path):
     orders["late"] = orders["late"].map({"no": "early", "yes": "late"})  # no word YAML reads as a boolean
     dataset = shop(tmp_path, orders, customers, label={**dataset["label"], "classes": [False, True]})
     assert "quote them" not in lines(dataset)[0]
+
+
+def test_a_table_of_a_header_alone_is_one_problem_not_one_per_numeric_column(tmp_path):
+    """A header-only file reads every column as text (dtype object): its one problem is that it has no rows,
+    not also 'numbers stored as text' for each numeric feature."""
+    dataset = shop(tmp_path)
+    (tmp_path / "orders.csv").write_text("cust,qty,spend\n")
+    found = [line for line in lines(dataset) if "'orders'" in line]
+    assert found == ["table 'orders' has no rows; fill the table (its file has a header but no data rows)"]

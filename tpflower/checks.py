@@ -291,7 +291,8 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                     name, f"dates or times, not numbers (dtype {s.dtype})", DATE_FIX, column=col, role="numeric feature"
                 )
             )
-        elif not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
+        elif len(s) and not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
+            # (a header-only file's columns read as text: 'has no rows' above says what is wrong)
             out.append(
                 Problem(
                     name,
