@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
@@ -123,8 +123,8 @@ def settings_problem(client_config: str, table: str) -> str | None:
     wrong (docs/deployment.md, the node service): the settings as a run's hello reads them
     (tpflower.owner), the algorithms it allows named as installed ones are, and its ``source`` file read with
     the node's reader, filtered by its ``where``, holding every column it exposes (join keys, features,
-    label, a shard column)."""
-    from tpflower.checks import DataProblems  # noqa: PLC0415  (argparse errors first: no heavy imports)
+    label, a shard column) with the values a run's checks accept (:func:`owner_table_problems`)."""
+    from tpflower.checks import DataProblems, errors  # noqa: PLC0415  (argparse errors first: no heavy imports)
     from tpflower.datasets.files import read_table  # noqa: PLC0415
     from tpflower.owner import read_owner_settings  # noqa: PLC0415
     from tpflower.registry import algorithm_names, release_families  # noqa: PLC0415
@@ -153,7 +153,29 @@ def settings_problem(client_config: str, table: str) -> str | None:
             f"table {table!r}: source file {owner.source} has no column(s) {missing}, which {client_config} "
             f"names; its columns are {list(frame.columns)}"
         )
+    if problems := errors(owner_table_problems(table, owner, frame)):
+        return f"source file {owner.source}: {DataProblems(problems).one_line(values=True)}"
     return None
+
+
+def owner_table_problems(table: str, owner: Any, frame: Any) -> list:
+    """The problems of the owner's table that its settings alone show (tpflower.checks.table_problems, as a
+    run's first message would find them: text in a numeric column, no rows, a column both numeric and
+    categorical; the label's only when its owner states its task), with a one-table spec built from the
+    columns it exposes."""
+    from tpflower.checks import table_problems  # noqa: PLC0415
+    from tpflower.schema import LabelSpec, RelationalSpec, TableSpec  # noqa: PLC0415
+
+    e = owner.exposed
+    spec = RelationalSpec(
+        name=table,
+        tables=(TableSpec(name=table, source=str(owner.source), numeric=e.numeric, categorical=e.categorical),),
+        label=LabelSpec(e.label, table, e.label_task, e.label_classes)
+        if e.label is not None and e.label_task is not None
+        else LabelSpec(e.label or "", None, "regression"),
+        joins=(),  # its join keys: a run checks those it joins on (a key column no run joins may miss values)
+    )
+    return table_problems(spec, table, frame)
 
 
 def forward_output(stream: IO[str], out: IO[str], seen: set[str], unreachable: str = "") -> None:

@@ -431,6 +431,18 @@ SETTINGS = (
             BILLING,
             "privacy.epsilon must be a positive number, got -1",
         ),
+        (  # these three were found only by a run's first message, the node serving meanwhile
+            SETTINGS,
+            BILLING.replace("19.5", "n.a.!"),
+            "billing.csv: 1 problem in the data: table 'billing', numeric feature 'monthly_charges': "
+            "1 non-numeric value, first at row 0 (line 2 of ",
+        ),
+        (SETTINGS, BILLING.splitlines()[0] + "\n", "table 'billing' has no rows; fill the table"),
+        (
+            SETTINGS.replace("[plan]", "[plan, monthly_charges]"),
+            BILLING,
+            "table 'billing', column 'monthly_charges': is declared both numeric and categorical",
+        ),
         (SETTINGS + "algorithms: [pcg, admn]\n", BILLING, "algorithms names ['admn'], which no installed algorithm"),
         (  # the results.json name of an algorithm is not its family: the cap would bound nothing
             SETTINGS + "exact_releases: {tp_join_admm: 3}\n",
@@ -450,6 +462,9 @@ SETTINGS = (
         "state-dir-under-a-file",
         "privacy-typo-key",
         "privacy-bad-bound",
+        "text-in-a-numeric-column",
+        "no-rows",
+        "numeric-and-categorical",
         "unknown-algorithm",
         "unknown-release-family",
     ],
