@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
@@ -103,6 +104,9 @@ class TablePuppetStrategy(Strategy):
 
     WAIT_LINE_S = 10.0  # while nodes are missing at the start, a line this often
     SETTLE_S = 2.0  # a transport whose nodes come at once (the simulation engine's): its node list is final after
+    # a node the SuperLink answered 'Node Unavailable' for at the hello (its SuperNode died, its session not yet
+    # expired): greeted again after this long, should it (or its owner's restarted node, same key) be listed
+    GONE_RETRY_S = 5.0
     client_rows: Mapping[ClientKey, int] = {}  # each client's row count, once known: replies are checked against it
     d_out: int | None = None  # the prediction width, once known
     # under Flower's simulation engine: when the engine was asked to start (the start-up stages get a line each)
@@ -117,6 +121,7 @@ class TablePuppetStrategy(Strategy):
         self.transport: Transport | None = None
         self.nodes: dict[ClientKey, int] = {}
         self.keys: dict[int, ClientKey] = {}
+        self._gone: dict[int, float] = {}  # node -> when its hello came back 'Node Unavailable'
         self.server_round = 0
 
     # ------------------------------------------------------------------------------------ to implement
@@ -166,7 +171,8 @@ class TablePuppetStrategy(Strategy):
             ids = set(self.transport.node_ids())
             if ids != seen:
                 seen, settled_at = ids, time.monotonic()
-            new = sorted(ids - set(self.keys))
+            now = time.monotonic()
+            new = sorted(n for n in ids - set(self.keys) if now - self._gone.get(n, -1e9) >= self.GONE_RETRY_S)
             if new:  # its replies may wait for the engine to start (seconds), while more nodes register
                 self._hello(new)
                 continue  # so the node list is read again before it is judged settled
@@ -196,6 +202,16 @@ class TablePuppetStrategy(Strategy):
         assert self.transport is not None
         hello = [Message(pack_payload({}, {"phase": HELLO_PHASE}), node, "query") for node in ids]
         replies = self.transport.exchange(hello)
+        gone = [r for r in replies if r.has_error() and r.error.code == ErrorCode.NODE_UNAVAILABLE]
+        for reply in gone:  # a dead SuperNode the SuperLink still listed: not a refusal; its table is waited for
+            node = reply.metadata.src_node_id
+            if node not in self._gone:
+                self.log(
+                    f"node {node} did not answer the hello ({error_reason(reply)}): its SuperNode stopped; "
+                    "waiting for the tables no node holds (a node started again joins the run)"
+                )
+            self._gone[node] = time.monotonic()
+        replies = [r for r in replies if not any(r is g for g in gone)]
         errors = [f"node {r.metadata.src_node_id}: {error_reason(r)}" for r in replies if r.has_error()]
         if errors:  # every refusing node's line
             raise RunError("\n".join(sorted(errors)))

@@ -566,3 +566,52 @@ def test_every_failing_client_of_a_round_has_its_own_line():
         "table 'dim' shard 0: its own problem",
         "table 'fact' shard 0: its own problem",
     ]
+
+
+class GoneAtHello(FakeGrid):
+    """The SuperLink still lists a node whose SuperNode died (its session not yet expired): the hello to it
+    comes back NODE_UNAVAILABLE ``gone`` times; then its owner's restarted node (same key, same id) answers."""
+
+    def __init__(self, tables, gone):
+        super().__init__(tables, delay_pulls=1)
+        self.gone = dict(gone)
+
+    def pull_messages(self, message_ids):
+        out = []
+        for mid in list(message_ids):
+            msg = self.pending[mid]
+            node, phase = msg.metadata.dst_node_id, unpack_payload(msg.content)[1]["phase"]
+            if phase == "hello" and self.gone.get(node, 0) > 0:
+                self.gone[node] -= 1
+                error = Message(Error(code=5, reason="Node Unavailable"), reply_to=msg)  # ErrorCode.NODE_UNAVAILABLE
+                error.metadata.__dict__["_src_node_id"] = 1
+                out.append(error)
+            else:
+                out.append(self.app(msg, None))
+            del self.pending[mid]
+        return out
+
+
+@pytest.mark.usefixtures("serverapp_identity")
+def test_a_node_gone_before_its_hello_is_waited_for_not_a_refusal():
+    """A run submitted right after a node crashed: the hello to its dead session comes back 'Node Unavailable'
+    (was: the run stopped, naming only a node id); the run waits for its table and greets the node its owner
+    started again."""
+    lines: list[str] = []
+    strategy = Echo(KEYS)
+    strategy.log = lines.append
+    strategy.GONE_RETRY_S = 0.05
+    strategy.start(GoneAtHello({1: ("fact", 0), 2: ("dim", 0)}, gone={2: 1}), timeout=5)
+    assert strategy.nodes == {("fact", 0): 1, ("dim", 0): 2} and len(strategy.got) == 2
+    assert lines[0] == (
+        "node 2 did not answer the hello (Node Unavailable): its SuperNode stopped; waiting for the tables no node "
+        "holds (a node started again joins the run)"
+    )
+
+
+@pytest.mark.usefixtures("serverapp_identity")
+def test_a_node_gone_for_good_stops_the_run_naming_its_table_after_the_wait():
+    strategy = Echo(KEYS)
+    strategy.GONE_RETRY_S = 0.05
+    with pytest.raises(RunError, match=r"^no node holds table 'dim' shard 0 \(1 of 2 nodes connected within 0 s"):
+        strategy.start(GoneAtHello({1: ("fact", 0), 2: ("dim", 0)}, gone={2: 10**6}), timeout=5, node_wait_s=0.3)
