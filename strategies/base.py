@@ -183,7 +183,12 @@ class TablePuppetStrategy(Strategy):
                     self.log(f"nodes: {len(self.nodes)} of {len(self.clients)} connected in {waited:.1f} s")
                 return
             names = ", ".join(f"table {t!r} shard {q}" for t, q in missing)
-            need = f"one SuperNode per table shard: `flwr run`'s simulation needs num-supernodes={len(self.clients)}"
+            if self.transport.nodes_fixed:  # Flower's simulation engine: its nodes are all it will have
+                need = (
+                    f"one SuperNode per table shard: `flwr run`'s simulation needs num-supernodes={len(self.clients)}"
+                )
+            else:  # a deployment: each owner starts its node, which may come later
+                need = "one node per table shard: its owner starts it with `tpflower node --client-config OWNER.yaml`"
             if seen and self.transport.nodes_fixed and time.monotonic() - settled_at >= self.SETTLE_S:
                 raise RunError(f"no node holds {names}: the simulation has {len(seen)} nodes; {need}")
             if waited > wait_s:

@@ -94,7 +94,9 @@ def test_too_few_nodes_is_one_error_naming_the_missing_table():
         strategy.run(direct({1: ("fact", 0)}), node_wait_s=0.35)
     # while waiting, a line every WAIT_LINE_S names the missing tables
     assert 2 <= len(lines) <= 4 and all("missing table 'dim' shard 0" in line for line in lines), lines
-    assert all(line.endswith("`flwr run`'s simulation needs num-supernodes=2)") for line in lines)
+    # a deployment's nodes come as their owners start them (was: "`flwr run`'s simulation needs num-supernodes=2",
+    # which only Flower's simulation engine has)
+    assert all(line.endswith("its owner starts it with `tpflower node --client-config OWNER.yaml`)") for line in lines)
 
 
 def test_too_few_nodes_of_a_simulation_stop_the_run_once_its_node_list_settles():
