@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -614,3 +616,13 @@ def test_feature_dp_on_a_large_unit_label_beats_the_constant_predictor(monkeypat
     centred = _scaled_label_dp_run(10000)
     assert centred.label_scale["divisor"] == 1.0
     assert centred.history[-1].test_metric > 0.95 * constant  # measured 0.9998
+
+
+def test_importing_opacus_leaves_a_process_without_log_handlers_without_them():
+    """Opacus' import calls logging.basicConfig: in the deployed ServerApp (a root logger without handlers) it
+    printed Flower's DEBUG lines ('ServerApp finished running.') into every feature-DP run's output."""
+    code = (
+        "import logging; from tpflower.privacy.accounting import opacus_api; opacus_api(); "
+        "assert logging.getLogger().handlers == [], logging.getLogger().handlers"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

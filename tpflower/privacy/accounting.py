@@ -193,14 +193,25 @@ def checked_history(history: Iterable[Sequence[float]]) -> list[tuple[float, flo
 
 
 def opacus_api():
-    """The Opacus names this module uses (imported on first use)."""
+    """The Opacus names this module uses (imported on first use).
+
+    Opacus' import calls ``logging.basicConfig`` (opacus/utils/module_utils.py): in a process whose root logger
+    had no handler (the deployed ServerApp's) that handler printed every record the loggers pass on, Flower's
+    DEBUG lines included, into the run's output; it is removed again."""
+    import logging  # noqa: PLC0415
     import types  # noqa: PLC0415  with the Opacus names below: loaded on first use
 
-    from opacus import GradSampleModule  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
-    from opacus.accountants import RDPAccountant  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
-    from opacus.accountants.analysis import rdp  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
-    from opacus.accountants.utils import get_noise_multiplier  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
-    from opacus.optimizers import DPOptimizer  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        from opacus import GradSampleModule  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+        from opacus.accountants import RDPAccountant  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+        from opacus.accountants.analysis import rdp  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+        from opacus.accountants.utils import get_noise_multiplier  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+        from opacus.optimizers import DPOptimizer  # noqa: PLC0415  Opacus imports torch: the settings stay torch-free
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
 
     return types.SimpleNamespace(
         GradSampleModule=GradSampleModule,
