@@ -178,6 +178,24 @@ def owner_table_problems(table: str, owner: Any, frame: Any) -> list:
     return table_problems(spec, table, frame)
 
 
+def certificate_problem(path: str) -> str | None:
+    """None if file ``path`` holds a PEM certificate, read as Flower's SuperNode reads its root certificates,
+    else one line saying what it holds. (Flower's SuperNode raised ssl.SSLError 'no start line' in its main
+    thread, its traceback, and the node hung: its Runtime API server kept the SuperNode's process alive.)"""
+    import ssl  # noqa: PLC0415
+
+    data = Path(path).read_bytes()
+    try:
+        ssl.create_default_context().load_verify_locations(cadata=data.decode("ascii"))
+    except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
+        what = "a private key" if b"PRIVATE KEY" in data else "no PEM certificate"
+        return (
+            f"{path} holds {what} ({exc.__class__.__name__}: {exc}); give the CA certificate the SuperLink's "
+            "operator handed out (ca.crt, '-----BEGIN CERTIFICATE-----')"
+        )
+    return None
+
+
 def forward_output(stream: IO[str], out: IO[str], seen: set[str], unreachable: str = "") -> None:
     """Copy the SuperNode's output ``stream`` to ``out`` line by line, adding to ``seen`` each of
     :data:`NOT_ACTIVATED` a line holds; at its first :data:`RETRYING` line, the line ``unreachable`` too."""
@@ -504,6 +522,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
             if path and not Path(path).is_file():
                 print(f"error: node {owner.name}: {option} {path}: no such file", file=sys.stderr, flush=True)
                 return 1
+        if not args.insecure and (problem := certificate_problem(args.root_certificates)):
+            print(f"error: node {owner.name}: --root-certificates {problem}", file=sys.stderr, flush=True)
+            return 1
         cmd = supernode_command(
             args.superlink,
             port,

@@ -715,3 +715,59 @@ def test_a_stopped_node_ends_even_if_its_loop_is_stuck():
     running = SimpleNamespace(proc=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
     end_after(running, 0.3, exits.append)  # a task in progress: ended once the time is up, its SuperNode killed
     assert exits == [0, 0] and running.proc.wait(timeout=5) == -9
+
+
+@pytest.mark.parametrize("given", ["server.key", "node.key.pub", "ca.crt"])
+def test_a_node_refuses_root_certificates_that_hold_no_certificate_at_start(tmp_path, monkeypatch, capsys, given):
+    """A private key (or any file but a PEM certificate) as --root-certificates was Flower's ssl.SSLError traceback
+    from the started SuperNode, whose Runtime API server then kept it, and the node, running: it hung."""
+    import subprocess
+
+    from simulations.node import main
+    from simulations.pki import make_node_keys, make_server_tls
+
+    monkeypatch.delenv("TPFLOWER_KEY_SECRET", raising=False)
+    (tmp_path / "billing.csv").write_text(BILLING)
+    (tmp_path / "owner.yaml").write_text(SETTINGS)
+    tls = make_server_tls(tmp_path)
+    key, _ = make_node_keys(tmp_path / "node.key")
+    assert (tls.ca.name, tls.key.name) == ("ca.crt", "server.key")
+    started: list[list[str]] = []
+
+    class Started(Exception):
+        pass
+
+    def popen(cmd, *_args, **_kwargs):
+        started.append(cmd)
+        raise Started  # the checks passed: the SuperNode would start here
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    argv = ["--client-config", str(tmp_path / "owner.yaml"), "--superlink", "127.0.0.1:1"]
+    argv += ["--root-certificates", str(tmp_path / given), "--auth-supernode-private-key", str(key)]
+    if given == "ca.crt":
+        with pytest.raises(Started):
+            main(argv)
+        assert started
+        return
+    assert main(argv) == 1 and not started
+    err = capsys.readouterr().err
+    held = "a private key" if given == "server.key" else "no PEM certificate"
+    assert err.startswith(f"error: node table 'billing' shard 0: --root-certificates {tmp_path / given} holds {held} (")
+    assert err.endswith(
+        "give the CA certificate the SuperLink's operator handed out (ca.crt, '-----BEGIN CERTIFICATE-----')\n"
+    )
+    assert len(err.splitlines()) == 1
+
+
+def test_a_supernode_whose_main_raises_exits():
+    """Flower's SuperNode raising in its main thread (here: root certificates that hold no certificate) left its
+    process alive, held by its Runtime API server's thread; tpflower's SuperNode exits with status 1."""
+    import subprocess
+    import sys
+
+    from simulations.deploy import free_port
+
+    cmd = [sys.executable, "-m", "tpflower.app.supernode", "--isolation", "process", "--host", "127.0.0.1"]
+    cmd += ["--port", str(free_port()), "--superlink", "127.0.0.1:1", "--root-certificates", __file__]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "ssl.SSLError" in done.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from flwr.supernode.cli import flower_supernode
 
@@ -35,7 +36,12 @@ def main() -> None:
     if process_isolated(sys.argv[1:]):
         install_tasks_when_ready(port=int(os.environ.get(DOORBELL_ENV) or 0) or None)
     sys.argv[0] = "flower-supernode"
-    flower_supernode()
+    try:
+        flower_supernode()
+    except Exception:  # its Runtime API server's thread would keep the process alive: the node service waited on
+        traceback.print_exc()  # a SuperNode that had stopped; it exits, and the service says so
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":
