@@ -118,7 +118,7 @@ def state_dir_problem(state: Path) -> str | None:
     return None
 
 
-def settings_problem(client_config: str, table: str) -> str | None:
+def settings_problem(client_config: str, table: str, shard: int = 0) -> str | None:
     """None if the owner's settings file and data are what a run will find, else one line saying what is
     wrong (docs/deployment.md, the node service): the settings as a run's hello reads them
     (tpflower.owner), the algorithms it allows named as installed ones are, and its ``source`` file read with
@@ -139,6 +139,8 @@ def settings_problem(client_config: str, table: str) -> str | None:
             return problem
         if problem := state_dir_problem(Path(owner.state_dir)):  # else the run's first message: '[Errno 17] ...'
             return f"table {table!r}: {client_config}: state_dir {owner.state_dir} {problem}"
+        if problem := shard_problem(owner.shards, shard):
+            return f"table {table!r}: {client_config}: {problem}"
         if owner.source is None:  # a bundled table (loader): its loader makes it when a run asks
             return None
         frame = filter_rows(table, read_table(table, owner.source, keys=owner.exposed.keys), owner.where)
@@ -155,6 +157,19 @@ def settings_problem(client_config: str, table: str) -> str | None:
         )
     if problems := errors(owner_table_problems(table, owner, frame)):
         return f"source file {owner.source}: {DataProblems(problems).one_line(values=True)}"
+    return None
+
+
+def shard_problem(shards: Any, shard: int) -> str | None:
+    """None if ``--shard`` ``shard`` is one of the shards the settings' ``shards`` split the file into (no
+    ``shards``: 0, the whole file), else one line; a split by a column without its ``values`` is the data's to
+    tell (the run's). (Before, a node of shard 3 of an unsplit file served, and each run found no such shard.)"""
+    count = 1 if shards is None else shards.parts if shards.parts is not None else None
+    if shards is not None and count is None and shards.values is not None:
+        count = len(shards.values)
+    if shard < 0 or (count is not None and shard >= count):
+        split = "no shards: it serves its whole file as shard 0" if shards is None else f"its shards are 0-{count - 1}"
+        return f"--shard {shard} is no shard of this table ({split})"
     return None
 
 
@@ -501,7 +516,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.node"
 
     table = owner_table(args.client_config, args.table)
     owner = OwnerNode(table, args.shard, str(Path(args.client_config).resolve()))
-    problem = settings_problem(args.client_config, table)  # before anything starts: not at a run's first message
+    problem = settings_problem(args.client_config, table, args.shard)  # before anything starts, not at a run's
     if problem:
         print(f"error: node {owner.name}: {problem}", file=sys.stderr, flush=True)
         return 1

@@ -771,3 +771,28 @@ def test_a_supernode_whose_main_raises_exits():
     cmd += ["--port", str(free_port()), "--superlink", "127.0.0.1:1", "--root-certificates", __file__]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "ssl.SSLError" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "shards, shard, says",
+    [
+        ("", 3, "--shard 3 is no shard of this table (no shards: it serves its whole file as shard 0)"),
+        ("shards: {parts: 2, seed: 0}\n", 2, "--shard 2 is no shard of this table (its shards are 0-1)"),
+        (
+            "shards: {by: plan, values: [basic, plus]}\n",
+            -1,
+            "--shard -1 is no shard of this table (its shards are 0-1)",
+        ),
+        ("shards: {parts: 2, seed: 0}\n", 1, None),
+        ("shards: {by: plan}\n", 5, None),  # as many shards as the column has values: a run's to tell
+    ],
+)
+def test_a_node_of_a_shard_its_settings_do_not_split_the_file_into_stops_at_start(tmp_path, shards, shard, says):
+    """A node started with --shard 3 beside settings without shards served, and every run found a node of a shard
+    it does not have."""
+    from simulations.node import settings_problem
+
+    (tmp_path / "billing.csv").write_text(BILLING)
+    (tmp_path / "owner.yaml").write_text(SETTINGS + shards)
+    problem = settings_problem(str(tmp_path / "owner.yaml"), "billing", shard)
+    assert problem == (None if says is None else f"table 'billing': {tmp_path / 'owner.yaml'}: {says}")
