@@ -872,12 +872,19 @@ def predict(
 
     run_dir = Path(run_dir).resolve()
     record = read_model_record(run_dir)
-    spec = load_spec(config_of(overrides).dataset)
-    if record.get("dataset") != spec.name:  # found here, before any process starts
-        raise RunFailed(
-            f"{run_dir}/model.json is a model of dataset {record.get('dataset')!r}, the overrides name dataset "
-            f"{spec.name!r}: predict with the overrides of the run that trained it"
-        )
+    cfg = config_of(overrides)
+    spec = load_spec(cfg.dataset)
+    for setting, trained, asked in (
+        ("dataset", record.get("dataset"), spec.name),
+        # (another scenario starts other nodes: a join model's part of shard 1 of a union is nowhere, which the
+        # prediction run found after the deployment's start)
+        ("scenario", record.get("scenario"), str(cfg.scenario.name)),
+    ):
+        if trained is not None and trained != asked:  # found here, before any process starts
+            raise RunFailed(
+                f"{run_dir}/model.json is a model of {setting} {trained!r}, the overrides name {setting} {asked!r}: "
+                "predict with the overrides of the run that trained it"
+            )
     if not (Path(state_dir) / "deployment.json").is_file():
         raise RunFailed(
             f"--state-dir {state_dir} holds no deployment, so no node's saved model part: predict with the "

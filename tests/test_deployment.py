@@ -223,7 +223,7 @@ def test_a_process_of_an_owned_deployment_ends_with_its_launcher(tmp_path):
     assert not deploy._alive(child)
 
 
-def test_deployed_predict_refuses_another_datasets_model_or_an_empty_state_dir_before_starting(tmp_path):
+def test_deployed_predict_refuses_another_datasets_or_scenarios_model_or_an_empty_state_dir_before_starting(tmp_path):
     from simulations.federated import run_in_process
     from tests.conftest import make_cfg
 
@@ -231,6 +231,9 @@ def test_deployed_predict_refuses_another_datasets_model_or_an_empty_state_dir_b
     rows = tmp_path / "rows.csv"
     with pytest.raises(deploy.RunFailed, match="model of dataset 'synthetic', the overrides name dataset 'movielens'"):
         deploy.predict("algorithm=admm dataset=movielens", tmp_path / "run", rows, tmp_path / "state")
+    # a join's model predicted with scenario=ucq: was a union's deployment started, then 'no saved model part'
+    with pytest.raises(deploy.RunFailed, match="model of scenario 'join', the overrides name scenario 'ucq'"):
+        deploy.predict("algorithm=admm dataset=synthetic scenario=ucq", tmp_path / "run", rows, tmp_path / "state")
     with pytest.raises(deploy.RunFailed, match="holds no deployment, so no node's saved model part"):
         deploy.predict("algorithm=admm dataset=synthetic", tmp_path / "run", rows, tmp_path / "state")
     assert not (tmp_path / "state" / "deployment.json").exists()  # nothing was started
