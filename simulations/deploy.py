@@ -560,12 +560,22 @@ def register_node(public_key: str | Path, connection: str, env: dict[str, str]) 
         )
 
 
+def _exited(proc: subprocess.Popen, log: Path) -> RuntimeError:
+    """The error of a process that exited as it started: its own one line when it said one (a node refusing its
+    settings or data: RunFailed, which the commands print as one line, with the log's path), else its log's
+    tail. (A node's refusal was a RuntimeError traceback of `deploy run` with the line at its end.)"""
+    said = [line for line in _log_tail(log).splitlines() if line.startswith("error: ")]
+    if said:
+        return RunFailed(f"{said[-1].removeprefix('error: ')} (exit status {proc.returncode}; log {log})")
+    return RuntimeError(f"{proc.args[0]} exited with code {proc.returncode}; log {log}:\n{_log_tail(log)}")
+
+
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float, ca: str | Path | None = None) -> None:
     context = ssl.create_default_context(cafile=str(ca)) if ca else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode}; log {log}:\n{_log_tail(log)}")
+            raise _exited(proc, log)
         try:
             with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                 if resp.status == 200:
@@ -580,7 +590,7 @@ def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode}; log {log}:\n{_log_tail(log)}")
+            raise _exited(proc, log)
         try:
             with socket.create_connection((HOST, port), timeout=0.5):
                 return

@@ -690,3 +690,23 @@ def test_deployed_predict_says_a_bad_rows_file_in_one_line_before_starting(tmp_p
     rows.write_text("k1,k2,x0,x1,x2,x3\n0,0,0.5,0.5,0.5,0.5\n")
     with pytest.raises(deploy.RunFailed, match="^started$"):
         deploy.predict(overrides, tmp_path / "run", rows, tmp_path / "state")
+
+
+def test_a_node_that_refuses_as_it_starts_is_one_line_of_deploy_start(tmp_path, monkeypatch, capsys):
+    """A node stopping at start on its settings or data (text in a numeric column, say) made `deploy run` end in
+    a RuntimeError traceback with the node's line at its end; it is the command's one error line now."""
+    line = "error: node table 'fact' shard 0: source file /owner/fact.csv: 1 problem in the data: ..."
+    log = tmp_path / "supernode-fact-0.log"
+    log.write_text(f"some output\n{line}\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    with pytest.raises(deploy.RunFailed) as err:
+        deploy._wait_port(deploy.free_port(), proc, log, timeout=5)
+    assert str(err.value) == f"{line.removeprefix('error: ')} (exit status 1; log {log})"
+
+    def refused(*_args, **_kwargs):
+        raise err.value
+
+    monkeypatch.setattr(deploy, "start", refused)
+    assert deploy.main(["start", "--overrides", "dataset=synthetic", "--state-dir", str(tmp_path / "s")]) == 1
+    assert capsys.readouterr().err == f"error: {err.value!s}\n"
