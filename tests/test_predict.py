@@ -527,6 +527,19 @@ def test_a_rows_file_separated_by_semicolons_is_told_to_use_commas(trained, tmp_
     assert err.endswith(": separate the columns with commas"), err
 
 
+def test_a_rows_file_pandas_cannot_parse_is_one_line_naming_the_parsers_reason(trained, tmp_path, capsys):
+    """pandas' parser error ends in a newline: the line was the client error's last line, a bare ')'
+    (`error: table 'fact' shard 0: )`); a file of another suffix is read as CSV and said to be."""
+    _, run_dir, rows, _ = trained
+    ragged = tmp_path / "rows.txt"
+    ragged.write_text(Path(rows).read_text() + "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20\n")
+    capsys.readouterr()
+    assert predict_main([str(run_dir), "--rows", str(ragged), "--out", str(tmp_path / "p.csv")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(r"rows file \S+rows\.txt: cannot read it as csv \(Error tokenizing data\..* saw \d+\)$", err), err
+
+
 def test_columns_the_model_does_not_take_are_ignored_with_one_line(trained, tmp_path, capsys):
     strategy, run_dir, rows, _ = trained
     extra = tmp_path / "extra.csv"

@@ -42,7 +42,7 @@ from tpflower.checks import NA_ATTR
 from tpflower.client import TableClient
 from tpflower.clustering import label_dtype
 from tpflower.datasets import derive_rows, derived_from
-from tpflower.datasets.files import read_rows_file
+from tpflower.datasets.files import is_parquet, read_rows_file
 from tpflower.files import atomic_write
 from tpflower.guard import Phase, Protocol, ProtocolRefusal, Stage, chunked_keys, takes
 from tpflower.keys_payload import KeysPayload
@@ -189,11 +189,11 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
     line names no path, value or row), its own log the line with the file's path."""
     s = client.settings
     spec, table, where = s.spec, s.table, s.owner.prediction_rows_name or f"rows file {path}"
-    suffix = Path(path).suffix.lower().lstrip(".") or "csv"
+    suffix = "parquet" if is_parquet(Path(path)) else "csv"  # what read_rows_file reads it as (any other: CSV)
     try:
         frame = read_rows_file(Path(path), spec.key_columns(table))
-    except (OSError, ValueError) as exc:
-        detail = f"{where}: cannot read it as {suffix} ({exc})"
+    except (OSError, ValueError) as exc:  # pandas' parser error ends in a newline: its words on the line, joined
+        detail = f"{where}: cannot read it as {suffix} ({' '.join(str(exc).split())})"
         raise rows_refusal(client, detail, f"cannot be read as {suffix}", says="why") from None
     if not len(frame):
         detail = f"{where}: holds no row (a header only): nothing to score"
