@@ -106,7 +106,7 @@ def compose(
     if isinstance(dataset, Path) or (isinstance(dataset, str) and dataset.endswith((".yaml", ".yml"))):
         spec = spec_file(dataset)
     elif isinstance(dataset, Mapping):
-        spec = dict(dataset)
+        spec = plain_spec(dataset)
     elif dataset is not None:
         args.append(f"dataset={dataset}")
     if sql is not None:
@@ -125,6 +125,36 @@ def compose(
         return compose_config(*args, dataset=spec)
     except (HydraException, OmegaConfBaseException) as exc:
         raise TpflowerError(override_error(exc, args, base_dir, spec)) from None
+
+
+def plain_spec(value: Any, key: str = "") -> Any:
+    """A dataset spec given as a dict, in the plain values a config holds: a path (``Path``) as its text, numpy
+    and pandas scalars as Python numbers, a tuple, numpy array, pandas Index or Series as a list (``label_range=
+    [df.y.min(), df.y.max()]``, ``numeric=df.columns[2:5]``). A DataFrame as a table's ``source`` (each owner
+    reads its own file), or any other object, is a one-line TpflowerError naming its key."""
+    import numpy as np  # noqa: PLC0415  (pandas' own dependency)
+
+    where = f"dataset {key}" if key else "dataset"
+    if isinstance(value, Mapping):
+        return {str(k): plain_spec(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, pd.DataFrame):
+        name = key.split(".")[1] if key.startswith("tables.") else "table"
+        raise TpflowerError(
+            f"{where}: a pandas DataFrame; a table's source is the path of its CSV or Parquet file, which its "
+            f"owner's node reads: write it (frame.to_parquet('{name}.parquet')) and give that path"
+        )
+    if isinstance(value, (list, tuple, np.ndarray, pd.Index, pd.Series)):
+        return [plain_spec(v, f"{key}[{k}]") for k, v in enumerate(list(value))]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise TpflowerError(
+        f"{where}: a {type(value).__name__} value; a dataset spec holds text, numbers, booleans, lists and dicts "
+        "(docs/datasets.md)"
+    )
 
 
 def spec_file(dataset: str | Path) -> dict[str, Any]:

@@ -247,6 +247,42 @@ def test_a_join_written_with_a_bare_on_key_trains_and_predicts(tmp_path):
     assert model.predict(rows, verbose=False)["prediction"].notna().all()
 
 
+def test_a_spec_dict_of_paths_numpy_values_and_an_index_trains_as_its_plain_values(tmp_path):
+    """What a notebook builds a spec from: a Path source, numpy numbers, a pandas Index of columns (were: a
+    TypeError from the run's JSON after the run dir was made, or OmegaConf's "Value 'int64' is not a supported
+    primitive type"); both runs write the same results."""
+    from tests.test_checks import shop
+
+    plain = shop(tmp_path, label_range=[0.0, 20.0], split={"test_fraction": 0.2, "seed": 1})
+    orders = pd.read_csv(tmp_path / "orders.csv")
+    rich = shop(
+        tmp_path, label_range=np.array([0.0, 20.0]), split={"test_fraction": np.float64(0.2), "seed": np.int64(1)}
+    )
+    rich["tables"]["orders"]["source"] = tmp_path / "orders.csv"
+    rich["tables"]["orders"]["numeric"] = orders.columns[1:2]  # Index(['qty'])
+    for name, spec in (("plain", plain), ("rich", rich)):
+        tpflower.fit(
+            dataset=spec, algorithm="pcg", epochs=1, runtime="inprocess", run_dir=tmp_path / name, verbose=False
+        )
+    assert comparable(tmp_path / "rich") == json.loads(
+        json.dumps(comparable(tmp_path / "plain")).replace("/plain", "/rich")
+    )
+
+
+def test_a_dataframe_as_a_tables_source_is_one_line_naming_it_before_the_run(tmp_path):
+    from tests.test_checks import shop
+
+    spec = shop(tmp_path)
+    spec["tables"]["orders"]["source"] = pd.read_csv(tmp_path / "orders.csv")
+    with pytest.raises(tpflower.TpflowerError) as err:
+        tpflower.fit(dataset=spec, runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+    assert str(err.value) == (
+        "dataset tables.orders.source: a pandas DataFrame; a table's source is the path of its CSV or Parquet "
+        "file, which its owner's node reads: write it (frame.to_parquet('orders.parquet')) and give that path"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture(scope="module")
 def binary_shop(tmp_path_factory) -> tuple[tpflower.Model, pd.DataFrame]:
     """A binary classifier of tests.test_checks' shop (orders join customers on cust) and 6 new orders, of
