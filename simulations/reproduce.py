@@ -170,11 +170,20 @@ def _distinguishing(group: list[dict[str, Any]]) -> list[str]:
     names = leaves if len(set(leaves)) == len(leaves) else chosen  # "lr=0.1" rather than "algorithm.lr=0.1"
     parts = [", ".join(f"{n}={f.get(k, '-')}" for n, k in zip(names, chosen)) for f in flats]
     if n_distinct < len(group):  # identical configs: fall back to the run directory
-        parts = [
-            ", ".join(p for p in (part, Path(r.get(PATH_KEY, f"run{i}")).parent.name) if p)
-            for i, (part, r) in enumerate(zip(parts, group))
-        ]
+        parts = [", ".join(p for p in (part, folder) if p) for part, folder in zip(parts, run_folders(group))]
     return parts
+
+
+def run_folders(group: Sequence[dict[str, Any]]) -> list[str]:
+    """Each run's directory by its shortest trailing part that tells it from the others' (its name, else with its
+    parent's: the same job of two sweeps, ``m1/algorithm=pcg`` and ``m3/algorithm=pcg``, not the same name twice)."""
+    dirs = [Path(r.get(PATH_KEY, f"run{i}/{RESULTS_FILE}")).parent for i, r in enumerate(group)]
+    deepest = max(len(d.parts) for d in dirs)
+    for depth in range(1, deepest + 1):
+        tails = ["/".join(d.parts[-depth:]) for d in dirs]
+        if len(set(tails)) == len(tails):
+            return tails
+    return [str(d) for d in dirs]
 
 
 def run_labels(runs: Sequence[dict[str, Any]], with_dataset: bool | None = None) -> list[str]:

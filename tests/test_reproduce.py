@@ -186,6 +186,17 @@ def test_a_model_named_as_its_algorithm_is_said_once():
     assert reproduce.run_labels([trees, kmeans]) == ["gbdt", "kmeans"]
 
 
+def test_the_same_job_of_two_sweeps_is_labelled_by_its_sweeps_folder_too():
+    """Identical configs are told apart by their run dirs: the same job folder of two sweeps by its sweep's
+    folder as well (were: the job folder's name twice, two rows of the same label)."""
+    one, two, other = (fake_run("tp_join_admm", "movielens").to_json() for _ in range(3))
+    job = "algorithm=pcg,dataset=synthetic"
+    one[reproduce.PATH_KEY], two[reproduce.PATH_KEY] = (f"/x/multirun/{m}/{job}/results.json" for m in ("m1", "m3"))
+    other[reproduce.PATH_KEY] = "/x/outputs/pcg-2/results.json"
+    assert reproduce.run_labels([one, two]) == [f"tp_join_admm, linear (m1/{job})", f"tp_join_admm, linear (m3/{job})"]
+    assert reproduce.run_labels([one, other]) == [f"tp_join_admm, linear ({job})", "tp_join_admm, linear (pcg-2)"]
+
+
 def test_exact_solution_and_constant_predictor_are_reference_lines():
     exact = fake_run("centralized", "movielens", epochs=1).to_json()
     exact["history"][0]["epoch"] = 0
