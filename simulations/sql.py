@@ -37,14 +37,19 @@ def compiled_yaml(overrides: Sequence[str], config_dir: str | None = None, base_
         wrong = unknown_choice(choices(list(overrides))[0], [config_dir] if config_dir else [])
         raise SpecError(wrong or override_error(exc, list(overrides), base_dir)) from None
     if not cfg.dataset.get("sql"):
-        raise SpecError(f"dataset {cfg.dataset.get('name')!r} has no sql: it is a dataset spec already")
+        raise SpecError(
+            f"dataset {cfg.dataset.get('name')!r} has no sql: it is a dataset spec already; give a dataset that "
+            'holds a query (dataset=sql, dataset=nycflights13_sql), or the query: +dataset.sql="SELECT ..."'
+        )
     compiled = compile_sql(cfg.dataset, base_dir)
     notes = "".join(f"# warning: {note}\n" for note in compiled.pop("notes", ()))
     return f"# query: {compiled['query']}\n{notes}{OmegaConf.to_yaml(OmegaConf.create(compiled))}"
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.sql") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    # the docstring's first paragraph (its first line alone stopped mid-sentence), its closing '::' a full stop
+    description = " ".join(__doc__.split("\n\n")[0].split()).removesuffix("::") + "."
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config-dir", help="a folder with dataset/NAME.yaml files (as simulations.run takes)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. dataset=sql dataset.sql=...")
     args = parser.parse_args(argv)

@@ -580,3 +580,19 @@ def test_the_sql_command_says_an_unknown_dataset_or_key_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: dataset.sql is not a setting of dataset") and "+dataset.sql=... adds it" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_sql_commands_help_is_its_whole_first_paragraph_and_a_spec_without_a_query_says_how_to_give_one(capsys):
+    """`tpflower sql --help` showed the docstring's first line alone ('... for review by the table owners and for
+    a'); `tpflower sql` on a dataset without a query (the default, movielens) named no way to give one."""
+    from simulations.sql import main as sql_main
+
+    with pytest.raises(SystemExit):
+        sql_main(["--help"], prog="tpflower sql")
+    helped = " ".join(capsys.readouterr().out.split())
+    assert "for review by the table owners and for a deployment, whose nodes take a plain dataset spec." in helped
+    assert sql_main([]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: dataset 'movielens' has no sql: it is a dataset spec already; give a dataset that holds a query "
+        '(dataset=sql, dataset=nycflights13_sql), or the query: +dataset.sql="SELECT ..."'
+    )
