@@ -349,6 +349,9 @@ class Model:
         log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):
+                # a named index (rows.set_index("cust")) is columns of the rows, as pandas' to_parquet keeps it
+                named = [n for n in rows.index.names if n is not None and n not in rows.columns]
+                rows = rows.reset_index(level=named) if named else rows
                 path = Path(tmp) / "rows.parquet"
                 write_rows(rows, path)
             else:

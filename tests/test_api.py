@@ -327,6 +327,33 @@ def test_an_error_about_a_frames_rows_names_the_rows_not_a_temporary_file(binary
     )
 
 
+def test_dates_in_a_numeric_column_are_one_line_not_nanoseconds_scored(binary_shop, tmp_path):
+    """A date column where a number belongs (training refuses one): were its nanoseconds, scored as numbers
+    ~1e18 and refused after the nodes' work as a diverged model ('the model diverged (lower the learning
+    rate or raise rho)'); a Parquet rows file likewise."""
+    model, rows = binary_shop
+    dated = rows.assign(qty=pd.Timestamp("2020-01-01"))
+    with pytest.raises(tpflower.TpflowerError) as info:
+        model.predict(dated, verbose=False)
+    assert re.fullmatch(
+        r"table 'orders' shard 0: the rows: column 'qty' of table 'orders' is numeric, but holds dates or times "
+        r"\(dtype datetime64\[\w+\]\), not numbers",
+        str(info.value),
+    ), info.value
+    dated.to_parquet(tmp_path / "dated.parquet")
+    with pytest.raises(tpflower.TpflowerError, match=r"dated\.parquet: column 'qty' .* holds dates or times"):
+        model.predict(tmp_path / "dated.parquet", verbose=False)
+
+
+def test_a_frames_named_index_is_its_columns(binary_shop):
+    """rows.set_index("cust") keeps the key in the index, which pandas' to_parquet writes as a column: were
+    'the rows lack key column(s) ['cust']'; now the same predictions as the plain frame."""
+    model, rows = binary_shop
+    plain = model.predict(rows, verbose=False)
+    pd.testing.assert_frame_equal(model.predict(rows.set_index("cust"), verbose=False), plain)
+    pd.testing.assert_frame_equal(model.predict(rows.set_index(["cust", "qty"]), verbose=False), plain)
+
+
 def test_a_frames_column_of_numbers_and_text_is_read_as_a_csv_files_would_be(binary_shop, tmp_path):
     """An int column holding one text value (``df.loc[i, 'qty'] = '99plus'``) cannot be written to Parquet as
     it is: it reaches the node as text, as a CSV file holds it, and is refused in the CSV file's one line."""

@@ -265,6 +265,12 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             )
     for c in (*part.numeric, *part.bin_edges):
         col = frame[c]
+        if pd.api.types.is_datetime64_any_dtype(col) or pd.api.types.is_timedelta64_dtype(col):
+            # pd.to_numeric would make them nanoseconds, scored as numbers ~1e18 (training refuses such a column)
+            detail = (
+                f"{where}: column {c!r} of table {table!r} is numeric, but holds dates or times (dtype {col.dtype})"
+            )
+            raise rows_refusal(client, f"{detail}, not numbers", "has dates or times in a numeric column")
         if not (pd.api.types.is_numeric_dtype(col) or pd.api.types.is_bool_dtype(col)):
             numbers = pd.to_numeric(col, errors="coerce")
             bad = numbers.isna() & col.notna()
