@@ -367,6 +367,7 @@ class Model:
                     table=table,
                     per_joined_row=per_joined_row,
                     rows_name="the rows" if isinstance(rows, pd.DataFrame) else None,
+                    python=True,
                 )
             except Exception as exc:
                 if traceback_wanted():

@@ -57,12 +57,17 @@ def predict_run(
     table: str | None = None,
     per_joined_row: bool = False,
     rows_name: str | None = None,
+    python: bool = False,
 ) -> Predictions:
     """Score the new rows ``rows`` with the model of ``run_dir`` (its model.json and its nodes' parts); the
     shard ``shard`` of table ``table`` (default: the label table) holds them. ``runtime``: inprocess, or flower (the simulation engine).
     ``per_joined_row``: the predictions' frame has a line per joined row, not one per new row. ``rows_name``:
     what the lines and errors about the rows call them (default: "rows file ROWS"; the Python API's DataFrame,
-    written to a temporary file: "the rows")."""
+    written to a temporary file: "the rows"). ``python``: a wrong ``table`` or ``runtime`` is named as the Python
+    API's argument (``table='x'``), not as the command line's option (``--table 'x'``)."""
+    if runtime not in ("inprocess", "flower"):  # before any work
+        said = f"runtime={runtime!r}" if python else f"--runtime {runtime!r}"
+        raise ValueError(f"{said}: no such runtime (inprocess or flower)")
     for name in ("flwr", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     run_dir = Path(run_dir).resolve()
@@ -75,7 +80,8 @@ def predict_run(
     spec = load_spec(cfg.dataset, base_dir=base)
     table = table or spec.label_table
     if table not in spec.table_names:
-        raise ValueError(f"--table {table!r}: no such table (tables: {', '.join(spec.table_names)})")
+        said = f"table={table!r}" if python else f"--table {table!r}"
+        raise ValueError(f"{said}: no such table (tables: {', '.join(spec.table_names)})")
     loader = None if spec.table(table).source else (cfg.dataset.get("loader") or {}).get("name")  # as the node
     ignored = unused_columns(rows_path, spec, table, loader)
     if ignored:
@@ -113,10 +119,8 @@ def predict_run(
         check_rows_first(cfg, strategy, (table, int(shard)), run_dir, base, str(record["run_id"]))
     if runtime == "inprocess":
         run_in_process(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
-    elif runtime == "flower":
-        run_flower_simulation(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
     else:
-        raise ValueError(f"--runtime must be inprocess or flower, got {runtime!r}")
+        run_flower_simulation(cfg, run_dir, base, log, strategy=strategy)  # type: ignore[arg-type]
     assert strategy.results is not None
     if spec.label.task != "regression":  # a simulation's user holds the label table: classes by name, as its owner
         _, labels = load_table(cfg.dataset, spec.label_table, base_dir=base)

@@ -345,6 +345,18 @@ def test_dates_in_a_numeric_column_are_one_line_not_nanoseconds_scored(binary_sh
         model.predict(tmp_path / "dated.parquet", verbose=False)
 
 
+def test_a_wrong_table_or_runtime_of_predict_is_named_as_its_argument(binary_shop):
+    """Were the command line's options: "--table 'nope': no such table", "--runtime must be ..." (the runtime
+    checked after the rows were read)."""
+    model, rows = binary_shop
+    with pytest.raises(tpflower.TpflowerError) as info:
+        model.predict(rows, table="nope", verbose=False)
+    assert str(info.value) == "table='nope': no such table (tables: orders, customers)"
+    with pytest.raises(tpflower.TpflowerError) as info:
+        model.predict(rows, runtime="ray", verbose=False)
+    assert str(info.value) == "runtime='ray': no such runtime (inprocess or flower)"
+
+
 def test_a_frames_named_index_is_its_columns(binary_shop):
     """rows.set_index("cust") keeps the key in the index, which pandas' to_parquet writes as a column: were
     'the rows lack key column(s) ['cust']'; now the same predictions as the plain frame."""
