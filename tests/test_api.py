@@ -172,6 +172,15 @@ def test_an_unknown_key_is_one_line_naming_what_is_valid(tmp_path):
     with pytest.raises(tpflower.TpflowerError) as typo:
         tpflower.fit(algorithm="gbdt", overrides=["algorithm.tres=3"], run_dir=tmp_path, verbose=False)
     assert str(typo.value).startswith("algorithm.tres is not a setting of algorithm 'gbdt' (did you mean trees?)")
+    # a group's setting without its group (were: no hint, the top level's settings only)
+    with pytest.raises(tpflower.TpflowerError) as bare:
+        tpflower.fit(algorithm="gbdt", trees=10, run_dir=tmp_path, verbose=False)
+    assert str(bare.value).startswith(
+        "trees is not a setting of the config (did you mean algorithm.trees?); its groups"
+    )
+    with pytest.raises(tpflower.TpflowerError) as bare:
+        tpflower.fit(model="mlp", hidden=[8], run_dir=tmp_path, verbose=False)
+    assert str(bare.value).startswith("hidden is not a setting of the config (did you mean model.hidden?)")
 
 
 def test_an_override_hydra_cannot_read_is_named(tmp_path):

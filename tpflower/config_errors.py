@@ -67,6 +67,9 @@ def override_error(
     if not parent:
         groups = [k for k in valid if (Path(CONF_DIR) / str(k)).is_dir()]
         settings = [k for k in valid if k not in groups]
+        if not close:  # a group's setting given without its group (trees=10 for algorithm.trees=10)
+            owners = [f"{g}.{leaf}" for g in groups if isinstance(cfg.get(g), DictConfig) and leaf in cfg[g]]
+            hint = f" (did you mean {' or '.join(owners)}?)" if owners else ""
         return f"{key} is not a setting of the config{hint}; its groups: {groups}; its settings: {settings}"
     what = f"algorithm {str(cfg.algorithm.name)!r}" if parent == "algorithm" else parent
     add = f"; +{key}=... adds it" if parent == "dataset" else ""
