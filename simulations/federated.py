@@ -133,6 +133,14 @@ def simulation_actors(cfg: DictConfig, largest_table: int | None, node_actors: b
     return or_word(positive_int, "auto")("resources.actors", setting)
 
 
+def check_engine_settings(cfg: DictConfig) -> None:
+    """The simulation engine's settings (conf/resources) checked before any table is loaded, as the others
+    are: each virtual client's share and the actors' number (the machine's CPUs against the share once the
+    tables' rows are known, :func:`run_flower_simulation`)."""
+    client_resources(cfg)
+    simulation_actors(cfg, None)
+
+
 def client_resources(cfg: DictConfig) -> dict[str, float]:
     """Each virtual client's share (conf/resources), checked before Ray starts: a bad value is one line naming
     it, and a GPU share where torch sees no GPU too (no Ray actor would get one: 'ActorPool is empty')."""

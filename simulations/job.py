@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from simulations.federated import InProcessRun, run_flower_simulation, run_in_process
+from simulations.federated import InProcessRun, check_engine_settings, run_flower_simulation, run_in_process
 from strategies.transport import RunError
 from tpflower.app.server_app import build_strategy
 from tpflower.checkpoint import CHECKPOINT
@@ -109,6 +109,8 @@ def _run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None, log: C
     # and the runners run this very object
     spec = load_spec(cfg.dataset, base_dir=base_dir)
     strategy = build_strategy(cfg, run_dir, base_dir, log=log, spec=spec)
+    if entry_of(cfg).federated and cfg.get("runtime", "flower") == "flower":
+        check_engine_settings(cfg)  # resources.*: a bad value before any table is loaded, as every setting
     note = unread_epochs(cfg)
     if note is not None:
         log(f"warning: {note}")

@@ -80,6 +80,29 @@ def test_client_resources_no_ray_actor_could_get_are_one_line_before_ray_starts(
     }
 
 
+def test_a_runs_bad_engine_resources_are_refused_before_any_table_is_loaded(tmp_path, monkeypatch):
+    """resources.num_cpus=0, a GPU share without a GPU or resources.actors=0 were refused after the tables were
+    loaded and checked and the line 'engine: starting Flower's simulation engine (Ray)'; now with the other
+    settings, before any table is read (the CPUs against the share stay after: they depend on the rows)."""
+    import torch
+
+    from simulations.job import run_job
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("simulations.job.check_data", lambda *a, **k: pytest.fail("a table was loaded"))
+    for setting, line in (
+        ("resources.num_cpus=0", "resources.num_cpus must be a finite number > 0, got 0"),
+        ("resources.num_gpus=1", "resources.num_gpus=1 but no GPU is visible here"),
+        ("resources.actors=0", "resources.actors must be an integer >= 1, got 0"),
+    ):
+        lines: list[str] = []
+        cfg = make_cfg("algorithm=pcg", "dataset=synthetic", "runtime=flower", setting)
+        with pytest.raises(ValueError) as err:
+            run_job(cfg, tmp_path / setting, log=lines.append)
+        assert str(err.value).startswith(line) and lines == [], (err.value, lines)
+
+
 def test_distinct_row_ids_by_bitmap_and_by_sort():
     assert _distinct(np.array([3, 0, 2, 1])) and not _distinct(np.array([3, 0, 3, 1]))
     assert _distinct(np.array([10**9, 5])) and not _distinct(np.array([10**9, 5, 10**9]))  # sparse: sorted
