@@ -596,3 +596,15 @@ def test_the_sql_commands_help_is_its_whole_first_paragraph_and_a_spec_without_a
         "error: dataset 'movielens' has no sql: it is a dataset spec already; give a dataset that holds a query "
         '(dataset=sql, dataset=nycflights13_sql), or the query: +dataset.sql="SELECT ..."'
     )
+
+
+def test_an_unknown_table_of_a_catalogue_lists_its_declared_tables_and_the_closest(shop):
+    """A catalogue's tables the query names not are left unread: the refusal listed the query's own tables
+    alone ("unknown table 'customer'; the tables are ['orders']"); now every declared one, and the closest."""
+    query = "SELECT o.spend AS label, o.qty, c.age FROM orders o JOIN customer c USING (cust)"
+    with pytest.raises(QueryError) as err:
+        compile_sql({**SHOP_YAML, "sql": query}, base_dir=shop)
+    assert (
+        "unknown table 'customer' (did you mean 'customers'?); the tables are ['customers', 'orders', 'products']"
+        in str(err.value)
+    ), err.value

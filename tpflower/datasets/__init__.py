@@ -235,6 +235,8 @@ def compile_sql(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> d
         if source is not None:
             frame = read_table(name, source, base_dir)
             columns[name] = {str(c): column_kind(frame[c].dtype) for c in frame.columns}
+    for name in settings:  # a declared table the query names not, left unread: an unknown table's refusal lists it
+        columns.setdefault(str(name), {})
     return compile_query(str(cfg["sql"]), columns, cfg)
 
 

@@ -119,7 +119,8 @@ class _Scope:
             raise refuse(self.sql, node, "only tables can be joined")
         name = node.name
         if name not in self.columns:
-            raise refuse(self.sql, node, f"unknown table {name!r}; the tables are {sorted(self.columns)}")
+            hint = did_you_mean(name, self.columns)
+            raise refuse(self.sql, node, f"unknown table {name!r}{hint}; the tables are {sorted(self.columns)}")
         if name in self.order:
             raise refuse(self.sql, node, f"table {name!r} appears twice (a self-join is not supported)")
         alias = node.alias_or_name
