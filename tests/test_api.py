@@ -448,7 +448,9 @@ def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq
     with pytest.raises(tpflower.TpflowerError) as info:  # loaded elsewhere without base_dir: the error says it
         tpflower.load(model.run_dir).predict(rows, verbose=False)
     said = str(info.value)
-    assert f"(relative paths start at base_dir {str(data)!r}; from Python, base_dir= of tpflower.fit, " in said
+    assert (
+        f"(relative paths start at base_dir {str(data)!r}; `tpflower predict --base-dir DIR`, or from Python " in said
+    )
 
 
 def test_a_privacy_dict_trains_at_its_settings(tmp_path):

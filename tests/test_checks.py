@@ -319,7 +319,8 @@ def test_a_missing_relative_source_says_where_relative_paths_start_and_how_to_mo
     (line,) = lines(dataset)
     assert line.endswith(
         f"fix the table's source path (relative paths start at the working directory {str(tmp_path.parent)!r}; "
-        "from Python, base_dir= of tpflower.fit, tpflower.load or predict says where they start)"
+        "`tpflower predict --base-dir DIR`, or from Python base_dir= of tpflower.fit, tpflower.load or predict, says "
+        "where they start)"
     )
     assert load_dataset(dataset, base_dir=tmp_path)[1]["customers"].shape == (50, 2)
 

@@ -25,13 +25,13 @@ def resolve_path(path: str | Path, base_dir: str | Path | None = None) -> Path:
 
 def source_fix(source: str | Path, base_dir: str | Path | None) -> str:
     """What to do about a source file that does not exist: where a relative path starts, and how to move it
-    (the Python API's ``base_dir=``, docs/python-api.md)."""
+    (the prediction command's ``--base-dir``, the Python API's ``base_dir=``, docs/python-api.md)."""
     if Path(source).expanduser().is_absolute():
         return "fix the table's source path"
     start = f"base_dir {str(base_dir)!r}" if base_dir is not None else f"the working directory {str(Path.cwd())!r}"
     return (
-        f"fix the table's source path (relative paths start at {start}; from Python, base_dir= of "
-        "tpflower.fit, tpflower.load or predict says where they start)"
+        f"fix the table's source path (relative paths start at {start}; `tpflower predict --base-dir DIR`, or "
+        "from Python base_dir= of tpflower.fit, tpflower.load or predict, says where they start)"
     )
 
 
