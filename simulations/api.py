@@ -31,6 +31,7 @@ from rich.console import Console
 from simulations.job import failure_message, run_job
 from simulations.predict import predict_run
 from simulations.run import CONF_DIR, choices, unknown_choice
+from strategies.model_record import MODEL_FILE
 from tpflower.checks import NA_ATTR
 from tpflower.config import compose_config
 from tpflower.config_errors import override_error
@@ -288,6 +289,27 @@ class Model:
             self.results: dict[str, Any] = read_results(self.run_dir / RESULTS_FILE)
         except ResultsError as exc:
             raise TpflowerError(str(exc)) from None
+        self.run_id = self.saved_run_id()  # the run whose parts predict uses (model.json), None: no predictor
+
+    def saved_run_id(self) -> str | None:
+        """The run id in the run dir's model.json now (None: there is none, or it cannot be read)."""
+        try:
+            return str(json.loads((self.run_dir / MODEL_FILE).read_text())["run_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def check_same_run(self) -> None:
+        """A later fit or run into the same run dir replaced this model's run: its predict would use the newer
+        model's parts under this model's metrics, so it is refused in one line."""
+        now = self.saved_run_id()
+        if self.run_id is not None and now != self.run_id:
+            newer = read_results(self.run_dir / RESULTS_FILE).get("algorithm", "?") if now is not None else None
+            held = f"another run ({newer})" if newer is not None else "no model of this run"
+            raise TpflowerError(
+                f"{self.run_dir} now holds {held}, not this model's ({self.results['algorithm']}): a later fit or run "
+                f"wrote into the same run dir; tpflower.load({str(self.run_dir)!r}) opens what it holds (give each "
+                "fit its own run_dir, or leave run_dir unset)"
+            )
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
@@ -346,6 +368,7 @@ class Model:
                 f"predict takes the rows as a pandas DataFrame or the path of a CSV / Parquet file, got "
                 f"{type(rows).__name__} (a dict or list of rows: pd.DataFrame(rows))"
             )
+        self.check_same_run()
         log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):
@@ -380,6 +403,7 @@ class Model:
     def save(self, path: str | Path) -> Model:
         """Copy the run dir (results.json, model.json and, in a simulation, the owners' parts under
         node-state/) to ``path``; returns the model there (``tpflower.load(path)`` opens it again)."""
+        self.check_same_run()
         target = Path(path).expanduser().resolve()
         if target.exists():
             raise TpflowerError(f"{target}: exists already; save to a new directory")

@@ -278,6 +278,28 @@ def test_a_spec_dict_of_paths_numpy_values_and_an_index_trains_as_its_plain_valu
     )
 
 
+def test_a_model_whose_run_dir_a_later_fit_replaced_refuses_to_predict_or_save(tmp_path):
+    """Two fits into one run_dir (a notebook cell run again with another algorithm): the first Model's predict
+    used the second run's parts under the first run's metrics, silently; now one line says so."""
+    from tests.test_checks import shop
+
+    spec = shop(tmp_path)
+    first = tpflower.fit(dataset=spec, algorithm="pcg", runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+    rows = pd.read_csv(tmp_path / "orders.csv").head(3)
+    before = first.predict(rows, verbose=False)
+    second = tpflower.fit(
+        dataset=spec, algorithm="admm", epochs=1, runtime="inprocess", run_dir=tmp_path / "run", verbose=False
+    )
+    assert not second.predict(rows, verbose=False)["prediction"].equals(before["prediction"])
+    for use in (lambda: first.predict(rows, verbose=False), lambda: first.save(tmp_path / "copy")):
+        with pytest.raises(tpflower.TpflowerError) as info:
+            use()
+        assert str(info.value).startswith(
+            f"{tmp_path / 'run'} now holds another run (tp_join_admm), not this model's (tp_join_pcg): a later fit"
+        ), info.value
+    assert not (tmp_path / "copy").exists()
+
+
 def test_a_dataframe_as_a_tables_source_is_one_line_naming_it_before_the_run(tmp_path):
     from tests.test_checks import shop
 
