@@ -138,12 +138,8 @@ def plain_spec(value: Any, key: str = "") -> Any:
     where = f"dataset {key}" if key else "dataset"
     if isinstance(value, Mapping):
         return {str(k): plain_spec(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
-    if isinstance(value, pd.DataFrame):
-        name = key.split(".")[1] if key.startswith("tables.") else "table"
-        raise TpflowerError(
-            f"{where}: a pandas DataFrame; a table's source is the path of its CSV or Parquet file, which its "
-            f"owner's node reads: write it (frame.to_parquet('{name}.parquet')) and give that path"
-        )
+    if isinstance(value, pd.DataFrame):  # (a table's source is taken apart before: frames_apart)
+        raise TpflowerError(f"{where}: a pandas DataFrame; only a table's source may be one (tables.NAME.source)")
     if isinstance(value, (list, tuple, np.ndarray, pd.Index, pd.Series)):
         return [plain_spec(v, f"{key}[{k}]") for k, v in enumerate(list(value))]
     if isinstance(value, os.PathLike):
@@ -156,6 +152,55 @@ def plain_spec(value: Any, key: str = "") -> Any:
         f"{where}: a {type(value).__name__} value; a dataset spec holds text, numbers, booleans, lists and dicts "
         "(docs/datasets.md)"
     )
+
+
+#: where fit writes the DataFrames given as table sources, in the run dir
+TABLES_DIR = "tables"
+
+
+def frames_apart(dataset: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
+    """A dataset spec dict without its DataFrame sources (``tables.NAME.source``), each in its place the path of
+    the Parquet file fit writes it to (``RUN_DIR/tables/NAME.parquet``, set once the run dir is known), and the
+    DataFrames by table."""
+    tables = dataset.get("tables")
+    if not isinstance(tables, Mapping):
+        return dict(dataset), {}
+    frames = {
+        str(t): v["source"]
+        for t, v in tables.items()
+        if isinstance(v, Mapping) and isinstance(v.get("source"), pd.DataFrame)
+    }
+    if not frames:
+        return dict(dataset), {}
+    out = dict(dataset)
+    out["tables"] = {
+        t: {**v, "source": f"{TABLES_DIR}/{t}.parquet"} if str(t) in frames else v for t, v in tables.items()
+    }
+    return out, frames
+
+
+def write_tables(frames: Mapping[str, pd.DataFrame], run_dir: Path, cfg: DictConfig) -> None:
+    """Each DataFrame source as RUN_DIR/tables/NAME.parquet, the file its owner's node reads (a simulation's
+    user holds every table); a named index (``set_index('cust')``) is columns, as pandas writes it; a column
+    of numbers and text as text, which the data checks then read as a CSV file's (:func:`write_rows`)."""
+    folder = run_dir / TABLES_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, frame in frames.items():
+        named = [n for n in frame.index.names if n is not None and n not in frame.columns]
+        path = folder / f"{name}.parquet"
+        write_rows(frame.reset_index(level=named) if named else frame, path, f"dataset tables.{name}.source")
+        cfg.dataset.tables[name].source = str(path)
+
+
+def moved_sources(config: Any, old: Path, new: Path) -> Any:
+    """A run's config with each table source under ``old`` (a fit's DataFrame written to its run dir) under
+    ``new`` instead (the copy ``save`` made)."""
+    config = json.loads(json.dumps(config))
+    for table in ((config.get("dataset") or {}).get("tables") or {}).values():
+        source = table.get("source") if isinstance(table, dict) else None
+        if isinstance(source, str) and Path(source).is_relative_to(old):
+            table["source"] = str(new / Path(source).relative_to(old))
+    return config
 
 
 def spec_file(dataset: str | Path) -> dict[str, Any]:
@@ -218,12 +263,16 @@ def fit(
     keywords (``epochs=3``, ``model="mlp"``, ``algorithm__rho=2``). ``base_dir``: where relative data paths
     start (default: the working directory). Raises TpflowerError (the command line's message)."""
     base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
+    frames: dict[str, pd.DataFrame] = {}
+    if isinstance(dataset, Mapping):  # DataFrame sources: written to the run dir once it is known
+        dataset, frames = frames_apart(dataset)
     cfg = compose(dataset, sql, algorithm, runtime, list(overrides), settings, config_dir, base)
     path = Path(run_dir).expanduser().resolve() if run_dir is not None else default_run_dir(cfg, base)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TpflowerError(f"run_dir {path}: {exc.strerror} ({exc.filename})") from None
+    write_tables(frames, path, cfg)
     log = console_log(verbose)
     engine = "Flower's simulation engine" if runtime == "flower" else f"runtime={runtime}"
     log(
@@ -238,7 +287,7 @@ def fit(
     return Model(path, verbose, base)
 
 
-def write_rows(rows: pd.DataFrame, path: Path) -> None:
+def write_rows(rows: pd.DataFrame, path: Path, subject: str = "the rows") -> None:
     """New rows given as a DataFrame, as the Parquet file the query owner's node reads. An object column Parquet
     cannot hold as one type (numbers beside text, as ``df.loc[i, 'age'] = '99plus'`` makes an int column) is
     written as text, each value as a CSV file holds it (missing values stay missing): the node then reads and
@@ -248,7 +297,8 @@ def write_rows(rows: pd.DataFrame, path: Path) -> None:
 
     if rows.columns.has_duplicates:
         twice = sorted({str(c) for c in rows.columns[rows.columns.duplicated()]})
-        raise TpflowerError(f"the rows name column(s) {twice} twice; give each column once")
+        who = "the rows name" if subject == "the rows" else f"{subject}: the DataFrame names"
+        raise TpflowerError(f"{who} column(s) {twice} twice; give each column once")
     out = rows.copy(deep=False)
     noted = {}
     for column in [c for c in rows.columns if rows[c].dtype == object]:  # (pandas 3's text columns: str, written)
@@ -266,7 +316,7 @@ def write_rows(rows: pd.DataFrame, path: Path) -> None:
         out.to_parquet(path, index=False)
     except (ValueError, TypeError, pa.ArrowException) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TpflowerError(f"the rows cannot be handed to the nodes as a Parquet file: {first}") from None
+        raise TpflowerError(f"{subject} cannot be handed to the nodes as a Parquet file: {first}") from None
 
 
 def load(run_dir: str | Path, base_dir: str | Path | None = None, verbose: bool = True) -> Model:
@@ -408,4 +458,22 @@ class Model:
         if target.exists():
             raise TpflowerError(f"{target}: exists already; save to a new directory")
         shutil.copytree(self.run_dir, target, symlinks=True)
+        if (self.run_dir / TABLES_DIR).is_dir():  # a fit's DataFrame tables: the copy reads its own
+            self.move_sources(target)
         return Model(target, self.verbose, self.base_dir)
+
+    def move_sources(self, target: Path) -> None:
+        """The copy's results.json and model.json name the tables it holds (RUN_DIR/tables), not the original's;
+        model.json's dataset digest follows its spec."""
+        from strategies.model_record import dataset_digest  # noqa: PLC0415
+
+        results = target / RESULTS_FILE
+        record = json.loads(results.read_text())
+        record["config"] = moved_sources(record.get("config") or {}, self.run_dir, target)
+        results.write_text(json.dumps(record, indent=2))
+        model = target / MODEL_FILE
+        if model.is_file():
+            saved = json.loads(model.read_text())
+            saved["config"] = moved_sources(saved.get("config") or {}, self.run_dir, target)
+            saved["dataset_digest"] = dataset_digest(saved["config"])
+            model.write_text(json.dumps(saved, indent=2))

@@ -300,18 +300,55 @@ def test_a_model_whose_run_dir_a_later_fit_replaced_refuses_to_predict_or_save(t
     assert not (tmp_path / "copy").exists()
 
 
-def test_a_dataframe_as_a_tables_source_is_one_line_naming_it_before_the_run(tmp_path):
+def test_dataframes_as_table_sources_train_as_their_files_and_a_saved_copy_holds_them(tmp_path):
+    """A DataFrame as a table's source (were: OmegaConf's "Value 'DataFrame' is not a supported primitive
+    type"): written to RUN_DIR/tables/NAME.parquet, the file its owner's node reads; the same results as the
+    CSV files (a named index is columns); the saved copy reads its own tables, the fit's run dir deleted."""
+    import shutil
+
+    from tests.test_checks import shop
+
+    files = shop(tmp_path)
+    orders, customers = pd.read_csv(tmp_path / "orders.csv"), pd.read_csv(tmp_path / "customers.csv")
+    frames = json.loads(json.dumps(files))
+    frames["tables"]["orders"]["source"] = orders
+    frames["tables"]["customers"]["source"] = customers.set_index("cust")
+    for name, spec in (("files", files), ("frames", frames)):
+        tpflower.fit(dataset=spec, algorithm="pcg", runtime="inprocess", run_dir=tmp_path / name, verbose=False)
+    assert (tmp_path / "frames" / "tables" / "customers.parquet").is_file()
+    record = comparable(tmp_path / "frames")
+    for t in ("orders", "customers"):
+        record["config"]["dataset"]["tables"][t]["source"] = files["tables"][t]["source"]
+    assert record == comparable(tmp_path / "files")
+    model = tpflower.load(tmp_path / "frames", verbose=False)
+    before = model.predict(orders.head(5), verbose=False)
+    copy = model.save(tmp_path / "copy")
+    shutil.rmtree(tmp_path / "frames")
+    pd.testing.assert_frame_equal(tpflower.load(copy.run_dir).predict(orders.head(5), verbose=False), before)
+    assert copy.results["config"]["dataset"]["tables"]["orders"]["source"] == str(
+        copy.run_dir / "tables/orders.parquet"
+    )
+
+
+def test_a_dataframe_sources_bad_values_are_the_data_checks_lines_as_a_csv_files(tmp_path):
+    """A column of numbers and text (Parquet holds no such column) is written as text, so the data checks name
+    the table, column and value as for a CSV file; a column given twice is one line naming the source."""
     from tests.test_checks import shop
 
     spec = shop(tmp_path)
-    spec["tables"]["orders"]["source"] = pd.read_csv(tmp_path / "orders.csv")
+    mixed = pd.read_csv(tmp_path / "orders.csv").astype({"qty": object})
+    mixed.loc[2, "qty"] = "two"
+    spec["tables"]["orders"]["source"] = mixed
     with pytest.raises(tpflower.TpflowerError) as err:
         tpflower.fit(dataset=spec, runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+    assert "table 'orders', numeric feature 'qty': 1 non-numeric value, first at row 2" in str(err.value), err.value
+    assert "'two'" in str(err.value)
+    spec["tables"]["orders"]["source"] = pd.concat([mixed[["qty"]], mixed], axis=1)
+    with pytest.raises(tpflower.TpflowerError) as err:
+        tpflower.fit(dataset=spec, runtime="inprocess", run_dir=tmp_path / "run2", verbose=False)
     assert str(err.value) == (
-        "dataset tables.orders.source: a pandas DataFrame; a table's source is the path of its CSV or Parquet "
-        "file, which its owner's node reads: write it (frame.to_parquet('orders.parquet')) and give that path"
+        "dataset tables.orders.source: the DataFrame names column(s) ['qty'] twice; give each column once"
     )
-    assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture(scope="module")
