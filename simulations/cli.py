@@ -26,8 +26,21 @@ COMMANDS = {
 }
 
 
+def installed(package: str) -> str:
+    """The installed version of ``package`` ('unknown' when it is not installed as a distribution)."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def usage() -> str:
-    return __doc__.split("\n\n")[1].rstrip() + "\n\n`tpflower COMMAND --help` shows a command's arguments."
+    return (
+        __doc__.split("\n\n")[1].rstrip()
+        + "\n\n`tpflower COMMAND --help` shows a command's arguments; `tpflower --version` the installed versions."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(f"usage: tpflower COMMAND ...\n{usage()}")
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):  # as `flwr --version`: the installed tpflower and the Flower it runs on
+        print(f"tpflower {installed('tpflower')} (Flower {installed('flwr')})")
+        return 0
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         print(f"error: no command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)

@@ -563,3 +563,14 @@ def test_the_tpflower_command_dispatches_to_the_modules():
     assert re.search(r"^  gbdt +histogram gradient boosting over the join", train.stdout, re.M)
     wrong = cli("trian")
     assert wrong.returncode == 2 and "no command 'trian'" in wrong.stderr
+
+
+def test_tpflower_version_names_tpflower_and_the_flower_it_runs_on(capsys):
+    """As `flwr --version` (was: "error: no command '--version'", status 2)."""
+    from importlib.metadata import version
+
+    from simulations.cli import main as cli_main
+
+    for flag in ("--version", "-V"):
+        assert cli_main([flag]) == 0
+        assert capsys.readouterr().out == f"tpflower {version('tpflower')} (Flower {version('flwr')})\n"
