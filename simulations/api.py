@@ -419,6 +419,8 @@ class Model:
                 f"{type(rows).__name__} (a dict or list of rows: pd.DataFrame(rows))"
             )
         self.check_same_run()
+        if isinstance(rows, pd.DataFrame) and len(rows) == 0:  # (a file of a header only is the node's to say)
+            raise TpflowerError(f"the rows: a DataFrame of no row ({len(rows.columns)} columns): nothing to score")
         log = console_log(self.verbose if verbose is None else verbose)
         with tempfile.TemporaryDirectory(prefix="tpflower-rows-") as tmp:
             if isinstance(rows, pd.DataFrame):

@@ -425,6 +425,16 @@ def test_a_wrong_table_or_runtime_of_predict_is_named_as_its_argument(binary_sho
     assert str(info.value) == "runtime='ray': no such runtime (inprocess or flower)"
 
 
+def test_an_empty_frame_is_one_line_saying_so_before_any_node_is_asked(binary_shop, monkeypatch):
+    """Was the node's line for a rows file, "the rows: holds no row (a header only)", after the nodes started."""
+    model, rows = binary_shop
+    monkeypatch.setattr("simulations.api.predict_run", lambda *a, **k: pytest.fail("the nodes were asked"))
+    for empty in (rows.iloc[:0], pd.DataFrame()):
+        with pytest.raises(tpflower.TpflowerError) as info:
+            model.predict(empty, verbose=False)
+        assert str(info.value) == f"the rows: a DataFrame of no row ({len(empty.columns)} columns): nothing to score"
+
+
 def test_a_frames_named_index_is_its_columns(binary_shop):
     """rows.set_index("cust") keeps the key in the index, which pandas' to_parquet writes as a column: were
     'the rows lack key column(s) ['cust']'; now the same predictions as the plain frame."""
