@@ -335,6 +335,13 @@ class Model:
         self.verbose = verbose  # predict's default: fit(verbose=False) gives a quiet model
         # predict's default: where the fit read its relative data paths from (None: the working directory)
         self.base_dir = None if base_dir is None else Path(base_dir).expanduser().resolve()
+        jobs = sorted(p.parent.name for p in self.run_dir.glob(f"*/{RESULTS_FILE}"))
+        if not (self.run_dir / RESULTS_FILE).exists() and jobs:  # a sweep's folder (multirun/DATE/TIME)
+            shown = ", ".join(map(repr, jobs[:3])) + (f" and {len(jobs) - 3} more" if len(jobs) > 3 else "")
+            raise TpflowerError(
+                f"{self.run_dir} is a sweep's folder, not a run's: load one of its {len(jobs)} jobs' folders, {shown} "
+                f"(python -m simulations.reproduce {self.run_dir} --out PREFIX compares them)"
+            )
         try:
             self.results: dict[str, Any] = read_results(self.run_dir / RESULTS_FILE)
         except ResultsError as exc:

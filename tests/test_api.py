@@ -584,3 +584,27 @@ def test_tpflower_version_names_tpflower_and_the_flower_it_runs_on(capsys):
     for flag in ("--version", "-V"):
         assert cli_main([flag]) == 0
         assert capsys.readouterr().out == f"tpflower {version('tpflower')} (Flower {version('flwr')})\n"
+
+
+def test_loading_a_sweeps_folder_names_its_jobs(tmp_path):
+    """Was "SWEEP/results.json: cannot read ([Errno 2] No such file or directory ...)"."""
+    from tests.test_checks import shop
+
+    spec = shop(tmp_path)
+    for job in ("algorithm=pcg", "algorithm=admm"):
+        tpflower.fit(
+            dataset=spec,
+            algorithm=job.split("=")[1],
+            epochs=1,
+            runtime="inprocess",
+            run_dir=tmp_path / "sweep" / job,
+            verbose=False,
+        )
+    (tmp_path / "sweep" / "multirun.yaml").write_text("{}\n")
+    with pytest.raises(tpflower.TpflowerError) as info:
+        tpflower.load(tmp_path / "sweep")
+    assert str(info.value) == (
+        f"{tmp_path / 'sweep'} is a sweep's folder, not a run's: load one of its 2 jobs' folders, 'algorithm=admm', "
+        f"'algorithm=pcg' (python -m simulations.reproduce {tmp_path / 'sweep'} --out PREFIX compares them)"
+    )
+    assert tpflower.load(tmp_path / "sweep" / "algorithm=pcg").results["algorithm"] == "tp_join_pcg"
