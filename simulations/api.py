@@ -224,6 +224,17 @@ def spec_file(dataset: str | Path) -> dict[str, Any]:
     return {str(k): v for k, v in spec.items()}
 
 
+def run_dir_of(run_dir: str | Path | None, overrides: Sequence[str]) -> str | Path | None:
+    """The run dir: ``run_dir``, else a ``hydra.run.dir=DIR`` override as the command line takes it (Hydra's
+    compose drops it: the run went to outputs/ instead); both, naming two folders, is one line."""
+    given = [o.split("=", 1)[1].strip("'\"") for o in overrides if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
+    if not given:
+        return run_dir
+    if run_dir is not None and Path(run_dir).expanduser().resolve() != Path(given[-1]).expanduser().resolve():
+        raise TpflowerError(f"run_dir={str(run_dir)!r} and hydra.run.dir={given[-1]} name two folders; give one")
+    return run_dir if run_dir is not None else given[-1]
+
+
 def default_run_dir(cfg: DictConfig, base_dir: Path) -> Path:
     """Where the command line's run would go (conf/config.yaml's hydra.run.dir): outputs/DATE/TIME-ALGORITHM-
     DATASET under ``base_dir``; a suffix -2, -3 ... when a run started in the same second holds it already."""
@@ -263,6 +274,7 @@ def fit(
     keywords (``epochs=3``, ``model="mlp"``, ``algorithm__rho=2``). ``base_dir``: where relative data paths
     start (default: the working directory). Raises TpflowerError (the command line's message)."""
     base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
+    run_dir = run_dir_of(run_dir, [*overrides, *overrides_of(settings)])
     frames: dict[str, pd.DataFrame] = {}
     if isinstance(dataset, Mapping):  # DataFrame sources: written to the run dir once it is known
         dataset, frames = frames_apart(dataset)

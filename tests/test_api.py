@@ -608,3 +608,25 @@ def test_loading_a_sweeps_folder_names_its_jobs(tmp_path):
         f"'algorithm=pcg' (python -m simulations.reproduce {tmp_path / 'sweep'} --out PREFIX compares them)"
     )
     assert tpflower.load(tmp_path / "sweep" / "algorithm=pcg").results["algorithm"] == "tp_join_pcg"
+
+
+def test_a_hydra_run_dir_override_is_the_fits_run_dir(tmp_path):
+    """The command line's hydra.run.dir=DIR given to fit (overrides= or hydra__run__dir=) was dropped by Hydra's
+    compose: the run went to outputs/DATE/TIME-... instead; run_dir= and another hydra.run.dir are one line."""
+    from tests.test_checks import shop
+
+    spec = shop(tmp_path)
+    as_override = tpflower.fit(
+        dataset=spec, algorithm="pcg", runtime="inprocess", overrides=[f"hydra.run.dir={tmp_path / 'a'}"], verbose=False
+    )
+    as_keyword = tpflower.fit(
+        dataset=spec, algorithm="pcg", runtime="inprocess", hydra__run__dir=str(tmp_path / "b"), verbose=False
+    )
+    assert (as_override.run_dir, as_keyword.run_dir) == (tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "a" / "results.json").is_file() and (tmp_path / "b" / "results.json").is_file()
+    with pytest.raises(tpflower.TpflowerError) as info:
+        tpflower.fit(dataset=spec, run_dir=tmp_path / "c", hydra__run__dir=str(tmp_path / "d"), verbose=False)
+    assert (
+        str(info.value)
+        == f"run_dir={str(tmp_path / 'c')!r} and hydra.run.dir={tmp_path / 'd'} name two folders; give one"
+    )
