@@ -118,7 +118,12 @@ def compose(
             args.append(f"++dataset.sql={override_value(sql)}")
     if algorithm is not None:
         args.append(f"algorithm={algorithm}")
+    if isinstance(algorithm, (list, tuple)):
+        raise TpflowerError(sweep_line("algorithm", [str(a) for a in algorithm]))
     args += [f"runtime={runtime}", *overrides, *overrides_of(settings)]
+    swept = sweep_in(args)
+    if swept is not None:
+        raise TpflowerError(sweep_line(*swept))
     wrong = unknown_choice(choices(args)[0], [str(config_dir)] if config_dir is not None else [])
     if wrong is not None:
         raise TpflowerError(wrong)
@@ -201,6 +206,36 @@ def moved_sources(config: Any, old: Path, new: Path) -> Any:
         if isinstance(source, str) and Path(source).is_relative_to(old):
             table["source"] = str(new / Path(source).relative_to(old))
     return config
+
+
+def sweep_in(overrides: Sequence[str]) -> tuple[str, list[str]] | None:
+    """The first override that is a Hydra sweep (``algorithm=admm,pcg``, ``epochs=range(1,4)``), or a list for a
+    group's choice (``algorithm=[admm,pcg]``), as its key and values; None when there is none (an override
+    Hydra cannot read is compose's to name)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: PLC0415
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            override = parser.parse_overrides([text])[0]
+            if override.is_sweep_override():
+                return override.key_or_group, [str(v) for v in override.sweep_string_iterator()]
+            value = override.value()
+        except Exception:  # grammar errors, interval sweeps: compose's line
+            continue
+        if isinstance(value, list) and (Path(CONF_DIR) / override.key_or_group).is_dir():
+            return override.key_or_group, [str(v) for v in value]
+    return None
+
+
+def sweep_line(key: str, values: Sequence[str]) -> str:
+    """Why fit refuses a sweep, and the two ways to run one."""
+    joined = ",".join(values)
+    return (
+        f"{key}={joined} is a sweep (one run per value), and fit trains one model: call fit once per value "
+        f"(for v in {list(values)!r}: tpflower.fit(..., {key.replace('.', '__')}=v)), or run the sweep: "
+        f"tpflower train -m {key}={joined} ..."
+    )
 
 
 def spec_file(dataset: str | Path) -> dict[str, Any]:

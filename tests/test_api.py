@@ -630,3 +630,24 @@ def test_a_hydra_run_dir_override_is_the_fits_run_dir(tmp_path):
         str(info.value)
         == f"run_dir={str(tmp_path / 'c')!r} and hydra.run.dir={tmp_path / 'd'} name two folders; give one"
     )
+
+
+def test_a_sweep_given_to_fit_is_one_line_with_the_two_ways_to_run_it(tmp_path):
+    """Were Hydra's "Ambiguous value for argument 'algorithm=admm,pcg' ... add --multirun to your command
+    line" (there is no command line), and for a list "algorithm=['admm': no such algorithm"."""
+    said = []
+    for kw in (
+        {"algorithm": "admm,pcg"},
+        {"algorithm": ["admm", "pcg"]},
+        {"overrides": ["algorithm=choice(admm,pcg)"]},
+    ):
+        with pytest.raises(tpflower.TpflowerError) as info:
+            tpflower.fit(dataset="synthetic", runtime="inprocess", run_dir=tmp_path / "run", verbose=False, **kw)
+        said.append(str(info.value))
+    assert set(said) == {
+        "algorithm=admm,pcg is a sweep (one run per value), and fit trains one model: call fit once per value (for v "
+        "in ['admm', 'pcg']: tpflower.fit(..., algorithm=v)), or run the sweep: tpflower train -m algorithm=admm,pcg ..."
+    }
+    with pytest.raises(tpflower.TpflowerError, match=r"^algorithm\.rho=1,2 is a sweep .*algorithm__rho=v"):
+        tpflower.fit(dataset="synthetic", algorithm="admm", overrides=["algorithm.rho=1,2"], verbose=False)
+    assert not (tmp_path / "run").exists()
