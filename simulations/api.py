@@ -136,8 +136,8 @@ def compose(
 def plain_spec(value: Any, key: str = "") -> Any:
     """A dataset spec given as a dict, in the plain values a config holds: a path (``Path``) as its text, numpy
     and pandas scalars as Python numbers, a tuple, numpy array, pandas Index or Series as a list (``label_range=
-    [df.y.min(), df.y.max()]``, ``numeric=df.columns[2:5]``). A DataFrame as a table's ``source`` (each owner
-    reads its own file), or any other object, is a one-line TpflowerError naming its key."""
+    [df.y.min(), df.y.max()]``, ``numeric=df.columns[2:5]``). A DataFrame anywhere but a table's ``source``
+    (those :func:`frames_apart` takes out first), or any other object, is a one-line TpflowerError naming its key."""
     import numpy as np  # noqa: PLC0415  (pandas' own dependency)
 
     where = f"dataset {key}" if key else "dataset"
