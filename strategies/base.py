@@ -593,6 +593,13 @@ class LoJStrategy(TablePuppetStrategy):
             hint = "the training loss diverged (above): algorithm.lambda_l2=1 bounds the leaves"
         elif self.feature_dp:
             hint = "the DP noise outweighs what it learnt: more epochs, or a larger epsilon"
+        elif self.label_dp:  # the labels it trained on are randomized; a larger model.beta cannot undo that
+            eps = self.results.privacy.get("label_epsilon")
+            level = f"privacy.label_epsilon={eps:.4g}" if eps is not None else "label DP"
+            tighter = ", or a tighter label range (its noise grows with it)" if self.task == "regression" else ""
+            hint = (
+                f"the label DP noise ({level}) outweighs what the labels teach: a larger privacy.label_epsilon{tighter}"
+            )
         elif self.boosted_trees and self.results.selection.get("early_stopping") == 0:  # validating, never stopping
             hint = "the trees overfit: fewer trees, or algorithm.early_stopping=3 to stop early"
         elif self.boosted_trees and self.results.selection:  # it kept the trees of its best validation evaluation

@@ -375,3 +375,27 @@ def test_an_sgd_training_loss_that_rises_by_a_quarter_over_an_earlier_epoch_is_n
     )
     assert loss_rose([(1, 78.66), (2, 76.88), (3, 78.66), (4, 75.0)]) == ""
     assert loss_rose([(1, 1.0)]) == "" and loss_rose([(1, float("nan")), (2, 1.0)]) == ""
+
+
+def test_below_the_constant_predictor_under_label_dp_names_label_dp_not_model_beta(tmp_path, monkeypatch):
+    """Label DP at epsilon 0.05 over synthetic's label range [-20, 20] randomizes the training labels far beyond
+    the label's own spread (std 1.7; measured at 0.5: exact test RMSE 8.6 against 0.91 without): the warning
+    said "it overfits: a larger model.beta", which cannot undo the noise; it names the label DP setting and the
+    label range. (Both metrics compared are noised releases, so whether the model ends below the constant
+    predictor is left to chance: the comparison is forced here, the hint is what is tested.)"""
+    monkeypatch.setattr("strategies.base.below_constant", lambda *a: "test rmse 9 against the constant's 2")
+    lines: list[str] = []
+    cfg = make_cfg(
+        "algorithm=admm",
+        "dataset=synthetic",
+        "privacy=label",
+        "privacy.label_epsilon=0.05",
+        "privacy.label_range=[-20,20]",
+        "epochs=2",
+    )
+    run_in_process(cfg, tmp_path / "run", tmp_path, log=lines.append)
+    (warning,) = [line for line in lines if line.startswith("warning: the model ends worse")]
+    assert warning.endswith(
+        "; the label DP noise (privacy.label_epsilon=0.05) outweighs what the labels teach: a larger "
+        "privacy.label_epsilon, or a tighter label range (its noise grows with it)"
+    ), warning
