@@ -120,6 +120,9 @@ def compose(
         args.append(f"algorithm={algorithm}")
     if isinstance(algorithm, (list, tuple)):
         raise TpflowerError(sweep_line("algorithm", [str(a) for a in algorithm]))
+    problem = hydra_problem([*overrides, *overrides_of(settings)])
+    if problem is not None:
+        raise TpflowerError(problem)
     args += [f"runtime={runtime}", *overrides, *overrides_of(settings)]
     swept = sweep_in(args)
     if swept is not None:
@@ -206,6 +209,21 @@ def moved_sources(config: Any, old: Path, new: Path) -> Any:
         if isinstance(source, str) and Path(source).is_relative_to(old):
             table["source"] = str(new / Path(source).relative_to(old))
     return config
+
+
+def hydra_problem(overrides: Sequence[str]) -> str | None:
+    """Why fit refuses a ``hydra.*`` override other than ``hydra.run.dir`` (``hydra.job.name``, ``hydra.verbose``,
+    ``hydra.sweep.dir`` ...): they set up Hydra's own job (its logging, working directory, sweeps), which fit does
+    not run, and Hydra's compose dropped them without a word; ``hydra.searchpath`` is ``config_dir=``. None when
+    there is none."""
+    for text in overrides:
+        key = text.split("=", 1)[0].lstrip("+~")
+        if (key == "hydra" or key.startswith("hydra.")) and key != "hydra.run.dir":
+            return (
+                f"{text}: fit runs no Hydra job, so of Hydra's settings it takes only hydra.run.dir (or run_dir=); "
+                "a folder of dataset/NAME.yaml files is config_dir=; the command line (tpflower train) takes the others"
+            )
+    return None
 
 
 def sweep_in(overrides: Sequence[str]) -> tuple[str, list[str]] | None:

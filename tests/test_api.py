@@ -632,6 +632,28 @@ def test_a_hydra_run_dir_override_is_the_fits_run_dir(tmp_path):
     )
 
 
+def test_a_hydra_setting_fit_does_not_honour_is_refused_in_one_line(tmp_path):
+    """hydra.job.name=x (or any hydra.* but the run dir) was dropped by Hydra's compose without a word; now one
+    line naming what fit takes, before any run dir is made; config_dir= (fit's own hydra.searchpath) still works."""
+    for kw in (
+        {"hydra__job__name": "mine"},
+        {"overrides": ["hydra.job.name=mine"]},
+        {"overrides": ["hydra.verbose=true"]},
+        {"config_dir": tmp_path, "overrides": ["hydra.verbose=true"]},
+    ):
+        with pytest.raises(tpflower.TpflowerError) as info:
+            tpflower.fit(dataset="synthetic", runtime="inprocess", run_dir=tmp_path / "r", verbose=False, **kw)
+        given = kw["overrides"][0] if "overrides" in kw else "hydra.job.name=mine"
+        assert str(info.value) == (
+            f"{given}: fit runs no Hydra job, so of Hydra's settings it takes only hydra.run.dir (or run_dir=); a "
+            "folder of dataset/NAME.yaml files is config_dir=; the command line (tpflower train) takes the others"
+        )
+    assert not (tmp_path / "r").exists()
+    from simulations.api import compose
+
+    assert compose("synthetic", None, None, "inprocess", [], {}, tmp_path).dataset.name == "synthetic"
+
+
 def test_a_sweep_given_to_fit_is_one_line_with_the_two_ways_to_run_it(tmp_path):
     """Were Hydra's "Ambiguous value for argument 'algorithm=admm,pcg' ... add --multirun to your command
     line" (there is no command line), and for a list "algorithm=['admm': no such algorithm"."""
