@@ -735,6 +735,15 @@ def flwr_run_command(
     return cmd + (["--stream"] if stream else [])
 
 
+def started_run_command(dep: Deployment, job: str, run_dir: str | Path) -> str:
+    """The shell line that runs ``job`` on the started deployment ``dep``, as `start` prints it: from any folder
+    and shell as it is (its Flower home, the venv's `flwr`, the app's folder and the run dir absolute, every word
+    quoted for the shell), the run's results.json into ``run_dir``, as `run --run-dir` does."""
+    cmd = flwr_run_command(dep.connection, job, Path(run_dir).resolve())
+    cmd[0] = str(Path(sys.executable).parent / "flwr")
+    return shlex.join([f"FLWR_HOME={dep.flwr_home}", *cmd])
+
+
 class RunFailed(RuntimeError):
     """A deployment run that did not complete (its status, the last error line of its log)."""
 
@@ -1056,6 +1065,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
             help="a folder with dataset/NAME.yaml (your own tables), as simulations.run's --config-dir",
         )
     p_run.add_argument("--run-dir", required=True, help="directory for results.json")
+    p_start.add_argument(
+        "--run-dir", default=None, help="the run dir of the `flwr run` command it prints (default: STATE_DIR/run)"
+    )
     p_run.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     for p in (p_start, p_run, p_predict):
         p.add_argument(
@@ -1090,9 +1102,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
         for p in dep.processes[1:]:
             print(f"  {p['name']}: pid {p['pid']}, log {p['log']}")
         job = args.overrides if "algorithm=" in args.overrides else f"algorithm=admm {args.overrides}".strip()
-        print(
-            f"run:  FLWR_HOME={dep.flwr_home} flwr run . {dep.connection} --stream --run-config \"overrides='{job}'\""
-        )
+        print(f"run:  {started_run_command(dep, job, args.run_dir or Path(args.state_dir) / 'run')}")
         print(f"stop: python -m simulations.deploy stop --state-dir {args.state_dir}")
     elif args.command == "stop":
         if not (Path(args.state_dir) / "deployment.json").is_file():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -690,6 +691,25 @@ def test_deployed_predict_says_a_bad_rows_file_in_one_line_before_starting(tmp_p
     rows.write_text("k1,k2,x0,x1,x2,x3\n0,0,0.5,0.5,0.5,0.5\n")
     with pytest.raises(deploy.RunFailed, match="^started$"):
         deploy.predict(overrides, tmp_path / "run", rows, tmp_path / "state")
+
+
+def test_start_prints_a_flwr_run_line_with_a_run_dir_that_runs_as_it_is(tmp_path, monkeypatch, capsys):
+    """`start` printed `flwr run . CONNECTION ...` with no run-dir: the results went to the ServerApp's default
+    folder (outputs/flwr/ALGORITHM-DATASET under the SuperLink's working directory), and `.` and `flwr` held only
+    in the repository with the venv active. Now every word is absolute and quoted for the shell, with the run dir
+    (`--run-dir`, default STATE_DIR/run), as `run` passes it (a deployment ran it verbatim from /tmp)."""
+    dep = deploy.Deployment("t", str(tmp_path / "my home"), str(tmp_path / "s"), 9093, "local-deployment")
+    monkeypatch.setattr(deploy, "start", lambda *_a, **_k: dep)
+    for extra, run_dir in (([], tmp_path / "s" / "run"), (["--run-dir", "rel out"], Path.cwd() / "rel out")):
+        assert (
+            deploy.main(["start", "--overrides", "dataset=synthetic", "--state-dir", str(tmp_path / "s"), *extra]) == 0
+        )
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("run:  "))
+        words = shlex.split(line.removeprefix("run:  "))
+        assert words[0] == f"FLWR_HOME={tmp_path / 'my home'}"
+        assert words[1] == str(Path(sys.executable).parent / "flwr")
+        assert words[2:] == deploy.flwr_run_command("local-deployment", "algorithm=admm dataset=synthetic", run_dir)[1:]
+        assert f'run-dir="{run_dir}"' in words[-2]
 
 
 def test_a_node_that_refuses_as_it_starts_is_one_line_of_deploy_start(tmp_path, monkeypatch, capsys):
