@@ -84,11 +84,7 @@ def run_flower_simulation(
     resources = client_resources(cfg)
     actors = simulation_actors(cfg, largest_table, node_actors)
     if actors is None and resources["num_cpus"] > (os.cpu_count() or 1):  # Ray's CPUs: no actor would fit
-        raise ValueError(
-            f"resources.num_cpus={cfg.resources.num_cpus} is more than this machine's {os.cpu_count()} CPUs: no "
-            "Ray actor would fit (Flower stops with 'ActorPool is empty'); give each virtual client fewer, or set "
-            "resources.actors"
-        )
+        raise ValueError(too_many_cpus(cfg))
     created: list[LoJStrategy] = []
     if strategy is None:
         strategy = make_strategy(cfg, run_dir, base_dir, log=log)
@@ -135,10 +131,25 @@ def simulation_actors(cfg: DictConfig, largest_table: int | None, node_actors: b
 
 def check_engine_settings(cfg: DictConfig) -> None:
     """The simulation engine's settings (conf/resources) checked before any table is loaded, as the others
-    are: each virtual client's share and the actors' number (the machine's CPUs against the share once the
-    tables' rows are known, :func:`run_flower_simulation`)."""
-    client_resources(cfg)
-    simulation_actors(cfg, None)
+    are: each virtual client's share, the actors' number, and a share above the machine's CPUs whenever the
+    tables' rows cannot change the actors (``resources.actors=auto`` with each node on its own actor, the
+    node-actors adapter: only without it does a table of ONE_ACTOR_ROWS rows make one actor, checked in
+    :func:`run_flower_simulation` once the rows are known)."""
+    resources = client_resources(cfg)
+    if simulation_actors(cfg, None) is None and resources["num_cpus"] > (os.cpu_count() or 1):
+        from tpflower.app.flower_guard import enabled  # noqa: PLC0415  Flower's code: only for this case
+
+        if enabled("node-actors", notice=False):
+            raise ValueError(too_many_cpus(cfg))
+
+
+def too_many_cpus(cfg: DictConfig) -> str:
+    """Why a virtual client's ``resources.num_cpus`` above the machine's CPUs is refused."""
+    return (
+        f"resources.num_cpus={cfg.resources.num_cpus} is more than this machine's {os.cpu_count()} CPUs: no "
+        "Ray actor would fit (Flower stops with 'ActorPool is empty'); give each virtual client fewer, or set "
+        "resources.actors"
+    )
 
 
 def client_resources(cfg: DictConfig) -> dict[str, float]:

@@ -83,7 +83,8 @@ def test_client_resources_no_ray_actor_could_get_are_one_line_before_ray_starts(
 def test_a_runs_bad_engine_resources_are_refused_before_any_table_is_loaded(tmp_path, monkeypatch):
     """resources.num_cpus=0, a GPU share without a GPU or resources.actors=0 were refused after the tables were
     loaded and checked and the line 'engine: starting Flower's simulation engine (Ray)'; now with the other
-    settings, before any table is read (the CPUs against the share stay after: they depend on the rows)."""
+    settings, before any table is read; so is a share above the machine's CPUs (was after the tables: its check
+    took the rows, which change the actors only without the node-actors adapter, resources.actors=auto)."""
     import torch
 
     from simulations.job import run_job
@@ -91,7 +92,10 @@ def test_a_runs_bad_engine_resources_are_refused_before_any_table_is_loaded(tmp_
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("simulations.job.check_data", lambda *a, **k: pytest.fail("a table was loaded"))
+    import os
+
     for setting, line in (
+        (f"resources.num_cpus={os.cpu_count() + 1}", f"resources.num_cpus={os.cpu_count() + 1} is more than this "),
         ("resources.num_cpus=0", "resources.num_cpus must be a finite number > 0, got 0"),
         ("resources.num_gpus=1", "resources.num_gpus=1 but no GPU is visible here"),
         ("resources.actors=0", "resources.actors must be an integer >= 1, got 0"),
