@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import re
 from pathlib import Path
 
 import numpy as np
@@ -304,6 +305,47 @@ def test_the_owner_total_epsilon_bounds_every_run_together(tmp_path):
     assert oct(ledger.ledger.stat().st_mode & 0o777) == "0o600"
 
 
+def test_a_run_the_feature_dp_budget_refuses_is_told_the_epsilon_that_fits(tmp_path):
+    """(ADMM: 4 steps at the node's own rate 256 / 400 rows.) A plan that would pass the owner's total_epsilon named the limit, not what fits; its line now says the
+    epsilon left and the largest privacy.epsilon at which the same plan (steps, sample rate) fits, by Opacus'
+    RDP accountant, as the node calibrates: a run at that epsilon is answered and stays within the total."""
+    context = node(tmp_path, "d1", DPSGD, DPSGD, edit=lambda s: s["privacy"].update(total_epsilon=1.2))
+    n = train_ready(context, DPSGD, **plan(4, 0.64, "run0"))
+    update(context, n)
+    update(context, n)
+    with pytest.raises(ValueError) as refusal:
+        train_ready(fresh(context), DPSGD, **plan(4, 0.64, "run1"))
+    line = str(refusal.value)
+    said = re.search(
+        r"the owner allows 1\.2 over all runs \(privacy\.total_epsilon\); epsilon (\S+) is left: this plan \(4 DP "
+        r"steps at sample rate 0\.64\) fits at privacy\.epsilon=(\S+) or less$",
+        line,
+    )
+    assert said is not None and "\n" not in line, line
+    state_dir = make_client(cfg(DPSGD), context).settings.owner.state_dir
+    ledger = OwnerBudget(state_dir, "d1", 0)
+    assert float(said[1]) == pytest.approx(1.2 - ledger.spent(1e-5), abs=1e-3)
+    smaller = f"{DPSGD} privacy.epsilon={said[2]}"
+    c = fresh(context, smaller)
+    n = train_ready(c, smaller, **plan(4, 0.64, "run2"))
+    update(c, n)
+    update(c, n)
+    assert 1.0 < ledger.spent(1e-5) <= 1.2
+
+
+def test_what_an_evaluation_budget_left_covers():
+    from tpflower.privacy.budget import eval_room
+
+    assert eval_room({"epochs": 9}, 4.0, 1.0) == "what is left covers 4 evaluation(s): epochs=3 or fewer"
+    assert eval_room({"epochs": 9, "resume": True}, 4.5, 1.0).endswith("epochs=4 or fewer")
+    trees = {"algorithm": {"trees": 300, "eval_every": 10}}
+    assert eval_room(trees, 3.0, 1.0) == (
+        "what is left covers 3 evaluation(s): algorithm.trees=20 or fewer (algorithm.eval_every=10), or a larger "
+        "algorithm.eval_every"
+    )
+    assert eval_room({}, 0.5, 1.0) == "what is left covers no evaluation at eval_epsilon 1"
+
+
 def test_a_spent_feature_dp_budget_is_refused_at_the_hello(tmp_path):
     """Once the owner ledger holds its whole total_epsilon (here: the owner lowers it below what earlier runs
     spent), a new run is refused at its hello, before its keys round releases the table's key digests (was:
@@ -414,6 +456,7 @@ def test_a_run_the_evaluation_budget_cannot_cover_is_refused_at_the_hello_and_ch
     line = str(refusal.value)
     assert line.startswith("table 'fact' refuses the run: shard 0: its label-DP evaluations have spent epsilon 4"), line
     assert "5 its owner allows" in line and "1 left" in line and "plans 4 evaluation(s)" in line and "\n" not in line
+    assert "4 in all; what is left covers the reference alone, not one epoch's evaluation with it" in line, line
     assert sorted((p.name, p.read_bytes()) for p in ledger.dir.iterdir()) == before  # nothing charged
     assert hello(deployed_app, fresh(context, f"{LABEL} epochs=0 resume=true"))["table"] == "fact"  # 1 fits
 

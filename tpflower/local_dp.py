@@ -25,7 +25,16 @@ from tpflower import checkpoint
 from tpflower import privacy as dp
 from tpflower.local_table import LocalTable
 from tpflower.mapping import segment_sum
-from tpflower.privacy.budget import BudgetExhausted, OwnerBudget, added, merged, owner_bound, owner_delta, steps_of
+from tpflower.privacy.budget import (
+    BudgetExhausted,
+    OwnerBudget,
+    added,
+    feature_room,
+    merged,
+    owner_bound,
+    owner_delta,
+    steps_of,
+)
 from tpflower.privacy.trainer import DPLocalTrainer
 from tpflower.state import ClientState
 
@@ -132,12 +141,15 @@ class LocalDP:
             return
         _, _, total = self.bounds()
         with budget.locked():
-            before, after = budget.spent(self.owner_delta()), budget.spent(self.owner_delta(), plan)
+            history = list(budget.read()["dp"])
+        before, after = dp.rdp_epsilon(merged(history), self.owner_delta()), budget.spent(self.owner_delta(), plan)
         if after > total * (1 + EPS_TOLERANCE):
+            (_, q, steps), run_delta = plan[0], self.bounds()[1]
+            room = feature_room(history, total, self.owner_delta(), run_delta, q, int(steps))
             raise BudgetExhausted(
                 f"{self.where}: this run's DP plan would bring its owner's feature-DP budget to epsilon "
                 f"{after:.3g} (spent before: {before:.3g}); the owner allows {total:.3g} over all runs "
-                "(privacy.total_epsilon)"
+                f"(privacy.total_epsilon); {room}"
             )
 
     def budget(self) -> OwnerBudget | None:

@@ -143,12 +143,14 @@ def check_budget(cfg: DictConfig, node: CheckedNode) -> None:
         return
     if not (uses_label_dp(run) or uses_label_dp(owner.privacy)):
         return
-    plan = planned_evaluations(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    whole = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(whole, dict)
+    plan = planned_evaluations(whole)  # type: ignore[arg-type]
     if plan == 0:
         return
     spent = spent_eval(owner.state_dir, node.table, node.shard)
     epsilon = owner_bound(owner.privacy, run, "eval_epsilon")
-    problem = check_eval_plan(spent, epsilon, owner_bound(owner.privacy, run, "total_eval_epsilon"), plan)
+    problem = check_eval_plan(spent, epsilon, owner_bound(owner.privacy, run, "total_eval_epsilon"), plan, whole)
     if problem is not None:
         raise owner.refuse(f"shard {node.shard}: {problem}")
 

@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,18 +94,82 @@ def spent_eval(state_dir: str | None, table: str, shard: int) -> float:
     return 0.0 if state_dir is None else float(OwnerBudget(state_dir, table, shard).read().get("eval_epsilon", 0.0))
 
 
-def check_eval_plan(spent: float, epsilon: float, total: float, evaluations: int) -> str | None:
+def check_eval_plan(
+    spent: float, epsilon: float, total: float, evaluations: int, cfg: Mapping[str, Any] | None = None
+) -> str | None:
     """What refuses a run whose ``evaluations`` of ``epsilon`` each would pass the owner's ``total`` with the
-    ``spent`` its ledger already holds (at least one evaluation is asked for: a resumed run's own); None if they
-    fit. Nothing is charged: a refused run spends nothing."""
+    ``spent`` its ledger already holds (at least one evaluation is asked for: a resumed run's own), and what of
+    the run ``cfg`` fits in what is left (:func:`eval_room`); None if they fit. Nothing is charged: a refused
+    run spends nothing."""
     need = max(evaluations, 1) * epsilon
     if spent + need <= total * (1 + 1e-12):
         return None
+    left = max(total - spent, 0.0)
     return (
         f"its label-DP evaluations have spent epsilon {spent:.3g} of the {total:.3g} its owner allows over all runs "
-        f"(privacy.total_eval_epsilon), {max(total - spent, 0.0):.3g} left; the run plans {max(evaluations, 1)} "
+        f"(privacy.total_eval_epsilon), {left:.3g} left; the run plans {max(evaluations, 1)} "
         f"evaluation(s) at eval_epsilon {epsilon:.3g} each, {need:.3g} in all"
+        + ("" if cfg is None else f"; {eval_room(cfg, left, epsilon)}")
     )
+
+
+def eval_room(cfg: Mapping[str, Any], left: float, epsilon: float) -> str:
+    """What of the run ``cfg`` the ``left`` evaluation epsilon covers at ``epsilon`` per evaluation, counted as
+    :func:`planned_evaluations` counts them: the most epochs (boosted trees: the most ``algorithm.trees`` at its
+    ``eval_every``), or that not one evaluation fits. Of the owner's ledger it says only what the refusal says
+    (its ``left``); of the run only its settings."""
+    fits = int(left / epsilon * (1 + 1e-12))
+    reference = 0 if cfg.get("resume") else 1
+    algorithm = cfg.get("algorithm") or {}
+    if fits - reference < 1:
+        return (
+            f"what is left covers no evaluation at eval_epsilon {epsilon:.3g}"
+            if fits < 1
+            else "what is left covers the reference alone, not one epoch's evaluation with it"
+        )
+    if algorithm.get("trees") is not None:
+        every = max(int(algorithm.get("eval_every") or 1), 1)
+        return (
+            f"what is left covers {fits} evaluation(s): algorithm.trees={(fits - reference) * every} or fewer "
+            f"(algorithm.eval_every={every}), or a larger algorithm.eval_every"
+        )
+    return f"what is left covers {fits} evaluation(s): epochs={fits - reference} or fewer"
+
+
+def feature_room(
+    history: Iterable[Sequence[float]], total: float, owner_delta: float, run_delta: float, q: float, steps: int
+) -> str:
+    """What of a feature-DP plan of ``steps`` DP steps at sample rate ``q`` fits in the owner's ``total`` (at
+    ``owner_delta``) beside the ledger's ``history``, by the accountant the run uses (Opacus' RDP accountant):
+    the largest ``privacy.epsilon`` (at the run's ``run_delta``) whose calibrated noise composes with the ledger
+    within ``total``, or that none does. Its inputs are the refusal's own (the ledger, the plan's steps and sample
+    rate, which the run's plan line prints): nothing of the table beyond them. The search is over sigma, the one
+    thing a run's privacy.epsilon sets once its plan is fixed (fewer epochs are calibrated to the same epsilon,
+    which barely changes what the run composes to: docs/settings.md, Privacy)."""
+    from tpflower.privacy.accounting import LARGEST_SIGMA, smallest_epsilon  # noqa: PLC0415
+
+    history = merged(history)
+    left = max(total - rdp_epsilon(history, owner_delta), 0.0)
+
+    def fits(sigma: float) -> bool:
+        with warnings.catch_warnings():  # a small sigma probed: its best RDP order is the smallest
+            warnings.filterwarnings("ignore", message="Optimal order is the smallest alpha")
+            return rdp_epsilon(merged([*history, [sigma, q, float(steps)]]), owner_delta) <= total
+
+    head = f"epsilon {left:.3g} is left"
+    if steps < 1 or not fits(LARGEST_SIGMA):
+        return f"{head}, which no noise makes this plan's {steps:,} DP steps at sample rate {q:.3g} fit"
+    lo, hi = 1e-2, LARGEST_SIGMA  # fits(hi); find the least sigma that fits, in log scale to 0.1%
+    if fits(lo):
+        hi = lo
+    while hi / lo > 1.001:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    run_epsilon = rdp_epsilon([[hi, q, float(steps)]], run_delta)
+    shown = float(f"{run_epsilon * 0.999:.3g}")  # rounded down: Opacus calibrates within 0.01 below it
+    if shown <= smallest_epsilon(run_delta):
+        return f"{head}, below what any privacy.epsilon of this plan ({steps:,} DP steps at sample rate {q:.3g}) spends"
+    return f"{head}: this plan ({steps:,} DP steps at sample rate {q:.3g}) fits at privacy.epsilon={shown:g} or less"
 
 
 def check_feature_room(
