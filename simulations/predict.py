@@ -76,7 +76,7 @@ def predict_run(
     if not rows_path.is_file():
         raise ValueError(f"rows file {rows}: no such file")
     cfg = OmegaConf.create(record["config"])
-    base = str(base_dir) if base_dir is not None else os.getcwd()
+    base = str(base_dir) if base_dir is not None else recorded_base_dir(record)
     spec = load_spec(cfg.dataset, base_dir=base)
     table = table or spec.label_table
     if table not in spec.table_names:
@@ -126,6 +126,14 @@ def predict_run(
         _, labels = load_table(cfg.dataset, spec.label_table, base_dir=base)
         strategy.results.classes = encode_labels(spec, labels[spec.label.column])[1]
     return strategy.results
+
+
+def recorded_base_dir(record: dict) -> str:
+    """Where a prediction's relative table sources start when none is given: the folder the training run's
+    started at (model.json's ``base_dir``, a simulation's), while it is a folder here; else the working
+    directory."""
+    recorded = record.get("base_dir")
+    return str(recorded) if isinstance(recorded, str) and Path(recorded).is_dir() else os.getcwd()
 
 
 def check_rows_first(
@@ -232,7 +240,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m simulations.p
         help="a line per joined row (with the partner tables' rows), not one per new row (the mean over its joined rows)",
     )
     parser.add_argument("--runtime", choices=("inprocess", "flower"), default="inprocess")
-    parser.add_argument("--base-dir", help="where relative dataset paths start (default: the current directory)")
+    parser.add_argument(
+        "--base-dir",
+        help="where relative dataset paths start (default: the training run's, in its model.json; else the current "
+        "directory)",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out) if args.out else Path(args.run_dir) / PREDICTIONS_FILE

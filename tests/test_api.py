@@ -496,8 +496,9 @@ def test_a_frames_text_columns_reach_the_node_without_a_pandas_warning(tmp_path)
 
 
 def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq_rows(tmp_path, monkeypatch):
-    """fit(base_dir=...) with relative sources: its Model predicts from any working directory (the fit's base_dir
-    kept), and a .pq rows file is read as Parquet (as a table's source may be)."""
+    """fit(base_dir=...) with relative sources: its Model, the same run loaded, and the command line predict from
+    any working directory (the fit's base_dir kept, and recorded in model.json), and a .pq rows file is read as
+    Parquet (as a table's source may be)."""
     from tests.test_checks import shop
 
     data = tmp_path / "data"
@@ -514,8 +515,18 @@ def test_a_fit_models_predict_reads_relative_paths_from_the_fits_base_dir_and_pq
     pred = model.predict(tmp_path / "rows.pq", verbose=False)
     assert pred["joined_rows"].tolist() == [1] * 5 and pred["prediction"].notna().all()
     assert tpflower.load(model.run_dir, base_dir=tmp_path).predict(rows, verbose=False).equals(pred)
-    with pytest.raises(tpflower.TpflowerError) as info:  # loaded elsewhere without base_dir: the error says it
-        tpflower.load(model.run_dir).predict(rows, verbose=False)
+    # loaded elsewhere without base_dir, or the command line without --base-dir: the fit's, in its model.json
+    # (were "... no such file" unless --base-dir was given again)
+    assert json.loads((model.run_dir / "model.json").read_text())["base_dir"] == str(tmp_path)
+    assert tpflower.load(model.run_dir).predict(rows, verbose=False).equals(pred)
+    from simulations.predict import main as predict_main
+
+    assert (
+        predict_main([str(model.run_dir), "--rows", str(tmp_path / "rows.pq"), "--out", str(tmp_path / "p.csv")]) == 0
+    )
+    assert pd.read_csv(tmp_path / "p.csv")["prediction"].tolist() == pytest.approx(pred["prediction"].tolist())
+    with pytest.raises(tpflower.TpflowerError) as info:  # an explicit base_dir wins: the error names it
+        tpflower.load(model.run_dir, base_dir=data).predict(rows, verbose=False)
     said = str(info.value)
     assert (
         f"(relative paths start at base_dir {str(data)!r}; `tpflower predict --base-dir DIR`, or from Python " in said
