@@ -155,7 +155,9 @@ def settings_problem(client_config: str, table: str, shard: int = 0) -> str | No
             f"table {table!r}: source file {owner.source} has no column(s) {missing}, which {client_config} "
             f"names; its columns are {list(frame.columns)}"
         )
-    if problems := errors(owner_table_problems(table, owner, frame)):
+    if problems := errors(
+        owner_table_problems(table, owner, frame, f"the columns: of its settings file {client_config}")
+    ):
         return f"source file {owner.source}: {DataProblems(problems).one_line(values=True)}"
     return None
 
@@ -173,11 +175,12 @@ def shard_problem(shards: Any, shard: int) -> str | None:
     return None
 
 
-def owner_table_problems(table: str, owner: Any, frame: Any) -> list:
+def owner_table_problems(table: str, owner: Any, frame: Any, declared: str | None = None) -> list:
     """The problems of the owner's table that its settings alone show (tpflower.checks.table_problems, as a
     run's first message would find them: text in a numeric column, no rows, a column both numeric and
     categorical; the label's only when its owner states its task), with a one-table spec built from the
-    columns it exposes."""
+    columns it exposes. ``declared``: where its hints send the owner to declare a column (its settings file's
+    ``columns:``, what a node's owner edits, not a dataset config)."""
     from tpflower.checks import table_problems  # noqa: PLC0415
     from tpflower.schema import LabelSpec, RelationalSpec, TableSpec  # noqa: PLC0415
 
@@ -190,7 +193,7 @@ def owner_table_problems(table: str, owner: Any, frame: Any) -> list:
         else LabelSpec(e.label or "", None, "regression"),
         joins=(),  # its join keys: a run checks those it joins on (a key column no run joins may miss values)
     )
-    return table_problems(spec, table, frame)
+    return table_problems(spec, table, frame, declared)
 
 
 def certificate_problem(path: str) -> str | None:

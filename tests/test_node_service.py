@@ -437,11 +437,17 @@ SETTINGS = (
             "billing.csv: 1 problem in the data: table 'billing', numeric feature 'monthly_charges': "
             "1 non-numeric value, first at row 0 (line 2 of ",
         ),
+        (
+            SETTINGS,
+            BILLING.replace("19.5", "n.a.!"),
+            "or declare it categorical in the columns: of its settings file OWNER",
+        ),
         (SETTINGS, BILLING.splitlines()[0] + "\n", "table 'billing' has no rows; fill the table"),
         (
             SETTINGS.replace("[plan]", "[plan, monthly_charges]"),
             BILLING,
-            "table 'billing', column 'monthly_charges': is declared both numeric and categorical",
+            "table 'billing', column 'monthly_charges': is declared both numeric and categorical; list it under one of "
+            "the two in the columns: of its settings file OWNER",  # was: 'in the dataset config', which a node has not
         ),
         (SETTINGS + "algorithms: [pcg, admn]\n", BILLING, "algorithms names ['admn'], which no installed algorithm"),
         (  # the results.json name of an algorithm is not its family: the cap would bound nothing
@@ -463,6 +469,7 @@ SETTINGS = (
         "privacy-typo-key",
         "privacy-bad-bound",
         "text-in-a-numeric-column",
+        "text-in-a-numeric-column-hint",
         "no-rows",
         "numeric-and-categorical",
         "unknown-algorithm",
@@ -481,7 +488,8 @@ def test_a_node_checks_its_settings_and_data_before_it_starts(tmp_path, monkeypa
     assert main(["--client-config", str(tmp_path / "owner.yaml"), "--superlink", "127.0.0.1:1", "--insecure"]) == 1
     out, err = capsys.readouterr()
     assert "serving" not in out and len(err.strip().splitlines()) == 1
-    assert err.startswith("error: node table 'billing' shard 0: ") and says in err
+    says = says.replace("OWNER", str(tmp_path / "owner.yaml"))
+    assert err.startswith("error: node table 'billing' shard 0: ") and says in err, err
     (tmp_path / "billing.csv").write_text(BILLING)
     (tmp_path / "owner.yaml").write_text(SETTINGS)
     assert settings_problem(str(tmp_path / "owner.yaml"), "billing") is None

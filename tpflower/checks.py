@@ -208,8 +208,19 @@ def _missing(
     )
 
 
-def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list[Problem]:
-    """Every problem of table ``name`` that its owner can see alone (its frame and the run's spec)."""
+def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame, declared: str | None = None) -> list[Problem]:
+    """Every problem of table ``name`` that its owner can see alone (its frame and the run's spec).
+    ``declared``: where the hints send the user to declare a column (default the dataset config; a deployed
+    node's start: ``columns:`` of its owner's settings file, what the owner edits)."""
+    where = declared or "the dataset config"
+
+    def declare(fix: str) -> str:
+        return (
+            fix
+            if declared is None
+            else fix.replace("declare the column categorical", f"declare it categorical in {where}")
+        )
+
     t = spec.table(name)
     src = SourceRows.of(t.source, frame)  # a filtered table's rows named by their file rows too
     out: list[Problem] = []
@@ -241,7 +252,7 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
             Problem(
                 name,
                 "is declared both numeric and categorical",
-                "list it under one of the two in the dataset config",
+                f"list it under one of the two in {where}",
                 column=col,
             )
         )
@@ -259,7 +270,7 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
             Problem(
                 name,
                 f"has no column {col!r}",
-                "fix the column name in the dataset config or in the file's header",
+                f"fix the column name in {where} or in the file's header",
                 example=f"its columns are {list(frame.columns)}",
             )
         )
@@ -278,17 +289,23 @@ def table_problems(spec: RelationalSpec, name: str, frame: pd.DataFrame) -> list
                     s,
                     src,
                     "dates or times written as text, not numbers" if dates else "non-numeric values",
-                    DATE_FIX
-                    if dates
-                    else "make every value a number (leave it empty if unknown: a missing value, which "
-                    "boosted trees bin apart and the other models fill with the median), or declare the column "
-                    "categorical",
+                    declare(
+                        DATE_FIX
+                        if dates
+                        else "make every value a number (leave it empty if unknown: a missing value, which "
+                        "boosted trees bin apart and the other models fill with the median), or declare the column "
+                        "categorical"
+                    ),
                 )
             )
         elif pd.api.types.is_datetime64_any_dtype(s) or pd.api.types.is_timedelta64_dtype(s):
             out.append(
                 Problem(
-                    name, f"dates or times, not numbers (dtype {s.dtype})", DATE_FIX, column=col, role="numeric feature"
+                    name,
+                    f"dates or times, not numbers (dtype {s.dtype})",
+                    declare(DATE_FIX),
+                    column=col,
+                    role="numeric feature",
                 )
             )
         elif len(s) and not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
