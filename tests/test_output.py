@@ -399,3 +399,24 @@ def test_below_the_constant_predictor_under_label_dp_names_label_dp_not_model_be
         "; the label DP noise (privacy.label_epsilon=0.05) outweighs what the labels teach: a larger "
         "privacy.label_epsilon, or a tighter label range (its noise grows with it)"
     ), warning
+
+
+def test_trees_diverging_at_a_learning_rate_above_1_name_the_learning_rate_not_lambda_l2(tmp_path):
+    """Squared error's leaves multiply the residuals by 1 - learning_rate at every tree, so at learning_rate 5
+    the scores swing wider whatever lambda_l2 is (synthetic, 20 trees: test RMSE 1.4e12; 1.3e12 at lambda_l2 1,
+    8.6e10 at 100). Both warnings said 'algorithm.lambda_l2=1 bounds them', also to a run that had it; they
+    name the learning rate."""
+    lines: list[str] = []
+    cfg = make_cfg(
+        "algorithm=gbdt",
+        "dataset=synthetic",
+        "algorithm.trees=20",
+        "algorithm.learning_rate=5",
+        "algorithm.lambda_l2=1",
+    )
+    run_in_process(cfg, tmp_path / "run", tmp_path, log=lines.append)
+    (diverge,) = [line for line in lines if "leaf values diverge" in line]
+    (below,) = [line for line in lines if line.startswith("warning: the model ends worse")]
+    for line in (diverge, below):
+        assert "algorithm.learning_rate=0.1" in line and "lambda_l2" not in line, line
+    assert "algorithm.learning_rate=5 scales every leaf's Newton step" in diverge, diverge
