@@ -334,15 +334,23 @@ def constant_reference(runs: Sequence[dict[str, Any]]) -> float | None:
     return None
 
 
-def converged_ylim(curves: Sequence[Sequence[float]], refs: Sequence[float]) -> tuple[float, float] | None:
+def converged_ylim(
+    curves: Sequence[Sequence[float]], refs: Sequence[float], lower_better: bool | None = None
+) -> tuple[float, float] | None:
     """y limits that show where the runs end up: every point after each curve's first quarter (at least its
     first point dropped when it has 3 or more: the first epoch's spike), and the reference lines that fall
-    near that range (a far-off constant predictor would flatten every curve)."""
+    near that range (a far-off constant predictor would flatten every curve). With ``lower_better`` (the
+    metric's direction) a dropped point no worse than the rest of its curve is no spike and stays in view:
+    boosted trees whose first evaluation was their best (accuracy 0.8498, then 0.8464 twice) had it cut off
+    the axis."""
     kept: list[float] = []
     for values in curves:
         finite = [v for v in values if math.isfinite(v)]
         skip = max(1, len(finite) // 4) if len(finite) >= 3 else 0
         kept += finite[skip:]
+        if skip and lower_better is not None:
+            worst = max(finite[skip:]) if lower_better else min(finite[skip:])
+            kept += [v for v in finite[:skip] if (v <= worst if lower_better else v >= worst)]
     if not kept:
         kept = [r for r in refs if math.isfinite(r)]
     if not kept:
@@ -406,6 +414,30 @@ def epoch_xlim(epochs: Sequence[float]) -> tuple[float, float] | None:
     return min(epochs) - 0.5, max(epochs) + 0.5
 
 
+def kept_point(run: dict[str, Any], comm: bool) -> tuple[float, float, float] | None:
+    """A run that kept an earlier evaluation's model (model selection): its history ends with that record
+    again, marked ``kept``. Its (x, metric, epoch) where the curve has it (x: its epoch, or the modelled
+    communication time when it was evaluated); None for a run that kept its last evaluation. Drawn as part of
+    the curve, it went from the last epoch back to the kept one (boosted trees stopped at 50: a line from 50
+    back to 30)."""
+    hist = run["history"]
+    if not hist or not hist[-1].get("kept") or hist[-1]["test_metric"] is None:
+        return None
+    epoch = hist[-1]["epoch"]
+    at = next((h for h in hist[:-1] if h["epoch"] == epoch and not h.get("kept")), hist[-1])
+    x = (at.get("comm_time_s") or 0.0) if comm else epoch
+    return float(x), float(hist[-1]["test_metric"]), float(epoch)
+
+
+def epoch_label(runs: Sequence[dict[str, Any]]) -> str:
+    """The x axis of the epoch figure: boosted trees record their number of trees as the epoch (results.json's
+    ``trees``), so a panel of boosted trees alone says "trees"; one with other runs says both."""
+    trees = [bool(r["history"]) and "trees" in r["history"][0] for r in runs]
+    if trees and all(trees):
+        return "trees"
+    return "epoch (boosted trees: trees)" if any(trees) else "epoch"
+
+
 def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = None) -> list[Path]:
     """Write OUT_PREFIX_epoch.png and OUT_PREFIX_comm.png; return their paths.
 
@@ -435,10 +467,13 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
         positive = [t for t in times if t > 0]
         log_x = comm and bool(positive) and max(positive) / min(positive) > LOG_SPAN
         curves, epochs = [], []
+        marked = 0
         for k, i in enumerate(drawn):
             run = runs[i]
-            xs = [(h.get("comm_time_s") or 0.0) if comm else h["epoch"] for h in run["history"]]
-            pts = [(x, v) for x, v in zip(xs, _metric_values(run)) if not (log_x and x <= 0)]
+            evaluated = [h for h in run["history"] if not h.get("kept")]  # the kept model's repeat: a marker
+            xs = [(h.get("comm_time_s") or 0.0) if comm else h["epoch"] for h in evaluated]
+            values = _metric_values({"history": evaluated})
+            pts = [(x, v) for x, v in zip(xs, values) if not (log_x and x <= 0)]
             curves.append([v for _, v in pts])
             epochs += [x for x, _ in pts]
             ax.plot(
@@ -448,6 +483,19 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
                 color=colors[labels[i]],
                 **_style(k, len(pts)),
             )
+            if (point := kept_point(run, comm)) is not None and not (log_x and point[0] <= 0):
+                what = "trees" if "trees" in run["history"][-1] else "epoch"
+                ax.plot(
+                    point[0],
+                    point[1],
+                    linestyle="none",
+                    marker="*",
+                    markersize=13,
+                    color=colors[labels[i]],
+                    markeredgecolor="black",
+                    label=f"{labels[i]}: kept model ({what} {point[2]:g}, lowest validation loss)",
+                )
+                marked += 1
         for k, i in enumerate(flat, start=len(drawn)):
             ax.axhline(
                 _metric_values(runs[i])[-1],
@@ -459,8 +507,8 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
             curves.append([_metric_values(runs[i])[-1]])
         constant = constant_reference([runs[i] for i in idx])
         refs = [_metric_values(r)[-1] for r in exact] + ([constant] if constant is not None else [])
-        ylim = converged_ylim(curves, refs)
-        n = len(drawn) + len(flat) + _reference_lines(ax, exact, constant, metric, ylim)
+        ylim = converged_ylim(curves, refs, lower_is_better(metric))
+        n = len(drawn) + len(flat) + marked + _reference_lines(ax, exact, constant, metric, ylim)
         if ylim is not None:
             ax.set_ylim(*ylim)
         ax.set_title(d)
@@ -474,7 +522,7 @@ def plot_runs(runs: Sequence[Any], out_prefix: str | Path, title: str | None = N
                 ax.set_xlim(0, 1)
             ax.set_xlabel("modelled communication time (s)")
         else:
-            ax.set_xlabel("epoch")
+            ax.set_xlabel(epoch_label([runs[i] for i in drawn]))
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if (span := epoch_xlim(epochs)) is not None:
                 ax.set_xlim(*span)

@@ -230,3 +230,53 @@ def test_one_shot_runs_get_an_epoch_axis_with_their_epoch_on_it():
     0.5 to 1.5 now (its one integer tick, 1). Runs over several epochs keep matplotlib's range."""
     assert reproduce.epoch_xlim([1, 1]) == (0.5, 1.5)
     assert reproduce.epoch_xlim([1, 2, 3]) is None and reproduce.epoch_xlim([]) is None
+
+
+def gbdt_run(values: list[float], kept: int | None = None) -> dict:
+    """Boosted trees' record: an evaluation every 10 trees (results.json's ``trees``), and with ``kept`` the
+    kept evaluation's record again at the end (early stopping's model selection)."""
+    record = fake_run("tp_join_admm", "nycflights13_delayed", epochs=len(values)).to_json()
+    record["algorithm"] = "gbdt"
+    for i, (h, v) in enumerate(zip(record["history"], values)):
+        h.update(epoch=10 * (i + 1), trees=10.0 * (i + 1), test_metric=v)
+    if kept is not None:
+        again = dict(next(h for h in record["history"] if h["epoch"] == kept))
+        again.update(kept=1.0, comm_time_s=record["history"][-1]["comm_time_s"])
+        record["history"].append(again)
+    return record
+
+
+def test_boosted_trees_plot_their_trees_and_mark_the_kept_model_without_a_line_back(tmp_path, monkeypatch):
+    """A gbdt run stopped early at 50 trees keeping 30: its history ends with the 30 trees' record again, which
+    the curve drew as a line from 50 back to 30 (a triangle), under an x axis saying "epoch" for trees. The
+    curve ends at 50, the kept model is a marker at 30 (on the time axis: where 30 trees were evaluated) named
+    in the legend, and the axis says trees ("epoch (boosted trees: trees)" beside runs of epochs)."""
+    axes = []
+    monkeypatch.setattr(reproduce, "_legend", lambda ax, n: axes.append(ax))
+    run = gbdt_run([0.9642, 0.9693, 0.9694, 0.9693, 0.9573], kept=30)
+    reproduce.plot_runs([run], tmp_path / "fig")
+    by_epoch, by_time = axes
+    curve, star = by_epoch.lines[:2]
+    assert list(curve.get_xdata()) == [10, 20, 30, 40, 50]
+    assert list(star.get_xdata()) == [30] and list(star.get_ydata()) == [0.9694]
+    assert "kept model (trees 30" in star.get_label()
+    assert list(by_time.lines[1].get_xdata()) == [run["history"][2]["comm_time_s"]]
+    assert by_epoch.get_xlabel() == "trees" and by_time.get_xlabel() == "modelled communication time (s)"
+    other = fake_run("tp_join_admm", "nycflights13_delayed").to_json()
+    assert reproduce.epoch_label([run, other]) == "epoch (boosted trees: trees)"
+    assert reproduce.epoch_label([other]) == "epoch"
+    assert reproduce.kept_point(other, comm=False) is None
+
+
+def test_a_first_evaluation_better_than_the_rest_stays_on_the_axis():
+    """The first point is left out of the y range as the first epoch's spike; a gbdt run whose first
+    evaluation was its best (accuracy 0.8498, then 0.8464 twice) had it cut off the top of the axis. A first
+    point no worse than the rest stays in view; a spike (worse) is still left out."""
+    lo, hi = reproduce.converged_ylim([[0.8498, 0.84642, 0.84646]], [], lower_better=False)
+    assert lo < 0.8464 and hi > 0.8498
+    lo, hi = reproduce.converged_ylim([[0.60, 0.84642, 0.84646]], [], lower_better=False)
+    assert lo > 0.84  # a spike below the rest: out
+    lo, hi = reproduce.converged_ylim([[5.0, 1.0, 0.96, 0.95]], [], lower_better=True)
+    assert hi < 1.1
+    lo, hi = reproduce.converged_ylim([[0.90, 0.95, 0.96, 0.97]], [], lower_better=True)
+    assert lo < 0.90
