@@ -235,7 +235,7 @@ def summary_rows(runs: Sequence[Any]) -> list[dict[str, Any]]:
                 "dataset": run["dataset"],
                 "model": run.get("model"),
                 "metric": run["metric"],
-                "epochs": last.get("epoch"),
+                "epochs": run_length(hist),
                 "final": values[-1] if values else None,
                 "best": best_metric(run),
                 "rounds": last.get("rounds"),
@@ -248,6 +248,20 @@ def summary_rows(runs: Sequence[Any]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def run_length(hist: Sequence[dict[str, Any]]) -> Any:
+    """The table's ``epochs`` cell: the last evaluated epoch, for boosted trees their number ("50 trees"), and
+    the kept model's when the run kept an earlier one ("50 trees, kept 30"); it showed the kept record's epoch
+    alone (30), as if the run had stopped there."""
+    if not hist:
+        return None
+    evaluated = [h for h in hist if not h.get("kept")] or list(hist)
+    last = evaluated[-1]["epoch"]
+    if "trees" not in hist[-1] and not hist[-1].get("kept"):
+        return last
+    text = f"{last:g} trees" if "trees" in hist[-1] else f"{last:g}"
+    return text + (f", kept {hist[-1]['epoch']:g}" if hist[-1].get("kept") else "")
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -267,7 +281,7 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str | None = None):
         ("dataset", "dataset", "left"),
         ("model", "model", "left"),
         ("config", "variant", "left"),
-        ("epochs", "epochs", "right"),
+        ("epochs / trees", "epochs", "right"),
         ("final test", "final", "right"),
         ("best test", "best", "right"),
         ("rounds", "rounds", "right"),

@@ -266,6 +266,10 @@ def test_boosted_trees_plot_their_trees_and_mark_the_kept_model_without_a_line_b
     assert reproduce.epoch_label([run, other]) == "epoch (boosted trees: trees)"
     assert reproduce.epoch_label([other]) == "epoch"
     assert reproduce.kept_point(other, comm=False) is None
+    (row,) = reproduce.summary_rows([run])  # the table said epochs 30, the kept record's, for 50 trees
+    assert row["epochs"] == "50 trees, kept 30" and row["final"] == 0.9694
+    assert reproduce.summary_rows([gbdt_run([0.96, 0.97])])[0]["epochs"] == "20 trees"
+    assert reproduce.summary_rows([other])[0]["epochs"] == 6
 
 
 def test_a_first_evaluation_better_than_the_rest_stays_on_the_axis():
