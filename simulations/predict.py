@@ -41,7 +41,13 @@ from tpflower.datasets.files import is_parquet, read_rows_file
 from tpflower.local_table import encode_labels
 from tpflower.model_part import ModelPart
 from tpflower.owner import simulation_secret
-from tpflower.phases.predict import missing_category_line, read_rows, saved_part, unseen_category_line
+from tpflower.phases.predict import (
+    median_filled_line,
+    missing_category_line,
+    read_rows,
+    saved_part,
+    unseen_category_line,
+)
 from tpflower.preprocess import missing_categories, unseen_categories
 from tpflower.schema import RelationalSpec, SpecError
 from tpflower.sql import row_mask
@@ -95,13 +101,17 @@ def predict_run(
             f"{rows_name or f'rows file {rows}'}: column {c!r} holds {n} value(s) like {value!r} (the first in row "
             f"{row}), read as missing: the median fills them (dataset.na_strings: error refuses them)"
         )
-    unknown, missing = (
-        ({}, {}) if frame is None else unseen(frame, table, run_dir, record["run_id"], shard, simulation_secret(cfg))
+    unknown, missing, filled = (
+        ({}, {}, {})
+        if frame is None
+        else unseen(frame, table, run_dir, record["run_id"], shard, simulation_secret(cfg))
     )
     for c, seen in unknown.items():
         log(unseen_category_line(rows_name or f"rows file {rows}", c, *seen))
     for c, (n, row) in missing.items():
         log(missing_category_line(rows_name or f"rows file {rows}", c, n, row))
+    for c, (n, row, median) in filled.items():
+        log(median_filled_line(rows_name or f"rows file {rows}", c, n, row, median))
     outside = 0 if frame is None else outside_where(frame, spec, table)
     del frame
     if outside:
@@ -161,16 +171,17 @@ def read_rows_once(path: Path, spec: RelationalSpec, table: str) -> pd.DataFrame
 
 def unseen(
     frame: pd.DataFrame, table: str, run_dir: Path, run_id: str, shard: int, secret: bytes
-) -> tuple[dict[str, tuple[int, int, str]], dict[str, tuple[int, int]]]:
+) -> tuple[dict[str, tuple[int, int, str]], dict[str, tuple[int, int]], dict[str, tuple[int, int, float]]]:
     """The categorical columns of the rows ``frame`` holding categories no training row had (tpflower.preprocess.
     unseen_categories; over a union, no shard's: the part names the other shards' categories by the digests of
-    the rows' values, ``secret``), and those missing a value no training row missed
-    (missing_categories): a simulation's saved part, RUN_DIR/node-state (none: no part there)."""
+    the rows' values, ``secret``), those missing a value no training row missed (missing_categories), and
+    boosted trees' numeric columns missing a value no training row missed, scored as their median
+    (ModelPart.median_filled): a simulation's saved part, RUN_DIR/node-state (none: no part there)."""
     part = ModelPart.load(run_dir / "node-state", run_id, table, shard)
     if part is None:
-        return {}, {}
+        return {}, {}, {}
     categories = part.naming(frame, secret).preprocessing.get("categories") or {}
-    return unseen_categories(categories, frame), missing_categories(categories, frame)
+    return unseen_categories(categories, frame), missing_categories(categories, frame), part.median_filled(frame)
 
 
 def outside_where(frame: pd.DataFrame, spec: RelationalSpec, table: str) -> int:

@@ -968,3 +968,57 @@ def test_the_docs_name_the_unjoined_rows_file_as_it_is_written():
     for page in ("prediction.md", "python-api.md"):
         text = (docs / page).read_text()
         assert "`pred_new.unjoined.csv`" in text and "OUT.unjoined.csv" not in text, page
+
+
+def test_boosted_trees_say_a_missing_value_no_training_row_missed_is_scored_as_its_median(tmp_path, caplog):
+    """Boosted trees route a missing value by their splits only in a column training had missing values in; in
+    one without (orders' qty), a new row's missing value is scored as the column's training median. That was
+    silent where a missing category of such a column is said; it is one line (rows, column, first row, the
+    median), by the simulation's driver and by a deployed owner's node in its log. A column training had
+    missing values in (price) and models other than the trees (which fill every missing value as in training)
+    say nothing."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from tests.test_checks import shop
+    from tpflower.owner import simulation_secret
+    from tpflower.phases.predict import read_rows
+
+    rng = np.random.default_rng(0)
+    orders = pd.DataFrame({"cust": rng.integers(0, 50, 400), "qty": rng.integers(1, 9, 400).astype(float)})
+    orders["price"] = rng.normal(5, 1, 400)
+    orders.loc[::9, "price"] = np.nan
+    orders["spend"] = 2.0 * orders["qty"] + rng.normal(0, 0.1, 400)
+    dataset = shop(tmp_path, orders)
+    dataset["tables"]["orders"]["numeric"] = ["qty", "price"]
+    new = orders.drop(columns=["spend"]).iloc[:5].copy()
+    new.loc[[1, 3], "qty"] = np.nan
+    new.loc[[0], "price"] = np.nan
+    new.to_csv(tmp_path / "new.csv", index=False)
+    where = f"rows file {tmp_path / 'new.csv'}"
+    median = float(np.median(orders["qty"]))  # every row's: the run trains on most of them
+    for algorithm, setting, says in (("gbdt", "algorithm.trees=5", True), ("admm", "epochs=1", False)):
+        run = tmp_path / algorithm
+        cfg = make_cfg(f"algorithm={algorithm}", setting, dataset=dataset)
+        strategy = run_in_process(cfg, run, **QUIET).strategy
+        lines: list[str] = []
+        pred = predict_run(run, tmp_path / "new.csv", log=lines.append).frame()
+        assert pred["prediction"].notna().all()
+        said = [line for line in lines if "which no training row missed" in line]
+        if not says:
+            assert not said, lines
+            continue
+        (line,) = said
+        assert line.startswith(
+            f"{where}: 2 row(s) miss a value of column 'qty', which no training row missed (the first in row 1): "
+            "scored as its training median, "
+        ), line
+        assert abs(float(line.rsplit(", ", 1)[1]) - median) <= 1.0, line
+        part = ModelPart.load(run / "node-state", strategy.run_id, "orders", 0)
+        owner = SimpleNamespace(origin="deployed", prediction_rows_name=None, loader=None)
+        secret = simulation_secret(OmegaConf.to_container(strategy.cfg, resolve=True))
+        settings = SimpleNamespace(spec=strategy.spec, table="orders", owner=owner, key_kinds={}, secret=secret)
+        with caplog.at_level(logging.WARNING, logger="tpflower"):
+            read_rows(str(tmp_path / "new.csv"), SimpleNamespace(settings=settings), part)
+        assert line in caplog.text, caplog.text

@@ -180,6 +180,23 @@ class ModelPart:
         named = name_placeholders(categories, frame, secret)
         return replace(self, preprocessing={**self.preprocessing, "categories": named})
 
+    def median_filled(self, frame: pd.DataFrame) -> dict[str, tuple[int, int, float]]:
+        """Boosted trees: per numeric column of ``frame`` no training row missed (no bin of missing values,
+        ``missing_bins``), the rows missing it: (count, first row, the training median that scores them, as
+        :meth:`features` fills it). Empty for other models (they fill every missing value with the median, as in
+        training) and for a column training had missing values in (its trees route them)."""
+        if self.missing_bins is None:
+            return {}
+        medians = self.preprocessing.get("medians") or {}
+        out = {}
+        for c, has_bin in zip(self.numeric, self.missing_bins[: len(self.numeric)].tolist()):
+            if has_bin or c not in frame.columns:
+                continue
+            missing = frame[c].isna().to_numpy(dtype=bool)
+            if missing.any():
+                out[c] = (int(missing.sum()), int(np.flatnonzero(missing)[0]), float(medians.get(c, np.nan)))
+        return out
+
     def features(self, frame: pd.DataFrame) -> np.ndarray:
         """The preprocessed features of ``frame``'s rows with the fitted preprocessing of training (the same
         transform as training's, row by row), in the run's precision."""

@@ -252,6 +252,8 @@ def read_rows(path: str, client: TableClient, part: ModelPart) -> pd.DataFrame:
             logging.getLogger("tpflower").warning("%s", unseen_category_line(where, c, *seen))
         for c, (n, row) in missing_categories(named, frame).items():
             logging.getLogger("tpflower").warning("%s", missing_category_line(where, c, n, row))
+        for c, (n, row, median) in part.median_filled(frame).items():
+            logging.getLogger("tpflower").warning("%s", median_filled_line(where, c, n, row, median))
     for c in keys:
         trained = s.key_kinds.get(c)
         as_text = key_kind(frame[c].dtype) == "string"  # a CSV file holds dates as text
@@ -305,6 +307,16 @@ def missing_category_line(where: str, column: str, n: int, row: int) -> str:
     return (
         f"{where}: {n} row(s) miss a value of column {column!r}, which no training row missed (the first in row "
         f"{row}): scored as a category the model never saw"
+    )
+
+
+def median_filled_line(where: str, column: str, n: int, row: int, median: float) -> str:
+    """The notice of ``n`` rows missing a value of numeric ``column`` that no training row of boosted trees
+    missed (ModelPart.median_filled: the first in ``row``): no split learnt where such a value goes, so it is
+    scored as the column's training ``median`` (docs/algorithms.md, Missing values)."""
+    return (
+        f"{where}: {n} row(s) miss a value of column {column!r}, which no training row missed (the first in row "
+        f"{row}): scored as its training median, {median:.6g}"
     )
 
 
