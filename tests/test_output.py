@@ -420,3 +420,19 @@ def test_trees_diverging_at_a_learning_rate_above_1_name_the_learning_rate_not_l
     for line in (diverge, below):
         assert "algorithm.learning_rate=0.1" in line and "lambda_l2" not in line, line
     assert "algorithm.learning_rate=5 scales every leaf's Newton step" in diverge, diverge
+
+
+def test_the_setting_named_for_diverging_trees_is_never_the_one_the_run_has():
+    """At a learning_rate of at most 1 the leaves are bounded by lambda_l2: 1 where the run has less, ten times
+    the run's where it has 1 or more (it was told 'algorithm.lambda_l2=1' whatever it had)."""
+    from types import SimpleNamespace
+
+    from strategies.base import LoJStrategy
+
+    def fix(learning_rate: float, lambda_l2: float) -> str:
+        run = SimpleNamespace(params=SimpleNamespace(learning_rate=learning_rate, lambda_l2=lambda_l2))
+        return LoJStrategy.trees_divergence_fix.fget(run)
+
+    assert fix(0.1, 0.0) == "algorithm.lambda_l2=1 bounds them"
+    assert fix(0.1, 1.0) == "algorithm.lambda_l2=10 bounds them more tightly"
+    assert fix(1.5, 0.0).startswith("algorithm.learning_rate=0.1")
