@@ -724,11 +724,15 @@ def flwr_run_command(
     app_dir: str | Path = APP_DIR,
     federation_config: str | None = None,
     stream: bool = True,
+    base_dir: str | Path | None = None,
 ) -> list[str]:
-    """The `flwr run` command line for a job (connection None = the default one, `local`)."""
+    """The `flwr run` command line for a job (connection None = the default one, `local`); ``base_dir``: where
+    the run's relative table sources start."""
     run_config = [f"overrides={json.dumps(overrides)}"]
     if run_dir is not None:
         run_config.append(f"run-dir={json.dumps(str(run_dir))}")
+    if base_dir is not None:
+        run_config.append(f"base-dir={json.dumps(str(base_dir))}")
     cmd = ["flwr", "run", str(app_dir)] + ([connection] if connection else []) + ["--run-config", " ".join(run_config)]
     if federation_config:
         cmd += ["--federation-config", federation_config]
@@ -742,6 +746,23 @@ def started_run_command(dep: Deployment, job: str, run_dir: str | Path) -> str:
     cmd = flwr_run_command(dep.connection, job, Path(run_dir).resolve())
     cmd[0] = str(Path(sys.executable).parent / "flwr")
     return shlex.join([f"FLWR_HOME={dep.flwr_home}", *cmd])
+
+
+def simulation_run_command(overrides: str, n_clients: int, run_dir: str | Path) -> str:
+    """The shell line `clients` prints: `flwr run` of the job on Flower's simulation runtime (the default
+    connection, one SuperNode per table shard), from any folder as it is (the venv's bin first on PATH: `flwr`
+    starts the local `flower-superlink` from it; no installation of the app's dependencies, which the venv
+    holds: docs/deployment.md, `flwr run .`; the app's folder, the run dir and the working directory for
+    relative sources absolute, every word quoted for the shell)."""
+    cmd = flwr_run_command(
+        None,
+        overrides,
+        Path(run_dir).resolve(),
+        federation_config=f"num-supernodes={n_clients} client-resources-num-cpus=1",
+        base_dir=Path.cwd(),
+    )
+    env = f'FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"'
+    return f"{env} {shlex.join(cmd)}"
 
 
 class RunFailed(RuntimeError):
@@ -1065,6 +1086,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
             help="a folder with dataset/NAME.yaml (your own tables), as simulations.run's --config-dir",
         )
     p_run.add_argument("--run-dir", required=True, help="directory for results.json")
+    p_clients.add_argument(
+        "--run-dir", default=None, help="the run dir of the `flwr run` command it prints (default: outputs/flwr/run)"
+    )
     p_start.add_argument(
         "--run-dir", default=None, help="the run dir of the `flwr run` command it prints (default: STATE_DIR/run)"
     )
@@ -1162,10 +1186,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m simulations.deplo
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print(" ".join(t for t, _ in clients))
-        print(
-            f"flwr run . --stream --run-config \"overrides='{args.overrides}' base-dir='{Path.cwd()}'\" "
-            f'--federation-config "num-supernodes={len(clients)} client-resources-num-cpus=1"'
-        )
+        print(simulation_run_command(args.overrides, len(clients), args.run_dir or Path("outputs") / "flwr" / "run"))
     elif args.command == "pki":
         tls = make_server_tls(args.dir, tuple(args.host) if args.host else ("127.0.0.1", "localhost"))
         print(f"CA {tls.ca} (give it to the node owners and to `flwr run` users); SuperLink {tls.cert}, {tls.key}")

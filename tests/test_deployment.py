@@ -118,8 +118,22 @@ def test_a_config_dir_brings_ones_own_dataset_to_every_deployed_process(tmp_path
     )
     assert deploy.main(["clients", "--overrides", "dataset=mine", "--config-dir", str(tmp_path / "conf")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "orders customers" and searchpath_override(tmp_path / "conf") in out[1]
-    assert f"base-dir='{Path.cwd()}'" in out[1]  # the printed flwr run finds relative sources where they are
+    assert out[0] == "orders customers"
+    # the printed flwr run runs as it is from any folder: the venv's flwr, the run's results.json into an absolute
+    # run dir (was none: the ServerApp's default, relative to wherever Flower ran it), relative sources found
+    # where they are
+    cmd = shlex.split(out[1])
+    assert cmd[:3] == [
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1",
+        f"PATH={Path(sys.executable).parent}:$PATH",
+        "flwr",
+    ]
+    assert Path(cmd[4]).is_dir()
+    run_config = cmd[cmd.index("--run-config") + 1]
+    assert searchpath_override(tmp_path / "conf") in json.loads(run_config.split(" run-dir=")[0].split("=", 1)[1])
+    assert f"run-dir={json.dumps(str(Path.cwd() / 'outputs' / 'flwr' / 'run'))}" in run_config
+    assert f"base-dir={json.dumps(str(Path.cwd()))}" in run_config
+    assert "num-supernodes=2" in cmd[cmd.index("--federation-config") + 1]
     assert deploy.main(["clients", "--overrides", "dataset=mine", "--config-dir", str(tmp_path / "nope")]) == 1
     assert capsys.readouterr().err.strip() == f"error: --config-dir {tmp_path / 'nope'}: no such folder"
 
