@@ -4,8 +4,9 @@ Every shell command in a fenced ```bash / ```sh block is checked: each `python -
 of this repository (simulations/X.py, simulations/X/__main__.py, tpflower/..., strategies/...), each
 `make TARGET` a target of the Makefile. The fast commands of FAST are run exactly as printed (`python` is this
 interpreter, PYTHONPATH the repository root), and must stay printed in the docs, so this test cannot silently
-stop running them. Also: relative links resolve, docs/results.md is what simulations/report.py generates, and
-no tracker label (issue N, session N, seed 00N) appears.
+stop running them. Also: relative links resolve, and so do their #anchors; docs/settings.md lists every setting
+conf/ composes (every algorithm's, every group's) with the default conf/ gives it; docs/results.md is what
+simulations/report.py generates, and no tracker label (issue N, session N, seed 00N) appears.
 """
 
 from __future__ import annotations
@@ -125,3 +126,131 @@ def test_relative_links_resolve(path: Path) -> None:
 def test_no_tracker_labels(path: Path) -> None:
     bad = re.findall(r"\b(?:issues?[- ]#?\d+|sessions? \d+|seed 00\d)\b", path.read_text(), flags=re.IGNORECASE)
     assert not bad, f"{path.name}: tracker labels {bad}"
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file: lower case, punctuation dropped, spaces as
+    hyphens, a repeated heading suffixed -1, -2 ..."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+    seen: dict[str, int] = {}
+    anchors = set()
+    for m in re.finditer(r"^#{1,6}\s+(.*?)\s*#*$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_link_anchors_resolve(path: Path) -> None:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target) or "#" not in target:
+            continue
+        file, anchor = target.split("#", 1)
+        linked = path.parent / file if file else path
+        if linked.suffix == ".md":
+            assert anchor in heading_anchors(linked), f"{path.name}: link to {target}: no such heading"
+
+
+# docs/settings.md against conf/: every setting a run composes is documented, with the default it has.
+SETTINGS = ROOT / "docs" / "settings.md"
+
+
+def settings_rows() -> dict[str, str]:
+    """docs/settings.md's table rows: each key of the first cell (`a`, `b`) -> the rest of the row."""
+    rows = {}
+    for line in SETTINGS.read_text().splitlines():
+        m = re.match(r"\| ((?:`[^`|]+`(?:, )?)+)(?: \([^|]*\))? \| (.*) \|$", line)
+        if m:
+            for key in re.findall(r"`([^`]+)`", m.group(1)):
+                rows[key] = m.group(2)
+    return rows
+
+
+def doc_value(value: object) -> str:
+    """A config value as the docs write it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def same_default(doc: str, value: object) -> bool:
+    doc = doc.strip().strip("`")
+    try:
+        return float(doc) == float(value)  # 1e-3 and 0.001
+    except (TypeError, ValueError):
+        return doc == doc_value(value)
+
+
+def algorithm_settings() -> dict[str, dict]:
+    from tpflower import registry
+    from tpflower.config import compose_config
+
+    selectors = {"auto", *(entry.selector for entry in registry.entries())}
+    return {a: dict(compose_config(f"algorithm={a}").algorithm) for a in sorted(selectors)}
+
+
+def test_settings_lists_every_algorithm_setting_with_its_default() -> None:
+    rows = settings_rows()
+    problems = []
+    for algorithm, settings in algorithm_settings().items():
+        if algorithm not in rows:
+            problems.append(f"algorithm={algorithm}: no row in the algorithms table")
+            continue
+        row = rows[algorithm]
+        keys = {k: v for k, v in settings.items() if k != "name"}
+        problems += [f"algorithm={algorithm}: `{k}` undocumented" for k in keys if f"`{k}`" not in row]
+        if algorithm == "auto":
+            continue
+        # `key` (DEFAULT ...: the default the docs state, where they state one (a value, not words)
+        for key, doc in re.findall(r"`([a-z_][a-z0-9_]*)` \(([^;:,() ]+)[;:,) ]", row):
+            if key not in keys:
+                problems.append(f"algorithm={algorithm}: `{key}` ({doc}) is no setting of it")
+            elif re.fullmatch(r"`[^`]+`|[-+0-9.e]+|true|false|null", doc) and not same_default(doc, keys[key]):
+                problems.append(f"algorithm={algorithm}: `{key}` documented as {doc}, conf/ says {keys[key]!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_settings_lists_every_other_setting_with_its_default() -> None:
+    """The keys outside algorithm.* and dataset.* (datasets.md has those), for every group option."""
+    from omegaconf import OmegaConf
+
+    from tpflower.config import compose_config
+
+    rows, text = settings_rows(), SETTINGS.read_text()
+    overrides = [f"{group}={p.stem}" for group in ("model", "privacy") for p in (ROOT / "conf" / group).glob("*.yaml")]
+    problems = set()
+    for override in ["seed=0", *overrides]:
+        cfg = OmegaConf.to_container(compose_config(override), resolve=False)
+        flat: dict[str, object] = {}
+
+        def walk(node: object, path: str) -> None:
+            # a group's choice (`name`, the model's `kind`) is its option; network's links are one table
+            if isinstance(node, dict) and path != "network.links" and path != "network.default_link":
+                for key, value in node.items():
+                    walk(value, f"{path}.{key}" if path else key)
+            elif path.split(".")[-1] not in ("name", "kind"):
+                flat[path] = node
+
+        walk({k: v for k, v in cfg.items() if k not in ("algorithm", "dataset", "hydra")}, "")
+        for key, value in flat.items():
+            if f"`{key}`" not in text:
+                problems.add(f"`{key}` undocumented")
+            elif key in rows and override == "seed=0":  # the defaults: of the default options
+                cells = [c.strip() for c in _row_line(key).strip().strip("|").split("|")]
+                keys = re.findall(r"`([^`]+)`", cells[0])
+                defaults = [d.split(" (")[0].strip() for d in cells[1].split(", ")]
+                doc = defaults[keys.index(key)] if len(defaults) == len(keys) else ""
+                a_value = re.fullmatch(r"`[^`$]+`|[-+0-9.e]+|true|false|null|[a-z_0-9]+", doc)
+                if a_value and not same_default(doc, value):
+                    problems.add(f"`{key}` documented default {doc}, conf/ says {value!r}")
+    assert not problems, "\n".join(sorted(problems))
+
+
+def _row_line(key: str) -> str:
+    return next(line for line in SETTINGS.read_text().splitlines() if re.match(rf"\| [^|]*`{re.escape(key)}`", line))
