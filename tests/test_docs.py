@@ -110,6 +110,10 @@ def test_fast_commands_run(command: str, where: str, timeout: int, tmp_path: Pat
         timeout=timeout,
     )
     assert done.returncode == 0, f"`{command}` failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    if "simulations.run" in command:  # README: the first line names the job and results.json, the second auto's pick
+        first, second = done.stdout.splitlines()[:2]
+        assert first.startswith("tpflower train: algorithm=auto") and "results: " in first, first
+        assert second.startswith("algorithm=auto: pcg "), second
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)

@@ -47,7 +47,7 @@ def run_help() -> dict[str, str]:
         for d in sorted(conf.iterdir())
         if d.is_dir()
     )
-    summaries: dict[str, str] = {"auto": "the fastest that fits model, label and privacy (its first line says which)"}
+    summaries: dict[str, str] = {"auto": "the fastest that fits model, label and privacy (its second line says which)"}
     for entry in registry.entries():
         summaries.setdefault(entry.selector, entry.summary)
     algorithms = "\n".join(f"  {name:<17} {text}" for name, text in sorted(summaries.items()))
