@@ -258,3 +258,11 @@ def test_settings_lists_every_other_setting_with_its_default() -> None:
 
 def _row_line(key: str) -> str:
     return next(line for line in SETTINGS.read_text().splitlines() if re.match(rf"\| [^|]*`{re.escape(key)}`", line))
+
+
+def test_readme_results_are_measured() -> None:
+    """Every metric README's Results section quotes (3 decimals or more) is one docs/results.md reports."""
+    section = (ROOT / "README.md").read_text().split("\n## Results\n")[1].split("\n## ")[0]
+    results = (ROOT / "docs" / "results.md").read_text()
+    missing = [n for n in re.findall(r"(?<![\w.])\d+\.\d{3,}\b", section) if n not in results]
+    assert not missing, f"README's Results quote {missing}, which docs/results.md does not hold"
