@@ -181,6 +181,13 @@ def test_an_unknown_key_is_one_line_naming_what_is_valid(tmp_path):
     with pytest.raises(tpflower.TpflowerError) as bare:
         tpflower.fit(model="mlp", hidden=[8], run_dir=tmp_path, verbose=False)
     assert str(bare.value).startswith("hidden is not a setting of the config (did you mean model.hidden?)")
+    # under the default algorithm=auto, which has no settings: the algorithms that have it (were: no hint)
+    with pytest.raises(tpflower.TpflowerError) as bare:
+        tpflower.fit(trees=10, run_dir=tmp_path, verbose=False)
+    assert str(bare.value).startswith(
+        "trees is not a setting of the config (did you mean algorithm.trees? a setting of algorithm=gbdt,"
+        " centralized_gbdt, not of algorithm=auto: choose one, e.g. algorithm=gbdt algorithm.trees=10); its groups"
+    )
 
 
 def test_an_override_hydra_cannot_read_is_named(tmp_path):

@@ -70,10 +70,25 @@ def override_error(
         if not close:  # a group's setting given without its group (trees=10 for algorithm.trees=10)
             owners = [f"{g}.{leaf}" for g in groups if isinstance(cfg.get(g), DictConfig) and leaf in cfg[g]]
             hint = f" (did you mean {' or '.join(owners)}?)" if owners else ""
+            if not owners and str(cfg.algorithm.name) == "auto":  # auto has none: the algorithms that have it
+                hint = algorithms_with(leaf, next(o.split("=", 1)[1] for o in overrides if override_key(o) == key))
         return f"{key} is not a setting of the config{hint}; its groups: {groups}; its settings: {settings}"
     what = f"algorithm {str(cfg.algorithm.name)!r}" if parent == "algorithm" else parent
     add = f"; +{key}=... adds it" if parent == "dataset" else ""
     return f"{key} is not a setting of {what}{hint}; its settings: {valid}{add}"
+
+
+def algorithms_with(leaf: str, value: str) -> str:
+    """The hint for ``LEAF=VALUE`` under ``algorithm=auto`` when LEAF is a setting of some algorithms (``trees=10``:
+    gbdt's), which auto's choice may not be: choose one of them."""
+    names = {e.selector for e in registry.entries() if leaf in {f.name for f in fields(e.params)}}
+    selectors = sorted(names, key=lambda s: (s.startswith("centralized"), s))  # the federated ones first
+    if not selectors:
+        return ""
+    return (
+        f" (did you mean algorithm.{leaf}? a setting of algorithm={', '.join(selectors)}, not of algorithm=auto:"
+        f" choose one, e.g. algorithm={selectors[0]} algorithm.{leaf}={value})"
+    )
 
 
 def grammar_error(exc: OverrideParseException, overrides: Sequence[str]) -> str:
