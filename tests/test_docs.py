@@ -266,3 +266,20 @@ def test_readme_results_are_measured() -> None:
     results = (ROOT / "docs" / "results.md").read_text()
     missing = [n for n in re.findall(r"(?<![\w.])\d+\.\d{3,}\b", section) if n not in results]
     assert not missing, f"README's Results quote {missing}, which docs/results.md does not hold"
+
+
+def test_readme_layout_names_modules_that_exist() -> None:
+    """Each module README's Layout names (`x.py`, `x/`, or a bare name in a comma list) is a file of its folder."""
+    layout = (ROOT / "README.md").read_text().split("\n## Layout\n")[1].split("```")[1]
+    blocks = re.split(r"^(\w+)/\s", layout, flags=re.MULTILINE)[1:]
+    missing = []
+    for folder, text in zip(blocks[::2], blocks[1::2]):
+        if folder in ("conf", "tests", "docs"):
+            continue
+        text = " ".join(re.sub(r"\([^()]*(?:\([^()]*\)[^()]*)*\)", "", text).split())  # descriptions dropped
+        named = re.findall(r"\b([a-z_][a-z0-9_]*)(?:\.py|/)", text)
+        named += re.findall(r"(?:^|[,:] )([a-z_][a-z0-9_]*)(?=,)", text)  # a comma list's bare names
+        for word in named:
+            if not ((ROOT / folder / f"{word}.py").is_file() or (ROOT / folder / word).is_dir()):
+                missing.append(f"{folder}/{word}")
+    assert not missing, f"README's Layout names {missing}, not in the repository"
