@@ -283,3 +283,28 @@ def test_readme_layout_names_modules_that_exist() -> None:
             if not ((ROOT / folder / f"{word}.py").is_file() or (ROOT / folder / word).is_dir()):
                 missing.append(f"{folder}/{word}")
     assert not missing, f"README's Layout names {missing}, not in the repository"
+
+
+def test_python_api_documents_every_argument_and_command() -> None:
+    """docs/python-api.md's tables: every argument of fit, load and Model.predict, and every tpflower command
+    (with the module it runs)."""
+    import inspect
+
+    from simulations import api
+    from simulations.cli import COMMANDS
+
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    missing = [
+        f"{f.__qualname__}({name})"
+        for f in (api.fit, api.load, api.Model.predict)
+        for name, p in inspect.signature(f).parameters.items()
+        if name != "self"
+        and f"`{'**' if p.kind is p.VAR_KEYWORD else ''}{name}" not in text
+        and not re.search(rf"`{f.__name__}\([^`]*\b{name}\b", text)
+    ]
+    missing += [
+        f"tpflower {c} ({module})"
+        for c, module in COMMANDS.items()
+        if not re.search(rf"`tpflower {c}\b.*`python -m {module}`", text)
+    ]
+    assert not missing, f"docs/python-api.md does not document {missing}"
