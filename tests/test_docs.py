@@ -253,6 +253,12 @@ def test_settings_lists_every_other_setting_with_its_default() -> None:
                 a_value = re.fullmatch(r"`[^`$]+`|[-+0-9.e]+|true|false|null|[a-z_0-9]+", doc)
                 if a_value and not same_default(doc, value):
                     problems.add(f"`{key}` documented default {doc}, conf/ says {value!r}")
+    cfg = compose_config("model=mlp", "privacy=label_dpsgd")
+    problems |= {  # and the other way: every row's setting is one of conf/
+        f"`{key}` is documented but no setting of conf/"
+        for key in rows
+        if "." in key and not key.startswith("privacy.") and OmegaConf.select(cfg, key, default="<none>") == "<none>"
+    }
     assert not problems, "\n".join(sorted(problems))
 
 
