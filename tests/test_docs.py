@@ -314,3 +314,21 @@ def test_python_api_documents_every_argument_and_command() -> None:
         if not re.search(rf"`tpflower {c}\b.*`python -m {module}`", text)
     ]
     assert not missing, f"docs/python-api.md does not document {missing}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_repository_paths_named_exist(path: Path) -> None:
+    """A path of the repository the docs name (tpflower/checks.py, strategies/base.py, conf/network/wan.yaml,
+    bench_results/gbdt.json, a module as tpflower/sql/, a family of files as bench_results/coreset-...) exists:
+    placeholders (NAME, FAMILY, DS ...) and the user's own files of the examples (conf/dataset/shop.yaml) aside."""
+    text = path.read_text()
+    named = re.findall(r"(?<![\w/.])((?:tpflower|strategies|simulations|conf|tests|bench_results)/[\w./-]*\w)", text)
+    examples = ("conf/dataset/shop", "tpflower/tpflower")  # the docs' own tables; an image name
+    missing = {
+        n
+        for n in named
+        if not re.search(r"[A-Z]{2,}", n)  # a placeholder: NAME, FAMILY, SELECTOR, DATE, DS
+        and not n.startswith(examples)
+        and not ((ROOT / n).exists() or (ROOT / f"{n}.py").exists() or any((ROOT / n).parent.glob(f"{Path(n).name}-*")))
+    }
+    assert not missing, f"{path.name} names {sorted(missing)}, not in the repository"
