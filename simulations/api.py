@@ -104,6 +104,12 @@ def compose(
     if config_dir is not None:
         args.append(searchpath_override(config_dir))
     spec: dict[str, Any] | None = None
+    if isinstance(dataset, (str, Path)) and Path(dataset).suffix.lower() in DATA_FILES:
+        raise TpflowerError(
+            f"dataset={str(dataset)!r}: a table's data file, not a dataset: give a dataset's name, the path of its "
+            f"spec's YAML file or the spec as a dict, whose tables name their files ({{'tables': {{'NAME': "
+            f"{{'source': {str(dataset)!r}}}}}, ...}}: docs/datasets.md)"
+        )
     if isinstance(dataset, Path) or (isinstance(dataset, str) and dataset.endswith((".yaml", ".yml"))):
         spec = spec_file(dataset)
     elif isinstance(dataset, Mapping):
@@ -254,6 +260,10 @@ def sweep_line(key: str, values: Sequence[str]) -> str:
         f"(for v in {list(values)!r}: tpflower.fit(..., {key.replace('.', '__')}=v)), or run the sweep: "
         f"tpflower train -m {key}={joined} ..."
     )
+
+
+#: a table's file, which ``fit(dataset=...)`` would otherwise look up as a dataset's name
+DATA_FILES = (".csv", ".parquet", ".pq", ".tsv", ".xlsx")
 
 
 def spec_file(dataset: str | Path) -> dict[str, Any]:

@@ -139,6 +139,15 @@ def test_a_missing_or_unreadable_dataset_file_is_one_line_naming_it(tmp_path):
         with pytest.raises(tpflower.TpflowerError) as info:
             tpflower.fit(dataset=bad, runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
         assert str(info.value).startswith(f"dataset file {bad}: {said}") and "\n" not in str(info.value)
+    # a table's data file is no dataset (was: 'no such dataset; ... --config-dir DIR dataset=orders.csv for
+    # DIR/dataset/orders.csv.yaml', the command line's advice)
+    with pytest.raises(tpflower.TpflowerError) as info:
+        tpflower.fit(dataset=Path("data/orders.csv"), runtime="inprocess", run_dir=tmp_path / "run", verbose=False)
+    assert str(info.value) == (
+        "dataset='data/orders.csv': a table's data file, not a dataset: give a dataset's name, the path of its "
+        "spec's YAML file or the spec as a dict, whose tables name their files ({'tables': {'NAME': {'source': "
+        "'data/orders.csv'}}, ...}: docs/datasets.md)"
+    )
 
 
 @pytest.mark.parametrize("value, on", [("", False), ("0", False), ("false", False), ("No", False), ("1", True)])
