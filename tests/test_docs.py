@@ -332,3 +332,17 @@ def test_repository_paths_named_exist(path: Path) -> None:
         and not ((ROOT / n).exists() or (ROOT / f"{n}.py").exists() or any((ROOT / n).parent.glob(f"{Path(n).name}-*")))
     }
     assert not missing, f"{path.name} names {sorted(missing)}, not in the repository"
+
+
+def test_tests_the_docs_cite_exist() -> None:
+    """A test the docs name as the proof of a claim (`test_dp_steps_taken_after_the_checkpoint_stay_spent`) is
+    one of tests/ (its full name, or the start of a parametrized family's)."""
+    defined = {m for p in (ROOT / "tests").glob("*.py") for m in re.findall(r"def (test_\w+)", p.read_text())}
+    missing = [
+        f"{path.name}: {name}"
+        for path in DOCS
+        # a test's name has words; `test_metric`, `test_auc`, `test_NAME` are results.json's fields
+        for name in sorted(set(re.findall(r"`(test_[a-z0-9]+(?:_[a-z0-9]+){2,})", path.read_text())))
+        if not any(d.startswith(name) for d in defined)
+    ]
+    assert not missing, f"the docs cite tests that do not exist: {missing}"
