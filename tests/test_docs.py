@@ -346,3 +346,19 @@ def test_tests_the_docs_cite_exist() -> None:
         if not any(d.startswith(name) for d in defined)
     ]
     assert not missing, f"the docs cite tests that do not exist: {missing}"
+
+
+def test_readme_algorithms_table_gives_each_algorithm_its_scenarios() -> None:
+    """README's algorithms table: each `algorithm=` row's scenarios (join; union or ucq) are the registry's."""
+    from tpflower import registry
+
+    documented: dict[str, set[str]] = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        m = re.match(r"\| `(\w+)`(?: \(default\))? \| ([a-z, ]+) \|", line)
+        if m:
+            scenarios = {"ucq" if s.strip() in ("union", "ucq") else s.strip() for s in m.group(2).split(",")}
+            documented.setdefault(m.group(1), set()).update(scenarios)
+    registered: dict[str, set[str]] = {"auto": {"join", "ucq"}}
+    for entry in registry.entries():
+        registered.setdefault(entry.selector, set()).add(entry.scenario)
+    assert documented == registered
