@@ -417,23 +417,30 @@ class Model:
                 f"{self.run_dir} is a sweep's folder, not a run's: load one of its {len(jobs)} jobs' folders, {shown} "
                 f"(python -m simulations.reproduce {self.run_dir} --out PREFIX compares them)"
             )
+        if not self.run_dir.is_dir():
+            raise TpflowerError(f"{self.run_dir}: no such folder (a run's folder holds its {RESULTS_FILE})")
+        if not (self.run_dir / RESULTS_FILE).exists():
+            raise TpflowerError(
+                f"{self.run_dir}: no {RESULTS_FILE} in it: not a finished run's folder (a run writes it as it ends; "
+                "one still running, or stopped before its end, has none)"
+            )
         try:
             self.results: dict[str, Any] = read_results(self.run_dir / RESULTS_FILE)
         except ResultsError as exc:
             raise TpflowerError(str(exc)) from None
-        self.run_id = self.saved_run_id()  # the run whose parts predict uses (model.json), None: no predictor
+        self.run_id = self._saved_run_id()  # the run whose parts predict uses (model.json), None: no predictor
 
-    def saved_run_id(self) -> str | None:
+    def _saved_run_id(self) -> str | None:
         """The run id in the run dir's model.json now (None: there is none, or it cannot be read)."""
         try:
             return str(json.loads((self.run_dir / MODEL_FILE).read_text())["run_id"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def check_same_run(self) -> None:
+    def _check_same_run(self) -> None:
         """A later fit or run into the same run dir replaced this model's run: its predict would use the newer
         model's parts under this model's metrics, so it is refused in one line."""
-        now = self.saved_run_id()
+        now = self._saved_run_id()
         if self.run_id is not None and now != self.run_id:
             newer = read_results(self.run_dir / RESULTS_FILE).get("algorithm", "?") if now is not None else None
             held = f"another run ({newer})" if newer is not None else "no model of this run"
@@ -500,7 +507,7 @@ class Model:
                 f"predict takes the rows as a pandas DataFrame or the path of a CSV / Parquet file, got "
                 f"{type(rows).__name__} (a dict or list of rows: pd.DataFrame(rows))"
             )
-        self.check_same_run()
+        self._check_same_run()
         if isinstance(rows, pd.DataFrame) and len(rows) == 0:  # (a file of a header only is the node's to say)
             raise TpflowerError(f"the rows: a DataFrame of no row ({len(rows.columns)} columns): nothing to score")
         log = console_log(self.verbose if verbose is None else verbose)
@@ -537,16 +544,16 @@ class Model:
     def save(self, path: str | Path) -> Model:
         """Copy the run dir (results.json, model.json and, in a simulation, the owners' parts under
         node-state/) to ``path``; returns the model there (``tpflower.load(path)`` opens it again)."""
-        self.check_same_run()
+        self._check_same_run()
         target = Path(path).expanduser().resolve()
         if target.exists():
             raise TpflowerError(f"{target}: exists already; save to a new directory")
         shutil.copytree(self.run_dir, target, symlinks=True)
         if (self.run_dir / TABLES_DIR).is_dir():  # a fit's DataFrame tables: the copy reads its own
-            self.move_sources(target)
+            self._move_sources(target)
         return Model(target, self.verbose, self.base_dir)
 
-    def move_sources(self, target: Path) -> None:
+    def _move_sources(self, target: Path) -> None:
         """The copy's results.json and model.json name the tables it holds (RUN_DIR/tables), not the original's;
         model.json's dataset digest follows its spec."""
         from strategies.model_record import dataset_digest  # noqa: PLC0415

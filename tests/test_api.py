@@ -613,6 +613,17 @@ def test_tpflower_version_names_tpflower_and_the_flower_it_runs_on(capsys):
         assert capsys.readouterr().out == f"tpflower {version('tpflower')} (Flower {version('flwr')})\n"
 
 
+def test_loading_a_folder_that_is_no_run_is_one_line_saying_which(tmp_path):
+    """Was "PATH/results.json: cannot read ([Errno 2] No such file or directory: ...)" for both."""
+    with pytest.raises(tpflower.TpflowerError) as missing:
+        tpflower.load(tmp_path / "nope")
+    assert str(missing.value) == f"{tmp_path / 'nope'}: no such folder (a run's folder holds its results.json)"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(tpflower.TpflowerError) as empty:
+        tpflower.load(tmp_path / "empty")
+    assert "no results.json in it: not a finished run's folder" in str(empty.value) and "Errno" not in str(empty.value)
+
+
 def test_loading_a_sweeps_folder_names_its_jobs(tmp_path):
     """Was "SWEEP/results.json: cannot read ([Errno 2] No such file or directory ...)"."""
     from tests.test_checks import shop
