@@ -19,6 +19,7 @@ from strategies.gbdt import JoinGBDT, node_sums
 from tests.conftest import make_cfg
 from tests.test_predict import train
 from tests.test_privacy_e2e import Recorded
+from tpflower import trees
 from tpflower.app.server_app import build_strategy, make_strategy
 from tpflower.auto import resolve
 from tpflower.categorical import blocks_of
@@ -44,6 +45,7 @@ from tpflower.trees import (
     histograms,
     running_sums,
     table_importance,
+    weighted_counts,
 )
 
 CATEGORIES = ("+dataset.loader.categories=8", "algorithm.categorical=native")
@@ -221,6 +223,10 @@ def test_best_splits_equal_a_candidate_by_candidate_scan(rule, missing):
     kept = np.array([0, 1, 3])  # feature 2 left out: its bins scanned by no one (layout.part)
     part, part_bins = layout.part(kept)
     part_found = best_splits(hist[:, :, part_bins], part, rule)
+    for a, b in zip(best_splits(hist, part, rule, part_bins), part_found):  # the part's bins read in place
+        assert np.array_equal(a, b)
+    for a, b in zip(scanned_one_node_per_block(hist, layout, rule), (gains, features, bins, missing_left)):
+        assert np.array_equal(a, b)  # a node's split is its own, whatever the block of nodes scanned with it
     for n in range(k):
         gain, f, b, left = _best_split_by_hand(hist[n], off, set(missing), rule, set())
         assert (features[n], bins[n], missing_left[n]) == (f, b, left)
@@ -234,6 +240,17 @@ def test_best_splits_equal_a_candidate_by_candidate_scan(rule, missing):
     wide = rng.normal(size=(3, 2, 40_000))  # rows wider than one scan call
     for x in (hist, wide, hist[:0]):
         assert np.array_equal(running_sums(x), np.cumsum(x, axis=-1))
+    for n, size in ((0, 3), (7, 1), (5_000, 40), (100_000, 60_000)):  # histogram sums: np.bincount's, bit for bit
+        at = rng.integers(0, size, n)
+        w = rng.normal(size=n) * 10.0 ** rng.integers(-12, 12, n)  # magnitudes whose sums depend on the order
+        assert np.array_equal(weighted_counts(at, size, w), np.bincount(at, weights=w, minlength=size))
+
+
+def scanned_one_node_per_block(hist, layout, rule):
+    """best_splits scanning one node per block (tpflower.trees._SCAN_CELLS)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trees, "_SCAN_CELLS", 1)
+        return trees.best_splits(hist, layout, rule)
 
 
 def test_bundled_one_hot_blocks_give_the_histograms_of_their_columns():

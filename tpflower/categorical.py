@@ -214,7 +214,7 @@ def best_native_splits(
     # the thresholds of the other features, scanned on their bins alone (a block's thousands of columns: none)
     others = np.setdiff1d(np.arange(len(layout.offsets) - 1), np.concatenate([[], *blocks])).astype(np.int64)
     part, part_bins = layout.part(others)
-    gains, found, bins, missing_left = best_splits(hists[:, :, part_bins], part, rule)
+    gains, found, bins, missing_left = best_splits(hists, part, rule, part_bins)
     features = np.append(others, -1)[found]  # (found -1: none, the appended -1)
     sets: list[np.ndarray | None] = [None] * k
     if not blocks:
