@@ -246,6 +246,27 @@ def test_best_splits_equal_a_candidate_by_candidate_scan(rule, missing):
         assert np.array_equal(weighted_counts(at, size, w), np.bincount(at, weights=w, minlength=size))
 
 
+def test_histograms_of_a_messages_read_only_arrays_hand_torch_writable_ones(monkeypatch):
+    """A message's arrays are read-only views (tpflower.records); torch warns of one (a float64 run printed
+    'UserWarning: The given NumPy array is not writable ...' in its output): histograms hands weighted_counts
+    writable copies, the same sums."""
+    rng = np.random.default_rng(3)
+    codes, rows = rng.integers(0, 8, (2, 50)).astype(np.uint16), np.arange(50)
+    codes[1] += 8
+    G, H, C = (rng.normal(size=50), rng.random(50), np.ones(50))
+    expected = histograms(codes, rows, G, H, C, 16)
+    seen = []
+    real = trees.weighted_counts
+
+    def checked(b, n, w):
+        seen.append(b.flags.writeable and w.flags.writeable)
+        return real(b, n, w)
+
+    monkeypatch.setattr(trees, "weighted_counts", checked)
+    read_only = [np.frombuffer(x.tobytes()) for x in (G, H, C)]
+    assert np.array_equal(histograms(codes, rows, *read_only, 16), expected) and seen and all(seen)
+
+
 def scanned_one_node_per_block(hist, layout, rule):
     """best_splits scanning one node per block (tpflower.trees._SCAN_CELLS)."""
     with pytest.MonkeyPatch.context() as mp:

@@ -276,7 +276,8 @@ def weighted_counts(b: np.ndarray, n: int, w: np.ndarray) -> np.ndarray:
     """np.bincount(b, weights=w, minlength=n) of int64 ``b`` and float64 ``w``, the same sums in the same order
     (each bin adds its values in turn), by torch's scatter_add, about twice as fast (one pass, no pass for the
     range of ``b``): on a vector, it adds the values one after the other on the calling thread (the zeros are
-    numpy's: torch fills a large tensor on its worker threads)."""
+    numpy's: torch fills a large tensor on its worker threads). ``b`` and ``w`` writable (torch warns of a
+    read-only array)."""
     out = np.zeros(n)
     torch.from_numpy(out).scatter_add_(0, torch.from_numpy(b), torch.from_numpy(w))
     return out
@@ -310,8 +311,10 @@ def histograms(
     error), so the sums of h are the counts. One bincount per feature (per bundle, :class:`Bundles`) and
     statistic over every node at once (each node's bins offset); each bin sums its rows in their given order."""
     node = np.zeros(len(rows), dtype=np.int64) if slot is None else slot.astype(np.int64)
-    # bincount adds in float64: the sums converted once, not per feature
+    # the sums add in float64: converted once, not per feature; writable (a message's arrays are read-only
+    # views, which torch warns about: weighted_counts)
     G, H, C = (None if x is None else np.asarray(x, dtype=np.float64) for x in (G, H, C))
+    G, H, C = (x if x is None or x.flags.writeable else x.copy() for x in (G, H, C))
     if C is None:
         C = np.ones(len(rows))
     out = np.zeros((3, k, total))
