@@ -40,11 +40,13 @@ from tpflower.trees import (
     Tree,
     add_leaves,
     bin_edges,
+    dense_histograms,
     first_best_rows,
     gradients,
     grow_forest,
     init_scores,
     leaf_values,
+    sparse_histograms,
     subtraction_plan,
     table_importance,
 )
@@ -381,13 +383,18 @@ class JoinGBDT(LoJStrategy):
             built = [i for i in range(k) if i not in large]
             summed = {t: self.summed_hist(t, replies, built) for t in shard_tables}
             every = self.keep_summed(nodes, summed, derived)
+            down = {t: sparse_histograms(hist) for t, hist in summed.items()}  # their non-empty bins
             replies.update(
                 self.send(
                     {  # a shard that answered every node's part (it lost its memory) gets every node's sum
                         (t, q): (
                             {
                                 "nodes": ids,
-                                "hist": every(t) if len(replies[(t, q)][0]["hist"]) > len(built) else summed[t],
+                                **(
+                                    sparse_histograms(every(t))
+                                    if int(replies[(t, q)][0]["shape"][0]) > len(built)
+                                    else down[t]
+                                ),
                             },
                             {"phase": "gbdt_shard_split"},
                         )
@@ -478,8 +485,13 @@ class JoinGBDT(LoJStrategy):
     def summed_hist(self, t: str, replies: Mapping[Any, Any], built: list[int]) -> np.ndarray:
         """The sum of a sharded table's shards' parts of the histograms of the nodes built from rows (positions
         ``built`` of the step; each part checked by check_gbdt: of those nodes, or of every node from a shard
-        that lost its memory); shards whose parts differ in shape stop the run naming the table."""
-        parts = [np.asarray(replies[(t, q)][0]["hist"]) for q in self.routers[t].shards]
+        that lost its memory), each part's non-empty bins made dense again (tpflower.trees.dense_histograms: the
+        same array bit for bit) and summed as dense parts; shards whose parts differ in shape stop the run
+        naming the table."""
+        parts = [
+            dense_histograms(np.asarray(a["mask"]), np.asarray(a["hist"]), *np.asarray(a["shape"]).tolist())
+            for a in (replies[(t, q)][0] for q in self.routers[t].shards)
+        ]
         parts = [p[built] if len(p) > len(built) else p for p in parts]
         if len({p.shape for p in parts}) > 1:
             shapes = ", ".join(f"shard {q}: {p.shape}" for q, p in zip(self.routers[t].shards, parts))

@@ -15,7 +15,8 @@ uses it. A bad reply stops the run with one line naming the table, shard and pha
 - model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table; a consensus shard's
   ``used`` mask: 0/1, shaped like its ``theta``;
 - boosted trees: one gain per node (finite or -inf), side bits packed one per row (and split) asked, a shard's
-  histograms finite and one per node (:func:`check_gbdt`).
+  histograms finite and one per node, as their non-empty bins: a bit per bin, none past the last, three sums
+  per bit set (:func:`check_gbdt`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from strategies.transport import ClientKey, Payload, Reply, RunError
+from tpflower.trees import sparse_problem
 
 MAX_ABS = 1e12
 
@@ -57,7 +59,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "predict_keys": ("row_ids",),
     # boosted trees (strategies/gbdt.py)
     "gbdt_split": ("gain", "bits"),
-    "gbdt_hist": ("hist",),
+    "gbdt_hist": ("mask", "hist", "shape"),
     "gbdt_shard_split": ("gain", "bits"),
     "gbdt_route": ("bits",),
 }
@@ -176,7 +178,9 @@ def packed_bits(key: ClientKey, phase: str, bits: np.ndarray, shape: tuple[int, 
 def check_gbdt(key: ClientKey, phase: str, arrays: Mapping[str, np.ndarray], out: Mapping[str, Any]) -> None:
     """A boosted-trees reply: one gain per node sent (finite, or -inf: no split), side bits packed one per row
     sent (``gbdt_split``; a shard's own rows, unknown here, in ``gbdt_shard_split``: checked by the strategy) or
-    per (row, split) (``gbdt_route``), a shard's part of the histograms finite, (nodes built from rows, 3, bins)."""
+    per (row, split) (``gbdt_route``), a shard's part of the histograms finite, (nodes built from rows, 3, bins),
+    as its non-empty bins (tpflower.trees.sparse_histograms: ``mask``, a bit per bin, none past the last;
+    ``hist``, three sums per bit set; ``shape``: the dense (nodes, bins))."""
     nodes = len(arrays["nodes"]) if "nodes" in arrays else None
     if "gain" in out:
         gain = np.asarray(out["gain"])
@@ -191,16 +195,22 @@ def check_gbdt(key: ClientKey, phase: str, arrays: Mapping[str, np.ndarray], out
         packed_bits(key, phase, np.asarray(out["bits"]), (len(arrays["rows"]), len(arrays["splits"])))
     if phase == "gbdt_hist":  # the nodes built from rows: not those the shards derive (``derive``), unless
         nodes = len(arrays["nodes"]) - len(arrays.get("derive", ()))  # the shard lost its memory: every node
-        hist = np.asarray(out["hist"])
+        shape = np.asarray(out["shape"])
         if (
-            hist.ndim != 3
-            or hist.shape[:2] not in ((nodes, 3), (len(arrays["nodes"]), 3))
-            or hist.dtype.kind != "f"
-            or not np.isfinite(hist).all()
+            shape.shape != (2,)
+            or shape.dtype.kind not in "iu"
+            or shape[0] not in (nodes, len(arrays["nodes"]))
+            or shape[1] < 0
         ):
             raise ReplyError(
-                f"{_who(key, phase)}: reply array 'hist' is {hist.dtype} {hist.shape}; the round asked for finite "
-                f"sums of g, h and rows per node built from rows ({nodes}, 3, bins)"
+                f"{_who(key, phase)}: reply array 'shape' is {shape.dtype} {shape.shape}; the round asked for the "
+                f"histograms' (nodes, bins): one per node built from rows ({nodes}) or per node of the step"
+            )
+        problem = sparse_problem(np.asarray(out["mask"]), np.asarray(out["hist"]), int(shape[0]), int(shape[1]))
+        if problem:  # their non-empty bins (tpflower.trees.sparse_histograms)
+            raise ReplyError(
+                f"{_who(key, phase)}: reply arrays 'mask', 'hist' are not the non-empty bins of finite sums of g, h "
+                f"and rows per node built from rows ({nodes}, 3, {int(shape[1])} bins): {problem}"
             )
 
 

@@ -668,10 +668,16 @@ def test_union_equals_the_join(missing):
     assert phases.count("gbdt_shard_split") == phases.count("gbdt_hist")  # two round trips per step
     # histogram subtraction at the summed level: the larger of two siblings travels neither way
     hist_steps = [(a, out) for (_, ph, a, _), (_, _, out, _) in zip(rec.got, rec.sent) if ph == "gbdt_hist"]
-    down = [a["hist"] for _, ph, a, _ in rec.got if ph == "gbdt_shard_split"]
+    down = [a["mask"] for _, ph, a, _ in rec.got if ph == "gbdt_shard_split"]
     assert sum(len(a["derive"]) for a, _ in hist_steps) > len(hist_steps) / 4
-    for (a, out), summed in zip(hist_steps, down):
-        assert len(out["hist"]) == len(summed) == len(a["nodes"]) - len(a["derive"])
+    for (a, out), summed in zip(hist_steps, down):  # both ways: a bit per bin of the nodes built from rows
+        built, total = out["shape"].tolist()
+        assert (
+            built == len(a["nodes"]) - len(a["derive"]) and len(out["mask"]) == len(summed) == (built * total + 7) // 8
+        )
+    # only the non-empty bins travel: fewer than half of them here
+    sent = sum(len(out["hist"]) for _, out in hist_steps)
+    assert 0 < sent < sum(np.prod(out["shape"]) for _, out in hist_steps) / 2
 
 
 @pytest.mark.parametrize(
@@ -712,6 +718,50 @@ def test_a_forged_subtraction_plan_is_refused_in_one_line(derive, problem):
         )
 
 
+def test_a_malformed_sparse_summed_histogram_is_refused_in_one_line():
+    """The server sends a shard the summed histograms of the nodes built from rows as their non-empty bins (a bit
+    per bin, three sums per set bit, tpflower.trees.sparse_histograms): a mask of another length, a bit past the
+    last bin, sums of another count or not finite are refused naming the table, before any split is sought;
+    the well-formed form gives back the shard's own part bit for bit."""
+    from tpflower.guard import ProtocolRefusal
+    from tpflower.phases import gbdt
+    from tpflower.trees import dense_histograms
+
+    shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1", "algorithm.trees=2")
+    rec = Recorded(*small("star", "regression", *shape), "scenario=ucq")
+    client = rec.client(("fact", 0))
+    step = {
+        "nodes": np.array([900000000]),
+        "parent": np.array([-1]),
+        "sizes": np.array([2]),
+        "rows": np.array([0, 1]),
+        "G": np.array([0.5, -0.25]),
+        "C": np.array([1, 1]),
+        "won": np.zeros(0, dtype=np.int64),
+        "derive": np.zeros(0, dtype=np.int64),
+    }
+    own, _ = gbdt.gbdt_hist(client, step, {"phase": "gbdt_hist"})
+    k, total = own["shape"].tolist()
+    assert k == 1 and 0 < len(own["hist"]) < total  # two rows: few of the bins
+    dense = dense_histograms(own["mask"], own["hist"], k, total)
+    assert dense[0, 2].sum() == 2 * len(gbdt.OwnerTrees(client).codes)  # its two rows in each column
+    gbdt.gbdt_shard_split(client, {"nodes": step["nodes"], "mask": own["mask"], "hist": own["hist"]}, {})
+    past = own["mask"].copy()
+    past[-1] |= 1 if total % 8 else 0
+    bad = {
+        "mask is not one bit per bin": {"mask": own["mask"][:-1], "hist": own["hist"]},
+        "hist is not three floats per bin the mask sets": {"mask": own["mask"], "hist": own["hist"][1:]},
+        "not finite": {"mask": own["mask"], "hist": np.full_like(own["hist"], np.inf)},
+        **({"past the last bin": {"mask": past, "hist": own["hist"]}} if total % 8 else {}),
+    }
+    for problem, arrays in bad.items():
+        gbdt.gbdt_hist(client, step, {"phase": "gbdt_hist"})
+        with pytest.raises(ProtocolRefusal, match=problem) as err:
+            gbdt.gbdt_shard_split(client, {"nodes": step["nodes"], **arrays}, {"phase": "gbdt_shard_split"})
+        assert str(err.value).startswith("table 'fact' (gbdt_shard_split) refuses the message")
+        assert "\n" not in str(err.value)
+
+
 def test_a_shard_that_loses_its_memory_between_messages_gets_every_summed_histogram(monkeypatch):
     """A shard whose summed parent histograms are gone (a node process per message, as a stock SuperNode's
     without isolation) cannot derive a node's: it builds every node's part and the server sends it every node's
@@ -729,8 +779,8 @@ def test_a_shard_that_loses_its_memory_between_messages_gets_every_summed_histog
     shape = ("dataset.loader.n_fact=120", "dataset.loader.dim_rows=20", "min_sketch_rows=1")
     rec = Recorded(*small("star", "regression", *shape), "scenario=ucq")
     down = {(key, len(a["derive"]), len(a["nodes"])) for key, ph, a, _ in rec.got if ph == "gbdt_hist"}
-    full = [len(a["hist"]) for key, ph, a, _ in rec.got if ph == "gbdt_shard_split" and key == ("fact", 0)]
-    part = [len(a["hist"]) for key, ph, a, _ in rec.got if ph == "gbdt_shard_split" and key == ("fact", 1)]
+    full = [len(a["mask"]) for key, ph, a, _ in rec.got if ph == "gbdt_shard_split" and key == ("fact", 0)]
+    part = [len(a["mask"]) for key, ph, a, _ in rec.got if ph == "gbdt_shard_split" and key == ("fact", 1)]
     assert any(d for _, d, _ in down) and sum(full) > sum(part)
     monkeypatch.undo()
     assert_same_forest(Recorded(*small("star", "regression", *shape)).strategy.forest, rec.strategy.forest)

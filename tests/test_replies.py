@@ -235,25 +235,48 @@ def test_boosted_trees_replies_are_checked(phase, tamper, match):
 
 
 def test_a_shards_histograms_are_finite_one_per_node_and_alike_across_the_table():
+    """A shard's part of the histograms comes as its non-empty bins (tpflower.trees.sparse_histograms): a bit per
+    bin of its dense (nodes, 3, bins) and three finite sums per set bit. A mask of the wrong length or with a bit
+    past the last bin, sums of another count than the set bits, a value not finite, or another number of nodes
+    than asked stops the run in one line naming the table and shard."""
     from types import SimpleNamespace
 
     from strategies.gbdt import JoinGBDT
+    from tpflower.trees import dense_histograms, sparse_histograms
+
+    def reply(hist, shape=None):
+        return ({**sparse_histograms(hist), "shape": np.array(shape or (hist.shape[0], hist.shape[2]))}, {})
 
     sent = ({"nodes": np.arange(2)}, {"phase": "gbdt_hist"})
-    check_reply(("t", 1), sent, ({"hist": np.zeros((2, 3, 5))}, {}), 10, 1)
-    for hist in (np.zeros((1, 3, 5)), np.full((2, 3, 5), np.nan), np.zeros((2, 5))):
-        with pytest.raises(ReplyError, match=r"table 't' shard 1, phase 'gbdt_hist': reply array 'hist' is"):
-            check_reply(("t", 1), sent, ({"hist": hist}, {}), 10, 1)
+    dense = np.zeros((2, 3, 5))
+    dense[0, :, 1], dense[1, :, 4], dense[1, 0, 2] = (0.5, 0.25, 1.0), (-1.5, 2.0, 3.0), -0.0  # -0.0 is sent
+    check_reply(("t", 1), sent, reply(dense), 10, 1)
+    assert len(sparse_histograms(dense)["hist"]) == 3
+    back = dense_histograms(*sparse_histograms(dense).values(), 2, 5)
+    assert back.view(np.uint64).tolist() == dense.view(np.uint64).tolist()  # bit for bit, the -0.0 too
+    good = reply(dense)[0]
+    bad_parts = {
+        "mask is not one bit per bin": {**good, "mask": np.zeros(1, dtype=np.uint8)},
+        "mask sets a bit past the last bin": {**good, "mask": good["mask"] | np.array([0, 0x3F], dtype=np.uint8)},
+        "not three floats per bin the mask sets": {**good, "hist": good["hist"][:2]},
+        "not finite": {**good, "hist": np.where(good["hist"] == 1.0, np.nan, good["hist"])},
+    }
+    for problem, out in bad_parts.items():
+        with pytest.raises(ReplyError, match=r"table 't' shard 1, phase 'gbdt_hist': reply arrays 'mask', 'hist'") as e:
+            check_reply(("t", 1), sent, (out, {}), 10, 1)
+        assert problem in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ReplyError, match=r"table 't' shard 1, phase 'gbdt_hist': reply array 'shape' is"):
+        check_reply(("t", 1), sent, reply(dense[:1]), 10, 1)
     derive = ({"nodes": np.arange(2), "derive": np.array([1])}, {"phase": "gbdt_hist"})  # one node derived
-    check_reply(("t", 1), derive, ({"hist": np.zeros((1, 3, 5))}, {}), 10, 1)
-    check_reply(("t", 1), derive, ({"hist": np.zeros((2, 3, 5))}, {}), 10, 1)  # a shard that lost its memory
-    with pytest.raises(ReplyError, match=r"node built from rows \(1, 3, bins\)"):
-        check_reply(("t", 1), derive, ({"hist": np.zeros((3, 3, 5))}, {}), 10, 1)
+    check_reply(("t", 1), derive, reply(np.zeros((1, 3, 5))), 10, 1)
+    check_reply(("t", 1), derive, reply(np.zeros((2, 3, 5))), 10, 1)  # a shard that lost its memory
+    with pytest.raises(ReplyError, match=r"node built from rows \(1\) or per node of the step"):
+        check_reply(("t", 1), derive, reply(np.zeros((3, 3, 5))), 10, 1)
     table = SimpleNamespace(routers={"t": SimpleNamespace(shards=[0, 1])})
-    parts = {("t", 0): ({"hist": np.ones((2, 3, 5))}, {}), ("t", 1): ({"hist": np.ones((2, 3, 5))}, {})}
+    parts = {("t", 0): reply(np.ones((2, 3, 5))), ("t", 1): reply(np.ones((2, 3, 5)))}
     assert JoinGBDT.summed_hist(table, "t", parts, [0, 1]).sum() == 60
     assert JoinGBDT.summed_hist(table, "t", parts, [1]).sum() == 30  # node 0 derived (a part of every node: cut)
-    parts[("t", 1)] = ({"hist": np.ones((2, 3, 4))}, {})
+    parts[("t", 1)] = reply(np.ones((2, 3, 4)))
     with pytest.raises(ReplyError, match=r"table 't', phase 'gbdt_hist': its shards' histograms differ in shape"):
         JoinGBDT.summed_hist(table, "t", parts, [0, 1])
 

@@ -349,6 +349,50 @@ def histograms(
     return out.transpose(1, 0, 2)
 
 
+def sparse_histograms(hist: np.ndarray) -> dict[str, np.ndarray]:
+    """Histograms (k, 3, total) as their non-empty bins, the form a union's histograms travel in both ways
+    (docs/algorithms.md, Union): ``mask``, one bit per bin (node-major, np.packbits: ceil(k * total / 8)
+    bytes), set where any of the bin's three sums is not +0.0, and ``hist``, (set bits, 3), those bins' sums of
+    g, h and rows in bin order. Every other bin holds +0.0 in each sum, so :func:`dense_histograms` gives back
+    the same float64 array bit for bit (a bin of no rows may hold a rounding residue, a one-hot column's
+    default bin: it is sent). A bit per bin is smaller than a 16-bit index per non-empty bin once a sixteenth
+    of the bins are non-empty: 20% (synthetic) to 56% (a 3,000-value categorical column) were, measured."""
+    hist = np.asarray(hist, dtype=np.float64)
+    bits = hist.view(np.uint64)  # a float's bits: -0.0 is sent, as it is not +0.0
+    at = np.flatnonzero(bits[:, 0] | bits[:, 1] | bits[:, 2])  # node n, bin b at n * total + b
+    values = np.empty((len(at), 3))
+    for s in range(3):  # one gather per sum, each a (k, total) array
+        values[:, s] = hist[:, s].reshape(-1).take(at)
+    mask = np.zeros(hist.shape[0] * hist.shape[2], dtype=bool)
+    mask[at] = True
+    return {"mask": np.packbits(mask), "hist": values}
+
+
+def sparse_problem(mask: np.ndarray, values: np.ndarray, k: int, total: int) -> str:
+    """What is wrong with a sparse form of (k, 3, total) histograms (:func:`sparse_histograms`; empty: nothing)."""
+    if mask.dtype != np.uint8 or mask.shape != ((k * total + 7) // 8,):
+        return "mask is not one bit per bin, packed"
+    bits = np.unpackbits(mask)
+    if bits[k * total :].any():
+        return "mask sets a bit past the last bin"
+    if values.ndim != 2 or values.shape != (int(bits.sum()), 3) or (values.size and values.dtype.kind != "f"):
+        return "hist is not three floats per bin the mask sets"
+    if not np.isfinite(values).all():
+        return "hist holds a value that is not finite"
+    return ""
+
+
+def dense_histograms(mask: np.ndarray, values: np.ndarray, k: int, total: int) -> np.ndarray:
+    """The histograms (k, 3, total) of a sparse form (:func:`sparse_histograms`, checked by
+    :func:`sparse_problem`): its bins' sums, +0.0 elsewhere."""
+    out = np.zeros(k * 3 * total)
+    at = np.flatnonzero(np.unpackbits(mask, count=k * total))  # node n, bin b at n * total + b
+    at += at // max(total, 1) * (2 * total)  # its g sum's place in (k, 3, total): n * 3 * total + b
+    for s in range(3):
+        out[at + s * total] = values[:, s]
+    return out.reshape(k, 3, total)
+
+
 def subtraction_plan(
     parents: Sequence[int], joined: Sequence[int], ids: Sequence[int], kept: Container[int]
 ) -> tuple[list[int], list[tuple[int, int, int]]]:

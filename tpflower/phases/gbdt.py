@@ -53,7 +53,10 @@ from tpflower.trees import (
     binary_columns,
     column_edges,
     column_sums,
+    dense_histograms,
     histograms,
+    sparse_histograms,
+    sparse_problem,
     subtraction_plan,
 )
 
@@ -145,7 +148,7 @@ _INPUTS: dict[str, dict[str, str]] = {
     "gbdt_route": {"rows": "row", "splits": "id", "won": "id"},
     "gbdt_hist": {},  # gbdt_split's and ``derive`` (below)
     "gbdt_edges": {"edges": "float", "sizes": "count"},
-    "gbdt_shard_split": {"nodes": "id", "hist": "any"},
+    "gbdt_shard_split": {"nodes": "id", "mask": "any", "hist": "any"},
 }
 _INPUTS["gbdt_hist"] = {**_INPUTS["gbdt_split"], "derive": "id"}
 
@@ -573,7 +576,8 @@ def gbdt_hist(client: TableClient, arrays: Arrays, config: Mapping[str, Any]) ->
     client.state.put("gbdt.pending_rows", a["rows"])  # in the node's state: the next message may reach another
     pending = np.stack([a["nodes"], a["sizes"], a["parent"], derive.astype(np.int64)])  # worker (Flower's)
     client.state.put("gbdt.pending_nodes", pending)
-    return {"hist": hist}, {}
+    # its non-empty bins only (tpflower.trees.sparse_histograms) and the dense shape: (nodes answered, bins)
+    return {**sparse_histograms(hist), "shape": np.array([len(hist), owner.layout.total], dtype=np.int64)}, {}
 
 
 def summed_ids(client: TableClient) -> np.ndarray:
@@ -619,11 +623,12 @@ def gbdt_shard_split(client: TableClient, arrays: Arrays, config: Mapping[str, A
     part = node_parts({"nodes": pending[0], "sizes": pending[1]})
     if list(part) != a["nodes"].tolist():
         raise _refuse(client, "gbdt_shard_split", "its nodes are not those of the histogram step")
-    hist = np.asarray(arrays["hist"], dtype=np.float64)
-    built = int(len(part) - pending[3].sum())
-    if hist.shape != (built, 3, owner.layout.total) or not np.isfinite(hist).all():
-        raise _refuse(client, "gbdt_shard_split", "hist is not one finite histogram per node built from rows")
-    hists = summed_histograms(client, owner, pending, hist)
+    mask, values = np.asarray(arrays["mask"]), np.asarray(arrays["hist"])
+    built, total = int(len(part) - pending[3].sum()), owner.layout.total
+    problem = sparse_problem(mask, values, built, total)  # the non-empty bins of one histogram per node built
+    if problem:
+        raise _refuse(client, "gbdt_shard_split", f"not one finite histogram per node built from rows: {problem}")
+    hists = summed_histograms(client, owner, pending, dense_histograms(mask, values, built, total))
     roots = np.flatnonzero(pending[2] < 0)
     if len(roots):
         owner.learn_empty_missing(hists[int(pending[0][roots[0]])])
@@ -681,7 +686,7 @@ TRAIN = {
     "gbdt_hist": Phase(gbdt_hist, sharded, inputs=takes(*_NODE_SUMS, "derive"), exact=True),
     # the server's sum of the table's shards' histograms, only right after this shard's own part (gbdt_hist)
     "gbdt_shard_split": Phase(
-        gbdt_shard_split, sharded, inputs=takes("nodes", union={"hist": "gbdt_hist"}), exact=True
+        gbdt_shard_split, sharded, inputs=takes("nodes", union={"mask": "gbdt_hist", "hist": "gbdt_hist"}), exact=True
     ),
     "gbdt_route": Phase(gbdt_route, inputs=takes("rows", "splits", "won"), exact=True),
 }
