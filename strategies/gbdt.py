@@ -489,7 +489,7 @@ class JoinGBDT(LoJStrategy):
         same array bit for bit) and summed as dense parts; shards whose parts differ in shape stop the run
         naming the table."""
         parts = [
-            dense_histograms(np.asarray(a["mask"]), np.asarray(a["hist"]), *np.asarray(a["shape"]).tolist())
+            dense_histograms(*(np.asarray(a[n]) for n in ("mask", "hist", "count")), *np.asarray(a["shape"]).tolist())
             for a in (replies[(t, q)][0] for q in self.routers[t].shards)
         ]
         parts = [p[built] if len(p) > len(built) else p for p in parts]

@@ -15,8 +15,8 @@ uses it. A bad reply stops the run with one line naming the table, shard and pha
 - model-shaped arrays (``theta``, ``g``): the same shape from every shard of a table; a consensus shard's
   ``used`` mask: 0/1, shaped like its ``theta``;
 - boosted trees: one gain per node (finite or -inf), side bits packed one per row (and split) asked, a shard's
-  histograms finite and one per node, as their non-empty bins: a bit per bin, none past the last, three sums
-  per bit set (:func:`check_gbdt`).
+  histograms finite and one per node, as their non-empty bins: a bit per bin, none past the last, the sums of
+  g (and h) and a count per bit set (:func:`check_gbdt`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "predict_keys": ("row_ids",),
     # boosted trees (strategies/gbdt.py)
     "gbdt_split": ("gain", "bits"),
-    "gbdt_hist": ("mask", "hist", "shape"),
+    "gbdt_hist": ("mask", "hist", "count", "shape"),
     "gbdt_shard_split": ("gain", "bits"),
     "gbdt_route": ("bits",),
 }
@@ -180,7 +180,7 @@ def check_gbdt(key: ClientKey, phase: str, arrays: Mapping[str, np.ndarray], out
     sent (``gbdt_split``; a shard's own rows, unknown here, in ``gbdt_shard_split``: checked by the strategy) or
     per (row, split) (``gbdt_route``), a shard's part of the histograms finite, (nodes built from rows, 3, bins),
     as its non-empty bins (tpflower.trees.sparse_histograms: ``mask``, a bit per bin, none past the last;
-    ``hist``, three sums per bit set; ``shape``: the dense (nodes, bins))."""
+    ``hist``, the sums of g (and h), ``count``, rows, per bit set; ``shape``: the dense (nodes, bins))."""
     nodes = len(arrays["nodes"]) if "nodes" in arrays else None
     if "gain" in out:
         gain = np.asarray(out["gain"])
@@ -206,10 +206,11 @@ def check_gbdt(key: ClientKey, phase: str, arrays: Mapping[str, np.ndarray], out
                 f"{_who(key, phase)}: reply array 'shape' is {shape.dtype} {shape.shape}; the round asked for the "
                 f"histograms' (nodes, bins): one per node built from rows ({nodes}) or per node of the step"
             )
-        problem = sparse_problem(np.asarray(out["mask"]), np.asarray(out["hist"]), int(shape[0]), int(shape[1]))
+        sparse = (np.asarray(out[name]) for name in ("mask", "hist", "count"))
+        problem = sparse_problem(*sparse, int(shape[0]), int(shape[1]))
         if problem:  # their non-empty bins (tpflower.trees.sparse_histograms)
             raise ReplyError(
-                f"{_who(key, phase)}: reply arrays 'mask', 'hist' are not the non-empty bins of finite sums of g, h "
+                f"{_who(key, phase)}: reply arrays 'mask', 'hist', 'count' are not the non-empty bins of finite sums of g, h "
                 f"and rows per node built from rows ({nodes}, 3, {int(shape[1])} bins): {problem}"
             )
 

@@ -720,9 +720,9 @@ def test_a_forged_subtraction_plan_is_refused_in_one_line(derive, problem):
 
 def test_a_malformed_sparse_summed_histogram_is_refused_in_one_line():
     """The server sends a shard the summed histograms of the nodes built from rows as their non-empty bins (a bit
-    per bin, three sums per set bit, tpflower.trees.sparse_histograms): a mask of another length, a bit past the
-    last bin, sums of another count or not finite are refused naming the table, before any split is sought;
-    the well-formed form gives back the shard's own part bit for bit."""
+    per bin, the sums of g (and h) and a count per set bit, tpflower.trees.sparse_histograms): a mask of another
+    length, a bit past the last bin, sums of another number, negative counts or values not finite are refused
+    naming the table, before any split is sought."""
     from tpflower.guard import ProtocolRefusal
     from tpflower.phases import gbdt
     from tpflower.trees import dense_histograms
@@ -743,16 +743,19 @@ def test_a_malformed_sparse_summed_histogram_is_refused_in_one_line():
     own, _ = gbdt.gbdt_hist(client, step, {"phase": "gbdt_hist"})
     k, total = own["shape"].tolist()
     assert k == 1 and 0 < len(own["hist"]) < total  # two rows: few of the bins
-    dense = dense_histograms(own["mask"], own["hist"], k, total)
+    dense = dense_histograms(own["mask"], own["hist"], own["count"], k, total)
+    assert own["hist"].shape[1] == 1 and own["count"].dtype == np.uint8  # squared error: h = 1, g sums only
     assert dense[0, 2].sum() == 2 * len(gbdt.OwnerTrees(client).codes)  # its two rows in each column
-    gbdt.gbdt_shard_split(client, {"nodes": step["nodes"], "mask": own["mask"], "hist": own["hist"]}, {})
+    sums = {name: own[name] for name in ("mask", "hist", "count")}
+    gbdt.gbdt_shard_split(client, {"nodes": step["nodes"], **sums}, {})
     past = own["mask"].copy()
     past[-1] |= 1 if total % 8 else 0
     bad = {
-        "mask is not one bit per bin": {"mask": own["mask"][:-1], "hist": own["hist"]},
-        "hist is not three floats per bin the mask sets": {"mask": own["mask"], "hist": own["hist"][1:]},
-        "not finite": {"mask": own["mask"], "hist": np.full_like(own["hist"], np.inf)},
-        **({"past the last bin": {"mask": past, "hist": own["hist"]}} if total % 8 else {}),
+        "mask is not one bit per bin": {**sums, "mask": own["mask"][:-1]},
+        "hist is not the g \\(and h\\) sums of each bin": {**sums, "hist": own["hist"][1:]},
+        "count is not one non-negative count per bin": {**sums, "count": -own["count"].astype(np.int64)},
+        "not finite": {**sums, "hist": np.full_like(own["hist"], np.inf)},
+        **({"past the last bin": {**sums, "mask": past}} if total % 8 else {}),
     }
     for problem, arrays in bad.items():
         gbdt.gbdt_hist(client, step, {"phase": "gbdt_hist"})

@@ -236,9 +236,9 @@ def test_boosted_trees_replies_are_checked(phase, tamper, match):
 
 def test_a_shards_histograms_are_finite_one_per_node_and_alike_across_the_table():
     """A shard's part of the histograms comes as its non-empty bins (tpflower.trees.sparse_histograms): a bit per
-    bin of its dense (nodes, 3, bins) and three finite sums per set bit. A mask of the wrong length or with a bit
-    past the last bin, sums of another count than the set bits, a value not finite, or another number of nodes
-    than asked stops the run in one line naming the table and shard."""
+    bin of its dense (nodes, 3, bins), the finite sums of g (and h) and a count per set bit. A mask of the wrong
+    length or with a bit past the last bin, sums or counts of another number than the set bits, a value not
+    finite, or another number of nodes than asked stops the run in one line naming the table and shard."""
     from types import SimpleNamespace
 
     from strategies.gbdt import JoinGBDT
@@ -251,18 +251,27 @@ def test_a_shards_histograms_are_finite_one_per_node_and_alike_across_the_table(
     dense = np.zeros((2, 3, 5))
     dense[0, :, 1], dense[1, :, 4], dense[1, 0, 2] = (0.5, 0.25, 1.0), (-1.5, 2.0, 3.0), -0.0  # -0.0 is sent
     check_reply(("t", 1), sent, reply(dense), 10, 1)
-    assert len(sparse_histograms(dense)["hist"]) == 3
-    back = dense_histograms(*sparse_histograms(dense).values(), 2, 5)
+    sparse = sparse_histograms(dense)
+    assert (
+        sparse["hist"].shape == (3, 2) and sparse["count"].tolist() == [1, 0, 3] and sparse["count"].dtype == np.uint8
+    )
+    back = dense_histograms(*sparse.values(), 2, 5)
     assert back.view(np.uint64).tolist() == dense.view(np.uint64).tolist()  # bit for bit, the -0.0 too
+    dense[:, 1] = dense[:, 2]  # squared error: h = 1, each sum of h its count: g only
+    assert sparse_histograms(dense)["hist"].shape == (3, 1)
+    assert dense_histograms(*sparse_histograms(dense).values(), 2, 5).tolist() == dense.tolist()
     good = reply(dense)[0]
     bad_parts = {
         "mask is not one bit per bin": {**good, "mask": np.zeros(1, dtype=np.uint8)},
         "mask sets a bit past the last bin": {**good, "mask": good["mask"] | np.array([0, 0x3F], dtype=np.uint8)},
-        "not three floats per bin the mask sets": {**good, "hist": good["hist"][:2]},
-        "not finite": {**good, "hist": np.where(good["hist"] == 1.0, np.nan, good["hist"])},
+        "not the g (and h) sums of each bin the mask sets": {**good, "hist": good["hist"][:2]},
+        "not one non-negative count per bin the mask sets": {**good, "count": good["count"][:2]},
+        "not finite": {**good, "hist": np.where(good["hist"] == 0.5, np.nan, good["hist"])},
     }
     for problem, out in bad_parts.items():
-        with pytest.raises(ReplyError, match=r"table 't' shard 1, phase 'gbdt_hist': reply arrays 'mask', 'hist'") as e:
+        with pytest.raises(
+            ReplyError, match=r"table 't' shard 1, phase 'gbdt_hist': reply arrays 'mask', 'hist', 'count'"
+        ) as e:
             check_reply(("t", 1), sent, (out, {}), 10, 1)
         assert problem in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ReplyError, match=r"table 't' shard 1, phase 'gbdt_hist': reply array 'shape' is"):

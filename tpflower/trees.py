@@ -352,44 +352,54 @@ def histograms(
 def sparse_histograms(hist: np.ndarray) -> dict[str, np.ndarray]:
     """Histograms (k, 3, total) as their non-empty bins, the form a union's histograms travel in both ways
     (docs/algorithms.md, Union): ``mask``, one bit per bin (node-major, np.packbits: ceil(k * total / 8)
-    bytes), set where any of the bin's three sums is not +0.0, and ``hist``, (set bits, 3), those bins' sums of
-    g, h and rows in bin order. Every other bin holds +0.0 in each sum, so :func:`dense_histograms` gives back
-    the same float64 array bit for bit (a bin of no rows may hold a rounding residue, a one-hot column's
-    default bin: it is sent). A bit per bin is smaller than a 16-bit index per non-empty bin once a sixteenth
-    of the bins are non-empty: 20% (synthetic) to 56% (a 3,000-value categorical column) were, measured."""
+    bytes), set where any of the bin's three sums is not +0.0; ``hist``, those bins' sums of g and h in bin
+    order, (bits set, 2), or of g only, (bits set, 1), where every sum of h is its count's (squared error: h =
+    1); ``count``, their rows, whole numbers in the narrowest unsigned dtype (float64 if one is not). Every
+    other bin holds +0.0 in each sum, so :func:`dense_histograms` gives back the same float64 array bit for bit
+    (a bin of no rows may hold a rounding residue, a one-hot column's default bin: it is sent). A bit per bin
+    is smaller than a 16-bit index per non-empty bin once a sixteenth of the bins are non-empty: 20%
+    (synthetic) to 56% (a 3,000-value categorical column) were, measured."""
     hist = np.asarray(hist, dtype=np.float64)
     bits = hist.view(np.uint64)  # a float's bits: -0.0 is sent, as it is not +0.0
     at = np.flatnonzero(bits[:, 0] | bits[:, 1] | bits[:, 2])  # node n, bin b at n * total + b
-    values = np.empty((len(at), 3))
-    for s in range(3):  # one gather per sum, each a (k, total) array
-        values[:, s] = hist[:, s].reshape(-1).take(at)
+    G, H, C = (hist[:, s].reshape(-1).take(at) for s in range(3))
+    count = C
+    if len(C) and np.isfinite(C).all() and C.min() >= 0 and C.max() < 2**53:
+        whole = C.astype(np.uint64)
+        if (whole.astype(np.float64).view(np.uint64) == C.view(np.uint64)).all():  # bit for bit
+            count = whole.astype(np.min_scalar_type(int(whole.max())))
     mask = np.zeros(hist.shape[0] * hist.shape[2], dtype=bool)
     mask[at] = True
-    return {"mask": np.packbits(mask), "hist": values}
+    same = (H.view(np.uint64) == C.view(np.uint64)).all()
+    return {"mask": np.packbits(mask), "hist": np.stack([G] if same else [G, H], axis=1), "count": count}
 
 
-def sparse_problem(mask: np.ndarray, values: np.ndarray, k: int, total: int) -> str:
+def sparse_problem(mask: np.ndarray, values: np.ndarray, count: np.ndarray, k: int, total: int) -> str:
     """What is wrong with a sparse form of (k, 3, total) histograms (:func:`sparse_histograms`; empty: nothing)."""
     if mask.dtype != np.uint8 or mask.shape != ((k * total + 7) // 8,):
         return "mask is not one bit per bin, packed"
     bits = np.unpackbits(mask)
     if bits[k * total :].any():
         return "mask sets a bit past the last bin"
-    if values.ndim != 2 or values.shape != (int(bits.sum()), 3) or (values.size and values.dtype.kind != "f"):
-        return "hist is not three floats per bin the mask sets"
-    if not np.isfinite(values).all():
-        return "hist holds a value that is not finite"
+    m = int(bits.sum())
+    if values.ndim != 2 or values.shape not in ((m, 1), (m, 2)) or (values.size and values.dtype.kind != "f"):
+        return "hist is not the g (and h) sums of each bin the mask sets"
+    if count.shape != (m,) or (count.size and (count.dtype.kind not in "iuf" or count.min() < 0)):
+        return "count is not one non-negative count per bin the mask sets"
+    if not np.isfinite(values).all() or not np.isfinite(count).all():
+        return "hist or count holds a value that is not finite"
     return ""
 
 
-def dense_histograms(mask: np.ndarray, values: np.ndarray, k: int, total: int) -> np.ndarray:
+def dense_histograms(mask: np.ndarray, values: np.ndarray, count: np.ndarray, k: int, total: int) -> np.ndarray:
     """The histograms (k, 3, total) of a sparse form (:func:`sparse_histograms`, checked by
-    :func:`sparse_problem`): its bins' sums, +0.0 elsewhere."""
+    :func:`sparse_problem`): its bins' sums (h: the counts where only g came), +0.0 elsewhere."""
     out = np.zeros(k * 3 * total)
     at = np.flatnonzero(np.unpackbits(mask, count=k * total))  # node n, bin b at n * total + b
     at += at // max(total, 1) * (2 * total)  # its g sum's place in (k, 3, total): n * 3 * total + b
-    for s in range(3):
-        out[at + s * total] = values[:, s]
+    rows = count.astype(np.float64)
+    for s, x in enumerate((values[:, 0], values[:, 1] if values.shape[1] > 1 else rows, rows)):
+        out[at + s * total] = x
     return out.reshape(k, 3, total)
 
 

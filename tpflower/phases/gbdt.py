@@ -148,7 +148,7 @@ _INPUTS: dict[str, dict[str, str]] = {
     "gbdt_route": {"rows": "row", "splits": "id", "won": "id"},
     "gbdt_hist": {},  # gbdt_split's and ``derive`` (below)
     "gbdt_edges": {"edges": "float", "sizes": "count"},
-    "gbdt_shard_split": {"nodes": "id", "mask": "any", "hist": "any"},
+    "gbdt_shard_split": {"nodes": "id", "mask": "any", "hist": "any", "count": "any"},
 }
 _INPUTS["gbdt_hist"] = {**_INPUTS["gbdt_split"], "derive": "id"}
 
@@ -623,12 +623,12 @@ def gbdt_shard_split(client: TableClient, arrays: Arrays, config: Mapping[str, A
     part = node_parts({"nodes": pending[0], "sizes": pending[1]})
     if list(part) != a["nodes"].tolist():
         raise _refuse(client, "gbdt_shard_split", "its nodes are not those of the histogram step")
-    mask, values = np.asarray(arrays["mask"]), np.asarray(arrays["hist"])
+    sparse = [np.asarray(arrays[name]) for name in ("mask", "hist", "count")]
     built, total = int(len(part) - pending[3].sum()), owner.layout.total
-    problem = sparse_problem(mask, values, built, total)  # the non-empty bins of one histogram per node built
+    problem = sparse_problem(*sparse, built, total)  # the non-empty bins of one histogram per node built
     if problem:
         raise _refuse(client, "gbdt_shard_split", f"not one finite histogram per node built from rows: {problem}")
-    hists = summed_histograms(client, owner, pending, dense_histograms(mask, values, built, total))
+    hists = summed_histograms(client, owner, pending, dense_histograms(*sparse, built, total))
     roots = np.flatnonzero(pending[2] < 0)
     if len(roots):
         owner.learn_empty_missing(hists[int(pending[0][roots[0]])])
@@ -686,7 +686,10 @@ TRAIN = {
     "gbdt_hist": Phase(gbdt_hist, sharded, inputs=takes(*_NODE_SUMS, "derive"), exact=True),
     # the server's sum of the table's shards' histograms, only right after this shard's own part (gbdt_hist)
     "gbdt_shard_split": Phase(
-        gbdt_shard_split, sharded, inputs=takes("nodes", union={"mask": "gbdt_hist", "hist": "gbdt_hist"}), exact=True
+        gbdt_shard_split,
+        sharded,
+        inputs=takes("nodes", union={"mask": "gbdt_hist", "hist": "gbdt_hist", "count": "gbdt_hist"}),
+        exact=True,
     ),
     "gbdt_route": Phase(gbdt_route, inputs=takes("rows", "splits", "won"), exact=True),
 }
