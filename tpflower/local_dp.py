@@ -139,13 +139,14 @@ class LocalDP:
         budget = self.budget()
         if budget is None:
             return
-        _, _, total = self.bounds()
+        _, run_delta, total = self.bounds()
+        delta = self.owner_delta()
         with budget.locked():
-            history = list(budget.read()["dp"])
-        before, after = dp.rdp_epsilon(merged(history), self.owner_delta()), budget.spent(self.owner_delta(), plan)
+            history = list(budget.read()["dp"])  # one read: before, after and what fits from the same ledger
+        before, after = dp.rdp_epsilon(merged(history), delta), dp.rdp_epsilon(merged(history + list(plan)), delta)
         if after > total * (1 + EPS_TOLERANCE):
-            (_, q, steps), run_delta = plan[0], self.bounds()[1]
-            room = feature_room(history, total, self.owner_delta(), run_delta, q, int(steps))
+            _, q, steps = plan[0]
+            room = feature_room(history, total, delta, run_delta, q, int(steps))
             raise BudgetExhausted(
                 f"{self.where}: this run's DP plan would bring its owner's feature-DP budget to epsilon "
                 f"{after:.3g} (spent before: {before:.3g}); the owner allows {total:.3g} over all runs "
