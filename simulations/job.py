@@ -4,7 +4,6 @@ Python API simulations.api."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -16,7 +15,6 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from simulations.federated import InProcessRun, check_engine_settings, run_flower_simulation, run_in_process
-from strategies.model_record import MODEL_FILE, write_model_record
 from strategies.transport import RunError
 from tpflower.app.server_app import build_strategy
 from tpflower.checkpoint import CHECKPOINT
@@ -46,21 +44,7 @@ def run_job(
                 f"warning: {run_dir} holds the checkpoint of an unfinished run, which this run replaces "
                 "(resume=true would continue it)"
             )
-        model = Path(run_dir) / MODEL_FILE
-        before = model.stat().st_mtime_ns if model.is_file() else None
-        results = _run_job(cfg, Path(run_dir), base_dir, log)
-        if base_dir is not None and model.is_file() and model.stat().st_mtime_ns != before:
-            record_base_dir(model, base_dir)
-        return results
-
-
-def record_base_dir(model: Path, base_dir: str | Path) -> None:
-    """The folder a simulation's relative table sources started at, in the model.json it wrote (``base_dir``):
-    a later prediction from another working directory starts there unless given another (docs/prediction.md).
-    A deployment records none: each owner's node reads its own files."""
-    record = json.loads(model.read_text())
-    record["base_dir"] = str(Path(base_dir).expanduser().resolve())
-    write_model_record(record, model.parent)
+        return _run_job(cfg, Path(run_dir), base_dir, log)
 
 
 LOCK = ".run.lock"  # in a run dir: the process id of the run that holds it
@@ -125,6 +109,8 @@ def _run_job(cfg: DictConfig, run_dir: Path, base_dir: str | Path | None, log: C
     # and the runners run this very object
     spec = load_spec(cfg.dataset, base_dir=base_dir)
     strategy = build_strategy(cfg, run_dir, base_dir, log=log, spec=spec)
+    if base_dir is not None:  # recorded in its model.json (a deployment's ServerApp records none)
+        strategy.source_dir = Path(base_dir).expanduser().resolve()
     if entry_of(cfg).federated and cfg.get("runtime", "flower") == "flower":
         check_engine_settings(cfg)  # resources.*: a bad value before any table is loaded, as every setting
     note = unread_epochs(cfg)

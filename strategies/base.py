@@ -348,6 +348,9 @@ class LoJStrategy(TablePuppetStrategy):
     one_shot = False  # True: the run records one result whatever `epochs` says (k-means: DistDim has no epochs)
     checkpointed: tuple[str, ...] = ("selection",)  # the strategy's own attributes an epoch's checkpoint keeps
     predictor = True  # the nodes save their parts of the trained f_i at the end (model.json; simulations.predict)
+    # a simulation's folder its relative table sources start at, recorded in model.json (``base_dir``: a later
+    # prediction from another working directory starts there; docs/prediction.md); a deployment's: none
+    source_dir: Path | None = None
     labelled = True  # False: the algorithm ignores the label (k-means): no constant-predictor reference or warning
     # the top-level validation_fraction: "select" (setup holds out the validation part of the training join and
     # the run keeps the model of its best evaluation: strategies.selection), "own" (the strategy reads it
@@ -708,6 +711,8 @@ class LoJStrategy(TablePuppetStrategy):
             return  # nodes without a state_dir keep no part: there is no model to record
         record = model_record(self.cfg, self.run_id, self.algorithm, self.task, self.d_out, self.label_scale, parts)
         record.update(self.model_extra())
+        if self.source_dir is not None:
+            record["base_dir"] = str(self.source_dir)
         self.log(f"model: {write_model_record(record, self.run_dir)}")
 
     # ------------------------------------------------------------------------------------------ checkpoints
